@@ -1,0 +1,42 @@
+"""kvsieve: sparse attention for long-context LLM decoding, with exact references, Triton kernels,
+a transformers integration and an evaluation harness.
+
+    import kvsieve
+    kvsieve.methods()
+    m = kvsieve.method("santa-sys", budget=128)
+    out, stats = m.decode(q, k, v, seed=0)
+    with kvsieve.sparsify(model, "santa-sys:budget=64", phase="decode") as session:
+        model.generate(...)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core.method import Method
+from .core.registry import method, methods, parse_spec
+from .core.stats import StepStats
+
+__version__ = "0.1.0"
+
+__all__ = ["Method", "StepStats", "load_model", "method", "methods", "parse_spec", "sparsify", "__version__"]
+
+
+def sparsify(model: Any, method: Any, **kwargs: Any):
+    """Attach a method to a transformers causal LM for the duration of a ``with`` block.
+
+    See :func:`kvsieve.integrations.hf.sparsify`.
+    """
+    from .integrations.hf import sparsify as _sparsify
+
+    return _sparsify(model, method, **kwargs)
+
+
+def load_model(name: str = "default", **kwargs: Any):
+    """``(model, tokenizer)``; ``"default"`` is the offline SmolLM2-135M-Instruct.
+
+    See :func:`kvsieve.integrations.models.load_model`.
+    """
+    from .integrations.models import load_model as _load
+
+    return _load(name, **kwargs)

@@ -1,0 +1,44 @@
+"""Entry point of the ``kvsieve`` command: discovers the subcommands in this package."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from .. import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvsieve", description="Sparse attention for long-context LLM decoding."
+    )
+    parser.add_argument("--version", action="version", version=f"kvsieve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    import kvsieve.cli as package
+
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name in ("main",) or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"kvsieve.cli.{info.name}")
+        if hasattr(module, "register"):
+            module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvsieve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

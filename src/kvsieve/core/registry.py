@@ -1,0 +1,91 @@
+"""The method registry: names, spec strings and construction."""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any
+
+from .config import check_config_kwargs
+
+if TYPE_CHECKING:
+    from .method import Method
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: makes ``cls`` available as ``kvsieve.method(cls.name)``."""
+    name = cls.name
+    if not name or name in _REGISTRY:
+        raise ValueError(f"method name {name!r} is empty or registered twice")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def _ensure_builtin_methods() -> None:
+    import importlib
+
+    # The package attribute `kvsieve.methods` is the function below, hence the import by name.
+    importlib.import_module("kvsieve.methods")
+
+
+def methods() -> list[str]:
+    """Names of all registered methods, sorted."""
+    _ensure_builtin_methods()
+    return sorted(_REGISTRY)
+
+
+def method_class(name: str) -> type[Method]:
+    _ensure_builtin_methods()
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(
+            f"method: unknown method {name!r}.{hint} Registered methods: {', '.join(sorted(_REGISTRY))}"
+        )
+    return _REGISTRY[name]
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``"santa-sys:budget=128,rounding=largest"`` -> ``("santa-sys", {"budget": "128", ...})``."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"method: expected a method name or spec string, got {spec!r}")
+    name, sep, rest = spec.strip().partition(":")
+    name = name.strip()
+    values: dict[str, str] = {}
+    if sep and not rest.strip():
+        raise ValueError(f"method spec {spec!r}: nothing after ':'; expected key=value pairs like budget=64")
+    if rest.strip():
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq or not key or not value:
+                raise ValueError(
+                    f"method spec {spec!r}: malformed item {item.strip()!r}; "
+                    "expected 'name:key=value,key=value'"
+                )
+            if key in values:
+                raise ValueError(f"method spec {spec!r}: parameter {key!r} given twice")
+            values[key] = value
+    return name, values
+
+
+def method(spec: str | Method, **kwargs: Any) -> Method:
+    """Build a method from its name (or a spec string) and config keyword arguments."""
+    from .method import Method
+
+    if isinstance(spec, Method):
+        if kwargs:
+            raise ValueError("method: keyword arguments cannot be combined with a method instance")
+        return spec
+    name, values = parse_spec(spec)
+    cls = method_class(name)
+    check_config_kwargs(name, cls.config_class, kwargs)
+    overlap = set(values) & set(kwargs)
+    if overlap:
+        raise ValueError(f"method {name!r}: {sorted(overlap)} given both in the spec string and as keywords")
+    base = cls.config_class.from_strings(name, values)
+    import dataclasses
+
+    config = dataclasses.replace(base, **kwargs) if kwargs else base
+    return cls(config)

@@ -1,0 +1,1 @@
+"""Execution contracts that methods lower to: torch references, and Triton kernels beside them."""

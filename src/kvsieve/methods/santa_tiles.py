@@ -1,0 +1,100 @@
+"""S²ANTA-prop and S²ANTA-flash: the tile-budget semantics of the paper's two GPU kernels.
+
+See ``kvsieve.kernels.santa_reference`` for the math. ``santa-prop`` shares the budget over tiles
+by mass (largest remainder by default, as the paper; ``rounding=systematic`` is the unbiased
+option). ``santa-flash`` gives each tile the same budget ``max(1, S // T)`` and merges tiles with
+deferred normalisation; it is unbiased but spends samples on tiles of little mass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.method import Method, read_stats
+from ..core.registry import register_method
+from ..core.rng import as_generator
+from ..kernels.santa_reference import (
+    auto_tile_size,
+    n_tiles,
+    santa_flash_reference,
+    santa_prop_reference,
+)
+from .common import compute_dtype, covered_rows, merge_exact_rows
+
+
+@dataclass(frozen=True)
+class SantaTileConfig(MethodConfig):
+    budget: int = param(128, "samples S per query head (nominal, see each method)")
+    tile_size: int = param(0, "keys per tile; 0 = the public kernels' rule (32 to 1536 keys, 64 to 3072, else 256)")
+    exact_when_covered: bool = param(
+        True, "rows with at most `budget` valid keys run exact attention (no more reads than S samples)"
+    )
+
+    def __post_init__(self) -> None:
+        require_int("budget", self.budget, minimum=1)
+        require_int("tile_size", self.tile_size, minimum=0)
+
+
+@dataclass(frozen=True)
+class SantaPropConfig(SantaTileConfig):
+    rounding: Literal["largest-remainder", "systematic"] = param(
+        "largest-remainder",
+        "tile budgets: largest remainder (the paper; slightly biased) or systematic rounding (unbiased)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice("rounding", self.rounding, ("largest-remainder", "systematic"))
+
+
+class _SantaTiled(Method):
+    stochastic = True
+
+    def tile_for(self, n_keys: int) -> int:
+        return self.config.tile_size or auto_tile_size(n_keys)
+
+    def _decode(self, inputs, seed, state):
+        tile = self.tile_for(inputs.n_keys)
+        gen = as_generator(seed, inputs.q.device)
+        t = n_tiles(inputs.n_keys, tile)
+        shape = (inputs.batch, inputs.heads)
+        sample = self.sample(inputs, tile, gen, t, shape)
+        out = sample.out.to(compute_dtype(inputs))
+        v_read = sample.counts > 0
+        exact_rows = 0
+        if self.config.exact_when_covered:
+            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, self.config.budget))
+        extra = {"tile_size": tile, "samples": float(sample.samples.to(torch.float64).mean())}
+        return out, read_stats(inputs, v_read, exact_rows=exact_rows, extra=extra)
+
+
+def _uniform(shape, gen, device):
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64)
+
+
+@register_method
+class SantaProp(_SantaTiled):
+    name = "santa-prop"
+    config_class = SantaPropConfig
+    summary = "S²ANTA-prop: budget shared over key tiles by mass, systematic sampling in each tile"
+
+    def sample(self, inputs, tile, gen, t, shape):
+        budget_offset = _uniform(shape, gen, inputs.q.device)
+        tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
+        return santa_prop_reference(inputs, self.config.budget, tile, rounding=self.config.rounding,
+                                    budget_offset=budget_offset, tile_offsets=tile_offsets)
+
+
+@register_method
+class SantaFlash(_SantaTiled):
+    name = "santa-flash"
+    config_class = SantaTileConfig
+    summary = "S²ANTA-flash: max(1, S//T) samples in every tile, tiles merged by their softmax mass"
+
+    def sample(self, inputs, tile, gen, t, shape):
+        tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
+        return santa_flash_reference(inputs, self.config.budget, tile, tile_offsets=tile_offsets)
