@@ -1,3 +1,7 @@
-"""Built-in methods; importing this package registers them."""
+"""Built-in methods: importing this package imports every module in it, which registers them."""
 
-from . import dense, santa, santa_tiles  # noqa: F401
+import importlib
+import pkgutil
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
