@@ -56,6 +56,25 @@ def check_config_kwargs(method_name: str, config_cls: type[MethodConfig], kwargs
             raise ValueError(_unknown_param_message(method_name, key, sorted(known)))
 
 
+def check_field_types(config: MethodConfig) -> None:
+    """Reject a keyword value of the wrong type for a bool, int, float or str field.
+
+    Spec strings are converted by type already; keywords are not, and a truthy string such as
+    ``exact_when_covered="no"`` would otherwise be read silently as True.
+    """
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        tp, value = hints[f.name], getattr(config, f.name)
+        if tp is bool and not isinstance(value, bool):
+            raise ValueError(f"{f.name}: expected true or false, got {value!r}")
+        if tp is int:
+            require_int(f.name, value)
+        if tp is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{f.name}: expected a number, got {value!r}")
+        if tp is str and not isinstance(value, str):
+            raise ValueError(f"{f.name}: expected a string, got {value!r}")
+
+
 def _unknown_param_message(method_name: str, key: str, known: list[str]) -> str:
     import difflib
 

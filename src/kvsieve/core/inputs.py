@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -152,5 +153,9 @@ def check_decode_inputs(
 
     if scale is None:
         scale = d ** -0.5
-    _require(isinstance(scale, (int, float)) and scale > 0, f"scale: expected a positive number, got {scale!r}")
+    _require(
+        isinstance(scale, (int, float)) and not isinstance(scale, bool)
+        and math.isfinite(scale) and scale > 0,
+        f"scale: expected a positive finite number, got {scale!r}",
+    )
     return DecodeInputs(q=q, k=k, v=v, key_mask=mask, n_valid=n_valid, lengths=lengths, scale=float(scale))

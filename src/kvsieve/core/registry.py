@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING, Any
 
-from .config import check_config_kwargs
+from .config import check_config_kwargs, check_field_types
 
 if TYPE_CHECKING:
     from .method import Method
@@ -38,7 +38,10 @@ def methods() -> list[str]:
 def method_class(name: str) -> type[Method]:
     _ensure_builtin_methods()
     if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.5)
+        # Case-insensitive, so that "SANTA-SYS" still points at santa-sys.
+        by_lower = {n.lower(): n for n in _REGISTRY}
+        matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
+        close = [by_lower[c] for c in matches]
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(
             f"method: unknown method {name!r}.{hint} Registered methods: {', '.join(sorted(_REGISTRY))}"
@@ -88,4 +91,5 @@ def method(spec: str | Method, **kwargs: Any) -> Method:
     import dataclasses
 
     config = dataclasses.replace(base, **kwargs) if kwargs else base
+    check_field_types(config)
     return cls(config)
