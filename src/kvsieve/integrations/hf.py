@@ -156,9 +156,9 @@ class SparseSession:
             raise ValueError(f"mark_question: {start.numel()} starts given for a batch of {batch}")
         return positions[None, :] >= start.reshape(-1, 1).expand(batch, 1)
 
-    def _record(self, layer: int, row_pos: int, stats, rel_error: float | None) -> None:
+    def _record(self, layer: int, row_pos: int, q_len: int, stats, rel_error: float | None) -> None:
         rec = {"request": self.request, "layer": layer, "step": self.step, "position": row_pos,
-               "phase": "decode" if self.phase == "decode" else "question", **stats.as_dict()}
+               "q_len": q_len, **stats.as_dict()}
         if rel_error is not None:
             rec["rel_error"] = rel_error
         self.records.append(rec)
@@ -201,7 +201,7 @@ class SparseSession:
             if self.track_error and self.step % self.track_error == 0:
                 rel_error = _relative_error(est, q_row, k_rows, v_rows, lengths, key_mask, scaling)
             out[rows, row] = est.to(out.dtype)
-            self._record(layer, n_keys - q_len + row, stats, rel_error)
+            self._record(layer, n_keys - q_len + row, q_len, stats, rel_error)
         return out
 
     # -- results -----------------------------------------------------------------------------

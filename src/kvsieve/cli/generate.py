@@ -1,0 +1,144 @@
+"""``kvsieve generate``: the answer of dense attention and of a method, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate with dense attention and with a method, and compare",
+        description="Prefill the prompt exactly once, then generate greedily with dense attention and "
+        "with the method; print both answers, per-layer density and wall times.",
+    )
+    p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M) or a transformers id/path")
+    p.add_argument("--method", default="santa-sys:budget=64", help="method spec, e.g. santa-sys:budget=64")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-file", type=Path, help="a text file used as the user message")
+    src.add_argument("--demo", action="store_true",
+                     help="a number hidden in ~4k tokens of the Paul Graham essays (retrieval check)")
+    p.add_argument("--context-tokens", type=int, default=4000, help="demo prompt length in tokens")
+    p.add_argument("--depth", type=float, default=0.5, help="demo: where the number sits (0 = start, 1 = end)")
+    p.add_argument("--phase", choices=("decode", "question"), default="decode",
+                   help="decode: generated tokens are sparse; question (demo only): the question too")
+    p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact")
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.set_defaults(handler=run)
+
+
+def _parse_layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--dense-layers: expected comma-separated integers, got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+    from transformers import DynamicCache
+
+    import kvsieve
+    from kvsieve.demo import needle_prompt
+
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    method = kvsieve.method(args.method)  # fail on a bad spec before loading anything
+    dense_layers = _parse_layers(args.dense_layers)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
+    if args.phase == "question" and not args.demo:
+        raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
+
+    with console.status(f"loading model {args.model!r}"):
+        model, tok = kvsieve.load_model(args.model)
+    answer = None
+    question_start = None
+    if args.demo:
+        prompt = needle_prompt(tok, args.context_tokens, args.depth, seed=args.seed)
+        ids, answer, question_start = prompt.input_ids, prompt.answer, prompt.question_start
+        console.print(f"demo: a 7-digit number hidden at depth {args.depth} of {prompt.n_tokens} tokens "
+                      "of the Paul Graham essays")
+    else:
+        text = args.prompt_file.read_text(encoding="utf-8")
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                           add_generation_prompt=True)
+        ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and ids.shape[1] + args.max_new_tokens > limit:
+        raise ValueError(f"prompt: {ids.shape[1]} tokens + {args.max_new_tokens} new exceed the model's "
+                         f"maximum context of {limit}")
+
+    # The exact prefix is computed once and shared by both runs. Its last prompt token is run again
+    # by generate(); for phase=decode it must stay exact, so the method starts at the first
+    # generated position (phase "question" with the question starting at the prompt's end).
+    if args.phase == "decode":
+        prefix_len, sparse_phase, sparse_start = ids.shape[1] - 1, "question", ids.shape[1]
+    else:
+        prefix_len, sparse_phase, sparse_start = question_start, "question", question_start
+    t0 = time.perf_counter()
+    with console.status(f"prefilling {prefix_len} tokens exactly"), torch.no_grad():
+        cache = DynamicCache()
+        model(ids[:, :prefix_len], past_key_values=cache, use_cache=True)
+    prefill_s = time.perf_counter() - t0
+
+    def generate(session_method=None):
+        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
+                      past_key_values=copy.deepcopy(cache), pad_token_id=tok.pad_token_id)
+        t = time.perf_counter()
+        with torch.no_grad():
+            if session_method is None:
+                out = model.generate(ids, **kwargs)
+                session = None
+            else:
+                with kvsieve.sparsify(model, session_method, phase=sparse_phase, dense_layers=dense_layers,
+                                      seed=args.seed, question_start=sparse_start) as session:
+                    out = model.generate(ids, **kwargs)
+        text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+        return text, time.perf_counter() - t, session
+
+    with console.status("generating with dense attention"):
+        dense_text, dense_s, _ = generate()
+    with console.status(f"generating with {method.spec}"):
+        sparse_text, sparse_s, session = generate(method)
+
+    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}")
+    table.add_column("attention")
+    table.add_column("answer")
+    if answer is not None:
+        table.add_column("found " + answer)
+    table.add_column("mean density", justify="right")
+    table.add_column("generate s", justify="right")
+    density = session.mean("density")
+    rows = [("dense", dense_text, 1.0, dense_s), (method.spec, sparse_text, density, sparse_s)]
+    for name, text, dens, secs in rows:
+        cells = [name, text]
+        if answer is not None:
+            cells.append("yes" if answer in text else "[red]no[/red]")
+        cells += [f"{dens:.4f}", f"{secs:.1f}"]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
+                  f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
+
+    summary = session.layer_summary()
+    if summary:
+        layers = Table(title="per-layer mean over the method's calls", title_justify="left")
+        for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
+            layers.add_column(col, justify="right")
+        for layer, row in summary.items():
+            layers.add_row(str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
+                           f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}")
+        console.print(layers)
+    if dense_layers:
+        console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")
+    return 0
