@@ -60,7 +60,7 @@ def _chat(tokenizer, context: str, question: str) -> str:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1
