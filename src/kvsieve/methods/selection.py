@@ -1,0 +1,274 @@
+"""Composable selection on index sets: sink, local window, top-k, top-p, pages, uniform sampling.
+
+The composition idea of sparse-attention-hub's maskers (sink + window + top-k + one sampling stage,
+each adding indices with an inclusion probability), executed sparse: every stage returns an
+:class:`IndexSet` — per (batch row, selection head) a list of key positions, its length and the
+weights ``1/p`` — and stages are joined with :func:`union`. The result feeds
+:func:`kvsieve.kernels.weighted_sparse.weighted_sparse_decode` directly.
+
+Selection heads are either the KV heads (``Hs = Hkv``: one set shared by a GQA group, read once) or
+the query heads (``Hs = Hq``). Stages that must avoid positions already chosen take an
+``available [B, Hs, N]`` bool tensor (valid keys not yet selected): per step this is O(N), the same
+size as one row of scores; there is never a ``[B, H, Q, N]`` mask.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core.inputs import DecodeInputs
+
+
+@dataclass
+class IndexSet:
+    """Key positions ``indices [B, Hs, M]`` (first ``counts [B, Hs]`` entries used), weights ``1/p``.
+
+    ``weights`` is None when every weight is 1 (a deterministic set). Padding entries hold position
+    0 and weight 1.
+    """
+
+    indices: torch.Tensor
+    counts: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    @property
+    def heads(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def width(self) -> int:
+        return self.indices.shape[2]
+
+    def used(self) -> torch.Tensor:
+        """``[B, Hs, M]`` bool: which entries are used."""
+        return torch.arange(self.width, device=self.indices.device) < self.counts[..., None]
+
+    def weight_tensor(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        if self.weights is None:
+            return torch.ones(self.indices.shape, dtype=dtype, device=self.indices.device)
+        return self.weights.to(dtype)
+
+    def mark(self, n_keys: int) -> torch.Tensor:
+        """``[B, Hs, N]`` bool: positions in the set (O(N) per row)."""
+        b, h, _ = self.indices.shape
+        # Padding entries land on an extra column N that is dropped.
+        out = torch.zeros(b, h, n_keys + 1, dtype=torch.bool, device=self.indices.device)
+        idx = torch.where(self.used(), self.indices, torch.full_like(self.indices, n_keys))
+        out.scatter_(2, idx, True)
+        out = out[..., :n_keys]
+        return out
+
+    def to_heads(self, heads: int) -> IndexSet:
+        """The same sets for ``heads`` selection heads (KV-head sets repeated for their group)."""
+        if heads == self.heads:
+            return self
+        g = heads // self.heads
+        rep = lambda t: None if t is None else t.repeat_interleave(g, dim=1)  # noqa: E731
+        return IndexSet(rep(self.indices), rep(self.counts), rep(self.weights))
+
+
+def empty_set(batch: int, heads: int, device: torch.device) -> IndexSet:
+    return IndexSet(
+        torch.zeros(batch, heads, 0, dtype=torch.long, device=device),
+        torch.zeros(batch, heads, dtype=torch.long, device=device),
+    )
+
+
+def compact(indices: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor | None) -> IndexSet:
+    """Keep the entries where ``keep`` is True, moved to the front of each row (order preserved)."""
+    counts = keep.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
+    idx = torch.gather(indices, 2, order)
+    used = torch.arange(width, device=indices.device) < counts[..., None]
+    idx = torch.where(used, idx, torch.zeros_like(idx))
+    w = None
+    if weights is not None:
+        w = torch.gather(weights, 2, order)
+        w = torch.where(used, w, torch.ones_like(w))
+    return IndexSet(idx, counts, w)
+
+
+def union(*sets: IndexSet) -> IndexSet:
+    """Concatenate disjoint sets row by row (the caller keeps them disjoint, see ``available``)."""
+    sets = tuple(s for s in sets if s.width > 0) or sets[:1]
+    if len(sets) == 1:
+        return sets[0]
+    idx = torch.cat([s.indices for s in sets], dim=-1)
+    keep = torch.cat([s.used() for s in sets], dim=-1)
+    weights = None
+    if any(s.weights is not None for s in sets):
+        weights = torch.cat([s.weight_tensor() for s in sets], dim=-1)
+    return compact(idx, keep, weights)
+
+
+def valid_positions(inputs: DecodeInputs) -> torch.Tensor:
+    """``[B, N]``: positions of the valid keys in order, first ``n_valid`` entries (O(N) per row)."""
+    n = inputs.n_keys
+    pos = torch.arange(n, device=inputs.q.device)
+    if inputs.lengths is not None:
+        return pos.expand(inputs.batch, n)
+    return torch.argsort((~inputs.key_mask).to(torch.int8), dim=-1, stable=True)
+
+
+def sink_and_window(inputs: DecodeInputs, sink: int, window: int, heads: int) -> IndexSet:
+    """The first ``sink`` and last ``window`` valid keys of each row (their union), weight 1."""
+    nv = inputs.n_valid
+    width = min(sink + window, inputs.n_keys)
+    device = inputs.q.device
+    if width == 0:
+        return empty_set(inputs.batch, heads, device)
+    s_cnt = torch.clamp(nv, max=sink)
+    w_start = torch.maximum(nv - window, torch.full_like(nv, sink))
+    w_cnt = torch.clamp(nv - w_start, min=0)
+    j = torch.arange(width, device=device)[None, :]
+    rank = torch.where(j < s_cnt[:, None], j, w_start[:, None] + (j - s_cnt[:, None]))
+    counts = s_cnt + w_cnt
+    rank = torch.where(j < counts[:, None], rank, torch.zeros_like(rank))
+    pos = torch.gather(valid_positions(inputs), 1, rank)
+    idx = pos[:, None, :].expand(inputs.batch, heads, width).contiguous()
+    return IndexSet(idx, counts[:, None].expand(inputs.batch, heads).contiguous())
+
+
+def top_k(scores: torch.Tensor, available: torch.Tensor, k: torch.Tensor) -> IndexSet:
+    """The ``k [B] or [B, Hs]`` highest ``scores [B, Hs, N]`` among ``available`` positions, weight 1."""
+    n_av = available.sum(-1)
+    k = k if k.dim() == 2 else k[:, None].expand_as(n_av)
+    k = torch.minimum(k, n_av)
+    kmax = int(k.max()) if k.numel() else 0
+    if kmax == 0:
+        return empty_set(scores.shape[0], scores.shape[1], scores.device)
+    s = scores.masked_fill(~available, float("-inf"))
+    idx = torch.topk(s, kmax, dim=-1, sorted=True).indices
+    # Sorted, so the first k entries of a row are its k best; the rest is masked.
+    used = torch.arange(kmax, device=scores.device) < k[..., None]
+    return compact(idx, used & torch.gather(available, 2, idx), None)
+
+
+def top_p(probs: torch.Tensor, available: torch.Tensor, target: torch.Tensor) -> IndexSet:
+    """Smallest set of ``available`` positions, highest ``probs`` first, whose mass reaches ``target [B, Hs]``.
+
+    Ties at the threshold are broken by sort order (one of the tied keys), never by adding all of them.
+    """
+    p = probs.masked_fill(~available, 0.0)
+    n_av = available.sum(-1)
+    sorted_p, order = torch.sort(p, dim=-1, descending=True)
+    cum = torch.cumsum(sorted_p.to(torch.float64), dim=-1)
+    # Entries needed: first position where the running mass reaches the target (relative tolerance
+    # for the last bits of a float sum), capped by the available count.
+    reached = cum >= target[..., None] * (1 - 1e-12)
+    need = torch.where(reached.any(-1), reached.to(torch.int8).argmax(-1) + 1, n_av)
+    need = torch.minimum(torch.clamp(need, min=0), n_av)
+    need = torch.where(target <= 0, torch.zeros_like(need), need)
+    kmax = int(need.max()) if need.numel() else 0
+    if kmax == 0:
+        return empty_set(probs.shape[0], probs.shape[1], probs.device)
+    idx = order[..., :kmax]
+    used = torch.arange(kmax, device=probs.device) < need[..., None]
+    return compact(idx, used, None)
+
+
+def uniform_sample(
+    available: torch.Tensor, size: torch.Tensor, gen: torch.Generator, *, replacement: bool = False
+) -> IndexSet:
+    """``size [B, Hs]`` positions drawn uniformly from ``available [B, Hs, N]``, weight ``n_avail / size``.
+
+    Without replacement (default) the entries are distinct and each available position has inclusion
+    probability ``size / n_avail``. With replacement the draws are i.i.d. and duplicates are kept
+    (the Hansen–Hurwitz estimator: each draw weighs ``n_avail / size``); both are unbiased for the
+    sum over the available positions. ``size`` is capped at ``n_avail`` without replacement.
+    """
+    b, h, n = available.shape
+    n_av = available.sum(-1)
+    size = size if replacement else torch.minimum(size, n_av)
+    size = torch.where(n_av > 0, size, torch.zeros_like(size))
+    kmax = int(size.max()) if size.numel() else 0
+    if kmax == 0:
+        return empty_set(b, h, available.device)
+    if replacement:
+        ranks = torch.floor(torch.rand(b, h, kmax, generator=gen, device=available.device, dtype=torch.float64)
+                            * n_av[..., None].to(torch.float64)).to(torch.long)
+        ranks = torch.minimum(ranks, torch.clamp(n_av[..., None] - 1, min=0))
+        order = torch.argsort((~available).to(torch.int8), dim=-1, stable=True)
+        idx = torch.gather(order, 2, ranks)
+    else:
+        # The kmax smallest of i.i.d. uniform keys are a uniform sample without replacement.
+        keys = torch.rand(b, h, n, generator=gen, device=available.device)
+        keys = keys.masked_fill(~available, 2.0)
+        idx = torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
+    used = torch.arange(kmax, device=available.device) < size[..., None]
+    w = (n_av.to(torch.float64) / torch.clamp(size, min=1).to(torch.float64))[..., None].expand(b, h, kmax)
+    return compact(idx, used, w.contiguous())
+
+
+def group_scores(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, Hq, X]`` -> ``[B, Hkv, X]``: log of the summed per-head softmax over the GQA group.
+
+    Ranking by it picks the keys with the most attention mass summed over the group's query heads.
+    """
+    b, hq, x = scores.shape
+    logp = torch.log_softmax(scores, dim=-1)
+    return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
+
+
+def available_after(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
+    """``[B, Hs, N]`` bool: valid keys not in ``chosen``."""
+    mask = inputs.key_mask[:, None, :].expand(inputs.batch, chosen.heads, inputs.n_keys)
+    return mask & ~chosen.mark(inputs.n_keys)
+
+
+def v_read_mask(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
+    """``[B, Hq, N]`` bool V rows read per query head, for :func:`kvsieve.core.method.read_stats`."""
+    return chosen.to_heads(inputs.heads).mark(inputs.n_keys)
+
+
+def exact_heads(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
+    """``[B, Hs]`` bool: the set holds every valid key once at weight 1 (the estimate is exact)."""
+    full = chosen.counts == inputs.n_valid[:, None]
+    if chosen.weights is not None:
+        full = full & ((chosen.weights == 1) | ~chosen.used()).all(-1)
+    return full
+
+
+def exact_row_count(inputs: DecodeInputs, chosen: IndexSet) -> int:
+    """Batch rows whose every head ran exact attention (the documented fallback)."""
+    return int(exact_heads(inputs, chosen).all(-1).sum())
+
+
+def ceil_pages(tokens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return torch.div(tokens + page_size - 1, page_size, rounding_mode="floor")
+
+
+def n_pages(n_keys: int, page_size: int) -> int:
+    return math.ceil(n_keys / page_size)
+
+
+def require_size(name: str, value: object, *, allow_zero: bool = True) -> None:
+    """A size is an int count (>= 0, or >= 1) or a float fraction of the context in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}: expected an integer count or a fraction in (0, 1], got {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value) or not 0 < value <= 1:
+            raise ValueError(f"{name}: a fraction of the context must lie in (0, 1], got {value}")
+    elif value < (0 if allow_zero else 1):
+        raise ValueError(f"{name}: expected a count >= {0 if allow_zero else 1}, got {value}")
+
+
+def resolve_size(spec: int | float, n_valid: torch.Tensor) -> torch.Tensor:
+    """``[B]`` int64 from a count or a fraction of ``n_valid``; a positive fraction gives at least 1."""
+    if isinstance(spec, float):
+        return torch.clamp(torch.floor(n_valid.to(torch.float64) * spec).to(torch.long), min=1)
+    return torch.full_like(n_valid, int(spec))
+
+
+def kv_union_count(inputs: DecodeInputs, *sets: IndexSet) -> torch.Tensor:
+    """``[B, Hkv]``: distinct positions of all ``sets`` per KV head (union over its query heads)."""
+    marks = None
+    for s in sets:
+        m = s.to_heads(inputs.heads).mark(inputs.n_keys)
+        marks = m if marks is None else marks | m
+    b = inputs.batch
+    return marks.view(b, inputs.kv_heads, inputs.group, inputs.n_keys).any(2).sum(-1)

@@ -1,0 +1,261 @@
+"""``vattention``: verified sparse attention with a user (ε, δ) (Desai et al., 2025; Algorithms 1–2).
+
+Per (query, head): a deterministic set ``I_f`` = sink ∪ window ∪ predicted top-k (``predictor``:
+``oracle`` exact q·k, or ``quest`` page bounds), then a uniform sample ``I_dyn`` of ``b`` keys of
+the residual ``R = [n] \\ I_f`` (``n_s = |R|``), weighted ``n_s / b``, and the ratio estimator
+
+    vAttn = (N_f + N_dyn) / (D_f + D_dyn).
+
+The budget ``b`` comes from a base sample of ``⌊f_b · n_s⌋`` residual keys (at least 2), whose
+plug-in statistics (D̂, σ̂ of ``e^{s}``; for ``bound=full`` also ‖N̂‖ and Tr Σ̂ of ``e^{s} v``) enter
+
+- ``bound=denominator`` (the paper's experiments, default): ``b = (z · n_s σ̂ / (ε D̂))²``;
+- ``bound=full`` (Theorem 4.3): ``b = min over (ε', δ') of max(b_D(ε'/2, δ'), b_N((ε−ε')/2, δ−δ'))``
+  with ``b_N = (z · n_s √Tr Σ̂ / (ε ‖N̂‖))²``, minimised on a grid;
+- ``concentration=hoeffding`` (Appendix E; denominator only): ``b = n_s² R̂² ln(2/δ) / (2 ε² D̂²)``
+  with ``R̂`` the range of ``e^{s}`` in the base sample (our reconstruction: the paper gives no formula);
+
+``z = Φ⁻¹(1 − δ/2)`` (the paper; ``quantile=one-sided`` gives the hub's ``Φ⁻¹(1 − δ)``). ``b`` is
+rounded up and clamped to ``[1, n_s]`` (``budget_floor=base``: the hub's ``[|base|, n_s]``); a
+budget of ``n_s`` takes the whole residual at weight 1 (exact). Flags reproduce the
+sparse-attention-hub code where it differs from the paper: ``replacement``, ``residual``,
+``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..core.config import param, require_choice, require_fraction, require_int
+from ..core.inputs import DecodeInputs
+from ..core.registry import register_method
+from .baselines import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
+from .quest import quest_top_tokens
+from .selection import (
+    IndexSet,
+    available_after,
+    compact,
+    empty_set,
+    require_size,
+    resolve_size,
+    sink_and_window,
+    top_k,
+    uniform_sample,
+    union,
+)
+
+
+@dataclass(frozen=True)
+class VAttentionConfig(SinkWindowConfig):
+    top_k: int | float = param(0.025, "f_t: predicted heavy hitters, a count or a fraction of the context (0 = none)")
+    predictor: Literal["oracle", "quest"] = param(
+        "oracle", "top-k predictor: 'oracle' (exact q·k) or 'quest' (page min/max bounds)")
+    page_size: int = param(16, "page size of the quest predictor")
+    base_rate: float = param(0.025, "f_b: base sample as a fraction of the residual (at least 2 keys)")
+    epsilon: float = param(0.05, "ε: relative error tolerance, in (0, 1)")
+    delta: float = param(0.05, "δ: failure probability, in (0, 1)")
+    bound: Literal["denominator", "full"] = param(
+        "denominator", "'denominator' (the paper's experiments) or 'full' (Theorem 4.3: numerator and denominator)")
+    concentration: Literal["clt", "hoeffding"] = param(
+        "clt", "'clt' (Lemma 4.1) or 'hoeffding' (Appendix E; bound=denominator only)")
+    quantile: Literal["two-sided", "one-sided"] = param(
+        "two-sided", "'two-sided' Φ⁻¹(1−δ/2) (paper) or 'one-sided' Φ⁻¹(1−δ) (sparse-attention-hub)")
+    replacement: bool = param(False, "sample with replacement (sparse-attention-hub); the paper samples without")
+    residual: Literal["excludes-topk", "includes-topk"] = param(
+        "excludes-topk", "sampling range: 'excludes-topk' (paper: [n] minus I_f) or "
+                          "'includes-topk' (hub: everything but sink and window; sampled top-k keys keep weight 1)")
+    budget_floor: Literal["one", "base"] = param(
+        "one", "smallest budget: 'one' (paper: no clamp given) or 'base' (hub: the base-sample size)")
+    grid: int = param(19, "grid points per axis for the (ε', δ') split of bound=full")
+    share_kv_group: bool = param(False, "one selection per KV head for its query heads (budget = max over the group)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_size("top_k", self.top_k)
+        require_choice("predictor", self.predictor, ("oracle", "quest"))
+        require_int("page_size", self.page_size, minimum=1)
+        require_fraction("base_rate", self.base_rate)
+        require_fraction("epsilon", self.epsilon)
+        require_fraction("delta", self.delta)
+        require_choice("bound", self.bound, ("denominator", "full"))
+        require_choice("concentration", self.concentration, ("clt", "hoeffding"))
+        if self.concentration == "hoeffding" and self.bound != "denominator":
+            raise ValueError("concentration: 'hoeffding' is implemented for bound='denominator' only "
+                             "(the paper gives no vector Hoeffding bound)")
+        require_choice("quantile", self.quantile, ("two-sided", "one-sided"))
+        require_choice("residual", self.residual, ("excludes-topk", "includes-topk"))
+        require_choice("budget_floor", self.budget_floor, ("one", "base"))
+        require_int("grid", self.grid, minimum=1)
+
+
+def normal_quantile(delta: torch.Tensor | float, two_sided: bool) -> torch.Tensor:
+    """``Φ⁻¹(1 − δ/2)`` (two-sided) or ``Φ⁻¹(1 − δ)``, float64."""
+    d = torch.as_tensor(delta, dtype=torch.float64)
+    return torch.special.ndtri(1 - d / 2 if two_sided else 1 - d)
+
+
+def clt_budget(z: torch.Tensor, n_s: torch.Tensor, spread: torch.Tensor, eps: torch.Tensor | float,
+               total: torch.Tensor) -> torch.Tensor:
+    """Lemma 4.1 with ``τ = ε · total``: ``(z · n_s · spread / (ε · total))²`` (spread = σ or √Tr Σ)."""
+    return (z * n_s * spread / (eps * total)) ** 2
+
+
+def hoeffding_budget(delta: float, n_s: torch.Tensor, value_range: torch.Tensor, eps: float,
+                     total: torch.Tensor) -> torch.Tensor:
+    """Hoeffding for the residual sum: ``n_s² R² ln(2/δ) / (2 ε² D²)``."""
+    return n_s.double() ** 2 * value_range**2 * torch.log(torch.tensor(2.0 / delta, dtype=torch.float64)) / (
+        2 * eps**2 * total**2)
+
+
+def full_budget(cfg: VAttentionConfig, n_s: torch.Tensor, sigma: torch.Tensor, d_hat: torch.Tensor,
+                tr_sigma: torch.Tensor, n_norm: torch.Tensor) -> torch.Tensor:
+    """Theorem 4.3: min over a grid of (ε', δ') of max(b_D(ε'/2, δ'), b_N((ε − ε')/2, δ − δ'))."""
+    two = cfg.quantile == "two-sided"
+    t = torch.arange(1, cfg.grid + 1, dtype=torch.float64, device=n_s.device) / (cfg.grid + 1)
+    e1 = (cfg.epsilon * t)[:, None]  # ε'
+    d1 = (cfg.delta * t)[None, :]  # δ'
+    z_d = normal_quantile(d1, two)  # [1, g]
+    z_n = normal_quantile(cfg.delta - d1, two)
+    shape = (*n_s.shape, 1, 1)
+    b_d = clt_budget(z_d, n_s.double().view(shape), sigma.view(shape), e1 / 2, d_hat.view(shape))
+    b_n = clt_budget(z_n, n_s.double().view(shape), tr_sigma.sqrt().view(shape), (cfg.epsilon - e1) / 2,
+                     n_norm.view(shape))
+    return torch.maximum(b_d, b_n).flatten(-2).amin(-1)
+
+
+def _amax(t: torch.Tensor) -> torch.Tensor:
+    """Max over the last axis; -inf where that axis is empty."""
+    if t.shape[-1] == 0:
+        return torch.full(t.shape[:-1], float("-inf"), dtype=t.dtype, device=t.device)
+    return t.amax(-1)
+
+
+def _rows(inputs: DecodeInputs, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows of ``t [B, Hkv, N, x]`` at ``idx [B, Hq, M]`` for each query head -> ``[B, Hq, M, x]``."""
+    b, hq, m = idx.shape
+    n, x = t.shape[2], t.shape[3]
+    kv_of = torch.arange(hq, device=idx.device) // inputs.group
+    flat = (kv_of[None, :, None] * n + idx).reshape(b, hq * m)
+    return torch.gather(t.reshape(b, -1, x), 1, flat[..., None].expand(b, hq * m, x)).view(b, hq, m, x)
+
+
+def _logits(inputs: DecodeInputs, s: IndexSet) -> torch.Tensor:
+    """Scaled float64 logits ``[B, Hq, M]`` of a query-head index set, -inf on padding."""
+    kr = _rows(inputs, inputs.k, s.indices).double()
+    logit = torch.einsum("bhd,bhmd->bhm", inputs.q.double(), kr) * inputs.scale
+    return logit.masked_fill(~s.used(), float("-inf"))
+
+
+@register_method
+class VAttention(SelectionMethod):
+    name = "vattention"
+    config_class = VAttentionConfig
+    summary = "vAttention: sink + window + top-k + uniform sample of the rest, budget from (ε, δ)"
+    stochastic = True
+
+    def predicted_top(self, inputs: DecodeInputs, available: torch.Tensor, state) -> IndexSet:
+        cfg = self.config
+        if cfg.top_k == 0:
+            return empty_set(inputs.batch, available.shape[1], inputs.q.device)
+        k = resolve_size(cfg.top_k, inputs.n_valid)
+        if cfg.predictor == "oracle":
+            return top_k(ranking_scores(inputs, available.shape[1]), available, k)
+        return quest_top_tokens(inputs, available, k, cfg.page_size, state)
+
+    def budget(self, inputs: DecodeInputs, fixed: IndexSet, base: IndexSet, n_s: torch.Tensor,
+               n_base: torch.Tensor) -> torch.Tensor:
+        """Sample size per query head ``[B, Hq]`` (float64, before rounding and clamps)."""
+        cfg = self.config
+        hq = inputs.heads
+        fixed_q, base_q = fixed.to_heads(hq), base.to_heads(hq)
+        n_s_q = n_s.repeat_interleave(hq // n_s.shape[1], dim=1).double()
+        nb_q = n_base.repeat_interleave(hq // n_s.shape[1], dim=1).double()
+        s_f, s_b = _logits(inputs, fixed_q), _logits(inputs, base_q)
+        shift = torch.maximum(_amax(s_f), _amax(s_b))
+        shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))[..., None]
+        e_f = torch.exp(s_f - shift)  # 0 on padding
+        e_b = torch.exp(s_b - shift)
+        used_b = base_q.used()
+        ratio = n_s_q / nb_q.clamp(min=1)
+        d_hat = e_f.sum(-1) + ratio * e_b.sum(-1)
+        safe_nb = nb_q.clamp(min=2)
+        mean_b = e_b.sum(-1) / nb_q.clamp(min=1)
+        var_b = ((e_b - mean_b[..., None]) ** 2 * used_b).sum(-1) / (safe_nb - 1)
+        sigma = var_b.sqrt()
+        two = cfg.quantile == "two-sided"
+        if cfg.concentration == "hoeffding":
+            lo = -_amax(-e_b.masked_fill(~used_b, float("inf")))
+            hi = _amax(e_b.masked_fill(~used_b, float("-inf")))
+            rng = torch.where(nb_q > 0, hi - lo, torch.zeros_like(hi))
+            b = hoeffding_budget(cfg.delta, n_s_q, rng, cfg.epsilon, d_hat)
+        elif cfg.bound == "denominator":
+            b = clt_budget(normal_quantile(cfg.delta, two), n_s_q, sigma, cfg.epsilon, d_hat)
+        else:
+            v_f = _rows(inputs, inputs.v, fixed_q.indices).double()
+            v_b = _rows(inputs, inputs.v, base_q.indices).double()
+            r_b = e_b[..., None] * v_b  # [B, Hq, Mb, dv]
+            n_hat = (e_f[..., None] * v_f).sum(2) + ratio[..., None] * r_b.sum(2)
+            mean_r = r_b.sum(2) / nb_q.clamp(min=1)[..., None]
+            tr = (((r_b - mean_r[:, :, None]) ** 2) * used_b[..., None]).sum((2, 3)) / (safe_nb - 1)
+            b = full_budget(cfg, n_s_q, sigma, d_hat, tr, n_hat.norm(dim=-1))
+        return torch.nan_to_num(b, nan=0.0, posinf=float("inf"))
+
+    def select(self, inputs, gen, state):
+        cfg = self.config
+        heads = self.selection_heads(inputs)
+        fixed = sink_and_window(inputs, cfg.sink, cfg.window, heads)
+        available = available_after(inputs, fixed)
+        top = self.predicted_top(inputs, available, state)
+        static = union(fixed, top)
+        residual = available_after(inputs, static) if cfg.residual == "excludes-topk" else available
+        n_s = residual.sum(-1)
+        n_base = torch.minimum(torch.clamp(torch.floor(cfg.base_rate * n_s.double()).long(), min=2), n_s)
+        base = uniform_sample(residual, n_base, gen, replacement=cfg.replacement)
+
+        b = self.budget(inputs, static, base, n_s, n_base)
+        if heads != inputs.heads:
+            b = b.view(inputs.batch, heads, inputs.group).amax(-1)
+        floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
+        b_int = torch.ceil(torch.clamp(b, max=float(inputs.n_keys))).long()
+        b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
+        dyn = self.sample_residual(residual, b_int, n_s, gen)
+        if cfg.residual == "includes-topk" and top.width:
+            # The hub merges masks by adding probabilities and clamping to 1: a sampled top-k key
+            # keeps weight 1, i.e. the sample entry is dropped.
+            in_top = torch.gather(top.mark(inputs.n_keys), 2, dyn.indices)
+            dyn = compact(dyn.indices, dyn.used() & ~in_top, dyn.weights)
+        chosen = union(static, dyn)
+
+        scored = [base]
+        if cfg.predictor == "oracle":
+            scored = None  # every key scored
+        extra = {
+            "budget_per_head": b_int.double(),
+            "budget": float(b_int.double().mean()),
+            "budget_raw": float(torch.clamp(b, max=float(inputs.n_keys)).mean()),
+            "base_sample": float(n_base.double().mean()),
+            "residual_keys": float(n_s.double().mean()),
+            "fixed_keys": float(static.counts.double().mean()),
+            "sampled_fraction": float((b_int.double() / n_s.clamp(min=1).double()).mean()),
+            "epsilon": cfg.epsilon,
+            "delta": cfg.delta,
+            "bound": cfg.bound,
+        }
+        v_extra = [base] if cfg.bound == "full" else []  # V rows read for Tr Σ̂ and ‖N̂‖
+        return Selected(chosen, scored=scored, v_extra=v_extra, extra=extra)
+
+    def sample_residual(self, residual: torch.Tensor, b: torch.Tensor, n_s: torch.Tensor,
+                        gen: torch.Generator) -> IndexSet:
+        """``b`` residual keys at weight ``n_s / b``; ``b = n_s`` takes the whole residual (exact)."""
+        if not self.config.replacement:
+            return uniform_sample(residual, b, gen)
+        full = b >= n_s
+        sample = uniform_sample(residual, torch.where(full, 0, b), gen, replacement=True)
+        everything = uniform_sample(residual & full[..., None], torch.where(full, n_s, 0), gen)
+        return union(sample, everything)
+
+
+__all__ = ["VAttention", "VAttentionConfig", "clt_budget", "full_budget", "hoeffding_budget", "normal_quantile"]
