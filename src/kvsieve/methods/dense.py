@@ -1,18 +1,31 @@
-"""``dense``: exact attention, the baseline every method is judged against."""
+"""``dense``: exact attention, the baseline every method is judged against.
+
+``backend``: "reference" (default: torch, float32 accumulation — the ground truth other methods are
+compared with), "triton" (the split-KV kernel of ``kernels/triton_dense.py``; a ValueError says why
+when it cannot serve a call) or "auto" (the kernel on CUDA tensors it can serve, else the reference).
+``stats.backend`` names the path that ran.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from ..core.config import MethodConfig
+from ..core.config import MethodConfig, param, require_choice
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from .common import exact_attention
+from ..kernels.triton_dispatch import BACKENDS, choose_backend, kernel_operands
+from .common import compute_dtype, exact_attention
 
 
 @dataclass(frozen=True)
 class DenseConfig(MethodConfig):
-    pass
+    backend: Literal["auto", "reference", "triton"] = param(
+        "reference", "reference (torch); triton (split-KV kernel, error if it cannot); auto (kernel on CUDA tensors)"
+    )
+
+    def __post_init__(self) -> None:
+        require_choice("backend", self.backend, BACKENDS)
 
 
 @register_method
@@ -22,6 +35,16 @@ class Dense(Method):
     summary = "exact attention over every valid key (the baseline)"
 
     def _decode(self, inputs, seed, state):
-        out = exact_attention(inputs)
+        path, reason = choose_backend(self.config.backend, inputs)
+        extra = {}
+        if path == "triton":
+            from ..kernels.triton_dense import dense_decode_triton
+
+            q, k, v, lens = kernel_operands(inputs)
+            out = dense_decode_triton(q, k, v, lens, inputs.scale).to(compute_dtype(inputs))
+        else:
+            out = exact_attention(inputs)
+            if reason is not None and self.config.backend != "reference":
+                extra["backend_reason"] = reason
         v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
-        return out, read_stats(inputs, v_read)
+        return out, read_stats(inputs, v_read, backend=path, extra=extra)

@@ -4,6 +4,13 @@ See ``kvsieve.kernels.santa_reference`` for the math. ``santa-prop`` shares the 
 by mass (largest remainder by default, as the paper; ``rounding=systematic`` is the unbiased
 option). ``santa-flash`` gives each tile the same budget ``max(1, S // T)`` and merges tiles with
 deferred normalisation; it is unbiased but spends samples on tiles of little mass.
+
+``backend``: "auto" (default) runs the Triton kernels (``kernels/triton_santa.py``) on CUDA tensors
+they can serve and the float64 reference otherwise; "triton" insists (a ValueError says why it
+cannot; CPU tensors only under ``TRITON_INTERPRET=1``); "reference" always runs the reference.
+``stats.backend`` names the path that ran. The kernels draw their uniforms from a counter-based hash
+of the seed (``kernels/triton_common.py``), the reference from a torch generator: the two paths give
+different samples for one seed, with the same distribution.
 """
 
 from __future__ import annotations
@@ -16,13 +23,14 @@ import torch
 from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from ..core.rng import as_generator
+from ..core.rng import as_generator, seed_int
 from ..kernels.santa_reference import (
     auto_tile_size,
     n_tiles,
     santa_flash_reference,
     santa_prop_reference,
 )
+from ..kernels.triton_dispatch import BACKENDS, choose_backend, kernel_operands
 from .common import compute_dtype, covered_rows, merge_exact_rows
 
 
@@ -33,10 +41,14 @@ class SantaTileConfig(MethodConfig):
     exact_when_covered: bool = param(
         True, "rows with at most `budget` valid keys run exact attention (no more reads than S samples)"
     )
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: Triton kernel on CUDA tensors, reference otherwise; reference; triton (error if it cannot)"
+    )
 
     def __post_init__(self) -> None:
         require_int("budget", self.budget, minimum=1)
         require_int("tile_size", self.tile_size, minimum=0)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 @dataclass(frozen=True)
@@ -59,17 +71,24 @@ class _SantaTiled(Method):
 
     def _decode(self, inputs, seed, state):
         tile = self.tile_for(inputs.n_keys)
-        gen = as_generator(seed, inputs.q.device)
-        t = n_tiles(inputs.n_keys, tile)
-        shape = (inputs.batch, inputs.heads)
-        sample = self.sample(inputs, tile, gen, t, shape)
-        out = sample.out.to(compute_dtype(inputs))
-        v_read = sample.counts > 0
+        path, reason = choose_backend(self.config.backend, inputs, tile=tile, budget=self.config.budget)
+        extra = {"tile_size": tile}
+        if path == "triton":
+            out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device))
+            out = out.to(compute_dtype(inputs))
+        else:
+            gen = as_generator(seed, inputs.q.device)
+            t = n_tiles(inputs.n_keys, tile)
+            sample = self.sample(inputs, tile, gen, t, (inputs.batch, inputs.heads))
+            out, counts, samples = sample.out.to(compute_dtype(inputs)), sample.counts, sample.samples
+            if reason is not None:
+                extra["backend_reason"] = reason
+        v_read = counts > 0
         exact_rows = 0
         if self.config.exact_when_covered:
             out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, self.config.budget))
-        extra = {"tile_size": tile, "samples": float(sample.samples.to(torch.float64).mean())}
-        return out, read_stats(inputs, v_read, exact_rows=exact_rows, extra=extra)
+        extra["samples"] = float(samples.to(torch.float64).mean())
+        return out, read_stats(inputs, v_read, backend=path, exact_rows=exact_rows, extra=extra)
 
 
 def _uniform(shape, gen, device):
@@ -88,6 +107,14 @@ class SantaProp(_SantaTiled):
         return santa_prop_reference(inputs, self.config.budget, tile, rounding=self.config.rounding,
                                     budget_offset=budget_offset, tile_offsets=tile_offsets)
 
+    def run_triton(self, inputs, tile, seed):
+        from ..kernels.triton_santa import santa_prop_triton
+
+        q, k, v, lens = kernel_operands(inputs)
+        out, counts, budgets = santa_prop_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
+                                                 rounding=self.config.rounding, write_counts=True)
+        return out, counts, budgets.sum(-1)
+
 
 @register_method
 class SantaFlash(_SantaTiled):
@@ -98,3 +125,13 @@ class SantaFlash(_SantaTiled):
     def sample(self, inputs, tile, gen, t, shape):
         tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
         return santa_flash_reference(inputs, self.config.budget, tile, tile_offsets=tile_offsets)
+
+    def run_triton(self, inputs, tile, seed):
+        from ..kernels.triton_santa import santa_flash_triton
+
+        q, k, v, lens = kernel_operands(inputs)
+        out, counts = santa_flash_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
+                                         write_counts=True)
+        tiles = -(-inputs.n_valid // tile)
+        per_tile = torch.clamp(self.config.budget // tiles, min=1)
+        return out, counts, (per_tile * tiles)[:, None].expand(inputs.batch, inputs.heads)

@@ -1,0 +1,200 @@
+"""Shared pieces of the Triton decode kernels: support checks, the counter-based RNG, the merge.
+
+Counter-based randomness
+------------------------
+Every uniform a kernel draws is ``hash_uniform(seed, stream, counter)``: three rounds of the
+``lowbias32`` integer mix over the 64-bit ``seed`` (low word, high word), a ``stream`` number and a
+32-bit ``counter``; the top 24 bits of the result give ``k / 2**24`` in [0, 1), a value that float32
+and float64 hold exactly. The counters are
+
+- tile offset of (batch row b, query head h, tile t): stream 1, ``counter = (b·Hq + h)·T + t``
+  with ``T`` the launch's tile count ``ceil(N / tile)``;
+- budget offset of (b, h) (S²ANTA-prop's systematic rounding of tile budgets): stream 2,
+  ``counter = b·Hq + h``.
+
+``uniforms(seed, stream, counters)`` evaluates the same function with torch on any device, so a
+reference can be fed the kernel's uniforms (that is how the tests compare counts). The caller mixes
+layer and decode step into ``seed`` (``core.rng.derive_seed``), so no two calls share offsets.
+
+The merge kernel
+----------------
+Every kernel writes per-part partials ``acc [B, Hq, P, d]`` (an unnormalised weighted sum of V
+rows), ``m [B, Hq, P]`` (a log-scale) and ``l [B, Hq, P]`` (a weight), and one merge gives
+``out = Σ_p e^{m_p − m*} acc_p / Σ_p e^{m_p − m*} l_p`` (FlashDecoding's split-KV combine). Parts
+past a row's length are never read; parts with ``l = 0`` are skipped without memory traffic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is an optional dependency at run time (CPU-only installs run the references)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+    tl = None
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128)
+MAX_BUDGET = 65535  # counts are split into two 8-bit halves for 16-bit dots (see santa kernels)
+
+_MASK32 = 0xFFFFFFFF
+_MIX1 = 0x7FEB352D
+_MIX2 = 0x846CA68B
+_GOLDEN = 0x9E3779B9
+FIX_BITS = 24  # fixed-point resolution of the systematic-sampling running sums
+
+STREAM_TILE = 1
+STREAM_BUDGET = 2
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` was decorated under ``TRITON_INTERPRET=1`` (runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel) -> str | None:
+    """Why the Triton kernels cannot serve these tensors (None when they can)."""
+    if triton is None:
+        return "triton is not installed"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} (the Triton kernels take float16, bfloat16 or float32)"
+    d = q.shape[-1]
+    if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
+        return f"head dim {d} / value dim {v.shape[-1]} (the Triton kernels take equal q/k/v head dims of 64 or 128)"
+    if q.device.type == "cuda":
+        if is_interpreted(kernel):
+            return "TRITON_INTERPRET=1 was set when the kernels were imported, and they cannot run on CUDA tensors"
+        return None
+    if q.device.type == "cpu":
+        if is_interpreted(kernel):
+            return None
+        return ("CPU tensors: the Triton kernels run on CPU only through the interpreter "
+                "(set TRITON_INTERPRET=1 before kvsieve's Triton kernels are imported)")
+    return f"device {q.device.type}"
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+def group_block(group: int) -> int:
+    """Rows of the query block: ``tl.dot`` needs at least 16."""
+    return max(16, next_pow2(group))
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    seed = int(seed) & ((1 << 64) - 1)
+    return seed & _MASK32, (seed >> 32) & _MASK32
+
+
+def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = (x * _MIX1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniforms(seed: int, stream: int, counters: torch.Tensor) -> torch.Tensor:
+    """The kernels' uniforms for ``counters`` (any int tensor), as float64 ``k / 2**24``."""
+    lo, hi = seed_words(seed)
+    x = counters.to(torch.int64) & _MASK32
+    x = _mix32_torch(x ^ lo)
+    x = _mix32_torch(x ^ hi)
+    x = _mix32_torch(x ^ ((stream * _GOLDEN) & _MASK32))
+    return (x >> 8).to(torch.float64) * 2.0**-24
+
+
+def tile_uniforms(seed: int, batch: int, heads: int, tiles: int, device=None) -> torch.Tensor:
+    """``[B, Hq, T]`` tile offsets as the kernels draw them."""
+    c = torch.arange(batch * heads * tiles, device=device, dtype=torch.int64).view(batch, heads, tiles)
+    return uniforms(seed, STREAM_TILE, c)
+
+
+def budget_uniforms(seed: int, batch: int, heads: int, device=None) -> torch.Tensor:
+    """``[B, Hq]`` budget offsets (prop's systematic rounding) as the kernels draw them."""
+    c = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads)
+    return uniforms(seed, STREAM_BUDGET, c)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32(x):
+        # x: int64 holding a 32-bit value; products wrap, the mask keeps the low word.
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def hash_uniform(seed_lo, seed_hi, stream_key, counter):
+        """Uniform ``k / 2**24`` in [0, 1) (float32) for an int64 ``counter`` tensor."""
+        x = counter.to(tl.int64) & 0xFFFFFFFF
+        x = _mix32(x ^ seed_lo)
+        x = _mix32(x ^ seed_hi)
+        x = _mix32(x ^ stream_key)
+        return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def _merge_partials_kernel(
+        acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr,
+        n_parts, part_keys,
+        s_acc_b, s_acc_h, s_acc_p,
+        s_ml_b, s_ml_h,
+        s_out_b, s_out_h,
+        D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(lens_ptr + b)
+        parts_b = (length + part_keys - 1) // part_keys
+        offs_p = tl.arange(0, BLOCK_P)
+        ml_base = b * s_ml_b + h * s_ml_h
+        m = tl.load(m_ptr + ml_base + offs_p, mask=offs_p < parts_b, other=float("-inf"))
+        m_star = tl.max(m, axis=0)
+        offs_d = tl.arange(0, D)
+        out = tl.zeros([D], dtype=tl.float32)
+        z = 0.0
+        for p0 in range(0, n_parts, CHUNK_P):
+            offs_c = p0 + tl.arange(0, CHUNK_P)
+            in_row = offs_c < parts_b
+            mc = tl.load(m_ptr + ml_base + offs_c, mask=in_row, other=float("-inf"))
+            lc = tl.load(l_ptr + ml_base + offs_c, mask=in_row, other=0.0)
+            wc = tl.where(in_row & (lc > 0), tl.exp(mc - m_star), 0.0)
+            z += tl.sum(wc * lc, axis=0)
+            a = tl.load(
+                acc_ptr + b * s_acc_b + h * s_acc_h + offs_c[:, None] * s_acc_p + offs_d[None, :],
+                mask=(in_row & (lc > 0))[:, None], other=0.0,
+            )
+            out += tl.sum(wc[:, None] * a, axis=0)
+        out = out / z
+        tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.Tensor:
+    """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` (see module doc)."""
+    b, hq, p, d = acc.shape
+    block_p = max(16, next_pow2(p))
+    chunk_p = min(32, block_p)
+    _merge_partials_kernel[(hq, b)](
+        acc, m, l, lens, out, p, part_keys,
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        out.stride(0), out.stride(1),
+        D=d, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4,
+    )
+    return out
+
+
+def interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

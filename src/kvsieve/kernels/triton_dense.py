@@ -1,0 +1,113 @@
+"""Dense split-KV decode (FlashDecoding-style) in Triton: our baseline and the others' building block.
+
+Torch reference: ``kvsieve.methods.common.exact_attention`` (``DecodeInputs.probs`` then
+``weighted_values``), i.e. ``softmax(q·K · scale) V`` over each row's valid prefix.
+
+One program per (split, KV head, batch row) scores its chunk of keys for the G query heads of the
+group at once (one K load shared by G heads), keeps an online softmax, and writes partials that
+``triton_common.merge_partials`` combines: 2 launches per call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .triton_common import group_block, merge_partials, next_pow2, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _dense_split_kernel(
+        q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
+        scale_log2,
+        s_q_b, s_q_h,
+        s_k_b, s_k_h, s_k_n,
+        s_v_b, s_v_h, s_v_n,
+        s_acc_b, s_acc_h, s_acc_p,
+        s_ml_b, s_ml_h,
+        chunk,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        split = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        length = tl.load(lens_ptr + b)
+        lo = split * chunk
+        if lo < length:
+            hi = tl.minimum(lo + chunk, length)
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
+            heads = kvh * G + offs_g
+            g_ok = offs_g < G
+            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :],
+                        mask=g_ok[:, None], other=0.0)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+            k_base = k_ptr + b * s_k_b + kvh * s_k_h
+            v_base = v_ptr + b * s_v_b + kvh * s_v_h
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < hi
+                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+                s = tl.where(n_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                alpha = tl.exp2(m_i - m_new)
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+                m_i = m_new
+            ml = b * s_ml_b + heads * s_ml_h + split
+            tl.store(m_ptr + ml, m_i * 0.6931471805599453, mask=g_ok)  # back to natural-log units
+            tl.store(l_ptr + ml, l_i, mask=g_ok)
+            tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + split * s_acc_p + offs_d[None, :],
+                     acc, mask=g_ok[:, None])
+
+
+def dense_split_plan(batch: int, kv_heads: int, n_keys: int, *, block_n: int = 64,
+                     target_programs: int = 528, chunk: int | None = None) -> tuple[int, int]:
+    """(keys per split, number of splits): enough programs to fill the GPU, whole blocks each."""
+    if chunk is None:
+        want_splits = max(1, -(-target_programs // (batch * kv_heads)))
+        chunk = -(-n_keys // want_splits)
+        chunk = max(block_n, -(-chunk // block_n) * block_n)
+    return chunk, -(-n_keys // chunk)
+
+
+def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int = 64, chunk: int | None = None,
+                        num_warps: int = 4, num_stages: int = 3, target_programs: int = 528,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact decode attention. q ``[B, Hq, d]``; k, v ``[B, Hkv, N, d]`` (last dim contiguous);
+    ``lens [B]`` int32 valid prefix lengths (1 ≤ len ≤ N). Returns ``[B, Hq, d]`` in q's dtype."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    chunk, splits = dense_split_plan(b, hkv, n, block_n=block_n, target_programs=target_programs, chunk=chunk)
+    acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
+    m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    l = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    _dense_split_kernel[(splits, hkv, b)](
+        q, k, v, lens, acc, m, l,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        m.stride(0), m.stride(1),
+        chunk,
+        G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if out is None:
+        out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    return merge_partials(acc, m, l, lens, chunk, out)
+
+
+__all__ = ["dense_decode_triton", "dense_split_plan", "next_pow2"]
