@@ -203,6 +203,15 @@ def test_flash_effective_samples_can_exceed_the_nominal_budget():
     assert stats.samples == 16  # S_tile = 20 // 8 = 2
 
 
+def test_flash_with_one_key_per_tile_is_exact():
+    """Spec §8.8: with B_tile = 1 every tile's estimate is its key's value, merged by exact weights."""
+    q, k, v = random_qkv(batch=2, heads=4, kv_heads=2, n=30, d=8, peaked=2.0)
+    dense, _ = kvsieve.method("dense").decode(q, k, v)
+    out, stats = kvsieve.method("santa-flash", budget=4, tile_size=1).decode(q, k, v, seed=0)
+    assert stats.exact_rows == 0 and stats.samples == 30
+    torch.testing.assert_close(out, dense, rtol=1e-12, atol=1e-12)
+
+
 def test_auto_tile_size_rule():
     assert [auto_tile_size(n) for n in (1, 1536, 1537, 3072, 3073, 32769)] == [32, 32, 64, 64, 256, 256]
     q, k, v = random_qkv(batch=1, heads=2, kv_heads=1, n=1600, d=8)
@@ -368,6 +377,20 @@ def test_seeds(name):
     assert torch.equal(g1, m.decode(q, k, v, seed=torch.Generator().manual_seed(42))[0])
     # No seed: fresh entropy each call.
     assert not torch.equal(m.decode(q, k, v)[0], m.decode(q, k, v)[0])
+
+
+def test_derived_streams_differ_per_layer_and_step():
+    """The integration seeds each (request, layer, step, row) with derive_seed: distinct streams."""
+    from kvsieve.core.rng import derive_seed
+
+    seeds = {derive_seed(0, 0, layer, step, 0) for layer in range(30) for step in range(50)}
+    assert len(seeds) == 30 * 50
+    assert derive_seed(0, 1, 2) != derive_seed(0, 2, 1) and derive_seed(0) != derive_seed(1)
+    q, k, v = random_qkv(batch=1, heads=2, kv_heads=1, n=60, d=8, peaked=2.0)
+    m = kvsieve.method("santa-sys", budget=8)
+    a = m.decode(q, k, v, seed=derive_seed(0, 0, 3, 7, 0))[0]
+    b = m.decode(q, k, v, seed=derive_seed(0, 0, 4, 7, 0))[0]
+    assert not torch.equal(a, b)
 
 
 # --- stats ------------------------------------------------------------------------------------

@@ -256,3 +256,18 @@ def test_systematic_has_no_variance_guarantee():
     assert torch.equal(out.abs(), torch.ones_like(out))
     plus = (out > 0).double().mean()
     assert abs(float(plus) - 0.5) / (0.25 / R) ** 0.5 < bound  # still unbiased
+
+
+def test_strat_and_sys_read_more_unique_keys_than_iid():
+    """Spec §8.12: unique keys <= S, and typically more of them for strat/sys than for iid."""
+    budget = 16
+    q, k, v = make_instance(seed=4)
+    rows = {}
+    for name in ("santa", "santa-strat", "santa-sys"):
+        _, stats = draws(name, q, k, v, budget=budget)
+        rows[name] = stats.v_rows_read
+        assert 1 <= stats.v_rows_read <= budget
+    # A per-row count in [1, S] has variance <= S²/4: a conservative standard error of the mean.
+    se = budget / 2 / R**0.5
+    for name in ("santa-strat", "santa-sys"):
+        assert (rows[name] - rows["santa"]) / (2**0.5 * se) > z_bound(2), rows
