@@ -262,6 +262,11 @@ if triton is not None:
             if WRITE_COUNTS:
                 tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c.to(tl.int32),
                          mask=g_ok[:, None] & n_ok[None, :])
+        else:
+            # Tiles past the row's length hold no sample; written so that no memset launch is needed.
+            offs_g = tl.arange(0, BLOCK_G)
+            tl.store(budgets_ptr + b * s_ml_b + (kvh * G + offs_g) * s_ml_h + t, tl.zeros([BLOCK_G], tl.int32),
+                     mask=offs_g < G)
 
 
 def _tiles(n_keys: int, tile: int) -> int:
@@ -343,7 +348,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
     pm = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
     pl = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    budgets = torch.zeros(b, hq, t, device=dev, dtype=torch.int32)
+    budgets = torch.empty(b, hq, t, device=dev, dtype=torch.int32)
     counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
     lo, hi = seed_words(seed)
     _prop_sample_kernel[(t, hkv, b)](

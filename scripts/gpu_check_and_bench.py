@@ -1,0 +1,241 @@
+"""The one script sent to the GPU machine: check every Triton kernel against its float64 reference,
+then time everything (``kvsieve bench decode``), writing under ``$OUT`` (or ``--out``).
+
+    python scripts/gpu_check_and_bench.py --check --stats --sweep --bench "--shapes llama-3.1-8b --batches 1"
+
+Checks: random data (never zeros), many shapes (batch, GQA group 1/3/4, head dim 64/128, N not a
+multiple of the tile, N < S, one tile, ragged lengths), bf16/fp16/fp32; outputs poisoned with NaN
+before each call and required finite afterwards; dense against exact attention; santa-flash and
+santa-prop (largest remainder and systematic rounding) against the references fed the kernels'
+uniforms: counts (fraction of keys that differ), tile budgets, outputs. Statistics: the mean over
+many seeds against exact attention (z-scores from the measured per-coordinate spread).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvsieve.core.inputs import check_decode_inputs  # noqa: E402
+from kvsieve.kernels.santa_reference import santa_flash_reference, santa_prop_reference  # noqa: E402
+from kvsieve.kernels.triton_common import budget_uniforms, tile_uniforms  # noqa: E402
+from kvsieve.kernels.triton_dense import dense_decode_triton  # noqa: E402
+from kvsieve.kernels.triton_santa import santa_flash_triton, santa_prop_triton  # noqa: E402
+from kvsieve.methods.common import exact_attention  # noqa: E402
+
+DEVICE = os.environ.get("KVSIEVE_CHECK_DEVICE", "cuda")  # "cpu" with TRITON_INTERPRET=1 to dry-run here
+TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def random_case(b, hq, hkv, n, d, dtype, lens, seed, peaked=1.5):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = (torch.randn(b, hq, d, device=DEVICE, generator=g) * peaked).to(dtype)
+    k = torch.randn(b, hkv, n, d, device=DEVICE, generator=g).to(dtype)
+    v = torch.randn(b, hkv, n, d, device=DEVICE, generator=g).to(dtype)
+    lens_t = torch.tensor(lens, device=DEVICE, dtype=torch.int64)
+    inp = check_decode_inputs(q.double(), k.double(), v.double(), lengths=lens_t)
+    return q, k, v, lens_t.to(torch.int32), inp
+
+
+def check_kernels(log, quick: bool = False) -> list[dict]:
+    cases = []
+    # (B, Hq, Hkv, N, d, lens, S, tile)
+    shapes = [
+        (1, 32, 8, 4096 + 17, 128, [4096 + 17], 128, 256),
+        (1, 32, 8, 20000, 128, [20000], 2048, 256),
+        (2, 32, 8, 9000, 128, [9000, 5000], 256, 256),
+        (3, 9, 3, 3000, 64, [3000, 1, 2047], 64, 64),
+        (2, 9, 3, 700, 64, [700, 333], 1024, 32),      # N < S
+        (1, 8, 8, 1000, 128, [1000], 128, 32),         # G = 1
+        (2, 12, 4, 200, 64, [200, 150], 16, 256),      # one tile
+        (1, 16, 4, 70000, 128, [70000], 128, 256),     # many tiles
+        (1, 16, 4, 5000, 64, [5000], 4096, 256),       # counts > 256 per key possible (bf16 split dots)
+    ]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    if quick:
+        shapes = [(3, 9, 3, 300, 64, [300, 1, 200], 64, 32), (2, 12, 4, 200, 64, [200, 150], 16, 256)]
+        dtypes = (torch.float16, torch.float32)
+    for dtype in dtypes:
+        for i, (b, hq, hkv, n, d, lens, s, tile) in enumerate(shapes):
+            if dtype != torch.bfloat16 and i % 2 and not quick:
+                continue
+            seed = 1000 + i
+            q, k, v, lens32, inp = random_case(b, hq, hkv, n, d, dtype, lens, seed)
+            scale = d ** -0.5
+            exact = exact_attention(inp)
+            t = -(-n // tile)
+            row = {"dtype": str(dtype).replace("torch.", ""), "B": b, "Hq": hq, "Hkv": hkv, "N": n, "d": d,
+                   "lens": lens, "S": s, "tile": tile}
+            out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
+            dense_decode_triton(q, k, v, lens32, scale, out=out)
+            row["dense_finite"] = bool(torch.isfinite(out).all())
+            row["dense_err"] = rel(out, exact)
+            tu = tile_uniforms(seed, b, hq, t, device=DEVICE)
+            out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
+            _, c = santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True, out=out)
+            ref = santa_flash_reference(inp, s, tile, tile_offsets=tu)
+            row["flash_finite"] = bool(torch.isfinite(out).all())
+            row["flash_count_mismatch"] = float((c.long() != ref.counts).double().mean())
+            row["flash_err_vs_ref"] = rel(out, ref.out)
+            for rounding in ("largest-remainder", "systematic"):
+                key = "prop_lr" if rounding == "largest-remainder" else "prop_sys"
+                out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
+                _, c, bud = santa_prop_triton(q, k, v, lens32, scale, s, tile, seed, rounding=rounding,
+                                              write_counts=True, out=out)
+                ref = santa_prop_reference(inp, s, tile, rounding=rounding,
+                                           budget_offset=budget_uniforms(seed, b, hq, device=DEVICE), tile_offsets=tu)
+                row[f"{key}_finite"] = bool(torch.isfinite(out).all())
+                row[f"{key}_budget_sum_ok"] = bool((bud.sum(-1) == s).all())
+                row[f"{key}_budget_mismatch"] = float((bud.long() != ref.tile_budgets).double().mean())
+                row[f"{key}_count_mismatch"] = float((c.long() != ref.counts).double().mean())
+                row[f"{key}_err_vs_ref"] = rel(out, ref.out)
+            tol = TOL[dtype]
+            ok = all(row[f"{p}_finite"] for p in ("dense", "flash", "prop_lr", "prop_sys"))
+            ok &= row["dense_err"] < tol and row["prop_lr_budget_sum_ok"] and row["prop_sys_budget_sum_ok"]
+            for p in ("flash", "prop_lr", "prop_sys"):
+                ok &= row[f"{p}_count_mismatch"] < 1e-3 and row[f"{p}_err_vs_ref"] < max(tol, 2e-2)
+            row["ok"] = bool(ok)
+            log(("PASS " if ok else "FAIL ") + json.dumps(row))
+            cases.append(row)
+    return cases
+
+
+def check_statistics(log, seeds: int = 512) -> list[dict]:
+    """Mean over seeds vs exact attention: z² per coordinate should average ≈ 1 for unbiased kernels."""
+    rows = []
+    b, hq, hkv, n, d = 1, 8, 2, 3000, 64
+    q, k, v, lens32, inp = random_case(b, hq, hkv, n, d, torch.float32, [n], 7, peaked=2.0)
+    exact = exact_attention(inp)
+    for name, _budget, fn in (
+        ("santa-flash S=256 tile=64", 256,
+         lambda sd: santa_flash_triton(q, k, v, lens32, d ** -0.5, 256, 64, sd)[0]),
+        ("santa-prop sys S=64 tile=64", 64,
+         lambda sd: santa_prop_triton(q, k, v, lens32, d ** -0.5, 64, 64, sd, rounding="systematic")[0]),
+        ("santa-prop LR S=64 tile=64 (biased by design)", 64,
+         lambda sd: santa_prop_triton(q, k, v, lens32, d ** -0.5, 64, 64, sd)[0]),
+    ):
+        outs = torch.stack([fn(sd).double() for sd in range(seeds)])
+        mean, sd_ = outs.mean(0), outs.std(0)
+        z = (mean - exact) / (sd_ / math.sqrt(seeds)).clamp_min(1e-12)
+        row = {"kernel": name, "seeds": seeds, "mean_z2": float((z**2).mean()), "max_abs_z": float(z.abs().max()),
+               "rel_err_single": float((outs[0] - exact).norm() / exact.norm()),
+               "rel_err_mean": float((mean - exact).norm() / exact.norm())}
+        log(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
+def sweep(log) -> list[dict]:
+    """Launch configurations of the three kernels on llama shapes, batch 1 (cold L2)."""
+    from functools import partial
+
+    from kvsieve.bench.timing import ColdL2Timer
+
+    timer = ColdL2Timer()
+    rows = []
+    for n in (32768, 131072):
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+        configs = []
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    for target in (264, 528, 1056):
+                        cfg = {"kernel": "dense", "block_n": block_n, "warps": warps, "stages": stages,
+                               "target": target}
+                        fn = partial(dense_decode_triton, q, k, v, lens32, 128 ** -0.5, block_n=block_n,
+                                     num_warps=warps, num_stages=stages, target_programs=target)
+                        configs.append((cfg, fn))
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                configs.append(({"kernel": "flash", "warps": warps, "stages": stages},
+                                partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
+                                        num_warps=warps, num_stages=stages)))
+                configs.append(({"kernel": "prop", "warps": warps, "stages": stages},
+                                partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
+                                        num_warps=warps, num_stages=stages)))
+        for cfg, fn in configs:
+            try:
+                r = timer.time_us(fn, warmup=3, iters=15)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
+                r = {"error": str(exc)[:200]}
+            rows.append({"n": n, **cfg, **r})
+    best = {}
+    for r in rows:
+        if "median_us" in r:
+            key = (r["kernel"], r["n"])
+            if key not in best or r["median_us"] < best[key]["median_us"]:
+                best[key] = r
+    for r in best.values():
+        log("BEST " + json.dumps(r))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="two small shapes, no bf16 (interpreter dry run)")
+    ap.add_argument("--stats", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "gpu_log.txt", "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
+    log(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())} {device_name} "
+        f"torch {torch.__version__}")
+    report = {}
+    failures = 0
+    if args.check:
+        t0 = time.time()
+        report["checks"] = check_kernels(log, quick=args.quick)
+        failures += sum(not r["ok"] for r in report["checks"])
+        log(f"checks: {len(report['checks'])} cases, {failures} failed, {time.time() - t0:.0f}s")
+    if args.stats:
+        t0 = time.time()
+        report["statistics"] = check_statistics(log)
+        log(f"statistics: {time.time() - t0:.0f}s")
+    if args.sweep:
+        t0 = time.time()
+        report["sweep"] = sweep(log)
+        log(f"sweep: {time.time() - t0:.0f}s")
+    (out / "checks.json").write_text(json.dumps(report, indent=1))
+    if args.bench is not None:
+        from kvsieve.cli.main import main as cli_main
+
+        argv = ["bench", "decode", "--out", str(out), *shlex.split(args.bench)]
+        argv += ["--record-command", "python scripts/gpu_check_and_bench.py --bench " + shlex.quote(args.bench)]
+        log("kvsieve " + " ".join(argv))
+        rc = cli_main(argv)
+        if rc:
+            return rc
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""GPU microbenchmarks (``kvsieve bench``): decode-step attention kernels against FlashInfer and SDPA."""

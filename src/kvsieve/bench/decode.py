@@ -1,0 +1,217 @@
+"""``kvsieve bench decode``: one decode step's attention, our kernels against FlashInfer and SDPA.
+
+For each shape (query heads, KV heads, head dim), context n and batch size it times every variant
+with the cold-L2 protocol (``bench.timing``) on i.i.d. Gaussian bf16 inputs, and reports µs, the
+speedup over FlashInfer, the bytes each method must touch (dense: all of K and V; S²ANTA: all of K
+plus the union over each GQA group of the V rows sampled, measured on the same inputs), achieved
+GB/s, the fraction of the bandwidth floor (bytes / measured copy rate) and kernel launches per call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .timing import ColdL2Timer, copy_bandwidth, count_launches
+
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
+DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
+
+
+@dataclass
+class Case:
+    shape: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    n: int
+    batch: int
+
+
+def parse_variant(spec: str) -> tuple[str, int | None]:
+    name, _, budget = spec.partition(":")
+    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-flash")
+    if name not in known:
+        raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
+    if name.startswith("santa"):
+        if not budget.isdigit() or int(budget) < 1:
+            raise ValueError(f"variant {spec!r}: expected a budget, e.g. {name}:128")
+        return name, int(budget)
+    return name, None
+
+
+def _load_flashinfer():
+    try:
+        import flashinfer
+
+        return flashinfer
+    except Exception as exc:  # noqa: BLE001 - FlashInfer is optional; its absence is reported
+        return exc
+
+
+class Inputs:
+    """Random bf16 decode inputs of one case, in our layout (and FlashInfer's NHD copy on demand)."""
+
+    def __init__(self, case: Case, dtype: torch.dtype, seed: int):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
+        self.q = torch.randn(b, h, d, device="cuda", dtype=dtype, generator=g)
+        self.k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
+        self.v = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
+        self.lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        self.scale = d ** -0.5
+        self._nhd = None
+
+    def nhd(self):
+        if self._nhd is None:
+            self._nhd = (self.k[0].transpose(0, 1).contiguous(), self.v[0].transpose(0, 1).contiguous())
+        return self._nhd
+
+
+def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, seed: int,
+              workspace: dict) -> Callable[[], torch.Tensor]:
+    from ..kernels.santa_reference import auto_tile_size
+    from ..kernels.triton_dense import dense_decode_triton
+    from ..kernels.triton_santa import santa_flash_triton, santa_prop_triton
+
+    if name in ("flashinfer", "flashinfer-hnd"):
+        if isinstance(flashinfer, Exception):
+            raise RuntimeError(f"FlashInfer is not importable: {flashinfer}")
+        if case.batch == 1 and name == "flashinfer":
+            kn, vn = x.nhd()
+            q0 = x.q[0]
+            return lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")
+        if case.batch == 1:
+            q0, k0, v0 = x.q[0], x.k[0], x.v[0]
+            return lambda: flashinfer.single_decode_with_kv_cache(q0, k0, v0, kv_layout="HND")
+        ws = workspace.setdefault("fi", torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda"))
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="HND")
+        b = case.batch
+        wrapper.plan(torch.arange(b + 1, dtype=torch.int32, device="cuda"),
+                     torch.arange(b, dtype=torch.int32, device="cuda"),
+                     torch.full((b,), case.n, dtype=torch.int32, device="cuda"),
+                     case.heads, case.kv_heads, case.head_dim, case.n,
+                     q_data_type=x.q.dtype, kv_data_type=x.k.dtype)
+        return lambda: wrapper.run(x.q, (x.k, x.v))
+    if name == "sdpa":
+        q4 = x.q[:, :, None, :]
+        return lambda: F.scaled_dot_product_attention(q4, x.k, x.v, enable_gqa=True)
+    if name == "dense":
+        return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
+    tile = auto_tile_size(case.n)
+    if name == "santa-flash":
+        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed)[0]
+    rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
+    return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding)[0]
+
+
+def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
+    """Bytes the method must read (K, V) and, for S²ANTA, the V-row fraction measured on these inputs."""
+    from ..kernels.santa_reference import auto_tile_size
+    from ..kernels.triton_santa import santa_flash_triton, santa_prop_triton
+
+    elt = x.k.element_size()
+    row = case.head_dim * elt
+    k_bytes = case.batch * case.kv_heads * case.n * row
+    if not name.startswith("santa"):
+        return {"bytes": 2.0 * k_bytes, "v_row_fraction": 1.0}
+    tile = auto_tile_size(case.n)
+    if name == "santa-flash":
+        _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True)
+    else:
+        rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
+        _, counts, _ = santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
+                                         write_counts=True)
+    g = case.heads // case.kv_heads
+    used = (counts > 0).view(case.batch, case.kv_heads, g, case.n).any(2)
+    v_rows = float(used.sum())
+    return {"bytes": k_bytes + v_rows * row, "v_row_fraction": v_rows / (case.batch * case.kv_heads * case.n)}
+
+
+def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAULT_CONTEXTS, batches=(1, 8),
+                     variants=DEFAULT_VARIANTS, warmup: int = 10, iters: int = 40, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16, max_kv_bytes: float = 24e9,
+                     log: Callable[[str], None] = print) -> dict:
+    if not torch.cuda.is_available():
+        raise RuntimeError("kvsieve bench decode needs a CUDA GPU")
+    parsed = [(spec, *parse_variant(spec)) for spec in variants]
+    flashinfer = _load_flashinfer() if any(p[1].startswith("flashinfer") for p in parsed) else None
+    if isinstance(flashinfer, Exception):
+        log(f"FlashInfer unavailable ({flashinfer}); its rows are skipped")
+    peak = copy_bandwidth()
+    log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
+    timer = ColdL2Timer()
+    workspace: dict = {}
+    rows = []
+    cases = [Case(s, *SHAPES[s], n, b) for s in shapes for b in batches for n in contexts]
+    try:
+        from tqdm import tqdm
+
+        cases_iter = tqdm(cases, desc="bench decode", mininterval=5)
+    except ImportError:  # pragma: no cover
+        cases_iter = cases
+    for case in cases_iter:
+        kv_bytes = 2 * case.batch * case.kv_heads * case.n * case.head_dim * torch.finfo(dtype).bits // 8
+        if kv_bytes > max_kv_bytes:
+            log(f"skip {case}: K+V {kv_bytes / 1e9:.1f} GB > {max_kv_bytes / 1e9:.0f} GB")
+            continue
+        x = Inputs(case, dtype, seed)
+        reference = F.scaled_dot_product_attention(x.q[:, :, None, :].float(), x.k.float(), x.v.float(),
+                                                   enable_gqa=True)[:, :, 0]
+        case_rows = []
+        for spec, name, budget in parsed:
+            row = {"shape": case.shape, "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
+                   "n": case.n, "batch": case.batch, "variant": spec}
+            try:
+                call = make_call(name, budget, case, x, flashinfer, seed, workspace)
+                out = call()
+                torch.cuda.synchronize()
+                out = out.reshape(case.batch, case.heads, case.head_dim).float()
+                row["rel_error_vs_sdpa"] = float((out - reference).norm() / reference.norm())
+                row.update(timer.time_us(call, warmup=warmup, iters=iters))
+                row["launches"] = count_launches(call)
+                row.update(bytes_touched(name, budget, case, x, seed))
+                row["gb_per_s"] = row["bytes"] / (row["median_us"] * 1e-6) / 1e9
+                row["floor_us"] = row["bytes"] / peak * 1e6
+                row["fraction_of_floor"] = row["floor_us"] / row["median_us"]
+            except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                log(f"{case.shape} n={case.n} b={case.batch} {spec}: {row['error']}")
+            case_rows.append(row)
+        base = next((r for r in case_rows if r["variant"] == "flashinfer" and "median_us" in r), None)
+        for r in case_rows:
+            if base is not None and "median_us" in r:
+                r["speedup_vs_flashinfer"] = base["median_us"] / r["median_us"]
+        rows.extend(case_rows)
+        del x
+        torch.cuda.empty_cache()
+    return {
+        "kind": "decode",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "flashinfer": None if isinstance(flashinfer, Exception) or flashinfer is None else _version("flashinfer"),
+        "dtype": str(dtype).replace("torch.", ""),
+        "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median",
+        "copy_bandwidth_bytes_per_s": peak,
+        "rows": rows,
+    }
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def geometric_mean(values) -> float:
+    values = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")

@@ -1,0 +1,84 @@
+"""Results of ``kvsieve bench decode``: JSON, a markdown table and a latency-vs-context PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(results: dict, command: str) -> str:
+    lines = [
+        f"# Decode-step attention benchmark — {results['device']}",
+        "",
+        f"- date: {results['date']}; torch {results['torch']}, triton {results['triton']}, "
+        f"FlashInfer {results['flashinfer']}; {results['dtype']}",
+        f"- command: `{command}`",
+        f"- protocol: {results['protocol']}",
+        f"- bandwidth ceiling (device-to-device copy, read + write): "
+        f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floor = bytes the method must touch / ceiling",
+        "- bytes: dense = all of K and V; S²ANTA = all of K + the V rows sampled by any head of a GQA group "
+        "(measured on the same inputs); the prop stash and partials are not counted",
+        "",
+    ]
+    rows = results["rows"]
+    groups = sorted({(r["shape"], r["batch"]) for r in rows}, key=lambda g: (g[0], g[1]))
+    for shape, batch in groups:
+        sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+        head = sel[0]
+        lines.append(f"## {shape} (H={head['heads']}, Hkv={head['kv_heads']}, d={head['head_dim']}), batch {batch}")
+        lines.append("")
+        lines.append("| n | variant | µs | speedup vs FlashInfer | GB/s | floor µs | of floor | V rows "
+                     "| launches | rel err |")
+        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in sorted(sel, key=lambda r: (r["n"], r["variant"])):
+            if "error" in r:
+                lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:80]} | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['n']:,} | {r['variant']} | {r['median_us']:.1f} | {_fmt(r.get('speedup_vs_flashinfer'), '.2f')}x"
+                f" | {r['gb_per_s']:.0f} | {r['floor_us']:.1f} | {r['fraction_of_floor']:.0%} "
+                f"| {r['v_row_fraction']:.2%} | {_fmt(r.get('launches'), 'd')} | {r['rel_error_vs_sdpa']:.1e} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if "median_us" in r]
+    groups = sorted({(r["shape"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.5), squeeze=False)
+    for ax, (shape, batch) in zip(axes[0], groups, strict=False):
+        sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+        for variant in sorted({r["variant"] for r in sel}):
+            pts = sorted((r["n"], r["median_us"]) for r in sel if r["variant"] == variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context n (keys)")
+        ax.set_ylabel("µs per decode step (cold L2, median)")
+        ax.set_title(f"{shape}, batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{results['device']} — {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, out_dir: Path, stem: str, command: str) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = dict(results, command=command)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
+    paths[0].write_text(json.dumps(results, indent=1))
+    paths[1].write_text(markdown(results, command))
+    plot(results, paths[2])
+    return paths

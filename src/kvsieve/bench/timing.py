@@ -1,0 +1,72 @@
+"""The cold-L2 timing protocol of the SANTA paper's Appendix Q (``shared/measurements/h100-dense-decode.md``).
+
+Before every timed call a 512 MB buffer is rewritten, so that no K/V byte is served from L2 (50 MB
+on an H100); the call is bracketed by CUDA events; warm-up calls come first; the median is kept. The
+flush also hides the host's launch cost: the kernels are queued while the flush runs, so the events
+measure device time, launch gaps between kernels included.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+FLUSH_BYTES = 512 * 1024 * 1024
+
+
+class ColdL2Timer:
+    def __init__(self, device: torch.device | str = "cuda", flush_bytes: int = FLUSH_BYTES):
+        self.flush_buffer = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device)
+
+    def flush(self) -> None:
+        self.flush_buffer.fill_(1.0)
+
+    def time_us(self, fn: Callable[[], object], *, warmup: int = 10, iters: int = 40) -> dict[str, float]:
+        """Median, min and max of ``iters`` cold-L2 calls, in µs."""
+        for _ in range(warmup):
+            self.flush()
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+        for s, e in zip(starts, ends, strict=True):
+            self.flush()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends, strict=True)]
+        return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+def copy_bandwidth(device: torch.device | str = "cuda", n_bytes: int = 2 * 1024**3, iters: int = 10) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus written (the bandwidth ceiling)."""
+    src = torch.empty(n_bytes // 2 // 2, dtype=torch.float16, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    e.record()
+    torch.cuda.synchronize()
+    seconds = s.elapsed_time(e) / 1000.0 / iters
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def count_launches(fn: Callable[[], object]) -> int | None:
+    """Kernels one call launches (torch profiler); None where the profiler cannot see the device."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return len(kernels)
+    except Exception:  # noqa: BLE001 - the profiler is optional, the count is reported as unknown
+        return None
