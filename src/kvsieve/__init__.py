@@ -14,7 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from .core.method import Method
-from .core.registry import method, methods, parse_spec
+
+# Import the built-in methods first: importing a subpackage binds its name on this package, and the
+# public function `kvsieve.methods()` below must be what that name means afterwards.
+from . import methods as _builtin_methods  # noqa: E402,F401,I001
+from .core.registry import method, methods, parse_spec  # noqa: E402
 from .core.stats import StepStats
 
 __version__ = "0.1.0"
