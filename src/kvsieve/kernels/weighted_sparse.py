@@ -131,6 +131,8 @@ def weighted_sparse_decode_reference(
     logits = logits.masked_fill(~used, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # every row has >= 1 used entry, hence finite
     p = torch.exp(logits - lse[..., None])
+    # Padding rows were gathered but must not be read: zero them so that NaN there cannot leak (0·NaN).
+    vr = vr.masked_fill(~used.view(used.shape[0], used.shape[1], -1)[..., None], 0.0)
     out = torch.matmul(p, vr)  # [B, Hs, G or 1, dv]
     return out.reshape(b, hq, -1), lse.reshape(b, hq)
 
