@@ -1,0 +1,92 @@
+"""Scores and fidelity metrics.
+
+- RULER's string-match recall: ``string_match_all`` (fraction of the references found in the
+  prediction, case-insensitive) and ``string_match_part`` (1 if any reference is found).
+- Teacher-forced next-token agreement between dense and a method: per position
+  KL(p_dense ‖ p_method) in nats and top-1 agreement (argmax equal).
+- Relative attention-output error ‖ô − o‖/‖o‖ comes from the integration's ``track_error``
+  records; :func:`summarize_records` turns a session's records into per-cell numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+
+def _check_refs(references: Sequence[str]) -> None:
+    if isinstance(references, str) or not references:
+        raise ValueError(f"references: expected a non-empty sequence of strings, got {references!r}")
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """RULER ``string_match_all``: the fraction of references contained in the prediction."""
+    _check_refs(references)
+    pred = prediction.lower()
+    return sum(ref.lower() in pred for ref in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """RULER ``string_match_part``: 1.0 if any reference is contained in the prediction."""
+    _check_refs(references)
+    pred = prediction.lower()
+    return float(max(ref.lower() in pred for ref in references))
+
+
+def next_token_agreement(dense_logits: torch.Tensor, method_logits: torch.Tensor) -> dict[str, float]:
+    """KL(dense ‖ method) per position (nats, mean and max) and top-1 agreement, logits ``[T, V]``."""
+    if dense_logits.shape != method_logits.shape or dense_logits.dim() != 2:
+        raise ValueError(
+            f"logits: expected two [T, V] tensors of one shape, got {tuple(dense_logits.shape)} "
+            f"and {tuple(method_logits.shape)}"
+        )
+    if dense_logits.shape[0] == 0:
+        return {"kl_mean": float("nan"), "kl_max": float("nan"), "top1_agree": float("nan"), "tf_tokens": 0}
+    log_p = torch.log_softmax(dense_logits.double(), dim=-1)
+    log_q = torch.log_softmax(method_logits.double(), dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)
+    top1 = (dense_logits.argmax(-1) == method_logits.argmax(-1)).double()
+    return {
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "top1_agree": float(top1.mean()),
+        "tf_tokens": int(dense_logits.shape[0]),
+    }
+
+
+def _finite_mean(values: Iterable[float]) -> float | None:
+    vals = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize_records(records: Sequence[dict[str, Any]], n_layers: int) -> dict[str, Any]:
+    """Per-cell density, bytes and attention error from a ``sparsify`` session's records.
+
+    Means are over the (layer, step) calls the method served; ``rel_error_by_layer`` is a list of
+    length ``n_layers`` (``None`` where a layer had no tracked step, e.g. a dense layer).
+    """
+    if not records:
+        return {"density": None, "kv_density": None, "bytes_read_per_step": None, "rel_error": None,
+                "rel_error_by_layer": [None] * n_layers, "sparse_calls": 0, "backends": []}
+    by_layer: dict[int, list[float]] = defaultdict(list)
+    for r in records:
+        err = r.get("rel_error")
+        if err is not None:
+            by_layer[int(r["layer"])].append(float(err))
+    steps: dict[tuple[Any, Any], int] = defaultdict(int)
+    for r in records:
+        # One query token is one decode step: a multi-token question forward holds many.
+        steps[(r.get("request"), r.get("step"), r.get("position"))] += int(r.get("bytes_read") or 0)
+    return {
+        "density": _finite_mean(r.get("density") for r in records),
+        "kv_density": _finite_mean(r.get("kv_density") for r in records),
+        "bytes_read_per_step": _finite_mean(steps.values()),
+        "rel_error": _finite_mean(e for errs in by_layer.values() for e in errs),
+        "rel_error_by_layer": [_finite_mean(by_layer.get(i, [])) for i in range(n_layers)],
+        "sparse_calls": len(records),
+        "backends": sorted({str(r.get("backend")) for r in records if r.get("backend") is not None}),
+    }

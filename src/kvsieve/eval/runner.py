@@ -1,0 +1,378 @@
+"""The grid runner: model × method × task × length × sample, resumable, one exact prefill per prompt.
+
+For each (task, length, sample) with unfinished cells:
+
+1. generate the sample (deterministic in its coordinates) and tokenize it;
+2. prefill the context once, exactly (dense attention), into a ``DynamicCache``;
+3. for each unfinished method: deep-copy the cache, run the question and greedy decoding inside
+   ``kvsieve.sparsify(model, method, phase=...)`` (``dense`` runs without it), score the text; then,
+   on a fresh copy, teacher-force the question and the gold answer and compare next-token
+   distributions with dense (KL, top-1); write the cell atomically.
+
+Under ``phase="question"`` (setup B) the cache holds only the context; the question's tokens and
+the generated ones use the method. Under ``phase="decode"`` (setup A) the question is prefilled
+exactly as well and only generated tokens use the method. Either way the shared prefill is
+exact, so every method reuses it and pays only for its own tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import tasks as task_registry
+from .metrics import next_token_agreement, summarize_records
+from .store import ResultStore
+
+DENSE = "dense"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One evaluation grid. ``methods`` are spec strings; dense is always part of the grid."""
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    methods: tuple[str, ...]
+    samples: int
+    output: str
+    model: str = "default"
+    phase: str = "question"
+    seed: int = 0
+    dense_layers: tuple[int, ...] = ()
+    track_error: int = 4
+    max_new_tokens: int | None = None
+    teacher_forced: bool = True
+    stop_when_solved: bool = True
+
+    def settings(self) -> dict[str, Any]:
+        """What every cell of a results folder must share (checked on resume)."""
+        return {
+            "model": self.model, "phase": self.phase, "seed": self.seed, "dense_layers": list(self.dense_layers),
+            "track_error": self.track_error, "max_new_tokens": self.max_new_tokens,
+            "teacher_forced": self.teacher_forced, "stop_when_solved": self.stop_when_solved,
+        }
+
+    def grid(self) -> dict[str, Any]:
+        return {"tasks": list(self.tasks), "lengths": list(self.lengths), "methods": list(self.methods),
+                "samples": self.samples}
+
+
+def canonical_methods(specs: Sequence[str]) -> tuple[str, ...]:
+    """Validated, canonical spec strings, dense first, no duplicates (unknown names raise, listing valid ones)."""
+    import kvsieve
+
+    out: list[str] = [DENSE]
+    for spec in specs:
+        canonical = kvsieve.method(spec).spec
+        if canonical not in out:
+            out.append(canonical)
+    return tuple(out)
+
+
+def validate_config(cfg: EvalConfig) -> EvalConfig:
+    """Check everything that can be checked before loading a model; returns a normalized config."""
+    if not cfg.tasks:
+        raise ValueError("tasks: expected at least one task; valid tasks: " + ", ".join(task_registry.task_names()))
+    tasks = tuple(dict.fromkeys(task_registry.check_task(t) for t in cfg.tasks))
+    if not cfg.lengths:
+        raise ValueError("lengths: expected at least one length in tokens")
+    for length in cfg.lengths:
+        if isinstance(length, bool) or not isinstance(length, int) or length < 256:
+            raise ValueError(f"lengths: expected integers of at least 256 tokens, got {length!r}")
+    if isinstance(cfg.samples, bool) or not isinstance(cfg.samples, int) or cfg.samples < 1:
+        raise ValueError(f"samples: expected a positive integer, got {cfg.samples!r}")
+    if cfg.phase not in ("question", "decode"):
+        raise ValueError(f"phase: expected 'question' (setup B) or 'decode' (setup A), got {cfg.phase!r}")
+    if cfg.track_error < 0:
+        raise ValueError(f"track_error: expected an integer >= 0 (0 = off), got {cfg.track_error}")
+    if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive integer, got {cfg.max_new_tokens}")
+    return EvalConfig(**{**asdict(cfg), "tasks": tasks, "lengths": tuple(dict.fromkeys(cfg.lengths)),
+                         "methods": canonical_methods(cfg.methods), "dense_layers": tuple(cfg.dense_layers)})
+
+
+def check_model_name(name: str) -> None:
+    if name == "default" or Path(name).is_dir():
+        return
+    raise ValueError(
+        f"model: unknown model {name!r}. Valid models: 'default' (the offline SmolLM2-135M-Instruct), "
+        "or a local folder holding a transformers causal LM (hub ids need network access, which "
+        "this machine does not have)"
+    )
+
+
+def check_lengths(lengths: Sequence[int], model: Any) -> None:
+    maximum = getattr(model.config, "max_position_embeddings", None)
+    if maximum is None:
+        return
+    too_long = [n for n in lengths if n > maximum]
+    if too_long:
+        raise ValueError(f"lengths: {too_long} exceed the model's maximum context of {maximum} tokens")
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+@dataclass
+class Timer:
+    """Wall time spent inside the model's forward passes vs in the whole run."""
+
+    forward_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+    def forward(self, model: Any, **kwargs: Any):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(**kwargs)
+        self.forward_s += time.perf_counter() - t0
+        return out
+
+    @property
+    def total_s(self) -> float:
+        return time.perf_counter() - self.started
+
+
+# ---- one cell ------------------------------------------------------------------------------
+
+@dataclass
+class Prefill:
+    cache: Any
+    last_logits: torch.Tensor  # logits after the exactly prefilled part
+    prefilled: int  # tokens in the cache
+    seconds: float
+
+
+def _ids(tokens: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([list(tokens)], dtype=torch.long, device=device)
+
+
+def prefill(model: Any, sample: task_registry.Sample, phase: str, timer: Timer) -> Prefill:
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    upto = sample.question_start if phase == "question" else sample.n_tokens
+    cache = DynamicCache()
+    t0 = time.perf_counter()
+    out = timer.forward(model, input_ids=_ids(sample.input_ids[:upto], device), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+    return Prefill(cache, out.logits[0, -1].float(), upto, time.perf_counter() - t0)
+
+
+def _session(model: Any, method: str, cfg: EvalConfig, question_start: int, track: bool):
+    import contextlib
+
+    if method == DENSE:
+        return contextlib.nullcontext(None)
+    import kvsieve
+
+    return kvsieve.sparsify(model, method, phase=cfg.phase, dense_layers=cfg.dense_layers, seed=cfg.seed,
+                            track_error=cfg.track_error if track else 0,
+                            question_start=question_start if cfg.phase == "question" else None)
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    for value in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+@dataclass
+class MethodOutput:
+    text: str
+    new_tokens: int
+    records: list[dict[str, Any]]
+    tf_logits: torch.Tensor | None  # [T, V]: row j predicts forced token j + 1 (see run_method)
+    tf_target_rows: int  # how many of the last rows predict gold-target tokens
+
+
+def _target_ids(tokenizer: Any, sample: task_registry.Sample) -> list[int]:
+    return tokenizer(sample.target, add_special_tokens=False)["input_ids"] if sample.target else []
+
+
+def _stateless(session: Any) -> bool:
+    return session is None or not any(bool(v) for v in session.layer_state.values())
+
+
+def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Prefill, method: str,
+               cfg: EvalConfig, timer: Timer, *, generate: bool = True, teacher_force: bool = True) -> MethodOutput:
+    """One method on one prompt from the shared exact prefill: greedy generation and teacher forcing.
+
+    Teacher forcing feeds the tokens after the prefill (the question, under setup B) followed by
+    the gold target, and keeps the method's next-token logits. The first forced token is predicted
+    by the exact prefill, identically for every method, so it is left out: row ``j`` predicts
+    forced token ``j + 1``.
+
+    Under setup B both share one forward pass: question + target are run once (causal attention
+    makes the question rows independent of the target), the cache is cropped back to the question,
+    and greedy decoding continues from the question's last logits. The crop is exact only for
+    methods that keep no per-layer state; for others the question is run again on a fresh copy.
+    Under setup A forced tokens are fed one at a time, since only single-token steps are sparse.
+    """
+    device = next(model.parameters()).device
+    limit = sample.max_new_tokens if cfg.max_new_tokens is None else min(cfg.max_new_tokens, sample.max_new_tokens)
+    generate = generate and limit > 0
+    question = list(sample.input_ids[pre.prefilled:])
+    target = _target_ids(tokenizer, sample) if teacher_force else []
+    forced = question + target if teacher_force else []
+    tf_logits, tf_rows = None, 0
+    logits = pre.last_logits
+    cache = copy.deepcopy(pre.cache)
+    generated: list[int] = []
+    with _session(model, method, cfg, sample.question_start, track=True) as session:
+        if cfg.phase == "question" and question:
+            run = forced[:-1] if len(forced) > len(question) else question
+            out = timer.forward(model, input_ids=_ids(run, device), past_key_values=cache, use_cache=True)
+            if teacher_force and len(forced) >= 2:
+                tf_logits = out.logits[0, : len(forced) - 1].float()
+            logits = out.logits[0, len(question) - 1].float()
+            if generate and len(run) > len(question):
+                if _stateless(session):
+                    # A negative count removes tokens from the end in transformers 4.x and 5.x alike.
+                    cache.crop(-(len(run) - len(question)))
+                else:
+                    cache = copy.deepcopy(pre.cache)
+                    out = timer.forward(model, input_ids=_ids(question, device), past_key_values=cache,
+                                        use_cache=True, logits_to_keep=1)
+                    logits = out.logits[0, -1].float()
+        elif teacher_force and len(forced) >= 2:
+            tf_cache = copy.deepcopy(pre.cache)
+            rows = []
+            for tok in forced[:-1]:
+                out = timer.forward(model, input_ids=_ids([tok], device), past_key_values=tf_cache, use_cache=True)
+                rows.append(out.logits[0, -1].float())
+            tf_logits = torch.stack(rows)
+            del tf_cache
+        if tf_logits is not None:
+            tf_rows = min(len(target), tf_logits.shape[0])
+        eos = _eos_ids(model, tokenizer)
+        while generate and len(generated) < limit:
+            token = int(logits.argmax())
+            if token in eos:
+                break
+            generated.append(token)
+            # Once every reference is in the text, more tokens cannot change a string-match score.
+            if cfg.stop_when_solved and sample.score(tokenizer.decode(generated)) == 1.0:
+                break
+            if len(generated) == limit:
+                break
+            out = timer.forward(model, input_ids=_ids([token], device), past_key_values=cache, use_cache=True)
+            logits = out.logits[0, -1]
+    records = session.records if session is not None else []
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    return MethodOutput(text, len(generated), records, tf_logits, tf_rows)
+
+
+def dense_kv_bytes(model: Any, n_keys: float) -> float:
+    """K and V bytes that exact attention reads per decode step (all layers, the whole cache)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    elem = next(model.parameters()).element_size()
+    return 2.0 * c.num_hidden_layers * c.num_key_value_heads * n_keys * head_dim * elem
+
+
+# ---- the grid ------------------------------------------------------------------------------
+
+@dataclass
+class RunResult:
+    store: ResultStore
+    computed: int
+    skipped: int
+    forward_s: float
+    total_s: float
+
+    @property
+    def overhead(self) -> float:
+        return 1.0 - self.forward_s / self.total_s if self.total_s > 0 else float("nan")
+
+
+def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, command: str | None = None,
+             progress: bool = True, on_cell: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Run (or resume) the grid; returns counts and timing. ``model``/``tokenizer`` skip loading."""
+    cfg = validate_config(cfg)
+    store = ResultStore.open_for_run(cfg.output, cfg.settings(), cfg.grid(), command)
+    groups = [(t, n, i) for t in cfg.tasks for n in cfg.lengths for i in range(cfg.samples)]
+    todo = [(g, [m for m in cfg.methods if not store.has(*g, m)]) for g in groups]
+    todo = [(g, ms) for g, ms in todo if ms]
+    n_cells = len(groups) * len(cfg.methods)
+    n_todo = sum(len(ms) for _, ms in todo)
+    if not todo:
+        return RunResult(store, 0, n_cells, 0.0, 0.0)
+    if model is None:
+        check_model_name(cfg.model)
+        import kvsieve
+
+        model, tokenizer = kvsieve.load_model(cfg.model)
+    check_lengths(cfg.lengths, model)
+    n_layers = model.config.num_hidden_layers
+    timer = Timer()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=n_todo, desc="eval cells", unit="cell", disable=not progress, dynamic_ncols=True)
+    computed = 0
+    try:
+        for (task, length, index), methods in todo:
+            bar.set_postfix_str(f"{task} {length} #{index}")
+            sample = task_registry.make_sample(task, tokenizer, length, index, cfg.seed)
+            fingerprint = sample.fingerprint()
+            for m in cfg.methods:
+                if m not in methods:
+                    old = store.read(task, length, index, m)
+                    if old.get("fingerprint") != fingerprint:
+                        raise ValueError(
+                            f"results: cell {task}/{length}/{index}/{m} was computed on a different prompt "
+                            "(the task generator changed); use a new output folder"
+                        )
+            pre = prefill(model, sample, cfg.phase, timer)
+            dense_tf = None
+            if cfg.teacher_forced and DENSE not in methods:
+                dense_tf = run_method(model, tokenizer, sample, pre, DENSE, cfg, timer, generate=False).tf_logits
+            for m in methods:
+                t0, f0 = time.perf_counter(), timer.forward_s
+                res = run_method(model, tokenizer, sample, pre, m, cfg, timer, teacher_force=cfg.teacher_forced)
+                row: dict[str, Any] = {
+                    "task": task, "length": length, "sample": index, "method": m,
+                    "n_tokens": sample.n_tokens, "question_start": sample.question_start,
+                    "fingerprint": fingerprint, "prediction": res.text, "gold": list(sample.gold),
+                    "score": sample.score(res.text), "new_tokens": res.new_tokens, "prefill_s": pre.seconds,
+                }
+                if m == DENSE:
+                    dense_tf = res.tf_logits
+                    row.update({"density": 1.0, "kv_density": 1.0, "rel_error": 0.0,
+                                "rel_error_by_layer": [0.0] * n_layers, "sparse_calls": 0, "backends": ["sdpa"],
+                                "bytes_read_per_step": dense_kv_bytes(model, sample.n_tokens)})
+                else:
+                    row.update(summarize_records(res.records, n_layers))
+                if cfg.teacher_forced and dense_tf is not None and res.tf_logits is not None:
+                    row.update(next_token_agreement(dense_tf, res.tf_logits))
+                    if res.tf_target_rows:
+                        ans = next_token_agreement(dense_tf[-res.tf_target_rows:], res.tf_logits[-res.tf_target_rows:])
+                        row.update({"kl_answer": ans["kl_mean"], "top1_answer": ans["top1_agree"]})
+                row["seconds"] = time.perf_counter() - t0
+                row["forward_s"] = timer.forward_s - f0
+                store.write(row)
+                computed += 1
+                bar.update(1)
+                if on_cell is not None:
+                    on_cell(row)
+    finally:
+        bar.close()
+        total = timer.total_s
+        run_log = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": computed,
+                   "total_s": total, "forward_s": timer.forward_s,
+                   "overhead": 1.0 - timer.forward_s / total if total > 0 else None,
+                   "threads": torch.get_num_threads(), "host": platform.node(), "cpu_count": os.cpu_count()}
+        store.manifest.setdefault("runs", []).append(run_log)
+        store.save_manifest()
+    return RunResult(store, computed, n_cells - n_todo, timer.forward_s, timer.total_s)
