@@ -308,6 +308,7 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
     n_cells = len(groups) * len(cfg.methods)
     n_todo = sum(len(ms) for _, ms in todo)
     if not todo:
+        store.save_manifest()
         return RunResult(store, 0, n_cells, 0.0, 0.0)
     if model is None:
         check_model_name(cfg.model)
@@ -315,6 +316,7 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
 
         model, tokenizer = kvsieve.load_model(cfg.model)
     check_lengths(cfg.lengths, model)
+    store.save_manifest()
     n_layers = model.config.num_hidden_layers
     timer = Timer()
     from tqdm.auto import tqdm

@@ -75,7 +75,10 @@ class ResultStore:
     @classmethod
     def open_for_run(cls, root: str | Path, settings: dict[str, Any], grid: dict[str, Any],
                      command: str | None = None) -> ResultStore:
-        """Create the folder, or reopen it for resuming when its shared settings equal ``settings``."""
+        """Create the folder, or reopen it for resuming when its shared settings equal ``settings``.
+
+        Nothing is written until :meth:`save_manifest` (so a run refused later leaves no trace).
+        """
         root = Path(root)
         if root.exists() and not root.is_dir():
             raise ResultsFolderError(f"output: {root} exists and is not a folder")
@@ -107,9 +110,7 @@ class ResultStore:
         manifest["updated"] = _now()
         if command:
             manifest.setdefault("commands", []).append(command)
-        store = cls(root, manifest)
-        store.save_manifest()
-        return store
+        return cls(root, manifest)
 
     def save_manifest(self) -> None:
         atomic_write_text(self.root / MANIFEST, json.dumps(self.manifest, indent=2, sort_keys=True) + "\n")

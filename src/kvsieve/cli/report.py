@@ -1,0 +1,21 @@
+"""``kvsieve report DIR``: plots and report.md for an eval results folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="write PNG plots and report.md for a kvsieve eval results folder")
+    p.add_argument("results", help="the folder given to kvsieve eval --output")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..eval.report import print_table, summarize, write_report
+    from ..eval.store import ResultStore
+
+    path = write_report(args.results)
+    print_table(summarize(ResultStore.open_existing(args.results).rows()), title=f"kvsieve report — {args.results}")
+    print(f"wrote {path} and its plots")
+    return 0
