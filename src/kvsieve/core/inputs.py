@@ -112,9 +112,11 @@ def check_decode_inputs(
     b, hq, d = q.shape
     _require(k.shape[0] == b and v.shape[0] == b, f"k, v: batch {k.shape[0]}, {v.shape[0]} != q's batch {b}")
     _require(k.shape[3] == d, f"k: head dim {k.shape[3]} != q's head dim {d}")
-    _require(k.shape[:3] == v.shape[:3], f"v: shape {tuple(v.shape)} does not match k's [B, Hkv, N] {tuple(k.shape[:3])}")
+    _require(k.shape[:3] == v.shape[:3],
+             f"v: shape {tuple(v.shape)} does not match k's [B, Hkv, N] {tuple(k.shape[:3])}")
     hkv, n = k.shape[1], k.shape[2]
-    _require(hkv >= 1 and hq >= 1 and d >= 1, f"q, k: empty head or feature dimension in {tuple(q.shape)}, {tuple(k.shape)}")
+    _require(hkv >= 1 and hq >= 1 and d >= 1,
+             f"q, k: empty head or feature dimension in {tuple(q.shape)}, {tuple(k.shape)}")
     _require(hq % hkv == 0, f"q: {hq} query heads is not a multiple of k's {hkv} KV heads")
     _require(n >= 1, f"k: the cache holds no keys (N = {n})")
     _require(b >= 1, "q: empty batch")
@@ -129,7 +131,8 @@ def check_decode_inputs(
                  f"lengths: expected an integer tensor, got {lengths.dtype}")
         lengths = lengths.long()
         lo, hi = int(lengths.min()), int(lengths.max())
-        _require(lo >= 1 and hi <= n, f"lengths: expected values in [1, {n}] (the cache length), got min {lo}, max {hi}")
+        _require(lo >= 1 and hi <= n,
+                 f"lengths: expected values in [1, {n}] (the cache length), got min {lo}, max {hi}")
         mask = positions[None, :] < lengths[:, None]
         n_valid = lengths
     elif key_mask is not None:
