@@ -175,11 +175,19 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
                 out = out.reshape(case.batch, case.heads, case.head_dim).float()
                 row["rel_error_vs_sdpa"] = float((out - reference).norm() / reference.norm())
                 row.update(timer.time_us(call, warmup=warmup, iters=iters))
+                try:
+                    row["graph_us"] = timer.time_graph_us(call, warmup=warmup, iters=iters)["median_us"]
+                except Exception as exc:  # noqa: BLE001 - not every library call can be captured
+                    row["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                 row["launches"] = count_launches(call)
+                row["kernels_us"] = timer.kernel_breakdown(call)
                 row.update(bytes_touched(name, budget, case, x, seed))
                 row["gb_per_s"] = row["bytes"] / (row["median_us"] * 1e-6) / 1e9
                 row["floor_us"] = row["bytes"] / peak * 1e6
                 row["fraction_of_floor"] = row["floor_us"] / row["median_us"]
+                kernels = ", ".join(f"{k[:28]} {v:.1f}" for k, v in (row["kernels_us"] or {}).items())
+                log(f"{case.shape} n={case.n} b={case.batch} {spec}: {row['median_us']:.1f} us, graph "
+                    f"{row.get('graph_us', float('nan')):.1f} us; kernels: {kernels}")
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 log(f"{case.shape} n={case.n} b={case.batch} {spec}: {row['error']}")
@@ -188,6 +196,8 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         for r in case_rows:
             if base is not None and "median_us" in r:
                 r["speedup_vs_flashinfer"] = base["median_us"] / r["median_us"]
+                if "graph_us" in r and "graph_us" in base:
+                    r["graph_speedup_vs_flashinfer"] = base["graph_us"] / r["graph_us"]
         rows.extend(case_rows)
         del x
         torch.cuda.empty_cache()
@@ -199,7 +209,8 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         "triton": _version("triton"),
         "flashinfer": None if isinstance(flashinfer, Exception) or flashinfer is None else _version("flashinfer"),
         "dtype": str(dtype).replace("torch.", ""),
-        "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median",
+        "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median; "
+                    "'graph' = the same with the call captured in a CUDA graph and replayed",
         "copy_bandwidth_bytes_per_s": peak,
         "rows": rows,
     }

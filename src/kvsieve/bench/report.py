@@ -31,15 +31,16 @@ def markdown(results: dict, command: str) -> str:
         head = sel[0]
         lines.append(f"## {shape} (H={head['heads']}, Hkv={head['kv_heads']}, d={head['head_dim']}), batch {batch}")
         lines.append("")
-        lines.append("| n | variant | µs | speedup vs FlashInfer | GB/s | floor µs | of floor | V rows "
-                     "| launches | rel err |")
-        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        lines.append("| n | variant | µs | speedup vs FlashInfer | graph µs | graph speedup | GB/s | floor µs "
+                     "| of floor | V rows | launches | rel err vs SDPA |")
+        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for r in sorted(sel, key=lambda r: (r["n"], r["variant"])):
             if "error" in r:
-                lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:80]} | | | | | | | |")
+                lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:80]} | | | | | | | | | |")
                 continue
             lines.append(
                 f"| {r['n']:,} | {r['variant']} | {r['median_us']:.1f} | {_fmt(r.get('speedup_vs_flashinfer'), '.2f')}x"
+                f" | {_fmt(r.get('graph_us'), '.1f')} | {_fmt(r.get('graph_speedup_vs_flashinfer'), '.2f')}x"
                 f" | {r['gb_per_s']:.0f} | {r['floor_us']:.1f} | {r['fraction_of_floor']:.0%} "
                 f"| {r['v_row_fraction']:.2%} | {_fmt(r.get('launches'), 'd')} | {r['rel_error_vs_sdpa']:.1e} |"
             )

@@ -40,6 +40,45 @@ class ColdL2Timer:
         return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
 
 
+    def time_graph_us(self, fn: Callable[[], object], *, warmup: int = 10, iters: int = 40) -> dict[str, float]:
+        """As ``time_us`` for ``fn`` captured once in a CUDA graph and replayed: no host launch cost,
+        kernels back to back (how a serving engine runs decode steps)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.time_us(graph.replay, warmup=warmup, iters=iters)
+
+    def kernel_breakdown(self, fn: Callable[[], object], *, iters: int = 5) -> dict[str, float] | None:
+        """Mean device µs per kernel name over ``iters`` cold-L2 calls (torch profiler), flush excluded."""
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    self.flush()
+                    torch.cuda.synchronize()
+                    fn()
+                    torch.cuda.synchronize()
+            totals: dict[str, float] = {}
+            for e in prof.events():
+                if e.device_type != torch.autograd.DeviceType.CUDA:
+                    continue
+                name = e.name[:60]
+                totals[name] = totals.get(name, 0.0) + e.time_range.elapsed_us()
+            flush_name = max(totals, key=totals.get) if totals else None
+            return {k: v / iters for k, v in totals.items() if k != flush_name}
+        except Exception:  # noqa: BLE001 - the profiler is optional
+            return None
+
+
 def copy_bandwidth(device: torch.device | str = "cuda", n_bytes: int = 2 * 1024**3, iters: int = 10) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus written (the bandwidth ceiling)."""
     src = torch.empty(n_bytes // 2 // 2, dtype=torch.float16, device=device).uniform_()

@@ -71,7 +71,7 @@ if triton is not None:
 
 
 def dense_split_plan(batch: int, kv_heads: int, n_keys: int, *, block_n: int = 64,
-                     target_programs: int = 528, chunk: int | None = None) -> tuple[int, int]:
+                     target_programs: int = 264, chunk: int | None = None) -> tuple[int, int]:
     """(keys per split, number of splits): enough programs to fill the GPU, whole blocks each."""
     if chunk is None:
         want_splits = max(1, -(-target_programs // (batch * kv_heads)))
@@ -80,13 +80,23 @@ def dense_split_plan(batch: int, kv_heads: int, n_keys: int, *, block_n: int = 6
     return chunk, -(-n_keys // chunk)
 
 
-def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int = 64, chunk: int | None = None,
-                        num_warps: int = 4, num_stages: int = 3, target_programs: int = 528,
+def launch_config(n_keys: int) -> tuple[int, int, int]:
+    """(block_n, num_warps, num_stages): the fastest of a sweep on an H100 (bf16, 32/8/128, batch 1;
+    benchmarks/NOTES.md): 64/4/3 at 32k keys, 128/8/2 at 128k."""
+    return (64, 4, 3) if n_keys < 65536 else (128, 8, 2)
+
+
+def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int | None = None, chunk: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 264,
                         out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact decode attention. q ``[B, Hq, d]``; k, v ``[B, Hkv, N, d]`` (last dim contiguous);
     ``lens [B]`` int32 valid prefix lengths (1 ≤ len ≤ N). Returns ``[B, Hq, d]`` in q's dtype."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
+    default_block, default_warps, default_stages = launch_config(n)
+    block_n = block_n or default_block
+    num_warps = num_warps or default_warps
+    num_stages = num_stages or default_stages
     g = hq // hkv
     chunk, splits = dense_split_plan(b, hkv, n, block_n=block_n, target_programs=target_programs, chunk=chunk)
     acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
