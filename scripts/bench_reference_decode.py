@@ -1,0 +1,122 @@
+"""CPU time of one reference decode step per method, against the dense reference (a benchmark, not a test).
+
+Shape of the default model's layers (9 query / 3 KV heads, head dim 64, float32) at N keys. Every
+method runs at about 10% density where it has a knob; state (Quest pages, MagicPIG hashes) is warm,
+as in decoding, where it is updated incrementally. Reports the median over repetitions and, for
+methods slower than ``--flag`` × dense, the three torch calls with the most self time.
+
+    python scripts/bench_reference_decode.py --out docs/results/reference-decode-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvsieve
+
+SPECS = [
+    "dense",
+    "streaming",
+    "oracle-topk:top_k=0.07",
+    "oracle-topp:top_p=0.9",
+    "random:budget=0.07",
+    "quest:top_k=0.07",
+    "magicpig:bits=8,tables=48",
+    "vattention",
+    "vattention:bound=full",
+    "vattention:predictor=quest",
+    "vattention:share_kv_group=true",
+]
+
+
+def time_method(spec, q, k, v, reps):
+    m = kvsieve.method(spec)
+    state = {}
+    m.decode(q, k, v, seed=0, state=state, check_finite=False)  # warm state and allocator
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        _, st = m.decode(q, k, v, seed=i + 1, state=state, check_finite=False)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), st
+
+
+def top_ops(spec, q, k, v, n=3):
+    m = kvsieve.method(spec)
+    state = {}
+    m.decode(q, k, v, seed=0, state=state, check_finite=False)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(5):
+        m.decode(q, k, v, seed=i, state=state, check_finite=False)
+    prof.disable()
+    s = io.StringIO()
+    stats = pstats.Stats(prof, stream=s).sort_stats("tottime")
+    rows = []
+    for (file, line, func), (_cc, _nc, tt, _ct, _callers) in sorted(stats.stats.items(), key=lambda x: -x[1][2])[:n]:
+        where = func if file == "~" else f"{Path(file).name}:{line}({func})"
+        rows.append(f"{where} {tt / 5 * 1000:.1f} ms")
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="docs/results/reference-decode-bench")
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--flag", type=float, default=1.5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for b in args.batch:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(b, 9, 64, generator=g)
+        k = torch.randn(b, 3, args.n, 64, generator=g)
+        v = torch.randn(b, 3, args.n, 64, generator=g)
+        dense_t = None
+        for spec in SPECS:
+            t, st = time_method(spec, q, k, v, args.reps)
+            dense_t = t if spec == "dense" else dense_t
+            ratio = t / dense_t
+            row = dict(batch=b, spec=spec, ms=t * 1000, ratio=ratio, density=st.density, kv_density=st.kv_density)
+            if ratio > args.flag:
+                row["top_ops"] = top_ops(spec, q, k, v)
+            rows.append(row)
+            print(f"B={b} {spec:35s} {t * 1000:8.2f} ms  x{ratio:5.2f}  density {st.density:.3f}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(rows=rows, args=vars(args)), indent=1))
+    lines = [
+        f"# Reference decode step on CPU, N = {args.n}",
+        "",
+        f"Command: `python scripts/bench_reference_decode.py --n {args.n} --batch {' '.join(map(str, args.batch))} "
+        f"--reps {args.reps} --threads {args.threads}`",
+        "",
+        "Default-model layer shape (9 q / 3 KV heads, d = 64, float32), random inputs, median of "
+        f"{args.reps} steps, {args.threads} thread(s) on a shared 2-core CPU (timings are noisy). Input "
+        "checks off (`check_finite=False`) for every method alike. Ratio = time / dense reference time.",
+        "",
+        "| B | method | ms | × dense | density | kv density | most self time (> "
+        f"{args.flag}× dense) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['batch']} | `{r['spec']}` | {r['ms']:.2f} | {r['ratio']:.2f} | {r['density']:.3f} | "
+                     f"{r['kv_density']:.3f} | {'; '.join(r.get('top_ops', []))} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
