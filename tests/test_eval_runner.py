@@ -1,0 +1,180 @@
+"""The runner: resume, adding methods, refusing foreign/corrupt/mismatched folders, the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from kvsieve.eval import tasks
+from kvsieve.eval.report import write_report
+from kvsieve.eval.runner import EvalConfig, Prefill, Timer, prefill, run_eval, run_method
+from kvsieve.eval.store import ResultsFolderError, ResultStore
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # The CI machine's 2 cores are shared; two threads contending with other work run several times slower.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def tiny(tmp_path, **kw) -> EvalConfig:
+    base = dict(tasks=("niah_single_2",), lengths=(384,), methods=("santa-sys:budget=16",), samples=1,
+                output=str(tmp_path / "run"), max_new_tokens=4, track_error=2)
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def cell_files(root):
+    return sorted(p for p in (root / "cells").rglob("*") if p.is_file())
+
+
+@pytest.mark.model
+def test_interrupt_resume_and_new_method_compute_only_missing_cells(default_model, tmp_path):
+    model, tok = default_model
+    cfg = tiny(tmp_path)
+    seen = []
+
+    def interrupt_after_first(row):
+        seen.append(row)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(cfg, model=model, tokenizer=tok, progress=False, on_cell=interrupt_after_first)
+    root = tmp_path / "run"
+    files = cell_files(root)
+    assert len(files) == 1 and not [p for p in root.rglob("*.tmp")]
+    first = files[0]
+    before = (first.read_bytes(), first.stat().st_mtime_ns)
+
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert (res.computed, res.skipped) == (1, 1)
+    assert (first.read_bytes(), first.stat().st_mtime_ns) == before
+    assert run_eval(cfg, model=model, tokenizer=tok, progress=False).computed == 0
+
+    more = dataclasses.replace(cfg, methods=cfg.methods + ("santa:budget=16",))
+    res = run_eval(more, model=model, tokenizer=tok, progress=False)
+    assert (res.computed, res.skipped) == (1, 2)
+
+    rows = ResultStore.open_existing(root).rows()
+    assert {r["method"] for r in rows} == {"dense", "santa-sys:budget=16", "santa:budget=16"}
+    for r in rows:
+        assert 0.0 <= r["score"] <= 1.0 and r["n_tokens"] <= 384
+        if r["method"] == "dense":
+            assert r["density"] == 1.0 and r["kl_mean"] == 0.0
+        else:
+            assert 0 < r["density"] < 0.5 and r["sparse_calls"] > 0
+            assert r["rel_error"] > 0 and len(r["rel_error_by_layer"]) == model.config.num_hidden_layers
+            assert r["kl_mean"] >= 0 and 0 <= r["top1_agree"] <= 1 and r["tf_tokens"] > 0
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["grid"]["methods"] == ["dense", "santa-sys:budget=16", "santa:budget=16"]
+    assert len(manifest["runs"]) == 3  # a run with nothing to compute logs nothing
+
+    report = write_report(root)
+    assert report.read_text().startswith("# kvsieve eval report")
+    for name in ("summary.csv", "summary.md", "rows.jsonl", "score_vs_density.png", "error_vs_budget.png",
+                 "layer_error_heatmap.png", "kl_vs_budget.png"):
+        assert (root / name).is_file() and (root / name).stat().st_size > 0, name
+    assert (root / "score_vs_density.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((root / "rows.jsonl").read_text().splitlines()) == 3
+
+    with pytest.raises(ResultsFolderError, match="other settings.*seed"):
+        run_eval(dataclasses.replace(cfg, seed=1), model=model, tokenizer=tok, progress=False)
+
+
+@pytest.mark.model
+def test_dense_cell_is_plain_greedy_decoding(default_model):
+    model, tok = default_model
+    sample = tasks.make_sample("niah_single_2", tok, 384, 0)
+    cfg = EvalConfig(tasks=("niah_single_2",), lengths=(384,), methods=(), samples=1, output="unused",
+                     stop_when_solved=False, max_new_tokens=6)
+    timer = Timer()
+    out = run_method(model, tok, sample, prefill(model, sample, "question", timer), "dense", cfg, timer)
+    ids = torch.tensor([list(sample.input_ids)])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    assert out.text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+@pytest.mark.model
+def test_shared_teacher_forced_pass_does_not_change_generation(default_model):
+    """Question + target in one forward, then a cache crop: same tokens as running the question alone."""
+    model, tok = default_model
+    sample = tasks.make_sample("niah_single_2", tok, 384, 1)
+    cfg = EvalConfig(tasks=("niah_single_2",), lengths=(384,), methods=(), samples=1, output="unused",
+                     stop_when_solved=False, max_new_tokens=3, track_error=0)
+    timer = Timer()
+    pre: Prefill = prefill(model, sample, "question", timer)
+    fused = run_method(model, tok, sample, pre, "santa-sys:budget=8", cfg, timer, teacher_force=True)
+    alone = run_method(model, tok, sample, pre, "santa-sys:budget=8", cfg, timer, teacher_force=False)
+    assert fused.text == alone.text and fused.new_tokens == alone.new_tokens == 3
+    assert fused.tf_logits is not None and alone.tf_logits is None
+    # The prefill cache is shared, never modified by a method's run.
+    assert pre.cache.get_seq_length() == sample.question_start
+
+
+@pytest.mark.model
+def test_length_above_model_maximum_is_refused_before_writing(default_model, tmp_path):
+    model, tok = default_model
+    with pytest.raises(ValueError, match="maximum context of 8192"):
+        run_eval(tiny(tmp_path, lengths=(9000,)), model=model, tokenizer=tok, progress=False)
+    assert not (tmp_path / "run" / "manifest.json").exists()
+
+
+def test_foreign_corrupt_and_mismatched_folders(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ResultsFolderError, match="not a kvsieve eval results folder"):
+        run_eval(tiny(tmp_path, output=str(foreign)), progress=False)
+    with pytest.raises(ResultsFolderError, match="no manifest.json"):
+        write_report(foreign)
+
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "manifest.json").write_text("{not json")
+    with pytest.raises(ResultsFolderError, match="corrupt"):
+        run_eval(tiny(tmp_path, output=str(corrupt)), progress=False)
+    (corrupt / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ResultsFolderError, match="not a kvsieve eval manifest"):
+        ResultStore.open_existing(corrupt)
+
+    cfg = tiny(tmp_path, output=str(tmp_path / "ok"))
+    store = ResultStore.open_for_run(cfg.output, cfg.settings(), cfg.grid())
+    store.save_manifest()
+    row = {"task": "niah_single_2", "length": 512, "sample": 0, "method": "dense", "score": 1.0}
+    store.write(row)
+    assert store.rows() == [row]
+    store.cell_path("niah_single_2", 512, 1, "dense").parent.mkdir(parents=True)
+    store.cell_path("niah_single_2", 512, 1, "dense").write_text('{"task": "niah_sin')
+    with pytest.raises(ResultsFolderError, match="unreadable.*delete it"):
+        store.rows()
+    with pytest.raises(ResultsFolderError, match="other settings.*phase"):
+        run_eval(dataclasses.replace(cfg, phase="decode"), progress=False)
+
+
+def test_bad_grid_names_list_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match="unknown task.*Valid tasks"):
+        run_eval(tiny(tmp_path, tasks=("needle",)), progress=False)
+    with pytest.raises(ValueError, match="unknown method.*Registered methods"):
+        run_eval(tiny(tmp_path, methods=("santa-sy",)), progress=False)
+    with pytest.raises(ValueError, match="unknown model 'nope'.*'default'"):
+        run_eval(tiny(tmp_path, model="nope"), progress=False)
+    with pytest.raises(ValueError, match="phase"):
+        run_eval(tiny(tmp_path, phase="prefill"), progress=False)
+
+
+def test_cli_errors(capsys, tmp_path):
+    from kvsieve.cli.main import main
+
+    assert main(["eval", "--tasks", "vt,nope", "--lengths", "512", "--output", str(tmp_path / "o")]) == 2
+    assert "Valid tasks" in capsys.readouterr().err
+    assert main(["eval", "--tasks", "vt", "--lengths", "5x", "--output", str(tmp_path / "o")]) == 2
+    assert "lengths" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a kvsieve eval results folder" in capsys.readouterr().err
