@@ -72,7 +72,13 @@ def canonical_methods(specs: Sequence[str]) -> tuple[str, ...]:
 
     out: list[str] = [DENSE]
     for spec in specs:
-        canonical = kvsieve.method(spec).spec
+        m = kvsieve.method(spec)
+        canonical = m.spec
+        budget = getattr(m.config, "budget", None)
+        if budget is not None and "budget=" not in canonical:
+            # Reports plot against the budget, so it is always spelled out, even when it is the default.
+            name, _, rest = canonical.partition(":")
+            canonical = f"{name}:budget={budget}" + (f",{rest}" if rest else "")
         if canonical not in out:
             out.append(canonical)
     return tuple(out)
