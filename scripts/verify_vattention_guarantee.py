@@ -264,6 +264,39 @@ def plot(guarantee, fidelity, out: Path):
         plt.close(fig)
 
 
+def tables(guarantee, fidelity, args_text: str) -> str:
+    """Markdown tables of both summaries (the analysis around them is written by hand)."""
+    lines = [f"Command: `python scripts/verify_vattention_guarantee.py {args_text}`", ""]
+    if guarantee:
+        layers = sorted({int(k) for r in guarantee for k in r["by_layer"]})
+        lengths = sorted({int(k) for r in guarantee for k in r["by_length"]})
+        lines += ["| variant | bound | ε | δ | trials | failure rate | δ + 3 s.e. | holds | mean err | p95 err | "
+                  "density | kv density | mean b | head-steps over δ | "
+                  + " | ".join(f"fail @{n}" for n in lengths) + " | "
+                  + " | ".join(f"fail L{layer}" for layer in layers) + " |",
+                  "|" + "---|" * (14 + len(lengths) + len(layers))]
+        for r in guarantee:
+            lines.append(
+                f"| {r['kind']} | {r['bound']} | {r['epsilon']} | {r['delta']} | {r['trials']} | "
+                f"{r['failure_rate']:.3f} | {r['limit']:.3f} | {'yes' if r['holds'] else '**no**'} | "
+                f"{r['mean_error']:.4f} | {r['p95_error']:.4f} | {r['density']:.3f} | {r['kv_density']:.3f} | "
+                f"{r['mean_budget']:.0f} | {r['head_steps_over_delta']:.3f} | "
+                + " | ".join(f"{r['by_length'][str(n)] if str(n) in r['by_length'] else r['by_length'][n]:.3f}"
+                             for n in lengths) + " | "
+                + " | ".join(f"{r['by_layer'][str(la)] if str(la) in r['by_layer'] else r['by_layer'][la]:.3f}"
+                             for la in layers) + " |")
+        lines.append("")
+    if fidelity:
+        lines += ["| method | spec | mean err | median | p90 | density | kv density | head-steps |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(fidelity, key=lambda r: (r["method"], r["density"])):
+            lines.append(f"| {r['method']} | `{r['spec'].split(':', 1)[1]}` | {r['mean_error']:.4f} | "
+                         f"{r['median_error']:.4f} | {r['p90_error']:.4f} | {r['density']:.3f} | "
+                         f"{r['kv_density']:.3f} | {r['n']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/results/vattention-guarantee")
@@ -278,9 +311,17 @@ def main(argv=None):
     p.add_argument("--fidelity-sink-window", default="sink=32,window=32")
     p.add_argument("--part", choices=("both", "guarantee", "fidelity"), default="both")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--from-json", action="store_true", help="only redo tables and plots from <out>.json")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.from_json:
+        saved = json.loads(out.with_suffix(".json").read_text())
+        plot(saved["guarantee"], saved["fidelity"], out)
+        text = tables(saved["guarantee"], saved["fidelity"], " ".join(saved["args"]["argv"]))
+        out.with_name(out.name + "-tables.md").write_text(text)
+        print(text)
+        return 0
     data = run(args)
     guarantee = summarize_guarantee(data)
     fidelity = summarize_fidelity(data)
@@ -288,7 +329,9 @@ def main(argv=None):
     json_path.write_text(json.dumps(dict(guarantee=guarantee, fidelity=fidelity, configs=data["configs"],
                                          seconds=data["seconds"], args=data["args"]), indent=1))
     plot(guarantee, fidelity, out)
-    print(json.dumps(dict(guarantee=guarantee, fidelity=fidelity), indent=1))
+    text = tables(guarantee, fidelity, " ".join(sys.argv[1:]))
+    out.with_name(out.name + "-tables.md").write_text(text)
+    print(text)
     return 0
 
 

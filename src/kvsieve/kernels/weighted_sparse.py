@@ -83,6 +83,22 @@ def check_weighted_sparse_inputs(
             raise ValueError("weights: used entries must be positive and finite (inverse inclusion probabilities)")
 
 
+def gather_rows(t: torch.Tensor, idx: torch.Tensor, head_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of ``t [B, Hkv, N, x]`` at ``idx [B, Hs, M]`` -> ``[B, Hs, M, x]``.
+
+    Head ``h`` of ``idx`` reads KV head ``head_of[h]`` (default: ``h``, for ``Hs = Hkv``). One
+    ``index_select`` over the flattened rows: whole rows are copied, which is many times faster on
+    CPU than an element-wise ``gather`` with an expanded index.
+    """
+    b, hkv, n, x = t.shape
+    hs, m = idx.shape[1], idx.shape[2]
+    if head_of is None:
+        head_of = torch.arange(hs, device=idx.device)
+    base = (torch.arange(b, device=idx.device)[:, None] * hkv + head_of[None, :]) * n  # [B, Hs]
+    flat = (base[..., None] + idx).reshape(-1)
+    return torch.index_select(t.reshape(b * hkv * n, x), 0, flat).view(b, hs, m, x)
+
+
 def weighted_sparse_decode_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -107,20 +123,16 @@ def weighted_sparse_decode_reference(
     idx = indices.long()
     if hs == hkv:
         # One list per KV head: gather its rows once, score them for the G query heads of the group.
-        kr = torch.gather(k, 2, idx[..., None].expand(b, hkv, m, d)).to(dtype)
-        vr = torch.gather(v, 2, idx[..., None].expand(b, hkv, m, v.shape[-1])).to(dtype)
+        kr = gather_rows(k, idx).to(dtype)
+        vr = gather_rows(v, idx).to(dtype)
         qg = q.to(dtype).view(b, hkv, group, d)
         logits = torch.matmul(qg, kr.transpose(-1, -2)) * scale  # [B, Hkv, G, M]
         extra_dims = (b, hkv, 1, m)
     else:
         # One list per query head (only reached when G > 1): each head gathers from its KV head.
-        n = k.shape[2]
         kv_of = torch.arange(hq, device=q.device) // group
-        flat = (kv_of[None, :, None] * n + idx).reshape(b, hq * m)  # rows of k viewed as [B, Hkv·N, d]
-        kr = torch.gather(k.reshape(b, hkv * n, d), 1, flat[..., None].expand(b, hq * m, d))
-        vr = torch.gather(v.reshape(b, hkv * n, v.shape[-1]), 1, flat[..., None].expand(b, hq * m, v.shape[-1]))
-        kr = kr.view(b, hq, m, d).to(dtype)
-        vr = vr.view(b, hq, m, -1).to(dtype)
+        kr = gather_rows(k, idx, kv_of).to(dtype)
+        vr = gather_rows(v, idx, kv_of).to(dtype)
         logits = torch.einsum("bhd,bhmd->bhm", q.to(dtype), kr)[:, :, None, :] * scale  # [B, Hq, 1, M]
         extra_dims = (b, hq, 1, m)
     used = (torch.arange(m, device=q.device) < counts[..., None]).view(extra_dims)

@@ -78,18 +78,28 @@ def empty_set(batch: int, heads: int, device: torch.device) -> IndexSet:
 
 
 def compact(indices: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor | None) -> IndexSet:
-    """Keep the entries where ``keep`` is True, moved to the front of each row (order preserved)."""
+    """Keep the entries where ``keep`` is True, moved to the front of each row (order preserved).
+
+    O(M) per row: each kept entry goes to slot ``cumsum(keep) − 1``; dropped ones to a spare slot.
+    """
     counts = keep.sum(-1)
     width = int(counts.max()) if counts.numel() else 0
-    order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[..., :width]
-    idx = torch.gather(indices, 2, order)
+    dest = torch.where(keep, torch.cumsum(keep, dim=-1) - 1, width)
+    shape = (*keep.shape[:-1], width + 1)
+    idx = torch.zeros(shape, dtype=indices.dtype, device=indices.device).scatter_(-1, dest, indices)[..., :width]
     used = torch.arange(width, device=indices.device) < counts[..., None]
-    idx = torch.where(used, idx, torch.zeros_like(idx))
+    idx = torch.where(used, idx, torch.zeros_like(idx))  # the spare slot may have leaked nothing; be explicit
     w = None
     if weights is not None:
-        w = torch.gather(weights, 2, order)
+        w = torch.ones(shape, dtype=weights.dtype, device=weights.device).scatter_(-1, dest, weights)[..., :width]
         w = torch.where(used, w, torch.ones_like(w))
     return IndexSet(idx, counts, w)
+
+
+def positions_where(mask: torch.Tensor) -> IndexSet:
+    """Positions where ``mask [..., N]`` is True, in order (O(N))."""
+    n = mask.shape[-1]
+    return compact(torch.arange(n, device=mask.device).expand(mask.shape), mask, None)
 
 
 def union(*sets: IndexSet) -> IndexSet:
@@ -111,7 +121,7 @@ def valid_positions(inputs: DecodeInputs) -> torch.Tensor:
     pos = torch.arange(n, device=inputs.q.device)
     if inputs.lengths is not None:
         return pos.expand(inputs.batch, n)
-    return torch.argsort((~inputs.key_mask).to(torch.int8), dim=-1, stable=True)
+    return positions_where(inputs.key_mask).indices  # [B, max n_valid]
 
 
 def sink_and_window(inputs: DecodeInputs, sink: int, window: int, heads: int) -> IndexSet:
@@ -148,27 +158,28 @@ def top_k(scores: torch.Tensor, available: torch.Tensor, k: torch.Tensor) -> Ind
     return compact(idx, used & torch.gather(available, 2, idx), None)
 
 
-def top_p(probs: torch.Tensor, available: torch.Tensor, target: torch.Tensor) -> IndexSet:
+def top_p(probs: torch.Tensor, available: torch.Tensor, target: torch.Tensor, iterations: int = 48) -> IndexSet:
     """Smallest set of ``available`` positions, highest ``probs`` first, whose mass reaches ``target [B, Hs]``.
 
-    Ties at the threshold are broken by sort order (one of the tied keys), never by adding all of them.
+    The threshold ``τ`` (largest with ``Σ_{p ≥ τ} p ≥ target``) is found by bisection: O(N) per
+    iteration and no sort, which is much faster than sorting on a CPU. Keys within ``max p · 2^-48`` of
+    the threshold (ties, in practice) may all be taken. A target of the whole available mass takes
+    every available key (exact).
     """
-    p = probs.masked_fill(~available, 0.0)
-    n_av = available.sum(-1)
-    sorted_p, order = torch.sort(p, dim=-1, descending=True)
-    cum = torch.cumsum(sorted_p.to(torch.float64), dim=-1)
-    # Entries needed: first position where the running mass reaches the target (relative tolerance
-    # for the last bits of a float sum), capped by the available count.
-    reached = cum >= target[..., None] * (1 - 1e-12)
-    need = torch.where(reached.any(-1), reached.to(torch.int8).argmax(-1) + 1, n_av)
-    need = torch.minimum(torch.clamp(need, min=0), n_av)
-    need = torch.where(target <= 0, torch.zeros_like(need), need)
-    kmax = int(need.max()) if need.numel() else 0
-    if kmax == 0:
-        return empty_set(probs.shape[0], probs.shape[1], probs.device)
-    idx = order[..., :kmax]
-    used = torch.arange(kmax, device=probs.device) < need[..., None]
-    return compact(idx, used, None)
+    p = probs.to(torch.float64).masked_fill(~available, 0.0)
+    rest = p.sum(-1)
+    goal = target.to(torch.float64) * (1 - 1e-12)
+    lo = torch.zeros_like(rest)
+    hi = p.amax(-1) * (1 + 1e-12) + 1e-300
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        ok = (p * (p >= mid[..., None])).sum(-1) >= goal
+        lo = torch.where(ok, mid, lo)
+        hi = torch.where(ok, hi, mid)
+    keep = available & (p >= lo[..., None])
+    keep = keep | (available & (goal >= rest * (1 - 1e-12))[..., None])
+    keep = keep & (target > 0)[..., None]
+    return positions_where(keep)
 
 
 def uniform_sample(
@@ -192,16 +203,35 @@ def uniform_sample(
         ranks = torch.floor(torch.rand(b, h, kmax, generator=gen, device=available.device, dtype=torch.float64)
                             * n_av[..., None].to(torch.float64)).to(torch.long)
         ranks = torch.minimum(ranks, torch.clamp(n_av[..., None] - 1, min=0))
-        order = torch.argsort((~available).to(torch.int8), dim=-1, stable=True)
+        order = positions_where(available).indices
         idx = torch.gather(order, 2, ranks)
     else:
-        # The kmax smallest of i.i.d. uniform keys are a uniform sample without replacement.
-        keys = torch.rand(b, h, n, generator=gen, device=available.device)
-        keys = keys.masked_fill(~available, 2.0)
-        idx = torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
+        idx = _smallest_keys(available, size, kmax, gen)
     used = torch.arange(kmax, device=available.device) < size[..., None]
     w = (n_av.to(torch.float64) / torch.clamp(size, min=1).to(torch.float64))[..., None].expand(b, h, kmax)
     return compact(idx, used, w.contiguous())
+
+
+def _smallest_keys(available: torch.Tensor, size: torch.Tensor, kmax: int, gen: torch.Generator) -> torch.Tensor:
+    """``[B, Hs, kmax]``: positions of the ``kmax`` smallest i.i.d. uniform keys of the available positions,
+    ascending, so that the first ``size`` of a row are a uniform sample without replacement.
+
+    Only keys below a threshold a few standard deviations above the ``size``-th order statistic are
+    sorted (O(N) plus a small sort); if some row has too few such candidates, all keys are ranked.
+    """
+    b, h, n = available.shape
+    keys = torch.rand(b, h, n, generator=gen, device=available.device)
+    keys = keys.masked_fill(~available, 2.0)
+    n_av = available.sum(-1).clamp(min=1).to(torch.float32)
+    want = size.to(torch.float32)
+    thresh = (want + 4 * torch.sqrt(want) + 16) / n_av
+    if bool((thresh < 0.5).all()):
+        cand = positions_where(keys < thresh[..., None])
+        if bool((cand.counts >= size).all()):
+            ck = torch.gather(keys, 2, cand.indices).masked_fill(~cand.used(), 3.0)
+            order = torch.topk(ck, kmax, dim=-1, largest=False, sorted=True).indices
+            return torch.gather(cand.indices, 2, order)
+    return torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
 
 
 def group_scores(scores: torch.Tensor, group: int) -> torch.Tensor:

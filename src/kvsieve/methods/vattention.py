@@ -32,6 +32,7 @@ import torch
 from ..core.config import param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
+from ..kernels.weighted_sparse import gather_rows
 from .baselines import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
 from .quest import quest_top_tokens
 from .selection import (
@@ -135,11 +136,7 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
 
 def _rows(inputs: DecodeInputs, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows of ``t [B, Hkv, N, x]`` at ``idx [B, Hq, M]`` for each query head -> ``[B, Hq, M, x]``."""
-    b, hq, m = idx.shape
-    n, x = t.shape[2], t.shape[3]
-    kv_of = torch.arange(hq, device=idx.device) // inputs.group
-    flat = (kv_of[None, :, None] * n + idx).reshape(b, hq * m)
-    return torch.gather(t.reshape(b, -1, x), 1, flat[..., None].expand(b, hq * m, x)).view(b, hq, m, x)
+    return gather_rows(t, idx, torch.arange(idx.shape[1], device=idx.device) // inputs.group)
 
 
 def _logits(inputs: DecodeInputs, s: IndexSet) -> torch.Tensor:
