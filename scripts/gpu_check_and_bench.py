@@ -157,22 +157,25 @@ def sweep(log) -> list[dict]:
         for block_n in (64, 128):
             for warps in (4, 8):
                 for stages in (2, 3):
-                    for target in (132, 264, 528):
+                    for target in (264,):
                         cfg = {"kernel": "dense", "block_n": block_n, "warps": warps, "stages": stages,
                                "target": target}
                         fn = partial(dense_decode_triton, q, k, v, lens32, 128 ** -0.5, block_n=block_n,
                                      num_warps=warps, num_stages=stages, target_programs=target)
                         configs.append((cfg, fn))
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    cfg = {"block_n": block_n, "warps": warps, "stages": stages}
-                    configs.append(({"kernel": "flash", **cfg},
-                                    partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
-                                            block_n=block_n, num_warps=warps, num_stages=stages)))
-                    configs.append(({"kernel": "prop", **cfg},
-                                    partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
-                                            block_n=block_n, num_warps=warps, num_stages=stages)))
+        for block_n in (64, 128):
+            for sample_n in (64, 256):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        cfg = {"block_n": block_n, "sample_n": sample_n, "warps": warps, "stages": stages}
+                        configs.append(({"kernel": "flash", **cfg},
+                                        partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
+                                                block_n=block_n, sample_n=sample_n, num_warps=warps,
+                                                num_stages=stages)))
+                        configs.append(({"kernel": "prop", **cfg},
+                                        partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
+                                                block_n=block_n, sample_n=sample_n, num_warps=warps,
+                                                num_stages=stages, sample_warps=warps)))
         for cfg, fn in configs:
             try:
                 r = timer.time_us(fn, warmup=3, iters=15)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .timing import ColdL2Timer, copy_bandwidth, count_launches
+from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
@@ -180,6 +180,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
                 except Exception as exc:  # noqa: BLE001 - not every library call can be captured
                     row["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                 row["launches"] = count_launches(call)
+                row["host_us"] = host_us(call)
                 row["kernels_us"] = timer.kernel_breakdown(call)
                 row.update(bytes_touched(name, budget, case, x, seed))
                 row["gb_per_s"] = row["bytes"] / (row["median_us"] * 1e-6) / 1e9
@@ -187,7 +188,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
                 row["fraction_of_floor"] = row["floor_us"] / row["median_us"]
                 kernels = ", ".join(f"{k[:28]} {v:.1f}" for k, v in (row["kernels_us"] or {}).items())
                 log(f"{case.shape} n={case.n} b={case.batch} {spec}: {row['median_us']:.1f} us, graph "
-                    f"{row.get('graph_us', float('nan')):.1f} us; kernels: {kernels}")
+                    f"{row.get('graph_us', float('nan')):.1f} us, host {row['host_us']:.0f} us; kernels: {kernels}")
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others' rows
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 log(f"{case.shape} n={case.n} b={case.batch} {spec}: {row['error']}")

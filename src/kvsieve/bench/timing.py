@@ -61,6 +61,11 @@ class ColdL2Timer:
 
             fn()
             torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as flush_prof:
+                self.flush()
+                torch.cuda.synchronize()
+            flush_names = {e.name[:60] for e in flush_prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA}
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(iters):
                     self.flush()
@@ -73,10 +78,23 @@ class ColdL2Timer:
                     continue
                 name = e.name[:60]
                 totals[name] = totals.get(name, 0.0) + e.time_range.elapsed_us()
-            flush_name = max(totals, key=totals.get) if totals else None
-            return {k: v / iters for k, v in totals.items() if k != flush_name}
+            return {k: v / iters for k, v in totals.items() if k not in flush_names}
         except Exception:  # noqa: BLE001 - the profiler is optional
             return None
+
+
+def host_us(fn: Callable[[], object], iters: int = 50) -> float:
+    """Host time to issue one call (µs), the GPU kept busy so that nothing waits on it."""
+    import time
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000 // 1000 * 5)  # ~5 ms of device work queued ahead
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
 
 
 def copy_bandwidth(device: torch.device | str = "cuda", n_bytes: int = 2 * 1024**3, iters: int = 10) -> float:

@@ -152,32 +152,34 @@ if triton is not None:
         s_acc_b, s_acc_h, s_acc_p,
         s_ml_b, s_ml_h,
         s_out_b, s_out_h,
-        D: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+        D_CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
     ):
+        # One program per (head, batch row, slice of D_CHUNK features): many small programs, so
+        # that reading the partials is not bound by the latency of a few SMs.
         h = tl.program_id(0)
         b = tl.program_id(1)
+        d0 = tl.program_id(2) * D_CHUNK
         length = tl.load(lens_ptr + b)
         parts_b = (length + part_keys - 1) // part_keys
         offs_p = tl.arange(0, BLOCK_P)
         ml_base = b * s_ml_b + h * s_ml_h
         m = tl.load(m_ptr + ml_base + offs_p, mask=offs_p < parts_b, other=float("-inf"))
         m_star = tl.max(m, axis=0)
-        offs_d = tl.arange(0, D)
-        out = tl.zeros([D], dtype=tl.float32)
-        z = 0.0
+        offs_d = d0 + tl.arange(0, D_CHUNK)
+        out = tl.zeros([D_CHUNK], dtype=tl.float32)
+        z = tl.zeros([CHUNK_P], dtype=tl.float32)
         for p0 in range(0, n_parts, CHUNK_P):
             offs_c = p0 + tl.arange(0, CHUNK_P)
             in_row = offs_c < parts_b
             mc = tl.load(m_ptr + ml_base + offs_c, mask=in_row, other=float("-inf"))
             lc = tl.load(l_ptr + ml_base + offs_c, mask=in_row, other=0.0)
-            wc = tl.where(in_row & (lc > 0), tl.exp(mc - m_star), 0.0)
-            z += tl.sum(wc * lc, axis=0)
-            a = tl.load(
-                acc_ptr + b * s_acc_b + h * s_acc_h + offs_c[:, None] * s_acc_p + offs_d[None, :],
-                mask=(in_row & (lc > 0))[:, None], other=0.0,
-            )
+            live = in_row & (lc > 0)
+            wc = tl.where(live, tl.exp(mc - m_star), 0.0)
+            z += wc * lc
+            a = tl.load(acc_ptr + b * s_acc_b + h * s_acc_h + offs_c[:, None] * s_acc_p + offs_d[None, :],
+                        mask=live[:, None], other=0.0)
             out += tl.sum(wc[:, None] * a, axis=0)
-        out = out / z
+        out = out / tl.sum(z, axis=0)
         tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -185,13 +187,14 @@ def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.
     """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` (see module doc)."""
     b, hq, p, d = acc.shape
     block_p = max(16, next_pow2(p))
-    chunk_p = min(32, block_p)
-    _merge_partials_kernel[(hq, b)](
+    chunk_p = min(64, block_p)
+    d_chunk = 32
+    _merge_partials_kernel[(hq, b, d // d_chunk)](
         acc, m, l, lens, out, p, part_keys,
         acc.stride(0), acc.stride(1), acc.stride(2),
         m.stride(0), m.stride(1),
         out.stride(0), out.stride(1),
-        D=d, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4,
+        D_CHUNK=d_chunk, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4, num_stages=3,
     )
     return out
 

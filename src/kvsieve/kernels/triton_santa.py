@@ -13,12 +13,11 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
 
 - flash (2 launches): ``_flash_tile_kernel`` (tile stats + ``S_tile = max(1, S // T_b)`` systematic
   samples + gather) then the split-KV merge with weights ``e^{m_t} l_t``.
-- prop (3 launches): ``_prop_stats_kernel`` (per-tile max m, sum l and the exp-score stash u,
-  float32) → ``_prop_sample_kernel``, where each (tile, KV head) program recomputes the budgets of
-  its own tile from every tile's (m, l) — largest remainder by rank, or systematic rounding from two
-  prefix sums computed with the same masks in every program, so budgets agree across programs and
-  sum to S without a separate budget launch — then samples and gathers; then the merge
-  (``m = 0``, ``l = S_t``: ``out = Σ_t acc_t / S``).
+- prop (4 launches): ``_prop_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
+  → ``_prop_budget_kernel`` (one program per head: largest remainder or systematic rounding of the
+  tile budgets) → ``_prop_sample_kernel`` (systematic samples inside each tile from the stash, V
+  gather; tiles without samples exit at once) → the merge (``m = 0``, ``l = S_t``:
+  ``out = Σ_t acc_t / S``).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ if triton is not None:
     def _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
                      s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+                     SAMPLE_N: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
         """Systematic sampling of ``budget [BLOCK_G]`` draws inside one tile with weights e^{s - m}
         (from the stash) and ``Σ_n c_n V_n`` [BLOCK_G, D] (float32), reading only sampled V rows.
@@ -96,8 +95,8 @@ if triton is not None:
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
         v_base = v_ptr + b * s_v_b + kvh * s_v_h
-        for j in range(0, TILE // BLOCK_N):
-            offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
+        for j in range(0, TILE // SAMPLE_N):
+            offs_n = t * TILE + j * SAMPLE_N + tl.arange(0, SAMPLE_N)
             n_ok = offs_n < length
             s = tl.load(u_base + offs_n[None, :], mask=g_ok[:, None] & n_ok[None, :], other=float("-inf"))
             x = tl.exp(s - m_safe[:, None]) * norm[:, None]
@@ -108,13 +107,14 @@ if triton is not None:
             carry += tl.sum(xi, axis=1)
             last = tl.maximum(last, tl.max(tl.where(xi > 0, offs_n[None, :], -1), axis=1))
             used = (tl.max(c, axis=0) > 0) & n_ok
-            v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=used[:, None], other=0.0)
-            if SPLIT_COUNTS:
-                # 16-bit dots hold integers exactly only up to 256: split counts into two bytes.
-                acc += tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-                acc += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            if tl.max(used.to(tl.int32), axis=0) > 0:  # sub-blocks nobody sampled cost no V work at all
+                v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=used[:, None], other=0.0)
+                if SPLIT_COUNTS:
+                    # 16-bit dots hold integers exactly only up to 256: split counts into two bytes.
+                    acc += tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+                    acc += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+                else:
+                    acc += tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
             if WRITE_COUNTS:
                 tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c.to(tl.int32),
                          mask=g_ok[:, None] & n_ok[None, :])
@@ -137,7 +137,7 @@ if triton is not None:
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_u_b, s_u_h,
         s_acc_b, s_acc_h, s_acc_p, s_ml_b, s_ml_h, s_c_b, s_c_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SAMPLE_N: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -157,7 +157,7 @@ if triton is not None:
             a0 = hash_uniform(seed_lo, seed_hi, stream_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
             acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, row_budget, a0,
                                s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                               G, BLOCK_G, D, TILE, BLOCK_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                               G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
             # The merge weighs parts by e^{m} l: store l·Õ/S_tile so that the tile estimate gets W_t/Z.
             acc = acc * (l / s_tile.to(tl.float32))[:, None]
             offs_d = tl.arange(0, D)
@@ -189,109 +189,92 @@ if triton is not None:
             tl.store(l_ptr + b * s_ml_b + heads * s_ml_h + t, l, mask=g_ok)
 
     @triton.jit
-    def _head_tile_budget(m_ptr, l_ptr, row, t, tiles_b, budget, a_b,
-                          CHUNK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
-        """Tile t's budget for one head from every tile's mass W = e^{m - m*} l. Every program of the
-        head runs these same loops on the same data, so they agree on z, the floors and the prefix
-        sums bit for bit: the budgets of a head sum to S with no barrier between programs."""
-        m_star = float("-inf")
-        for c0 in range(0, tiles_b, CHUNK_T):
-            cols = c0 + tl.arange(0, CHUNK_T)
-            mc = tl.load(m_ptr + row + cols, mask=cols < tiles_b, other=float("-inf"))
-            m_star = tl.maximum(m_star, tl.max(mc, axis=0))
-        z = tl.zeros([1], tl.float64)
-        for c0 in range(0, tiles_b, CHUNK_T):
-            cols = c0 + tl.arange(0, CHUNK_T)
-            ok = cols < tiles_b
-            mc = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"))
-            lc = tl.load(l_ptr + row + cols, mask=ok, other=0.0)
-            w = tl.where(ok, (tl.exp(mc - m_star) * lc).to(tl.float64), 0.0)
-            z += tl.sum(w, axis=0)
-        z_ok = z > 0
-        share_scale = budget.to(tl.float64) / tl.where(z_ok, z, 1.0)
-        bud = budget.to(tl.float64)
-        acc_hi = tl.zeros([1], tl.float64)  # systematic: Σ_{j<=t} W_j;  largest remainder: Σ floor(q_j)
-        acc_lo = tl.zeros([1], tl.float64)  # systematic: Σ_{j<t} W_j
-        my_frac = tl.zeros([1], tl.float64)
-        my_base = tl.zeros([1], tl.float64)
-        for c0 in range(0, tiles_b, CHUNK_T):
-            cols = c0 + tl.arange(0, CHUNK_T)
-            ok = cols < tiles_b
-            mc = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"))
-            lc = tl.load(l_ptr + row + cols, mask=ok, other=0.0)
-            w = tl.where(ok, (tl.exp(mc - m_star) * lc).to(tl.float64), 0.0)
-            if SYSTEMATIC:
-                acc_hi += tl.sum(tl.where(cols <= t, w, 0.0), axis=0)
-                acc_lo += tl.sum(tl.where(cols < t, w, 0.0), axis=0)
-            else:
-                share = w * share_scale
-                base = tl.floor(share)
-                acc_hi += tl.sum(base, axis=0)
-                my_frac += tl.sum(tl.where(cols == t, share - base, 0.0), axis=0)
-                my_base += tl.sum(tl.where(cols == t, base, 0.0), axis=0)
+    def _prop_budget_kernel(
+        m_ptr, l_ptr, lens_ptr, budgets_ptr,
+        budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+    ):
+        """One head's tile budgets from the tile masses W_t = e^{m_t - m*} l_t (Alg. 4): largest
+        remainder (the +1s go to the largest fractional parts, ties to the lower tile, found by
+        bisection on the fractions quantised to 2^-40) or systematic rounding (fixed-point prefix sums
+        with 2^-32 resolution)."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(lens_ptr + b)
+        tiles_b = (length + TILE - 1) // TILE
+        cols = tl.arange(0, BLOCK_T)
+        ok = cols < tiles_b
+        row = b * s_ml_b + h * s_ml_h
+        m = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"))
+        l = tl.load(l_ptr + row + cols, mask=ok, other=0.0)
+        m_star = tl.max(m, axis=0)
+        w = tl.where(ok, tl.exp(m - m_star) * l, 0.0).to(tl.float64)
+        z = tl.sum(w, axis=0)
+        share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))
         if SYSTEMATIC:
-            hi_edge = tl.where(t == tiles_b - 1, bud, tl.minimum(acc_hi * share_scale, bud))
-            lo_edge = tl.minimum(acc_lo * share_scale, bud)
-            out = (tl.floor(a_b + hi_edge) - tl.floor(a_b + lo_edge)).to(tl.int32)
+            a_b = hash_uniform(seed_lo, seed_hi, budget_key, tl.full([1], 0, tl.int64) + b * hq + h)
+            x = tl.floor(share * 4294967296.0).to(tl.int64)
+            top = budget.to(tl.int64) << 32
+            hi = tl.cumsum(x, axis=0)
+            a = (a_b * 4294967296.0).to(tl.int64)
+            bt = ((a + tl.minimum(hi, top)) >> 32) - ((a + tl.minimum(hi - x, top)) >> 32)
+            drawn = tl.sum(bt, axis=0)
+            last = tl.max(tl.where(x > 0, cols, -1), axis=0)
+            bt = bt + tl.where(cols == last, budget.to(tl.int64) - drawn, 0)
+            bt = bt.to(tl.int32)
         else:
-            rem = budget - acc_hi.to(tl.int32)
-            rank = tl.zeros([1], tl.int32)
-            for c0 in range(0, tiles_b, CHUNK_T):
-                cols = c0 + tl.arange(0, CHUNK_T)
-                ok = cols < tiles_b
-                mc = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"))
-                lc = tl.load(l_ptr + row + cols, mask=ok, other=0.0)
-                w = tl.where(ok, (tl.exp(mc - m_star) * lc).to(tl.float64), 0.0)
-                share = w * share_scale
-                frac = share - tl.floor(share)
-                ahead = (frac > my_frac) | ((frac == my_frac) & (cols < t))
-                rank += tl.sum((ahead & ok).to(tl.int32), axis=0)
-            out = my_base.to(tl.int32) + (rank < rem).to(tl.int32)
-        return tl.where(z_ok, out, 0)
+            base = tl.floor(share)
+            frac_q = ((share - base) * 1099511627776.0).to(tl.int64)  # 2^40
+            frac_q = tl.where(ok, frac_q, -1)
+            rem = budget - tl.sum(base, axis=0).to(tl.int32)
+            lo = tl.full([1], 0, tl.int64)
+            hi_b = tl.full([1], 1099511627776, tl.int64)
+            for _ in range(41):  # largest threshold with at least `rem` fractions at or above it
+                mid = (lo + hi_b + 1) // 2
+                enough = tl.sum((frac_q >= mid).to(tl.int32), axis=0) >= rem
+                lo = tl.where(enough, mid, lo)
+                hi_b = tl.where(enough, hi_b, mid - 1)
+            above = frac_q > lo
+            ties = frac_q == lo
+            need = rem - tl.sum(above.to(tl.int32), axis=0)
+            tie_rank = tl.cumsum(ties.to(tl.int32), axis=0) - ties.to(tl.int32)
+            bonus = (above | (ties & (tie_rank < need))) & (rem > 0)
+            bt = base.to(tl.int32) + bonus.to(tl.int32)
+        bt = tl.where(ok, bt, 0)
+        bt = tl.where(z > 0, bt, 0)
+        tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
 
     @triton.jit
     def _prop_sample_kernel(
-        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr, budgets_ptr,
-        budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq,
+        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr,
+        seed_lo, seed_hi, tile_key, n_tiles, hq,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         s_acc_b, s_acc_h, s_acc_p, s_c_b, s_c_h,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        CHUNK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SAMPLE_N: tl.constexpr,
         SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         length = tl.load(lens_ptr + b)
-        tiles_b = (length + TILE - 1) // TILE
-        offs_g = tl.arange(0, BLOCK_G)
-        g_ok = offs_g < G
-        heads = kvh * G + offs_g
-        pm = b * s_ml_b + heads * s_ml_h + t
-        if t < tiles_b:
-            tile_budget = tl.zeros([BLOCK_G], tl.int32)
-            for g in tl.static_range(G):
-                h = kvh * G + g
-                a_b = hash_uniform(seed_lo, seed_hi, budget_key,
-                                   tl.full([1], 0, tl.int64) + b * hq + h).to(tl.float64)
-                bt = _head_tile_budget(m_ptr, l_ptr, b * s_ml_b + h * s_ml_h, t, tiles_b, budget, a_b,
-                                       CHUNK_T, SYSTEMATIC)
-                tile_budget = tl.where(offs_g == g, bt, tile_budget)
-            m = tl.load(m_ptr + pm, mask=g_ok, other=0.0)
-            l = tl.load(l_ptr + pm, mask=g_ok, other=0.0)
-            a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
-            acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
-                               s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                               G, BLOCK_G, D, TILE, BLOCK_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
-            offs_d = tl.arange(0, D)
-            tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
-                     acc, mask=g_ok[:, None])
+        if t * TILE < length:
+            offs_g = tl.arange(0, BLOCK_G)
+            g_ok = offs_g < G
+            heads = kvh * G + offs_g
+            pm = b * s_ml_b + heads * s_ml_h + t
+            tile_budget = tl.load(budgets_ptr + pm, mask=g_ok, other=0)
             tl.store(pm_ptr + pm, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
             tl.store(pl_ptr + pm, tile_budget.to(tl.float32), mask=g_ok)
-            tl.store(budgets_ptr + pm, tile_budget, mask=g_ok)
-        else:
-            # Tiles past the row's length hold no sample; written so that no memset launch is needed.
-            tl.store(budgets_ptr + pm, tl.zeros([BLOCK_G], tl.int32), mask=g_ok)
+            if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and write no partial
+                m = tl.load(m_ptr + pm, mask=g_ok, other=0.0)
+                l = tl.load(l_ptr + pm, mask=g_ok, other=0.0)
+                a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
+                acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
+                                   s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                offs_d = tl.arange(0, D)
+                tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
+                         acc, mask=g_ok[:, None])
 
 
 def _tiles(n_keys: int, tile: int) -> int:
@@ -316,8 +299,8 @@ def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                       write_counts: bool = False, block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                       out: torch.Tensor | None = None):
+                       write_counts: bool = False, block_n: int = 64, sample_n: int = 64, num_warps: int = 4,
+                       num_stages: int = 3, out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``."""
     _check_tile(tile)
     b, hq, d = q.shape
@@ -338,7 +321,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
         stash.stride(0), stash.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
-        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
+        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), SAMPLE_N=min(sample_n, tile),
         SPLIT_COUNTS=_split_counts(v.dtype, min(budget, tile * budget)), WRITE_COUNTS=write_counts,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
@@ -350,7 +333,8 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                       rounding: str = "largest-remainder", write_counts: bool = False, block_n: int = 64,
-                      num_warps: int = 4, num_stages: int = 3, out: torch.Tensor | None = None):
+                      sample_n: int = 64, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4,
+                      sample_stages: int = 2, out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``."""
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
@@ -372,22 +356,27 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
         G=g, BLOCK_G=block_g, D=d, TILE=tile, BLOCK_N=min(block_n, tile), DOT_PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
+    budgets = torch.empty(b, hq, t, device=dev, dtype=torch.int32)
+    lo, hi = seed_words(seed)
+    _prop_budget_kernel[(hq, b)](
+        m, l, lens, budgets, budget, lo, hi, (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
+        m.stride(0), m.stride(1),
+        TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic",
+        num_warps=4 if t <= 1024 else 8,
+    )
     acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
     pm = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
     pl = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    budgets = torch.empty(b, hq, t, device=dev, dtype=torch.int32)
     counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
-    lo, hi = seed_words(seed)
     _prop_sample_kernel[(t, hkv, b)](
-        v, lens, m, l, u, acc, pm, pl, counts, budgets,
-        budget, lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF,
-        t, hq,
+        v, lens, m, l, u, budgets, acc, pm, pl, counts,
+        lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
         v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1), u.stride(0), u.stride(1),
         acc.stride(0), acc.stride(1), acc.stride(2),
         counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
-        G=g, BLOCK_G=block_g, D=d, TILE=tile, BLOCK_N=min(block_n, tile), CHUNK_T=min(128, max(16, next_pow2(t))),
-        SYSTEMATIC=rounding == "systematic", SPLIT_COUNTS=_split_counts(v.dtype, budget),
-        WRITE_COUNTS=write_counts, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        G=g, BLOCK_G=block_g, D=d, TILE=tile, SAMPLE_N=min(sample_n, tile),
+        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts, DOT_PRECISION=precision,
+        num_warps=sample_warps, num_stages=sample_stages,
     )
     if out is None:
         out = torch.empty(b, hq, d, device=dev, dtype=q.dtype)
