@@ -119,6 +119,21 @@ def test_shared_teacher_forced_pass_does_not_change_generation(default_model):
 
 
 @pytest.mark.model
+def test_setup_a_makes_only_generated_tokens_sparse(default_model, tmp_path):
+    model, tok = default_model
+    cfg = tiny(tmp_path, phase="decode", stop_when_solved=False, max_new_tokens=3)
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert res.computed == 2
+    row = res.store.read("niah_single_2", 384, 0, "santa-sys:budget=16")
+    target = len(tok(tasks.make_sample("niah_single_2", tok, 384, 0).target, add_special_tokens=False)["input_ids"])
+    n_layers = model.config.num_hidden_layers
+    # 2 generated tokens fed back (the first comes from the exact prefill) + target tokens but the last.
+    assert row["sparse_calls"] == n_layers * (2 + target - 1)
+    assert row["tf_tokens"] == target - 1 and row["new_tokens"] == 3
+    assert 0 < row["density"] < 1
+
+
+@pytest.mark.model
 def test_length_above_model_maximum_is_refused_before_writing(default_model, tmp_path):
     model, tok = default_model
     with pytest.raises(ValueError, match="maximum context of 8192"):
@@ -178,3 +193,19 @@ def test_cli_errors(capsys, tmp_path):
     assert "lengths" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert "not a kvsieve eval results folder" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_full_length_8k_cell_runs_in_bounded_memory(default_model, tmp_path):
+    import resource
+
+    model, tok = default_model
+    cfg = tiny(tmp_path, lengths=(8192,), methods=("santa-sys:budget=64",), max_new_tokens=4, track_error=0)
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert res.computed == 2
+    row = res.store.read("niah_single_2", 8192, 0, "santa-sys:budget=64")
+    assert row["n_tokens"] >= 0.98 * 8192 and row["density"] < 0.05
+    # An [N, N] fp32 score matrix per head at 8k would alone be 256 MB x 9 heads.
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    assert peak_gb < 6, peak_gb

@@ -107,12 +107,12 @@ def validate_config(cfg: EvalConfig) -> EvalConfig:
 
 
 def check_model_name(name: str) -> None:
-    if name == "default" or Path(name).is_dir():
+    """'default', a local folder, or something shaped like a hub id ``owner/name`` (needs network)."""
+    if name == "default" or Path(name).is_dir() or (name.count("/") == 1 and all(name.split("/"))):
         return
     raise ValueError(
         f"model: unknown model {name!r}. Valid models: 'default' (the offline SmolLM2-135M-Instruct), "
-        "or a local folder holding a transformers causal LM (hub ids need network access, which "
-        "this machine does not have)"
+        "a local folder holding a transformers causal LM, or a hub id 'owner/name' (needs network access)"
     )
 
 
