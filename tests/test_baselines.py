@@ -186,6 +186,13 @@ def test_quest_page_bound_is_an_upper_bound_and_state_is_incremental():
         got, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state=state)
         fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state={})
         torch.testing.assert_close(got, fresh, atol=0, rtol=0)
+    # Rows of a causal question block: same cache, one more valid key per call.
+    state = {}
+    for length in (150, 151, 152, 170):
+        lengths = torch.tensor([length, length - 40])
+        got, _ = m.decode(q, k[:, :, :200], v[:, :, :200], lengths=lengths, state=state)
+        fresh, _ = m.decode(q, k[:, :, :200], v[:, :, :200], lengths=lengths, state={})
+        torch.testing.assert_close(got, fresh, atol=0, rtol=0)
     # A state from a longer cache (another request) is not reused.
     got, _ = m.decode(q, k[:, :, :90], v[:, :, :90], state=state)
     torch.testing.assert_close(got, m.decode(q, k[:, :, :90], v[:, :, :90])[0], atol=0, rtol=0)

@@ -27,9 +27,10 @@ from .selection import IndexSet, compact, empty_set, group_scores, require_size,
 def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kmin, kmax)`` ``[B, Hkv, P, d]`` over each page's valid keys (±inf for pages without any).
 
-    Cached in ``state["quest"]`` keyed by page size; a cache that grew since the last call has only
-    its new pages (and the last old one, which may have been partial) recomputed. A cache that
-    shrank, or changed shape or dtype, is summarized again from scratch.
+    Cached in ``state["quest/page<size>"]``; a cache that grew since the last call has only its new
+    pages (and the last old one, which may have been partial) recomputed, and so do pages from the
+    first key whose validity changed. A cache that shrank, or changed shape or dtype, is summarized
+    again from scratch.
     """
     b, hkv, n, d = inputs.k.shape
     p_total = -(-n // page_size)
@@ -38,10 +39,13 @@ def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) 
     start_page = 0
     if cached is not None:
         ok = (cached["n"] <= n and cached["kmin"].shape[:2] == (b, hkv) and cached["kmin"].shape[-1] == d
-              and cached["dtype"] == inputs.k.dtype and cached["mask"].shape[0] == b
-              and bool((cached["mask"] == inputs.key_mask[:, : cached["n"]]).all()))
+              and cached["dtype"] == inputs.k.dtype and cached["mask"].shape[0] == b)
         if ok:
-            start_page = cached["n"] // page_size
+            # Pages from the first key whose validity changed (e.g. the next row of a causal question
+            # block sees one more key) are recomputed; pages before it are still right.
+            changed = (cached["mask"] != inputs.key_mask[:, : cached["n"]]).any(0)
+            first = int(changed.to(torch.int8).argmax()) if bool(changed.any()) else cached["n"]
+            start_page = first // page_size
         else:
             cached = None
     lo = start_page * page_size
