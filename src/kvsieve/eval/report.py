@@ -56,7 +56,11 @@ def summarize(rows: Sequence[dict[str, Any]], *, seed: int = 0) -> list[dict[str
     for r in rows:
         groups[(r["task"], int(r["length"]), r["method"])].append(r)
     out = []
-    for (task, length, method) in sorted(groups, key=lambda k: (k[0], k[1], k[2] != DENSE, k[2])):
+    def order(key: tuple[str, int, str]) -> tuple[Any, ...]:
+        family, budget = method_family_budget(key[2])
+        return key[0], key[1], key[2] != DENSE, family, budget if budget is not None else math.inf, key[2]
+
+    for (task, length, method) in sorted(groups, key=order):
         cells = sorted(groups[(task, length, method)], key=lambda r: r["sample"])
         dense = {r["sample"]: r for r in groups.get((task, length, DENSE), [])}
         scores = [r["score"] for r in cells if r.get("score") is not None]
@@ -199,7 +203,12 @@ def plot_score_vs_density(summary: Sequence[dict[str, Any]], path: Path) -> bool
                         fmt="o", color=colors[fam], capsize=2, label=fam if fam not in seen else None)
             seen.add(fam)
         front = _pareto([(s["density"], s["score"]) for s in group])
-        ax.plot([p[0] for p in front], [p[1] for p in front], "k--", lw=0.8, label="Pareto front")
+        xs = [p[0] for p in front] + [max(s["density"] for s in group)]
+        ys = [p[1] for p in front] + [front[-1][1]]
+        ax.plot(xs, ys, "k--", lw=0.8, drawstyle="steps-post", label="Pareto front")
+        dense = [s for s in group if s["method"] == DENSE]
+        if dense:
+            ax.axhline(dense[0]["score"], color="grey", lw=0.6, ls=":", label="dense score")
         ax.set_xscale("log")
         ax.set_title(f"{task} @ {length}")
         ax.set_xlabel("density (V rows read / N)")
