@@ -164,24 +164,35 @@ def sweep(log) -> list[dict]:
                                      num_warps=warps, num_stages=stages, target_programs=target)
                         configs.append((cfg, fn))
         for block_n in (64, 128):
+            for warps in (4, 8):
+                for programs in (132, 264, 528):
+                    cfg = {"block_n": block_n, "warps": warps, "programs": programs}
+                    configs.append(({"kernel": "prop-stats", **cfg},
+                                    partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
+                                            block_n=block_n, num_warps=warps, stats_programs=programs)))
+        for sample_n in (64, 128, 256):
+            for warps in (4, 8):
+                for stages in (1, 2):
+                    cfg = {"sample_n": sample_n, "sample_warps": warps, "sample_stages": stages}
+                    configs.append(({"kernel": "prop-sample", **cfg},
+                                    partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
+                                            sample_n=sample_n, sample_warps=warps, sample_stages=stages)))
+                    configs.append(({"kernel": "flash-sample", **cfg},
+                                    partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
+                                            sample_n=sample_n, sample_warps=warps, sample_stages=stages)))
+        for block_n in (64, 128):
             for sample_n in (64, 256):
-                for warps in (4, 8):
-                    for stages in (2, 3):
-                        cfg = {"block_n": block_n, "sample_n": sample_n, "warps": warps, "stages": stages}
-                        configs.append(({"kernel": "flash", **cfg},
-                                        partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
-                                                block_n=block_n, sample_n=sample_n, num_warps=warps,
-                                                num_stages=stages)))
-                        configs.append(({"kernel": "prop", **cfg},
-                                        partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
-                                                block_n=block_n, sample_n=sample_n, num_warps=warps,
-                                                num_stages=stages, sample_warps=warps)))
+                cfg = {"block_n": block_n, "sample_n": sample_n}
+                configs.append(({"kernel": "flash-fused", **cfg},
+                                partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0, fused=True,
+                                        block_n=block_n, sample_n=sample_n)))
         for cfg, fn in configs:
             try:
                 r = timer.time_us(fn, warmup=3, iters=15)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
                 r = {"error": str(exc)[:200]}
             rows.append({"n": n, **cfg, **r})
+            log(f"SWEEP n={n} {cfg} {r.get('median_us', r.get('error'))}")
     best = {}
     for r in rows:
         if "median_us" in r:

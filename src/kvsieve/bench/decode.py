@@ -36,7 +36,8 @@ class Case:
 
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
-    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-flash")
+    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-flash",
+             "santa-flash-fused")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -105,8 +106,9 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
     if name == "dense":
         return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
     tile = auto_tile_size(case.n)
-    if name == "santa-flash":
-        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed)[0]
+    if name.startswith("santa-flash"):
+        fused = name == "santa-flash-fused"
+        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, fused=fused)[0]
     rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
     return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding)[0]
 
@@ -122,7 +124,7 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
     if not name.startswith("santa"):
         return {"bytes": 2.0 * k_bytes, "v_row_fraction": 1.0}
     tile = auto_tile_size(case.n)
-    if name == "santa-flash":
+    if name.startswith("santa-flash"):
         _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True)
     else:
         rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"

@@ -13,7 +13,7 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
 
 - flash (2 launches): ``_flash_tile_kernel`` (tile stats + ``S_tile = max(1, S // T_b)`` systematic
   samples + gather) then the split-KV merge with weights ``e^{m_t} l_t``.
-- prop (4 launches): ``_prop_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
+- prop (4 launches): ``_tile_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
   → ``_prop_budget_kernel`` (one program per head: largest remainder or systematic rounding of the
   tile budgets) → ``_prop_sample_kernel`` (systematic samples inside each tile from the stash, V
   gather; tiles without samples exit at once) → the merge (``m = 0``, ``l = S_t``:
@@ -21,8 +21,6 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -107,14 +105,14 @@ if triton is not None:
             carry += tl.sum(xi, axis=1)
             last = tl.maximum(last, tl.max(tl.where(xi > 0, offs_n[None, :], -1), axis=1))
             used = (tl.max(c, axis=0) > 0) & n_ok
-            if tl.max(used.to(tl.int32), axis=0) > 0:  # sub-blocks nobody sampled cost no V work at all
-                v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=used[:, None], other=0.0)
-                if SPLIT_COUNTS:
-                    # 16-bit dots hold integers exactly only up to 256: split counts into two bytes.
-                    acc += tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-                    acc += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-                else:
-                    acc += tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=used[:, None], other=0.0)
+            if SPLIT_COUNTS:
+                # 16-bit dots hold integers exactly only up to 256: counts above that (possible only
+                # for per-tile budgets over 256) are split into two bytes.
+                acc += tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+                acc += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
             if WRITE_COUNTS:
                 tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c.to(tl.int32),
                          mask=g_ok[:, None] & n_ok[None, :])
@@ -128,6 +126,28 @@ if triton is not None:
                 tl.debug_barrier()
                 c_ptr = counts_ptr + b * s_c_b + heads * s_c_h + last
                 tl.store(c_ptr, tl.load(c_ptr, mask=fix, other=0) + short, mask=fix)
+        return acc
+
+    @triton.jit
+    def _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+                         s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                         SAMPLE_N: tl.constexpr, MAY_SPLIT: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+        """``_sample_tile`` with split 16-bit dots only where a tile's budget can put > 256 samples on a key."""
+        if MAY_SPLIT:
+            if tl.max(budget, axis=0) > 256:
+                acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+                                   s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, True, WRITE_COUNTS, DOT_PRECISION)
+            else:
+                acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+                                   s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION)
+        else:
+            acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+                               s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                               G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION)
         return acc
 
     @triton.jit
@@ -155,9 +175,9 @@ if triton is not None:
             s_tile = tl.maximum(budget // tiles_b, 1)
             row_budget = tl.where(g_ok, s_tile, 0)
             a0 = hash_uniform(seed_lo, seed_hi, stream_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
-            acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, row_budget, a0,
-                               s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                               G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+            acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, row_budget, a0,
+                                   s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
             # The merge weighs parts by e^{m} l: store l·Õ/S_tile so that the tile estimate gets W_t/Z.
             acc = acc * (l / s_tile.to(tl.float32))[:, None]
             offs_d = tl.arange(0, D)
@@ -167,36 +187,62 @@ if triton is not None:
             tl.store(l_ptr + b * s_ml_b + heads * s_ml_h + t, l, mask=g_ok)
 
     @triton.jit
-    def _prop_stats_kernel(
+    def _tile_stats_kernel(
         q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
-        scale,
+        scale, tiles_per_program,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        t = tl.program_id(0)
+        """Pass 1: per-tile max m and sum l of e^{s-m}, and the float32 score stash. Each program
+        streams ``tiles_per_program`` consecutive tiles in one pipelined loop over sub-blocks (long
+        streams keep K loads in flight), resetting (m, l) at each tile start."""
+        SUBS: tl.constexpr = TILE // BLOCK_N
+        pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         length = tl.load(lens_ptr + b)
-        if t * TILE < length:
+        tiles_b = (length + TILE - 1) // TILE
+        t0 = pid * tiles_per_program
+        t1 = tl.minimum(t0 + tiles_per_program, tiles_b)
+        if t0 < t1:
             offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
             g_ok = offs_g < G
             heads = kvh * G + offs_g
-            m, l = _score_tile(q_ptr, k_ptr, stash_ptr, b, kvh, t, length, scale,
-                               s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_u_b, s_u_h,
-                               G, BLOCK_G, D, TILE, BLOCK_N, DOT_PRECISION)
-            tl.store(m_ptr + b * s_ml_b + heads * s_ml_h + t, m, mask=g_ok)
-            tl.store(l_ptr + b * s_ml_b + heads * s_ml_h + t, l, mask=g_ok)
+            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
+                        other=0.0)
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_G], tl.float32)
+            k_base = k_ptr + b * s_k_b + kvh * s_k_h
+            u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
+            ml_base = b * s_ml_b + heads * s_ml_h
+            for j in range(t0 * SUBS, t1 * SUBS):
+                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < length
+                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+                s = tl.where(n_ok[None, :], s, float("-inf"))
+                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                first = (j % SUBS) == 0
+                m = tl.where(first, float("-inf"), m)
+                l = tl.where(first, 0.0, l)
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+                m = m_new
+                done = (j % SUBS) == SUBS - 1
+                tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
+                tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
 
     @triton.jit
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, RANK_CHUNK: tl.constexpr, SYSTEMATIC: tl.constexpr,
     ):
         """One head's tile budgets from the tile masses W_t = e^{m_t - m*} l_t (Alg. 4): largest
-        remainder (the +1s go to the largest fractional parts, ties to the lower tile, found by
-        bisection on the fractions quantised to 2^-40) or systematic rounding (fixed-point prefix sums
+        remainder (the +1s go to the largest fractional parts, ties to the lower tile: ranks of the
+        fractions quantised to 2^-40, by comparison in chunks) or systematic rounding (fixed-point prefix sums
         with 2^-32 resolution)."""
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -221,57 +267,71 @@ if triton is not None:
             drawn = tl.sum(bt, axis=0)
             last = tl.max(tl.where(x > 0, cols, -1), axis=0)
             bt = bt + tl.where(cols == last, budget.to(tl.int64) - drawn, 0)
-            bt = bt.to(tl.int32)
+            bt = tl.where(ok, bt.to(tl.int32), 0)
+            bt = tl.where(z > 0, bt, 0)
+            tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
         else:
             base = tl.floor(share)
-            frac_q = ((share - base) * 1099511627776.0).to(tl.int64)  # 2^40
-            frac_q = tl.where(ok, frac_q, -1)
             rem = budget - tl.sum(base, axis=0).to(tl.int32)
-            lo = tl.full([1], 0, tl.int64)
-            hi_b = tl.full([1], 1099511627776, tl.int64)
-            for _ in range(41):  # largest threshold with at least `rem` fractions at or above it
-                mid = (lo + hi_b + 1) // 2
-                enough = tl.sum((frac_q >= mid).to(tl.int32), axis=0) >= rem
-                lo = tl.where(enough, mid, lo)
-                hi_b = tl.where(enough, hi_b, mid - 1)
-            above = frac_q > lo
-            ties = frac_q == lo
-            need = rem - tl.sum(above.to(tl.int32), axis=0)
-            tie_rank = tl.cumsum(ties.to(tl.int32), axis=0) - ties.to(tl.int32)
-            bonus = (above | (ties & (tie_rank < need))) & (rem > 0)
-            bt = base.to(tl.int32) + bonus.to(tl.int32)
-        bt = tl.where(ok, bt, 0)
-        bt = tl.where(z > 0, bt, 0)
-        tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
+            # Unique keys: fraction (quantised to 2^-40) above, lower tile wins ties below.
+            key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols).to(tl.int64)
+            key = tl.where(ok, key, -1)
+            for c0 in range(0, n_tiles, RANK_CHUNK):
+                rows = c0 + tl.arange(0, RANK_CHUNK)
+                r_ok = rows < tiles_b
+                mr = tl.load(m_ptr + row + rows, mask=r_ok, other=float("-inf"))
+                lr = tl.load(l_ptr + row + rows, mask=r_ok, other=0.0)
+                wr = tl.where(r_ok, tl.exp(mr - m_star) * lr, 0.0).to(tl.float64)
+                share_r = wr * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))
+                base_r = tl.floor(share_r)
+                key_r = (((share_r - base_r) * 1099511627776.0).to(tl.int64) << 11) | (2047 - rows).to(tl.int64)
+                rank = tl.sum((key[None, :] > key_r[:, None]).to(tl.int32), axis=1)
+                bt_r = base_r.to(tl.int32) + (rank < rem).to(tl.int32)
+                bt_r = tl.where(r_ok, bt_r, 0)
+                bt_r = tl.where(z > 0, bt_r, 0)
+                tl.store(budgets_ptr + row + rows, bt_r, mask=rows < n_tiles)
 
     @triton.jit
-    def _prop_sample_kernel(
+    def _tile_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr,
-        seed_lo, seed_hi, tile_key, n_tiles, hq,
+        budget, seed_lo, seed_hi, tile_key, n_tiles, hq,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         s_acc_b, s_acc_h, s_acc_p, s_c_b, s_c_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SAMPLE_N: tl.constexpr,
-        SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FLASH: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
+        """Pass 2: systematic samples inside each tile from the stash and the V gather. prop: the
+        tile budgets come from ``budgets_ptr`` and the partial is ``Σ c V`` with merge weight l = S_t;
+        flash: every tile draws ``max(1, S // T_b)`` and the partial is ``l Σ c V / S_tile`` with the
+        tile's (m, l)."""
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         length = tl.load(lens_ptr + b)
-        if t * TILE < length:
+        tiles_b = (length + TILE - 1) // TILE
+        if t < tiles_b:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = kvh * G + offs_g
             pm = b * s_ml_b + heads * s_ml_h + t
-            tile_budget = tl.load(budgets_ptr + pm, mask=g_ok, other=0)
-            tl.store(pm_ptr + pm, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
-            tl.store(pl_ptr + pm, tile_budget.to(tl.float32), mask=g_ok)
+            m = tl.load(m_ptr + pm, mask=g_ok, other=0.0)
+            l = tl.load(l_ptr + pm, mask=g_ok, other=0.0)
+            if FLASH:
+                s_tile = tl.maximum(budget // tiles_b, 1)
+                tile_budget = tl.where(g_ok, s_tile, 0)
+                tl.store(pm_ptr + pm, m, mask=g_ok)
+                tl.store(pl_ptr + pm, l, mask=g_ok)
+            else:
+                tile_budget = tl.load(budgets_ptr + pm, mask=g_ok, other=0)
+                tl.store(pm_ptr + pm, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
+                tl.store(pl_ptr + pm, tile_budget.to(tl.float32), mask=g_ok)
             if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and write no partial
-                m = tl.load(m_ptr + pm, mask=g_ok, other=0.0)
-                l = tl.load(l_ptr + pm, mask=g_ok, other=0.0)
                 a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
-                acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
-                                   s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                                   G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
+                                       s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
+                                       G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                if FLASH:
+                    acc = acc * (l / tile_budget.to(tl.float32))[:, None]
                 offs_d = tl.arange(0, D)
                 tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
                          acc, mask=g_ok[:, None])
@@ -298,12 +358,71 @@ def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
     return False
 
 
+def _tile_stats(q, k, lens, scale, tile, *, block_n, num_warps, num_stages, stats_programs):
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    t = _tiles(n, tile)
+    dev = q.device
+    m = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
+    l = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
+    stash = torch.empty(b, hq, t * tile, device=dev, dtype=torch.float32)
+    per_program = max(1, round(t * hkv * b / stats_programs))
+    _tile_stats_kernel[(-(-t // per_program), hkv, b)](
+        q, k, lens, m, l, stash, scale, per_program,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), m.stride(0), m.stride(1),
+        stash.stride(0), stash.stride(1),
+        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return m, l, stash
+
+
+def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, write_counts, sample_n,
+                 num_warps, num_stages):
+    b, hkv, n, d = v.shape
+    hq, t = m.shape[1], m.shape[2]
+    g = hq // hkv
+    dev = v.device
+    acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
+    pm = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
+    pl = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
+    counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
+    lo, hi = seed_words(seed)
+    _tile_sample_kernel[(t, hkv, b)](
+        v, lens, m, l, stash, budgets if budgets is not None else m, acc, pm, pl, counts,
+        budget, lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
+        v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1), stash.stride(0), stash.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2),
+        counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
+        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, SAMPLE_N=min(sample_n, tile), FLASH=flash,
+        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
+        DOT_PRECISION=_dot_precision(v.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return acc, pm, pl, (counts if write_counts else None)
+
+
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                       write_counts: bool = False, block_n: int = 64, sample_n: int = 64, num_warps: int = 4,
-                       num_stages: int = 3, out: torch.Tensor | None = None):
-    """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``."""
+                       write_counts: bool = False, fused: bool = False, block_n: int = 64, sample_n: int = 256,
+                       num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4, sample_stages: int = 2,
+                       stats_programs: int = 264, out: torch.Tensor | None = None):
+    """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
+
+    ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, the paper's
+    design); ``fused=False``: the stats pass streams K with long pipelined loops, then a sampling
+    pass and the merge (3 launches; faster on an H100, see docs/methods/santa-kernels.md)."""
     _check_tile(tile)
     b, hq, d = q.shape
+    if out is None:
+        out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    if not fused:
+        m, l, stash = _tile_stats(q, k, lens, scale, tile, block_n=block_n, num_warps=num_warps,
+                                  num_stages=num_stages, stats_programs=stats_programs)
+        acc, pm, pl, counts = _tile_sample(v, lens, m, l, stash, None, budget, tile, seed, flash=True,
+                                           write_counts=write_counts, sample_n=sample_n,
+                                           num_warps=sample_warps, num_stages=sample_stages)
+        merge_partials(acc, pm, pl, lens, tile, out)
+        return out, counts
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
     t = _tiles(n, tile)
@@ -322,66 +441,41 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
         G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), SAMPLE_N=min(sample_n, tile),
-        SPLIT_COUNTS=_split_counts(v.dtype, min(budget, tile * budget)), WRITE_COUNTS=write_counts,
+        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
-    if out is None:
-        out = torch.empty(b, hq, d, device=dev, dtype=q.dtype)
     merge_partials(acc, m, l, lens, tile, out)
     return out, (counts if write_counts else None)
 
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                       rounding: str = "largest-remainder", write_counts: bool = False, block_n: int = 64,
-                      sample_n: int = 64, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4,
-                      sample_stages: int = 2, out: torch.Tensor | None = None):
+                      sample_n: int = 256, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4,
+                      sample_stages: int = 2, stats_programs: int = 264, out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``."""
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
         raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
     b, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
-    t = _tiles(n, tile)
-    dev = q.device
-    m = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    l = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    u = torch.empty(b, hq, t * tile, device=dev, dtype=torch.float32)  # score stash
-    precision = _dot_precision(q.dtype)
-    block_g = group_block(g)
-    _prop_stats_kernel[(t, hkv, b)](
-        q, k, lens, m, l, u, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), m.stride(0), m.stride(1),
-        u.stride(0), u.stride(1),
-        G=g, BLOCK_G=block_g, D=d, TILE=tile, BLOCK_N=min(block_n, tile), DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    budgets = torch.empty(b, hq, t, device=dev, dtype=torch.int32)
+    m, l, stash = _tile_stats(q, k, lens, scale, tile, block_n=block_n, num_warps=num_warps,
+                              num_stages=num_stages, stats_programs=stats_programs)
+    t = m.shape[2]
+    budgets = torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
     lo, hi = seed_words(seed)
+    block_t = max(16, next_pow2(t))
     _prop_budget_kernel[(hq, b)](
         m, l, lens, budgets, budget, lo, hi, (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
         m.stride(0), m.stride(1),
-        TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic",
-        num_warps=4 if t <= 1024 else 8,
+        TILE=tile, BLOCK_T=block_t, RANK_CHUNK=max(1, min(block_t, 4096 // block_t)),
+        SYSTEMATIC=rounding == "systematic", num_warps=4,
     )
-    acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
-    pm = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    pl = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
-    _prop_sample_kernel[(t, hkv, b)](
-        v, lens, m, l, u, budgets, acc, pm, pl, counts,
-        lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
-        v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1), u.stride(0), u.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
-        G=g, BLOCK_G=block_g, D=d, TILE=tile, SAMPLE_N=min(sample_n, tile),
-        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts, DOT_PRECISION=precision,
-        num_warps=sample_warps, num_stages=sample_stages,
-    )
+    acc, pm, pl, counts = _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, flash=False,
+                                       write_counts=write_counts, sample_n=sample_n,
+                                       num_warps=sample_warps, num_stages=sample_stages)
     if out is None:
-        out = torch.empty(b, hq, d, device=dev, dtype=q.dtype)
+        out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     merge_partials(acc, pm, pl, lens, tile, out)
-    return out, (counts if write_counts else None), budgets
+    return out, counts, budgets
 
 
-__all__ = ["santa_flash_triton", "santa_prop_triton", "math"]
+__all__ = ["santa_flash_triton", "santa_prop_triton"]
