@@ -44,7 +44,7 @@ def test_prompt_length_and_question_split(tok, task, length):
         question = tok.decode(list(s.input_ids[s.question_start:]))
         assert ctx == s.context_text
         assert question == s.question_text
-        if task != "tf_essay":
+        if not task.startswith("tf_"):
             # The chat template wraps the task: the assistant turn opens before the answer prefix.
             assert s.question_text.rstrip().endswith(s.answer_prefix.strip())
             assert "<|im_start|>assistant" in s.question_text
@@ -62,10 +62,16 @@ def test_perfect_answer_scores_one_and_wrong_scores_zero(tok, task):
         assert s.score(s.gold[0]) == pytest.approx(1 / len(s.gold))
 
 
-def test_tf_task_has_no_score(tok):
+def test_tf_tasks_have_no_score(tok):
     s = tasks.make_sample("tf_essay", tok, 512, 0)
     assert s.max_new_tokens == 0 and s.score("anything") is None
     assert s.n_tokens - s.question_start == tasks.tf.CONTINUATION_TOKENS
+    g = tasks.make_sample("tf_gsm8k", tok, 2048, 0)
+    assert g.max_new_tokens == 0 and g.score("anything") is None and g.target
+    assert g.question_text.startswith("\n\nQuestion:") and g.question_text.endswith("Answer:")
+    assert g.info["shots"] == g.context_text.count("Question:") >= 5 and g.info["filler_words"] > 100
+    short = tasks.make_sample("tf_gsm8k", tok, 512, 0)
+    assert short.info["shots"] < g.info["shots"]
 
 
 @pytest.mark.parametrize("task", [t for t in SCORED if t.startswith("niah")])

@@ -20,6 +20,7 @@ _GENERATORS: dict[str, Callable[..., Sample]] = {
     "fwe": fwe.make_sample,
     "qa_1": qa.make_sample,
     "tf_essay": tf.make_sample,
+    "tf_gsm8k": tf.make_gsm8k_sample,
 }
 
 __all__ = ["Sample", "make_sample", "task_names", "check_task"]
