@@ -69,9 +69,9 @@ def test_tf_tasks_have_no_score(tok):
     g = tasks.make_sample("tf_gsm8k", tok, 2048, 0)
     assert g.max_new_tokens == 0 and g.score("anything") is None and g.target
     assert g.question_text.startswith("\n\nQuestion:") and g.question_text.endswith("Answer:")
-    assert g.info["shots"] == g.context_text.count("Question:") >= 5 and g.info["filler_words"] > 100
+    assert g.context_text.count("Question:") >= 5 and g.info["filler_words"] > 100
     short = tasks.make_sample("tf_gsm8k", tok, 512, 0)
-    assert short.info["shots"] < g.info["shots"]
+    assert short.info["shots"] < g.info["shots"] and short.n_tokens <= 512
 
 
 @pytest.mark.parametrize("task", [t for t in SCORED if t.startswith("niah")])
