@@ -188,7 +188,7 @@ def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.
     b, hq, p, d = acc.shape
     block_p = max(16, next_pow2(p))
     chunk_p = min(64, block_p)
-    d_chunk = 32
+    d_chunk = 16
     _merge_partials_kernel[(hq, b, d // d_chunk)](
         acc, m, l, lens, out, p, part_keys,
         acc.stride(0), acc.stride(1), acc.stride(2),

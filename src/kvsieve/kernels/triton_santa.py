@@ -4,7 +4,8 @@ Torch references: ``kvsieve.kernels.santa_reference.santa_flash_reference`` and
 ``santa_prop_reference`` (float64). Given the uniforms of ``triton_common.tile_uniforms`` /
 ``budget_uniforms`` the kernels draw the same counts, except for rare floor-boundary flips: scores
 are float32 here, and the running sums of systematic sampling are fixed-point integers with 2^-24
-resolution (exact prefix sums, so every tile's counts add up to its budget to the unit).
+resolution (exact prefix sums, so every tile's counts add up to its budget to the unit): int32 with
+2^(30 − bits(S)) resolution up to S = 16383, int64 with 2^-24 beyond.
 
 Layout and grid: q ``[B, Hq, d]``, K/V ``[B, Hkv, N, d]`` (the transformers cache; last dim
 contiguous), ``lens [B]`` valid prefix lengths. One program per (tile, KV head, batch row) loads the
@@ -72,23 +73,29 @@ if triton is not None:
                      s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                      SAMPLE_N: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
         """Systematic sampling of ``budget [BLOCK_G]`` draws inside one tile with weights e^{s - m}
         (from the stash) and ``Σ_n c_n V_n`` [BLOCK_G, D] (float32), reading only sampled V rows.
 
-        Running sums are fixed-point integers (2^-24 resolution), so consecutive keys share their
+        Running sums are fixed-point integers (2^-FIX_BITS resolution), so consecutive keys share their
         boundary exactly; sums are clamped at the budget, and whatever rounding left short of it is
         given to the last key of positive weight, so each head's counts add up to its budget."""
-        FIX: tl.constexpr = 1 << 24
+        FIX: tl.constexpr = 1 << FIX_BITS
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
         heads = kvh * G + offs_g
-        top = budget.to(tl.int64) * FIX
-        a = (a0 * FIX).to(tl.int64)
+        # int32 running sums when (budget + 1)·2^FIX_BITS fits (fewer registers), else int64.
+        if WIDE:
+            top = budget.to(tl.int64) * FIX
+            a = (a0 * FIX).to(tl.int64)
+            carry = tl.zeros([BLOCK_G], tl.int64)
+        else:
+            top = budget * FIX
+            a = (a0 * FIX).to(tl.int32)
+            carry = tl.zeros([BLOCK_G], tl.int32)
         norm = tl.where(l > 0, budget.to(tl.float32) / tl.where(l > 0, l, 1.0), 0.0)
         m_safe = tl.where(g_ok, m, 0.0)
-        carry = tl.zeros([BLOCK_G], tl.int64)
         last = tl.full([BLOCK_G], -1, tl.int32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
         u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
@@ -98,10 +105,10 @@ if triton is not None:
             n_ok = offs_n < length
             s = tl.load(u_base + offs_n[None, :], mask=g_ok[:, None] & n_ok[None, :], other=float("-inf"))
             x = tl.exp(s - m_safe[:, None]) * norm[:, None]
-            xi = (x * FIX + 0.5).to(tl.int64)
+            xi = (x * FIX + 0.5).to(carry.dtype)
             hi = carry[:, None] + tl.cumsum(xi, axis=1)
-            c = ((a[:, None] + tl.minimum(hi, top[:, None])) >> 24) \
-                - ((a[:, None] + tl.minimum(hi - xi, top[:, None])) >> 24)
+            c = ((a[:, None] + tl.minimum(hi, top[:, None])) >> FIX_BITS) \
+                - ((a[:, None] + tl.minimum(hi - xi, top[:, None])) >> FIX_BITS)
             carry += tl.sum(xi, axis=1)
             last = tl.maximum(last, tl.max(tl.where(xi > 0, offs_n[None, :], -1), axis=1))
             used = (tl.max(c, axis=0) > 0) & n_ok
@@ -116,8 +123,8 @@ if triton is not None:
             if WRITE_COUNTS:
                 tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c.to(tl.int32),
                          mask=g_ok[:, None] & n_ok[None, :])
-        drawn = ((a + tl.minimum(carry, top)) >> 24) - (a >> 24)
-        short = (budget.to(tl.int64) - drawn).to(tl.int32)
+        drawn = ((a + tl.minimum(carry, top)) >> FIX_BITS) - (a >> FIX_BITS)
+        short = budget - drawn.to(tl.int32)
         fix = g_ok & (short > 0) & (last >= 0)
         if tl.max(fix.to(tl.int32), axis=0) > 0:
             row = tl.load(v_base + last[:, None] * s_v_n + offs_d[None, :], mask=fix[:, None], other=0.0)
@@ -133,21 +140,21 @@ if triton is not None:
                          s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                          SAMPLE_N: tl.constexpr, MAY_SPLIT: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
         """``_sample_tile`` with split 16-bit dots only where a tile's budget can put > 256 samples on a key."""
         if MAY_SPLIT:
             if tl.max(budget, axis=0) > 256:
                 acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
                                    s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                                   G, BLOCK_G, D, TILE, SAMPLE_N, True, WRITE_COUNTS, DOT_PRECISION)
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, True, WRITE_COUNTS, DOT_PRECISION, FIX_BITS, WIDE)
             else:
                 acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
                                    s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                                   G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION)
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION, FIX_BITS, WIDE)
         else:
             acc = _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
                                s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                               G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION)
+                               G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION, FIX_BITS, WIDE)
         return acc
 
     @triton.jit
@@ -158,6 +165,7 @@ if triton is not None:
         s_acc_b, s_acc_h, s_acc_p, s_ml_b, s_ml_h, s_c_b, s_c_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         SAMPLE_N: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
     ):
         t = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -177,7 +185,8 @@ if triton is not None:
             a0 = hash_uniform(seed_lo, seed_hi, stream_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
             acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, row_budget, a0,
                                    s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                                   G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                                   G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION,
+                                   FIX_BITS, WIDE)
             # The merge weighs parts by e^{m} l: store l·Õ/S_tile so that the tile estimate gets W_t/Z.
             acc = acc * (l / s_tile.to(tl.float32))[:, None]
             offs_d = tl.arange(0, D)
@@ -238,11 +247,11 @@ if triton is not None:
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, RANK_CHUNK: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
     ):
         """One head's tile budgets from the tile masses W_t = e^{m_t - m*} l_t (Alg. 4): largest
-        remainder (the +1s go to the largest fractional parts, ties to the lower tile: ranks of the
-        fractions quantised to 2^-40, by comparison in chunks) or systematic rounding (fixed-point prefix sums
+        remainder (the +1s go to the largest fractional parts, ties to the lower tile: a sort of the
+        fractions quantised to 2^-40) or systematic rounding (fixed-point prefix sums
         with 2^-32 resolution)."""
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -273,23 +282,18 @@ if triton is not None:
         else:
             base = tl.floor(share)
             rem = budget - tl.sum(base, axis=0).to(tl.int32)
-            # Unique keys: fraction (quantised to 2^-40) above, lower tile wins ties below.
+            # Unique keys: the fraction (quantised to 2^-40) above, the lower tile winning ties below;
+            # the +1s go to the `rem` largest keys, i.e. those at or above the rem-th largest.
             key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols).to(tl.int64)
             key = tl.where(ok, key, -1)
-            for c0 in range(0, n_tiles, RANK_CHUNK):
-                rows = c0 + tl.arange(0, RANK_CHUNK)
-                r_ok = rows < tiles_b
-                mr = tl.load(m_ptr + row + rows, mask=r_ok, other=float("-inf"))
-                lr = tl.load(l_ptr + row + rows, mask=r_ok, other=0.0)
-                wr = tl.where(r_ok, tl.exp(mr - m_star) * lr, 0.0).to(tl.float64)
-                share_r = wr * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))
-                base_r = tl.floor(share_r)
-                key_r = (((share_r - base_r) * 1099511627776.0).to(tl.int64) << 11) | (2047 - rows).to(tl.int64)
-                rank = tl.sum((key[None, :] > key_r[:, None]).to(tl.int32), axis=1)
-                bt_r = base_r.to(tl.int32) + (rank < rem).to(tl.int32)
-                bt_r = tl.where(r_ok, bt_r, 0)
-                bt_r = tl.where(z > 0, bt_r, 0)
-                tl.store(budgets_ptr + row + rows, bt_r, mask=rows < n_tiles)
+            ranked = tl.sort(key, descending=True)
+            kth = tl.sum(tl.where(cols == rem - 1, ranked, 0), axis=0)
+            bonus = (key >= kth) & ok
+            bt = base.to(tl.int32) + tl.where(rem > 0, bonus.to(tl.int32), 0)
+            bt = tl.where(ok, bt, 0)
+            bt = tl.where(z > 0, bt, 0)
+            tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
+
 
     @triton.jit
     def _tile_sample_kernel(
@@ -299,6 +303,7 @@ if triton is not None:
         s_acc_b, s_acc_h, s_acc_p, s_c_b, s_c_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SAMPLE_N: tl.constexpr,
         FLASH: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
     ):
         """Pass 2: systematic samples inside each tile from the stash and the V gather. prop: the
         tile budgets come from ``budgets_ptr`` and the partial is ``Σ c V`` with merge weight l = S_t;
@@ -329,7 +334,8 @@ if triton is not None:
                 a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
                 acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
                                        s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
-                                       G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION)
+                                       G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION,
+                                   FIX_BITS, WIDE)
                 if FLASH:
                     acc = acc * (l / tile_budget.to(tl.float32))[:, None]
                 offs_d = tl.arange(0, D)
@@ -348,6 +354,13 @@ def _check_tile(tile: int) -> None:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fixed_point(max_tile_budget: int) -> dict:
+    """Resolution of the running sums: int32 with (S + 1)·2^bits ≤ 2^30 while that leaves ≥ 16 bits,
+    else int64 with 24 bits."""
+    bits = 30 - max(1, int(max_tile_budget)).bit_length()
+    return {"FIX_BITS": bits, "WIDE": False} if bits >= 16 else {"FIX_BITS": 24, "WIDE": True}
 
 
 def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
@@ -397,7 +410,7 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
         counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
         G=g, BLOCK_G=group_block(g), D=d, TILE=tile, SAMPLE_N=min(sample_n, tile), FLASH=flash,
         SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
-        DOT_PRECISION=_dot_precision(v.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(v.dtype), **_fixed_point(budget), num_warps=num_warps, num_stages=num_stages,
     )
     return acc, pm, pl, (counts if write_counts else None)
 
@@ -442,7 +455,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
         counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
         G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), SAMPLE_N=min(sample_n, tile),
         SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), **_fixed_point(budget), num_warps=num_warps, num_stages=num_stages,
     )
     merge_partials(acc, m, l, lens, tile, out)
     return out, (counts if write_counts else None)
@@ -466,8 +479,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     _prop_budget_kernel[(hq, b)](
         m, l, lens, budgets, budget, lo, hi, (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
         m.stride(0), m.stride(1),
-        TILE=tile, BLOCK_T=block_t, RANK_CHUNK=max(1, min(block_t, 4096 // block_t)),
-        SYSTEMATIC=rounding == "systematic", num_warps=4,
+        TILE=tile, BLOCK_T=block_t, SYSTEMATIC=rounding == "systematic", num_warps=4,
     )
     acc, pm, pl, counts = _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, flash=False,
                                        write_counts=write_counts, sample_n=sample_n,
