@@ -257,3 +257,20 @@ def test_empty_selection_is_a_clear_error():
     q, k, v = random_qkv(batch=1, heads=2, kv_heads=2, n=50, d=8)
     with pytest.raises(ValueError, match="selected no key"):
         kvsieve.method("oracle-topk", sink=0, window=0, top_k=0).decode(q, k, v)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec", ["vattention:sink=16,window=16,predictor=quest,top_k=0.05,epsilon=0.2,delta=0.2"])
+def test_stateful_methods_run_inside_the_model_in_setup_b(default_model, spec):
+    """Question rows and generated tokens go through the method, with per-(request, layer) state
+    (Quest page summaries updated row by row). One spec: the model makes this test slow on CPU."""
+    from kvsieve.assets import essay_texts
+
+    model, tok = default_model
+    ids = tok(essay_texts()[0], return_tensors="pt").input_ids[:, :300]
+    with torch.no_grad(), kvsieve.sparsify(model, spec, phase="question", question_start=296, seed=0) as s:
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] == 302
+    assert s.records and all(r["density"] < 1 for r in s.records)
+    if spec.startswith("vattention"):
+        assert all("budget" in r for r in s.records)
