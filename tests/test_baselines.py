@@ -31,6 +31,7 @@ COVERING = [
     "random:budget=100000,replacement=true",
     "quest:top_k=1.0",
     "quest:top_k=1.0,page_size=7,share_kv_group=true",
+    "quest:top_k=16,page_size=100000,sink=0,window=0",  # one page larger than the context holds it all
     "vattention:top_k=1.0",
     "vattention:top_k=0,epsilon=0.000001,delta=0.01",
     "vattention:top_k=0,epsilon=0.000001,bound=full,predictor=quest",
@@ -274,3 +275,15 @@ def test_stateful_methods_run_inside_the_model_in_setup_b(default_model, spec):
     assert s.records and all(r["density"] < 1 for r in s.records)
     if spec.startswith("vattention"):
         assert all("budget" in r for r in s.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spec", ["oracle-topk:sink=8,window=8,top_k=0.5", "quest:sink=8,window=8,top_k=0.5",
+                                  "streaming:sink=8,window=100"])
+def test_low_precision_inputs_match_float64(spec, dtype):
+    q, k, v = random_qkv(batch=2, heads=4, kv_heads=2, n=300, d=64, seed=12, peaked=1.0)
+    ref, _ = kvsieve.method(spec).decode(q, k, v)
+    out, _ = kvsieve.method(spec).decode(q.to(dtype), k.to(dtype), v.to(dtype))
+    assert out.dtype == dtype
+    tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
