@@ -140,13 +140,16 @@ def check_statistics(log, seeds: int = 512) -> list[dict]:
 
 
 def sweep(log) -> list[dict]:
-    """Launch configurations of the three kernels on llama shapes, batch 1 (cold L2)."""
+    """Launch configurations of each pass alone (llama shapes, batch 1, cold L2, CUDA-graph replay so
+    that host launch cost does not blur the device times)."""
     from functools import partial
 
     from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.kernels.triton_santa import _tile_sample, _tile_stats
 
     timer = ColdL2Timer()
     rows = []
+    scale = 128 ** -0.5
     for n in (32768, 131072):
         g = torch.Generator(device=DEVICE).manual_seed(1)
         q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
@@ -157,38 +160,39 @@ def sweep(log) -> list[dict]:
         for block_n in (64, 128):
             for warps in (4, 8):
                 for stages in (2, 3):
-                    for target in (264,):
-                        cfg = {"kernel": "dense", "block_n": block_n, "warps": warps, "stages": stages,
-                               "target": target}
-                        fn = partial(dense_decode_triton, q, k, v, lens32, 128 ** -0.5, block_n=block_n,
-                                     num_warps=warps, num_stages=stages, target_programs=target)
-                        configs.append((cfg, fn))
+                    cfg = {"kernel": "dense", "block_n": block_n, "warps": warps, "stages": stages}
+                    configs.append((cfg, partial(dense_decode_triton, q, k, v, lens32, scale, block_n=block_n,
+                                                 num_warps=warps, num_stages=stages)))
         for block_n in (64, 128):
             for warps in (4, 8):
-                for programs in (264,):
-                    cfg = {"block_n": block_n, "warps": warps, "programs": programs}
-                    configs.append(({"kernel": "prop-stats", **cfg},
-                                    partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
-                                            block_n=block_n, num_warps=warps, stats_programs=programs)))
+                for programs in (132, 264, 528):
+                    cfg = {"kernel": "stats", "block_n": block_n, "warps": warps, "programs": programs}
+                    configs.append((cfg, partial(_tile_stats, q, k, lens32, scale, 256, block_n=block_n,
+                                                 num_warps=warps, num_stages=3, stats_programs=programs)))
+        m, l, stash = _tile_stats(q, k, lens32, scale, 256, block_n=64, num_warps=4, num_stages=3,
+                                  stats_programs=264)
+        _, _, budgets = santa_prop_triton(q, k, v, lens32, scale, 128, 256, 0)
         for sample_n in (64, 128, 256):
-            for warps in (4, 8):
-                for stages in (2,):
-                    cfg = {"sample_n": sample_n, "sample_warps": warps, "sample_stages": stages}
+            for warps in (2, 4, 8):
+                for stages in (1, 2, 3):
+                    cfg = {"sample_n": sample_n, "warps": warps, "stages": stages}
                     configs.append(({"kernel": "prop-sample", **cfg},
-                                    partial(santa_prop_triton, q, k, v, lens32, 128 ** -0.5, 128, 256, 0,
-                                            sample_n=sample_n, sample_warps=warps, sample_stages=stages)))
+                                    partial(_tile_sample, v, lens32, m, l, stash, budgets, 128, 256, 0, flash=False,
+                                            write_counts=False, sample_n=sample_n, num_warps=warps,
+                                            num_stages=stages)))
                     configs.append(({"kernel": "flash-sample", **cfg},
-                                    partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0,
-                                            sample_n=sample_n, sample_warps=warps, sample_stages=stages)))
-        for block_n in (64,):
-            for sample_n in (64,):
-                cfg = {"block_n": block_n, "sample_n": sample_n}
-                configs.append(({"kernel": "flash-fused", **cfg},
-                                partial(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 0, fused=True,
-                                        block_n=block_n, sample_n=sample_n)))
+                                    partial(_tile_sample, v, lens32, m, l, stash, None, 2048, 256, 0, flash=True,
+                                            write_counts=False, sample_n=sample_n, num_warps=warps,
+                                            num_stages=stages)))
+        for block_n in (64, 128):
+            for sample_n in (64, 256):
+                for warps in (4, 8):
+                    cfg = {"kernel": "flash-fused", "block_n": block_n, "sample_n": sample_n, "warps": warps}
+                    configs.append((cfg, partial(santa_flash_triton, q, k, v, lens32, scale, 2048, 256, 0,
+                                                 fused=True, block_n=block_n, sample_n=sample_n, num_warps=warps)))
         for cfg, fn in configs:
             try:
-                r = timer.time_us(fn, warmup=3, iters=15)
+                r = timer.time_graph_us(fn, warmup=3, iters=15)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
                 r = {"error": str(exc)[:200]}
             rows.append({"n": n, **cfg, **r})
