@@ -416,14 +416,15 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                       write_counts: bool = False, fused: bool = False, block_n: int = 64, sample_n: int = 256,
-                       num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4, sample_stages: int = 2,
+                       write_counts: bool = False, fused: bool = True, block_n: int = 128, sample_n: int = 256,
+                       num_warps: int = 4, num_stages: int = 3, sample_warps: int = 2, sample_stages: int = 3,
                        stats_programs: int = 264, out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, the paper's
-    design); ``fused=False``: the stats pass streams K with long pipelined loops, then a sampling
-    pass and the merge (3 launches; faster on an H100, see docs/methods/santa-kernels.md)."""
+    ``fused=True`` (default): one kernel scores and samples each tile, then the merge (2 launches, the
+    paper's design); ``fused=False``: the stats pass streams K in long pipelined loops, then a
+    sampling pass and the merge (3 launches). Defaults: the fastest of a sweep on an H100
+    (docs/methods/santa-kernels.md)."""
     _check_tile(tile)
     b, hq, d = q.shape
     if out is None:
@@ -463,9 +464,10 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                       rounding: str = "largest-remainder", write_counts: bool = False, block_n: int = 64,
-                      sample_n: int = 256, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 4,
-                      sample_stages: int = 2, stats_programs: int = 264, out: torch.Tensor | None = None):
-    """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``."""
+                      sample_n: int = 64, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 2,
+                      sample_stages: int = 3, stats_programs: int = 264, out: torch.Tensor | None = None):
+    """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``. Launch defaults:
+    the fastest of a sweep on an H100 (docs/methods/santa-kernels.md)."""
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
         raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
