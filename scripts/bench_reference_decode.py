@@ -1,6 +1,6 @@
 """CPU time of one reference decode step per method, against the dense reference (a benchmark, not a test).
 
-Shape of the default model's layers (9 query / 3 KV heads, head dim 64, float32) at N keys. Every
+Real q/k/v of the default model at N keys by default (``--source random``: Gaussian inputs). Every
 method runs at about 10% density where it has a knob; state (Quest pages, MagicPIG hashes) is warm,
 as in decoding, where it is updated incrementally. Reports the median over repetitions and, for
 methods slower than ``--flag`` × dense, the three torch calls with the most self time.
@@ -68,6 +68,23 @@ def top_ops(spec, q, k, v, n=3):
     return rows
 
 
+def captured_layers(n_tokens, layers):
+    """q/k/v ``[1, ...]`` of one decode step of the default model after ``n_tokens`` of essay text."""
+    from transformers import DynamicCache
+
+    from kvsieve.assets import essay_texts
+    from kvsieve.integrations.hf import capture_attention
+
+    model, tok = kvsieve.load_model("default")
+    ids = tok("\n\n".join(essay_texts()), return_tensors="pt").input_ids[:, : n_tokens - 1]
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache)
+        with capture_attention(model, layers=layers) as cap:
+            model(out.logits[:, -1:].argmax(-1), past_key_values=cache)
+    return [(q[:, :, 0].contiguous(), k.contiguous(), v.contiguous()) for _, q, k, v in cap.calls]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="docs/results/reference-decode-bench")
@@ -76,17 +93,29 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--flag", type=float, default=1.5)
+    p.add_argument("--source", choices=("random", "model"), default="model",
+                   help="'model': q/k/v of one real decode step of the default model (essay text) at --layers; "
+                        "'random': Gaussian inputs (near-uniform attention, the worst case for sampling budgets)")
+    p.add_argument("--layers", type=int, nargs="+", default=[2, 14, 26])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
+    captured = captured_layers(args.n, args.layers) if args.source == "model" else None
     for b in args.batch:
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(b, 9, 64, generator=g)
-        k = torch.randn(b, 3, args.n, 64, generator=g)
-        v = torch.randn(b, 3, args.n, 64, generator=g)
+        if captured is None:
+            g = torch.Generator().manual_seed(0)
+            calls = [(torch.randn(b, 9, 64, generator=g), torch.randn(b, 3, args.n, 64, generator=g),
+                      torch.randn(b, 3, args.n, 64, generator=g))]
+        else:
+            calls = [tuple(t.expand(b, *t.shape[1:]).contiguous() for t in c) for c in captured]
         dense_t = None
         for spec in SPECS:
-            t, st = time_method(spec, q, k, v, args.reps)
+            results = [time_method(spec, q, k, v, args.reps) for q, k, v in calls]
+            t = sum(r[0] for r in results) / len(results)
+            st = results[0][1]
+            st = type("S", (), dict(density=sum(r[1].density for r in results) / len(results),
+                                    kv_density=sum(r[1].kv_density for r in results) / len(results)))
+            q, k, v = calls[0]
             dense_t = t if spec == "dense" else dense_t
             ratio = t / dense_t
             row = dict(batch=b, spec=spec, ms=t * 1000, ratio=ratio, density=st.density, kv_density=st.kv_density)
@@ -101,9 +130,13 @@ def main(argv=None):
         f"# Reference decode step on CPU, N = {args.n}",
         "",
         f"Command: `python scripts/bench_reference_decode.py --n {args.n} --batch {' '.join(map(str, args.batch))} "
-        f"--reps {args.reps} --threads {args.threads}`",
+        f"--reps {args.reps} --threads {args.threads} --source {args.source}"
+        + (f" --layers {' '.join(map(str, args.layers))}`" if args.source == "model" else "`"),
         "",
-        "Default-model layer shape (9 q / 3 KV heads, d = 64, float32), random inputs, median of "
+        ("Real q/k/v of one decode step of the default model after N tokens of essay text, layers "
+         f"{', '.join(map(str, args.layers))} (time = mean over those layers; batch rows repeat the row). "
+         if args.source == "model" else "Random Gaussian q/k/v (near-uniform attention). ")
+        + "Default-model layer shape (9 q / 3 KV heads, d = 64, float32), median of "
         f"{args.reps} steps, {args.threads} thread(s) on a shared 2-core CPU (timings are noisy). Input "
         "checks off (`check_finite=False`) for every method alike. Ratio = time / dense reference time.",
         "",

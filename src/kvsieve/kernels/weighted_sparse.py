@@ -120,7 +120,10 @@ def weighted_sparse_decode_reference(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if scale is None:
         scale = d ** -0.5
-    idx = indices.long()
+    # Padding entries are never read: they are pointed at the row's first entry (always used, since
+    # counts >= 1), whose weight is then masked to zero below. No NaN of an unused row can leak.
+    used_flat = torch.arange(m, device=q.device) < counts[..., None]
+    idx = torch.where(used_flat, indices.long(), indices[..., :1].long())
     if hs == hkv:
         # One list per KV head: gather its rows once, score them for the G query heads of the group.
         kr = gather_rows(k, idx).to(dtype)
@@ -143,8 +146,6 @@ def weighted_sparse_decode_reference(
     logits = logits.masked_fill(~used, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # every row has >= 1 used entry, hence finite
     p = torch.exp(logits - lse[..., None])
-    # Padding rows were gathered but must not be read: zero them so that NaN there cannot leak (0·NaN).
-    vr = vr.masked_fill(~used.view(used.shape[0], used.shape[1], -1)[..., None], 0.0)
     out = torch.matmul(p, vr)  # [B, Hs, G or 1, dv]
     return out.reshape(b, hq, -1), lse.reshape(b, hq)
 
