@@ -287,3 +287,14 @@ def test_low_precision_inputs_match_float64(spec, dtype):
     assert out.dtype == dtype
     tol = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 1e-4}[dtype]
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,stochastic", [("streaming", False), ("oracle-topk", False), ("oracle-topp", False),
+                                             ("random", True), ("quest", False), ("magicpig", True),
+                                             ("vattention", True)])
+def test_methods_build_with_defaults_and_round_trip(name, stochastic):
+    m = kvsieve.method(name)
+    assert m.spec == name and m.summary and m.stochastic == stochastic
+    q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=600, d=16, seed=13)
+    out, st = m.decode(q, k, v, seed=0)
+    assert torch.isfinite(out).all() and 0 < st.density < 1
