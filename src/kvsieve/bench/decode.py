@@ -22,6 +22,7 @@ from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
 DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
+# santa-flash = the fused kernel (2 launches); santa-flash-split = stats pass + sampling pass (3 launches)
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Case:
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
     known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-flash",
-             "santa-flash-fused")
+             "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -59,10 +60,11 @@ def _load_flashinfer():
 class Inputs:
     """Random bf16 decode inputs of one case, in our layout (and FlashInfer's NHD copy on demand)."""
 
-    def __init__(self, case: Case, dtype: torch.dtype, seed: int):
+    def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0):
         g = torch.Generator(device="cuda").manual_seed(seed)
         b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
-        self.q = torch.randn(b, h, d, device="cuda", dtype=dtype, generator=g)
+        # q_scale > 1 sharpens attention (Gaussian q, K: scores have standard deviation q_scale)
+        self.q = (torch.randn(b, h, d, device="cuda", generator=g) * q_scale).to(dtype)
         self.k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
         self.v = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
         self.lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
@@ -114,7 +116,7 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
         return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
     tile = auto_tile_size(case.n)
     if name.startswith("santa-flash"):
-        fused = name == "santa-flash-fused"
+        fused = name != "santa-flash-split"
         return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, fused=fused)[0]
     rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
     return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding)[0]
@@ -132,7 +134,8 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
         return {"bytes": 2.0 * k_bytes, "v_row_fraction": 1.0}
     tile = auto_tile_size(case.n)
     if name.startswith("santa-flash"):
-        _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True)
+        _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True,
+                                       fused=name != "santa-flash-split")
     else:
         rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
         _, counts, _ = santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
@@ -145,7 +148,7 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
 
 def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAULT_CONTEXTS, batches=(1, 8),
                      variants=DEFAULT_VARIANTS, warmup: int = 10, iters: int = 40, seed: int = 0,
-                     dtype: torch.dtype = torch.bfloat16, max_kv_bytes: float = 24e9,
+                     dtype: torch.dtype = torch.bfloat16, max_kv_bytes: float = 24e9, q_scale: float = 1.0,
                      log: Callable[[str], None] = print) -> dict:
     if not torch.cuda.is_available():
         raise RuntimeError("kvsieve bench decode needs a CUDA GPU")
@@ -171,7 +174,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
             log(f"skip {case}: K+V {kv_bytes / 1e9:.1f} GB > {max_kv_bytes / 1e9:.0f} GB")
             continue
         try:
-            x = Inputs(case, dtype, seed)
+            x = Inputs(case, dtype, seed, q_scale)
             # float32 reference one batch row at a time (the GQA expansion of a whole batch can exceed memory)
             reference = torch.cat([
                 F.scaled_dot_product_attention(x.q[i:i + 1, :, None, :].float(), x.k[i:i + 1].float(),
@@ -228,6 +231,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         "triton": _version("triton"),
         "flashinfer": None if isinstance(flashinfer, Exception) or flashinfer is None else _version("flashinfer"),
         "dtype": str(dtype).replace("torch.", ""),
+        "inputs": f"i.i.d. Gaussian q (times {q_scale}), K, V; all keys valid",
         "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median; "
                     "'graph' = the same with the call captured in a CUDA graph and replayed",
         "copy_bandwidth_bytes_per_s": peak,

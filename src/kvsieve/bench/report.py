@@ -18,6 +18,7 @@ def markdown(results: dict, command: str) -> str:
         f"FlashInfer {results['flashinfer']}; {results['dtype']}",
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
+        f"- inputs: {results.get('inputs', 'i.i.d. Gaussian')}",
         f"- bandwidth ceiling (device-to-device copy, read + write): "
         f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floor = bytes the method must touch / ceiling",
         "- bytes: dense = all of K and V; S²ANTA = all of K + the V rows sampled by any head of a GQA group "

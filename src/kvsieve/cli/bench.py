@@ -27,11 +27,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--contexts", default="4k,8k,16k,32k,64k,128k,256k", help="comma list of context lengths")
     d.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     d.add_argument("--variants", default="flashinfer,sdpa,dense,santa-prop:128,santa-flash:2048,santa-flash:256",
-                   help="flashinfer, flashinfer-hnd, sdpa, dense, santa-prop:S, santa-prop-sys:S, santa-flash:S, "
-                        "santa-flash-fused:S")
+                   help="flashinfer, flashinfer-hnd, sdpa, dense, santa-prop:S, santa-prop-sys:S, santa-flash:S "
+                        "(fused), santa-flash-split:S")
     d.add_argument("--warmup", type=int, default=10)
     d.add_argument("--iters", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--q-scale", type=float, default=1.0,
+                   help="multiply the Gaussian queries (1 = the protocol's flat attention; 4 = peaked)")
     d.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
     d.add_argument("--name", default=None, help="file stem (default: <date>-<device>-decode)")
     d.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print("kvsieve bench decode needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     results = run_decode_bench(shapes=shapes, contexts=_ints(args.contexts), batches=_ints(args.batches),
-                               variants=variants, warmup=args.warmup, iters=args.iters, seed=args.seed)
+                               variants=variants, warmup=args.warmup, iters=args.iters, seed=args.seed,
+                               q_scale=args.q_scale)
     device = results["device"].lower()
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-decode"
