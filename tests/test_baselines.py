@@ -298,3 +298,22 @@ def test_methods_build_with_defaults_and_round_trip(name, stochastic):
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=600, d=16, seed=13)
     out, st = m.decode(q, k, v, seed=0)
     assert torch.isfinite(out).all() and 0 < st.density < 1
+
+
+@pytest.mark.parametrize("size", [3, 40, 250, 379])
+def test_uniform_sample_includes_every_available_key_with_probability_size_over_n(size):
+    """Both sampling paths (threshold candidates; complement for more than half) are uniform."""
+    trials, n = 4000, 400
+    available = torch.ones(trials, 1, n, dtype=torch.bool)
+    available[..., :10] = False
+    available[..., 390:] = False
+    smp = uniform_sample(available, torch.full((trials, 1), size), torch.Generator().manual_seed(size))
+    assert (smp.counts == size).all()
+    marks = smp.mark(n)
+    assert not (marks & ~available).any()
+    assert (marks.sum(-1) == size).all()  # distinct
+    freq = marks.double().mean(0)[0, 10:390]
+    p = size / 380
+    se = math.sqrt(p * (1 - p) / trials)
+    assert ((freq - p).abs() <= 4.5 * se + 1e-12).all()
+    torch.testing.assert_close(smp.weights[smp.used()], torch.full((trials * size,), 380 / size, dtype=torch.float64))

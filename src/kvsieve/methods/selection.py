@@ -206,10 +206,26 @@ def uniform_sample(
         order = positions_where(available).indices
         idx = torch.gather(order, 2, ranks)
     else:
-        idx = _smallest_keys(available, size, kmax, gen)
+        idx = _uniform_subset(available, size, kmax, gen)
     used = torch.arange(kmax, device=available.device) < size[..., None]
     w = (n_av.to(torch.float64) / torch.clamp(size, min=1).to(torch.float64))[..., None].expand(b, h, kmax)
     return compact(idx, used, w.contiguous())
+
+
+def _uniform_subset(available: torch.Tensor, size: torch.Tensor, kmax: int, gen: torch.Generator) -> torch.Tensor:
+    """``[B, Hs, kmax]`` positions whose first ``size`` per row are a uniform sample without replacement.
+
+    A row that takes more than half of its available keys draws the complement (the keys left out),
+    which is as uniform and keeps the draw small; its sample is then listed in position order.
+    """
+    n_av = available.sum(-1)
+    big = 2 * size > n_av
+    if not bool(big.any()):
+        return _smallest_keys(available, size, kmax, gen)
+    drawn_size = torch.where(big, n_av - size, size)
+    drawn = IndexSet(_smallest_keys(available, drawn_size, int(drawn_size.max()), gen), drawn_size)
+    mark = drawn.mark(available.shape[-1])
+    return positions_where(torch.where(big[..., None], available & ~mark, mark)).indices
 
 
 def _smallest_keys(available: torch.Tensor, size: torch.Tensor, kmax: int, gen: torch.Generator) -> torch.Tensor:
