@@ -337,7 +337,7 @@ if triton is not None:
                                        G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION,
                                    FIX_BITS, WIDE)
                 if FLASH:
-                    acc = acc * (l / tile_budget.to(tl.float32))[:, None]
+                    acc = acc * (l / tl.maximum(tile_budget, 1).to(tl.float32))[:, None]
                 offs_d = tl.arange(0, D)
                 tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
                          acc, mask=g_ok[:, None])

@@ -1,0 +1,52 @@
+"""Triton kernels (dense split-KV, S²ANTA-flash, S²ANTA-prop) against their torch references, on
+the CPU through Triton's interpreter.
+
+The interpreter is picked when triton and the kernels are imported, so the cases
+(``tests/triton_interpreter_cases.py``) run in a subprocess with ``TRITON_INTERPRET=1``; the variable
+never leaks into other test modules.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+pytestmark = pytest.mark.triton
+
+HERE = Path(__file__).resolve().parent
+
+
+def test_kernels_under_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
+         str(HERE / "triton_interpreter_cases.py")],
+        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+
+
+def test_backend_triton_on_cpu_without_interpreter_is_a_clear_error():
+    code = textwrap.dedent("""
+        import torch, kvsieve
+        q = torch.randn(1, 4, 64); k = torch.randn(1, 2, 32, 64); v = torch.randn(1, 2, 32, 64)
+        try:
+            kvsieve.method("santa-prop", backend="triton").decode(q, k, v, seed=0)
+        except ValueError as e:
+            print("ValueError:", e)
+        _, stats = kvsieve.method("santa-prop", backend="auto").decode(q, k, v, seed=0)
+        print("auto:", stats.backend)
+    """)
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "ValueError:" in res.stdout, res.stderr[-2000:]
+    assert "TRITON_INTERPRET" in res.stdout
+    assert "auto: reference" in res.stdout

@@ -1,0 +1,211 @@
+"""Kernel-vs-reference cases run under Triton's interpreter (CPU). Not collected on its own: the
+interpreter must be chosen before triton is imported, so ``tests/test_kernels_triton.py`` runs this
+file in a subprocess with ``TRITON_INTERPRET=1``; other test modules never see that variable.
+
+bfloat16 is not exercised here because the interpreter's ``tl.dot`` mishandles it; the GPU script
+(scripts/gpu_check_and_bench.py) checks it on the device.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/test_kernels_triton.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvsieve.kernels import triton_common, triton_dense, triton_santa  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+import kvsieve  # noqa: E402
+from kvsieve.core.inputs import check_decode_inputs  # noqa: E402
+from kvsieve.kernels.santa_reference import (  # noqa: E402
+    santa_flash_reference,
+    santa_prop_reference,
+)
+from kvsieve.methods.common import exact_attention  # noqa: E402
+
+
+def _case(b, hq, hkv, n, d, lens, dtype, seed, peaked=2.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g, dtype=torch.float64) * peaked).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64).to(dtype)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    inputs = check_decode_inputs(q.double(), k.double(), v.double(), lengths=lens_t)
+    return q, k, v, lens_t.to(torch.int32), inputs
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _poisoned(b, hq, d, dtype):
+    return torch.full((b, hq, d), float("nan"), dtype=dtype)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+# (B, Hq, Hkv, N, d, lens, S, tile, dtype): GQA groups 1/3/4, d 64/128, N not a multiple of the tile,
+# N < S, one tile, ragged lengths (down to one key).
+CASES = [
+    (2, 6, 2, 300, 64, [300, 150], 16, 32, torch.float32),
+    (1, 8, 2, 200, 128, [200], 64, 64, torch.float16),
+    (2, 2, 2, 100, 64, [100, 37], 8, 32, torch.float32),
+    (2, 3, 1, 40, 64, [40, 1], 128, 32, torch.float32),
+    (1, 4, 1, 20, 64, [20], 8, 32, torch.float16),
+]
+
+
+def _case_id(c):
+    return f"B{c[0]}-H{c[1]}-G{c[1] // c[2]}-N{c[3]}-d{c[4]}-S{c[6]}-t{c[7]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernels_match_references(case):
+    b, hq, hkv, n, d, lens, s, tile, dtype = case
+    seed = 1234 + n
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, lens, dtype, seed)
+    scale = d ** -0.5
+    t = -(-n // tile)
+    tile_u = triton_common.tile_uniforms(seed, b, hq, t)
+    small = {"block_n": 16, "sample_n": 16}
+
+    out = _poisoned(b, hq, d, dtype)
+    triton_dense.dense_decode_triton(q, k, v, lens32, scale, block_n=16, out=out)
+    assert torch.isfinite(out).all()
+    assert _rel(out, exact_attention(inputs)) < TOL[dtype]
+
+    for fused in (True, False):
+        out = _poisoned(b, hq, d, dtype)
+        _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
+                                                    fused=fused, stats_programs=2, out=out, **small)
+        ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
+        assert torch.isfinite(out).all()
+        assert torch.equal(counts.long(), ref.counts)
+        assert _rel(out, ref.out) < TOL[dtype]
+
+    for rounding in ("largest-remainder", "systematic"):
+        out = _poisoned(b, hq, d, dtype)
+        _, counts, budgets = triton_santa.santa_prop_triton(
+            q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
+            out=out, **small)
+        ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
+                                   budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
+        assert torch.isfinite(out).all()
+        assert (budgets.sum(-1) == s).all()
+        assert torch.equal(budgets.long(), ref.tile_budgets)
+        assert torch.equal(counts.long(), ref.counts)
+        assert _rel(out, ref.out) < TOL[dtype]
+
+
+def test_prop_skips_tiles_without_budget():
+    """Peaked attention leaves most tiles without samples: they read no V row and add nothing."""
+    b, hq, hkv, n, d, s, tile = 1, 4, 1, 256, 64, 8, 16
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float32, 5, peaked=6.0)
+    seed = 77
+    t = n // tile
+    _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, write_counts=True,
+                                                        block_n=16, sample_n=16)
+    assert (budgets == 0).any()
+    ref = santa_prop_reference(inputs, s, tile, rounding="largest-remainder",
+                               budget_offset=triton_common.budget_uniforms(seed, b, hq),
+                               tile_offsets=triton_common.tile_uniforms(seed, b, hq, t))
+    assert torch.equal(budgets.long(), ref.tile_budgets)
+    assert torch.equal(counts.long(), ref.counts)
+    zero_tiles = (budgets == 0).repeat_interleave(tile, dim=-1)[..., :n]
+    assert (counts[zero_tiles] == 0).all()
+
+
+def test_large_tile_budget_splits_counts_exactly():
+    """A tile budget above 256 (16-bit dots hold integers only to 256 in bf16) still sums exactly."""
+    b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 600, 16
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 9, peaked=4.0)
+    out, counts = triton_santa.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True,
+                                                  block_n=16, sample_n=16)
+    assert (counts.sum(-1) == (s // 3) * 3).all()
+    ref = santa_flash_reference(inputs, s, tile, tile_offsets=triton_common.tile_uniforms(3, b, hq, 3))
+    assert torch.equal(counts.long(), ref.counts)
+    assert _rel(out, ref.out) < TOL[torch.float16]
+
+
+def test_uniforms_are_exact_binary_fractions_and_differ_by_counter():
+    u = triton_common.tile_uniforms(5, 2, 3, 7)
+    assert u.shape == (2, 3, 7)
+    assert ((u >= 0) & (u < 1)).all()
+    assert torch.equal(u * 2**24, torch.floor(u * 2**24))
+    assert u.flatten().unique().numel() == u.numel()
+    assert not torch.equal(u, triton_common.tile_uniforms(6, 2, 3, 7))
+    assert not torch.equal(triton_common.budget_uniforms(5, 2, 3), u[..., 0])
+
+
+@pytest.mark.parametrize("kernel", ["flash", "prop-systematic"])
+def test_kernel_mean_over_seeds_is_exact_attention(kernel):
+    """Unbiasedness: over R seeds the mean estimate is exact attention within its standard error."""
+    b, hq, hkv, n, d, s, tile, seeds = 1, 2, 1, 64, 64, 8, 16, 96
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float32, 21, peaked=1.5)
+    exact = exact_attention(inputs)
+    outs = []
+    for seed in range(seeds):
+        if kernel == "flash":
+            out, _ = triton_santa.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, block_n=16, sample_n=16)
+        else:
+            out, _, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed,
+                                                       rounding="systematic", block_n=16, sample_n=16)
+        outs.append(out.double())
+    outs = torch.stack(outs)
+    z = (outs.mean(0) - exact) / (outs.std(0) / math.sqrt(seeds))
+    # z² averages 1 over the 128 coordinates when unbiased; its standard error is about sqrt(2/128).
+    assert float((z**2).mean()) < 1.6
+    assert float(z.abs().max()) < 5.0
+
+
+def test_method_backends_on_cpu_under_interpreter():
+    q, k, v, _, inputs = _case(2, 6, 2, 300, 64, [300, 150], torch.float32, 3)
+    lens = torch.tensor([300, 150])
+    for name, extra in (("santa-prop", {}), ("santa-prop", {"rounding": "systematic"}), ("santa-flash", {})):
+        out, stats = kvsieve.method(name, budget=32, backend="triton", **extra).decode(q, k, v, lengths=lens, seed=1)
+        assert stats.backend == "triton"
+        assert out.dtype == q.dtype and torch.isfinite(out).all()
+        assert 0 < stats.density < 1
+        assert stats.bytes_read > 0
+        _, ref_stats = kvsieve.method(name, budget=32, backend="auto", **extra).decode(q, k, v, lengths=lens, seed=1)
+        assert ref_stats.backend == "reference"  # auto runs the kernels on CUDA tensors only
+    out, stats = kvsieve.method("santa-prop", budget=32, backend="triton").decode(q, k, v, lengths=lens, seed=1)
+    assert stats.samples == 32
+    out, stats = kvsieve.method("dense", backend="triton").decode(q, k, v, lengths=lens)
+    assert stats.backend == "triton"
+    assert _rel(out, exact_attention(inputs)) < 1e-5
+    # rows whose whole context fits in the budget run exact attention, as on the reference path
+    out, stats = kvsieve.method("santa-prop", budget=400, backend="triton").decode(q, k, v, lengths=lens, seed=1)
+    assert stats.exact_rows == 2
+    assert _rel(out, exact_attention(inputs)) < 1e-5
+
+
+def test_method_backend_triton_rejects_what_the_kernels_cannot_serve():
+    q, k, v = (t.to(torch.float64) for t in _case(1, 4, 2, 64, 64, [64], torch.float32, 4)[:3])
+    with pytest.raises(ValueError, match="dtype"):
+        kvsieve.method("santa-prop", backend="triton").decode(q, k, v)
+    q, k, v = _case(1, 4, 2, 64, 32, [64], torch.float32, 4)[:3]
+    with pytest.raises(ValueError, match="head dim"):
+        kvsieve.method("santa-flash", backend="triton").decode(q, k, v)
+    q, k, v = _case(1, 4, 2, 64, 64, [64], torch.float32, 4)[:3]
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    mask[0, :3] = False  # left padding is not a prefix
+    with pytest.raises(ValueError, match="prefix"):
+        kvsieve.method("santa-prop", backend="triton").decode(q, k, v, key_mask=mask)
+    with pytest.raises(ValueError, match="tile_size"):
+        kvsieve.method("santa-prop", backend="triton", tile_size=48).decode(q, k, v)
+    with pytest.raises(ValueError, match="backend"):
+        kvsieve.method("santa-prop", backend="cuda")
+    # auto falls back to the reference for what the kernels cannot serve (here: CPU tensors)
+    _, stats = kvsieve.method("santa-prop", backend="auto", tile_size=48).decode(q, k, v, seed=0)
+    assert stats.backend == "reference"
