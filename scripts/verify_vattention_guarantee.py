@@ -76,20 +76,21 @@ def decode_calls(model, tok, n_tokens, layers, steps, offset):
 
 
 def guarantee_configs(args):
+    flags = f",{args.flags}" if args.flags else ""
+    common = f"top_k={args.top_k},base_rate={args.base_rate}{flags}"
     configs = []
     for bound in ("denominator", "full"):
         for eps, delta in args.eps_delta:
             configs.append(dict(kind="plugin", bound=bound, epsilon=eps, delta=delta,
-                                spec=f"vattention:bound={bound},epsilon={eps},delta={delta},top_k={args.top_k},"
-                                     f"base_rate={args.base_rate}"))
+                                spec=f"vattention:bound={bound},epsilon={eps},delta={delta},{common}"))
+    if not args.diagnostics:
+        return configs
     eps, delta = args.eps_delta[len(args.eps_delta) // 2]
     for bound in ("denominator", "full"):
         configs.append(dict(kind="truestats", bound=bound, epsilon=eps, delta=delta,
-                            spec=f"bound={bound},epsilon={eps},delta={delta},top_k={args.top_k},"
-                                 f"base_rate={args.base_rate}"))
+                            spec=f"bound={bound},epsilon={eps},delta={delta},{common}"))
     configs.append(dict(kind="hoeffding", bound="denominator", epsilon=eps, delta=delta,
-                        spec=f"vattention:concentration=hoeffding,epsilon={eps},delta={delta},top_k={args.top_k},"
-                             f"base_rate={args.base_rate}"))
+                        spec=f"vattention:concentration=hoeffding,epsilon={eps},delta={delta},{common}"))
     return configs
 
 
@@ -320,6 +321,10 @@ def main(argv=None):
     p.add_argument("--base-rate", type=float, default=0.025)
     p.add_argument("--eps-delta", type=lambda s: tuple(float(x) for x in s.split("/")), nargs="+",
                    default=[(0.05, 0.05), (0.1, 0.1), (0.2, 0.2), (0.1, 0.2), (0.2, 0.05)])
+    p.add_argument("--flags", default="", help="extra vattention parameters for every guarantee setting, e.g. "
+                   "quantile=one-sided,replacement=true,residual=includes-topk,budget_floor=base (the hub's code)")
+    p.add_argument("--no-diagnostics", dest="diagnostics", action="store_false",
+                   help="skip the true-statistics and Hoeffding variants")
     p.add_argument("--fidelity-sink-window", default="sink=32,window=32")
     p.add_argument("--part", choices=("both", "guarantee", "fidelity"), default="both")
     p.add_argument("--threads", type=int, default=1)
