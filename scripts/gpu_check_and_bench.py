@@ -208,12 +208,50 @@ def sweep(log) -> list[dict]:
     return rows
 
 
+def check_model_attention(log, path: str, seeds: int = int(os.environ.get("KVSIEVE_MODEL_SEEDS", "64"))) -> list[dict]:
+    """Error statistics of kernel vs reference path on attention captured from the default model
+    (SmolLM2-135M, 9/3/64, last token of a 2047-token essay prompt; see docs/methods/santa-kernels.md)."""
+    import kvsieve
+
+    data = torch.load(path)
+    rows = []
+    for layer, (q, k, v) in sorted(data.items()):
+        q, k, v = (t.to(DEVICE) for t in (q, k, v))
+        if DEVICE == "cpu":  # the interpreter's dot mishandles bf16 (dry runs only)
+            q, k, v = (t.to(torch.float16) for t in (q, k, v))
+        inputs = check_decode_inputs(q.double(), k.double(), v.double())
+        exact = exact_attention(inputs)
+        for spec in ("santa-prop:budget=128", "santa-prop:budget=128,rounding=systematic",
+                     "santa-flash:budget=2048", "santa-flash:budget=256"):
+            row = {"layer": int(layer), "method": spec, "seeds": seeds}
+            for backend in ("triton", "reference"):
+                method = kvsieve.method(f"{spec},backend={backend}")
+                errs, outs = [], []
+                for sd in range(seeds):
+                    out, stats = method.decode(q, k, v, seed=sd)
+                    assert stats.backend == backend
+                    outs.append(out.double())
+                    errs.append(float((out.double() - exact).norm() / exact.norm()))
+                errs_t = torch.tensor(errs, dtype=torch.float64)
+                mean = torch.stack(outs).mean(0)
+                row[f"{backend}_err_mean"] = float(errs_t.mean())
+                row[f"{backend}_err_se"] = float(errs_t.std() / math.sqrt(seeds))
+                row[f"{backend}_err_of_mean"] = float((mean - exact).norm() / exact.norm())
+                row[f"{backend}_density"] = float(stats.density)
+            se = math.sqrt(row["triton_err_se"] ** 2 + row["reference_err_se"] ** 2)
+            row["z_err_diff"] = (row["triton_err_mean"] - row["reference_err_mean"]) / max(se, 1e-12)
+            log("MODEL " + json.dumps(row))
+            rows.append(row)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--quick", action="store_true", help="two small shapes, no bf16 (interpreter dry run)")
     ap.add_argument("--stats", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
@@ -244,6 +282,10 @@ def main() -> int:
         t0 = time.time()
         report["sweep"] = sweep(log)
         log(f"sweep: {time.time() - t0:.0f}s")
+    if args.model_attention:
+        t0 = time.time()
+        report["model_attention"] = check_model_attention(log, args.model_attention)
+        log(f"model attention: {time.time() - t0:.0f}s")
     (out / "checks.json").write_text(json.dumps(report, indent=1))
     if args.bench is not None:
         from kvsieve.cli.main import main as cli_main
