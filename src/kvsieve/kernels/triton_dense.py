@@ -82,7 +82,7 @@ def dense_split_plan(batch: int, kv_heads: int, n_keys: int, *, block_n: int = 6
 
 def launch_config(n_keys: int) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages): the fastest of a sweep on an H100 (bf16, 32/8/128, batch 1;
-    benchmarks/NOTES.md): 64/4/3 at 32k keys, 128/8/2 at 128k."""
+    docs/methods/santa-kernels.md): 64/4/3 at 32k keys, 128/8/2 at 128k."""
     return (64, 4, 3) if n_keys < 65536 else (128, 8, 2)
 
 
