@@ -416,17 +416,19 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                       write_counts: bool = False, fused: bool = True, block_n: int = 128, sample_n: int = 256,
+                       write_counts: bool = False, fused: bool | None = None, block_n: int = 128, sample_n: int = 256,
                        num_warps: int = 4, num_stages: int = 3, sample_warps: int = 2, sample_stages: int = 3,
                        stats_programs: int = 264, out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    ``fused=True`` (default): one kernel scores and samples each tile, then the merge (2 launches, the
-    paper's design); ``fused=False``: the stats pass streams K in long pipelined loops, then a
-    sampling pass and the merge (3 launches). Defaults: the fastest of a sweep on an H100
-    (docs/methods/santa-kernels.md)."""
+    ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, the paper's
+    design); ``fused=False``: the stats pass streams K in long pipelined loops, then a sampling pass
+    and the merge (3 launches). ``None`` picks the one measured faster on an H100: fused for head
+    dim 128 (32/8/128), split for 64 (9/3/64). Defaults: docs/methods/santa-kernels.md."""
     _check_tile(tile)
     b, hq, d = q.shape
+    if fused is None:
+        fused = d >= 128
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     if not fused:
