@@ -1,7 +1,8 @@
 """The one script sent to the GPU machine: check every Triton kernel against its float64 reference,
 then time everything (``kvsieve bench decode``), writing under ``$OUT`` (or ``--out``).
 
-    python scripts/gpu_check_and_bench.py --check --stats --sweep --bench "--shapes llama-3.1-8b --batches 1"
+    python scripts/gpu_check_and_bench.py --check --stats --host --sweep-prop \
+        --bench "--shapes llama-3.1-8b --batches 1"
 
 Checks: random data (never zeros), many shapes (batch, GQA group 1/3/4, head dim 64/128, N not a
 multiple of the tile, N < S, one tile, ragged lengths), bf16/fp16/fp32; outputs poisoned with NaN
@@ -35,6 +36,13 @@ from kvsieve.methods.common import exact_attention  # noqa: E402
 
 DEVICE = os.environ.get("KVSIEVE_CHECK_DEVICE", "cuda")  # "cpu" with TRITON_INTERPRET=1 to dry-run here
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+# (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
+# the 4-launch path with the merge kernel
+PROP_VARIANTS = (
+    ("prop_lr", "largest-remainder", {}),
+    ("prop_sys", "systematic", {}),
+    ("prop_lr_4launch", "largest-remainder", {"fold_merge": False}),
+)
 
 
 def rel(a, b):
@@ -91,11 +99,10 @@ def check_kernels(log, quick: bool = False) -> list[dict]:
             row["flash_finite"] = bool(torch.isfinite(out).all())
             row["flash_count_mismatch"] = float((c.long() != ref.counts).double().mean())
             row["flash_err_vs_ref"] = rel(out, ref.out)
-            for rounding in ("largest-remainder", "systematic"):
-                key = "prop_lr" if rounding == "largest-remainder" else "prop_sys"
+            for key, rounding, opts in PROP_VARIANTS:
                 out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
                 _, c, bud = santa_prop_triton(q, k, v, lens32, scale, s, tile, seed, rounding=rounding,
-                                              write_counts=True, out=out)
+                                              write_counts=True, out=out, **opts)
                 ref = santa_prop_reference(inp, s, tile, rounding=rounding,
                                            budget_offset=budget_uniforms(seed, b, hq, device=DEVICE), tile_offsets=tu)
                 row[f"{key}_finite"] = bool(torch.isfinite(out).all())
@@ -104,9 +111,10 @@ def check_kernels(log, quick: bool = False) -> list[dict]:
                 row[f"{key}_count_mismatch"] = float((c.long() != ref.counts).double().mean())
                 row[f"{key}_err_vs_ref"] = rel(out, ref.out)
             tol = TOL[dtype]
-            ok = all(row[f"{p}_finite"] for p in ("dense", "flash", "prop_lr", "prop_sys"))
-            ok &= row["dense_err"] < tol and row["prop_lr_budget_sum_ok"] and row["prop_sys_budget_sum_ok"]
-            for p in ("flash", "prop_lr", "prop_sys"):
+            props = [key for key, _, _ in PROP_VARIANTS]
+            ok = all(row[f"{p}_finite"] for p in ("dense", "flash", *props))
+            ok &= row["dense_err"] < tol and all(row[f"{p}_budget_sum_ok"] for p in props)
+            for p in ("flash", *props):
                 ok &= row[f"{p}_count_mismatch"] < 1e-3 and row[f"{p}_err_vs_ref"] < max(tol, 2e-2)
             row["ok"] = bool(ok)
             log(("PASS " if ok else "FAIL ") + json.dumps(row))
@@ -208,6 +216,83 @@ def sweep(log) -> list[dict]:
     return rows
 
 
+def host_overhead(log) -> list[dict]:
+    """Host µs per eager call of each wrapper, llama shape at 32k, batch 1: a CPU timer around the
+    call with the GPU idle (synchronised before each call; median of 200), with the launch cache and
+    workspaces on (the default) and off (``kernel[grid]`` launches, fresh buffers: the earlier path)."""
+    import statistics
+
+    from kvsieve.kernels import triton_common
+
+    n, scale = 32768, 128 ** -0.5
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+    calls = {
+        "dense": lambda: dense_decode_triton(q, k, v, lens32, scale),
+        "santa-prop:128": lambda: santa_prop_triton(q, k, v, lens32, scale, 128, 256, 0),
+        "santa-prop-4launch:128": lambda: santa_prop_triton(q, k, v, lens32, scale, 128, 256, 0, fold_merge=False),
+        "santa-flash:2048": lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, 256, 0),
+    }
+    try:
+        import flashinfer
+
+        kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+        calls["flashinfer"] = lambda: flashinfer.single_decode_with_kv_cache(q[0], kn, vn, kv_layout="NHD")
+    except Exception as exc:  # noqa: BLE001 - FlashInfer is optional here
+        log(f"host overhead: no FlashInfer ({exc})")
+    rows = []
+    for fast in (False, True):
+        triton_common.FAST_HOST_PATH = fast
+        for name, fn in calls.items():
+            if name == "flashinfer" and not fast:
+                continue
+            for _ in range(5):
+                fn()
+            times = []
+            for _ in range(200):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+            row = {"call": name, "fast_host_path": fast, "host_us_median": statistics.median(times),
+                   "host_us_p10": sorted(times)[20]}
+            log("HOST " + json.dumps(row))
+            rows.append(row)
+    triton_common.FAST_HOST_PATH = True
+    return rows
+
+
+def sweep_prop(log) -> list[dict]:
+    """santa-prop S=128 whole calls (llama shape, batch 1, cold L2, CUDA-graph replay): 4 launches
+    against the folded merge (3 launches)."""
+    from kvsieve.bench.timing import ColdL2Timer
+
+    timer = ColdL2Timer()
+    rows = []
+    scale = 128 ** -0.5
+    for n in (32768, 131072):
+        g = torch.Generator(device=DEVICE).manual_seed(1)
+        q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+        lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+        configs = [{"fold_merge": False}, {}, {"sample_warps": 4}]
+        for cfg in configs:
+            def fn(cfg=cfg, q=q, k=k, v=v, lens32=lens32):
+                return santa_prop_triton(q, k, v, lens32, scale, 128, 256, 0, **cfg)[0]
+            try:
+                r = timer.time_graph_us(fn, warmup=3, iters=20)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is recorded, not fatal
+                r = {"error": str(exc)[:200]}
+            rows.append({"n": n, **cfg, **r})
+            log(f"SWEEP-PROP n={n} {cfg} {r.get('median_us', r.get('error'))}")
+    return rows
+
+
 def check_model_attention(log, path: str, seeds: int = int(os.environ.get("KVSIEVE_MODEL_SEEDS", "64"))) -> list[dict]:
     """Error statistics of kernel vs reference path on attention captured from the default model
     (SmolLM2-135M, 9/3/64, last token of a 2047-token essay prompt; see docs/methods/santa-kernels.md)."""
@@ -251,6 +336,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="two small shapes, no bf16 (interpreter dry run)")
     ap.add_argument("--stats", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--host", action="store_true", help="host µs per eager call, launch cache on and off")
+    ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -278,6 +365,12 @@ def main() -> int:
         t0 = time.time()
         report["statistics"] = check_statistics(log)
         log(f"statistics: {time.time() - t0:.0f}s")
+    if args.host:
+        report["host"] = host_overhead(log)
+    if args.sweep_prop:
+        t0 = time.time()
+        report["sweep_prop"] = sweep_prop(log)
+        log(f"sweep-prop: {time.time() - t0:.0f}s")
     if args.sweep:
         t0 = time.time()
         report["sweep"] = sweep(log)

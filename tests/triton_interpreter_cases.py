@@ -94,17 +94,31 @@ def test_kernels_match_references(case):
         assert _rel(out, ref.out) < TOL[dtype]
 
     for rounding in ("largest-remainder", "systematic"):
-        out = _poisoned(b, hq, d, dtype)
-        _, counts, budgets = triton_santa.santa_prop_triton(
-            q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
-            out=out, **small)
         ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
                                    budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
-        assert torch.isfinite(out).all()
-        assert (budgets.sum(-1) == s).all()
-        assert torch.equal(budgets.long(), ref.tile_budgets)
-        assert torch.equal(counts.long(), ref.counts)
-        assert _rel(out, ref.out) < TOL[dtype]
+        for fold in (True, False):  # the merge folded into the sampling pass (the default) or its own kernel
+            out = _poisoned(b, hq, d, dtype)
+            _, counts, budgets = triton_santa.santa_prop_triton(
+                q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
+                fold_merge=fold, out=out, **small)
+            assert torch.isfinite(out).all()
+            assert (budgets.sum(-1) == s).all()
+            assert torch.equal(budgets.long(), ref.tile_budgets)
+            assert torch.equal(counts.long(), ref.counts)
+            assert _rel(out, ref.out) < TOL[dtype]
+            if fold:  # the folded merge leaves its accumulator and counters zero for the next call
+                assert not triton_common.workspace("fold_acc", q, 1, torch.float32).any()
+                assert not triton_common.workspace("fold_done", q, 1, torch.int32).any()
+
+
+def test_workspace_is_reused_and_grows():
+    x = torch.zeros(1)
+    a = triton_common.workspace("test_ws", x, 100, torch.float32)
+    assert triton_common.workspace("test_ws", x, 80, torch.float32).data_ptr() == a.data_ptr()
+    b = triton_common.workspace("test_ws", x, 101, torch.float32)
+    assert b.numel() >= 101 + 101 // 8 - 1 and b.data_ptr() != a.data_ptr()
+    z = triton_common.workspace("test_ws_zero", x, 50, torch.int32, zeroed=True)
+    assert z.numel() == 50 and not z.any()
 
 
 def test_prop_skips_tiles_without_budget():
@@ -135,6 +149,21 @@ def test_large_tile_budget_splits_counts_exactly():
     ref = santa_flash_reference(inputs, s, tile, tile_offsets=triton_common.tile_uniforms(3, b, hq, 3))
     assert torch.equal(counts.long(), ref.counts)
     assert _rel(out, ref.out) < TOL[torch.float16]
+
+
+def test_prop_split_counts_above_2048():
+    """Per-key counts above 2048 (fp16 dots split them into bytes), with the merge folded and not."""
+    b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 20000, 16
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 11, peaked=6.0)
+    ref = santa_prop_reference(inputs, s, tile, rounding="largest-remainder",
+                               budget_offset=triton_common.budget_uniforms(4, b, hq),
+                               tile_offsets=triton_common.tile_uniforms(4, b, hq, 3))
+    assert ref.counts.max() > 2048
+    for fold in (True, False):
+        out, counts, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True,
+                                                        block_n=16, sample_n=16, fold_merge=fold)
+        assert torch.equal(counts.long(), ref.counts)
+        assert _rel(out, ref.out) < TOL[torch.float16]
 
 
 def test_uniforms_are_exact_binary_fractions_and_differ_by_counter():

@@ -22,7 +22,9 @@ from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
 DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
-# santa-flash = the fused kernel (2 launches); santa-flash-split = stats pass + sampling pass (3 launches)
+# santa-flash = the fused kernel (2 launches); santa-flash-split = stats pass + sampling pass (3 launches);
+# santa-prop = stats, budgets, sampling with the merge folded in (3 launches); santa-prop-4launch = stats,
+# budgets, sampling, merge
 
 
 @dataclass
@@ -37,8 +39,8 @@ class Case:
 
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
-    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-flash",
-             "santa-flash-split")
+    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-4launch",
+             "santa-flash", "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -119,7 +121,14 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
         fused = name != "santa-flash-split"
         return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, fused=fused)[0]
     rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
-    return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding)[0]
+    opts = prop_options(name)
+    return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
+                                     **opts)[0]
+
+
+def prop_options(name: str) -> dict:
+    """santa-prop-4launch: the merge in its own kernel (not folded into the sampling pass)."""
+    return {"santa-prop-4launch": {"fold_merge": False}}.get(name, {})
 
 
 def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
@@ -139,7 +148,7 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
     else:
         rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
         _, counts, _ = santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
-                                         write_counts=True)
+                                         write_counts=True, **prop_options(name))
     g = case.heads // case.kv_heads
     used = (counts > 0).view(case.batch, case.kv_heads, g, case.n).any(2)
     v_rows = float(used.sum())

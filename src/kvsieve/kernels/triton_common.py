@@ -183,20 +183,104 @@ if triton is not None:
         tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.Tensor:
-    """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` (see module doc)."""
-    b, hq, p, d = acc.shape
+def merge_partials_raw(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_keys: int,
+                       s_acc: tuple[int, int, int], s_ml: tuple[int, int]) -> torch.Tensor:
+    """``merge_partials`` on flat buffers with explicit strides (no tensor views on the host path)."""
     block_p = max(16, next_pow2(p))
     chunk_p = min(64, block_p)
     d_chunk = 16
-    _merge_partials_kernel[(hq, b, d // d_chunk)](
-        acc, m, l, lens, out, p, part_keys,
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1),
-        out.stride(0), out.stride(1),
-        D_CHUNK=d_chunk, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4, num_stages=3,
-    )
+    launch(_merge_partials_kernel, (hq, b, d // d_chunk),
+           acc, m, l, lens, out, p, part_keys,
+           s_acc[0], s_acc[1], s_acc[2], s_ml[0], s_ml[1],
+           out.stride(0), out.stride(1),
+           D_CHUNK=d_chunk, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4, num_stages=3)
     return out
+
+
+def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.Tensor:
+    """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` (see module doc)."""
+    b, hq, p, d = acc.shape
+    return merge_partials_raw(acc, m, l, lens, out, b, hq, p, d, part_keys,
+                              (acc.stride(0), acc.stride(1), acc.stride(2)), (m.stride(0), m.stride(1)))
+
+
+# --- host path: direct launches of compiled kernels, cached workspaces ------------------------------
+#
+# ``kernel[grid](...)`` costs tens of µs of Python per launch (binding, specialisation, cache key) on
+# the H100 machine. ``launch`` keeps the compiled kernel of each specialisation and calls it directly.
+# Its cache key covers everything Triton specialises a launch on: per tensor its dtype and the
+# pointer's residue mod 16, per int whether it equals 1, its residue mod 16 and its integer width,
+# per float its type, and the constexprs, num_warps and num_stages; so a key hit can only be a launch
+# that Triton itself would have served with the same binary.
+
+_COMPILED: dict = {}
+FAST_HOST_PATH = True  # False: plain ``kernel[grid]`` launches and fresh buffers (to measure the difference)
+_INT32 = 1 << 31
+
+
+def _arg_key(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() & 15
+    if isinstance(a, bool):
+        return "b", a
+    if isinstance(a, int):
+        return a == 1, a & 15, -_INT32 <= a < _INT32, a >= 1 << 63
+    return type(a)
+
+
+_TENSOR = torch.Tensor
+
+
+def _spec_key(args) -> tuple:
+    # the common cases inline (exact tensors; ints in (1, 2^31), which Triton types i32 and
+    # specialises only on divisibility by 16), everything else through _arg_key
+    return tuple([(a.data_ptr() & 15, a.dtype) if type(a) is _TENSOR
+                  else a & 15 if type(a) is int and 1 < a < _INT32 else _arg_key(a) for a in args])
+
+
+def launch(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)`` through the cache of compiled kernels. ``args`` are the kernel's
+    runtime parameters in order, ``meta`` its constexprs (after them in the signature) plus
+    num_warps/num_stages. Under the interpreter it is the plain launch."""
+    if not FAST_HOST_PATH or _interpreted_kernel(kernel):
+        kernel[grid](*args, **meta)
+        return
+    device = torch.cuda.current_device()
+    key = (id(kernel), device, tuple(meta.values()), _spec_key(args))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        names = [p.name for p in kernel.params]
+        constexprs = tuple(meta[name] for name in names[len(args):])
+        if any(p.is_constexpr for p in kernel.params[:len(args)]):
+            raise TypeError(f"launch: {kernel.__name__} takes a constexpr among its first {len(args)} parameters")
+        _COMPILED[key] = (compiled, constexprs)
+        return
+    compiled, constexprs = hit
+    compiled[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *constexprs)
+
+
+def _interpreted_kernel(kernel) -> bool:
+    return is_interpreted(kernel)
+
+
+_WORKSPACE: dict = {}
+
+
+def workspace(tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype, *, zeroed: bool = False) -> torch.Tensor:
+    """A flat buffer of at least ``numel`` elements, cached per (tag, device, dtype) and grown by 1/8
+    when too small (a decode loop grows N by one key per step). ``zeroed`` buffers are zero when
+    allocated and the kernels that use them leave them zero. One workspace per device: calls on
+    different streams of one device must not overlap in time."""
+    if not FAST_HOST_PATH:
+        return (torch.zeros if zeroed else torch.empty)(numel, device=like.device, dtype=dtype)
+    key = (tag, like.get_device(), dtype)
+    buf = _WORKSPACE.get(key)
+    if buf is None or buf.numel() < numel:
+        size = max(numel, numel + numel // 8) if buf is not None else numel
+        buf = (torch.zeros if zeroed else torch.empty)(size, device=like.device, dtype=dtype)
+        _WORKSPACE[key] = buf
+    return buf
 
 
 def interpret_requested() -> bool:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .triton_common import group_block, merge_partials, next_pow2, triton
+from .triton_common import group_block, launch, merge_partials_raw, next_pow2, triton, workspace
 
 if triton is not None:
     import triton.language as tl
@@ -99,25 +99,28 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int | None = No
     num_stages = num_stages or default_stages
     g = hq // hkv
     chunk, splits = dense_split_plan(b, hkv, n, block_n=block_n, target_programs=target_programs, chunk=chunk)
-    acc = torch.empty(b, hq, splits, d, device=q.device, dtype=torch.float32)
-    m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
-    l = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    acc = workspace("acc", q, b * hq * splits * d, torch.float32)
+    m = workspace("pm", q, b * hq * splits, torch.float32)
+    l = workspace("pl", q, b * hq * splits, torch.float32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _dense_split_kernel[(splits, hkv, b)](
-        q, k, v, lens, acc, m, l,
-        scale * math.log2(math.e),
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        m.stride(0), m.stride(1),
-        chunk,
-        G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    launch(_dense_split_kernel, (splits, hkv, b),
+           q, k, v, lens, acc, m, l,
+           scale * _LOG2E,
+           q.stride(0), q.stride(1),
+           k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2),
+           hq * splits * d, splits * d, d,
+           hq * splits, splits,
+           chunk,
+           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=precision,
+           num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
-    return merge_partials(acc, m, l, lens, chunk, out)
+    return merge_partials_raw(acc, m, l, lens, out, b, hq, splits, d, chunk, (hq * splits * d, splits * d, d),
+                              (hq * splits, splits))
+
+
+_LOG2E = math.log2(math.e)
 
 
 __all__ = ["dense_decode_triton", "dense_split_plan", "next_pow2"]

@@ -29,10 +29,12 @@ from .triton_common import (
     STREAM_BUDGET,
     STREAM_TILE,
     group_block,
-    merge_partials,
+    launch,
+    merge_partials_raw,
     next_pow2,
     seed_words,
     triton,
+    workspace,
 )
 
 if triton is not None:
@@ -67,6 +69,18 @@ if triton is not None:
             l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
             m = m_new
         return m, l
+
+    @triton.jit
+    def _count_dot(c, v, SPLIT_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """``c [BLOCK_G, n] (int) @ v [n, D]`` in float32."""
+        if SPLIT_COUNTS:
+            # 16-bit dots hold integers exactly only up to 256: counts above that (possible only
+            # for per-tile budgets over 256) are split into two bytes.
+            out = tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            out += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            out = tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+        return out
 
     @triton.jit
     def _sample_tile(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, budget, a0,
@@ -113,13 +127,7 @@ if triton is not None:
             last = tl.maximum(last, tl.max(tl.where(xi > 0, offs_n[None, :], -1), axis=1))
             used = (tl.max(c, axis=0) > 0) & n_ok
             v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=used[:, None], other=0.0)
-            if SPLIT_COUNTS:
-                # 16-bit dots hold integers exactly only up to 256: counts above that (possible only
-                # for per-tile budgets over 256) are split into two bytes.
-                acc += tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-                acc += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc += _count_dot(c, v, SPLIT_COUNTS, DOT_PRECISION)
             if WRITE_COUNTS:
                 tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c.to(tl.int32),
                          mask=g_ok[:, None] & n_ok[None, :])
@@ -244,24 +252,17 @@ if triton is not None:
                 tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
 
     @triton.jit
-    def _prop_budget_kernel(
-        m_ptr, l_ptr, lens_ptr, budgets_ptr,
-        budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
-    ):
+    def _head_budgets(m_ptr, l_ptr, budgets_ptr, h, b, tiles_b, budget, seed_lo, seed_hi, budget_key, n_tiles, hq,
+                      s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
         """One head's tile budgets from the tile masses W_t = e^{m_t - m*} l_t (Alg. 4): largest
         remainder (the +1s go to the largest fractional parts, ties to the lower tile: a sort of the
         fractions quantised to 2^-40) or systematic rounding (fixed-point prefix sums
         with 2^-32 resolution)."""
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        length = tl.load(lens_ptr + b)
-        tiles_b = (length + TILE - 1) // TILE
         cols = tl.arange(0, BLOCK_T)
         ok = cols < tiles_b
         row = b * s_ml_b + h * s_ml_h
-        m = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"))
-        l = tl.load(l_ptr + row + cols, mask=ok, other=0.0)
+        m = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + row + cols, mask=ok, other=0.0, cache_modifier=".cg")
         m_star = tl.max(m, axis=0)
         w = tl.where(ok, tl.exp(m - m_star) * l, 0.0).to(tl.float64)
         z = tl.sum(w, axis=0)
@@ -295,29 +296,52 @@ if triton is not None:
             tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
 
 
+
+    @triton.jit
+    def _prop_budget_kernel(
+        m_ptr, l_ptr, lens_ptr, budgets_ptr,
+        budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+    ):
+        """One program per (head, batch row): ``_head_budgets``."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(lens_ptr + b)
+        _head_budgets(m_ptr, l_ptr, budgets_ptr, h, b, (length + TILE - 1) // TILE, budget, seed_lo, seed_hi,
+                      budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
+
+
     @triton.jit
     def _tile_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr,
-        budget, seed_lo, seed_hi, tile_key, n_tiles, hq,
+        oacc_ptr, done_ptr, out_ptr,
+        budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
-        s_acc_b, s_acc_h, s_acc_p, s_c_b, s_c_h,
+        s_acc_b, s_acc_h, s_acc_p, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, SAMPLE_N: tl.constexpr,
         FLASH: tl.constexpr, SPLIT_COUNTS: tl.constexpr, WRITE_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
+        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, FOLD: tl.constexpr,
     ):
         """Pass 2: systematic samples inside each tile from the stash and the V gather. prop: the
         tile budgets come from ``budgets_ptr`` and the partial is ``Σ c V`` with merge weight l = S_t;
         flash: every tile draws ``max(1, S // T_b)`` and the partial is ``l Σ c V / S_tile`` with the
-        tile's (m, l)."""
+        tile's (m, l).
+
+        ``FOLD`` (prop only) folds the merge in: each program adds its ``Σ c V`` to the float32
+        accumulator ``oacc [B, Hq, D]`` with atomics, then counts itself done for its (row, KV head);
+        the last of the ``n_tiles`` programs reads the accumulator back (an atomic add of zero) and zeroes it,
+        writes ``out = Σ_t acc_t / S`` in out's dtype and zeroes the counter, so the workspace is zero
+        again for the next call."""
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         length = tl.load(lens_ptr + b)
         tiles_b = (length + TILE - 1) // TILE
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
         if t < tiles_b:
-            offs_g = tl.arange(0, BLOCK_G)
-            g_ok = offs_g < G
-            heads = kvh * G + offs_g
             pm = b * s_ml_b + heads * s_ml_h + t
             m = tl.load(m_ptr + pm, mask=g_ok, other=0.0)
             l = tl.load(l_ptr + pm, mask=g_ok, other=0.0)
@@ -328,19 +352,35 @@ if triton is not None:
                 tl.store(pl_ptr + pm, l, mask=g_ok)
             else:
                 tile_budget = tl.load(budgets_ptr + pm, mask=g_ok, other=0)
-                tl.store(pm_ptr + pm, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
-                tl.store(pl_ptr + pm, tile_budget.to(tl.float32), mask=g_ok)
+                if not FOLD:
+                    tl.store(pm_ptr + pm, tl.zeros([BLOCK_G], tl.float32), mask=g_ok)
+                    tl.store(pl_ptr + pm, tile_budget.to(tl.float32), mask=g_ok)
             if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and write no partial
                 a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
                 acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
                                        s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
                                        G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION,
-                                   FIX_BITS, WIDE)
+                                       FIX_BITS, WIDE)
                 if FLASH:
                     acc = acc * (l / tl.maximum(tile_budget, 1).to(tl.float32))[:, None]
-                offs_d = tl.arange(0, D)
-                tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
-                         acc, mask=g_ok[:, None])
+                if FOLD:
+                    tl.atomic_add(oacc_ptr + (b * hq + heads)[:, None] * D + offs_d[None, :], acc,
+                                  mask=(g_ok & (tile_budget > 0))[:, None], sem="relaxed")
+                else:
+                    tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + t * s_acc_p + offs_d[None, :],
+                             acc, mask=g_ok[:, None])
+        if FOLD:
+            tl.debug_barrier()  # every thread's atomics are issued before the release below
+            done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
+            if done == n_tiles - 1:
+                o_ptrs = oacc_ptr + (b * hq + heads)[:, None] * D + offs_d[None, :]
+                # read at L2 through an atomic (no stale L1 line), then zero: every other program is done
+                total = tl.atomic_add(o_ptrs, tl.zeros([BLOCK_G, D], tl.float32), mask=g_ok[:, None])
+                tl.store(o_ptrs, tl.zeros([BLOCK_G, D], tl.float32), mask=g_ok[:, None])
+                total = total / budget
+                tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
+                         total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+                tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
 
 
 def _tiles(n_keys: int, tile: int) -> int:
@@ -371,48 +411,80 @@ def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
     return False
 
 
+def _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, *, block_n, num_warps, num_stages,
+               stats_programs):
+    """Launches the stats pass into flat buffers: m, l ``[B, Hq, T]``, stash ``[B, Hq, T·tile]``."""
+    g = hq // hkv
+    per_program = max(1, round(t * hkv * b / stats_programs))
+    launch(_tile_stats_kernel, (-(-t // per_program), hkv, b),
+           q, k, lens, m, l, stash, scale, per_program,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
+           DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+
+
+def _stats_buffers(q, b, hq, t, tile):
+    return (workspace("m", q, b * hq * t, torch.float32), workspace("l", q, b * hq * t, torch.float32),
+            workspace("stash", q, b * hq * t * tile, torch.float32))
+
+
 def _tile_stats(q, k, lens, scale, tile, *, block_n, num_warps, num_stages, stats_programs):
+    """The stats pass alone (for the sweep): views ``m, l [B, Hq, T]``, ``stash [B, Hq, T·tile]``
+    of the workspace, valid until the next call."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    g = hq // hkv
     t = _tiles(n, tile)
-    dev = q.device
-    m = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    l = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    stash = torch.empty(b, hq, t * tile, device=dev, dtype=torch.float32)
-    per_program = max(1, round(t * hkv * b / stats_programs))
-    _tile_stats_kernel[(-(-t // per_program), hkv, b)](
-        q, k, lens, m, l, stash, scale, per_program,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), m.stride(0), m.stride(1),
-        stash.stride(0), stash.stride(1),
-        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
-    )
-    return m, l, stash
+    m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages, stats_programs=stats_programs)
+    return (m[:b * hq * t].view(b, hq, t), l[:b * hq * t].view(b, hq, t),
+            stash[:b * hq * t * tile].view(b, hq, t * tile))
+
+
+def _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, fold, out, write_counts,
+                sample_n, num_warps, num_stages):
+    """Launches the sampling pass. Unfolded: returns flat partials ``acc [B, Hq, T, d]``, ``pm, pl
+    [B, Hq, T]`` for the merge; folded (prop): writes ``out`` and returns None partials. ``counts``
+    (``[B, Hq, N]`` int32) when ``write_counts``."""
+    hkv, n, d = v.shape[1], v.shape[2], v.shape[3]
+    g = hq // hkv
+    if fold:
+        oacc = workspace("fold_acc", v, b * hq * d, torch.float32, zeroed=True)
+        done = workspace("fold_done", v, b * hkv, torch.int32, zeroed=True)
+        acc = pm = pl = m
+        s_out = (out.stride(0), out.stride(1))
+    else:
+        acc = workspace("acc", v, b * hq * t * d, torch.float32)
+        pm = workspace("pm", v, b * hq * t, torch.float32)
+        pl = workspace("pl", v, b * hq * t, torch.float32)
+        oacc = done = out = m
+        s_out = (0, 0)
+    counts = torch.zeros(b, hq, n, device=v.device, dtype=torch.int32) if write_counts else None
+    lo, hi = seed_words(seed)
+    launch(_tile_sample_kernel, (t, hkv, b),
+           v, lens, m, l, stash, budgets if budgets is not None else m, acc, pm, pl,
+           counts if write_counts else m, oacc, done, out,
+           budget, lo, hi, _TILE_KEY, t, hq, hkv,
+           v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
+           hq * t * d, t * d, d, (hq * n) if write_counts else 0, n if write_counts else 0, s_out[0], s_out[1],
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, SAMPLE_N=min(sample_n, tile), FLASH=flash,
+           SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
+           DOT_PRECISION=_dot_precision(v.dtype), **_fixed_point(budget), FOLD=fold,
+           num_warps=num_warps, num_stages=num_stages)
+    return (None, None, None, counts) if fold else (acc, pm, pl, counts)
 
 
 def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, write_counts, sample_n,
                  num_warps, num_stages):
-    b, hkv, n, d = v.shape
-    hq, t = m.shape[1], m.shape[2]
-    g = hq // hkv
-    dev = v.device
-    acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
-    pm = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    pl = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
-    lo, hi = seed_words(seed)
-    _tile_sample_kernel[(t, hkv, b)](
-        v, lens, m, l, stash, budgets if budgets is not None else m, acc, pm, pl, counts,
-        budget, lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
-        v.stride(0), v.stride(1), v.stride(2), m.stride(0), m.stride(1), stash.stride(0), stash.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2),
-        counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
-        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, SAMPLE_N=min(sample_n, tile), FLASH=flash,
-        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
-        DOT_PRECISION=_dot_precision(v.dtype), **_fixed_point(budget), num_warps=num_warps, num_stages=num_stages,
-    )
-    return acc, pm, pl, (counts if write_counts else None)
+    """The sampling pass alone, unfolded (for the sweep); m, l, stash as ``_tile_stats`` returns them."""
+    b, hq, t = m.shape
+    return _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, flash=flash, fold=False,
+                       out=None, write_counts=write_counts, sample_n=sample_n, num_warps=num_warps,
+                       num_stages=num_stages)
+
+
+_TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
+_BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
@@ -424,73 +496,73 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
     ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, the paper's
     design); ``fused=False``: the stats pass streams K in long pipelined loops, then a sampling pass
     and the merge (3 launches). ``None`` picks the one measured faster on an H100: fused for head
-    dim 128 (32/8/128), split for 64 (9/3/64). Defaults: docs/methods/santa-kernels.md."""
+    dim 128 (32/8/128), split for 64 (9/3/64). Defaults: docs/methods/santa-kernels.md.
+    Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
     b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    t = _tiles(n, tile)
     if fused is None:
         fused = d >= 128
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    m, l, stash = _stats_buffers(q, b, hq, t, tile)
     if not fused:
-        m, l, stash = _tile_stats(q, k, lens, scale, tile, block_n=block_n, num_warps=num_warps,
-                                  num_stages=num_stages, stats_programs=stats_programs)
-        acc, pm, pl, counts = _tile_sample(v, lens, m, l, stash, None, budget, tile, seed, flash=True,
-                                           write_counts=write_counts, sample_n=sample_n,
-                                           num_warps=sample_warps, num_stages=sample_stages)
-        merge_partials(acc, pm, pl, lens, tile, out)
+        _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages, stats_programs=stats_programs)
+        acc, pm, pl, counts = _sample_raw(v, lens, m, l, stash, None, budget, tile, seed, b, hq, t, flash=True,
+                                          fold=False, out=None, write_counts=write_counts, sample_n=sample_n,
+                                          num_warps=sample_warps, num_stages=sample_stages)
+        merge_partials_raw(acc, pm, pl, lens, out, b, hq, t, d, tile, (hq * t * d, t * d, d), (hq * t, t))
         return out, counts
-    hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
-    t = _tiles(n, tile)
-    dev = q.device
-    acc = torch.empty(b, hq, t, d, device=dev, dtype=torch.float32)
-    m = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    l = torch.empty(b, hq, t, device=dev, dtype=torch.float32)
-    stash = torch.empty(b, hq, t * tile, device=dev, dtype=torch.float32)
-    counts = torch.zeros(b, hq, n, device=dev, dtype=torch.int32) if write_counts else acc
+    acc = workspace("acc", q, b * hq * t * d, torch.float32)
+    counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
     lo, hi = seed_words(seed)
-    _flash_tile_kernel[(t, hkv, b)](
-        q, k, v, lens, stash, acc, m, l, counts,
-        scale, budget, lo, hi, (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        stash.stride(0), stash.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        counts.stride(0) if write_counts else 0, counts.stride(1) if write_counts else 0,
-        G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), SAMPLE_N=min(sample_n, tile),
-        SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
-        DOT_PRECISION=_dot_precision(q.dtype), **_fixed_point(budget), num_warps=num_warps, num_stages=num_stages,
-    )
-    merge_partials(acc, m, l, lens, tile, out)
-    return out, (counts if write_counts else None)
+    launch(_flash_tile_kernel, (t, hkv, b),
+           q, k, v, lens, stash, acc, m, l, counts if write_counts else acc,
+           scale, budget, lo, hi, _TILE_KEY, t, hq,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           hq * t * tile, t * tile, hq * t * d, t * d, d, hq * t, t,
+           (hq * n) if write_counts else 0, n if write_counts else 0,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), SAMPLE_N=min(sample_n, tile),
+           SPLIT_COUNTS=_split_counts(v.dtype, budget), WRITE_COUNTS=write_counts,
+           DOT_PRECISION=_dot_precision(q.dtype), **_fixed_point(budget), num_warps=num_warps, num_stages=num_stages)
+    merge_partials_raw(acc, m, l, lens, out, b, hq, t, d, tile, (hq * t * d, t * d, d), (hq * t, t))
+    return out, counts
 
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                      rounding: str = "largest-remainder", write_counts: bool = False, block_n: int = 64,
-                      sample_n: int = 64, num_warps: int = 4, num_stages: int = 3, sample_warps: int = 2,
-                      sample_stages: int = 3, stats_programs: int = 264, out: torch.Tensor | None = None):
+                      rounding: str = "largest-remainder", write_counts: bool = False, fold_merge: bool = True,
+                      block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                      sample_warps: int = 2, sample_stages: int = 3, stats_programs: int = 264,
+                      out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``. Launch defaults:
-    the fastest of a sweep on an H100 (docs/methods/santa-kernels.md)."""
+    the fastest of a sweep on an H100 (docs/methods/santa-kernels.md). ``fold_merge``: the sampling
+    pass accumulates the output itself (fp32 atomics; 3 launches: stats, budgets, sampling) instead of
+    writing partials for a merge kernel (4 launches). Scratch buffers are cached per device
+    (``triton_common.workspace``)."""
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
         raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
     b, hq, d = q.shape
-    m, l, stash = _tile_stats(q, k, lens, scale, tile, block_n=block_n, num_warps=num_warps,
-                              num_stages=num_stages, stats_programs=stats_programs)
-    t = m.shape[2]
+    hkv, n = k.shape[1], k.shape[2]
+    t = _tiles(n, tile)
+    m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
+               num_stages=num_stages, stats_programs=stats_programs)
     budgets = torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
     lo, hi = seed_words(seed)
-    block_t = max(16, next_pow2(t))
-    _prop_budget_kernel[(hq, b)](
-        m, l, lens, budgets, budget, lo, hi, (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF, t, hq,
-        m.stride(0), m.stride(1),
-        TILE=tile, BLOCK_T=block_t, SYSTEMATIC=rounding == "systematic", num_warps=4,
-    )
-    acc, pm, pl, counts = _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, flash=False,
-                                       write_counts=write_counts, sample_n=sample_n,
-                                       num_warps=sample_warps, num_stages=sample_stages)
+    launch(_prop_budget_kernel, (hq, b, 1),
+           m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
+           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", num_warps=4)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
-    merge_partials(acc, pm, pl, lens, tile, out)
+    acc, pm, pl, counts = _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, flash=False,
+                                      fold=fold_merge, out=out, write_counts=write_counts, sample_n=sample_n,
+                                      num_warps=sample_warps, num_stages=sample_stages)
+    if not fold_merge:
+        merge_partials_raw(acc, pm, pl, lens, out, b, hq, t, d, tile, (hq * t * d, t * d, d), (hq * t, t))
     return out, counts, budgets
 
 
