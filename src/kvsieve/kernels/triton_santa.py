@@ -14,11 +14,15 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
 
 - flash (2 launches): ``_flash_tile_kernel`` (tile stats + ``S_tile = max(1, S // T_b)`` systematic
   samples + gather) then the split-KV merge with weights ``e^{m_t} l_t``.
-- prop (4 launches): ``_tile_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
+- prop (3 launches): ``_tile_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
   → ``_prop_budget_kernel`` (one program per head: largest remainder or systematic rounding of the
-  tile budgets) → ``_prop_sample_kernel`` (systematic samples inside each tile from the stash, V
-  gather; tiles without samples exit at once) → the merge (``m = 0``, ``l = S_t``:
-  ``out = Σ_t acc_t / S``).
+  tile budgets) → ``_tile_sample_kernel`` (systematic samples inside each tile from the stash, V
+  gather; tiles without samples exit at once) with the merge ``out = Σ_t acc_t / S`` folded in
+  (float32 atomics, the last program per (row, KV head) writes ``out``). ``fold_merge=False`` writes
+  partials (``m = 0``, ``l = S_t``) for the merge kernel instead (4 launches).
+
+Host path: launches go through ``triton_common.launch`` (cached compiled kernels) and scratch buffers
+come from ``triton_common.workspace`` (cached per device), with explicit strides of flat buffers.
 """
 
 from __future__ import annotations
