@@ -195,17 +195,26 @@ def test_cli_errors(capsys, tmp_path):
     assert "not a kvsieve eval results folder" in capsys.readouterr().err
 
 
+@pytest.mark.model
+def test_a_prompt_that_leaves_no_room_to_generate_is_refused(default_model, tmp_path):
+    model, tok = default_model
+    cfg = tiny(tmp_path, lengths=(8190,), methods=("dense",), max_new_tokens=4, track_error=0)
+    with pytest.raises(ValueError, match="maximum context of 8192"):
+        run_eval(cfg, model=model, tokenizer=tok, progress=False)
+
+
 @pytest.mark.slow
 @pytest.mark.model
 def test_full_length_8k_cell_runs_in_bounded_memory(default_model, tmp_path):
     import resource
 
     model, tok = default_model
-    cfg = tiny(tmp_path, lengths=(8192,), methods=("santa-sys:budget=64",), max_new_tokens=4, track_error=0)
+    n = 8192 - 4  # the prompt and its 4 new tokens fill the model's whole 8192-token context
+    cfg = tiny(tmp_path, lengths=(n,), methods=("santa-sys:budget=64",), max_new_tokens=4, track_error=0)
     res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
     assert res.computed == 2
-    row = res.store.read("niah_single_2", 8192, 0, "santa-sys:budget=64")
-    assert row["n_tokens"] >= 0.98 * 8192 and row["density"] < 0.05
+    row = res.store.read("niah_single_2", n, 0, "santa-sys:budget=64")
+    assert row["n_tokens"] >= 0.98 * n and row["density"] < 0.05
     # An [N, N] fp32 score matrix per head at 8k would alone be 256 MB x 9 heads.
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     assert peak_gb < 6, peak_gb
