@@ -86,6 +86,19 @@ def _attention_implementation(modules: Sequence[torch.nn.Module]):
             cfg._attn_implementation = previous[key]
 
 
+@contextmanager
+def _attached(modules: Sequence[torch.nn.Module], registry: weakref.WeakKeyDictionary, owner: Any):
+    """Route the modules' attention through kvsieve and map each module to ``owner`` in ``registry``."""
+    with _attention_implementation(modules):
+        for mod in modules:
+            registry[mod] = owner
+        try:
+            yield
+        finally:
+            for mod in modules:
+                registry.pop(mod, None)
+
+
 def visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, n_keys: int,
                  row: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Keys visible to query ``row`` of the chunk: ``(lengths [B], None)`` or ``(None, key_mask [B, N])``.
@@ -296,14 +309,8 @@ def sparsify(
                             track_error=track_error)
     if question_start is not None:
         session.mark_question(question_start)
-    with _attention_implementation(modules):
-        for mod in modules:
-            _SESSIONS[mod] = session
-        try:
-            yield session
-        finally:
-            for mod in modules:
-                _SESSIONS.pop(mod, None)
+    with _attached(modules, _SESSIONS, session):
+        yield session
 
 
 @dataclass
@@ -330,11 +337,5 @@ def capture_attention(model: torch.nn.Module, layers: Iterable[int] | None = Non
     """
     modules = attention_modules(model)
     cap = AttentionCapture(layers=frozenset(layers) if layers is not None else None, only_decode=only_decode)
-    with _attention_implementation(modules):
-        for mod in modules:
-            _CAPTURES[mod] = cap
-        try:
-            yield cap
-        finally:
-            for mod in modules:
-                _CAPTURES.pop(mod, None)
+    with _attached(modules, _CAPTURES, cap):
+        yield cap
