@@ -112,6 +112,11 @@ class PromptParts:
     def n_tokens(self) -> int:
         return len(self.context_ids) + len(self.question_ids)
 
+    def sample_fields(self) -> dict[str, Any]:
+        """The ``Sample`` fields that come from the prompt: its ids, the question's start, both texts."""
+        return {"input_ids": self.context_ids + self.question_ids, "question_start": len(self.context_ids),
+                "context_text": self.context_text, "question_text": self.question_text}
+
 
 def build_prompt(tokenizer: Any, context_message: str, question_message: str, answer_prefix: str) -> PromptParts:
     """Context and question pieces of the final prompt (chat template applied when there is one).

@@ -48,8 +48,7 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, seed: int = 
     n_rare, parts = fit_length(build, length, max_rare, task)
     return Sample(
         task=task, index=index, length=length,
-        input_ids=parts.context_ids + parts.question_ids, question_start=len(parts.context_ids),
-        context_text=parts.context_text, question_text=parts.question_text, answer_prefix=answer_prefix,
+        **parts.sample_fields(), answer_prefix=answer_prefix,
         gold=tuple(common), target=" " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(common)),
         max_new_tokens=MAX_NEW_TOKENS, metric="all",
         info={"freq_common": freq_common, "freq_rare": FREQ_RARE, "n_rare": n_rare},

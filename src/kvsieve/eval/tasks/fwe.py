@@ -55,8 +55,7 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, seed: int = 
     gold = tuple(words[1:4])
     return Sample(
         task=task, index=index, length=length,
-        input_ids=parts.context_ids + parts.question_ids, question_start=len(parts.context_ids),
-        context_text=parts.context_text, question_text=parts.question_text, answer_prefix=ANSWER_PREFIX,
+        **parts.sample_fields(), answer_prefix=ANSWER_PREFIX,
         gold=gold, target=" " + ", ".join(gold) + ".", max_new_tokens=MAX_NEW_TOKENS, metric="all",
         info={"n_words": n_words, "top_counts": counts[1:], "vocab_size": vocab_size,
               "zeta": math.pi**2 / 6 if ALPHA == 2.0 else zeta},

@@ -73,8 +73,7 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, seed: int = 
         cut = 0
     return Sample(
         task=task, index=index, length=length,
-        input_ids=parts.context_ids + parts.question_ids, question_start=len(parts.context_ids),
-        context_text=parts.context_text, question_text=parts.question_text, answer_prefix=ANSWER_PREFIX,
+        **parts.sample_fields(), answer_prefix=ANSWER_PREFIX,
         gold=answers, target=" " + answers[0], max_new_tokens=MAX_NEW_TOKENS, metric="part",
         info={"question": question, "gold_paragraph": gold_paragraph, "distractors": n_docs, "cut_words": cut},
     )

@@ -56,8 +56,7 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, seed: int = 
     n_units, parts = fit_length(build, length, length, task)
     return Sample(
         task=task, index=index, length=length,
-        input_ids=parts.context_ids + parts.question_ids, question_start=len(parts.context_ids),
-        context_text=parts.context_text, question_text=parts.question_text, answer_prefix=answer_prefix,
+        **parts.sample_fields(), answer_prefix=answer_prefix,
         gold=tuple(names), target=" ".join(names), max_new_tokens=MAX_NEW_TOKENS, metric="all",
         info={"statements": statements, "depths": depths, "haystack_units": n_units},
     )
