@@ -38,11 +38,20 @@ DEVICE = os.environ.get("KVSIEVE_CHECK_DEVICE", "cuda")  # "cpu" with TRITON_INT
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 # (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
 # the 4-launch path with the merge kernel
-PROP_VARIANTS = (
+PROP_VARIANTS = [
     ("prop_lr", "largest-remainder", {}),
     ("prop_sys", "systematic", {}),
-    ("prop_lr_4launch", "largest-remainder", {"fold_merge": False}),
-)
+    ("prop_sys_budget_kernel", "systematic", {"inline_budgets": False}),
+    ("prop_lr_gather", "largest-remainder", {"gather": True}),
+    ("prop_lr_v7", "largest-remainder", {"compact": False}),
+]
+# santa-flash: the default path (v8: stats + compacted sampling, merge folded), its tl.gather variant,
+# and the fused kernel (v6/v7 default)
+FLASH_VARIANTS = [
+    ("flash", {}),
+    ("flash_gather", {"gather": True}),
+    ("flash_fused", {"fused": True}),
+]
 
 
 def rel(a, b):
@@ -59,7 +68,7 @@ def random_case(b, hq, hkv, n, d, dtype, lens, seed, peaked=1.5):
     return q, k, v, lens_t.to(torch.int32), inp
 
 
-def check_kernels(log, quick: bool = False) -> list[dict]:
+def check_kernels(log, quick: bool = False, only: str | None = None) -> list[dict]:
     cases = []
     # (B, Hq, Hkv, N, d, lens, S, tile)
     shapes = [
@@ -77,9 +86,18 @@ def check_kernels(log, quick: bool = False) -> list[dict]:
     if quick:
         shapes = [(3, 9, 3, 300, 64, [300, 1, 200], 64, 32), (2, 12, 4, 200, 64, [200, 150], 16, 256)]
         dtypes = (torch.float16, torch.float32)
+    picked = None
+    if only:  # "bf16:0,1,7": those shape indices in those dtypes (a short first pass on the device)
+        names, _, idx = only.partition(":")
+        dtypes = tuple({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[x]
+                       for x in names.split(","))
+        picked = {int(i) for i in idx.split(",")} if idx else None
     for dtype in dtypes:
         for i, (b, hq, hkv, n, d, lens, s, tile) in enumerate(shapes):
-            if dtype != torch.bfloat16 and i % 2 and not quick:
+            if picked is not None:
+                if i not in picked:
+                    continue
+            elif dtype != torch.bfloat16 and i % 2 and not quick:
                 continue
             seed = 1000 + i
             q, k, v, lens32, inp = random_case(b, hq, hkv, n, d, dtype, lens, seed)
@@ -93,18 +111,22 @@ def check_kernels(log, quick: bool = False) -> list[dict]:
             row["dense_finite"] = bool(torch.isfinite(out).all())
             row["dense_err"] = rel(out, exact)
             tu = tile_uniforms(seed, b, hq, t, device=DEVICE)
-            out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
-            _, c = santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True, out=out)
             ref = santa_flash_reference(inp, s, tile, tile_offsets=tu)
-            row["flash_finite"] = bool(torch.isfinite(out).all())
-            row["flash_count_mismatch"] = float((c.long() != ref.counts).double().mean())
-            row["flash_err_vs_ref"] = rel(out, ref.out)
+            for key, opts in FLASH_VARIANTS:
+                out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
+                _, c = santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True, out=out, **opts)
+                row[f"{key}_finite"] = bool(torch.isfinite(out).all())
+                row[f"{key}_count_mismatch"] = float((c.long() != ref.counts).double().mean())
+                row[f"{key}_err_vs_ref"] = rel(out, ref.out)
+            refs = {}
             for key, rounding, opts in PROP_VARIANTS:
                 out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
                 _, c, bud = santa_prop_triton(q, k, v, lens32, scale, s, tile, seed, rounding=rounding,
                                               write_counts=True, out=out, **opts)
-                ref = santa_prop_reference(inp, s, tile, rounding=rounding,
-                                           budget_offset=budget_uniforms(seed, b, hq, device=DEVICE), tile_offsets=tu)
+                if rounding not in refs:
+                    refs[rounding] = santa_prop_reference(inp, s, tile, rounding=rounding, tile_offsets=tu,
+                                                          budget_offset=budget_uniforms(seed, b, hq, device=DEVICE))
+                ref = refs[rounding]
                 row[f"{key}_finite"] = bool(torch.isfinite(out).all())
                 row[f"{key}_budget_sum_ok"] = bool((bud.sum(-1) == s).all())
                 row[f"{key}_budget_mismatch"] = float((bud.long() != ref.tile_budgets).double().mean())
@@ -112,9 +134,10 @@ def check_kernels(log, quick: bool = False) -> list[dict]:
                 row[f"{key}_err_vs_ref"] = rel(out, ref.out)
             tol = TOL[dtype]
             props = [key for key, _, _ in PROP_VARIANTS]
-            ok = all(row[f"{p}_finite"] for p in ("dense", "flash", *props))
+            flashes = [key for key, _ in FLASH_VARIANTS]
+            ok = all(row[f"{p}_finite"] for p in ("dense", *flashes, *props))
             ok &= row["dense_err"] < tol and all(row[f"{p}_budget_sum_ok"] for p in props)
-            for p in ("flash", *props):
+            for p in (*flashes, *props):
                 ok &= row[f"{p}_count_mismatch"] < 1e-3 and row[f"{p}_err_vs_ref"] < max(tol, 2e-2)
             row["ok"] = bool(ok)
             log(("PASS " if ok else "FAIL ") + json.dumps(row))
@@ -293,6 +316,164 @@ def sweep_prop(log) -> list[dict]:
     return rows
 
 
+def _llama_inputs(n: int, seed: int = 1, batch: int = 1):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    q = torch.randn(batch, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    k = torch.randn(batch, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    v = torch.randn(batch, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
+    lens32 = torch.full((batch,), n, device=DEVICE, dtype=torch.int32)
+    return q, k, v, lens32
+
+
+def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
+    """Whole calls (llama shape, S = 128 prop / 2048 flash) of the v7 and v8 paths and their variants."""
+    scale = 128 ** -0.5
+    tile = 256
+
+    def prop(**o):
+        return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
+
+    def flash(**o):
+        return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
+
+    calls = {
+        "dense": lambda: dense_decode_triton(q, k, v, lens32, scale),
+        "prop-v7": prop(compact=False),
+        "prop-v8": prop(),
+        "prop-v8-inline": prop(inline_budgets=True),
+        "prop-v8-budgetkernel": prop(inline_budgets=False),
+        "flash-fused-v7": flash(fused=True),
+        "flash-v8": flash(),
+    }
+    if full:
+        calls.update({
+            "prop-v8-gather": prop(gather=True),
+            "prop-v8-w2": prop(sample_warps=2),
+            "prop-v8-w8": prop(sample_warps=8),
+            "prop-v8-r32": prop(r_max=32),
+            "prop-v8-sys": prop(rounding="systematic"),
+            "prop-v8-stats128x8": prop(block_n=128, num_warps=8),
+            "flash-v8-gather": flash(gather=True),
+            "flash-v8-w2": flash(sample_warps=2),
+            "flash-v8-w8": flash(sample_warps=8),
+            "flash-v8-r16": flash(r_max=16),
+            "flash-v8-r32": flash(r_max=32),
+            "flash-v8-gather-w8": flash(gather=True, sample_warps=8),
+            "flash-split-v7": flash(fused=False, fold_merge=False),
+        })
+    try:
+        import flashinfer
+
+        kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+        q0 = q[0]
+        calls["flashinfer"] = lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")
+    except Exception:  # noqa: BLE001 - FlashInfer is optional here
+        pass
+    return calls
+
+
+def sweep_v8(log, contexts=(8192, 32768, 131072)) -> list[dict]:
+    """v7 against v8 and the v8 launch variants, whole calls, graph-timed (cold L2), with the per-kernel
+    breakdown of the main ones; v8 outputs and counts against v7's for the same seed (same counts
+    expected up to floor-boundary flips)."""
+    from kvsieve.bench.timing import ColdL2Timer
+
+    timer = ColdL2Timer()
+    rows = []
+    for n in contexts:
+        q, k, v, lens32 = _llama_inputs(n)
+        scale, tile = 128 ** -0.5, 256
+        o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
+        for key, o in (("prop-v8", {}), ("prop-v8-inline", {"inline_budgets": True}),
+                       ("prop-v8-budgetkernel", {"inline_budgets": False}), ("prop-v8-gather", {"gather": True})):
+            o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
+            log(f"V8CHECK n={n} {key} vs v7: budgets equal {bool(torch.equal(b7, b8))}, count mismatch "
+                f"{float((c7 != c8).double().mean()):.2e}, rel out {rel(o8, o7):.2e}")
+        f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
+        for key, o in (("flash-v8", {}), ("flash-v8-gather", {"gather": True})):
+            f8, fc8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
+            log(f"V8CHECK n={n} {key} vs fused: count mismatch {float((fc7 != fc8).double().mean()):.2e}, "
+                f"rel out {rel(f8, f7):.2e}")
+        calls = v8_calls(q, k, v, lens32, full=n == 32768 or n == 131072)
+        for name, fn in calls.items():
+            try:
+                r = timer.time_graph_us(fn, warmup=3, iters=20)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
+                r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            row = {"n": n, "variant": name, **r}
+            if name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-budgetkernel", "flash-fused-v7", "flash-v8",
+                        "dense", "flashinfer") and "error" not in r:
+                row["kernels_us"] = timer.kernel_breakdown(fn)
+            rows.append(row)
+            kern = ", ".join(f"{a[:24]} {b:.1f}" for a, b in (row.get("kernels_us") or {}).items())
+            log(f"V8 n={n} {name}: {r.get('median_us', r.get('error'))} {kern}")
+        base = next((r["median_us"] for r in rows if r["n"] == n and r["variant"] == "flashinfer"
+                     and "median_us" in r), None)
+        if base:
+            for r in rows:
+                if r["n"] == n and "median_us" in r:
+                    r["x_flashinfer"] = base / r["median_us"]
+            log(f"V8 n={n} ratios: " + ", ".join(f"{r['variant']} {r['x_flashinfer']:.2f}x" for r in rows
+                                                if r["n"] == n and "x_flashinfer" in r))
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def compiled_resources(log) -> list[dict]:
+    """Registers, spills and shared memory of every kernel the launch cache compiled."""
+    from kvsieve.kernels import triton_common
+
+    rows = []
+    for key, (compiled, _constexprs) in triton_common._COMPILED.items():
+        meta = key[2]
+        row = {"kernel": compiled.name, "meta": [str(x) for x in meta], "n_regs": getattr(compiled, "n_regs", None),
+               "n_spills": getattr(compiled, "n_spills", None),
+               "shared": getattr(getattr(compiled, "metadata", None), "shared", None)}
+        rows.append(row)
+        log("COMPILED " + json.dumps(row))
+    return rows
+
+
+def clean_l2_diagnostic(log, n: int = 32768) -> list[dict]:
+    """Whether the protocol's L2 flush (a 512 MB write, which leaves L2 full of dirty lines) costs the
+    timed call write-backs: the same calls after a flush by reading (clean lines). Diagnostic only."""
+    from kvsieve.bench.timing import ColdL2Timer
+
+    class ReadFlush(ColdL2Timer):
+        def flush(self) -> None:
+            self.sink = self.flush_buffer.sum()
+
+    q, k, v, lens32 = _llama_inputs(n)
+    calls = v8_calls(q, k, v, lens32, full=False)
+    rows = []
+    for flush_name, timer in (("write", ColdL2Timer()), ("read", ReadFlush())):
+        timer.flush_buffer.fill_(1.0)
+        for name in ("flashinfer", "dense", "prop-v8", "flash-v8"):
+            if name in calls:
+                r = timer.time_graph_us(calls[name], warmup=3, iters=20)
+                rows.append({"n": n, "flush": flush_name, "variant": name, **r})
+                log(f"L2DIAG flush={flush_name} n={n} {name}: {r['median_us']:.1f}")
+        del timer
+    return rows
+
+
+def profile_once(n: int = 32768) -> None:
+    """For Nsight Compute (--profile-from-start off): every main call once after a warm-up, inside
+    cudaProfilerStart/Stop, so that only those launches are profiled."""
+    q, k, v, lens32 = _llama_inputs(n)
+    calls = v8_calls(q, k, v, lens32, full=False)
+    names = ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8")
+    for name in names:
+        calls[name]()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name in names:
+        calls[name]()
+        torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def check_model_attention(log, path: str, seeds: int = int(os.environ.get("KVSIEVE_MODEL_SEEDS", "64"))) -> list[dict]:
     """Error statistics of kernel vs reference path on attention captured from the default model
     (SmolLM2-135M, 9/3/64, last token of a 2047-token essay prompt; see docs/methods/santa-kernels.md)."""
@@ -338,10 +519,17 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--host", action="store_true", help="host µs per eager call, launch cache on and off")
     ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
+    ap.add_argument("--check-only", default=None, help='a subset of the checks, e.g. "bf16:0,1,7" (dtypes:shapes)')
+    ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
+    ap.add_argument("--l2-diag", action="store_true", help="the calls after a read flush (clean L2) and a write flush")
+    ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
+    if args.profile_once:
+        profile_once()
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "gpu_log.txt", "a")
@@ -358,7 +546,7 @@ def main() -> int:
     failures = 0
     if args.check:
         t0 = time.time()
-        report["checks"] = check_kernels(log, quick=args.quick)
+        report["checks"] = check_kernels(log, quick=args.quick, only=args.check_only)
         failures += sum(not r["ok"] for r in report["checks"])
         log(f"checks: {len(report['checks'])} cases, {failures} failed, {time.time() - t0:.0f}s")
     if args.stats:
@@ -375,6 +563,14 @@ def main() -> int:
         t0 = time.time()
         report["sweep"] = sweep(log)
         log(f"sweep: {time.time() - t0:.0f}s")
+    if args.sweep_v8:
+        t0 = time.time()
+        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v8.split(","))
+        report["sweep_v8"] = sweep_v8(log, contexts)
+        log(f"sweep-v8: {time.time() - t0:.0f}s")
+        report["compiled"] = compiled_resources(log)
+    if args.l2_diag:
+        report["l2_diag"] = clean_l2_diagnostic(log)
     if args.model_attention:
         t0 = time.time()
         report["model_attention"] = check_model_attention(log, args.model_attention)

@@ -84,31 +84,67 @@ def test_kernels_match_references(case):
     assert torch.isfinite(out).all()
     assert _rel(out, exact_attention(inputs)) < TOL[dtype]
 
-    for fused in (True, False):
+    ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
+    # v8 (stats + compacted sampling, merge folded; gather by tl.gather and by masked sums), the fused
+    # kernel, and the v7 split passes with the merge kernel
+    for opts in ({"gather": False}, {"gather": True, "r_max": 16}, {"fused": True}, {"fold_merge": False}):
         out = _poisoned(b, hq, d, dtype)
         _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
-                                                    fused=fused, stats_programs=2, out=out, **small)
-        ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
+                                                    fused=opts.pop("fused", False), stats_programs=2, out=out,
+                                                    **small, **opts)
         assert torch.isfinite(out).all()
         assert torch.equal(counts.long(), ref.counts)
         assert _rel(out, ref.out) < TOL[dtype]
+        _assert_fold_workspace_clean(q)
 
     for rounding in ("largest-remainder", "systematic"):
         ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
                                    budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
-        for fold in (True, False):  # the merge folded into the sampling pass (the default) or its own kernel
+        # v8 with inline budgets (the default here) or the budget kernel, gathers of both kinds; v7 with
+        # the merge folded into its sampling pass or in its own kernel
+        for opts in ({}, {"inline_budgets": False, "gather": True}, {"gather": True, "r_max": 32},
+                     {"compact": False}, {"compact": False, "fold_merge": False}):
             out = _poisoned(b, hq, d, dtype)
             _, counts, budgets = triton_santa.santa_prop_triton(
                 q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
-                fold_merge=fold, out=out, **small)
+                out=out, **small, **opts)
             assert torch.isfinite(out).all()
             assert (budgets.sum(-1) == s).all()
             assert torch.equal(budgets.long(), ref.tile_budgets)
             assert torch.equal(counts.long(), ref.counts)
             assert _rel(out, ref.out) < TOL[dtype]
-            if fold:  # the folded merge leaves its accumulator and counters zero for the next call
-                assert not triton_common.workspace("fold_acc", q, 1, torch.float32).any()
-                assert not triton_common.workspace("fold_done", q, 1, torch.int32).any()
+            _assert_fold_workspace_clean(q)
+
+
+def _assert_fold_workspace_clean(q):
+    """The folded merge leaves its accumulators and counters zero, and the global maxima -inf, for the
+    next call."""
+    assert not triton_common.workspace("fold_acc", q, 1, torch.float32).any()
+    assert not triton_common.workspace("fold_den", q, 1, torch.float32).any()
+    assert not triton_common.workspace("fold_done", q, 1, torch.int32).any()
+    mstar = triton_common.workspace("mstar", q, 1, torch.float32, fill=float("-inf"))
+    assert (mstar == float("-inf")).all()
+
+
+@pytest.mark.parametrize("rounding", ["largest-remainder", "systematic"])
+def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
+    """The inline budget math walks the tiles in chunks (16 here, 40 tiles, ragged rows): same budgets
+    and counts as the references, so every program agreed on z and rem."""
+    monkeypatch.setattr(triton_santa, "BUDGET_CHUNK_TILES", 16)
+    b, hq, hkv, n, d, s, tile = 2, 4, 2, 640, 64, 48, 16
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [640, 390], torch.float32, 31, peaked=3.0)
+    seed = 8
+    ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
+                               budget_offset=triton_common.budget_uniforms(seed, b, hq),
+                               tile_offsets=triton_common.tile_uniforms(seed, b, hq, n // tile))
+    out = _poisoned(b, hq, d, torch.float32)
+    _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, rounding=rounding,
+                                                        write_counts=True, inline_budgets=True, block_n=16,
+                                                        out=out)
+    assert (budgets.sum(-1) == s).all()
+    assert torch.equal(budgets.long(), ref.tile_budgets)
+    assert torch.equal(counts.long(), ref.counts)
+    assert _rel(out, ref.out) < TOL[torch.float32]
 
 
 def test_workspace_is_reused_and_grows():
@@ -152,16 +188,16 @@ def test_large_tile_budget_splits_counts_exactly():
 
 
 def test_prop_split_counts_above_2048():
-    """Per-key counts above 2048 (fp16 dots split them into bytes), with the merge folded and not."""
+    """Per-key counts above 2048 (fp16 dots split them into bytes; int64 running sums), on every prop path."""
     b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 20000, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 11, peaked=6.0)
     ref = santa_prop_reference(inputs, s, tile, rounding="largest-remainder",
                                budget_offset=triton_common.budget_uniforms(4, b, hq),
                                tile_offsets=triton_common.tile_uniforms(4, b, hq, 3))
     assert ref.counts.max() > 2048
-    for fold in (True, False):
+    for opts in ({}, {"compact": False}, {"compact": False, "fold_merge": False}, {"gather": True}):
         out, counts, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True,
-                                                        block_n=16, sample_n=16, fold_merge=fold)
+                                                        block_n=16, sample_n=16, **opts)
         assert torch.equal(counts.long(), ref.counts)
         assert _rel(out, ref.out) < TOL[torch.float16]
 

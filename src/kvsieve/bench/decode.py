@@ -22,9 +22,12 @@ from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
 DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
-# santa-flash = the fused kernel (2 launches); santa-flash-split = stats pass + sampling pass (3 launches);
-# santa-prop = stats, budgets, sampling with the merge folded in (3 launches); santa-prop-4launch = stats,
-# budgets, sampling, merge
+# santa-flash = the default path (v8: stats pass + compacted sampling pass with the merge folded in, 2
+# launches); santa-flash-fused = the fused kernel + merge (v6/v7 default, 2 launches); santa-flash-split =
+# stats + v7 sampling pass + merge (3 launches). santa-prop = the default path (v8: stats, compacted
+# sampling with inline budgets and the merge folded in: 2 launches up to 256 tiles, else 3 with the budget
+# kernel); santa-prop-v7 = stats, budgets, v7 sampling with the merge folded in (3 launches);
+# santa-prop-4launch = stats, budgets, v7 sampling, merge
 
 
 @dataclass
@@ -39,8 +42,8 @@ class Case:
 
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
-    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-4launch",
-             "santa-flash", "santa-flash-split")
+    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
+             "santa-prop-4launch", "santa-flash", "santa-flash-fused", "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -118,8 +121,8 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
         return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
     tile = auto_tile_size(case.n)
     if name.startswith("santa-flash"):
-        fused = name != "santa-flash-split"
-        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, fused=fused)[0]
+        fopts = flash_options(name)
+        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, **fopts)[0]
     rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
     opts = prop_options(name)
     return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
@@ -127,8 +130,15 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
 
 
 def prop_options(name: str) -> dict:
-    """santa-prop-4launch: the merge in its own kernel (not folded into the sampling pass)."""
-    return {"santa-prop-4launch": {"fold_merge": False}}.get(name, {})
+    """santa-prop-v7: the v7 sampling pass; santa-prop-4launch: the merge in its own kernel."""
+    return {"santa-prop-v7": {"compact": False},
+            "santa-prop-4launch": {"compact": False, "fold_merge": False}}.get(name, {})
+
+
+def flash_options(name: str) -> dict:
+    """santa-flash-fused: the fused kernel; santa-flash-split: stats, v7 sampling pass, merge."""
+    return {"santa-flash-fused": {"fused": True},
+            "santa-flash-split": {"fused": False, "fold_merge": False}}.get(name, {})
 
 
 def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
@@ -144,7 +154,7 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
     tile = auto_tile_size(case.n)
     if name.startswith("santa-flash"):
         _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True,
-                                       fused=name != "santa-flash-split")
+                                       **flash_options(name))
     else:
         rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
         _, counts, _ = santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,

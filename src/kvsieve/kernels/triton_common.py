@@ -267,18 +267,26 @@ def _interpreted_kernel(kernel) -> bool:
 _WORKSPACE: dict = {}
 
 
-def workspace(tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype, *, zeroed: bool = False) -> torch.Tensor:
+def workspace(tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype, *, zeroed: bool = False,
+              fill: float | None = None) -> torch.Tensor:
     """A flat buffer of at least ``numel`` elements, cached per (tag, device, dtype) and grown by 1/8
     when too small (a decode loop grows N by one key per step). ``zeroed`` buffers are zero when
-    allocated and the kernels that use them leave them zero. One workspace per device: calls on
-    different streams of one device must not overlap in time."""
+    allocated (``fill``: that value) and the kernels that use them leave them so. One workspace per
+    device: calls on different streams of one device must not overlap in time."""
+    if fill is None and zeroed:
+        fill = 0
     if not FAST_HOST_PATH:
-        return (torch.zeros if zeroed else torch.empty)(numel, device=like.device, dtype=dtype)
+        if fill is None:
+            return torch.empty(numel, device=like.device, dtype=dtype)
+        return torch.full((numel,), fill, device=like.device, dtype=dtype)
     key = (tag, like.get_device(), dtype)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
         size = max(numel, numel + numel // 8) if buf is not None else numel
-        buf = (torch.zeros if zeroed else torch.empty)(size, device=like.device, dtype=dtype)
+        if fill is None:
+            buf = torch.empty(size, device=like.device, dtype=dtype)
+        else:
+            buf = torch.full((size,), fill, device=like.device, dtype=dtype)
         _WORKSPACE[key] = buf
     return buf
 

@@ -209,15 +209,17 @@ if triton is not None:
 
     @triton.jit
     def _tile_stats_kernel(
-        q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
-        scale, tiles_per_program,
+        q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr,
+        scale, tiles_per_program, hq,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr,
     ):
         """Pass 1: per-tile max m and sum l of e^{s-m}, and the float32 score stash. Each program
         streams ``tiles_per_program`` consecutive tiles in one pipelined loop over sub-blocks (long
-        streams keep K loads in flight), resetting (m, l) at each tile start."""
+        streams keep K loads in flight), resetting (m, l) at each tile start. ``TRACK_MAX``: each
+        program also folds the max of its scores into ``mstar [B·Hq]`` (float32 atomic max), so that
+        the sampling pass knows every head's global max without reading all tiles."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -238,6 +240,7 @@ if triton is not None:
             k_base = k_ptr + b * s_k_b + kvh * s_k_h
             u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
             ml_base = b * s_ml_b + heads * s_ml_h
+            m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
             for j in range(t0 * SUBS, t1 * SUBS):
                 offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < length
@@ -251,9 +254,13 @@ if triton is not None:
                 m_new = tl.maximum(m, tl.max(s, axis=1))
                 l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
                 m = m_new
+                if TRACK_MAX:
+                    m_all = tl.maximum(m_all, m)
                 done = (j % SUBS) == SUBS - 1
                 tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
                 tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
+            if TRACK_MAX:
+                tl.atomic_max(mstar_ptr + b * hq + heads, m_all, mask=g_ok, sem="relaxed")
 
     @triton.jit
     def _head_budgets(m_ptr, l_ptr, budgets_ptr, h, b, tiles_b, budget, seed_lo, seed_hi, budget_key, n_tiles, hq,
@@ -386,6 +393,251 @@ if triton is not None:
                          total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
                 tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
 
+    @triton.jit
+    def _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T: tl.constexpr):
+        """Tile maxima and sums of tiles c0..c0+CHUNK_T of each head of the group, bounded by the launch's
+        tile count only (so the loads need not wait on the row length); garbage past the row's tiles."""
+        cols = c0 + tl.arange(0, CHUNK_T)
+        in_buf = g_ok[:, None] & (cols < n_tiles)[None, :]
+        m = tl.load(m_ptr + ml_row[:, None] + cols[None, :], mask=in_buf, other=0.0)
+        l = tl.load(l_ptr + ml_row[:, None] + cols[None, :], mask=in_buf, other=0.0)
+        return m, l
+
+    @triton.jit
+    def _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T: tl.constexpr):
+        """W_t = e^{m_t - m*} l_t (float32, as ``_head_budgets`` computes it), zero past the row's tiles."""
+        cols = c0 + tl.arange(0, CHUNK_T)
+        ok = g_ok[:, None] & (cols < tiles_b)[None, :]
+        w = tl.where(ok, tl.exp(tl.where(ok, m, 0.0) - m_star[:, None]) * tl.where(ok, l, 0.0), 0.0)
+        return w, ok, cols
+
+    @triton.jit
+    def _lr_keys(w, cols, per_mass):
+        """Largest remainder: the floors of the shares and their unique keys (the fraction quantised to
+        2^-40 above, the lower tile winning ties below), as ``_head_budgets`` forms them."""
+        share = w.to(tl.float64) * per_mass[:, None]
+        base = tl.floor(share)
+        key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols[None, :]).to(tl.int64)
+        return base.to(tl.int64), key
+
+    @triton.jit
+    def _own_tile_budget(m_ptr, l_ptr, m0, l0, ml_row, g_ok, heads, t, b, tiles_b, n_tiles, hq, budget,
+                         seed_lo, seed_hi, budget_key,
+                         GP: tl.constexpr, CHUNK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
+        """prop: this tile's budget for each head of the group, by the rule of ``_head_budgets``
+        (largest remainder with ties to the lower tile, or systematic rounding), computed from every
+        tile's mass in O(T) without a sort: the tile gets a +1 when fewer than ``rem`` other tiles have
+        a larger key. Every program of the launch reduces the same values in the same order, so they
+        all agree on z and rem, and each head's budgets add up to S exactly. ``m0, l0``: the first
+        CHUNK_T tiles, loaded by the caller; further chunks (T > CHUNK_T) are loaded in each pass."""
+        m_star = tl.max(tl.where(g_ok[:, None] & ((tl.arange(0, CHUNK_T) < tiles_b)[None, :]), m0,
+                                 float("-inf")), axis=1)
+        for c0 in range(CHUNK_T, n_tiles, CHUNK_T):
+            m, _ = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T)
+            ok = g_ok[:, None] & ((c0 + tl.arange(0, CHUNK_T)) < tiles_b)[None, :]
+            m_star = tl.maximum(m_star, tl.max(tl.where(ok, m, float("-inf")), axis=1))
+        m_star = tl.where(g_ok, m_star, 0.0)
+        w0, ok0, cols0 = _masses(m0, l0, g_ok, 0, tiles_b, m_star, CHUNK_T)
+        z = tl.sum(w0.to(tl.float64), axis=1)
+        for c0 in range(CHUNK_T, n_tiles, CHUNK_T):
+            m, l = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T)
+            w, _, _ = _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T)
+            z += tl.sum(w.to(tl.float64), axis=1)
+        per_mass = budget.to(tl.float64) / tl.where(z > 0, z, 1.0)
+        if SYSTEMATIC:
+            a_b = hash_uniform(seed_lo, seed_hi, budget_key, (b * hq + heads).to(tl.int64))
+            a = (a_b * 4294967296.0).to(tl.int64)
+            top = budget.to(tl.int64) << 32
+            x = tl.where(ok0, tl.floor(w0.to(tl.float64) * per_mass[:, None] * 4294967296.0).to(tl.int64), 0)
+            hi = tl.sum(tl.where(cols0[None, :] <= t, x, 0), axis=1)
+            x_own = tl.sum(tl.where(cols0[None, :] == t, x, 0), axis=1)
+            total = tl.sum(x, axis=1)
+            last = tl.max(tl.where(x > 0, cols0[None, :], -1), axis=1)
+            for c0 in range(CHUNK_T, n_tiles, CHUNK_T):
+                m, l = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T)
+                w, ok, cols = _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T)
+                x = tl.where(ok, tl.floor(w.to(tl.float64) * per_mass[:, None] * 4294967296.0).to(tl.int64), 0)
+                hi += tl.sum(tl.where(cols[None, :] <= t, x, 0), axis=1)
+                x_own += tl.sum(tl.where(cols[None, :] == t, x, 0), axis=1)
+                total += tl.sum(x, axis=1)
+                last = tl.maximum(last, tl.max(tl.where(x > 0, cols[None, :], -1), axis=1))
+            bt = ((a + tl.minimum(hi, top)) >> 32) - ((a + tl.minimum(hi - x_own, top)) >> 32)
+            drawn = (a + tl.minimum(total, top)) >> 32  # a < 2^32: the offset's own floor is 0
+            bt = bt + tl.where(last == t, budget.to(tl.int64) - drawn, 0)
+            bt = bt.to(tl.int32)
+        else:
+            base, key0 = _lr_keys(w0, cols0, per_mass)
+            floors = tl.sum(tl.where(ok0, base, 0), axis=1)
+            own_key = tl.sum(tl.where(cols0[None, :] == t, key0, 0), axis=1)
+            own_base = tl.sum(tl.where(cols0[None, :] == t, base, 0), axis=1)
+            for c0 in range(CHUNK_T, n_tiles, CHUNK_T):
+                m, l = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T)
+                w, ok, cols = _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T)
+                base, key = _lr_keys(w, cols, per_mass)
+                floors += tl.sum(tl.where(ok, base, 0), axis=1)
+                own_key += tl.sum(tl.where(cols[None, :] == t, key, 0), axis=1)
+                own_base += tl.sum(tl.where(cols[None, :] == t, base, 0), axis=1)
+            rem = budget - floors.to(tl.int32)
+            # the own tile is left out by its index, not by comparing its key with itself
+            rank = tl.sum((ok0 & (cols0[None, :] != t) & (key0 > own_key[:, None])).to(tl.int32), axis=1)
+            for c0 in range(CHUNK_T, n_tiles, CHUNK_T):
+                m, l = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, c0, n_tiles, CHUNK_T)
+                w, ok, cols = _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T)
+                _, key = _lr_keys(w, cols, per_mass)
+                rank += tl.sum((ok & (cols[None, :] != t) & (key > own_key[:, None])).to(tl.int32), axis=1)
+            bt = own_base.to(tl.int32) + ((rem > 0) & (rank < rem)).to(tl.int32)
+        return tl.where(g_ok & (z > 0), bt, 0)
+
+    @triton.jit
+    def _compact_sample(v_ptr, s, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+                        s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
+                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                        R_MAX: tl.constexpr, GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+                        FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
+        """Systematic sampling of ``budget [GP]`` draws in one tile from its stashed scores ``s [GP, TILE]``
+        (loaded by the caller), the whole tile at once, on the G
+        rows of the group (no 16-row padding: no tl.dot here), then ``Σ_n c_n V_n`` [GP, D] from the
+        sampled rows only: their union over the group is compacted (prefix sum of the used flags) and
+        gathered R_MAX rows at a time. Same counts as ``_sample_tile``: the fixed-point prefix sums are
+        exact integers, and the rounding shortfall goes to the last key of positive weight."""
+        FIX: tl.constexpr = 1 << FIX_BITS
+        offs_g = tl.arange(0, GP)
+        offs_k = tl.arange(0, TILE)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        offs_n = t * TILE + offs_k
+        n_ok = offs_n < length
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        if WIDE:
+            top = budget.to(tl.int64) * FIX
+            a = (a0 * FIX).to(tl.int64)
+            xi = (tl.exp(s - tl.where(g_ok, m, 0.0)[:, None]) *
+                  tl.where(l > 0, budget.to(tl.float32) / tl.where(l > 0, l, 1.0), 0.0)[:, None] * FIX + 0.5
+                  ).to(tl.int64)
+        else:
+            top = budget * FIX
+            a = (a0 * FIX).to(tl.int32)
+            xi = (tl.exp(s - tl.where(g_ok, m, 0.0)[:, None]) *
+                  tl.where(l > 0, budget.to(tl.float32) / tl.where(l > 0, l, 1.0), 0.0)[:, None] * FIX + 0.5
+                  ).to(tl.int32)
+        hi = tl.cumsum(xi, axis=1)
+        c = ((a[:, None] + tl.minimum(hi, top[:, None])) >> FIX_BITS) \
+            - ((a[:, None] + tl.minimum(hi - xi, top[:, None])) >> FIX_BITS)
+        carry = tl.sum(xi, axis=1)
+        last = tl.max(tl.where(xi > 0, offs_k[None, :], -1), axis=1)
+        drawn = ((a + tl.minimum(carry, top)) >> FIX_BITS) - (a >> FIX_BITS)
+        short = tl.where(g_ok & (last >= 0), budget - drawn.to(tl.int32), 0)
+        c = c.to(tl.int32) + tl.where(offs_k[None, :] == last[:, None], tl.maximum(short, 0)[:, None], 0)
+        if WRITE_COUNTS:
+            tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c,
+                     mask=g_ok[:, None] & n_ok[None, :])
+        used = (tl.max(c, axis=0) > 0).to(tl.int32)
+        pos = tl.cumsum(used, axis=0) - used
+        n_used = tl.sum(used, axis=0)
+        acc = tl.zeros([GP, D], tl.float32)
+        v_base = v_ptr + b * s_v_b + kvh * s_v_h + t * TILE * s_v_n
+        for r0 in range(0, n_used, R_MAX):
+            rr = r0 + tl.arange(0, R_MAX)
+            r_ok = rr < n_used
+            sel = (used[:, None] > 0) & (pos[:, None] == rr[None, :])
+            idx = tl.sum(tl.where(sel, offs_k[:, None], 0), axis=0)
+            v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+            v = v.to(tl.float32)
+            if GATHER:
+                cnt = tl.gather(c, tl.broadcast_to(idx[None, :], [GP, R_MAX]), axis=1)
+            # one head at a time, so that no [GP, TILE, R_MAX] or [GP, R_MAX, D] product is held at once
+            for g in tl.static_range(GP):
+                if GATHER:
+                    cnt_g = tl.sum(tl.where(offs_g[:, None] == g, cnt, 0), axis=0)
+                else:
+                    c_g = tl.sum(tl.where(offs_g[:, None] == g, c, 0), axis=0)
+                    cnt_g = tl.sum(tl.where(sel, c_g[:, None], 0), axis=0)
+                cnt_g = tl.where(r_ok, cnt_g, 0).to(tl.float32)
+                acc_g = tl.sum(cnt_g[:, None] * v, axis=0)
+                acc += tl.where(offs_g[:, None] == g, acc_g[None, :], 0.0)
+        return acc
+
+    @triton.jit
+    def _compact_sample_kernel(
+        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr,
+        oacc_ptr, oden_ptr, done_ptr, out_ptr,
+        budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
+        s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, R_MAX: tl.constexpr,
+        FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr, CHUNK_T: tl.constexpr,
+        GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
+    ):
+        """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row).
+
+        - prop: the tile budgets are computed inline (``INLINE_BUDGETS``, O(T) per program, so the
+          budget launch disappears) or read from ``budgets_ptr``; inline, they are also written there.
+          Each program adds ``Σ c V`` to ``oacc`` and the last one writes ``out = oacc / S``.
+        - flash: every tile draws ``max(1, S // T_b)``; the stats pass left each head's global max in
+          ``mstar``, so each program adds ``e^{m_t - m*} l_t Σ c V / S_tile`` to ``oacc`` and
+          ``e^{m_t - m*} l_t`` to ``oden``, and the last one writes ``out = oacc / oden``.
+
+        The last of the ``n_tiles`` programs of a (row, KV head) (an acq_rel counter) reads the
+        accumulators through atomics (L2, no stale L1 line), writes ``out`` and leaves the accumulators,
+        ``mstar`` and the counter as the next call expects them (zero, -inf, zero)."""
+        t = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        ml_row = b * s_ml_b + heads * s_ml_h
+        length = tl.load(lens_ptr + b)
+        m = tl.load(m_ptr + ml_row + t, mask=g_ok, other=0.0)
+        l = tl.load(l_ptr + ml_row + t, mask=g_ok, other=0.0)
+        # issued with the loads above, before the budget math, so that the two round trips overlap;
+        # the launch's stash holds n_tiles·TILE keys per head, so no row length is needed to bound it
+        s = tl.load(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + t * TILE + tl.arange(0, TILE)[None, :],
+                    mask=g_ok[:, None], other=float("-inf"))
+        if INLINE_BUDGETS:  # the first CHUNK_T tiles' (m, l) of the group, for the budget math
+            m0, l0 = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, 0, n_tiles, CHUNK_T)
+        elif not FLASH:
+            tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0)
+        tiles_b = (length + TILE - 1) // TILE
+        o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
+        if t < tiles_b:
+            if FLASH:
+                m_star = tl.load(mstar_ptr + b * hq + heads, mask=g_ok, other=0.0, cache_modifier=".cg")
+                s_tile = tl.maximum(budget // tiles_b, 1)
+                tile_budget = tl.where(g_ok, s_tile, 0)
+                mass = tl.where(g_ok & (l > 0), tl.exp(m - tl.where(g_ok, m_star, 0.0)) * l, 0.0)
+            elif INLINE_BUDGETS:
+                tile_budget = _own_tile_budget(m_ptr, l_ptr, m0, l0, ml_row, g_ok, heads, t, b, tiles_b, n_tiles,
+                                               hq, budget, seed_lo, seed_hi, budget_key, GP, CHUNK_T, SYSTEMATIC)
+                tl.store(budgets_ptr + ml_row + t, tile_budget, mask=g_ok)
+            if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and add nothing
+                a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
+                acc = _compact_sample(v_ptr, s, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
+                                      s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
+                                      G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE)
+                if FLASH:
+                    acc = acc * (mass / tl.maximum(tile_budget, 1).to(tl.float32))[:, None]
+                    tl.atomic_add(oden_ptr + b * hq + heads, mass, mask=g_ok, sem="relaxed")
+                tl.atomic_add(oacc_ptr + o_rows, acc, mask=(g_ok & (tile_budget > 0))[:, None], sem="relaxed")
+        elif INLINE_BUDGETS:
+            tl.store(budgets_ptr + ml_row + t, tl.zeros([GP], tl.int32), mask=g_ok)
+        tl.debug_barrier()  # every thread's atomics are issued before the release below
+        done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
+        if done == n_tiles - 1:
+            total = tl.atomic_add(oacc_ptr + o_rows, tl.zeros([GP, D], tl.float32), mask=g_ok[:, None])
+            tl.store(oacc_ptr + o_rows, tl.zeros([GP, D], tl.float32), mask=g_ok[:, None])
+            if FLASH:
+                den = tl.atomic_add(oden_ptr + b * hq + heads, tl.zeros([GP], tl.float32), mask=g_ok)
+                tl.store(oden_ptr + b * hq + heads, tl.zeros([GP], tl.float32), mask=g_ok)
+                tl.store(mstar_ptr + b * hq + heads, tl.full([GP], float("-inf"), tl.float32), mask=g_ok)
+                total = total / tl.where(g_ok, den, 1.0)[:, None]
+            else:
+                total = total / budget
+            tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
+
 
 def _tiles(n_keys: int, tile: int) -> int:
     return -(-n_keys // tile)
@@ -416,15 +668,17 @@ def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
 
 
 def _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, *, block_n, num_warps, num_stages,
-               stats_programs):
-    """Launches the stats pass into flat buffers: m, l ``[B, Hq, T]``, stash ``[B, Hq, T·tile]``."""
+               stats_programs, mstar=None):
+    """Launches the stats pass into flat buffers: m, l ``[B, Hq, T]``, stash ``[B, Hq, T·tile]``;
+    with ``mstar [B·Hq]`` (-inf on entry) also each head's global max."""
     g = hq // hkv
     per_program = max(1, round(t * hkv * b / stats_programs))
     launch(_tile_stats_kernel, (-(-t // per_program), hkv, b),
-           q, k, lens, m, l, stash, scale, per_program,
+           q, k, lens, m, l, stash, mstar if mstar is not None else m, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages)
+           DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=mstar is not None,
+           num_warps=num_warps, num_stages=num_stages)
 
 
 def _stats_buffers(q, b, hq, t, tile):
@@ -478,6 +732,41 @@ def _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, 
     return (None, None, None, counts) if fold else (acc, pm, pl, counts)
 
 
+def default_r_max(group: int, budget: int, tiles: int) -> int:
+    """Rows gathered per step of the compacted V gather: the group's expected samples in a tile
+    (G·S/T, the flash tile budget), as a power of two in [16, 64]; more rows take more steps."""
+    return min(64, max(16, next_pow2(group * max(1, -(-budget // max(1, tiles))))))
+
+
+# prop computes its tile budgets inside the sampling pass up to this many tiles: the work is O(T) float64
+# per program, O(T²) in all, so past that the budget kernel (one program per head) is cheaper
+INLINE_BUDGET_MAX_TILES = 128
+BUDGET_CHUNK_TILES = 512  # tiles per step of the inline budget math (the tests lower it to cover several steps)
+
+
+def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, out, write_counts,
+                 inline_budgets, systematic, r_max, gather, num_warps, mstar=None):
+    """Launches the v8 sampling pass (``_compact_sample_kernel``), the merge folded in: writes ``out``.
+    Returns ``counts`` (``[B, Hq, N]`` int32) when ``write_counts``."""
+    hkv, n, d = v.shape[1], v.shape[2], v.shape[3]
+    g = hq // hkv
+    oacc = workspace("fold_acc", v, b * hq * d, torch.float32, zeroed=True)
+    oden = workspace("fold_den", v, b * hq, torch.float32, zeroed=True)
+    done = workspace("fold_done", v, b * hkv, torch.int32, zeroed=True)
+    counts = torch.zeros(b, hq, n, device=v.device, dtype=torch.int32) if write_counts else None
+    lo, hi = seed_words(seed)
+    launch(_compact_sample_kernel, (t, hkv, b),
+           v, lens, m, l, stash, budgets if budgets is not None else m, counts if write_counts else m,
+           mstar if mstar is not None else m, oacc, oden, done, out,
+           budget, lo, hi, _TILE_KEY, _BUDGET_KEY, t, hq, hkv,
+           v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
+           (hq * n) if write_counts else 0, n if write_counts else 0, out.stride(0), out.stride(1),
+           G=g, GP=next_pow2(g), D=d, TILE=tile, R_MAX=r_max, FLASH=flash, INLINE_BUDGETS=inline_budgets,
+           SYSTEMATIC=systematic, CHUNK_T=max(16, min(next_pow2(t), BUDGET_CHUNK_TILES)), GATHER=gather,
+           WRITE_COUNTS=write_counts, **_fixed_point(budget), num_warps=num_warps)
+    return counts
+
+
 def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, write_counts, sample_n,
                  num_warps, num_stages):
     """The sampling pass alone, unfolded (for the sweep); m, l, stash as ``_tile_stats`` returns them."""
@@ -487,42 +776,60 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
                        num_stages=num_stages)
 
 
+GATHER_DEFAULT = False  # the compacted gather picks each row's counts by tl.gather (True) or a masked sum
+FLASH_FUSED_DEFAULT = False  # santa-flash's default path: False = v8 (stats + compacted sampling, 2 launches)
+
+
 _TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
 _BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
-                       write_counts: bool = False, fused: bool | None = None, block_n: int = 128, sample_n: int = 256,
-                       num_warps: int = 4, num_stages: int = 3, sample_warps: int = 2, sample_stages: int = 3,
-                       stats_programs: int = 264, out: torch.Tensor | None = None):
+                       write_counts: bool = False, fused: bool | None = None, fold_merge: bool = True,
+                       block_n: int | None = None, sample_n: int = 256, num_warps: int = 4, num_stages: int = 3,
+                       sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
+                       r_max: int | None = None, gather: bool | None = None, out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, the paper's
-    design); ``fused=False``: the stats pass streams K in long pipelined loops, then a sampling pass
-    and the merge (3 launches). ``None`` picks the one measured faster on an H100: fused for head
-    dim 128 (32/8/128), split for 64 (9/3/64). Defaults: docs/methods/santa-kernels.md.
+    - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
+      keeps each head's global max, then the compacted sampling pass adds every tile's weighted
+      estimate to the output itself (2 launches).
+    - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
+    - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
+    - ``None`` picks the one measured fastest on an H100 (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
     if fused is None:
-        fused = d >= 128
+        fused = FLASH_FUSED_DEFAULT
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    if not fused and fold_merge:
+        mstar = workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
+        _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n or 64,
+                   num_warps=num_warps, num_stages=num_stages, stats_programs=stats_programs, mstar=mstar)
+        counts = _compact_raw(v, lens, m, l, stash, None, budget, tile, seed, b, hq, t, flash=True, out=out,
+                              write_counts=write_counts, inline_budgets=False, systematic=False,
+                              r_max=r_max or default_r_max(hq // hkv, budget, t),
+                              gather=GATHER_DEFAULT if gather is None else gather,
+                              num_warps=sample_warps or 4, mstar=mstar)
+        return out, counts
     if not fused:
-        _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
-                   num_stages=num_stages, stats_programs=stats_programs)
+        _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n or 128,
+                   num_warps=num_warps, num_stages=num_stages, stats_programs=stats_programs)
         acc, pm, pl, counts = _sample_raw(v, lens, m, l, stash, None, budget, tile, seed, b, hq, t, flash=True,
                                           fold=False, out=None, write_counts=write_counts, sample_n=sample_n,
-                                          num_warps=sample_warps, num_stages=sample_stages)
+                                          num_warps=sample_warps or 2, num_stages=sample_stages)
         merge_partials_raw(acc, pm, pl, lens, out, b, hq, t, d, tile, (hq * t * d, t * d, d), (hq * t, t))
         return out, counts
     g = hq // hkv
     acc = workspace("acc", q, b * hq * t * d, torch.float32)
     counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
     lo, hi = seed_words(seed)
+    block_n = block_n or 128
     launch(_flash_tile_kernel, (t, hkv, b),
            q, k, v, lens, stash, acc, m, l, counts if write_counts else acc,
            scale, budget, lo, hi, _TILE_KEY, t, hq,
@@ -538,13 +845,18 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                       rounding: str = "largest-remainder", write_counts: bool = False, fold_merge: bool = True,
+                      compact: bool = True, inline_budgets: bool | None = None,
                       block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
-                      sample_warps: int = 2, sample_stages: int = 3, stats_programs: int = 264,
-                      out: torch.Tensor | None = None):
-    """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``. Launch defaults:
-    the fastest of a sweep on an H100 (docs/methods/santa-kernels.md). ``fold_merge``: the sampling
-    pass accumulates the output itself (fp32 atomics; 3 launches: stats, budgets, sampling) instead of
-    writing partials for a merge kernel (4 launches). Scratch buffers are cached per device
+                      sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
+                      r_max: int | None = None, gather: bool | None = None, out: torch.Tensor | None = None):
+    """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``.
+
+    - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
+      with the merge folded in; the tile budgets are computed inside it when ``inline_budgets``
+      (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by the budget kernel (3).
+    - ``compact=False``: the v7 passes: stats, budgets, sampling with the merge folded in
+      (``fold_merge``, 3 launches) or followed by the merge kernel (4 launches).
+    Same budgets and counts on every path. Scratch buffers are cached per device
     (``triton_common.workspace``)."""
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
@@ -552,19 +864,32 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
+    compact = compact and fold_merge
+    if inline_budgets is None:
+        inline_budgets = t <= INLINE_BUDGET_MAX_TILES
+    inline_budgets = inline_budgets and compact
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
     _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, stats_programs=stats_programs)
     budgets = torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
     lo, hi = seed_words(seed)
-    launch(_prop_budget_kernel, (hq, b, 1),
-           m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
-           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", num_warps=4)
+    if not inline_budgets:
+        launch(_prop_budget_kernel, (hq, b, 1),
+               m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", num_warps=4)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    if compact:
+        counts = _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, flash=False, out=out,
+                              write_counts=write_counts, inline_budgets=inline_budgets,
+                              systematic=rounding == "systematic",
+                              r_max=r_max or default_r_max(hq // hkv, budget, t),
+                              gather=GATHER_DEFAULT if gather is None else gather,
+                              num_warps=sample_warps or 4)
+        return out, counts, budgets
     acc, pm, pl, counts = _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, flash=False,
                                       fold=fold_merge, out=out, write_counts=write_counts, sample_n=sample_n,
-                                      num_warps=sample_warps, num_stages=sample_stages)
+                                      num_warps=sample_warps or 2, num_stages=sample_stages)
     if not fold_merge:
         merge_partials_raw(acc, pm, pl, lens, out, b, hq, t, d, tile, (hq * t * d, t * d, d), (hq * t, t))
     return out, counts, budgets
