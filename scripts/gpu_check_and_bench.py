@@ -49,7 +49,9 @@ PROP_VARIANTS = [
 # and the fused kernel (v6/v7 default)
 FLASH_VARIANTS = [
     ("flash", {}),
-    ("flash_gather", {"gather": True}),
+    ("flash_2launch", {"stream": False, "fused": False}),
+    ("flash_stream", {"stream": True}),
+    ("flash_stream_gather", {"stream": True, "gather": True}),
     ("flash_fused", {"fused": True}),
 ]
 
@@ -325,7 +327,7 @@ def _llama_inputs(n: int, seed: int = 1, batch: int = 1):
     return q, k, v, lens32
 
 
-def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
+def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict:
     """Whole calls (llama shape, S = 128 prop / 2048 flash) of the v7 and v8 paths and their variants."""
     scale = 128 ** -0.5
     tile = 256
@@ -334,17 +336,29 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
         return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
 
     def flash(**o):
+        o.setdefault("stream", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
-    calls = {
+    calls = {}
+    try:
+        import flashinfer
+
+        kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
+        q0 = q[0]
+        calls["flashinfer"] = lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")
+    except Exception:  # noqa: BLE001 - FlashInfer is optional here
+        pass
+    calls.update({
         "dense": lambda: dense_decode_triton(q, k, v, lens32, scale),
         "prop-v7": prop(compact=False),
         "prop-v8": prop(),
         "prop-v8-inline": prop(inline_budgets=True),
         "prop-v8-budgetkernel": prop(inline_budgets=False),
         "flash-fused-v7": flash(fused=True),
-        "flash-v8": flash(),
-    }
+        "flash-v8": flash(stream=False),
+    })
+    if stream:
+        calls["flash-stream"] = flash(stream=True)
     if full:
         calls.update({
             "prop-v8-gather": prop(gather=True),
@@ -361,18 +375,19 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
             "flash-v8-gather-w8": flash(gather=True, sample_warps=8),
             "flash-split-v7": flash(fused=False, fold_merge=False),
         })
-    try:
-        import flashinfer
-
-        kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
-        q0 = q[0]
-        calls["flashinfer"] = lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")
-    except Exception:  # noqa: BLE001 - FlashInfer is optional here
-        pass
+        if stream:
+            calls.update({
+                "flash-stream-gather": flash(stream=True, gather=True),
+                "flash-stream-r32": flash(stream=True, r_max=32),
+                "flash-stream-w8": flash(stream=True, num_warps=8),
+                "flash-stream-p132": flash(stream=True, stats_programs=132),
+                "flash-stream-p528": flash(stream=True, stats_programs=528),
+                "flash-stream-s4": flash(stream=True, num_stages=4),
+            })
     return calls
 
 
-def sweep_v8(log, contexts=(8192, 32768, 131072)) -> list[dict]:
+def sweep_v8(log, contexts=(8192, 32768, 131072), stream: bool = True) -> list[dict]:
     """v7 against v8 and the v8 launch variants, whole calls, graph-timed (cold L2), with the per-kernel
     breakdown of the main ones; v8 outputs and counts against v7's for the same seed (same counts
     expected up to floor-boundary flips)."""
@@ -390,11 +405,14 @@ def sweep_v8(log, contexts=(8192, 32768, 131072)) -> list[dict]:
             log(f"V8CHECK n={n} {key} vs v7: budgets equal {bool(torch.equal(b7, b8))}, count mismatch "
                 f"{float((c7 != c8).double().mean()):.2e}, rel out {rel(o8, o7):.2e}")
         f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
-        for key, o in (("flash-v8", {}), ("flash-v8-gather", {"gather": True})):
+        variants = [("flash-v8", {"stream": False}), ("flash-v8-gather", {"stream": False, "gather": True})]
+        if stream:
+            variants += [("flash-stream", {"stream": True}), ("flash-stream-gather", {"stream": True, "gather": True})]
+        for key, o in variants:
             f8, fc8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
             log(f"V8CHECK n={n} {key} vs fused: count mismatch {float((fc7 != fc8).double().mean()):.2e}, "
                 f"rel out {rel(f8, f7):.2e}")
-        calls = v8_calls(q, k, v, lens32, full=n == 32768 or n == 131072)
+        calls = v8_calls(q, k, v, lens32, full=n == 32768 or n == 131072, stream=stream)
         for name, fn in calls.items():
             try:
                 r = timer.time_graph_us(fn, warmup=3, iters=20)
@@ -402,7 +420,7 @@ def sweep_v8(log, contexts=(8192, 32768, 131072)) -> list[dict]:
                 r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             row = {"n": n, "variant": name, **r}
             if name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-budgetkernel", "flash-fused-v7", "flash-v8",
-                        "dense", "flashinfer") and "error" not in r:
+                        "flash-stream", "dense", "flashinfer") and "error" not in r:
                 row["kernels_us"] = timer.kernel_breakdown(fn)
             rows.append(row)
             kern = ", ".join(f"{a[:24]} {b:.1f}" for a, b in (row.get("kernels_us") or {}).items())
@@ -449,7 +467,7 @@ def clean_l2_diagnostic(log, n: int = 32768) -> list[dict]:
     rows = []
     for flush_name, timer in (("write", ColdL2Timer()), ("read", ReadFlush())):
         timer.flush_buffer.fill_(1.0)
-        for name in ("flashinfer", "dense", "prop-v8", "flash-v8"):
+        for name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-stream"):
             if name in calls:
                 r = timer.time_graph_us(calls[name], warmup=3, iters=20)
                 rows.append({"n": n, "flush": flush_name, "variant": name, **r})
@@ -458,12 +476,35 @@ def clean_l2_diagnostic(log, n: int = 32768) -> list[dict]:
     return rows
 
 
+def smoke(n: int = 32768) -> int:
+    """Each v8 path once on the llama shape (bf16) against the v7 path of the same seed: same budgets,
+    counts up to floor-boundary flips, outputs up to bf16 rounding. Run first in its own process, so
+    that a kernel fault cannot take the timings with it."""
+    q, k, v, lens32 = _llama_inputs(n)
+    scale, tile, bad = 128 ** -0.5, 256, 0
+    o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
+    for o in ({}, {"gather": True}, {"inline_budgets": False}):
+        o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
+        mis, err = float((c7 != c8).double().mean()), rel(o8, o7)
+        ok = bool(torch.equal(b7, b8)) and mis < 1e-4 and err < 2e-2
+        bad += not ok
+        print(f"SMOKE prop {o}: budgets equal {bool(torch.equal(b7, b8))}, count mismatch {mis:.1e}, rel {err:.1e}")
+    f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
+    for o in ({"stream": False}, {"stream": True}, {"stream": True, "gather": True}):
+        f8, fc8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
+        torch.cuda.synchronize()
+        mis, err = float((fc7 != fc8).double().mean()), rel(f8, f7)
+        bad += not (mis < 1e-4 and err < 2e-2)
+        print(f"SMOKE flash {o}: count mismatch {mis:.1e}, rel {err:.1e}")
+    return 2 if bad else 0
+
+
 def profile_once(n: int = 32768) -> None:
     """For Nsight Compute (--profile-from-start off): every main call once after a warm-up, inside
     cudaProfilerStart/Stop, so that only those launches are profiled."""
     q, k, v, lens32 = _llama_inputs(n)
     calls = v8_calls(q, k, v, lens32, full=False)
-    names = ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8")
+    names = ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8", "flash-stream")
     for name in names:
         calls[name]()
     torch.cuda.synchronize()
@@ -521,6 +562,8 @@ def main() -> int:
     ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
     ap.add_argument("--check-only", default=None, help='a subset of the checks, e.g. "bf16:0,1,7" (dtypes:shapes)')
     ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
+    ap.add_argument("--no-stream", action="store_true", help="leave the one-launch flash kernel out of --sweep-v8")
+    ap.add_argument("--smoke", action="store_true", help="v8 paths once at 32k against v7 (exit 2 on a mismatch)")
     ap.add_argument("--l2-diag", action="store_true", help="the calls after a read flush (clean L2) and a write flush")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
@@ -530,6 +573,8 @@ def main() -> int:
     if args.profile_once:
         profile_once()
         return 0
+    if args.smoke:
+        return smoke()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log_file = open(out / "gpu_log.txt", "a")
@@ -566,7 +611,7 @@ def main() -> int:
     if args.sweep_v8:
         t0 = time.time()
         contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v8.split(","))
-        report["sweep_v8"] = sweep_v8(log, contexts)
+        report["sweep_v8"] = sweep_v8(log, contexts, stream=not args.no_stream)
         log(f"sweep-v8: {time.time() - t0:.0f}s")
         report["compiled"] = compiled_resources(log)
     if args.l2_diag:

@@ -85,9 +85,10 @@ def test_kernels_match_references(case):
     assert _rel(out, exact_attention(inputs)) < TOL[dtype]
 
     ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
-    # v8 (stats + compacted sampling, merge folded; gather by tl.gather and by masked sums), the fused
-    # kernel, and the v7 split passes with the merge kernel
-    for opts in ({"gather": False}, {"gather": True, "r_max": 16}, {"fused": True}, {"fold_merge": False}):
+    # v8 (stats + compacted sampling, merge folded; gather by tl.gather and by masked sums), v8 in one
+    # launch (stream), the fused kernel, and the v7 split passes with the merge kernel
+    for opts in ({"gather": False}, {"gather": True, "r_max": 16}, {"stream": True}, {"stream": True, "gather": True},
+                 {"fused": True}, {"fold_merge": False}):
         out = _poisoned(b, hq, d, dtype)
         _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
                                                     fused=opts.pop("fused", False), stats_programs=2, out=out,

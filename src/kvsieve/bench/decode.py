@@ -43,7 +43,8 @@ class Case:
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
     known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-             "santa-prop-4launch", "santa-flash", "santa-flash-fused", "santa-flash-split")
+             "santa-prop-4launch", "santa-flash", "santa-flash-stream", "santa-flash-2launch", "santa-flash-fused",
+             "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -136,8 +137,11 @@ def prop_options(name: str) -> dict:
 
 
 def flash_options(name: str) -> dict:
-    """santa-flash-fused: the fused kernel; santa-flash-split: stats, v7 sampling pass, merge."""
-    return {"santa-flash-fused": {"fused": True},
+    """santa-flash-stream: one launch (stream kernel); santa-flash-2launch: stats + compacted sampling pass;
+    santa-flash-fused: the fused kernel + merge; santa-flash-split: stats, v7 sampling pass, merge."""
+    return {"santa-flash-stream": {"stream": True},
+            "santa-flash-2launch": {"stream": False, "fused": False},
+            "santa-flash-fused": {"fused": True},
             "santa-flash-split": {"fused": False, "fold_merge": False}}.get(name, {})
 
 

@@ -493,7 +493,7 @@ if triton is not None:
                         s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
                         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                         R_MAX: tl.constexpr, GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-                        FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
+                        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, STATIC_R: tl.constexpr):
         """Systematic sampling of ``budget [GP]`` draws in one tile from its stashed scores ``s [GP, TILE]``
         (loaded by the caller), the whole tile at once, on the G
         rows of the group (no 16-row padding: no tl.dot here), then ``Σ_n c_n V_n`` [GP, D] from the
@@ -503,7 +503,6 @@ if triton is not None:
         FIX: tl.constexpr = 1 << FIX_BITS
         offs_g = tl.arange(0, GP)
         offs_k = tl.arange(0, TILE)
-        offs_d = tl.arange(0, D)
         g_ok = offs_g < G
         heads = kvh * G + offs_g
         offs_n = t * TILE + offs_k
@@ -537,25 +536,41 @@ if triton is not None:
         n_used = tl.sum(used, axis=0)
         acc = tl.zeros([GP, D], tl.float32)
         v_base = v_ptr + b * s_v_b + kvh * s_v_h + t * TILE * s_v_n
-        for r0 in range(0, n_used, R_MAX):
-            rr = r0 + tl.arange(0, R_MAX)
-            r_ok = rr < n_used
-            sel = (used[:, None] > 0) & (pos[:, None] == rr[None, :])
-            idx = tl.sum(tl.where(sel, offs_k[:, None], 0), axis=0)
-            v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
-            v = v.to(tl.float32)
+        if STATIC_R:  # unrolled, no nested loop: the caller's loop stays software-pipelined
+            for ci in tl.static_range(TILE // R_MAX):
+                if ci * R_MAX < n_used:
+                    acc += _gather_chunk(v_base, c, used, pos, n_used, ci * R_MAX, s_v_n, GP, D, TILE, R_MAX, GATHER)
+        else:
+            for r0 in range(0, n_used, R_MAX):
+                acc += _gather_chunk(v_base, c, used, pos, n_used, r0, s_v_n, GP, D, TILE, R_MAX, GATHER)
+        return acc
+
+    @triton.jit
+    def _gather_chunk(v_base, c, used, pos, n_used, r0, s_v_n, GP: tl.constexpr, D: tl.constexpr,
+                      TILE: tl.constexpr, R_MAX: tl.constexpr, GATHER: tl.constexpr):
+        """``Σ_r cnt[g, r] V[idx_r]`` over the compacted rows r0..r0+R_MAX of a tile."""
+        offs_g = tl.arange(0, GP)
+        offs_k = tl.arange(0, TILE)
+        offs_d = tl.arange(0, D)
+        rr = r0 + tl.arange(0, R_MAX)
+        r_ok = rr < n_used
+        sel = (used[:, None] > 0) & (pos[:, None] == rr[None, :])
+        idx = tl.sum(tl.where(sel, offs_k[:, None], 0), axis=0)
+        v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+        v = v.to(tl.float32)
+        if GATHER:
+            cnt = tl.gather(c, tl.broadcast_to(idx[None, :], [GP, R_MAX]), axis=1)
+        acc = tl.zeros([GP, D], tl.float32)
+        # one head at a time, so that no [GP, TILE, R_MAX] or [GP, R_MAX, D] product is held at once
+        for g in tl.static_range(GP):
             if GATHER:
-                cnt = tl.gather(c, tl.broadcast_to(idx[None, :], [GP, R_MAX]), axis=1)
-            # one head at a time, so that no [GP, TILE, R_MAX] or [GP, R_MAX, D] product is held at once
-            for g in tl.static_range(GP):
-                if GATHER:
-                    cnt_g = tl.sum(tl.where(offs_g[:, None] == g, cnt, 0), axis=0)
-                else:
-                    c_g = tl.sum(tl.where(offs_g[:, None] == g, c, 0), axis=0)
-                    cnt_g = tl.sum(tl.where(sel, c_g[:, None], 0), axis=0)
-                cnt_g = tl.where(r_ok, cnt_g, 0).to(tl.float32)
-                acc_g = tl.sum(cnt_g[:, None] * v, axis=0)
-                acc += tl.where(offs_g[:, None] == g, acc_g[None, :], 0.0)
+                cnt_g = tl.sum(tl.where(offs_g[:, None] == g, cnt, 0), axis=0)
+            else:
+                c_g = tl.sum(tl.where(offs_g[:, None] == g, c, 0), axis=0)
+                cnt_g = tl.sum(tl.where(sel, c_g[:, None], 0), axis=0)
+            cnt_g = tl.where(r_ok, cnt_g, 0).to(tl.float32)
+            acc_g = tl.sum(cnt_g[:, None] * v, axis=0)
+            acc += tl.where(offs_g[:, None] == g, acc_g[None, :], 0.0)
         return acc
 
     @triton.jit
@@ -615,7 +630,7 @@ if triton is not None:
                 a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
                 acc = _compact_sample(v_ptr, s, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
                                       s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
-                                      G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE)
+                                      G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE, False)
                 if FLASH:
                     acc = acc * (mass / tl.maximum(tile_budget, 1).to(tl.float32))[:, None]
                     tl.atomic_add(oden_ptr + b * hq + heads, mass, mask=g_ok, sem="relaxed")
@@ -636,6 +651,114 @@ if triton is not None:
                 total = total / budget
             tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
                      total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
+
+    @triton.jit
+    def _flash_stream_kernel(
+        q_ptr, k_ptr, v_ptr, lens_ptr, stash_ptr, counts_ptr, pnum_ptr, pden_ptr, pmax_ptr, done_ptr, out_ptr,
+        scale, budget, seed_lo, seed_hi, tile_key, n_tiles, tiles_per_program, n_parts, hq, hkv,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+        BLOCK_N: tl.constexpr, R_MAX: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PART_CHUNK: tl.constexpr,
+    ):
+        """santa-flash in one launch (v8 "stream"): each program streams K over ``tiles_per_program``
+        consecutive tiles in one software-pipelined loop (as the stats pass does) and samples each tile
+        as soon as it is scored, so the next sub-blocks' K loads are in flight while the tile's stash is
+        read back, its counts formed and its V rows gathered (``_compact_sample`` unrolled: no nested
+        loop, which would stop the pipelining). It keeps the running estimate of its tiles relative to
+        its own max (``num = Σ e^{m_t - M} l_t Σ c V / S_tile``, ``den = Σ e^{m_t - M} l_t``) and writes
+        it as a part; the last program of a (row, KV head) merges the parts into ``out``."""
+        SUBS: tl.constexpr = TILE // BLOCK_N
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        length = tl.load(lens_ptr + b)
+        tiles_b = (length + TILE - 1) // TILE
+        s_tile = tl.maximum(budget // tiles_b, 1)
+        t0 = pid * tiles_per_program
+        t1 = tl.minimum(t0 + tiles_per_program, tiles_b)
+        offs_p = tl.arange(0, GP)
+        p_ok = offs_p < G
+        heads_p = kvh * G + offs_p
+        offs_d = tl.arange(0, D)
+        num = tl.zeros([GP, D], tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        big_m = tl.full([GP], float("-inf"), tl.float32)
+        if t0 < t1:
+            offs_g = tl.arange(0, BLOCK_G)
+            g_ok = offs_g < G
+            heads = kvh * G + offs_g
+            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
+                        other=0.0)
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_G], tl.float32)
+            k_base = k_ptr + b * s_k_b + kvh * s_k_h
+            u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
+            tile_budget = tl.where(p_ok, s_tile, 0)
+            for j in range(t0 * SUBS, t1 * SUBS):
+                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < length
+                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+                s = tl.where(n_ok[None, :], s, float("-inf"))
+                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                first = (j % SUBS) == 0
+                m = tl.where(first, float("-inf"), m)
+                l = tl.where(first, 0.0, l)
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+                m = m_new
+                if (j % SUBS) == SUBS - 1:
+                    t = j // SUBS
+                    tl.debug_barrier()  # the tile's stash, written by every thread above, is read back below
+                    # (m, l) of the tile in the G-row layout of the sampling code
+                    pick = offs_g[None, :] == offs_p[:, None]
+                    m_t = tl.sum(tl.where(pick, m[None, :], 0.0), axis=1)
+                    l_t = tl.sum(tl.where(pick, l[None, :], 0.0), axis=1)
+                    m_t = tl.where(p_ok, m_t, 0.0)
+                    su = tl.load(stash_ptr + b * s_u_b + heads_p[:, None] * s_u_h + t * TILE
+                                 + tl.arange(0, TILE)[None, :], mask=p_ok[:, None], other=float("-inf"))
+                    a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads_p).to(tl.int64) * n_tiles + t)
+                    acc = _compact_sample(v_ptr, su, counts_ptr, b, kvh, t, length, m_t, l_t, tile_budget, a0,
+                                          s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
+                                          G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE, True)
+                    m_run = tl.where(p_ok, tl.maximum(big_m, m_t), 0.0)
+                    alpha = tl.where(p_ok & (big_m > float("-inf")), tl.exp(big_m - m_run), 0.0)
+                    w = tl.where(p_ok & (l_t > 0), tl.exp(m_t - m_run) * l_t, 0.0)
+                    num = num * alpha[:, None] + acc * (w / s_tile.to(tl.float32))[:, None]
+                    den = den * alpha + w
+                    big_m = tl.where(p_ok, m_run, float("-inf"))
+        part = (b * hq + heads_p) * n_parts + pid
+        tl.store(pnum_ptr + part[:, None] * D + offs_d[None, :], num, mask=p_ok[:, None])
+        tl.store(pden_ptr + part, den, mask=p_ok)
+        tl.store(pmax_ptr + part, big_m, mask=p_ok)
+        tl.debug_barrier()  # every thread's part stores are issued before the release below
+        done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
+        if done == n_parts - 1:
+            rows = (b * hq + heads_p) * n_parts
+            m_all = tl.full([GP], float("-inf"), tl.float32)
+            for p0 in range(0, n_parts, PART_CHUNK):
+                pp = p0 + tl.arange(0, PART_CHUNK)
+                pm = tl.load(pmax_ptr + rows[:, None] + pp[None, :], mask=p_ok[:, None] & (pp < n_parts)[None, :],
+                             other=float("-inf"), cache_modifier=".cg")
+                m_all = tl.maximum(m_all, tl.max(pm, axis=1))
+            m_all = tl.where(p_ok, m_all, 0.0)
+            total = tl.zeros([GP, D], tl.float32)
+            z = tl.zeros([GP], tl.float32)
+            for p0 in range(0, n_parts, PART_CHUNK):
+                pp = p0 + tl.arange(0, PART_CHUNK)
+                ok = p_ok[:, None] & (pp < n_parts)[None, :]
+                pm = tl.load(pmax_ptr + rows[:, None] + pp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
+                pd = tl.load(pden_ptr + rows[:, None] + pp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+                pn = tl.load(pnum_ptr + ((rows[:, None] + pp[None, :]) * D)[:, :, None] + offs_d[None, None, :],
+                             mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+                wp = tl.where(ok & (pm > float("-inf")), tl.exp(pm - m_all[:, None]), 0.0)
+                total += tl.sum(pn * wp[:, :, None], axis=1)
+                z += tl.sum(pd * wp, axis=1)
+            total = total / tl.where(p_ok, z, 1.0)[:, None]
+            tl.store(out_ptr + b * s_o_b + heads_p[:, None] * s_o_h + offs_d[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=p_ok[:, None])
             tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
 
 
@@ -767,6 +890,31 @@ def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *,
     return counts
 
 
+def _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t, *, write_counts,
+                     block_n, num_warps, num_stages, programs, r_max, gather):
+    """Launches ``_flash_stream_kernel`` (santa-flash in one launch). Returns counts or None."""
+    g = hq // hkv
+    n = k.shape[2]
+    per_program = max(1, round(t * hkv * b / programs))
+    parts = -(-t // per_program)
+    pnum = workspace("stream_num", q, b * hq * parts * d, torch.float32)
+    pden = workspace("stream_den", q, b * hq * parts, torch.float32)
+    pmax = workspace("stream_max", q, b * hq * parts, torch.float32)
+    done = workspace("fold_done", q, b * hkv, torch.int32, zeroed=True)
+    counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
+    lo, hi = seed_words(seed)
+    launch(_flash_stream_kernel, (parts, hkv, b),
+           q, k, v, lens, stash, counts if write_counts else pden, pnum, pden, pmax, done, out,
+           scale, budget, lo, hi, _TILE_KEY, t, per_program, parts, hq, hkv,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           hq * t * tile, t * tile, (hq * n) if write_counts else 0, n if write_counts else 0,
+           out.stride(0), out.stride(1),
+           G=g, BLOCK_G=group_block(g), GP=next_pow2(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), R_MAX=r_max,
+           GATHER=gather, DOT_PRECISION=_dot_precision(q.dtype), WRITE_COUNTS=write_counts,
+           **_fixed_point(budget), PART_CHUNK=16, num_warps=num_warps, num_stages=num_stages)
+    return counts
+
+
 def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, write_counts, sample_n,
                  num_warps, num_stages):
     """The sampling pass alone, unfolded (for the sweep); m, l, stash as ``_tile_stats`` returns them."""
@@ -778,6 +926,7 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
 
 GATHER_DEFAULT = False  # the compacted gather picks each row's counts by tl.gather (True) or a masked sum
 FLASH_FUSED_DEFAULT = False  # santa-flash's default path: False = v8 (stats + compacted sampling, 2 launches)
+FLASH_STREAM_DEFAULT = False  # True: santa-flash in one launch (``_flash_stream_kernel``) by default
 
 
 _TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
@@ -788,9 +937,12 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                        write_counts: bool = False, fused: bool | None = None, fold_merge: bool = True,
                        block_n: int | None = None, sample_n: int = 256, num_warps: int = 4, num_stages: int = 3,
                        sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                       r_max: int | None = None, gather: bool | None = None, out: torch.Tensor | None = None):
+                       r_max: int | None = None, gather: bool | None = None, stream: bool | None = None,
+                       out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
+    - ``stream=True`` (v8): one launch; each program streams K over several tiles and samples each
+      tile as soon as it is scored, inside the pipelined loop; the last program merges the parts.
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
       estimate to the output itself (2 launches).
@@ -807,6 +959,14 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    if stream is None:
+        stream = FLASH_STREAM_DEFAULT and not fused and fold_merge
+    if stream:
+        counts = _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t,
+                                   write_counts=write_counts, block_n=block_n or 64, num_warps=num_warps,
+                                   num_stages=num_stages, programs=stats_programs,
+                                   r_max=min(r_max or 64, tile), gather=GATHER_DEFAULT if gather is None else gather)
+        return out, counts
     if not fused and fold_merge:
         mstar = workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
         _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n or 64,
