@@ -339,6 +339,18 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
         o.setdefault("stream", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
+    def pdl(fn):
+        """``fn`` with programmatic dependent launch on (the module flag is read at launch time)."""
+        from kvsieve.kernels import triton_santa
+
+        def call():
+            triton_santa.PDL = True
+            try:
+                return fn()
+            finally:
+                triton_santa.PDL = False
+        return call
+
     calls = {}
     try:
         import flashinfer
@@ -374,6 +386,9 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
             "flash-v8-r32": flash(r_max=32),
             "flash-v8-gather-w8": flash(gather=True, sample_warps=8),
             "flash-split-v7": flash(fused=False, fold_merge=False),
+            "prop-v8-pdl": pdl(prop()),
+            "prop-v8-budgetkernel-pdl": pdl(prop(inline_budgets=False)),
+            "flash-v8-pdl": pdl(flash()),
         })
         if stream:
             calls.update({
@@ -479,32 +494,51 @@ def clean_l2_diagnostic(log, n: int = 32768) -> list[dict]:
 def smoke(n: int = 32768) -> int:
     """Each v8 path once on the llama shape (bf16) against the v7 path of the same seed: same budgets,
     counts up to floor-boundary flips, outputs up to bf16 rounding. Run first in its own process, so
-    that a kernel fault cannot take the timings with it."""
+    that a kernel fault cannot take the timings with it. Exit 3 when the one-launch flash kernel
+    failed (the sweep then leaves it out), 2 when another path did, else 0."""
     q, k, v, lens32 = _llama_inputs(n)
-    scale, tile, bad = 128 ** -0.5, 256, 0
+    scale, tile, bad, stream_bad = 128 ** -0.5, 256, 0, False
     o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
-    for o in ({}, {"gather": True}, {"inline_budgets": False}):
-        o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
-        mis, err = float((c7 != c8).double().mean()), rel(o8, o7)
-        ok = bool(torch.equal(b7, b8)) and mis < 1e-4 and err < 2e-2
-        bad += not ok
-        print(f"SMOKE prop {o}: budgets equal {bool(torch.equal(b7, b8))}, count mismatch {mis:.1e}, rel {err:.1e}")
     f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
-    for o in ({"stream": False}, {"stream": True}, {"stream": True, "gather": True}):
-        f8, fc8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
-        torch.cuda.synchronize()
-        mis, err = float((fc7 != fc8).double().mean()), rel(f8, f7)
-        bad += not (mis < 1e-4 and err < 2e-2)
-        print(f"SMOKE flash {o}: count mismatch {mis:.1e}, rel {err:.1e}")
-    return 2 if bad else 0
+    from kvsieve.kernels import triton_santa
+
+    cases = [("prop", o) for o in ({}, {"gather": True}, {"inline_budgets": False}, {"pdl": True},
+                                   {"inline_budgets": False, "pdl": True})]
+    cases += [("flash", o) for o in ({"stream": False}, {"stream": False, "gather": True},
+                                     {"stream": False, "pdl": True}, {"stream": True},
+                                     {"stream": True, "gather": True})]
+    for kind, o in cases:
+        o = dict(o)
+        triton_santa.PDL = o.pop("pdl", False)
+        try:
+            if kind == "prop":
+                o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
+                same_budgets = bool(torch.equal(b7, b8))
+                ref_o, ref_c = o7, c7
+            else:
+                o8, c8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
+                same_budgets = True
+                ref_o, ref_c = f7, fc7
+            torch.cuda.synchronize()
+            mis, err = float((ref_c != c8).double().mean()), rel(o8, ref_o)
+            ok = same_budgets and mis < 1e-4 and err < 2e-2
+            print(f"SMOKE {kind} {o} pdl={triton_santa.PDL}: ok {ok}, budgets equal {same_budgets}, "
+                  f"count mismatch {mis:.1e}, rel {err:.1e}")
+        except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, the others still run
+            ok = False
+            print(f"SMOKE {kind} {o} pdl={triton_santa.PDL}: {type(exc).__name__}: {str(exc)[:400]}")
+        bad += not ok
+        stream_bad |= (not ok) and o == {"stream": True}
+    triton_santa.PDL = False
+    return 3 if stream_bad else 2 if bad else 0
 
 
-def profile_once(n: int = 32768) -> None:
+def profile_once(n: int = 32768, stream: bool = True) -> None:
     """For Nsight Compute (--profile-from-start off): every main call once after a warm-up, inside
     cudaProfilerStart/Stop, so that only those launches are profiled."""
     q, k, v, lens32 = _llama_inputs(n)
-    calls = v8_calls(q, k, v, lens32, full=False)
-    names = ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8", "flash-stream")
+    calls = v8_calls(q, k, v, lens32, full=False, stream=stream)
+    names = [x for x in ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8", "flash-stream") if x in calls]
     for name in names:
         calls[name]()
     torch.cuda.synchronize()
@@ -571,7 +605,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     if args.profile_once:
-        profile_once()
+        profile_once(stream=not args.no_stream)
         return 0
     if args.smoke:
         return smoke()

@@ -46,6 +46,11 @@ if triton is not None:
 
     from .triton_common import hash_uniform
 
+    try:  # programmatic dependent launch (Hopper); absent from older Triton releases
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        gdc_launch_dependents = gdc_wait = None
+
     @triton.jit
     def _score_tile(q_ptr, k_ptr, stash_ptr, b, kvh, t, length, scale,
                     s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_u_b, s_u_h,
@@ -213,7 +218,7 @@ if triton is not None:
         scale, tiles_per_program, hq,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
         """Pass 1: per-tile max m and sum l of e^{s-m}, and the float32 score stash. Each program
         streams ``tiles_per_program`` consecutive tiles in one pipelined loop over sub-blocks (long
@@ -221,6 +226,8 @@ if triton is not None:
         program also folds the max of its scores into ``mstar [B·Hq]`` (float32 atomic max), so that
         the sampling pass knows every head's global max without reading all tiles."""
         SUBS: tl.constexpr = TILE // BLOCK_N
+        if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -312,9 +319,12 @@ if triton is not None:
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (head, batch row): ``_head_budgets``."""
+        if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
         h = tl.program_id(0)
         b = tl.program_id(1)
         length = tl.load(lens_ptr + b)
@@ -582,6 +592,7 @@ if triton is not None:
         G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, R_MAX: tl.constexpr,
         FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr, CHUNK_T: tl.constexpr,
         GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row).
 
@@ -595,6 +606,8 @@ if triton is not None:
         The last of the ``n_tiles`` programs of a (row, KV head) (an acq_rel counter) reads the
         accumulators through atomics (L2, no stale L1 line), writes ``out`` and leaves the accumulators,
         ``mstar`` and the counter as the next call expects them (zero, -inf, zero)."""
+        if PDL:  # launched early (programmatic dependent launch): nothing of the previous kernel is read before
+            gdc_wait()
         t = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -800,7 +813,7 @@ def _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, *, block_
            q, k, lens, m, l, stash, mstar if mstar is not None else m, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=mstar is not None,
+           DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=mstar is not None, PDL=PDL,
            num_warps=num_warps, num_stages=num_stages)
 
 
@@ -886,8 +899,12 @@ def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *,
            (hq * n) if write_counts else 0, n if write_counts else 0, out.stride(0), out.stride(1),
            G=g, GP=next_pow2(g), D=d, TILE=tile, R_MAX=r_max, FLASH=flash, INLINE_BUDGETS=inline_budgets,
            SYSTEMATIC=systematic, CHUNK_T=max(16, min(next_pow2(t), BUDGET_CHUNK_TILES)), GATHER=gather,
-           WRITE_COUNTS=write_counts, **_fixed_point(budget), num_warps=num_warps)
+           WRITE_COUNTS=write_counts, **_fixed_point(budget), PDL=PDL, num_warps=num_warps, **_pdl_launch())
     return counts
+
+
+def _pdl_launch() -> dict:
+    return {"launch_pdl": True} if PDL else {}
 
 
 def _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t, *, write_counts,
@@ -927,6 +944,9 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
 GATHER_DEFAULT = False  # the compacted gather picks each row's counts by tl.gather (True) or a masked sum
 FLASH_FUSED_DEFAULT = False  # santa-flash's default path: False = v8 (stats + compacted sampling, 2 launches)
 FLASH_STREAM_DEFAULT = False  # True: santa-flash in one launch (``_flash_stream_kernel``) by default
+# Programmatic dependent launch (Hopper): the kernels after the stats pass are launched early and wait on the
+# device (gdc_wait) instead of in the stream, which hides a launch gap. Off under the interpreter.
+PDL = False
 
 
 _TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
@@ -1036,7 +1056,8 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     if not inline_budgets:
         launch(_prop_budget_kernel, (hq, b, 1),
                m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
-               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", num_warps=4)
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=PDL, num_warps=4,
+               **_pdl_launch())
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     if compact:
