@@ -378,16 +378,15 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
             "prop-v8-w8": prop(sample_warps=8),
             "prop-v8-r32": prop(r_max=32),
             "prop-v8-sys": prop(rounding="systematic"),
-            "prop-v8-stats128x8": prop(block_n=128, num_warps=8),
             "flash-v8-gather": flash(gather=True),
             "flash-v8-w2": flash(sample_warps=2),
             "flash-v8-w8": flash(sample_warps=8),
-            "flash-v8-r16": flash(r_max=16),
             "flash-v8-r32": flash(r_max=32),
-            "flash-v8-gather-w8": flash(gather=True, sample_warps=8),
             "flash-split-v7": flash(fused=False, fold_merge=False),
             "prop-v8-pdl": pdl(prop()),
-            "prop-v8-budgetkernel-pdl": pdl(prop(inline_budgets=False)),
+            "prop-v8-rank": prop(inline_budgets=False, rank_budgets=True),
+            "prop-v8-rank-pdl": pdl(prop(inline_budgets=False, rank_budgets=True)),
+            "prop-v8-sys-rank": prop(rounding="systematic", inline_budgets=False, rank_budgets=True),
             "flash-v8-pdl": pdl(flash()),
         })
         if stream:
@@ -396,8 +395,6 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
                 "flash-stream-r32": flash(stream=True, r_max=32),
                 "flash-stream-w8": flash(stream=True, num_warps=8),
                 "flash-stream-p132": flash(stream=True, stats_programs=132),
-                "flash-stream-p528": flash(stream=True, stats_programs=528),
-                "flash-stream-s4": flash(stream=True, num_stages=4),
             })
     return calls
 
@@ -415,7 +412,8 @@ def sweep_v8(log, contexts=(8192, 32768, 131072), stream: bool = True) -> list[d
         scale, tile = 128 ** -0.5, 256
         o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
         for key, o in (("prop-v8", {}), ("prop-v8-inline", {"inline_budgets": True}),
-                       ("prop-v8-budgetkernel", {"inline_budgets": False}), ("prop-v8-gather", {"gather": True})):
+                       ("prop-v8-budgetkernel", {"inline_budgets": False}), ("prop-v8-gather", {"gather": True}),
+                       ("prop-v8-rank", {"inline_budgets": False, "rank_budgets": True})):
             o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
             log(f"V8CHECK n={n} {key} vs v7: budgets equal {bool(torch.equal(b7, b8))}, count mismatch "
                 f"{float((c7 != c8).double().mean()):.2e}, rel out {rel(o8, o7):.2e}")
@@ -503,7 +501,8 @@ def smoke(n: int = 32768) -> int:
     from kvsieve.kernels import triton_santa
 
     cases = [("prop", o) for o in ({}, {"gather": True}, {"inline_budgets": False}, {"pdl": True},
-                                   {"inline_budgets": False, "pdl": True})]
+                                   {"inline_budgets": False, "pdl": True},
+                                   {"inline_budgets": False, "rank_budgets": True})]
     cases += [("flash", o) for o in ({"stream": False}, {"stream": False, "gather": True},
                                      {"stream": False, "pdl": True}, {"stream": True},
                                      {"stream": True, "gather": True})]

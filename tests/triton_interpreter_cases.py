@@ -104,6 +104,7 @@ def test_kernels_match_references(case):
         # v8 with inline budgets (the default here) or the budget kernel, gathers of both kinds; v7 with
         # the merge folded into its sampling pass or in its own kernel
         for opts in ({}, {"inline_budgets": False, "gather": True}, {"gather": True, "r_max": 32},
+                     {"inline_budgets": False, "rank_budgets": True},
                      {"compact": False}, {"compact": False, "fold_merge": False}):
             out = _poisoned(b, hq, d, dtype)
             _, counts, budgets = triton_santa.santa_prop_triton(
@@ -129,8 +130,9 @@ def _assert_fold_workspace_clean(q):
 
 @pytest.mark.parametrize("rounding", ["largest-remainder", "systematic"])
 def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
-    """The inline budget math walks the tiles in chunks (16 here, 40 tiles, ragged rows): same budgets
-    and counts as the references, so every program agreed on z and rem."""
+    """The inline budget math walks the tiles in chunks (16 here, 40 tiles, ragged rows), and the rank
+    budget kernel gives each program 8 tiles: same budgets and counts as the references, so every
+    program agreed on z and rem."""
     monkeypatch.setattr(triton_santa, "BUDGET_CHUNK_TILES", 16)
     b, hq, hkv, n, d, s, tile = 2, 4, 2, 640, 64, 48, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [640, 390], torch.float32, 31, peaked=3.0)
@@ -138,14 +140,15 @@ def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
     ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
                                budget_offset=triton_common.budget_uniforms(seed, b, hq),
                                tile_offsets=triton_common.tile_uniforms(seed, b, hq, n // tile))
-    out = _poisoned(b, hq, d, torch.float32)
-    _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, rounding=rounding,
-                                                        write_counts=True, inline_budgets=True, block_n=16,
-                                                        out=out)
-    assert (budgets.sum(-1) == s).all()
-    assert torch.equal(budgets.long(), ref.tile_budgets)
-    assert torch.equal(counts.long(), ref.counts)
-    assert _rel(out, ref.out) < TOL[torch.float32]
+    for opts in ({"inline_budgets": True}, {"inline_budgets": False, "rank_budgets": True}):
+        out = _poisoned(b, hq, d, torch.float32)
+        _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed,
+                                                            rounding=rounding, write_counts=True, block_n=16,
+                                                            out=out, **opts)
+        assert (budgets.sum(-1) == s).all()
+        assert torch.equal(budgets.long(), ref.tile_budgets)
+        assert torch.equal(counts.long(), ref.counts)
+        assert _rel(out, ref.out) < TOL[torch.float32]
 
 
 def test_workspace_is_reused_and_grows():

@@ -333,6 +333,64 @@ if triton is not None:
 
 
     @triton.jit
+    def _prop_budget_rank_kernel(
+        m_ptr, l_ptr, lens_ptr, budgets_ptr,
+        budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """The tile budgets of ``_head_budgets`` for CHUNK tiles of one head per program (grid: chunks,
+        heads, rows), without a sort: each program forms every tile's share (O(T), the same values in
+        the same order in every program of the head) and gives its tiles their floor plus, for largest
+        remainder, a +1 when fewer than ``rem`` tiles hold a larger key; for systematic rounding it
+        reads its tiles' prefix sums. More programs, shorter chains than one sort per head."""
+        if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        length = tl.load(lens_ptr + b)
+        tiles_b = (length + TILE - 1) // TILE
+        cols = tl.arange(0, BLOCK_T)
+        ok = cols < tiles_b
+        row = b * s_ml_b + h * s_ml_h
+        m = tl.load(m_ptr + row + cols, mask=cols < n_tiles, other=0.0)
+        l = tl.load(l_ptr + row + cols, mask=cols < n_tiles, other=0.0)
+        m_star = tl.max(tl.where(ok, m, float("-inf")), axis=0)
+        w = tl.where(ok, tl.exp(tl.where(ok, m, 0.0) - m_star) * tl.where(ok, l, 0.0), 0.0).to(tl.float64)
+        z = tl.sum(w, axis=0)
+        share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))
+        own = c * CHUNK + tl.arange(0, CHUNK)
+        pick = cols[None, :] == own[:, None]
+        if SYSTEMATIC:
+            a_b = hash_uniform(seed_lo, seed_hi, budget_key, tl.full([1], 0, tl.int64) + b * hq + h)
+            a = (a_b * 4294967296.0).to(tl.int64)
+            x = tl.where(ok, tl.floor(share * 4294967296.0).to(tl.int64), 0)
+            hi = tl.cumsum(x, axis=0)
+            top = budget.to(tl.int64) << 32
+            hi_own = tl.sum(tl.where(pick, hi[None, :], 0), axis=1)
+            x_own = tl.sum(tl.where(pick, x[None, :], 0), axis=1)
+            bt = ((a + tl.minimum(hi_own, top)) >> 32) - ((a + tl.minimum(hi_own - x_own, top)) >> 32)
+            drawn = (a + tl.minimum(tl.sum(x, axis=0), top)) >> 32  # a < 2^32: the offset's own floor is 0
+            last = tl.max(tl.where(x > 0, cols, -1), axis=0)
+            bt = (bt + tl.where(own == last, budget.to(tl.int64) - drawn, 0)).to(tl.int32)
+        else:
+            base = tl.floor(share)
+            rem = budget - tl.sum(base, axis=0).to(tl.int32)
+            key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols).to(tl.int64)
+            own_key = tl.sum(tl.where(pick, key[None, :], 0), axis=1)
+            own_base = tl.sum(tl.where(pick, base[None, :], 0.0), axis=1)
+            # the own tile is left out by its index, not by comparing its key with itself
+            rank = tl.sum((ok[None, :] & (cols[None, :] != own[:, None]) & (key[None, :] > own_key[:, None])
+                           ).to(tl.int32), axis=1)
+            bt = own_base.to(tl.int32) + ((rem > 0) & (rank < rem)).to(tl.int32)
+        bt = tl.where(own < tiles_b, bt, 0)
+        bt = tl.where(z > 0, bt, 0)
+        tl.store(budgets_ptr + row + own, bt, mask=own < n_tiles)
+
+
+    @triton.jit
     def _tile_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr,
         oacc_ptr, done_ptr, out_ptr,
@@ -878,6 +936,8 @@ def default_r_max(group: int, budget: int, tiles: int) -> int:
 # per program, O(T²) in all, so past that the budget kernel (one program per head) is cheaper
 INLINE_BUDGET_MAX_TILES = 128
 BUDGET_CHUNK_TILES = 512  # tiles per step of the inline budget math (the tests lower it to cover several steps)
+BUDGET_RANK_CHUNK = 8  # tiles per program of the rank budget kernel
+RANK_BUDGETS_DEFAULT = False  # the budget kernel when budgets are not inline: rank (True) or sort (False)
 
 
 def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, out, write_counts,
@@ -1025,7 +1085,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
 
 def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                       rounding: str = "largest-remainder", write_counts: bool = False, fold_merge: bool = True,
-                      compact: bool = True, inline_budgets: bool | None = None,
+                      compact: bool = True, inline_budgets: bool | None = None, rank_budgets: bool | None = None,
                       block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                       sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
                       r_max: int | None = None, gather: bool | None = None, out: torch.Tensor | None = None):
@@ -1033,7 +1093,9 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
 
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
       with the merge folded in; the tile budgets are computed inside it when ``inline_budgets``
-      (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by the budget kernel (3).
+      (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by a budget kernel (3):
+      ``rank_budgets`` picks the one that ranks chunks of tiles in parallel over the one-program-per-head
+      sort.
     - ``compact=False``: the v7 passes: stats, budgets, sampling with the merge folded in
       (``fold_merge``, 3 launches) or followed by the merge kernel (4 launches).
     Same budgets and counts on every path. Scratch buffers are cached per device
@@ -1048,12 +1110,20 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     if inline_budgets is None:
         inline_budgets = t <= INLINE_BUDGET_MAX_TILES
     inline_budgets = inline_budgets and compact
+    if rank_budgets is None:
+        rank_budgets = RANK_BUDGETS_DEFAULT
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
     _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n, num_warps=num_warps,
                num_stages=num_stages, stats_programs=stats_programs)
     budgets = torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
     lo, hi = seed_words(seed)
-    if not inline_budgets:
+    if not inline_budgets and rank_budgets:
+        chunk = BUDGET_RANK_CHUNK
+        launch(_prop_budget_rank_kernel, (-(-t // chunk), hq, b),
+               m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), CHUNK=chunk, SYSTEMATIC=rounding == "systematic", PDL=PDL,
+               num_warps=4, **_pdl_launch())
+    elif not inline_budgets:
         launch(_prop_budget_kernel, (hq, b, 1),
                m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
                TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=PDL, num_warps=4,
