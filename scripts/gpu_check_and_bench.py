@@ -385,10 +385,18 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
             "flash-split-v7": flash(fused=False, fold_merge=False),
             "prop-v8-pdl": pdl(prop()),
             "prop-v8-rank": prop(inline_budgets=False, rank_budgets=True),
+            "k-sum (torch read of K)": lambda: k.sum(dtype=torch.float32),
             "prop-v8-rank-pdl": pdl(prop(inline_budgets=False, rank_budgets=True)),
             "prop-v8-sys-rank": prop(rounding="systematic", inline_budgets=False, rank_budgets=True),
             "flash-v8-pdl": pdl(flash()),
         })
+        from kvsieve.kernels.triton_santa import _tile_stats
+
+        for bn, w, st, pr in ((64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 5, 264), (32, 4, 4, 264), (128, 8, 3, 264),
+                              (64, 4, 3, 396), (64, 8, 4, 264)):
+            calls[f"stats-only bn{bn} w{w} s{st} p{pr}"] = (
+                lambda bn=bn, w=w, st=st, pr=pr: _tile_stats(q, k, lens32, scale, tile, block_n=bn, num_warps=w,
+                                                             num_stages=st, stats_programs=pr))
         if stream:
             calls.update({
                 "flash-stream-gather": flash(stream=True, gather=True),
