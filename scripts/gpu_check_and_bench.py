@@ -403,6 +403,8 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
                 "flash-stream-r32": flash(stream=True, r_max=32),
                 "flash-stream-w8": flash(stream=True, num_warps=8),
                 "flash-stream-p132": flash(stream=True, stats_programs=132),
+                "flash-stream-s4": flash(stream=True, num_stages=4),
+                "flash-stream-bn128": flash(stream=True, block_n=128),
             })
     return calls
 
