@@ -33,6 +33,7 @@ from .triton_common import (
     STREAM_BUDGET,
     STREAM_TILE,
     group_block,
+    is_interpreted,
     launch,
     merge_partials_raw,
     next_pow2,
@@ -871,7 +872,7 @@ def _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, *, block_
            q, k, lens, m, l, stash, mstar if mstar is not None else m, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=mstar is not None, PDL=PDL,
+           DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=mstar is not None, PDL=_pdl(),
            num_warps=num_warps, num_stages=num_stages)
 
 
@@ -959,12 +960,18 @@ def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *,
            (hq * n) if write_counts else 0, n if write_counts else 0, out.stride(0), out.stride(1),
            G=g, GP=next_pow2(g), D=d, TILE=tile, R_MAX=r_max, FLASH=flash, INLINE_BUDGETS=inline_budgets,
            SYSTEMATIC=systematic, CHUNK_T=max(16, min(next_pow2(t), BUDGET_CHUNK_TILES)), GATHER=gather,
-           WRITE_COUNTS=write_counts, **_fixed_point(budget), PDL=PDL, num_warps=num_warps, **_pdl_launch())
+           WRITE_COUNTS=write_counts, **_fixed_point(budget), PDL=_pdl(), num_warps=num_warps, **_pdl_launch())
     return counts
 
 
+def _pdl() -> bool:
+    """Programmatic dependent launch: on when asked for and the kernels are compiled (the interpreter
+    has no grid dependency control)."""
+    return bool(PDL) and gdc_wait is not None and not is_interpreted(_compact_sample_kernel)
+
+
 def _pdl_launch() -> dict:
-    return {"launch_pdl": True} if PDL else {}
+    return {"launch_pdl": True} if _pdl() else {}
 
 
 def _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t, *, write_counts,
@@ -1121,12 +1128,12 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
         chunk = BUDGET_RANK_CHUNK
         launch(_prop_budget_rank_kernel, (-(-t // chunk), hq, b),
                m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
-               TILE=tile, BLOCK_T=max(16, next_pow2(t)), CHUNK=chunk, SYSTEMATIC=rounding == "systematic", PDL=PDL,
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), CHUNK=chunk, SYSTEMATIC=rounding == "systematic", PDL=_pdl(),
                num_warps=4, **_pdl_launch())
     elif not inline_budgets:
         launch(_prop_budget_kernel, (hq, b, 1),
                m, l, lens, budgets, budget, lo, hi, _BUDGET_KEY, t, hq, hq * t, t,
-               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=PDL, num_warps=4,
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=_pdl(), num_warps=4,
                **_pdl_launch())
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
