@@ -193,6 +193,12 @@ def test_cli_errors(capsys, tmp_path):
     assert "lengths" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert "not a kvsieve eval results folder" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["eval", "--tasks", "vt", "--lengths", "512", "--device", "cuda", "--output",
+                     str(tmp_path / "o")]) == 2
+        assert "CUDA is not available" in capsys.readouterr().err
+    assert main(["eval", "--tasks", "vt", "--lengths", "512", "--workers", "0", "--output", str(tmp_path / "o")]) == 2
+    assert "workers" in capsys.readouterr().err
 
 
 @pytest.mark.model
@@ -218,3 +224,62 @@ def test_full_length_8k_cell_runs_in_bounded_memory(default_model, tmp_path):
     # An [N, N] fp32 score matrix per head at 8k would alone be 256 MB x 9 heads.
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     assert peak_gb < 6, peak_gb
+
+
+@pytest.mark.model
+def test_workers_write_the_cells_one_process_writes(default_model, tmp_path):
+    """Two worker processes (each loading the model, pulling prompts from a queue) = the serial run."""
+    model, tok = default_model
+    cfg = tiny(tmp_path, samples=2, methods=("santa-sys:budget=16", "santa:budget=16"))
+    run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    par = dataclasses.replace(cfg, output=str(tmp_path / "par"))
+    res = run_eval(par, progress=False, workers=2, threads=1)
+    assert (res.computed, res.skipped, res.left) == (6, 0, 0) and res.busy_s > res.forward_s > 0
+    serial = {(r["sample"], r["method"]): r for r in ResultStore.open_existing(tmp_path / "run").rows()}
+    parallel = {(r["sample"], r["method"]): r for r in res.store.rows()}
+    assert serial.keys() == parallel.keys() and len(serial) == 6
+    for key, a in serial.items():
+        b = parallel[key]
+        # Same prompts, same seeds, same sampled keys: only float summation order may differ.
+        assert (a["fingerprint"], a["prediction"], a["new_tokens"]) == (b["fingerprint"], b["prediction"],
+                                                                         b["new_tokens"]), key
+        assert a["density"] == pytest.approx(b["density"], abs=1e-9), key
+        assert a["kl_mean"] == pytest.approx(b["kl_mean"], rel=1e-3, abs=1e-6), key
+    run = res.store.manifest["runs"][-1]
+    assert (run["workers"], run["threads"], run["cells"], run["device"]) == (2, 1, 6, "cpu")
+    assert run_eval(par, progress=False, workers=2).computed == 0
+
+
+@pytest.mark.model
+def test_stop_after_starts_no_new_prompt_and_resume_finishes(default_model, tmp_path):
+    model, tok = default_model
+    cfg = tiny(tmp_path, samples=2)
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False, stop_after=1e-9)
+    assert (res.computed, res.left) == (0, 4)
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert (res.computed, res.left) == (4, 0)
+
+
+def test_device_is_checked_and_is_a_folder_setting(tmp_path):
+    from kvsieve.eval.runner import check_device
+
+    for bad in ("tpu", "cpu:1", "cuda:x"):
+        with pytest.raises(ValueError, match="device: expected 'cpu', 'cuda'"):
+            check_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            run_eval(tiny(tmp_path, device="cuda"), progress=False)
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError, match="workers"):
+            run_eval(tiny(tmp_path), progress=False, workers=bad)
+    with pytest.raises(ValueError, match="stop_after"):
+        run_eval(tiny(tmp_path), progress=False, stop_after=0)
+
+    # A folder written before the device became a setting was written on the CPU: it resumes as such.
+    cfg = tiny(tmp_path)
+    legacy = {k: v for k, v in cfg.settings().items() if k != "device"}
+    ResultStore.open_for_run(cfg.output, legacy, cfg.grid()).save_manifest()
+    ResultStore.open_for_run(cfg.output, cfg.settings(), cfg.grid())
+    cuda_settings = {**cfg.settings(), "device": "cuda"}
+    with pytest.raises(ResultsFolderError, match="device: folder has 'cpu', this run 'cuda'"):
+        ResultStore.open_for_run(cfg.output, cuda_settings, cfg.grid())

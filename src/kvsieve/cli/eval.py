@@ -60,22 +60,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-teacher-forced", action="store_true", help="skip the teacher-forced KL/top-1 pass")
     p.add_argument("--no-stop-when-solved", action="store_true",
                    help="generate to EOS/limit even after every reference string has appeared")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: 'cpu' (default), 'cuda' or 'cuda:<index>'. Part of the folder's "
+                   "settings: CPU and CUDA samplers draw different random streams")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes evaluating prompts in parallel, each with its own model copy (default 1; "
+                   "with several GPUs and --device cuda, worker i uses GPU i mod count)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per worker (default: torch's choice, or the cores divided among workers)")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="start no new prompt after this many seconds (those under way finish); re-run to resume")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from ..eval import tasks as task_registry
     from ..eval.report import print_table, write_tables
     from ..eval.runner import EvalConfig, run_eval, validate_config
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"threads: expected a positive integer, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"threads: expected a positive integer, got {args.threads}")
+    if args.workers < 1:
+        raise ValueError(f"workers: expected a positive integer, got {args.workers}")
     task_list = _csv(args.tasks)
     if task_list == ["all"]:
         task_list = [t for t in task_registry.task_names() if not t.startswith("tf_")]
@@ -84,20 +92,24 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples, output=args.output, model=args.model, phase=args.phase, seed=args.seed,
         dense_layers=tuple(_ints("dense-layers", args.dense_layers)), track_error=args.track_error,
         max_new_tokens=args.max_new_tokens, teacher_forced=not args.no_teacher_forced,
-        stop_when_solved=not args.no_stop_when_solved,
+        stop_when_solved=not args.no_stop_when_solved, device=args.device,
     ))
     from ..eval.runner import check_model_name
 
     check_model_name(cfg.model)
     command = "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
-    result = run_eval(cfg, command=command, progress=not args.quiet)
+    result = run_eval(cfg, command=command, progress=not args.quiet, workers=args.workers, threads=args.threads,
+                      stop_after=args.stop_after)
     summary = write_tables(result.store)
     print_table(summary, title=f"kvsieve eval — {result.store.root}")
     if result.computed:
-        print(f"computed {result.computed} cells, skipped {result.skipped} finished ones; "
-              f"{result.forward_s:.1f} s of {result.total_s:.1f} s in model forward passes "
+        busy = f" of {result.busy_s:.1f} s busy in {args.workers} workers" if args.workers > 1 else ""
+        print(f"computed {result.computed} cells in {result.total_s:.1f} s, skipped {result.skipped} finished "
+              f"ones; {result.forward_s:.1f} s{busy or f' of {result.total_s:.1f} s'} in model forward passes "
               f"(harness overhead {100 * result.overhead:.1f}%)")
-    else:
+    elif not result.left:
         print(f"all {result.skipped} cells were already finished; nothing computed")
+    if result.left:
+        print(f"stopped early (--stop-after): {result.left} cells left; re-run the command to resume")
     print(f"rows and summary under {result.store.root}; plots: kvsieve report {result.store.root}")
     return 0

@@ -52,13 +52,19 @@ class EvalConfig:
     max_new_tokens: int | None = None
     teacher_forced: bool = True
     stop_when_solved: bool = True
+    device: str = "cpu"
 
     def settings(self) -> dict[str, Any]:
-        """What every cell of a results folder must share (checked on resume)."""
+        """What every cell of a results folder must share (checked on resume).
+
+        The device is one of them: the methods draw their samples from a generator on the model's
+        device, and CPU and CUDA generators give different streams for one seed.
+        """
         return {
             "model": self.model, "phase": self.phase, "seed": self.seed, "dense_layers": list(self.dense_layers),
             "track_error": self.track_error, "max_new_tokens": self.max_new_tokens,
             "teacher_forced": self.teacher_forced, "stop_when_solved": self.stop_when_solved,
+            "device": torch.device(self.device).type,
         }
 
     def grid(self) -> dict[str, Any]:
@@ -102,8 +108,25 @@ def validate_config(cfg: EvalConfig) -> EvalConfig:
         raise ValueError(f"track_error: expected an integer >= 0 (0 = off), got {cfg.track_error}")
     if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive integer, got {cfg.max_new_tokens}")
+    check_device(cfg.device)
     return EvalConfig(**{**asdict(cfg), "tasks": tasks, "lengths": tuple(dict.fromkeys(cfg.lengths)),
                          "methods": canonical_methods(cfg.methods), "dense_layers": tuple(cfg.dense_layers)})
+
+
+def check_device(device: str) -> None:
+    """'cpu' or 'cuda' / 'cuda:<index>' naming a GPU that this machine has."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} was asked for but CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r} does not exist; this machine has "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def check_model_name(name: str) -> None:
@@ -116,8 +139,9 @@ def check_model_name(name: str) -> None:
     )
 
 
-def check_lengths(lengths: Sequence[int], model: Any) -> None:
-    maximum = getattr(model.config, "max_position_embeddings", None)
+def check_lengths(lengths: Sequence[int], config: Any) -> None:
+    """Every length fits the model's maximum context (``config``: the model's transformers config)."""
+    maximum = getattr(config, "max_position_embeddings", None)
     if maximum is None:
         return
     too_long = [n for n in lengths if n > maximum]
@@ -152,6 +176,9 @@ class Timer:
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model(**kwargs)
+        if out.logits.is_cuda:
+            # CUDA runs asynchronously: without the wait, the GPU's time would be charged to the harness.
+            torch.cuda.synchronize(out.logits.device)
         self.forward_s += time.perf_counter() - t0
         return out
 
@@ -309,18 +336,92 @@ class RunResult:
     store: ResultStore
     computed: int
     skipped: int
-    forward_s: float
-    total_s: float
+    forward_s: float  # inside model forward passes, summed over workers
+    total_s: float  # wall time of the run
+    busy_s: float = 0.0  # time the workers were running, summed (= total_s with one worker)
+    left: int = 0  # cells not computed because the run stopped early (stop_after)
 
     @property
     def overhead(self) -> float:
-        return 1.0 - self.forward_s / self.total_s if self.total_s > 0 else float("nan")
+        busy = self.busy_s or self.total_s
+        return 1.0 - self.forward_s / busy if busy > 0 else float("nan")
+
+
+Group = tuple[str, int, int]  # (task, length, sample index)
+
+
+def evaluate_group(model: Any, tokenizer: Any, cfg: EvalConfig, store: ResultStore, group: Group,
+                   methods: Sequence[str], timer: Timer):
+    """Run the unfinished ``methods`` of one prompt from one shared exact prefill; yields each written row."""
+    task, length, index = group
+    n_layers = model.config.num_hidden_layers
+    sample = task_registry.make_sample(task, tokenizer, length, index, cfg.seed)
+    check_room_to_generate(sample, cfg, model)
+    fingerprint = sample.fingerprint()
+    for m in cfg.methods:
+        # With several workers another one may be computing this prompt's other methods right now.
+        if m not in methods and store.has(task, length, index, m):
+            old = store.read(task, length, index, m)
+            if old.get("fingerprint") != fingerprint:
+                raise ValueError(
+                    f"results: cell {task}/{length}/{index}/{m} was computed on a different prompt "
+                    "(the task generator changed); use a new output folder"
+                )
+    pre = prefill(model, sample, cfg.phase, timer)
+    dense_tf = None
+    if cfg.teacher_forced and DENSE not in methods:
+        dense_tf = run_method(model, tokenizer, sample, pre, DENSE, cfg, timer, generate=False).tf_logits
+    for m in methods:
+        t0, f0 = time.perf_counter(), timer.forward_s
+        res = run_method(model, tokenizer, sample, pre, m, cfg, timer, teacher_force=cfg.teacher_forced)
+        row: dict[str, Any] = {
+            "task": task, "length": length, "sample": index, "method": m,
+            "n_tokens": sample.n_tokens, "question_start": sample.question_start,
+            "fingerprint": fingerprint, "prediction": res.text, "gold": list(sample.gold),
+            "score": sample.score(res.text), "new_tokens": res.new_tokens, "prefill_s": pre.seconds,
+        }
+        if m == DENSE:
+            dense_tf = res.tf_logits
+            row.update({"density": 1.0, "kv_density": 1.0, "rel_error": 0.0,
+                        "rel_error_by_layer": [0.0] * n_layers, "sparse_calls": 0, "backends": ["sdpa"],
+                        "bytes_read_per_step": dense_kv_bytes(model, sample.n_tokens)})
+        else:
+            row.update(summarize_records(res.records, n_layers))
+        if cfg.teacher_forced and dense_tf is not None and res.tf_logits is not None:
+            row.update(next_token_agreement(dense_tf, res.tf_logits))
+            if res.tf_target_rows:
+                ans = next_token_agreement(dense_tf[-res.tf_target_rows:], res.tf_logits[-res.tf_target_rows:])
+                row.update({"kl_answer": ans["kl_mean"], "top1_answer": ans["top1_agree"]})
+        row["seconds"] = time.perf_counter() - t0
+        row["forward_s"] = timer.forward_s - f0
+        store.write(row)
+        yield row
 
 
 def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, command: str | None = None,
-             progress: bool = True, on_cell: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
-    """Run (or resume) the grid; returns counts and timing. ``model``/``tokenizer`` skip loading."""
+             progress: bool = True, on_cell: Callable[[dict[str, Any]], None] | None = None,
+             workers: int = 1, threads: int | None = None, stop_after: float | None = None) -> RunResult:
+    """Run (or resume) the grid; returns counts and timing. ``model``/``tokenizer`` skip loading.
+
+    ``stop_after``: seconds after which no new prompt is started (those under way finish), for runs
+    under a time limit; re-running the command resumes.
+
+    ``workers > 1`` runs the prompts in that many processes, each with its own copy of the model on
+    ``cfg.device`` (on a machine with several GPUs, worker i takes GPU i mod count); they pull prompts
+    from one queue and write cells into the same folder. ``threads`` is the torch CPU threads per
+    worker (default: the cores divided among the workers).
+    """
     cfg = validate_config(cfg)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected a positive integer, got {workers!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+    if stop_after is not None and not stop_after > 0:
+        raise ValueError(f"stop_after: expected a positive number of seconds, got {stop_after!r}")
+    deadline = None if stop_after is None else time.monotonic() + stop_after
+    if workers > 1 and model is not None:
+        raise ValueError("workers: a model passed in cannot be shared with worker processes; pass model=None "
+                         "(each worker loads cfg.model) or workers=1")
     store = ResultStore.open_for_run(cfg.output, cfg.settings(), cfg.grid(), command)
     groups = [(t, n, i) for t in cfg.tasks for n in cfg.lengths for i in range(cfg.samples)]
     todo = [(g, [m for m in cfg.methods if not store.has(*g, m)]) for g in groups]
@@ -330,72 +431,156 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
     if not todo:
         store.save_manifest()
         return RunResult(store, 0, n_cells, 0.0, 0.0)
+    workers = min(workers, len(todo))
+    if workers > 1:
+        check_model_name(cfg.model)
+        check_lengths(cfg.lengths, model_config(cfg.model))
+        store.save_manifest()
+        return _run_workers(cfg, store, todo, n_cells, n_todo, workers, threads, progress, on_cell, deadline)
+    if threads is not None:
+        torch.set_num_threads(threads)
     if model is None:
         check_model_name(cfg.model)
         import kvsieve
 
-        model, tokenizer = kvsieve.load_model(cfg.model)
-    check_lengths(cfg.lengths, model)
+        model, tokenizer = kvsieve.load_model(cfg.model, device=cfg.device)
+    check_lengths(cfg.lengths, model.config)
     store.save_manifest()
-    n_layers = model.config.num_hidden_layers
     timer = Timer()
     from tqdm.auto import tqdm
 
     bar = tqdm(total=n_todo, desc="eval cells", unit="cell", disable=not progress, dynamic_ncols=True)
     computed = 0
     try:
-        for (task, length, index), methods in todo:
-            bar.set_postfix_str(f"{task} {length} #{index}")
-            sample = task_registry.make_sample(task, tokenizer, length, index, cfg.seed)
-            check_room_to_generate(sample, cfg, model)
-            fingerprint = sample.fingerprint()
-            for m in cfg.methods:
-                if m not in methods:
-                    old = store.read(task, length, index, m)
-                    if old.get("fingerprint") != fingerprint:
-                        raise ValueError(
-                            f"results: cell {task}/{length}/{index}/{m} was computed on a different prompt "
-                            "(the task generator changed); use a new output folder"
-                        )
-            pre = prefill(model, sample, cfg.phase, timer)
-            dense_tf = None
-            if cfg.teacher_forced and DENSE not in methods:
-                dense_tf = run_method(model, tokenizer, sample, pre, DENSE, cfg, timer, generate=False).tf_logits
-            for m in methods:
-                t0, f0 = time.perf_counter(), timer.forward_s
-                res = run_method(model, tokenizer, sample, pre, m, cfg, timer, teacher_force=cfg.teacher_forced)
-                row: dict[str, Any] = {
-                    "task": task, "length": length, "sample": index, "method": m,
-                    "n_tokens": sample.n_tokens, "question_start": sample.question_start,
-                    "fingerprint": fingerprint, "prediction": res.text, "gold": list(sample.gold),
-                    "score": sample.score(res.text), "new_tokens": res.new_tokens, "prefill_s": pre.seconds,
-                }
-                if m == DENSE:
-                    dense_tf = res.tf_logits
-                    row.update({"density": 1.0, "kv_density": 1.0, "rel_error": 0.0,
-                                "rel_error_by_layer": [0.0] * n_layers, "sparse_calls": 0, "backends": ["sdpa"],
-                                "bytes_read_per_step": dense_kv_bytes(model, sample.n_tokens)})
-                else:
-                    row.update(summarize_records(res.records, n_layers))
-                if cfg.teacher_forced and dense_tf is not None and res.tf_logits is not None:
-                    row.update(next_token_agreement(dense_tf, res.tf_logits))
-                    if res.tf_target_rows:
-                        ans = next_token_agreement(dense_tf[-res.tf_target_rows:], res.tf_logits[-res.tf_target_rows:])
-                        row.update({"kl_answer": ans["kl_mean"], "top1_answer": ans["top1_agree"]})
-                row["seconds"] = time.perf_counter() - t0
-                row["forward_s"] = timer.forward_s - f0
-                store.write(row)
+        for group, methods in todo:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            bar.set_postfix_str("{} {} #{}".format(*group))
+            for row in evaluate_group(model, tokenizer, cfg, store, group, methods, timer):
                 computed += 1
                 bar.update(1)
                 if on_cell is not None:
                     on_cell(row)
     finally:
         bar.close()
-        total = timer.total_s
-        run_log = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": computed,
-                   "total_s": total, "forward_s": timer.forward_s,
-                   "overhead": 1.0 - timer.forward_s / total if total > 0 else None,
-                   "threads": torch.get_num_threads(), "host": platform.node(), "cpu_count": os.cpu_count()}
-        store.manifest.setdefault("runs", []).append(run_log)
-        store.save_manifest()
-    return RunResult(store, computed, n_cells - n_todo, timer.forward_s, timer.total_s)
+        _log_run(store, computed, timer.total_s, timer.forward_s, timer.total_s, workers=1,
+                 threads=torch.get_num_threads())
+    return RunResult(store, computed, n_cells - n_todo, timer.forward_s, timer.total_s, timer.total_s,
+                     n_todo - computed)
+
+
+def _log_run(store: ResultStore, computed: int, wall_s: float, forward_s: float, busy_s: float, *,
+             workers: int, threads: int) -> None:
+    run_log = {"finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cells": computed,
+               "total_s": busy_s, "wall_s": wall_s, "forward_s": forward_s,
+               "overhead": 1.0 - forward_s / busy_s if busy_s > 0 else None, "workers": workers,
+               "threads": threads, "device": store.manifest["settings"].get("device", "cpu"),
+               "host": platform.node(), "cpu_count": os.cpu_count()}
+    store.manifest.setdefault("runs", []).append(run_log)
+    store.save_manifest()
+
+
+def model_config(name: str) -> Any:
+    """The model's config without loading its weights (for the checks made before workers start)."""
+    from transformers import AutoConfig
+
+    from ..assets import default_model_file
+
+    if name == "default":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        folder, gguf_file = default_model_file()
+        return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
+    return AutoConfig.from_pretrained(name)
+
+
+def _worker_device(device: str, rank: int) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.device_count() > 1:
+        return f"cuda:{rank % torch.cuda.device_count()}"
+    return device
+
+
+def _worker_main(rank: int, cfg: EvalConfig, root: str, threads: int, jobs: Any, results: Any,
+                 deadline: float | None) -> None:
+    """A worker process: load the model once, then evaluate prompts from ``jobs`` until a ``None``."""
+    import traceback
+
+    try:
+        torch.set_num_threads(threads)
+        import kvsieve
+
+        model, tokenizer = kvsieve.load_model(cfg.model, device=_worker_device(cfg.device, rank))
+        store = ResultStore.open_existing(root)
+        timer = Timer()
+        while (job := jobs.get()) is not None:
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            group, methods = job
+            for row in evaluate_group(model, tokenizer, cfg, store, group, methods, timer):
+                results.put(("cell", rank, row))
+        results.put(("done", rank, timer.forward_s, timer.total_s))
+    except BaseException:  # noqa: BLE001 — reported to the parent, which stops the run with it
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def _run_workers(cfg: EvalConfig, store: ResultStore, todo: list, n_cells: int, n_todo: int, workers: int,
+                 threads: int | None, progress: bool, on_cell: Callable[[dict[str, Any]], None] | None,
+                 deadline: float | None, methods_per_job: int = 6) -> RunResult:
+    import multiprocessing as mp
+    import queue
+
+    from tqdm.auto import tqdm
+
+    threads = threads or max(1, (os.cpu_count() or 1) // workers)
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in forked children
+    jobs, results = ctx.Queue(), ctx.Queue()
+    # A job is a prompt with a few of its methods: the prefill is cheap next to the methods, and small
+    # jobs keep the workers evenly busy to the end. Largest lengths first, for the same reason.
+    for group, methods in sorted(todo, key=lambda j: -j[0][1]):
+        for i in range(0, len(methods), methods_per_job):
+            jobs.put((group, methods[i:i + methods_per_job]))
+    for _ in range(workers):
+        jobs.put(None)
+    # Jobs left in the queue when the run stops early must not keep this process from exiting.
+    jobs.cancel_join_thread()
+    procs = [ctx.Process(target=_worker_main, args=(r, cfg, str(store.root), threads, jobs, results, deadline),
+                         daemon=True) for r in range(workers)]
+    started = time.perf_counter()
+    for proc in procs:
+        proc.start()
+    bar = tqdm(total=n_todo, desc=f"eval cells ({workers} workers)", unit="cell", disable=not progress,
+               dynamic_ncols=True)
+    computed, forward_s, busy_s, done = 0, 0.0, 0.0, set()
+    try:
+        while len(done) < workers:
+            try:
+                msg = results.get(timeout=5.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+                if dead and results.empty():
+                    raise RuntimeError(f"eval worker {dead[0]} died (exit code {procs[dead[0]].exitcode}) "
+                                       "without reporting; finished cells are kept, re-run to resume") from None
+                continue
+            kind, rank = msg[0], msg[1]
+            if kind == "cell":
+                computed += 1
+                bar.update(1)
+                bar.set_postfix_str("{task} {length} #{sample}".format(**msg[2]))
+                if on_cell is not None:
+                    on_cell(msg[2])
+            elif kind == "done":
+                done.add(rank)
+                forward_s += msg[2]
+                busy_s += msg[3]
+            else:
+                raise RuntimeError(f"eval worker {rank} failed; finished cells are kept, re-run to resume. "
+                                   f"Its traceback:\n{msg[2]}")
+    finally:
+        bar.close()
+        for proc in procs:
+            if proc.is_alive() and len(done) < workers:
+                proc.terminate()
+            proc.join(timeout=30)
+        wall = time.perf_counter() - started
+        _log_run(store, computed, wall, forward_s, busy_s or wall, workers=workers, threads=threads)
+    return RunResult(store, computed, n_cells - n_todo, forward_s, wall, busy_s, n_todo - computed)

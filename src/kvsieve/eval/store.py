@@ -27,6 +27,8 @@ FORMAT = "kvsieve-eval-results"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 CELLS = "cells"
+# Settings added after folders had been written, with the value those folders implicitly used.
+SETTINGS_ADDED_LATER = {"device": "cpu"}
 
 
 class ResultsFolderError(ValueError):
@@ -84,7 +86,7 @@ class ResultStore:
             raise ResultsFolderError(f"output: {root} exists and is not a folder")
         if root.is_dir() and (root / MANIFEST).exists():
             manifest = _read_manifest(root)
-            old = manifest["settings"]
+            old = {**SETTINGS_ADDED_LATER, **manifest["settings"]}
             diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
             if diff:
                 details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {settings.get(k)!r}" for k in diff)

