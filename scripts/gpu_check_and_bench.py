@@ -39,19 +39,14 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 # (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
 # the 4-launch path with the merge kernel
 PROP_VARIANTS = [
-    ("prop_lr", "largest-remainder", {}),
-    ("prop_sys", "systematic", {}),
-    ("prop_sys_budget_kernel", "systematic", {"inline_budgets": False}),
-    ("prop_lr_gather", "largest-remainder", {"gather": True}),
+    ("prop_lr", "largest-remainder", {"compact": True}),
+    ("prop_sys", "systematic", {"compact": True}),
+    ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True}),
     ("prop_lr_v7", "largest-remainder", {"compact": False}),
 ]
-# santa-flash: the default path (v8: stats + compacted sampling, merge folded), its tl.gather variant,
-# and the fused kernel (v6/v7 default)
+# santa-flash: v8 (stats + compacted sampling, merge folded) and the fused kernel (v6/v7 default)
 FLASH_VARIANTS = [
-    ("flash", {}),
-    ("flash_2launch", {"stream": False, "fused": False}),
-    ("flash_stream", {"stream": True}),
-    ("flash_stream_gather", {"stream": True, "gather": True}),
+    ("flash_v8", {"fused": False, "fold_merge": True}),
     ("flash_fused", {"fused": True}),
 ]
 
@@ -327,22 +322,23 @@ def _llama_inputs(n: int, seed: int = 1, batch: int = 1):
     return q, k, v, lens32
 
 
-def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict:
+def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
     """Whole calls (llama shape, S = 128 prop / 2048 flash) of the v7 and v8 paths and their variants."""
+    from kvsieve.kernels import triton_santa
+
     scale = 128 ** -0.5
     tile = 256
 
     def prop(**o):
+        o.setdefault("compact", True)
         return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
 
     def flash(**o):
-        o.setdefault("stream", False)
+        o.setdefault("fused", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
     def pdl(fn):
         """``fn`` with programmatic dependent launch on (the module flag is read at launch time)."""
-        from kvsieve.kernels import triton_santa
-
         def call():
             triton_santa.PDL = True
             try:
@@ -364,98 +360,50 @@ def v8_calls(q, k, v, lens32, *, full: bool = True, stream: bool = True) -> dict
         "dense": lambda: dense_decode_triton(q, k, v, lens32, scale),
         "prop-v7": prop(compact=False),
         "prop-v8": prop(),
-        "prop-v8-inline": prop(inline_budgets=True),
-        "prop-v8-budgetkernel": prop(inline_budgets=False),
         "flash-fused-v7": flash(fused=True),
-        "flash-v8": flash(stream=False),
+        "flash-v8": flash(),
     })
-    if stream:
-        calls["flash-stream"] = flash(stream=True)
     if full:
         calls.update({
-            "prop-v8-gather": prop(gather=True),
+            "prop-v8-inline": prop(inline_budgets=True),
+            "prop-v8-rank": prop(rank_budgets=True),
             "prop-v8-w2": prop(sample_warps=2),
             "prop-v8-w8": prop(sample_warps=8),
             "prop-v8-r32": prop(r_max=32),
-            "prop-v8-sys": prop(rounding="systematic"),
-            "flash-v8-gather": flash(gather=True),
+            "prop-v8-pdl": pdl(prop()),
+            "prop-v8-rank-pdl": pdl(prop(rank_budgets=True)),
             "flash-v8-w2": flash(sample_warps=2),
             "flash-v8-w8": flash(sample_warps=8),
+            "flash-v8-r16": flash(r_max=16),
             "flash-v8-r32": flash(r_max=32),
-            "flash-split-v7": flash(fused=False, fold_merge=False),
-            "prop-v8-pdl": pdl(prop()),
-            "prop-v8-rank": prop(inline_budgets=False, rank_budgets=True),
-            "k-sum (torch read of K)": lambda: k.sum(dtype=torch.float32),
-            "prop-v8-rank-pdl": pdl(prop(inline_budgets=False, rank_budgets=True)),
-            "prop-v8-sys-rank": prop(rounding="systematic", inline_budgets=False, rank_budgets=True),
+            "flash-v8-r64": flash(r_max=64),
             "flash-v8-pdl": pdl(flash()),
         })
-        from kvsieve.kernels.triton_santa import _tile_stats
-
-        for bn, w, st, pr in ((64, 4, 3, 264), (64, 4, 4, 264), (64, 4, 5, 264), (32, 4, 4, 264), (128, 8, 3, 264),
-                              (64, 4, 3, 396), (64, 8, 4, 264)):
-            calls[f"stats-only bn{bn} w{w} s{st} p{pr}"] = (
-                lambda bn=bn, w=w, st=st, pr=pr: _tile_stats(q, k, lens32, scale, tile, block_n=bn, num_warps=w,
-                                                             num_stages=st, stats_programs=pr))
-        if stream:
-            calls.update({
-                "flash-stream-gather": flash(stream=True, gather=True),
-                "flash-stream-r32": flash(stream=True, r_max=32),
-                "flash-stream-w8": flash(stream=True, num_warps=8),
-                "flash-stream-p132": flash(stream=True, stats_programs=132),
-                "flash-stream-s4": flash(stream=True, num_stages=4),
-                "flash-stream-bn128": flash(stream=True, block_n=128),
-            })
     return calls
 
 
-def sweep_v8(log, contexts=(8192, 32768, 131072), stream: bool = True) -> list[dict]:
+def sweep_v8(log, contexts=(32768, 131072)) -> list[dict]:
     """v7 against v8 and the v8 launch variants, whole calls, graph-timed (cold L2), with the per-kernel
-    breakdown of the main ones; v8 outputs and counts against v7's for the same seed (same counts
-    expected up to floor-boundary flips)."""
+    breakdown of the main ones."""
     from kvsieve.bench.timing import ColdL2Timer
 
     timer = ColdL2Timer()
     rows = []
     for n in contexts:
         q, k, v, lens32 = _llama_inputs(n)
-        scale, tile = 128 ** -0.5, 256
-        o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
-        for key, o in (("prop-v8", {}), ("prop-v8-inline", {"inline_budgets": True}),
-                       ("prop-v8-budgetkernel", {"inline_budgets": False}), ("prop-v8-gather", {"gather": True}),
-                       ("prop-v8-rank", {"inline_budgets": False, "rank_budgets": True})):
-            o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
-            log(f"V8CHECK n={n} {key} vs v7: budgets equal {bool(torch.equal(b7, b8))}, count mismatch "
-                f"{float((c7 != c8).double().mean()):.2e}, rel out {rel(o8, o7):.2e}")
-        f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
-        variants = [("flash-v8", {"stream": False}), ("flash-v8-gather", {"stream": False, "gather": True})]
-        if stream:
-            variants += [("flash-stream", {"stream": True}), ("flash-stream-gather", {"stream": True, "gather": True})]
-        for key, o in variants:
-            f8, fc8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
-            log(f"V8CHECK n={n} {key} vs fused: count mismatch {float((fc7 != fc8).double().mean()):.2e}, "
-                f"rel out {rel(f8, f7):.2e}")
-        calls = v8_calls(q, k, v, lens32, full=n == 32768 or n == 131072, stream=stream)
+        calls = v8_calls(q, k, v, lens32, full=True)
         for name, fn in calls.items():
             try:
                 r = timer.time_graph_us(fn, warmup=3, iters=20)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                 r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             row = {"n": n, "variant": name, **r}
-            if name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-budgetkernel", "flash-fused-v7", "flash-v8",
-                        "flash-stream", "dense", "flashinfer") and "error" not in r:
+            if "error" not in r and name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-rank", "flash-fused-v7",
+                                             "flash-v8", "dense", "flashinfer"):
                 row["kernels_us"] = timer.kernel_breakdown(fn)
             rows.append(row)
             kern = ", ".join(f"{a[:24]} {b:.1f}" for a, b in (row.get("kernels_us") or {}).items())
             log(f"V8 n={n} {name}: {r.get('median_us', r.get('error'))} {kern}")
-        base = next((r["median_us"] for r in rows if r["n"] == n and r["variant"] == "flashinfer"
-                     and "median_us" in r), None)
-        if base:
-            for r in rows:
-                if r["n"] == n and "median_us" in r:
-                    r["x_flashinfer"] = base / r["median_us"]
-            log(f"V8 n={n} ratios: " + ", ".join(f"{r['variant']} {r['x_flashinfer']:.2f}x" for r in rows
-                                                if r["n"] == n and "x_flashinfer" in r))
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -476,46 +424,20 @@ def compiled_resources(log) -> list[dict]:
     return rows
 
 
-def clean_l2_diagnostic(log, n: int = 32768) -> list[dict]:
-    """Whether the protocol's L2 flush (a 512 MB write, which leaves L2 full of dirty lines) costs the
-    timed call write-backs: the same calls after a flush by reading (clean lines). Diagnostic only."""
-    from kvsieve.bench.timing import ColdL2Timer
-
-    class ReadFlush(ColdL2Timer):
-        def flush(self) -> None:
-            self.sink = self.flush_buffer.sum()
-
-    q, k, v, lens32 = _llama_inputs(n)
-    calls = v8_calls(q, k, v, lens32, full=False)
-    rows = []
-    for flush_name, timer in (("write", ColdL2Timer()), ("read", ReadFlush())):
-        timer.flush_buffer.fill_(1.0)
-        for name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-stream"):
-            if name in calls:
-                r = timer.time_graph_us(calls[name], warmup=3, iters=20)
-                rows.append({"n": n, "flush": flush_name, "variant": name, **r})
-                log(f"L2DIAG flush={flush_name} n={n} {name}: {r['median_us']:.1f}")
-        del timer
-    return rows
-
-
 def smoke(n: int = 32768) -> int:
     """Each v8 path once on the llama shape (bf16) against the v7 path of the same seed: same budgets,
     counts up to floor-boundary flips, outputs up to bf16 rounding. Run first in its own process, so
-    that a kernel fault cannot take the timings with it. Exit 3 when the one-launch flash kernel
-    failed (the sweep then leaves it out), 2 when another path did, else 0."""
+    that a kernel fault cannot take the timings with it. Exit 2 when a path failed, else 0."""
     q, k, v, lens32 = _llama_inputs(n)
-    scale, tile, bad, stream_bad = 128 ** -0.5, 256, 0, False
+    scale, tile, bad = 128 ** -0.5, 256, 0
     o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
     f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
     from kvsieve.kernels import triton_santa
 
-    cases = [("prop", o) for o in ({}, {"gather": True}, {"inline_budgets": False}, {"pdl": True},
-                                   {"inline_budgets": False, "pdl": True},
-                                   {"inline_budgets": False, "rank_budgets": True})]
-    cases += [("flash", o) for o in ({"stream": False}, {"stream": False, "gather": True},
-                                     {"stream": False, "pdl": True}, {"stream": True},
-                                     {"stream": True, "gather": True})]
+    cases = [("prop", o) for o in ({"compact": True}, {"compact": True, "inline_budgets": True},
+                                   {"compact": True, "rank_budgets": True}, {"compact": True, "pdl": True},
+                                   {"compact": True, "r_max": 32})]
+    cases += [("flash", o) for o in ({"fused": False}, {"fused": False, "pdl": True}, {"fused": False, "r_max": 16})]
     for kind, o in cases:
         o = dict(o)
         triton_santa.PDL = o.pop("pdl", False)
@@ -537,17 +459,16 @@ def smoke(n: int = 32768) -> int:
             ok = False
             print(f"SMOKE {kind} {o} pdl={triton_santa.PDL}: {type(exc).__name__}: {str(exc)[:400]}")
         bad += not ok
-        stream_bad |= (not ok) and o == {"stream": True}
     triton_santa.PDL = False
-    return 3 if stream_bad else 2 if bad else 0
+    return 2 if bad else 0
 
 
-def profile_once(n: int = 32768, stream: bool = True) -> None:
-    """For Nsight Compute (--profile-from-start off): every main call once after a warm-up, inside
+def profile_once(n: int = 32768) -> None:
+    """For Nsight Compute (--profile-from-start off): the v8 calls once after a warm-up, inside
     cudaProfilerStart/Stop, so that only those launches are profiled."""
     q, k, v, lens32 = _llama_inputs(n)
-    calls = v8_calls(q, k, v, lens32, full=False, stream=stream)
-    names = [x for x in ("prop-v7", "prop-v8", "flash-fused-v7", "flash-v8", "flash-stream") if x in calls]
+    calls = v8_calls(q, k, v, lens32, full=False)
+    names = ("prop-v8", "flash-v8")
     for name in names:
         calls[name]()
     torch.cuda.synchronize()
@@ -605,16 +526,14 @@ def main() -> int:
     ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
     ap.add_argument("--check-only", default=None, help='a subset of the checks, e.g. "bf16:0,1,7" (dtypes:shapes)')
     ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
-    ap.add_argument("--no-stream", action="store_true", help="leave the one-launch flash kernel out of --sweep-v8")
     ap.add_argument("--smoke", action="store_true", help="v8 paths once at 32k against v7 (exit 2 on a mismatch)")
-    ap.add_argument("--l2-diag", action="store_true", help="the calls after a read flush (clean L2) and a write flush")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = ap.parse_args()
     if args.profile_once:
-        profile_once(stream=not args.no_stream)
+        profile_once()
         return 0
     if args.smoke:
         return smoke()
@@ -654,11 +573,9 @@ def main() -> int:
     if args.sweep_v8:
         t0 = time.time()
         contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v8.split(","))
-        report["sweep_v8"] = sweep_v8(log, contexts, stream=not args.no_stream)
+        report["sweep_v8"] = sweep_v8(log, contexts)
         log(f"sweep-v8: {time.time() - t0:.0f}s")
         report["compiled"] = compiled_resources(log)
-    if args.l2_diag:
-        report["l2_diag"] = clean_l2_diagnostic(log)
     if args.model_attention:
         t0 = time.time()
         report["model_attention"] = check_model_attention(log, args.model_attention)

@@ -85,10 +85,9 @@ def test_kernels_match_references(case):
     assert _rel(out, exact_attention(inputs)) < TOL[dtype]
 
     ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
-    # v8 (stats + compacted sampling, merge folded; gather by tl.gather and by masked sums), v8 in one
-    # launch (stream), the fused kernel, and the v7 split passes with the merge kernel
-    for opts in ({"gather": False}, {"gather": True, "r_max": 16}, {"stream": True}, {"stream": True, "gather": True},
-                 {"fused": True}, {"fold_merge": False}):
+    # v8 (stats + compacted sampling, merge folded; one or several gather steps per tile), the fused
+    # kernel, and the v7 split passes with the merge kernel
+    for opts in ({}, {"r_max": 16}, {"fused": True}, {"fold_merge": False}):
         out = _poisoned(b, hq, d, dtype)
         _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
                                                     fused=opts.pop("fused", False), stats_programs=2, out=out,
@@ -101,9 +100,9 @@ def test_kernels_match_references(case):
     for rounding in ("largest-remainder", "systematic"):
         ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
                                    budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
-        # v8 with inline budgets (the default here) or the budget kernel, gathers of both kinds; v7 with
+        # v8 with the budget kernel (sort or rank) or inline budgets, one or several gather steps; v7 with
         # the merge folded into its sampling pass or in its own kernel
-        for opts in ({}, {"inline_budgets": False, "gather": True}, {"gather": True, "r_max": 32},
+        for opts in ({}, {"inline_budgets": False, "r_max": 16}, {"inline_budgets": True},
                      {"inline_budgets": False, "rank_budgets": True},
                      {"compact": False}, {"compact": False, "fold_merge": False}):
             out = _poisoned(b, hq, d, dtype)
@@ -199,7 +198,7 @@ def test_prop_split_counts_above_2048():
                                budget_offset=triton_common.budget_uniforms(4, b, hq),
                                tile_offsets=triton_common.tile_uniforms(4, b, hq, 3))
     assert ref.counts.max() > 2048
-    for opts in ({}, {"compact": False}, {"compact": False, "fold_merge": False}, {"gather": True}):
+    for opts in ({}, {"compact": False}, {"compact": False, "fold_merge": False}, {"inline_budgets": True}):
         out, counts, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True,
                                                         block_n=16, sample_n=16, **opts)
         assert torch.equal(counts.long(), ref.counts)

@@ -22,12 +22,11 @@ from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
 DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
-# santa-flash = the default path (v8: stats pass + compacted sampling pass with the merge folded in, 2
-# launches); santa-flash-fused = the fused kernel + merge (v6/v7 default, 2 launches); santa-flash-split =
-# stats + v7 sampling pass + merge (3 launches). santa-prop = the default path (v8: stats, compacted
-# sampling with inline budgets and the merge folded in: 2 launches up to 256 tiles, else 3 with the budget
-# kernel); santa-prop-v7 = stats, budgets, v7 sampling with the merge folded in (3 launches);
-# santa-prop-4launch = stats, budgets, v7 sampling, merge
+# santa-prop / santa-flash = the default paths (docs/methods/santa-kernels.md); named paths: santa-prop-v8 =
+# stats, budgets, compacted sampling with the merge folded in (3 launches); santa-prop-v7 = stats, budgets,
+# v7 sampling with the merge folded in (3 launches); santa-prop-4launch = stats, budgets, v7 sampling, merge;
+# santa-flash-v8 = stats + compacted sampling with the merge folded in (2 launches); santa-flash-fused = the
+# fused kernel + merge (2 launches); santa-flash-split = stats + v7 sampling pass + merge (3 launches)
 
 
 @dataclass
@@ -43,7 +42,7 @@ class Case:
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
     known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-             "santa-prop-4launch", "santa-flash", "santa-flash-stream", "santa-flash-2launch", "santa-flash-fused",
+             "santa-prop-v8", "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-fused",
              "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
@@ -131,16 +130,17 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
 
 
 def prop_options(name: str) -> dict:
-    """santa-prop-v7: the v7 sampling pass; santa-prop-4launch: the merge in its own kernel."""
+    """santa-prop-v7: the v7 sampling pass; santa-prop-v8: the compacted one; santa-prop-4launch: the merge
+    in its own kernel."""
     return {"santa-prop-v7": {"compact": False},
+            "santa-prop-v8": {"compact": True},
             "santa-prop-4launch": {"compact": False, "fold_merge": False}}.get(name, {})
 
 
 def flash_options(name: str) -> dict:
-    """santa-flash-stream: one launch (stream kernel); santa-flash-2launch: stats + compacted sampling pass;
-    santa-flash-fused: the fused kernel + merge; santa-flash-split: stats, v7 sampling pass, merge."""
-    return {"santa-flash-stream": {"stream": True},
-            "santa-flash-2launch": {"stream": False, "fused": False},
+    """santa-flash-v8: stats + compacted sampling pass (merge folded); santa-flash-fused: the fused kernel +
+    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge."""
+    return {"santa-flash-v8": {"fused": False, "fold_merge": True},
             "santa-flash-fused": {"fused": True},
             "santa-flash-split": {"fused": False, "fold_merge": False}}.get(name, {})
 

@@ -27,9 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--contexts", default="4k,8k,16k,32k,64k,128k,256k", help="comma list of context lengths")
     d.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     d.add_argument("--variants", default="flashinfer,sdpa,dense,santa-prop:128,santa-flash:2048,santa-flash:256",
-                   help="flashinfer, flashinfer-hnd, sdpa, dense, santa-prop:S (v8), santa-prop-sys:S, "
-                        "santa-prop-v7:S, santa-prop-4launch:S, santa-flash:S (v8), santa-flash-fused:S, "
-                        "santa-flash-split:S")
+                   help="flashinfer, flashinfer-hnd, sdpa, dense, santa-prop:S (the default path), santa-prop-sys:S, "
+                        "santa-prop-v8:S, santa-prop-v7:S, santa-prop-4launch:S, santa-flash:S (the default path), "
+                        "santa-flash-v8:S, santa-flash-fused:S, santa-flash-split:S")
     d.add_argument("--warmup", type=int, default=10)
     d.add_argument("--iters", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)

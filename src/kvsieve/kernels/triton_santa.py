@@ -12,14 +12,16 @@ contiguous), ``lens [B]`` valid prefix lengths. One program per (tile, KV head, 
 K tile once for the G query heads of its group; V rows are loaded with a row mask, so rows that no
 head of the group sampled issue no memory traffic; the V accumulation is ``tl.dot(counts, V)``.
 
-- flash (2 launches): ``_flash_tile_kernel`` (tile stats + ``S_tile = max(1, S // T_b)`` systematic
-  samples + gather) then the split-KV merge with weights ``e^{m_t} l_t``.
 - prop (3 launches): ``_tile_stats_kernel`` (per-tile max m, sum l, and the float32 score stash)
   → ``_prop_budget_kernel`` (one program per head: largest remainder or systematic rounding of the
-  tile budgets) → ``_tile_sample_kernel`` (systematic samples inside each tile from the stash, V
-  gather; tiles without samples exit at once) with the merge ``out = Σ_t acc_t / S`` folded in
-  (float32 atomics, the last program per (row, KV head) writes ``out``). ``fold_merge=False`` writes
-  partials (``m = 0``, ``l = S_t``) for the merge kernel instead (4 launches).
+  tile budgets) → the sampling pass with the merge ``out = Σ_t acc_t / S`` folded in (float32
+  atomics, the last program per (row, KV head) writes ``out``): v8's ``_compact_sample_kernel``
+  (default: the whole tile's counts on the G rows, the sampled rows compacted and gathered into one
+  dot) or v7's ``_tile_sample_kernel`` (``compact=False``; ``fold_merge=False`` adds the merge kernel).
+- flash (2 launches): for head dim 128 up to 32 tiles ``_flash_tile_kernel`` (tile stats +
+  ``S_tile = max(1, S // T_b)`` systematic samples + gather) then the split-KV merge with weights
+  ``e^{m_t} l_t``; otherwise (v8) the stats pass, which also keeps each head's global max, then
+  ``_compact_sample_kernel`` with the merge folded in.
 
 Host path: launches go through ``triton_common.launch`` (cached compiled kernels) and scratch buffers
 come from ``triton_common.workspace`` (cached per device), with explicit strides of flat buffers.
@@ -558,20 +560,27 @@ if triton is not None:
         return tl.where(g_ok & (z > 0), bt, 0)
 
     @triton.jit
-    def _compact_sample(v_ptr, s, counts_ptr, b, kvh, t, length, m, l, budget, a0,
+    def _compact_sample(v_ptr, s, counts_ptr, scr_ptr, b, kvh, t, length, m, l, budget, a0,
                         s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
-                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                        R_MAX: tl.constexpr, GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-                        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, STATIC_R: tl.constexpr):
+                        G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                        TILE: tl.constexpr, R_MAX: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
         """Systematic sampling of ``budget [GP]`` draws in one tile from its stashed scores ``s [GP, TILE]``
-        (loaded by the caller), the whole tile at once, on the G
-        rows of the group (no 16-row padding: no tl.dot here), then ``Σ_n c_n V_n`` [GP, D] from the
-        sampled rows only: their union over the group is compacted (prefix sum of the used flags) and
-        gathered R_MAX rows at a time. Same counts as ``_sample_tile``: the fixed-point prefix sums are
-        exact integers, and the rounding shortfall goes to the last key of positive weight."""
+        (loaded by the caller), the whole tile at once and on the G rows of the group only, then
+        ``Σ_n c_n V_n`` [BLOCK_G, D] from the sampled rows only. Same counts as ``_sample_tile``: the
+        fixed-point prefix sums are exact integers, and the rounding shortfall goes to the last key of
+        positive weight.
+
+        The rows that some head of the group sampled are compacted through a per-program scratch
+        ``scr`` (TILE key indices, then GP × TILE counts): each used row is stored at its rank (a prefix
+        sum of the used flags), and after a barrier R_MAX rows at a time are read back with their
+        counts on BLOCK_G (16) rows and their V rows gathered into ``tl.dot(counts, V)``. No
+        cross-thread reduction over the tile is needed for the gather (v8's first form reduced
+        [TILE, R_MAX] selections per head: 255 registers and shared-memory stalls)."""
         FIX: tl.constexpr = 1 << FIX_BITS
         offs_g = tl.arange(0, GP)
         offs_k = tl.arange(0, TILE)
+        offs_d = tl.arange(0, D)
         g_ok = offs_g < G
         heads = kvh * G + offs_g
         offs_n = t * TILE + offs_k
@@ -600,58 +609,41 @@ if triton is not None:
         if WRITE_COUNTS:
             tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c,
                      mask=g_ok[:, None] & n_ok[None, :])
-        used = (tl.max(c, axis=0) > 0).to(tl.int32)
-        pos = tl.cumsum(used, axis=0) - used
-        n_used = tl.sum(used, axis=0)
-        acc = tl.zeros([GP, D], tl.float32)
+        used = tl.max(c, axis=0) > 0
+        u = used.to(tl.int32)
+        pos = tl.cumsum(u, axis=0) - u
+        n_used = tl.sum(u, axis=0)
+        tl.store(scr_ptr + pos, offs_k, mask=used)
+        tl.store(scr_ptr + TILE + offs_g[:, None] * TILE + pos[None, :], c, mask=used[None, :] & g_ok[:, None])
+        tl.debug_barrier()  # the scratch written by every thread above is read back by others below
+        offs_r = tl.arange(0, BLOCK_G)
+        r_rows = offs_r < G
+        big = tl.max(budget, axis=0) > SPLIT_AT  # a count above SPLIT_AT is not exact in the dot's 16-bit type
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
         v_base = v_ptr + b * s_v_b + kvh * s_v_h + t * TILE * s_v_n
-        if STATIC_R:  # unrolled, no nested loop: the caller's loop stays software-pipelined
-            for ci in tl.static_range(TILE // R_MAX):
-                if ci * R_MAX < n_used:
-                    acc += _gather_chunk(v_base, c, used, pos, n_used, ci * R_MAX, s_v_n, GP, D, TILE, R_MAX, GATHER)
-        else:
-            for r0 in range(0, n_used, R_MAX):
-                acc += _gather_chunk(v_base, c, used, pos, n_used, r0, s_v_n, GP, D, TILE, R_MAX, GATHER)
-        return acc
-
-    @triton.jit
-    def _gather_chunk(v_base, c, used, pos, n_used, r0, s_v_n, GP: tl.constexpr, D: tl.constexpr,
-                      TILE: tl.constexpr, R_MAX: tl.constexpr, GATHER: tl.constexpr):
-        """``Σ_r cnt[g, r] V[idx_r]`` over the compacted rows r0..r0+R_MAX of a tile."""
-        offs_g = tl.arange(0, GP)
-        offs_k = tl.arange(0, TILE)
-        offs_d = tl.arange(0, D)
-        rr = r0 + tl.arange(0, R_MAX)
-        r_ok = rr < n_used
-        sel = (used[:, None] > 0) & (pos[:, None] == rr[None, :])
-        idx = tl.sum(tl.where(sel, offs_k[:, None], 0), axis=0)
-        v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
-        v = v.to(tl.float32)
-        if GATHER:
-            cnt = tl.gather(c, tl.broadcast_to(idx[None, :], [GP, R_MAX]), axis=1)
-        acc = tl.zeros([GP, D], tl.float32)
-        # one head at a time, so that no [GP, TILE, R_MAX] or [GP, R_MAX, D] product is held at once
-        for g in tl.static_range(GP):
-            if GATHER:
-                cnt_g = tl.sum(tl.where(offs_g[:, None] == g, cnt, 0), axis=0)
+        for r0 in range(0, n_used, R_MAX):
+            rr = r0 + tl.arange(0, R_MAX)
+            r_ok = rr < n_used
+            idx = tl.load(scr_ptr + rr, mask=r_ok, other=0)
+            cnt = tl.load(scr_ptr + TILE + offs_r[:, None] * TILE + rr[None, :], mask=r_rows[:, None] & r_ok[None, :],
+                          other=0)
+            v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+            if big:
+                acc += _count_dot(cnt, v, True, DOT_PRECISION)
             else:
-                c_g = tl.sum(tl.where(offs_g[:, None] == g, c, 0), axis=0)
-                cnt_g = tl.sum(tl.where(sel, c_g[:, None], 0), axis=0)
-            cnt_g = tl.where(r_ok, cnt_g, 0).to(tl.float32)
-            acc_g = tl.sum(cnt_g[:, None] * v, axis=0)
-            acc += tl.where(offs_g[:, None] == g, acc_g[None, :], 0.0)
+                acc += _count_dot(cnt, v, False, DOT_PRECISION)
         return acc
 
     @triton.jit
     def _compact_sample_kernel(
-        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr,
+        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
         oacc_ptr, oden_ptr, done_ptr, out_ptr,
         budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
-        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, R_MAX: tl.constexpr,
-        FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr, CHUNK_T: tl.constexpr,
-        GATHER: tl.constexpr, WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr,
-        PDL: tl.constexpr,
+        G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+        R_MAX: tl.constexpr, FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        CHUNK_T: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
     ):
         """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row).
 
@@ -688,25 +680,34 @@ if triton is not None:
             tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0)
         tiles_b = (length + TILE - 1) // TILE
         o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
+        # the G heads on the 16 rows of the dots (the gathered sums come out in that layout)
+        offs_r = tl.arange(0, BLOCK_G)
+        r_ok = offs_r < G
+        heads_r = kvh * G + offs_r
+        r_rows = (b * hq + heads_r)[:, None] * D + offs_d[None, :]
         if t < tiles_b:
             if FLASH:
-                m_star = tl.load(mstar_ptr + b * hq + heads, mask=g_ok, other=0.0, cache_modifier=".cg")
                 s_tile = tl.maximum(budget // tiles_b, 1)
                 tile_budget = tl.where(g_ok, s_tile, 0)
-                mass = tl.where(g_ok & (l > 0), tl.exp(m - tl.where(g_ok, m_star, 0.0)) * l, 0.0)
+                m_r = tl.load(m_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0)
+                l_r = tl.load(l_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0)
+                m_star = tl.load(mstar_ptr + b * hq + heads_r, mask=r_ok, other=0.0, cache_modifier=".cg")
+                mass = tl.where(r_ok & (l_r > 0), tl.exp(m_r - tl.where(r_ok, m_star, 0.0)) * l_r, 0.0)
             elif INLINE_BUDGETS:
                 tile_budget = _own_tile_budget(m_ptr, l_ptr, m0, l0, ml_row, g_ok, heads, t, b, tiles_b, n_tiles,
                                                hq, budget, seed_lo, seed_hi, budget_key, GP, CHUNK_T, SYSTEMATIC)
                 tl.store(budgets_ptr + ml_row + t, tile_budget, mask=g_ok)
             if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and add nothing
                 a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
-                acc = _compact_sample(v_ptr, s, counts_ptr, b, kvh, t, length, m, l, tile_budget, a0,
+                scr = scr_ptr + ((b * hkv + kvh) * n_tiles + t).to(tl.int64) * (TILE * (1 + GP))
+                acc = _compact_sample(v_ptr, s, counts_ptr, scr, b, kvh, t, length, m, l, tile_budget, a0,
                                       s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
-                                      G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE, False)
+                                      G, GP, BLOCK_G, D, TILE, R_MAX, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS,
+                                      FIX_BITS, WIDE)
                 if FLASH:
-                    acc = acc * (mass / tl.maximum(tile_budget, 1).to(tl.float32))[:, None]
-                    tl.atomic_add(oden_ptr + b * hq + heads, mass, mask=g_ok, sem="relaxed")
-                tl.atomic_add(oacc_ptr + o_rows, acc, mask=(g_ok & (tile_budget > 0))[:, None], sem="relaxed")
+                    acc = acc * (mass / s_tile.to(tl.float32))[:, None]
+                    tl.atomic_add(oden_ptr + b * hq + heads_r, mass, mask=r_ok, sem="relaxed")
+                tl.atomic_add(oacc_ptr + r_rows, acc, mask=r_ok[:, None], sem="relaxed")
         elif INLINE_BUDGETS:
             tl.store(budgets_ptr + ml_row + t, tl.zeros([GP], tl.int32), mask=g_ok)
         tl.debug_barrier()  # every thread's atomics are issued before the release below
@@ -723,114 +724,6 @@ if triton is not None:
                 total = total / budget
             tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
                      total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
-            tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
-
-    @triton.jit
-    def _flash_stream_kernel(
-        q_ptr, k_ptr, v_ptr, lens_ptr, stash_ptr, counts_ptr, pnum_ptr, pden_ptr, pmax_ptr, done_ptr, out_ptr,
-        scale, budget, seed_lo, seed_hi, tile_key, n_tiles, tiles_per_program, n_parts, hq, hkv,
-        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-        BLOCK_N: tl.constexpr, R_MAX: tl.constexpr, GATHER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PART_CHUNK: tl.constexpr,
-    ):
-        """santa-flash in one launch (v8 "stream"): each program streams K over ``tiles_per_program``
-        consecutive tiles in one software-pipelined loop (as the stats pass does) and samples each tile
-        as soon as it is scored, so the next sub-blocks' K loads are in flight while the tile's stash is
-        read back, its counts formed and its V rows gathered (``_compact_sample`` unrolled: no nested
-        loop, which would stop the pipelining). It keeps the running estimate of its tiles relative to
-        its own max (``num = Σ e^{m_t - M} l_t Σ c V / S_tile``, ``den = Σ e^{m_t - M} l_t``) and writes
-        it as a part; the last program of a (row, KV head) merges the parts into ``out``."""
-        SUBS: tl.constexpr = TILE // BLOCK_N
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        length = tl.load(lens_ptr + b)
-        tiles_b = (length + TILE - 1) // TILE
-        s_tile = tl.maximum(budget // tiles_b, 1)
-        t0 = pid * tiles_per_program
-        t1 = tl.minimum(t0 + tiles_per_program, tiles_b)
-        offs_p = tl.arange(0, GP)
-        p_ok = offs_p < G
-        heads_p = kvh * G + offs_p
-        offs_d = tl.arange(0, D)
-        num = tl.zeros([GP, D], tl.float32)
-        den = tl.zeros([GP], tl.float32)
-        big_m = tl.full([GP], float("-inf"), tl.float32)
-        if t0 < t1:
-            offs_g = tl.arange(0, BLOCK_G)
-            g_ok = offs_g < G
-            heads = kvh * G + offs_g
-            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
-                        other=0.0)
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_G], tl.float32)
-            k_base = k_ptr + b * s_k_b + kvh * s_k_h
-            u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
-            tile_budget = tl.where(p_ok, s_tile, 0)
-            for j in range(t0 * SUBS, t1 * SUBS):
-                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < length
-                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-                s = tl.where(n_ok[None, :], s, float("-inf"))
-                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                first = (j % SUBS) == 0
-                m = tl.where(first, float("-inf"), m)
-                l = tl.where(first, 0.0, l)
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-                m = m_new
-                if (j % SUBS) == SUBS - 1:
-                    t = j // SUBS
-                    tl.debug_barrier()  # the tile's stash, written by every thread above, is read back below
-                    # (m, l) of the tile in the G-row layout of the sampling code
-                    pick = offs_g[None, :] == offs_p[:, None]
-                    m_t = tl.sum(tl.where(pick, m[None, :], 0.0), axis=1)
-                    l_t = tl.sum(tl.where(pick, l[None, :], 0.0), axis=1)
-                    m_t = tl.where(p_ok, m_t, 0.0)
-                    su = tl.load(stash_ptr + b * s_u_b + heads_p[:, None] * s_u_h + t * TILE
-                                 + tl.arange(0, TILE)[None, :], mask=p_ok[:, None], other=float("-inf"))
-                    a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads_p).to(tl.int64) * n_tiles + t)
-                    acc = _compact_sample(v_ptr, su, counts_ptr, b, kvh, t, length, m_t, l_t, tile_budget, a0,
-                                          s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
-                                          G, GP, D, TILE, R_MAX, GATHER, WRITE_COUNTS, FIX_BITS, WIDE, True)
-                    m_run = tl.where(p_ok, tl.maximum(big_m, m_t), 0.0)
-                    alpha = tl.where(p_ok & (big_m > float("-inf")), tl.exp(big_m - m_run), 0.0)
-                    w = tl.where(p_ok & (l_t > 0), tl.exp(m_t - m_run) * l_t, 0.0)
-                    num = num * alpha[:, None] + acc * (w / s_tile.to(tl.float32))[:, None]
-                    den = den * alpha + w
-                    big_m = tl.where(p_ok, m_run, float("-inf"))
-        part = (b * hq + heads_p) * n_parts + pid
-        tl.store(pnum_ptr + part[:, None] * D + offs_d[None, :], num, mask=p_ok[:, None])
-        tl.store(pden_ptr + part, den, mask=p_ok)
-        tl.store(pmax_ptr + part, big_m, mask=p_ok)
-        tl.debug_barrier()  # every thread's part stores are issued before the release below
-        done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
-        if done == n_parts - 1:
-            rows = (b * hq + heads_p) * n_parts
-            m_all = tl.full([GP], float("-inf"), tl.float32)
-            for p0 in range(0, n_parts, PART_CHUNK):
-                pp = p0 + tl.arange(0, PART_CHUNK)
-                pm = tl.load(pmax_ptr + rows[:, None] + pp[None, :], mask=p_ok[:, None] & (pp < n_parts)[None, :],
-                             other=float("-inf"), cache_modifier=".cg")
-                m_all = tl.maximum(m_all, tl.max(pm, axis=1))
-            m_all = tl.where(p_ok, m_all, 0.0)
-            total = tl.zeros([GP, D], tl.float32)
-            z = tl.zeros([GP], tl.float32)
-            for p0 in range(0, n_parts, PART_CHUNK):
-                pp = p0 + tl.arange(0, PART_CHUNK)
-                ok = p_ok[:, None] & (pp < n_parts)[None, :]
-                pm = tl.load(pmax_ptr + rows[:, None] + pp[None, :], mask=ok, other=float("-inf"), cache_modifier=".cg")
-                pd = tl.load(pden_ptr + rows[:, None] + pp[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-                pn = tl.load(pnum_ptr + ((rows[:, None] + pp[None, :]) * D)[:, :, None] + offs_d[None, None, :],
-                             mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-                wp = tl.where(ok & (pm > float("-inf")), tl.exp(pm - m_all[:, None]), 0.0)
-                total += tl.sum(pn * wp[:, :, None], axis=1)
-                z += tl.sum(pd * wp, axis=1)
-            total = total / tl.where(p_ok, z, 1.0)[:, None]
-            tl.store(out_ptr + b * s_o_b + heads_p[:, None] * s_o_h + offs_d[None, :],
-                     total.to(out_ptr.dtype.element_ty), mask=p_ok[:, None])
             tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
 
 
@@ -852,6 +745,11 @@ def _fixed_point(max_tile_budget: int) -> dict:
     else int64 with 24 bits."""
     bits = 30 - max(1, int(max_tile_budget)).bit_length()
     return {"FIX_BITS": bits, "WIDE": False} if bits >= 16 else {"FIX_BITS": 24, "WIDE": True}
+
+
+def _split_at(dtype: torch.dtype) -> int:
+    """The largest count a 16-bit dot operand holds exactly (bf16 256, fp16 2048; fp32 dots are exact)."""
+    return {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 30)
 
 
 def _split_counts(dtype: torch.dtype, max_count: int) -> bool:
@@ -933,16 +831,19 @@ def default_r_max(group: int, budget: int, tiles: int) -> int:
     return min(64, max(16, next_pow2(group * max(1, -(-budget // max(1, tiles))))))
 
 
-# prop computes its tile budgets inside the sampling pass up to this many tiles: the work is O(T) float64
-# per program, O(T²) in all, so past that the budget kernel (one program per head) is cheaper
-INLINE_BUDGET_MAX_TILES = 128
+# prop computes its tile budgets inside the sampling pass (2 launches) up to this many tiles by default. 0:
+# on the H100 it was slower than the budget kernel at every length measured (+1.5 µs at 32k, +59 µs at 128k:
+# O(T) float64 work per program, O(T²) in all); ``inline_budgets=True`` still selects it.
+INLINE_BUDGET_MAX_TILES = 0
 BUDGET_CHUNK_TILES = 512  # tiles per step of the inline budget math (the tests lower it to cover several steps)
 BUDGET_RANK_CHUNK = 8  # tiles per program of the rank budget kernel
-RANK_BUDGETS_DEFAULT = False  # the budget kernel when budgets are not inline: rank (True) or sort (False)
+# the budget kernel: rank (True) or sort (False); the rank kernel measured slower (4.7 against 3.1 µs at 32k,
+# 16.1 against 5.9 at 128k)
+RANK_BUDGETS_DEFAULT = False
 
 
 def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, out, write_counts,
-                 inline_budgets, systematic, r_max, gather, num_warps, mstar=None):
+                 inline_budgets, systematic, r_max, num_warps, mstar=None):
     """Launches the v8 sampling pass (``_compact_sample_kernel``), the merge folded in: writes ``out``.
     Returns ``counts`` (``[B, Hq, N]`` int32) when ``write_counts``."""
     hkv, n, d = v.shape[1], v.shape[2], v.shape[3]
@@ -952,15 +853,18 @@ def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *,
     done = workspace("fold_done", v, b * hkv, torch.int32, zeroed=True)
     counts = torch.zeros(b, hq, n, device=v.device, dtype=torch.int32) if write_counts else None
     lo, hi = seed_words(seed)
+    scr = workspace("compact_scratch", v, b * hkv * t * tile * (1 + next_pow2(g)), torch.int32)
     launch(_compact_sample_kernel, (t, hkv, b),
            v, lens, m, l, stash, budgets if budgets is not None else m, counts if write_counts else m,
-           mstar if mstar is not None else m, oacc, oden, done, out,
+           mstar if mstar is not None else m, scr, oacc, oden, done, out,
            budget, lo, hi, _TILE_KEY, _BUDGET_KEY, t, hq, hkv,
            v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
            (hq * n) if write_counts else 0, n if write_counts else 0, out.stride(0), out.stride(1),
-           G=g, GP=next_pow2(g), D=d, TILE=tile, R_MAX=r_max, FLASH=flash, INLINE_BUDGETS=inline_budgets,
-           SYSTEMATIC=systematic, CHUNK_T=max(16, min(next_pow2(t), BUDGET_CHUNK_TILES)), GATHER=gather,
-           WRITE_COUNTS=write_counts, **_fixed_point(budget), PDL=_pdl(), num_warps=num_warps, **_pdl_launch())
+           G=g, GP=next_pow2(g), BLOCK_G=group_block(g), D=d, TILE=tile, R_MAX=min(r_max, tile), FLASH=flash,
+           INLINE_BUDGETS=inline_budgets, SYSTEMATIC=systematic,
+           CHUNK_T=max(16, min(next_pow2(t), BUDGET_CHUNK_TILES)), SPLIT_AT=_split_at(v.dtype),
+           DOT_PRECISION=_dot_precision(v.dtype), WRITE_COUNTS=write_counts, **_fixed_point(budget), PDL=_pdl(),
+           num_warps=num_warps, **_pdl_launch())
     return counts
 
 
@@ -974,31 +878,6 @@ def _pdl_launch() -> dict:
     return {"launch_pdl": True} if _pdl() else {}
 
 
-def _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t, *, write_counts,
-                     block_n, num_warps, num_stages, programs, r_max, gather):
-    """Launches ``_flash_stream_kernel`` (santa-flash in one launch). Returns counts or None."""
-    g = hq // hkv
-    n = k.shape[2]
-    per_program = max(1, round(t * hkv * b / programs))
-    parts = -(-t // per_program)
-    pnum = workspace("stream_num", q, b * hq * parts * d, torch.float32)
-    pden = workspace("stream_den", q, b * hq * parts, torch.float32)
-    pmax = workspace("stream_max", q, b * hq * parts, torch.float32)
-    done = workspace("fold_done", q, b * hkv, torch.int32, zeroed=True)
-    counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
-    lo, hi = seed_words(seed)
-    launch(_flash_stream_kernel, (parts, hkv, b),
-           q, k, v, lens, stash, counts if write_counts else pden, pnum, pden, pmax, done, out,
-           scale, budget, lo, hi, _TILE_KEY, t, per_program, parts, hq, hkv,
-           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-           hq * t * tile, t * tile, (hq * n) if write_counts else 0, n if write_counts else 0,
-           out.stride(0), out.stride(1),
-           G=g, BLOCK_G=group_block(g), GP=next_pow2(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), R_MAX=r_max,
-           GATHER=gather, DOT_PRECISION=_dot_precision(q.dtype), WRITE_COUNTS=write_counts,
-           **_fixed_point(budget), PART_CHUNK=16, num_warps=num_warps, num_stages=num_stages)
-    return counts
-
-
 def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, write_counts, sample_n,
                  num_warps, num_stages):
     """The sampling pass alone, unfolded (for the sweep); m, l, stash as ``_tile_stats`` returns them."""
@@ -1008,11 +887,13 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
                        num_stages=num_stages)
 
 
-GATHER_DEFAULT = False  # the compacted gather picks each row's counts by tl.gather (True) or a masked sum
-FLASH_FUSED_DEFAULT = False  # santa-flash's default path: False = v8 (stats + compacted sampling, 2 launches)
-FLASH_STREAM_DEFAULT = False  # True: santa-flash in one launch (``_flash_stream_kernel``) by default
+# santa-flash's default path (H100, 32/8/128, graph-timed, 2026-11-22-h100-decode-v8): the fused kernel up to
+# this many tiles (8k keys: 27.6 µs against v8's 30.0), v8 (stats + compacted sampling) above (16k: 38.9
+# against 42.3; 128k: 156.6 against 202.1). Head dim 64 takes v8 at every length (v7 took its split path there).
+FLASH_FUSED_MAX_TILES = 32
 # Programmatic dependent launch (Hopper): the kernels after the stats pass are launched early and wait on the
-# device (gdc_wait) instead of in the stream, which hides a launch gap. Off under the interpreter.
+# device (gdc_wait) instead of in the stream. Measured −1.8 µs for prop at 32k and 128k, nothing for flash; off
+# by default because the committed benchmark ran without it. Never used under the interpreter.
 PDL = False
 
 
@@ -1024,36 +905,26 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                        write_counts: bool = False, fused: bool | None = None, fold_merge: bool = True,
                        block_n: int | None = None, sample_n: int = 256, num_warps: int = 4, num_stages: int = 3,
                        sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                       r_max: int | None = None, gather: bool | None = None, stream: bool | None = None,
-                       out: torch.Tensor | None = None):
+                       r_max: int | None = None, out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    - ``stream=True`` (v8): one launch; each program streams K over several tiles and samples each
-      tile as soon as it is scored, inside the pipelined loop; the last program merges the parts.
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
       estimate to the output itself (2 launches).
     - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
     - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
-    - ``None`` picks the one measured fastest on an H100 (docs/methods/santa-kernels.md).
+    - ``None`` picks the one measured faster on an H100: fused for head dim 128 up to
+      ``FLASH_FUSED_MAX_TILES`` tiles, v8 otherwise (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
     if fused is None:
-        fused = FLASH_FUSED_DEFAULT
+        fused = d >= 128 and t <= FLASH_FUSED_MAX_TILES
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
-    if stream is None:
-        stream = FLASH_STREAM_DEFAULT and not fused and fold_merge
-    if stream:
-        counts = _flash_stream_raw(q, k, v, lens, stash, out, scale, budget, tile, seed, b, hq, hkv, d, t,
-                                   write_counts=write_counts, block_n=block_n or 64, num_warps=num_warps,
-                                   num_stages=num_stages, programs=stats_programs,
-                                   r_max=min(r_max or 64, tile), gather=GATHER_DEFAULT if gather is None else gather)
-        return out, counts
     if not fused and fold_merge:
         mstar = workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
         _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n or 64,
@@ -1061,7 +932,6 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
         counts = _compact_raw(v, lens, m, l, stash, None, budget, tile, seed, b, hq, t, flash=True, out=out,
                               write_counts=write_counts, inline_budgets=False, systematic=False,
                               r_max=r_max or default_r_max(hq // hkv, budget, t),
-                              gather=GATHER_DEFAULT if gather is None else gather,
                               num_warps=sample_warps or 4, mstar=mstar)
         return out, counts
     if not fused:
@@ -1095,7 +965,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                       compact: bool = True, inline_budgets: bool | None = None, rank_budgets: bool | None = None,
                       block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                       sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                      r_max: int | None = None, gather: bool | None = None, out: torch.Tensor | None = None):
+                      r_max: int | None = None, out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``.
 
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
@@ -1142,7 +1012,6 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                               write_counts=write_counts, inline_budgets=inline_budgets,
                               systematic=rounding == "systematic",
                               r_max=r_max or default_r_max(hq // hkv, budget, t),
-                              gather=GATHER_DEFAULT if gather is None else gather,
                               num_warps=sample_warps or 4)
         return out, counts, budgets
     acc, pm, pl, counts = _sample_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, flash=False,
