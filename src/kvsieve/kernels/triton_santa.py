@@ -18,7 +18,7 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
   atomics, the last program per (row, KV head) writes ``out``): v8's ``_compact_sample_kernel``
   (default: the whole tile's counts on the G rows, the sampled rows compacted and gathered into one
   dot) or v7's ``_tile_sample_kernel`` (``compact=False``; ``fold_merge=False`` adds the merge kernel).
-- flash (2 launches): for head dim 128 up to 32 tiles ``_flash_tile_kernel`` (tile stats +
+- flash (2 launches): up to 32 tiles ``_flash_tile_kernel`` (tile stats +
   ``S_tile = max(1, S // T_b)`` systematic samples + gather) then the split-KV merge with weights
   ``e^{m_t} l_t``; otherwise (v8) the stats pass, which also keeps each head's global max, then
   ``_compact_sample_kernel`` with the merge folded in.
@@ -887,9 +887,10 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
                        num_stages=num_stages)
 
 
-# santa-flash's default path (H100, 32/8/128, graph-timed, 2026-11-22-h100-decode-v8): the fused kernel up to
-# this many tiles (8k keys: 27.6 µs against v8's 30.0), v8 (stats + compacted sampling) above (16k: 38.9
-# against 42.3; 128k: 156.6 against 202.1). Head dim 64 takes v8 at every length (v7 took its split path there).
+# santa-flash's default path (H100, graph-timed, 2026-11-22-h100-decode-v8 and -v8-smollm): the fused kernel up
+# to this many tiles (8k keys, 32/8/128: 27.6 µs against v8's 30.0; 9/3/64: 16.8 against 20.1), v8 (stats +
+# compacted sampling) above (32/8/128 at 16k: 38.9 against 42.3, 128k: 156.6 against 202.1; 9/3/64 at 32k:
+# 23.1 against the fused 30.3 and v7's split 26.4).
 FLASH_FUSED_MAX_TILES = 32
 # Programmatic dependent launch (Hopper): the kernels after the stats pass are launched early and wait on the
 # device (gdc_wait) instead of in the stream. Measured −1.8 µs for prop at 32k and 128k, nothing for flash; off
@@ -913,15 +914,15 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       estimate to the output itself (2 launches).
     - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
     - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
-    - ``None`` picks the one measured faster on an H100: fused for head dim 128 up to
-      ``FLASH_FUSED_MAX_TILES`` tiles, v8 otherwise (docs/methods/santa-kernels.md).
+    - ``None`` picks the one measured faster on an H100: fused up to ``FLASH_FUSED_MAX_TILES`` tiles,
+      v8 above (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
     if fused is None:
-        fused = d >= 128 and t <= FLASH_FUSED_MAX_TILES
+        fused = t <= FLASH_FUSED_MAX_TILES
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
