@@ -179,11 +179,7 @@ def sweep(log) -> list[dict]:
     rows = []
     scale = 128 ** -0.5
     for n in (32768, 131072):
-        g = torch.Generator(device=DEVICE).manual_seed(1)
-        q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+        q, k, v, lens32 = _llama_inputs(n)
         configs = []
         for block_n in (64, 128):
             for warps in (4, 8):
@@ -245,11 +241,7 @@ def host_overhead(log) -> list[dict]:
     from kvsieve.kernels import triton_common
 
     n, scale = 32768, 128 ** -0.5
-    g = torch.Generator(device=DEVICE).manual_seed(3)
-    q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-    k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-    v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-    lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+    q, k, v, lens32 = _llama_inputs(n, seed=3)
     calls = {
         "dense": lambda: dense_decode_triton(q, k, v, lens32, scale),
         "santa-prop:128": lambda: santa_prop_triton(q, k, v, lens32, scale, 128, 256, 0),
@@ -295,11 +287,7 @@ def sweep_prop(log) -> list[dict]:
     rows = []
     scale = 128 ** -0.5
     for n in (32768, 131072):
-        g = torch.Generator(device=DEVICE).manual_seed(1)
-        q = torch.randn(1, 32, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        k = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        v = torch.randn(1, 8, n, 128, device=DEVICE, generator=g).to(torch.bfloat16)
-        lens32 = torch.full((1,), n, device=DEVICE, dtype=torch.int32)
+        q, k, v, lens32 = _llama_inputs(n)
         configs = [{"fold_merge": False}, {}, {"sample_warps": 4}]
         for cfg in configs:
             def fn(cfg=cfg, q=q, k=k, v=v, lens32=lens32):
