@@ -75,15 +75,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-
     from ..eval import tasks as task_registry
     from ..eval.report import print_table, write_tables
     from ..eval.runner import EvalConfig, run_eval, validate_config
 
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"threads: expected a positive integer, got {args.threads}")
-    if args.workers < 1:
-        raise ValueError(f"workers: expected a positive integer, got {args.workers}")
     task_list = _csv(args.tasks)
     if task_list == ["all"]:
         task_list = [t for t in task_registry.task_names() if not t.startswith("tf_")]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from ..core.config import require_int
 from . import tasks as task_registry
 from .metrics import next_token_agreement, summarize_records
 from .store import ResultStore
@@ -412,10 +413,9 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
     worker (default: the cores divided among the workers).
     """
     cfg = validate_config(cfg)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: expected a positive integer, got {workers!r}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+    require_int("workers", workers, minimum=1)
+    if threads is not None:
+        require_int("threads", threads, minimum=1)
     if stop_after is not None and not stop_after > 0:
         raise ValueError(f"stop_after: expected a positive number of seconds, got {stop_after!r}")
     deadline = None if stop_after is None else time.monotonic() + stop_after
@@ -434,7 +434,9 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
     workers = min(workers, len(todo))
     if workers > 1:
         check_model_name(cfg.model)
-        check_lengths(cfg.lengths, model_config(cfg.model))
+        from ..integrations.models import load_config
+
+        check_lengths(cfg.lengths, load_config(cfg.model))
         store.save_manifest()
         return _run_workers(cfg, store, todo, n_cells, n_todo, workers, threads, progress, on_cell, deadline)
     if threads is not None:
@@ -478,19 +480,6 @@ def _log_run(store: ResultStore, computed: int, wall_s: float, forward_s: float,
                "host": platform.node(), "cpu_count": os.cpu_count()}
     store.manifest.setdefault("runs", []).append(run_log)
     store.save_manifest()
-
-
-def model_config(name: str) -> Any:
-    """The model's config without loading its weights (for the checks made before workers start)."""
-    from transformers import AutoConfig
-
-    from ..assets import default_model_file
-
-    if name == "default":
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        folder, gguf_file = default_model_file()
-        return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
-    return AutoConfig.from_pretrained(name)
 
 
 def _worker_device(device: str, rank: int) -> str:

@@ -29,13 +29,7 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name == DEFAULT_MODEL:
-        # Everything is on disk; never let transformers reach for the hub.
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        folder, gguf_file = default_model_file()
-        path, extra = str(folder), {"gguf_file": gguf_file}
-    else:
-        path, extra = name, {}
+    path, extra = _pretrained_source(name)
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation, **extra, **kwargs
@@ -47,6 +41,24 @@ def load_model(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def load_config(name: str = DEFAULT_MODEL):
+    """The model's transformers config, without loading its weights."""
+    from transformers import AutoConfig
+
+    path, extra = _pretrained_source(name)
+    return AutoConfig.from_pretrained(path, **extra)
+
+
+def _pretrained_source(name: str) -> tuple[str, dict[str, Any]]:
+    """``from_pretrained``'s path and extra arguments for a model name."""
+    if name == DEFAULT_MODEL:
+        # Everything is on disk; never let transformers reach for the hub.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        folder, gguf_file = default_model_file()
+        return str(folder), {"gguf_file": gguf_file}
+    return name, {}
 
 
 def max_context(model: Any) -> int | None:
