@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "On a GPU machine").
+# Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "Parallel runs, GPUs and time limits").
 #
 # The machine has torch and transformers but not the offline asset packages, and one call may carry
 # at most 64 MiB (the working tree counted on disk included), so the assets travel in three parts,
