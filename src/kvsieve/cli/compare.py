@@ -1,0 +1,49 @@
+"""``kvsieve compare DIR A B``: paired differences between two methods of one eval results folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="paired A − B per (task, length) with 95%% bootstrap CIs, "
+                                       "for two methods of one kvsieve eval results folder")
+    p.add_argument("results", help="the folder given to kvsieve eval --output")
+    p.add_argument("a", help="method spec A (as in the folder's summary, or any spelling of it)")
+    p.add_argument("b", help="method spec B")
+    p.add_argument("--metrics", default="score,kl_mean,top1_agree",
+                   help="comma list of: score, kl_mean, top1_agree, kl_answer, top1_answer, rel_error, "
+                        "density, kv_density (default score,kl_mean,top1_agree)")
+    p.add_argument("--markdown", action="store_true", help="print a markdown table instead of a terminal table")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..eval.compare import compare_methods, comparison_table
+    from ..eval.store import ResultStore
+
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
+    rows = ResultStore.open_existing(args.results).rows()
+    result = compare_methods(rows, args.a, args.b, metrics=metrics)
+    header, body = comparison_table(result, metrics)
+    title = f"A = {args.a}\nB = {args.b}"
+    if args.markdown:
+        print(title.replace("\n", "  \n") + "\n")
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for r in body:
+            print("| " + " | ".join(r) + " |")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for h in header:
+        table.add_column(h, justify="left" if h == "task" else "right")
+    for r in body:
+        table.add_row(*r)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(table)
+    return 0
