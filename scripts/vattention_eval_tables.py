@@ -1,0 +1,122 @@
+"""The method × density tables of docs/results/vattention-eval-setupB.md, from eval summary.csv files.
+
+    python scripts/vattention_eval_tables.py docs/results/vattention-eval-setupB/summary.csv \
+        docs/results/vattention-eval-h100/summary.csv
+
+(a later file's rows replace an earlier one's at the same length), then the paired comparisons
+(`kvsieve compare`) of vAttention with each baseline at each level, from the folders' rows.jsonl.
+
+Each method spec is placed at the density level (~5%, ~10%, ~20%) its parameters were chosen for;
+streaming's window is scaled with the context (sink 32 + window ≈ the level's share of the keys).
+"""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+from kvsieve.eval.compare import compare_methods
+
+SW = "sink=32,window=32"
+LEVELS = {  # level -> [(label, spec)]
+    "~5%": [("oracle-topk `top_k=0.02`", f"oracle-topk:{SW},top_k=0.02"),
+            ("oracle-topp `top_p=0.8`", f"oracle-topp:{SW},top_p=0.8"),
+            ("vattention (oracle) `top_k=0.02, f_b=0.01, ε=δ=0.2`",
+             f"vattention:{SW},top_k=0.02,base_rate=0.01,epsilon=0.2,delta=0.2"),
+            ("vattention (quest) same",
+             f"vattention:{SW},top_k=0.02,predictor=quest,base_rate=0.01,epsilon=0.2,delta=0.2"),
+            ("quest `top_k=0.02`", f"quest:{SW},top_k=0.02"),
+            ("random `budget=0.02`", f"random:{SW},budget=0.02"),
+            ("magicpig `K=8, L=16`", f"magicpig:budget=0,{SW},tables=16")],
+    "~10%": [("oracle-topk `top_k=0.07`", f"oracle-topk:{SW},top_k=0.07"),
+             ("oracle-topp `top_p=0.95`", f"oracle-topp:{SW},top_p=0.95"),
+             ("vattention (oracle) `top_k=0.05, f_b=0.02, ε=δ=0.1`",
+              f"vattention:{SW},top_k=0.05,base_rate=0.02,epsilon=0.1,delta=0.1"),
+             ("vattention (quest) same",
+              f"vattention:{SW},top_k=0.05,predictor=quest,base_rate=0.02,epsilon=0.1,delta=0.1"),
+             ("quest `top_k=0.07`", f"quest:{SW},top_k=0.07"),
+             ("random `budget=0.07`", f"random:{SW},budget=0.07"),
+             ("magicpig `K=8, L=48`", f"magicpig:budget=0,{SW},tables=48")],
+    "~20%": [("oracle-topk `top_k=0.17`", f"oracle-topk:{SW},top_k=0.17"),
+             ("oracle-topp `top_p=0.99`", f"oracle-topp:{SW},top_p=0.99"),
+             ("vattention (oracle) `top_k=0.15, f_b=0.02`, default ε=δ=0.05",
+              f"vattention:{SW},top_k=0.15,base_rate=0.02"),
+             ("vattention (quest) same", f"vattention:{SW},top_k=0.15,predictor=quest,base_rate=0.02"),
+             ("quest `top_k=0.17`", f"quest:{SW},top_k=0.17"),
+             ("random `budget=0.17`", f"random:{SW},budget=0.17"),
+             ("magicpig `K=8, L=110`", f"magicpig:budget=0,{SW},tables=110")],
+}
+STREAMING_WINDOW = {2048: (70, 172, 378), 4096: (172, 378, 786), 8176: (378, 786, 1603)}
+
+
+def fmt(x, digits):
+    return "–" if x in ("", None) else f"{float(x):.{digits}f}"
+
+
+def main(paths):
+    rows = {}
+    for path in paths:
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                rows[(int(r["length"]), r["method"])] = r
+    for length in sorted({k[0] for k in rows}):
+        dense = rows.get((length, "dense"))
+        if dense is None:
+            continue
+        print(f"\n### {length} tokens (dense {fmt(dense['score'], 0)}% [{fmt(dense['score_lo'], 0)}, "
+              f"{fmt(dense['score_hi'], 0)}], n = {dense['n']})\n")
+        print("| level | method | n | score [95% CI] | Δ vs dense [95% CI] | density | kv density | rel. error | "
+              "KL (nats) | top-1 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for i, (level, methods) in enumerate(LEVELS.items()):
+            window = STREAMING_WINDOW[length][i]
+            methods = methods + [(f"streaming `window={window}`", f"streaming:sink=32,window={window}")]
+            for label, spec in methods:
+                r = rows.get((length, spec))
+                if r is None:
+                    print(f"| {level} | {label} | 0 | not run | | | | | | |")
+                    continue
+                print(f"| {level} | {label} | {r['n']} | {fmt(r['score'], 0)} [{fmt(r['score_lo'], 0)}, "
+                      f"{fmt(r['score_hi'], 0)}] | {float(r['delta']):+.0f} [{float(r['delta_lo']):+.0f}, "
+                      f"{float(r['delta_hi']):+.0f}] | {fmt(r['density'], 3)} | {fmt(r['kv_density'], 3)} | "
+                      f"{fmt(r['rel_error'], 3)} | {fmt(r['kl_mean'], 4)} | {fmt(r['top1_agree'], 3)} |")
+
+
+PAIRS = [  # (A label, A index in the level, B label, B index)
+    ("vAtt(oracle)", 2, "oracle-topk", 0), ("vAtt(oracle)", 2, "oracle-topp", 1),
+    ("vAtt(quest)", 3, "quest", 4), ("vAtt(oracle)", 2, "random", 5), ("vAtt(oracle)", 2, "magicpig", 6),
+]
+
+
+def ci(v, digits):
+    star = "" if v["lo"] <= 0 <= v["hi"] else "*"
+    return f"{v['delta']:+.{digits}f} [{v['lo']:+.{digits}f}, {v['hi']:+.{digits}f}]{star}"
+
+
+def paired(paths):
+    by_length = {}
+    for path in paths:
+        with open(Path(path).parent / "rows.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        for length in {r["length"] for r in rows}:
+            by_length[length] = [r for r in rows if r["length"] == length]
+    print("\n### Paired differences A − B on the same prompts (95% bootstrap CI; * excludes 0)\n")
+    print("| length | level | A − B | n | Δ score | Δ KL (nats) | density A / B | kv density A / B |")
+    print("|---|---|---|---|---|---|---|---|")
+    for length in sorted(by_length):
+        rows = by_length[length]
+        for level, methods in LEVELS.items():
+            for a_label, ia, b_label, ib in PAIRS:
+                try:
+                    (res,) = compare_methods(rows, methods[ia][1], methods[ib][1],
+                                             metrics=("score", "kl_mean", "density", "kv_density"))
+                except ValueError:
+                    continue
+                d, kv = res["density"], res["kv_density"]
+                print(f"| {length} | {level} | {a_label} − {b_label} | {res['n']} | {ci(res['score'], 0)} | "
+                      f"{ci(res['kl_mean'], 4)} | {d['a']:.3f} / {d['b']:.3f} | {kv['a']:.3f} / {kv['b']:.3f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+    paired(sys.argv[1:])
