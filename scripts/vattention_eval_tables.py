@@ -3,7 +3,7 @@
     python scripts/vattention_eval_tables.py docs/results/vattention-eval-setupB/summary.csv \
         docs/results/vattention-eval-h100/summary.csv
 
-(a later file's rows replace an earlier one's at the same length), then the paired comparisons
+(a later file's rows replace an earlier one's at the same task and length), then the paired comparisons
 (`kvsieve compare`) of vAttention with each baseline at each level, from the folders' rows.jsonl.
 
 Each method spec is placed at the density level (~5%, ~10%, ~20%) its parameters were chosen for;
@@ -58,12 +58,12 @@ def main(paths):
     for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
-                rows[(int(r["length"]), r["method"])] = r
-    for length in sorted({k[0] for k in rows}):
-        dense = rows.get((length, "dense"))
+                rows[(r["task"], int(r["length"]), r["method"])] = r
+    for task, length in sorted({k[:2] for k in rows}, key=lambda k: (k[0] != "niah_single_2", k)):
+        dense = rows.get((task, length, "dense"))
         if dense is None:
             continue
-        print(f"\n### {length} tokens (dense {fmt(dense['score'], 0)}% [{fmt(dense['score_lo'], 0)}, "
+        print(f"\n### {task}, {length} tokens (dense {fmt(dense['score'], 0)}% [{fmt(dense['score_lo'], 0)}, "
               f"{fmt(dense['score_hi'], 0)}], n = {dense['n']})\n")
         print("| level | method | n | score [95% CI] | Δ vs dense [95% CI] | density | kv density | rel. error | "
               "KL (nats) | top-1 |")
@@ -72,9 +72,8 @@ def main(paths):
             window = STREAMING_WINDOW[length][i]
             methods = methods + [(f"streaming `window={window}`", f"streaming:sink=32,window={window}")]
             for label, spec in methods:
-                r = rows.get((length, spec))
+                r = rows.get((task, length, spec))
                 if r is None:
-                    print(f"| {level} | {label} | 0 | not run | | | | | | |")
                     continue
                 print(f"| {level} | {label} | {r['n']} | {fmt(r['score'], 0)} [{fmt(r['score_lo'], 0)}, "
                       f"{fmt(r['score_hi'], 0)}] | {float(r['delta']):+.0f} [{float(r['delta_lo']):+.0f}, "
@@ -98,13 +97,13 @@ def paired(paths):
     for path in paths:
         with open(Path(path).parent / "rows.jsonl") as f:
             rows = [json.loads(line) for line in f]
-        for length in {r["length"] for r in rows}:
-            by_length[length] = [r for r in rows if r["length"] == length]
+        for key in {(r["task"], r["length"]) for r in rows}:
+            by_length[key] = [r for r in rows if (r["task"], r["length"]) == key]
     print("\n### Paired differences A − B on the same prompts (95% bootstrap CI; * excludes 0)\n")
-    print("| length | level | A − B | n | Δ score | Δ KL (nats) | density A / B | kv density A / B |")
-    print("|---|---|---|---|---|---|---|---|")
-    for length in sorted(by_length):
-        rows = by_length[length]
+    print("| task | length | level | A − B | n | Δ score | Δ KL (nats) | density A / B | kv density A / B |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for task, length in sorted(by_length, key=lambda k: (k[0] != "niah_single_2", k)):
+        rows = by_length[(task, length)]
         for level, methods in LEVELS.items():
             for a_label, ia, b_label, ib in PAIRS:
                 try:
@@ -113,7 +112,7 @@ def paired(paths):
                 except ValueError:
                     continue
                 d, kv = res["density"], res["kv_density"]
-                print(f"| {length} | {level} | {a_label} − {b_label} | {res['n']} | {ci(res['score'], 0)} | "
+                print(f"| {task} | {length} | {level} | {a_label} − {b_label} | {res['n']} | {ci(res['score'], 0)} | "
                       f"{ci(res['kl_mean'], 4)} | {d['a']:.3f} / {d['b']:.3f} | {kv['a']:.3f} / {kv['b']:.3f} |")
 
 
