@@ -3,8 +3,10 @@
     python scripts/vattention_eval_tables.py docs/results/vattention-eval-setupB/summary.csv \
         docs/results/vattention-eval-h100/summary.csv
 
-(a later file's rows replace an earlier one's at the same task and length), then the paired comparisons
-(`kvsieve compare`) of vAttention with each baseline at each level, from the folders' rows.jsonl.
+prints the tables (a later file's rows replace an earlier one's at the same task and length), then the
+paired comparisons (`kvsieve compare`) of vAttention with each baseline at each level, from the
+folders' rows.jsonl. With `--methods LENGTH` it prints the grid's method list at that length instead
+(for `kvsieve eval --methods`).
 
 Each method spec is placed at the density level (~5%, ~10%, ~20%) its parameters were chosen for;
 streaming's window is scaled with the context (sink 32 + window ≈ the level's share of the keys).
@@ -46,6 +48,7 @@ LEVELS = {  # level -> [(label, spec)]
              ("random `budget=0.17`", f"random:{SW},budget=0.17"),
              ("magicpig `K=8, L=110`", f"magicpig:budget=0,{SW},tables=110")],
 }
+MIN_PROMPTS = 20  # smaller (task, length) groups (the first 5-prompt runs) are left out
 STREAMING_WINDOW = {2048: (70, 172, 378), 4096: (172, 378, 786), 8176: (378, 786, 1603)}
 
 
@@ -61,7 +64,7 @@ def main(paths):
                 rows[(r["task"], int(r["length"]), r["method"])] = r
     for task, length in sorted({k[:2] for k in rows}, key=lambda k: (k[0] != "niah_single_2", k)):
         dense = rows.get((task, length, "dense"))
-        if dense is None:
+        if dense is None or int(dense["n"]) < MIN_PROMPTS:
             continue
         print(f"\n### {task}, {length} tokens (dense {fmt(dense['score'], 0)}% [{fmt(dense['score_lo'], 0)}, "
               f"{fmt(dense['score_hi'], 0)}], n = {dense['n']})\n")
@@ -98,7 +101,9 @@ def paired(paths):
         with open(Path(path).parent / "rows.jsonl") as f:
             rows = [json.loads(line) for line in f]
         for key in {(r["task"], r["length"]) for r in rows}:
-            by_length[key] = [r for r in rows if (r["task"], r["length"]) == key]
+            group = [r for r in rows if (r["task"], r["length"]) == key]
+            if sum(r["method"] == "dense" for r in group) >= MIN_PROMPTS:
+                by_length[key] = group
     print("\n### Paired differences A − B on the same prompts (95% bootstrap CI; * excludes 0)\n")
     print("| task | length | level | A − B | n | Δ score | Δ KL (nats) | density A / B | kv density A / B |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -116,6 +121,16 @@ def paired(paths):
                       f"{ci(res['kl_mean'], 4)} | {d['a']:.3f} / {d['b']:.3f} | {kv['a']:.3f} / {kv['b']:.3f} |")
 
 
+def grid_methods(length):
+    """The ';'-separated method list of the grid at one length (dense, the levels, streaming scaled)."""
+    specs = ["dense"] + [spec for methods in LEVELS.values() for _, spec in methods]
+    specs += [f"streaming:sink=32,window={w}" for w in STREAMING_WINDOW[length]]
+    return ";".join(specs)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
-    paired(sys.argv[1:])
+    if sys.argv[1:2] == ["--methods"]:
+        print(grid_methods(int(sys.argv[2])))
+    else:
+        main(sys.argv[1:])
+        paired(sys.argv[1:])
