@@ -20,33 +20,27 @@ from pathlib import Path
 from kvsieve.eval.compare import compare_methods
 
 SW = "sink=32,window=32"
-LEVELS = {  # level -> [(label, spec)]
-    "~5%": [("oracle-topk `top_k=0.02`", f"oracle-topk:{SW},top_k=0.02"),
-            ("oracle-topp `top_p=0.8`", f"oracle-topp:{SW},top_p=0.8"),
-            ("vattention (oracle) `top_k=0.02, f_b=0.01, ε=δ=0.2`",
-             f"vattention:{SW},top_k=0.02,base_rate=0.01,epsilon=0.2,delta=0.2"),
+
+
+def level(top_k, top_p, v_top_k, base_rate, eps, random, tables):
+    """[(label, spec)] of one density level; vAttention's ε = δ = ``eps`` (None: its default)."""
+    eps_param = f",epsilon={eps},delta={eps}" if eps else ""
+    v_label = f"`top_k={v_top_k}, f_b={base_rate}" + (f", ε=δ={eps}`" if eps else "`, default ε=δ=0.05")
+    return [(f"oracle-topk `top_k={top_k}`", f"oracle-topk:{SW},top_k={top_k}"),
+            (f"oracle-topp `top_p={top_p}`", f"oracle-topp:{SW},top_p={top_p}"),
+            (f"vattention (oracle) {v_label}", f"vattention:{SW},top_k={v_top_k},base_rate={base_rate}{eps_param}"),
             ("vattention (quest) same",
-             f"vattention:{SW},top_k=0.02,predictor=quest,base_rate=0.01,epsilon=0.2,delta=0.2"),
-            ("quest `top_k=0.02`", f"quest:{SW},top_k=0.02"),
-            ("random `budget=0.02`", f"random:{SW},budget=0.02"),
-            ("magicpig `K=8, L=16`", f"magicpig:budget=0,{SW},tables=16")],
-    "~10%": [("oracle-topk `top_k=0.07`", f"oracle-topk:{SW},top_k=0.07"),
-             ("oracle-topp `top_p=0.95`", f"oracle-topp:{SW},top_p=0.95"),
-             ("vattention (oracle) `top_k=0.05, f_b=0.02, ε=δ=0.1`",
-              f"vattention:{SW},top_k=0.05,base_rate=0.02,epsilon=0.1,delta=0.1"),
-             ("vattention (quest) same",
-              f"vattention:{SW},top_k=0.05,predictor=quest,base_rate=0.02,epsilon=0.1,delta=0.1"),
-             ("quest `top_k=0.07`", f"quest:{SW},top_k=0.07"),
-             ("random `budget=0.07`", f"random:{SW},budget=0.07"),
-             ("magicpig `K=8, L=48`", f"magicpig:budget=0,{SW},tables=48")],
-    "~20%": [("oracle-topk `top_k=0.17`", f"oracle-topk:{SW},top_k=0.17"),
-             ("oracle-topp `top_p=0.99`", f"oracle-topp:{SW},top_p=0.99"),
-             ("vattention (oracle) `top_k=0.15, f_b=0.02`, default ε=δ=0.05",
-              f"vattention:{SW},top_k=0.15,base_rate=0.02"),
-             ("vattention (quest) same", f"vattention:{SW},top_k=0.15,predictor=quest,base_rate=0.02"),
-             ("quest `top_k=0.17`", f"quest:{SW},top_k=0.17"),
-             ("random `budget=0.17`", f"random:{SW},budget=0.17"),
-             ("magicpig `K=8, L=110`", f"magicpig:budget=0,{SW},tables=110")],
+             f"vattention:{SW},top_k={v_top_k},predictor=quest,base_rate={base_rate}{eps_param}"),
+            (f"quest `top_k={top_k}`", f"quest:{SW},top_k={top_k}"),
+            (f"random `budget={random}`", f"random:{SW},budget={random}"),
+            (f"magicpig `K=8, L={tables}`", f"magicpig:budget=0,{SW},tables={tables}")]
+
+
+LEVELS = {
+    #          top-k  top-p  vAttention top-k, f_b, ε=δ  random  MagicPIG tables
+    "~5%": level(0.02, 0.8, 0.02, 0.01, 0.2, 0.02, 16),
+    "~10%": level(0.07, 0.95, 0.05, 0.02, 0.1, 0.07, 48),
+    "~20%": level(0.17, 0.99, 0.15, 0.02, None, 0.17, 110),
 }
 MIN_PROMPTS = 20  # smaller (task, length) groups (the first 5-prompt runs) are left out
 STREAMING_WINDOW = {2048: (70, 172, 378), 4096: (172, 378, 786), 8176: (378, 786, 1603)}

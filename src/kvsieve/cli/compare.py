@@ -20,30 +20,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.compare import compare_methods, comparison_table
+    from ..eval.report import markdown_text_table, print_text_table
     from ..eval.store import ResultStore
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()]
     rows = ResultStore.open_existing(args.results).rows()
-    result = compare_methods(rows, args.a, args.b, metrics=metrics)
-    header, body = comparison_table(result, metrics)
-    title = f"A = {args.a}\nB = {args.b}"
+    header, body = comparison_table(compare_methods(rows, args.a, args.b, metrics=metrics), metrics)
     if args.markdown:
-        print(title.replace("\n", "  \n") + "\n")
-        print("| " + " | ".join(header) + " |")
-        print("|" + "---|" * len(header))
-        for r in body:
-            print("| " + " | ".join(r) + " |")
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for h in header:
-        table.add_column(h, justify="left" if h == "task" else "right")
-    for r in body:
-        table.add_row(*r)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
-    console.print(table)
+        print(f"A = {args.a}  \nB = {args.b}\n")
+        print(markdown_text_table(header, body), end="")
+    else:
+        print_text_table(header, body, f"A = {args.a}\nB = {args.b}")
     return 0

@@ -121,19 +121,18 @@ def table_rows(summary: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
     return header, body
 
 
-def print_table(summary: Sequence[dict[str, Any]], title: str = "kvsieve eval") -> None:
+def print_text_table(header: Sequence[str], body: Sequence[Sequence[str]], title: str,
+                     sections: Sequence[Any] | None = None) -> None:
+    """A terminal table (rich); a new section starts wherever ``sections[i]`` changes."""
     from rich.console import Console
     from rich.table import Table
 
-    header, body = table_rows(summary)
     table = Table(title=title, title_justify="left")
     for h in header:
         table.add_column(h, justify="left" if h in ("task", "method") else "right")
-    last = None
-    for row, s in zip(body, summary, strict=True):
-        if last is not None and (s["task"], s["length"]) != last:
+    for i, row in enumerate(body):
+        if sections is not None and i > 0 and sections[i] != sections[i - 1]:
             table.add_section()
-        last = (s["task"], s["length"])
         table.add_row(*row)
     console = Console()
     if not console.is_terminal:
@@ -141,11 +140,19 @@ def print_table(summary: Sequence[dict[str, Any]], title: str = "kvsieve eval") 
     console.print(table)
 
 
-def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
-    header, body = table_rows(summary)
+def markdown_text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     return "\n".join(lines) + "\n"
+
+
+def print_table(summary: Sequence[dict[str, Any]], title: str = "kvsieve eval") -> None:
+    header, body = table_rows(summary)
+    print_text_table(header, body, title, sections=[(s["task"], s["length"]) for s in summary])
+
+
+def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
+    return markdown_text_table(*table_rows(summary))
 
 
 def write_tables(store: ResultStore, rows: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
