@@ -1,0 +1,130 @@
+"""Compile the Triton kernels of the santa/dense paths for a GPU target on a machine without a GPU, and
+print each kernel's registers, spills (stack) and shared memory: compile failures and register counts
+cost no device time this way.
+
+The launches are those of real calls on CPU tensors (shapes below); instead of running, each launch is
+compiled ahead of time (``triton.compile`` of an ``ASTSource`` with the launch's signature, its ints equal
+to 1 as constants and 16-byte divisibility where Triton would specialise on it), so the binaries match
+what the GPU would build. Use the GPU machine's Triton version (3.6 on the H100), e.g.
+
+    python3.11 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
+    PYTHONPATH=src /tmp/t36/bin/python scripts/compile_for_gpu.py --n 32768 --paths prop,flash,prop-v10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kvsieve.kernels import (  # noqa: E402
+    triton_common,
+    triton_dense,
+    triton_santa,
+    triton_santa_onepass,
+    triton_santa_overlap,
+)
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
+         torch.int64: "i64"}
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+def resources(cubin: bytes) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    return " ".join(line.strip() for line in out.splitlines() if "REG" in line)
+
+
+def compile_launch(kernel, grid, *args, capability: int, ptx_dir: str | None = None, **meta) -> None:
+    options = {k: meta.pop(k) for k in list(meta) if k in OPTIONS}
+    meta.pop("launch_pdl", None)
+    names = kernel.arg_names
+    signature, constants, attrs = {}, {}, {}
+    for i, name in enumerate(names):
+        a = args[i] if i < len(args) else None
+        if name in meta:
+            signature[name], constants[(i,)] = "constexpr", meta[name]
+            continue
+        if isinstance(a, torch.Tensor):
+            signature[name] = "*" + TYPES[a.dtype]
+            if a.data_ptr() % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, bool):
+            signature[name] = "i1"
+        elif isinstance(a, int):
+            if a == 1:
+                signature[name], constants[(i,)] = "constexpr", 1
+                continue
+            signature[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
+            if a % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(a, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} of type {type(a).__name__}")
+    try:
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs),
+                                  target=GPUTarget("cuda", capability, 32), options=options)
+        if ptx_dir:
+            Path(ptx_dir, f"{kernel.__name__}.ptx").write_text(compiled.asm["ptx"])
+        print(f"OK   {kernel.__name__:28s} {options} dynamic shared {compiled.metadata.shared} B; "
+              f"{resources(compiled.asm['cubin'])}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported, the other kernels still compile
+        print(f"FAIL {kernel.__name__}: {exc}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=32768, help="keys (Llama-3.1-8B heads 32/8/128, bf16, batch 1)")
+    ap.add_argument("--paths", default="dense,prop,flash,prop-v9,flash-v9,prop-v10,flash-v10")
+    ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for H100")
+    ap.add_argument("--ptx", default=None, help="also write each kernel's PTX into this folder")
+    args = ap.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        ap.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
+
+    def fake_launch(kernel, grid, *a, **meta):
+        compile_launch(kernel, grid, *a, capability=args.capability, ptx_dir=args.ptx, **meta)
+
+    for module in (triton_common, triton_dense, triton_santa, triton_santa_onepass, triton_santa_overlap):
+        module.launch = fake_launch
+    triton_santa._hopper_or_newer = lambda device: args.capability >= 90
+    triton_santa_onepass._sm_count = lambda device: 132
+    torch.cuda.current_device = lambda: 0
+    q = torch.randn(1, 32, 128).to(torch.bfloat16)
+    k = torch.randn(1, 8, args.n, 128).to(torch.bfloat16)
+    v = torch.randn(1, 8, args.n, 128).to(torch.bfloat16)
+    lens = torch.full((1,), args.n, dtype=torch.int32)
+    scale = 128 ** -0.5
+    for path in args.paths.split(","):
+        print(f"# {path}")
+        if path == "dense":
+            triton_dense.dense_decode_triton(q, k, v, lens, scale)
+        elif path in ("prop", "prop-v9", "prop-v10"):
+            triton_santa.santa_prop_triton(q, k, v, lens, scale, 128, 256, 1, onepass=path == "prop-v9",
+                                           overlap=path == "prop-v10")
+        elif path in ("flash", "flash-v9", "flash-v10"):
+            triton_santa.santa_flash_triton(q, k, v, lens, scale, 2048, 256, 1, onepass=path == "flash-v9",
+                                            overlap=path == "flash-v10")
+        else:
+            ap.error(f"--paths: unknown path {path!r} (dense, prop, flash, prop-v9, flash-v9, prop-v10, flash-v10)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
