@@ -39,15 +39,21 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 # (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
 # the 4-launch path with the merge kernel
 PROP_VARIANTS = [
-    ("prop_lr", "largest-remainder", {"compact": True}),
-    ("prop_sys", "systematic", {"compact": True}),
-    ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True}),
-    ("prop_lr_v7", "largest-remainder", {"compact": False}),
+    ("prop_lr", "largest-remainder", {"compact": True, "onepass": False}),
+    ("prop_sys", "systematic", {"compact": True, "onepass": False}),
+    ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True, "onepass": False}),
+    ("prop_lr_v7", "largest-remainder", {"compact": False, "onepass": False}),
+    ("prop_lr_v9", "largest-remainder", {"onepass": True}),
+    ("prop_sys_v9", "systematic", {"onepass": True}),
+    ("prop_lr_v10", "largest-remainder", {"overlap": True}),
+    ("prop_sys_v10", "systematic", {"overlap": True}),
 ]
-# santa-flash: v8 (stats + compacted sampling, merge folded) and the fused kernel (v6/v7 default)
+# santa-flash: v8 (stats + compacted sampling, merge folded), the fused kernel (v6/v7 default), v9 (one launch)
 FLASH_VARIANTS = [
-    ("flash_v8", {"fused": False, "fold_merge": True}),
-    ("flash_fused", {"fused": True}),
+    ("flash_v8", {"fused": False, "fold_merge": True, "onepass": False}),
+    ("flash_fused", {"fused": True, "onepass": False}),
+    ("flash_v9", {"onepass": True}),
+    ("flash_v10", {"overlap": True}),
 ]
 
 
@@ -319,20 +325,19 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
 
     def prop(**o):
         o.setdefault("compact", True)
+        o.setdefault("onepass", False)
         return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
 
     def flash(**o):
         o.setdefault("fused", False)
+        o.setdefault("onepass", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
     def pdl(fn):
         """``fn`` with programmatic dependent launch on (the module flag is read at launch time)."""
         def call():
-            triton_santa.PDL = True
-            try:
+            with triton_santa.programmatic_dependent_launch(True):
                 return fn()
-            finally:
-                triton_santa.PDL = False
         return call
 
     calls = {}
@@ -370,28 +375,91 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
     return calls
 
 
-def sweep_v8(log, contexts=(32768, 131072)) -> list[dict]:
-    """v7 against v8 and the v8 launch variants, whole calls, graph-timed (cold L2), with the per-kernel
-    breakdown of the main ones."""
+def v9_calls(q, k, v, lens32) -> dict:
+    """Whole calls (llama shape, S = 128 prop / 2048 flash): v8 against the one-launch kernel (v9) and its
+    parameters (tiles per stats item, lag, tickets or program order, stages, warps)."""
+    from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
+
+    scale, tile = 128 ** -0.5, 256
+    calls = {name: fn for name, fn in v8_calls(q, k, v, lens32, full=False).items()
+             if name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-fused-v7")}
+
+    def v9(flash, **o):
+        return lambda: santa_onepass_triton(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
+                                            **o)[0]
+
+    # i: tiles per stats item, p: programs per SM, s: share (%) of programs that may sample at once,
+    # r: register cap (the persistent loop compiles to ~212 registers: 2 programs per SM)
+    grid = [(1, 2, 50, 0), (2, 2, 50, 0), (4, 2, 50, 0), (2, 2, 25, 0), (2, 2, 100, 0),
+            (2, 4, 50, 128), (4, 4, 50, 128), (2, 3, 50, 168)]
+    for flash, tag in ((False, "prop"), (True, "flash")):
+        for i, p, sh, r in grid:
+            calls[f"{tag}-v9-i{i}-p{p}-s{sh}-r{r}"] = v9(flash, tiles_per_item=i, programs_per_sm=p,
+                                                        sampler_share=sh / 100, maxnreg=r)
+    return calls
+
+
+def v10_calls(q, k, v, lens32) -> dict:
+    """Whole calls (llama shape, S = 128 prop / 2048 flash): v8 against the overlapped passes (v10) and their
+    parameters (stats programs, stats key block and stages, sampling warps; PDL off: no overlap)."""
+    from kvsieve.kernels import triton_santa
+    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+
+    scale, tile = 128 ** -0.5, 256
+    calls = {name: fn for name, fn in v8_calls(q, k, v, lens32, full=False).items()
+             if name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-fused-v7")}
+
+    def v10(flash, pdl=True, **o):
+        def call():
+            with triton_santa.programmatic_dependent_launch(pdl):
+                return santa_overlap_triton(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
+                                            **o)[0]
+        return call
+
+    from kvsieve.kernels.triton_santa_overlap import ordered_stats_only
+
+    calls["stats-v8"] = lambda: triton_santa._tile_stats(q, k, lens32, scale, tile, block_n=64, num_warps=4,
+                                                         num_stages=3, stats_programs=264)
+    for programs in (528,):  # the ordered stats pass alone (its counters are reset after the timing)
+        calls[f"stats-v10-p{programs}"] = lambda programs=programs: ordered_stats_only(
+            q, k, lens32, scale, tile, stats_programs=programs)
+    for flash, tag in ((False, "prop"), (True, "flash")):
+        for programs, block_n, stages in ((528, 64, 3), (528, 128, 2), (396, 128, 2), (792, 128, 2)):
+            calls[f"{tag}-v10-p{programs}-b{block_n}"] = v10(flash, stats_programs=programs, block_n=block_n,
+                                                             num_stages=stages)
+        calls[f"{tag}-v10-p528-b128-nopdl"] = v10(flash, pdl=False, stats_programs=528, block_n=128, num_stages=2)
+        calls[f"{tag}-v10-p528-b128-naps2"] = v10(flash, stats_programs=528, block_n=128, num_stages=2, naps=2)
+        calls[f"{tag}-v10-p528-b128-naps32"] = v10(flash, stats_programs=528, block_n=128, num_stages=2, naps=32)
+    return calls
+
+
+def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8") -> list[dict]:
+    """v7 against v8 and the v8 launch variants (or ``calls_of``'s calls), whole calls, graph-timed (cold
+    L2), with the per-kernel breakdown of the main ones."""
     from kvsieve.bench.timing import ColdL2Timer
 
     timer = ColdL2Timer()
     rows = []
     for n in contexts:
         q, k, v, lens32 = _llama_inputs(n)
-        calls = v8_calls(q, k, v, lens32, full=True)
+        calls = (calls_of or (lambda *a: v8_calls(*a, full=True)))(q, k, v, lens32)
         for name, fn in calls.items():
             try:
                 r = timer.time_graph_us(fn, warmup=3, iters=20)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                 r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            if name.startswith("stats-v10"):
+                from kvsieve.kernels.triton_santa_overlap import reset_sync
+
+                torch.cuda.synchronize()
+                reset_sync(q)
             row = {"n": n, "variant": name, **r}
             if "error" not in r and name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-rank", "flash-fused-v7",
                                              "flash-v8", "dense", "flashinfer"):
                 row["kernels_us"] = timer.kernel_breakdown(fn)
             rows.append(row)
             kern = ", ".join(f"{a[:24]} {b:.1f}" for a, b in (row.get("kernels_us") or {}).items())
-            log(f"V8 n={n} {name}: {r.get('median_us', r.get('error'))} {kern}")
+            log(f"{tag} n={n} {name}: {r.get('median_us', r.get('error'))} {kern}")
         del q, k, v
         torch.cuda.empty_cache()
     return rows
@@ -426,28 +494,45 @@ def smoke(n: int = 32768) -> int:
                                    {"compact": True, "rank_budgets": True}, {"compact": True, "pdl": True},
                                    {"compact": True, "r_max": 32})]
     cases += [("flash", o) for o in ({"fused": False}, {"fused": False, "pdl": True}, {"fused": False, "r_max": 16})]
+    v9_opts = ({}, {"tiles_per_item": 1}, {"tiles_per_item": 4, "sampler_share": 0.1},
+               {"programs_per_sm": 4, "maxnreg": 128}, {"programs_per_sm": 1, "sampler_share": 1.0})
+    cases += [("prop9", o) for o in v9_opts] + [("flash9", o) for o in v9_opts]
+    v10_opts = ({"pdl": True}, {"pdl": False}, {"pdl": True, "stats_programs": 528, "block_n": 128, "num_stages": 2})
+    cases += [("prop10", o) for o in v10_opts] + [("flash10", o) for o in v10_opts]
+    from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
+    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+
     for kind, o in cases:
         o = dict(o)
-        triton_santa.PDL = o.pop("pdl", False)
+        pdl_on = o.pop("pdl", False)
         try:
-            if kind == "prop":
-                o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
-                same_budgets = bool(torch.equal(b7, b8))
-                ref_o, ref_c = o7, c7
-            else:
-                o8, c8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
-                same_budgets = True
-                ref_o, ref_c = f7, fc7
-            torch.cuda.synchronize()
-            mis, err = float((ref_c != c8).double().mean()), rel(o8, ref_o)
-            ok = same_budgets and mis < 1e-4 and err < 2e-2
-            print(f"SMOKE {kind} {o} pdl={triton_santa.PDL}: ok {ok}, budgets equal {same_budgets}, "
-                  f"count mismatch {mis:.1e}, rel {err:.1e}")
+            with triton_santa.programmatic_dependent_launch(pdl_on):
+                if kind in ("prop9", "flash9", "prop10", "flash10"):  # twice: the sync words must reset
+                    flash = kind.startswith("flash")
+                    fn = santa_onepass_triton if kind.endswith("9") else santa_overlap_triton
+                    for _ in range(2):
+                        o8, c8, b8 = fn(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
+                                        write_counts=True, **o)
+                    torch.cuda.synchronize()
+                    same_budgets = flash or bool(torch.equal(b7, b8))
+                    ref_o, ref_c = (f7, fc7) if flash else (o7, c7)
+                elif kind == "prop":
+                    o8, c8, b8 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, write_counts=True, **o)
+                    same_budgets = bool(torch.equal(b7, b8))
+                    ref_o, ref_c = o7, c7
+                else:
+                    o8, c8 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, write_counts=True, **o)
+                    same_budgets = True
+                    ref_o, ref_c = f7, fc7
+                torch.cuda.synchronize()
+                mis, err = float((ref_c != c8).double().mean()), rel(o8, ref_o)
+                ok = same_budgets and mis < 1e-4 and err < 2e-2
+                print(f"SMOKE {kind} {o} pdl={pdl_on}: ok {ok}, budgets equal {same_budgets}, "
+                      f"count mismatch {mis:.1e}, rel {err:.1e}")
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, the others still run
             ok = False
-            print(f"SMOKE {kind} {o} pdl={triton_santa.PDL}: {type(exc).__name__}: {str(exc)[:400]}")
+            print(f"SMOKE {kind} {o} pdl={pdl_on}: {type(exc).__name__}: {str(exc)[:400]}")
         bad += not ok
-    triton_santa.PDL = False
     return 2 if bad else 0
 
 
@@ -514,7 +599,9 @@ def main() -> int:
     ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
     ap.add_argument("--check-only", default=None, help='a subset of the checks, e.g. "bf16:0,1,7" (dtypes:shapes)')
     ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
-    ap.add_argument("--smoke", action="store_true", help="v8 paths once at 32k against v7 (exit 2 on a mismatch)")
+    ap.add_argument("--sweep-v9", default=None, help="v8 against the one-launch kernel's variants at these contexts")
+    ap.add_argument("--sweep-v10", default=None, help="v8 against the overlapped passes' variants at these contexts")
+    ap.add_argument("--smoke", action="store_true", help="v8/v9 paths once at 32k against v7 (exit 2 on a mismatch)")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
@@ -564,6 +651,17 @@ def main() -> int:
         report["sweep_v8"] = sweep_v8(log, contexts)
         log(f"sweep-v8: {time.time() - t0:.0f}s")
         report["compiled"] = compiled_resources(log)
+    if args.sweep_v9:
+        t0 = time.time()
+        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v9.split(","))
+        report["sweep_v9"] = sweep_v8(log, contexts, calls_of=v9_calls, tag="V9")
+        log(f"sweep-v9: {time.time() - t0:.0f}s")
+        report["compiled"] = compiled_resources(log)
+    if args.sweep_v10:
+        t0 = time.time()
+        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v10.split(","))
+        report["sweep_v10"] = sweep_v8(log, contexts, calls_of=v10_calls, tag="V10")
+        log(f"sweep-v10: {time.time() - t0:.0f}s")
     if args.model_attention:
         t0 = time.time()
         report["model_attention"] = check_model_attention(log, args.model_attention)

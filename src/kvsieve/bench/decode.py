@@ -26,7 +26,10 @@ DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flas
 # stats, budgets, compacted sampling with the merge folded in (3 launches); santa-prop-v7 = stats, budgets,
 # v7 sampling with the merge folded in (3 launches); santa-prop-4launch = stats, budgets, v7 sampling, merge;
 # santa-flash-v8 = stats + compacted sampling with the merge folded in (2 launches); santa-flash-fused = the
-# fused kernel + merge (2 launches); santa-flash-split = stats + v7 sampling pass + merge (3 launches)
+# fused kernel + merge (2 launches); santa-flash-split = stats + v7 sampling pass + merge (3 launches);
+# santa-prop-v9 / santa-flash-v9 = the one-launch kernel (stats, budgets and sampling overlapped per KV head);
+# santa-prop-v10 / santa-flash-v10 = stats in (row, KV head) order + the sampling kernel launched early (PDL);
+# a "-pdl" / "-nopdl" suffix = the same path with programmatic dependent launch on / off (default: on, Hopper+)
 
 
 @dataclass
@@ -42,8 +45,9 @@ class Case:
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
     known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-             "santa-prop-v8", "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-fused",
-             "santa-flash-split")
+             "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v9", "santa-prop-v10",
+             "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-v8-pdl", "santa-flash-v8-nopdl",
+             "santa-flash-v9", "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
     if name not in known:
         raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
@@ -119,6 +123,16 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
         return lambda: F.scaled_dot_product_attention(q4, x.k, x.v, enable_gqa=True)
     if name == "dense":
         return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
+    if name.endswith("pdl"):
+        from ..kernels.triton_santa import programmatic_dependent_launch
+
+        base, _, suffix = name.rpartition("-")
+        fn = make_call(base, budget, case, x, flashinfer, seed, workspace)
+
+        def with_pdl_set():
+            with programmatic_dependent_launch(suffix == "pdl"):
+                return fn()
+        return with_pdl_set
     tile = auto_tile_size(case.n)
     if name.startswith("santa-flash"):
         fopts = flash_options(name)
@@ -131,18 +145,24 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
 
 def prop_options(name: str) -> dict:
     """santa-prop-v7: the v7 sampling pass; santa-prop-v8: the compacted one; santa-prop-4launch: the merge
-    in its own kernel."""
-    return {"santa-prop-v7": {"compact": False},
-            "santa-prop-v8": {"compact": True},
-            "santa-prop-4launch": {"compact": False, "fold_merge": False}}.get(name, {})
+    in its own kernel; santa-prop-v9: the one-launch kernel."""
+    return {"santa-prop-v7": {"compact": False, "onepass": False, "overlap": False},
+            "santa-prop-v8": {"compact": True, "onepass": False, "overlap": False},
+            "santa-prop-v9": {"onepass": True},
+            "santa-prop-v10": {"overlap": True, "onepass": False},
+            "santa-prop-4launch": {"compact": False, "fold_merge": False, "onepass": False, "overlap": False}
+            }.get(name, {})
 
 
 def flash_options(name: str) -> dict:
     """santa-flash-v8: stats + compacted sampling pass (merge folded); santa-flash-fused: the fused kernel +
-    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge."""
-    return {"santa-flash-v8": {"fused": False, "fold_merge": True},
-            "santa-flash-fused": {"fused": True},
-            "santa-flash-split": {"fused": False, "fold_merge": False}}.get(name, {})
+    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge; santa-flash-v9: the one-launch kernel."""
+    return {"santa-flash-v8": {"fused": False, "fold_merge": True, "onepass": False, "overlap": False},
+            "santa-flash-v9": {"onepass": True},
+            "santa-flash-v10": {"overlap": True, "onepass": False},
+            "santa-flash-fused": {"fused": True, "onepass": False, "overlap": False},
+            "santa-flash-split": {"fused": False, "fold_merge": False, "onepass": False, "overlap": False}
+            }.get(name, {})
 
 
 def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
@@ -156,6 +176,7 @@ def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: in
     if not name.startswith("santa"):
         return {"bytes": 2.0 * k_bytes, "v_row_fraction": 1.0}
     tile = auto_tile_size(case.n)
+    name = name.removesuffix("-nopdl").removesuffix("-pdl")  # same samples with or without PDL
     if name.startswith("santa-flash"):
         _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True,
                                        **flash_options(name))

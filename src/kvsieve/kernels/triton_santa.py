@@ -29,6 +29,9 @@ come from ``triton_common.workspace`` (cached per device), with explicit strides
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 
 from .triton_common import (
@@ -216,6 +219,48 @@ if triton is not None:
             tl.store(l_ptr + b * s_ml_b + heads * s_ml_h + t, l, mask=g_ok)
 
     @triton.jit
+    def _stats_tiles(q_ptr, k_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, b, kvh, t0, t1, length, scale, hq,
+                     s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
+                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr):
+        """Tiles t0..t1-1 of (row b, KV head kvh): per-tile max m and sum l of e^{s-m}, and the float32
+        score stash, streamed in one pipelined loop over sub-blocks (long streams keep K loads in flight),
+        resetting (m, l) at each tile start. ``TRACK_MAX``: also folds the max of these scores into
+        ``mstar [B·Hq]`` (float32 atomic max)."""
+        SUBS: tl.constexpr = TILE // BLOCK_N
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        k_base = k_ptr + b * s_k_b + kvh * s_k_h
+        u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
+        ml_base = b * s_ml_b + heads * s_ml_h
+        m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for j in range(t0 * SUBS, t1 * SUBS):
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < length
+            k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+            first = (j % SUBS) == 0
+            m = tl.where(first, float("-inf"), m)
+            l = tl.where(first, 0.0, l)
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+            m = m_new
+            if TRACK_MAX:
+                m_all = tl.maximum(m_all, m)
+            done = (j % SUBS) == SUBS - 1
+            tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
+            tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
+        if TRACK_MAX:
+            tl.atomic_max(mstar_ptr + b * hq + heads, m_all, mask=g_ok, sem="relaxed")
+
+    @triton.jit
     def _tile_stats_kernel(
         q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr,
         scale, tiles_per_program, hq,
@@ -223,12 +268,9 @@ if triton is not None:
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr,
     ):
-        """Pass 1: per-tile max m and sum l of e^{s-m}, and the float32 score stash. Each program
-        streams ``tiles_per_program`` consecutive tiles in one pipelined loop over sub-blocks (long
-        streams keep K loads in flight), resetting (m, l) at each tile start. ``TRACK_MAX``: each
-        program also folds the max of its scores into ``mstar [B·Hq]`` (float32 atomic max), so that
-        the sampling pass knows every head's global max without reading all tiles."""
-        SUBS: tl.constexpr = TILE // BLOCK_N
+        """Pass 1: ``_stats_tiles`` over ``tiles_per_program`` consecutive tiles per program; with
+        ``TRACK_MAX`` each head's global max is left in ``mstar``, so that the sampling pass knows it
+        without reading all tiles."""
         if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -239,84 +281,50 @@ if triton is not None:
         t0 = pid * tiles_per_program
         t1 = tl.minimum(t0 + tiles_per_program, tiles_b)
         if t0 < t1:
-            offs_g = tl.arange(0, BLOCK_G)
-            offs_d = tl.arange(0, D)
-            g_ok = offs_g < G
-            heads = kvh * G + offs_g
-            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
-                        other=0.0)
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_G], tl.float32)
-            k_base = k_ptr + b * s_k_b + kvh * s_k_h
-            u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
-            ml_base = b * s_ml_b + heads * s_ml_h
-            m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            for j in range(t0 * SUBS, t1 * SUBS):
-                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < length
-                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-                s = tl.where(n_ok[None, :], s, float("-inf"))
-                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                first = (j % SUBS) == 0
-                m = tl.where(first, float("-inf"), m)
-                l = tl.where(first, 0.0, l)
-                m_new = tl.maximum(m, tl.max(s, axis=1))
-                l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-                m = m_new
-                if TRACK_MAX:
-                    m_all = tl.maximum(m_all, m)
-                done = (j % SUBS) == SUBS - 1
-                tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
-                tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
-            if TRACK_MAX:
-                tl.atomic_max(mstar_ptr + b * hq + heads, m_all, mask=g_ok, sem="relaxed")
+            _stats_tiles(q_ptr, k_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, b, kvh, t0, t1, length, scale, hq,
+                         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
+                         G, BLOCK_G, D, TILE, BLOCK_N, DOT_PRECISION, TRACK_MAX)
 
     @triton.jit
-    def _head_budgets(m_ptr, l_ptr, budgets_ptr, h, b, tiles_b, budget, seed_lo, seed_hi, budget_key, n_tiles, hq,
-                      s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
-        """One head's tile budgets from the tile masses W_t = e^{m_t - m*} l_t (Alg. 4): largest
-        remainder (the +1s go to the largest fractional parts, ties to the lower tile: a sort of the
-        fractions quantised to 2^-40) or systematic rounding (fixed-point prefix sums
-        with 2^-32 resolution)."""
+    def _group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, tiles_b, budget, seed_lo, seed_hi, budget_key,
+                       n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
+        """The tile budgets of the heads ``heads [R]`` (``h_ok``: real rows) of batch row b, from the tile
+        masses W_t = e^{m_t - m*} l_t (Alg. 4): largest remainder (the +1s go to the largest fractional
+        parts, ties to the lower tile: a sort of the fractions quantised to 2^-40) or systematic rounding
+        (fixed-point prefix sums with 2^-32 resolution). (m, l) are read from L2 (``.cg``): in the one-pass
+        kernel other programs wrote them during the same launch."""
         cols = tl.arange(0, BLOCK_T)
-        ok = cols < tiles_b
-        row = b * s_ml_b + h * s_ml_h
-        m = tl.load(m_ptr + row + cols, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + row + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        m_star = tl.max(m, axis=0)
-        w = tl.where(ok, tl.exp(m - m_star) * l, 0.0).to(tl.float64)
-        z = tl.sum(w, axis=0)
-        share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))
+        ok = h_ok[:, None] & (cols < tiles_b)[None, :]
+        row = (b * s_ml_b + heads * s_ml_h)[:, None] + cols[None, :]
+        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+        m_star = tl.max(m, axis=1)
+        w = tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
+        z = tl.sum(w, axis=1)
+        share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))[:, None]
         if SYSTEMATIC:
-            a_b = hash_uniform(seed_lo, seed_hi, budget_key, tl.full([1], 0, tl.int64) + b * hq + h)
+            a_b = hash_uniform(seed_lo, seed_hi, budget_key, (b * hq + heads).to(tl.int64))
             x = tl.floor(share * 4294967296.0).to(tl.int64)
             top = budget.to(tl.int64) << 32
-            hi = tl.cumsum(x, axis=0)
-            a = (a_b * 4294967296.0).to(tl.int64)
+            hi = tl.cumsum(x, axis=1)
+            a = (a_b * 4294967296.0).to(tl.int64)[:, None]
             bt = ((a + tl.minimum(hi, top)) >> 32) - ((a + tl.minimum(hi - x, top)) >> 32)
-            drawn = tl.sum(bt, axis=0)
-            last = tl.max(tl.where(x > 0, cols, -1), axis=0)
-            bt = bt + tl.where(cols == last, budget.to(tl.int64) - drawn, 0)
-            bt = tl.where(ok, bt.to(tl.int32), 0)
-            bt = tl.where(z > 0, bt, 0)
-            tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
+            drawn = tl.sum(bt, axis=1)
+            last = tl.max(tl.where(x > 0, cols[None, :], -1), axis=1)
+            bt = bt + tl.where(cols[None, :] == last[:, None], (budget.to(tl.int64) - drawn)[:, None], 0)
         else:
             base = tl.floor(share)
-            rem = budget - tl.sum(base, axis=0).to(tl.int32)
+            rem = budget - tl.sum(base, axis=1).to(tl.int32)
             # Unique keys: the fraction (quantised to 2^-40) above, the lower tile winning ties below;
             # the +1s go to the `rem` largest keys, i.e. those at or above the rem-th largest.
-            key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols).to(tl.int64)
+            key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols[None, :]).to(tl.int64)
             key = tl.where(ok, key, -1)
             ranked = tl.sort(key, descending=True)
-            kth = tl.sum(tl.where(cols == rem - 1, ranked, 0), axis=0)
-            bonus = (key >= kth) & ok
-            bt = base.to(tl.int32) + tl.where(rem > 0, bonus.to(tl.int32), 0)
-            bt = tl.where(ok, bt, 0)
-            bt = tl.where(z > 0, bt, 0)
-            tl.store(budgets_ptr + row + cols, bt, mask=cols < n_tiles)
-
-
+            kth = tl.sum(tl.where(cols[None, :] == (rem - 1)[:, None], ranked, 0), axis=1)
+            bonus = (key >= kth[:, None]) & ok
+            bt = base.to(tl.int32) + tl.where((rem > 0)[:, None], bonus.to(tl.int32), 0)
+        bt = tl.where(ok & (z > 0)[:, None], bt.to(tl.int32), 0)
+        tl.store(budgets_ptr + row, bt, mask=h_ok[:, None] & (cols < n_tiles)[None, :])
 
     @triton.jit
     def _prop_budget_kernel(
@@ -324,15 +332,16 @@ if triton is not None:
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
         TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One program per (head, batch row): ``_head_budgets``."""
+        """One program per (head, batch row): ``_group_budgets`` of one head."""
         if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
             gdc_wait()
             gdc_launch_dependents()
         h = tl.program_id(0)
         b = tl.program_id(1)
         length = tl.load(lens_ptr + b)
-        _head_budgets(m_ptr, l_ptr, budgets_ptr, h, b, (length + TILE - 1) // TILE, budget, seed_lo, seed_hi,
-                      budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
+        one = tl.arange(0, 1)
+        _group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, (length + TILE - 1) // TILE, budget, seed_lo,
+                       seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
 
 
     @triton.jit
@@ -342,7 +351,7 @@ if triton is not None:
         TILE: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, SYSTEMATIC: tl.constexpr,
         PDL: tl.constexpr,
     ):
-        """The tile budgets of ``_head_budgets`` for CHUNK tiles of one head per program (grid: chunks,
+        """The tile budgets of ``_group_budgets`` for CHUNK tiles of one head per program (grid: chunks,
         heads, rows), without a sort: each program forms every tile's share (O(T), the same values in
         the same order in every program of the head) and gives its tiles their floor plus, for largest
         remainder, a +1 when fewer than ``rem`` tiles hold a larger key; for systematic rounding it
@@ -476,7 +485,7 @@ if triton is not None:
 
     @triton.jit
     def _masses(m, l, g_ok, c0, tiles_b, m_star, CHUNK_T: tl.constexpr):
-        """W_t = e^{m_t - m*} l_t (float32, as ``_head_budgets`` computes it), zero past the row's tiles."""
+        """W_t = e^{m_t - m*} l_t (float32, as ``_group_budgets`` computes it), zero past the row's tiles."""
         cols = c0 + tl.arange(0, CHUNK_T)
         ok = g_ok[:, None] & (cols < tiles_b)[None, :]
         w = tl.where(ok, tl.exp(tl.where(ok, m, 0.0) - m_star[:, None]) * tl.where(ok, l, 0.0), 0.0)
@@ -485,7 +494,7 @@ if triton is not None:
     @triton.jit
     def _lr_keys(w, cols, per_mass):
         """Largest remainder: the floors of the shares and their unique keys (the fraction quantised to
-        2^-40 above, the lower tile winning ties below), as ``_head_budgets`` forms them."""
+        2^-40 above, the lower tile winning ties below), as ``_group_budgets`` forms them."""
         share = w.to(tl.float64) * per_mass[:, None]
         base = tl.floor(share)
         key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols[None, :]).to(tl.int64)
@@ -495,7 +504,7 @@ if triton is not None:
     def _own_tile_budget(m_ptr, l_ptr, m0, l0, ml_row, g_ok, heads, t, b, tiles_b, n_tiles, hq, budget,
                          seed_lo, seed_hi, budget_key,
                          GP: tl.constexpr, CHUNK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
-        """prop: this tile's budget for each head of the group, by the rule of ``_head_budgets``
+        """prop: this tile's budget for each head of the group, by the rule of ``_group_budgets``
         (largest remainder with ties to the lower tile, or systematic rounding), computed from every
         tile's mass in O(T) without a sort: the tile gets a +1 when fewer than ``rem`` other tiles have
         a larger key. Every program of the launch reduces the same values in the same order, so they
@@ -635,17 +644,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _compact_sample_kernel(
-        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
-        oacc_ptr, oden_ptr, done_ptr, out_ptr,
-        budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
-        s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
-        G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-        R_MAX: tl.constexpr, FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr,
-        CHUNK_T: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_COUNTS: tl.constexpr,
-        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row).
+    def _sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                     oacc_ptr, oden_ptr, done_ptr, out_ptr, t, kvh, b,
+                     budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
+                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+                     G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                     R_MAX: tl.constexpr, FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr,
+                     CHUNK_T: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
+        """Tile t of (row b, KV head kvh): sampling, the V gather and the folded merge (v8).
 
         - prop: the tile budgets are computed inline (``INLINE_BUDGETS``, O(T) per program, so the
           budget launch disappears) or read from ``budgets_ptr``; inline, they are also written there.
@@ -656,28 +663,25 @@ if triton is not None:
 
         The last of the ``n_tiles`` programs of a (row, KV head) (an acq_rel counter) reads the
         accumulators through atomics (L2, no stale L1 line), writes ``out`` and leaves the accumulators,
-        ``mstar`` and the counter as the next call expects them (zero, -inf, zero)."""
-        if PDL:  # launched early (programmatic dependent launch): nothing of the previous kernel is read before
-            gdc_wait()
-        t = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
+        ``mstar`` and the counter as the next call expects them (zero, -inf, zero); it returns True.
+        ``LOAD_CACHE``: the cache modifier of the loads of what the stats pass wrote (".cg" when that pass
+        ran in the same launch)."""
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
         heads = kvh * G + offs_g
         ml_row = b * s_ml_b + heads * s_ml_h
         length = tl.load(lens_ptr + b)
-        m = tl.load(m_ptr + ml_row + t, mask=g_ok, other=0.0)
-        l = tl.load(l_ptr + ml_row + t, mask=g_ok, other=0.0)
+        m = tl.load(m_ptr + ml_row + t, mask=g_ok, other=0.0, cache_modifier=LOAD_CACHE)
+        l = tl.load(l_ptr + ml_row + t, mask=g_ok, other=0.0, cache_modifier=LOAD_CACHE)
         # issued with the loads above, before the budget math, so that the two round trips overlap;
         # the launch's stash holds n_tiles·TILE keys per head, so no row length is needed to bound it
         s = tl.load(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + t * TILE + tl.arange(0, TILE)[None, :],
-                    mask=g_ok[:, None], other=float("-inf"))
+                    mask=g_ok[:, None], other=float("-inf"), cache_modifier=LOAD_CACHE)
         if INLINE_BUDGETS:  # the first CHUNK_T tiles' (m, l) of the group, for the budget math
             m0, l0 = _ml_chunk(m_ptr, l_ptr, ml_row, g_ok, 0, n_tiles, CHUNK_T)
         elif not FLASH:
-            tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0)
+            tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0, cache_modifier=LOAD_CACHE)
         tiles_b = (length + TILE - 1) // TILE
         o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
         # the G heads on the 16 rows of the dots (the gathered sums come out in that layout)
@@ -689,8 +693,10 @@ if triton is not None:
             if FLASH:
                 s_tile = tl.maximum(budget // tiles_b, 1)
                 tile_budget = tl.where(g_ok, s_tile, 0)
-                m_r = tl.load(m_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0)
-                l_r = tl.load(l_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0)
+                m_r = tl.load(m_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0,
+                              cache_modifier=LOAD_CACHE)
+                l_r = tl.load(l_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0,
+                              cache_modifier=LOAD_CACHE)
                 m_star = tl.load(mstar_ptr + b * hq + heads_r, mask=r_ok, other=0.0, cache_modifier=".cg")
                 mass = tl.where(r_ok & (l_r > 0), tl.exp(m_r - tl.where(r_ok, m_star, 0.0)) * l_r, 0.0)
             elif INLINE_BUDGETS:
@@ -725,6 +731,29 @@ if triton is not None:
             tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
                      total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
             tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
+        return done == n_tiles - 1
+
+    @triton.jit
+    def _compact_sample_kernel(
+        v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+        oacc_ptr, oden_ptr, done_ptr, out_ptr,
+        budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
+        s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+        G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+        R_MAX: tl.constexpr, FLASH: tl.constexpr, INLINE_BUDGETS: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        CHUNK_T: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_COUNTS: tl.constexpr,
+        FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row):
+        ``_sample_fold``."""
+        if PDL:  # launched early (programmatic dependent launch): nothing of the previous kernel is read before
+            gdc_wait()
+        _sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                     oacc_ptr, oden_ptr, done_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                     budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
+                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, INLINE_BUDGETS, SYSTEMATIC, CHUNK_T, SPLIT_AT,
+                     DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
 
 def _tiles(n_keys: int, tile: int) -> int:
@@ -842,18 +871,30 @@ BUDGET_RANK_CHUNK = 8  # tiles per program of the rank budget kernel
 RANK_BUDGETS_DEFAULT = False
 
 
+def _fold_buffers(v, b: int, hq: int, t: int, tile: int):
+    """The compacted sampling pass's buffers: the folded merge's accumulators ``[B·Hq·d]``, ``[B·Hq]`` and
+    counters ``[B·Hkv]`` (zero between calls) and the compaction scratch."""
+    hkv, d = v.shape[1], v.shape[3]
+    return (workspace("fold_acc", v, b * hq * d, torch.float32, zeroed=True),
+            workspace("fold_den", v, b * hq, torch.float32, zeroed=True),
+            workspace("fold_done", v, b * hkv, torch.int32, zeroed=True),
+            workspace("compact_scratch", v, b * hkv * t * tile * (1 + next_pow2(hq // hkv)), torch.int32))
+
+
+def _global_max_buffer(q, b: int, hq: int):
+    """santa-flash's per-head global maxima (-inf between calls)."""
+    return workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
+
+
 def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, out, write_counts,
                  inline_budgets, systematic, r_max, num_warps, mstar=None):
     """Launches the v8 sampling pass (``_compact_sample_kernel``), the merge folded in: writes ``out``.
     Returns ``counts`` (``[B, Hq, N]`` int32) when ``write_counts``."""
     hkv, n, d = v.shape[1], v.shape[2], v.shape[3]
     g = hq // hkv
-    oacc = workspace("fold_acc", v, b * hq * d, torch.float32, zeroed=True)
-    oden = workspace("fold_den", v, b * hq, torch.float32, zeroed=True)
-    done = workspace("fold_done", v, b * hkv, torch.int32, zeroed=True)
+    oacc, oden, done, scr = _fold_buffers(v, b, hq, t, tile)
     counts = torch.zeros(b, hq, n, device=v.device, dtype=torch.int32) if write_counts else None
     lo, hi = seed_words(seed)
-    scr = workspace("compact_scratch", v, b * hkv * t * tile * (1 + next_pow2(g)), torch.int32)
     launch(_compact_sample_kernel, (t, hkv, b),
            v, lens, m, l, stash, budgets if budgets is not None else m, counts if write_counts else m,
            mstar if mstar is not None else m, scr, oacc, oden, done, out,
@@ -868,10 +909,28 @@ def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *,
     return counts
 
 
+@contextlib.contextmanager
+def programmatic_dependent_launch(on: bool = True):
+    """Within the block, launches follow ``on`` instead of the module's ``PDL`` flag (read at launch time, so
+    this also holds for a CUDA graph captured inside the block)."""
+    global PDL
+    before, PDL = PDL, on
+    try:
+        yield
+    finally:
+        PDL = before
+
+
+@functools.cache
+def _hopper_or_newer(device: int) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl() -> bool:
-    """Programmatic dependent launch: on when asked for and the kernels are compiled (the interpreter
-    has no grid dependency control)."""
-    return bool(PDL) and gdc_wait is not None and not is_interpreted(_compact_sample_kernel)
+    """Programmatic dependent launch: on when asked for, the kernels are compiled (the interpreter has no
+    grid dependency control) and the GPU has it (compute capability 9.0 and newer)."""
+    return (bool(PDL) and gdc_wait is not None and not is_interpreted(_compact_sample_kernel)
+            and _hopper_or_newer(torch.cuda.current_device()))
 
 
 def _pdl_launch() -> dict:
@@ -892,10 +951,20 @@ def _tile_sample(v, lens, m, l, stash, budgets, budget, tile, seed, *, flash, wr
 # compacted sampling) above (32/8/128 at 16k: 38.9 against 42.3, 128k: 156.6 against 202.1; 9/3/64 at 32k:
 # 23.1 against the fused 30.3 and v7's split 26.4).
 FLASH_FUSED_MAX_TILES = 32
-# Programmatic dependent launch (Hopper): the kernels after the stats pass are launched early and wait on the
-# device (gdc_wait) instead of in the stream. Measured −1.8 µs for prop at 32k and 128k, nothing for flash; off
-# by default because the committed benchmark ran without it. Never used under the interpreter.
-PDL = False
+# Programmatic dependent launch (Hopper and newer): the kernels after the stats pass are launched early and wait
+# on the device (gdc_wait) instead of in the stream. On since 2026-11-22-h100-decode-v9 (graph µs, same run):
+# prop 53.3 -> 52.1 at 32k, 87.4 -> 85.7 at 64k, 146.7 -> 144.8 at 128k, 26.3 -> 25.0 at 8k; flash within
+# ±0.8 µs. Never used under the interpreter or on GPUs before compute capability 9.0.
+PDL = True
+# v9's one-launch kernel (triton_santa_onepass) as the default path of both methods: off until measured.
+ONEPASS_DEFAULT = False
+# v10's overlapped passes (triton_santa_overlap) are the default from this many tiles (tile 256: 32k keys for
+# flash, 64k for prop) where programmatic dependent launch is on. 2026-11-22-h100-decode-v10b, graph µs, v10
+# against v8: flash 56.1 / 57.9 at 32k, 85.6 / 91.2 at 64k, 140.0 / 152.8 at 128k, 253.5 / 294.7 at 256k (v10
+# slower at 16k and below); prop 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128k, 245.9 / 263.4 at 256k, but 54.2 /
+# 51.7 at 32k.
+FLASH_OVERLAP_MIN_TILES = 128
+PROP_OVERLAP_MIN_TILES = 256
 
 
 _TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
@@ -906,18 +975,41 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                        write_counts: bool = False, fused: bool | None = None, fold_merge: bool = True,
                        block_n: int | None = None, sample_n: int = 256, num_warps: int = 4, num_stages: int = 3,
                        sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                       r_max: int | None = None, out: torch.Tensor | None = None):
+                       r_max: int | None = None, onepass: bool | None = None, overlap: bool | None = None,
+                       out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
+    - ``onepass=True`` (v9, ``triton_santa_onepass``): one launch, each (row, KV head) samples as soon as
+      its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
+    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
+      launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
+      when programmatic dependent launch is on (Hopper and newer).
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
       estimate to the output itself (2 launches).
     - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
     - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
     - ``None`` picks the one measured faster on an H100: fused up to ``FLASH_FUSED_MAX_TILES`` tiles,
-      v8 above (docs/methods/santa-kernels.md).
+      v8 above, v10 (``overlap``) from ``FLASH_OVERLAP_MIN_TILES`` tiles where programmatic dependent
+      launch is on (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
+    if ONEPASS_DEFAULT if onepass is None else onepass:
+        from .triton_santa_onepass import santa_onepass_triton
+
+        out, counts, _ = santa_onepass_triton(q, k, v, lens, scale, budget, tile, seed, flash=True,
+                                              write_counts=write_counts, block_n=block_n or 64, r_max=r_max,
+                                              out=out)
+        return out, counts
+    if overlap is None:  # the overlap needs programmatic dependent launch; without it v10 is just slower
+        overlap = _tiles(k.shape[2], tile) >= FLASH_OVERLAP_MIN_TILES and _pdl()
+    if overlap:
+        from .triton_santa_overlap import santa_overlap_triton
+
+        out, counts, _ = santa_overlap_triton(q, k, v, lens, scale, budget, tile, seed, flash=True,
+                                              write_counts=write_counts, block_n=block_n or 128, r_max=r_max,
+                                              out=out)
+        return out, counts
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
@@ -927,7 +1019,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
     if not fused and fold_merge:
-        mstar = workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
+        mstar = _global_max_buffer(q, b, hq)
         _stats_raw(q, k, lens, m, l, stash, scale, b, hq, hkv, d, t, tile, block_n=block_n or 64,
                    num_warps=num_warps, num_stages=num_stages, stats_programs=stats_programs, mstar=mstar)
         counts = _compact_raw(v, lens, m, l, stash, None, budget, tile, seed, b, hq, t, flash=True, out=out,
@@ -966,9 +1058,16 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                       compact: bool = True, inline_budgets: bool | None = None, rank_budgets: bool | None = None,
                       block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                       sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                      r_max: int | None = None, out: torch.Tensor | None = None):
+                      r_max: int | None = None, onepass: bool | None = None, overlap: bool | None = None,
+                      out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``.
 
+    - ``onepass=True`` (v9, ``triton_santa_onepass``): one launch, each (row, KV head) computes its budgets
+      and samples as soon as its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
+    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
+      launched early (PDL), each (row, KV head) computing its budgets and sampling once its tiles are
+      scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles when programmatic dependent launch is on
+      (Hopper and newer).
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
       with the merge folded in; the tile budgets are computed inside it when ``inline_budgets``
       (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by a budget kernel (3):
@@ -981,6 +1080,18 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     _check_tile(tile)
     if rounding not in ("largest-remainder", "systematic"):
         raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+    if ONEPASS_DEFAULT if onepass is None else onepass:
+        from .triton_santa_onepass import santa_onepass_triton
+
+        return santa_onepass_triton(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
+                                    write_counts=write_counts, block_n=block_n, r_max=r_max, out=out)
+    if overlap is None:  # the overlap needs programmatic dependent launch; without it v10 is just slower
+        overlap = _tiles(k.shape[2], tile) >= PROP_OVERLAP_MIN_TILES and _pdl()
+    if overlap:
+        from .triton_santa_overlap import santa_overlap_triton
+
+        return santa_overlap_triton(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
+                                    write_counts=write_counts, r_max=r_max, out=out)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
