@@ -22,6 +22,11 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
   ``S_tile = max(1, S // T_b)`` systematic samples + gather) then the split-KV merge with weights
   ``e^{m_t} l_t``; otherwise (v8) the stats pass, which also keeps each head's global max, then
   ``_compact_sample_kernel`` with the merge folded in.
+- From ``FLASH_OVERLAP_MIN_TILES`` (flash) / ``PROP_OVERLAP_MIN_TILES`` (prop) tiles, where programmatic
+  dependent launch is on (Hopper and newer), both run v10 (``triton_santa_overlap``): the same passes,
+  the stats in (row, KV head) order and the later kernels launched early, each program waiting for its
+  own (row, KV head), so that sampling overlaps the K stream. ``triton_santa_onepass`` (v9, opt-in)
+  puts all of it in one persistent launch.
 
 Host path: launches go through ``triton_common.launch`` (cached compiled kernels) and scratch buffers
 come from ``triton_common.workspace`` (cached per device), with explicit strides of flat buffers.
@@ -1064,10 +1069,10 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
 
     - ``onepass=True`` (v9, ``triton_santa_onepass``): one launch, each (row, KV head) computes its budgets
       and samples as soon as its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
-    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
-      launched early (PDL), each (row, KV head) computing its budgets and sampling once its tiles are
-      scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles when programmatic dependent launch is on
-      (Hopper and newer).
+    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the budget and
+      sampling kernels launched early (PDL), each (row, KV head) getting its budgets and samples once its
+      tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles when programmatic dependent launch
+      is on (Hopper and newer).
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
       with the merge folded in; the tile budgets are computed inside it when ``inline_budgets``
       (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by a budget kernel (3):
