@@ -39,8 +39,8 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 # (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
 # the 4-launch path with the merge kernel
 PROP_VARIANTS = [
-    ("prop_lr", "largest-remainder", {"compact": True, "onepass": False}),
-    ("prop_sys", "systematic", {"compact": True, "onepass": False}),
+    ("prop_lr", "largest-remainder", {"compact": True, "onepass": False, "overlap": False}),
+    ("prop_sys", "systematic", {"compact": True, "onepass": False, "overlap": False}),
     ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True, "onepass": False}),
     ("prop_lr_v7", "largest-remainder", {"compact": False, "onepass": False}),
     ("prop_lr_v9", "largest-remainder", {"onepass": True}),
@@ -326,11 +326,13 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
     def prop(**o):
         o.setdefault("compact", True)
         o.setdefault("onepass", False)
+        o.setdefault("overlap", False)
         return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
 
     def flash(**o):
         o.setdefault("fused", False)
         o.setdefault("onepass", False)
+        o.setdefault("overlap", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
     def pdl(fn):
@@ -505,6 +507,8 @@ def smoke(n: int = 32768) -> int:
     for kind, o in cases:
         o = dict(o)
         pdl_on = o.pop("pdl", False)
+        if kind in ("prop", "flash"):  # the v7/v8 paths by name (v10 is the default from 128/256 tiles)
+            o.setdefault("overlap", False)
         try:
             with triton_santa.programmatic_dependent_launch(pdl_on):
                 if kind in ("prop9", "flash9", "prop10", "flash10"):  # twice: the sync words must reset

@@ -155,12 +155,12 @@ def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
 
 
 # the paths that schedule their work themselves: v9's persistent programs (tiles per stats item; a sampler
-# share that lets one program sample at a time) and v10's stats programs (1 to more programs than tiles, the
-# last round partial)
+# share that lets one program sample at a time) and v10's stats programs (1 to as many as tiles, 30 here;
+# 7 and 13 leave the last round partial)
 SCHEDULED = {
     "onepass": ("largest-remainder", [{"tiles_per_item": 1}, {"tiles_per_item": 3, "sampler_share": 0.01},
                                       {"tiles_per_item": 20}]),
-    "overlap": ("systematic", [{"stats_programs": p} for p in (1, 7, 60, 100)]),
+    "overlap": ("systematic", [{"stats_programs": p} for p in (1, 7, 13, 30)]),
 }
 
 
@@ -177,7 +177,7 @@ def test_scheduled_paths_match_references(path, flash):
 
     kernel = {"onepass": santa_onepass_triton, "overlap": santa_overlap_triton}[path]
     rounding, variants = SCHEDULED[path]
-    b, hq, hkv, n, d, s, tile = 3, 6, 2, 160, 64, 24, 16
+    b, hq, hkv, n, d, s, tile = 3, 6, 2, 160, 64, 24, 32  # 5 tiles of 2 sub-blocks per (row, KV head)
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [160, 9, 100], torch.float32, 41, peaked=4.0)
     seed = 5
     t = n // tile
@@ -197,6 +197,36 @@ def test_scheduled_paths_match_references(path, flash):
                 assert torch.equal(budgets.long(), ref.tile_budgets), opts
             assert _rel(out, ref.out) < TOL[torch.float32], opts
             _assert_fold_workspace_clean(q)
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["prop", "flash"])
+def test_overlap_default_only_where_no_path_was_chosen(flash, monkeypatch):
+    """With programmatic dependent launch (faked here) v10 is the default from a tile count on, but never
+    replaces a path the caller asked for (fused/fold_merge for flash; compact/fold_merge/inline/rank budgets
+    for prop); below the count, or without PDL, the v8 paths run."""
+    from kvsieve.kernels import triton_santa_overlap
+
+    calls = []
+    real = triton_santa_overlap.santa_overlap_triton
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("flash"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_santa_overlap, "santa_overlap_triton", spy)
+    monkeypatch.setattr(triton_santa, "FLASH_OVERLAP_MIN_TILES", 4)
+    monkeypatch.setattr(triton_santa, "PROP_OVERLAP_MIN_TILES", 4)
+    b, hq, hkv, d, tile = 1, 4, 2, 64, 16
+    run = triton_santa.santa_flash_triton if flash else triton_santa.santa_prop_triton
+    explicit = ([{"fused": True}, {"fused": False}, {"fold_merge": False}] if flash else
+                [{"compact": False}, {"fold_merge": False}, {"inline_budgets": True}, {"rank_budgets": True}])
+    for n, pdl, opts, expect_v10 in ([(64, True, {}, True), (48, True, {}, False), (64, False, {}, False)]
+                                     + [(64, True, o, False) for o in explicit]):
+        monkeypatch.setattr(triton_santa, "_can_overlap", lambda pdl=pdl: pdl)
+        q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n], torch.float32, 3)
+        calls.clear()
+        run(q, k, v, lens32, d ** -0.5, 8, tile, 1, out=_poisoned(b, hq, d, torch.float32), **opts)
+        assert bool(calls) == expect_v10, (n, pdl, opts)
 
 
 def test_workspace_is_reused_and_grows():

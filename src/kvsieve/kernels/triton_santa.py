@@ -938,6 +938,11 @@ def _pdl() -> bool:
             and _hopper_or_newer(torch.cuda.current_device()))
 
 
+def _can_overlap() -> bool:
+    """Whether v10 can overlap its passes here (it needs programmatic dependent launch)."""
+    return _pdl()
+
+
 def _pdl_launch() -> dict:
     return {"launch_pdl": True} if _pdl() else {}
 
@@ -988,7 +993,8 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
       launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
-      when programmatic dependent launch is on (Hopper and newer).
+      when programmatic dependent launch is on (Hopper and newer) and ``fused`` and ``fold_merge`` are left
+      at their defaults. v10 runs with its own launch parameters (``santa_overlap_triton`` takes them).
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
       estimate to the output itself (2 launches).
@@ -1006,8 +1012,9 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                                               write_counts=write_counts, block_n=block_n or 64, r_max=r_max,
                                               out=out)
         return out, counts
-    if overlap is None:  # the overlap needs programmatic dependent launch; without it v10 is just slower
-        overlap = _tiles(k.shape[2], tile) >= FLASH_OVERLAP_MIN_TILES and _pdl()
+    if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
+        overlap = (fused is None and fold_merge and _tiles(k.shape[2], tile) >= FLASH_OVERLAP_MIN_TILES
+                   and _can_overlap())
     if overlap:
         from .triton_santa_overlap import santa_overlap_triton
 
@@ -1072,7 +1079,8 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the budget and
       sampling kernels launched early (PDL), each (row, KV head) getting its budgets and samples once its
       tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles when programmatic dependent launch
-      is on (Hopper and newer).
+      is on (Hopper and newer) and no other path option was given (``compact``, ``fold_merge``,
+      ``inline_budgets``, ``rank_budgets``). v10 runs with its own launch parameters.
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
       with the merge folded in; the tile budgets are computed inside it when ``inline_budgets``
       (default: up to ``INLINE_BUDGET_MAX_TILES`` tiles; 2 launches), else by a budget kernel (3):
@@ -1090,8 +1098,9 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
 
         return santa_onepass_triton(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
                                     write_counts=write_counts, block_n=block_n, r_max=r_max, out=out)
-    if overlap is None:  # the overlap needs programmatic dependent launch; without it v10 is just slower
-        overlap = _tiles(k.shape[2], tile) >= PROP_OVERLAP_MIN_TILES and _pdl()
+    if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
+        overlap = (compact and fold_merge and inline_budgets is None and rank_budgets is None
+                   and _tiles(k.shape[2], tile) >= PROP_OVERLAP_MIN_TILES and _can_overlap())
     if overlap:
         from .triton_santa_overlap import santa_overlap_triton
 

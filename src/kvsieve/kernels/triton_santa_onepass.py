@@ -158,8 +158,9 @@ if triton is not None:
             tl.atomic_xchg(sync_ptr + 2, 0, sem="relaxed")
 
 
-# Defaults: the fastest of the H100 sweep (2026-11-22-h100-v9-sweeps.log; prop 62.6 µs at 32k, 204.3 at 128k;
-# flash 69.1 and 201.8 — all slower than the v8 paths, docs/methods/santa-kernels.md).
+# Defaults: prop's fastest of the H100 sweep (2026-11-22-h100-v9-sweeps.log: 62.6 µs at 32k, 204.3 at 128k);
+# flash with them 69.1 and 201.8 (its fastest at 128k: 4 programs per SM with a 128-register cap, 181.0).
+# All slower than the v8 paths (docs/methods/santa-kernels.md).
 TILES_PER_ITEM = 2
 PROGRAMS_PER_SM = 3
 SAMPLER_SHARE = 0.5  # at most this share of the programs samples at once; the others keep streaming K

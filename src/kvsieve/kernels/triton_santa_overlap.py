@@ -21,7 +21,10 @@ kernels with their own registers and shared memory (flash 2 launches, prop 3):
 Safe from deadlock: a dependent grid starts only after every program of the grid before it has started,
 and the stats programs never wait. Without programmatic dependent launch (the interpreter, older GPUs)
 the kernels run one after the other and nothing waits. Counts, budgets and outputs are those of the v8
-paths for the same seed. The sync words are left at zero for the next call; one workspace per device.
+paths for the same seed. The sync words are left at zero for the next call, by the last sampling
+program of each (row, KV head): a call cut short (or ``ordered_stats_only`` without ``reset_sync``)
+leaves them set, and the next call would then not wait. One workspace per device: calls on different
+streams of one device must not overlap in time.
 
 Measured (H100, llama 32/8/128, bf16, graph µs, ``benchmarks/results/2026-11-22-h100-decode-v10b.*``),
 v10 against v8: flash S=2048 56.1 / 57.9 at 32k, 85.6 / 91.2 at 64k, 140.0 / 152.8 at 128k, 253.5 / 294.7
