@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from kvsieve.cli.bench import parse_sizes  # noqa: E402
 from kvsieve.core.inputs import check_decode_inputs  # noqa: E402
 from kvsieve.kernels.santa_reference import santa_flash_reference, santa_prop_reference  # noqa: E402
 from kvsieve.kernels.triton_common import budget_uniforms, tile_uniforms  # noqa: E402
@@ -649,23 +650,13 @@ def main() -> int:
         t0 = time.time()
         report["sweep"] = sweep(log)
         log(f"sweep: {time.time() - t0:.0f}s")
-    if args.sweep_v8:
-        t0 = time.time()
-        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v8.split(","))
-        report["sweep_v8"] = sweep_v8(log, contexts)
-        log(f"sweep-v8: {time.time() - t0:.0f}s")
-        report["compiled"] = compiled_resources(log)
-    if args.sweep_v9:
-        t0 = time.time()
-        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v9.split(","))
-        report["sweep_v9"] = sweep_v8(log, contexts, calls_of=v9_calls, tag="V9")
-        log(f"sweep-v9: {time.time() - t0:.0f}s")
-        report["compiled"] = compiled_resources(log)
-    if args.sweep_v10:
-        t0 = time.time()
-        contexts = tuple(int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in args.sweep_v10.split(","))
-        report["sweep_v10"] = sweep_v8(log, contexts, calls_of=v10_calls, tag="V10")
-        log(f"sweep-v10: {time.time() - t0:.0f}s")
+    for key, calls_of, contexts in (("v8", None, args.sweep_v8), ("v9", v9_calls, args.sweep_v9),
+                                    ("v10", v10_calls, args.sweep_v10)):
+        if contexts:
+            t0 = time.time()
+            report[f"sweep_{key}"] = sweep_v8(log, parse_sizes(contexts), calls_of=calls_of, tag=key.upper())
+            log(f"sweep-{key}: {time.time() - t0:.0f}s")
+            report["compiled"] = compiled_resources(log)
     if args.model_attention:
         t0 = time.time()
         report["model_attention"] = check_model_attention(log, args.model_attention)

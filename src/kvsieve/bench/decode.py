@@ -42,14 +42,16 @@ class Case:
     batch: int
 
 
+VARIANT_NAMES = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
+                 "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v9", "santa-prop-v10",
+                 "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-v8-pdl", "santa-flash-v8-nopdl",
+                 "santa-flash-v9", "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
+
+
 def parse_variant(spec: str) -> tuple[str, int | None]:
     name, _, budget = spec.partition(":")
-    known = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-             "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v9", "santa-prop-v10",
-             "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-v8-pdl", "santa-flash-v8-nopdl",
-             "santa-flash-v9", "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
-    if name not in known:
-        raise ValueError(f"variant: expected one of {', '.join(known)} (santa ones as name:S), got {spec!r}")
+    if name not in VARIANT_NAMES:
+        raise ValueError(f"variant: expected one of {', '.join(VARIANT_NAMES)} (santa ones as name:S), got {spec!r}")
     if name.startswith("santa"):
         if not budget.isdigit() or int(budget) < 1:
             raise ValueError(f"variant {spec!r}: expected a budget, e.g. {name}:128")

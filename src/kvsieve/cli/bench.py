@@ -8,8 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..bench.decode import VARIANT_NAMES
 
-def _ints(text: str) -> tuple[int, ...]:
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """A comma list of sizes, "k" for 1024: "8k,32768" -> (8192, 32768)."""
     out = []
     for part in text.split(","):
         part = part.strip().lower()
@@ -27,9 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--contexts", default="4k,8k,16k,32k,64k,128k,256k", help="comma list of context lengths")
     d.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     d.add_argument("--variants", default="flashinfer,sdpa,dense,santa-prop:128,santa-flash:2048,santa-flash:256",
-                   help="flashinfer, flashinfer-hnd, sdpa, dense, santa-prop:S (the default path), santa-prop-sys:S, "
-                        "santa-prop-v8:S, santa-prop-v7:S, santa-prop-4launch:S, santa-flash:S (the default path), "
-                        "santa-flash-v8:S, santa-flash-fused:S, santa-flash-split:S")
+                   help=f"comma list of {', '.join(VARIANT_NAMES)}; the santa ones with a budget, e.g. santa-prop:128 "
+                        "(santa-prop and santa-flash are the default paths)")
     d.add_argument("--warmup", type=int, default=10)
     d.add_argument("--iters", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("kvsieve bench decode needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
-    results = run_decode_bench(shapes=shapes, contexts=_ints(args.contexts), batches=_ints(args.batches),
+    results = run_decode_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
                                variants=variants, warmup=args.warmup, iters=args.iters, seed=args.seed,
                                q_scale=args.q_scale)
     device = results["device"].lower()

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -891,6 +892,38 @@ def _global_max_buffer(q, b: int, hq: int):
     return workspace("mstar", q, b * hq, torch.float32, fill=float("-inf"))
 
 
+def _check_rounding(rounding: str) -> None:
+    if rounding not in ("largest-remainder", "systematic"):
+        raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+
+
+class _PassBuffers(NamedTuple):
+    """What one call of the stats + compacted sampling passes writes (v9 and v10 take all of it)."""
+    m: torch.Tensor
+    l: torch.Tensor
+    stash: torch.Tensor
+    budgets: torch.Tensor | None  # [B, Hq, T] int32, returned to the caller; None for flash
+    mstar: torch.Tensor
+    oacc: torch.Tensor
+    oden: torch.Tensor
+    done: torch.Tensor
+    scr: torch.Tensor
+    counts: torch.Tensor | None  # [B, Hq, N] int32 when the caller asked for counts
+    out: torch.Tensor
+
+
+def _pass_buffers(q, v, t: int, tile: int, *, flash: bool, write_counts: bool, out) -> _PassBuffers:
+    b, hq, d = q.shape
+    n = v.shape[2]
+    m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    oacc, oden, done, scr = _fold_buffers(v, b, hq, t, tile)
+    return _PassBuffers(
+        m, l, stash, None if flash else torch.empty(b, hq, t, device=q.device, dtype=torch.int32),
+        _global_max_buffer(q, b, hq), oacc, oden, done, scr,
+        torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None,
+        out if out is not None else torch.empty(b, hq, d, device=q.device, dtype=q.dtype))
+
+
 def _compact_raw(v, lens, m, l, stash, budgets, budget, tile, seed, b, hq, t, *, flash, out, write_counts,
                  inline_budgets, systematic, r_max, num_warps, mstar=None):
     """Launches the v8 sampling pass (``_compact_sample_kernel``), the merge folded in: writes ``out``.
@@ -1091,8 +1124,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     Same budgets and counts on every path. Scratch buffers are cached per device
     (``triton_common.workspace``)."""
     _check_tile(tile)
-    if rounding not in ("largest-remainder", "systematic"):
-        raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+    _check_rounding(rounding)
     if ONEPASS_DEFAULT if onepass is None else onepass:
         from .triton_santa_onepass import santa_onepass_triton
 

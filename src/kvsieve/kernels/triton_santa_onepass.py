@@ -40,13 +40,12 @@ from .triton_common import group_block, is_interpreted, launch, next_pow2, seed_
 from .triton_santa import (
     _BUDGET_KEY,
     _TILE_KEY,
+    _check_rounding,
     _check_tile,
     _dot_precision,
     _fixed_point,
-    _fold_buffers,
-    _global_max_buffer,
+    _pass_buffers,
     _split_at,
-    _stats_buffers,
     _tiles,
     default_r_max,
 )
@@ -186,8 +185,7 @@ def santa_onepass_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
     ``sampler_share``: the share of them that may sample at once (the rest keep streaming K);
     ``maxnreg``: a register cap per thread (more programs per SM, at the price of spills)."""
     _check_tile(tile)
-    if rounding not in ("largest-remainder", "systematic"):
-        raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+    _check_rounding(rounding)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -203,14 +201,9 @@ def santa_onepass_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
     if maxnreg is None:
         maxnreg = MAXNREG
     cap = max(1, int(programs * (SAMPLER_SHARE if sampler_share is None else sampler_share)))
-    m, l, stash = _stats_buffers(q, b, hq, t, tile)
-    budgets = None if flash else torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
-    mstar = _global_max_buffer(q, b, hq)
-    oacc, oden, done, scr = _fold_buffers(v, b, hq, t, tile)
+    m, l, stash, budgets, mstar, oacc, oden, done, scr, counts, out = _pass_buffers(
+        q, v, t, tile, flash=flash, write_counts=write_counts, out=out)
     sync = workspace("onepass_sync", q, 4 + 2 * units, torch.int32, zeroed=True)
-    counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
-    if out is None:
-        out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     lo, hi = seed_words(seed)
     r_max = r_max or default_r_max(g, budget, t)
     launch(_onepass_kernel, (programs, 1, 1),

@@ -41,11 +41,11 @@ from .triton_common import group_block, is_interpreted, launch, next_pow2, seed_
 from .triton_santa import (
     _BUDGET_KEY,
     _TILE_KEY,
+    _check_rounding,
     _check_tile,
     _dot_precision,
     _fixed_point,
-    _fold_buffers,
-    _global_max_buffer,
+    _pass_buffers,
     _pdl,
     _split_at,
     _stats_buffers,
@@ -220,6 +220,11 @@ def _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hk
            num_warps=num_warps, num_stages=num_stages)
 
 
+def _sync_words(q, units: int, heads: int, num_warps: int) -> torch.Tensor:
+    """One tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls."""
+    return workspace("overlap_sync", q, units * 32 * num_warps + heads, torch.int32, zeroed=True)
+
+
 def ordered_stats_only(q, k, lens, scale: float, tile: int, *, stats_programs: int = 264, num_warps: int = 4):
     """The ordered stats pass alone (for timing it against the v8 stats pass); leaves its counters in the
     workspace, so ``reset_sync(q)`` must follow before the next sampling call."""
@@ -229,7 +234,7 @@ def ordered_stats_only(q, k, lens, scale: float, tile: int, *, stats_programs: i
     units = b * hkv
     programs = max(1, min(stats_programs, units * t))
     m, l, stash = _stats_buffers(q, b, hq, t, tile)
-    sync = workspace("overlap_sync", q, units * 32 * num_warps + b * hq, torch.int32, zeroed=True)
+    sync = _sync_words(q, units, b * hq, num_warps)
     _ordered_stats_raw(q, k, lens, m, l, stash, m, sync, scale, n, t, hq, hkv, units, programs,
                        -(-units * t // programs), d, hq // hkv, tile, flash=False, pdl=False, block_n=64,
                        num_warps=num_warps, num_stages=3)
@@ -248,8 +253,7 @@ def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
     budgets as the v8 paths for the same seed. ``naps``: 100 ns sleeps between two polls of a waiting
     sampling program."""
     _check_tile(tile)
-    if rounding not in ("largest-remainder", "systematic"):
-        raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+    _check_rounding(rounding)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -259,14 +263,9 @@ def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
     rounds = -(-units * t // programs)
     interpreted = is_interpreted(_overlap_sample_kernel)
     pdl = _pdl()
-    m, l, stash = _stats_buffers(q, b, hq, t, tile)
-    budgets = None if flash else torch.empty(b, hq, t, device=q.device, dtype=torch.int32)
-    mstar = _global_max_buffer(q, b, hq)
-    oacc, oden, done, scr = _fold_buffers(v, b, hq, t, tile)
-    sync = workspace("overlap_sync", q, units * 32 * num_warps + b * hq, torch.int32, zeroed=True)
-    counts = torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None
-    if out is None:
-        out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    m, l, stash, budgets, mstar, oacc, oden, done, scr, counts, out = _pass_buffers(
+        q, v, t, tile, flash=flash, write_counts=write_counts, out=out)
+    sync = _sync_words(q, units, b * hq, num_warps)
     _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, programs, rounds, d, g,
                        tile, flash=flash, pdl=pdl, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     lo, hi = seed_words(seed)
