@@ -14,6 +14,7 @@ what the GPU would build. Use the GPU machine's Triton version (3.6 on the H100)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -67,7 +68,7 @@ def compile_launch(kernel, grid, *args, capability: int, ptx_dir: str | None = N
         elif isinstance(a, bool):
             signature[name] = "i1"
         elif isinstance(a, int):
-            if a == 1:
+            if a == 1 and not kernel.params[i].do_not_specialize:
                 signature[name], constants[(i,)] = "constexpr", 1
                 continue
             signature[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
@@ -92,8 +93,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32768, help="keys (Llama-3.1-8B heads 32/8/128, bf16, batch 1)")
     ap.add_argument("--paths", default="dense,prop,flash,prop-v9,flash-v9,prop-v10,flash-v10")
+    ap.add_argument("--prop-budget", type=int, default=128)
+    ap.add_argument("--flash-budget", type=int, default=2048)
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for H100")
     ap.add_argument("--ptx", default=None, help="also write each kernel's PTX into this folder")
+    ap.add_argument("--v10-options", default="{}",
+                    help='keyword arguments of santa_overlap_triton (JSON) for prop-v10/flash-v10')
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
@@ -111,16 +116,18 @@ def main() -> int:
     v = torch.randn(1, 8, args.n, 128).to(torch.bfloat16)
     lens = torch.full((1,), args.n, dtype=torch.int32)
     scale = 128 ** -0.5
+    pb, fb = args.prop_budget, args.flash_budget
     for path in args.paths.split(","):
         print(f"# {path}")
         if path == "dense":
             triton_dense.dense_decode_triton(q, k, v, lens, scale)
-        elif path in ("prop", "prop-v9", "prop-v10"):
-            triton_santa.santa_prop_triton(q, k, v, lens, scale, 128, 256, 1, onepass=path == "prop-v9",
-                                           overlap=path == "prop-v10")
-        elif path in ("flash", "flash-v9", "flash-v10"):
-            triton_santa.santa_flash_triton(q, k, v, lens, scale, 2048, 256, 1, onepass=path == "flash-v9",
-                                            overlap=path == "flash-v10")
+        elif path in ("prop-v10", "flash-v10"):
+            triton_santa_overlap.santa_overlap_triton(q, k, v, lens, scale, fb if path == "flash-v10" else pb, 256,
+                                                      1, flash=path == "flash-v10", **json.loads(args.v10_options))
+        elif path in ("prop", "prop-v9"):
+            triton_santa.santa_prop_triton(q, k, v, lens, scale, pb, 256, 1, onepass=path == "prop-v9")
+        elif path in ("flash", "flash-v9"):
+            triton_santa.santa_flash_triton(q, k, v, lens, scale, fb, 256, 1, onepass=path == "flash-v9")
         else:
             ap.error(f"--paths: unknown path {path!r} (dense, prop, flash, prop-v9, flash-v9, prop-v10, flash-v10)")
     return 0

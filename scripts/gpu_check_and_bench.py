@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -48,6 +49,7 @@ PROP_VARIANTS = [
     ("prop_sys_v9", "systematic", {"onepass": True}),
     ("prop_lr_v10", "largest-remainder", {"overlap": True}),
     ("prop_sys_v10", "systematic", {"overlap": True}),
+    ("prop_lr_default", "largest-remainder", {}),  # the path a caller who names none gets (v8 or v10 by length)
 ]
 # santa-flash: v8 (stats + compacted sampling, merge folded), the fused kernel (v6/v7 default), v9 (one launch)
 FLASH_VARIANTS = [
@@ -55,6 +57,7 @@ FLASH_VARIANTS = [
     ("flash_fused", {"fused": True, "onepass": False}),
     ("flash_v9", {"onepass": True}),
     ("flash_v10", {"overlap": True}),
+    ("flash_default", {}),
 ]
 
 
@@ -402,44 +405,150 @@ def v9_calls(q, k, v, lens32) -> dict:
     return calls
 
 
+TIMELINE_CALLS = ("prop-v8", "flash-v8", "prop-v10-w4-b128-s2-p528", "flash-v10-w4-b128-s2-p528",
+                  "stats-v10-w4-b128-s2-p528", "prop-v10-systematic")
+
+
 def v10_calls(q, k, v, lens32) -> dict:
-    """Whole calls (llama shape, S = 128 prop / 2048 flash): v8 against the overlapped passes (v10) and their
-    parameters (stats programs, stats key block and stages, sampling warps; PDL off: no overlap)."""
+    """Whole calls (llama shape, S = 128 prop / 2048 flash): v8 against the overlapped passes (v10), the
+    ordered stats pass alone over a grid of launch parameters (warps, key block, stages, programs) and
+    without its stash stores or tile counters (what each costs), and the whole v10 calls with the best
+    candidates, the sampling kernel's warps and systematic rounding (where the tail after the stream goes).
+    Measured and left out since: a register cap on the stats kernel (room for more sampling programs),
+    the budget kernel's warps, budgets ranked by several programs per head without a sort (all slower or
+    no better; docs/methods/santa-kernels.md)."""
     from kvsieve.kernels import triton_santa
-    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+    from kvsieve.kernels.triton_santa_overlap import ordered_stats_only, santa_overlap_triton
 
     scale, tile = 128 ** -0.5, 256
     calls = {name: fn for name, fn in v8_calls(q, k, v, lens32, full=False).items()
-             if name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-fused-v7")}
+             if name in ("flashinfer", "dense", "prop-v8", "flash-v8")}
 
-    def v10(flash, pdl=True, **o):
+    def v10(flash, **o):
         def call():
-            with triton_santa.programmatic_dependent_launch(pdl):
+            with triton_santa.programmatic_dependent_launch(True):
                 return santa_overlap_triton(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
                                             **o)[0]
         return call
 
-    from kvsieve.kernels.triton_santa_overlap import ordered_stats_only
-
     calls["stats-v8"] = lambda: triton_santa._tile_stats(q, k, lens32, scale, tile, block_n=64, num_warps=4,
                                                          num_stages=3, stats_programs=264)
-    for programs in (528,):  # the ordered stats pass alone (its counters are reset after the timing)
-        calls[f"stats-v10-p{programs}"] = lambda programs=programs: ordered_stats_only(
-            q, k, lens32, scale, tile, stats_programs=programs)
+    # the ordered stats pass alone (its counters are reset after each timing)
+    for w in (4, 8):
+        for block_n, stages in ((64, 3), (64, 4), (128, 2), (128, 3), (128, 4), (256, 2)):
+            for programs in (264, 528, 792):
+                calls[f"stats-v10-w{w}-b{block_n}-s{stages}-p{programs}"] = (
+                    lambda w=w, b=block_n, s=stages, p=programs: ordered_stats_only(
+                        q, k, lens32, scale, tile, stats_programs=p, block_n=b, num_warps=w, num_stages=s))
+    for stash, release in ((False, True), (True, False), (False, False)):
+        calls[f"stats-v10-default-stash{int(stash)}-release{int(release)}"] = (
+            lambda st=stash, r=release: ordered_stats_only(q, k, lens32, scale, tile, stash=st, release=r))
     for flash, tag in ((False, "prop"), (True, "flash")):
-        for programs, block_n, stages in ((528, 64, 3), (528, 128, 2), (396, 128, 2), (792, 128, 2)):
-            calls[f"{tag}-v10-p{programs}-b{block_n}"] = v10(flash, stats_programs=programs, block_n=block_n,
-                                                             num_stages=stages)
-        calls[f"{tag}-v10-p528-b128-nopdl"] = v10(flash, pdl=False, stats_programs=528, block_n=128, num_stages=2)
-        calls[f"{tag}-v10-p528-b128-naps2"] = v10(flash, stats_programs=528, block_n=128, num_stages=2, naps=2)
-        calls[f"{tag}-v10-p528-b128-naps32"] = v10(flash, stats_programs=528, block_n=128, num_stages=2, naps=32)
+        for w, block_n, stages, programs in ((4, 128, 2, 528), (4, 128, 3, 528), (8, 128, 2, 264), (8, 128, 3, 264),
+                                             (8, 128, 2, 528), (8, 64, 3, 528)):
+            calls[f"{tag}-v10-w{w}-b{block_n}-s{stages}-p{programs}"] = v10(
+                flash, num_warps=w, block_n=block_n, num_stages=stages, stats_programs=programs)
+        calls[f"{tag}-v10-naps2"] = v10(flash, naps=2)
+        calls[f"{tag}-v10-p396"] = v10(flash, stats_programs=396)
+        calls[f"{tag}-v10-p396-sample-w2"] = v10(flash, stats_programs=396, sample_warps=2)
+        calls[f"{tag}-v10-sample-w2"] = v10(flash, sample_warps=2)
+        calls[f"{tag}-v10-sample-w8"] = v10(flash, sample_warps=8)
+    calls["prop-v10-systematic"] = v10(False, rounding="systematic")
+    calls["prop-v10-s1"] = lambda: santa_overlap_triton(q, k, v, lens32, scale, 1, tile, 0, flash=False)[0]
     return calls
 
 
-def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8") -> list[dict]:
+def kernel_timeline(timer, fn, iters: int = 5) -> dict:
+    """Per kernel of one cold-L2 call: mean start and end (µs) from the call's first kernel start (torch
+    profiler), to see how long each overlapped kernel runs past the K stream."""
+    from torch.profiler import ProfilerActivity, profile
+
+    spans: dict[str, list] = {}
+    for _ in range(iters):
+        timer.flush()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        t0 = min(e.time_range.start for e in events)
+        for e in events:
+            spans.setdefault(e.name[:40], []).append((e.time_range.start - t0, e.time_range.end - t0))
+    return {name: [round(sum(a for a, _ in v) / len(v), 1), round(sum(b for _, b in v) / len(v), 1)]
+            for name, v in spans.items()}
+
+
+def _traced_units(timer, q, k, v, lens32, flash: bool, opts: dict) -> dict:
+    """One v10 call replayed from a CUDA graph with cold L2, its kernels stamping ``%globaltimer``."""
+    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+
+    trace: dict = {}
+
+    def call():
+        return santa_overlap_triton(q, k, v, lens32, 128 ** -0.5, 2048 if flash else 128, 256, 0, flash=flash,
+                                    trace=trace, **opts)[0]
+
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(3):
+        timer.flush()
+        torch.cuda.synchronize()
+        graph.replay()
+        torch.cuda.synchronize()
+    units_n = k.shape[0] * k.shape[1]
+    tiles = trace["tiles"].view(units_n, -1).double()
+    smp = trace["samples"].view(units_n, -1, 3).double()
+    bud = trace["budgets"].view(units_n, -1, 2).double()
+    t0 = min(float(tiles.min()), float(smp[..., 0].min()))
+
+    def us(x) -> float:
+        return round((float(x) - t0) / 1e3, 1)
+
+    units = []
+    for u in range(units_n):
+        scored = tiles[u].max()
+        row = {"unit": u, "scored": us(scored), "sample_first_start": us(smp[u, :, 0].min()),
+               "sample_last_start": us(smp[u, :, 0].max()), "sample_last_waited": us(smp[u, :, 1].max()),
+               "sample_last_end": us(smp[u, :, 2].max()), "late_starts": int((smp[u, :, 0] > scored).sum())}
+        if not flash:
+            row["budget_waits_done"] = us(bud[u, :, 0].max())
+            row["budgets_raised"] = us(bud[u, :, 1].max())
+        units.append(row)
+    return {"first_tile_scored": us(tiles.min()), "last_tile_scored": us(tiles.max()), "end": us(smp[..., 2].max()),
+            "units": units}
+
+
+def timeline(log, contexts) -> list[dict]:
+    """Where the time of a v10 call goes, per (row, KV head) unit, in µs from the call's first stamp: when
+    its last tile was scored, when its budgets were raised (prop), the first start and the last end of its
+    sampling programs, and how many of them started only after the unit was scored."""
+    from kvsieve.bench.timing import ColdL2Timer
+
+    timer = ColdL2Timer()
+    rows = []
+    for n in contexts:
+        q, k, v, lens32 = _llama_inputs(n)
+        for tag, flash, opts in (("prop", False, {}), ("prop-systematic", False, {"rounding": "systematic"}),
+                                 ("flash", True, {})):
+            row = {"n": n, "variant": tag, **_traced_units(timer, q, k, v, lens32, flash, opts)}
+            rows.append(row)
+            log(f"TIMELINE n={n} {tag}: first tile {row['first_tile_scored']}, last tile {row['last_tile_scored']}, "
+                f"end {row['end']} µs")
+            for x in row["units"]:
+                log("  " + json.dumps(x))
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8", only: str | None = None) -> list[dict]:
     """v7 against v8 and the v8 launch variants (or ``calls_of``'s calls), whole calls, graph-timed (cold
     L2), with the per-kernel breakdown of the main ones."""
     from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.kernels.triton_santa_overlap import reset_sync
 
     timer = ColdL2Timer()
     rows = []
@@ -447,19 +556,25 @@ def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8") -> l
         q, k, v, lens32 = _llama_inputs(n)
         calls = (calls_of or (lambda *a: v8_calls(*a, full=True)))(q, k, v, lens32)
         for name, fn in calls.items():
+            if only and not re.search(only, name):
+                continue
             try:
                 r = timer.time_graph_us(fn, warmup=3, iters=20)
             except Exception as exc:  # noqa: BLE001 - a variant that fails is recorded, not fatal
                 r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             if name.startswith("stats-v10"):
-                from kvsieve.kernels.triton_santa_overlap import reset_sync
-
                 torch.cuda.synchronize()
                 reset_sync(q)
             row = {"n": n, "variant": name, **r}
             if "error" not in r and name in ("prop-v7", "prop-v8", "prop-v8-inline", "prop-v8-rank", "flash-fused-v7",
                                              "flash-v8", "dense", "flashinfer"):
                 row["kernels_us"] = timer.kernel_breakdown(fn)
+            if "error" not in r and name in TIMELINE_CALLS:
+                row["timeline_us"] = kernel_timeline(timer, fn)
+                if name.startswith("stats-v10"):
+                    torch.cuda.synchronize()
+                    reset_sync(q)
+                log(f"{tag} n={n} {name} timeline (start, end µs): {json.dumps(row['timeline_us'])}")
             rows.append(row)
             kern = ", ".join(f"{a[:24]} {b:.1f}" for a, b in (row.get("kernels_us") or {}).items())
             log(f"{tag} n={n} {name}: {r.get('median_us', r.get('error'))} {kern}")
@@ -500,7 +615,8 @@ def smoke(n: int = 32768) -> int:
     v9_opts = ({}, {"tiles_per_item": 1}, {"tiles_per_item": 4, "sampler_share": 0.1},
                {"programs_per_sm": 4, "maxnreg": 128}, {"programs_per_sm": 1, "sampler_share": 1.0})
     cases += [("prop9", o) for o in v9_opts] + [("flash9", o) for o in v9_opts]
-    v10_opts = ({"pdl": True}, {"pdl": False}, {"pdl": True, "stats_programs": 528, "block_n": 128, "num_stages": 2})
+    v10_opts = ({"pdl": True}, {"pdl": False}, {"pdl": True, "stats_programs": 528, "block_n": 128, "num_stages": 2},
+                {"pdl": True, "num_warps": 8, "stats_programs": 264, "num_stages": 3})
     cases += [("prop10", o) for o in v10_opts] + [("flash10", o) for o in v10_opts]
     from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
     from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
@@ -537,6 +653,17 @@ def smoke(n: int = 32768) -> int:
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is reported, the others still run
             ok = False
             print(f"SMOKE {kind} {o} pdl={pdl_on}: {type(exc).__name__}: {str(exc)[:400]}")
+        bad += not ok
+    for overlap in (False, True):  # budget = 1: Triton would compile an argument equal to 1 as a constexpr
+        try:
+            with triton_santa.programmatic_dependent_launch(True):
+                o1, c1, b1 = santa_prop_triton(q, k, v, lens32, scale, 1, tile, 0, write_counts=True, overlap=overlap)
+                torch.cuda.synchronize()
+            ok = bool((c1.sum(-1) == 1).all() and (b1.sum(-1) == 1).all() and torch.isfinite(o1).all())
+            print(f"SMOKE prop budget=1 overlap={overlap}: ok {ok}")
+        except Exception as exc:  # noqa: BLE001 - reported, the others still run
+            ok = False
+            print(f"SMOKE prop budget=1 overlap={overlap}: {type(exc).__name__}: {str(exc)[:400]}")
         bad += not ok
     return 2 if bad else 0
 
@@ -606,6 +733,8 @@ def main() -> int:
     ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
     ap.add_argument("--sweep-v9", default=None, help="v8 against the one-launch kernel's variants at these contexts")
     ap.add_argument("--sweep-v10", default=None, help="v8 against the overlapped passes' variants at these contexts")
+    ap.add_argument("--timeline", default=None, help="v10's timeline per unit (globaltimer stamps) at these contexts")
+    ap.add_argument("--only", default=None, help="regular expression: the sweeps time only the variants it finds")
     ap.add_argument("--smoke", action="store_true", help="v8/v9 paths once at 32k against v7 (exit 2 on a mismatch)")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
@@ -654,9 +783,12 @@ def main() -> int:
                                     ("v10", v10_calls, args.sweep_v10)):
         if contexts:
             t0 = time.time()
-            report[f"sweep_{key}"] = sweep_v8(log, parse_sizes(contexts), calls_of=calls_of, tag=key.upper())
+            report[f"sweep_{key}"] = sweep_v8(log, parse_sizes(contexts), calls_of=calls_of, tag=key.upper(),
+                                              only=args.only)
             log(f"sweep-{key}: {time.time() - t0:.0f}s")
             report["compiled"] = compiled_resources(log)
+    if args.timeline:
+        report["timeline"] = timeline(log, parse_sizes(args.timeline))
     if args.model_attention:
         t0 = time.time()
         report["model_attention"] = check_model_attention(log, args.model_attention)

@@ -214,19 +214,19 @@ def test_overlap_default_only_where_no_path_was_chosen(flash, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(triton_santa_overlap, "santa_overlap_triton", spy)
-    monkeypatch.setattr(triton_santa, "FLASH_OVERLAP_MIN_TILES", 4)
-    monkeypatch.setattr(triton_santa, "PROP_OVERLAP_MIN_TILES", 4)
-    b, hq, hkv, d, tile = 1, 4, 2, 64, 16
+    monkeypatch.setattr(triton_santa, "FLASH_OVERLAP_MIN_TILES", 8)  # tiles in all: rows × KV heads × tiles
+    monkeypatch.setattr(triton_santa, "PROP_OVERLAP_MIN_TILES", 8)
+    hq, hkv, d, tile = 4, 2, 64, 16
     run = triton_santa.santa_flash_triton if flash else triton_santa.santa_prop_triton
     explicit = ([{"fused": True}, {"fused": False}, {"fold_merge": False}] if flash else
                 [{"compact": False}, {"fold_merge": False}, {"inline_budgets": True}, {"rank_budgets": True}])
-    for n, pdl, opts, expect_v10 in ([(64, True, {}, True), (48, True, {}, False), (64, False, {}, False)]
-                                     + [(64, True, o, False) for o in explicit]):
+    for b, n, pdl, opts, expect_v10 in ([(1, 64, True, {}, True), (1, 48, True, {}, False), (2, 48, True, {}, True),
+                                         (1, 64, False, {}, False)] + [(1, 64, True, o, False) for o in explicit]):
         monkeypatch.setattr(triton_santa, "_can_overlap", lambda pdl=pdl: pdl)
-        q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n], torch.float32, 3)
+        q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n] * b, torch.float32, 3)
         calls.clear()
         run(q, k, v, lens32, d ** -0.5, 8, tile, 1, out=_poisoned(b, hq, d, torch.float32), **opts)
-        assert bool(calls) == expect_v10, (n, pdl, opts)
+        assert bool(calls) == expect_v10, (b, n, pdl, opts)
 
 
 def test_workspace_is_reused_and_grows():

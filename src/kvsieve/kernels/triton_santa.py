@@ -22,7 +22,8 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
   ``S_tile = max(1, S // T_b)`` systematic samples + gather) then the split-KV merge with weights
   ``e^{m_t} l_t``; otherwise (v8) the stats pass, which also keeps each head's global max, then
   ``_compact_sample_kernel`` with the merge folded in.
-- From ``FLASH_OVERLAP_MIN_TILES`` (flash) / ``PROP_OVERLAP_MIN_TILES`` (prop) tiles, where programmatic
+- From ``FLASH_OVERLAP_MIN_TILES`` (flash) / ``PROP_OVERLAP_MIN_TILES`` (prop) tiles in all (rows × KV
+  heads × tiles per head), where programmatic
   dependent launch is on (Hopper and newer), both run v10 (``triton_santa_overlap``): the same passes,
   the stats in (row, KV head) order and the later kernels launched early, each program waiting for its
   own (row, KV head), so that sampling overlaps the K stream. ``triton_santa_onepass`` (v9, opt-in)
@@ -57,6 +58,10 @@ if triton is not None:
     import triton.language as tl
 
     from .triton_common import hash_uniform
+
+    # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
+    # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
+    budget_jit = triton.jit(do_not_specialize=["budget"])
 
     try:  # programmatic dependent launch (Hopper); absent from older Triton releases
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -186,7 +191,7 @@ if triton is not None:
                                G, BLOCK_G, D, TILE, SAMPLE_N, False, WRITE_COUNTS, DOT_PRECISION, FIX_BITS, WIDE)
         return acc
 
-    @triton.jit
+    @budget_jit
     def _flash_tile_kernel(
         q_ptr, k_ptr, v_ptr, lens_ptr, stash_ptr, acc_ptr, m_ptr, l_ptr, counts_ptr,
         scale, budget, seed_lo, seed_hi, stream_key, n_tiles, hq,
@@ -332,7 +337,7 @@ if triton is not None:
         bt = tl.where(ok & (z > 0)[:, None], bt.to(tl.int32), 0)
         tl.store(budgets_ptr + row, bt, mask=h_ok[:, None] & (cols < n_tiles)[None, :])
 
-    @triton.jit
+    @budget_jit
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
@@ -350,7 +355,7 @@ if triton is not None:
                        seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
 
 
-    @triton.jit
+    @budget_jit
     def _prop_budget_rank_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
@@ -408,7 +413,7 @@ if triton is not None:
         tl.store(budgets_ptr + row + own, bt, mask=own < n_tiles)
 
 
-    @triton.jit
+    @budget_jit
     def _tile_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, acc_ptr, pm_ptr, pl_ptr, counts_ptr,
         oacc_ptr, done_ptr, out_ptr,
@@ -739,7 +744,7 @@ if triton is not None:
             tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
         return done == n_tiles - 1
 
-    @triton.jit
+    @budget_jit
     def _compact_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
         oacc_ptr, oden_ptr, done_ptr, out_ptr,
@@ -764,6 +769,11 @@ if triton is not None:
 
 def _tiles(n_keys: int, tile: int) -> int:
     return -(-n_keys // tile)
+
+
+def _all_tiles(k: torch.Tensor, tile: int) -> int:
+    """Tiles of the stats pass: rows × KV heads × tiles per head."""
+    return k.shape[0] * k.shape[1] * _tiles(k.shape[2], tile)
 
 
 def _check_tile(tile: int) -> None:
@@ -1001,13 +1011,16 @@ FLASH_FUSED_MAX_TILES = 32
 PDL = True
 # v9's one-launch kernel (triton_santa_onepass) as the default path of both methods: off until measured.
 ONEPASS_DEFAULT = False
-# v10's overlapped passes (triton_santa_overlap) are the default from this many tiles (tile 256: 32k keys for
-# flash, 64k for prop) where programmatic dependent launch is on. 2026-11-22-h100-decode-v10b, graph µs, v10
-# against v8: flash 56.1 / 57.9 at 32k, 85.6 / 91.2 at 64k, 140.0 / 152.8 at 128k, 253.5 / 294.7 at 256k (v10
-# slower at 16k and below); prop 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128k, 245.9 / 263.4 at 256k, but 54.2 /
-# 51.7 at 32k.
-FLASH_OVERLAP_MIN_TILES = 128
-PROP_OVERLAP_MIN_TILES = 256
+# v10's overlapped passes (triton_santa_overlap) are the default from this many tiles in all (rows × KV heads ×
+# tiles per head) where programmatic dependent launch is on: its stats programs (528) finish the (row, KV head)
+# units one after another only when there are several rounds of tiles; with one or two rounds it only adds
+# waits. 2026-11-22-h100-decode-v10c, graph µs, v10 against v8: llama (8 KV heads, tile 256) batch 1: flash
+# 56.7 / 57.4 at 32k (1,024 tiles), 140.4 / 154.6 at 128k; prop 84.9 / 85.8 at 64k (2,048), 136.5 / 145.2 at
+# 128k, but 54.2 / 51.7 at 32k (v10b); smollm2 (3 KV heads) batch 1: flash 26.4 / 22.8 at 32k (384), 37.2 / 33.3
+# at 64k (768), 53.9 / 54.9 at 128k (1,536); prop 39.5 / 33.2 at 64k, 53.5 / 52.6 at 128k (1,536); batch 8:
+# flash 88.3 / 95.2 (smollm2, 32k, 3,072), prop 122.0 / 148.8 (smollm2, 64k, 6,144), 475.6 / 532.6 (llama, 64k).
+FLASH_OVERLAP_MIN_TILES = 1024
+PROP_OVERLAP_MIN_TILES = 2048
 
 
 _TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF
@@ -1026,7 +1039,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
       launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
-      when programmatic dependent launch is on (Hopper and newer) and ``fused`` and ``fold_merge`` are left
+      in all when programmatic dependent launch is on (Hopper and newer) and ``fused`` and ``fold_merge`` are left
       at their defaults. v10 runs with its own launch parameters (``santa_overlap_triton`` takes them).
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
@@ -1034,7 +1047,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
     - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
     - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
     - ``None`` picks the one measured faster on an H100: fused up to ``FLASH_FUSED_MAX_TILES`` tiles,
-      v8 above, v10 (``overlap``) from ``FLASH_OVERLAP_MIN_TILES`` tiles where programmatic dependent
+      v8 above, v10 (``overlap``) from ``FLASH_OVERLAP_MIN_TILES`` tiles in all where programmatic dependent
       launch is on (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
@@ -1046,7 +1059,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                                               out=out)
         return out, counts
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
-        overlap = (fused is None and fold_merge and _tiles(k.shape[2], tile) >= FLASH_OVERLAP_MIN_TILES
+        overlap = (fused is None and fold_merge and _all_tiles(k, tile) >= FLASH_OVERLAP_MIN_TILES
                    and _can_overlap())
     if overlap:
         from .triton_santa_overlap import santa_overlap_triton
@@ -1111,7 +1124,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
       and samples as soon as its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the budget and
       sampling kernels launched early (PDL), each (row, KV head) getting its budgets and samples once its
-      tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles when programmatic dependent launch
+      tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles in all when programmatic dependent launch
       is on (Hopper and newer) and no other path option was given (``compact``, ``fold_merge``,
       ``inline_budgets``, ``rank_budgets``). v10 runs with its own launch parameters.
     - ``compact=True`` (v8, the default; needs ``fold_merge``): stats, then the compacted sampling pass
@@ -1132,7 +1145,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                                     write_counts=write_counts, block_n=block_n, r_max=r_max, out=out)
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
         overlap = (compact and fold_merge and inline_budgets is None and rank_budgets is None
-                   and _tiles(k.shape[2], tile) >= PROP_OVERLAP_MIN_TILES and _can_overlap())
+                   and _all_tiles(k, tile) >= PROP_OVERLAP_MIN_TILES and _can_overlap())
     if overlap:
         from .triton_santa_overlap import santa_overlap_triton
 

@@ -53,7 +53,7 @@ from .triton_santa import (
 if triton is not None:
     import triton.language as tl
 
-    from .triton_santa import _group_budgets, _sample_fold, _stats_tiles
+    from .triton_santa import _group_budgets, _sample_fold, _stats_tiles, budget_jit
 
     @triton.jit
     def _nap(x, SLEEP: tl.constexpr):
@@ -64,7 +64,7 @@ if triton is not None:
                                           is_pure=False, pack=1)
         return x
 
-    @triton.jit
+    @budget_jit
     def _onepass_kernel(
         q_ptr, k_ptr, v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
         oacc_ptr, oden_ptr, done_ptr, sync_ptr, out_ptr,

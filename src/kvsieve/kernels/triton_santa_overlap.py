@@ -56,20 +56,28 @@ from .triton_santa import (
 if triton is not None:
     import triton.language as tl
 
-    from .triton_santa import _group_budgets, _sample_fold, gdc_launch_dependents
+    from .triton_santa import _group_budgets, _sample_fold, budget_jit, gdc_launch_dependents
     from .triton_santa_onepass import _nap
 
     @triton.jit
+    def _now(like):
+        """The GPU's global nanosecond timer (``%globaltimer``), for the opt-in timeline trace."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
     def _ordered_stats_kernel(
-        q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, sync_ptr,
+        q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, sync_ptr, trace_ptr,
         scale, n_keys, n_tiles, hq, hkv, n_units, rounds,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr, THREADS: tl.constexpr,
+        STASH: tl.constexpr = True, RELEASE: tl.constexpr = True, TRACE: tl.constexpr = False,
     ):
         """Per-tile max m, sum l and the score stash as ``_stats_tiles``, tiles taken in unit order; each
         finished tile adds 1 to each of the unit's THREADS counters ``sync[u·THREADS + lane]``, every thread
-        releasing its own stores, tiles past a row's length included. K rows are
+        releasing its own stores, tiles past a row's length included (``STASH``/``RELEASE`` False: no stash
+        stores / no counters, only to time what they cost). K rows are
         loaded up to the cache's ``n_keys`` and the row's length masks the scores after the dot: a mask
         from a value loaded in the loop would keep Triton from pipelining the K loads (short rows of a
         ragged batch read their cache's padding)."""
@@ -106,7 +114,8 @@ if triton is not None:
             length = tl.load(lens_ptr + b)
             s = tl.where((offs_n < tl.where(live, length, 0))[None, :], s, float("-inf"))
             g_live = offs_g < tl.where(live, G, 0)
-            tl.store(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + offs_n[None, :], s, mask=g_live[:, None])
+            if STASH:
+                tl.store(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + offs_n[None, :], s, mask=g_live[:, None])
             first = sub == 0
             m = tl.where(first, float("-inf"), m)
             l = tl.where(first, 0.0, l)
@@ -123,9 +132,12 @@ if triton is not None:
                 tl.atomic_max(mstar_ptr + b * hq + heads, m, mask=g_done, sem="relaxed")
             # Every thread releases its own stores of the tile (a barrier in the loop would stop Triton from
             # pipelining it), each on its own counter of the unit (one address for all would serialise).
-            lanes = tl.arange(0, THREADS)
-            tl.atomic_add(sync_ptr + u * THREADS + lanes, tl.full([THREADS], 1, tl.int32),
-                          mask=lanes < tl.where(done, THREADS, 0), sem="release")
+            if TRACE:  # when each tile was scored (ns): trace[tile]
+                tl.store(trace_ptr + tile_id, _now(p), mask=done)
+            if RELEASE:
+                lanes = tl.arange(0, THREADS)
+                tl.atomic_add(sync_ptr + u * THREADS + lanes, tl.full([THREADS], 1, tl.int32),
+                              mask=lanes < tl.where(done, THREADS, 0), sem="release")
 
     @triton.jit
     def _wait_scored(sync_ptr, u, n_tiles, SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr):
@@ -145,12 +157,12 @@ if triton is not None:
             scored = tl.sum(tl.atomic_add(lanes, 0, sem="acquire"), axis=0)
         tl.debug_barrier()
 
-    @triton.jit
+    @budget_jit
     def _unit_budget_kernel(
-        m_ptr, l_ptr, lens_ptr, budgets_ptr, sync_ptr,
+        m_ptr, l_ptr, lens_ptr, budgets_ptr, sync_ptr, trace_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, hkv, n_units, s_ml_b, s_ml_h,
         G: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, PDL: tl.constexpr,
-        SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
+        SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr, TRACE: tl.constexpr,
     ):
         """prop: one program per (head, row), launched early (PDL) like the sampling kernel after it: waits
         for its unit's tiles, computes the head's tile budgets (``_group_budgets``) and raises the head's
@@ -160,23 +172,28 @@ if triton is not None:
         h = tl.program_id(0)
         b = tl.program_id(1)
         _wait_scored(sync_ptr, b * hkv + h // G, n_tiles, SLEEP, STATS_THREADS, NAPS)
+        if TRACE:  # trace[(b·Hq + h)·2 + 0/1]: after the wait, before the flag (ns)
+            tl.store(trace_ptr + (b * hq + h) * 2, _now(h))
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         _group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, (length + TILE - 1) // TILE, budget,
                        seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
         tl.debug_barrier()  # every thread's stores of the budgets are issued before the release below
+        if TRACE:
+            tl.store(trace_ptr + (b * hq + h) * 2 + 1, _now(h))
         tl.atomic_xchg(sync_ptr + n_units * STATS_THREADS + b * hq + h, 1, sem="release")
 
-    @triton.jit
+    @budget_jit
     def _overlap_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
-        oacc_ptr, oden_ptr, done_ptr, sync_ptr, out_ptr,
+        oacc_ptr, oden_ptr, done_ptr, sync_ptr, out_ptr, trace_ptr,
         budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv, n_units,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
         R_MAX: tl.constexpr, FLASH: tl.constexpr, SYSTEMATIC: tl.constexpr,
         SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr, WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr,
         WIDE: tl.constexpr, SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
+        TRACE: tl.constexpr,
     ):
         """One program per (tile, KV head, row): wait for the unit's stats (flash) or for the budget flags
         of its heads (prop: the budget kernel raised them after the stats), then ``_sample_fold``.
@@ -187,22 +204,31 @@ if triton is not None:
         b = tl.program_id(2)
         u = b * hkv + kvh
         flags = sync_ptr + n_units * STATS_THREADS + b * hq + kvh * G
+        trace = trace_ptr + (u * n_tiles + t) * 3  # start, after the wait, end (ns)
+        if TRACE:
+            tl.store(trace, _now(t))
         if FLASH:
             _wait_scored(sync_ptr, u, n_tiles, SLEEP, STATS_THREADS, NAPS)
-        else:
-            for gi in tl.static_range(G):
-                flag = tl.atomic_add(flags + gi, 0, sem="acquire")  # pairs with the budget kernel's release
-                while flag == 0:
-                    for _ in tl.static_range(NAPS):
-                        flag = _nap(flag, SLEEP)
-                    flag = tl.atomic_add(flags + gi, 0, sem="acquire")
+        else:  # the G flags of the group in one acquire round trip per poll, not G in a row
+            offs_f = tl.arange(0, GP)
+            f_ok = offs_f < G
+            group_flags = flags + offs_f
+            raised = tl.min(tl.where(f_ok, tl.atomic_add(group_flags, 0, mask=f_ok, sem="acquire"), 1), axis=0)
+            while raised == 0:
+                for _ in tl.static_range(NAPS):
+                    raised = _nap(raised, SLEEP)
+                raised = tl.min(tl.where(f_ok, tl.atomic_add(group_flags, 0, mask=f_ok, sem="acquire"), 1), axis=0)
             tl.debug_barrier()
+        if TRACE:
+            tl.store(trace + 1, _now(t))
         last = _sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
                             oacc_ptr, oden_ptr, done_ptr, out_ptr, t, kvh, b,
                             budget, seed_lo, seed_hi, tile_key, budget_key, n_tiles, hq, hkv,
                             s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
                             G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, False, SYSTEMATIC, 16, SPLIT_AT,
                             DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, ".cg")
+        if TRACE:
+            tl.store(trace + 2, _now(t))
         if last:  # every program of the unit has passed its waits: the unit's sync words back to zero
             tl.atomic_xchg(sync_ptr + u * STATS_THREADS + tl.arange(0, STATS_THREADS), 0, sem="relaxed")
             if not FLASH:
@@ -211,13 +237,14 @@ if triton is not None:
 
 
 def _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, programs, rounds, d, g,
-                       tile, *, flash, pdl, block_n, num_warps, num_stages):
+                       tile, *, flash, pdl, block_n, num_warps, num_stages, store_stash=True, release=True,
+                       trace=None):
     launch(_ordered_stats_kernel, (programs, 1, 1),
-           q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, rounds,
+           q, k, lens, m, l, stash, mstar, sync, sync if trace is None else trace, scale, n, t, hq, hkv, units, rounds,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=32 * num_warps,
-           num_warps=num_warps, num_stages=num_stages)
+           STASH=store_stash, RELEASE=release, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
 
 
 def _sync_words(q, units: int, heads: int, num_warps: int) -> torch.Tensor:
@@ -225,19 +252,21 @@ def _sync_words(q, units: int, heads: int, num_warps: int) -> torch.Tensor:
     return workspace("overlap_sync", q, units * 32 * num_warps + heads, torch.int32, zeroed=True)
 
 
-def ordered_stats_only(q, k, lens, scale: float, tile: int, *, stats_programs: int = 264, num_warps: int = 4):
-    """The ordered stats pass alone (for timing it against the v8 stats pass); leaves its counters in the
+def ordered_stats_only(q, k, lens, scale: float, tile: int, *, stats_programs: int = 528, block_n: int = 128,
+                       num_warps: int = 4, num_stages: int = 2, stash: bool = True, release: bool = True):
+    """The ordered stats pass alone (for timing it against the v8 stats pass; ``stash``/``release`` False
+    leave out the stash stores / the tile counters, to time what they cost); leaves its counters in the
     workspace, so ``reset_sync(q)`` must follow before the next sampling call."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     t = _tiles(n, tile)
     units = b * hkv
     programs = max(1, min(stats_programs, units * t))
-    m, l, stash = _stats_buffers(q, b, hq, t, tile)
+    m, l, stash_buf = _stats_buffers(q, b, hq, t, tile)
     sync = _sync_words(q, units, b * hq, num_warps)
-    _ordered_stats_raw(q, k, lens, m, l, stash, m, sync, scale, n, t, hq, hkv, units, programs,
-                       -(-units * t // programs), d, hq // hkv, tile, flash=False, pdl=False, block_n=64,
-                       num_warps=num_warps, num_stages=3)
+    _ordered_stats_raw(q, k, lens, m, l, stash_buf, m, sync, scale, n, t, hq, hkv, units, programs,
+                       -(-units * t // programs), d, hq // hkv, tile, flash=False, pdl=False, block_n=block_n,
+                       num_warps=num_warps, num_stages=num_stages, store_stash=stash, release=release)
 
 
 def reset_sync(like: torch.Tensor) -> None:
@@ -247,11 +276,15 @@ def reset_sync(like: torch.Tensor) -> None:
 def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool,
                          rounding: str = "largest-remainder", write_counts: bool = False, stats_programs: int = 528,
                          block_n: int = 128, num_warps: int = 4, num_stages: int = 2, sample_warps: int = 4,
-                         naps: int = 8, r_max: int | None = None, out: torch.Tensor | None = None):
+                         naps: int = 8, r_max: int | None = None, out: torch.Tensor | None = None,
+                         trace: dict | None = None):
     """S²ANTA-prop (``flash=False``) or S²ANTA-flash, the sampling overlapping the K stream (2 launches).
     Returns ``(out, counts or None, tile budgets [B, Hq, T] int32 or None (flash))``; same counts and
     budgets as the v8 paths for the same seed. ``naps``: 100 ns sleeps between two polls of a waiting
-    sampling program."""
+    sampling program. ``trace``: a dict that receives the timeline of the call in GPU ns
+    (``%globaltimer``, GPU only): "tiles" [B·Hkv·T] when each tile was scored (unit-major), "budgets"
+    [B·Hq, 2] after the wait and before the flag (prop), "samples" [B·Hkv·T, 3] start, after the wait
+    and end of each sampling program."""
     _check_tile(tile)
     _check_rounding(rounding)
     b, hq, d = q.shape
@@ -266,18 +299,27 @@ def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
     m, l, stash, budgets, mstar, oacc, oden, done, scr, counts, out = _pass_buffers(
         q, v, t, tile, flash=flash, write_counts=write_counts, out=out)
     sync = _sync_words(q, units, b * hq, num_warps)
+    if trace is not None:
+        if interpreted:
+            raise ValueError("trace: the timeline reads the GPU's timer; the interpreter has none")
+        trace.update({"tiles": torch.zeros(units * t, device=q.device, dtype=torch.int64),
+                      "budgets": torch.zeros(b * hq, 2, device=q.device, dtype=torch.int64),
+                      "samples": torch.zeros(units * t, 3, device=q.device, dtype=torch.int64)})
+    traced = trace is not None
     _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, programs, rounds, d, g,
-                       tile, flash=flash, pdl=pdl, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                       tile, flash=flash, pdl=pdl, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                       trace=trace["tiles"] if traced else None)
     lo, hi = seed_words(seed)
     if not flash:
         launch(_unit_budget_kernel, (hq, b, 1),
-               m, l, lens, budgets, sync, budget, lo, hi, _BUDGET_KEY, t, hq, hkv, units, hq * t, t,
+               m, l, lens, budgets, sync, trace["budgets"] if traced else sync,
+               budget, lo, hi, _BUDGET_KEY, t, hq, hkv, units, hq * t, t,
                G=g, TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl,
-               SLEEP=not interpreted, STATS_THREADS=32 * num_warps, NAPS=naps, num_warps=4,
+               SLEEP=not interpreted, STATS_THREADS=32 * num_warps, NAPS=naps, TRACE=traced, num_warps=4,
                **({"launch_pdl": True} if pdl else {}))
     launch(_overlap_sample_kernel, (t, hkv, b),
            v, lens, m, l, stash, budgets if budgets is not None else m, counts if write_counts else m, mstar, scr,
-           oacc, oden, done, sync, out,
+           oacc, oden, done, sync, out, trace["samples"] if traced else sync,
            budget, lo, hi, _TILE_KEY, _BUDGET_KEY, t, hq, hkv, units,
            v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
            (hq * n) if write_counts else 0, n if write_counts else 0, out.stride(0), out.stride(1),
@@ -285,6 +327,7 @@ def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
            R_MAX=min(r_max or default_r_max(g, budget, t), tile), FLASH=flash, SYSTEMATIC=rounding == "systematic",
            SPLIT_AT=_split_at(v.dtype), DOT_PRECISION=_dot_precision(v.dtype), WRITE_COUNTS=write_counts,
            **_fixed_point(budget), SLEEP=not interpreted, STATS_THREADS=32 * num_warps, NAPS=naps,
+           TRACE=traced,
            num_warps=sample_warps,
            **({"launch_pdl": True} if pdl else {}))
     return out, counts, budgets
