@@ -29,8 +29,10 @@ streams of one device must not overlap in time.
 Measured (H100, llama 32/8/128, bf16, graph µs, ``benchmarks/results/2026-11-22-h100-decode-v10b.*``),
 v10 against v8: flash S=2048 56.1 / 57.9 at 32k, 85.6 / 91.2 at 64k, 140.0 / 152.8 at 128k, 253.5 / 294.7
 at 256k; prop S=128 54.2 / 51.7 at 32k, 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128k, 245.9 / 263.4 at 256k.
-Hence the defaults: flash from 128 tiles, prop from 256 (``triton_santa``). The ordered stats pass alone
-takes 39.6 µs at 32k and 116.5 at 128k against v8's 38.1 and 110.0.
+The defaults (``triton_santa``): flash from 1,024 tiles in all (rows × KV heads × tiles), prop from 2,048,
+since v10 gains only when the stats programs go through several rounds of tiles (``…-decode-v10d``).
+The ordered stats pass alone takes 38.2 µs at 32k and 112.5 at 128k against v8's 37.0 and 110.3
+(``…-v10-timeline-probes.log``); ``trace=`` shows where a call's time goes, per unit.
 """
 
 from __future__ import annotations
