@@ -72,7 +72,7 @@ def compile_launch(kernel, grid, *args, capability: int, ptx_dir: str | None = N
                 signature[name], constants[(i,)] = "constexpr", 1
                 continue
             signature[name] = "i64" if abs(a) >= 2 ** 31 else "i32"
-            if a % 16 == 0:
+            if a % 16 == 0 and not kernel.params[i].do_not_specialize:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(a, float):
             signature[name] = "fp32"

@@ -1039,16 +1039,18 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
       launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
-      in all when programmatic dependent launch is on (Hopper and newer) and ``fused`` and ``fold_merge`` are left
-      at their defaults. v10 runs with its own launch parameters (``santa_overlap_triton`` takes them).
+      in all (rows × KV heads × tiles per head) when programmatic dependent launch is on (Hopper and
+      newer) and ``fused`` and ``fold_merge`` are left at their defaults. v10 runs with its own launch
+      parameters (``santa_overlap_triton`` takes them).
     - ``fused=False, fold_merge=True`` (v8): the stats pass streams K in long pipelined loops and
       keeps each head's global max, then the compacted sampling pass adds every tile's weighted
       estimate to the output itself (2 launches).
     - ``fused=True``: one kernel scores and samples each tile, then the merge (2 launches, v6/v7).
     - ``fused=False, fold_merge=False``: stats, the v7 sampling pass, the merge (3 launches).
-    - ``None`` picks the one measured faster on an H100: fused up to ``FLASH_FUSED_MAX_TILES`` tiles,
-      v8 above, v10 (``overlap``) from ``FLASH_OVERLAP_MIN_TILES`` tiles in all where programmatic dependent
-      launch is on (docs/methods/santa-kernels.md).
+    - ``None`` picks the one measured faster on an H100: v10 (``overlap``) from ``FLASH_OVERLAP_MIN_TILES``
+      tiles in all where programmatic dependent launch is on, checked first (so a batch can take it at
+      fewer tiles per head than the fused kernel's limit); otherwise fused up to ``FLASH_FUSED_MAX_TILES``
+      tiles per head, v8 above (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
     if ONEPASS_DEFAULT if onepass is None else onepass:

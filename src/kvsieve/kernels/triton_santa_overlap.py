@@ -32,7 +32,9 @@ at 256k; prop S=128 54.2 / 51.7 at 32k, 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128
 The defaults (``triton_santa``): flash from 1,024 tiles in all (rows × KV heads × tiles), prop from 2,048,
 since v10 gains only when the stats programs go through several rounds of tiles (``…-decode-v10d``).
 The ordered stats pass alone takes 38.2 µs at 32k and 112.5 at 128k against v8's 37.0 and 110.3
-(``…-v10-timeline-probes.log``); ``trace=`` shows where a call's time goes, per unit.
+(``…-v10-timeline-probes.log``); ``trace=`` shows where a call's time goes, per unit. Short rows of a
+ragged batch stream their cache's padding here (v8 stops at each row's length): the default rule counts
+tiles by the cache's length and was measured on uniform lengths only.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ if triton is not None:
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr, THREADS: tl.constexpr,
-        STASH: tl.constexpr = True, RELEASE: tl.constexpr = True, TRACE: tl.constexpr = False,
+        STASH: tl.constexpr, RELEASE: tl.constexpr, TRACE: tl.constexpr,
     ):
         """Per-tile max m, sum l and the score stash as ``_stats_tiles``, tiles taken in unit order; each
         finished tile adds 1 to each of the unit's THREADS counters ``sync[u·THREADS + lane]``, every thread
@@ -211,15 +213,13 @@ if triton is not None:
             tl.store(trace, _now(t))
         if FLASH:
             _wait_scored(sync_ptr, u, n_tiles, SLEEP, STATS_THREADS, NAPS)
-        else:  # the G flags of the group in one acquire round trip per poll, not G in a row
-            offs_f = tl.arange(0, GP)
-            f_ok = offs_f < G
-            group_flags = flags + offs_f
-            raised = tl.min(tl.where(f_ok, tl.atomic_add(group_flags, 0, mask=f_ok, sem="acquire"), 1), axis=0)
-            while raised == 0:
-                for _ in tl.static_range(NAPS):
-                    raised = _nap(raised, SLEEP)
-                raised = tl.min(tl.where(f_ok, tl.atomic_add(group_flags, 0, mask=f_ok, sem="acquire"), 1), axis=0)
+        else:
+            for gi in tl.static_range(G):
+                flag = tl.atomic_add(flags + gi, 0, sem="acquire")  # pairs with the budget kernel's release
+                while flag == 0:
+                    for _ in tl.static_range(NAPS):
+                        flag = _nap(flag, SLEEP)
+                    flag = tl.atomic_add(flags + gi, 0, sem="acquire")
             tl.debug_barrier()
         if TRACE:
             tl.store(trace + 1, _now(t))
