@@ -521,6 +521,37 @@ def _traced_units(timer, q, k, v, lens32, flash: bool, opts: dict) -> dict:
             "units": units}
 
 
+def ragged(log, contexts) -> list[dict]:
+    """v8 against v10 on a padded ragged batch (llama shape, batch 8, rows at 1, 3/4, 1/2 and 1/4 of the
+    cache, twice): v10's stats pass streams every row up to the cache's length, v8 stops at each row's
+    length. Graph µs, cold L2; the uniform batch of the same cache beside it."""
+    from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.kernels import triton_santa
+
+    timer = ColdL2Timer()
+    rows = []
+    for n in contexts:
+        q, k, v, full = _llama_inputs(n, batch=8)
+        fractions = torch.tensor([1.0, 0.75, 0.5, 0.25] * 2, device=DEVICE)
+        ragged_lens = (fractions * n).to(torch.int32)
+        for lens_tag, lens32 in (("uniform", full), ("ragged", ragged_lens)):
+            for name, run, opts in (("prop-v8", triton_santa.santa_prop_triton, {"overlap": False}),
+                                    ("prop-v10", triton_santa.santa_prop_triton, {"overlap": True}),
+                                    ("flash-v8", triton_santa.santa_flash_triton, {"overlap": False, "fused": False}),
+                                    ("flash-v10", triton_santa.santa_flash_triton, {"overlap": True})):
+                budget = 2048 if name.startswith("flash") else 128
+
+                def call(run=run, opts=opts, budget=budget, lens32=lens32, qkv=(q, k, v)):
+                    return run(*qkv, lens32, 128 ** -0.5, budget, 256, 0, **opts)[0]
+
+                r = timer.time_graph_us(call, warmup=3, iters=20)
+                rows.append({"n": n, "lengths": lens_tag, "variant": name, **r})
+                log(f"RAGGED n={n} {lens_tag} {name}: {r.get('median_us')}")
+        del q, k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
 def timeline(log, contexts) -> list[dict]:
     """Where the time of a v10 call goes, per (row, KV head) unit, in µs from the call's first stamp: when
     its last tile was scored, when its budgets were raised (prop), the first start and the last end of its
@@ -738,6 +769,7 @@ def main() -> int:
     ap.add_argument("--sweep-v9", default=None, help="v8 against the one-launch kernel's variants at these contexts")
     ap.add_argument("--sweep-v10", default=None, help="v8 against the overlapped passes' variants at these contexts")
     ap.add_argument("--timeline", default=None, help="v10's timeline per unit (globaltimer stamps) at these contexts")
+    ap.add_argument("--ragged", default=None, help="v8 against v10 on a padded ragged batch 8 at these contexts")
     ap.add_argument("--only", default=None, help="regular expression: the sweeps time only the variants it finds")
     ap.add_argument("--smoke", action="store_true", help="v8/v9 paths once at 32k against v7 (exit 2 on a mismatch)")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
@@ -791,6 +823,8 @@ def main() -> int:
                                               only=args.only)
             log(f"sweep-{key}: {time.time() - t0:.0f}s")
             report["compiled"] = compiled_resources(log)
+    if args.ragged:
+        report["ragged"] = ragged(log, parse_sizes(args.ragged))
     if args.timeline:
         report["timeline"] = timeline(log, parse_sizes(args.timeline))
     if args.model_attention:

@@ -7,10 +7,10 @@ kernels with their own registers and shared memory (flash 2 launches, prop 3):
 - ``_ordered_stats_kernel`` scores the tiles in *unit order* (a unit is a (batch row, KV head)): tile
   ``g = i·P + p`` of the unit-major tile list is program p's i-th, so round i of all P programs covers
   the next P tiles and the units are finished one after the other while every program keeps one
-  pipelined loop (q is reloaded per sub-block; K rows are read up to the cache's length and the row's
-  length masks the scores, because a mask from a value loaded in the loop, or a barrier in it, keeps
-  Triton from pipelining the loop). At the end of each tile every thread adds 1 to its own counter of
-  the unit with release semantics (its own stores of the tile before it).
+  pipelined loop (q is reloaded per sub-block, and the rows' lengths are loaded once before the loop:
+  a mask from a value loaded in the loop, or a barrier in it, keeps Triton from pipelining the loop).
+  At the end of each tile every thread adds 1 to its own counter of the unit with release semantics
+  (its own stores of the tile before it).
 - prop: ``_unit_budget_kernel``, one program per (head, row), launched early with programmatic dependent
   launch (Hopper and newer): it waits for its unit's tiles, computes the head's tile budgets and raises
   the head's flag.
@@ -32,9 +32,9 @@ at 256k; prop S=128 54.2 / 51.7 at 32k, 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128
 The defaults (``triton_santa``): flash from 1,024 tiles in all (rows × KV heads × tiles), prop from 2,048,
 since v10 gains only when the stats programs go through several rounds of tiles (``…-decode-v10d``).
 The ordered stats pass alone takes 38.2 µs at 32k and 112.5 at 128k against v8's 37.0 and 110.3
-(``…-v10-timeline-probes.log``); ``trace=`` shows where a call's time goes, per unit. Short rows of a
-ragged batch stream their cache's padding here (v8 stops at each row's length): the default rule counts
-tiles by the cache's length and was measured on uniform lengths only.
+(``…-v10-timeline-probes.log``); ``trace=`` shows where a call's time goes, per unit. K is read up to
+each row's length (until this round it was read up to the cache's, so short rows of a padded batch
+streamed their padding and v10 lost to v8 there: ``--ragged``).
 """
 
 from __future__ import annotations
@@ -76,15 +76,14 @@ if triton is not None:
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr, THREADS: tl.constexpr,
-        STASH: tl.constexpr, RELEASE: tl.constexpr, TRACE: tl.constexpr,
+        BLOCK_B: tl.constexpr, STASH: tl.constexpr, RELEASE: tl.constexpr, TRACE: tl.constexpr,
     ):
         """Per-tile max m, sum l and the score stash as ``_stats_tiles``, tiles taken in unit order; each
         finished tile adds 1 to each of the unit's THREADS counters ``sync[u·THREADS + lane]``, every thread
         releasing its own stores, tiles past a row's length included (``STASH``/``RELEASE`` False: no stash
-        stores / no counters, only to time what they cost). K rows are
-        loaded up to the cache's ``n_keys`` and the row's length masks the scores after the dot: a mask
-        from a value loaded in the loop would keep Triton from pipelining the K loads (short rows of a
-        ragged batch read their cache's padding)."""
+        stores / no counters, only to time what they cost). K rows are loaded up to the row's length,
+        picked from the BLOCK_B lengths loaded before the loop (a mask from a value loaded in the loop
+        would keep Triton from pipelining the K loads); ``n_keys`` is the cache's length."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         if PDL:  # the sampling kernel may start now: its programs wait per unit, not for this grid
             gdc_launch_dependents()
@@ -94,6 +93,10 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
         total = n_units * n_tiles
+        # every row's length, loaded once before the loop: a mask from a value loaded in the loop would keep
+        # Triton from pipelining it, one picked from registers does not
+        offs_b = tl.arange(0, BLOCK_B)
+        row_lens = tl.load(lens_ptr + offs_b, mask=offs_b < n_units // hkv, other=0)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         for j in range(0, rounds * SUBS):
@@ -111,12 +114,12 @@ if triton is not None:
                         other=0.0)
             offs_n = t * TILE + sub * BLOCK_N + tl.arange(0, BLOCK_N)
             # masks from one comparison each (the interpreter rejects a mask formed with `& live`)
-            in_cache = offs_n < tl.where(live, n_keys, 0)
+            length = tl.sum(tl.where(offs_b == b, row_lens, 0), axis=0)
+            in_row = offs_n < tl.where(live, length, 0)
             k = tl.load(k_ptr + b * s_k_b + kvh * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
-                        mask=in_cache[:, None], other=0.0)
+                        mask=in_row[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            length = tl.load(lens_ptr + b)
-            s = tl.where((offs_n < tl.where(live, length, 0))[None, :], s, float("-inf"))
+            s = tl.where(in_row[None, :], s, float("-inf"))
             g_live = offs_g < tl.where(live, G, 0)
             if STASH:
                 tl.store(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + offs_n[None, :], s, mask=g_live[:, None])
@@ -246,7 +249,8 @@ def _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hk
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=32 * num_warps,
-           STASH=store_stash, RELEASE=release, TRACE=trace is not None, num_warps=num_warps, num_stages=num_stages)
+           BLOCK_B=max(2, next_pow2(q.shape[0])), STASH=store_stash, RELEASE=release, TRACE=trace is not None,
+           num_warps=num_warps, num_stages=num_stages)
 
 
 def _sync_words(q, units: int, heads: int, num_warps: int) -> torch.Tensor:
