@@ -72,7 +72,7 @@ if triton is not None:
     @triton.jit
     def _ordered_stats_kernel(
         q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, sync_ptr, trace_ptr,
-        scale, n_keys, n_tiles, hq, hkv, n_units, rounds,
+        scale, n_tiles, hq, hkv, n_units, rounds,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr, THREADS: tl.constexpr,
@@ -83,7 +83,7 @@ if triton is not None:
         releasing its own stores, tiles past a row's length included (``STASH``/``RELEASE`` False: no stash
         stores / no counters, only to time what they cost). K rows are loaded up to the row's length,
         picked from the BLOCK_B lengths loaded before the loop (a mask from a value loaded in the loop
-        would keep Triton from pipelining the K loads); ``n_keys`` is the cache's length."""
+        would keep Triton from pipelining the K loads)."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         if PDL:  # the sampling kernel may start now: its programs wait per unit, not for this grid
             gdc_launch_dependents()
@@ -241,11 +241,11 @@ if triton is not None:
                     tl.atomic_xchg(flags + gi, 0, sem="relaxed")
 
 
-def _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, programs, rounds, d, g,
-                       tile, *, flash, pdl, block_n, num_warps, num_stages, store_stash=True, release=True,
+def _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, t, hq, hkv, units, programs, rounds, d, g, tile,
+                       *, flash, pdl, block_n, num_warps, num_stages, store_stash=True, release=True,
                        trace=None):
     launch(_ordered_stats_kernel, (programs, 1, 1),
-           q, k, lens, m, l, stash, mstar, sync, sync if trace is None else trace, scale, n, t, hq, hkv, units, rounds,
+           q, k, lens, m, l, stash, mstar, sync, sync if trace is None else trace, scale, t, hq, hkv, units, rounds,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=_dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=32 * num_warps,
@@ -270,7 +270,7 @@ def ordered_stats_only(q, k, lens, scale: float, tile: int, *, stats_programs: i
     programs = max(1, min(stats_programs, units * t))
     m, l, stash_buf = _stats_buffers(q, b, hq, t, tile)
     sync = _sync_words(q, units, b * hq, num_warps)
-    _ordered_stats_raw(q, k, lens, m, l, stash_buf, m, sync, scale, n, t, hq, hkv, units, programs,
+    _ordered_stats_raw(q, k, lens, m, l, stash_buf, m, sync, scale, t, hq, hkv, units, programs,
                        -(-units * t // programs), d, hq // hkv, tile, flash=False, pdl=False, block_n=block_n,
                        num_warps=num_warps, num_stages=num_stages, store_stash=stash, release=release)
 
@@ -312,7 +312,7 @@ def santa_overlap_triton(q, k, v, lens, scale: float, budget: int, tile: int, se
                       "budgets": torch.zeros(b * hq, 2, device=q.device, dtype=torch.int64),
                       "samples": torch.zeros(units * t, 3, device=q.device, dtype=torch.int64)})
     traced = trace is not None
-    _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, n, t, hq, hkv, units, programs, rounds, d, g,
+    _ordered_stats_raw(q, k, lens, m, l, stash, mstar, sync, scale, t, hq, hkv, units, programs, rounds, d, g,
                        tile, flash=flash, pdl=pdl, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                        trace=trace["tiles"] if traced else None)
     lo, hi = seed_words(seed)
