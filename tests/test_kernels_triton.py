@@ -71,3 +71,14 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
     lines = res.stdout.split("\n")[:-1]
     assert res.returncode == 0 and len(lines) >= 8, res.stdout + res.stderr[-2000:]
     assert all(line.endswith(" True") for line in lines), res.stdout
+
+
+def test_k_stream_probe_matches_the_shipped_stats_pass():
+    """``scripts/probe_k_stream.py`` (the K-stream bounds of docs/methods/santa-kernels.md) times a TMA form of
+    the stats loop: its m, l and stash must equal the shipped ordered stats pass's, or its times bound nothing."""
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, str(HERE.parent / "scripts" / "probe_k_stream.py"), "--check"],
+                         cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "ok True" in res.stdout, res.stdout
