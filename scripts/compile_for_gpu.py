@@ -33,7 +33,6 @@ from kvsieve.kernels import (  # noqa: E402
     triton_common,
     triton_dense,
     triton_santa,
-    triton_santa_onepass,
     triton_santa_overlap,
 )
 
@@ -92,7 +91,7 @@ def compile_launch(kernel, grid, *args, capability: int, ptx_dir: str | None = N
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32768, help="keys (Llama-3.1-8B heads 32/8/128, bf16, batch 1)")
-    ap.add_argument("--paths", default="dense,prop,flash,prop-v9,flash-v9,prop-v10,flash-v10")
+    ap.add_argument("--paths", default="dense,prop,flash,prop-v10,flash-v10")
     ap.add_argument("--prop-budget", type=int, default=128)
     ap.add_argument("--flash-budget", type=int, default=2048)
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for H100")
@@ -106,10 +105,9 @@ def main() -> int:
     def fake_launch(kernel, grid, *a, **meta):
         compile_launch(kernel, grid, *a, capability=args.capability, ptx_dir=args.ptx, **meta)
 
-    for module in (triton_common, triton_dense, triton_santa, triton_santa_onepass, triton_santa_overlap):
+    for module in (triton_common, triton_dense, triton_santa, triton_santa_overlap):
         module.launch = fake_launch
     triton_santa._hopper_or_newer = lambda device: args.capability >= 90
-    triton_santa_onepass._sm_count = lambda device: 132
     torch.cuda.current_device = lambda: 0
     q = torch.randn(1, 32, 128).to(torch.bfloat16)
     k = torch.randn(1, 8, args.n, 128).to(torch.bfloat16)
@@ -124,12 +122,12 @@ def main() -> int:
         elif path in ("prop-v10", "flash-v10"):
             triton_santa_overlap.santa_overlap_triton(q, k, v, lens, scale, fb if path == "flash-v10" else pb, 256,
                                                       1, flash=path == "flash-v10", **json.loads(args.v10_options))
-        elif path in ("prop", "prop-v9"):
-            triton_santa.santa_prop_triton(q, k, v, lens, scale, pb, 256, 1, onepass=path == "prop-v9")
-        elif path in ("flash", "flash-v9"):
-            triton_santa.santa_flash_triton(q, k, v, lens, scale, fb, 256, 1, onepass=path == "flash-v9")
+        elif path == "prop":
+            triton_santa.santa_prop_triton(q, k, v, lens, scale, pb, 256, 1)
+        elif path == "flash":
+            triton_santa.santa_flash_triton(q, k, v, lens, scale, fb, 256, 1)
         else:
-            ap.error(f"--paths: unknown path {path!r} (dense, prop, flash, prop-v9, flash-v9, prop-v10, flash-v10)")
+            ap.error(f"--paths: unknown path {path!r} (dense, prop, flash, prop-v10, flash-v10)")
     return 0
 
 

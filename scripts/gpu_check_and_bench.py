@@ -41,21 +41,18 @@ TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
 # (key, rounding, options): the default path (the merge folded into the sampling pass: 3 launches) and
 # the 4-launch path with the merge kernel
 PROP_VARIANTS = [
-    ("prop_lr", "largest-remainder", {"compact": True, "onepass": False, "overlap": False}),
-    ("prop_sys", "systematic", {"compact": True, "onepass": False, "overlap": False}),
-    ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True, "onepass": False}),
-    ("prop_lr_v7", "largest-remainder", {"compact": False, "onepass": False}),
-    ("prop_lr_v9", "largest-remainder", {"onepass": True}),
-    ("prop_sys_v9", "systematic", {"onepass": True}),
+    ("prop_lr", "largest-remainder", {"compact": True, "overlap": False}),
+    ("prop_sys", "systematic", {"compact": True, "overlap": False}),
+    ("prop_lr_inline", "largest-remainder", {"compact": True, "inline_budgets": True}),
+    ("prop_lr_v7", "largest-remainder", {"compact": False}),
     ("prop_lr_v10", "largest-remainder", {"overlap": True}),
     ("prop_sys_v10", "systematic", {"overlap": True}),
     ("prop_lr_default", "largest-remainder", {}),  # the path a caller who names none gets (v8 or v10 by length)
 ]
-# santa-flash: v8 (stats + compacted sampling, merge folded), the fused kernel (v6/v7 default), v9 (one launch)
+# santa-flash: v8 (stats + compacted sampling, merge folded), the fused kernel (v6/v7 default), v10 (overlapped)
 FLASH_VARIANTS = [
-    ("flash_v8", {"fused": False, "fold_merge": True, "onepass": False}),
-    ("flash_fused", {"fused": True, "onepass": False}),
-    ("flash_v9", {"onepass": True}),
+    ("flash_v8", {"fused": False, "fold_merge": True}),
+    ("flash_fused", {"fused": True}),
     ("flash_v10", {"overlap": True}),
     ("flash_default", {}),
 ]
@@ -329,13 +326,11 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
 
     def prop(**o):
         o.setdefault("compact", True)
-        o.setdefault("onepass", False)
         o.setdefault("overlap", False)
         return lambda: santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, **o)[0]
 
     def flash(**o):
         o.setdefault("fused", False)
-        o.setdefault("onepass", False)
         o.setdefault("overlap", False)
         return lambda: santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, **o)[0]
 
@@ -378,30 +373,6 @@ def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
             "flash-v8-r64": flash(r_max=64),
             "flash-v8-pdl": pdl(flash()),
         })
-    return calls
-
-
-def v9_calls(q, k, v, lens32) -> dict:
-    """Whole calls (llama shape, S = 128 prop / 2048 flash): v8 against the one-launch kernel (v9) and its
-    parameters (tiles per stats item, lag, tickets or program order, stages, warps)."""
-    from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
-
-    scale, tile = 128 ** -0.5, 256
-    calls = {name: fn for name, fn in v8_calls(q, k, v, lens32, full=False).items()
-             if name in ("flashinfer", "dense", "prop-v8", "flash-v8", "flash-fused-v7")}
-
-    def v9(flash, **o):
-        return lambda: santa_onepass_triton(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
-                                            **o)[0]
-
-    # i: tiles per stats item, p: programs per SM, s: share (%) of programs that may sample at once,
-    # r: register cap (the persistent loop compiles to ~212 registers: 2 programs per SM)
-    grid = [(1, 2, 50, 0), (2, 2, 50, 0), (4, 2, 50, 0), (2, 2, 25, 0), (2, 2, 100, 0),
-            (2, 4, 50, 128), (4, 4, 50, 128), (2, 3, 50, 168)]
-    for flash, tag in ((False, "prop"), (True, "flash")):
-        for i, p, sh, r in grid:
-            calls[f"{tag}-v9-i{i}-p{p}-s{sh}-r{r}"] = v9(flash, tiles_per_item=i, programs_per_sm=p,
-                                                        sampler_share=sh / 100, maxnreg=r)
     return calls
 
 
@@ -647,13 +618,9 @@ def smoke(n: int = 32768) -> int:
                                    {"compact": True, "rank_budgets": True}, {"compact": True, "pdl": True},
                                    {"compact": True, "r_max": 32})]
     cases += [("flash", o) for o in ({"fused": False}, {"fused": False, "pdl": True}, {"fused": False, "r_max": 16})]
-    v9_opts = ({}, {"tiles_per_item": 1}, {"tiles_per_item": 4, "sampler_share": 0.1},
-               {"programs_per_sm": 4, "maxnreg": 128}, {"programs_per_sm": 1, "sampler_share": 1.0})
-    cases += [("prop9", o) for o in v9_opts] + [("flash9", o) for o in v9_opts]
     v10_opts = ({"pdl": True}, {"pdl": False}, {"pdl": True, "stats_programs": 528, "block_n": 128, "num_stages": 2},
                 {"pdl": True, "num_warps": 8, "stats_programs": 264, "num_stages": 3})
     cases += [("prop10", o) for o in v10_opts] + [("flash10", o) for o in v10_opts]
-    from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
     from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
 
     for kind, o in cases:
@@ -663,12 +630,11 @@ def smoke(n: int = 32768) -> int:
             o.setdefault("overlap", False)
         try:
             with triton_santa.programmatic_dependent_launch(pdl_on):
-                if kind in ("prop9", "flash9", "prop10", "flash10"):  # twice: the sync words must reset
+                if kind in ("prop10", "flash10"):  # twice: the sync words must reset
                     flash = kind.startswith("flash")
-                    fn = santa_onepass_triton if kind.endswith("9") else santa_overlap_triton
                     for _ in range(2):
-                        o8, c8, b8 = fn(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0, flash=flash,
-                                        write_counts=True, **o)
+                        o8, c8, b8 = santa_overlap_triton(q, k, v, lens32, scale, 2048 if flash else 128, tile, 0,
+                                                          flash=flash, write_counts=True, **o)
                     torch.cuda.synchronize()
                     same_budgets = flash or bool(torch.equal(b7, b8))
                     ref_o, ref_c = (f7, fc7) if flash else (o7, c7)
@@ -766,12 +732,11 @@ def main() -> int:
     ap.add_argument("--sweep-prop", action="store_true", help="santa-prop whole-call variants (graph µs)")
     ap.add_argument("--check-only", default=None, help='a subset of the checks, e.g. "bf16:0,1,7" (dtypes:shapes)')
     ap.add_argument("--sweep-v8", default=None, help="v7 against v8 and v8 variants at these contexts (e.g. 8k,32k)")
-    ap.add_argument("--sweep-v9", default=None, help="v8 against the one-launch kernel's variants at these contexts")
     ap.add_argument("--sweep-v10", default=None, help="v8 against the overlapped passes' variants at these contexts")
     ap.add_argument("--timeline", default=None, help="v10's timeline per unit (globaltimer stamps) at these contexts")
     ap.add_argument("--ragged", default=None, help="v8 against v10 on a padded ragged batch 8 at these contexts")
     ap.add_argument("--only", default=None, help="regular expression: the sweeps time only the variants it finds")
-    ap.add_argument("--smoke", action="store_true", help="v8/v9 paths once at 32k against v7 (exit 2 on a mismatch)")
+    ap.add_argument("--smoke", action="store_true", help="v8/v10 paths once at 32k against v7 (exit 2 on a mismatch)")
     ap.add_argument("--profile-once", action="store_true", help="each main call once inside cudaProfilerStart/Stop")
     ap.add_argument("--model-attention", default=None, help="captured q/k/v (.pt) of the default model")
     ap.add_argument("--bench", default=None, help="arguments of `kvsieve bench decode` (quoted)")
@@ -815,8 +780,7 @@ def main() -> int:
         t0 = time.time()
         report["sweep"] = sweep(log)
         log(f"sweep: {time.time() - t0:.0f}s")
-    for key, calls_of, contexts in (("v8", None, args.sweep_v8), ("v9", v9_calls, args.sweep_v9),
-                                    ("v10", v10_calls, args.sweep_v10)):
+    for key, calls_of, contexts in (("v8", None, args.sweep_v8), ("v10", v10_calls, args.sweep_v10)):
         if contexts:
             t0 = time.time()
             report[f"sweep_{key}"] = sweep_v8(log, parse_sizes(contexts), calls_of=calls_of, tag=key.upper(),

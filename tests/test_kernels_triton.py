@@ -57,9 +57,9 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
     compile (budget = 1 broke santa-prop on the GPU; the interpreter does not specialise, so only this
     check sees it): every kernel with a ``budget`` parameter must exclude it from specialisation."""
     code = textwrap.dedent("""
-        from kvsieve.kernels import triton_santa, triton_santa_onepass, triton_santa_overlap
+        from kvsieve.kernels import triton_santa, triton_santa_overlap
         from triton.runtime.jit import JITFunction
-        for module in (triton_santa, triton_santa_onepass, triton_santa_overlap):
+        for module in (triton_santa, triton_santa_overlap):
             for name, fn in vars(module).items():
                 if isinstance(fn, JITFunction) and name.endswith("_kernel"):
                     for p in fn.params:
@@ -69,7 +69,7 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     lines = res.stdout.split("\n")[:-1]
-    assert res.returncode == 0 and len(lines) >= 8, res.stdout + res.stderr[-2000:]
+    assert res.returncode == 0 and len(lines) >= 7, res.stdout + res.stderr[-2000:]
     assert all(line.endswith(" True") for line in lines), res.stdout
 
 

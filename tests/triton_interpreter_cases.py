@@ -86,9 +86,9 @@ def test_kernels_match_references(case):
 
     ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
     # v8 (stats + compacted sampling, merge folded; one or several gather steps per tile), the fused
-    # kernel, the v7 split passes with the merge kernel, v9 (one launch) and v10 (stats in unit order, then
-    # the sampling kernel; without programmatic dependent launch here, so its waits find their units ready)
-    for opts in ({}, {"r_max": 16}, {"fused": True}, {"fold_merge": False}, {"onepass": True}, {"overlap": True}):
+    # kernel, the v7 split passes with the merge kernel and v10 (stats in unit order, then the sampling
+    # kernel; without programmatic dependent launch here, so its waits find their units ready)
+    for opts in ({}, {"r_max": 16}, {"fused": True}, {"fold_merge": False}, {"overlap": True}):
         out = _poisoned(b, hq, d, dtype)
         _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
                                                     fused=opts.pop("fused", False), stats_programs=2, out=out,
@@ -105,8 +105,7 @@ def test_kernels_match_references(case):
         # the merge folded into its sampling pass or in its own kernel
         for opts in ({}, {"inline_budgets": False, "r_max": 16}, {"inline_budgets": True},
                      {"inline_budgets": False, "rank_budgets": True},
-                     {"compact": False}, {"compact": False, "fold_merge": False}, {"onepass": True},
-                     {"overlap": True}):
+                     {"compact": False}, {"compact": False, "fold_merge": False}, {"overlap": True}):
             out = _poisoned(b, hq, d, dtype)
             _, counts, budgets = triton_santa.santa_prop_triton(
                 q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
@@ -121,9 +120,8 @@ def test_kernels_match_references(case):
 
 def _assert_fold_workspace_clean(q):
     """The folded merge leaves its accumulators and counters zero, the global maxima -inf, and the
-    one-launch kernel its sync words zero, for the next call."""
+    overlapped passes their sync words zero, for the next call."""
     assert not triton_common.workspace("fold_acc", q, 1, torch.float32).any()
-    assert not triton_common.workspace("onepass_sync", q, 1, torch.int32, zeroed=True).any()
     assert not triton_common.workspace("overlap_sync", q, 1, torch.int32, zeroed=True).any()
     assert not triton_common.workspace("fold_den", q, 1, torch.float32).any()
     assert not triton_common.workspace("fold_done", q, 1, torch.int32).any()
@@ -154,29 +152,19 @@ def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
         assert _rel(out, ref.out) < TOL[torch.float32]
 
 
-# the paths that schedule their work themselves: v9's persistent programs (tiles per stats item; a sampler
-# share that lets one program sample at a time) and v10's stats programs (1 to as many as tiles, 30 here;
-# 7 and 13 leave the last round partial)
-SCHEDULED = {
-    "onepass": ("largest-remainder", [{"tiles_per_item": 1}, {"tiles_per_item": 3, "sampler_share": 0.01},
-                                      {"tiles_per_item": 20}]),
-    "overlap": ("systematic", [{"stats_programs": p} for p in (1, 7, 13, 30)]),
-}
+# the path that schedules its work itself: v10's stats programs (1 to as many as tiles, 30 here; 7 and 13
+# leave the last round partial)
+OVERLAP_VARIANTS = [{"stats_programs": p} for p in (1, 7, 13, 30)]
 
 
 @pytest.mark.parametrize("flash", [False, True], ids=["prop", "flash"])
-@pytest.mark.parametrize("path", sorted(SCHEDULED))
-def test_scheduled_paths_match_references(path, flash):
-    """v9 (one launch: two work queues; under the interpreter the first program does all the work,
-    interleaved as units become ready, and the others find the queues empty) and v10 (stats in unit
-    order, the sampling kernel waiting per unit and claiming each head's budgets once) give the
-    references' budgets and counts for every work order, on ragged rows with peaked attention (units
-    whose tiles get no samples), twice in a row (their sync words must be back at zero)."""
-    from kvsieve.kernels.triton_santa_onepass import santa_onepass_triton
+def test_scheduled_paths_match_references(flash):
+    """v10 (stats in unit order, the sampling kernel waiting per unit and claiming each head's budgets
+    once) gives the references' budgets and counts for every work order, on ragged rows with peaked
+    attention (units whose tiles get no samples), twice in a row (its sync words must be back at zero)."""
     from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
 
-    kernel = {"onepass": santa_onepass_triton, "overlap": santa_overlap_triton}[path]
-    rounding, variants = SCHEDULED[path]
+    rounding, variants = "systematic", OVERLAP_VARIANTS
     b, hq, hkv, n, d, s, tile = 3, 6, 2, 160, 64, 24, 32  # 5 tiles of 2 sub-blocks per (row, KV head)
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [160, 9, 100], torch.float32, 41, peaked=4.0)
     seed = 5
@@ -190,8 +178,9 @@ def test_scheduled_paths_match_references(path, flash):
     for opts in variants:
         for _ in range(2):
             out = _poisoned(b, hq, d, torch.float32)
-            _, counts, budgets = kernel(q, k, v, lens32, d ** -0.5, s, tile, seed, flash=flash, rounding=rounding,
-                                        write_counts=True, block_n=16, out=out, **opts)
+            _, counts, budgets = santa_overlap_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, flash=flash,
+                                                      rounding=rounding, write_counts=True, block_n=16, out=out,
+                                                      **opts)
             assert torch.equal(counts.long(), ref.counts), opts
             if not flash:
                 assert torch.equal(budgets.long(), ref.tile_budgets), opts

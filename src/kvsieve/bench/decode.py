@@ -27,7 +27,6 @@ DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flas
 # v7 sampling with the merge folded in (3 launches); santa-prop-4launch = stats, budgets, v7 sampling, merge;
 # santa-flash-v8 = stats + compacted sampling with the merge folded in (2 launches); santa-flash-fused = the
 # fused kernel + merge (2 launches); santa-flash-split = stats + v7 sampling pass + merge (3 launches);
-# santa-prop-v9 / santa-flash-v9 = the one-launch kernel (stats, budgets and sampling overlapped per KV head);
 # santa-prop-v10 / santa-flash-v10 = stats in (row, KV head) order + the sampling kernel launched early (PDL);
 # a "-pdl" / "-nopdl" suffix = the same path with programmatic dependent launch on / off (default: on, Hopper+)
 
@@ -43,9 +42,9 @@ class Case:
 
 
 VARIANT_NAMES = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-                 "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v9", "santa-prop-v10",
+                 "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v10",
                  "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-v8-pdl", "santa-flash-v8-nopdl",
-                 "santa-flash-v9", "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
+                 "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
 
 
 def parse_variant(spec: str) -> tuple[str, int | None]:
@@ -147,23 +146,21 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
 
 def prop_options(name: str) -> dict:
     """santa-prop-v7: the v7 sampling pass; santa-prop-v8: the compacted one; santa-prop-4launch: the merge
-    in its own kernel; santa-prop-v9: the one-launch kernel."""
-    return {"santa-prop-v7": {"compact": False, "onepass": False, "overlap": False},
-            "santa-prop-v8": {"compact": True, "onepass": False, "overlap": False},
-            "santa-prop-v9": {"onepass": True},
-            "santa-prop-v10": {"overlap": True, "onepass": False},
-            "santa-prop-4launch": {"compact": False, "fold_merge": False, "onepass": False, "overlap": False}
+    in its own kernel."""
+    return {"santa-prop-v7": {"compact": False, "overlap": False},
+            "santa-prop-v8": {"compact": True, "overlap": False},
+            "santa-prop-v10": {"overlap": True},
+            "santa-prop-4launch": {"compact": False, "fold_merge": False, "overlap": False}
             }.get(name, {})
 
 
 def flash_options(name: str) -> dict:
     """santa-flash-v8: stats + compacted sampling pass (merge folded); santa-flash-fused: the fused kernel +
-    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge; santa-flash-v9: the one-launch kernel."""
-    return {"santa-flash-v8": {"fused": False, "fold_merge": True, "onepass": False, "overlap": False},
-            "santa-flash-v9": {"onepass": True},
-            "santa-flash-v10": {"overlap": True, "onepass": False},
-            "santa-flash-fused": {"fused": True, "onepass": False, "overlap": False},
-            "santa-flash-split": {"fused": False, "fold_merge": False, "onepass": False, "overlap": False}
+    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge."""
+    return {"santa-flash-v8": {"fused": False, "fold_merge": True, "overlap": False},
+            "santa-flash-v10": {"overlap": True},
+            "santa-flash-fused": {"fused": True, "overlap": False},
+            "santa-flash-split": {"fused": False, "fold_merge": False, "overlap": False}
             }.get(name, {})
 
 

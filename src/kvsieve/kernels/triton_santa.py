@@ -26,8 +26,7 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
   heads × tiles per head), where programmatic
   dependent launch is on (Hopper and newer), both run v10 (``triton_santa_overlap``): the same passes,
   the stats in (row, KV head) order and the later kernels launched early, each program waiting for its
-  own (row, KV head), so that sampling overlaps the K stream. ``triton_santa_onepass`` (v9, opt-in)
-  puts all of it in one persistent launch.
+  own (row, KV head), so that sampling overlaps the K stream.
 
 Host path: launches go through ``triton_common.launch`` (cached compiled kernels) and scratch buffers
 come from ``triton_common.workspace`` (cached per device), with explicit strides of flat buffers.
@@ -908,7 +907,7 @@ def _check_rounding(rounding: str) -> None:
 
 
 class _PassBuffers(NamedTuple):
-    """What one call of the stats + compacted sampling passes writes (v9 and v10 take all of it)."""
+    """What one call of the stats + compacted sampling passes writes (v10 takes all of it)."""
     m: torch.Tensor
     l: torch.Tensor
     stash: torch.Tensor
@@ -1009,8 +1008,6 @@ FLASH_FUSED_MAX_TILES = 32
 # prop 53.3 -> 52.1 at 32k, 87.4 -> 85.7 at 64k, 146.7 -> 144.8 at 128k, 26.3 -> 25.0 at 8k; flash within
 # ±0.8 µs. Never used under the interpreter or on GPUs before compute capability 9.0.
 PDL = True
-# v9's one-launch kernel (triton_santa_onepass) as the default path of both methods: off until measured.
-ONEPASS_DEFAULT = False
 # v10's overlapped passes (triton_santa_overlap) are the default from this many tiles in all (rows × KV heads ×
 # tiles per head) where programmatic dependent launch is on: its stats programs (528) finish the (row, KV head)
 # units one after another only when there are several rounds of tiles; with one or two rounds it only adds
@@ -1031,12 +1028,10 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                        write_counts: bool = False, fused: bool | None = None, fold_merge: bool = True,
                        block_n: int | None = None, sample_n: int = 256, num_warps: int = 4, num_stages: int = 3,
                        sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                       r_max: int | None = None, onepass: bool | None = None, overlap: bool | None = None,
+                       r_max: int | None = None, overlap: bool | None = None,
                        out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    - ``onepass=True`` (v9, ``triton_santa_onepass``): one launch, each (row, KV head) samples as soon as
-      its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
       launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
       in all (rows × KV heads × tiles per head) when programmatic dependent launch is on (Hopper and
@@ -1053,13 +1048,6 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       tiles per head, v8 above (docs/methods/santa-kernels.md).
     Scratch buffers are cached per device (``triton_common.workspace``)."""
     _check_tile(tile)
-    if ONEPASS_DEFAULT if onepass is None else onepass:
-        from .triton_santa_onepass import santa_onepass_triton
-
-        out, counts, _ = santa_onepass_triton(q, k, v, lens, scale, budget, tile, seed, flash=True,
-                                              write_counts=write_counts, block_n=block_n or 64, r_max=r_max,
-                                              out=out)
-        return out, counts
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
         overlap = (fused is None and fold_merge and _all_tiles(k, tile) >= FLASH_OVERLAP_MIN_TILES
                    and _can_overlap())
@@ -1118,12 +1106,10 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                       compact: bool = True, inline_budgets: bool | None = None, rank_budgets: bool | None = None,
                       block_n: int = 64, sample_n: int = 64, num_warps: int = 4, num_stages: int = 3,
                       sample_warps: int | None = None, sample_stages: int = 3, stats_programs: int = 264,
-                      r_max: int | None = None, onepass: bool | None = None, overlap: bool | None = None,
+                      r_max: int | None = None, overlap: bool | None = None,
                       out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``.
 
-    - ``onepass=True`` (v9, ``triton_santa_onepass``): one launch, each (row, KV head) computes its budgets
-      and samples as soon as its tiles are scored while the next ones stream; ``None``: ``ONEPASS_DEFAULT``.
     - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the budget and
       sampling kernels launched early (PDL), each (row, KV head) getting its budgets and samples once its
       tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles in all when programmatic dependent launch
@@ -1140,11 +1126,6 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     (``triton_common.workspace``)."""
     _check_tile(tile)
     _check_rounding(rounding)
-    if ONEPASS_DEFAULT if onepass is None else onepass:
-        from .triton_santa_onepass import santa_onepass_triton
-
-        return santa_onepass_triton(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
-                                    write_counts=write_counts, block_n=block_n, r_max=r_max, out=out)
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
         overlap = (compact and fold_merge and inline_budgets is None and rank_budgets is None
                    and _all_tiles(k, tile) >= PROP_OVERLAP_MIN_TILES and _can_overlap())

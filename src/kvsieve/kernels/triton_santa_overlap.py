@@ -1,8 +1,8 @@
 """S²ANTA-prop and S²ANTA-flash with the sampling pass overlapping the K stream (v10).
 
 v8 runs the stats pass over all of K, then the budgets, then the sampling pass; v9 put all of it in one
-persistent kernel and lost the stream's speed (``triton_santa_onepass``). Here the passes stay separate
-kernels with their own registers and shared memory (flash 2 launches, prop 3):
+persistent kernel and lost the stream's speed (since removed; docs/methods/santa-kernels.md, version log).
+Here the passes stay separate kernels with their own registers and shared memory (flash 2 launches, prop 3):
 
 - ``_ordered_stats_kernel`` scores the tiles in *unit order* (a unit is a (batch row, KV head)): tile
   ``g = i·P + p`` of the unit-major tile list is program p's i-th, so round i of all P programs covers
@@ -61,7 +61,15 @@ if triton is not None:
     import triton.language as tl
 
     from .triton_santa import _group_budgets, _sample_fold, budget_jit, gdc_launch_dependents
-    from .triton_santa_onepass import _nap
+
+    @triton.jit
+    def _nap(x, SLEEP: tl.constexpr):
+        """A short sleep (``nanosleep``) between polls, so that idle programs leave L2 to the stream; a no-op
+        under the interpreter, which has no inline assembly (and never waits: it runs programs in order)."""
+        if SLEEP:
+            x = tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                          is_pure=False, pack=1)
+        return x
 
     @triton.jit
     def _now(like):
