@@ -68,6 +68,24 @@ if triton is not None:
         gdc_launch_dependents = gdc_wait = None
 
     @triton.jit
+    def _score_block(q, k_base, u_base, offs_n, length, scale, s_k_n, g_ok, D: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+        """Scores of one sub-block of keys ``offs_n`` for the G heads, stashed (float32, -inf past the row's
+        length) and returned."""
+        n_ok = offs_n < length
+        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+        return s
+
+    @triton.jit
+    def _fold_scores(m, l, s):
+        """The running max m and sum l of e^{s - m} with the scores s [G, n] folded in."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+
+    @triton.jit
     def _score_tile(q_ptr, k_ptr, stash_ptr, b, kvh, t, length, scale,
                     s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_u_b, s_u_h,
                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
@@ -84,15 +102,9 @@ if triton is not None:
         k_base = k_ptr + b * s_k_b + kvh * s_k_h
         u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
         for j in range(0, TILE // BLOCK_N):
-            offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < length
-            k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-            m = m_new
+            s = _score_block(q, k_base, u_base, t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N), length, scale, s_k_n,
+                             g_ok, D, DOT_PRECISION)
+            m, l = _fold_scores(m, l, s)
         return m, l
 
     @triton.jit
@@ -250,18 +262,10 @@ if triton is not None:
         ml_base = b * s_ml_b + heads * s_ml_h
         m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
         for j in range(t0 * SUBS, t1 * SUBS):
-            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < length
-            k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+            s = _score_block(q, k_base, u_base, j * BLOCK_N + tl.arange(0, BLOCK_N), length, scale, s_k_n, g_ok, D,
+                             DOT_PRECISION)
             first = (j % SUBS) == 0
-            m = tl.where(first, float("-inf"), m)
-            l = tl.where(first, 0.0, l)
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            l = l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
-            m = m_new
+            m, l = _fold_scores(tl.where(first, float("-inf"), m), tl.where(first, 0.0, l), s)
             if TRACK_MAX:
                 m_all = tl.maximum(m_all, m)
             done = (j % SUBS) == SUBS - 1
