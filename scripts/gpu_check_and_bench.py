@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvsieve.cli.bench import parse_sizes  # noqa: E402
 from kvsieve.core.inputs import check_decode_inputs  # noqa: E402
-from kvsieve.kernels.santa_reference import santa_flash_reference, santa_prop_reference  # noqa: E402
-from kvsieve.kernels.triton_common import budget_uniforms, tile_uniforms  # noqa: E402
-from kvsieve.kernels.triton_dense import dense_decode_triton  # noqa: E402
-from kvsieve.kernels.triton_santa import santa_flash_triton, santa_prop_triton  # noqa: E402
-from kvsieve.methods.common import exact_attention  # noqa: E402
+from kvsieve.kernels.dense import dense_decode_triton  # noqa: E402
+from kvsieve.kernels.santa.kernels import santa_flash_triton, santa_prop_triton  # noqa: E402
+from kvsieve.kernels.santa.reference import santa_flash_reference, santa_prop_reference  # noqa: E402
+from kvsieve.kernels.triton_utils import budget_uniforms, tile_uniforms  # noqa: E402
+from kvsieve.methods.shared.exact import exact_attention  # noqa: E402
 
 DEVICE = os.environ.get("KVSIEVE_CHECK_DEVICE", "cuda")  # "cpu" with TRITON_INTERPRET=1 to dry-run here
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 1e-4}
@@ -115,7 +115,7 @@ def check_kernels(log, quick: bool = False, only: str | None = None) -> list[dic
             row["dense_finite"] = bool(torch.isfinite(out).all())
             row["dense_err"] = rel(out, exact)
             tu = tile_uniforms(seed, b, hq, t, device=DEVICE)
-            ref = santa_flash_reference(inp, s, tile, tile_offsets=tu)
+            ref = santa_flash_reference(inp.scores(torch.float64), inp.v, s, tile, tile_offsets=tu)
             for key, opts in FLASH_VARIANTS:
                 out = torch.full((b, hq, d), float("nan"), device=DEVICE, dtype=dtype)
                 _, c = santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True, out=out, **opts)
@@ -128,7 +128,8 @@ def check_kernels(log, quick: bool = False, only: str | None = None) -> list[dic
                 _, c, bud = santa_prop_triton(q, k, v, lens32, scale, s, tile, seed, rounding=rounding,
                                               write_counts=True, out=out, **opts)
                 if rounding not in refs:
-                    refs[rounding] = santa_prop_reference(inp, s, tile, rounding=rounding, tile_offsets=tu,
+                    scores64 = inp.scores(torch.float64)
+                    refs[rounding] = santa_prop_reference(scores64, inp.v, s, tile, rounding=rounding, tile_offsets=tu,
                                                           budget_offset=budget_uniforms(seed, b, hq, device=DEVICE))
                 ref = refs[rounding]
                 row[f"{key}_finite"] = bool(torch.isfinite(out).all())
@@ -180,7 +181,7 @@ def sweep(log) -> list[dict]:
     from functools import partial
 
     from kvsieve.bench.timing import ColdL2Timer
-    from kvsieve.kernels.triton_santa import _tile_sample, _tile_stats
+    from kvsieve.kernels.santa.kernels import _tile_sample, _tile_stats
 
     timer = ColdL2Timer()
     rows = []
@@ -245,7 +246,7 @@ def host_overhead(log) -> list[dict]:
     workspaces on (the default) and off (``kernel[grid]`` launches, fresh buffers: the earlier path)."""
     import statistics
 
-    from kvsieve.kernels import triton_common
+    from kvsieve.kernels import triton_utils
 
     n, scale = 32768, 128 ** -0.5
     q, k, v, lens32 = _llama_inputs(n, seed=3)
@@ -264,7 +265,7 @@ def host_overhead(log) -> list[dict]:
         log(f"host overhead: no FlashInfer ({exc})")
     rows = []
     for fast in (False, True):
-        triton_common.FAST_HOST_PATH = fast
+        triton_utils.FAST_HOST_PATH = fast
         for name, fn in calls.items():
             if name == "flashinfer" and not fast:
                 continue
@@ -281,7 +282,7 @@ def host_overhead(log) -> list[dict]:
                    "host_us_p10": sorted(times)[20]}
             log("HOST " + json.dumps(row))
             rows.append(row)
-    triton_common.FAST_HOST_PATH = True
+    triton_utils.FAST_HOST_PATH = True
     return rows
 
 
@@ -319,7 +320,7 @@ def _llama_inputs(n: int, seed: int = 1, batch: int = 1):
 
 def v8_calls(q, k, v, lens32, *, full: bool = True) -> dict:
     """Whole calls (llama shape, S = 128 prop / 2048 flash) of the v7 and v8 paths and their variants."""
-    from kvsieve.kernels import triton_santa
+    from kvsieve.kernels.santa import kernels as triton_santa
 
     scale = 128 ** -0.5
     tile = 256
@@ -388,8 +389,8 @@ def v10_calls(q, k, v, lens32) -> dict:
     Measured and left out since: a register cap on the stats kernel (room for more sampling programs),
     the budget kernel's warps, budgets ranked by several programs per head without a sort (all slower or
     no better; docs/methods/santa-kernels.md)."""
-    from kvsieve.kernels import triton_santa
-    from kvsieve.kernels.triton_santa_overlap import ordered_stats_only, santa_overlap_triton
+    from kvsieve.kernels.santa import kernels as triton_santa
+    from kvsieve.kernels.santa.overlap import ordered_stats_only, santa_overlap_triton
 
     scale, tile = 128 ** -0.5, 256
     calls = {name: fn for name, fn in v8_calls(q, k, v, lens32, full=False).items()
@@ -451,7 +452,7 @@ def kernel_timeline(timer, fn, iters: int = 5) -> dict:
 
 def _traced_units(timer, q, k, v, lens32, flash: bool, opts: dict) -> dict:
     """One v10 call replayed from a CUDA graph with cold L2, its kernels stamping ``%globaltimer``."""
-    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+    from kvsieve.kernels.santa.overlap import santa_overlap_triton
 
     trace: dict = {}
 
@@ -497,7 +498,7 @@ def ragged(log, contexts) -> list[dict]:
     cache, twice): v10's stats pass streams every row up to the cache's length, v8 stops at each row's
     length. Graph µs, cold L2; the uniform batch of the same cache beside it."""
     from kvsieve.bench.timing import ColdL2Timer
-    from kvsieve.kernels import triton_santa
+    from kvsieve.kernels.santa import kernels as triton_santa
 
     timer = ColdL2Timer()
     rows = []
@@ -550,7 +551,7 @@ def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8", only
     """v7 against v8 and the v8 launch variants (or ``calls_of``'s calls), whole calls, graph-timed (cold
     L2), with the per-kernel breakdown of the main ones."""
     from kvsieve.bench.timing import ColdL2Timer
-    from kvsieve.kernels.triton_santa_overlap import reset_sync
+    from kvsieve.kernels.santa.overlap import reset_sync
 
     timer = ColdL2Timer()
     rows = []
@@ -591,10 +592,10 @@ def sweep_v8(log, contexts=(32768, 131072), calls_of=None, tag: str = "V8", only
 
 def compiled_resources(log) -> list[dict]:
     """Registers, spills and shared memory of every kernel the launch cache compiled."""
-    from kvsieve.kernels import triton_common
+    from kvsieve.kernels import triton_utils
 
     rows = []
-    for key, (compiled, _constexprs) in triton_common._COMPILED.items():
+    for key, (compiled, _constexprs) in triton_utils._COMPILED.items():
         meta = key[2]
         row = {"kernel": compiled.name, "meta": [str(x) for x in meta], "n_regs": getattr(compiled, "n_regs", None),
                "n_spills": getattr(compiled, "n_spills", None),
@@ -612,7 +613,7 @@ def smoke(n: int = 32768) -> int:
     scale, tile, bad = 128 ** -0.5, 256, 0
     o7, c7, b7 = santa_prop_triton(q, k, v, lens32, scale, 128, tile, 0, compact=False, write_counts=True)
     f7, fc7 = santa_flash_triton(q, k, v, lens32, scale, 2048, tile, 0, fused=True, write_counts=True)
-    from kvsieve.kernels import triton_santa
+    from kvsieve.kernels.santa import kernels as triton_santa
 
     cases = [("prop", o) for o in ({"compact": True}, {"compact": True, "inline_budgets": True},
                                    {"compact": True, "rank_budgets": True}, {"compact": True, "pdl": True},
@@ -621,7 +622,7 @@ def smoke(n: int = 32768) -> int:
     v10_opts = ({"pdl": True}, {"pdl": False}, {"pdl": True, "stats_programs": 528, "block_n": 128, "num_stages": 2},
                 {"pdl": True, "num_warps": 8, "stats_programs": 264, "num_stages": 3})
     cases += [("prop10", o) for o in v10_opts] + [("flash10", o) for o in v10_opts]
-    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+    from kvsieve.kernels.santa.overlap import santa_overlap_triton
 
     for kind, o in cases:
         o = dict(o)

@@ -35,8 +35,8 @@ import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from kvsieve.cli.bench import parse_sizes  # noqa: E402
-from kvsieve.kernels.triton_santa import _tiles  # noqa: E402
-from kvsieve.kernels.triton_santa_overlap import ordered_stats_only, reset_sync  # noqa: E402
+from kvsieve.kernels.santa.kernels import _tiles  # noqa: E402
+from kvsieve.kernels.santa.overlap import ordered_stats_only, reset_sync  # noqa: E402
 
 
 @triton.jit
@@ -151,7 +151,7 @@ def check(device: str) -> bool:
     k = torch.randn(2, 2, 512, 64, device=device, generator=g).to(torch.bfloat16)
     lens = torch.full((2,), 512, device=device, dtype=torch.int32)
     m, l, st = stats_tma_call(q, k, tile=64, block_n=32, programs=5)()
-    from kvsieve.kernels.triton_santa import _stats_buffers
+    from kvsieve.kernels.santa.kernels import _stats_buffers
 
     ordered_stats_only(q, k, lens, 64 ** -0.5, 64, stats_programs=5, block_n=32)
     reset_sync(q)
@@ -163,7 +163,7 @@ def check(device: str) -> bool:
 
 
 def _ceiling_calls(flashinfer, q, k, v, lens) -> dict:
-    from kvsieve.kernels.triton_santa import santa_flash_triton, santa_prop_triton
+    from kvsieve.kernels.santa.kernels import santa_flash_triton, santa_prop_triton
 
     kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
     q0 = q[0]
@@ -178,7 +178,7 @@ def _ceiling_calls(flashinfer, q, k, v, lens) -> dict:
 
 
 def _grid_calls(q, k, v, lens) -> dict:
-    from kvsieve.kernels.triton_dense import dense_decode_triton
+    from kvsieve.kernels.dense import dense_decode_triton
 
     calls = {"stats": lambda: ordered_stats_only(q, k, lens, 128 ** -0.5, 256),
              "stats-nostash-norelease": lambda: ordered_stats_only(q, k, lens, 128 ** -0.5, 256, stash=False,

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 import kvsieve
 from kvsieve.assets import essay_texts
 from kvsieve.integrations.hf import capture_attention
-from kvsieve.methods.selection import available_after, compact
+from kvsieve.methods.shared.selection import available_after, compact
 from kvsieve.methods.vattention import VAttention
 
 

@@ -57,7 +57,7 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
     compile (budget = 1 broke santa-prop on the GPU; the interpreter does not specialise, so only this
     check sees it): every kernel with a ``budget`` parameter must exclude it from specialisation."""
     code = textwrap.dedent("""
-        from kvsieve.kernels import triton_santa, triton_santa_overlap
+        from kvsieve.kernels.santa import kernels as triton_santa, overlap as triton_santa_overlap
         from triton.runtime.jit import JITFunction
         for module in (triton_santa, triton_santa_overlap):
             for name, fn in vars(module).items():

@@ -10,12 +10,12 @@ from conftest import random_qkv
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
 from kvsieve.core.rng import as_generator
-from kvsieve.kernels.santa_reference import (
+from kvsieve.kernels.santa.reference import (
     auto_tile_size,
     santa_flash_reference,
     santa_prop_reference,
 )
-from kvsieve.kernels.systematic import (
+from kvsieve.kernels.santa.systematic import (
     inverse_cdf,
     largest_remainder,
     systematic_counts,
@@ -181,13 +181,14 @@ def test_prop_and_flash_tile_counts():
     q, k, v = random_qkv(batch=2, heads=4, kv_heads=2, n=45, d=8, peaked=2.0)
     inputs = check_decode_inputs(q, k, v, lengths=torch.tensor([45, 30]))
     tile, budget = 8, 16  # 6 tiles; row 1 has 4 tiles with a valid key
-    prop = santa_prop_reference(inputs, budget, tile, rounding="largest-remainder",
+    prop = santa_prop_reference(inputs.scores(torch.float64), inputs.v, budget, tile, rounding="largest-remainder",
                                 budget_offset=_offsets((2, 4), 0), tile_offsets=_offsets((2, 4, 6), 1))
     padded = torch.nn.functional.pad(prop.counts, (0, 3)).view(2, 4, 6, tile)
     assert torch.equal(padded.sum(-1), prop.tile_budgets)
     assert torch.equal(prop.samples, torch.full((2, 4), budget))
     assert (prop.counts[1, :, 30:] == 0).all()
-    flash = santa_flash_reference(inputs, budget, tile, tile_offsets=_offsets((2, 4, 6), 1))
+    scores64 = inputs.scores(torch.float64)
+    flash = santa_flash_reference(scores64, inputs.v, budget, tile, tile_offsets=_offsets((2, 4, 6), 1))
     padded = torch.nn.functional.pad(flash.counts, (0, 3)).view(2, 4, 6, tile)
     # S_tile = max(1, S // T) over the tiles that hold a valid key: 16 // 6 = 2, 16 // 4 = 4.
     assert torch.equal(padded.sum(-1)[0], torch.full((4, 6), 2))
@@ -334,8 +335,9 @@ def test_tiled_batch_rows_equal_rows_alone_given_the_same_offsets(kind):
 
     def run(inputs, budget_offset, tile_offsets):
         if kind == "flash":
-            return santa_flash_reference(inputs, budget, tile, tile_offsets=tile_offsets)
-        return santa_prop_reference(inputs, budget, tile, rounding=kind,
+            scores64 = inputs.scores(torch.float64)
+            return santa_flash_reference(scores64, inputs.v, budget, tile, tile_offsets=tile_offsets)
+        return santa_prop_reference(inputs.scores(torch.float64), inputs.v, budget, tile, rounding=kind,
                                     budget_offset=budget_offset, tile_offsets=tile_offsets)
 
     bo, to = _offsets((3, 4), 5), _offsets((3, 4, 6), 6)

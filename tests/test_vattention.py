@@ -8,7 +8,7 @@ from conftest import random_qkv
 
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
-from kvsieve.methods.selection import IndexSet, uniform_sample
+from kvsieve.methods.shared.selection import IndexSet, uniform_sample
 from kvsieve.methods.vattention import clt_budget, full_budget, hoeffding_budget, normal_quantile
 
 
@@ -185,7 +185,7 @@ def test_gqa_shared_budget_is_the_group_max():
     # Replay the method's draws: the base sample is the first draw of the seeded generator. Each KV
     # head's budget must be the max of its query heads' budgets on that shared base sample.
     from kvsieve.core.rng import as_generator
-    from kvsieve.methods.selection import available_after, sink_and_window, union
+    from kvsieve.methods.shared.selection import available_after, sink_and_window, union
 
     inputs = check_decode_inputs(q, k, v)
     fixed = sink_and_window(inputs, 16, 16, 2)
@@ -228,8 +228,8 @@ def test_hoeffding_needs_more_samples_than_the_clt():
 def test_residual_sample_is_unbiased_inside_vattention():
     """E over seeds of the sampled part: with the fixed part removed (sink = window = top-k = 0) the
     estimator's denominator exp(lse) is unbiased for Σ e^s, checked through the kernel contract."""
-    from kvsieve.kernels.weighted_sparse import weighted_sparse_decode_reference
-    from kvsieve.methods.selection import available_after, sink_and_window
+    from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+    from kvsieve.methods.shared.selection import available_after, sink_and_window
 
     trials, n = 1500, 600
     q, k, v = random_qkv(batch=1, heads=2, kv_heads=2, n=n, d=8, seed=10, peaked=1.0)

@@ -21,17 +21,19 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvsieve.kernels import triton_common, triton_dense, triton_santa  # noqa: E402
+from kvsieve.kernels import dense as triton_dense  # noqa: E402
+from kvsieve.kernels import triton_utils  # noqa: E402
+from kvsieve.kernels.santa import kernels as triton_santa  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
 import kvsieve  # noqa: E402
 from kvsieve.core.inputs import check_decode_inputs  # noqa: E402
-from kvsieve.kernels.santa_reference import (  # noqa: E402
+from kvsieve.kernels.santa.reference import (  # noqa: E402
     santa_flash_reference,
     santa_prop_reference,
 )
-from kvsieve.methods.common import exact_attention  # noqa: E402
+from kvsieve.methods.shared.exact import exact_attention  # noqa: E402
 
 
 def _case(b, hq, hkv, n, d, lens, dtype, seed, peaked=2.0):
@@ -76,15 +78,16 @@ def test_kernels_match_references(case):
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, lens, dtype, seed)
     scale = d ** -0.5
     t = -(-n // tile)
-    tile_u = triton_common.tile_uniforms(seed, b, hq, t)
+    tile_u = triton_utils.tile_uniforms(seed, b, hq, t)
     small = {"block_n": 16, "sample_n": 16}
 
     out = _poisoned(b, hq, d, dtype)
     triton_dense.dense_decode_triton(q, k, v, lens32, scale, block_n=16, out=out)
     assert torch.isfinite(out).all()
-    assert _rel(out, exact_attention(inputs)) < TOL[dtype]
+    assert _rel(out, triton_dense.dense_decode_reference(q, k, v, lens32, scale)) < TOL[dtype]
+    assert _rel(triton_dense.dense_decode_reference(q, k, v, lens32, scale), exact_attention(inputs)) < 1e-12
 
-    ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
+    ref = santa_flash_reference(inputs.scores(torch.float64), inputs.v, s, tile, tile_offsets=tile_u)
     # v8 (stats + compacted sampling, merge folded; one or several gather steps per tile), the fused
     # kernel, the v7 split passes with the merge kernel and v10 (stats in unit order, then the sampling
     # kernel; without programmatic dependent launch here, so its waits find their units ready)
@@ -99,8 +102,8 @@ def test_kernels_match_references(case):
         _assert_fold_workspace_clean(q)
 
     for rounding in ("largest-remainder", "systematic"):
-        ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
-                                   budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
+        ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
+                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
         # v8 with the budget kernel (sort or rank) or inline budgets, one or several gather steps; v7 with
         # the merge folded into its sampling pass or in its own kernel
         for opts in ({}, {"inline_budgets": False, "r_max": 16}, {"inline_budgets": True},
@@ -121,11 +124,11 @@ def test_kernels_match_references(case):
 def _assert_fold_workspace_clean(q):
     """The folded merge leaves its accumulators and counters zero, the global maxima -inf, and the
     overlapped passes their sync words zero, for the next call."""
-    assert not triton_common.workspace("fold_acc", q, 1, torch.float32).any()
-    assert not triton_common.workspace("overlap_sync", q, 1, torch.int32, zeroed=True).any()
-    assert not triton_common.workspace("fold_den", q, 1, torch.float32).any()
-    assert not triton_common.workspace("fold_done", q, 1, torch.int32).any()
-    mstar = triton_common.workspace("mstar", q, 1, torch.float32, fill=float("-inf"))
+    assert not triton_utils.workspace("fold_acc", q, 1, torch.float32).any()
+    assert not triton_utils.workspace("overlap_sync", q, 1, torch.int32, zeroed=True).any()
+    assert not triton_utils.workspace("fold_den", q, 1, torch.float32).any()
+    assert not triton_utils.workspace("fold_done", q, 1, torch.int32).any()
+    mstar = triton_utils.workspace("mstar", q, 1, torch.float32, fill=float("-inf"))
     assert (mstar == float("-inf")).all()
 
 
@@ -138,9 +141,9 @@ def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
     b, hq, hkv, n, d, s, tile = 2, 4, 2, 640, 64, 48, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [640, 390], torch.float32, 31, peaked=3.0)
     seed = 8
-    ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
-                               budget_offset=triton_common.budget_uniforms(seed, b, hq),
-                               tile_offsets=triton_common.tile_uniforms(seed, b, hq, n // tile))
+    ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
+                               budget_offset=triton_utils.budget_uniforms(seed, b, hq),
+                               tile_offsets=triton_utils.tile_uniforms(seed, b, hq, n // tile))
     for opts in ({"inline_budgets": True}, {"inline_budgets": False, "rank_budgets": True}):
         out = _poisoned(b, hq, d, torch.float32)
         _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed,
@@ -162,19 +165,19 @@ def test_scheduled_paths_match_references(flash):
     """v10 (stats in unit order, the sampling kernel waiting per unit and claiming each head's budgets
     once) gives the references' budgets and counts for every work order, on ragged rows with peaked
     attention (units whose tiles get no samples), twice in a row (its sync words must be back at zero)."""
-    from kvsieve.kernels.triton_santa_overlap import santa_overlap_triton
+    from kvsieve.kernels.santa.overlap import santa_overlap_triton
 
     rounding, variants = "systematic", OVERLAP_VARIANTS
     b, hq, hkv, n, d, s, tile = 3, 6, 2, 160, 64, 24, 32  # 5 tiles of 2 sub-blocks per (row, KV head)
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [160, 9, 100], torch.float32, 41, peaked=4.0)
     seed = 5
     t = n // tile
-    tile_u = triton_common.tile_uniforms(seed, b, hq, t)
+    tile_u = triton_utils.tile_uniforms(seed, b, hq, t)
     if flash:
-        ref = santa_flash_reference(inputs, s, tile, tile_offsets=tile_u)
+        ref = santa_flash_reference(inputs.scores(torch.float64), inputs.v, s, tile, tile_offsets=tile_u)
     else:
-        ref = santa_prop_reference(inputs, s, tile, rounding=rounding,
-                                   budget_offset=triton_common.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
+        ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
+                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
     for opts in variants:
         for _ in range(2):
             out = _poisoned(b, hq, d, torch.float32)
@@ -193,7 +196,7 @@ def test_overlap_default_only_where_no_path_was_chosen(flash, monkeypatch):
     """With programmatic dependent launch (faked here) v10 is the default from a tile count on, but never
     replaces a path the caller asked for (fused/fold_merge for flash; compact/fold_merge/inline/rank budgets
     for prop); below the count, or without PDL, the v8 paths run."""
-    from kvsieve.kernels import triton_santa_overlap
+    from kvsieve.kernels.santa import overlap as triton_santa_overlap
 
     calls = []
     real = triton_santa_overlap.santa_overlap_triton
@@ -220,11 +223,11 @@ def test_overlap_default_only_where_no_path_was_chosen(flash, monkeypatch):
 
 def test_workspace_is_reused_and_grows():
     x = torch.zeros(1)
-    a = triton_common.workspace("test_ws", x, 100, torch.float32)
-    assert triton_common.workspace("test_ws", x, 80, torch.float32).data_ptr() == a.data_ptr()
-    b = triton_common.workspace("test_ws", x, 101, torch.float32)
+    a = triton_utils.workspace("test_ws", x, 100, torch.float32)
+    assert triton_utils.workspace("test_ws", x, 80, torch.float32).data_ptr() == a.data_ptr()
+    b = triton_utils.workspace("test_ws", x, 101, torch.float32)
     assert b.numel() >= 101 + 101 // 8 - 1 and b.data_ptr() != a.data_ptr()
-    z = triton_common.workspace("test_ws_zero", x, 50, torch.int32, zeroed=True)
+    z = triton_utils.workspace("test_ws_zero", x, 50, torch.int32, zeroed=True)
     assert z.numel() == 50 and not z.any()
 
 
@@ -237,9 +240,9 @@ def test_prop_skips_tiles_without_budget():
     _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, write_counts=True,
                                                         block_n=16, sample_n=16)
     assert (budgets == 0).any()
-    ref = santa_prop_reference(inputs, s, tile, rounding="largest-remainder",
-                               budget_offset=triton_common.budget_uniforms(seed, b, hq),
-                               tile_offsets=triton_common.tile_uniforms(seed, b, hq, t))
+    ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
+                               budget_offset=triton_utils.budget_uniforms(seed, b, hq),
+                               tile_offsets=triton_utils.tile_uniforms(seed, b, hq, t))
     assert torch.equal(budgets.long(), ref.tile_budgets)
     assert torch.equal(counts.long(), ref.counts)
     zero_tiles = (budgets == 0).repeat_interleave(tile, dim=-1)[..., :n]
@@ -253,7 +256,8 @@ def test_large_tile_budget_splits_counts_exactly():
     out, counts = triton_santa.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True,
                                                   block_n=16, sample_n=16)
     assert (counts.sum(-1) == (s // 3) * 3).all()
-    ref = santa_flash_reference(inputs, s, tile, tile_offsets=triton_common.tile_uniforms(3, b, hq, 3))
+    scores64 = inputs.scores(torch.float64)
+    ref = santa_flash_reference(scores64, inputs.v, s, tile, tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3))
     assert torch.equal(counts.long(), ref.counts)
     assert _rel(out, ref.out) < TOL[torch.float16]
 
@@ -262,9 +266,9 @@ def test_prop_split_counts_above_2048():
     """Per-key counts above 2048 (fp16 dots split them into bytes; int64 running sums), on every prop path."""
     b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 20000, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 11, peaked=6.0)
-    ref = santa_prop_reference(inputs, s, tile, rounding="largest-remainder",
-                               budget_offset=triton_common.budget_uniforms(4, b, hq),
-                               tile_offsets=triton_common.tile_uniforms(4, b, hq, 3))
+    ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
+                               budget_offset=triton_utils.budget_uniforms(4, b, hq),
+                               tile_offsets=triton_utils.tile_uniforms(4, b, hq, 3))
     assert ref.counts.max() > 2048
     for opts in ({}, {"compact": False}, {"compact": False, "fold_merge": False}, {"inline_budgets": True}):
         out, counts, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True,
@@ -274,13 +278,13 @@ def test_prop_split_counts_above_2048():
 
 
 def test_uniforms_are_exact_binary_fractions_and_differ_by_counter():
-    u = triton_common.tile_uniforms(5, 2, 3, 7)
+    u = triton_utils.tile_uniforms(5, 2, 3, 7)
     assert u.shape == (2, 3, 7)
     assert ((u >= 0) & (u < 1)).all()
     assert torch.equal(u * 2**24, torch.floor(u * 2**24))
     assert u.flatten().unique().numel() == u.numel()
-    assert not torch.equal(u, triton_common.tile_uniforms(6, 2, 3, 7))
-    assert not torch.equal(triton_common.budget_uniforms(5, 2, 3), u[..., 0])
+    assert not torch.equal(u, triton_utils.tile_uniforms(6, 2, 3, 7))
+    assert not torch.equal(triton_utils.budget_uniforms(5, 2, 3), u[..., 0])
 
 
 @pytest.mark.parametrize("kernel", ["flash", "prop-systematic"])

@@ -7,6 +7,9 @@ a transformers integration and an evaluation harness.
     out, stats = m.decode(q, k, v, seed=0)
     with kvsieve.sparsify(model, "santa-sys:budget=64", phase="decode") as session:
         model.generate(...)
+
+Layers, each importing only from the ones below it (docs/architecture.md; tests/test_architecture.py):
+core ← kernels ← methods ← integrations ← runtime ← eval, bench, fit ← cli.
 """
 
 from __future__ import annotations

@@ -89,9 +89,9 @@ class Inputs:
 
 def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, seed: int,
               workspace: dict) -> Callable[[], torch.Tensor]:
-    from ..kernels.santa_reference import auto_tile_size
-    from ..kernels.triton_dense import dense_decode_triton
-    from ..kernels.triton_santa import santa_flash_triton, santa_prop_triton
+    from ..kernels.dense import dense_decode_triton
+    from ..kernels.santa.kernels import santa_flash_triton, santa_prop_triton
+    from ..kernels.santa.reference import auto_tile_size
 
     if name in ("flashinfer", "flashinfer-hnd"):
         if isinstance(flashinfer, Exception):
@@ -125,7 +125,7 @@ def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, 
     if name == "dense":
         return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
     if name.endswith("pdl"):
-        from ..kernels.triton_santa import programmatic_dependent_launch
+        from ..kernels.santa.kernels import programmatic_dependent_launch
 
         base, _, suffix = name.rpartition("-")
         fn = make_call(base, budget, case, x, flashinfer, seed, workspace)
@@ -166,8 +166,8 @@ def flash_options(name: str) -> dict:
 
 def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
     """Bytes the method must read (K, V) and, for S²ANTA, the V-row fraction measured on these inputs."""
-    from ..kernels.santa_reference import auto_tile_size
-    from ..kernels.triton_santa import santa_flash_triton, santa_prop_triton
+    from ..kernels.santa.kernels import santa_flash_triton, santa_prop_triton
+    from ..kernels.santa.reference import auto_tile_size
 
     elt = x.k.element_size()
     row = case.head_dim * elt

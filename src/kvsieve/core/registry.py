@@ -22,21 +22,16 @@ def register_method(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def _ensure_builtin_methods() -> None:
-    import importlib
-
-    # The package attribute `kvsieve.methods` is the function below, hence the import by name.
-    importlib.import_module("kvsieve.methods")
-
-
 def methods() -> list[str]:
-    """Names of all registered methods, sorted."""
-    _ensure_builtin_methods()
+    """Names of all registered methods, sorted.
+
+    The built-in methods are registered when ``kvsieve`` is imported (its ``__init__`` imports
+    ``kvsieve.methods``), so core never imports the layer above it.
+    """
     return sorted(_REGISTRY)
 
 
 def method_class(name: str) -> type[Method]:
-    _ensure_builtin_methods()
     if name not in _REGISTRY:
         # Case-insensitive, so that "SANTA-SYS" still points at santa-sys.
         by_lower = {n.lower(): n for n in _REGISTRY}

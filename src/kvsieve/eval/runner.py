@@ -75,11 +75,11 @@ class EvalConfig:
 
 def canonical_methods(specs: Sequence[str]) -> tuple[str, ...]:
     """Validated, canonical spec strings, dense first, no duplicates (unknown names raise, listing valid ones)."""
-    import kvsieve
+    from ..core.registry import method
 
     out: list[str] = [DENSE]
     for spec in specs:
-        m = kvsieve.method(spec)
+        m = method(spec)
         canonical = m.spec
         budget = getattr(m.config, "budget", None)
         if budget is not None and "budget=" not in canonical:
@@ -219,11 +219,11 @@ def _session(model: Any, method: str, cfg: EvalConfig, question_start: int, trac
 
     if method == DENSE:
         return contextlib.nullcontext(None)
-    import kvsieve
+    from ..integrations.hf import sparsify
 
-    return kvsieve.sparsify(model, method, phase=cfg.phase, dense_layers=cfg.dense_layers, seed=cfg.seed,
-                            track_error=cfg.track_error if track else 0,
-                            question_start=question_start if cfg.phase == "question" else None)
+    return sparsify(model, method, phase=cfg.phase, dense_layers=cfg.dense_layers, seed=cfg.seed,
+                     track_error=cfg.track_error if track else 0,
+                     question_start=question_start if cfg.phase == "question" else None)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
@@ -443,9 +443,9 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
         torch.set_num_threads(threads)
     if model is None:
         check_model_name(cfg.model)
-        import kvsieve
+        from ..integrations.models import load_model
 
-        model, tokenizer = kvsieve.load_model(cfg.model, device=cfg.device)
+        model, tokenizer = load_model(cfg.model, device=cfg.device)
     check_lengths(cfg.lengths, model.config)
     store.save_manifest()
     timer = Timer()
@@ -496,9 +496,9 @@ def _worker_main(rank: int, cfg: EvalConfig, root: str, threads: int, jobs: Any,
 
     try:
         torch.set_num_threads(threads)
-        import kvsieve
+        from ..integrations.models import load_model
 
-        model, tokenizer = kvsieve.load_model(cfg.model, device=_worker_device(cfg.device, rank))
+        model, tokenizer = load_model(cfg.model, device=_worker_device(cfg.device, rank))
         store = ResultStore.open_existing(root)
         timer = Timer()
         while (job := jobs.get()) is not None:

@@ -1,7 +1,7 @@
 """``dense``: exact attention, the baseline every method is judged against.
 
 ``backend``: "reference" (default: torch, float32 accumulation — the ground truth other methods are
-compared with), "triton" (the split-KV kernel of ``kernels/triton_dense.py``; a ValueError says why
+compared with), "triton" (the split-KV kernel of ``kernels/dense.py``; a ValueError says why
 when it cannot serve a call) or "auto" (the kernel on CUDA tensors it can serve, else the reference).
 ``stats.backend`` names the path that ran.
 """
@@ -14,8 +14,8 @@ from typing import Literal
 from ..core.config import MethodConfig, param, require_choice
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from ..kernels.triton_dispatch import BACKENDS, choose_backend, kernel_operands
-from .common import compute_dtype, exact_attention
+from .shared.backend import BACKENDS, choose_backend, kernel_operands
+from .shared.exact import compute_dtype, exact_attention
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Dense(Method):
         path, reason = choose_backend(self.config.backend, inputs)
         extra = {}
         if path == "triton":
-            from ..kernels.triton_dense import dense_decode_triton
+            from ..kernels.dense import dense_decode_triton
 
             q, k, v, lens = kernel_operands(inputs)
             out = dense_decode_triton(q, k, v, lens, inputs.scale).to(compute_dtype(inputs))

@@ -29,8 +29,8 @@ from ..core.config import param, require_choice, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import derive_seed
-from .baselines import Selected, SelectionMethod, SinkWindowConfig, fixed_part
-from .selection import compact, require_size, resolve_size, union
+from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
+from .shared.selection import compact, require_size, resolve_size, union
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from ..core.config import MethodConfig, param, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.rng import as_generator
-from ..kernels.systematic import inverse_cdf
-from .common import compute_dtype, covered_rows, merge_exact_rows
+from ..kernels.santa.systematic import inverse_cdf
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ import torch
 from ..core.config import param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
-from ..kernels.weighted_sparse import gather_rows
-from .baselines import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
-from .quest import quest_top_tokens
-from .selection import (
+from ..kernels.sparse.weighted import gather_rows
+from .shared.base import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
+from .shared.pages import quest_top_tokens
+from .shared.selection import (
     IndexSet,
     available_after,
     compact,

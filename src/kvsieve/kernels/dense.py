@@ -1,11 +1,11 @@
 """Dense split-KV decode (FlashDecoding-style) in Triton: our baseline and the others' building block.
 
-Torch reference: ``kvsieve.methods.common.exact_attention`` (``DecodeInputs.probs`` then
-``weighted_values``), i.e. ``softmax(q·K · scale) V`` over each row's valid prefix.
+Torch reference: :func:`dense_decode_reference` below, ``softmax(q·K · scale) V`` over each row's
+valid prefix.
 
 One program per (split, KV head, batch row) scores its chunk of keys for the G query heads of the
 group at once (one K load shared by G heads), keeps an online softmax, and writes partials that
-``triton_common.merge_partials`` combines: 2 launches per call.
+``triton_utils.merge_partials`` combines: 2 launches per call.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .triton_common import group_block, launch, merge_partials_raw, next_pow2, triton, workspace
+from .triton_utils import group_block, launch, merge_partials_raw, next_pow2, triton, workspace
 
 if triton is not None:
     import triton.language as tl
@@ -123,4 +123,16 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int | None = No
 _LOG2E = math.log2(math.e)
 
 
-__all__ = ["dense_decode_triton", "dense_split_plan", "next_pow2"]
+def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """What :func:`dense_decode_triton` computes, in float64: ``softmax(q·K · scale) V`` over ``[0, lens)``."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    qg = q.double().view(b, hkv, hq // hkv, d)
+    s = torch.matmul(qg, k.double().transpose(-1, -2)) * scale  # [B, Hkv, G, N]
+    valid = torch.arange(n, device=q.device)[None, :] < lens.to(q.device).long()[:, None]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v.double()).view(b, hq, -1)
+
+
+__all__ = ["dense_decode_reference", "dense_decode_triton", "dense_split_plan", "next_pow2"]

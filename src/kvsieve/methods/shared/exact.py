@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.inputs import DecodeInputs
+from ...core.inputs import DecodeInputs
 
 
 def compute_dtype(inputs: DecodeInputs) -> torch.dtype:

@@ -1,7 +1,7 @@
 """S²ANTA-flash and S²ANTA-prop decode kernels in Triton.
 
-Torch references: ``kvsieve.kernels.santa_reference.santa_flash_reference`` and
-``santa_prop_reference`` (float64). Given the uniforms of ``triton_common.tile_uniforms`` /
+Torch references: ``kvsieve.kernels.santa.reference.santa_flash_reference`` and
+``santa_prop_reference`` (float64). Given the uniforms of ``triton_utils.tile_uniforms`` /
 ``budget_uniforms`` the kernels draw the same counts, except for rare floor-boundary flips: scores
 are float32 here, and the running sums of systematic sampling are fixed-point integers with 2^-24
 resolution (exact prefix sums, so every tile's counts add up to its budget to the unit): int32 with
@@ -24,12 +24,12 @@ head of the group sampled issue no memory traffic; the V accumulation is ``tl.do
   ``_compact_sample_kernel`` with the merge folded in.
 - From ``FLASH_OVERLAP_MIN_TILES`` (flash) / ``PROP_OVERLAP_MIN_TILES`` (prop) tiles in all (rows × KV
   heads × tiles per head), where programmatic
-  dependent launch is on (Hopper and newer), both run v10 (``triton_santa_overlap``): the same passes,
+  dependent launch is on (Hopper and newer), both run v10 (``santa.overlap``): the same passes,
   the stats in (row, KV head) order and the later kernels launched early, each program waiting for its
   own (row, KV head), so that sampling overlaps the K stream.
 
-Host path: launches go through ``triton_common.launch`` (cached compiled kernels) and scratch buffers
-come from ``triton_common.workspace`` (cached per device), with explicit strides of flat buffers.
+Host path: launches go through ``triton_utils.launch`` (cached compiled kernels) and scratch buffers
+come from ``triton_utils.workspace`` (cached per device), with explicit strides of flat buffers.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from .triton_common import (
+from ..triton_utils import (
     STREAM_BUDGET,
     STREAM_TILE,
     group_block,
@@ -56,7 +56,7 @@ from .triton_common import (
 if triton is not None:
     import triton.language as tl
 
-    from .triton_common import hash_uniform
+    from ..triton_utils import hash_uniform
 
     # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
     # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
@@ -1012,7 +1012,7 @@ FLASH_FUSED_MAX_TILES = 32
 # prop 53.3 -> 52.1 at 32k, 87.4 -> 85.7 at 64k, 146.7 -> 144.8 at 128k, 26.3 -> 25.0 at 8k; flash within
 # ±0.8 µs. Never used under the interpreter or on GPUs before compute capability 9.0.
 PDL = True
-# v10's overlapped passes (triton_santa_overlap) are the default from this many tiles in all (rows × KV heads ×
+# v10's overlapped passes (santa.overlap) are the default from this many tiles in all (rows × KV heads ×
 # tiles per head) where programmatic dependent launch is on: its stats programs (528) finish the (row, KV head)
 # units one after another only when there are several rounds of tiles; with one or two rounds it only adds
 # waits. 2026-11-22-h100-decode-v10c, graph µs, v10 against v8: llama (8 KV heads, tile 256) batch 1: flash
@@ -1036,7 +1036,7 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
                        out: torch.Tensor | None = None):
     """S²ANTA-flash. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None)``.
 
-    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the sampling kernel
+    - ``overlap=True`` (v10, ``santa.overlap``): stats in (row, KV head) order, the sampling kernel
       launched early (PDL) and waiting per (row, KV head); ``None``: from ``FLASH_OVERLAP_MIN_TILES`` tiles
       in all (rows × KV heads × tiles per head) when programmatic dependent launch is on (Hopper and
       newer) and ``fused`` and ``fold_merge`` are left at their defaults. v10 runs with its own launch
@@ -1050,13 +1050,13 @@ def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed
       tiles in all where programmatic dependent launch is on, checked first (so a batch can take it at
       fewer tiles per head than the fused kernel's limit); otherwise fused up to ``FLASH_FUSED_MAX_TILES``
       tiles per head, v8 above (docs/methods/santa-kernels.md).
-    Scratch buffers are cached per device (``triton_common.workspace``)."""
+    Scratch buffers are cached per device (``triton_utils.workspace``)."""
     _check_tile(tile)
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
         overlap = (fused is None and fold_merge and _all_tiles(k, tile) >= FLASH_OVERLAP_MIN_TILES
                    and _can_overlap())
     if overlap:
-        from .triton_santa_overlap import santa_overlap_triton
+        from .overlap import santa_overlap_triton
 
         out, counts, _ = santa_overlap_triton(q, k, v, lens, scale, budget, tile, seed, flash=True,
                                               write_counts=write_counts, block_n=block_n or 128, r_max=r_max,
@@ -1114,7 +1114,7 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
                       out: torch.Tensor | None = None):
     """S²ANTA-prop. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``.
 
-    - ``overlap=True`` (v10, ``triton_santa_overlap``): stats in (row, KV head) order, the budget and
+    - ``overlap=True`` (v10, ``santa.overlap``): stats in (row, KV head) order, the budget and
       sampling kernels launched early (PDL), each (row, KV head) getting its budgets and samples once its
       tiles are scored; ``None``: from ``PROP_OVERLAP_MIN_TILES`` tiles in all when programmatic dependent launch
       is on (Hopper and newer) and no other path option was given (``compact``, ``fold_merge``,
@@ -1127,14 +1127,14 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     - ``compact=False``: the v7 passes: stats, budgets, sampling with the merge folded in
       (``fold_merge``, 3 launches) or followed by the merge kernel (4 launches).
     Same budgets and counts on every path. Scratch buffers are cached per device
-    (``triton_common.workspace``)."""
+    (``triton_utils.workspace``)."""
     _check_tile(tile)
     _check_rounding(rounding)
     if overlap is None:  # by length where the caller chose no path; it needs PDL (without it v10 is just slower)
         overlap = (compact and fold_merge and inline_budgets is None and rank_budgets is None
                    and _all_tiles(k, tile) >= PROP_OVERLAP_MIN_TILES and _can_overlap())
     if overlap:
-        from .triton_santa_overlap import santa_overlap_triton
+        from .overlap import santa_overlap_triton
 
         return santa_overlap_triton(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
                                     write_counts=write_counts, r_max=r_max, out=out)

@@ -1,15 +1,15 @@
 """S²ANTA-prop and S²ANTA-flash: the tile-budget semantics of the paper's two GPU kernels.
 
-See ``kvsieve.kernels.santa_reference`` for the math. ``santa-prop`` shares the budget over tiles
+See ``kvsieve.kernels.santa.reference`` for the math. ``santa-prop`` shares the budget over tiles
 by mass (largest remainder by default, as the paper; ``rounding=systematic`` is the unbiased
 option). ``santa-flash`` gives each tile the same budget ``max(1, S // T)`` and merges tiles with
 deferred normalisation; it is unbiased but spends samples on tiles of little mass.
 
-``backend``: "auto" (default) runs the Triton kernels (``kernels/triton_santa.py``) on CUDA tensors
+``backend``: "auto" (default) runs the Triton kernels (``kernels/santa/kernels.py``) on CUDA tensors
 they can serve and the float64 reference otherwise; "triton" insists (a ValueError says why it
 cannot; CPU tensors only under ``TRITON_INTERPRET=1``); "reference" always runs the reference.
 ``stats.backend`` names the path that ran. The kernels draw their uniforms from a counter-based hash
-of the seed (``kernels/triton_common.py``), the reference from a torch generator: the two paths give
+of the seed (``kernels/triton_utils.py``), the reference from a torch generator: the two paths give
 different samples for one seed, with the same distribution.
 """
 
@@ -24,14 +24,14 @@ from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.rng import as_generator, seed_int
-from ..kernels.santa_reference import (
+from ..kernels.santa.reference import (
     auto_tile_size,
     n_tiles,
     santa_flash_reference,
     santa_prop_reference,
 )
-from ..kernels.triton_dispatch import BACKENDS, choose_backend, kernel_operands
-from .common import compute_dtype, covered_rows, merge_exact_rows
+from .shared.backend import BACKENDS, choose_backend, kernel_operands
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,12 @@ class SantaProp(_SantaTiled):
     def sample(self, inputs, tile, gen, t, shape):
         budget_offset = _uniform(shape, gen, inputs.q.device)
         tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
-        return santa_prop_reference(inputs, self.config.budget, tile, rounding=self.config.rounding,
+        return santa_prop_reference(inputs.scores(torch.float64), inputs.v, self.config.budget, tile,
+                                    rounding=self.config.rounding,
                                     budget_offset=budget_offset, tile_offsets=tile_offsets)
 
     def run_triton(self, inputs, tile, seed):
-        from ..kernels.triton_santa import santa_prop_triton
+        from ..kernels.santa.kernels import santa_prop_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts, budgets = santa_prop_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
@@ -124,10 +125,11 @@ class SantaFlash(_SantaTiled):
 
     def sample(self, inputs, tile, gen, t, shape):
         tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
-        return santa_flash_reference(inputs, self.config.budget, tile, tile_offsets=tile_offsets)
+        return santa_flash_reference(inputs.scores(torch.float64), inputs.v, self.config.budget, tile,
+                                     tile_offsets=tile_offsets)
 
     def run_triton(self, inputs, tile, seed):
-        from ..kernels.triton_santa import santa_flash_triton
+        from ..kernels.santa.kernels import santa_flash_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts = santa_flash_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,

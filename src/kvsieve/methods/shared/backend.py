@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from ..core.inputs import DecodeInputs
+from ...core.inputs import DecodeInputs
 
 BACKENDS = ("auto", "reference", "triton")
 
 
 def _kernel_module():
-    from . import triton_santa  # imported lazily: decorating kernels reads TRITON_INTERPRET
+    from ...kernels.santa import kernels  # imported lazily: decorating kernels reads TRITON_INTERPRET
 
-    return triton_santa
+    return kernels
 
 
 def triton_unsupported(inputs: DecodeInputs, *, tile: int | None = None, budget: int | None = None) -> str | None:
     """Why the Triton kernels cannot serve this call, or None."""
-    from .triton_common import MAX_BUDGET, triton_available, unsupported_reason
+    from ...kernels.triton_utils import MAX_BUDGET, triton_available, unsupported_reason
 
     if not triton_available():
         return "triton is not installed"

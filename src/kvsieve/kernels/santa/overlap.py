@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from .triton_common import group_block, is_interpreted, launch, next_pow2, seed_words, triton, workspace
-from .triton_santa import (
+from ..triton_utils import group_block, is_interpreted, launch, next_pow2, seed_words, triton, workspace
+from .kernels import (
     _BUDGET_KEY,
     _TILE_KEY,
     _check_rounding,
@@ -60,7 +60,7 @@ from .triton_santa import (
 if triton is not None:
     import triton.language as tl
 
-    from .triton_santa import _group_budgets, _sample_fold, budget_jit, gdc_launch_dependents
+    from .kernels import _group_budgets, _sample_fold, budget_jit, gdc_launch_dependents
 
     @triton.jit
     def _nap(x, SLEEP: tl.constexpr):

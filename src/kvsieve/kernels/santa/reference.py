@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..core.inputs import DecodeInputs
 from .systematic import largest_remainder, systematic_counts, systematic_rounding
 
 
@@ -66,13 +65,17 @@ def tile_masses(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     return torch.where(l > 0, w, torch.zeros_like(w))
 
 
-def _accumulate(inputs: DecodeInputs, weights_per_key: torch.Tensor) -> torch.Tensor:
-    n = inputs.n_keys
-    return inputs.weighted_values(weights_per_key[..., :n])
+def grouped_weighted_values(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``Σ_n weights[b, h, n] v[b, h // G, n]`` ``[B, Hq, dv]``; ``weights [B, Hq, ≥N]``, ``v [B, Hkv, N, dv]``."""
+    b, hq = weights.shape[:2]
+    hkv, n = v.shape[1], v.shape[2]
+    w = weights[..., :n].reshape(b, hkv, hq // hkv, n)
+    return torch.matmul(w, v.to(weights.dtype)).view(b, hq, -1)
 
 
 def santa_prop_reference(
-    inputs: DecodeInputs,
+    scores: torch.Tensor,
+    v: torch.Tensor,
     budget: int,
     tile: int,
     *,
@@ -82,10 +85,11 @@ def santa_prop_reference(
 ) -> TiledSample:
     """S²ANTA-prop. ``rounding`` is ``"largest-remainder"`` (the paper) or ``"systematic"`` (unbiased).
 
+    ``scores [B, Hq, N]`` are the scaled float64 logits with -inf on invalid keys; ``v [B, Hkv, N, dv]``.
     ``budget_offset [B, Hq]`` (used by systematic rounding) and ``tile_offsets [B, Hq, T]`` are
     uniforms in [0, 1).
     """
-    scores = inputs.scores(torch.float64)
+    n_keys = scores.shape[-1]
     m, u, l = tile_statistics(scores, tile)
     w = tile_masses(m, l)
     if rounding == "largest-remainder":
@@ -97,8 +101,8 @@ def santa_prop_reference(
     counts = systematic_counts(u, budgets, tile_offsets)  # [B, Hq, T, tile]
     b, h, t, tl = counts.shape
     flat = counts.view(b, h, t * tl)
-    out = _accumulate(inputs, flat.to(torch.float64) / budget)
-    return TiledSample(out=out, counts=flat[..., : inputs.n_keys], tile_budgets=budgets,
+    out = grouped_weighted_values(flat.to(torch.float64) / budget, v)
+    return TiledSample(out=out, counts=flat[..., :n_keys], tile_budgets=budgets,
                        samples=budgets.sum(-1))
 
 
@@ -108,10 +112,13 @@ def flash_tile_budget(budget: int, valid_tiles: torch.Tensor) -> torch.Tensor:
 
 
 def santa_flash_reference(
-    inputs: DecodeInputs, budget: int, tile: int, *, tile_offsets: torch.Tensor
+    scores: torch.Tensor, v: torch.Tensor, budget: int, tile: int, *, tile_offsets: torch.Tensor
 ) -> TiledSample:
-    """S²ANTA-flash: uniform per-tile budgets, tile estimates merged with weights ``W_t / Z``."""
-    scores = inputs.scores(torch.float64)
+    """S²ANTA-flash: uniform per-tile budgets, tile estimates merged with weights ``W_t / Z``.
+
+    ``scores`` and ``v`` as in :func:`santa_prop_reference`.
+    """
+    n_keys = scores.shape[-1]
     m, u, l = tile_statistics(scores, tile)
     w = tile_masses(m, l)
     valid_tile = l > 0
@@ -123,7 +130,7 @@ def santa_flash_reference(
     per_sample = (w / (z * s_tile[..., None].to(torch.float64)))[..., None]
     b, h, t, tl = counts.shape
     weights = (counts.to(torch.float64) * per_sample).view(b, h, t * tl)
-    out = _accumulate(inputs, weights)
+    out = grouped_weighted_values(weights, v)
     flat = counts.view(b, h, t * tl)
-    return TiledSample(out=out, counts=flat[..., : inputs.n_keys], tile_budgets=budgets,
+    return TiledSample(out=out, counts=flat[..., :n_keys], tile_budgets=budgets,
                        samples=budgets.sum(-1))

@@ -1,0 +1,51 @@
+"""``oracle-topp``: sink + window + the fewest highest-probability keys reaching attention mass p (an oracle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..core.config import param, require_fraction
+from ..core.registry import register_method
+from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
+from .shared.selection import top_p, union
+
+
+@dataclass(frozen=True)
+class OracleTopPConfig(SinkWindowConfig):
+    top_p: float = param(0.9, "attention mass to cover, in (0, 1]")
+    mass: Literal["total", "residual"] = param(
+        "total", "'total': sink+window mass counts toward top_p (smallest set of the whole "
+                      "softmax); 'residual': top_p of the mass left after sink+window (sparse-attention-hub)")
+    share_kv_group: bool = param(False, "one selection per KV head shared by its query heads (summed mass)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_fraction("top_p", self.top_p, high_open=False)
+        if self.mass not in ("total", "residual"):
+            raise ValueError(f"mass: expected one of total, residual, got {self.mass!r}")
+
+
+@register_method
+class OracleTopP(SelectionMethod):
+    name = "oracle-topp"
+    config_class = OracleTopPConfig
+    summary = "sink + window + the fewest highest-probability keys reaching attention mass p"
+
+    def select(self, inputs, gen, state):
+        fixed, available = fixed_part(self, inputs)
+        heads = fixed.heads
+        probs = torch.softmax(inputs.scores(torch.float64), dim=-1)
+        if heads != inputs.heads:
+            b = inputs.batch
+            probs = probs.view(b, heads, inputs.group, -1).sum(2) / inputs.group
+        rest = (probs * available).sum(-1)
+        p = self.config.top_p
+        if self.config.mass == "total":
+            target = torch.clamp(p - (1.0 - rest), min=0.0)  # mass still missing after sink+window
+        else:
+            target = p * rest
+        chosen = union(fixed, top_p(probs, available, target))
+        return Selected(chosen, scored=None)
