@@ -2,8 +2,8 @@
 # Run `kvsieve eval` on the bare, offline GPU machine (see docs/eval.md, "Parallel runs, GPUs and time limits").
 #
 # The machine has torch and transformers but not the offline asset packages, and one call may carry
-# at most 64 MiB, the working tree counted on disk included (~34 MB with the committed results, and it
-# grows with every results folder), so `scripts/gpu_eval.sh --pack` splits the assets into parts of
+# at most 64 MiB, the working tree counted on disk included (~11 MB: each committed results folder
+# keeps its cells in one cells.sqlite, about 0.6 KB a cell), so `scripts/gpu_eval.sh --pack` splits the assets into parts of
 # at most PART_MB (default 20) MB under .device_data/:
 #   p0: the essays, the SQuAD/GSM8K files, the gguf reader and the model's first PART_MB MB
 #   p1 ... p(n-1): the rest of the model, PART_MB MB each

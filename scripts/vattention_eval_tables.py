@@ -5,7 +5,7 @@
 
 prints the tables (a later file's rows replace an earlier one's at the same task and length), then the
 paired comparisons (`kvsieve compare`) of vAttention with each baseline at each level, from the
-folders' rows.jsonl. With `--methods LENGTH` it prints the grid's method list at that length instead
+folders' cells (their cells.sqlite). With `--methods LENGTH` it prints the grid's method list at that length instead
 (for `kvsieve eval --methods`).
 
 Each method spec is placed at the density level (~5%, ~10%, ~20%) its parameters were chosen for;
@@ -13,11 +13,11 @@ streaming's window is scaled with the context (sink 32 + window ≈ the level's 
 """
 
 import csv
-import json
 import sys
 from pathlib import Path
 
 from kvsieve.eval.compare import compare_methods
+from kvsieve.eval.store import ResultStore
 
 SW = "sink=32,window=32"
 
@@ -92,8 +92,7 @@ def ci(v, digits):
 def paired(paths):
     by_length = {}
     for path in paths:
-        with open(Path(path).parent / "rows.jsonl") as f:
-            rows = [json.loads(line) for line in f]
+        rows = ResultStore.open_existing(Path(path).parent).rows()
         for key in {(r["task"], r["length"]) for r in rows}:
             group = [r for r in rows if (r["task"], r["length"]) == key]
             if sum(r["method"] == "dense" for r in group) >= MIN_PROMPTS:

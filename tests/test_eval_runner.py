@@ -30,10 +30,6 @@ def tiny(tmp_path, **kw) -> EvalConfig:
     return EvalConfig(**base)
 
 
-def cell_files(root):
-    return sorted(p for p in (root / "cells").rglob("*") if p.is_file())
-
-
 @pytest.mark.model
 def test_interrupt_resume_and_new_method_compute_only_missing_cells(default_model, tmp_path):
     model, tok = default_model
@@ -47,14 +43,13 @@ def test_interrupt_resume_and_new_method_compute_only_missing_cells(default_mode
     with pytest.raises(KeyboardInterrupt):
         run_eval(cfg, model=model, tokenizer=tok, progress=False, on_cell=interrupt_after_first)
     root = tmp_path / "run"
-    files = cell_files(root)
-    assert len(files) == 1 and not [p for p in root.rglob("*.tmp")]
-    first = files[0]
-    before = (first.read_bytes(), first.stat().st_mtime_ns)
+    (first,) = ResultStore.open_existing(root).rows()
+    assert first == seen[0]
 
     res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
     assert (res.computed, res.skipped) == (1, 1)
-    assert (first.read_bytes(), first.stat().st_mtime_ns) == before
+    # The finished cell was skipped, not recomputed: its timings are those of the first run.
+    assert res.store.read(first["task"], first["length"], first["sample"], first["method"]) == first
     assert run_eval(cfg, model=model, tokenizer=tok, progress=False).computed == 0
 
     more = dataclasses.replace(cfg, methods=cfg.methods + ("santa:budget=16",))
@@ -77,11 +72,13 @@ def test_interrupt_resume_and_new_method_compute_only_missing_cells(default_mode
 
     report = write_report(root)
     assert report.read_text().startswith("# kvsieve eval report")
-    for name in ("summary.csv", "summary.md", "rows.jsonl", "score_vs_density.png", "error_vs_budget.png",
+    for name in ("summary.csv", "summary.md", "score_vs_density.png", "error_vs_budget.png",
                  "layer_error_heatmap.png", "kl_vs_budget.png"):
         assert (root / name).is_file() and (root / name).stat().st_size > 0, name
     assert (root / "score_vs_density.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((root / "rows.jsonl").read_text().splitlines()) == 3
+    # The folder keeps its cells in the database alone: no per-cell files, no leftover log.
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith((".png", ".md", ".csv"))) == [
+        "cells.sqlite", "manifest.json"]
 
     with pytest.raises(ResultsFolderError, match="other settings.*seed"):
         run_eval(dataclasses.replace(cfg, seed=1), model=model, tokenizer=tok, progress=False)
@@ -165,10 +162,9 @@ def test_foreign_corrupt_and_mismatched_folders(tmp_path):
     row = {"task": "niah_single_2", "length": 512, "sample": 0, "method": "dense", "score": 1.0}
     store.write(row)
     assert store.rows() == [row]
-    store.cell_path("niah_single_2", 512, 1, "dense").parent.mkdir(parents=True)
-    store.cell_path("niah_single_2", 512, 1, "dense").write_text('{"task": "niah_sin')
-    with pytest.raises(ResultsFolderError, match="unreadable.*delete it"):
-        store.rows()
+    (store.root / "cells.sqlite").write_bytes(b"garbage" * 1000)
+    with pytest.raises(ResultsFolderError, match="cells.sqlite: file is not a database"):
+        run_eval(cfg, progress=False)
     with pytest.raises(ResultsFolderError, match="other settings.*phase"):
         run_eval(dataclasses.replace(cfg, phase="decode"), progress=False)
 

@@ -1,4 +1,4 @@
-"""``kvsieve report DIR``: plots and report.md for an eval results folder."""
+"""``kvsieve report DIR [--migrate]``: plots and report.md for an eval results folder."""
 
 from __future__ import annotations
 
@@ -8,13 +8,22 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="write PNG plots and report.md for a kvsieve eval results folder")
     p.add_argument("results", help="the folder given to kvsieve eval --output")
+    p.add_argument("--migrate", action="store_true",
+                   help="first move a folder of one JSON file per cell (format version 1) into its "
+                        "cells.sqlite database, checking every cell, then delete the cell files")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..eval.report import print_table, summarize, write_report
-    from ..eval.store import ResultStore
+    from ..eval.store import ResultStore, migrate_folder
 
+    if args.migrate:
+        done = migrate_folder(args.results)
+        if done.cells:
+            print(f"migrated {done.cells} cells into {args.results}/cells.sqlite; removed {done.removed} files")
+        else:
+            print(f"{args.results} already keeps its cells in cells.sqlite; nothing to migrate")
     path = write_report(args.results)
     print_table(summarize(ResultStore.open_existing(args.results).rows()), title=f"kvsieve report — {args.results}")
     print(f"wrote {path} and its plots")

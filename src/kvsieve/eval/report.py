@@ -3,9 +3,9 @@
 - :func:`summarize` groups cell rows by (task, length, method): mean score with its 95% bootstrap
   CI, the paired delta to dense on the same prompts with its CI, density, KV bytes per step,
   attention error, teacher-forced KL and top-1 agreement.
-- :func:`write_report` writes ``summary.csv``, ``summary.md``, ``rows.jsonl``, four plots and
-  ``report.md`` (score vs density with Pareto fronts per task, attention error vs budget,
-  per-layer error heatmap, next-token KL vs budget).
+- :func:`write_report` writes ``summary.csv``, ``summary.md``, four plots and ``report.md`` (score
+  vs density with Pareto fronts per task, attention error vs budget, per-layer error heatmap,
+  next-token KL vs budget).
 """
 
 from __future__ import annotations
@@ -156,10 +156,12 @@ def markdown_table(summary: Sequence[dict[str, Any]]) -> str:
 
 
 def write_tables(store: ResultStore, rows: Sequence[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """``rows.jsonl``, ``summary.csv`` and ``summary.md`` in the results folder; returns the summary."""
+    """``summary.csv`` and ``summary.md`` in the results folder; returns the summary.
+
+    The rows themselves are in the folder's database (``ResultStore.open_existing(dir).rows()``).
+    """
     rows = store.rows() if rows is None else rows
     summary = summarize(rows)
-    atomic_write_text(store.root / "rows.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=SUMMARY_FIELDS)
     writer.writeheader()

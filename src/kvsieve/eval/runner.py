@@ -424,7 +424,8 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
                          "(each worker loads cfg.model) or workers=1")
     store = ResultStore.open_for_run(cfg.output, cfg.settings(), cfg.grid(), command)
     groups = [(t, n, i) for t in cfg.tasks for n in cfg.lengths for i in range(cfg.samples)]
-    todo = [(g, [m for m in cfg.methods if not store.has(*g, m)]) for g in groups]
+    finished = store.finished()
+    todo = [(g, [m for m in cfg.methods if (*g, m) not in finished]) for g in groups]
     todo = [(g, ms) for g, ms in todo if ms]
     n_cells = len(groups) * len(cfg.methods)
     n_todo = sum(len(ms) for _, ms in todo)
@@ -467,6 +468,7 @@ def run_eval(cfg: EvalConfig, *, model: Any = None, tokenizer: Any = None, comma
         bar.close()
         _log_run(store, computed, timer.total_s, timer.forward_s, timer.total_s, workers=1,
                  threads=torch.get_num_threads())
+    store.vacuum()
     return RunResult(store, computed, n_cells - n_todo, timer.forward_s, timer.total_s, timer.total_s,
                      n_todo - computed)
 
@@ -572,4 +574,5 @@ def _run_workers(cfg: EvalConfig, store: ResultStore, todo: list, n_cells: int, 
             proc.join(timeout=30)
         wall = time.perf_counter() - started
         _log_run(store, computed, wall, forward_s, busy_s or wall, workers=workers, threads=threads)
+    store.vacuum()
     return RunResult(store, computed, n_cells - n_todo, forward_s, wall, busy_s, n_todo - computed)
