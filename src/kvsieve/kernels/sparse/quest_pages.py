@@ -1,0 +1,392 @@
+"""Quest's page selection on the device: page min/max kept as keys are appended, the page bound
+``Σ_j max(q_j·min_j, q_j·max_j)`` in one Triton launch, and the top pages as an index list for
+:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
+
+Everything here takes plain tensors and runs without a host sync: lengths, counts and budgets stay on
+the device; the shapes (the number of pages ``P = ceil(N / page)`` and the most pages a row may take)
+come from static sizes. The torch references (:func:`page_minmax_reference`,
+:func:`page_bounds_reference`) sit beside the fast paths and the tests compare them.
+
+Available pages: a row of length ``L`` with a dense part (sink, window) attends to
+``[0, sink_end) ∪ [window_start, L)`` anyway (``weighted_triton``'s contract); a page is a candidate
+when it holds a key of ``[sink_end, window_start)``, and only those keys of it are read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_utils import is_interpreted, launch, next_pow2, triton
+
+# --- page summaries -------------------------------------------------------------------------------
+
+def page_minmax_reference(k: torch.Tensor, lengths: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kmin, kmax) [B, Hkv, ceil(N/page), d]`` in k's dtype over each page's keys below the row's
+    length; pages with no such key hold 0 (never candidates: past the length)."""
+    b, hkv, n, d = k.shape
+    p = -(-n // page_size)
+    pad = p * page_size - n
+    valid = (torch.arange(p * page_size, device=k.device)[None, :] < lengths.long()[:, None])  # [B, P*page]
+    kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
+    v = valid[:, None, :, None]
+    big = torch.finfo(k.dtype).max
+    kmin = kp.masked_fill(~v, big).view(b, hkv, p, page_size, d).amin(3)
+    kmax = kp.masked_fill(~v, -big).view(b, hkv, p, page_size, d).amax(3)
+    has = valid.view(b, p, page_size).any(-1)[:, None, :, None]
+    return torch.where(has, kmin, 0).to(k.dtype), torch.where(has, kmax, 0).to(k.dtype)
+
+
+class PageSummaries:
+    """Per-(request, layer) page min/max ``[B, Hkv, capacity, d]`` updated as the cache grows.
+
+    ``update(k, lengths)`` recomputes only the last ``W`` pages of each row, those ending at the row's
+    last key, with ``W = 1 + ceil(grown / page)`` where ``grown`` is how much the cache's key axis grew
+    since the last call (at least 1): enough when every row appended at most ``grown`` keys (a
+    transformers DynamicCache), or one key per call on a cache of fixed shape (a static cache decoding
+    one token per step). A cache that shrank or changed its batch, heads, head dim or dtype is summarised
+    from scratch; so is a fresh one. Buffers grow by 1/8 beyond what is needed, so a decode loop
+    reallocates rarely (and a CUDA graph should be captured after the capacity covers the context).
+    """
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.n = 0
+        self.kmin: torch.Tensor | None = None
+        self.kmax: torch.Tensor | None = None
+
+    def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
+        b, hkv, n, d = k.shape
+        p = -(-n // self.page_size)
+        cap = p + p // 8 + 1
+        kmin, kmax = page_minmax_reference(k, lengths, self.page_size)
+        self.kmin = torch.zeros(b, hkv, cap, d, device=k.device, dtype=k.dtype)
+        self.kmax = torch.zeros_like(self.kmin)
+        self.kmin[:, :, :p] = kmin
+        self.kmax[:, :, :p] = kmax
+
+    def update(self, k: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``."""
+        b, hkv, n, d = k.shape
+        page = self.page_size
+        p = -(-n // page)
+        same = (self.kmin is not None and self.kmin.shape[:2] == (b, hkv) and self.kmin.shape[3] == d
+                and self.kmin.dtype == k.dtype and self.kmin.device == k.device and n >= self.n)
+        if not same:
+            self._fresh(k, lengths)
+        else:
+            if p > self.kmin.shape[2]:
+                cap = p + p // 8 + 1
+                grow = torch.zeros(b, hkv, cap - self.kmin.shape[2], d, device=k.device, dtype=k.dtype)
+                self.kmin = torch.cat([self.kmin, grow], 2)
+                self.kmax = torch.cat([self.kmax, grow], 2)
+            w = 1 + -(-max(n - self.n, 1) // page)
+            if triton is not None and (k.is_cuda or is_interpreted(_page_update_kernel)):
+                launch(_page_update_kernel, (w, hkv, b),
+                       k, lengths, self.kmin, self.kmax,
+                       k.stride(0), k.stride(1), k.stride(2),
+                       self.kmin.stride(0), self.kmin.stride(1), self.kmin.stride(2),
+                       PAGE=page, BLOCK=max(2, page), D=d, num_warps=4 if d * page >= 2048 else 1, num_stages=1)
+                self.n = n
+                return self.kmin[:, :, :p], self.kmax[:, :, :p]
+            last = torch.div(lengths.long() - 1, page, rounding_mode="floor")  # [B]
+            pid = torch.clamp(last[:, None] - torch.arange(w, device=k.device), min=0)  # [B, W]
+            pos = (pid[..., None] * page + torch.arange(page, device=k.device)).view(b, w * page)
+            ok = pos < lengths.long()[:, None]
+            pos = torch.where(ok, pos, 0)
+            rows = torch.gather(k, 2, pos[:, None, :, None].expand(b, hkv, w * page, d))  # [B, Hkv, W*page, d]
+            big = torch.finfo(k.dtype).max
+            okv = ok[:, None, :, None]
+            kmin = rows.masked_fill(~okv, big).view(b, hkv, w, page, d).amin(3)
+            kmax = rows.masked_fill(~okv, -big).view(b, hkv, w, page, d).amax(3)
+            has = ok.view(b, w, page).any(-1)[:, None, :, None]
+            dest = pid[:, None, :, None].expand(b, hkv, w, d)
+            # pages clamped to 0 repeat page 0 with identical values, so the duplicate writes agree
+            self.kmin.scatter_(2, dest, torch.where(has, kmin, 0).to(k.dtype))
+            self.kmax.scatter_(2, dest, torch.where(has, kmax, 0).to(k.dtype))
+        self.n = n
+        return self.kmin[:, :, :p], self.kmax[:, :, :p]
+
+
+# --- page bounds ----------------------------------------------------------------------------------
+
+def dense_bounds(lengths: torch.Tensor, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sink_end, window_start) [B]`` of the dense part (``weighted_triton``'s contract)."""
+    length = lengths.long()
+    sink_end = torch.clamp(length, max=sink)
+    return sink_end, torch.maximum(length - window, sink_end)
+
+
+def candidate_mask(lengths: torch.Tensor, n_units: int, unit: int, sink: int, window: int) -> torch.Tensor:
+    """``[B, n_units]`` bool: units (pages of ``unit`` keys; tokens for 1) holding a candidate key, i.e. a
+    key of ``[sink_end, window_start)``."""
+    lo, hi = dense_bounds(lengths, sink, window)
+    start = torch.arange(n_units, device=lengths.device) * unit
+    return (start[None, :] < hi[:, None]) & (start[None, :] + unit > lo[:, None])
+
+
+def selection_counts_reference(lengths: torch.Tensor, size: int | float, unit: int, sink: int, window: int,
+                               max_units: int) -> torch.Tensor:
+    """``[B]`` units a row takes: ``ceil(tokens / unit)`` with ``tokens`` = the ``size`` count, or
+    ``max(1, floor(len · size))`` for a fraction (``resolve_size``), capped by ``max_units`` and by the
+    units holding a candidate key."""
+    length = lengths.long()
+    if isinstance(size, float):
+        tokens = torch.clamp(torch.floor(length.to(torch.float64) * size).long(), min=1)
+    else:
+        tokens = torch.full_like(length, int(size))
+    lo, hi = dense_bounds(lengths, sink, window)
+    first = torch.div(lo, unit, rounding_mode="floor")
+    end = torch.div(hi + unit - 1, unit, rounding_mode="floor")
+    cand = torch.where(hi > lo, end - first, 0)
+    wanted = torch.div(tokens + unit - 1, unit, rounding_mode="floor")
+    return torch.minimum(torch.clamp(wanted, max=max_units), cand)
+
+
+def page_bounds_reference(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
+                          scale: float | None = None) -> torch.Tensor:
+    """``[B, Hq, P]`` float32 ``scale · Σ_j max(q_j·min_j, q_j·max_j)``; −inf on non-candidate pages."""
+    b, hq, d = q.shape
+    hkv, p = kmin.shape[1], kmin.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qg = q.float().view(b, hkv, hq // hkv, 1, d)
+    bound = torch.maximum(qg * kmin.float()[:, :, None], qg * kmax.float()[:, :, None]).sum(-1) * scale
+    cand = candidate_mask(lengths, p, page_size, sink, window)
+    return bound.view(b, hq, p).masked_fill(~cand[:, None, :], float("-inf"))
+
+
+def group_summed(scores: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, Hq, X] -> [B, Hkv, X]``: log of the per-head softmax summed over the GQA group (the
+    reference's ``group_scores``); rows without a finite score stay −inf instead of NaN."""
+    b, hq, x = scores.shape
+    finite = torch.isfinite(scores).any(-1, keepdim=True)
+    logp = torch.log_softmax(torch.where(finite, scores, 0.0), dim=-1)
+    logp = torch.where(torch.isfinite(scores), logp, float("-inf"))
+    return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
+
+
+_FRACTIONS: dict = {}
+
+
+def _fraction_tensor(value: float, device) -> torch.Tensor:
+    """A cached float64 scalar on ``device``, so that kernels compute ``floor(len · fraction)`` in float64
+    exactly as ``resolve_size`` does (created on first use, outside any graph capture)."""
+    key = (value, str(device))
+    t = _FRACTIONS.get(key)
+    if t is None:
+        t = _FRACTIONS[key] = torch.tensor([value], dtype=torch.float64, device=device)
+    return t
+
+
+def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, bool]:
+    """``(fraction tensor or None, count, is_fraction)`` for the kernels that write selection counts."""
+    if isinstance(size, float):
+        return _fraction_tensor(size, device), 0, True
+    return None, int(size), False
+
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
+                     UNIT: tl.constexpr, IS_FRAC: tl.constexpr):
+        """``counts[b]`` = :func:`selection_counts_reference` for one row."""
+        if IS_FRAC:
+            tokens = tl.maximum(tl.floor(length.to(tl.float64) * tl.load(frac_ptr)).to(tl.int32), 1)
+        else:
+            tokens = size
+        first = sink_end // UNIT
+        end = (win_start + UNIT - 1) // UNIT
+        cand = tl.where(win_start > sink_end, end - first, 0)
+        wanted = tl.minimum((tokens + UNIT - 1) // UNIT, max_units)
+        tl.store(counts_ptr + b, tl.minimum(wanted, cand).to(tl.int64))
+
+    @triton.jit
+    def _page_update_kernel(
+        k_ptr, lens_ptr, kmin_ptr, kmax_ptr,
+        s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    ):
+        # Page (last page of the row − w): min/max over its keys below the length (0 when it has none).
+        w = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length = tl.load(lens_ptr + b).to(tl.int32)
+        page = (length - 1) // PAGE - w
+        if page >= 0:
+            offs = tl.arange(0, BLOCK)
+            offs_d = tl.arange(0, D)
+            pos = page * PAGE + offs
+            ok = (offs < PAGE) & (pos < length)
+            rows = tl.load(k_ptr + b64 * s_k_b + kvh * s_k_h + pos[:, None] * s_k_n + offs_d[None, :],
+                           mask=ok[:, None], other=0.0).to(tl.float32)
+            lo = tl.min(tl.where(ok[:, None], rows, float("inf")), axis=0)
+            hi = tl.max(tl.where(ok[:, None], rows, float("-inf")), axis=0)
+            any_ok = tl.sum(ok.to(tl.int32), axis=0) > 0
+            lo = tl.where(any_ok, lo, 0.0)
+            hi = tl.where(any_ok, hi, 0.0)
+            dst = b64 * s_m_b + kvh * s_m_h + page * s_m_p + offs_d
+            tl.store(kmin_ptr + dst, lo.to(kmin_ptr.dtype.element_ty))
+            tl.store(kmax_ptr + dst, hi.to(kmax_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_pages", "size", "max_units"])
+    def _page_bounds_kernel(
+        q_ptr, kmin_ptr, kmax_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr,
+        scale, sink, window, n_pages, size, max_units,
+        s_q_b, s_q_h, s_m_b, s_m_h, s_m_p, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr,
+        MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile.
+        pb = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length = tl.load(lens_ptr + b).to(tl.int32)
+        sink_end = tl.minimum(sink, length)
+        win_start = tl.maximum(length - window, sink_end)
+        if WRITE_COUNTS:
+            if (pb == 0) & (kvh == 0):
+                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, PAGE, IS_FRAC)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        p_ok = offs_p < n_pages
+        base = b64 * s_m_b + kvh * s_m_h + offs_p[:, None] * s_m_p + offs_d[None, :]
+        lo = tl.load(kmin_ptr + base, mask=p_ok[:, None], other=0.0)
+        hi = tl.load(kmax_ptr + base, mask=p_ok[:, None], other=0.0)
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
+            q = q.to(tl.float32)
+            lo = lo.to(tl.float32)
+            hi = hi.to(tl.float32)
+        q_pos = tl.where(q > 0, q, 0.0).to(q.dtype)
+        q_neg = tl.where(q < 0, q, 0.0).to(q.dtype)
+        bound = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PRECISION)
+        bound = tl.dot(q_neg, tl.trans(lo), bound, input_precision=DOT_PRECISION) * scale
+        start = offs_p * PAGE
+        if MASK_DENSE:
+            keep = p_ok & (start < win_start) & (start + PAGE > sink_end)
+        else:
+            keep = p_ok & (start < length)
+        bound = tl.where(keep[None, :], bound, float("-inf"))
+        tl.store(out_ptr + b64 * s_o_b + heads[:, None] * s_o_h + offs_p[None, :], bound,
+                 mask=g_ok[:, None] & p_ok[None, :])
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_units"])
+    def _group_sum_kernel(
+        s_ptr, lse_ptr, out_ptr, lens_ptr,
+        sink, window, n_units,
+        s_s_b, s_s_h, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, UNIT: tl.constexpr,
+    ):
+        # log Σ_g softmax_g(s)[x] per KV head = logsumexp_g(s_g[x] − lse_g), then non-candidates → −inf.
+        xb = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length = tl.load(lens_ptr + b).to(tl.int32)
+        sink_end = tl.minimum(sink, length)
+        win_start = tl.maximum(length - window, sink_end)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_x = xb * BLOCK_X + tl.arange(0, BLOCK_X)
+        g_ok = offs_g < G
+        x_ok = offs_x < n_units
+        heads = kvh * G + offs_g
+        lse = tl.load(lse_ptr + b64 * (G * tl.num_programs(1)) + heads, mask=g_ok, other=float("-inf"))
+        sc = tl.load(s_ptr + b64 * s_s_b + heads[:, None] * s_s_h + offs_x[None, :],
+                     mask=g_ok[:, None] & x_ok[None, :], other=float("-inf"))
+        live = (sc > float("-inf")) & (lse > float("-inf"))[:, None]
+        logp = tl.where(live, sc - tl.where(lse > float("-inf"), lse, 0.0)[:, None], float("-inf"))
+        m = tl.max(logp, axis=0)
+        m_ref = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.where(live, tl.exp(logp - m_ref[None, :]), 0.0), axis=0)
+        out = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        start = offs_x * UNIT
+        keep = (start < win_start) & (start + UNIT > sink_end)
+        tl.store(out_ptr + b64 * s_o_b + kvh * s_o_h + offs_x, tl.where(keep, out, float("-inf")), mask=x_ok)
+
+
+def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
+                       scale: float | None = None, out: torch.Tensor | None = None, *, mask_dense: bool = True,
+                       counts: torch.Tensor | None = None, size: int | float = 0,
+                       max_pages: int = 0) -> torch.Tensor:
+    """:func:`page_bounds_reference` in one launch (``lengths`` int32 ``[B]``; kmin/kmax in q's dtype
+    with a contiguous last dim). Products of bf16/fp16 values are exact in the fp32 accumulator; fp32
+    inputs use IEEE dots. ``mask_dense=False`` masks only pages past the length (the group-summed ranking
+    normalises over them). With ``counts [B]`` (int64) it also writes :func:`selection_counts_reference`
+    for ``size`` and ``max_pages``."""
+    b, hq, d = q.shape
+    hkv, p = kmin.shape[1], kmin.shape[2]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(b, hq, p, device=q.device, dtype=torch.float32)
+    frac, count, is_frac = count_args(size, q.device)
+    block_p = 64
+    launch(_page_bounds_kernel, (-(-p // block_p), hkv, b),
+           q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac,
+           scale, sink, window, p, count, max_pages,
+           q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
+           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_P=block_p, PAGE=page_size,
+           MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
+           DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+           DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_page_bounds_kernel),
+           num_warps=4, num_stages=1)
+    return out
+
+
+def group_summed_triton(scores: torch.Tensor, group: int, lengths: torch.Tensor, unit: int, sink: int,
+                        window: int) -> torch.Tensor:
+    """:func:`group_summed` of ``scores [B, Hq, X]`` (−inf only past each row's length), then −inf on
+    units without a candidate key: one ``logsumexp`` and one Triton launch."""
+    b, hq, x = scores.shape
+    lse = torch.logsumexp(scores, dim=-1).contiguous()
+    out = torch.empty(b, hq // group, x, device=scores.device, dtype=torch.float32)
+    block_x = 256
+    launch(_group_sum_kernel, (-(-x // block_x), hq // group, b),
+           scores, lse, out, lengths, sink, window, x,
+           scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
+           G=group, BLOCK_G=max(2, next_pow2(group)), BLOCK_X=block_x, UNIT=unit, num_warps=4, num_stages=1)
+    return out
+
+
+# --- top pages ------------------------------------------------------------------------------------
+
+def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: int, size: int | float,
+                 max_pages: int, share_kv_group: bool, scale: float | None = None,
+                 bounds: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page list for :func:`sparse_decode_triton` (``page_size`` granularity, with the same
+    ``sink``/``window`` dense part): ``(pages [B, Hs, K], counts [B, Hs])`` with ``K = max(1,
+    max_pages)``, highest bound first, ``Hs = Hkv`` when ``share_kv_group`` (pages ranked by the
+    group-summed softmax of the bounds, each head's softmax over every page with a valid key — sink and
+    window pages included — as in the reference) else ``Hq``. ``size``: tokens wanted per row (a count,
+    or a fraction of its length, as ``resolve_size``), rounded up to whole pages. ``bounds="reference"``
+    runs every step in torch."""
+    b, hq, _ = q.shape
+    hkv, p = kmin.shape[1], kmin.shape[2]
+    k = max(1, min(max_pages, p))
+    if bounds == "reference":
+        if share_kv_group:
+            s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), hq // hkv)
+            s = s.masked_fill(~candidate_mask(lengths, p, page_size, sink, window)[:, None, :], float("-inf"))
+        else:
+            s = page_bounds_reference(q, kmin, kmax, lengths, page_size, sink, window, scale)
+        counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
+    else:
+        counts = torch.empty(b, device=q.device, dtype=torch.int64)
+        s = page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, mask_dense=not share_kv_group,
+                               counts=counts, size=size, max_pages=k)
+        if share_kv_group:
+            s = group_summed_triton(s, hq // hkv, lengths, page_size, sink, window)
+    pages = torch.topk(s, k, dim=-1, sorted=True).indices
+    return pages, counts[:, None].expand(b, s.shape[1])
+
+
+__all__ = ["PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed", "group_summed_triton",
+           "page_bounds_reference", "page_bounds_triton", "page_minmax_reference", "quest_select",
+           "selection_counts_reference"]

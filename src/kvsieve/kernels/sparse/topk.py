@@ -1,0 +1,130 @@
+"""Exact top-k selection on the device (``oracle-topk``): every score in one Triton pass over K, then
+``torch.topk``, as a token list for :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`.
+
+The scores pass reads all of K once (a GQA group's query rows share each K tile) and writes float32
+scaled logits ``[B, Hq, N]``, −inf outside each row's candidates ``[sink_end, window_start)`` (the keys
+the dense part does not cover, below the length), and each row's count of keys to take. No host sync;
+shapes are static.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_utils import is_interpreted, launch, next_pow2, triton
+from .quest_pages import (
+    candidate_mask,
+    count_args,
+    group_summed,
+    group_summed_triton,
+    selection_counts_reference,
+)
+
+
+def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None) -> torch.Tensor:
+    """``[B, Hq, N]`` float32 ``scale · q·k``, −inf outside ``[sink_end, window_start)``."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    s = torch.matmul(q.float().view(b, hkv, hq // hkv, d), k.float().transpose(-1, -2)).view(b, hq, n) * scale
+    return s.masked_fill(~candidate_mask(lengths, n, 1, sink, window)[:, None, :], float("-inf"))
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from .quest_pages import write_counts
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
+    def _scores_kernel(
+        q_ptr, k_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr,
+        scale, sink, window, n_keys, size, max_units,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        blk = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length = tl.load(lens_ptr + b).to(tl.int32)
+        sink_end = tl.minimum(sink, length)
+        win_start = tl.maximum(length - window, sink_end)
+        if WRITE_COUNTS:
+            if (blk == 0) & (kvh == 0):
+                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, 1, IS_FRAC)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        if MASK_DENSE:
+            keep = (offs_n >= sink_end) & (offs_n < win_start)
+        else:
+            keep = offs_n < length
+        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        k = tl.load(k_ptr + b64 * s_k_b + kvh * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
+                    mask=keep[:, None], other=0.0)
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(keep[None, :], s, float("-inf"))
+        tl.store(out_ptr + b64 * s_o_b + heads[:, None] * s_o_h + offs_n[None, :], s,
+                 mask=g_ok[:, None] & (offs_n < n_keys)[None, :])
+
+
+def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None,
+                  out: torch.Tensor | None = None, *, mask_dense: bool = True, counts: torch.Tensor | None = None,
+                  size: int | float = 0, max_k: int = 0) -> torch.Tensor:
+    """:func:`scores_reference` in one launch (``lengths`` int32 ``[B]``). bf16/fp16 products are exact
+    in the fp32 accumulator; fp32 inputs use IEEE dots. ``mask_dense=False`` masks only keys past the
+    length; with ``counts [B]`` (int64) it also writes the keys each row takes (``size``, ``max_k``)."""
+    b, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    scale = d ** -0.5 if scale is None else scale
+    if out is None:
+        out = torch.empty(b, hq, n, device=q.device, dtype=torch.float32)
+    frac, count, is_frac = count_args(size, q.device)
+    block_n = 128 if d <= 128 else 64
+    launch(_scores_kernel, (-(-n // block_n), hkv, b),
+           q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac,
+           scale, sink, window, n, count, max_k,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
+           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n,
+           MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
+           DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+           DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_scores_kernel), num_warps=4, num_stages=2)
+    return out
+
+
+def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
+                scale: float | None = None, scores: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """``oracle-topk``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
+    ``(indices [B, Hs, K], counts [B, Hs])`` with ``K = max(1, max_k)``, highest first; ``Hs = Hkv`` when
+    ``share_kv_group`` (ranked by the group-summed softmax, each head's softmax over every valid key as in
+    the reference) else ``Hq``. ``size``: keys per row (a count or a fraction of its length, as
+    ``resolve_size``). ``scores="reference"`` runs every step in torch."""
+    b, hq, _ = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    kk = max(1, min(max_k, n))
+    if scores == "reference":
+        if share_kv_group:
+            s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
+            s = s.masked_fill(~candidate_mask(lengths, n, 1, sink, window)[:, None, :], float("-inf"))
+        else:
+            s = scores_reference(q, k, lengths, sink, window, scale)
+        counts = selection_counts_reference(lengths, size, 1, sink, window, kk)
+    else:
+        counts = torch.empty(b, device=q.device, dtype=torch.int64)
+        s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
+                          size=size, max_k=kk)
+        if share_kv_group:
+            s = group_summed_triton(s, hq // hkv, lengths, 1, sink, window)
+    idx = torch.topk(s, kk, dim=-1, sorted=True).indices
+    return idx, counts[:, None].expand(b, s.shape[1])
+
+
+__all__ = ["scores_reference", "scores_triton", "topk_select"]

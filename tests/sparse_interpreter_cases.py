@@ -1,0 +1,271 @@
+"""The Triton sparse decode kernel and Quest's page kernels against their torch references, on the CPU
+through Triton's interpreter. Not collected on its own: ``tests/test_sparse_kernels.py`` runs this file
+in a subprocess with ``TRITON_INTERPRET=1`` (the interpreter is chosen when triton is imported).
+
+bfloat16 runs with the tiles upcast to float32 before ``tl.dot`` (the interpreter's bf16 dot is wrong;
+the kernels do this only when interpreted), so the bf16 cases check loads, masks and strides; the
+``gpu`` tests check bf16 dots on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/test_sparse_kernels.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvsieve.kernels.sparse import quest_pages  # noqa: E402
+from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference  # noqa: E402
+from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _case(b, hq, hkv, n, d, dtype, seed, m, *, page=1, per_q=False, weights=False, lengths=False, dup=False,
+          zero_counts=False):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    hs = hq if per_q else hkv
+    units = -(-n // page)
+    idx = torch.randint(0, units, (b, hs, m), generator=g)
+    if dup:
+        idx[..., 1::2] = idx[..., ::2][..., : idx[..., 1::2].shape[-1]]
+    lo = 0 if zero_counts else 1
+    cnt = torch.randint(lo, m + 1, (b, hs), generator=g)
+    w = torch.rand(b, hs, m, generator=g, dtype=torch.float64) * 5 + 0.05 if weights else None
+    lens = torch.randint(1, n + 1, (b,), generator=g).to(torch.int32) if lengths else None
+    return q, k, v, idx, cnt, w, lens
+
+
+def _compare(q, k, v, idx, cnt, w, lens, page, sink, window, **kw):
+    out, lse = sparse_decode_triton(q, k, v, idx, cnt, w, page_size=page, lengths=lens, sink=sink, window=window,
+                                    check=True, **kw)
+    ref_out, ref_lse = sparse_decode_reference(q, k, v, idx, cnt, w, page_size=page, lengths=lens, sink=sink,
+                                               window=window)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    live = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), live)
+    assert torch.all(out[~live] == 0)
+    if live.any():
+        err = (out.float()[live] - ref_out[live]).norm() / ref_out[live].norm()
+        assert err < TOL[q.dtype], float(err)
+        assert torch.allclose(lse[live], ref_lse[live], atol=1e-4, rtol=1e-5)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("per_q", [False, True])
+def test_kernel_matches_reference(dtype, page, per_q):
+    for seed in range(2):
+        case = _case(2, 8, 2, 150 + 37 * seed, 64, dtype, seed, 9 if page > 1 else 40, page=page, per_q=per_q,
+                     weights=seed == 1, lengths=True)
+        _compare(*case, page, 0, 0)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_head_dims_and_dense_part(d):
+    case = _case(2, 4, 1, 130, d, torch.float32, d, 5, page=16, weights=True, lengths=True)
+    _compare(*case, 16, 7, 19)
+
+
+@pytest.mark.parametrize("page", [1, 32])
+def test_dense_part_with_lists_and_ragged_rows(page):
+    for seed in range(3):
+        case = _case(3, 6, 3, 257, 64, torch.float16, 10 + seed, 6 if page > 1 else 30, page=page,
+                     per_q=seed == 2, weights=seed == 1, lengths=True, zero_counts=True)
+        _compare(*case, page, 5 + seed, 33)
+
+
+def test_dense_part_alone_is_exact_attention_over_sink_and_window():
+    q, k, v, _, _, _, lens = _case(2, 4, 2, 90, 64, torch.float32, 3, 1, lengths=True)
+    lens = torch.tensor([90, 12], dtype=torch.int32)
+    out, lse = sparse_decode_triton(q, k, v, sink=4, window=10, lengths=lens)
+    for b, length in enumerate(lens.tolist()):
+        keep = sorted(set(range(min(4, length))) | set(range(max(length - 10, 0), length)))
+        idx = torch.tensor(keep)[None, None].expand(1, 2, len(keep)).contiguous()
+        ref, ref_lse = weighted_sparse_decode_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], idx,
+                                                        torch.full((1, 2), len(keep)))
+        assert torch.allclose(out[b:b + 1], ref, atol=1e-5)
+        assert torch.allclose(lse[b:b + 1], ref_lse, atol=1e-5)
+
+
+def test_token_lists_match_the_contract_reference():
+    for seed, per_q in ((0, False), (1, True)):
+        q, k, v, idx, cnt, w, _ = _case(2, 6, 3, 70, 64, torch.float32, 20 + seed, 25, per_q=per_q, weights=True)
+        out, lse = sparse_decode_triton(q, k, v, idx, cnt, w, check=True)
+        ref, ref_lse = weighted_sparse_decode_reference(q, k, v, idx, cnt, w)
+        assert torch.allclose(out, ref.float(), atol=2e-5) and torch.allclose(lse, ref_lse.float(), atol=2e-5)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_an_entry_listed_twice_counts_twice(page):
+    q, k, v, idx, cnt, w, lens = _case(1, 4, 2, 100, 64, torch.float32, 5, 6, page=page, weights=True)
+    cnt = torch.full_like(cnt, 6)
+    twice = torch.cat([idx, idx[..., :1]], -1)  # first entry again
+    w2 = torch.cat([w, w[..., :1]], -1)
+    doubled = w.clone()
+    doubled[..., 0] *= 2
+    a = sparse_decode_triton(q, k, v, twice, cnt + 1, w2, page_size=page)
+    b = sparse_decode_triton(q, k, v, idx, cnt, doubled, page_size=page)
+    assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
+    case = _case(2, 4, 2, 100, 64, torch.float32, 6, 8, page=page, dup=True)
+    _compare(*case, page, 0, 0)
+
+
+def test_empty_but_valid_heads():
+    q, k, v, idx, cnt, _, _ = _case(2, 4, 2, 64, 64, torch.float32, 7, 3, page=16)
+    cnt[0] = 0  # no entry and no dense part: out 0, lse -inf
+    out, lse = _compare(q, k, v, idx, cnt, None, None, 16, 0, 0)
+    assert torch.all(torch.isinf(lse[0])) and torch.all(out[0] == 0) and torch.all(torch.isfinite(lse[1]))
+    # every listed page inside the dense part: its keys are read once, by the dense part
+    idx = torch.zeros_like(idx)
+    cnt = torch.full_like(cnt, 3)
+    out, lse = sparse_decode_triton(q, k, v, idx, cnt, page_size=16, sink=16, window=0)
+    ref, ref_lse = sparse_decode_triton(q, k, v, sink=16, window=0)
+    assert torch.allclose(out, ref, atol=1e-6) and torch.allclose(lse, ref_lse, atol=1e-6)
+    # length 1 and a page past the length
+    lens = torch.tensor([1, 40], dtype=torch.int32)
+    idx[1, :, 0] = 3  # keys 48..63 >= 40: nothing
+    _compare(q, k, v, idx, cnt, None, lens, 16, 0, 0)
+
+
+@pytest.mark.parametrize("target", [1, 7, 1000])
+def test_split_counts_do_not_change_the_result(target):
+    case = _case(2, 8, 4, 300, 64, torch.float32, 8, 40, lengths=True, weights=True)
+    _compare(*case, 1, 3, 17, target_programs=target, block_n=16)
+
+
+@pytest.mark.parametrize("per_q", [False, True])
+def test_fused_merge_matches_reference_and_resets_its_tickets(per_q):
+    for seed in range(3):  # the same ticket workspace serves every call
+        case = _case(2, 8, 2, 200, 64, torch.float32, 30 + seed, 5, page=16, per_q=per_q, lengths=True,
+                     weights=seed == 1, zero_counts=True)
+        _compare(*case, 16, 4, 20 * seed, fused_merge=True, target_programs=40)
+
+
+def test_workspace_reuse_never_reads_stale_partials():
+    big = _case(2, 8, 2, 400, 64, torch.float32, 9, 60, weights=True)
+    _compare(*big, 1, 16, 16, target_programs=4000, block_n=16)
+    small = _case(1, 4, 2, 50, 64, torch.float32, 10, 3)
+    _compare(*small, 1, 0, 0)
+
+
+def test_bad_input_is_a_clear_error():
+    q, k, v, idx, cnt, w, _ = _case(1, 4, 2, 50, 64, torch.float32, 11, 5, weights=True)
+    cnt = torch.full_like(cnt, 5)
+
+    def raises(match, *args, **kw):
+        with pytest.raises(ValueError, match=match):
+            sparse_decode_triton(*args, **kw)
+
+    bad = idx.clone()
+    bad[0, 0, 0] = 50
+    raises("indices: used entries", q, k, v, bad, cnt, check=True)
+    raises("indices: used entries", q, k, v, idx.clone().fill_(4), cnt, page_size=16, check=True)
+    raises("counts: expected values", q, k, v, idx, cnt + 1, check=True)
+    neg = w.clone()
+    neg[0, 1, 2] = -1
+    raises("weights: used entries", q, k, v, idx, cnt, neg, check=True)
+    raises("head dim 96", q[..., :48].repeat(1, 1, 2), k[..., :48].repeat(1, 1, 1, 2).contiguous(),
+           v[..., :48].repeat(1, 1, 1, 2).contiguous(), idx, cnt)
+    raises("dtype torch.float64", q.double(), k.double(), v.double(), idx, cnt)
+    raises("page_size 24", q, k, v, idx, cnt, page_size=24)
+    raises("must be transposed", q, k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), idx, cnt)
+    raises("indices: expected shape", q, k, v, idx[:, :1].expand(1, 3, 5).contiguous(), cnt)
+    raises("lengths: expected values", q, k, v, idx, cnt, lengths=torch.tensor([51], dtype=torch.int32),
+           check=True)
+    raises("a dense part", q, k, v)
+
+
+# --- Quest pages ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_page_bounds_kernel_matches_reference(dtype):
+    g = torch.Generator().manual_seed(12)
+    b, hq, hkv, n, d, page = 2, 8, 2, 300, 64, 16
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    lens = torch.tensor([300, 77], dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, page)
+    for sink, window in ((0, 0), (8, 20)):
+        ref = quest_pages.page_bounds_reference(q, kmin, kmax, lens, page, sink, window)
+        out = quest_pages.page_bounds_triton(q, kmin, kmax, lens, page, sink, window)
+        live = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(out), live)
+        assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_kernel_matches_reference(dtype):
+    from kvsieve.kernels.sparse import topk
+
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(2, 8, 64, generator=g).to(dtype)
+    k = torch.randn(2, 2, 300, 64, generator=g).to(dtype)
+    lens = torch.tensor([300, 90], dtype=torch.int32)
+    for sink, window in ((0, 0), (5, 30)):
+        ref = topk.scores_reference(q, k, lens, sink, window)
+        out = topk.scores_triton(q, k, lens, sink, window)
+        live = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(out), live)
+        assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)
+
+
+def test_page_update_kernel_follows_a_growing_cache():
+    g = torch.Generator().manual_seed(16)
+    k = torch.randn(2, 2, 120, 64, generator=g).to(torch.bfloat16)
+    for page in (1, 16):
+        ps = quest_pages.PageSummaries(page)
+        lens = torch.tensor([50, 17], dtype=torch.int32)
+        ps.update(k[:, :, :50], lens)
+        for step in (1, 2, 3, 20):  # one key per step, then a jump of 17 keys (the shape grows with it)
+            n = 50 + step
+            lens2 = lens + step
+            got = ps.update(k[:, :, :n], lens2)
+            want = quest_pages.page_minmax_reference(k[:, :, :n], lens2, page)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (page, step)
+
+
+@pytest.mark.parametrize("size", [7, 0.05, 0.3, 1.0])
+def test_selection_kernels_match_their_references(size):
+    from kvsieve.kernels.sparse import topk
+
+    g = torch.Generator().manual_seed(17)
+    b, hq, hkv, n, d = 3, 8, 2, 260, 64
+    q = torch.randn(b, hq, d, generator=g)
+    k = torch.randn(b, hkv, n, d, generator=g)
+    lens = torch.tensor([260, 100, 20], dtype=torch.int32)  # 100 · 0.05 = 5.000000000000001 in float64
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    for share in (False, True):
+        for sink, window in ((0, 0), (4, 24)):
+            pages, counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=sink, window=window,
+                                                     size=size, max_pages=6, share_kv_group=share)
+            ref_pages, ref_counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=sink,
+                                                             window=window, size=size, max_pages=6,
+                                                             share_kv_group=share, bounds="reference")
+            assert torch.equal(counts, ref_counts)
+            for row in range(b):
+                for h in range(pages.shape[1]):
+                    c = int(counts[row, h])
+                    assert set(pages[row, h, :c].tolist()) == set(ref_pages[row, h, :c].tolist())
+            idx, counts = topk.topk_select(q, k, lens, sink=sink, window=window, size=size, max_k=40,
+                                           share_kv_group=share)
+            ref_idx, ref_counts = topk.topk_select(q, k, lens, sink=sink, window=window, size=size, max_k=40,
+                                                   share_kv_group=share, scores="reference")
+            assert torch.equal(counts, ref_counts)
+            for row in range(b):
+                for h in range(idx.shape[1]):
+                    c = int(counts[row, h])
+                    assert set(idx[row, h, :c].tolist()) == set(ref_idx[row, h, :c].tolist())

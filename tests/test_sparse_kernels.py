@@ -1,0 +1,290 @@
+"""The weighted sparse decode kernel (``kernels/sparse/weighted_triton.py``) and Quest's device-side page
+selection (``kernels/sparse/quest_pages.py``).
+
+CPU: the extended contract's torch reference against the contract's own reference, and the Triton
+kernels against their references through the interpreter (in a subprocess, as in
+``test_kernels_triton.py``). GPU (``gpu`` mark, skipped without CUDA): bf16 at Llama-3.1-8B shapes,
+no host sync, and CUDA-graph replays equal to eager calls.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvsieve.kernels.sparse import quest_pages
+from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference
+
+HERE = Path(__file__).resolve().parent
+
+
+def _qkv(b, hq, hkv, n, d, seed, dtype=torch.float64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, d, generator=g, dtype=torch.float64) * 2
+    k = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, generator=g, dtype=torch.float64)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+@pytest.mark.parametrize("per_q", [False, True])
+def test_reference_pages_are_their_token_lists(per_q):
+    """A page list is the token list of its pages' keys (below the length, outside the dense part)."""
+    q, k, v = _qkv(2, 6, 3, 100, 16, 0)
+    g = torch.Generator().manual_seed(1)
+    hs, page = (6 if per_q else 3), 8
+    pages = torch.randint(0, 13, (2, hs, 5), generator=g)
+    counts = torch.randint(1, 6, (2, hs), generator=g)
+    w = torch.rand(2, hs, 5, generator=g, dtype=torch.float64) + 0.5
+    lens = torch.tensor([100, 61])
+    out, lse = sparse_decode_reference(q, k, v, pages, counts, w, page_size=page, lengths=lens, sink=3, window=9)
+    for b in range(2):
+        length = int(lens[b])
+        sink_end, win_start = min(3, length), max(length - 9, 3)
+        dense = list(range(sink_end)) + list(range(win_start, length))
+        for h in range(hs):
+            toks = dense + [int(p) * page + i for p in pages[b, h, : counts[b, h]] for i in range(page)
+                            if sink_end <= int(p) * page + i < win_start]
+            wts = [1.0] * len(dense) + [float(w[b, h, j]) for j in range(int(counts[b, h])) for i in range(page)
+                                        if sink_end <= int(pages[b, h, j]) * page + i < win_start]
+            heads = [h] if per_q else list(range(h * 2, h * 2 + 2))
+            kv = h // 2 if per_q else h
+            for hq in heads:
+                s = (k[b, kv, toks] @ q[b, hq]) / 4 + torch.log(torch.tensor(wts, dtype=torch.float64))
+                ref_lse = torch.logsumexp(s, 0)
+                ref = torch.softmax(s, 0) @ v[b, kv, toks]
+                assert torch.allclose(out[b, hq], ref, atol=1e-10)
+                assert abs(float(lse[b, hq]) - float(ref_lse)) < 1e-5
+
+
+def test_reference_tokens_match_the_contract():
+    for seed, hs in ((0, 2), (1, 4)):
+        q, k, v = _qkv(3, 4, 2, 40, 8, seed)
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randint(0, 40, (3, hs, 12), generator=g)  # duplicates included
+        counts = torch.randint(1, 13, (3, hs), generator=g)
+        w = torch.rand(3, hs, 12, generator=g, dtype=torch.float64) * 4 + 0.1
+        out, lse = sparse_decode_reference(q, k, v, idx, counts, w)
+        ref, ref_lse = weighted_sparse_decode_reference(q, k, v, idx, counts, w)
+        assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse.double(), ref_lse, atol=1e-5)
+
+
+def test_page_summaries_follow_a_growing_cache():
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 2, 90, 8, generator=g).to(torch.bfloat16)
+    for page in (4, 16):
+        ps = quest_pages.PageSummaries(page)
+        lens = torch.tensor([40, 21])
+        ps.update(k[:, :, :40], lens)
+        for step in range(1, 50):  # a DynamicCache: one slot per step for every row
+            lens = lens + 1
+            got = ps.update(k[:, :, :40 + step], lens)
+            want = quest_pages.page_minmax_reference(k[:, :, :40 + step], lens, page)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (page, step)
+        ps2 = quest_pages.PageSummaries(page)  # a static cache: fixed shape, lengths grow
+        lens = torch.tensor([30, 5])
+        ps2.update(k, lens)
+        for _ in range(20):
+            lens = lens + 1
+            got = ps2.update(k, lens)
+            want = quest_pages.page_minmax_reference(k, lens, page)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_quest_select_picks_the_reference_methods_pages():
+    """Given the same bounds, the device selection equals methods/quest.py's reference selection."""
+    import kvsieve
+    from kvsieve.core.inputs import check_decode_inputs
+
+    for seed, share in ((0, False), (1, True), (2, False)):
+        q, k, v = _qkv(2, 8, 2, 300, 16, seed, torch.float32)
+        lens = torch.tensor([300, 170])
+        m = kvsieve.method(f"quest:top_k=40,page_size=16,sink=8,window=24,share_kv_group={share}")
+        inputs = check_decode_inputs(q, k, v, lengths=lens)
+        chosen = m.select(inputs, None, {}).chosen
+        want = chosen.to_heads(8).mark(300)
+        kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+        pages, counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=8, window=24,
+                                                 size=40, max_pages=3,
+                                                 share_kv_group=share, bounds="reference")
+        hs = pages.shape[1]
+        got = torch.zeros(2, hs, 300, dtype=torch.bool)
+        for b in range(2):
+            length = int(lens[b])
+            se, ws = min(8, length), max(length - 24, 8)
+            got[b, :, :se] = True
+            got[b, :, ws:length] = True
+            for h in range(hs):
+                for p in pages[b, h, : counts[b, h]].tolist():
+                    lo, hi = max(p * 16, se), min(p * 16 + 16, ws)
+                    got[b, h, lo:hi] = True
+        if hs != 8:
+            got = got.repeat_interleave(4, dim=1)
+        assert torch.equal(got, want), seed
+
+
+def test_topk_select_picks_the_reference_methods_keys():
+    import kvsieve
+    from kvsieve.core.inputs import check_decode_inputs
+    from kvsieve.kernels.sparse.topk import topk_select
+
+    for seed, share in ((0, False), (1, True)):
+        q, k, v = _qkv(2, 8, 2, 200, 16, seed, torch.float32)
+        lens = torch.tensor([200, 90])
+        m = kvsieve.method(f"oracle-topk:top_k=30,sink=4,window=16,share_kv_group={share}")
+        want = m.select(check_decode_inputs(q, k, v, lengths=lens), None, {}).chosen.to_heads(8).mark(200)
+        idx, counts = topk_select(q, k, lens, sink=4, window=16, size=30, max_k=30,
+                                  share_kv_group=share, scores="reference")
+        got = torch.zeros(2, idx.shape[1], 200, dtype=torch.bool)
+        for b in range(2):
+            length = int(lens[b])
+            got[b, :, :4] = True
+            got[b, :, max(length - 16, 4):length] = True
+            for h in range(idx.shape[1]):
+                got[b, h, idx[b, h, : counts[b, h]]] = True
+        got = got.repeat_interleave(8 // idx.shape[1], dim=1)
+        assert torch.equal(got, want), seed
+
+
+@pytest.mark.triton
+def test_kernels_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
+         str(HERE / "sparse_interpreter_cases.py")],
+        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+
+
+# --- GPU --------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _gpu_case(b, n, page, hs, seed, density=0.05):
+    q, k, v = _qkv(b, 32, 8, n, 128, seed, torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    p = -(-n // page)
+    count = max(1, int(density * n) // page)
+    idx = torch.rand(b, hs, p, device="cuda", generator=g).argsort(-1)[..., :count].contiguous()
+    counts = torch.randint(1, count + 1, (b, hs), device="cuda", generator=g)
+    w = torch.rand(b, hs, count, device="cuda", generator=g) + 0.5
+    lens = torch.randint(n // 2, n + 1, (b,), device="cuda", generator=g).to(torch.int32)
+    return q, k, v, idx, counts, w, lens
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("page,hs,n", [(1, 8, 4096), (16, 8, 32768), (32, 32, 16384), (64, 8, 32768),
+                                       (16, 32, 8192)])
+def test_gpu_bf16_matches_reference(page, hs, n):
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    for seed in range(2):
+        q, k, v, idx, counts, w, lens = _gpu_case(2, n, page, hs, seed)
+        for sink, window in ((0, 0), (128, 512)):
+            out, lse = sparse_decode_triton(q, k, v, idx, counts, w, page_size=page, lengths=lens, sink=sink,
+                                            window=window, check=True)
+            ref, ref_lse = sparse_decode_reference(q, k, v, idx, counts, w, page_size=page, lengths=lens,
+                                                   sink=sink, window=window)
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err < 1e-2, err
+            assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_fused_merge_matches_reference_over_many_calls():
+    """The opt-in one-launch path (ticket counter): a race would show as a wrong row in some call."""
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    for seed in range(20):
+        q, k, v, idx, counts, w, lens = _gpu_case(2, 8192, 16, 8, 100 + seed)
+        out, lse = sparse_decode_triton(q, k, v, idx, counts, w, page_size=16, lengths=lens, sink=32, window=256,
+                                        fused_merge=True)
+        ref, ref_lse = sparse_decode_reference(q, k, v, idx, counts, w, page_size=16, lengths=lens, sink=32,
+                                               window=256)
+        assert float((out.float() - ref).norm() / ref.norm()) < 1e-2, seed
+        assert torch.allclose(lse, ref_lse, atol=2e-3, rtol=1e-4), seed
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("d,dtype", [(64, torch.float16), (256, torch.bfloat16), (128, torch.float32)])
+def test_gpu_head_dims_and_dtypes(d, dtype):
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    q, k, v = _qkv(2, 8, 2, 5000, d, 4, dtype, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    idx = torch.randint(0, 5000 // 16, (2, 2, 20), device="cuda", generator=g)
+    counts = torch.full((2, 2), 20, device="cuda")
+    out, lse = sparse_decode_triton(q, k, v, idx, counts, page_size=16, sink=16, window=64, check=True)
+    ref, ref_lse = sparse_decode_reference(q, k, v, idx, counts, page_size=16, sink=16, window=64)
+    tol = 2e-3 if dtype == torch.float32 else 1e-2  # fp32 dots may run as tf32 on Hopper
+    assert float((out.float() - ref).norm() / ref.norm()) < tol
+
+
+def _quest_step(q, k, v, lens, summaries, size, share):
+    kmin, kmax = summaries.update(k, lens)
+    pages, counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=128, window=128, size=size,
+                                             max_pages=-(-int(size * k.shape[2]) // 16), share_kv_group=share)
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    return sparse_decode_triton(q, k, v, pages, counts, page_size=16, lengths=lens, sink=128, window=128)
+
+
+def _topk_step(q, k, v, lens, size, share):
+    from kvsieve.kernels.sparse.topk import topk_select
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    idx, counts = topk_select(q, k, lens, sink=128, window=128, size=size, max_k=int(size * k.shape[2]),
+                              share_kv_group=share)
+    return sparse_decode_triton(q, k, v, idx, counts, lengths=lens, sink=128, window=128)
+
+
+@pytest.mark.gpu
+@cuda
+def test_gpu_decode_paths_do_not_sync_and_replay_in_a_graph():
+    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+
+    q, k, v, idx, counts, w, lens = _gpu_case(2, 16384, 16, 8, 5)
+    summaries = quest_pages.PageSummaries(16)
+    tokens = 0.05
+    calls = {
+        "pages": lambda: sparse_decode_triton(q, k, v, idx, counts, w, page_size=16, lengths=lens, sink=64,
+                                              window=256),
+        "streaming": lambda: sparse_decode_triton(q, k, v, lengths=lens, sink=128, window=700),
+        "quest-q": lambda: _quest_step(q, k, v, lens, summaries, tokens, False),
+        "quest-kv": lambda: _quest_step(q, k, v, lens, summaries, tokens, True),
+        "oracle-topk-kv": lambda: _topk_step(q, k, v, lens, tokens, True),
+        "oracle-topk-q": lambda: _topk_step(q, k, v, lens, tokens, False),
+    }
+    for name, fn in calls.items():
+        eager = fn()  # compiles, allocates workspaces and page summaries
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fn()
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured[0], eager[0]), name
+        assert torch.equal(captured[1], eager[1]), name
