@@ -207,6 +207,51 @@ def test_page_bounds_kernel_matches_reference(dtype):
         assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)
 
 
+# --- methods lowered to the kernel ------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", ["streaming:sink=4,window=16", "streaming:sink=0,window=9",
+                                  "quest:top_k=24,page_size=8,sink=4,window=8",
+                                  "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True",
+                                  "quest:top_k=0,page_size=16,sink=3,window=5",
+                                  "oracle-topk:top_k=10,sink=3,window=6",
+                                  "oracle-topk:top_k=0.1,sink=0,window=4,share_kv_group=True"])
+def test_methods_triton_path_matches_their_reference(spec):
+    import kvsieve
+
+    fast = kvsieve.method(spec + ",backend=triton")
+    slow = kvsieve.method(spec + ",backend=reference")
+    g = torch.Generator().manual_seed(13)
+    b, hq, hkv, n, d = 2, 8, 2, 100, 64
+    k = torch.randn(b, hkv, n + 12, d, generator=g)
+    v = torch.randn(b, hkv, n + 12, d, generator=g)
+    fast_state, slow_state = {}, {}
+    lens = torch.tensor([n, 41])
+    for step in range(12):  # a growing cache: one key per row and step, state kept across steps
+        q = torch.randn(b, hq, d, generator=g) * 2
+        kk, vv = k[:, :, : n + step], v[:, :, : n + step]
+        out, stats = fast.decode(q, kk, vv, lengths=lens + step, state=fast_state)
+        ref, ref_stats = slow.decode(q, kk, vv, lengths=lens + step, state=slow_state)
+        assert stats.backend == "triton" and ref_stats.backend == "reference"
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (step, float((out - ref).abs().max()))
+        for field in ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "bytes_read",
+                      "exact_rows"):
+            assert stats[field] == pytest.approx(ref_stats[field]), (field, step)
+
+
+def test_methods_auto_backend_keeps_the_reference_on_cpu_and_says_why_triton_cannot():
+    import kvsieve
+
+    q = torch.randn(1, 4, 64)
+    k = torch.randn(1, 2, 40, 64)
+    _, stats = kvsieve.method("streaming:sink=4,window=8").decode(q, k, k)
+    assert stats.backend == "reference" and "backend_reason" not in stats.extra
+    with pytest.raises(ValueError, match="head dim 48"):
+        kvsieve.method("quest:backend=triton").decode(q[..., :48].contiguous(), k[..., :48].contiguous(),
+                                                      k[..., :48].contiguous())
+    with pytest.raises(ValueError, match="page_size 12"):
+        kvsieve.method("quest:backend=triton,page_size=12").decode(q, k, k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_kernel_matches_reference(dtype):
     from kvsieve.kernels.sparse import topk

@@ -252,6 +252,24 @@ def _topk_step(q, k, v, lens, size, share):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("spec", ["streaming:sink=64,window=1000", "quest:top_k=0.05",
+                                  "quest:top_k=0.05,share_kv_group=True", "oracle-topk:top_k=0.05",
+                                  "oracle-topk:top_k=0.05,share_kv_group=True"])
+def test_gpu_methods_run_the_kernel_path_by_default(spec):
+    import kvsieve
+
+    q, k, v = _qkv(2, 32, 8, 8192, 128, 6, torch.bfloat16, "cuda")
+    lens = torch.tensor([8192, 5000], device="cuda")
+    state = {}
+    out, stats = kvsieve.method(spec).decode(q, k, v, lengths=lens, state=state, check_finite=False)
+    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, state={})
+    assert stats.backend == "triton" and ref_stats.backend == "reference"
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
+    assert abs(stats.density - ref_stats.density) < 0.01 * ref_stats.density
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_decode_paths_do_not_sync_and_replay_in_a_graph():
     from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
 

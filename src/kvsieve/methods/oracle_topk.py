@@ -1,23 +1,36 @@
-"""``oracle-topk``: sink + window + the exact top-k keys by q·k (an oracle: it scores every key)."""
+"""``oracle-topk``: sink + window + the exact top-k keys by q·k (an oracle: it scores every key).
+
+``backend``: "auto" (default) runs the device path on CUDA tensors it can serve: every score in one
+Triton pass over K (:func:`kvsieve.kernels.sparse.topk.scores_triton`), ``torch.topk``, and the Triton
+sparse kernel on the chosen tokens with sink and window as ranges — no host sync; elsewhere the torch
+reference. "reference" and "triton" force a path; ``stats.backend`` names the path that ran.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from ..core.config import param
+from ..core.config import param, require_choice
 from ..core.registry import register_method
+from .shared.backend import BACKENDS
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
 from .shared.selection import require_size, resolve_size, top_k, union
+from .shared.sparse_path import choose_sparse_backend, kernel_operands, page_list_mark, sparse_stats
 
 
 @dataclass(frozen=True)
 class OracleTopKConfig(SinkWindowConfig):
     top_k: int | float = param(0.05, "heavy hitters beyond sink+window: a count, or a fraction of the context")
     share_kv_group: bool = param(False, "one selection per KV head shared by its query heads (by summed softmax mass)")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the device path (Triton scores + top-k + sparse kernel) on CUDA, else the torch reference; "
+                "reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_size("top_k", self.top_k)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 @register_method
@@ -32,3 +45,33 @@ class OracleTopK(SelectionMethod):
         k = resolve_size(self.config.top_k, inputs.n_valid)
         chosen = union(fixed, top_k(ranking_scores(inputs, heads), available, k))
         return Selected(chosen, scored=None)
+
+    def _decode(self, inputs, seed, state):
+        cfg = self.config
+        path, reason = choose_sparse_backend(cfg.backend, inputs)
+        if path == "reference":
+            out, stats = super()._decode(inputs, seed, state)
+            if reason is not None:
+                stats.extra["backend_reason"] = reason
+            return out, stats
+        from ..kernels.sparse.topk import topk_select
+        from ..kernels.sparse.weighted_triton import sparse_decode_triton
+
+        n = inputs.n_keys
+        top = cfg.top_k if isinstance(cfg.top_k, int) else max(1, int(n * cfg.top_k))  # static bound
+        if top == 0 and cfg.sink + cfg.window == 0:
+            raise ValueError(f"{self.name}: the configuration selected no key for some head; "
+                             "give sink, window or a budget > 0")
+        q, k, v, lens = kernel_operands(inputs)
+        idx = counts = None
+        if top > 0:
+            idx, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window,
+                                      size=cfg.top_k, max_k=top,
+                                      share_kv_group=cfg.share_kv_group, scale=inputs.scale)
+        out, _ = sparse_decode_triton(q, k, v, idx, counts, lengths=lens, sink=cfg.sink, window=cfg.window,
+                                      scale=inputs.scale)
+        if idx is None:
+            idx = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
+            counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
+        mark = page_list_mark(inputs, idx, counts, 1, cfg.sink, cfg.window)
+        return out, sparse_stats(inputs, mark, extra={}, scored_all=True)

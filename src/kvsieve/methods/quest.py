@@ -7,17 +7,26 @@ sink and window). The page summaries (:mod:`kvsieve.methods.shared.pages`, also 
 predictor of ``vattention:predictor=quest``) live in the per-(request, layer) ``state`` and are
 updated incrementally as the cache grows: only the last, partly filled page and the new pages are
 recomputed.
+
+``backend``: "auto" (default) runs the device path on CUDA tensors it can serve: page min/max kept in
+``state`` by :class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (the last pages of each row
+refreshed per call), the bounds in one Triton launch, ``torch.topk`` over pages, and the Triton sparse
+kernel reading the chosen pages as tiles with sink and window as ranges — no host sync. Elsewhere it
+runs the torch reference; "reference" and "triton" force a path; ``stats.backend`` names the path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from ..core.config import param, require_int
+from ..core.config import param, require_choice, require_int
 from ..core.registry import register_method
+from .shared.backend import BACKENDS
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
 from .shared.pages import quest_top_tokens
 from .shared.selection import require_size, resolve_size, union
+from .shared.sparse_path import choose_sparse_backend, kernel_operands, page_list_mark, sparse_stats
 
 
 @dataclass(frozen=True)
@@ -26,11 +35,15 @@ class QuestConfig(SinkWindowConfig):
         0.05, "tokens in the selected pages (rounded up to whole pages): a count, or a fraction of the context")
     page_size: int = param(16, "keys per page (Quest: 16)")
     share_kv_group: bool = param(False, "one page selection per KV head (group-summed softmax over page bounds)")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the device path (Triton page bounds + sparse kernel) on CUDA, else the torch reference; "
+                "reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_size("top_k", self.top_k)
         require_int("page_size", self.page_size, minimum=1)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 @register_method
@@ -45,3 +58,39 @@ class Quest(SelectionMethod):
         pages = quest_top_tokens(inputs, available, tokens, self.config.page_size, state)
         p_total = -(-inputs.n_keys // self.config.page_size)
         return Selected(union(fixed, pages), extra={"page_size": self.config.page_size, "pages_scored": p_total})
+
+    def _decode(self, inputs, seed, state):
+        cfg = self.config
+        path, reason = choose_sparse_backend(cfg.backend, inputs, cfg.page_size)
+        if path == "reference":
+            out, stats = super()._decode(inputs, seed, state)
+            if reason is not None:
+                stats.extra["backend_reason"] = reason
+            return out, stats
+        from ..kernels.sparse.quest_pages import PageSummaries, quest_select
+        from ..kernels.sparse.weighted_triton import sparse_decode_triton
+
+        page, n = cfg.page_size, inputs.n_keys
+        # the most tokens any row can ask for, from static sizes (rows have n_valid <= N)
+        top = cfg.top_k if isinstance(cfg.top_k, int) else max(1, int(n * cfg.top_k))
+        max_pages = min(-(-top // page), -(-n // page))
+        if max_pages == 0 and cfg.sink + cfg.window == 0:
+            raise ValueError(f"{self.name}: the configuration selected no key for some head; "
+                             "give sink, window or a budget > 0")
+        q, k, v, lens = kernel_operands(inputs)
+        summaries = state.get(f"quest/device/page{page}")
+        if summaries is None:
+            summaries = state[f"quest/device/page{page}"] = PageSummaries(page)
+        kmin, kmax = summaries.update(k, lens)
+        pages = counts = None
+        if max_pages > 0:
+            pages, counts = quest_select(q, kmin, kmax, lens, page_size=page, sink=cfg.sink, window=cfg.window,
+                                         size=cfg.top_k, max_pages=max_pages,
+                                         share_kv_group=cfg.share_kv_group, scale=inputs.scale)
+        out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=page, lengths=lens, sink=cfg.sink,
+                                      window=cfg.window, scale=inputs.scale)
+        if pages is None:
+            pages = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
+            counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
+        mark = page_list_mark(inputs, pages, counts, page, cfg.sink, cfg.window)
+        return out, sparse_stats(inputs, mark, extra={"page_size": page, "pages_scored": -(-n // page)})
