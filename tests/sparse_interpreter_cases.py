@@ -252,6 +252,33 @@ def test_methods_auto_backend_keeps_the_reference_on_cpu_and_says_why_triton_can
         kvsieve.method("quest:backend=triton,page_size=12").decode(q, k, k)
 
 
+def test_benchmark_variants_run_and_match_their_references():
+    """Every call the GPU benchmark times, on tiny CPU inputs: right output, selection and attention parts."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_decode" / "run.py"
+    spec = importlib.util.spec_from_file_location("sparse_decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    g = torch.Generator().manual_seed(14)
+    case = bench.Case("tiny", 4, 2, 64, 640, 1)
+    x = SimpleNamespace(q=torch.randn(1, 4, 64, generator=g), k=torch.randn(1, 2, 640, 64, generator=g),
+                        v=torch.randn(1, 2, 640, 64, generator=g), lens=torch.tensor([640], dtype=torch.int32),
+                        scale=0.125)
+    calls = bench.variants(case, x, 0.2, sink=8, window_qt=8)
+    assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q"} <= set(calls)
+    for name, (call, select, attend, n_bytes, ref) in calls.items():
+        got, want = call(), ref()
+        assert float((got - want).norm() / want.norm()) < 1e-5, name
+        assert torch.allclose(attend(), got, atol=1e-6), name
+        assert 0 < n_bytes <= 3 * 640 * 2 * 64 * 4, name
+        if select is not None:
+            idx, counts = select()
+            assert idx.shape[:2] == counts.shape and bool((counts > 0).all()), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_kernel_matches_reference(dtype):
     from kvsieve.kernels.sparse import topk
