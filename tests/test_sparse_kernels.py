@@ -74,26 +74,30 @@ def test_reference_tokens_match_the_contract():
         assert torch.allclose(out, ref, atol=1e-12) and torch.allclose(lse.double(), ref_lse, atol=1e-5)
 
 
-def test_page_summaries_follow_a_growing_cache():
+def check_page_summaries(quest_pages, pages=(4, 16), steps=(1, 1, 2, 17, 40, 1)):
+    """PageSummaries equal a fresh summary after appends of any size, on a growing cache and on one of
+    fixed shape, and after a row got shorter (ragged rows: each row appends the same count)."""
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(2, 2, 90, 8, generator=g).to(torch.bfloat16)
-    for page in (4, 16):
-        ps = quest_pages.PageSummaries(page)
-        lens = torch.tensor([40, 21])
-        ps.update(k[:, :, :40], lens)
-        for step in range(1, 50):  # a DynamicCache: one slot per step for every row
-            lens = lens + 1
-            got = ps.update(k[:, :, :40 + step], lens)
-            want = quest_pages.page_minmax_reference(k[:, :, :40 + step], lens, page)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (page, step)
-        ps2 = quest_pages.PageSummaries(page)  # a static cache: fixed shape, lengths grow
-        lens = torch.tensor([30, 5])
-        ps2.update(k, lens)
-        for _ in range(20):
-            lens = lens + 1
-            got = ps2.update(k, lens)
-            want = quest_pages.page_minmax_reference(k, lens, page)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    k = torch.randn(2, 2, 200, 64, generator=g).to(torch.bfloat16)
+    for page in pages:
+        for fixed_shape in (False, True):
+            ps = quest_pages.PageSummaries(page)
+            lens = torch.tensor([40, 21], dtype=torch.int32)
+            n = 40
+            ps.update(k if fixed_shape else k[:, :, :n], lens)
+            for step in (*steps, -30, 5):
+                lens = torch.clamp(lens + step, min=1)
+                n = int(lens.max()) if not fixed_shape else 200
+                kk = k[:, :, :max(n, 40)]
+                got = ps.update(kk, lens)
+                want = quest_pages.page_minmax_reference(kk, lens, page)
+                live = (torch.arange(got[0].shape[2]) * page < lens[:, None])[:, None, :, None]
+                assert torch.equal(torch.where(live, got[0], 0), torch.where(live, want[0], 0)), (page, step)
+                assert torch.equal(torch.where(live, got[1], 0), torch.where(live, want[1], 0)), (page, step)
+
+
+def test_page_summaries_follow_any_appends():
+    check_page_summaries(quest_pages)
 
 
 def test_quest_select_picks_the_reference_methods_pages():

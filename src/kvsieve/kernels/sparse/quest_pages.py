@@ -39,20 +39,22 @@ def page_minmax_reference(k: torch.Tensor, lengths: torch.Tensor, page_size: int
 class PageSummaries:
     """Per-(request, layer) page min/max ``[B, Hkv, capacity, d]`` updated as the cache grows.
 
-    ``update(k, lengths)`` recomputes only the last ``W`` pages of each row, those ending at the row's
-    last key, with ``W = 1 + ceil(grown / page)`` where ``grown`` is how much the cache's key axis grew
-    since the last call (at least 1): enough when every row appended at most ``grown`` keys (a
-    transformers DynamicCache), or one key per call on a cache of fixed shape (a static cache decoding
-    one token per step). A cache that shrank or changed its batch, heads, head dim or dtype is summarised
-    from scratch; so is a fresh one. Buffers grow by 1/8 beyond what is needed, so a decode loop
-    reallocates rarely (and a CUDA graph should be captured after the capacity covers the context).
+    A device tensor ``done [B, Hkv]`` holds how many keys of each row are summarised; each
+    ``update(k, lengths)`` recomputes the pages from ``min(done, length)`` to the row's last key and sets
+    ``done = length`` — one launch, no host sync, whatever the rows appended since the last call (one key
+    of a decode step, a chunk, or nothing), on a cache whose key axis grows (a DynamicCache) or has a
+    fixed shape (a static cache). A row that got shorter has its last partial page recomputed; pages past
+    a row's length are never read (their bounds are −inf). A cache that changed its batch, heads, head
+    dim, dtype or device is summarised from scratch; so is a fresh one. Buffers grow by 1/8 beyond what
+    is needed, so a decode loop reallocates rarely (capture a CUDA graph once the capacity covers the
+    context).
     """
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.n = 0
         self.kmin: torch.Tensor | None = None
         self.kmax: torch.Tensor | None = None
+        self.done: torch.Tensor | None = None
 
     def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
         b, hkv, n, d = k.shape
@@ -63,6 +65,7 @@ class PageSummaries:
         self.kmax = torch.zeros_like(self.kmin)
         self.kmin[:, :, :p] = kmin
         self.kmax[:, :, :p] = kmax
+        self.done = lengths.to(torch.int32)[:, None].repeat(1, hkv).contiguous()
 
     def update(self, k: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``."""
@@ -70,40 +73,31 @@ class PageSummaries:
         page = self.page_size
         p = -(-n // page)
         same = (self.kmin is not None and self.kmin.shape[:2] == (b, hkv) and self.kmin.shape[3] == d
-                and self.kmin.dtype == k.dtype and self.kmin.device == k.device and n >= self.n)
+                and self.kmin.dtype == k.dtype and self.kmin.device == k.device)
         if not same:
             self._fresh(k, lengths)
-        else:
-            if p > self.kmin.shape[2]:
-                cap = p + p // 8 + 1
-                grow = torch.zeros(b, hkv, cap - self.kmin.shape[2], d, device=k.device, dtype=k.dtype)
-                self.kmin = torch.cat([self.kmin, grow], 2)
-                self.kmax = torch.cat([self.kmax, grow], 2)
-            w = 1 + -(-max(n - self.n, 1) // page)
-            if triton is not None and (k.is_cuda or is_interpreted(_page_update_kernel)):
-                launch(_page_update_kernel, (w, hkv, b),
-                       k, lengths, self.kmin, self.kmax,
-                       k.stride(0), k.stride(1), k.stride(2),
-                       self.kmin.stride(0), self.kmin.stride(1), self.kmin.stride(2),
-                       PAGE=page, BLOCK=max(2, page), D=d, num_warps=4 if d * page >= 2048 else 1, num_stages=1)
-                self.n = n
-                return self.kmin[:, :, :p], self.kmax[:, :, :p]
-            last = torch.div(lengths.long() - 1, page, rounding_mode="floor")  # [B]
-            pid = torch.clamp(last[:, None] - torch.arange(w, device=k.device), min=0)  # [B, W]
-            pos = (pid[..., None] * page + torch.arange(page, device=k.device)).view(b, w * page)
-            ok = pos < lengths.long()[:, None]
-            pos = torch.where(ok, pos, 0)
-            rows = torch.gather(k, 2, pos[:, None, :, None].expand(b, hkv, w * page, d))  # [B, Hkv, W*page, d]
-            big = torch.finfo(k.dtype).max
-            okv = ok[:, None, :, None]
-            kmin = rows.masked_fill(~okv, big).view(b, hkv, w, page, d).amin(3)
-            kmax = rows.masked_fill(~okv, -big).view(b, hkv, w, page, d).amax(3)
-            has = ok.view(b, w, page).any(-1)[:, None, :, None]
-            dest = pid[:, None, :, None].expand(b, hkv, w, d)
-            # pages clamped to 0 repeat page 0 with identical values, so the duplicate writes agree
-            self.kmin.scatter_(2, dest, torch.where(has, kmin, 0).to(k.dtype))
-            self.kmax.scatter_(2, dest, torch.where(has, kmax, 0).to(k.dtype))
-        self.n = n
+            return self.kmin[:, :, :p], self.kmax[:, :, :p]
+        if p > self.kmin.shape[2]:
+            cap = p + p // 8 + 1
+            grow = torch.zeros(b, hkv, cap - self.kmin.shape[2], d, device=k.device, dtype=k.dtype)
+            self.kmin = torch.cat([self.kmin, grow], 2)
+            self.kmax = torch.cat([self.kmax, grow], 2)
+        if triton is not None and (k.is_cuda or is_interpreted(_page_update_kernel)):
+            launch(_page_update_kernel, (hkv, b),
+                   k, lengths, self.done, self.kmin, self.kmax,
+                   k.stride(0), k.stride(1), k.stride(2),
+                   self.kmin.stride(0), self.kmin.stride(1), self.kmin.stride(2),
+                   PAGE=page, BLOCK=max(2, page), D=d, num_warps=4 if d * page >= 2048 else 1, num_stages=1)
+        else:  # CPU without the interpreter: the same pages in torch (host syncs are free here)
+            length = lengths.long()
+            first = torch.minimum(self.done.long().amin(1), length) // page
+            lo, hi = int(first.min()), int(((length - 1) // page).max())
+            if hi >= lo:
+                kmin, kmax = page_minmax_reference(k[:, :, lo * page:(hi + 1) * page],
+                                                   torch.clamp(length - lo * page, min=0), page)
+                self.kmin[:, :, lo:hi + 1] = kmin
+                self.kmax[:, :, lo:hi + 1] = kmax
+            self.done.copy_(length.to(torch.int32)[:, None].expand(b, hkv))
         return self.kmin[:, :, :p], self.kmax[:, :, :p]
 
 
@@ -203,20 +197,21 @@ if triton is not None:
 
     @triton.jit
     def _page_update_kernel(
-        k_ptr, lens_ptr, kmin_ptr, kmax_ptr,
+        k_ptr, lens_ptr, done_ptr, kmin_ptr, kmax_ptr,
         s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p,
         PAGE: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
     ):
-        # Page (last page of the row − w): min/max over its keys below the length (0 when it has none).
-        w = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
+        # Pages from the first key not yet summarised (or past a shrunk length) to the row's last key:
+        # min/max over their keys below the length (0 for a page with none). done[b, kvh] = length after.
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
         b64 = b.to(tl.int64)
         length = tl.load(lens_ptr + b).to(tl.int32)
-        page = (length - 1) // PAGE - w
-        if page >= 0:
-            offs = tl.arange(0, BLOCK)
-            offs_d = tl.arange(0, D)
+        done_at = done_ptr + b * tl.num_programs(0) + kvh
+        first = tl.minimum(tl.load(done_at), length) // PAGE
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        for page in range(first, (length - 1) // PAGE + 1):
             pos = page * PAGE + offs
             ok = (offs < PAGE) & (pos < length)
             rows = tl.load(k_ptr + b64 * s_k_b + kvh * s_k_h + pos[:, None] * s_k_n + offs_d[None, :],
@@ -224,11 +219,10 @@ if triton is not None:
             lo = tl.min(tl.where(ok[:, None], rows, float("inf")), axis=0)
             hi = tl.max(tl.where(ok[:, None], rows, float("-inf")), axis=0)
             any_ok = tl.sum(ok.to(tl.int32), axis=0) > 0
-            lo = tl.where(any_ok, lo, 0.0)
-            hi = tl.where(any_ok, hi, 0.0)
             dst = b64 * s_m_b + kvh * s_m_h + page * s_m_p + offs_d
-            tl.store(kmin_ptr + dst, lo.to(kmin_ptr.dtype.element_ty))
-            tl.store(kmax_ptr + dst, hi.to(kmax_ptr.dtype.element_ty))
+            tl.store(kmin_ptr + dst, tl.where(any_ok, lo, 0.0).to(kmin_ptr.dtype.element_ty))
+            tl.store(kmax_ptr + dst, tl.where(any_ok, hi, 0.0).to(kmax_ptr.dtype.element_ty))
+        tl.store(done_at, length)
 
     @triton.jit(do_not_specialize=["sink", "window", "n_pages", "size", "max_units"])
     def _page_bounds_kernel(
