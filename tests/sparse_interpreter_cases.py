@@ -52,7 +52,7 @@ def _compare(q, k, v, idx, cnt, w, lens, page, sink, window, **kw):
     out, lse = sparse_decode_triton(q, k, v, idx, cnt, w, page_size=page, lengths=lens, sink=sink, window=window,
                                     check=True, **kw)
     ref_out, ref_lse = sparse_decode_reference(q, k, v, idx, cnt, w, page_size=page, lengths=lens, sink=sink,
-                                               window=window)
+                                               window=window, rows_per_batch=kw.get("rows_per_batch", 1))
     assert out.dtype == q.dtype and lse.dtype == torch.float32
     live = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), live)
@@ -153,6 +153,19 @@ def test_fused_merge_matches_reference_and_resets_its_tickets(per_q):
         case = _case(2, 8, 2, 200, 64, torch.float32, 30 + seed, 5, page=16, per_q=per_q, lengths=True,
                      weights=seed == 1, zero_counts=True)
         _compare(*case, 16, 4, 20 * seed, fused_merge=True, target_programs=40)
+
+
+def test_query_rows_share_their_cache_row():
+    """rows_per_batch = Q: B·Q query rows, each with its own lists and length, read a cache of B rows."""
+    q, k, v, idx, cnt, w, _ = _case(6, 8, 2, 120, 64, torch.float32, 40, 5, page=16, weights=True)
+    k, v = k[:2].contiguous(), v[:2].contiguous()  # 2 cache rows, 3 query rows each
+    lens = torch.tensor([118, 119, 120, 60, 61, 62], dtype=torch.int32)  # causal rows of a chunk
+    out, lse = _compare(q, k, v, idx, cnt, w, lens, 16, 4, 9, rows_per_batch=3)
+    rep_out, rep_lse = sparse_decode_triton(q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0), idx, cnt, w,
+                                            page_size=16, lengths=lens, sink=4, window=9)
+    assert torch.allclose(out, rep_out, atol=1e-6) and torch.allclose(lse, rep_lse, atol=1e-6)
+    with pytest.raises(ValueError, match="rows_per_batch"):
+        sparse_decode_triton(q, k, v, idx, cnt, rows_per_batch=2)
 
 
 def test_workspace_reuse_never_reads_stale_partials():

@@ -52,11 +52,12 @@ if triton is not None:
     import triton.language as tl
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
-    @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts"])
+    @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
+                                   "rows_per_batch"])
     def _sparse_split_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, w_ptr, lens_ptr,
         acc_ptr, m_ptr, l_ptr, sem_ptr, out_ptr, lse_ptr,
-        scale_log2, n_keys, sink, window,
+        scale_log2, n_keys, sink, window, rows_per_batch,
         s_q_b, s_q_h,
         s_k_b, s_k_h, s_k_n,
         s_v_b, s_v_h, s_v_n,
@@ -90,8 +91,9 @@ if triton is not None:
         q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
             q = q.to(tl.float32)
-        k_base = k_ptr + b64 * s_k_b + kvh * s_k_h
-        v_base = v_ptr + b64 * s_v_b + kvh * s_v_h
+        kv_b = b64 // rows_per_batch  # the cache row of query row b (Q query rows per cache row)
+        k_base = k_ptr + kv_b * s_k_b + kvh * s_k_h
+        v_base = v_ptr + kv_b * s_v_b + kvh * s_v_h
 
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -261,7 +263,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_s
 
 
 def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, lengths, sink: int, window: int,
-                        values: bool) -> None:
+                        values: bool, rows_per_batch: int = 1) -> None:
     """ValueError naming the argument when a call breaks the contract. Shapes, dtypes and devices are
     always checked (no sync); ``values=True`` also checks the data (indices in range, counts, weights,
     lengths), which synchronises."""
@@ -271,8 +273,11 @@ def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, le
         raise ValueError(f"k, v: expected shape [B, Hkv, N, d], got {tuple(k.shape)}, {tuple(v.shape)}")
     b, hq, d = q.shape
     _, hkv, n, _ = k.shape
-    if k.shape[0] != b or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k, v: expected [B={b}, Hkv, N, d={d}] with matching v, got {tuple(k.shape)}, "
+    if not isinstance(rows_per_batch, int) or rows_per_batch < 1 or k.shape[0] * rows_per_batch != b:
+        raise ValueError(f"rows_per_batch: q's {b} rows must be {rows_per_batch} query rows per cache row of k "
+                         f"(k has {k.shape[0]})")
+    if k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected [B, Hkv, N, d={d}] with matching v, got {tuple(k.shape)}, "
                          f"{tuple(v.shape)} (k given as [B, N, Hkv, d] must be transposed)")
     if hkv < 1 or hq % hkv:
         raise ValueError(f"q: {hq} query heads is not a multiple of k's {hkv} KV heads (k must be [B, Hkv, N, d]; "
@@ -354,7 +359,7 @@ def _check_lengths(lengths: torch.Tensor, n: int) -> None:
 
 def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *, page_size: int = 1,
                             lengths=None, sink: int = 0, window: int = 0, scale: float | None = None,
-                            check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                            check: bool = True, rows_per_batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, d], lse [B, Hq])`` of the contract in the module docstring, in torch.
 
     Every key the kernel would read is listed explicitly (dense part, then each entry's page), so
@@ -363,7 +368,9 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     from .weighted import gather_rows
 
     check_sparse_inputs(q, k, v, indices, counts, weights, page_size=page_size, lengths=lengths, sink=sink,
-                        window=window, values=check)
+                        window=window, values=check, rows_per_batch=rows_per_batch)
+    if rows_per_batch > 1:  # one cache row per query row
+        k, v = k.repeat_interleave(rows_per_batch, dim=0), v.repeat_interleave(rows_per_batch, dim=0)
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -432,14 +439,18 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
                          check: bool = False, out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
-                         target_programs: int = 264, fused_merge: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         target_programs: int = 264, fused_merge: bool = False,
+                         rows_per_batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
     ``check=True`` adds the value checks (host sync). Workspaces are cached per device and reused.
     ``fused_merge=True``: the last program of each list row merges it (one launch; opt-in until measured
-    on a GPU: it relies on a per-row ticket counter, so calls on one device must not overlap in time)."""
+    on a GPU: it relies on a per-row ticket counter, so calls on one device must not overlap in time).
+    ``rows_per_batch = Q``: q holds ``B·Q`` query rows (row ``r = b·Q + j``) against a cache ``k, v`` of
+    ``B`` rows — the multi-row form (a question chunk's rows, each with its own length and lists) without
+    a copy of the cache per row."""
     check_sparse_inputs(q, k, v, indices, counts, weights, page_size=page_size, lengths=lengths, sink=sink,
-                        window=window, values=check)
+                        window=window, values=check, rows_per_batch=rows_per_batch)
     reason = unsupported_reason(q, k, v, page_size)
     if reason is not None:
         raise ValueError(f"sparse_decode_triton cannot serve this call: {reason}")
@@ -478,7 +489,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
     launch(_sparse_split_kernel, (parts, hs, b),
            q, k, v, indices, counts, wt, lengths if lengths is not None else pl,
            acc, pm, pl, sem, out, lse,
-           scale * _LOG2E, n, sink, window,
+           scale * _LOG2E, n, sink, window, rows_per_batch,
            q.stride(0), q.stride(1),
            k.stride(0), k.stride(1), k.stride(2),
            v.stride(0), v.stride(1), v.stride(2),
