@@ -2,8 +2,8 @@
 interpreter must be chosen before triton is imported, so ``tests/test_kernels_triton.py`` runs this
 file in a subprocess with ``TRITON_INTERPRET=1``; other test modules never see that variable.
 
-bfloat16 is not exercised here because the interpreter's ``tl.dot`` mishandles it; the GPU script
-(scripts/gpu_check_and_bench.py) checks it on the device.
+bfloat16 is not exercised here because the interpreter's ``tl.dot`` mishandles it; the ``gpu`` tests
+(tests/test_gpu_kernels.py) check it on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ pytest.importorskip("triton")
 
 from kvsieve.kernels import dense as triton_dense  # noqa: E402
 from kvsieve.kernels import triton_utils  # noqa: E402
-from kvsieve.kernels.santa import kernels as triton_santa  # noqa: E402
+from kvsieve.kernels.santa import decode  # noqa: E402
+from kvsieve.kernels.santa.fused import santa_flash_fused  # noqa: E402
+from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap  # noqa: E402
+from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -79,7 +82,6 @@ def test_kernels_match_references(case):
     scale = d ** -0.5
     t = -(-n // tile)
     tile_u = triton_utils.tile_uniforms(seed, b, hq, t)
-    small = {"block_n": 16, "sample_n": 16}
 
     out = _poisoned(b, hq, d, dtype)
     triton_dense.dense_decode_triton(q, k, v, lens32, scale, block_n=16, out=out)
@@ -88,14 +90,14 @@ def test_kernels_match_references(case):
     assert _rel(triton_dense.dense_decode_reference(q, k, v, lens32, scale), exact_attention(inputs)) < 1e-12
 
     ref = santa_flash_reference(inputs.scores(torch.float64), inputs.v, s, tile, tile_offsets=tile_u)
-    # v8 (stats + compacted sampling, merge folded; one or several gather steps per tile), the fused
-    # kernel, the v7 split passes with the merge kernel and v10 (stats in unit order, then the sampling
-    # kernel; without programmatic dependent launch here, so its waits find their units ready)
-    for opts in ({}, {"r_max": 16}, {"fused": True}, {"fold_merge": False}, {"overlap": True}):
+    # every form of the default path: v8 (stats + compacted sampling, merge folded; one or several gather
+    # steps per tile), the fused kernel, v10 (stats in unit order, then the sampling kernel; without
+    # programmatic dependent launch here, so its waits find their units ready)
+    two_pass = {"block_n": 16, "stats_programs": 2}
+    for run, opts in ((santa_flash_two_pass, two_pass), (santa_flash_two_pass, {**two_pass, "r_max": 16}),
+                      (santa_flash_fused, {"block_n": 16}), (santa_flash_overlap, two_pass)):
         out = _poisoned(b, hq, d, dtype)
-        _, counts = triton_santa.santa_flash_triton(q, k, v, lens32, scale, s, tile, seed, write_counts=True,
-                                                    fused=opts.pop("fused", False), stats_programs=2, out=out,
-                                                    **small, **opts)
+        _, counts = run(q, k, v, lens32, scale, s, tile, seed, write_counts=True, out=out, **opts)
         assert torch.isfinite(out).all()
         assert torch.equal(counts.long(), ref.counts)
         assert _rel(out, ref.out) < TOL[dtype]
@@ -104,15 +106,12 @@ def test_kernels_match_references(case):
     for rounding in ("largest-remainder", "systematic"):
         ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
                                    budget_offset=triton_utils.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
-        # v8 with the budget kernel (sort or rank) or inline budgets, one or several gather steps; v7 with
-        # the merge folded into its sampling pass or in its own kernel
-        for opts in ({}, {"inline_budgets": False, "r_max": 16}, {"inline_budgets": True},
-                     {"inline_budgets": False, "rank_budgets": True},
-                     {"compact": False}, {"compact": False, "fold_merge": False}, {"overlap": True}):
+        # v8 (one or several gather steps) and v10
+        for run, opts in ((santa_prop_two_pass, two_pass), (santa_prop_two_pass, {**two_pass, "r_max": 16}),
+                          (santa_prop_overlap, two_pass)):
             out = _poisoned(b, hq, d, dtype)
-            _, counts, budgets = triton_santa.santa_prop_triton(
-                q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True, stats_programs=2,
-                out=out, **small, **opts)
+            _, counts, budgets = run(q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True,
+                                     out=out, **opts)
             assert torch.isfinite(out).all()
             assert (budgets.sum(-1) == s).all()
             assert torch.equal(budgets.long(), ref.tile_budgets)
@@ -132,29 +131,6 @@ def _assert_fold_workspace_clean(q):
     assert (mstar == float("-inf")).all()
 
 
-@pytest.mark.parametrize("rounding", ["largest-remainder", "systematic"])
-def test_prop_inline_budgets_over_several_chunks(rounding, monkeypatch):
-    """The inline budget math walks the tiles in chunks (16 here, 40 tiles, ragged rows), and the rank
-    budget kernel gives each program 8 tiles: same budgets and counts as the references, so every
-    program agreed on z and rem."""
-    monkeypatch.setattr(triton_santa, "BUDGET_CHUNK_TILES", 16)
-    b, hq, hkv, n, d, s, tile = 2, 4, 2, 640, 64, 48, 16
-    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [640, 390], torch.float32, 31, peaked=3.0)
-    seed = 8
-    ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
-                               budget_offset=triton_utils.budget_uniforms(seed, b, hq),
-                               tile_offsets=triton_utils.tile_uniforms(seed, b, hq, n // tile))
-    for opts in ({"inline_budgets": True}, {"inline_budgets": False, "rank_budgets": True}):
-        out = _poisoned(b, hq, d, torch.float32)
-        _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed,
-                                                            rounding=rounding, write_counts=True, block_n=16,
-                                                            out=out, **opts)
-        assert (budgets.sum(-1) == s).all()
-        assert torch.equal(budgets.long(), ref.tile_budgets)
-        assert torch.equal(counts.long(), ref.counts)
-        assert _rel(out, ref.out) < TOL[torch.float32]
-
-
 # the path that schedules its work itself: v10's stats programs (1 to as many as tiles, 30 here; 7 and 13
 # leave the last round partial)
 OVERLAP_VARIANTS = [{"stats_programs": p} for p in (1, 7, 13, 30)]
@@ -165,8 +141,6 @@ def test_scheduled_paths_match_references(flash):
     """v10 (stats in unit order, the sampling kernel waiting per unit and claiming each head's budgets
     once) gives the references' budgets and counts for every work order, on ragged rows with peaked
     attention (units whose tiles get no samples), twice in a row (its sync words must be back at zero)."""
-    from kvsieve.kernels.santa.overlap import santa_overlap_triton
-
     rounding, variants = "systematic", OVERLAP_VARIANTS
     b, hq, hkv, n, d, s, tile = 3, 6, 2, 160, 64, 24, 32  # 5 tiles of 2 sub-blocks per (row, KV head)
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [160, 9, 100], torch.float32, 41, peaked=4.0)
@@ -181,9 +155,12 @@ def test_scheduled_paths_match_references(flash):
     for opts in variants:
         for _ in range(2):
             out = _poisoned(b, hq, d, torch.float32)
-            _, counts, budgets = santa_overlap_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, flash=flash,
-                                                      rounding=rounding, write_counts=True, block_n=16, out=out,
-                                                      **opts)
+            common = {"write_counts": True, "block_n": 16, "out": out, **opts}
+            if flash:
+                (_, counts), budgets = santa_flash_overlap(q, k, v, lens32, d ** -0.5, s, tile, seed, **common), None
+            else:
+                _, counts, budgets = santa_prop_overlap(q, k, v, lens32, d ** -0.5, s, tile, seed, rounding=rounding,
+                                                        **common)
             assert torch.equal(counts.long(), ref.counts), opts
             if not flash:
                 assert torch.equal(budgets.long(), ref.tile_budgets), opts
@@ -192,33 +169,37 @@ def test_scheduled_paths_match_references(flash):
 
 
 @pytest.mark.parametrize("flash", [False, True], ids=["prop", "flash"])
-def test_overlap_default_only_where_no_path_was_chosen(flash, monkeypatch):
-    """With programmatic dependent launch (faked here) v10 is the default from a tile count on, but never
-    replaces a path the caller asked for (fused/fold_merge for flash; compact/fold_merge/inline/rank budgets
-    for prop); below the count, or without PDL, the v8 paths run."""
-    from kvsieve.kernels.santa import overlap as triton_santa_overlap
-
+def test_default_path_by_size(flash, monkeypatch):
+    """v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch is on
+    (faked here; the path itself then runs without it); below the count, or without it, v8, and for
+    flash the fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. The entry point runs the path named."""
+    kind = "flash" if flash else "prop"
+    functions = {"overlap": f"santa_{kind}_overlap", "two-pass": f"santa_{kind}_two_pass"}
+    if flash:
+        functions["fused"] = "santa_flash_fused"
     calls = []
-    real = triton_santa_overlap.santa_overlap_triton
+    for path, name in functions.items():
+        real = getattr(decode, name)
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("flash"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(triton_santa_overlap, "santa_overlap_triton", spy)
-    monkeypatch.setattr(triton_santa, "FLASH_OVERLAP_MIN_TILES", 8)  # tiles in all: rows × KV heads × tiles
-    monkeypatch.setattr(triton_santa, "PROP_OVERLAP_MIN_TILES", 8)
+        def spy(*args, _real=real, _path=path, **kwargs):
+            calls.append(_path)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(decode, name, spy)
+    monkeypatch.setattr(decode, "FLASH_OVERLAP_MIN_TILES", 8)
+    monkeypatch.setattr(decode, "PROP_OVERLAP_MIN_TILES", 8)
+    monkeypatch.setattr(decode, "FLASH_FUSED_MAX_TILES", 2)
     hq, hkv, d, tile = 4, 2, 64, 16
-    run = triton_santa.santa_flash_triton if flash else triton_santa.santa_prop_triton
-    explicit = ([{"fused": True}, {"fused": False}, {"fold_merge": False}] if flash else
-                [{"compact": False}, {"fold_merge": False}, {"inline_budgets": True}, {"rank_budgets": True}])
-    for b, n, pdl, opts, expect_v10 in ([(1, 64, True, {}, True), (1, 48, True, {}, False), (2, 48, True, {}, True),
-                                         (1, 64, False, {}, False)] + [(1, 64, True, o, False) for o in explicit]):
-        monkeypatch.setattr(triton_santa, "_can_overlap", lambda pdl=pdl: pdl)
+    small = "fused" if flash else "two-pass"
+    # (rows, keys, PDL, path): 2 KV heads × 4 tiles = 8 tiles in all; 6 below the count; batch 2 above it again
+    for b, n, pdl, expected in ((1, 64, True, "overlap"), (1, 48, True, "two-pass"), (2, 48, True, "overlap"),
+                                (1, 64, False, "two-pass"), (1, 32, False, small), (1, 32, True, small)):
+        monkeypatch.setattr(decode, "pdl_available", lambda pdl=pdl: pdl)
         q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n] * b, torch.float32, 3)
         calls.clear()
-        run(q, k, v, lens32, d ** -0.5, 8, tile, 1, out=_poisoned(b, hq, d, torch.float32), **opts)
-        assert bool(calls) == expect_v10, (b, n, pdl, opts)
+        run = decode.santa_flash_triton if flash else decode.santa_prop_triton
+        run(q, k, v, lens32, d ** -0.5, 8, tile, 1, out=_poisoned(b, hq, d, torch.float32))
+        assert calls == [expected], (b, n, pdl, calls)
+        assert (decode.flash_path if flash else decode.prop_path)(k, tile) == expected
 
 
 def test_workspace_is_reused_and_grows():
@@ -237,8 +218,7 @@ def test_prop_skips_tiles_without_budget():
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float32, 5, peaked=6.0)
     seed = 77
     t = n // tile
-    _, counts, budgets = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, write_counts=True,
-                                                        block_n=16, sample_n=16)
+    _, counts, budgets = decode.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, write_counts=True)
     assert (budgets == 0).any()
     ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
                                budget_offset=triton_utils.budget_uniforms(seed, b, hq),
@@ -253,8 +233,7 @@ def test_large_tile_budget_splits_counts_exactly():
     """A tile budget above 256 (16-bit dots hold integers only to 256 in bf16) still sums exactly."""
     b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 600, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 9, peaked=4.0)
-    out, counts = triton_santa.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True,
-                                                  block_n=16, sample_n=16)
+    out, counts = decode.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True)
     assert (counts.sum(-1) == (s // 3) * 3).all()
     scores64 = inputs.scores(torch.float64)
     ref = santa_flash_reference(scores64, inputs.v, s, tile, tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3))
@@ -263,18 +242,16 @@ def test_large_tile_budget_splits_counts_exactly():
 
 
 def test_prop_split_counts_above_2048():
-    """Per-key counts above 2048 (fp16 dots split them into bytes; int64 running sums), on every prop path."""
+    """Per-key counts above 2048 (fp16 dots split them into bytes; int64 running sums)."""
     b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 20000, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 11, peaked=6.0)
     ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
                                budget_offset=triton_utils.budget_uniforms(4, b, hq),
                                tile_offsets=triton_utils.tile_uniforms(4, b, hq, 3))
     assert ref.counts.max() > 2048
-    for opts in ({}, {"compact": False}, {"compact": False, "fold_merge": False}, {"inline_budgets": True}):
-        out, counts, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True,
-                                                        block_n=16, sample_n=16, **opts)
-        assert torch.equal(counts.long(), ref.counts)
-        assert _rel(out, ref.out) < TOL[torch.float16]
+    out, counts, _ = decode.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True)
+    assert torch.equal(counts.long(), ref.counts)
+    assert _rel(out, ref.out) < TOL[torch.float16]
 
 
 def test_uniforms_are_exact_binary_fractions_and_differ_by_counter():
@@ -296,10 +273,9 @@ def test_kernel_mean_over_seeds_is_exact_attention(kernel):
     outs = []
     for seed in range(seeds):
         if kernel == "flash":
-            out, _ = triton_santa.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, block_n=16, sample_n=16)
+            out, _ = decode.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, seed)
         else:
-            out, _, _ = triton_santa.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed,
-                                                       rounding="systematic", block_n=16, sample_n=16)
+            out, _, _ = decode.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, rounding="systematic")
         outs.append(out.double())
     outs = torch.stack(outs)
     z = (outs.mean(0) - exact) / (outs.std(0) / math.sqrt(seeds))

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .triton_utils import group_block, launch, merge_partials_raw, next_pow2, triton, workspace
+from .triton_utils import dot_precision, group_block, launch, merge_partials, triton, workspace
 
 if triton is not None:
     import triton.language as tl
@@ -70,13 +70,12 @@ if triton is not None:
                      acc, mask=g_ok[:, None])
 
 
-def dense_split_plan(batch: int, kv_heads: int, n_keys: int, *, block_n: int = 64,
-                     target_programs: int = 264, chunk: int | None = None) -> tuple[int, int]:
+def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, target_programs: int = 264
+                     ) -> tuple[int, int]:
     """(keys per split, number of splits): enough programs to fill the GPU, whole blocks each."""
-    if chunk is None:
-        want_splits = max(1, -(-target_programs // (batch * kv_heads)))
-        chunk = -(-n_keys // want_splits)
-        chunk = max(block_n, -(-chunk // block_n) * block_n)
+    want_splits = max(1, -(-target_programs // (batch * kv_heads)))
+    chunk = -(-n_keys // want_splits)
+    chunk = max(block_n, -(-chunk // block_n) * block_n)
     return chunk, -(-n_keys // chunk)
 
 
@@ -86,23 +85,20 @@ def launch_config(n_keys: int) -> tuple[int, int, int]:
     return (64, 4, 3) if n_keys < 65536 else (128, 8, 2)
 
 
-def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int | None = None, chunk: int | None = None,
-                        num_warps: int | None = None, num_stages: int | None = None, target_programs: int = 264,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None = None,
+                        block_n: int | None = None) -> torch.Tensor:
     """Exact decode attention. q ``[B, Hq, d]``; k, v ``[B, Hkv, N, d]`` (last dim contiguous);
-    ``lens [B]`` int32 valid prefix lengths (1 ≤ len ≤ N). Returns ``[B, Hq, d]`` in q's dtype."""
+    ``lens [B]`` int32 valid prefix lengths (1 ≤ len ≤ N). Returns ``[B, Hq, d]`` in q's dtype.
+    ``block_n`` (keys per step of a program's loop; default by length) changes only the sum order."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    default_block, default_warps, default_stages = launch_config(n)
+    default_block, num_warps, num_stages = launch_config(n)
     block_n = block_n or default_block
-    num_warps = num_warps or default_warps
-    num_stages = num_stages or default_stages
     g = hq // hkv
-    chunk, splits = dense_split_plan(b, hkv, n, block_n=block_n, target_programs=target_programs, chunk=chunk)
+    chunk, splits = dense_split_plan(b, hkv, n, block_n)
     acc = workspace("acc", q, b * hq * splits * d, torch.float32)
     m = workspace("pm", q, b * hq * splits, torch.float32)
     l = workspace("pl", q, b * hq * splits, torch.float32)
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch(_dense_split_kernel, (splits, hkv, b),
            q, k, v, lens, acc, m, l,
            scale * _LOG2E,
@@ -112,12 +108,12 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, block_n: int | None = No
            hq * splits * d, splits * d, d,
            hq * splits, splits,
            chunk,
-           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=precision,
+           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
            num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
-    return merge_partials_raw(acc, m, l, lens, out, b, hq, splits, d, chunk, (hq * splits * d, splits * d, d),
-                              (hq * splits, splits))
+    return merge_partials(acc, m, l, lens, out, b, hq, splits, d, chunk, (hq * splits * d, splits * d, d),
+                          (hq * splits, splits))
 
 
 _LOG2E = math.log2(math.e)
@@ -135,4 +131,4 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return torch.matmul(torch.softmax(s, dim=-1), v.double()).view(b, hq, -1)
 
 
-__all__ = ["dense_decode_reference", "dense_decode_triton", "dense_split_plan", "next_pow2"]
+__all__ = ["dense_decode_reference", "dense_decode_triton"]

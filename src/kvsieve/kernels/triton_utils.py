@@ -26,8 +26,6 @@ past a row's length are never read; parts with ``l = 0`` are skipped without mem
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 try:  # triton is an optional dependency at run time (CPU-only installs run the references)
@@ -45,7 +43,6 @@ _MASK32 = 0xFFFFFFFF
 _MIX1 = 0x7FEB352D
 _MIX2 = 0x846CA68B
 _GOLDEN = 0x9E3779B9
-FIX_BITS = 24  # fixed-point resolution of the systematic-sampling running sums
 
 STREAM_TILE = 1
 STREAM_BUDGET = 2
@@ -60,7 +57,13 @@ def is_interpreted(kernel) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel) -> str | None:
+def kernels_interpreted() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they then run on CPU tensors only):
+    every kernel module imports this one first, so its own jit function tells."""
+    return triton is not None and is_interpreted(hash_uniform)
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Triton kernels cannot serve these tensors (None when they can)."""
     if triton is None:
         return "triton is not installed"
@@ -70,11 +73,11 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel
     if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
         return f"head dim {d} / value dim {v.shape[-1]} (the Triton kernels take equal q/k/v head dims of 64 or 128)"
     if q.device.type == "cuda":
-        if is_interpreted(kernel):
+        if kernels_interpreted():
             return "TRITON_INTERPRET=1 was set when the kernels were imported, and they cannot run on CUDA tensors"
         return None
     if q.device.type == "cpu":
-        if is_interpreted(kernel):
+        if kernels_interpreted():
             return None
         return ("CPU tensors: the Triton kernels run on CPU only through the interpreter "
                 "(set TRITON_INTERPRET=1 before kvsieve's Triton kernels are imported)")
@@ -83,6 +86,11 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: exact for float32 inputs, tensor cores (inputs are 16-bit) otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def group_block(group: int) -> int:
@@ -183,9 +191,10 @@ if triton is not None:
         tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def merge_partials_raw(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_keys: int,
+def merge_partials(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_keys: int,
                        s_acc: tuple[int, int, int], s_ml: tuple[int, int]) -> torch.Tensor:
-    """``merge_partials`` on flat buffers with explicit strides (no tensor views on the host path)."""
+    """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` in flat buffers with explicit
+    strides (see the module doc; no tensor views on the host path)."""
     block_p = max(16, next_pow2(p))
     chunk_p = min(64, block_p)
     d_chunk = 16
@@ -195,13 +204,6 @@ def merge_partials_raw(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, pa
            out.stride(0), out.stride(1),
            D_CHUNK=d_chunk, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4, num_stages=3)
     return out
-
-
-def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.Tensor:
-    """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` (see module doc)."""
-    b, hq, p, d = acc.shape
-    return merge_partials_raw(acc, m, l, lens, out, b, hq, p, d, part_keys,
-                              (acc.stride(0), acc.stride(1), acc.stride(2)), (m.stride(0), m.stride(1)))
 
 
 # --- host path: direct launches of compiled kernels, cached workspaces ------------------------------
@@ -214,7 +216,6 @@ def merge_partials(acc, m, l, lens, part_keys: int, out: torch.Tensor) -> torch.
 # that Triton itself would have served with the same binary.
 
 _COMPILED: dict = {}
-FAST_HOST_PATH = True  # False: plain ``kernel[grid]`` launches and fresh buffers (to measure the difference)
 _INT32 = 1 << 31
 
 
@@ -242,7 +243,7 @@ def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)`` through the cache of compiled kernels. ``args`` are the kernel's
     runtime parameters in order, ``meta`` its constexprs (after them in the signature) plus
     num_warps/num_stages. Under the interpreter it is the plain launch."""
-    if not FAST_HOST_PATH or _interpreted_kernel(kernel):
+    if is_interpreted(kernel):
         kernel[grid](*args, **meta)
         return
     device = torch.cuda.current_device()
@@ -260,10 +261,6 @@ def launch(kernel, grid, *args, **meta):
     compiled[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *constexprs)
 
 
-def _interpreted_kernel(kernel) -> bool:
-    return is_interpreted(kernel)
-
-
 _WORKSPACE: dict = {}
 
 
@@ -275,10 +272,6 @@ def workspace(tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype, *, z
     device: calls on different streams of one device must not overlap in time."""
     if fill is None and zeroed:
         fill = 0
-    if not FAST_HOST_PATH:
-        if fill is None:
-            return torch.empty(numel, device=like.device, dtype=dtype)
-        return torch.full((numel,), fill, device=like.device, dtype=dtype)
     key = (tag, like.get_device(), dtype)
     buf = _WORKSPACE.get(key)
     if buf is None or buf.numel() < numel:
@@ -289,7 +282,3 @@ def workspace(tag: str, like: torch.Tensor, numel: int, dtype: torch.dtype, *, z
             buf = torch.full((size,), fill, device=like.device, dtype=dtype)
         _WORKSPACE[key] = buf
     return buf
-
-
-def interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -5,7 +5,7 @@ by mass (largest remainder by default, as the paper; ``rounding=systematic`` is 
 option). ``santa-flash`` gives each tile the same budget ``max(1, S // T)`` and merges tiles with
 deferred normalisation; it is unbiased but spends samples on tiles of little mass.
 
-``backend``: "auto" (default) runs the Triton kernels (``kernels/santa/kernels.py``) on CUDA tensors
+``backend``: "auto" (default) runs the Triton kernels (``kernels/santa/decode.py``) on CUDA tensors
 they can serve and the float64 reference otherwise; "triton" insists (a ValueError says why it
 cannot; CPU tensors only under ``TRITON_INTERPRET=1``); "reference" always runs the reference.
 ``stats.backend`` names the path that ran. The kernels draw their uniforms from a counter-based hash
@@ -109,7 +109,7 @@ class SantaProp(_SantaTiled):
                                     budget_offset=budget_offset, tile_offsets=tile_offsets)
 
     def run_triton(self, inputs, tile, seed):
-        from ..kernels.santa.kernels import santa_prop_triton
+        from ..kernels.santa.decode import santa_prop_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts, budgets = santa_prop_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
@@ -129,7 +129,7 @@ class SantaFlash(_SantaTiled):
                                      tile_offsets=tile_offsets)
 
     def run_triton(self, inputs, tile, seed):
-        from ..kernels.santa.kernels import santa_flash_triton
+        from ..kernels.santa.decode import santa_flash_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts = santa_flash_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,

@@ -16,20 +16,14 @@ from ...core.inputs import DecodeInputs
 BACKENDS = ("auto", "reference", "triton")
 
 
-def _kernel_module():
-    from ...kernels.santa import kernels  # imported lazily: decorating kernels reads TRITON_INTERPRET
-
-    return kernels
-
-
 def triton_unsupported(inputs: DecodeInputs, *, tile: int | None = None, budget: int | None = None) -> str | None:
     """Why the Triton kernels cannot serve this call, or None."""
+    # imported lazily: decorating the kernels reads TRITON_INTERPRET
     from ...kernels.triton_utils import MAX_BUDGET, triton_available, unsupported_reason
 
     if not triton_available():
         return "triton is not installed"
-    mod = _kernel_module()
-    reason = unsupported_reason(inputs.q, inputs.k, inputs.v, mod._flash_tile_kernel)
+    reason = unsupported_reason(inputs.q, inputs.k, inputs.v)
     if reason is not None:
         return reason
     if inputs.lengths is None:

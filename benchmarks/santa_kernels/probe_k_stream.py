@@ -1,9 +1,8 @@
 """How fast can a Triton kernel stream K on this GPU? Probes for the stats pass of the santa kernels.
 
-The ordered stats pass (``triton_santa_overlap``) reads all of K at about 2.5 TB/s under the protocol, while
+The ordered stats pass (``kernels/santa/overlap.py``) reads all of K at about 2.5 TB/s under the protocol, while
 our dense kernel reads K and V at about 2.75. These probes time, in the same run (graph µs, cold L2):
 
-- ``stats``: the ordered stats pass as shipped (stash and tile counters), and without both;
 - ``read-ptr`` / ``read-tma``: the same unit-ordered persistent loop over K that only sums each block (no dot,
   no stores), with pointer loads (cp.async) or with TMA tensor-descriptor loads;
 - ``stats-tma``: the stats loop (dot, per-tile max and sum, optional stash) with TMA loads of K;
@@ -14,8 +13,10 @@ cost of a call under the protocol), the fastest K read of the grid (TMA, no stor
 float32 stash (K read once plus the stash written, which S²ANTA's two-pass form needs), the santa defaults and
 FlashInfer, all in one run, and writes the ratios FlashInfer / each.
 
-Run on the GPU machine: ``python scripts/probe_k_stream.py --contexts 32k,128k``; ``--check`` compares the
-TMA stats with the shipped pass on a small case first (also under ``TRITON_INTERPRET=1``).
+Run on the GPU machine: ``python benchmarks/santa_kernels/probe_k_stream.py --contexts 32k,128k``; ``--check``
+compares the TMA stats with the reference's tile statistics on a small case first (also under
+``TRITON_INTERPRET=1``). The grid's rows of the shipped stats pass with and without its stash and tile counters
+(``2026-11-22-h100-k-stream-probe.json``) came from switches the kernels no longer have.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from kvsieve.cli.bench import parse_sizes  # noqa: E402
-from kvsieve.kernels.santa.kernels import _tiles  # noqa: E402
-from kvsieve.kernels.santa.overlap import ordered_stats_only, reset_sync  # noqa: E402
+from kvsieve.kernels.santa.reference import n_tiles, tile_statistics  # noqa: E402
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _k_desc(k, block_n):
 
 def read_call(k, tile=256, block_n=128, programs=528, num_warps=4, num_stages=2, tma=False):
     b, hkv, n, d = k.shape
-    t = _tiles(n, tile)
+    t = n_tiles(n, tile)
     units = b * hkv
     out = torch.empty(programs, device=k.device)
     desc = _k_desc(k, block_n)
@@ -127,7 +127,7 @@ def read_call(k, tile=256, block_n=128, programs=528, num_warps=4, num_stages=2,
 def stats_tma_call(q, k, tile=256, block_n=128, programs=528, num_warps=4, num_stages=2, stash=True):
     b, hq, d = q.shape
     _, hkv, n, _ = k.shape
-    t = _tiles(n, tile)
+    t = n_tiles(n, tile)
     units = b * hkv
     m = torch.empty(b * hq * t, device=q.device)
     l = torch.empty_like(m)
@@ -145,25 +145,21 @@ def stats_tma_call(q, k, tile=256, block_n=128, programs=528, num_warps=4, num_s
 
 
 def check(device: str) -> bool:
-    """TMA stats against the shipped ordered stats pass (same m, l, stash) on a small case."""
+    """TMA stats against the reference's tile statistics (m, l, and the stash = the scores) on a small case."""
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(2, 8, 64, device=device, generator=g).to(torch.bfloat16)
     k = torch.randn(2, 2, 512, 64, device=device, generator=g).to(torch.bfloat16)
-    lens = torch.full((2,), 512, device=device, dtype=torch.int32)
     m, l, st = stats_tma_call(q, k, tile=64, block_n=32, programs=5)()
-    from kvsieve.kernels.santa.kernels import _stats_buffers
-
-    ordered_stats_only(q, k, lens, 64 ** -0.5, 64, stats_programs=5, block_n=32)
-    reset_sync(q)
-    m0, l0, st0 = _stats_buffers(q, 2, 8, 8, 64)
-    ok = (torch.allclose(m, m0[:m.numel()], atol=1e-3) and torch.allclose(l, l0[:l.numel()], rtol=1e-3)
-          and torch.allclose(st, st0[:st.numel()], atol=1e-3))
-    print(f"CHECK tma stats vs ordered stats: ok {ok}")
+    scores = torch.einsum("bkgd,bknd->bkgn", q.double().view(2, 2, 4, 64), k.double()).reshape(2, 8, 512) * 64 ** -0.5
+    m0, _, l0 = tile_statistics(scores, 64)
+    ok = (torch.allclose(m.double(), m0.flatten(), atol=1e-3) and torch.allclose(l.double(), l0.flatten(), rtol=1e-3)
+          and torch.allclose(st.double(), scores.flatten(), atol=1e-3))
+    print(f"CHECK tma stats vs reference tile statistics: ok {ok}")
     return ok
 
 
 def _ceiling_calls(flashinfer, q, k, v, lens) -> dict:
-    from kvsieve.kernels.santa.kernels import santa_flash_triton, santa_prop_triton
+    from kvsieve.kernels.santa.decode import santa_flash_triton, santa_prop_triton
 
     kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
     q0 = q[0]
@@ -180,10 +176,7 @@ def _ceiling_calls(flashinfer, q, k, v, lens) -> dict:
 def _grid_calls(q, k, v, lens) -> dict:
     from kvsieve.kernels.dense import dense_decode_triton
 
-    calls = {"stats": lambda: ordered_stats_only(q, k, lens, 128 ** -0.5, 256),
-             "stats-nostash-norelease": lambda: ordered_stats_only(q, k, lens, 128 ** -0.5, 256, stash=False,
-                                                                   release=False),
-             "dense": lambda: dense_decode_triton(q, k, v, lens, 128 ** -0.5)}
+    calls = {"dense": lambda: dense_decode_triton(q, k, v, lens, 128 ** -0.5)}
     for tma in (False, True):
         for w, bn, st, p in ((4, 128, 2, 528), (4, 128, 3, 528), (8, 128, 2, 264), (4, 64, 4, 528),
                              (8, 256, 2, 264), (4, 128, 2, 264)):
@@ -249,7 +242,7 @@ def write_ceiling_report(report: dict, stem: Path) -> None:
              "FlashInfer's time over each (the speedup it would have). `K read`: the faster of the TMA read probes "
              "(264 or 528 programs, no stores); `K stats + stash`: scores, per-tile max and sum and the float32 stash "
              "(TMA loads, 528 programs), what S²ANTA's first pass must do. Command: "
-             "`python scripts/probe_k_stream.py --ceiling --contexts 8k,16k,32k,64k,128k,256k`.", "",
+             "`python benchmarks/santa_kernels/probe_k_stream.py --ceiling --contexts 8k,16k,32k,64k,128k,256k`.", "",
              f"| n | {head} |", "|---:|" + "---:|" * len(CEILING_COLUMNS)]
     for row in report["rows"]:
         us = dict(row["us"])
@@ -316,8 +309,6 @@ def main() -> int:
                 r = timer.time_graph_us(fn, warmup=3, iters=20)
             except Exception as exc:  # noqa: BLE001 - a probe that fails is recorded, not fatal
                 r = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-            finally:
-                reset_sync(q)
             us = r.get("median_us")
             bytes_read = kv_bytes * (2 if name == "dense" else 1)
             row = {"n": n, "variant": name, **r, "k_tb_s": round(bytes_read / us / 1e6, 3) if us else None}

@@ -8,13 +8,12 @@ to 1 as constants and 16-byte divisibility where Triton would specialise on it),
 what the GPU would build. Use the GPU machine's Triton version (3.6 on the H100), e.g.
 
     python3.11 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch==2.13.0 numpy
-    PYTHONPATH=src /tmp/t36/bin/python scripts/compile_for_gpu.py --n 32768 --paths prop,flash,prop-v10
+    PYTHONPATH=src /tmp/t36/bin/python benchmarks/santa_kernels/compile_for_gpu.py --n 32768 --paths prop,flash
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -23,18 +22,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvsieve.kernels import (  # noqa: E402
-    triton_common,
-    triton_dense,
-    triton_santa,
-    triton_santa_overlap,
-)
+from kvsieve.kernels import dense, triton_utils  # noqa: E402
+from kvsieve.kernels.santa import fused, overlap, two_pass  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64"}
@@ -91,13 +86,11 @@ def compile_launch(kernel, grid, *args, capability: int, ptx_dir: str | None = N
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=32768, help="keys (Llama-3.1-8B heads 32/8/128, bf16, batch 1)")
-    ap.add_argument("--paths", default="dense,prop,flash,prop-v10,flash-v10")
+    ap.add_argument("--paths", default="dense,prop,flash,flash-fused,prop-v10,flash-v10")
     ap.add_argument("--prop-budget", type=int, default=128)
     ap.add_argument("--flash-budget", type=int, default=2048)
     ap.add_argument("--capability", type=int, default=90, help="compute capability, e.g. 90 for H100")
     ap.add_argument("--ptx", default=None, help="also write each kernel's PTX into this folder")
-    ap.add_argument("--v10-options", default="{}",
-                    help='keyword arguments of santa_overlap_triton (JSON) for prop-v10/flash-v10')
     args = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         ap.error("unset TRITON_INTERPRET: the kernels must be compiled, not interpreted")
@@ -105,9 +98,10 @@ def main() -> int:
     def fake_launch(kernel, grid, *a, **meta):
         compile_launch(kernel, grid, *a, capability=args.capability, ptx_dir=args.ptx, **meta)
 
-    for module in (triton_common, triton_dense, triton_santa, triton_santa_overlap):
+    for module in (triton_utils, dense, fused, overlap, two_pass):
         module.launch = fake_launch
-    triton_santa._hopper_or_newer = lambda device: args.capability >= 90
+    for module in (overlap, two_pass):  # programmatic dependent launch as the target would have it
+        module.pdl_available = lambda: args.capability >= 90
     torch.cuda.current_device = lambda: 0
     q = torch.randn(1, 32, 128).to(torch.bfloat16)
     k = torch.randn(1, 8, args.n, 128).to(torch.bfloat16)
@@ -117,17 +111,15 @@ def main() -> int:
     pb, fb = args.prop_budget, args.flash_budget
     for path in args.paths.split(","):
         print(f"# {path}")
-        if path == "dense":
-            triton_dense.dense_decode_triton(q, k, v, lens, scale)
-        elif path in ("prop-v10", "flash-v10"):
-            triton_santa_overlap.santa_overlap_triton(q, k, v, lens, scale, fb if path == "flash-v10" else pb, 256,
-                                                      1, flash=path == "flash-v10", **json.loads(args.v10_options))
-        elif path == "prop":
-            triton_santa.santa_prop_triton(q, k, v, lens, scale, pb, 256, 1)
-        elif path == "flash":
-            triton_santa.santa_flash_triton(q, k, v, lens, scale, fb, 256, 1)
-        else:
-            ap.error(f"--paths: unknown path {path!r} (dense, prop, flash, prop-v10, flash-v10)")
+        calls = {"dense": lambda: dense.dense_decode_triton(q, k, v, lens, scale),
+                 "prop": lambda: two_pass.santa_prop_two_pass(q, k, v, lens, scale, pb, 256, 1),
+                 "flash": lambda: two_pass.santa_flash_two_pass(q, k, v, lens, scale, fb, 256, 1),
+                 "flash-fused": lambda: fused.santa_flash_fused(q, k, v, lens, scale, fb, 256, 1),
+                 "prop-v10": lambda: overlap.santa_prop_overlap(q, k, v, lens, scale, pb, 256, 1),
+                 "flash-v10": lambda: overlap.santa_flash_overlap(q, k, v, lens, scale, fb, 256, 1)}
+        if path not in calls:
+            ap.error(f"--paths: unknown path {path!r} ({', '.join(calls)})")
+        calls[path]()
     return 0
 
 

@@ -1,7 +1,7 @@
 """Capture the default model's decode-step q/k/v (SmolLM2-135M, last token of a 2047-token essay
-prompt, layers 1, 5, 10, 15, 20, 25, 29; bf16) for scripts/gpu_check_and_bench.py --model-attention.
+prompt, layers 1, 5, 10, 15, 20, 25, 29; bf16) for benchmarks/santa_kernels/model_attention_errors.py.
 
-    python scripts/capture_model_attention.py   # writes .device_data/smollm_attention.pt (git-ignored)
+    python benchmarks/santa_kernels/capture_model_attention.py   # writes .device_data/smollm_attention.pt (git-ignored)
 """
 import time
 

@@ -1,0 +1,359 @@
+"""What the S²ANTA Triton kernels share: the scoring and sampling steps, the tile budgets, the buffers.
+
+The three forms of the default path (``decode.py`` picks one per call) are built from these pieces:
+``two_pass.py`` (v8: stats pass, budgets, compacted sampling pass), ``fused.py`` (santa-flash at few
+tiles: one kernel scores and samples each tile) and ``overlap.py`` (v10: the v8 passes with the sampling
+overlapping the K stream). Counts are exact fixed-point prefix sums (``fixed_point``), so every form
+draws the same counts for the same seed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..triton_utils import STREAM_BUDGET, STREAM_TILE, is_interpreted, next_pow2, triton, workspace
+
+gdc_launch_dependents = gdc_wait = None  # programmatic dependent launch, where Triton and the GPU have it
+if triton is not None:
+    import triton.language as tl
+
+    from ..triton_utils import hash_uniform
+
+    # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
+    # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
+    budget_jit = triton.jit(do_not_specialize=["budget"])
+
+    try:  # programmatic dependent launch (Hopper); absent from older Triton releases
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 - used by the kernels
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
+
+    @triton.jit
+    def load_group_q(q_ptr, b, kvh, s_q_b, s_q_h, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+        """The G query rows of KV head kvh's group in batch row b, padded to BLOCK_G rows for ``tl.dot``;
+        returns (q, heads, g_ok)."""
+        offs_g = tl.arange(0, BLOCK_G)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + tl.arange(0, D)[None, :], mask=g_ok[:, None],
+                    other=0.0)
+        return q, heads, g_ok
+
+    @triton.jit
+    def score_block(q, k_base, u_base, offs_n, length, scale, s_k_n, g_ok, D: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+        """Scores of one sub-block of keys ``offs_n`` for the G heads, stashed (float32, -inf past the row's
+        length) and returned."""
+        n_ok = offs_n < length
+        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+        return s
+
+    @triton.jit
+    def fold_scores(m, l, s):
+        """The running max m and sum l of e^{s - m} with the scores s [G, n] folded in."""
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        return m_new, l * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), axis=1)
+
+    @triton.jit
+    def count_dot(c, v, SPLIT_COUNTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        """``c [BLOCK_G, n] (int) @ v [n, D]`` in float32."""
+        if SPLIT_COUNTS:
+            # 16-bit dots hold integers exactly only up to 256: counts above that (possible only
+            # for per-tile budgets over 256) are split into two bytes.
+            out = tl.dot((c & 255).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+            out += 256.0 * tl.dot((c >> 8).to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+        else:
+            out = tl.dot(c.to(tl.float32).to(v.dtype), v, input_precision=DOT_PRECISION)
+        return out
+
+    @triton.jit
+    def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, tiles_b, budget, seed_lo, seed_hi, budget_key,
+                      n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
+        """The tile budgets of the heads ``heads [R]`` (``h_ok``: real rows) of batch row b, from the tile
+        masses W_t = e^{m_t - m*} l_t (Alg. 4): largest remainder (the +1s go to the largest fractional
+        parts, ties to the lower tile: a sort of the fractions quantised to 2^-40) or systematic rounding
+        (fixed-point prefix sums with 2^-32 resolution). (m, l) are read from L2 (``.cg``): in the overlapped
+        passes (v10) the stats kernel writes them while this kernel runs."""
+        cols = tl.arange(0, BLOCK_T)
+        ok = h_ok[:, None] & (cols < tiles_b)[None, :]
+        row = (b * s_ml_b + heads * s_ml_h)[:, None] + cols[None, :]
+        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
+        m_star = tl.max(m, axis=1)
+        w = tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
+        z = tl.sum(w, axis=1)
+        share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))[:, None]
+        if SYSTEMATIC:
+            a_b = hash_uniform(seed_lo, seed_hi, budget_key, (b * hq + heads).to(tl.int64))
+            x = tl.floor(share * 4294967296.0).to(tl.int64)
+            top = budget.to(tl.int64) << 32
+            hi = tl.cumsum(x, axis=1)
+            a = (a_b * 4294967296.0).to(tl.int64)[:, None]
+            bt = ((a + tl.minimum(hi, top)) >> 32) - ((a + tl.minimum(hi - x, top)) >> 32)
+            drawn = tl.sum(bt, axis=1)
+            last = tl.max(tl.where(x > 0, cols[None, :], -1), axis=1)
+            bt = bt + tl.where(cols[None, :] == last[:, None], (budget.to(tl.int64) - drawn)[:, None], 0)
+        else:
+            base = tl.floor(share)
+            rem = budget - tl.sum(base, axis=1).to(tl.int32)
+            # Unique keys: the fraction (quantised to 2^-40) above, the lower tile winning ties below;
+            # the +1s go to the `rem` largest keys, i.e. those at or above the rem-th largest.
+            key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols[None, :]).to(tl.int64)
+            key = tl.where(ok, key, -1)
+            ranked = tl.sort(key, descending=True)
+            kth = tl.sum(tl.where(cols[None, :] == (rem - 1)[:, None], ranked, 0), axis=1)
+            bonus = (key >= kth[:, None]) & ok
+            bt = base.to(tl.int32) + tl.where((rem > 0)[:, None], bonus.to(tl.int32), 0)
+        bt = tl.where(ok & (z > 0)[:, None], bt.to(tl.int32), 0)
+        tl.store(budgets_ptr + row, bt, mask=h_ok[:, None] & (cols < n_tiles)[None, :])
+
+    @triton.jit
+    def compact_sample(v_ptr, s, counts_ptr, scr_ptr, b, kvh, t, length, m, l, budget, a0,
+                       s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
+                       G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                       TILE: tl.constexpr, R_MAX: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
+        """Systematic sampling of ``budget [GP]`` draws in one tile from its stashed scores ``s [GP, TILE]``
+        (loaded by the caller), the whole tile at once and on the G rows of the group only, then
+        ``Σ_n c_n V_n`` [BLOCK_G, D] from the sampled rows only. Same counts as ``_sample_tile``: the
+        fixed-point prefix sums are exact integers, and the rounding shortfall goes to the last key of
+        positive weight.
+
+        The rows that some head of the group sampled are compacted through a per-program scratch
+        ``scr`` (TILE key indices, then GP × TILE counts): each used row is stored at its rank (a prefix
+        sum of the used flags), and after a barrier R_MAX rows at a time are read back with their
+        counts on BLOCK_G (16) rows and their V rows gathered into ``tl.dot(counts, V)``. No
+        cross-thread reduction over the tile is needed for the gather (v8's first form reduced
+        [TILE, R_MAX] selections per head: 255 registers and shared-memory stalls)."""
+        FIX: tl.constexpr = 1 << FIX_BITS
+        offs_g = tl.arange(0, GP)
+        offs_k = tl.arange(0, TILE)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        offs_n = t * TILE + offs_k
+        n_ok = offs_n < length
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        if WIDE:
+            top = budget.to(tl.int64) * FIX
+            a = (a0 * FIX).to(tl.int64)
+            xi = (tl.exp(s - tl.where(g_ok, m, 0.0)[:, None]) *
+                  tl.where(l > 0, budget.to(tl.float32) / tl.where(l > 0, l, 1.0), 0.0)[:, None] * FIX + 0.5
+                  ).to(tl.int64)
+        else:
+            top = budget * FIX
+            a = (a0 * FIX).to(tl.int32)
+            xi = (tl.exp(s - tl.where(g_ok, m, 0.0)[:, None]) *
+                  tl.where(l > 0, budget.to(tl.float32) / tl.where(l > 0, l, 1.0), 0.0)[:, None] * FIX + 0.5
+                  ).to(tl.int32)
+        hi = tl.cumsum(xi, axis=1)
+        c = ((a[:, None] + tl.minimum(hi, top[:, None])) >> FIX_BITS) \
+            - ((a[:, None] + tl.minimum(hi - xi, top[:, None])) >> FIX_BITS)
+        carry = tl.sum(xi, axis=1)
+        last = tl.max(tl.where(xi > 0, offs_k[None, :], -1), axis=1)
+        drawn = ((a + tl.minimum(carry, top)) >> FIX_BITS) - (a >> FIX_BITS)
+        short = tl.where(g_ok & (last >= 0), budget - drawn.to(tl.int32), 0)
+        c = c.to(tl.int32) + tl.where(offs_k[None, :] == last[:, None], tl.maximum(short, 0)[:, None], 0)
+        if WRITE_COUNTS:
+            tl.store(counts_ptr + b * s_c_b + heads[:, None] * s_c_h + offs_n[None, :], c,
+                     mask=g_ok[:, None] & n_ok[None, :])
+        used = tl.max(c, axis=0) > 0
+        u = used.to(tl.int32)
+        pos = tl.cumsum(u, axis=0) - u
+        n_used = tl.sum(u, axis=0)
+        tl.store(scr_ptr + pos, offs_k, mask=used)
+        tl.store(scr_ptr + TILE + offs_g[:, None] * TILE + pos[None, :], c, mask=used[None, :] & g_ok[:, None])
+        tl.debug_barrier()  # the scratch written by every thread above is read back by others below
+        offs_r = tl.arange(0, BLOCK_G)
+        r_rows = offs_r < G
+        big = tl.max(budget, axis=0) > SPLIT_AT  # a count above SPLIT_AT is not exact in the dot's 16-bit type
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        v_base = v_ptr + b * s_v_b + kvh * s_v_h + t * TILE * s_v_n
+        for r0 in range(0, n_used, R_MAX):
+            rr = r0 + tl.arange(0, R_MAX)
+            r_ok = rr < n_used
+            idx = tl.load(scr_ptr + rr, mask=r_ok, other=0)
+            cnt = tl.load(scr_ptr + TILE + offs_r[:, None] * TILE + rr[None, :], mask=r_rows[:, None] & r_ok[None, :],
+                          other=0)
+            v = tl.load(v_base + idx[:, None] * s_v_n + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+            if big:
+                acc += count_dot(cnt, v, True, DOT_PRECISION)
+            else:
+                acc += count_dot(cnt, v, False, DOT_PRECISION)
+        return acc
+
+    @triton.jit
+    def sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                    oacc_ptr, oden_ptr, done_ptr, out_ptr, t, kvh, b,
+                    budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
+                    s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+                    G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                    R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
+        """Tile t of (row b, KV head kvh): sampling, the V gather and the folded merge (v8).
+
+        - prop: the tile budgets are read from ``budgets_ptr``; each program adds ``Σ c V`` to ``oacc``
+          and the last one writes ``out = oacc / S``.
+        - flash: every tile draws ``max(1, S // T_b)``; the stats pass left each head's global max in
+          ``mstar``, so each program adds ``e^{m_t - m*} l_t Σ c V / S_tile`` to ``oacc`` and
+          ``e^{m_t - m*} l_t`` to ``oden``, and the last one writes ``out = oacc / oden``.
+
+        The last of the ``n_tiles`` programs of a (row, KV head) (an acq_rel counter) reads the
+        accumulators through atomics (L2, no stale L1 line), writes ``out`` and leaves the accumulators,
+        ``mstar`` and the counter as the next call expects them (zero, -inf, zero); it returns True.
+        ``LOAD_CACHE``: the cache modifier of the loads of what the stats pass wrote (".cg" when that pass
+        ran in the same launch)."""
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        ml_row = b * s_ml_b + heads * s_ml_h
+        length = tl.load(lens_ptr + b)
+        m = tl.load(m_ptr + ml_row + t, mask=g_ok, other=0.0, cache_modifier=LOAD_CACHE)
+        l = tl.load(l_ptr + ml_row + t, mask=g_ok, other=0.0, cache_modifier=LOAD_CACHE)
+        # issued with the loads above, before the budget math, so that the two round trips overlap;
+        # the launch's stash holds n_tiles·TILE keys per head, so no row length is needed to bound it
+        s = tl.load(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + t * TILE + tl.arange(0, TILE)[None, :],
+                    mask=g_ok[:, None], other=float("-inf"), cache_modifier=LOAD_CACHE)
+        if not FLASH:
+            tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0, cache_modifier=LOAD_CACHE)
+        tiles_b = (length + TILE - 1) // TILE
+        o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
+        # the G heads on the 16 rows of the dots (the gathered sums come out in that layout)
+        offs_r = tl.arange(0, BLOCK_G)
+        r_ok = offs_r < G
+        heads_r = kvh * G + offs_r
+        r_rows = (b * hq + heads_r)[:, None] * D + offs_d[None, :]
+        if t < tiles_b:
+            if FLASH:
+                s_tile = tl.maximum(budget // tiles_b, 1)
+                tile_budget = tl.where(g_ok, s_tile, 0)
+                m_r = tl.load(m_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0,
+                              cache_modifier=LOAD_CACHE)
+                l_r = tl.load(l_ptr + b * s_ml_b + heads_r * s_ml_h + t, mask=r_ok, other=0.0,
+                              cache_modifier=LOAD_CACHE)
+                m_star = tl.load(mstar_ptr + b * hq + heads_r, mask=r_ok, other=0.0, cache_modifier=".cg")
+                mass = tl.where(r_ok & (l_r > 0), tl.exp(m_r - tl.where(r_ok, m_star, 0.0)) * l_r, 0.0)
+            if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and add nothing
+                a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
+                scr = scr_ptr + ((b * hkv + kvh) * n_tiles + t).to(tl.int64) * (TILE * (1 + GP))
+                acc = compact_sample(v_ptr, s, counts_ptr, scr, b, kvh, t, length, m, l, tile_budget, a0,
+                                     s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,
+                                     G, GP, BLOCK_G, D, TILE, R_MAX, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS,
+                                     FIX_BITS, WIDE)
+                if FLASH:
+                    acc = acc * (mass / s_tile.to(tl.float32))[:, None]
+                    tl.atomic_add(oden_ptr + b * hq + heads_r, mass, mask=r_ok, sem="relaxed")
+                tl.atomic_add(oacc_ptr + r_rows, acc, mask=r_ok[:, None], sem="relaxed")
+        tl.debug_barrier()  # every thread's atomics are issued before the release below
+        done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
+        if done == n_tiles - 1:
+            total = tl.atomic_add(oacc_ptr + o_rows, tl.zeros([GP, D], tl.float32), mask=g_ok[:, None])
+            tl.store(oacc_ptr + o_rows, tl.zeros([GP, D], tl.float32), mask=g_ok[:, None])
+            if FLASH:
+                den = tl.atomic_add(oden_ptr + b * hq + heads, tl.zeros([GP], tl.float32), mask=g_ok)
+                tl.store(oden_ptr + b * hq + heads, tl.zeros([GP], tl.float32), mask=g_ok)
+                tl.store(mstar_ptr + b * hq + heads, tl.full([GP], float("-inf"), tl.float32), mask=g_ok)
+                total = total / tl.where(g_ok, den, 1.0)[:, None]
+            else:
+                total = total / budget
+            tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :],
+                     total.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+            tl.atomic_xchg(done_ptr + b * hkv + kvh, 0)
+        return done == n_tiles - 1
+
+
+TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF  # the hash streams of the tile offsets and budget offsets
+BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
+
+
+def tile_count(n_keys: int, tile: int) -> int:
+    return -(-n_keys // tile)
+
+
+def all_tiles(k: torch.Tensor, tile: int) -> int:
+    """Tiles of the stats pass: rows × KV heads × tiles per head."""
+    return k.shape[0] * k.shape[1] * tile_count(k.shape[2], tile)
+
+
+def check_tile(tile: int) -> None:
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile_size: the Triton kernels take a power of two ≥ 16, got {tile}")
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ("largest-remainder", "systematic"):
+        raise ValueError(f"rounding: expected 'largest-remainder' or 'systematic', got {rounding!r}")
+
+
+def fixed_point(max_tile_budget: int) -> dict:
+    """Resolution of the running sums: int32 with (S + 1)·2^bits ≤ 2^30 while that leaves ≥ 16 bits,
+    else int64 with 24 bits."""
+    bits = 30 - max(1, int(max_tile_budget)).bit_length()
+    return {"FIX_BITS": bits, "WIDE": False} if bits >= 16 else {"FIX_BITS": 24, "WIDE": True}
+
+
+def split_at(dtype: torch.dtype) -> int:
+    """The largest count a 16-bit dot operand holds exactly (bf16 256, fp16 2048; fp32 dots are exact)."""
+    return {torch.bfloat16: 256, torch.float16: 2048}.get(dtype, 1 << 30)
+
+
+def default_r_max(group: int, budget: int, tiles: int) -> int:
+    """Rows gathered per step of the compacted V gather: the group's expected samples in a tile
+    (G·S/T, the flash tile budget), as a power of two in [16, 64]; more rows take more steps."""
+    return min(64, max(16, next_pow2(group * max(1, -(-budget // max(1, tiles))))))
+
+
+@functools.cache
+def _hopper_or_newer(device: int) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_available() -> bool:
+    """Programmatic dependent launch: the kernels are compiled (the interpreter has no grid dependency
+    control), Triton has it and the GPU too (compute capability 9.0 and newer). On wherever available
+    since 2026-11-22-h100-decode-v9 (prop 1.0–1.9 µs faster from 8k to 128k, flash within ±0.8)."""
+    return (gdc_wait is not None and not is_interpreted(sample_fold)
+            and _hopper_or_newer(torch.cuda.current_device()))
+
+
+def stats_buffers(q, b, hq, t, tile):
+    """m, l ``[B·Hq·T]`` and the float32 score stash ``[B·Hq·T·tile]`` (workspace, flat)."""
+    return (workspace("m", q, b * hq * t, torch.float32), workspace("l", q, b * hq * t, torch.float32),
+            workspace("stash", q, b * hq * t * tile, torch.float32))
+
+
+class PassBuffers(NamedTuple):
+    """What one call of the stats + compacted sampling passes writes."""
+    m: torch.Tensor
+    l: torch.Tensor
+    stash: torch.Tensor
+    budgets: torch.Tensor | None  # [B, Hq, T] int32, returned to the caller; None for flash
+    mstar: torch.Tensor  # santa-flash's per-head global maxima (-inf between calls)
+    oacc: torch.Tensor  # the folded merge's accumulators [B·Hq·d], [B·Hq] and counters [B·Hkv]: zero between calls
+    oden: torch.Tensor
+    done: torch.Tensor
+    scr: torch.Tensor  # the compaction scratch
+    counts: torch.Tensor | None  # [B, Hq, N] int32 when the caller asked for counts
+    out: torch.Tensor
+
+
+def pass_buffers(q, v, t: int, tile: int, *, flash: bool, write_counts: bool, out) -> PassBuffers:
+    b, hq, d = q.shape
+    hkv, n = v.shape[1], v.shape[2]
+    m, l, stash = stats_buffers(q, b, hq, t, tile)
+    return PassBuffers(
+        m, l, stash, None if flash else torch.empty(b, hq, t, device=q.device, dtype=torch.int32),
+        workspace("mstar", q, b * hq, torch.float32, fill=float("-inf")),
+        workspace("fold_acc", v, b * hq * d, torch.float32, zeroed=True),
+        workspace("fold_den", v, b * hq, torch.float32, zeroed=True),
+        workspace("fold_done", v, b * hkv, torch.int32, zeroed=True),
+        workspace("compact_scratch", v, b * hkv * t * tile * (1 + next_pow2(hq // hkv)), torch.int32),
+        torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None,
+        out if out is not None else torch.empty(b, hq, d, device=q.device, dtype=q.dtype))
