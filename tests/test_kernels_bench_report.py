@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvsieve.bench.decode import parse_variant
+from kvsieve.bench.decode import VARIANTS, parse_variant, register_variant
 from kvsieve.bench.report import markdown, write_results
 
 
@@ -31,8 +31,24 @@ def test_parse_variant():
     assert parse_variant("santa-prop:128") == ("santa-prop", 128)
     with pytest.raises(ValueError, match="budget"):
         parse_variant("santa-flash")
+    with pytest.raises(ValueError, match="takes no budget"):
+        parse_variant("dense:128")
     with pytest.raises(ValueError, match="variant"):
         parse_variant("flash-attn")
+    with pytest.raises(ValueError, match="variant"):
+        parse_variant("santa-prop-v7:128")  # historical paths are gone
+
+
+def test_variants_are_the_peers_and_the_methods_gpu_paths(monkeypatch):
+    assert sorted(VARIANTS) == ["dense", "flashinfer", "santa-flash", "santa-prop", "sdpa"]
+    assert {name for name, v in VARIANTS.items() if v.peer} == {"flashinfer", "sdpa"}
+    monkeypatch.setattr("kvsieve.bench.decode.VARIANTS", dict(VARIANTS))
+    from kvsieve.bench import decode
+
+    @register_variant("toy-method", budget=True)
+    def _toy(x, budget, seed):
+        return (lambda: x.q), None
+    assert decode.parse_variant("toy-method:4") == ("toy-method", 4)
 
 
 def test_report_files(tmp_path):

@@ -9,6 +9,7 @@ GB/s, the fraction of the bandwidth floor (bytes / measured copy rate) and kerne
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -22,13 +23,6 @@ from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536, 131072, 262144)
 DEFAULT_VARIANTS = ("flashinfer", "sdpa", "dense", "santa-prop:128", "santa-flash:2048", "santa-flash:256")
-# santa-prop / santa-flash = the default paths (docs/methods/santa-kernels.md); named paths: santa-prop-v8 =
-# stats, budgets, compacted sampling with the merge folded in (3 launches); santa-prop-v7 = stats, budgets,
-# v7 sampling with the merge folded in (3 launches); santa-prop-4launch = stats, budgets, v7 sampling, merge;
-# santa-flash-v8 = stats + compacted sampling with the merge folded in (2 launches); santa-flash-fused = the
-# fused kernel + merge (2 launches); santa-flash-split = stats + v7 sampling pass + merge (3 launches);
-# santa-prop-v10 / santa-flash-v10 = stats in (row, KV head) order + the sampling kernel launched early (PDL);
-# a "-pdl" / "-nopdl" suffix = the same path with programmatic dependent launch on / off (default: on, Hopper+)
 
 
 @dataclass
@@ -41,38 +35,13 @@ class Case:
     batch: int
 
 
-VARIANT_NAMES = ("flashinfer", "flashinfer-hnd", "sdpa", "dense", "santa-prop", "santa-prop-sys", "santa-prop-v7",
-                 "santa-prop-v8", "santa-prop-v8-pdl", "santa-prop-v8-nopdl", "santa-prop-v10",
-                 "santa-prop-4launch", "santa-flash", "santa-flash-v8", "santa-flash-v8-pdl", "santa-flash-v8-nopdl",
-                 "santa-flash-v10", "santa-flash-fused", "santa-flash-split")
-
-
-def parse_variant(spec: str) -> tuple[str, int | None]:
-    name, _, budget = spec.partition(":")
-    if name not in VARIANT_NAMES:
-        raise ValueError(f"variant: expected one of {', '.join(VARIANT_NAMES)} (santa ones as name:S), got {spec!r}")
-    if name.startswith("santa"):
-        if not budget.isdigit() or int(budget) < 1:
-            raise ValueError(f"variant {spec!r}: expected a budget, e.g. {name}:128")
-        return name, int(budget)
-    return name, None
-
-
-def _load_flashinfer():
-    try:
-        import flashinfer
-
-        return flashinfer
-    except Exception as exc:  # noqa: BLE001 - FlashInfer is optional; its absence is reported
-        return exc
-
-
 class Inputs:
     """Random bf16 decode inputs of one case, in our layout (and FlashInfer's NHD copy on demand)."""
 
     def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0):
         g = torch.Generator(device="cuda").manual_seed(seed)
         b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
+        self.case = case
         # q_scale > 1 sharpens attention (Gaussian q, K: scores have standard deviation q_scale)
         self.q = (torch.randn(b, h, d, device="cuda", generator=g) * q_scale).to(dtype)
         self.k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
@@ -87,106 +56,138 @@ class Inputs:
         return self._nhd
 
 
-def make_call(name: str, budget: int | None, case: Case, x: Inputs, flashinfer, seed: int,
-              workspace: dict) -> Callable[[], torch.Tensor]:
+# A variant builds, for one case's inputs, a budget (None where it takes none) and a seed, the call of one
+# decode step (returning the output) and, for sampling methods, a function giving the V rows that step reads
+# ([B, Hkv, N] bool, the union over each GQA group; None: all of V).
+Call = Callable[[], torch.Tensor]
+VariantFactory = Callable[[Inputs, "int | None", int], tuple[Call, "Callable[[], torch.Tensor] | None"]]
+
+
+@dataclass(frozen=True)
+class Variant:
+    make: VariantFactory
+    takes_budget: bool
+    peer: bool  # another library's kernel (the comparison), not one of kvsieve's methods
+
+
+VARIANTS: dict[str, Variant] = {}
+
+
+def register_variant(name: str, *, budget: bool = False, peer: bool = False):
+    """Adds ``make(inputs, budget, seed) -> (call, v_rows or None)`` to the benchmark as ``name`` (``name:S``
+    when it takes a budget). A method with a GPU path registers it here under the method's name."""
+    def register(make: VariantFactory) -> VariantFactory:
+        VARIANTS[name] = Variant(make, budget, peer)
+        return make
+    return register
+
+
+def parse_variant(spec: str) -> tuple[str, int | None]:
+    name, _, budget = spec.partition(":")
+    if name not in VARIANTS:
+        raise ValueError(f"variant: expected one of {', '.join(VARIANTS)} (those with a budget as name:S), "
+                         f"got {spec!r}")
+    if VARIANTS[name].takes_budget:
+        if not budget.isdigit() or int(budget) < 1:
+            raise ValueError(f"variant {spec!r}: expected a budget, e.g. {name}:128")
+        return name, int(budget)
+    if budget:
+        raise ValueError(f"variant {spec!r}: {name} takes no budget")
+    return name, None
+
+
+@functools.cache
+def load_flashinfer():
+    """The flashinfer module, or the exception that importing it raised (FlashInfer is optional)."""
+    try:
+        import flashinfer
+
+        return flashinfer
+    except Exception as exc:  # noqa: BLE001 - its absence is reported, and its rows are skipped
+        return exc
+
+
+@register_variant("flashinfer", peer=True)
+def _flashinfer(x: Inputs, budget, seed):
+    flashinfer = load_flashinfer()
+    if isinstance(flashinfer, Exception):
+        raise RuntimeError(f"FlashInfer is not importable: {flashinfer}")
+    case = x.case
+    if case.batch == 1:
+        kn, vn = x.nhd()
+        q0 = x.q[0]
+        return (lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")), None
+    # FlashInfer's batch decode reads a paged cache: pages of 16 keys in its HND page layout
+    # [pages, Hkv, 16, d], copied from ours outside the timed region.
+    ws = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="HND")
+    b, page = case.batch, 16
+    per_row = case.n // page
+
+    def paged(t):
+        return (t.view(b, case.kv_heads, per_row, page, case.head_dim).permute(0, 2, 1, 3, 4)
+                .reshape(b * per_row, case.kv_heads, page, case.head_dim).contiguous())
+    kp, vp = paged(x.k), paged(x.v)
+    wrapper.plan(torch.arange(b + 1, dtype=torch.int32, device="cuda") * per_row,
+                 torch.arange(b * per_row, dtype=torch.int32, device="cuda"),
+                 torch.full((b,), page, dtype=torch.int32, device="cuda"),
+                 case.heads, case.kv_heads, case.head_dim, page,
+                 q_data_type=x.q.dtype, kv_data_type=x.k.dtype)
+    return (lambda: wrapper.run(x.q, (kp, vp))), None
+
+
+@register_variant("sdpa", peer=True)
+def _sdpa(x: Inputs, budget, seed):
+    q4 = x.q[:, :, None, :]
+    return (lambda: F.scaled_dot_product_attention(q4, x.k, x.v, enable_gqa=True)), None
+
+
+@register_variant("dense")
+def _dense(x: Inputs, budget, seed):
     from ..kernels.dense import dense_decode_triton
-    from ..kernels.santa.kernels import santa_flash_triton, santa_prop_triton
+
+    return (lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)), None
+
+
+def _v_rows(counts: torch.Tensor, x: Inputs) -> torch.Tensor:
+    """[B, Hkv, N]: the V rows some head of each GQA group sampled."""
+    b, hq, n = counts.shape
+    return (counts > 0).view(b, x.case.kv_heads, hq // x.case.kv_heads, n).any(2)
+
+
+@register_variant("santa-prop", budget=True)
+def _santa_prop(x: Inputs, budget, seed):
+    from ..kernels.santa.decode import santa_prop_triton
     from ..kernels.santa.reference import auto_tile_size
 
-    if name in ("flashinfer", "flashinfer-hnd"):
-        if isinstance(flashinfer, Exception):
-            raise RuntimeError(f"FlashInfer is not importable: {flashinfer}")
-        if case.batch == 1 and name == "flashinfer":
-            kn, vn = x.nhd()
-            q0 = x.q[0]
-            return lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD")
-        if case.batch == 1:
-            q0, k0, v0 = x.q[0], x.k[0], x.v[0]
-            return lambda: flashinfer.single_decode_with_kv_cache(q0, k0, v0, kv_layout="HND")
-        # FlashInfer's batch decode reads a paged cache: pages of 16 keys in its HND page layout
-        # [pages, Hkv, 16, d], copied from ours outside the timed region.
-        ws = workspace.setdefault("fi", torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda"))
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, kv_layout="HND")
-        b, page = case.batch, 16
-        per_row = case.n // page
-        def paged(t):
-            return (t.view(b, case.kv_heads, per_row, page, case.head_dim).permute(0, 2, 1, 3, 4)
-                    .reshape(b * per_row, case.kv_heads, page, case.head_dim).contiguous())
-        kp, vp = paged(x.k), paged(x.v)
-        wrapper.plan(torch.arange(b + 1, dtype=torch.int32, device="cuda") * per_row,
-                     torch.arange(b * per_row, dtype=torch.int32, device="cuda"),
-                     torch.full((b,), page, dtype=torch.int32, device="cuda"),
-                     case.heads, case.kv_heads, case.head_dim, page,
-                     q_data_type=x.q.dtype, kv_data_type=x.k.dtype)
-        return lambda: wrapper.run(x.q, (kp, vp))
-    if name == "sdpa":
-        q4 = x.q[:, :, None, :]
-        return lambda: F.scaled_dot_product_attention(q4, x.k, x.v, enable_gqa=True)
-    if name == "dense":
-        return lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
-    if name.endswith("pdl"):
-        from ..kernels.santa.kernels import programmatic_dependent_launch
+    tile = auto_tile_size(x.case.n)
 
-        base, _, suffix = name.rpartition("-")
-        fn = make_call(base, budget, case, x, flashinfer, seed, workspace)
-
-        def with_pdl_set():
-            with programmatic_dependent_launch(suffix == "pdl"):
-                return fn()
-        return with_pdl_set
-    tile = auto_tile_size(case.n)
-    if name.startswith("santa-flash"):
-        fopts = flash_options(name)
-        return lambda: santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, **fopts)[0]
-    rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
-    opts = prop_options(name)
-    return lambda: santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
-                                     **opts)[0]
+    def run(write_counts=False):
+        return santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=write_counts)
+    return (lambda: run()[0]), (lambda: _v_rows(run(True)[1], x))
 
 
-def prop_options(name: str) -> dict:
-    """santa-prop-v7: the v7 sampling pass; santa-prop-v8: the compacted one; santa-prop-4launch: the merge
-    in its own kernel."""
-    return {"santa-prop-v7": {"compact": False, "overlap": False},
-            "santa-prop-v8": {"compact": True, "overlap": False},
-            "santa-prop-v10": {"overlap": True},
-            "santa-prop-4launch": {"compact": False, "fold_merge": False, "overlap": False}
-            }.get(name, {})
-
-
-def flash_options(name: str) -> dict:
-    """santa-flash-v8: stats + compacted sampling pass (merge folded); santa-flash-fused: the fused kernel +
-    merge (v6/v7); santa-flash-split: stats, v7 sampling pass, merge."""
-    return {"santa-flash-v8": {"fused": False, "fold_merge": True, "overlap": False},
-            "santa-flash-v10": {"overlap": True},
-            "santa-flash-fused": {"fused": True, "overlap": False},
-            "santa-flash-split": {"fused": False, "fold_merge": False, "overlap": False}
-            }.get(name, {})
-
-
-def bytes_touched(name: str, budget: int | None, case: Case, x: Inputs, seed: int) -> dict[str, float]:
-    """Bytes the method must read (K, V) and, for S²ANTA, the V-row fraction measured on these inputs."""
-    from ..kernels.santa.kernels import santa_flash_triton, santa_prop_triton
+@register_variant("santa-flash", budget=True)
+def _santa_flash(x: Inputs, budget, seed):
+    from ..kernels.santa.decode import santa_flash_triton
     from ..kernels.santa.reference import auto_tile_size
 
-    elt = x.k.element_size()
-    row = case.head_dim * elt
+    tile = auto_tile_size(x.case.n)
+
+    def run(write_counts=False):
+        return santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=write_counts)
+    return (lambda: run()[0]), (lambda: _v_rows(run(True)[1], x))
+
+
+def bytes_touched(v_rows: Callable[[], torch.Tensor] | None, x: Inputs) -> dict[str, float]:
+    """Bytes the method must read (all of K; all of V, or the V rows it sampled on these inputs)."""
+    case = x.case
+    row = case.head_dim * x.k.element_size()
     k_bytes = case.batch * case.kv_heads * case.n * row
-    if not name.startswith("santa"):
+    if v_rows is None:
         return {"bytes": 2.0 * k_bytes, "v_row_fraction": 1.0}
-    tile = auto_tile_size(case.n)
-    name = name.removesuffix("-nopdl").removesuffix("-pdl")  # same samples with or without PDL
-    if name.startswith("santa-flash"):
-        _, counts = santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=True,
-                                       **flash_options(name))
-    else:
-        rounding = "systematic" if name == "santa-prop-sys" else "largest-remainder"
-        _, counts, _ = santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, rounding=rounding,
-                                         write_counts=True, **prop_options(name))
-    g = case.heads // case.kv_heads
-    used = (counts > 0).view(case.batch, case.kv_heads, g, case.n).any(2)
-    v_rows = float(used.sum())
-    return {"bytes": k_bytes + v_rows * row, "v_row_fraction": v_rows / (case.batch * case.kv_heads * case.n)}
+    used = float(v_rows().sum())
+    return {"bytes": k_bytes + used * row, "v_row_fraction": used / (case.batch * case.kv_heads * case.n)}
 
 
 def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAULT_CONTEXTS, batches=(1, 8),
@@ -196,13 +197,12 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
     if not torch.cuda.is_available():
         raise RuntimeError("kvsieve bench decode needs a CUDA GPU")
     parsed = [(spec, *parse_variant(spec)) for spec in variants]
-    flashinfer = _load_flashinfer() if any(p[1].startswith("flashinfer") for p in parsed) else None
+    flashinfer = load_flashinfer() if any(p[1] == "flashinfer" for p in parsed) else None
     if isinstance(flashinfer, Exception):
         log(f"FlashInfer unavailable ({flashinfer}); its rows are skipped")
     peak = copy_bandwidth()
     log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
     timer = ColdL2Timer()
-    workspace: dict = {}
     rows = []
     cases = [Case(s, *SHAPES[s], n, b) for s in shapes for b in batches for n in contexts]
     try:
@@ -232,7 +232,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
             row = {"shape": case.shape, "heads": case.heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
                    "n": case.n, "batch": case.batch, "variant": spec}
             try:
-                call = make_call(name, budget, case, x, flashinfer, seed, workspace)
+                call, v_rows = VARIANTS[name].make(x, budget, seed)
                 out = call()
                 torch.cuda.synchronize()
                 out = out.reshape(case.batch, case.heads, case.head_dim).float()
@@ -245,7 +245,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
                 row["launches"] = count_launches(call)
                 row["host_us"] = host_us(call)
                 row["kernels_us"] = timer.kernel_breakdown(call)
-                row.update(bytes_touched(name, budget, case, x, seed))
+                row.update(bytes_touched(v_rows, x))
                 row["gb_per_s"] = row["bytes"] / (row["median_us"] * 1e-6) / 1e9
                 row["floor_us"] = row["bytes"] / peak * 1e6
                 row["fraction_of_floor"] = row["floor_us"] / row["median_us"]
@@ -263,8 +263,8 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
                 if "graph_us" in r and "graph_us" in base:
                     r["graph_speedup_vs_flashinfer"] = base["graph_us"] / r["graph_us"]
         rows.extend(case_rows)
+        call = v_rows = None  # FlashInfer's workspace and paged copies go with its call
         del x, reference
-        workspace.pop("fi", None)
         torch.cuda.empty_cache()
     return {
         "kind": "decode",

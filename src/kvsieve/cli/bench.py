@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..bench.decode import VARIANT_NAMES
+from ..bench.decode import DEFAULT_VARIANTS, VARIANTS
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -29,9 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="comma list of llama-3.1-8b (32/8/128), smollm2-135m (9/3/64)")
     d.add_argument("--contexts", default="4k,8k,16k,32k,64k,128k,256k", help="comma list of context lengths")
     d.add_argument("--batches", default="1,8", help="comma list of batch sizes")
-    d.add_argument("--variants", default="flashinfer,sdpa,dense,santa-prop:128,santa-flash:2048,santa-flash:256",
-                   help=f"comma list of {', '.join(VARIANT_NAMES)}; the santa ones with a budget, e.g. santa-prop:128 "
-                        "(santa-prop and santa-flash are the default paths)")
+    d.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(VARIANTS)}: FlashInfer, torch SDPA and the GPU path of each method "
+                        "(its default path); those with a budget as name:S, e.g. santa-prop:128")
     d.add_argument("--warmup", type=int, default=10)
     d.add_argument("--iters", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)
