@@ -5,7 +5,7 @@ method runs at about 10% density where it has a knob; state (Quest pages, MagicP
 as in decoding, where it is updated incrementally. Reports the median over repetitions and, for
 methods slower than ``--flag`` × dense, the three torch calls with the most self time.
 
-    python scripts/bench_reference_decode.py --out docs/results/reference-decode-bench
+    python benchmarks/reference_decode/bench_reference_decode.py --out docs/results/reference-decode-bench
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ def main(argv=None):
     lines = [
         f"# Reference decode step on CPU, N = {args.n}",
         "",
-        f"Command: `python scripts/bench_reference_decode.py --n {args.n} --batch {' '.join(map(str, args.batch))} "
-        f"--reps {args.reps} --threads {args.threads} --source {args.source}"
+        f"Command: `python benchmarks/reference_decode/bench_reference_decode.py --n {args.n} "
+        f"--batch {' '.join(map(str, args.batch))} --reps {args.reps} --threads {args.threads} --source {args.source}"
         + (f" --layers {' '.join(map(str, args.layers))}`" if args.source == "model" else "`"),
         "",
         ("Real q/k/v of one decode step of the default model after N tokens of essay text, layers "

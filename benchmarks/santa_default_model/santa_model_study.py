@@ -8,7 +8,7 @@ computed once per prompt and shared by every method.
 Part 2 (error): q/k/v of real decode steps captured from every layer on an essay context; each
 variant's relative output error ‖ô − o‖/‖o‖ per (layer, head, step), averaged over seeds.
 
-    python scripts/santa_model_study.py --out docs/results/santa-default-model
+    python benchmarks/santa_default_model/santa_model_study.py --out docs/results/santa-default-model
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def markdown(retrieval_rows, error_rows, args) -> str:
     lines = [
         "# SANTA family on the default model (SmolLM2-135M-Instruct, CPU, float32)",
         "",
-        f"Command: `python scripts/santa_model_study.py {' '.join(args.argv)}`",
+        f"Command: `python benchmarks/santa_default_model/santa_model_study.py {' '.join(args.argv)}`",
         "",
         "## Hidden-number retrieval",
         "",

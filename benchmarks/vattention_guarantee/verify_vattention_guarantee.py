@@ -12,7 +12,7 @@ captured call:
   plug-in error from the CLT error.
 - fidelity: every method at a grid of budgets; mean relative error vs achieved density.
 
-    python scripts/verify_vattention_guarantee.py --out docs/results/vattention-guarantee
+    python benchmarks/vattention_guarantee/verify_vattention_guarantee.py --out docs/results/vattention-guarantee
 
 Keep it small on a shared CPU: ``--lengths 2048 4096 8192 --layers 2 8 14 20 26 29 --steps 8``.
 """
@@ -279,7 +279,7 @@ def plot(guarantee, fidelity, out: Path):
 
 def tables(guarantee, fidelity, args_text: str) -> str:
     """Markdown tables of both summaries (the analysis around them is written by hand)."""
-    lines = [f"Command: `python scripts/verify_vattention_guarantee.py {args_text}`", ""]
+    lines = [f"Command: `python benchmarks/vattention_guarantee/verify_vattention_guarantee.py {args_text}`", ""]
     if guarantee:
         layers = sorted({int(k) for r in guarantee for k in r["by_layer"]})
         lengths = sorted({int(k) for r in guarantee for k in r["by_length"]})

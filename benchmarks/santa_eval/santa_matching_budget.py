@@ -1,7 +1,7 @@
 """Per (task, length, S²ANTA variant): the smallest budget from which every paired Δ-vs-dense CI includes 0.
 
 Reads eval summary.csv files and prints the markdown table of docs/results/eval-baseline.md:
-    python scripts/santa_matching_budget.py docs/results/eval-santa-cpu-2k/summary.csv \
+    python benchmarks/santa_eval/santa_matching_budget.py docs/results/eval-santa-cpu-2k/summary.csv \
         docs/results/eval-santa-h100-4k/summary.csv
 """
 

@@ -1,6 +1,6 @@
 """The method × density tables of docs/results/vattention-eval-setupB.md, from eval summary.csv files.
 
-    python scripts/vattention_eval_tables.py docs/results/vattention-eval-setupB/summary.csv \
+    python benchmarks/vattention_eval/vattention_eval_tables.py docs/results/vattention-eval-setupB/summary.csv \
         docs/results/vattention-eval-h100/summary.csv
 
 prints the tables (a later file's rows replace an earlier one's at the same task and length), then the
