@@ -155,28 +155,21 @@ def _v_rows(counts: torch.Tensor, x: Inputs) -> torch.Tensor:
     return (counts > 0).view(b, x.case.kv_heads, hq // x.case.kv_heads, n).any(2)
 
 
-@register_variant("santa-prop", budget=True)
-def _santa_prop(x: Inputs, budget, seed):
-    from ..kernels.santa.decode import santa_prop_triton
-    from ..kernels.santa.reference import auto_tile_size
+def _santa_variant(entry: str):
+    """santa-prop / santa-flash through their entry point ``kernels.santa.decode.<entry>`` (the default path)."""
+    def make(x: Inputs, budget, seed):
+        from ..kernels.santa import decode
+        from ..kernels.santa.reference import auto_tile_size
 
-    tile = auto_tile_size(x.case.n)
+        run = getattr(decode, entry)
+        tile = auto_tile_size(x.case.n)
+        args = (x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed)
+        return (lambda: run(*args)[0]), (lambda: _v_rows(run(*args, write_counts=True)[1], x))
+    return make
 
-    def run(write_counts=False):
-        return santa_prop_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=write_counts)
-    return (lambda: run()[0]), (lambda: _v_rows(run(True)[1], x))
 
-
-@register_variant("santa-flash", budget=True)
-def _santa_flash(x: Inputs, budget, seed):
-    from ..kernels.santa.decode import santa_flash_triton
-    from ..kernels.santa.reference import auto_tile_size
-
-    tile = auto_tile_size(x.case.n)
-
-    def run(write_counts=False):
-        return santa_flash_triton(x.q, x.k, x.v, x.lens, x.scale, budget, tile, seed, write_counts=write_counts)
-    return (lambda: run()[0]), (lambda: _v_rows(run(True)[1], x))
+register_variant("santa-prop", budget=True)(_santa_variant("santa_prop_triton"))
+register_variant("santa-flash", budget=True)(_santa_variant("santa_flash_triton"))
 
 
 def bytes_touched(v_rows: Callable[[], torch.Tensor] | None, x: Inputs) -> dict[str, float]:

@@ -14,7 +14,16 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton_utils import STREAM_BUDGET, STREAM_TILE, is_interpreted, next_pow2, triton, workspace
+from ..triton_utils import (
+    STREAM_BUDGET,
+    STREAM_TILE,
+    dot_precision,
+    group_block,
+    is_interpreted,
+    next_pow2,
+    triton,
+    workspace,
+)
 
 gdc_launch_dependents = gdc_wait = None  # programmatic dependent launch, where Triton and the GPU have it
 if triton is not None:
@@ -357,3 +366,29 @@ def pass_buffers(q, v, t: int, tile: int, *, flash: bool, write_counts: bool, ou
         workspace("compact_scratch", v, b * hkv * t * tile * (1 + next_pow2(hq // hkv)), torch.int32),
         torch.zeros(b, hq, n, device=q.device, dtype=torch.int32) if write_counts else None,
         out if out is not None else torch.empty(b, hq, d, device=q.device, dtype=q.dtype))
+
+
+def begin_call(q, k, v, tile: int, *, flash: bool, rounding: str, write_counts: bool, out
+               ) -> tuple[int, bool, PassBuffers]:
+    """Checks a call of the stats + compacted sampling passes (v8 or v10) and gets its buffers: (tiles per
+    head, whether programmatic dependent launch is on, the buffers)."""
+    check_tile(tile)
+    check_rounding(rounding)
+    t = tile_count(k.shape[2], tile)
+    return t, pdl_available(), pass_buffers(q, v, t, tile, flash=flash, write_counts=write_counts, out=out)
+
+
+def sample_strides(v, buf: PassBuffers, hq: int, t: int, tile: int, write_counts: bool) -> tuple:
+    """The strides ``sample_fold`` takes: V, the (m, l) rows, the stash rows, the counts rows, ``out``."""
+    n = v.shape[2]
+    return (v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
+            (hq * n) if write_counts else 0, n if write_counts else 0, buf.out.stride(0), buf.out.stride(1))
+
+
+def sample_constexprs(v, hq: int, budget: int, t: int, tile: int, *, flash: bool, write_counts: bool,
+                      r_max: int | None) -> dict:
+    """The compile-time arguments ``sample_fold`` takes."""
+    g = hq // v.shape[1]
+    return dict(G=g, GP=next_pow2(g), BLOCK_G=group_block(g), D=v.shape[3], TILE=tile,
+                R_MAX=min(r_max or default_r_max(g, budget, t), tile), FLASH=flash, SPLIT_AT=split_at(v.dtype),
+                DOT_PRECISION=dot_precision(v.dtype), WRITE_COUNTS=write_counts, **fixed_point(budget))

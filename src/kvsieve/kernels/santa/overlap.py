@@ -49,18 +49,7 @@ from ..triton_utils import (
     triton,
     workspace,
 )
-from .common import (
-    BUDGET_KEY,
-    TILE_KEY,
-    check_rounding,
-    check_tile,
-    default_r_max,
-    fixed_point,
-    pass_buffers,
-    pdl_available,
-    split_at,
-    tile_count,
-)
+from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides
 
 if triton is not None:
     import triton.language as tl
@@ -241,19 +230,15 @@ NAPS = 8
 
 def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
              write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None):
-    check_tile(tile)
-    check_rounding(rounding)
     b, hq, d = q.shape
-    hkv, n = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     g = hq // hkv
-    t = tile_count(n, tile)
+    t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
     units = b * hkv
     programs = max(1, min(stats_programs, units * t))
     threads = 32 * STATS_WARPS
     sleep = not is_interpreted(_overlap_sample_kernel)
-    pdl = pdl_available()
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    buf = pass_buffers(q, v, t, tile, flash=flash, write_counts=write_counts, out=out)
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
     launch(_ordered_stats_kernel, (programs, 1, 1),
@@ -271,13 +256,9 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
     launch(_overlap_sample_kernel, (t, hkv, b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, sync, buf.out,
-           budget, lo, hi, TILE_KEY, t, hq, hkv, units,
-           v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
-           (hq * n) if write_counts else 0, n if write_counts else 0, buf.out.stride(0), buf.out.stride(1),
-           G=g, GP=next_pow2(g), BLOCK_G=group_block(g), D=d, TILE=tile,
-           R_MAX=min(r_max or default_r_max(g, budget, t), tile), FLASH=flash, SPLIT_AT=split_at(v.dtype),
-           DOT_PRECISION=dot_precision(v.dtype), WRITE_COUNTS=write_counts, **fixed_point(budget), SLEEP=sleep,
-           STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch)
+           budget, lo, hi, TILE_KEY, t, hq, hkv, units, *sample_strides(v, buf, hq, t, tile, write_counts),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
+           SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch)
     return buf
 
 

@@ -19,18 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_utils import dot_precision, group_block, launch, next_pow2, seed_words, triton
-from .common import (
-    BUDGET_KEY,
-    TILE_KEY,
-    check_rounding,
-    check_tile,
-    default_r_max,
-    fixed_point,
-    pass_buffers,
-    pdl_available,
-    split_at,
-    tile_count,
-)
+from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
@@ -158,19 +147,30 @@ def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_prog
 
 def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max):
     """The compacted sampling pass with the merge folded in: writes ``buf.out`` (and ``buf.counts``)."""
-    hkv, n, d = v.shape[1], v.shape[2], v.shape[3]
-    g = hq // hkv
+    hkv = v.shape[1]
     lo, hi = seed_words(seed)
     launch(_compact_sample_kernel, (t, hkv, b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, buf.out,
-           budget, lo, hi, TILE_KEY, t, hq, hkv,
-           v.stride(0), v.stride(1), v.stride(2), hq * t, t, hq * t * tile, t * tile,
-           (hq * n) if write_counts else 0, n if write_counts else 0, buf.out.stride(0), buf.out.stride(1),
-           G=g, GP=next_pow2(g), BLOCK_G=group_block(g), D=d, TILE=tile,
-           R_MAX=min(r_max or default_r_max(g, budget, t), tile), FLASH=flash, SPLIT_AT=split_at(v.dtype),
-           DOT_PRECISION=dot_precision(v.dtype), WRITE_COUNTS=write_counts, **fixed_point(budget), PDL=pdl,
-           num_warps=4, **_pdl_launch(pdl))
+           budget, lo, hi, TILE_KEY, t, hq, hkv, *sample_strides(v, buf, hq, t, tile, write_counts),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
+           PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+
+
+def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
+              write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None):
+    b, hq, _ = q.shape
+    t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
+    _stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs)
+    if not flash:
+        lo, hi = seed_words(seed)
+        launch(_prop_budget_kernel, (hq, b, 1),
+               buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
+               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
+               **_pdl_launch(pdl))
+    _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=flash, write_counts=write_counts, pdl=pdl,
+                 r_max=r_max)
+    return buf
 
 
 def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
@@ -181,20 +181,8 @@ def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, see
     ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T] int32)``.
     ``block_n`` (keys per sub-block of the stats loop), ``stats_programs`` and ``r_max`` (rows per V
     gather step) are launch parameters; they change no count."""
-    check_tile(tile)
-    check_rounding(rounding)
-    b, hq, _ = q.shape
-    t = tile_count(k.shape[2], tile)
-    pdl = pdl_available()
-    buf = pass_buffers(q, v, t, tile, flash=False, write_counts=write_counts, out=out)
-    _stats_pass(q, k, lens, buf, scale, tile, flash=False, pdl=pdl, block_n=block_n, stats_programs=stats_programs)
-    lo, hi = seed_words(seed)
-    launch(_prop_budget_kernel, (hq, b, 1),
-           buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
-           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
-           **_pdl_launch(pdl))
-    _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
-                 r_max=r_max)
+    buf = _two_pass(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
+                    write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max)
     return buf.out, buf.counts, buf.budgets
 
 
@@ -204,14 +192,8 @@ def santa_flash_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, se
     """S²ANTA-flash in 2 launches: stats (with each head's global max), then ``max(1, S // T_b)`` draws
     per tile with each tile's weighted estimate added to the output by the sampling pass itself. Returns
     ``(out, counts or None)``; launch parameters as for ``santa_prop_two_pass``."""
-    check_tile(tile)
-    b, hq, _ = q.shape
-    t = tile_count(k.shape[2], tile)
-    pdl = pdl_available()
-    buf = pass_buffers(q, v, t, tile, flash=True, write_counts=write_counts, out=out)
-    _stats_pass(q, k, lens, buf, scale, tile, flash=True, pdl=pdl, block_n=block_n, stats_programs=stats_programs)
-    _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=True, write_counts=write_counts, pdl=pdl,
-                 r_max=r_max)
+    buf = _two_pass(q, k, v, lens, scale, budget, tile, seed, flash=True, rounding="largest-remainder",
+                    write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max)
     return buf.out, buf.counts
 
 
