@@ -130,7 +130,7 @@ if triton is not None:
                        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr):
         """Systematic sampling of ``budget [GP]`` draws in one tile from its stashed scores ``s [GP, TILE]``
         (loaded by the caller), the whole tile at once and on the G rows of the group only, then
-        ``Σ_n c_n V_n`` [BLOCK_G, D] from the sampled rows only. Same counts as ``_sample_tile``: the
+        ``Σ_n c_n V_n`` [BLOCK_G, D] from the sampled rows only. Same counts as the fused kernel's sub-block walk: the
         fixed-point prefix sums are exact integers, and the rounding shortfall goes to the last key of
         positive weight.
 
