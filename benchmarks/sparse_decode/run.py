@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.bench.decode import Case, Inputs, _load_flashinfer, _version, make_call
+from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, load_flashinfer
 from kvsieve.bench.timing import ColdL2Timer, copy_bandwidth, count_launches
 from kvsieve.kernels.sparse import quest_pages, topk
 from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    flashinfer = _load_flashinfer()
+    flashinfer = load_flashinfer()
     if isinstance(flashinfer, Exception):
         print(f"FlashInfer unavailable ({flashinfer}); its rows are skipped and no speedups are computed")
     peak = copy_bandwidth()
@@ -174,11 +174,10 @@ def main(argv=None) -> int:
     rows = []
     for case in cases:
         x = Inputs(case, torch.bfloat16, seed=0)
-        fi_ws: dict = {}
         calls = {}
         for name in ("flashinfer", "sdpa", "dense"):
             try:
-                calls[name] = (make_call(name, None, case, x, flashinfer, 0, fi_ws), None, None,
+                calls[name] = (VARIANTS[name].make(x, None, 0)[0], None, None,
                                2.0 * case.batch * KV_HEADS * case.n * HEAD_DIM * 2, None)
             except Exception as exc:  # noqa: BLE001 - a missing baseline must not lose the others
                 rows.append({"n": case.n, "batch": case.batch, "variant": name, "error": str(exc)[:200]})
@@ -231,8 +230,8 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]) if argv is None else "run.py " + " ".join(argv),
-        "torch": torch.__version__, "triton": _version("triton"),
-        "flashinfer": None if isinstance(flashinfer, Exception) else _version("flashinfer"),
+        "torch": torch.__version__, "triton": library_version("triton"),
+        "flashinfer": None if isinstance(flashinfer, Exception) else library_version("flashinfer"),
         "shape": f"{HEADS}/{KV_HEADS}/{HEAD_DIM} bf16", "density": args.density,
         "protocol": f"CUDA graph replays with a 512 MB L2 flush before each, CUDA events, {args.warmup} warm-up + "
                     f"{args.iters} timed, median (eager: the same without the graph)",

@@ -264,8 +264,9 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "flashinfer": None if isinstance(flashinfer, Exception) or flashinfer is None else _version("flashinfer"),
+        "triton": library_version("triton"),
+        "flashinfer": (None if isinstance(flashinfer, Exception) or flashinfer is None
+                       else library_version("flashinfer")),
         "dtype": str(dtype).replace("torch.", ""),
         "inputs": f"i.i.d. Gaussian q (times {q_scale}), K, V; all keys valid",
         "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median; "
@@ -275,7 +276,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
     }
 
 
-def _version(module: str) -> str | None:
+def library_version(module: str) -> str | None:
     try:
         return __import__(module).__version__
     except Exception:  # noqa: BLE001
