@@ -7,6 +7,15 @@ import torch
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def random_qkv(batch=2, heads=6, kv_heads=2, n=257, d=32, dtype=torch.float64, seed=0, peaked=1.0,
                device="cpu"):
     """Random decode inputs; ``peaked`` scales q to make attention sharper than uniform."""

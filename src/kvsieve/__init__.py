@@ -7,6 +7,7 @@ a transformers integration and an evaluation harness.
     out, stats = m.decode(q, k, v, seed=0)
     with kvsieve.sparsify(model, "santa-sys:budget=64", phase="decode") as session:
         model.generate(...)
+    result = kvsieve.generate(model, input_ids, "dense", max_new_tokens=64)  # the decode runtime
 
 Layers, each importing only from the ones below it (docs/architecture.md; tests/test_architecture.py):
 core ← kernels ← methods ← integrations ← runtime ← eval, bench, fit ← cli.
@@ -26,7 +27,8 @@ from .core.stats import StepStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Method", "StepStats", "load_model", "method", "methods", "parse_spec", "sparsify", "__version__"]
+__all__ = ["Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec", "sparsify",
+           "__version__"]
 
 
 def sparsify(model: Any, method: Any, **kwargs: Any):
@@ -47,3 +49,11 @@ def load_model(name: str = "default", **kwargs: Any):
     from .integrations.models import load_model as _load
 
     return _load(name, **kwargs)
+
+
+def generate(model: Any, input_ids: Any, method: Any = "dense", **kwargs: Any):
+    """Generate with the decode runtime: a static KV cache, exact prefill, the method in every decode
+    step, the step captured in a CUDA graph on CUDA. See :func:`kvsieve.runtime.generate`."""
+    from .runtime import generate as _generate
+
+    return _generate(model, input_ids, method, **kwargs)

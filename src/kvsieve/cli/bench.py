@@ -22,7 +22,7 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="GPU microbenchmarks (decode-step attention vs FlashInfer/SDPA)")
+    p = sub.add_parser("bench", help="GPU benchmarks: decode-step attention vs FlashInfer/SDPA; whole-model decode")
     bench_sub = p.add_subparsers(dest="bench_kind", required=True)
     d = bench_sub.add_parser("decode", help="time one decode step's attention with a cold L2")
     d.add_argument("--shapes", default="llama-3.1-8b,smollm2-135m",
@@ -40,7 +40,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
     d.add_argument("--name", default=None, help="file stem (default: <date>-<device>-decode)")
     d.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
-    p.set_defaults(handler=run)
+    d.set_defaults(handler=run)
+
+    e = bench_sub.add_parser("e2e", help="whole-model decode steps per method (random weights, known shapes)")
+    e.add_argument("--shapes", default="llama-3.1-8b", help="comma list of llama-3.1-8b, qwen2.5-7b, smollm2-135m")
+    e.add_argument("--contexts", default="8k,32k,64k,128k", help="comma list of prompt lengths per row")
+    e.add_argument("--batches", default="1,8", help="comma list of batch sizes")
+    e.add_argument("--cases", default=None,
+                   help="explicit batch×context cases instead of the full grid, e.g. '1x32k,1x128k,8x32k'")
+    e.add_argument("--methods", default="santa-prop:budget=128",
+                   help="semicolon list of method specs run in the runtime (empty: none)")
+    e.add_argument("--baselines", default="runtime,hf-eager", help="comma list of runtime, hf-eager")
+    e.add_argument("--steps", type=int, default=30, help="timed decode steps (graph-captured variants)")
+    e.add_argument("--method-steps", type=int, default=8, help="timed decode steps of eagerly run methods")
+    e.add_argument("--hf-steps", type=int, default=4, help="timed decode steps of transformers' eager decode")
+    e.add_argument("--warmup", type=int, default=3)
+    e.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
+    e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e)")
+    e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
+    e.set_defaults(handler=run_e2e)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,6 +92,53 @@ def run(args: argparse.Namespace) -> int:
         Console().print(Markdown(markdown(results, command)))
     except ImportError:  # pragma: no cover
         print(markdown(results, command))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def parse_cases(text: str) -> tuple[tuple[int, int], ...]:
+    """'1x32k,8x32k' -> ((1, 32768), (8, 32768))."""
+    out = []
+    for part in text.split(","):
+        batch, sep, n = part.strip().lower().partition("x")
+        if not sep or not batch.isdigit():
+            raise ValueError(f"--cases: expected BATCHxCONTEXT items such as 1x32k, got {part!r}")
+        out.append((int(batch), parse_sizes(n)[0]))
+    return tuple(out)
+
+
+def run_e2e(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench.e2e import BASELINES, MODEL_SHAPES, markdown, run_e2e_bench, write_results
+
+    shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
+    for s in shapes:
+        if s not in MODEL_SHAPES:
+            raise ValueError(f"--shapes: expected names from {', '.join(MODEL_SHAPES)}, got {s!r}")
+    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    for b in baselines:
+        if b not in BASELINES:
+            raise ValueError(f"--baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
+    methods = tuple(m.strip() for m in args.methods.split(";") if m.strip())
+    import kvsieve
+
+    for m in methods:
+        kvsieve.method(m)  # a bad spec fails before the model is built
+    cases = parse_cases(args.cases) if args.cases else None
+    if not torch.cuda.is_available():
+        print("kvsieve bench e2e needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    results = run_e2e_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
+                            methods=methods, baselines=baselines, steps=args.steps, method_steps=args.method_steps,
+                            hf_steps=args.hf_steps, warmup=args.warmup, cases=cases)
+    device = results["device"].lower()
+    tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
+    stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-e2e"
+    command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    paths = write_results(results, Path(args.out), stem, command)
+    print(markdown(results, command))
     for path in paths:
         print(f"wrote {path}")
     return 0

@@ -1,0 +1,362 @@
+"""``kvsieve bench e2e``: whole-model decode steps per method, on a known model shape with random weights.
+
+For each model shape (a config written here, weights random: nothing is downloaded), batch size and
+context N: the runtime prefills N random tokens per row once, then each variant decodes from the same
+prefilled cache (``DecodeRuntime.rewind`` between variants):
+
+- ``runtime``: kvsieve's runtime with dense attention (Triton split-KV kernel, step captured in a
+  CUDA graph);
+- a method spec (``santa-prop:budget=128``, ...): the runtime with that method in every layer (in the
+  graph when the method's decode is capturable, else eagerly; ``graph`` in the results says which);
+- ``hf-eager``: transformers' own eager decode (DynamicCache, SDPA) from the same prompt K/V, run last
+  because it takes over the runtime's cache memory layer by layer.
+
+Reported per (variant, N, batch): ms per decode step (median of per-step CUDA-event times, and the
+mean of one timed loop), tokens/s (batch / step time), speedups vs runtime-dense and vs hf-eager, host
+time to issue a step, and the fraction of the physical floor: (weights read per step + the K/V bytes
+the method reads) / the measured device copy rate (read + write), the floor of issue 16.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+# Shapes only (the decode cost does not depend on RoPE scaling or the weights' values).
+MODEL_SHAPES: dict[str, dict] = {
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072 + 4096, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=131072 + 4096, tie_word_embeddings=False, use_sliding_window=False),
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+}
+BASELINES = ("runtime", "hf-eager")
+
+
+def build_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
+                **overrides):
+    """A causal LM of ``shape`` with random weights, on ``device``, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"shape: expected one of {', '.join(MODEL_SHAPES)}, got {shape!r}")
+    kw = {**MODEL_SHAPES[shape], **overrides}
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def weights_read_per_step(model) -> int:
+    """Bytes of weights a decode step reads: every parameter once, except an untied input embedding
+    (a step reads B of its rows)."""
+    seen, total = set(), 0
+    inp = model.get_input_embeddings().weight
+    tied = inp.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is inp and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float]:
+    """Per-step CUDA-event times (median), the mean over one loop, and the host time to issue a step."""
+    if not cuda:
+        t = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            t.append((time.perf_counter() - t0) * 1e3)
+        return {"ms": statistics.median(t), "loop_ms": sum(t) / n, "host_ms": float("nan")}
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s, e in events:
+        s.record()
+        step()
+        e.record()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    loop = time.perf_counter() - t0
+    per = [s.elapsed_time(e) for s, e in events]
+    return {"ms": statistics.median(per), "loop_ms": loop / n * 1e3, "host_ms": host / n * 1e3,
+            "min_ms": min(per), "max_ms": max(per)}
+
+
+def _kv_bytes_dense(rt) -> float:
+    """K and V bytes of every valid key of every layer during the current step."""
+    s = rt.shape
+    elt = torch.finfo(rt.dtype).bits // 8
+    return sum(rt.host_lengths()) * s.kv_heads * 2 * s.head_dim * elt * s.layers
+
+
+def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequence[int] = (32768, 131072),
+                  batches: Sequence[int] = (1, 8), methods: Sequence[str] = ("santa-prop:budget=128",),
+                  baselines: Sequence[str] = BASELINES, steps: int = 30, method_steps: int = 8, warmup: int = 3,
+                  hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int = 8192,
+                  cases: Sequence[tuple[int, int]] | None = None, device: str = "cuda",
+                  log: Callable[[str], None] = print) -> dict:
+    """Rows of ms/step per (shape, batch, context, variant); see the module docstring."""
+    from ..runtime import DecodeRuntime
+    from .timing import copy_bandwidth
+
+    cuda = torch.device(device).type == "cuda"
+    for b in baselines:
+        if b not in BASELINES:
+            raise ValueError(f"baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
+    peak = copy_bandwidth(device) if cuda else float("nan")
+    if cuda:
+        log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
+    rows: list[dict] = []
+    todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
+    for shape in shapes:
+        t0 = time.perf_counter()
+        model = build_model(shape, device=device, dtype=dtype)
+        weights = weights_read_per_step(model)
+        log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
+            f"{weights / 1e9:.2f} GB of weights read per step")
+        limit = model.config.max_position_embeddings
+        for batch, n in todo:
+            base = {"shape": shape, "batch": batch, "n": n}
+            new = 1 + warmup + max(steps, method_steps, hf_steps) + 1
+            if n + new > limit:
+                rows.append({**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {limit}"})
+                continue
+            if cuda:
+                free, _ = torch.cuda.mem_get_info()
+                kv = batch * (n + new) * model.config.num_key_value_heads * 2 * \
+                    (model.config.hidden_size // model.config.num_attention_heads) * 2 * model.config.num_hidden_layers
+                if kv * 1.15 + 6e9 > free:
+                    rows.append({**base, "variant": "*", "skipped": f"K/V cache {kv / 1e9:.1f} GB does not fit "
+                                 f"in {free / 1e9:.1f} GB free"})
+                    log(f"skip {shape} b={batch} n={n}: cache {kv / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+                    continue
+            g = torch.Generator().manual_seed(n + batch)
+            prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
+            case_rows = []
+            rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + new, max_new_tokens=new,
+                               eos_token_id=[], graph="auto", prefill_chunk=prefill_chunk)
+            with rt:
+                try:
+                    rt.prefill(prompts)
+                    log(f"{shape} b={batch} n={n}: prefill {rt.stats.prefill_s:.1f} s")
+                    variants = (["runtime"] if "runtime" in baselines else []) + list(methods)
+                    for variant in variants:
+                        row = {**base, "variant": variant}
+                        try:
+                            rt.set_method("dense" if variant == "runtime" else variant)
+                            rt.rewind()
+                            n_steps = steps if rt.use_graph else method_steps
+                            for _ in range(warmup):
+                                rt.step()
+                            rt.stats.records.clear()
+                            row.update(_time_steps(rt.step, n_steps, cuda))
+                            recs = rt.stats.records
+                            if recs:
+                                per_step = sum(r["bytes_read"] for r in recs) / n_steps
+                                row["kv_bytes_source"] = "method stats"
+                                row["density"] = sum(r["kv_density"] for r in recs) / len(recs)
+                                row["method_backends"] = sorted({r["backend"] for r in recs})
+                            else:
+                                per_step = _kv_bytes_dense(rt)
+                                row["kv_bytes_source"] = "all valid keys"
+                            row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
+                                       attention_backend=rt.attention_backend, kv_bytes=per_step,
+                                       weights_bytes=weights, fallbacks=rt.stats.fallbacks)
+                        except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
+                            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        case_rows.append(row)
+                        log(_line(row))
+                finally:
+                    rt.close()
+            if "hf-eager" in baselines:
+                row = {**base, "variant": "hf-eager"}
+                try:
+                    row.update(_hf_eager(model, rt, n, hf_steps, warmup=1, cuda=cuda))
+                    row.update(graph=False, attention_backend="sdpa (transformers)", weights_bytes=weights,
+                               kv_bytes=batch * n * model.config.num_key_value_heads * 2 *
+                               (model.config.hidden_size // model.config.num_attention_heads) * 2 *
+                               model.config.num_hidden_layers, kv_bytes_source="all valid keys")
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                case_rows.append(row)
+                log(_line(row))
+            del rt
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            _derive(case_rows, peak)
+            rows.extend(case_rows)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return {
+        "kind": "e2e",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "dtype": str(dtype).replace("torch.", ""),
+        "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, chunks of {prefill_chunk});"
+                     f" per variant {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} (eager"
+                     f" methods), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; greedy"),
+        "copy_bandwidth_bytes_per_s": peak,
+        "rows": rows,
+    }
+
+
+def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
+    """transformers' eager decode (DynamicCache, SDPA) from the runtime's prompt K/V. Each layer's K/V
+    move into the DynamicCache and the runtime's buffer is freed at once, so peak memory stays one cache."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, layer in enumerate(rt.cache.layers):
+        cache.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)
+        layer.keys = layer.values = None
+    tokens = rt.tokens_in.clone()
+    rt.cache.layers = []
+
+    @torch.no_grad()
+    def step():
+        nonlocal tokens
+        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    for _ in range(warmup):
+        step()
+    result = _time_steps(step, steps, cuda)
+    del cache
+    return result
+
+
+def _derive(rows: list[dict], peak: float) -> None:
+    base = next((r for r in rows if r["variant"] == "runtime" and "ms" in r), None)
+    hf = next((r for r in rows if r["variant"] == "hf-eager" and "ms" in r), None)
+    for r in rows:
+        if "ms" not in r:
+            continue
+        r["tokens_per_s"] = r["batch"] / (r["ms"] / 1e3)
+        if base is not None:
+            r["speedup_vs_runtime_dense"] = base["ms"] / r["ms"]
+        if hf is not None:
+            r["speedup_vs_hf_eager"] = hf["ms"] / r["ms"]
+        if peak == peak:  # not NaN
+            r["floor_ms"] = (r["weights_bytes"] + r["kv_bytes"]) / peak * 1e3
+            r["fraction_of_floor"] = r["floor_ms"] / r["ms"]
+
+
+def _line(r: dict) -> str:
+    head = f"{r['shape']} b={r['batch']} n={r['n']} {r['variant']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    return (f"{head}: {r['ms']:.2f} ms/step (loop {r['loop_ms']:.2f}, host {r['host_ms']:.3f}); graph={r.get('graph')}"
+            f" backend={r.get('attention_backend')}")
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _fmt(value, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown(results: dict, command: str) -> str:
+    lines = [
+        f"# End-to-end decode benchmark — {results['device']}",
+        "",
+        f"- date: {results['date']}; torch {results['torch']}, transformers {results['transformers']}, "
+        f"triton {results['triton']}; {results['dtype']}",
+        f"- command: `{command}`",
+        f"- protocol: {results['protocol']}",
+        f"- floor = (weights read per step + K/V bytes the method reads) / device copy rate "
+        f"({results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, read + write)",
+        "- runtime = kvsieve's decode runtime with dense attention; hf-eager = transformers' eager decode "
+        "(DynamicCache, SDPA); other rows = the runtime with that method",
+        "",
+    ]
+    rows = results["rows"]
+    for shape in sorted({r["shape"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows if r["shape"] == shape}):
+            sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+            lines += [f"## {shape}, batch {batch}", "",
+                      "| N | variant | ms/step | tokens/s | vs runtime-dense | vs hf-eager | floor ms | of floor "
+                      "| host ms | graph | attention | K/V density |",
+                      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+            for r in sorted(sel, key=lambda r: (r["n"], r["variant"])):
+                if "skipped" in r:
+                    lines.append(f"| {r['n']:,} | {r['variant']} | skipped: {r['skipped']} | | | | | | | | | |")
+                    continue
+                if "error" in r:
+                    lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:120]} | | | | | | | | | |")
+                    continue
+                lines.append(
+                    f"| {r['n']:,} | {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.1f} "
+                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x | {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
+                    f"| {_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('fraction_of_floor'), '.0%')} "
+                    f"| {_fmt(r.get('host_ms'), '.3f')} | {'yes' if r.get('graph') else 'no'} "
+                    f"| {r.get('attention_backend')} | {_fmt(r.get('density'), '.3f')} |")
+            lines.append("")
+    reasons = sorted({r["graph_reason"] for r in rows if r.get("graph_reason") and not r.get("graph")})
+    if reasons:
+        lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if "ms" in r]
+    groups = sorted({(r["shape"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.5), squeeze=False)
+    for ax, (shape, batch) in zip(axes[0], groups, strict=False):
+        sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+        for variant in sorted({r["variant"] for r in sel}):
+            pts = sorted((r["n"], r["tokens_per_s"]) for r in sel if r["variant"] == variant)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context N (tokens per row)")
+        ax.set_ylabel("tokens/s (batch / median step time)")
+        ax.set_title(f"{shape}, batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{results['device']} — {results['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_results(results: dict, out_dir, stem: str, command: str) -> list:
+    import json
+    from pathlib import Path
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = dict(results, command=command)
+    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
+    paths[0].write_text(json.dumps(results, indent=1, default=str))
+    paths[1].write_text(markdown(results, command))
+    plot(results, paths[2])
+    return paths

@@ -1,0 +1,525 @@
+"""The decode runtime: a static KV cache kvsieve owns and a decode step captured once in a CUDA graph.
+
+gpt-fast's design on transformers' own modules. The model runs unchanged (its projections, RoPE, norms
+and MLP); two things are ours:
+
+- the cache (:class:`~kvsieve.runtime.cache.RuntimeCache`), allocated once for the request, one
+  write position per batch row held in device memory;
+- the attention function ``"kvsieve-runtime"`` registered in transformers' ``AttentionInterface``:
+  prefill is exact SDPA over the row's prefix; a decode step reads each row's valid length from
+  device memory and runs kvsieve's dense split-KV Triton kernel (or the method's decode), never a
+  padded mask over the whole cache (except the recorded ``sdpa-masked`` fallback for head dims the
+  kernel does not take).
+
+One decode step = forward of the last tokens → logits → next tokens (greedy or counter-based
+sampling) → EOS bookkeeping, all on the device with no host synchronisation, so it is captured in a
+CUDA graph once and replayed per token. The host looks at ``finished`` only every ``check_every``
+steps. Per-request state (positions, step counter, each layer's method state) lives on the runtime
+object, never on the model's modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.method import Method
+from ..core.registry import method as build_method
+from ..core.rng import derive_seed
+from ..integrations.hf import attention_modules
+from .cache import RuntimeCache
+from .sampling import SamplingConfig, choose_tokens
+from .support import ModelShape, check_model, text_config
+
+ATTENTION_NAME = "kvsieve-runtime"
+GRAPH_CHOICES = ("auto", True, False)
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+
+# attention module -> the runtime serving it (weak: a dropped model leaves nothing behind)
+_RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, DecodeRuntime] = weakref.WeakKeyDictionary()
+_REGISTERED = False
+
+
+def _register_attention() -> None:
+    # No mask function is registered under this name on purpose: transformers then builds no mask at
+    # all ("custom attention without mask creation"), so a decode step never materialises one.
+    global _REGISTERED
+    if not _REGISTERED:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTENTION_NAME, _runtime_attention)
+        _REGISTERED = True
+
+
+def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    runtime = _RUNTIMES.get(module)
+    if runtime is None:
+        raise RuntimeError(f"{ATTENTION_NAME}: attention module of layer {module.layer_idx} is not attached to a "
+                           "DecodeRuntime (use kvsieve.generate or DecodeRuntime as a context manager)")
+    return runtime.attend(module, query, key, value, scaling, kwargs), None
+
+
+@dataclass
+class RuntimeStats:
+    """What a run did; ``records`` holds the method's per-(layer, step) stats where it reports them."""
+
+    method: str
+    attention_backend: str
+    graph: bool
+    graph_reason: str | None
+    batch: int
+    prompt_lengths: list[int]
+    capacity: int
+    cache_bytes: int
+    fallbacks: list[str] = field(default_factory=list)
+    new_tokens: list[int] = field(default_factory=list)
+    decode_steps: int = 0
+    host_checks: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch * self.decode_steps / self.decode_s if self.decode_s else float("nan")
+
+    @property
+    def backends(self) -> set[str]:
+        return {r["backend"] for r in self.records} or {self.attention_backend}
+
+    def layer_summary(self) -> dict[int, dict[str, float]]:
+        """Per layer: mean density, kv_density, V rows read and bytes over the method's calls."""
+        by_layer: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for rec in self.records:
+            by_layer[rec["layer"]].append(rec)
+        return {layer: {"calls": len(recs), **{k: sum(r[k] for r in recs) / len(recs)
+                                              for k in ("density", "kv_density", "v_rows_read", "bytes_read")}}
+                for layer, recs in sorted(by_layer.items())}
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("records")
+        d.update(ms_per_step=self.ms_per_step, tokens_per_s=self.tokens_per_s, backends=sorted(self.backends),
+                 method_calls=len(self.records))
+        return d
+
+
+@dataclass
+class GenerateResult:
+    """``tokens [B, T]``: the new tokens of each row (``pad_token_id`` after a row's EOS); ``stats``."""
+
+    tokens: torch.Tensor
+    stats: RuntimeStats
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+class DecodeRuntime:
+    """A model under one method, for one request of ``batch_size`` rows and ``capacity`` tokens a row.
+
+    Use as a context manager (it points the model's attention at kvsieve for its lifetime)::
+
+        with DecodeRuntime(model, "dense", batch_size=1, capacity=4096, max_new_tokens=64) as rt:
+            rt.prefill([ids])              # exact, emits the first new token
+            rt.decode(63)                  # graph replays
+            rt.tokens(), rt.stats
+    """
+
+    def __init__(self, model: torch.nn.Module, method: str | Method = "dense", *, batch_size: int, capacity: int,
+                 max_new_tokens: int, sampling: SamplingConfig | None = None,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 graph: bool | str = "auto", attention_backend: str = "auto", dense_layers: Sequence[int] = (),
+                 seed: int = 0, check_every: int = 8, prefill_chunk: int = 8192):
+        if graph not in GRAPH_CHOICES:
+            raise ValueError(f"graph: expected 'auto', True or False, got {graph!r}")
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+        for name, value, low in (("batch_size", batch_size, 1), ("capacity", capacity, 2),
+                                 ("max_new_tokens", max_new_tokens, 1), ("check_every", check_every, 1),
+                                 ("prefill_chunk", prefill_chunk, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+        self.model = model
+        self.method = build_method(method)
+        self.is_dense = self.method.name == "dense"
+        self.sampling = sampling or SamplingConfig()
+        self.shape: ModelShape = check_model(model, capacity)
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.batch, self.capacity, self.max_new = batch_size, capacity, max_new_tokens
+        self.seed, self.check_every, self.prefill_chunk = seed, check_every, prefill_chunk
+        self.modules = attention_modules(model)
+        n_layers = len(self.modules)
+        self.dense_layers = frozenset(int(i) for i in dense_layers)
+        bad = sorted(i for i in self.dense_layers if not 0 <= i < n_layers)
+        if bad:
+            raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
+
+        dev, b = self.device, batch_size
+        first = self.modules[0]
+        k_dim = v_dim = self.shape.head_dim
+        self.cache = RuntimeCache(text_config(model), batch=b, capacity=capacity, dtype=self.dtype, device=dev,
+                                  kv_heads=self.shape.kv_heads, k_dim=k_dim, v_dim=v_dim, n_layers=n_layers)
+        del first
+        # static buffers of the decode step (their addresses are what a captured graph reads)
+        self.position_ids = self.cache.positions.view(b, 1)
+        self.lengths64 = torch.ones(b, dtype=torch.int64, device=dev)
+        self.lengths32 = torch.ones(b, dtype=torch.int32, device=dev)
+        self.tokens_in = torch.zeros(b, 1, dtype=torch.int64, device=dev)
+        self.step_counter = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.finished = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.out_tokens = torch.zeros(b, max_new_tokens, dtype=torch.int64, device=dev)
+        eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        self.eos = torch.tensor(eos, dtype=torch.int64, device=dev) if eos else None
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (eos[0] if eos else None)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.sample_rows = torch.arange(b, device=dev, dtype=torch.int64).view(b, 1)
+        self.sample_cols = torch.arange(vocab, device=dev, dtype=torch.int64).view(1, vocab)
+        self.key_index = torch.arange(capacity, device=dev)
+
+        self.layer_state: dict[int, dict[str, Any]] = defaultdict(dict)
+        self.prompt_lengths: list[int] = []
+        self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
+        self.graph_obj: torch.cuda.CUDAGraph | None = None
+        self.last_logits: torch.Tensor | None = None
+        self._forward_extra = {"cache_position": None} if _accepts(model.forward, "cache_position") else {}
+        self._attached = False
+
+        fallbacks = list(self.shape.fallbacks)
+        self.attention_backend, reason = self._choose_attention_backend(attention_backend)
+        if reason:
+            fallbacks.append(reason)
+        self.use_graph, graph_reason = self._choose_graph(graph)
+        self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
+                                  graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
+                                  capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks)
+
+    def set_method(self, method: str | Method, graph: bool | str = "auto") -> None:
+        """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
+        with ``rewind``): drops the captured graph and every layer's method state."""
+        self.method = build_method(method)
+        self.is_dense = self.method.name == "dense"
+        self.graph_obj = None
+        self.layer_state.clear()
+        self.use_graph, reason = self._choose_graph(graph)
+        self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
+        self.stats.records.clear()
+
+    # -- choices made once --------------------------------------------------------------------
+
+    def _choose_attention_backend(self, wanted: str) -> tuple[str, str | None]:
+        """Dense decode path: the Triton split-KV kernel on CUDA; torch SDPA on the CPU."""
+        if self.device.type != "cuda":
+            if wanted == "triton":
+                raise ValueError("attention_backend: 'triton' needs the model on a CUDA device")
+            return "sdpa", None
+        from ..kernels.triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_available
+
+        why = None
+        if not triton_available():
+            why = "triton is not installed"
+        elif self.shape.head_dim not in SUPPORTED_HEAD_DIMS:
+            why = f"head_dim {self.shape.head_dim} (the dense kernel takes {SUPPORTED_HEAD_DIMS})"
+        elif self.dtype not in SUPPORTED_DTYPES:
+            why = f"dtype {self.dtype}"
+        if why is None and wanted != "sdpa":
+            return "triton", None
+        if wanted == "triton":
+            raise ValueError(f"attention_backend: 'triton' cannot serve this model: {why}")
+        return "sdpa-masked", (f"dense decode through SDPA with a length mask over the whole cache ({why})"
+                               if why else "dense decode through SDPA with a length mask (asked for)")
+
+    def _choose_graph(self, wanted) -> tuple[bool, str | None]:
+        if wanted is False:
+            return False, "graph=False"
+        why = None
+        if self.device.type != "cuda":
+            why = "the model is not on a CUDA device (eager decode)"
+        elif not self.is_dense and not getattr(self.method, "graph_capturable", False):
+            why = (f"{self.method.name}: its decode is not CUDA-graph capturable yet (host seeds and Python-float "
+                   "stats; issue 14); decode steps run eagerly")
+        if why is None:
+            return True, None
+        if wanted is True:
+            raise ValueError(f"graph: True but the decode step cannot be captured: {why}")
+        return False, why
+
+    # -- context: the model's attention points at the runtime -------------------------------
+
+    def __enter__(self) -> DecodeRuntime:
+        self.attach()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def attach(self) -> None:
+        if self._attached:
+            return
+        busy = [m for m in self.modules if m in _RUNTIMES]
+        if busy:
+            raise ValueError("model: already attached to another DecodeRuntime; close it first")
+        _register_attention()
+        self._configs = {id(m.config): m.config for m in self.modules}
+        self._previous = {k: c._attn_implementation for k, c in self._configs.items()}
+        for c in self._configs.values():
+            c._attn_implementation = ATTENTION_NAME
+        for m in self.modules:
+            _RUNTIMES[m] = self
+        self._attached = True
+
+    def close(self) -> None:
+        if not self._attached:
+            return
+        for m in self.modules:
+            _RUNTIMES.pop(m, None)
+        for k, c in self._configs.items():
+            c._attn_implementation = self._previous[k]
+        self.graph_obj = None
+        self._attached = False
+
+    # -- attention --------------------------------------------------------------------------
+
+    def attend(self, module, query, key, value, scaling, kwargs) -> torch.Tensor:
+        """Output ``[B, Q, Hq, dv]``, the layout transformers' attention functions return."""
+        if kwargs.get("softcap") is not None:
+            raise ValueError("model: attention soft-capping is not implemented by the runtime's decode kernels")
+        for sink in ("s_aux", "sinks"):
+            if kwargs.get(sink) is not None:
+                raise ValueError("model: attention sinks are not implemented by the runtime's decode kernels")
+        window = kwargs.get("sliding_window")
+        if window is not None and window < self.capacity:
+            raise ValueError(f"model: sliding_window={window} binds within the cache of {self.capacity} tokens; "
+                             "the runtime does not implement windows")
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        if self.cache.mode == "prefill":
+            return self._prefill_attention(module, query, key, value, scaling)
+        layer = module.layer_idx
+        if self.is_dense or layer in self.dense_layers:
+            return self._dense_decode(module, query, key, value, scaling)
+        return self._method_decode(layer, query, key, value, scaling)
+
+    def _prefill_attention(self, module, query, key, value, scaling):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        start, q_len, n_keys = self.cache.prefill_start, query.shape[2], key.shape[2]
+        mask = None
+        if start:  # a later chunk: query i (position start + i) sees keys [0, start + i]
+            mask = (self.key_index[None, :n_keys] <= start + self.key_index[:q_len, None])[None, None]
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+
+    def _dense_decode(self, module, query, key, value, scaling):
+        if self.attention_backend == "triton":
+            from ..kernels.dense import dense_decode_triton
+
+            return dense_decode_triton(query[:, :, 0], key, value, self.lengths32, scaling)[:, None]
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if self.attention_backend == "sdpa-masked":
+            mask = (self.key_index[None, :] < self.lengths64[:, None])[:, None, None, :]
+            return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+        # CPU, eager: the host knows every row's length without asking the device
+        n = max(self.host_lengths())
+        k, v = key[:, :, :n], value[:, :, :n]
+        mask = None
+        if min(self.host_lengths()) != n:
+            mask = (self.key_index[None, :n] < self.lengths64[:, None])[:, None, None, :]
+        return sdpa_attention_forward(module, query, k, v, mask, dropout=0.0, scaling=scaling)[0]
+
+    def _method_decode(self, layer, query, key, value, scaling):
+        if not self.use_graph:
+            n = max(self.host_lengths())  # eager: the method need not look past the longest row
+            key, value = key[:, :, :n], value[:, :, :n]
+        # the stream sparsify + transformers' generate would use: (seed, request 0, layer, step, row 0)
+        seed = derive_seed(self.seed, 0, layer, self.emitted, 0)
+        est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths64, seed=seed,
+                                        scale=scaling, state=self.layer_state[layer], check_finite=False)
+        if isinstance(stats, dict) or hasattr(stats, "as_dict"):
+            rec = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
+            self.stats.records.append({"layer": layer, "step": self.emitted, **rec})
+        return est.to(query.dtype)[:, None]
+
+    # -- host-side bookkeeping (never reads the device) ---------------------------------------
+
+    def host_lengths(self) -> list[int]:
+        """Valid keys of each row during the current decode step (prompt + tokens fed so far)."""
+        return [n + self.emitted for n in self.prompt_lengths]
+
+    # -- prefill ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def prefill(self, rows: Sequence[torch.Tensor]) -> None:
+        """Prefill every row exactly (SDPA, chunks of ``prefill_chunk`` tokens) and emit its first new token."""
+        if len(rows) != self.batch:
+            raise ValueError(f"rows: expected {self.batch} prompts, got {len(rows)}")
+        lengths = [int(r.numel()) for r in rows]
+        if min(lengths) < 1:
+            raise ValueError("input_ids: every row needs at least one token")
+        if max(lengths) + self.max_new > self.capacity:
+            raise ValueError(f"max_new_tokens: a prompt of {max(lengths)} tokens + {self.max_new} new tokens exceed "
+                             f"the allocated cache of {self.capacity}")
+        self.attach()
+        t0 = time.perf_counter()
+        self.prompt_lengths = lengths
+        self.emitted = 0
+        self.layer_state.clear()
+        self.stats.records.clear()
+        self.graph_obj = None
+        self.cache.mode = "prefill"
+        last_logits = []
+        for b, row in enumerate(rows):
+            row = row.reshape(1, -1).to(self.device)
+            for start in range(0, row.shape[1], self.prefill_chunk):
+                chunk = row[:, start:start + self.prefill_chunk]
+                self.cache.prefill_row, self.cache.prefill_start = b, start
+                self.cache.seen_tokens = start
+                positions = torch.arange(start, start + chunk.shape[1], device=self.device)
+                extra = {"cache_position": positions} if self._forward_extra else {}
+                out = self.model(input_ids=chunk, position_ids=positions[None], past_key_values=self.cache,
+                                 use_cache=True, logits_to_keep=1, **extra)
+            last_logits.append(out.logits[:, -1])
+        self.cache.mode = "decode"
+        self.cache.seen_tokens = max(lengths)
+        self.cache.positions.copy_(torch.tensor(lengths, device=self.device))
+        self.step_counter.zero_()
+        self.finished.zero_()
+        self.out_tokens.zero_()
+        self._emit(torch.cat(last_logits))
+        self.emitted = 1
+        self._after_prefill = [t.clone() for t in (self.cache.positions, self.step_counter, self.tokens_in,
+                                                  self.finished, self.out_tokens)]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.prompt_lengths = lengths
+        self.stats.prefill_s = time.perf_counter() - t0
+        self.stats.decode_steps = self.stats.host_checks = 0
+        self.stats.decode_s = 0.0
+
+    def rewind(self) -> None:
+        """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks."""
+        for t, saved in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished,
+                             self.out_tokens), self._after_prefill, strict=True):
+            t.copy_(saved)
+        self.emitted = 1
+        self.layer_state.clear()
+        self.stats.records.clear()
+        self.stats.decode_steps = self.stats.host_checks = 0
+        self.stats.decode_s = 0.0
+
+    # -- the decode step ----------------------------------------------------------------------
+
+    def _emit(self, logits: torch.Tensor) -> None:
+        """Choose the next tokens from ``logits [B, V]`` and do the EOS bookkeeping, on the device."""
+        nxt = choose_tokens(logits, self.step_counter, self.sampling, self.sample_rows, self.sample_cols)
+        if self.pad_token_id is not None:
+            nxt = torch.where(self.finished, torch.full_like(nxt, self.pad_token_id), nxt)
+        self.out_tokens.scatter_(1, self.step_counter.view(1, 1).expand(self.batch, 1), nxt[:, None])
+        if self.eos is not None:
+            self.finished |= (nxt[:, None] == self.eos[None, :]).any(1)
+        self.tokens_in.copy_(nxt[:, None])
+        self.step_counter.add_(1)
+
+    def _step_body(self) -> None:
+        # plan once per step: every layer reads these lengths
+        torch.add(self.cache.positions, 1, out=self.lengths64)
+        self.lengths32.copy_(self.lengths64)
+        extra = {"cache_position": self.cache.positions[:1]} if self._forward_extra else {}
+        out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
+                         use_cache=True, logits_to_keep=1, **extra)
+        logits = out.logits[:, -1]
+        self.cache.positions.add_(1)
+        self._emit(logits)
+        self.last_logits = logits
+
+    def _capture(self) -> None:
+        saved = [t.clone() for t in (self.cache.positions, self.step_counter, self.tokens_in, self.finished,
+                                     self.out_tokens)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates workspaces and handles
+            for _ in range(2):
+                self._step_body()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished, self.out_tokens),
+                        saved, strict=True):
+            t.copy_(s)
+        self.layer_state.clear()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step_body()
+        self.graph_obj = graph
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One decode step: feed the last tokens, emit the next ones."""
+        if self.emitted >= self.max_new:
+            raise ValueError(f"max_new_tokens: all {self.max_new} new tokens were already generated")
+        if not self.prompt_lengths:
+            raise ValueError("prefill: call prefill(rows) before decoding")
+        if self.use_graph:
+            if self.graph_obj is None:
+                self._capture()
+            self.graph_obj.replay()
+        else:
+            self._step_body()
+        self.emitted += 1
+
+    @torch.no_grad()
+    def decode(self, steps: int | None = None) -> int:
+        """Up to ``steps`` decode steps (default: until ``max_new_tokens``), stopping once every row has
+        emitted EOS (checked every ``check_every`` steps). Returns the steps run."""
+        steps = self.max_new - self.emitted if steps is None else min(steps, self.max_new - self.emitted)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        done = 0
+        for i in range(steps):
+            self.step()
+            done += 1
+            if self.eos is not None and (i + 1) % self.check_every == 0:
+                self.stats.host_checks += 1
+                if bool(self.finished.all()):
+                    break
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.decode_steps += done
+        return done
+
+    def tokens(self) -> torch.Tensor:
+        """New tokens ``[B, T]``: up to the step at which the last row emitted EOS (as transformers returns)."""
+        out = self.out_tokens[:, :self.emitted]
+        if self.eos is not None:
+            is_eos = (out[:, :, None] == self.eos[None, None, :]).any(-1)
+            first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], -1, dtype=torch.long))
+            if bool((first >= 0).all()):
+                out = out[:, :int(first.max()) + 1]
+        self.stats.new_tokens = [int(x) for x in self._new_counts(out)]
+        return out.cpu()
+
+    def _new_counts(self, out: torch.Tensor) -> list[int]:
+        if self.eos is None:
+            return [out.shape[1]] * self.batch
+        is_eos = (out[:, :, None] == self.eos[None, None, :]).any(-1)
+        counts = []
+        for b in range(self.batch):
+            hits = is_eos[b].nonzero()
+            counts.append(int(hits[0]) + 1 if len(hits) else out.shape[1])
+        return counts

@@ -1,0 +1,322 @@
+"""The decode runtime (issue 16): same tokens as transformers' generate, per-row lengths, EOS,
+counter-based sampling, methods, bad input; on CPU eagerly, on CUDA with the graph (``gpu`` tests)."""
+
+import math
+
+import pytest
+import torch
+
+import kvsieve
+from kvsieve.runtime import DecodeRuntime, SamplingConfig, generate, prompt_rows
+from kvsieve.runtime.sampling import choose_tokens, counter_uniforms
+
+
+def tiny_model(family="llama", seed=0, dtype=torch.float32, device="cpu", **overrides):
+    """A randomly initialised 2-layer causal LM of ``family`` (GQA 4 query / 2 KV heads)."""
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  attn_implementation="sdpa", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common.update(overrides)
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif family == "mistral":
+        common.setdefault("sliding_window", None)
+        cfg, cls = tf.MistralConfig(**common), tf.MistralForCausalLM
+    elif family == "gemma":
+        cfg, cls = tf.GemmaConfig(**{**common, "head_dim": 16}), tf.GemmaForCausalLM
+    elif family == "gemma2":
+        cfg, cls = tf.Gemma2Config(**{**common, "head_dim": 16}), tf.Gemma2ForCausalLM
+    elif family == "gemma3":
+        cfg = tf.Gemma3TextConfig(**{"head_dim": 16, "query_pre_attn_scalar": 16, **common})
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise AssertionError(family)
+    torch.manual_seed(seed)
+    return cls(cfg).eval().to(device=device, dtype=dtype)
+
+
+def random_ids(batch, length, seed=0, vocab=97, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).to(device)
+
+
+def hf_greedy(model, ids, new, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new, do_sample=False, **kw)
+    return out[:, ids.shape[1]:].cpu()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("chunk", [8192, 7])
+def test_dense_greedy_equals_transformers_generate(family, chunk):
+    model = tiny_model(family)
+    ids = random_ids(1, 23, seed=1)
+    ref = hf_greedy(model, ids, 16, pad_token_id=0)
+    result = generate(model, ids, max_new_tokens=16, prefill_chunk=chunk)
+    assert result.tokens.tolist() == ref.tolist()
+    s = result.stats
+    assert s.graph is False and s.attention_backend == "sdpa" and s.decode_steps == 15
+    assert s.new_tokens == [16] and s.prompt_lengths == [23] and s.capacity == 23 + 16
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def test_rows_keep_their_own_lengths():
+    model = tiny_model("llama")
+    lengths = [9, 21, 14]
+    ids = random_ids(3, 21, seed=2)
+    mask = torch.zeros(3, 21, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        mask[b, 21 - n:] = 1  # left padding, as the tokenizer pads
+    result = generate(model, ids, attention_mask=mask, max_new_tokens=10)
+    for b, n in enumerate(lengths):
+        alone = hf_greedy(model, ids[b:b + 1, 21 - n:], 10, pad_token_id=0)
+        assert result.tokens[b].tolist() == alone[0].tolist(), f"row {b}"
+    assert result.stats.prompt_lengths == lengths
+    # the same prompts given as a list of 1-D tensors
+    rows = [ids[b, 21 - n:] for b, n in enumerate(lengths)]
+    assert torch.equal(generate(model, rows, max_new_tokens=10).tokens, result.tokens)
+
+
+def test_eos_stops_rows_and_pads_like_transformers():
+    model = tiny_model("llama")
+    ids = random_ids(2, 15, seed=3)
+    free = hf_greedy(model, ids, 12, pad_token_id=0)
+    eos = int(free[0, 4])  # row 0 emits this token at step 4 (maybe earlier)
+    ref = hf_greedy(model, ids, 12, eos_token_id=eos, pad_token_id=1)
+    result = generate(model, ids, max_new_tokens=12, eos_token_id=eos, pad_token_id=1, check_every=3)
+    assert result.tokens.tolist() == ref.tolist()
+    first = [next((i for i, t in enumerate(row) if t == eos), None) for row in free.tolist()]
+    assert result.stats.new_tokens[0] == first[0] + 1
+    if all(f is not None for f in first):  # every row stopped: the host noticed within check_every steps
+        assert result.stats.decode_steps <= max(first) + 3
+
+
+def test_methods_match_sparsify_with_the_same_seed():
+    model = tiny_model("llama")
+    ids = random_ids(1, 40, seed=4)
+    for spec in ("streaming:sink=4,window=8", "santa-sys:budget=8", "oracle-topk:top_k=6"):
+        with kvsieve.sparsify(model, spec, seed=5) as session:
+            ref = hf_greedy(model, ids, 8, pad_token_id=0)
+        result = generate(model, ids, spec, max_new_tokens=8, seed=5)
+        assert result.tokens.tolist() == ref.tolist(), spec
+        assert result.stats.graph is False
+        # one record per layer per decode step, the same densities sparsify saw
+        assert len(result.stats.records) == 2 * 7
+        ours = sorted((r["layer"], r["step"], r["density"]) for r in result.stats.records)
+        theirs = sorted((r["layer"], r["step"], r["density"]) for r in session.records)
+        assert [x[2] for x in ours] == pytest.approx([x[2] for x in theirs])
+
+
+def test_dense_layers_stay_exact():
+    model = tiny_model("llama")
+    ids = random_ids(1, 30, seed=6)
+    result = generate(model, ids, "streaming:sink=2,window=4", max_new_tokens=5, dense_layers=[0])
+    assert {r["layer"] for r in result.stats.records} == {1}
+
+
+def test_sampling_is_reproducible_and_seeded():
+    model = tiny_model("llama")
+    ids = random_ids(2, 12, seed=7)
+    a = generate(model, ids, max_new_tokens=20, do_sample=True, seed=3, temperature=1.5)
+    b = generate(model, ids, max_new_tokens=20, do_sample=True, seed=3, temperature=1.5)
+    c = generate(model, ids, max_new_tokens=20, do_sample=True, seed=4, temperature=1.5)
+    assert torch.equal(a.tokens, b.tokens)
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.8)])
+def test_counter_sampling_draws_from_the_softmax(top_k, top_p):
+    """Chi-square test of 20,000 draws (step counter 0..19,999) against the filtered softmax."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, generator=g) * 0.8
+    cfg = SamplingConfig(do_sample=True, temperature=1.0, top_k=top_k, top_p=top_p, seed=11)
+    n = 20000
+    steps = torch.arange(n).view(n, 1)
+    rows = torch.zeros(1, 1, dtype=torch.int64)
+    cols = torch.arange(6).view(1, 6)
+    draws = choose_tokens(logits.expand(n, 6), steps, cfg, rows, cols)
+    p = torch.softmax(logits[0].double(), -1)
+    keep = torch.ones(6, dtype=torch.bool)
+    if top_k:
+        keep = p >= p.topk(top_k).values[-1]
+    if top_p < 1:
+        order = p.argsort()
+        drop = p[order].cumsum(0) <= 1 - top_p
+        keep = torch.ones(6, dtype=torch.bool)
+        keep[order[drop]] = False
+    p = torch.where(keep, p, 0) / p[keep].sum()
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[~keep].sum() == 0
+    expected = p[keep] * n
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    # P(chi2 > dof + 6 sqrt(2 dof)) is far below 1e-4 for these dof
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), chi2
+
+
+def test_counter_uniforms_are_uniform_and_distinct():
+    u = counter_uniforms(7, torch.arange(64).view(64, 1), torch.zeros(1, 1, dtype=torch.int64),
+                         torch.arange(4096).view(1, 4096)).flatten().double()
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 5 * (1 / 12 / u.numel()) ** 0.5
+    # distinct values as for independent draws from the 2**23 grid (birthday count, 6 sigma)
+    grid, n = 2**23, u.numel()
+    expected = grid * (1 - math.exp(-n / grid))
+    assert abs(u.unique().numel() - expected) < 6 * math.sqrt(n - expected)
+
+
+def test_rewind_repeats_the_same_decode():
+    model = tiny_model("llama")
+    ids = random_ids(2, 10, seed=8)
+    with DecodeRuntime(model, "dense", batch_size=2, capacity=30, max_new_tokens=12) as rt:
+        rt.prefill(prompt_rows(ids))
+        rt.decode()
+        first = rt.tokens().clone()
+        rt.rewind()
+        rt.decode()
+        assert torch.equal(rt.tokens(), first)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            rt.step()
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_soft_capping_is_refused_by_name():
+    model = tiny_model("gemma2", attn_logit_softcapping=50.0, attn_implementation="eager")
+    with pytest.raises(ValueError, match="soft-capping"):
+        generate(model, random_ids(1, 8), max_new_tokens=2)
+
+
+def test_binding_sliding_window_is_refused_and_a_loose_one_recorded():
+    model = tiny_model("mistral", sliding_window=16)
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        generate(model, random_ids(1, 20), max_new_tokens=2)
+    result = generate(model, random_ids(1, 8), max_new_tokens=4)
+    assert result.tokens.tolist() == hf_greedy(model, random_ids(1, 8), 4, pad_token_id=0).tolist()
+    assert any("never binds" in f for f in result.stats.fallbacks)
+    gemma3 = tiny_model("gemma3", sliding_window=6)
+    with pytest.raises(ValueError, match="sliding"):
+        generate(gemma3, random_ids(1, 10), max_new_tokens=2)
+
+
+def test_unsupported_family_is_refused_by_name():
+    import transformers as tf
+
+    gpt2 = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)).eval()
+    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+        generate(gpt2, random_ids(1, 5, vocab=50), max_new_tokens=2)
+
+
+def test_lengths_beyond_cache_or_context_are_refused():
+    model = tiny_model("llama", max_position_embeddings=32)
+    with pytest.raises(ValueError, match="maximum context of 32"):
+        generate(model, random_ids(1, 30), max_new_tokens=5)
+    with pytest.raises(ValueError, match="allocated cache of max_length=20"):
+        generate(model, random_ids(1, 10), max_new_tokens=15, max_length=20)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(model, random_ids(1, 10), max_new_tokens=0)
+
+
+def test_device_mismatch_is_refused():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="device: 'cuda'"):
+        generate(model, random_ids(1, 5), max_new_tokens=2, device="cuda")
+    with pytest.raises(ValueError, match="graph: True"):
+        generate(model, random_ids(1, 5), max_new_tokens=2, graph=True)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, random_ids(1, 5), max_new_tokens=2, do_sample=True, temperature=0)
+
+
+@pytest.mark.model
+def test_default_model_greedy_equals_transformers(default_model):
+    from kvsieve.demo import needle_prompt
+
+    model, tok = default_model
+    prompt = needle_prompt(tok, 600, 0.5, seed=0)
+    ids = prompt.input_ids
+    ref = hf_greedy(model, ids, 12, pad_token_id=tok.pad_token_id)
+    result = generate(model, ids, max_new_tokens=12)
+    assert result.tokens.tolist() == ref.tolist()
+
+
+# -- GPU: the captured step ------------------------------------------------------------------------
+
+def gpu_model(dtype=torch.bfloat16):
+    """4 layers, 8 query / 2 KV heads of dim 64: shapes the Triton dense kernel takes."""
+    return tiny_model("llama", dtype=dtype, device="cuda", hidden_size=512, intermediate_size=1024,
+                      num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=1000,
+                      max_position_embeddings=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_graph_replay_equals_eager_decode(do_sample):
+    model = gpu_model()
+    lengths = [700, 1500, 33]
+    rows = [random_ids(1, n, seed=i, vocab=1000, device="cuda")[0] for i, n in enumerate(lengths)]
+    runs = {}
+    for graph in (True, False):
+        r = generate(model, rows, max_new_tokens=40, graph=graph, do_sample=do_sample, seed=1, eos_token_id=None)
+        runs[graph] = r
+    assert runs[True].stats.graph and runs[True].stats.attention_backend == "triton"
+    assert not runs[False].stats.graph
+    assert torch.equal(runs[True].tokens, runs[False].tokens)
+
+
+@pytest.mark.gpu
+def test_graph_step_logits_equal_eager_step():
+    model = gpu_model()
+    rows = [random_ids(1, n, seed=n, vocab=1000, device="cuda")[0] for n in (300, 900)]
+    logits = {}
+    for graph in (True, False):
+        with DecodeRuntime(model, batch_size=2, capacity=1000, max_new_tokens=8, graph=graph) as rt:
+            rt.prefill(rows)
+            rt.decode(5)
+            torch.cuda.synchronize()
+            logits[graph] = rt.last_logits.float().clone()
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_decode_step_has_no_host_sync():
+    model = gpu_model()
+    rows = [random_ids(1, 500, seed=0, vocab=1000, device="cuda")[0]]
+    with DecodeRuntime(model, batch_size=1, capacity=600, max_new_tokens=20, graph=False) as rt:
+        rt.prefill(rows)
+        rt.step()  # compiles and allocates
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                rt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_dense_runtime_equals_transformers_on_rows_of_different_length():
+    model = gpu_model(dtype=torch.float32)
+    lengths = [400, 1200]
+    rows = [random_ids(1, n, seed=10 + n, vocab=1000, device="cuda")[0] for n in lengths]
+    result = generate(model, rows, max_new_tokens=16, eos_token_id=None)
+    assert result.stats.graph
+    for b, row in enumerate(rows):
+        assert result.tokens[b].tolist() == hf_greedy(model, row[None], 16, pad_token_id=0)[0].tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_gpu_default_model_greedy_equals_transformers():
+    from kvsieve.demo import needle_prompt
+
+    model, tok = kvsieve.load_model("default", device="cuda")
+    prompt = needle_prompt(tok, 4000, 0.5, seed=0)
+    ids = prompt.input_ids.cuda()
+    ref = hf_greedy(model, ids, 24, pad_token_id=tok.pad_token_id)
+    result = generate(model, ids, max_new_tokens=24)
+    assert result.stats.graph and result.stats.attention_backend == "triton"
+    assert result.tokens.tolist() == ref.tolist()
