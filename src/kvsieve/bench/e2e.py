@@ -95,17 +95,47 @@ def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float
             "min_ms": min(per), "max_ms": max(per)}
 
 
-def _kv_bytes_dense(rt) -> float:
-    """K and V bytes of every valid key of every layer during the current step."""
+_ATTENTION_KERNELS = ("dense_split", "merge_partials", "santa", "flash", "fmha", "attention", "sdpa", "weighted")
+_GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")
+BREAKDOWN_STEPS = 3
+
+
+def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict[str, float] | None:
+    """Device ms per step by kernel kind (attention, gemm = weights, other: norms, RoPE, sampling, ...) and
+    kernels per step, from the torch profiler over ``n`` steps; None where the profiler sees no kernels."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+        out = {"attention_ms": 0.0, "gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            name = e.name.lower()
+            kind = ("attention" if any(k in name for k in _ATTENTION_KERNELS)
+                    else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
+            out[f"{kind}_ms"] += e.time_range.elapsed_us() / 1e3 / n
+            out["kernels"] += 1 / n
+        return out if out["kernels"] else None
+    except Exception:  # noqa: BLE001 - the profiler is optional
+        return None
+
+
+def _kv_bytes_dense(rt, keys: float) -> float:
+    """K and V bytes of ``keys`` valid keys (summed over rows) in every layer."""
     s = rt.shape
     elt = torch.finfo(rt.dtype).bits // 8
-    return sum(rt.host_lengths()) * s.kv_heads * 2 * s.head_dim * elt * s.layers
+    return keys * s.kv_heads * 2 * s.head_dim * elt * s.layers
 
 
 def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequence[int] = (32768, 131072),
                   batches: Sequence[int] = (1, 8), methods: Sequence[str] = ("santa-prop:budget=128",),
                   baselines: Sequence[str] = BASELINES, steps: int = 30, method_steps: int = 8, warmup: int = 3,
-                  hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int = 8192,
+                  hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int | None = None,
                   cases: Sequence[tuple[int, int]] | None = None, device: str = "cuda",
                   log: Callable[[str], None] = print) -> dict:
     """Rows of ms/step per (shape, batch, context, variant); see the module docstring."""
@@ -130,7 +160,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         limit = model.config.max_position_embeddings
         for batch, n in todo:
             base = {"shape": shape, "batch": batch, "n": n}
-            new = 1 + warmup + max(steps, method_steps, hf_steps) + 1
+            new = 1 + warmup + max(steps, method_steps, hf_steps) + BREAKDOWN_STEPS + 1
             if n + new > limit:
                 rows.append({**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {limit}"})
                 continue
@@ -162,7 +192,11 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                             for _ in range(warmup):
                                 rt.step()
                             rt.stats.records.clear()
+                            # valid keys summed over rows, averaged over the timed steps
+                            keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
                             row.update(_time_steps(rt.step, n_steps, cuda))
+                            if cuda:
+                                row["breakdown"] = kernel_breakdown(rt.step)
                             recs = rt.stats.records
                             if recs:
                                 per_step = sum(r["bytes_read"] for r in recs) / n_steps
@@ -170,7 +204,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                                 row["density"] = sum(r["kv_density"] for r in recs) / len(recs)
                                 row["method_backends"] = sorted({r["backend"] for r in recs})
                             else:
-                                per_step = _kv_bytes_dense(rt)
+                                per_step = _kv_bytes_dense(rt, keys)
                                 row["kv_bytes_source"] = "all valid keys"
                             row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                                        attention_backend=rt.attention_backend, kv_bytes=per_step,
@@ -211,7 +245,8 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         "transformers": _version("transformers"),
         "triton": _version("triton"),
         "dtype": str(dtype).replace("torch.", ""),
-        "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, chunks of {prefill_chunk});"
+        "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, "
+                     f"{'one forward per row' if prefill_chunk is None else f'chunks of {prefill_chunk}'});"
                      f" per variant {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} (eager"
                      f" methods), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; greedy"),
         "copy_bandwidth_bytes_per_s": peak,
@@ -239,9 +274,7 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
 
     for _ in range(warmup):
         step()
-    result = _time_steps(step, steps, cuda)
-    del cache
-    return result
+    return _time_steps(step, steps, cuda)
 
 
 def _derive(rows: list[dict], peak: float) -> None:
@@ -310,19 +343,35 @@ def markdown(results: dict, command: str) -> str:
                     continue
                 lines.append(
                     f"| {r['n']:,} | {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.1f} "
-                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x | {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
+                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                    f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
                     f"| {_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('fraction_of_floor'), '.0%')} "
                     f"| {_fmt(r.get('host_ms'), '.3f')} | {'yes' if r.get('graph') else 'no'} "
                     f"| {r.get('attention_backend')} | {_fmt(r.get('density'), '.3f')} |")
             lines.append("")
+    broken = [r for r in rows if r.get("breakdown")]
+    if broken:
+        lines += ["Per-step device time by kernel kind (torch profiler, mean of "
+                  f"{BREAKDOWN_STEPS} steps; gemm = the weights' matrix products):", "",
+                  "| shape | batch | N | variant | attention ms | gemm ms | other ms | kernels/step |",
+                  "|---|---:|---:|---|---:|---:|---:|---:|"]
+        for r in sorted(broken, key=lambda r: (r["shape"], r["batch"], r["n"], r["variant"])):
+            b = r["breakdown"]
+            lines.append(f"| {r['shape']} | {r['batch']} | {r['n']:,} | {r['variant']} | {b['attention_ms']:.2f} "
+                         f"| {b['gemm_ms']:.2f} | {b['other_ms']:.2f} | {b['kernels']:.0f} |")
+        lines.append("")
     reasons = sorted({r["graph_reason"] for r in rows if r.get("graph_reason") and not r.get("graph")})
     if reasons:
         lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
     return "\n".join(lines)
 
 
-def plot(results: dict, path) -> None:
-    import matplotlib
+def plot(results: dict, path) -> bool:
+    """tokens/s vs context per variant; False (no file) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -346,6 +395,7 @@ def plot(results: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def write_results(results: dict, out_dir, stem: str, command: str) -> list:
@@ -358,5 +408,6 @@ def write_results(results: dict, out_dir, stem: str, command: str) -> list:
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
     paths[0].write_text(json.dumps(results, indent=1, default=str))
     paths[1].write_text(markdown(results, command))
-    plot(results, paths[2])
+    if not plot(results, paths[2]):
+        paths.pop()
     return paths

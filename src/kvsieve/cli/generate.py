@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the model and its cache live there)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype")
+    p.add_argument("--engine", choices=("auto", "runtime", "sparsify"), default="auto",
+                   help="runtime: kvsieve.generate (static cache; the decode step in a CUDA graph on cuda); "
+                        "sparsify: transformers' generate with kvsieve.sparsify; auto: runtime for --phase decode")
     p.set_defaults(handler=run)
 
 
@@ -58,8 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if args.phase == "question" and not args.demo:
         raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
 
+    engine = args.engine if args.engine != "auto" else ("runtime" if args.phase == "decode" else "sparsify")
+    if engine == "runtime" and args.phase != "decode":
+        raise ValueError("--engine runtime: the runtime serves --phase decode only; use --engine sparsify")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device is visible")
     with console.status(f"loading model {args.model!r}"):
-        model, tok = kvsieve.load_model(args.model)
+        model, tok = kvsieve.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     answer = None
     question_start = None
     if args.demo:
@@ -77,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     if limit and ids.shape[1] + args.max_new_tokens > limit:
         raise ValueError(f"prompt: {ids.shape[1]} tokens + {args.max_new_tokens} new exceed the model's "
                          f"maximum context of {limit}")
+
+    if engine == "runtime":
+        return _run_runtime(args, console, model, tok, ids, answer, method, dense_layers)
 
     # The exact prefix is computed once and shared by both runs. Its last prompt token is run again
     # by generate(); for phase=decode it must stay exact, so the method starts at the first
@@ -131,6 +144,61 @@ def run(args: argparse.Namespace) -> int:
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
 
     summary = session.layer_summary()
+    if summary:
+        layers = Table(title="per-layer mean over the method's calls", title_justify="left")
+        for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
+            layers.add_column(col, justify="right")
+        for layer, row in summary.items():
+            layers.add_row(str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
+                           f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}")
+        console.print(layers)
+    if dense_layers:
+        console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")
+    return 0
+
+
+def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -> int:
+    """Both answers through kvsieve.generate (the decode runtime); prints the same tables."""
+    import time
+
+    from rich.table import Table
+
+    import kvsieve
+
+    ids = ids.to(args.device)
+
+    def generate(spec):
+        t = time.perf_counter()
+        result = kvsieve.generate(model, ids, spec, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                  dense_layers=dense_layers, pad_token_id=tok.pad_token_id, device=args.device)
+        text = tok.decode(result.tokens[0], skip_special_tokens=True).strip()
+        return text, time.perf_counter() - t, result.stats
+
+    with console.status("generating with dense attention"):
+        dense_text, dense_s, dense_stats = generate("dense")
+    with console.status(f"generating with {method.spec}"):
+        sparse_text, sparse_s, stats = generate(method)
+    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}")
+    for col in ("attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
+                "generate s", "ms/token", "graph"):
+        table.add_column(col)
+    runs = (("dense", dense_text, dense_stats, dense_s), (method.spec, sparse_text, stats, sparse_s))
+    for name, text, st, secs in runs:
+        density = st.mean("density") if st.records else 1.0
+        cells = [name, text]
+        if answer is not None:
+            cells.append("yes" if answer in text else "[red]no[/red]")
+        cells += [f"{density:.4f}", f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
+        table.add_row(*cells)
+    console.print(table)
+    console.print(f"exact prefill of {ids.shape[1]} tokens: {stats.prefill_s:.1f} s; attention paths: "
+                  f"{', '.join(sorted(stats.backends))}")
+    for st in (dense_stats, stats):
+        if not st.graph:
+            console.print(f"{st.method}: no CUDA graph ({st.graph_reason})")
+        for note in st.fallbacks:
+            console.print(f"{st.method}: {note}")
+    summary = stats.layer_summary()
     if summary:
         layers = Table(title="per-layer mean over the method's calls", title_justify="left")
         for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):

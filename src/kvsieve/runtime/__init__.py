@@ -45,7 +45,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              device: str | torch.device | None = None, graph: bool | str = "auto", attention_backend: str = "auto",
-             dense_layers: Sequence[int] = (), check_every: int = 8, prefill_chunk: int = 8192,
+             dense_layers: Sequence[int] = (), check_every: int = 8, prefill_chunk: int | None = None,
              max_length: int | None = None) -> GenerateResult:
     """Generate with ``method`` in every decode step; the prompt is prefilled exactly.
 
@@ -53,7 +53,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     ``eos_token_id``/``pad_token_id`` default to the model's generation config. ``graph="auto"``
     captures the decode step in a CUDA graph on CUDA when the method can be captured (``stats.graph``
     and ``stats.graph_reason`` say what ran). ``max_length`` caps the cache (default: longest prompt +
-    ``max_new_tokens``). Returns the new tokens and the run's stats.
+    ``max_new_tokens``). ``prefill_chunk`` splits each prompt's prefill into chunks of that many tokens
+    (less activation memory; default: one forward per row). Returns the new tokens and the run's stats.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")

@@ -35,7 +35,7 @@ from ..core.registry import method as build_method
 from ..core.rng import derive_seed
 from ..integrations.hf import attention_modules
 from .cache import RuntimeCache
-from .sampling import SamplingConfig, choose_tokens
+from .sampling import SamplingConfig, choose_tokens, mix32
 from .support import ModelShape, check_model, text_config
 
 ATTENTION_NAME = "kvsieve-runtime"
@@ -104,8 +104,14 @@ class RuntimeStats:
         for rec in self.records:
             by_layer[rec["layer"]].append(rec)
         return {layer: {"calls": len(recs), **{k: sum(r[k] for r in recs) / len(recs)
-                                              for k in ("density", "kv_density", "v_rows_read", "bytes_read")}}
+                                              for k in ("density", "kv_density", "v_rows_read", "n_keys",
+                                                        "bytes_read")}}
                 for layer, recs in sorted(by_layer.items())}
+
+    def mean(self, key: str) -> float:
+        """Mean of one record field over every method call (NaN when none ran)."""
+        values = [r[key] for r in self.records if key in r]
+        return sum(values) / len(values) if values else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,25 +151,28 @@ class DecodeRuntime:
                  max_new_tokens: int, sampling: SamplingConfig | None = None,
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  graph: bool | str = "auto", attention_backend: str = "auto", dense_layers: Sequence[int] = (),
-                 seed: int = 0, check_every: int = 8, prefill_chunk: int = 8192):
+                 seed: int = 0, check_every: int = 8, prefill_chunk: int | None = None):
         if graph not in GRAPH_CHOICES:
             raise ValueError(f"graph: expected 'auto', True or False, got {graph!r}")
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         for name, value, low in (("batch_size", batch_size, 1), ("capacity", capacity, 2),
                                  ("max_new_tokens", max_new_tokens, 1), ("check_every", check_every, 1),
-                                 ("prefill_chunk", prefill_chunk, 1)):
+                                 ("prefill_chunk", capacity if prefill_chunk is None else prefill_chunk, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.model = model
         self.method = build_method(method)
         self.is_dense = self.method.name == "dense"
+        self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.sampling = sampling or SamplingConfig()
         self.shape: ModelShape = check_model(model, capacity)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.batch, self.capacity, self.max_new = batch_size, capacity, max_new_tokens
-        self.seed, self.check_every, self.prefill_chunk = seed, check_every, prefill_chunk
+        # one forward per row by default: causal SDPA without a mask (flash); chunks trade that for memory
+        self.seed, self.check_every = seed, check_every
+        self.prefill_chunk = capacity if prefill_chunk is None else prefill_chunk
         self.modules = attention_modules(model)
         n_layers = len(self.modules)
         self.dense_layers = frozenset(int(i) for i in dense_layers)
@@ -193,6 +202,12 @@ class DecodeRuntime:
         self.sample_cols = torch.arange(vocab, device=dev, dtype=torch.int64).view(1, vocab)
         self.key_index = torch.arange(capacity, device=dev)
 
+        # per-layer seed words for captured methods: each step's per-row seeds are hashed from these and
+        # the device step counter inside the graph (see _plan_step)
+        words = [derive_seed(seed, 0, layer) for layer in range(n_layers)]
+        self.layer_seed_words = torch.tensor([[w & 0xFFFFFFFF, (w >> 32) & 0x7FFFFFFF] for w in words],
+                                             dtype=torch.int64, device=dev)
+        self.row_seeds = torch.zeros(n_layers, b, dtype=torch.int64, device=dev)
         self.layer_state: dict[int, dict[str, Any]] = defaultdict(dict)
         self.prompt_lengths: list[int] = []
         self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
@@ -215,6 +230,7 @@ class DecodeRuntime:
         with ``rewind``): drops the captured graph and every layer's method state."""
         self.method = build_method(method)
         self.is_dense = self.method.name == "dense"
+        self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.graph_obj = None
         self.layer_state.clear()
         self.use_graph, reason = self._choose_graph(graph)
@@ -252,8 +268,9 @@ class DecodeRuntime:
         if self.device.type != "cuda":
             why = "the model is not on a CUDA device (eager decode)"
         elif not self.is_dense and not getattr(self.method, "graph_capturable", False):
-            why = (f"{self.method.name}: its decode is not CUDA-graph capturable yet (host seeds and Python-float "
-                   "stats; issue 14); decode steps run eagerly")
+            why = (f"{self.method.name}: its decode does not declare graph_capturable (today every method's decode "
+                   "reads lengths and seeds on the host and returns Python-float stats; issue 14); decode steps "
+                   "run eagerly")
         if why is None:
             return True, None
         if wanted is True:
@@ -344,14 +361,18 @@ class DecodeRuntime:
         return sdpa_attention_forward(module, query, k, v, mask, dropout=0.0, scaling=scaling)[0]
 
     def _method_decode(self, layer, query, key, value, scaling):
+        if self.capturable:
+            # per-row seeds [B] in device memory, fresh every step and every graph replay
+            seed = self.row_seeds[layer]
+        else:
+            # the stream sparsify + transformers' generate would use: (seed, request 0, layer, step, row 0)
+            seed = derive_seed(self.seed, 0, layer, self.emitted, 0)
         if not self.use_graph:
             n = max(self.host_lengths())  # eager: the method need not look past the longest row
             key, value = key[:, :, :n], value[:, :, :n]
-        # the stream sparsify + transformers' generate would use: (seed, request 0, layer, step, row 0)
-        seed = derive_seed(self.seed, 0, layer, self.emitted, 0)
         est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths64, seed=seed,
                                         scale=scaling, state=self.layer_state[layer], check_finite=False)
-        if isinstance(stats, dict) or hasattr(stats, "as_dict"):
+        if not self.use_graph and (isinstance(stats, dict) or hasattr(stats, "as_dict")):
             rec = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
             self.stats.records.append({"layer": layer, "step": self.emitted, **rec})
         return est.to(query.dtype)[:, None]
@@ -366,7 +387,8 @@ class DecodeRuntime:
 
     @torch.no_grad()
     def prefill(self, rows: Sequence[torch.Tensor]) -> None:
-        """Prefill every row exactly (SDPA, chunks of ``prefill_chunk`` tokens) and emit its first new token."""
+        """Prefill every row exactly (SDPA over the row, or chunks of ``prefill_chunk`` tokens, each seeing
+        the row's earlier keys) and emit its first new token."""
         if len(rows) != self.batch:
             raise ValueError(f"rows: expected {self.batch} prompts, got {len(rows)}")
         lengths = [int(r.numel()) for r in rows]
@@ -436,10 +458,18 @@ class DecodeRuntime:
         self.tokens_in.copy_(nxt[:, None])
         self.step_counter.add_(1)
 
-    def _step_body(self) -> None:
-        # plan once per step: every layer reads these lengths
+    def _plan_step(self) -> None:
+        """What every layer of this step shares, computed once: valid lengths and the methods' seeds."""
         torch.add(self.cache.positions, 1, out=self.lengths64)
         self.lengths32.copy_(self.lengths64)
+        if self.capturable:
+            rows = self.sample_rows.view(1, -1)
+            lo = mix32(self.layer_seed_words[:, :1] ^ mix32(self.step_counter.view(1, 1) ^ mix32(rows)))
+            hi = mix32(self.layer_seed_words[:, 1:] ^ lo) & 0x7FFFFFFF
+            self.row_seeds.copy_((hi << 32) | lo)
+
+    def _step_body(self) -> None:
+        self._plan_step()
         extra = {"cache_position": self.cache.positions[:1]} if self._forward_extra else {}
         out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1, **extra)
@@ -505,21 +535,12 @@ class DecodeRuntime:
 
     def tokens(self) -> torch.Tensor:
         """New tokens ``[B, T]``: up to the step at which the last row emitted EOS (as transformers returns)."""
-        out = self.out_tokens[:, :self.emitted]
+        out = self.out_tokens[:, :self.emitted].cpu()
+        counts = [out.shape[1]] * self.batch
         if self.eos is not None:
-            is_eos = (out[:, :, None] == self.eos[None, None, :]).any(-1)
-            first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], -1, dtype=torch.long))
-            if bool((first >= 0).all()):
-                out = out[:, :int(first.max()) + 1]
-        self.stats.new_tokens = [int(x) for x in self._new_counts(out)]
-        return out.cpu()
-
-    def _new_counts(self, out: torch.Tensor) -> list[int]:
-        if self.eos is None:
-            return [out.shape[1]] * self.batch
-        is_eos = (out[:, :, None] == self.eos[None, None, :]).any(-1)
-        counts = []
-        for b in range(self.batch):
-            hits = is_eos[b].nonzero()
-            counts.append(int(hits[0]) + 1 if len(hits) else out.shape[1])
-        return counts
+            is_eos = (out[:, :, None] == self.eos.cpu()[None, None, :]).any(-1)
+            counts = [int(row.nonzero()[0]) + 1 if row.any() else out.shape[1] for row in is_eos]
+            if all(row.any() for row in is_eos):  # every row stopped: cut where the last one did
+                out = out[:, :max(counts)]
+        self.stats.new_tokens = counts
+        return out

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (issue 16): the runtime's gpu-marked tests, then `kvsieve bench e2e` for the
+# issue's targets (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime
+# dense, transformers eager, santa-prop:budget=128), everything written under $OUT.
+#
+#   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
+#   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
+#
+# Expected time on an H100: tests ~1-2 min, benchmark ~3 min (model built on the GPU, three prefills).
+# Build .device_data/wheels here with:
+#   pip download --no-deps --only-binary=:all: -d .device_data/wheels pytest pluggy iniconfig packaging pygments
+set -uo pipefail
+OUT=${OUT:-/tmp/kvsieve-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/src" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+if ! python3 -c "import pytest" 2>/dev/null && compgen -G ".device_data/wheels/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/kvsieve-testsite .device_data/wheels/*.whl
+    export PYTHONPATH="/tmp/kvsieve-testsite:$PYTHONPATH"
+fi
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+if [[ "${1:-}" != "--no-tests" ]]; then
+    timeout 200 python3 -m pytest tests/test_runtime.py -m gpu -q -rs --maxfail=20 -p no:cacheprovider \
+        2>&1 | tee "$OUT/gpu_tests.txt" | tail -40
+fi
+timeout 420 python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases 1x32k,1x128k,8x32k \
+    --methods "santa-prop:budget=128" --baselines runtime,hf-eager --out "$OUT" \
+    --record-command "bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
