@@ -40,7 +40,7 @@ from .support import ModelShape, check_model, text_config
 
 ATTENTION_NAME = "kvsieve-runtime"
 GRAPH_CHOICES = ("auto", True, False)
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "sdpa-masked")
 
 # attention module -> the runtime serving it (weak: a dropped model leaves nothing behind)
 _RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, DecodeRuntime] = weakref.WeakKeyDictionary()
@@ -240,10 +240,21 @@ class DecodeRuntime:
     # -- choices made once --------------------------------------------------------------------
 
     def _choose_attention_backend(self, wanted: str) -> tuple[str, str | None]:
-        """Dense decode path: the Triton split-KV kernel on CUDA; torch SDPA on the CPU."""
+        """Dense decode path: the Triton split-KV kernel on CUDA; torch SDPA on the CPU.
+
+        ``sdpa-masked`` (any device) reads the lengths from device memory as the graph does, with a
+        length mask over the whole cache; ``triton`` on the CPU runs the kernel through Triton's
+        interpreter (``TRITON_INTERPRET=1``): both let CPU tests walk the captured step's path."""
+        if wanted == "sdpa-masked":
+            return "sdpa-masked", "dense decode through SDPA with a length mask over the whole cache (asked for)"
         if self.device.type != "cuda":
             if wanted == "triton":
-                raise ValueError("attention_backend: 'triton' needs the model on a CUDA device")
+                from ..kernels.triton_utils import interpret_requested
+
+                if not interpret_requested():
+                    raise ValueError("attention_backend: 'triton' needs the model on a CUDA device (or "
+                                     "TRITON_INTERPRET=1 for Triton's interpreter on the CPU)")
+                return "triton", "the dense Triton kernel through Triton's interpreter (TRITON_INTERPRET=1)"
             return "sdpa", None
         from ..kernels.triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_available
 
