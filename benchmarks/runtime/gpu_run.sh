@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (issue 16): the runtime's gpu-marked tests, then `kvsieve bench e2e` for the
 # issue's targets (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime
-# dense, transformers eager, santa-prop:budget=128 and santa-flash:budget=2048), everything written under $OUT.
+# dense, transformers eager, santa-prop:budget=128, santa-flash:budget=2048, quest:top_k=0.05), all under $OUT.
 #
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
 #   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
@@ -27,5 +27,5 @@ if [[ "${1:-}" != "--no-tests" ]]; then
         2>&1 | tee "$OUT/gpu_tests.txt" | tail -40
 fi
 timeout 420 python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases 1x32k,1x128k,8x32k \
-    --methods "santa-prop:budget=128;santa-flash:budget=2048" --baselines runtime,hf-eager --out "$OUT" \
+    --methods "santa-prop:budget=128;santa-flash:budget=2048;quest:top_k=0.05" --baselines runtime,hf-eager --out "$OUT" \
     --record-command "bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
