@@ -95,8 +95,11 @@ def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float
             "min_ms": min(per), "max_ms": max(per)}
 
 
-_ATTENTION_KERNELS = ("dense_split", "merge_partials", "santa", "flash", "fmha", "attention", "sdpa", "weighted")
-_GEMM_KERNELS = ("gemm", "nvjet", "cutlass", "xmma", "matmul", "cublas")
+# kvsieve's Triton kernels (kernels/), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
+_ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "sample", "budget", "group_sum",
+                      "ordered_stats", "page_", "scores_kernel", "sparse_split", "flash", "fmha", "attention",
+                      "sdpa", "topk", "sort")
+_GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
 BREAKDOWN_STEPS = 3
 
 
@@ -148,6 +151,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
             raise ValueError(f"baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
     peak = copy_bandwidth(device) if cuda else float("nan")
     if cuda:
+        torch.cuda.empty_cache()  # the memory checks below read the driver's free memory
         log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
     todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
