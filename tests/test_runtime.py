@@ -427,12 +427,14 @@ def test_cli_generate_runs_the_runtime(capsys):
 def test_e2e_bench_rows_on_a_tiny_shape(monkeypatch, tmp_path):
     from kvsieve.bench import e2e
 
+    seen = []
     monkeypatch.setitem(e2e.MODEL_SHAPES, "tiny", dict(
         model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
     res = e2e.run_e2e_bench(shapes=("tiny",), cases=[(2, 40), (1, 600)], methods=("streaming:sink=4,window=8",),
                             steps=3, method_steps=2, hf_steps=2, warmup=1, device="cpu", dtype=torch.float32,
-                            log=lambda s: None)
+                            log=lambda s: None, checkpoint=lambda partial: seen.append(len(partial["rows"])))
+    assert seen == [3, 4]  # the results so far, after each case
     rows = res["rows"]
     done = [r for r in rows if "ms" in r]
     assert {r["variant"] for r in done} == {"runtime", "hf-eager", "streaming:sink=4,window=8"}

@@ -140,9 +140,9 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                   baselines: Sequence[str] = BASELINES, steps: int = 30, method_steps: int = 8, warmup: int = 3,
                   hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int | None = None,
                   cases: Sequence[tuple[int, int]] | None = None, device: str = "cuda",
-                  log: Callable[[str], None] = print) -> dict:
-    """Rows of ms/step per (shape, batch, context, variant); see the module docstring."""
-    from ..runtime import DecodeRuntime
+                  log: Callable[[str], None] = print, checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Rows of ms/step per (shape, batch, context, variant); see the module docstring. ``checkpoint``
+    is called with the results so far after every case (the CLI writes its files there)."""
     from .timing import copy_bandwidth
 
     cuda = torch.device(device).type == "cuda"
@@ -154,94 +154,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         torch.cuda.empty_cache()  # the memory checks below read the driver's free memory
         log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
-    todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
-    for shape in shapes:
-        t0 = time.perf_counter()
-        model = build_model(shape, device=device, dtype=dtype)
-        weights = weights_read_per_step(model)
-        log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
-            f"{weights / 1e9:.2f} GB of weights read per step")
-        limit = model.config.max_position_embeddings
-        for batch, n in todo:
-            base = {"shape": shape, "batch": batch, "n": n}
-            new = 1 + warmup + max(steps, method_steps, hf_steps) + BREAKDOWN_STEPS + 1
-            if n + new > limit:
-                rows.append({**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {limit}"})
-                continue
-            if cuda:
-                free, _ = torch.cuda.mem_get_info()
-                kv = batch * (n + new) * model.config.num_key_value_heads * 2 * \
-                    (model.config.hidden_size // model.config.num_attention_heads) * 2 * model.config.num_hidden_layers
-                if kv * 1.15 + 6e9 > free:
-                    rows.append({**base, "variant": "*", "skipped": f"K/V cache {kv / 1e9:.1f} GB does not fit "
-                                 f"in {free / 1e9:.1f} GB free"})
-                    log(f"skip {shape} b={batch} n={n}: cache {kv / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-                    continue
-            g = torch.Generator().manual_seed(n + batch)
-            prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
-            case_rows = []
-            rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + new, max_new_tokens=new,
-                               eos_token_id=[], graph="auto", prefill_chunk=prefill_chunk)
-            with rt:
-                try:
-                    rt.prefill(prompts)
-                    log(f"{shape} b={batch} n={n}: prefill {rt.stats.prefill_s:.1f} s")
-                    variants = (["runtime"] if "runtime" in baselines else []) + list(methods)
-                    for variant in variants:
-                        row = {**base, "variant": variant}
-                        try:
-                            rt.set_method("dense" if variant == "runtime" else variant)
-                            rt.rewind()
-                            n_steps = steps if rt.use_graph else method_steps
-                            for _ in range(warmup):
-                                rt.step()
-                            rt.stats.records.clear()
-                            # valid keys summed over rows, averaged over the timed steps
-                            keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
-                            row.update(_time_steps(rt.step, n_steps, cuda))
-                            if cuda:
-                                row["breakdown"] = kernel_breakdown(rt.step)
-                            recs = rt.stats.records
-                            if recs:
-                                per_step = sum(r["bytes_read"] for r in recs) / n_steps
-                                row["kv_bytes_source"] = "method stats"
-                                row["density"] = sum(r["kv_density"] for r in recs) / len(recs)
-                                row["method_backends"] = sorted({r["backend"] for r in recs})
-                            else:
-                                per_step = _kv_bytes_dense(rt, keys)
-                                row["kv_bytes_source"] = "all valid keys"
-                            row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
-                                       attention_backend=rt.attention_backend, kv_bytes=per_step,
-                                       weights_bytes=weights, fallbacks=rt.stats.fallbacks)
-                        except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
-                            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                        case_rows.append(row)
-                        log(_line(row))
-                finally:
-                    rt.close()
-            if "hf-eager" in baselines:
-                row = {**base, "variant": "hf-eager"}
-                try:
-                    row.update(_hf_eager(model, rt, n, hf_steps, warmup=1, cuda=cuda))
-                    row.update(graph=False, attention_backend="sdpa (transformers)", weights_bytes=weights,
-                               kv_bytes=batch * n * model.config.num_key_value_heads * 2 *
-                               (model.config.hidden_size // model.config.num_attention_heads) * 2 *
-                               model.config.num_hidden_layers, kv_bytes_source="all valid keys")
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                case_rows.append(row)
-                log(_line(row))
-            del rt
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-            _derive(case_rows, peak)
-            rows.extend(case_rows)
-        del model
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    return {
+    results = {
         "kind": "e2e",
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "device": torch.cuda.get_device_name() if cuda else "cpu",
@@ -252,10 +165,108 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, "
                      f"{'one forward per row' if prefill_chunk is None else f'chunks of {prefill_chunk}'});"
                      f" per variant {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} (eager"
-                     f" methods), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; greedy"),
+                     f" steps), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; greedy"),
         "copy_bandwidth_bytes_per_s": peak,
         "rows": rows,
     }
+    todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
+    timing = dict(steps=steps, method_steps=method_steps, hf_steps=hf_steps, warmup=warmup)
+    for shape in shapes:
+        t0 = time.perf_counter()
+        model = build_model(shape, device=device, dtype=dtype)
+        weights = weights_read_per_step(model)
+        log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
+            f"{weights / 1e9:.2f} GB of weights read per step")
+        for batch, n in todo:
+            base = {"shape": shape, "batch": batch, "n": n}
+            try:
+                case_rows = _run_case(model, base, weights, methods, baselines, timing, prefill_chunk, cuda, log)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory in prefill: keep the other cases
+                case_rows = [{**base, "variant": "*", "error": f"{type(exc).__name__}: {exc}"[:300]}]
+                log(_line(case_rows[0]))
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            _derive(case_rows, peak)
+            rows.extend(case_rows)
+            if checkpoint is not None:
+                checkpoint(results)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict, prefill_chunk, cuda: bool,
+              log) -> list[dict]:
+    """The rows of one (shape, batch, N): one prefill, every runtime variant, then hf-eager."""
+    from ..runtime import DecodeRuntime
+
+    batch, n, cfg = base["batch"], base["n"], model.config
+    steps, method_steps, hf_steps, warmup = (timing[k] for k in ("steps", "method_steps", "hf_steps", "warmup"))
+    new = 1 + warmup + max(steps, method_steps, hf_steps) + BREAKDOWN_STEPS + 1
+    if n + new > cfg.max_position_embeddings:
+        return [{**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {cfg.max_position_embeddings}"}]
+    kv_per_key = cfg.num_key_value_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 2 * cfg.num_hidden_layers
+    if cuda:
+        free, _ = torch.cuda.mem_get_info()
+        kv = batch * (n + new) * kv_per_key
+        if kv * 1.15 + 6e9 > free:
+            log(f"skip {base}: cache {kv / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+            return [{**base, "variant": "*",
+                     "skipped": f"K/V cache {kv / 1e9:.1f} GB does not fit in {free / 1e9:.1f} GB free"}]
+    g = torch.Generator().manual_seed(n + batch)
+    device = next(model.parameters()).device
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
+    case_rows = []
+    rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + new, max_new_tokens=new,
+                       eos_token_id=[], graph="auto", prefill_chunk=prefill_chunk)
+    with rt:
+        rt.prefill(prompts)
+        log(f"{base}: prefill {rt.stats.prefill_s:.1f} s")
+        variants = (["runtime"] if "runtime" in baselines else []) + list(methods)
+        for variant in variants:
+            row = {**base, "variant": variant}
+            try:
+                rt.set_method("dense" if variant == "runtime" else variant)
+                rt.rewind()
+                n_steps = steps if rt.use_graph else method_steps
+                for _ in range(warmup):
+                    rt.step()
+                rt.stats.records.clear()
+                # valid keys summed over rows, averaged over the timed steps
+                keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
+                row.update(_time_steps(rt.step, n_steps, cuda))
+                recs = rt.stats.records
+                if recs:
+                    per_step = sum(r["bytes_read"] for r in recs) / n_steps
+                    row["kv_bytes_source"] = "method stats"
+                    row["density"] = sum(r["kv_density"] for r in recs) / len(recs)
+                    row["method_backends"] = sorted({r["backend"] for r in recs})
+                else:
+                    per_step = _kv_bytes_dense(rt, keys)
+                    row["kv_bytes_source"] = "all valid keys"
+                if cuda:
+                    row["breakdown"] = kernel_breakdown(rt.step)
+                row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
+                           attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
+                           fallbacks=list(rt.stats.fallbacks))
+            except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            case_rows.append(row)
+            log(_line(row))
+    if "hf-eager" in baselines:
+        row = {**base, "variant": "hf-eager"}
+        try:
+            row.update(_hf_eager(model, rt, n, hf_steps, warmup=1, cuda=cuda))
+            row.update(graph=False, attention_backend="sdpa (transformers)", weights_bytes=weights,
+                       kv_bytes=batch * n * kv_per_key, kv_bytes_source="all valid keys")
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        case_rows.append(row)
+        log(_line(row))
+    return case_rows
 
 
 def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
@@ -299,6 +310,8 @@ def _derive(rows: list[dict], peak: float) -> None:
 
 def _line(r: dict) -> str:
     head = f"{r['shape']} b={r['batch']} n={r['n']} {r['variant']}"
+    if "skipped" in r:
+        return f"{head}: skipped: {r['skipped']}"
     if "error" in r:
         return f"{head}: {r['error']}"
     return (f"{head}: {r['ms']:.2f} ms/step (loop {r['loop_ms']:.2f}, host {r['host_ms']:.3f}); graph={r.get('graph')}"

@@ -130,13 +130,14 @@ def run_e2e(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("kvsieve bench e2e needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
-    results = run_e2e_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
-                            methods=methods, baselines=baselines, steps=args.steps, method_steps=args.method_steps,
-                            hf_steps=args.hf_steps, warmup=args.warmup, cases=cases)
-    device = results["device"].lower()
+    device = torch.cuda.get_device_name().lower()
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-e2e"
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = run_e2e_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
+                            methods=methods, baselines=baselines, steps=args.steps, method_steps=args.method_steps,
+                            hf_steps=args.hf_steps, warmup=args.warmup, cases=cases,
+                            checkpoint=lambda partial: write_results(partial, Path(args.out), stem, command))
     paths = write_results(results, Path(args.out), stem, command)
     print(markdown(results, command))
     for path in paths:
