@@ -180,12 +180,17 @@ class DecodeRuntime:
         if bad:
             raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
 
+        # every refusal before the cache is allocated
+        fallbacks = list(self.shape.fallbacks)
+        self.attention_backend, reason = self._choose_attention_backend(attention_backend)
+        if reason:
+            fallbacks.append(reason)
+        self.use_graph, graph_reason = self._choose_graph(graph)
+
         dev, b = self.device, batch_size
-        first = self.modules[0]
-        k_dim = v_dim = self.shape.head_dim
+        head_dim = self.shape.head_dim
         self.cache = RuntimeCache(text_config(model), batch=b, capacity=capacity, dtype=self.dtype, device=dev,
-                                  kv_heads=self.shape.kv_heads, k_dim=k_dim, v_dim=v_dim, n_layers=n_layers)
-        del first
+                                  kv_heads=self.shape.kv_heads, k_dim=head_dim, v_dim=head_dim, n_layers=n_layers)
         # static buffers of the decode step (their addresses are what a captured graph reads)
         self.position_ids = self.cache.positions.view(b, 1)
         self.lengths64 = torch.ones(b, dtype=torch.int64, device=dev)
@@ -213,14 +218,10 @@ class DecodeRuntime:
         self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
         self.graph_obj: torch.cuda.CUDAGraph | None = None
         self.last_logits: torch.Tensor | None = None
-        self._forward_extra = {"cache_position": None} if _accepts(model.forward, "cache_position") else {}
+        # transformers before 5.2x take the cache write position as `cache_position` (used here only for
+        # its mask and rope bookkeeping: the runtime's cache writes where `positions` says)
+        self._pass_cache_position = _accepts(model.forward, "cache_position")
         self._attached = False
-
-        fallbacks = list(self.shape.fallbacks)
-        self.attention_backend, reason = self._choose_attention_backend(attention_backend)
-        if reason:
-            fallbacks.append(reason)
-        self.use_graph, graph_reason = self._choose_graph(graph)
         self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks)
@@ -424,7 +425,7 @@ class DecodeRuntime:
                 self.cache.prefill_row, self.cache.prefill_start = b, start
                 self.cache.seen_tokens = start
                 positions = torch.arange(start, start + chunk.shape[1], device=self.device)
-                extra = {"cache_position": positions} if self._forward_extra else {}
+                extra = {"cache_position": positions} if self._pass_cache_position else {}
                 out = self.model(input_ids=chunk, position_ids=positions[None], past_key_values=self.cache,
                                  use_cache=True, logits_to_keep=1, **extra)
             last_logits.append(out.logits[:, -1])
@@ -481,7 +482,7 @@ class DecodeRuntime:
 
     def _step_body(self) -> None:
         self._plan_step()
-        extra = {"cache_position": self.cache.positions[:1]} if self._forward_extra else {}
+        extra = {"cache_position": self.cache.positions[:1]} if self._pass_cache_position else {}
         out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
                          use_cache=True, logits_to_keep=1, **extra)
         logits = out.logits[:, -1]
