@@ -1,0 +1,213 @@
+"""Bernoulli qKᵀ (the SANTA paper's Sec. 5, App. C): scores from sparse ternary queries.
+
+``bernoulli-qk`` estimates the scores ``qKᵀ`` from B ternary draws of the query
+(``kernels/bernoulli/reference.py`` has the math) and reads only the K features some draw kept.
+
+- ``query=head`` (Eq. 5/9): one feature set per query head; a GQA group reads the union of its
+  heads' sets (the paper's "group" access in Table 5).
+- ``query=mean-group`` (Eq. 6/13, the paper's configuration from Table 5 on): one feature set per
+  group, drawn from ``m = mean_g |q_g|``; head g is scored with ``m̂ ⊙ q_g / m``.
+
+Value stage (``values``): ``exact`` takes the exact softmax of the estimated scores and all V rows
+(the paper's Tables 5–6). ``santa``, ``santa-strat``, ``santa-sys``, ``santa-prop`` and
+``santa-flash`` sample ``budget`` V rows from the softmax of the *estimated* scores, as Table 7
+composes Bernoulli qKᵀ with SANTA. The scores enter the sampler exactly where the exact scores
+would: ``p̃ = softmax(ŝ)``. Given ŝ each sampler is unbiased for ``p̃V`` (prop with
+largest-remainder rounding keeps its own small bias), so the composition's expectation is
+``E_ŝ[softmax(ŝ)] V``, the same as ``values=exact``: V sampling adds variance and no bias. Neither
+is unbiased for ``softmax(s) V``: ŝ is unbiased for s but the softmax is not linear (Jensen), so
+the score stage is biased, more so at small B and peaked attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.method import Method, read_stats
+from ..core.registry import register_method
+from ..core.rng import as_generator
+from ..kernels.bernoulli.reference import (
+    SAMPLINGS,
+    STRATA,
+    bernoulli_query,
+    estimated_scores,
+    mean_group_query,
+)
+from ..kernels.santa.reference import (
+    auto_tile_size,
+    grouped_weighted_values,
+    n_tiles,
+    santa_flash_reference,
+    santa_prop_reference,
+)
+from ..kernels.santa.systematic import inverse_cdf
+from .shared.exact import compute_dtype
+
+VALUE_STAGES = ("exact", "santa", "santa-strat", "santa-sys", "santa-prop", "santa-flash")
+QUERIES = ("head", "mean-group")
+
+
+@dataclass(frozen=True)
+class BernoulliConfig(MethodConfig):
+    draws: int = param(4, "Bernoulli draws B averaged per query (the paper's B)")
+    sampling: Literal["stratified", "iid"] = param(
+        "stratified", "stratified: one draw per stratum [n/B, (n+1)/B) (Tables 5-7); iid: Eq. 8 as written"
+    )
+    strata: Literal["per-feature", "shared"] = param(
+        "per-feature",
+        "stratified only: stratum offsets drawn per feature (features independent) or shared by a query's features",
+    )
+    query: Literal["head", "mean-group"] = param(
+        "head", "head: a feature set per query head (Eq. 5); mean-group: one per GQA group from mean|q_g| (Eq. 6)"
+    )
+    norm_factor: float = param(1.0, "norm = norm_factor * max|q| per query (>= 1: the paper needs norm >= max|q|)")
+    values: Literal["exact", "santa", "santa-strat", "santa-sys", "santa-prop", "santa-flash"] = param(
+        "exact", "value stage: exact softmax(ŝ)V, or an S²ANTA sampler over softmax(ŝ)"
+    )
+    budget: int = param(64, "V samples S per query head when values is a SANTA sampler")
+    tile_size: int = param(0, "santa-prop/flash keys per tile; 0 = the kernels' rule")
+    rounding: Literal["largest-remainder", "systematic"] = param(
+        "largest-remainder", "santa-prop tile budgets: largest remainder (the paper) or systematic (unbiased)"
+    )
+    exact_when_covered: bool = param(
+        True, "SANTA value stage: rows with at most `budget` valid keys weight every V row by softmax(ŝ)"
+    )
+
+    def __post_init__(self) -> None:
+        require_int("draws", self.draws, minimum=1)
+        require_choice("sampling", self.sampling, SAMPLINGS)
+        require_choice("strata", self.strata, STRATA)
+        if self.sampling == "iid" and self.strata != "per-feature":
+            raise ValueError("strata: 'shared' couples stratified draws; sampling=iid takes strata=per-feature")
+        require_choice("query", self.query, QUERIES)
+        nf = self.norm_factor
+        if isinstance(nf, bool) or not isinstance(nf, (int, float)) or not 1.0 <= nf < float("inf"):
+            raise ValueError(f"norm_factor: expected a finite number >= 1 (norm >= max|q|), got {nf!r}")
+        require_choice("values", self.values, VALUE_STAGES)
+        require_int("budget", self.budget, minimum=1)
+        require_int("tile_size", self.tile_size, minimum=0)
+        require_choice("rounding", self.rounding, ("largest-remainder", "systematic"))
+
+
+def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64)
+
+
+def _thresholds(kind: str, shape: tuple[int, int], budget: int, gen: torch.Generator,
+                device: torch.device) -> torch.Tensor:
+    """SANTA's thresholds ``[B, Hq, S]`` (see methods/santa.py): iid, one per stratum, or systematic."""
+    if kind == "santa":
+        return _uniform((*shape, budget), gen, device)
+    m = torch.arange(budget, device=device, dtype=torch.float64)
+    if kind == "santa-strat":
+        return (m + _uniform((*shape, budget), gen, device)) / budget
+    return (m + _uniform((*shape, 1), gen, device)) / budget
+
+
+def sample_values(
+    kind: str,
+    scores: torch.Tensor,
+    v: torch.Tensor,
+    budget: int,
+    gen: torch.Generator,
+    *,
+    tile_size: int = 0,
+    rounding: str = "largest-remainder",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """S²ANTA sampler ``kind`` over ``softmax(scores)``: ``(out [B, Hq, dv] float64, v_read [B, Hq, N]
+    bool, samples [B, Hq])`` for ``scores [B, Hq, N]`` (float64, -inf on invalid keys) and
+    ``v [B, Hkv, N, dv]``. The samplers are the ones of methods/santa.py and santa_prop_flash.py,
+    fed with whatever scores the caller has (here the Bernoulli estimates)."""
+    require_choice("values", kind, VALUE_STAGES[1:])
+    b, hq, n = scores.shape
+    shape = (b, hq)
+    device = scores.device
+    if kind in ("santa", "santa-strat", "santa-sys"):
+        t = _thresholds(kind, shape, budget, gen, device)
+        idx = inverse_cdf(torch.softmax(scores, -1), t)  # [B, Hq, S]
+        hkv, dv = v.shape[1], v.shape[-1]
+        v_heads = v.unsqueeze(2).expand(b, hkv, hq // hkv, n, dv).reshape(b, hq, n, dv)
+        rows = torch.gather(v_heads, 2, idx.unsqueeze(-1).expand(b, hq, budget, dv))
+        v_read = torch.zeros(b, hq, n, dtype=torch.bool, device=device)
+        v_read.scatter_(2, idx, True)
+        return rows.to(torch.float64).mean(2), v_read, torch.full(shape, budget, device=device)
+    tile = tile_size or auto_tile_size(n)
+    t = n_tiles(n, tile)
+    if kind == "santa-prop":
+        budget_offset = _uniform(shape, gen, device)
+        tile_offsets = _uniform((*shape, t), gen, device)
+        sample = santa_prop_reference(scores, v, budget, tile, rounding=rounding,
+                                      budget_offset=budget_offset, tile_offsets=tile_offsets)
+    else:
+        tile_offsets = _uniform((*shape, t), gen, device)
+        sample = santa_flash_reference(scores, v, budget, tile, tile_offsets=tile_offsets)
+    return sample.out, sample.counts > 0, sample.samples
+
+
+@register_method
+class BernoulliQK(Method):
+    name = "bernoulli-qk"
+    config_class = BernoulliConfig
+    summary = ("Bernoulli qKᵀ: scores from B sparse ternary queries (K features read sparsely), "
+               "optional S²ANTA V sampling")
+    stochastic = True
+
+    def estimate_scores(self, inputs, gen):
+        """Estimated scaled scores ``[B, Hq, N]`` (float64, -inf on invalid keys) and the features
+        read per query head ``[B, Hq, d]`` and per KV head ``[B, Hkv, d]``."""
+        c = self.config
+        b, hq, d = inputs.q.shape
+        hkv, g = inputs.kv_heads, inputs.group
+        kwargs = dict(norm_factor=c.norm_factor, sampling=c.sampling, strata=c.strata, generator=gen,
+                      check_values=False)  # check_decode_inputs read the values already when asked
+        if c.query == "head":
+            q_est, read_head = bernoulli_query(inputs.q, c.draws, **kwargs)
+            read_group = read_head.view(b, hkv, g, d).any(2)
+        else:
+            q_est, read_group = mean_group_query(inputs.q.view(b, hkv, g, d), c.draws, **kwargs)
+            q_est = q_est.view(b, hq, d)
+            read_head = read_group[:, :, None, :].expand(b, hkv, g, d).reshape(b, hq, d)
+        scores = estimated_scores(q_est, inputs.k, inputs.scale, inputs.key_mask)
+        return scores, read_head, read_group
+
+    def _decode(self, inputs, seed, state):
+        c = self.config
+        gen = as_generator(seed, inputs.q.device)
+        scores, read_head, read_group = self.estimate_scores(inputs, gen)
+        dtype = compute_dtype(inputs)
+        extra = {"draws": c.draws}
+        if c.values == "exact":
+            out = grouped_weighted_values(torch.softmax(scores, -1), inputs.v).to(dtype)
+            v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
+        else:
+            out, v_read, samples = sample_values(c.values, scores, inputs.v, c.budget, gen,
+                                                 tile_size=c.tile_size, rounding=c.rounding)
+            extra["samples"] = float(samples.to(torch.float64).mean())
+            out = out.to(dtype)
+        exact_rows = 0
+        if c.values != "exact" and c.exact_when_covered:
+            rows = inputs.n_valid <= c.budget
+            exact_rows = int(rows.sum())
+            if exact_rows:
+                full = grouped_weighted_values(torch.softmax(scores, -1), inputs.v).to(dtype)
+                out = torch.where(rows[:, None, None], full, out)
+                v_read = torch.where(rows[:, None, None], inputs.key_mask[:, None, :].expand_as(v_read), v_read)
+        d = inputs.q.shape[-1]
+        feats_head = read_head.sum(-1).to(torch.float64)  # [B, Hq]
+        feats_group = read_group.sum(-1).to(torch.float64)  # [B, Hkv]
+        extra.update(
+            k_features_head=float(feats_head.mean()),
+            k_features_group=float(feats_group.mean()),
+            k_access_head=float(feats_head.mean() / d),
+            k_access_group=float(feats_group.mean() / d),
+        )
+        stats = read_stats(inputs, v_read, exact_rows=exact_rows, extra=extra)
+        # Every valid key of a KV head is scored, but only on the group's read features.
+        k_bytes = (inputs.n_valid[:, None].to(torch.float64) * feats_group).sum() * inputs.k.element_size()
+        v_rows = v_read.view(inputs.batch, inputs.kv_heads, inputs.group, -1).any(2).sum()
+        stats.bytes_read = int(k_bytes) + int(v_rows) * inputs.v.element_size() * inputs.v.shape[-1]
+        return out, stats
