@@ -1,0 +1,143 @@
+"""Bernoulli-K scores over a feature-major copy of K: a Triton kernel and its torch reference.
+
+In the cache layout ``k [B, Hkv, N, d]`` one key's d features lie together, so a 32-byte sector
+holds 16 bf16 features of one key and a feature subset that is not sector-aligned touches nearly
+every sector (``1 − (1 − ρ)^16`` of them at access rate ρ). In the feature-major copy
+``kT [B, Hkv, d, N]`` one feature of every key lies together, and reading ρ·d features reads
+exactly ρ of K's bytes. This module scores the keys of a KV head over the features its Bernoulli
+draws kept:
+
+    scores[b, h, n] = scale · Σ_{j < n_feat[b, kvh]} q_est[b, h, f_j] · kT[b, kvh, f_j, n],
+    f_j = feat_idx[b, kvh, j],  kvh = h // G,
+
+with ``-inf`` past each row's length. ``q_est`` is the effective query of
+``reference.bernoulli_query`` / ``reference.mean_group_query`` (zero off the kept features), and
+``compact_features`` turns a read mask into ``(feat_idx, n_feat)`` on the device (no host sync).
+The kernel loads ``FEATURE_BLOCK`` listed feature rows at a time (each a contiguous run of keys)
+and multiplies them with the G queries of the group on tensor cores (float32 inputs as tf32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_utils import group_block, is_interpreted, launch, triton_available
+
+if triton_available():
+    import triton
+    import triton.language as tl
+else:  # pragma: no cover
+    triton = None
+    tl = None
+
+FEATURE_BLOCK = 16
+BLOCK_KEYS = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def to_feature_major(k: torch.Tensor) -> torch.Tensor:
+    """``k [B, Hkv, N, d]`` -> contiguous ``kT [B, Hkv, d, N]`` (a copy)."""
+    return k.transpose(-1, -2).contiguous()
+
+
+def append_feature_major(kt: torch.Tensor, k_new: torch.Tensor, position: torch.Tensor) -> None:
+    """Write one new key per row ``k_new [B, Hkv, d]`` at ``position [B]`` of ``kt [B, Hkv, d, N]``
+    in place: d strided 2-byte writes per KV head, the append-time cost of the copy."""
+    b = torch.arange(kt.shape[0], device=kt.device)
+    kt[b, :, :, position] = k_new.to(kt.dtype)
+
+
+def compact_features(read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``read [..., d]`` bool -> ``feat_idx [..., d]`` int32 (kept features first, ascending) and
+    ``n_feat [...]`` int32. The tail past ``n_feat`` is padding the kernel never reads."""
+    order = torch.argsort((~read).to(torch.int8), dim=-1, stable=True)
+    return order.to(torch.int32), read.sum(-1).to(torch.int32)
+
+
+def check_feature_major_inputs(q_est, kt, feat_idx, n_feat, lengths) -> None:
+    """ValueError unless the shapes, dtypes and head dim are ones the kernel serves."""
+    if q_est.dim() != 3 or kt.dim() != 4:
+        raise ValueError(f"q_est, kt: expected [B, Hq, d] and [B, Hkv, d, N], got {tuple(q_est.shape)}, "
+                         f"{tuple(kt.shape)}")
+    b, hq, d = q_est.shape
+    if kt.shape[0] != b or kt.shape[2] != d or hq % kt.shape[1]:
+        raise ValueError(f"kt: shape {tuple(kt.shape)} does not fit q_est {tuple(q_est.shape)} "
+                         "(want [B, Hkv, d, N] with Hq a multiple of Hkv)")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"kt: head dim {d} is not served by the feature-major kernel (it takes {SUPPORTED_HEAD_DIMS})")
+    if kt.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"kt: dtype {kt.dtype} (the kernel takes float16, bfloat16 or float32)")
+    if feat_idx.shape != (b, kt.shape[1], d) or n_feat.shape != (b, kt.shape[1]):
+        raise ValueError(f"feat_idx, n_feat: expected shapes [{b}, {kt.shape[1]}, {d}] and [{b}, {kt.shape[1]}], "
+                         f"got {tuple(feat_idx.shape)}, {tuple(n_feat.shape)}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths: expected shape [{b}], got {tuple(lengths.shape)}")
+    if not kt.is_contiguous():
+        raise ValueError("kt: expected a contiguous [B, Hkv, d, N] tensor (see to_feature_major)")
+
+
+def feature_major_scores_reference(q_est, kt, feat_idx, n_feat, lengths, scale: float) -> torch.Tensor:
+    """float64 scores ``[B, Hq, N]`` over the listed features only, ``-inf`` past ``lengths``."""
+    check_feature_major_inputs(q_est, kt, feat_idx, n_feat, lengths)
+    b, hq, d = q_est.shape
+    hkv, n = kt.shape[1], kt.shape[3]
+    listed = torch.arange(d, device=kt.device) < n_feat[..., None].long()  # [B, Hkv, d] by slot
+    kept = torch.zeros(b, hkv, d, dtype=torch.bool, device=kt.device)
+    kept.scatter_(2, feat_idx.long(), listed)
+    q = q_est.to(torch.float64).view(b, hkv, hq // hkv, d) * kept[:, :, None, :]
+    s = torch.matmul(q, kt.to(torch.float64)).view(b, hq, n) * scale
+    valid = torch.arange(n, device=kt.device)[None, :] < lengths[:, None]
+    return s.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _feature_major_scores_kernel(q_ptr, kt_ptr, idx_ptr, nfeat_ptr, len_ptr, out_ptr, n_keys, kv_heads,
+                                     scale, G: tl.constexpr, G_BLOCK: tl.constexpr, D: tl.constexpr,
+                                     FB: tl.constexpr, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0)  # b * Hkv + kvh
+        nb = tl.program_id(1)
+        b = row // kv_heads
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        length = tl.load(len_ptr + b)
+        key_ok = offs_n < length
+        offs_g = tl.arange(0, G_BLOCK)
+        head_ok = offs_g < G
+        nf = tl.load(nfeat_ptr + row)
+        acc = tl.zeros([G_BLOCK, BLOCK_N], tl.float32)
+        kt_row = kt_ptr + row.to(tl.int64) * D * n_keys
+        q_rows = q_ptr + (row * G + offs_g) * D  # q_est [B, Hq, D]: heads of this group
+        if nb * BLOCK_N < length:
+            for j0 in range(0, nf, FB):
+                offs_f = j0 + tl.arange(0, FB)
+                f_ok = offs_f < nf
+                feat = tl.load(idx_ptr + row * D + offs_f, mask=f_ok, other=0)
+                k = tl.load(kt_row + feat[:, None].to(tl.int64) * n_keys + offs_n[None, :],
+                            mask=f_ok[:, None] & key_ok[None, :], other=0.0)  # [FB, BLOCK_N]
+                qv = tl.load(q_rows[:, None] + feat[None, :], mask=head_ok[:, None] & f_ok[None, :], other=0.0)
+                acc += tl.dot(qv.to(tl.float32), k.to(tl.float32))
+        out = tl.where(key_ok[None, :], acc * scale, float("-inf"))
+        tl.store(out_ptr + (row * G + offs_g[:, None]) * n_keys + offs_n[None, :], out,
+                 mask=head_ok[:, None] & (offs_n[None, :] < n_keys))
+
+
+def feature_major_scores(q_est, kt, feat_idx, n_feat, lengths, scale: float, *, block_keys: int = BLOCK_KEYS,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel: float32 scores ``[B, Hq, N]`` (see the module docstring)."""
+    if triton is None:
+        raise ValueError("feature_major_scores: triton is not installed")
+    check_feature_major_inputs(q_est, kt, feat_idx, n_feat, lengths)
+    if kt.device.type != "cuda" and not is_interpreted(_feature_major_scores_kernel):
+        raise ValueError("kt: CPU tensors run the kernel only under TRITON_INTERPRET=1")
+    b, hq, d = q_est.shape
+    hkv, n = kt.shape[1], kt.shape[3]
+    g = hq // hkv
+    if out is None:
+        out = torch.empty(b, hq, n, device=kt.device, dtype=torch.float32)
+    grid = (b * hkv, triton.cdiv(n, block_keys))
+    launch(_feature_major_scores_kernel, grid, q_est.float().contiguous(), kt, feat_idx.int().contiguous(),
+           n_feat.int().contiguous(), lengths.int().contiguous(), out, n, hkv, float(scale),
+           G=g, G_BLOCK=group_block(g), D=d, FB=FEATURE_BLOCK, BLOCK_N=block_keys, num_warps=4)
+    return out
