@@ -443,9 +443,13 @@ def _run_kernel_cases(device: str, env_extra: dict) -> float:
     import subprocess
     import sys
 
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", KERNEL_CASES.format(device=device)], capture_output=True,
-                         text=True, env=env, timeout=600)
+                         text=True, env=env, timeout=600, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return float(res.stdout.split("WORST")[-1])
 
