@@ -442,7 +442,6 @@ def _run_kernel_cases(device: str, env_extra: dict) -> float:
     import os
     import subprocess
     import sys
-
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]

@@ -10,7 +10,7 @@ exactly; then ``--steps`` next tokens of the essay are fed one at a time (teache
   each step's next-token distribution, per seed; K access and V density come from the session's
   records of those steps.
 
-    python scripts/bernoulli_study.py --out docs/results/bernoulli
+    python benchmarks/bernoulli/study.py --out docs/results/bernoulli
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def main(argv=None):
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}, float64 methods",
         "model": "default (SmolLM2-135M-Instruct: 30 layers, 9 query / 3 KV heads, d = 64)",
-        "command": "python scripts/bernoulli_study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python benchmarks/bernoulli/study.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "prompts": args.prompts, "context_tokens": args.tokens, "teacher_forced_steps": args.steps,
         "seeds": args.seeds, "seconds": round(time.time() - t0),
     }
