@@ -117,6 +117,10 @@ def check_decode_inputs(
     hkv, n = k.shape[1], k.shape[2]
     _require(hkv >= 1 and hq >= 1 and d >= 1,
              f"q, k: empty head or feature dimension in {tuple(q.shape)}, {tuple(k.shape)}")
+    if hq % hkv != 0 and hq % n == 0:  # the likely cause: k laid out [B, N, Hkv, d]
+        raise ValueError(f"k: expected shape [B, Hkv, N, d] (the transformers cache layout) with q's {hq} "
+                         f"query heads a multiple of Hkv, got {tuple(k.shape)}; if k is [B, N, Hkv, d], "
+                         "pass k.transpose(1, 2) (and v likewise)")
     _require(hq % hkv == 0, f"q: {hq} query heads is not a multiple of k's {hkv} KV heads")
     _require(n >= 1, f"k: the cache holds no keys (N = {n})")
     _require(b >= 1, "q: empty batch")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
 from .config import MethodConfig
 from .inputs import DecodeInputs, check_decode_inputs
-from .stats import StepStats
+from .stats import StepStats, merge_row_stats
 
 
 class Method:
@@ -24,6 +25,34 @@ class Method:
     summary: ClassVar[str] = ""
     #: True when the estimate is random (driven by ``seed``).
     stochastic: ClassVar[bool] = False
+
+    # -- What the method promises. ``tests/test_method_contract.py`` runs every registered method
+    # -- against these declarations, so a new method is tested by registering it and filling them in.
+
+    #: Config overrides (keyword arguments of ``config_class``) that make the method actually sparse
+    #: on the contract test's small contexts (about 100-300 keys, head dim 16); the defaults are sized
+    #: for real contexts (e.g. a sink and window of 128 keys each would cover the whole test context).
+    small_config: ClassVar[dict[str, Any]] = {}
+    #: Config overrides under which a decode over at most ``n`` valid keys is exact attention: a
+    #: budget that covers the context. A value may be a callable of ``n`` (``{"budget": lambda n: n}``).
+    #: ``None`` declares that no such setting exists; ``exact_note`` must then say why.
+    exact_config: ClassVar[dict[str, Any | Callable[[int], Any]] | None] = None
+    #: Why a covering budget is not exact (when ``exact_config`` is None), or how it is reached when
+    #: that is not obvious from the parameter names.
+    exact_note: ClassVar[str] = ""
+    #: True when GQA (``Hq = G·Hkv``) gives the same output, for the same seed, as ``Hkv = Hq`` with
+    #: every KV head repeated G times: selection and random draws are per query head under the
+    #: default and ``small_config`` settings. False for methods that share one selection (or one
+    #: draw) per KV head across its group; ``gqa_note`` must then say how the two differ.
+    gqa_equivalent: ClassVar[bool] = True
+    gqa_note: ClassVar[str] = ""
+
+    @classmethod
+    def covering_config(cls, n_keys: int) -> dict[str, Any] | None:
+        """``exact_config`` with callables evaluated at ``n_keys`` (None when no setting is exact)."""
+        if cls.exact_config is None:
+            return None
+        return {key: value(n_keys) if callable(value) else value for key, value in cls.exact_config.items()}
 
     def __init__(self, config: MethodConfig | None = None) -> None:
         if config is None:
@@ -51,7 +80,7 @@ class Method:
         *,
         lengths: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        seed: int | torch.Generator | None = None,
+        seed: int | torch.Generator | None | list[int] | torch.Tensor = None,
         scale: float | None = None,
         state: dict[str, Any] | None = None,
         check_finite: bool = True,
@@ -62,17 +91,56 @@ class Method:
         marks rows whose valid keys are the prefix ``[0, length)``; ``key_mask [B, N]`` marks any
         other pattern (e.g. left padding). ``scale`` defaults to ``1/sqrt(d)``. Returns the output
         ``[B, Hq, dv]`` in q's dtype and the step's stats.
+
+        ``seed``: an int or a ``torch.Generator`` drives one random stream for the whole batch, so a
+        row's draws depend on the other rows; a sequence (or 1-D integer tensor) of B ints gives every
+        row its own stream: row b then gets exactly what it gets alone with ``seed=seeds[b]`` (rows
+        run one at a time, each with its own part of ``state``).
         """
         inputs = check_decode_inputs(
             q, k, v, lengths=lengths, key_mask=key_mask, scale=scale, check_finite=check_finite
         )
-        out, stats = self._decode(inputs, seed, state if state is not None else {})
+        state = state if state is not None else {}
+        row_seeds = _row_seeds(seed, inputs.batch)
+        if row_seeds is None:
+            out, stats = self._decode(inputs, seed, state)
+        elif inputs.batch == 1 or not self.stochastic:
+            out, stats = self._decode(inputs, row_seeds[0], state)
+        else:
+            rows = [self._decode(_row(inputs, b), row_seeds[b], state.setdefault(("row", b), {}))
+                    for b in range(inputs.batch)]
+            out = torch.cat([o for o, _ in rows], dim=0)
+            stats = merge_row_stats([s for _, s in rows])
         return out.to(q.dtype), stats
 
     def _decode(
         self, inputs: DecodeInputs, seed: int | torch.Generator | None, state: dict[str, Any]
     ) -> tuple[torch.Tensor, StepStats]:
         raise NotImplementedError
+
+
+def _row_seeds(seed: Any, batch: int) -> list[int] | None:
+    """The per-row seeds of a sequence or 1-D integer tensor; None for an int, a Generator or None."""
+    if seed is None or isinstance(seed, (int, torch.Generator)):
+        return None  # bool and other types are rejected by the method's generator
+    if isinstance(seed, torch.Tensor):
+        ok = seed.dim() == 1 and not seed.is_floating_point() and seed.dtype != torch.bool
+        seeds = seed.tolist() if ok else None
+    elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+        seeds = list(seed)
+    else:
+        seeds = None
+    if seeds is None or len(seeds) != batch:
+        raise ValueError(f"seed: expected an int, a torch.Generator or None, or {batch} ints (one per batch "
+                         f"row), got {seed!r}")
+    return seeds
+
+
+def _row(inputs: DecodeInputs, b: int) -> DecodeInputs:
+    """Batch row ``b`` alone, checked as if it had been passed alone (lengths set for a prefix mask)."""
+    sl = slice(b, b + 1)
+    return check_decode_inputs(inputs.q[sl], inputs.k[sl], inputs.v[sl], key_mask=inputs.key_mask[sl],
+                               scale=inputs.scale, check_finite=False)
 
 
 def read_stats(

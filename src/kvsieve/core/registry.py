@@ -82,9 +82,17 @@ def method(spec: str | Method, **kwargs: Any) -> Method:
     overlap = set(values) & set(kwargs)
     if overlap:
         raise ValueError(f"method {name!r}: {sorted(overlap)} given both in the spec string and as keywords")
-    base = cls.config_class.from_strings(name, values)
     import dataclasses
 
-    config = dataclasses.replace(base, **kwargs) if kwargs else base
-    check_field_types(config)
+    try:
+        base = cls.config_class.from_strings(name, values)
+        config = dataclasses.replace(base, **kwargs) if kwargs else base
+        check_field_types(config)
+    except ValueError as e:
+        # A config validates its fields without knowing the method's name ("budget: expected ...");
+        # say which method, unless the message already does.
+        message = str(e)
+        if not message.startswith(f"{name}:"):
+            message = f"{name}: {message}"
+        raise ValueError(message) from None
     return cls(config)

@@ -33,6 +33,7 @@ class Dense(Method):
     name = "dense"
     config_class = DenseConfig
     summary = "exact attention over every valid key (the baseline)"
+    exact_config = {}  # exact as it is
 
     def _decode(self, inputs, seed, state):
         path, reason = choose_backend(self.config.backend, inputs)

@@ -134,6 +134,11 @@ class MagicPig(SelectionMethod):
     config_class = MagicPigConfig
     summary = "MagicPIG: sink + window + SimHash-LSH retrieval weighted by 1/P(retrieved)"
     stochastic = True
+    small_config = {"sink": 4, "window": 8, "bits": 4, "tables": 8, "budget": 8}
+    exact_config = None
+    exact_note = ("no LSH setting is exact: a key is retrieved with probability p < 1 and weighted 1/p, so "
+                  "even retrieving every key gives weights ≠ 1 (an importance-weighted estimate); only a "
+                  "sink + window that covers the context is exact")
 
     def select(self, inputs, gen, state):
         cfg = self.config

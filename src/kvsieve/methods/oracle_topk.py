@@ -38,6 +38,8 @@ class OracleTopK(SelectionMethod):
     name = "oracle-topk"
     config_class = OracleTopKConfig
     summary = "sink + window + exact top-k of q·k over the rest (deterministic, renormalised)"
+    small_config = {"sink": 4, "window": 8, "top_k": 16}
+    exact_config = {"top_k": 1.0}
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

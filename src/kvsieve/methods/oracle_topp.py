@@ -33,6 +33,8 @@ class OracleTopP(SelectionMethod):
     name = "oracle-topp"
     config_class = OracleTopPConfig
     summary = "sink + window + the fewest highest-probability keys reaching attention mass p"
+    small_config = {"sink": 4, "window": 8, "top_p": 0.5}
+    exact_config = {"top_p": 1.0}
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

@@ -51,6 +51,8 @@ class Quest(SelectionMethod):
     name = "quest"
     config_class = QuestConfig
     summary = "Quest: sink + window + the pages with the highest min/max logit bound"
+    small_config = {"sink": 4, "window": 8, "top_k": 32, "page_size": 8}
+    exact_config = {"top_k": 1.0}
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

@@ -29,6 +29,8 @@ class RandomSample(SelectionMethod):
     config_class = RandomConfig
     summary = "sink + window + uniform sample of the rest, weighted by n_rest / b (unbiased sums)"
     stochastic = True
+    small_config = {"sink": 4, "window": 8, "budget": 16}
+    exact_config = {"budget": 1.0}
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

@@ -36,6 +36,10 @@ class SantaConfig(MethodConfig):
 class _SantaSampler(Method):
     config_class = SantaConfig
     stochastic = True
+    small_config = {"budget": 16}
+    exact_config = {"budget": lambda n: n}
+    exact_note = ("rows whose valid keys fit in `budget` run exact attention (exact_when_covered=true, the "
+                  "default): S ≥ N samples drawn from the softmax would still be an estimate")
 
     def thresholds(self, shape: tuple[int, int], budget: int, gen: torch.Generator,
                    device: torch.device) -> torch.Tensor:

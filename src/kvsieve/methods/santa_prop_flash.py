@@ -65,6 +65,9 @@ class SantaPropConfig(SantaTileConfig):
 
 class _SantaTiled(Method):
     stochastic = True
+    small_config = {"budget": 16}
+    exact_config = {"budget": lambda n: n}
+    exact_note = "rows whose valid keys fit in `budget` run exact attention (exact_when_covered=true, the default)"
 
     def tile_for(self, n_keys: int) -> int:
         return self.config.tile_size or auto_tile_size(n_keys)

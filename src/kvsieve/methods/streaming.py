@@ -34,6 +34,8 @@ class Streaming(SelectionMethod):
     name = "streaming"
     config_class = StreamingConfig
     summary = "StreamingLLM: attention sinks + local window only"
+    small_config = {"sink": 4, "window": 16}
+    exact_config = {"sink": lambda n: n}
 
     def select(self, inputs, gen, state):
         fixed, _ = fixed_part(self, inputs)
