@@ -73,7 +73,7 @@ def _budget_with_base(method, q, k, v, base_idx):
 def test_denominator_budget_from_exact_statistics():
     """Base sample = the whole residual: the plug-in budget is the formula on the true population."""
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=3, n=500, d=16, seed=1, peaked=2.0)
-    m = kvsieve.method("vattention", epsilon=0.1, delta=0.1)
+    m = kvsieve.method("vattention", epsilon=0.1, delta=0.1, bound="denominator")
     b, inputs, n = _budget_with_base(m, q, k, v, torch.arange(500)[None, None])
     e = torch.exp(inputs.scores(torch.float64))
     sigma = e.std(-1)  # unbiased, the estimator's convention
@@ -163,7 +163,8 @@ def test_exact_when_epsilon_demands_the_whole_residual():
 
 def test_stats_report_the_budget_per_head_and_reads():
     q, k, v = random_qkv(batch=2, heads=6, kv_heads=2, n=3000, d=16, seed=6)
-    m = kvsieve.method("vattention", epsilon=0.3, delta=0.3, sink=32, window=32, top_k=0.02, base_rate=0.02)
+    m = kvsieve.method("vattention", epsilon=0.3, delta=0.3, sink=32, window=32, top_k=0.02, base_rate=0.02,
+                       bound="denominator")
     _, st = m.decode(q, k, v, seed=1)
     b = st.budget_per_head
     assert b.shape == (2, 6)
@@ -172,7 +173,7 @@ def test_stats_report_the_budget_per_head_and_reads():
     assert st.k_rows_scored == 3000  # the oracle predictor scores everything
     _, stq = kvsieve.method(m.spec + ",predictor=quest").decode(q, k, v, seed=1)
     assert stq.k_rows_scored < 3000  # quest scores the chosen rows and the base sample only
-    _, stf = kvsieve.method(m.spec + ",bound=full").decode(q, k, v, seed=1)
+    _, stf = kvsieve.method(m.spec.replace("bound=denominator", "bound=full")).decode(q, k, v, seed=1)
     assert stf.v_rows_read > fixed + float(stf.budget_per_head.double().mean()) - 1e-9  # + base sample V rows
 
 
@@ -203,7 +204,7 @@ def test_gqa_shared_budget_is_the_group_max():
 
 def test_hub_flags_change_what_they_say():
     q, k, v = random_qkv(batch=1, heads=4, kv_heads=4, n=3000, d=16, seed=8)
-    base = "vattention:epsilon=0.2,delta=0.2,sink=16,window=16,top_k=0.02"
+    base = "vattention:epsilon=0.2,delta=0.2,sink=16,window=16,top_k=0.02,bound=denominator"
     _, two = kvsieve.method(base).decode(q, k, v, seed=3)
     _, one = kvsieve.method(base + ",quantile=one-sided").decode(q, k, v, seed=3)
     # Same base sample (same seed, same draws), smaller quantile: budget ratio (z1/z2)² before rounding.
@@ -218,7 +219,7 @@ def test_hub_flags_change_what_they_say():
 
 def test_hoeffding_needs_more_samples_than_the_clt():
     q, k, v = random_qkv(batch=1, heads=4, kv_heads=4, n=3000, d=16, seed=9, peaked=1.0)
-    spec = "vattention:epsilon=0.1,delta=0.1,sink=16,window=16,top_k=0.02"
+    spec = "vattention:epsilon=0.1,delta=0.1,sink=16,window=16,top_k=0.02,bound=denominator"
     _, clt = kvsieve.method(spec).decode(q, k, v, seed=0)
     _, hoeff = kvsieve.method(spec + ",concentration=hoeffding").decode(q, k, v, seed=0)
     assert (hoeff.budget_per_head >= clt.budget_per_head).all()
