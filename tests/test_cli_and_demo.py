@@ -29,6 +29,72 @@ def test_generate_rejects_a_bad_spec_before_loading_the_model(capsys):
     assert "budget" in capsys.readouterr().err
 
 
+def test_methods_piped_prints_every_choice_and_bracket_in_full(capsys):
+    assert main(["methods", "vattention"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "[n] minus I_f" in out  # rich markup would have eaten "[n]"
+    assert "residual: excludes-topk|includes-topk = excludes-topk" in out
+    assert "bound: denominator|full = full" in out
+    import kvsieve
+
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for name in kvsieve.methods():
+        for pname, ptype, _, _ in kvsieve.method(name).config_class.parameters():
+            assert f"{pname}: {ptype} = " in out, (name, pname)
+
+
+def test_methods_on_a_narrow_terminal_folds_instead_of_cutting(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "70")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["methods", "vattention"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out and "[n]" in out
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Loading weights fails the test; the model's config says 8192 tokens of context."""
+    import types
+
+    import kvsieve
+    import kvsieve.integrations.models as models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(kvsieve, "load_model", refuse)
+    monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(models, "load_config", lambda name="default": types.SimpleNamespace(
+        max_position_embeddings=8192))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt-file", "no/such/prompt.txt"], "--prompt-file: 'no/such/prompt.txt' is not a file"),
+        (["--demo", "--depth", "1.5"], "--depth: expected a value in [0, 1]"),
+        (["--demo", "--context-tokens", "9000"], "--context-tokens: 9000 tokens + 24 new (--max-new-tokens) "
+                                                 "exceed the model's maximum context of 8192"),
+        (["--demo", "--context-tokens", "10"], "--context-tokens: expected at least 256"),
+        (["--demo", "--threads", "-1"], "--threads: expected >= 0"),
+        (["--demo", "--method", "santa-sys:budget=0"], "santa-sys: budget: expected an integer >= 1, got 0"),
+        (["--demo", "--method", "quest:top_k=2.5"], "quest: top_k: a fraction of the context must lie in (0, 1]"),
+    ],
+)
+def test_generate_checks_its_arguments_before_loading_the_model(no_model_loading, capsys, argv, message):
+    assert main(["generate", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_checks_lengths_against_the_model_before_loading_it(no_model_loading, capsys, tmp_path):
+    out = tmp_path / "run"
+    assert main(["eval", "--tasks", "vt", "--lengths", "2048,16384", "--output", str(out), "--quiet"]) == 2
+    assert "lengths: [16384] exceed the model's maximum context of 8192" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
 

@@ -89,9 +89,11 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, teacher_forced=not args.no_teacher_forced,
         stop_when_solved=not args.no_stop_when_solved, device=args.device,
     ))
-    from ..eval.runner import check_model_name
+    from ..eval.runner import check_lengths, check_model_name
+    from ..integrations.models import load_config
 
     check_model_name(cfg.model)
+    check_lengths(cfg.lengths, load_config(cfg.model))  # before a model is loaded or a folder made
     command = "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["eval"] else None
     result = run_eval(cfg, command=command, progress=not args.quiet, workers=args.workers, threads=args.threads,
                       stop_after=args.stop_after)

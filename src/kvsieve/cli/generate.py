@@ -44,6 +44,36 @@ def _parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"--dense-layers: expected comma-separated integers, got {text!r}") from None
 
 
+def check_arguments(args: argparse.Namespace):
+    """Everything that can be checked before the model is loaded; returns (method, dense layers)."""
+    import kvsieve
+
+    method = kvsieve.method(args.method)
+    dense_layers = _parse_layers(args.dense_layers)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
+    if args.threads < 0:
+        raise ValueError(f"--threads: expected >= 0 (0 = torch's default), got {args.threads}")
+    if args.phase == "question" and not args.demo:
+        raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        raise ValueError(f"--prompt-file: {str(args.prompt_file)!r} is not a file")
+    if args.demo:
+        if not 0 <= args.depth <= 1:
+            raise ValueError(f"--depth: expected a value in [0, 1], got {args.depth}")
+        if args.context_tokens < 256:
+            raise ValueError(f"--context-tokens: expected at least 256 tokens, got {args.context_tokens}")
+        from ..eval.runner import check_model_name
+        from ..integrations.models import load_config
+
+        check_model_name(args.model)
+        limit = getattr(load_config(args.model), "max_position_embeddings", None)
+        if limit and args.context_tokens + args.max_new_tokens > limit:
+            raise ValueError(f"--context-tokens: {args.context_tokens} tokens + {args.max_new_tokens} new "
+                             f"(--max-new-tokens) exceed the model's maximum context of {limit}")
+    return method, dense_layers
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from rich.console import Console
@@ -54,14 +84,9 @@ def run(args: argparse.Namespace) -> int:
     from kvsieve.demo import needle_prompt
 
     console = Console()
+    method, dense_layers = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    method = kvsieve.method(args.method)  # fail on a bad spec before loading anything
-    dense_layers = _parse_layers(args.dense_layers)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
-    if args.phase == "question" and not args.demo:
-        raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
 
     engine = args.engine if args.engine != "auto" else ("runtime" if args.phase == "decode" else "sparsify")
     if engine == "runtime" and args.phase != "decode":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import textwrap
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -12,23 +14,49 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     from ..core.registry import method_class, methods
 
     names = [args.name] if args.name else methods()
+    classes = [method_class(name) for name in names]  # an unknown name fails before printing anything
+    if sys.stdout.isatty():
+        _print_tables(classes)
+    else:
+        # Piped or redirected: plain text, every choice and help text in full (a table would cut
+        # them to the pipe's 80 columns with "…").
+        sys.stdout.write(plain_text(classes))
+    return 0
+
+
+def plain_text(classes: list) -> str:
+    lines: list[str] = []
+    for cls in classes:
+        lines.append(f"{cls.name} — {cls.summary}")
+        rows = cls.config_class.parameters()
+        if not rows:
+            lines.append("    (no parameters)")
+        for pname, ptype, default, help_text in rows:
+            lines.append(f"    {pname}: {ptype} = {default}")
+            lines.extend(textwrap.wrap(help_text, width=96, initial_indent=" " * 8, subsequent_indent=" " * 8,
+                                       break_long_words=False, break_on_hyphens=False))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _print_tables(classes: list) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     console = Console()
-    for name in names:
-        cls = method_class(name)
-        table = Table(title=f"[bold]{name}[/bold] — {cls.summary}", title_justify="left", show_lines=False)
-        table.add_column("parameter")
-        table.add_column("type")
-        table.add_column("default")
-        table.add_column("meaning")
-        for pname, ptype, default, help_text in cls.config_class.parameters():
-            table.add_row(pname, ptype, str(default), help_text)
-        if not cls.config_class.parameters():
+    for cls in classes:
+        # Text objects are never parsed as markup: help texts keep their brackets ("[n]").
+        table = Table(title=Text.assemble((cls.name, "bold"), f" — {cls.summary}"), title_justify="left")
+        for column in ("parameter", "type", "default", "meaning"):
+            # fold, never "…": a choice cut short is a choice the reader cannot type
+            table.add_column(column, overflow="fold")
+        rows = cls.config_class.parameters()
+        for pname, ptype, default, help_text in rows:
+            table.add_row(Text(pname), Text(ptype), Text(str(default)), Text(help_text))
+        if not rows:
             table.add_row("(none)", "", "", "")
         console.print(table)
-    return 0
