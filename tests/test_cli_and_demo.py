@@ -79,6 +79,7 @@ def no_model_loading(monkeypatch):
                                                  "exceed the model's maximum context of 8192"),
         (["--demo", "--context-tokens", "10"], "--context-tokens: expected at least 256"),
         (["--demo", "--threads", "-1"], "--threads: expected >= 0"),
+        (["--demo", "--device", "tpu"], "device: expected 'cpu', 'cuda' or 'cuda:<index>', got 'tpu'"),
         (["--demo", "--method", "santa-sys:budget=0"], "santa-sys: budget: expected an integer >= 1, got 0"),
         (["--demo", "--method", "quest:top_k=2.5"], "quest: top_k: a fraction of the context must lie in (0, 1]"),
     ],

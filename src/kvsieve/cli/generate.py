@@ -56,6 +56,9 @@ def check_arguments(args: argparse.Namespace):
         raise ValueError(f"--threads: expected >= 0 (0 = torch's default), got {args.threads}")
     if args.phase == "question" and not args.demo:
         raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
+    from ..eval.runner import check_device
+
+    check_device(args.device)
     if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file: {str(args.prompt_file)!r} is not a file")
     if args.demo:
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             text = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                            add_generation_prompt=True)
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    ids = ids.to(model.device)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and ids.shape[1] + args.max_new_tokens > limit:
         raise ValueError(f"prompt: {ids.shape[1]} tokens + {args.max_new_tokens} new exceed the model's "
