@@ -20,6 +20,7 @@ from kvsieve.eval.compare import compare_methods
 from kvsieve.eval.store import ResultStore
 
 SW = "sink=32,window=32"
+BOUND = ",bound=denominator"  # what these runs used (the default then; the default is now bound=full)
 
 
 def level(top_k, top_p, v_top_k, base_rate, eps, random, tables):
@@ -28,9 +29,10 @@ def level(top_k, top_p, v_top_k, base_rate, eps, random, tables):
     v_label = f"`top_k={v_top_k}, f_b={base_rate}" + (f", ε=δ={eps}`" if eps else "`, default ε=δ=0.05")
     return [(f"oracle-topk `top_k={top_k}`", f"oracle-topk:{SW},top_k={top_k}"),
             (f"oracle-topp `top_p={top_p}`", f"oracle-topp:{SW},top_p={top_p}"),
-            (f"vattention (oracle) {v_label}", f"vattention:{SW},top_k={v_top_k},base_rate={base_rate}{eps_param}"),
+            (f"vattention (oracle) {v_label}",
+             f"vattention:{SW},top_k={v_top_k},base_rate={base_rate}{eps_param}{BOUND}"),
             ("vattention (quest) same",
-             f"vattention:{SW},top_k={v_top_k},predictor=quest,base_rate={base_rate}{eps_param}"),
+             f"vattention:{SW},top_k={v_top_k},predictor=quest,base_rate={base_rate}{eps_param}{BOUND}"),
             (f"quest `top_k={top_k}`", f"quest:{SW},top_k={top_k}"),
             (f"random `budget={random}`", f"random:{SW},budget={random}"),
             (f"magicpig `K=8, L={tables}`", f"magicpig:budget=0,{SW},tables={tables}")]
