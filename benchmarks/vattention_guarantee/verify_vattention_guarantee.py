@@ -90,7 +90,7 @@ def guarantee_configs(args):
         configs.append(dict(kind="truestats", bound=bound, epsilon=eps, delta=delta,
                             spec=f"bound={bound},epsilon={eps},delta={delta},{common}"))
     configs.append(dict(kind="hoeffding", bound="denominator", epsilon=eps, delta=delta,
-                        spec=f"vattention:concentration=hoeffding,epsilon={eps},delta={delta},{common}"))
+                        spec=f"vattention:bound=denominator,concentration=hoeffding,epsilon={eps},delta={delta},{common}"))
     return configs
 
 
@@ -108,15 +108,16 @@ def fidelity_specs(sw: str):
     specs += [f"random:{sw},budget={f}" for f in (0.02, 0.05, 0.1, 0.2)]
     specs += [f"quest:{sw},top_k={f}" for f in (0.02, 0.05, 0.1, 0.2)]
     specs += [f"magicpig:{sw},bits={k},tables={n}" for k, n in ((10, 16), (8, 16), (8, 48), (6, 32))]
-    specs += [f"vattention:{sw},top_k={t},base_rate={t},epsilon={e},delta={e}"
+    specs += [f"vattention:{sw},bound=denominator,top_k={t},base_rate={t},epsilon={e},delta={e}"
               for t, e in ((0.01, 0.3), (0.02, 0.2), (0.03, 0.1), (0.05, 0.05))]
-    specs += [f"vattention:{sw},top_k={t},base_rate=0.02,epsilon={e},delta={e}"
+    specs += [f"vattention:{sw},bound=denominator,top_k={t},base_rate=0.02,epsilon={e},delta={e}"
               for t, e in ((0.08, 0.1), (0.15, 0.1), (0.15, 0.05))]
     specs += [f"vattention:{sw},bound=full,top_k={t},base_rate=0.02,epsilon={e},delta={e}"
               for t, e in ((0.05, 0.3), (0.1, 0.3))]
-    specs += [f"vattention:{sw},predictor=quest,top_k={t},base_rate={t},epsilon={e},delta={e}"
+    specs += [f"vattention:{sw},bound=denominator,predictor=quest,top_k={t},base_rate={t},epsilon={e},delta={e}"
               for t, e in ((0.01, 0.3), (0.02, 0.2), (0.03, 0.1), (0.05, 0.05))]
-    specs += [f"vattention:{sw},predictor=quest,top_k={t},base_rate=0.02,epsilon=0.1,delta=0.1" for t in (0.08, 0.15)]
+    specs += [f"vattention:{sw},bound=denominator,predictor=quest,top_k={t},base_rate=0.02,epsilon=0.1,delta=0.1"
+              for t in (0.08, 0.15)]
     return specs
 
 
