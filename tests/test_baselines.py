@@ -297,7 +297,13 @@ def test_methods_build_with_defaults_and_round_trip(name, stochastic):
     assert m.spec == name and m.summary and m.stochastic == stochastic
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=600, d=16, seed=13)
     out, st = m.decode(q, k, v, seed=0)
-    assert torch.isfinite(out).all() and 0 < st.density < 1
+    assert torch.isfinite(out).all() and 0 < st.density <= 1
+    if name == "vattention":
+        # bound=full at ε = δ = 0.05 on 600 keys of flat random attention needs the whole residual:
+        # the guarantee is kept by reading everything, and the step says it is exact.
+        assert st.density < 1 or st.exact_rows == 1
+    else:
+        assert st.density < 1
 
 
 @pytest.mark.parametrize("size", [3, 40, 250, 379])
