@@ -208,7 +208,7 @@ class SparseSession:
             seed = derive_seed(self.seed, self.request, layer, self.step, row)
             est, stats = self.method.decode(
                 q_row, k_rows, v_rows, lengths=lengths, key_mask=key_mask, seed=seed,
-                scale=scaling, state=self.layer_state[layer], check_finite=False,
+                scale=scaling, state=self._state(layer), check_finite=False,
             )
             rel_error = None
             if self.track_error and self.step % self.track_error == 0:
@@ -216,6 +216,13 @@ class SparseSession:
             out[rows, row] = est.to(out.dtype)
             self._record(layer, n_keys - q_len + row, q_len, stats, rel_error)
         return out
+
+    def _state(self, layer: int) -> dict[str, Any]:
+        """The method's state for this request and layer. ``state["layer"]`` tells methods with
+        per-layer artifacts (SAAP) which layer they serve."""
+        state = self.layer_state[layer]
+        state["layer"] = layer
+        return state
 
     # -- results -----------------------------------------------------------------------------
 
@@ -296,6 +303,9 @@ def sparsify(
     if isinstance(track_error, bool) or not isinstance(track_error, int) or track_error < 0:
         raise ValueError(f"track_error: expected an integer >= 0, got {track_error!r}")
     m = build_method(method)
+    check_model = getattr(m, "check_model", None)
+    if check_model is not None:  # methods fitted to one model (SAAP) refuse any other
+        check_model(model)
     modules = attention_modules(model)
     n_layers = len(modules)
     dense = frozenset(int(i) for i in dense_layers)
