@@ -1,0 +1,1 @@
+"""Offline fitting of methods that need a training stage (SAAP: ``kvsieve fit saap``)."""
