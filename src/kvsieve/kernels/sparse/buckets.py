@@ -178,8 +178,8 @@ if triton is not None:
                     mask=g_ok[:, None], other=0.0)
         if p == 0:
             list_ptr = dense_ptr + row * dense_width
-            start = 0
             count = tl.load(dense_cnt_ptr + row)
+            start = count * 0  # int64 like the other branch's (the compiler needs one type)
         else:
             c = tl.load(bkt_ptr + row * n_probe + p - 1)
             start = tl.load(off_ptr + row * (n_buckets + 1) + c)
