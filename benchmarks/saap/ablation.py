@@ -3,7 +3,7 @@
 Refits only the classifier of the chosen layers (the k-means partition is the fit's own) with one
 setting changed at a time, and scores each on the fit's validation prompt with
 :func:`kvsieve.fit.saap.recall_metrics` (decode-like queries, causal mass, batched probing):
-default; causal labels; no long-range filter; 4x the steps. The k-means
+the fit's own settings; causal or non-causal labels; no long-range filter; 4x the steps. The k-means
 rows are the same for every variant (no training).
 
 Usage (CPU, about 2 minutes per variant and layer on 2 busy cores; needs ``--keep-dumps`` fits)::
@@ -38,6 +38,7 @@ from kvsieve.methods.saap import load_artifacts
 VARIANTS = {
     "default": {},
     "causal labels": {"causal_labels": True},
+    "non-causal labels": {"causal_labels": False},
     "no long-range filter": {"long_range_keep": 1.0},
     "4x steps": {"steps_scale": 4},
 }

@@ -44,12 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=128, help="query positions per prompt (all heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--allow-incomplete", action="store_true", help="use the finished layers of a running fit")
     p.add_argument("--tag", default="", help="suffix of the output names: recall-TAG.json/.md/.png")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    art = load_artifacts(args.artifacts)
+    art = load_artifacts(args.artifacts, allow_incomplete=args.allow_incomplete)
     hp = art.manifest["hyperparameters"]
     model, tok = load_model(art.manifest["model"]["name"])
     _check(art, model)

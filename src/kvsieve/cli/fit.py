@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--long-range-keep", type=float, default=None,
                    help="without --long-range: keep this fraction of the candidate queries whose best key lies "
                         "farthest back (default 0.21, the paper's pass rate)")
-    s.add_argument("--causal-labels", action="store_true", help="labels from causal attention only (paper: not)")
+    s.add_argument("--non-causal-labels", action="store_true",
+                   help="labels from attention over past and future keys (the paper's apparent default; "
+                        "measured worse here, docs/methods/saap.md)")
     s.add_argument("--per", choices=("kv", "query"), default=None,
                    help="one classifier per KV head (default: a group shares one, G times fewer weights to "
                         "read per step) or per query head")
@@ -68,7 +70,7 @@ def run_saap(args: argparse.Namespace) -> int:
     except ValueError:
         raise ValueError(f"--layers: expected comma-separated integers, got {args.layers!r}") from None
     given = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
-    cfg = FitConfig(causal_labels=args.causal_labels, layers=layers, **given)
+    cfg = FitConfig(causal_labels=not args.non_causal_labels, layers=layers, **given)
     cfg.validate()  # before loading the model
     manifest = fit_saap(cfg, args.out, keep_dumps=args.keep_dumps, overwrite=args.overwrite)
     wall = manifest["wall_s"]

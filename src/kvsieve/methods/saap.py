@@ -202,25 +202,26 @@ class SaapArtifacts:
         return self._classifiers[key]
 
 
-def load_artifacts(path: str | Path) -> SaapArtifacts:
-    """Read a SAAP artifact directory (cached per path and manifest modification time)."""
+def load_artifacts(path: str | Path, *, allow_incomplete: bool = False) -> SaapArtifacts:
+    """Read a SAAP artifact directory (cached per path and manifest modification time). Studies may
+    read the finished layers of a fit still running (``allow_incomplete``); the method never does."""
     p = Path(path).expanduser()
     manifest_file = p / MANIFEST
     if not manifest_file.is_file():
         raise ValueError(f"artifacts: {str(p)!r} is not a SAAP artifact directory (no {MANIFEST}); "
                          "create one with `kvsieve fit saap --out DIR`")
-    return _load_artifacts(str(p.resolve()), manifest_file.stat().st_mtime_ns)
+    return _load_artifacts(str(p.resolve()), manifest_file.stat().st_mtime_ns, allow_incomplete)
 
 
 @lru_cache(maxsize=4)
-def _load_artifacts(path: str, mtime: int) -> SaapArtifacts:
+def _load_artifacts(path: str, mtime: int, allow_incomplete: bool = False) -> SaapArtifacts:
     from safetensors.torch import load_file
 
     p = Path(path)
     manifest = json.loads((p / MANIFEST).read_text())
     if manifest.get("format") != ARTIFACT_FORMAT:
         raise ValueError(f"artifacts: {path} has format {manifest.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
-    if not manifest.get("complete"):
+    if not manifest.get("complete") and not allow_incomplete:
         raise ValueError(f"artifacts: the fit in {path} is incomplete (layers done: "
                          f"{manifest.get('layers_done')}); resume it with the same `kvsieve fit saap` command")
     layers = {}
