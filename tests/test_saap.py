@@ -377,9 +377,9 @@ def test_bad_input(arts, tmp_path):
     q8, k8, v8 = qkv(1, 8, 2, 100)
     with pytest.raises(ValueError, match="query heads"):
         run(f"saap:artifacts={arts}", q8, k8, v8)
-    from kvsieve.kernels.triton_utils import interpret_requested
+    from kvsieve.kernels.triton_utils import kernels_interpreted
 
-    if not interpret_requested():
+    if not kernels_interpreted():
         with pytest.raises(ValueError, match="backend: the triton kernel cannot serve"):
             run(f"saap:artifacts={arts},backend=triton", q, k, v)
     assert run(f"saap:artifacts={arts}", q, k, v)[1].backend == "reference"

@@ -456,9 +456,10 @@ class Saap(Method):
         choice = self.config.backend
         if choice == "reference":
             return "reference"
-        from ..kernels.triton_utils import interpret_requested, triton_available
+        from ..kernels.triton_utils import kernels_interpreted, triton_available
 
-        usable = (triton_available() and (inputs.q.is_cuda or interpret_requested())
+        # Interpreted kernels (TRITON_INTERPRET=1 at import) run on CPU tensors only, compiled ones on CUDA only.
+        usable = (triton_available() and inputs.q.is_cuda != kernels_interpreted()
                   and self.config.probing == "batched" and inputs.q.dtype != torch.float64
                   and inputs.q.shape[-1] in (16, 32, 64, 128, 256) and inputs.v.shape[-1] == inputs.q.shape[-1])
         if choice == "triton":

@@ -262,7 +262,8 @@ def bucket_sparse_decode_triton(
     )
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lens = torch.full((b,), parts, device=q.device, dtype=torch.int32)
-    merge_partials(acc, m, l, lens, 1, out)
+    merge_partials(acc, m, l, lens, out, b, hq, parts, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
+                   (m.stride(0), m.stride(1)))
     m_star = m.amax(-1, keepdim=True)
     lse = m_star.squeeze(-1) + torch.log((torch.exp(m - m_star) * l).sum(-1))
     sizes = bucket_sizes(offsets).gather(2, buckets) if n_probe else torch.zeros_like(buckets[..., :1])
