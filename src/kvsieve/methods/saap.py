@@ -421,7 +421,7 @@ class Saap(Method):
         layer = state.get("layer")
         if not isinstance(layer, int):
             raise ValueError(f"{self.name}: state['layer']: expected the layer index (kvsieve.sparsify sets it; "
-                             "direct callers pass state={'layer': i, ...}), got {layer!r}")
+                             f"direct callers pass state={{'layer': i, ...}}), got {layer!r}")
         self._check_shapes(inputs, layer)
         if layer == 0:
             return self._exact(inputs, "layer 0 runs exact attention (the paper)")

@@ -163,6 +163,8 @@ class DecodeRuntime:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.model = model
         self.method = build_method(method)
+        if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
+            self.method.check_model(self.model)
         self.is_dense = self.method.name == "dense"
         self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.sampling = sampling or SamplingConfig()
@@ -230,6 +232,8 @@ class DecodeRuntime:
         """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
         with ``rewind``): drops the captured graph and every layer's method state."""
         self.method = build_method(method)
+        if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
+            self.method.check_model(self.model)
         self.is_dense = self.method.name == "dense"
         self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.graph_obj = None
@@ -372,6 +376,13 @@ class DecodeRuntime:
             mask = (self.key_index[None, :n] < self.lengths64[:, None])[:, None, None, :]
         return sdpa_attention_forward(module, query, k, v, mask, dropout=0.0, scaling=scaling)[0]
 
+    def _state(self, layer: int) -> dict[str, Any]:
+        """The method's state for this request and layer; ``state["layer"]`` tells methods with per-layer
+        artifacts (SAAP) which layer they serve, as kvsieve.sparsify does."""
+        state = self.layer_state[layer]
+        state["layer"] = layer
+        return state
+
     def _method_decode(self, layer, query, key, value, scaling):
         if self.capturable:
             # per-row seeds [B] in device memory, fresh every step and every graph replay
@@ -383,7 +394,7 @@ class DecodeRuntime:
             n = max(self.host_lengths())  # eager: the method need not look past the longest row
             key, value = key[:, :, :n], value[:, :, :n]
         est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths64, seed=seed,
-                                        scale=scaling, state=self.layer_state[layer], check_finite=False)
+                                        scale=scaling, state=self._state(layer), check_finite=False)
         if not self.use_graph and (isinstance(stats, dict) or hasattr(stats, "as_dict")):
             rec = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
             self.stats.records.append({"layer": layer, "step": self.emitted, **rec})
