@@ -254,9 +254,9 @@ class DecodeRuntime:
             return "sdpa-masked", "dense decode through SDPA with a length mask over the whole cache (asked for)"
         if self.device.type != "cuda":
             if wanted == "triton":
-                from ..kernels.triton_utils import interpret_requested
+                from ..kernels.triton_utils import kernels_interpreted
 
-                if not interpret_requested():
+                if not kernels_interpreted():
                     raise ValueError("attention_backend: 'triton' needs the model on a CUDA device (or "
                                      "TRITON_INTERPRET=1 for Triton's interpreter on the CPU)")
                 return "triton", "the dense Triton kernel through Triton's interpreter (TRITON_INTERPRET=1)"
