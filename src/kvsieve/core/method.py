@@ -46,6 +46,11 @@ class Method:
     #: draw) per KV head across its group; ``gqa_note`` must then say how the two differ.
     gqa_equivalent: ClassVar[bool] = True
     gqa_note: ClassVar[str] = ""
+    #: For a method that cannot be built without external artifacts (a per-model fit, such as
+    #: SAAP's classifier): the test module that checks the contract's items against artifacts it
+    #: writes itself, plus why the generic test cannot. The contract test then checks that the
+    #: module exists instead of running its generic cases. Empty for every other method.
+    contract_tested_in: ClassVar[str] = ""
 
     @classmethod
     def covering_config(cls, n_keys: int) -> dict[str, Any] | None:

@@ -284,6 +284,9 @@ class SaapConfig(MethodConfig):
 @register_method
 class Saap(Method):
     name = "saap"
+    contract_tested_in = ("tests/test_saap.py: decoding needs fitted artifacts for the model's shape and the "
+                          "layer index from the session; test_saap.py writes such artifacts and checks exactness "
+                          "at probes = C, streaming at probes = 0, GQA probing, stats and bad input")
     config_class = SaapConfig
     summary = ("SAAP: sink + window + every key of the buckets a trained query classifier ranks best "
                "(needs `kvsieve fit saap`)")
