@@ -46,17 +46,19 @@ def test_dense_method_reproduces_the_model(family):
         cache = DynamicCache()
         model(ids[:, :30], past_key_values=cache)
         ref_step = model(ids[:, 30:31], past_key_values=cache).logits
-        with kvsieve.sparsify(model, "dense", phase="question", question_start=20) as session:
+        with kvsieve.sparsify(model, "dense", phase="question", question_start=20,
+                              sparse_everywhere=True) as session:
             out = model(ids).logits
         cache = DynamicCache()
         model(ids[:, :30], past_key_values=cache)
-        with kvsieve.sparsify(model, "dense", phase="decode") as decode_session:
+        with kvsieve.sparsify(model, "dense", phase="decode", sparse_everywhere=True) as decode_session:
             step = model(ids[:, 30:31], past_key_values=cache).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(step, ref_step, rtol=1e-4, atol=1e-4)
-    # question rows 20..39 of both batch rows ran the method in both layers
-    assert {r["position"] for r in session.records} == set(range(20, 40))
-    assert {r["layer"] for r in session.records} == {0, 1}
+    # question rows 20..39 of both batch rows ran the method in both layers, in one call per layer
+    assert [(r["layer"], r["first_position"], r["position"], r["rows"]) for r in session.records] == [
+        (0, 20, 39, 20), (1, 20, 39, 20)]
+    assert session.layer_paths == {0: "method", 1: "method"}
     assert len(decode_session.records) == 2 and decode_session.records[0]["q_len"] == 1
 
 
@@ -66,16 +68,22 @@ def test_sampling_method_runs_and_budget_covering_context_is_exact(family):
     ids = random_ids(2, 48, seed=1)
     with torch.no_grad():
         ref = model(ids).logits
-        with kvsieve.sparsify(model, "santa-sys:budget=64", phase="question", question_start=0) as s:
+        with kvsieve.sparsify(model, "santa-sys:budget=64", phase="question", question_start=0,
+                              sparse_everywhere=True) as s:
             covered = model(ids).logits
-        with kvsieve.sparsify(model, "santa-sys:budget=4", phase="question", question_start=0) as s4:
+        with kvsieve.sparsify(model, "santa-sys:budget=64", phase="question", question_start=0) as s_policy:
+            model(ids)
+        with kvsieve.sparsify(model, "santa-sys:budget=4", phase="question", question_start=0,
+                              sparse_everywhere=True) as s4:
             sampled = model(ids).logits
     torch.testing.assert_close(covered, ref, rtol=1e-4, atol=1e-4)
-    assert all(r["exact_rows"] == 2 for r in s.records)
+    # every query row of both batch rows is covered by the budget: exact, and counted as such
+    assert s.records and all(r["exact_rows"] == 2 * 48 for r in s.records)
+    # by default a context within the method's fixed part (64 samples > 48 keys) stays exact
+    assert not s_policy.records and all(p.startswith("exact: ") for p in s_policy.layer_paths.values())
     assert torch.isfinite(sampled).all()
     assert not torch.allclose(sampled[:, 10:], ref[:, 10:], atol=1e-3)
-    late = [r for r in s4.records if r["position"] >= 40]
-    assert late and max(r["v_rows_read"] for r in late) <= 4
+    assert s4.records and max(r["v_rows_read"] for r in s4.records) <= 4
 
 
 def test_model_is_restored_after_the_block_and_after_an_error():
@@ -127,7 +135,44 @@ def test_dense_layers_stay_exact_and_stats_cover_the_rest():
     assert {r["layer"] for r in s.records} == {1}
     assert all("rel_error" in r and r["rel_error"] >= 0 for r in s.records)
     summary = s.layer_summary()
-    assert set(summary) == {1} and summary[1]["calls"] == 5
+    assert set(summary) == {1} and summary[1]["calls"] == 1 and summary[1]["rows"] == 5
+    assert summary[1]["rel_error"] == pytest.approx(s.records[0]["rel_error"])
+    assert s.layer_paths == {0: "exact: dense_layers", 1: "method"}
+
+
+def test_sliding_window_layers_stay_exact_unless_asked():
+    model = tiny_model("gemma3")  # both layers of the tiny model are sliding-window layers (24 keys)
+    ids = random_ids(1, 40, seed=6)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with kvsieve.sparsify(model, "santa:budget=4", phase="question", question_start=30) as s:
+            out = model(ids).logits
+        with kvsieve.sparsify(model, "santa:budget=4", phase="question", question_start=30,
+                              sparse_everywhere=True) as s_all:
+            model(ids)
+    torch.testing.assert_close(out, ref)
+    assert not s.records and set(s.layer_paths.values()) == {"exact: sliding window of 24 keys"}
+    assert {r["layer"] for r in s_all.records} == {0, 1}
+
+
+def test_chunk_rows_equal_rows_decoded_one_at_a_time():
+    """One call per layer for a question chunk gives the rows that single-token steps give."""
+    model = tiny_model("llama")
+    ids = random_ids(1, 36, seed=7)
+    with torch.no_grad():
+        with kvsieve.sparsify(model, "random:budget=5,sink=2,window=2", phase="question",
+                              question_start=30, seed=3) as s_chunk:
+            chunk = model(ids).logits[:, 29:]
+        cache = DynamicCache()
+        model(ids[:, :30], past_key_values=cache)
+        rows = []
+        with kvsieve.sparsify(model, "random:budget=5,sink=2,window=2", phase="question",
+                              question_start=30, seed=3) as s_steps:
+            for i in range(30, 36):
+                rows.append(model(ids[:, i:i + 1], past_key_values=cache).logits)
+    assert len(s_chunk.records) == 2 and len(s_steps.records) == 12
+    # a row's stream is keyed by (seed, request, layer, batch row, position): the same either way
+    torch.testing.assert_close(chunk[:, 1:], torch.cat(rows, dim=1), rtol=1e-5, atol=1e-5)
 
 
 def test_fresh_randomness_per_layer_and_step_reproducible_from_seed():

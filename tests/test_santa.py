@@ -9,7 +9,7 @@ from conftest import random_qkv
 
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
-from kvsieve.core.rng import as_generator
+from kvsieve.core.rng import STREAM_SAMPLE, RandomKey, RowStreams
 from kvsieve.kernels.santa.reference import (
     auto_tile_size,
     santa_flash_reference,
@@ -116,9 +116,10 @@ def test_sys_method_equals_its_count_form():
     budget, seed = 8, 11
     q, k, v = random_qkv(batch=3, heads=4, kv_heads=2, n=40, d=8, peaked=2.0)
     out, _ = kvsieve.method("santa-sys", budget=budget).decode(q, k, v, seed=seed)
-    # The same generator state gives the method's U (one per batch row and query head).
-    u = torch.rand((3, 4, 1), generator=as_generator(seed, q.device), dtype=torch.float64) / budget
+    # The method's U (one per batch row and query head) from its counter-based row streams.
     inputs = check_decode_inputs(q, k, v)
+    streams = RowStreams(RandomKey(seed), inputs.batch_row(), inputs.n_valid)
+    u = streams.uniform(STREAM_SAMPLE, (4, 1)) / budget
     p = inputs.probs(torch.float64)
     c = systematic_counts(budget * p, torch.full((3, 4), budget), 1 - budget * u[..., 0])
     expected = inputs.weighted_values(c.double() / budget)

@@ -183,9 +183,9 @@ def test_gqa_shared_budget_is_the_group_max():
     _, st = m.decode(q, k, v, seed=0)
     assert st.budget_per_head.shape == (1, 2)
     assert st.density == pytest.approx(st.kv_density)
-    # Replay the method's draws: the base sample is the first draw of the seeded generator. Each KV
+    # Replay the method's draws: the base sample is the row streams' subset draw. Each KV
     # head's budget must be the max of its query heads' budgets on that shared base sample.
-    from kvsieve.core.rng import as_generator
+    from kvsieve.core.rng import RandomKey, RowStreams
     from kvsieve.methods.shared.selection import available_after, sink_and_window, union
 
     inputs = check_decode_inputs(q, k, v)
@@ -195,7 +195,8 @@ def test_gqa_shared_budget_is_the_group_max():
     residual = available_after(inputs, static)
     n_s = residual.sum(-1)
     n_base = torch.clamp(torch.floor(0.025 * n_s.double()).long(), min=2)
-    base = uniform_sample(residual, n_base, as_generator(0, torch.device("cpu")))
+    base = uniform_sample(residual, n_base, RowStreams(RandomKey(0), inputs.batch_row(), inputs.n_valid),
+                          size_bound=max(2, int(0.025 * inputs.n_keys)))
     per_query = m.budget(inputs, static, base, n_s, n_base)  # [1, 6]
     expected = torch.ceil(per_query.view(1, 2, 3).amax(-1)).long().clamp(min=1)
     expected = torch.minimum(expected, n_s)

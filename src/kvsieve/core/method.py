@@ -9,6 +9,7 @@ import torch
 
 from .config import MethodConfig
 from .inputs import DecodeInputs, check_decode_inputs
+from .rng import RandomKey, as_key, per_row_key
 from .stats import StepStats, merge_row_stats
 
 
@@ -85,41 +86,96 @@ class Method:
         *,
         lengths: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
-        seed: int | torch.Generator | None | list[int] | torch.Tensor = None,
+        seed: int | RandomKey | torch.Generator | None | list[int] | torch.Tensor = None,
         scale: float | None = None,
         state: dict[str, Any] | None = None,
         check_finite: bool = True,
     ) -> tuple[torch.Tensor, StepStats]:
-        """One decode step.
+        """One decode step of one layer, for one or many query rows per batch row.
 
-        q ``[B, Hq, d]``; k, v ``[B, Hkv, N, d]`` (the transformers cache layout). ``lengths [B]``
-        marks rows whose valid keys are the prefix ``[0, length)``; ``key_mask [B, N]`` marks any
-        other pattern (e.g. left padding). ``scale`` defaults to ``1/sqrt(d)``. Returns the output
-        ``[B, Hq, dv]`` in q's dtype and the step's stats.
-
-        ``seed``: an int or a ``torch.Generator`` drives one random stream for the whole batch, so a
-        row's draws depend on the other rows; a sequence (or 1-D integer tensor) of B ints gives every
-        row its own stream: row b then gets exactly what it gets alone with ``seed=seeds[b]`` (rows
-        run one at a time, each with its own part of ``state``).
+        q ``[B, Hq, d]`` or ``[B, Hq, Q, d]`` (Q query rows: row j of batch row b sees the keys
+        ``[0, len_b − Q + 1 + j)``); k, v ``[B, Hkv, N, d]`` (the transformers cache layout).
+        ``lengths [B]`` marks rows whose valid keys (for the last query row) are the prefix
+        ``[0, length)``; ``key_mask [B, N]`` or ``[B, Q, N]`` marks any other pattern (e.g. left
+        padding). ``seed``: an int, a :class:`~kvsieve.core.rng.RandomKey` (seed + counters such as
+        request, layer, step, possibly device tensors) or None (fresh entropy). ``scale`` defaults to
+        ``1/sqrt(d)``. ``check_finite`` (default True) runs the value checks that read the data (a host
+        synchronisation on CUDA); the decode path of a model turns them off. Returns the output
+        ``[B, Hq, dv]`` (or ``[B, Hq, Q, dv]``) in q's dtype and the step's stats, whose values stay
+        device tensors until read.
         """
         inputs = check_decode_inputs(
             q, k, v, lengths=lengths, key_mask=key_mask, scale=scale, check_finite=check_finite
         )
         state = state if state is not None else {}
-        row_seeds = _row_seeds(seed, inputs.batch)
-        if row_seeds is None:
-            out, stats = self._decode(inputs, seed, state)
-        elif inputs.batch == 1 or not self.stochastic:
-            out, stats = self._decode(inputs, row_seeds[0], state)
+        if isinstance(seed, (list, tuple)) or (isinstance(seed, torch.Tensor) and seed.dim() == 1):
+            # Per-row seeds: row b gets exactly what it gets alone with seed=seeds[b].
+            if self.random_keys:
+                seed = per_row_key(seed, inputs.cache_batch, inputs.q.device)
+            else:
+                row_seeds = _row_seeds(seed, inputs.cache_batch)  # reads a tensor on the host
+                if inputs.q_len > 1:
+                    raise ValueError(f"seed: per-row seeds with {inputs.q_len} query rows per batch row need a "
+                                     f"method with counter-based draws; {self.name} uses a torch.Generator")
+                if inputs.batch == 1 or not self.stochastic:
+                    out, stats = self._decode(inputs, row_seeds[0], state)
+                else:
+                    rows = [self._decode(_row(inputs, b), row_seeds[b], state.setdefault(("row", b), {}))
+                            for b in range(inputs.batch)]
+                    out = torch.cat([o for o, _ in rows], dim=0)
+                    stats = merge_row_stats([s for _, s in rows])
+                return out.to(q.dtype), stats
+        if inputs.q_len > 1 and not self.multi_row:
+            out, stats = self._decode_rows_one_by_one(inputs, seed, state)
         else:
-            rows = [self._decode(_row(inputs, b), row_seeds[b], state.setdefault(("row", b), {}))
-                    for b in range(inputs.batch)]
-            out = torch.cat([o for o, _ in rows], dim=0)
-            stats = merge_row_stats([s for _, s in rows])
-        return out.to(q.dtype), stats
+            out, stats = self._decode(inputs, self._seed_arg(seed), state)
+        out = out.to(q.dtype)
+        if q.dim() == 4:
+            out = out.view(inputs.cache_batch, inputs.q_len, inputs.heads, -1).transpose(1, 2)
+        return out, stats
+
+    #: True when ``_decode`` serves calls with many query rows per batch row (``inputs.q_len > 1``)
+    #: in one go; otherwise ``decode`` calls it once per query row (methods written before the
+    #: multi-row contract keep working that way).
+    multi_row: ClassVar[bool] = False
+    #: True when ``_decode`` takes a :class:`RandomKey` (counter-based draws); otherwise it gets the
+    #: seed as given (int, torch.Generator, None), a key with host counters as its derived int seed.
+    random_keys: ClassVar[bool] = False
+    #: True when a call can be captured in a CUDA graph and replayed with fresh draws: no host reads,
+    #: draws from a key whose counters (or tensor seeds) live in device memory, shapes from the inputs'
+    #: shapes only. The decode runtime captures only such methods.
+    graph_capturable: ClassVar[bool] = False
+
+    def exact_below(self) -> int:
+        """Contexts of at most this many keys gain nothing from the method (it would read every key):
+        a model integration runs exact attention there unless told otherwise."""
+        return 0
+
+    def _seed_arg(self, seed):
+        if self.random_keys and not isinstance(seed, torch.Generator):
+            return as_key(seed)
+        if isinstance(seed, torch.Tensor):  # a device seed for a method that takes ints: read it (a sync)
+            return int(seed.reshape(-1)[0])
+        if isinstance(seed, RandomKey) and seed.host():
+            return seed.host_seed()  # methods written for int seeds get one, derived from the whole key
+        return seed
+
+    def _decode_rows_one_by_one(self, inputs: DecodeInputs, seed, state) -> tuple[torch.Tensor, StepStats]:
+        q_len, b = inputs.q_len, inputs.cache_batch
+        outs, stats = [], []
+        key = None if isinstance(seed, torch.Generator) else as_key(seed)
+        for j in range(q_len):
+            rows = torch.arange(b, device=inputs.q.device) * q_len + j
+            row_inputs = select_rows(inputs, rows)
+            row_seed = seed if key is None else (key if self.random_keys else key.child(j))
+            out, st = self._decode(row_inputs, self._seed_arg(row_seed), state)
+            outs.append(out)
+            stats.append(st)
+        out = torch.stack(outs, dim=1).reshape(b * q_len, inputs.heads, -1)
+        return out, merge_stats(stats)
 
     def _decode(
-        self, inputs: DecodeInputs, seed: int | torch.Generator | None, state: dict[str, Any]
+        self, inputs: DecodeInputs, seed: int | RandomKey | torch.Generator | None, state: dict[str, Any]
     ) -> tuple[torch.Tensor, StepStats]:
         raise NotImplementedError
 
@@ -148,6 +204,38 @@ def _row(inputs: DecodeInputs, b: int) -> DecodeInputs:
                                scale=inputs.scale, check_finite=False)
 
 
+def select_rows(inputs: DecodeInputs, rows: torch.Tensor) -> DecodeInputs:
+    """The query rows ``rows`` (an index tensor, one per batch row) of a call, as a one-row-per-batch call."""
+    pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+    return DecodeInputs(q=pick(inputs.q), k=inputs.cache_k, v=inputs.cache_v, key_mask=pick(inputs.key_mask),
+                        n_valid=pick(inputs.n_valid), lengths=pick(inputs.lengths), scale=inputs.scale,
+                        q_len=1, cache_k=inputs.cache_k, cache_v=inputs.cache_v, checked=inputs.checked)
+
+
+def merge_stats(parts: list[StepStats]) -> StepStats:
+    """Stats of one call served in parts of equal row counts: means of means, sums of totals."""
+    if len(parts) == 1:
+        return parts[0]
+    n = len(parts)
+    mean = lambda key: sum(p.raw(key) for p in parts) / n  # noqa: E731
+    total = lambda key: sum(p.raw(key) for p in parts)  # noqa: E731
+    extra = {}
+    for key in parts[0].extra:
+        values = [p.extra.get(key) for p in parts]
+        if all(isinstance(x, (int, float, torch.Tensor)) and not isinstance(x, bool) for x in values) and all(
+                not isinstance(x, torch.Tensor) or x.dim() == 0 for x in values):
+            extra[key] = sum(values) / n
+        elif all(isinstance(x, torch.Tensor) for x in values) and len({x.shape[1:] for x in values}) == 1:
+            extra[key] = torch.cat(values)
+        else:
+            extra[key] = values[0]
+    backends = sorted({p.backend for p in parts})
+    return StepStats(n_keys=mean("n_keys"), k_rows_scored=mean("k_rows_scored"), v_rows_read=mean("v_rows_read"),
+                     kv_rows_read=mean("kv_rows_read"), density=mean("density"), kv_density=mean("kv_density"),
+                     bytes_read=total("bytes_read"), backend="+".join(backends), exact_rows=total("exact_rows"),
+                     extra=extra)
+
+
 def read_stats(
     inputs: DecodeInputs,
     v_read: torch.Tensor,
@@ -160,24 +248,26 @@ def read_stats(
     """Stats from the V rows read per query head (``v_read [B, Hq, N]`` bool).
 
     ``k_scored [B, Hkv]`` is the number of K rows scored per KV head (default: every valid key).
+    ``exact_rows`` may be an int or a device tensor. Nothing here reads device values on the host.
     """
     b, hq, n = v_read.shape
     n_valid = inputs.n_valid.to(torch.float64)
-    v_per_head = v_read.sum(-1).to(torch.float64)  # [B, Hq]
+    v_per_head = v_read.sum(-1).to(torch.float64)  # [R, Hq]
     v_per_kv = v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1).to(torch.float64)
     if k_scored is None:
-        k_scored = inputs.n_valid[:, None].expand(b, inputs.kv_heads)
+        k_scored = n_valid[:, None].expand(b, inputs.kv_heads)
     k_scored = k_scored.to(torch.float64)
     k_bytes = inputs.k.element_size() * inputs.k.shape[-1]
     v_bytes = inputs.v.element_size() * inputs.v.shape[-1]
+    # Device tensors, read only when someone asks (StepStats turns them into numbers).
     return StepStats(
-        n_keys=float(n_valid.mean()),
-        k_rows_scored=float(k_scored.mean()),
-        v_rows_read=float(v_per_head.mean()),
-        kv_rows_read=float(v_per_kv.mean()),
-        density=float((v_per_head / n_valid[:, None]).mean()),
-        kv_density=float((v_per_kv / n_valid[:, None]).mean()),
-        bytes_read=int(k_scored.sum() * k_bytes + v_per_kv.sum() * v_bytes),
+        n_keys=n_valid.mean(),
+        k_rows_scored=k_scored.mean(),
+        v_rows_read=v_per_head.mean(),
+        kv_rows_read=v_per_kv.mean(),
+        density=(v_per_head / n_valid[:, None]).mean(),
+        kv_density=(v_per_kv / n_valid[:, None]).mean(),
+        bytes_read=k_scored.sum() * k_bytes + v_per_kv.sum() * v_bytes,
         backend=backend,
         exact_rows=exact_rows,
         extra=extra or {},

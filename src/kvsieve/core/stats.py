@@ -1,72 +1,105 @@
-"""Per-call statistics that every method returns beside its estimate."""
+"""Per-call statistics that every method returns beside its estimate.
+
+Values may be device tensors: a method never turns them into numbers itself (that would make the
+host wait for the device on every call). They become Python numbers when read — ``stats.density``,
+``stats["density"]``, ``as_dict()`` — and :meth:`StepStats.raw` gives the tensor as stored, so that a
+session can sum stats per layer on the device and read them once at the end.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
 
-@dataclass
+FIELDS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "kv_density", "bytes_read",
+          "backend", "exact_rows")
+_INT_FIELDS = ("bytes_read", "exact_rows")
+
+
+def to_number(value: Any) -> Any:
+    """A 0-dim tensor as a Python number (int for integer dtypes, bool for bool); anything else as is."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return value.item()
+    return value
+
+
 class StepStats(Mapping):
     """What one decode step of one layer read and which code path ran.
 
-    Row counts are means over the batch rows and the heads named in each field, so that they read
-    the same for any batch size. Readable as attributes (``stats.density``) or as a mapping
-    (``stats["density"]``); method-specific values live in ``extra`` and are reachable the same way.
+    Row counts are means over the query rows (batch rows × rows of the call) and the heads named in
+    each field, so that they read the same for any batch size. Readable as attributes
+    (``stats.density``) or as a mapping (``stats["density"]``); method-specific values live in
+    ``extra`` and are reachable the same way.
 
-    - ``n_keys``: mean number of valid keys N per batch row.
+    - ``n_keys``: mean number of valid keys N per query row.
     - ``k_rows_scored``: mean number of K rows whose score q·k was computed, per query head.
     - ``v_rows_read``: mean number of distinct V rows read, per query head.
     - ``kv_rows_read``: mean number of distinct V rows read per KV head, i.e. the union over the
       query heads of a GQA group: this is what memory traffic is made of.
     - ``density``: ``v_rows_read / N`` averaged over rows (per query head).
     - ``kv_density``: ``kv_rows_read / N`` (per KV head, the union over the group).
-    - ``bytes_read``: K and V bytes the method must touch for the whole batch (scored K rows of each
+    - ``bytes_read``: K and V bytes the method must touch for the whole call (scored K rows of each
       KV head once, plus the union of V rows), at the input dtype.
     - ``backend``: ``"reference"`` or the kernel that ran.
-    - ``exact_rows``: batch rows that ran exact attention because the method's budget covered their
+    - ``exact_rows``: query rows that ran exact attention because the method's budget covered their
       whole context (a documented fallback, never a silent one).
     """
 
-    n_keys: float
-    k_rows_scored: float
-    v_rows_read: float
-    kv_rows_read: float
-    density: float
-    kv_density: float
-    bytes_read: int
-    backend: str = "reference"
-    exact_rows: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("_values", "extra")
 
-    def __getitem__(self, key: str) -> Any:
-        if key in self._field_names():
-            return getattr(self, key)
+    def __init__(self, n_keys, k_rows_scored, v_rows_read, kv_rows_read, density, kv_density, bytes_read,
+                 backend: str = "reference", exact_rows: Any = 0, extra: dict[str, Any] | None = None) -> None:
+        object.__setattr__(self, "_values", {
+            "n_keys": n_keys, "k_rows_scored": k_rows_scored, "v_rows_read": v_rows_read,
+            "kv_rows_read": kv_rows_read, "density": density, "kv_density": kv_density,
+            "bytes_read": bytes_read, "backend": backend, "exact_rows": exact_rows})
+        object.__setattr__(self, "extra", dict(extra or {}))
+
+    def raw(self, key: str) -> Any:
+        """The value as stored (a device tensor where the method left one)."""
+        if key in self._values:
+            return self._values[key]
         if key in self.extra:
             return self.extra[key]
         raise KeyError(key)
 
+    def __getitem__(self, key: str) -> Any:
+        value = to_number(self.raw(key))
+        if key in _INT_FIELDS and isinstance(value, float):
+            value = int(round(value))
+        return value
+
     def __getattr__(self, key: str) -> Any:
-        # Only reached for names that are not dataclass fields.
-        extra = self.__dict__.get("extra", {})
-        if key in extra:
-            return extra[key]
-        raise AttributeError(key)
+        # Only reached for names that are not slots or methods.
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key in FIELDS:
+            self._values[key] = value
+        else:
+            raise AttributeError(f"StepStats has no field {key!r}; method-specific values go in extra")
 
     def __iter__(self) -> Iterator[str]:
-        yield from (n for n in self._field_names() if n != "extra")
+        yield from FIELDS
         yield from self.extra
 
     def __len__(self) -> int:
-        return len(self._field_names()) - 1 + len(self.extra)
+        return len(FIELDS) + len(self.extra)
+
+    def __repr__(self) -> str:
+        return "StepStats(" + ", ".join(f"{k}={self[k]!r}" for k in self) + ")"
 
     @classmethod
     def _field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return (*FIELDS, "extra")
 
     def as_dict(self) -> dict[str, Any]:
-        """A flat dict, method-specific values included (tensors become lists)."""
+        """A flat dict, method-specific values included (tensors become numbers or lists)."""
         out: dict[str, Any] = {}
         for key in self:
             value = self[key]

@@ -63,6 +63,14 @@ def _finite_mean(values: Iterable[float]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _weighted_mean(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over query tokens (each record weighs its ``rows``), finite values only."""
+    pairs = [(float(r[key]), int(r.get("rows", 1))) for r in records
+             if r.get(key) is not None and math.isfinite(float(r[key]))]
+    total = sum(n for _, n in pairs)
+    return sum(v * n for v, n in pairs) / total if total else None
+
+
 def summarize_records(records: Sequence[dict[str, Any]], n_layers: int) -> dict[str, Any]:
     """Per-cell density, bytes and attention error from a ``sparsify`` session's records.
 
@@ -77,14 +85,20 @@ def summarize_records(records: Sequence[dict[str, Any]], n_layers: int) -> dict[
         err = r.get("rel_error")
         if err is not None:
             by_layer[int(r["layer"])].append(float(err))
-    steps: dict[tuple[Any, Any], int] = defaultdict(int)
+    # A record is one method call: ``rows`` query tokens of one layer (one token per decode step; a
+    # question chunk holds many). Means are per query token, as if each token were its own step.
+    steps: dict[tuple[Any, Any], list[float]] = defaultdict(lambda: [0.0, 0])
     for r in records:
-        # One query token is one decode step: a multi-token question forward holds many.
-        steps[(r.get("request"), r.get("step"), r.get("position"))] += int(r.get("bytes_read") or 0)
+        rows = int(r.get("rows", 1))
+        acc = steps[(r.get("request"), r.get("step"), r.get("position"))]
+        acc[0] += float(r.get("bytes_read") or 0) / rows
+        acc[1] = rows
+    token_bytes = sum(b * n for b, n in steps.values())
+    tokens = sum(n for _, n in steps.values())
     return {
-        "density": _finite_mean(r.get("density") for r in records),
-        "kv_density": _finite_mean(r.get("kv_density") for r in records),
-        "bytes_read_per_step": _finite_mean(steps.values()),
+        "density": _weighted_mean(records, "density"),
+        "kv_density": _weighted_mean(records, "kv_density"),
+        "bytes_read_per_step": token_bytes / tokens if tokens else None,
         "rel_error": _finite_mean(e for errs in by_layer.values() for e in errs),
         "rel_error_by_layer": [_finite_mean(by_layer.get(i, [])) for i in range(n_layers)],
         "sparse_calls": len(records),

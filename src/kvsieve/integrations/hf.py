@@ -24,7 +24,7 @@ import torch
 
 from ..core.method import Method
 from ..core.registry import method as build_method
-from ..core.rng import derive_seed
+from ..core.rng import RandomKey
 
 ATTENTION_NAME = "kvsieve"
 Phase = Literal["decode", "question"]
@@ -115,8 +115,38 @@ def visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, n_
 
 
 @dataclass
+class _Plan:
+    """What every layer of one forward shares (FlashInfer's plan/run split), computed at its first
+    layer for each cache length seen (sliding-window layers hold fewer keys)."""
+
+    first_row: int  # query rows before it stay exact (host-known)
+    row_mask: torch.Tensor | None  # [B, Q'] bool on the device where rows after first_row still differ
+    track_rows: torch.Tensor | None  # [Q'] rows whose error is tracked (positions divisible by k)
+
+
+@dataclass
+class _LayerTotals:
+    """Per layer sums over the calls the method served, on the device until read."""
+
+    calls: int = 0
+    rows: int = 0
+    sums: dict[str, Any] = field(default_factory=dict)
+    error_sum: Any = 0.0
+    error_rows: int = 0
+
+
+_SUMMED = ("density", "kv_density", "v_rows_read", "n_keys")
+
+
+@dataclass
 class SparseSession:
-    """One model under one method. Readable after the ``with`` block: ``records``, ``layer_summary()``."""
+    """One model under one method. Readable after the ``with`` block: ``records``, ``layer_summary()``,
+    ``layer_paths`` (which layers ran the method and why the others stayed exact).
+
+    The method is called once per layer per forward with every query row of the chunk that uses it
+    (``q [B, Hq, Q, d]``); nothing on that path reads device values on the host. Stats stay device
+    tensors until ``records``, ``layer_summary()`` or ``mean()`` read them.
+    """
 
     model: torch.nn.Module
     method: Method
@@ -124,11 +154,17 @@ class SparseSession:
     dense_layers: frozenset[int] = frozenset()
     seed: int = 0
     track_error: int = 0
-    records: list[dict[str, Any]] = field(default_factory=list)
+    sparse_everywhere: bool = False
     question_start: torch.Tensor | None = None
     step: int = -1
     request: int = 0
     layer_state: dict[int, dict[str, Any]] = field(default_factory=lambda: defaultdict(dict))
+    layer_paths: dict[int, str] = field(default_factory=dict)
+    first_layer: int = 0
+    _calls: list[tuple[dict[str, Any], Any, Any]] = field(default_factory=list)
+    _records: list[dict[str, Any]] | None = None
+    _plans: dict[tuple, _Plan] = field(default_factory=dict)
+    _totals: dict[int, _LayerTotals] = field(default_factory=lambda: defaultdict(_LayerTotals))
 
     def mark_question(self, start: int | Sequence[int] | torch.Tensor) -> None:
         """Where the question starts: an index into the (left-padded) input ids, per row or shared.
@@ -136,45 +172,70 @@ class SparseSession:
         With ``phase="question"``, queries at or after this position, and every generated token,
         use the method; the context before it is prefilled exactly.
         """
-        start_t = torch.as_tensor(start, dtype=torch.long).reshape(-1)
+        start_t = torch.as_tensor(start, dtype=torch.long).reshape(-1).cpu()
         if start_t.numel() == 0 or bool((start_t < 0).any()):
             raise ValueError(f"start: expected non-negative token positions, got {start!r}")
         self.question_start = start_t
+        self._plans.clear()
 
-    # -- bookkeeping -------------------------------------------------------------------------
+    # -- plan: once per forward ----------------------------------------------------------------
 
     def _begin_forward(self, layer: int, q_len: int, n_keys: int) -> None:
-        if layer != self._first_layer:
+        if layer != self.first_layer:
             return
         if n_keys == q_len and self.step >= 0:  # no past keys after earlier work: a new request
             self.request += 1
             self.step = -1
             self.layer_state.clear()
         self.step += 1
+        self._plans.clear()
 
-    def _sparse_rows(self, batch: int, q_len: int, n_keys: int, device: torch.device) -> torch.Tensor:
-        """``[B, Q]`` bool: which query rows of this chunk use the method."""
-        positions = torch.arange(n_keys - q_len, n_keys, device=device)
+    def _exact_reason(self, module, layer: int, n_keys: int, kwargs) -> str | None:
+        """Why this layer stays exact in this forward (host-known facts only), or None."""
+        if layer in self.dense_layers:
+            return "exact: dense_layers"
+        if self.sparse_everywhere:
+            return None
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        if window:
+            return f"exact: sliding window of {window} keys"
+        if n_keys <= self.method.exact_below():
+            return f"exact: context of {n_keys} keys within the method's fixed part ({self.method.exact_below()})"
+        return None
+
+    def _plan(self, batch: int, q_len: int, n_keys: int, device: torch.device) -> _Plan | None:
+        """Which query rows use the method (None: no row does)."""
+        key = (batch, q_len, n_keys, device)
+        if key in self._plans:
+            return self._plans[key]
+        plan = None
         if self.phase == "decode":
             # Generated tokens: single-token forwards that follow a prefill.
-            sparse = q_len == 1 and n_keys > 1
-            return torch.full((batch, q_len), sparse, dtype=torch.bool, device=device)
-        if self.question_start is None:
-            raise ValueError(
-                "phase='question' needs the question's start: call session.mark_question(start) "
-                "before running the model"
-            )
-        start = self.question_start.to(device)
-        if start.numel() not in (1, batch):
-            raise ValueError(f"mark_question: {start.numel()} starts given for a batch of {batch}")
-        return positions[None, :] >= start.reshape(-1, 1).expand(batch, 1)
-
-    def _record(self, layer: int, row_pos: int, q_len: int, stats, rel_error: float | None) -> None:
-        rec = {"request": self.request, "layer": layer, "step": self.step, "position": row_pos,
-               "q_len": q_len, **stats.as_dict()}
-        if rel_error is not None:
-            rec["rel_error"] = rel_error
-        self.records.append(rec)
+            if q_len == 1 and n_keys > 1:
+                plan = _Plan(0, None, None)
+        else:
+            if self.question_start is None:
+                raise ValueError(
+                    "phase='question' needs the question's start: call session.mark_question(start) "
+                    "before running the model"
+                )
+            start = self.question_start
+            if start.numel() not in (1, batch):
+                raise ValueError(f"mark_question: {start.numel()} starts given for a batch of {batch}")
+            # Host arithmetic only: the starts are host ints, the chunk's positions are known.
+            first_pos = n_keys - q_len
+            starts = start.expand(batch) if start.numel() == 1 else start
+            lo = max(0, min(q_len, int(starts.min()) - first_pos))
+            if lo < q_len:
+                positions = torch.arange(first_pos + lo, n_keys)
+                mask = positions[None, :] >= starts[:, None]
+                plan = _Plan(lo, None if bool(mask.all()) else mask.to(device), None)
+        if plan is not None and self.track_error:
+            positions = torch.arange(n_keys - q_len + plan.first_row, n_keys)
+            rows = (positions % self.track_error == 0).nonzero().squeeze(1)
+            plan.track_rows = rows.to(device) if rows.numel() else None
+        self._plans[key] = plan
+        return plan
 
     # -- the attention call ------------------------------------------------------------------
 
@@ -184,37 +245,40 @@ class SparseSession:
         batch, _, q_len, _ = query.shape
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
-        sparse = self._sparse_rows(batch, q_len, n_keys, query.device)
-        if layer in self.dense_layers or not bool(sparse.any()):
+        plan = self._plan(batch, q_len, n_keys, query.device)
+        reason = None if plan is None else self._exact_reason(module, layer, n_keys, kwargs)
+        if plan is None or reason is not None:
+            if reason is not None:
+                self.layer_paths[layer] = reason
             return _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0]
         for unsupported in ("softcap", "s_aux", "sinks"):
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"model: attention with {unsupported!r} is not supported by kvsieve methods")
-        if bool(sparse.all()):
-            out = query.new_empty(batch, q_len, query.shape[1], value.shape[-1])
+        self.layer_paths[layer] = "method"
+        lo = plan.first_row
+        q_rows = query[:, :, lo:, :]
+        rows = q_len - lo
+        key_mask = None
+        if attention_mask is not None:
+            m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+            m = m[:, lo:, :n_keys]
+            key_mask = (m if m.dtype == torch.bool else m == 0).expand(batch, rows, n_keys)
+        # Rows are keyed by their batch row and position on top of this (core.rng.RowStreams): every
+        # decode step draws fresh numbers, and a row draws the same in a chunk as on its own.
+        seed = RandomKey(self.seed, (self.request, layer))
+        est, stats = self.method.decode(q_rows, key, value, key_mask=key_mask, seed=seed, scale=scaling,
+                                        state=self._state(layer), check_finite=False)
+        est = est.transpose(1, 2).to(query.dtype)  # [B, Q', Hq, dv]
+        error = None
+        if plan.track_rows is not None:
+            error = _relative_errors(est, q_rows, key, value, key_mask, scaling, plan.track_rows)
+        if lo == 0 and plan.row_mask is None:
+            out = est
         else:
-            out = _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0].clone()
-        for row in range(q_len):
-            rows = sparse[:, row]
-            if not bool(rows.any()):
-                continue
-            lengths, key_mask = visible_keys(attention_mask, batch, q_len, n_keys, row, query.device)
-            q_row, k_rows, v_rows = query[:, :, row, :], key, value
-            if not bool(rows.all()):
-                idx = rows.nonzero().squeeze(1)
-                q_row, k_rows, v_rows = q_row[idx], key[idx], value[idx]
-                lengths = lengths[idx] if lengths is not None else None
-                key_mask = key_mask[idx] if key_mask is not None else None
-            seed = derive_seed(self.seed, self.request, layer, self.step, row)
-            est, stats = self.method.decode(
-                q_row, k_rows, v_rows, lengths=lengths, key_mask=key_mask, seed=seed,
-                scale=scaling, state=self._state(layer), check_finite=False,
-            )
-            rel_error = None
-            if self.track_error and self.step % self.track_error == 0:
-                rel_error = _relative_error(est, q_row, k_rows, v_rows, lengths, key_mask, scaling)
-            out[rows, row] = est.to(out.dtype)
-            self._record(layer, n_keys - q_len + row, q_len, stats, rel_error)
+            out = _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0]
+            mixed = est if plan.row_mask is None else torch.where(plan.row_mask[..., None, None], est, out[:, lo:])
+            out = torch.cat([out[:, :lo], mixed], dim=1) if lo else mixed
+        self._account(layer, n_keys - q_len + lo, n_keys - 1, rows, stats, error)
         return out
 
     def _state(self, layer: int) -> dict[str, Any]:
@@ -224,22 +288,41 @@ class SparseSession:
         state["layer"] = layer
         return state
 
-    # -- results -----------------------------------------------------------------------------
+    def _account(self, layer: int, first_pos: int, last_pos: int, rows: int, stats, error) -> None:
+        meta = {"request": self.request, "layer": layer, "step": self.step, "position": last_pos,
+                "first_position": first_pos, "rows": rows}
+        self._calls.append((meta, stats, error))
+        self._records = None
+        tot = self._totals[layer]
+        tot.calls += 1
+        tot.rows += rows
+        for name in _SUMMED:
+            tot.sums[name] = tot.sums.get(name, 0.0) + stats.raw(name) * rows
+        if error is not None:
+            tot.error_sum = tot.error_sum + error.sum()
+            tot.error_rows += error.numel()
+
+    # -- results (read here: the only host reads of the session) -------------------------------
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """One dict per method call (layer × forward): its stats, request, step, last ``position``,
+        ``rows`` served, and ``rel_error`` (mean over the tracked rows) where tracked."""
+        if self._records is None or len(self._records) != len(self._calls):
+            self._records = [_record(meta, stats, error) for meta, stats, error in self._calls]
+        return self._records
 
     def layer_summary(self) -> dict[int, dict[str, float]]:
-        """Per layer: mean density, kv_density, V rows read, calls, and rel_error where tracked."""
-        by_layer: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for rec in self.records:
-            by_layer[rec["layer"]].append(rec)
+        """Per layer: mean density, kv_density, V rows read, n_keys over rows, calls, rows, and
+        rel_error where tracked."""
         summary = {}
-        for layer in sorted(by_layer):
-            recs = by_layer[layer]
-            row = {"calls": len(recs)}
-            for key in ("density", "kv_density", "v_rows_read", "n_keys"):
-                row[key] = sum(r[key] for r in recs) / len(recs)
-            errors = [r["rel_error"] for r in recs if "rel_error" in r]
-            if errors:
-                row["rel_error"] = sum(errors) / len(errors)
+        for layer in sorted(self._totals):
+            tot = self._totals[layer]
+            row = {"calls": tot.calls, "rows": tot.rows}
+            for key in _SUMMED:
+                row[key] = float(tot.sums[key]) / tot.rows
+            if tot.error_rows:
+                row["rel_error"] = float(tot.error_sum) / tot.error_rows
             summary[layer] = row
         return summary
 
@@ -250,18 +333,32 @@ class SparseSession:
 
     @property
     def backends(self) -> set[str]:
-        return {r["backend"] for r in self.records}
-
-    @property
-    def _first_layer(self) -> int:
-        return self.__dict__.setdefault("_first", min(m.layer_idx for m in attention_modules(self.model)))
+        return {stats.backend for _, stats, _ in self._calls}
 
 
-def _relative_error(est, q, k, v, lengths, key_mask, scale) -> float:
-    exact, _ = build_method("dense").decode(q, k, v, lengths=lengths, key_mask=key_mask, scale=scale,
-                                            check_finite=False)
-    e = exact.to(torch.float64)
-    return float((est.to(torch.float64) - e).norm() / e.norm().clamp_min(1e-30))
+def _record(meta: dict[str, Any], stats, error) -> dict[str, Any]:
+    rec = {**meta, "q_len": meta["rows"], **stats.as_dict()}
+    if error is not None:
+        rec["rel_error"] = float(error.mean())
+    return rec
+
+
+def _relative_errors(est, q, k, v, key_mask, scale, rows: torch.Tensor) -> torch.Tensor:
+    """``‖ô − o‖ / ‖o‖`` per tracked query row (over batch, heads and channels), on the device."""
+    qr = q.index_select(2, rows)
+    km = None if key_mask is None else key_mask.index_select(1, rows)
+    lengths = None
+    if km is None:
+        # Row j of the chunk sees N − Q' + 1 + j keys: pass them as a per-row mask of the chunk.
+        n, q_len = k.shape[2], q.shape[2]
+        visible = n - q_len + 1 + rows
+        km = (torch.arange(n, device=q.device)[None, :] < visible[:, None])[None].expand(q.shape[0], -1, -1)
+    exact, _ = build_method("dense").decode(qr, k, v, lengths=lengths, key_mask=km, scale=scale, check_finite=False)
+    e = exact.to(torch.float64).transpose(1, 2)  # [B, rows, Hq, dv]
+    diff = est.index_select(1, rows).to(torch.float64) - e
+    num = diff.pow(2).sum((0, 2, 3)).sqrt()
+    den = e.pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-30)
+    return num / den
 
 
 def _kvsieve_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -286,6 +383,7 @@ def sparsify(
     seed: int = 0,
     track_error: int = 0,
     question_start: int | Sequence[int] | torch.Tensor | None = None,
+    sparse_everywhere: bool = False,
 ):
     """Run ``method`` in ``model``'s attention inside a ``with`` block; yields a :class:`SparseSession`.
 
@@ -293,8 +391,12 @@ def sparsify(
     - ``phase="question"`` (setup B): the context is prefilled exactly; the question's tokens (from
       ``question_start`` or ``session.mark_question(...)``) and generated tokens use the method.
     - ``dense_layers``: layer indices that always stay exact.
-    - ``seed``: every (request, layer, step, query row) draws its own stream derived from it.
-    - ``track_error=k``: on every k-th step also compute exact attention and record ``rel_error``.
+    - ``seed``: every (request, layer, batch row, query position) draws its own stream derived from it.
+    - ``track_error=k``: for query rows at positions divisible by k (every k-th decode step, every
+      k-th row of a chunk) also compute exact attention and record ``rel_error`` (on the device).
+    - ``sparse_everywhere``: run the method on layers where it cannot pay too — sliding-window layers
+      (e.g. 15 of Gemma 3's 18) and contexts no longer than the method's fixed part, which stay
+      exact by default; ``session.layer_paths`` says which layers ran the method.
 
     On exit the model's attention implementation is restored; nothing else on it is changed.
     """
@@ -316,7 +418,8 @@ def sparsify(
     if busy:
         raise ValueError("model: already inside another kvsieve.sparsify block; nest none")
     session = SparseSession(model=model, method=m, phase=phase, dense_layers=dense, seed=seed,
-                            track_error=track_error)
+                            track_error=track_error, sparse_everywhere=bool(sparse_everywhere),
+                            first_layer=min(mod.layer_idx for mod in modules))
     if question_start is not None:
         session.mark_question(question_start)
     with _attached(modules, _SESSIONS, session):

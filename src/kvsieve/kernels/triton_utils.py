@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core import rng as _rng
+
 try:  # triton is an optional dependency at run time (CPU-only installs run the references)
     import triton
     import triton.language as tl
@@ -99,26 +101,14 @@ def group_block(group: int) -> int:
 
 
 def seed_words(seed: int) -> tuple[int, int]:
-    seed = int(seed) & ((1 << 64) - 1)
-    return seed & _MASK32, (seed >> 32) & _MASK32
-
-
-def _mix32_torch(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ (x >> 16)
-    x = (x * _MIX1) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * _MIX2) & _MASK32
-    return x ^ (x >> 16)
+    return _rng.seed_words(seed)
 
 
 def uniforms(seed: int, stream: int, counters: torch.Tensor) -> torch.Tensor:
-    """The kernels' uniforms for ``counters`` (any int tensor), as float64 ``k / 2**24``."""
+    """The kernels' uniforms for ``counters`` (any int tensor), as float64 ``k / 2**24``: the torch
+    twin of ``hash_uniform`` below, shared with the references (``core.rng.hash_uniform``)."""
     lo, hi = seed_words(seed)
-    x = counters.to(torch.int64) & _MASK32
-    x = _mix32_torch(x ^ lo)
-    x = _mix32_torch(x ^ hi)
-    x = _mix32_torch(x ^ ((stream * _GOLDEN) & _MASK32))
-    return (x >> 8).to(torch.float64) * 2.0**-24
+    return _rng.hash_uniform(lo, hi, stream, counters)
 
 
 def tile_uniforms(seed: int, batch: int, heads: int, tiles: int, device=None) -> torch.Tensor:

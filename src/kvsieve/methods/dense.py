@@ -34,6 +34,8 @@ class Dense(Method):
     config_class = DenseConfig
     summary = "exact attention over every valid key (the baseline)"
     exact_config = {}  # exact as it is
+    multi_row = True
+    graph_capturable = True
 
     def _decode(self, inputs, seed, state):
         path, reason = choose_backend(self.config.backend, inputs)

@@ -28,9 +28,10 @@ import torch
 from ..core.config import param, require_choice, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
-from ..core.rng import derive_seed
+from ..core.rng import STREAM_CAP, derive_seed
+from ..core.sync import any_or_true
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
-from .shared.selection import compact, require_size, resolve_size, union
+from .shared.selection import compact, require_size, resolve_size, uniforms, union
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class _KeyHashes:
         if cfg.transform == "mips":
             norms = k.norm(dim=-1).masked_fill(~inputs.key_mask[:, None, :], 0.0)
             new_max = torch.maximum(cached["norm_max"], norms.amax(-1))
-            if bool((new_max > cached["norm_max"]).any()) and start > 0:
+            if start > 0 and any_or_true(new_max > cached["norm_max"]):
                 start = 0  # M grew: every transformed key changed
             cached["norm_max"] = new_max
         kt = self.transform(cfg, cached, k[:, :, start:])
@@ -133,6 +134,10 @@ class MagicPig(SelectionMethod):
     name = "magicpig"
     config_class = MagicPigConfig
     summary = "MagicPIG: sink + window + SimHash-LSH retrieval weighted by 1/P(retrieved)"
+    # Key codes are state per request and layer: the rows of a chunk update them one by one.
+    multi_row = False
+    random_keys = True
+    graph_capturable = True
     stochastic = True
     small_config = {"sink": 4, "window": 8, "bits": 4, "tables": 8, "budget": 8}
     exact_config = None
@@ -157,13 +162,13 @@ class MagicPig(SelectionMethod):
         if cfg.budget != 0:
             cap = resolve_size(cfg.budget, inputs.n_valid)[:, None].expand(b, hq)
             over = r > cap
-            if bool(over.any()):
-                u = torch.rand(b, hq, n, generator=gen, device=inputs.q.device).masked_fill(~retrieved, 2.0)
+            if any_or_true(over):
+                u = uniforms(gen, STREAM_CAP, (b, hq, n), inputs.q.device, torch.float32).masked_fill(~retrieved, 2.0)
                 rank = torch.argsort(torch.argsort(u, dim=-1), dim=-1)
                 keep = retrieved & (~over[..., None] | (rank < cap[..., None]))
                 p = p * torch.where(over, cap.double() / r.clamp(min=1).double(), 1.0)[..., None]
         weights = 1.0 / p.clamp(min=1e-300)
         idx = torch.arange(n, device=inputs.q.device).expand(b, hq, n)
         sampled = compact(idx, keep, weights)
-        extra = {"retrieved": float(r.double().mean()), "kept": float(keep.sum(-1).double().mean())}
+        extra = {"retrieved": r.double().mean(), "kept": keep.sum(-1).double().mean()}
         return Selected(union(fixed, sampled), extra=extra)

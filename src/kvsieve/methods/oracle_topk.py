@@ -15,7 +15,7 @@ from ..core.config import param, require_choice
 from ..core.registry import register_method
 from .shared.backend import BACKENDS
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
-from .shared.selection import require_size, resolve_size, top_k, union
+from .shared.selection import require_size, resolve_size, size_bound, top_k, union
 from .shared.sparse_path import choose_sparse_backend, kernel_operands, page_list_mark, sparse_stats
 
 
@@ -40,12 +40,14 @@ class OracleTopK(SelectionMethod):
     summary = "sink + window + exact top-k of q·k over the rest (deterministic, renormalised)"
     small_config = {"sink": 4, "window": 8, "top_k": 16}
     exact_config = {"top_k": 1.0}
+    multi_row = True
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)
         heads = fixed.heads
         k = resolve_size(self.config.top_k, inputs.n_valid)
-        chosen = union(fixed, top_k(ranking_scores(inputs, heads), available, k))
+        bound = size_bound(self.config.top_k, inputs.n_keys)
+        chosen = union(fixed, top_k(ranking_scores(inputs, heads), available, k, bound))
         return Selected(chosen, scored=None)
 
     def _decode(self, inputs, seed, state):

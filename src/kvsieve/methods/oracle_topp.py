@@ -10,6 +10,7 @@ import torch
 from ..core.config import param, require_fraction
 from ..core.registry import register_method
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
+from .shared.exact import compute_dtype
 from .shared.selection import top_p, union
 
 
@@ -35,11 +36,14 @@ class OracleTopP(SelectionMethod):
     summary = "sink + window + the fewest highest-probability keys reaching attention mass p"
     small_config = {"sink": 4, "window": 8, "top_p": 0.5}
     exact_config = {"top_p": 1.0}
+    multi_row = True
+    graph_capturable = True
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)
         heads = fixed.heads
-        probs = torch.softmax(inputs.scores(torch.float64), dim=-1)
+        # float64 probabilities from a product in the compute dtype (no float64 copy of K)
+        probs = torch.softmax(inputs.scores(compute_dtype(inputs)).to(torch.float64), dim=-1)
         if heads != inputs.heads:
             b = inputs.batch
             probs = probs.view(b, heads, inputs.group, -1).sum(2) / inputs.group

@@ -53,6 +53,8 @@ class Quest(SelectionMethod):
     summary = "Quest: sink + window + the pages with the highest min/max logit bound"
     small_config = {"sink": 4, "window": 8, "top_k": 32, "page_size": 8}
     exact_config = {"top_k": 1.0}
+    # Page summaries are state per request and layer: the rows of a chunk update them one by one.
+    multi_row = False
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

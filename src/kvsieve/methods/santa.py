@@ -17,9 +17,10 @@ import torch
 from ..core.config import MethodConfig, param, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from ..core.rng import as_generator
+from ..core.rng import STREAM_SAMPLE
 from ..kernels.santa.systematic import inverse_cdf
-from .shared.exact import compute_dtype, covered_rows, merge_exact_rows
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws
+from .shared.selection import Draws, uniforms
 
 
 @dataclass(frozen=True)
@@ -40,16 +41,23 @@ class _SantaSampler(Method):
     exact_config = {"budget": lambda n: n}
     exact_note = ("rows whose valid keys fit in `budget` run exact attention (exact_when_covered=true, the "
                   "default): S ≥ N samples drawn from the softmax would still be an estimate")
+    random_keys = True
+    multi_row = True
+    graph_capturable = True
 
-    def thresholds(self, shape: tuple[int, int], budget: int, gen: torch.Generator,
+    def exact_below(self) -> int:
+        return self.config.budget if self.config.exact_when_covered else 0
+
+    def thresholds(self, shape: tuple[int, int], budget: int, gen: Draws,
                    device: torch.device) -> torch.Tensor:
         """``[B, Hq, S]`` thresholds in [0, 1) whose inverse-CDF images are the samples."""
         raise NotImplementedError
 
     def _decode(self, inputs, seed, state):
         s = self.config.budget
-        gen = as_generator(seed, inputs.q.device)
-        probs = inputs.probs(torch.float64)
+        gen = row_draws(inputs, seed)
+        # float64 CDF from a product in the compute dtype (no float64 copy of K for float32 inputs)
+        probs = torch.softmax(inputs.scores(compute_dtype(inputs)).to(torch.float64), dim=-1)
         t = self.thresholds((inputs.batch, inputs.heads), s, gen, inputs.q.device)
         idx = inverse_cdf(probs, t)  # [B, Hq, S]
         out = inputs.gather_values(idx).to(compute_dtype(inputs)).mean(2)
@@ -57,12 +65,12 @@ class _SantaSampler(Method):
         v_read.scatter_(2, idx, True)
         exact_rows = 0
         if self.config.exact_when_covered:
-            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, s))
+            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, s), s)
         return out, read_stats(inputs, v_read, exact_rows=exact_rows, extra={"samples": s})
 
 
-def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64)
+def _uniform(shape: tuple[int, ...], gen: Draws, device: torch.device) -> torch.Tensor:
+    return uniforms(gen, STREAM_SAMPLE, shape, device)
 
 
 @register_method

@@ -23,7 +23,7 @@ import torch
 from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from ..core.rng import as_generator, seed_int
+from ..core.rng import STREAM_BUDGET, STREAM_TILE, seed_int
 from ..kernels.santa.reference import (
     auto_tile_size,
     n_tiles,
@@ -31,7 +31,8 @@ from ..kernels.santa.reference import (
     santa_prop_reference,
 )
 from .shared.backend import BACKENDS, choose_backend, kernel_operands
-from .shared.exact import compute_dtype, covered_rows, merge_exact_rows
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws
+from .shared.selection import uniforms
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,13 @@ class _SantaTiled(Method):
     small_config = {"budget": 16}
     exact_config = {"budget": lambda n: n}
     exact_note = "rows whose valid keys fit in `budget` run exact attention (exact_when_covered=true, the default)"
+    random_keys = True
+    multi_row = True
+    # The Triton kernels take their seed by value: a replayed graph would redraw the captured numbers.
+    graph_capturable = False
+
+    def exact_below(self) -> int:
+        return self.config.budget if self.config.exact_when_covered else 0
 
     def tile_for(self, n_keys: int) -> int:
         return self.config.tile_size or auto_tile_size(n_keys)
@@ -80,7 +88,7 @@ class _SantaTiled(Method):
             out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device))
             out = out.to(compute_dtype(inputs))
         else:
-            gen = as_generator(seed, inputs.q.device)
+            gen = row_draws(inputs, seed)
             t = n_tiles(inputs.n_keys, tile)
             sample = self.sample(inputs, tile, gen, t, (inputs.batch, inputs.heads))
             out, counts, samples = sample.out.to(compute_dtype(inputs)), sample.counts, sample.samples
@@ -89,13 +97,20 @@ class _SantaTiled(Method):
         v_read = counts > 0
         exact_rows = 0
         if self.config.exact_when_covered:
-            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, self.config.budget))
-        extra["samples"] = float(samples.to(torch.float64).mean())
+            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, self.config.budget),
+                                                           self.config.budget)
+        extra["samples"] = samples.to(torch.float64).mean()
         return out, read_stats(inputs, v_read, backend=path, exact_rows=exact_rows, extra=extra)
 
 
-def _uniform(shape, gen, device):
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64)
+def _scores(inputs) -> torch.Tensor:
+    """float64 logits for the sampling arithmetic, from the product in the compute dtype (float32
+    products of float32 inputs: converting K to float64 would cost more than the scores)."""
+    return inputs.scores(compute_dtype(inputs)).to(torch.float64)
+
+
+def _uniform(shape, gen, device, stream=STREAM_TILE):
+    return uniforms(gen, stream, shape, device)
 
 
 @register_method
@@ -105,11 +120,11 @@ class SantaProp(_SantaTiled):
     summary = "S²ANTA-prop: budget shared over key tiles by mass, systematic sampling in each tile"
 
     def sample(self, inputs, tile, gen, t, shape):
-        budget_offset = _uniform(shape, gen, inputs.q.device)
+        budget_offset = _uniform(shape, gen, inputs.q.device, STREAM_BUDGET)
         tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
-        return santa_prop_reference(inputs.scores(torch.float64), inputs.v, self.config.budget, tile,
-                                    rounding=self.config.rounding,
-                                    budget_offset=budget_offset, tile_offsets=tile_offsets)
+        return santa_prop_reference(_scores(inputs), inputs.v, self.config.budget, tile,
+                                    rounding=self.config.rounding, budget_offset=budget_offset,
+                                    tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
     def run_triton(self, inputs, tile, seed):
         from ..kernels.santa.decode import santa_prop_triton
@@ -128,8 +143,8 @@ class SantaFlash(_SantaTiled):
 
     def sample(self, inputs, tile, gen, t, shape):
         tile_offsets = _uniform((*shape, t), gen, inputs.q.device)
-        return santa_flash_reference(inputs.scores(torch.float64), inputs.v, self.config.budget, tile,
-                                     tile_offsets=tile_offsets)
+        return santa_flash_reference(_scores(inputs), inputs.v, self.config.budget, tile,
+                                     tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
     def run_triton(self, inputs, tile, seed):
         from ..kernels.santa.decode import santa_flash_triton

@@ -36,6 +36,7 @@ class Streaming(SelectionMethod):
     summary = "StreamingLLM: attention sinks + local window only"
     small_config = {"sink": 4, "window": 16}
     exact_config = {"sink": lambda n: n}
+    multi_row = True
 
     def select(self, inputs, gen, state):
         fixed, _ = fixed_part(self, inputs)

@@ -25,6 +25,7 @@ sparse-attention-hub code where it differs from the paper: ``replacement``, ``re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +34,7 @@ import torch
 from ..core.config import param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
+from ..core.rng import STREAM_SUBSET2
 from ..kernels.sparse.weighted import gather_rows
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
 from .shared.pages import quest_top_tokens
@@ -44,6 +46,7 @@ from .shared.selection import (
     require_size,
     resolve_size,
     sink_and_window,
+    size_bound,
     top_k,
     uniform_sample,
     union,
@@ -153,6 +156,9 @@ class VAttention(SelectionMethod):
     name = "vattention"
     config_class = VAttentionConfig
     summary = "vAttention: sink + window + top-k + uniform sample of the rest, budget from (ε, δ)"
+    multi_row = True
+    random_keys = True
+    graph_capturable = True
     stochastic = True
     small_config = {"sink": 4, "window": 8, "top_k": 8, "base_rate": 0.1, "epsilon": 0.5, "delta": 0.5}
     exact_config = {"top_k": 1.0}
@@ -163,7 +169,7 @@ class VAttention(SelectionMethod):
             return empty_set(inputs.batch, available.shape[1], inputs.q.device)
         k = resolve_size(cfg.top_k, inputs.n_valid)
         if cfg.predictor == "oracle":
-            return top_k(ranking_scores(inputs, available.shape[1]), available, k)
+            return top_k(ranking_scores(inputs, available.shape[1]), available, k, size_bound(cfg.top_k, inputs.n_keys))
         return quest_top_tokens(inputs, available, k, cfg.page_size, state)
 
     def budget(self, inputs: DecodeInputs, fixed: IndexSet, base: IndexSet, n_s: torch.Tensor,
@@ -214,7 +220,8 @@ class VAttention(SelectionMethod):
         residual = available_after(inputs, static) if cfg.residual == "excludes-topk" else available
         n_s = residual.sum(-1)
         n_base = torch.minimum(torch.clamp(torch.floor(cfg.base_rate * n_s.double()).long(), min=2), n_s)
-        base = uniform_sample(residual, n_base, gen, replacement=cfg.replacement)
+        base_bound = max(2, math.floor(cfg.base_rate * inputs.n_keys))
+        base = uniform_sample(residual, n_base, gen, replacement=cfg.replacement, size_bound=base_bound)
 
         b = self.budget(inputs, static, base, n_s, n_base)
         if heads != inputs.heads:
@@ -235,12 +242,12 @@ class VAttention(SelectionMethod):
             scored = None  # every key scored
         extra = {
             "budget_per_head": b_int.double(),
-            "budget": float(b_int.double().mean()),
-            "budget_raw": float(torch.clamp(b, max=float(inputs.n_keys)).mean()),
-            "base_sample": float(n_base.double().mean()),
-            "residual_keys": float(n_s.double().mean()),
-            "fixed_keys": float(static.counts.double().mean()),
-            "sampled_fraction": float((b_int.double() / n_s.clamp(min=1).double()).mean()),
+            "budget": b_int.double().mean(),
+            "budget_raw": torch.clamp(b, max=float(inputs.n_keys)).mean(),
+            "base_sample": n_base.double().mean(),
+            "residual_keys": n_s.double().mean(),
+            "fixed_keys": static.counts.double().mean(),
+            "sampled_fraction": (b_int.double() / n_s.clamp(min=1).double()).mean(),
             "epsilon": cfg.epsilon,
             "delta": cfg.delta,
             "bound": cfg.bound,
@@ -252,10 +259,11 @@ class VAttention(SelectionMethod):
                         gen: torch.Generator) -> IndexSet:
         """``b`` residual keys at weight ``n_s / b``; ``b = n_s`` takes the whole residual (exact)."""
         if not self.config.replacement:
-            return uniform_sample(residual, b, gen)
+            return uniform_sample(residual, b, gen, stream=STREAM_SUBSET2)
         full = b >= n_s
-        sample = uniform_sample(residual, torch.where(full, 0, b), gen, replacement=True)
-        everything = uniform_sample(residual & full[..., None], torch.where(full, n_s, 0), gen)
+        sample = uniform_sample(residual, torch.where(full, 0, b), gen, replacement=True, stream=STREAM_SUBSET2)
+        everything = uniform_sample(residual & full[..., None], torch.where(full, n_s, 0), gen,
+                                    stream=STREAM_SUBSET2 + 10)
         return union(sample, everything)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from ..core.method import Method
 from ..core.registry import method as build_method
-from ..core.rng import derive_seed
+from ..core.rng import RandomKey, derive_seed
 from ..integrations.hf import attention_modules
 from .cache import RuntimeCache
 from .sampling import SamplingConfig, choose_tokens, mix32
@@ -384,12 +384,10 @@ class DecodeRuntime:
         return state
 
     def _method_decode(self, layer, query, key, value, scaling):
-        if self.capturable:
-            # per-row seeds [B] in device memory, fresh every step and every graph replay
-            seed = self.row_seeds[layer]
-        else:
-            # the stream sparsify + transformers' generate would use: (seed, request 0, layer, step, row 0)
-            seed = derive_seed(self.seed, 0, layer, self.emitted, 0)
+        # The key sparsify uses for request 0: (seed, request, layer); each row adds its batch row and
+        # position (core.rng.RowStreams), which live in device memory — fresh draws every step and
+        # every graph replay, and the same draws as sparsify + transformers' generate.
+        seed = RandomKey(self.seed, (0, layer))
         if not self.use_graph:
             n = max(self.host_lengths())  # eager: the method need not look past the longest row
             key, value = key[:, :, :n], value[:, :, :n]

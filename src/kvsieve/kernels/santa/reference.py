@@ -82,12 +82,14 @@ def santa_prop_reference(
     rounding: str,
     budget_offset: torch.Tensor,
     tile_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.float64,
 ) -> TiledSample:
     """S²ANTA-prop. ``rounding`` is ``"largest-remainder"`` (the paper) or ``"systematic"`` (unbiased).
 
     ``scores [B, Hq, N]`` are the scaled float64 logits with -inf on invalid keys; ``v [B, Hkv, N, dv]``.
     ``budget_offset [B, Hq]`` (used by systematic rounding) and ``tile_offsets [B, Hq, T]`` are
-    uniforms in [0, 1).
+    uniforms in [0, 1). ``out_dtype``: the dtype of the final ``Σ c_n V_n / S`` product (float32 for
+    float32 inputs saves converting V; the sampling itself stays float64).
     """
     n_keys = scores.shape[-1]
     m, u, l = tile_statistics(scores, tile)
@@ -101,7 +103,7 @@ def santa_prop_reference(
     counts = systematic_counts(u, budgets, tile_offsets)  # [B, Hq, T, tile]
     b, h, t, tl = counts.shape
     flat = counts.view(b, h, t * tl)
-    out = grouped_weighted_values(flat.to(torch.float64) / budget, v)
+    out = grouped_weighted_values(flat.to(out_dtype) / budget, v)
     return TiledSample(out=out, counts=flat[..., :n_keys], tile_budgets=budgets,
                        samples=budgets.sum(-1))
 
@@ -112,7 +114,8 @@ def flash_tile_budget(budget: int, valid_tiles: torch.Tensor) -> torch.Tensor:
 
 
 def santa_flash_reference(
-    scores: torch.Tensor, v: torch.Tensor, budget: int, tile: int, *, tile_offsets: torch.Tensor
+    scores: torch.Tensor, v: torch.Tensor, budget: int, tile: int, *, tile_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.float64,
 ) -> TiledSample:
     """S²ANTA-flash: uniform per-tile budgets, tile estimates merged with weights ``W_t / Z``.
 
@@ -130,7 +133,7 @@ def santa_flash_reference(
     per_sample = (w / (z * s_tile[..., None].to(torch.float64)))[..., None]
     b, h, t, tl = counts.shape
     weights = (counts.to(torch.float64) * per_sample).view(b, h, t * tl)
-    out = grouped_weighted_values(weights, v)
+    out = grouped_weighted_values(weights.to(out_dtype), v)
     flat = counts.view(b, h, t * tl)
     return TiledSample(out=out, counts=flat[..., :n_keys], tile_budgets=budgets,
                        samples=budgets.sum(-1))

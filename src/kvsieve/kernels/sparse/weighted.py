@@ -94,9 +94,12 @@ def gather_rows(t: torch.Tensor, idx: torch.Tensor, head_of: torch.Tensor | None
     hs, m = idx.shape[1], idx.shape[2]
     if head_of is None:
         head_of = torch.arange(hs, device=idx.device)
-    base = (torch.arange(b, device=idx.device)[:, None] * hkv + head_of[None, :]) * n  # [B, Hs]
+    rows = torch.arange(b, device=idx.device)
+    if b > 1 and t.stride(0) == 0:  # one cache row viewed by many query rows: read the one copy
+        t, rows = t[:1], torch.zeros_like(rows)
+    base = (rows[:, None] * hkv + head_of[None, :]) * n  # [B, Hs]
     flat = (base[..., None] + idx).reshape(-1)
-    return torch.index_select(t.reshape(b * hkv * n, x), 0, flat).view(b, hs, m, x)
+    return torch.index_select(t.reshape(-1, x), 0, flat).view(b, hs, m, x)
 
 
 def weighted_sparse_decode_reference(

@@ -16,10 +16,11 @@ import torch
 from ...core.config import MethodConfig, param, require_int
 from ...core.inputs import DecodeInputs
 from ...core.method import Method, read_stats
-from ...core.rng import as_generator
+from ...core.rng import RandomKey, RowStreams, as_generator
 from ...kernels.sparse.weighted import weighted_sparse_decode
 from .exact import compute_dtype
 from .selection import (
+    Draws,
     IndexSet,
     available_after,
     exact_row_count,
@@ -58,17 +59,29 @@ class Selected:
 class SelectionMethod(Method):
     """A method that builds one :class:`IndexSet` per step and runs the weighted sparse decode."""
 
-    def select(self, inputs: DecodeInputs, gen: torch.Generator | None, state: dict[str, Any]) -> Selected:
+    def select(self, inputs: DecodeInputs, gen: Draws | None, state: dict[str, Any]) -> Selected:
+        """The call's index set. ``gen``: the row streams of the call (or a generator for methods with
+        ``random_keys = False``); draw through ``selection.uniforms`` / ``uniform_sample``."""
         raise NotImplementedError
+
+    def exact_below(self) -> int:
+        return int(getattr(self.config, "sink", 0)) + int(getattr(self.config, "window", 0))
 
     def selection_heads(self, inputs: DecodeInputs) -> int:
         return inputs.kv_heads if getattr(self.config, "share_kv_group", False) else inputs.heads
 
+    def row_streams(self, inputs: DecodeInputs, seed) -> Draws | None:
+        """The draws ``select`` gets: row streams from a key, a generator for generator-API methods."""
+        if not self.stochastic:
+            return None
+        if self.random_keys and isinstance(seed, RandomKey):
+            return RowStreams(seed, inputs.batch_row(), inputs.n_valid)
+        return as_generator(seed, inputs.q.device)
+
     def _decode(self, inputs, seed, state):
-        gen = as_generator(seed, inputs.q.device) if self.stochastic else None
-        sel = self.select(inputs, gen, state)
+        sel = self.select(inputs, self.row_streams(inputs, seed), state)
         chosen = sel.chosen
-        if int(chosen.counts.min()) < 1:
+        if inputs.checked and int(chosen.counts.min()) < 1:
             raise ValueError(f"{self.name}: the configuration selected no key for some head; "
                              "give sink, window or a budget > 0")
         out, lse = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, chosen.indices, chosen.counts,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...core.inputs import DecodeInputs
+from ...core.rng import RandomKey, RowStreams, as_generator
+from ...core.sync import any_or_true
 
 
 def compute_dtype(inputs: DecodeInputs) -> torch.dtype:
@@ -24,13 +26,32 @@ def covered_rows(inputs: DecodeInputs, budget: int) -> torch.Tensor:
 
 
 def merge_exact_rows(
-    inputs: DecodeInputs, out: torch.Tensor, v_read: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Replace the estimate of ``rows [B]`` by exact attention; their V reads become every valid key."""
-    n_rows = int(rows.sum())
-    if n_rows == 0:
-        return out, v_read, 0
-    exact = exact_attention(inputs).to(out.dtype)
+    inputs: DecodeInputs, out: torch.Tensor, v_read: torch.Tensor, rows: torch.Tensor, budget: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replace the estimate of ``rows [R]`` by exact attention; their V reads become every valid key.
+
+    Returns the row count as a device scalar. Where the host may not read ``rows`` (CUDA) exact
+    attention is computed for every row and selected per row; with ``budget`` (the rows are those
+    with at most ``budget`` valid keys) and prefix lengths it reads only the first ``budget`` keys,
+    which hold every valid key of such a row.
+    """
+    n_rows = rows.sum()
+    if not any_or_true(rows):
+        return out, v_read, n_rows
+    if budget is not None and inputs.lengths is not None and budget < inputs.n_keys:
+        head = DecodeInputs(q=inputs.q, k=inputs.k[:, :, :budget], v=inputs.v[:, :, :budget],
+                            key_mask=inputs.key_mask[:, :budget], n_valid=inputs.n_valid, lengths=inputs.lengths,
+                            scale=inputs.scale)
+        exact = exact_attention(head).to(out.dtype)
+    else:
+        exact = exact_attention(inputs).to(out.dtype)
     out = torch.where(rows[:, None, None], exact, out)
     v_read = torch.where(rows[:, None, None], inputs.key_mask[:, None, :].expand_as(v_read), v_read)
     return out, v_read, n_rows
+
+
+def row_draws(inputs: DecodeInputs, seed) -> RowStreams | torch.Generator:
+    """Where a stochastic method's numbers come from: the row streams of a key, or a generator."""
+    if isinstance(seed, RandomKey):
+        return RowStreams(seed, inputs.batch_row(), inputs.n_valid)
+    return as_generator(seed, inputs.q.device)

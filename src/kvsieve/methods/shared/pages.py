@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ...core.inputs import DecodeInputs
+from ...core.sync import host_reads_allowed, max_or_bound
 from .selection import IndexSet, compact, empty_set, group_scores
 
 
@@ -37,7 +38,12 @@ def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) 
             # Pages from the first key whose validity changed (e.g. the next row of a causal question
             # block sees one more key) are recomputed; pages before it are still right.
             changed = (cached["mask"] != inputs.key_mask[:, : cached["n"]]).any(0)
-            first = int(changed.to(torch.int8).argmax()) if bool(changed.any()) else cached["n"]
+            if host_reads_allowed(changed):
+                first = int(changed.to(torch.int8).argmax()) if bool(changed.any()) else cached["n"]
+            else:
+                # Finding the first changed key needs a host read: summarize every page again
+                # (one pass over K; a kernel that updates pages in place is the GPU's way).
+                first = 0
             start_page = first // page_size
         else:
             cached = None
@@ -81,7 +87,7 @@ def select_pages(available: torch.Tensor, scores: torch.Tensor, pages: torch.Ten
     av = torch.nn.functional.pad(available, (0, pad), value=False).view(b, h, p_total, page_size)
     has = av.any(-1)
     pages = torch.minimum(pages, has.sum(-1))
-    kp = int(pages.max()) if pages.numel() else 0
+    kp = max_or_bound(pages, p_total)
     if kp == 0:
         return empty_set(b, h, available.device)
     s = scores.masked_fill(~has, float("-inf"))

@@ -20,6 +20,21 @@ from dataclasses import dataclass
 import torch
 
 from ...core.inputs import DecodeInputs
+from ...core.rng import STREAM_SUBSET, RowStreams
+from ...core.sync import host_reads_allowed, max_or_bound
+
+Draws = RowStreams | torch.Generator
+"""Where random numbers come from: the call's counter-based row streams, or (methods written against
+the generator API) a ``torch.Generator``."""
+
+
+def uniforms(rng: Draws, stream: int, shape: tuple[int, ...], device: torch.device,
+             dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Uniforms in [0, 1) of ``shape`` (rows first): from the row streams (``stream`` names the draw)
+    or from a generator."""
+    if isinstance(rng, torch.Generator):
+        return torch.rand(shape, generator=rng, device=device, dtype=dtype)
+    return rng.uniform(stream, tuple(shape[1:]), dtype)
 
 
 @dataclass
@@ -81,9 +96,11 @@ def compact(indices: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor | N
     """Keep the entries where ``keep`` is True, moved to the front of each row (order preserved).
 
     O(M) per row: each kept entry goes to slot ``cumsum(keep) − 1``; dropped ones to a spare slot.
+    The width is the largest count where the host may read it (CPU), else the input width M (no
+    host synchronisation; the extra columns are padding).
     """
     counts = keep.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
+    width = max_or_bound(counts, keep.shape[-1])
     dest = torch.where(keep, torch.cumsum(keep, dim=-1) - 1, width)
     shape = (*keep.shape[:-1], width + 1)
     idx = torch.zeros(shape, dtype=indices.dtype, device=indices.device).scatter_(-1, dest, indices)[..., :width]
@@ -143,12 +160,16 @@ def sink_and_window(inputs: DecodeInputs, sink: int, window: int, heads: int) ->
     return IndexSet(idx, counts[:, None].expand(inputs.batch, heads).contiguous())
 
 
-def top_k(scores: torch.Tensor, available: torch.Tensor, k: torch.Tensor) -> IndexSet:
-    """The ``k [B] or [B, Hs]`` highest ``scores [B, Hs, N]`` among ``available`` positions, weight 1."""
+def top_k(scores: torch.Tensor, available: torch.Tensor, k: torch.Tensor, k_bound: int | None = None) -> IndexSet:
+    """The ``k [B] or [B, Hs]`` highest ``scores [B, Hs, N]`` among ``available`` positions, weight 1.
+
+    ``k_bound``: a host-known upper bound of ``k`` (default N), the width where the host may not read k.
+    """
     n_av = available.sum(-1)
     k = k if k.dim() == 2 else k[:, None].expand_as(n_av)
     k = torch.minimum(k, n_av)
-    kmax = int(k.max()) if k.numel() else 0
+    bound = scores.shape[-1] if k_bound is None else min(int(k_bound), scores.shape[-1])
+    kmax = max_or_bound(k, bound)
     if kmax == 0:
         return empty_set(scores.shape[0], scores.shape[1], scores.device)
     s = scores.masked_fill(~available, float("-inf"))
@@ -183,71 +204,78 @@ def top_p(probs: torch.Tensor, available: torch.Tensor, target: torch.Tensor, it
 
 
 def uniform_sample(
-    available: torch.Tensor, size: torch.Tensor, gen: torch.Generator, *, replacement: bool = False
+    available: torch.Tensor, size: torch.Tensor, gen: Draws, *, replacement: bool = False,
+    stream: int = STREAM_SUBSET, size_bound: int | None = None,
 ) -> IndexSet:
     """``size [B, Hs]`` positions drawn uniformly from ``available [B, Hs, N]``, weight ``n_avail / size``.
 
     Without replacement (default) the entries are distinct and each available position has inclusion
-    probability ``size / n_avail``. With replacement the draws are i.i.d. and duplicates are kept
+    probability ``size / n_avail``: every available position gets a uniform key and the ``size``
+    smallest keys are the sample. With replacement the draws are i.i.d. and duplicates are kept
     (the Hansen–Hurwitz estimator: each draw weighs ``n_avail / size``); both are unbiased for the
     sum over the available positions. ``size`` is capped at ``n_avail`` without replacement.
+    ``stream`` names the draw among the call's (two samples of one call need two streams);
+    ``size_bound`` is a host-known bound of ``size`` (default N), the sample width without host reads.
     """
     b, h, n = available.shape
     n_av = available.sum(-1)
     size = size if replacement else torch.minimum(size, n_av)
     size = torch.where(n_av > 0, size, torch.zeros_like(size))
-    kmax = int(size.max()) if size.numel() else 0
+    kmax = max_or_bound(size, n if size_bound is None else size_bound)
     if kmax == 0:
         return empty_set(b, h, available.device)
     if replacement:
-        ranks = torch.floor(torch.rand(b, h, kmax, generator=gen, device=available.device, dtype=torch.float64)
-                            * n_av[..., None].to(torch.float64)).to(torch.long)
+        u = uniforms(gen, stream, (b, h, kmax), available.device)
+        ranks = torch.floor(u * n_av[..., None].to(torch.float64)).to(torch.long)
         ranks = torch.minimum(ranks, torch.clamp(n_av[..., None] - 1, min=0))
         order = positions_where(available).indices
-        idx = torch.gather(order, 2, ranks)
+        if order.shape[-1] == 0:
+            order = torch.zeros(b, h, 1, dtype=torch.long, device=available.device)
+        idx = torch.gather(order, 2, ranks.clamp(max=order.shape[-1] - 1))
     else:
-        idx = _uniform_subset(available, size, kmax, gen)
+        keys = uniforms(gen, stream, (b, h, n), available.device, torch.float32)
+        idx = _smallest_keys(keys.masked_fill(~available, 2.0), available, size, kmax)
     used = torch.arange(kmax, device=available.device) < size[..., None]
     w = (n_av.to(torch.float64) / torch.clamp(size, min=1).to(torch.float64))[..., None].expand(b, h, kmax)
     return compact(idx, used, w.contiguous())
 
 
-def _uniform_subset(available: torch.Tensor, size: torch.Tensor, kmax: int, gen: torch.Generator) -> torch.Tensor:
-    """``[B, Hs, kmax]`` positions whose first ``size`` per row are a uniform sample without replacement.
+def _smallest_keys(keys: torch.Tensor, available: torch.Tensor, size: torch.Tensor, kmax: int) -> torch.Tensor:
+    """``[B, Hs, kmax]`` positions whose first ``size`` per row are the available positions with the
+    smallest ``keys`` (a uniform sample without replacement; unavailable keys hold 2).
 
-    A row that takes more than half of its available keys draws the complement (the keys left out),
-    which is as uniform and keeps the draw small; its sample is then listed in position order.
+    Where the host may read values (CPU) two shortcuts give the same set: rows that take more than
+    half of their keys find the keys left out (the largest), and otherwise only keys below a threshold
+    a few standard deviations above the ``size``-th order statistic are sorted.
     """
+    n = keys.shape[-1]
+    if not host_reads_allowed(keys):
+        return torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
     n_av = available.sum(-1)
     big = 2 * size > n_av
-    if not bool(big.any()):
-        return _smallest_keys(available, size, kmax, gen)
-    drawn_size = torch.where(big, n_av - size, size)
-    drawn = IndexSet(_smallest_keys(available, drawn_size, int(drawn_size.max()), gen), drawn_size)
-    mark = drawn.mark(available.shape[-1])
-    return positions_where(torch.where(big[..., None], available & ~mark, mark)).indices
-
-
-def _smallest_keys(available: torch.Tensor, size: torch.Tensor, kmax: int, gen: torch.Generator) -> torch.Tensor:
-    """``[B, Hs, kmax]``: positions of the ``kmax`` smallest i.i.d. uniform keys of the available positions,
-    ascending, so that the first ``size`` of a row are a uniform sample without replacement.
-
-    Only keys below a threshold a few standard deviations above the ``size``-th order statistic are
-    sorted (O(N) plus a small sort); if some row has too few such candidates, all keys are ranked.
-    """
-    b, h, n = available.shape
-    keys = torch.rand(b, h, n, generator=gen, device=available.device)
-    keys = keys.masked_fill(~available, 2.0)
-    n_av = available.sum(-1).clamp(min=1).to(torch.float32)
+    if bool(big.any()):
+        if not bool(big.all()):
+            return torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
+        out_size = n_av - size
+        k_out = int(out_size.max())
+        left_out = torch.zeros_like(available)
+        if k_out > 0:
+            top = torch.topk(keys.masked_fill(~available, -1.0), k_out, dim=-1, largest=True, sorted=True).indices
+            drop = torch.arange(k_out, device=keys.device) < out_size[..., None]
+            left_out.scatter_(2, top, drop)
+        taken = positions_where(available & ~left_out).indices
+        if taken.shape[-1] < kmax:
+            taken = torch.nn.functional.pad(taken, (0, kmax - taken.shape[-1]))
+        return taken[..., :kmax]
     want = size.to(torch.float32)
-    thresh = (want + 4 * torch.sqrt(want) + 16) / n_av
+    thresh = (want + 4 * torch.sqrt(want) + 16) / n_av.clamp(min=1).to(torch.float32)
     if bool((thresh < 0.5).all()):
         cand = positions_where(keys < thresh[..., None])
-        if bool((cand.counts >= size).all()):
+        if bool((cand.counts >= size).all()) and cand.width >= kmax:
             ck = torch.gather(keys, 2, cand.indices).masked_fill(~cand.used(), 3.0)
             order = torch.topk(ck, kmax, dim=-1, largest=False, sorted=True).indices
             return torch.gather(cand.indices, 2, order)
-    return torch.topk(keys, kmax, dim=-1, largest=False, sorted=True).indices
+    return torch.topk(keys, min(kmax, n), dim=-1, largest=False, sorted=True).indices
 
 
 def group_scores(scores: torch.Tensor, group: int) -> torch.Tensor:
@@ -279,9 +307,9 @@ def exact_heads(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
     return full
 
 
-def exact_row_count(inputs: DecodeInputs, chosen: IndexSet) -> int:
-    """Batch rows whose every head ran exact attention (the documented fallback)."""
-    return int(exact_heads(inputs, chosen).all(-1).sum())
+def exact_row_count(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
+    """Query rows whose every head ran exact attention (the documented fallback), a device scalar."""
+    return exact_heads(inputs, chosen).all(-1).sum()
 
 
 def ceil_pages(tokens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -301,6 +329,13 @@ def require_size(name: str, value: object, *, allow_zero: bool = True) -> None:
             raise ValueError(f"{name}: a fraction of the context must lie in (0, 1], got {value}")
     elif value < (0 if allow_zero else 1):
         raise ValueError(f"{name}: expected a count >= {0 if allow_zero else 1}, got {value}")
+
+
+def size_bound(spec: int | float, n_keys: int) -> int:
+    """A host-known upper bound of :func:`resolve_size` for rows of at most ``n_keys`` keys."""
+    if isinstance(spec, float):
+        return max(1, math.floor(n_keys * spec))
+    return int(spec)
 
 
 def resolve_size(spec: int | float, n_valid: torch.Tensor) -> torch.Tensor:
