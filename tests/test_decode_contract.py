@@ -146,7 +146,7 @@ def test_key_mask_per_row_and_causal_default():
 def test_bad_layouts_name_the_argument():
     q, k, v = random_qkv(batch=1, heads=4, kv_heads=2, n=40, d=8)
     m = kvsieve.method("dense")
-    with pytest.raises(ValueError, match=r"k: shape \(1, 40, 2, 8\) looks like \[B, N, Hkv, d\]"):
+    with pytest.raises(ValueError, match=r"if k is \[B, N, Hkv, d\], pass k.transpose\(1, 2\)"):
         m.decode(q, k.transpose(1, 2), v.transpose(1, 2))
     with pytest.raises(ValueError, match=r"q: expected shape \[B, Hq, d\] or \[B, Hq, Q, d\]"):
         m.decode(q[0], k, v)

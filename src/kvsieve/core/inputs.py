@@ -189,9 +189,6 @@ def check_decode_inputs(
     b, hq, d = q.shape[0], q.shape[1], q.shape[-1]
     _require(q_len >= 1, f"q: no query rows (Q = 0) in {tuple(q.shape)}")
     _require(k.shape[0] == b and v.shape[0] == b, f"k, v: batch {k.shape[0]}, {v.shape[0]} != q's batch {b}")
-    if k.shape[3] == d and hq % k.shape[1] != 0 and hq % k.shape[2] == 0:
-        raise ValueError(f"k: shape {tuple(k.shape)} looks like [B, N, Hkv, d]; expected [B, Hkv, N, d] "
-                         "(the transformers cache layout: transpose(1, 2))")
     _require(k.shape[3] == d, f"k: head dim {k.shape[3]} != q's head dim {d} (expected k as [B, Hkv, N, d])")
     _require(k.shape[:3] == v.shape[:3],
              f"v: shape {tuple(v.shape)} does not match k's [B, Hkv, N] {tuple(k.shape[:3])}")

@@ -108,7 +108,11 @@ class Method:
             q, k, v, lengths=lengths, key_mask=key_mask, scale=scale, check_finite=check_finite
         )
         state = state if state is not None else {}
-        if isinstance(seed, (list, tuple)) or (isinstance(seed, torch.Tensor) and seed.dim() == 1):
+        if isinstance(seed, bool) or not (seed is None or isinstance(seed, (int, RandomKey, torch.Generator, list,
+                                                                              tuple, torch.Tensor))):
+            raise ValueError(f"seed: expected an int, a torch.Generator or None (or B ints, or a kvsieve "
+                             f"RandomKey), got {type(seed).__name__}")
+        if isinstance(seed, (list, tuple)) or (isinstance(seed, torch.Tensor) and seed.dim() >= 1):
             # Per-row seeds: row b gets exactly what it gets alone with seed=seeds[b].
             if self.random_keys:
                 seed = per_row_key(seed, inputs.cache_batch, inputs.q.device)

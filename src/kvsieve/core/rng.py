@@ -131,7 +131,8 @@ def as_key(seed: int | RandomKey | torch.Tensor | None) -> RandomKey:
         return seed
     if isinstance(seed, torch.Tensor):
         if seed.is_floating_point() or seed.dtype == torch.bool or seed.dim() > 1:
-            raise ValueError(f"seed: a tensor seed must be integer, 0-dim or [B], got {seed.dtype} {tuple(seed.shape)}")
+            raise ValueError("seed: expected an int, a torch.Generator or None, or B ints (one per batch row) "
+                             f"as a 0-dim or [B] integer tensor, got {seed.dtype} {tuple(seed.shape)}")
         if seed.dim() == 1:
             return RandomKey(0, (), seed.to(torch.int64))
         return RandomKey(0, (seed.to(torch.int64) & MASK32, (seed.to(torch.int64) >> 32) & MASK32))
