@@ -413,7 +413,7 @@ def test_cli_generate_refuses_cuda_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
     assert main(["generate", "--demo", "--device", "cuda"]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 @pytest.mark.model
