@@ -143,8 +143,9 @@ def weighted_sparse_decode_reference(
         extra_dims = (b, hq, 1, m)
     used = (torch.arange(m, device=q.device) < counts[..., None]).view(extra_dims)
     if weights is not None:
-        # Padding entries may hold any weight; they are masked to -inf below.
-        log_w = torch.log(torch.where(used, weights.to(dtype).view(extra_dims), torch.ones((), dtype=dtype)))
+        # Padding entries may hold any weight; they are masked to -inf below. The fill is a Python
+        # scalar: a CPU tensor there would be copied to the device (a host sync on CUDA).
+        log_w = torch.log(torch.where(used, weights.to(dtype).view(extra_dims), 1.0))
         logits = logits + log_w
     logits = logits.masked_fill(~used, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # every row has >= 1 used entry, hence finite

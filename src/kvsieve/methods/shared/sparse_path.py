@@ -83,6 +83,6 @@ def sparse_stats(inputs: DecodeInputs, mark: torch.Tensor, *, extra: dict, score
     b, hs, n = mark.shape
     v_read = mark if hs == inputs.heads else mark.repeat_interleave(inputs.heads // hs, dim=1)
     k_scored = None if scored_all else v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1)
-    exact_rows = int((mark.sum(-1) == inputs.n_valid[:, None]).all(-1).sum())
+    exact_rows = (mark.sum(-1) == inputs.n_valid[:, None]).all(-1).sum()  # a device tensor: no host read
     return read_stats(inputs, v_read, k_scored=k_scored, backend="triton", exact_rows=exact_rows,
                       extra={"kernel": "sparse_decode_triton", **extra})
