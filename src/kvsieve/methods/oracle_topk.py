@@ -13,10 +13,10 @@ from typing import Literal
 
 from ..core.config import param, require_choice
 from ..core.registry import register_method
-from .shared.backend import BACKENDS
+from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
 from .shared.selection import require_size, resolve_size, size_bound, top_k, union
-from .shared.sparse_path import choose_sparse_backend, kernel_operands, page_list_mark, sparse_stats
+from .shared.sparse_path import choose_sparse_backend, page_list_mark, sparse_stats
 
 
 @dataclass(frozen=True)

@@ -22,11 +22,11 @@ from typing import Literal
 
 from ..core.config import param, require_choice, require_int
 from ..core.registry import register_method
-from .shared.backend import BACKENDS
+from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
 from .shared.pages import quest_top_tokens
 from .shared.selection import require_size, resolve_size, union
-from .shared.sparse_path import choose_sparse_backend, kernel_operands, page_list_mark, sparse_stats
+from .shared.sparse_path import choose_sparse_backend, page_list_mark, sparse_stats
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import Literal
 
 from ..core.config import param, require_choice
 from ..core.registry import register_method
-from .shared.backend import BACKENDS
+from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
-from .shared.sparse_path import choose_sparse_backend, dense_part_mark, kernel_operands, sparse_stats
+from .shared.sparse_path import choose_sparse_backend, dense_part_mark, sparse_stats
 
 
 @dataclass(frozen=True)

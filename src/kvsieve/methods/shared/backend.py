@@ -36,12 +36,19 @@ def triton_unsupported(inputs: DecodeInputs, *, tile: int | None = None, budget:
 
 
 def choose_backend(backend: str, inputs: DecodeInputs, **limits) -> tuple[str, str | None]:
-    """``(path, reason)``: path is "triton" or "reference"; reason says why the kernel was not used."""
+    """``(path, reason)`` for the S²ANTA and dense kernels (see :func:`choose_path`)."""
+    return choose_path(backend, inputs, lambda: triton_unsupported(inputs, **limits))
+
+
+def choose_path(backend: str, inputs: DecodeInputs, unsupported) -> tuple[str, str | None]:
+    """``(path, reason)``: path is "triton" or "reference"; reason says why the kernel was not used.
+
+    ``unsupported()`` says why the method's kernel cannot serve the call (None when it can)."""
     if backend == "reference":
         return "reference", None
     if backend == "auto" and inputs.q.device.type != "cuda":
         return "reference", None  # the expected path off the GPU, not a fallback
-    reason = triton_unsupported(inputs, **limits)
+    reason = unsupported()
     if reason is None:
         return "triton", None
     if backend == "triton":

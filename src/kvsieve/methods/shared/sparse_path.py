@@ -15,6 +15,7 @@ import torch
 from ...core.inputs import DecodeInputs
 from ...core.method import read_stats
 from ...core.stats import StepStats
+from .backend import choose_path
 
 
 def sparse_unsupported(inputs: DecodeInputs, page_size: int = 1) -> str | None:
@@ -32,23 +33,9 @@ def sparse_unsupported(inputs: DecodeInputs, page_size: int = 1) -> str | None:
 
 
 def choose_sparse_backend(backend: str, inputs: DecodeInputs, page_size: int = 1) -> tuple[str, str | None]:
-    """``(path, reason)``: path is "triton" or "reference"; reason says why the kernel did not run."""
-    if backend == "reference":
-        return "reference", None
-    if backend == "auto" and inputs.q.device.type != "cuda":
-        return "reference", None  # the expected path off the GPU, not a fallback
-    reason = sparse_unsupported(inputs, page_size)
-    if reason is None:
-        return "triton", None
-    if backend == "triton":
-        raise ValueError(f"backend: 'triton' cannot serve this call: {reason}; use backend='auto' or 'reference'")
-    return "reference", reason
+    """``(path, reason)`` for the sparse kernel (see :func:`kvsieve.methods.shared.backend.choose_path`)."""
+    return choose_path(backend, inputs, lambda: sparse_unsupported(inputs, page_size))
 
-
-def kernel_operands(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v with a contiguous last dim (copied only when not) and int32 lengths."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k, inputs.v))
-    return q, k, v, inputs.lengths.to(torch.int32)
 
 
 def dense_part_mark(inputs: DecodeInputs, sink: int, window: int) -> torch.Tensor:
