@@ -8,6 +8,10 @@ others run the method, one query row at a time, against the layer's whole KV cac
 
 Per-request state (step counter, each layer's method state, the collected stats) lives in the
 :class:`SparseSession` object, never on the model's modules.
+
+Methods with a prefill path (:class:`~kvsieve.core.prefill.PrefillMethod`, e.g. Sketch&Walk) also
+get the prompt's forward pass (sparse under ``phase="prefill"`` or ``"all"``, observed only under
+``"decode"``) and one dict per forward pass shared by its layers (``SparseSession.forward_state``).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from typing import Any, Literal
 import torch
 
 from ..core.method import Method
+from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
 from ..core.rng import derive_seed
 
 ATTENTION_NAME = "kvsieve"
-Phase = Literal["decode", "question"]
-PHASES = ("decode", "question")
+Phase = Literal["decode", "question", "prefill", "all"]
+PHASES = ("decode", "question", "prefill", "all")
+# Phases whose prompt forward runs a PrefillMethod's sparse prefill.
+SPARSE_PREFILL = ("prefill", "all")
 
 # attention module -> the session it currently serves (weak: a dropped model leaves nothing behind)
 _SESSIONS: weakref.WeakKeyDictionary[torch.nn.Module, SparseSession] = weakref.WeakKeyDictionary()
@@ -129,6 +136,8 @@ class SparseSession:
     step: int = -1
     request: int = 0
     layer_state: dict[int, dict[str, Any]] = field(default_factory=lambda: defaultdict(dict))
+    #: State shared by the layers of the current forward pass (Sketch&Walk's walk); reset per forward.
+    forward_state: dict[str, Any] = field(default_factory=dict)
 
     def mark_question(self, start: int | Sequence[int] | torch.Tensor) -> None:
         """Where the question starts: an index into the (left-padded) input ids, per row or shared.
@@ -146,6 +155,7 @@ class SparseSession:
     def _begin_forward(self, layer: int, q_len: int, n_keys: int) -> None:
         if layer != self._first_layer:
             return
+        self.forward_state = {}
         if n_keys == q_len and self.step >= 0:  # no past keys after earlier work: a new request
             self.request += 1
             self.step = -1
@@ -155,7 +165,9 @@ class SparseSession:
     def _sparse_rows(self, batch: int, q_len: int, n_keys: int, device: torch.device) -> torch.Tensor:
         """``[B, Q]`` bool: which query rows of this chunk use the method."""
         positions = torch.arange(n_keys - q_len, n_keys, device=device)
-        if self.phase == "decode":
+        if self.phase == "prefill":
+            return torch.zeros(batch, q_len, dtype=torch.bool, device=device)
+        if self.phase in ("decode", "all"):
             # Generated tokens: single-token forwards that follow a prefill.
             sparse = q_len == 1 and n_keys > 1
             return torch.full((batch, q_len), sparse, dtype=torch.bool, device=device)
@@ -184,6 +196,10 @@ class SparseSession:
         batch, _, q_len, _ = query.shape
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
+        if q_len > 1 and isinstance(self.method, PrefillMethod) and layer not in self.dense_layers:
+            out = self._prefill(module, query, key, value, attention_mask, scaling, kwargs)
+            if out is not None:
+                return out
         sparse = self._sparse_rows(batch, q_len, n_keys, query.device)
         if layer in self.dense_layers or not bool(sparse.any()):
             return _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0]
@@ -206,15 +222,47 @@ class SparseSession:
                 lengths = lengths[idx] if lengths is not None else None
                 key_mask = key_mask[idx] if key_mask is not None else None
             seed = derive_seed(self.seed, self.request, layer, self.step, row)
+            state = self.layer_state[layer]
+            if isinstance(self.method, PrefillMethod):
+                state[FORWARD_STATE] = self.forward_state
             est, stats = self.method.decode(
                 q_row, k_rows, v_rows, lengths=lengths, key_mask=key_mask, seed=seed,
-                scale=scaling, state=self.layer_state[layer], check_finite=False,
+                scale=scaling, state=state, check_finite=False,
             )
             rel_error = None
             if self.track_error and self.step % self.track_error == 0:
                 rel_error = _relative_error(est, q_row, k_rows, v_rows, lengths, key_mask, scaling)
             out[rows, row] = est.to(out.dtype)
             self._record(layer, n_keys - q_len + row, q_len, stats, rel_error)
+        return out
+
+    def _prefill(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
+        """A PrefillMethod's prompt forward: its output ``[B, Q, Hq, dv]``, or None when the prompt stays
+        exact (the method only recorded what its decode needs). ``track_error`` compares every sparse
+        prefill with exact attention."""
+        layer = module.layer_idx
+        q_len = query.shape[2]
+        if key.shape[2] != q_len:
+            raise ValueError(
+                f"model: {self.method.name} takes the prompt in one forward pass and then one token per "
+                f"step; this forward has {q_len} tokens after {key.shape[2] - q_len} cached ones")
+        if attention_mask is not None:
+            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            causal = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
+            if not bool((m[..., :q_len, :q_len] == causal).all()):
+                raise ValueError(f"attention_mask: {self.method.name}'s prefill needs plain causal attention "
+                                 "(no padding); run padded prompts one at a time")
+        sparse = self.phase in SPARSE_PREFILL
+        out, stats = self.method.prefill(query, key, value, scale=scaling, state=self.layer_state[layer],
+                                         forward=self.forward_state, sparse=sparse)
+        if out is None:
+            return None
+        out = out.transpose(1, 2)
+        rel_error = None
+        if self.track_error:
+            exact = _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0].to(torch.float64)
+            rel_error = float((out.to(torch.float64) - exact).norm() / exact.norm().clamp_min(1e-30))
+        self._record(layer, q_len - 1, q_len, stats, rel_error)
         return out
 
     # -- results -----------------------------------------------------------------------------
@@ -285,6 +333,8 @@ def sparsify(
     - ``phase="decode"``: the prompt is prefilled exactly; generated tokens use the method.
     - ``phase="question"`` (setup B): the context is prefilled exactly; the question's tokens (from
       ``question_start`` or ``session.mark_question(...)``) and generated tokens use the method.
+    - ``phase="prefill"`` / ``"all"``: methods with a sparse prefill (``sketchwalk``) run it on the
+      prompt; generated tokens stay exact (``"prefill"``) or use the method too (``"all"``).
     - ``dense_layers``: layer indices that always stay exact.
     - ``seed``: every (request, layer, step, query row) draws its own stream derived from it.
     - ``track_error=k``: on every k-th step also compute exact attention and record ``rel_error``.
@@ -299,6 +349,14 @@ def sparsify(
     modules = attention_modules(model)
     n_layers = len(modules)
     dense = frozenset(int(i) for i in dense_layers)
+    if isinstance(m, PrefillMethod):
+        if phase not in ("decode", "prefill", "all"):
+            raise ValueError(f"phase: {m.name} supports phases decode, prefill and all, got {phase!r}")
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        dense = dense | m.check_model(n_layers, max_positions)
+    elif phase in SPARSE_PREFILL:
+        raise ValueError(f"phase: {phase!r} needs a method with a sparse prefill (sketchwalk); "
+                         f"{m.name} has none")
     bad = sorted(i for i in dense if not 0 <= i < n_layers)
     if bad:
         raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
