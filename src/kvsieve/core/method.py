@@ -47,6 +47,9 @@ class Method:
     #: draw) per KV head across its group; ``gqa_note`` must then say how the two differ.
     gqa_equivalent: ClassVar[bool] = True
     gqa_note: ClassVar[str] = ""
+    #: Non-empty for a method that serves only prefix key masks (valid keys ``[0, length)``, no left
+    #: padding), saying why; the contract test then checks that other masks are refused by name.
+    prefix_only_note: ClassVar[str] = ""
     #: For a method that cannot be built without external artifacts (a per-model fit, such as
     #: SAAP's classifier): the test module that checks the contract's items against artifacts it
     #: writes itself, plus why the generic test cannot. The contract test then checks that the

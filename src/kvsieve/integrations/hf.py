@@ -8,6 +8,10 @@ others run the method, one query row at a time, against the layer's whole KV cac
 
 Per-request state (step counter, each layer's method state, the collected stats) lives in the
 :class:`SparseSession` object, never on the model's modules.
+
+Methods with a prefill path (:class:`~kvsieve.core.prefill.PrefillMethod`, e.g. Sketch&Walk) also
+get the prompt's forward pass (sparse under ``phase="prefill"`` or ``"all"``, observed only under
+``"decode"``) and one dict per forward pass shared by its layers (``SparseSession.forward_state``).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from typing import Any, Literal
 import torch
 
 from ..core.method import Method
+from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
 from ..core.rng import RandomKey
 
 ATTENTION_NAME = "kvsieve"
-Phase = Literal["decode", "question"]
-PHASES = ("decode", "question")
+Phase = Literal["decode", "question", "prefill", "all"]
+PHASES = ("decode", "question", "prefill", "all")
+# Phases whose prompt forward runs a PrefillMethod's sparse prefill.
+SPARSE_PREFILL = ("prefill", "all")
 
 # attention module -> the session it currently serves (weak: a dropped model leaves nothing behind)
 _SESSIONS: weakref.WeakKeyDictionary[torch.nn.Module, SparseSession] = weakref.WeakKeyDictionary()
@@ -165,6 +172,8 @@ class SparseSession:
     _records: list[dict[str, Any]] | None = None
     _plans: dict[tuple, _Plan] = field(default_factory=dict)
     _totals: dict[int, _LayerTotals] = field(default_factory=lambda: defaultdict(_LayerTotals))
+    #: State shared by the layers of the current forward pass (Sketch&Walk's walk); reset per forward.
+    forward_state: dict[str, Any] = field(default_factory=dict)
 
     def mark_question(self, start: int | Sequence[int] | torch.Tensor) -> None:
         """Where the question starts: an index into the (left-padded) input ids, per row or shared.
@@ -183,6 +192,7 @@ class SparseSession:
     def _begin_forward(self, layer: int, q_len: int, n_keys: int) -> None:
         if layer != self.first_layer:
             return
+        self.forward_state = {}
         if n_keys == q_len and self.step >= 0:  # no past keys after earlier work: a new request
             self.request += 1
             self.step = -1
@@ -209,7 +219,9 @@ class SparseSession:
         if key in self._plans:
             return self._plans[key]
         plan = None
-        if self.phase == "decode":
+        if self.phase == "prefill":
+            pass  # the prompt is sparse (the method's prefill), generated tokens exact
+        elif self.phase in ("decode", "all"):
             # Generated tokens: single-token forwards that follow a prefill.
             if q_len == 1 and n_keys > 1:
                 plan = _Plan(0, None, None)
@@ -245,6 +257,10 @@ class SparseSession:
         batch, _, q_len, _ = query.shape
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
+        if q_len > 1 and isinstance(self.method, PrefillMethod) and layer not in self.dense_layers:
+            out = self._prefill(module, query, key, value, attention_mask, scaling, kwargs)
+            if out is not None:
+                return out
         plan = self._plan(batch, q_len, n_keys, query.device)
         reason = None if plan is None else self._exact_reason(module, layer, n_keys, kwargs)
         if plan is None or reason is not None:
@@ -286,6 +302,8 @@ class SparseSession:
         per-layer artifacts (SAAP) which layer they serve."""
         state = self.layer_state[layer]
         state["layer"] = layer
+        if isinstance(self.method, PrefillMethod):  # cross-layer state of this forward (Sketch&Walk's walk)
+            state[FORWARD_STATE] = self.forward_state
         return state
 
     def _account(self, layer: int, first_pos: int, last_pos: int, rows: int, stats, error) -> None:
@@ -301,6 +319,35 @@ class SparseSession:
         if error is not None:
             tot.error_sum = tot.error_sum + error.sum()
             tot.error_rows += error.numel()
+
+    def _prefill(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
+        """A PrefillMethod's prompt forward: its output ``[B, Q, Hq, dv]``, or None when the prompt stays
+        exact (the method only recorded what its decode needs). ``track_error`` compares every sparse
+        prefill with exact attention."""
+        layer = module.layer_idx
+        q_len = query.shape[2]
+        if key.shape[2] != q_len:
+            raise ValueError(
+                f"model: {self.method.name} takes the prompt in one forward pass and then one token per "
+                f"step; this forward has {q_len} tokens after {key.shape[2] - q_len} cached ones")
+        if attention_mask is not None:
+            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            causal = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
+            if not bool((m[..., :q_len, :q_len] == causal).all()):
+                raise ValueError(f"attention_mask: {self.method.name}'s prefill needs plain causal attention "
+                                 "(no padding); run padded prompts one at a time")
+        sparse = self.phase in SPARSE_PREFILL
+        out, stats = self.method.prefill(query, key, value, scale=scaling, state=self.layer_state[layer],
+                                         forward=self.forward_state, sparse=sparse)
+        if out is None:
+            return None
+        out = out.transpose(1, 2)
+        error = None
+        if self.track_error:
+            exact = _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0].to(torch.float64)
+            error = ((out.to(torch.float64) - exact).norm() / exact.norm().clamp_min(1e-30)).reshape(1)
+        self._account(layer, 0, q_len - 1, q_len, stats, error)
+        return out
 
     # -- results (read here: the only host reads of the session) -------------------------------
 
@@ -390,6 +437,8 @@ def sparsify(
     - ``phase="decode"``: the prompt is prefilled exactly; generated tokens use the method.
     - ``phase="question"`` (setup B): the context is prefilled exactly; the question's tokens (from
       ``question_start`` or ``session.mark_question(...)``) and generated tokens use the method.
+    - ``phase="prefill"`` / ``"all"``: methods with a sparse prefill (``sketchwalk``) run it on the
+      prompt; generated tokens stay exact (``"prefill"``) or use the method too (``"all"``).
     - ``dense_layers``: layer indices that always stay exact.
     - ``seed``: every (request, layer, batch row, query position) draws its own stream derived from it.
     - ``track_error=k``: for query rows at positions divisible by k (every k-th decode step, every
@@ -411,6 +460,14 @@ def sparsify(
     modules = attention_modules(model)
     n_layers = len(modules)
     dense = frozenset(int(i) for i in dense_layers)
+    if isinstance(m, PrefillMethod):
+        if phase not in ("decode", "prefill", "all"):
+            raise ValueError(f"phase: {m.name} supports phases decode, prefill and all, got {phase!r}")
+        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        dense = dense | m.check_layers(n_layers, max_positions)
+    elif phase in SPARSE_PREFILL:
+        raise ValueError(f"phase: {phase!r} needs a method with a sparse prefill (sketchwalk); "
+                         f"{m.name} has none")
     bad = sorted(i for i in dense if not 0 <= i < n_layers)
     if bad:
         raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")

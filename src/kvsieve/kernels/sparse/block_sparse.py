@@ -1,0 +1,249 @@
+"""Block-sparse causal prefill attention over per-query-block lists of key blocks.
+
+Contract
+--------
+- ``q [B, Hq, N, d]``, ``k [B, Hkv, N, d]``, ``v [B, Hkv, N, dv]``: a prompt of ``N`` tokens
+  attending to itself (no past keys), ``Hq = G · Hkv`` (query head ``h`` reads KV head ``h // G``).
+- Tokens are cut into ``n = ⌈N / block_size⌉`` blocks; block ``i`` holds positions
+  ``[i·block_size, (i+1)·block_size)`` (the last one may be partial).
+- ``block_idx [B, n, K]`` (int32 or int64): for query block ``i`` of batch row ``b``, the key blocks
+  it attends to in its first ``block_counts[b, i]`` entries, **sorted ascending with the diagonal
+  block ``i`` last** (the only one that needs the causal mask inside); entries past the count are
+  padding (any value in ``[0, n)``, never read). The selection is shared by every head.
+- ``block_counts [B, n]`` in ``[1, K]``.
+
+Output ``[B, Hq, N, dv]``: per query row, exact softmax attention renormalised over the keys of its
+selected blocks at positions ``≤`` its own (causal), and ``lse [B, Hq, N]`` (natural log of the
+softmax denominator of the scaled logits). With every causal block selected this is dense causal
+attention.
+
+Two paths: :func:`block_sparse_prefill_reference` (torch, chunks of query blocks, float32 or
+float64 arithmetic; no ``[N, N]`` tensor) and :func:`block_sparse_prefill_flex` (PyTorch's
+FlexAttention with a ``BlockMask`` built on the device from the lists: the selected off-diagonal
+blocks as full blocks, the diagonal as a partial block with a causal ``mask_mod``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Elements of the [rows, keys] logit tile one reference chunk may hold (about 256 MB in float32).
+_REFERENCE_CHUNK_ELEMENTS = 1 << 26
+
+
+def check_block_sparse_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_counts: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Raise ValueError naming the argument when a call breaks the contract (module docstring)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected [B, H, N, d] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, hq, n_tok, d = q.shape
+    if k.shape[0] != b or k.shape[2] != n_tok or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected [B={b}, Hkv, N={n_tok}, d={d}] (prefill without past keys), got "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if hq % k.shape[1]:
+        raise ValueError(f"q: {hq} query heads is not a multiple of k's {k.shape[1]} KV heads")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size: expected a positive integer, got {block_size!r}")
+    n = -(-n_tok // block_size)
+    if block_idx.dim() != 3 or block_idx.shape[:2] != (b, n):
+        raise ValueError(f"block_idx: expected shape [B={b}, n={n}, K], got {tuple(block_idx.shape)}")
+    if block_idx.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_idx: expected an int32 or int64 tensor, got {block_idx.dtype}")
+    if block_counts.shape != (b, n) or block_counts.is_floating_point() or block_counts.dtype == torch.bool:
+        raise ValueError(f"block_counts: expected an integer tensor of shape [{b}, {n}], got "
+                         f"{block_counts.dtype} {tuple(block_counts.shape)}")
+    kmax = block_idx.shape[2]
+    lo, hi = int(block_counts.min()), int(block_counts.max())
+    if lo < 1 or hi > kmax:
+        raise ValueError(f"block_counts: expected values in [1, K={kmax}], got min {lo}, max {hi}")
+    used = torch.arange(kmax, device=block_idx.device) < block_counts[..., None]
+    rows = torch.arange(n, device=block_idx.device)[None, :, None].expand_as(block_idx)
+    last = block_idx.gather(2, (block_counts - 1).long()[..., None]).squeeze(-1)
+    if bool((last != rows[..., 0]).any()):
+        raise ValueError("block_idx: the last used entry of each row must be its diagonal block i")
+    bad = used & ((block_idx < 0) | (block_idx > rows))
+    if bool(bad.any()):
+        raise ValueError("block_idx: used entries must be causal key blocks in [0, i]")
+    ordered = (block_idx[..., 1:] > block_idx[..., :-1]) | ~used[..., 1:]
+    if bool((~ordered).any()):
+        raise ValueError("block_idx: used entries must be strictly ascending (no duplicates)")
+
+
+def block_sparse_prefill_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    block_counts: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    check: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Hq, N, dv], lse [B, Hq, N])`` of the contract, in chunks of query blocks.
+
+    Each chunk gathers the K/V rows of its rows' selected blocks (``K · block_size`` keys per query
+    block), so memory is ``O(N · K · block_size)`` per chunk, never ``[N, N]``.
+    """
+    if check:
+        check_block_sparse_inputs(q, k, v, block_idx, block_counts, block_size)
+    b, hq, n_tok, d = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    group = hq // hkv
+    bs = block_size
+    n = -(-n_tok // bs)
+    pad = n * bs - n_tok
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if scale is None:
+        scale = d ** -0.5
+    qf = torch.nn.functional.pad(q.to(dtype), (0, 0, 0, pad)).view(b, hkv, group, n, bs, d)
+    kf = torch.nn.functional.pad(k.to(dtype), (0, 0, 0, pad)).view(b, hkv, n, bs, d)
+    vf = torch.nn.functional.pad(v.to(dtype), (0, 0, 0, pad)).view(b, hkv, n, bs, dv)
+    kmax = block_idx.shape[2]
+    used = torch.arange(kmax, device=q.device) < block_counts[..., None]  # [B, n, K]
+    idx = torch.where(used, block_idx.long(), 0)
+    offs = torch.arange(bs, device=q.device)
+    out = torch.empty(b, hkv, group, n, bs, dv, dtype=dtype, device=q.device)
+    lse = torch.empty(b, hkv, group, n, bs, dtype=dtype, device=q.device)
+    per_block = b * hq * bs * kmax * bs
+    chunk = max(1, _REFERENCE_CHUNK_ELEMENTS // max(per_block, 1))
+    batch_ix = torch.arange(b, device=q.device)[:, None, None]
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        sel = idx[:, lo:hi]  # [B, c, K]
+        # K/V rows of the selected blocks: [B, Hkv, c, K·bs, d]
+        kr = kf.permute(0, 2, 1, 3, 4)[batch_ix, sel].permute(0, 3, 1, 2, 4, 5).reshape(b, hkv, hi - lo, kmax * bs, d)
+        vr = vf.permute(0, 2, 1, 3, 4)[batch_ix, sel].permute(0, 3, 1, 2, 4, 5).reshape(b, hkv, hi - lo, kmax * bs, dv)
+        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", qf[:, :, :, lo:hi], kr) * scale
+        key_pos = (sel[..., None] * bs + offs).reshape(b, hi - lo, kmax * bs)  # [B, c, K·bs]
+        q_pos = (torch.arange(lo, hi, device=q.device)[:, None] * bs + offs)  # [c, bs]
+        ok = (used[:, lo:hi, :, None].expand(b, hi - lo, kmax, bs).reshape(b, hi - lo, kmax * bs)[:, :, None, :]
+              & (key_pos[:, :, None, :] <= q_pos[None, :, :, None])
+              & (key_pos[:, :, None, :] < n_tok))  # [B, c, bs, K·bs]
+        logits = logits.masked_fill(~ok[:, None, None], float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # padded query rows may be -inf: dropped below
+        p = torch.exp(logits - torch.where(torch.isfinite(row_lse), row_lse, 0.0)[..., None])
+        out[:, :, :, lo:hi] = torch.einsum("bhgcqk,bhckd->bhgcqd", p, vr)
+        lse[:, :, :, lo:hi] = row_lse
+    out = out.reshape(b, hq, n * bs, dv)[:, :, :n_tok]
+    lse = lse.reshape(b, hq, n * bs)[:, :, :n_tok]
+    return out, lse
+
+
+def selection_token_mask(block_idx: torch.Tensor, block_counts: torch.Tensor, *, block_size: int,
+                         n_tokens: int) -> torch.Tensor:
+    """``[B, N, N]`` bool: query row attends key column (selected block and causal). For tests only."""
+    b, n, kmax = block_idx.shape
+    used = torch.arange(kmax, device=block_idx.device) < block_counts[..., None]
+    blocks = torch.zeros(b, n, n + 1, dtype=torch.bool, device=block_idx.device)
+    blocks.scatter_(2, torch.where(used, block_idx.long(), n), True)
+    tok = blocks[:, :, :n].repeat_interleave(block_size, 1).repeat_interleave(block_size, 2)[:, :n_tokens, :n_tokens]
+    causal = torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=block_idx.device).tril()
+    return tok & causal
+
+
+def flex_block_mask(block_idx: torch.Tensor, block_counts: torch.Tensor, *, block_size: int, n_tokens: int):
+    """A FlexAttention ``BlockMask`` for the lists, built on their device without a host round trip.
+
+    The used entries before the last are full blocks (no mask inside); the last one, the diagonal,
+    is a partial block. One mask serves every head (head dim 1). The ``mask_mod`` holds the whole
+    rule (selected block and causal), not just the causal part: the compiled kernel evaluates it
+    only on partial blocks, but eager FlexAttention ignores the block lists and applies the
+    ``mask_mod`` to every score.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, n, kmax = block_idx.shape
+    idx = block_idx.to(torch.int32)
+    used = torch.arange(kmax, device=idx.device) < block_counts[..., None]
+    selected = torch.zeros(b, n, n + 1, dtype=torch.bool, device=idx.device)
+    selected.scatter_(2, torch.where(used, idx, n).long(), True)
+    selected = selected[:, :, :n].contiguous()
+    # kv_indices must have one column per key block (FlexAttention transposes it for backward).
+    full_idx = torch.zeros(b, 1, n, n, dtype=torch.int32, device=idx.device)
+    if kmax > 1:
+        full_idx[:, 0, :, : kmax - 1] = idx[:, :, : kmax - 1]
+    full_num = (block_counts - 1).to(torch.int32)[:, None]
+    part_idx = torch.zeros(b, 1, n, n, dtype=torch.int32, device=idx.device)
+    part_idx[:, 0, :, 0] = torch.arange(n, dtype=torch.int32, device=idx.device)
+    part_num = torch.ones(b, 1, n, dtype=torch.int32, device=idx.device)
+
+    def selected_and_causal(batch, head, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & selected[batch, q_idx // block_size, kv_idx // block_size]
+
+    return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=selected_and_causal, seq_lengths=(n_tokens, n_tokens),
+                                    compute_q_blocks=False)
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_attention():
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if _COMPILED_FLEX is None:
+        # Eager FlexAttention is a dense math fallback; compiled it is the block-sparse kernel.
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _COMPILED_FLEX
+
+
+def block_sparse_prefill_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_idx: torch.Tensor,
+    block_counts: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float | None = None,
+    block_mask=None,
+    check: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The contract through FlexAttention (compiled on CUDA, eager elsewhere); ``lse`` in float32.
+
+    ``N`` is padded up to a multiple of ``block_size``: padded keys lie after every real query, so
+    the causal mask hides them, and padded query rows are dropped.
+    """
+    if check:
+        check_block_sparse_inputs(q, k, v, block_idx, block_counts, block_size)
+    b, hq, n_tok, d = q.shape
+    hkv = k.shape[1]
+    n = -(-n_tok // block_size)
+    pad = n * block_size - n_tok
+    if pad:
+        q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    if block_mask is None:
+        block_mask = flex_block_mask(block_idx, block_counts, block_size=block_size, n_tokens=n * block_size)
+    kernel_options = {"BLOCK_M": block_size, "BLOCK_N": block_size} if q.is_cuda and block_size < 128 else None
+    kwargs = dict(block_mask=block_mask, scale=scale if scale is not None else d ** -0.5, enable_gqa=hq != hkv,
+                  kernel_options=kernel_options)
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch < 2.9
+        out, lse = _flex_attention()(q, k, v, return_lse=True, **kwargs)
+    else:
+        out, aux = _flex_attention()(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    return out[:, :, :n_tok], lse[:, :, :n_tok]
+
+
+def block_sparse_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_counts: torch.Tensor, *,
+    block_size: int, scale: float | None = None, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(out, lse, backend)``: FlexAttention on CUDA for bf16/fp16/fp32 (``auto``), else the reference."""
+    if backend not in ("auto", "reference", "flex"):
+        raise ValueError(f"backend: expected one of auto, reference, flex, got {backend!r}")
+    use_flex = backend == "flex" or (backend == "auto" and q.is_cuda and q.dtype != torch.float64)
+    if use_flex:
+        out, lse = block_sparse_prefill_flex(q, k, v, block_idx, block_counts, block_size=block_size, scale=scale)
+        return out, lse, "flex"
+    out, lse = block_sparse_prefill_reference(q, k, v, block_idx, block_counts, block_size=block_size,
+                                              scale=scale, check=False)
+    return out, lse, "reference"
+

@@ -1,0 +1,536 @@
+"""``sketchwalk``: Sketch&Walk sparse attention (sketched block scores + a walk across layers).
+
+"Scout Before You Attend: Sketch-and-Walk Sparse Attention for Efficient LLM Inference" (arXiv
+2602.07397). Per sparse layer, with B-token blocks and one SRHT ``Φ = √(d/m)·P·H·D`` (m × d):
+
+1. head-averaged, post-RoPE q and k are mean-pooled per block and sketched: ``q̃_i = Φ q̄_i``,
+   ``k̃_j = Φ k̄_j``;
+2. ``Â_ij = softmax_{j ≤ i}(⟨q̃_i, k̃_j⟩ · logit_scale)`` (zero above the diagonal), and
+   ``Ã = Â^α`` (element-wise by default, matrix power as a flag);
+3. the walk ``W ← W·Ã`` across the sparse layers of one forward pass (``W = Ã`` at the first one),
+   in float32, each row divided by its maximum (which never changes a row's ranking);
+4. query block ``i`` keeps block 0, its own block ``i`` and the top ``k_i − 2`` of ``W_i,1..i−1``,
+   ``k_i = max(2, ⌈ρ(i+1)⌉)`` (or a fixed ``k = ⌈ρn⌉``), shared by every head;
+5. exact attention inside the kept blocks: block-sparse causal attention in the prefill
+   (:mod:`kvsieve.kernels.sparse.block_sparse`), the weighted sparse decode with block-granular
+   lists in decode (:mod:`kvsieve.kernels.sparse.weighted`).
+
+Decode keeps, per layer (``state``), running block sums of the head-averaged keys and queries, the
+key sketches and the rows of ``Ã`` of completed blocks (append-only, by causality); the current
+token's row of ``Â`` comes from its own query, and the walk runs over the token's pass through the
+layers (the forward pass's shared dict, see :mod:`kvsieve.core.prefill`). Every reconstructed
+choice is listed in ``docs/methods/sketchwalk.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.inputs import DecodeInputs
+from ..core.method import read_stats
+from ..core.prefill import FORWARD_STATE, PrefillMethod
+from ..core.registry import register_method
+from ..core.stats import StepStats
+from ..kernels.sparse.block_sparse import block_sparse_prefill
+from ..kernels.sparse.weighted import weighted_sparse_decode
+
+WALK_KEY = "sketchwalk/w"
+HOPS_KEY = "sketchwalk/hops"
+STATE_KEY = "sketchwalk"
+DEFAULT_SKETCH_DIM = 64  # the paper's m
+# Weight of the one-hop score added to the walk score for ranking only: breaks ties and ranks rows
+# whose walk entries underflowed to zero, without reordering distinct walk scores.
+TIE_BREAK = 1e-6
+
+
+# -- the math, as plain functions on tensors --------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _srht_cpu(d: int, m: int, seed: int) -> torch.Tensor:
+    try:
+        from scipy.linalg import hadamard  # the field's own Walsh–Hadamard matrix (Sylvester order)
+    except ImportError:
+        raise ImportError("sketchwalk needs scipy for its Hadamard transform: "
+                          "pip install 'kvsieve[sketchwalk]'") from None
+
+    d_pad = 1 << (d - 1).bit_length()
+    gen = torch.Generator().manual_seed(seed)
+    signs = (torch.randint(0, 2, (d_pad,), generator=gen) * 2 - 1).to(torch.float64)  # D
+    rows = torch.randperm(d_pad, generator=gen)[:m].sort().values  # P: m rows without replacement
+    h = torch.from_numpy(hadamard(d_pad)).to(torch.float64) / math.sqrt(d_pad)  # normalized H
+    phi = math.sqrt(d_pad / m) * h[rows] * signs[None, :]
+    # Zero-padding d up to a power of two keeps every inner product; only the first d columns act.
+    return phi[:, :d].contiguous()
+
+
+def srht_matrix(d: int, m: int, seed: int, *, device: torch.device | str = "cpu",
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``Φ [m, d] = √(d'/m)·P·H·D`` (``d'`` = d rounded up to a power of two): ⟨Φu, Φv⟩ is unbiased
+    for ⟨u, v⟩ and exact at ``m = d'``. Reproducible from ``seed``."""
+    require_int("sketch_dim", m, minimum=1)
+    if m > d:
+        raise ValueError(f"sketch_dim: m = {m} exceeds the head dim d = {d}; expected m <= d")
+    return _srht_on(int(d), int(m), int(seed), torch.device(device), dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _srht_on(d: int, m: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    # Kept per device: a host-to-device copy on every layer would wait for the device's queue.
+    return _srht_cpu(d, m, seed).to(device=device, dtype=dtype)
+
+
+def head_mean(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, T, d]`` -> ``[B, T, d]``: the mean over heads (under GQA, that of the KV heads equals
+    that of their repeats)."""
+    return x.to(dtype).mean(1)
+
+
+def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, T, d]`` -> ``[B, ⌈T/bs⌉, d]``: per-block sums (the last block may be partial)."""
+    b, t, d = x.shape
+    n = -(-t // block_size)
+    return torch.nn.functional.pad(x, (0, 0, 0, n * block_size - t)).view(b, n, block_size, d).sum(2)
+
+
+def block_token_counts(n_tokens: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n]`` tokens per block of an ``n_tokens`` prefix."""
+    n = -(-n_tokens // block_size)
+    start = torch.arange(n, device=device) * block_size
+    return torch.clamp(n_tokens - start, max=block_size)
+
+
+def causal_log_scores(q_sketch: torch.Tensor, k_sketch: torch.Tensor, logit_scale: float,
+                      rows: torch.Tensor) -> torch.Tensor:
+    """``log Â [B, R, n]``: log-softmax over key blocks ``j ≤ rows[b, r]`` of the sketched logits,
+    ``-inf`` above. ``q_sketch [B, R, m]``, ``k_sketch [B, n, m]``, ``rows [B, R]`` (block index of each
+    query row)."""
+    logits = torch.matmul(q_sketch, k_sketch.transpose(-1, -2)) * logit_scale
+    cols = torch.arange(k_sketch.shape[1], device=k_sketch.device)
+    logits = logits.masked_fill(cols > rows[..., None], float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def oracle_block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
+    """``A* [B, n, n]``: the exact causal attention mass of query block ``i`` on key block ``j``,
+    averaged over the block's query rows and over heads (the spec's Definition 2.1 (b)). Chunked
+    over query blocks; costs dense attention."""
+    b, hq, n_tok, d = q.shape
+    group = hq // k.shape[1]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n = -(-n_tok // block_size)
+    kk = k.to(dtype).repeat_interleave(group, 1)
+    out = q.new_zeros(b, n, n, dtype=dtype)
+    cols = torch.arange(n_tok, device=q.device)
+    step = max(1, (1 << 24) // max(1, hq * block_size * n_tok))
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        rows = torch.arange(lo * block_size, min(hi * block_size, n_tok), device=q.device)
+        logits = torch.matmul(q[:, :, rows].to(dtype), kk.transpose(-1, -2)) * scale
+        probs = torch.softmax(logits.masked_fill(cols[None, :] > rows[:, None], float("-inf")), -1).mean(1)
+        mass = block_sums(probs.transpose(1, 2), block_size).transpose(1, 2)  # [B, rows, n]
+        per_block = block_sums(mass, block_size)[:, : hi - lo]
+        out[:, lo:hi] = per_block / block_token_counts(n_tok, block_size, q.device)[lo:hi, None].to(dtype)
+    return out
+
+
+def hadamard_power(log_a: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``Â^α`` element-wise, from ``log Â`` (so that small entries lose no precision before ``exp``)."""
+    return torch.exp(alpha * log_a)
+
+
+def times_with_row(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Tensor,
+                   last: torch.Tensor) -> torch.Tensor:
+    """``x · M`` where ``M`` holds ``rows_cache[b, j]`` for ``j < last[b]`` and ``last_row[b]`` as row
+    ``last[b]`` (rows beyond it are never reached, by causality). ``x [B, n]``, ``rows_cache
+    [B, n, n]``, ``last_row [B, n]``, ``last [B]``."""
+    cols = torch.arange(x.shape[-1], device=x.device)
+    before = torch.where(cols < last[:, None], x, 0.0)
+    at_last = x.gather(1, last[:, None])
+    return torch.matmul(before[:, None, :], rows_cache).squeeze(1) + at_last * last_row
+
+
+def normalize_rows(w: torch.Tensor) -> torch.Tensor:
+    """Each row divided by its maximum: exact for row-wise top-k (``D·W`` then ``·Ã`` ranks as ``W·Ã``)."""
+    return w / w.amax(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+
+
+def block_budget(rows: torch.Tensor, density: float, *, fixed_k: bool, n_blocks: int) -> torch.Tensor:
+    """Blocks kept by query block ``rows`` (any int tensor): ``max(2, ⌈ρ(i+1)⌉)`` or, with ``fixed_k``,
+    ``max(2, ⌈ρ·n_blocks⌉)``, never more than its ``i + 1`` causal blocks."""
+    causal = rows.to(torch.float64) + 1
+    base = torch.full_like(causal, float(n_blocks)) if fixed_k else causal
+    # The 1e-9 keeps ρ·(i+1) that is an integer in exact arithmetic (0.7·10) from rounding up.
+    k = torch.clamp(torch.ceil(density * base - 1e-9), min=2)
+    return torch.minimum(k, causal).long()
+
+
+def max_block_budget(n_blocks: int, density: float, *, fixed_k: bool) -> int:
+    """The largest :func:`block_budget` over query blocks ``0..n_blocks-1`` (a host integer)."""
+    return int(block_budget(torch.tensor([n_blocks - 1]), density, fixed_k=fixed_k, n_blocks=n_blocks)[0])
+
+
+def select_blocks(scores: torch.Tensor, rows: torch.Tensor, budget: torch.Tensor,
+                  kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block 0, block ``rows`` and the top ``budget − 2`` of ``scores`` over blocks ``1..rows−1``.
+
+    ``scores [B, R, n]``, ``rows [B, R]``, ``budget [B, R]`` (≤ rows + 1), ``kmax`` ≥ every budget.
+    Returns ``(block_idx [B, R, kmax], counts [B, R])``: used entries ascending (so the diagonal is
+    last), padding entries 0.
+    """
+    b, r, n = scores.shape
+    cols = torch.arange(n, device=scores.device)
+    middle = (cols >= 1) & (cols < rows[..., None])
+    parts = [torch.zeros(b, r, 1, dtype=torch.long, device=scores.device)]
+    extra = min(kmax - 2, n)
+    if extra > 0:
+        top = torch.topk(scores.masked_fill(~middle, float("-inf")), extra, dim=-1).indices
+        used = torch.arange(extra, device=scores.device) < (budget - 2)[..., None]
+        parts.append(torch.where(used, top, n))
+    parts.append(torch.where(rows > 0, rows, n)[..., None])
+    chosen = torch.cat(parts, dim=-1).sort(dim=-1).values
+    if chosen.shape[-1] < kmax:
+        chosen = torch.nn.functional.pad(chosen, (0, kmax - chosen.shape[-1]), value=n)
+    counts = (chosen < n).sum(-1)
+    return torch.where(chosen < n, chosen, 0)[..., :kmax], counts
+
+
+# -- config --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SketchWalkConfig(MethodConfig):
+    density: float = param(0.2, "ρ in (0, 1]: query block i keeps max(2, ⌈ρ(i+1)⌉) of its i+1 causal blocks")
+    block_size: int = param(64, "B: tokens per block (a power of two)")
+    sketch_dim: int | None = param(
+        None, "m: SRHT features per block sketch, at most the head dim (default: 64, or the head dim if smaller)")
+    alpha: float = param(8.0, "α > 0: sparsity exponent of Ã = Â^α (an integer for walk_power=matrix)")
+    walk_power: Literal["hadamard", "matrix"] = param(
+        "hadamard", "α as an element-wise power (default) or a matrix power (α-step walk inside a layer)")
+    walk: Literal["walk", "one-hop", "diagonal", "oracle"] = param(
+        "walk", "rank blocks by the walk W·Ã across layers, by this layer's Ã alone (one-hop control), "
+                "by W⊙Ã (diagonal-walk control), or by the exact head-averaged attention mass per block "
+                "(oracle block top-k: costs dense attention, for evaluation)")
+    dense_layers: tuple[int, ...] = param((0, 1), "layers kept exact and left out of the walk ('/'-separated)")
+    fixed_k: bool = param(False, "keep k = ⌈ρ·n⌉ blocks per query block (n: blocks of the context) instead of ⌈ρ(i+1)⌉")
+    logit_scale: Literal["sqrt_d", "sqrt_m"] = param(
+        "sqrt_d", "sketched logits divided by √d (pairs with the unbiased Φ) or by √m (third-party code)")
+    seed: int = param(0, "seed of the SRHT (signs and sampled rows): one Φ for every layer")
+
+    def __post_init__(self) -> None:
+        d = self.density
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 1:
+            raise ValueError(f"density: expected a value in (0, 1], got {d!r}")
+        require_int("block_size", self.block_size, minimum=1)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: expected a power of two, got {self.block_size}")
+        if self.sketch_dim is not None:
+            require_int("sketch_dim", self.sketch_dim, minimum=1)
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a <= 0:
+            raise ValueError(f"alpha: expected a positive number, got {a!r}")
+        require_choice("walk_power", self.walk_power, ("hadamard", "matrix"))
+        if self.walk_power == "matrix" and float(a) != int(a):
+            raise ValueError(f"alpha: walk_power=matrix needs an integer power, got {a!r}")
+        require_choice("walk", self.walk, ("walk", "one-hop", "diagonal", "oracle"))
+        require_choice("logit_scale", self.logit_scale, ("sqrt_d", "sqrt_m"))
+        if not isinstance(self.dense_layers, tuple):
+            raise ValueError(f"dense_layers: expected a tuple of layer indices, got {self.dense_layers!r}")
+        for layer in self.dense_layers:
+            require_int("dense_layers", layer, minimum=0)
+        require_int("seed", self.seed, minimum=0)
+
+
+# -- per-layer decode state ------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerSketch:
+    """What one layer keeps for decode (one request): sums over blocks of head-averaged keys and
+    queries, key sketches, and ``Â``/``Ã`` rows of completed blocks; capacities in blocks."""
+
+    k_sum: torch.Tensor  # [B, cap, d]
+    q_sum: torch.Tensor  # [B, cap, d]
+    k_sketch: torch.Tensor  # [B, cap, m]
+    a_hat: torch.Tensor | None  # [B, cap, cap] rows of Â (walk_power=matrix only)
+    a_tilde: torch.Tensor  # [B, cap, cap] rows of Ã
+    n_seen: torch.Tensor  # [B] tokens whose key and query are in the sums
+    has_history: bool  # True when the queries of every token since position 0 were seen
+
+    @property
+    def capacity(self) -> int:
+        return self.k_sum.shape[1]
+
+    def grow(self, n_blocks: int) -> None:
+        if n_blocks <= self.capacity:
+            return
+        new = max(n_blocks, 2 * self.capacity)
+        extra = new - self.capacity
+        self.k_sum = torch.nn.functional.pad(self.k_sum, (0, 0, 0, extra))
+        self.q_sum = torch.nn.functional.pad(self.q_sum, (0, 0, 0, extra))
+        self.k_sketch = torch.nn.functional.pad(self.k_sketch, (0, 0, 0, extra))
+        self.a_tilde = torch.nn.functional.pad(self.a_tilde, (0, extra, 0, extra))
+        if self.a_hat is not None:
+            self.a_hat = torch.nn.functional.pad(self.a_hat, (0, extra, 0, extra))
+
+
+# -- the method -------------------------------------------------------------------------------------------
+
+
+@register_method
+class SketchWalk(PrefillMethod):
+    name = "sketchwalk"
+    config_class = SketchWalkConfig
+    # The contract test's contexts are 100-300 keys: 16-key blocks make ρ = 0.3 actually sparse.
+    small_config = {"density": 0.3, "block_size": 16, "dense_layers": (0,)}
+    exact_config = {"density": 1.0}
+    exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
+    prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
+    summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
+
+    # -- shared pieces ----------------------------------------------------------------------------------
+
+    def check_layers(self, n_layers: int, max_positions: int | None) -> frozenset[int]:
+        cfg = self.config
+        bad = sorted(i for i in cfg.dense_layers if not 0 <= i < n_layers)
+        if bad:
+            raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
+        if max_positions is not None and cfg.block_size > max_positions:
+            raise ValueError(f"block_size: {cfg.block_size} is larger than the model's context of "
+                             f"{max_positions} tokens")
+        return frozenset(cfg.dense_layers)
+
+    def sketch_dim(self, d: int) -> int:
+        """m for head dim ``d``: the configured one (at most ``d``), else 64 or ``d`` if smaller."""
+        m = self.config.sketch_dim
+        if m is None:
+            return min(DEFAULT_SKETCH_DIM, d)
+        if m > d:
+            raise ValueError(f"sketch_dim: m = {m} exceeds the head dim d = {d}; expected m <= d")
+        return m
+
+    def _dims(self, d: int, dtype: torch.dtype) -> tuple[torch.dtype, float]:
+        """Compute dtype and the sketched-logit scale for head dim ``d``."""
+        m = self.sketch_dim(d)
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        scale = 1.0 / math.sqrt(d if self.config.logit_scale == "sqrt_d" else m)
+        return compute, scale
+
+    def _phi(self, d: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return srht_matrix(d, self.sketch_dim(d), self.config.seed, device=device, dtype=dtype)
+
+    def transition(self, log_a: torch.Tensor) -> torch.Tensor:
+        """``Ã`` from ``log Â [B, n, n]`` (full causal square)."""
+        cfg = self.config
+        if cfg.walk_power == "hadamard":
+            return hadamard_power(log_a, cfg.alpha)
+        return torch.linalg.matrix_power(torch.exp(log_a), int(cfg.alpha))
+
+    def walk_step(self, previous: torch.Tensor | None, a_tilde: torch.Tensor, times) -> torch.Tensor:
+        """The new (row-normalised) walk state from the previous one and this layer's ``Ã``;
+        ``times(previous)`` is ``previous · Ã``."""
+        mode = self.config.walk
+        if previous is None or mode in ("one-hop", "oracle"):
+            return normalize_rows(a_tilde)
+        if mode == "walk":
+            return normalize_rows(times(previous))
+        return normalize_rows(previous * a_tilde)
+
+    # -- prefill ----------------------------------------------------------------------------------------
+
+    def prefill_sketch(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Block sums, key sketches, ``log Â`` and ``Ã`` of a prompt (q ``[B, Hq, N, d]``, k ``[B, Hkv, N, d]``)."""
+        cfg = self.config
+        b, _, n_tok, d = q.shape
+        dtype, logit_scale = self._dims(d, q.dtype)
+        bs = cfg.block_size
+        n = -(-n_tok // bs)
+        phi = self._phi(d, q.device, dtype)
+        q_sum = block_sums(head_mean(q, dtype), bs)
+        k_sum = block_sums(head_mean(k, dtype), bs)
+        counts = block_token_counts(n_tok, bs, q.device).to(dtype)[None, :, None]
+        q_sketch = (q_sum / counts) @ phi.T
+        k_sketch = (k_sum / counts) @ phi.T
+        rows = torch.arange(n, device=q.device)[None].expand(b, n)
+        log_a = causal_log_scores(q_sketch, k_sketch, logit_scale, rows)
+        return {"q_sum": q_sum, "k_sum": k_sum, "k_sketch": k_sketch, "log_a": log_a, "a_tilde": self.transition(log_a)}
+
+    def prefill_select(self, a_tilde: torch.Tensor,
+                       previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(W, block_idx [B, n, K], block_counts [B, n])`` from this layer's ``Ã`` and the walk so far."""
+        cfg = self.config
+        b, n, _ = a_tilde.shape
+        w = self.walk_step(previous, a_tilde, lambda prev: torch.matmul(prev, a_tilde))
+        rank = w + TIE_BREAK * normalize_rows(a_tilde)
+        rows = torch.arange(n, device=a_tilde.device)[None].expand(b, n)
+        budget = block_budget(rows, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n)
+        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
+        block_idx, block_counts = select_blocks(rank, rows, budget, kmax)
+        return w, block_idx, block_counts
+
+    def prefill(self, q, k, v, *, scale, state, forward, sparse):
+        cfg = self.config
+        b, hq, n_tok, d = q.shape
+        if k.shape[2] != n_tok:
+            raise ValueError(f"k: sketchwalk's prefill takes a prompt without past keys (N = {k.shape[2]} keys "
+                             f"for {n_tok} queries)")
+        sk = self.prefill_sketch(q, k)
+        if sparse and cfg.walk == "oracle":
+            sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))
+        state[STATE_KEY] = LayerSketch(
+            k_sum=sk["k_sum"], q_sum=sk["q_sum"], k_sketch=sk["k_sketch"],
+            a_hat=torch.exp(sk["log_a"]) if cfg.walk_power == "matrix" else None, a_tilde=sk["a_tilde"],
+            n_seen=torch.full((b,), n_tok, dtype=torch.long, device=q.device), has_history=True)
+        if not sparse:
+            return None, None
+        w, block_idx, block_counts = self.prefill_select(sk.get("a_tilde_select", sk["a_tilde"]),
+                                                         forward.get(WALK_KEY))
+        forward[WALK_KEY] = w
+        hops = forward.get(HOPS_KEY, 0) + 1
+        forward[HOPS_KEY] = hops
+        out, _, backend = block_sparse_prefill(q, k, v, block_idx, block_counts, block_size=cfg.block_size,
+                                               scale=scale)
+        stats = self._prefill_stats(k, block_counts, n_tok, backend, hops)
+        return out.to(q.dtype), stats
+
+    def _prefill_stats(self, k, block_counts, n_tok, backend, hops) -> StepStats:
+        bs = self.config.block_size
+        b, hkv, _, d = k.shape
+        n = block_counts.shape[1]
+        rows_in = block_token_counts(n_tok, bs, k.device).to(torch.float64)  # query rows per block
+        kept = block_counts.to(torch.float64)
+        causal = torch.arange(1, n + 1, device=k.device, dtype=torch.float64)
+        # keys each query row reads (its diagonal block causally) and the causal keys it could read
+        diag = (rows_in + 1) / 2
+        keys_read = ((kept - 1) * bs * rows_in + rows_in * diag).sum(-1)  # [B]
+        pairs = n_tok * (n_tok + 1) / 2
+        exact = int((block_counts == causal.long()).all(-1).sum())
+        per_row = float(keys_read.mean()) / n_tok
+        return StepStats(
+            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
+            density=float(keys_read.mean()) / pairs, kv_density=float(keys_read.mean()) / pairs,
+            bytes_read=int(kept.sum() * bs * hkv * 2 * d * k.element_size()), backend=backend,
+            exact_rows=exact,
+            extra={"phase": "prefill", "block_density": float(kept.sum(-1).mean() / causal.sum()),
+                   "blocks_kept": float(kept.mean()), "walk_hops": hops})
+
+    # -- decode -----------------------------------------------------------------------------------------
+
+    def _fresh_sketch(self, inputs: DecodeInputs, phi: torch.Tensor, dtype: torch.dtype) -> LayerSketch:
+        """Block sums of the keys before each row's new token (no queries of the past are known)."""
+        cfg = self.config
+        b, hkv, n_tok, d = inputs.k.shape
+        before = torch.arange(n_tok, device=inputs.k.device)[None, :] < (inputs.lengths - 1)[:, None]
+        k_avg = head_mean(inputs.k, dtype) * before[..., None]
+        k_sum = block_sums(k_avg, cfg.block_size)
+        counts = torch.clamp((inputs.lengths - 1)[:, None] - torch.arange(k_sum.shape[1], device=k_sum.device)
+                             * cfg.block_size, min=1, max=cfg.block_size).to(dtype)
+        cap = k_sum.shape[1]
+        return LayerSketch(
+            k_sum=k_sum, q_sum=torch.zeros_like(k_sum), k_sketch=(k_sum / counts[..., None]) @ phi.T,
+            a_hat=k_sum.new_zeros(b, cap, cap) if cfg.walk_power == "matrix" else None,
+            a_tilde=k_sum.new_zeros(b, cap, cap), n_seen=inputs.lengths - 1, has_history=False)
+
+    def _row_transition(self, sk: LayerSketch, log_row: torch.Tensor, c: torch.Tensor, n: int) -> torch.Tensor:
+        """Row ``c`` of ``Ã`` given row ``c`` of ``log Â`` (rows ``< c`` from the cache)."""
+        cfg = self.config
+        if cfg.walk_power == "hadamard":
+            return hadamard_power(log_row, cfg.alpha)
+        a_row = torch.exp(log_row)
+        x = a_row
+        for _ in range(int(cfg.alpha) - 1):
+            x = times_with_row(x, sk.a_hat[:, :n, :n], a_row, c)
+        return x
+
+    def _decode(self, inputs: DecodeInputs, seed, state: dict[str, Any]):
+        cfg = self.config
+        if inputs.lengths is None:
+            raise ValueError("key_mask: sketchwalk needs each row's valid keys to be a prefix [0, length) "
+                             "(blocks are positions); left padding is not supported")
+        b, hq, d = inputs.q.shape
+        n_tok, bs = inputs.n_keys, cfg.block_size
+        dtype, logit_scale = self._dims(d, inputs.q.dtype)
+        dev = inputs.q.device
+        phi = self._phi(d, dev, dtype)
+        n = -(-n_tok // bs)
+        sk = state.get(STATE_KEY)
+        if (sk is None or sk.k_sum.shape[0] != b or sk.k_sum.shape[2] != d or sk.k_sum.dtype != dtype
+                or sk.k_sum.device != dev):
+            sk = self._fresh_sketch(inputs, phi, dtype)
+        sk.grow(n)
+        length = inputs.lengths
+        pos = length - 1  # the new token of each row
+        c = torch.div(pos, bs, rounding_mode="floor")  # its (current, possibly partial) block
+        # The state must hold exactly the tokens before it (or already this one: a repeated call).
+        fresh = sk.n_seen == pos
+        torch._assert_async((fresh | (sk.n_seen == length)).all(),
+                            "sketchwalk: the decode state does not match the cache (tokens skipped)")
+        batch = torch.arange(b, device=dev)
+        k_new = head_mean(inputs.k.gather(2, pos.view(b, 1, 1, 1).expand(b, inputs.kv_heads, 1, d)), dtype)[:, 0]
+        q_new = inputs.q.to(dtype).mean(1)
+        add = fresh.to(dtype)[:, None]
+        sk.k_sum.index_put_((batch, c), k_new * add, accumulate=True)
+        sk.q_sum.index_put_((batch, c), q_new * add, accumulate=True)
+        sk.n_seen = torch.where(fresh, length, sk.n_seen)
+        in_block = (pos - c * bs + 1).to(dtype)[:, None]  # tokens of block c so far
+        sk.k_sketch[batch, c] = (sk.k_sum[batch, c] / in_block) @ phi.T
+        k_sketch = sk.k_sketch[:, :n]
+        # Block c completed with this token: its row of Â/Ã is final from now on.
+        complete = pos - c * bs + 1 == bs
+        q_block = ((sk.q_sum[batch, c] / in_block) @ phi.T)[:, None]
+        log_block = causal_log_scores(q_block, k_sketch, logit_scale, c[:, None])[:, 0]
+        if cfg.walk_power == "matrix":
+            old = sk.a_hat[batch, c, :n]
+            sk.a_hat[batch, c, :n] = torch.where(complete[:, None], torch.exp(log_block), old)
+        row_block = self._row_transition(sk, log_block, c, n)
+        sk.a_tilde[batch, c, :n] = torch.where(complete[:, None], row_block, sk.a_tilde[batch, c, :n])
+        state[STATE_KEY] = sk
+        # The token's own row, and the walk over this forward pass's layers.
+        log_token = causal_log_scores((q_new @ phi.T)[:, None], k_sketch, logit_scale, c[:, None])[:, 0]
+        a_token = self._row_transition(sk, log_token, c, n)
+        if cfg.walk == "oracle":
+            probs = inputs.probs(dtype).mean(1)  # [B, N]: exact attention mass, head-averaged
+            a_token = block_sums(probs[..., None], bs)[..., 0]
+        forward = state.get(FORWARD_STATE)
+        previous = forward.get(WALK_KEY) if forward is not None else None
+        if previous is not None and previous.shape != (b, n):
+            previous = None  # another request's or step's walk (a forward dict reused): start anew
+        if previous is not None and cfg.walk == "walk" and not sk.has_history:
+            raise ValueError("sketchwalk: the walk needs the prompt's block sketches; run the prompt inside "
+                             "the sparsify block (its prefill records them) or use walk=one-hop")
+        w = self.walk_step(previous, a_token, lambda prev: times_with_row(prev, sk.a_tilde[:, :n, :n], a_token, c))
+        hops = 1
+        if forward is not None:
+            forward[WALK_KEY] = w
+            hops = forward.get(HOPS_KEY, 0) + 1 if previous is not None else 1
+            forward[HOPS_KEY] = hops
+        rank = w + TIE_BREAK * normalize_rows(a_token)
+        budget = block_budget(c, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n)  # n: blocks of the longest row
+        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
+        blocks, counts = select_blocks(rank[:, None], c[:, None], budget[:, None], kmax)
+        blocks, counts = blocks[:, 0], counts[:, 0]
+        # Block-granular token lists: every used block but the last (the current one) is complete, so
+        # the valid positions form a prefix of the list.
+        tokens = (blocks[..., None] * bs + torch.arange(bs, device=dev)).reshape(b, -1)
+        used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
+        valid = used & (tokens < length[:, None])
+        n_used = valid.sum(-1)
+        idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
+        out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx, n_used[:, None].expand(b, inputs.kv_heads),
+                                        None, scale=inputs.scale, check=False)
+        v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
+        v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
+        v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
+        exact = counts == c + 1
+        # The sketches read no K rows beyond the new token's; attention reads the selected rows.
+        stats = read_stats(inputs, v_read, k_scored=n_used[:, None].expand(b, inputs.kv_heads),
+                           exact_rows=int(exact.sum()),
+                           extra={"phase": "decode", "block_density": float((counts / (c + 1)).mean()),
+                                  "blocks_kept": float(counts.float().mean()), "walk_hops": hops})
+        return out, stats
