@@ -292,6 +292,8 @@ class SketchWalk(PrefillMethod):
     exact_config = {"density": 1.0}
     exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
     prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
+    host_reads_note = ("its decode (block means, walk rows, selection) predates the decode contract and reads "
+                       "lengths on the host")
     summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
 
     # -- shared pieces ----------------------------------------------------------------------------------
