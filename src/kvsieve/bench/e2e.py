@@ -385,33 +385,15 @@ def markdown(results: dict, command: str) -> str:
 
 def plot(results: dict, path) -> bool:
     """tokens/s vs context per variant; False (no file) where matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
         return False
+    from .report import plot_by_context
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in results["rows"] if "ms" in r]
-    groups = sorted({(r["shape"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.5), squeeze=False)
-    for ax, (shape, batch) in zip(axes[0], groups, strict=False):
-        sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
-        for variant in sorted({r["variant"] for r in sel}):
-            pts = sorted((r["n"], r["tokens_per_s"]) for r in sel if r["variant"] == variant)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context N (tokens per row)")
-        ax.set_ylabel("tokens/s (batch / median step time)")
-        ax.set_title(f"{shape}, batch {batch}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{results['device']} — {results['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    # Rows that failed (no "ms") carry no tokens/s and are left out.
+    rows = {**results, "rows": [r for r in results["rows"] if "ms" in r]}
+    plot_by_context(rows, path, "tokens_per_s", "context N (tokens per row)", "tokens/s (batch / median step time)")
     return True
 
 

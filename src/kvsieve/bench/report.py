@@ -50,23 +50,28 @@ def markdown(results: dict, command: str) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    plot_by_context(results, path, "median_us", "context n (keys)", "µs per decode step (cold L2, median)")
+
+
+def plot_by_context(results: dict, path: Path, value: str, xlabel: str, ylabel: str) -> None:
+    """One panel per (shape, batch): ``value`` of each variant against the context, log-log."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"] if "median_us" in r]
+    rows = [r for r in results["rows"] if value in r]
     groups = sorted({(r["shape"], r["batch"]) for r in rows})
     fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.5), squeeze=False)
     for ax, (shape, batch) in zip(axes[0], groups, strict=False):
         sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
         for variant in sorted({r["variant"] for r in sel}):
-            pts = sorted((r["n"], r["median_us"]) for r in sel if r["variant"] == variant)
+            pts = sorted((r["n"], r[value]) for r in sel if r["variant"] == variant)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("context n (keys)")
-        ax.set_ylabel("µs per decode step (cold L2, median)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         ax.set_title(f"{shape}, batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)

@@ -172,17 +172,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
 
-    summary = session.layer_summary()
-    if summary:
-        layers = Table(title="per-layer mean over the method's calls", title_justify="left")
-        for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
-            layers.add_column(col, justify="right")
-        for layer, row in summary.items():
-            layers.add_row(str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
-                           f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}")
-        console.print(layers)
-    if dense_layers:
-        console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")
+    _print_layer_summary(console, session.layer_summary(), dense_layers)
     return 0
 
 
@@ -227,7 +217,14 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
             console.print(f"{st.method}: no CUDA graph ({st.graph_reason})")
         for note in st.fallbacks:
             console.print(f"{st.method}: {note}")
-    summary = stats.layer_summary()
+    _print_layer_summary(console, stats.layer_summary(), dense_layers)
+    return 0
+
+
+def _print_layer_summary(console, summary: dict, dense_layers) -> None:
+    """The per-layer table both engines print (sparsify's session, the runtime's stats)."""
+    from rich.table import Table
+
     if summary:
         layers = Table(title="per-layer mean over the method's calls", title_justify="left")
         for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
@@ -238,4 +235,3 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         console.print(layers)
     if dense_layers:
         console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")
-    return 0
