@@ -65,15 +65,18 @@ def kernels_interpreted() -> bool:
     return triton is not None and is_interpreted(hash_uniform)
 
 
-def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the Triton kernels cannot serve these tensors (None when they can)."""
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       head_dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS, kernels: str = "the Triton kernels") -> str | None:
+    """Why the Triton kernels cannot serve these tensors (None when they can); ``head_dims`` and the
+    ``kernels`` named in the message let one kernel family state its own limits."""
     if triton is None:
         return "triton is not installed"
     if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {q.dtype} (the Triton kernels take float16, bfloat16 or float32)"
+        return f"dtype {q.dtype} ({kernels} take float16, bfloat16 or float32)"
     d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
-        return f"head dim {d} / value dim {v.shape[-1]} (the Triton kernels take equal q/k/v head dims of 64 or 128)"
+    if d not in head_dims or v.shape[-1] != d:
+        dims = ", ".join(str(x) for x in head_dims[:-1]) + f" or {head_dims[-1]}"
+        return f"head dim {d} / value dim {v.shape[-1]} ({kernels} take equal q/k/v head dims of {dims})"
     if q.device.type == "cuda":
         if kernels_interpreted():
             return "TRITON_INTERPRET=1 was set when the kernels were imported, and they cannot run on CUDA tensors"
@@ -144,25 +147,47 @@ if triton is not None:
         return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
+    def dense_range(lens_ptr, b, sink, window, n_keys=0, HAS_LENS: tl.constexpr = True):
+        """Row ``b``'s length (``lens_ptr[b]``, or ``n_keys`` without lengths) and the bounds of its dense
+        part: sink ``[0, sink_end)`` and window ``[win_start, length)``; the selectable keys are
+        ``[sink_end, win_start)``."""
+        if HAS_LENS:
+            length = tl.load(lens_ptr + b).to(tl.int32)
+        else:
+            length = n_keys
+        sink_end = tl.minimum(sink, length)
+        win_start = tl.maximum(length - window, sink_end)
+        return length, sink_end, win_start
+
+    @triton.jit
     def _merge_partials_kernel(
-        acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr,
+        acc_ptr, m_ptr, l_ptr, lens_ptr, out_ptr, lse_ptr,
         n_parts, part_keys,
         s_acc_b, s_acc_h, s_acc_p,
         s_ml_b, s_ml_h,
         s_out_b, s_out_h,
-        D_CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK_P: tl.constexpr,
+        D_CHUNK: tl.constexpr, CHUNK_P: tl.constexpr, HAS_LENS: tl.constexpr, HAS_LSE: tl.constexpr,
     ):
         # One program per (head, batch row, slice of D_CHUNK features): many small programs, so
-        # that reading the partials is not bound by the latency of a few SMs.
+        # that reading the partials is not bound by the latency of a few SMs. Slice 0 writes the LSE.
         h = tl.program_id(0)
         b = tl.program_id(1)
         d0 = tl.program_id(2) * D_CHUNK
-        length = tl.load(lens_ptr + b)
-        parts_b = (length + part_keys - 1) // part_keys
-        offs_p = tl.arange(0, BLOCK_P)
-        ml_base = b * s_ml_b + h * s_ml_h
-        m = tl.load(m_ptr + ml_base + offs_p, mask=offs_p < parts_b, other=float("-inf"))
-        m_star = tl.max(m, axis=0)
+        b64 = b.to(tl.int64)
+        if HAS_LENS:  # parts past the row's length were never written
+            parts_b = (tl.load(lens_ptr + b) + part_keys - 1) // part_keys
+        else:
+            parts_b = n_parts
+        ml_base = b64 * s_ml_b + h * s_ml_h
+        m_star = tl.full([CHUNK_P], float("-inf"), tl.float32)
+        for p0 in range(0, n_parts, CHUNK_P):
+            offs_c = p0 + tl.arange(0, CHUNK_P)
+            in_row = offs_c < parts_b
+            mc = tl.load(m_ptr + ml_base + offs_c, mask=in_row, other=float("-inf"))
+            lc = tl.load(l_ptr + ml_base + offs_c, mask=in_row, other=0.0)
+            m_star = tl.maximum(m_star, tl.where(lc > 0, mc, float("-inf")))
+        m_max = tl.max(m_star, axis=0)
+        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
         offs_d = d0 + tl.arange(0, D_CHUNK)
         out = tl.zeros([D_CHUNK], dtype=tl.float32)
         z = tl.zeros([CHUNK_P], dtype=tl.float32)
@@ -171,28 +196,35 @@ if triton is not None:
             in_row = offs_c < parts_b
             mc = tl.load(m_ptr + ml_base + offs_c, mask=in_row, other=float("-inf"))
             lc = tl.load(l_ptr + ml_base + offs_c, mask=in_row, other=0.0)
-            live = in_row & (lc > 0)
-            wc = tl.where(live, tl.exp(mc - m_star), 0.0)
+            live = in_row & (lc > 0)  # empty parts cost no traffic
+            wc = tl.where(live, tl.exp(mc - m_ref), 0.0)
             z += wc * lc
-            a = tl.load(acc_ptr + b * s_acc_b + h * s_acc_h + offs_c[:, None] * s_acc_p + offs_d[None, :],
+            a = tl.load(acc_ptr + b64 * s_acc_b + h * s_acc_h + offs_c[:, None] * s_acc_p + offs_d[None, :],
                         mask=live[:, None], other=0.0)
             out += tl.sum(wc[:, None] * a, axis=0)
-        out = out / tl.sum(z, axis=0)
-        tl.store(out_ptr + b * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
+        total = tl.sum(z, axis=0)
+        safe = tl.where(total > 0, total, 1.0)
+        out = tl.where(total > 0, out / safe, 0.0)  # a row with no key at all gives 0 and LSE −inf
+        tl.store(out_ptr + b64 * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
+        if HAS_LSE:
+            if d0 == 0:
+                tl.store(lse_ptr + b64 * tl.num_programs(0) + h,
+                         tl.where(total > 0, m_ref + tl.log(safe), float("-inf")))
 
 
 def merge_partials(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_keys: int,
-                       s_acc: tuple[int, int, int], s_ml: tuple[int, int]) -> torch.Tensor:
+                   s_acc: tuple[int, int, int], s_ml: tuple[int, int], *, lse: torch.Tensor | None = None,
+                   d_chunk: int = 16, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` in flat buffers with explicit
-    strides (see the module doc; no tensor views on the host path)."""
-    block_p = max(16, next_pow2(p))
-    chunk_p = min(64, block_p)
-    d_chunk = 16
+    strides (see the module doc; no tensor views on the host path). ``lens [B]`` (None: every row has
+    all ``P`` parts) limits row b to its first ``ceil(lens[b] / part_keys)`` parts; with ``lse [B, Hq]``
+    (float32, contiguous) the row's log-sum-exp is written too."""
     launch(_merge_partials_kernel, (hq, b, d // d_chunk),
-           acc, m, l, lens, out, p, part_keys,
+           acc, m, l, out if lens is None else lens, out, out if lse is None else lse, p, part_keys,
            s_acc[0], s_acc[1], s_acc[2], s_ml[0], s_ml[1],
            out.stride(0), out.stride(1),
-           D_CHUNK=d_chunk, BLOCK_P=block_p, CHUNK_P=chunk_p, num_warps=4, num_stages=3)
+           D_CHUNK=d_chunk, CHUNK_P=min(64, max(16, next_pow2(p))), HAS_LENS=lens is not None,
+           HAS_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
     return out
 
 

@@ -171,6 +171,16 @@ def _fraction_tensor(value: float, device) -> torch.Tensor:
     return t
 
 
+def score_launch_args(q: torch.Tensor, n_units: int, scale: float | None, out: torch.Tensor | None,
+                      size: int | float):
+    """What a scoring launch over ``n_units`` keys or pages needs besides its tensors: the scale (1/√d by
+    default), the float32 ``[B, Hq, n_units]`` output and :func:`count_args`."""
+    b, hq, d = q.shape
+    if out is None:
+        out = torch.empty(b, hq, n_units, device=q.device, dtype=torch.float32)
+    return (d ** -0.5 if scale is None else scale), out, *count_args(size, q.device)
+
+
 def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, bool]:
     """``(fraction tensor or None, count, is_fraction)`` for the kernels that write selection counts."""
     if isinstance(size, float):
@@ -180,6 +190,8 @@ def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, boo
 
 if triton is not None:
     import triton.language as tl
+
+    from ..triton_utils import dense_range
 
     @triton.jit
     def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
@@ -194,6 +206,31 @@ if triton is not None:
         cand = tl.where(win_start > sink_end, end - first, 0)
         wanted = tl.minimum((tokens + UNIT - 1) // UNIT, max_units)
         tl.store(counts_ptr + b, tl.minimum(wanted, cand).to(tl.int64))
+
+    @triton.jit
+    def score_program(lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, UNIT: tl.constexpr,
+                      WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr):
+        """A scoring program's (block, KV head, batch row) and its row's dense bounds; the first program
+        of the row also writes the row's count of units to take (``write_counts``)."""
+        blk = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
+        if WRITE_COUNTS:
+            if (blk == 0) & (kvh == 0):
+                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, UNIT, IS_FRAC)
+        return blk, kvh, b, b.to(tl.int64), length, sink_end, win_start
+
+    @triton.jit
+    def load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
+        """The query rows of KV head ``kvh``'s group ``[BLOCK_G, D]`` (rows past ``G`` are 0), their head
+        numbers and row mask, and the feature offsets."""
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        return q, heads, g_ok, offs_d
 
     @triton.jit
     def _page_update_kernel(
@@ -234,22 +271,10 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile.
-        pb = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        b64 = b.to(tl.int64)
-        length = tl.load(lens_ptr + b).to(tl.int32)
-        sink_end = tl.minimum(sink, length)
-        win_start = tl.maximum(length - window, sink_end)
-        if WRITE_COUNTS:
-            if (pb == 0) & (kvh == 0):
-                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, PAGE, IS_FRAC)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
+        pb, kvh, b, b64, length, sink_end, win_start = score_program(
+            lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, PAGE, WRITE_COUNTS, IS_FRAC)
+        q, heads, g_ok, offs_d = load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G, BLOCK_G, D)
         offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        g_ok = offs_g < G
-        heads = kvh * G + offs_g
-        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         p_ok = offs_p < n_pages
         base = b64 * s_m_b + kvh * s_m_h + offs_p[:, None] * s_m_p + offs_d[None, :]
         lo = tl.load(kmin_ptr + base, mask=p_ok[:, None], other=0.0)
@@ -283,9 +308,7 @@ if triton is not None:
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         b64 = b.to(tl.int64)
-        length = tl.load(lens_ptr + b).to(tl.int32)
-        sink_end = tl.minimum(sink, length)
-        win_start = tl.maximum(length - window, sink_end)
+        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
         offs_g = tl.arange(0, BLOCK_G)
         offs_x = xb * BLOCK_X + tl.arange(0, BLOCK_X)
         g_ok = offs_g < G
@@ -317,10 +340,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     g = hq // hkv
-    scale = d ** -0.5 if scale is None else scale
-    if out is None:
-        out = torch.empty(b, hq, p, device=q.device, dtype=torch.float32)
-    frac, count, is_frac = count_args(size, q.device)
+    scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     block_p = 64
     launch(_page_bounds_kernel, (-(-p // block_p), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac,

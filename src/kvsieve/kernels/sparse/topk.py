@@ -14,9 +14,9 @@ import torch
 from ..triton_utils import is_interpreted, launch, next_pow2, triton
 from .quest_pages import (
     candidate_mask,
-    count_args,
     group_summed,
     group_summed_triton,
+    score_launch_args,
     selection_counts_reference,
 )
 
@@ -33,7 +33,8 @@ def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float
 if triton is not None:
     import triton.language as tl
 
-    from .quest_pages import write_counts
+
+    from .quest_pages import load_group_queries, score_program
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
     def _scores_kernel(
@@ -44,26 +45,14 @@ if triton is not None:
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
-        blk = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        b64 = b.to(tl.int64)
-        length = tl.load(lens_ptr + b).to(tl.int32)
-        sink_end = tl.minimum(sink, length)
-        win_start = tl.maximum(length - window, sink_end)
-        if WRITE_COUNTS:
-            if (blk == 0) & (kvh == 0):
-                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, 1, IS_FRAC)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
+        blk, kvh, b, b64, length, sink_end, win_start = score_program(
+            lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, 1, WRITE_COUNTS, IS_FRAC)
+        q, heads, g_ok, offs_d = load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G, BLOCK_G, D)
         offs_n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        g_ok = offs_g < G
-        heads = kvh * G + offs_g
         if MASK_DENSE:
             keep = (offs_n >= sink_end) & (offs_n < win_start)
         else:
             keep = offs_n < length
-        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
         k = tl.load(k_ptr + b64 * s_k_b + kvh * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
                     mask=keep[:, None], other=0.0)
         if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
@@ -84,10 +73,7 @@ def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | 
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
-    scale = d ** -0.5 if scale is None else scale
-    if out is None:
-        out = torch.empty(b, hq, n, device=q.device, dtype=torch.float32)
-    frac, count, is_frac = count_args(size, q.device)
+    scale, out, frac, count, is_frac = score_launch_args(q, n, scale, out, size)
     block_n = 128 if d <= 128 else 64
     launch(_scores_kernel, (-(-n // block_n), hkv, b),
            q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac,

@@ -41,7 +41,8 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+from ..triton_utils import is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+from ..triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -50,6 +51,31 @@ _LOG2E = math.log2(math.e)
 
 if triton is not None:
     import triton.language as tl
+
+    from ..triton_utils import dense_range
+
+    @triton.jit
+    def _attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n, offs_d, scale_log2,
+                     HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+        # One online-softmax step over the key rows at ``pos`` (``ok`` masks them), in log2 units;
+        # ``log2_w`` adds the rows' log-weights when HAS_W.
+        k = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_W:
+            s = s + log2_w[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key adds nothing
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -75,12 +101,7 @@ if triton is not None:
         hs = tl.program_id(1)
         b = tl.program_id(2)
         b64 = b.to(tl.int64)
-        if HAS_LENS:
-            length = tl.load(lens_ptr + b).to(tl.int32)
-        else:
-            length = n_keys
-        sink_end = tl.minimum(sink, length)
-        win_start = tl.maximum(length - window, sink_end)
+        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window, n_keys, HAS_LENS)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
@@ -112,24 +133,11 @@ if triton is not None:
                 page = tl.load(idx_base + entry, mask=e_ok, other=0).to(tl.int32)
                 pos = page * PAGE + offs_n % PAGE
                 ok = e_ok & (pos >= sink_end) & (pos < win_start)
-                k = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-                if DOT_F32:
-                    k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+                log2_w = 0.0
                 if HAS_W:
-                    w = tl.load(w_base + entry, mask=ok, other=1.0).to(tl.float32)
-                    s = s + tl.log2(w)[None, :]
-                s = tl.where(ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a block with no key adds nothing
-                alpha = tl.exp2(m_i - m_ref)
-                p = tl.exp2(s - m_ref[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-                if DOT_F32:
-                    v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                    log2_w = tl.log2(tl.load(w_base + entry, mask=ok, other=1.0).to(tl.float32))
+                m_i, l_i, acc = _attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n,
+                                             offs_d, scale_log2, HAS_W, DOT_PRECISION, DOT_F32)
         else:
             # Dense part: position t of the concatenation [0, sink_end) ++ [win_start, length).
             n_dense = sink_end + (length - win_start)
@@ -139,21 +147,8 @@ if triton is not None:
                 t = t0 + offs_n
                 ok = t < hi
                 pos = tl.where(t < sink_end, t, win_start + (t - sink_end))
-                k = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-                if DOT_F32:
-                    k = k.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-                s = tl.where(ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_ref)
-                p = tl.exp2(s - m_ref[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-                if DOT_F32:
-                    v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
+                                             offs_d, scale_log2, False, DOT_PRECISION, DOT_F32)
 
         # Partials are laid out [B, Hq, parts(, D)]; every program writes its own, empty or not.
         ml = (b64 * (HEADS * tl.num_programs(1)) + heads) * n_parts + part
@@ -196,70 +191,12 @@ if triton is not None:
         tl.store(out_ptr + out_offs[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         tl.store(lse_ptr + rows, tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=row_ok)
 
-    @triton.jit(do_not_specialize=["n_parts"])
-    def _merge_lse_kernel(
-        acc_ptr, m_ptr, l_ptr, out_ptr, lse_ptr,
-        n_parts, s_out_b, s_out_h,
-        D: tl.constexpr, D_CHUNK: tl.constexpr, CHUNK_P: tl.constexpr,
-    ):
-        # One program per (query head, batch row, slice of D_CHUNK features); slice 0 writes the LSE.
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        d0 = tl.program_id(2) * D_CHUNK
-        row = b.to(tl.int64) * tl.num_programs(0) + h
-        base = row * n_parts
-        offs_c = tl.arange(0, CHUNK_P)
-        m_star = tl.full([CHUNK_P], float("-inf"), tl.float32)
-        for p0 in range(0, n_parts, CHUNK_P):
-            pc = p0 + offs_c
-            in_row = pc < n_parts
-            mc = tl.load(m_ptr + base + pc, mask=in_row, other=float("-inf"))
-            lc = tl.load(l_ptr + base + pc, mask=in_row, other=0.0)
-            m_star = tl.maximum(m_star, tl.where(lc > 0, mc, float("-inf")))
-        m_max = tl.max(m_star, axis=0)
-        m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-        offs_d = d0 + tl.arange(0, D_CHUNK)
-        out = tl.zeros([D_CHUNK], dtype=tl.float32)
-        z = tl.zeros([CHUNK_P], dtype=tl.float32)
-        for p0 in range(0, n_parts, CHUNK_P):
-            pc = p0 + offs_c
-            in_row = pc < n_parts
-            mc = tl.load(m_ptr + base + pc, mask=in_row, other=float("-inf"))
-            lc = tl.load(l_ptr + base + pc, mask=in_row, other=0.0)
-            live = in_row & (lc > 0)
-            wc = tl.where(live, tl.exp(mc - m_ref), 0.0)
-            z += wc * lc
-            a = tl.load(acc_ptr + (base + pc)[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-            out += tl.sum(wc[:, None] * a, axis=0)
-        total = tl.sum(z, axis=0)
-        out = tl.where(total > 0, out / tl.where(total > 0, total, 1.0), 0.0)
-        tl.store(out_ptr + b.to(tl.int64) * s_out_b + h * s_out_h + offs_d, out.to(out_ptr.dtype.element_ty))
-        if d0 == 0:
-            lse = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-            tl.store(lse_ptr + row, lse)
-
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_size: int = 1) -> str | None:
     """Why :func:`sparse_decode_triton` cannot serve these tensors (None when it can)."""
-    if triton is None:
-        return "triton is not installed"
-    if q.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {q.dtype} (the sparse kernel takes float16, bfloat16 or float32)"
-    d = q.shape[-1]
-    if d not in SUPPORTED_HEAD_DIMS or v.shape[-1] != d:
-        return f"head dim {d} / value dim {v.shape[-1]} (the sparse kernel takes equal head dims of 64, 128 or 256)"
-    if page_size < 1 or page_size > MAX_PAGE_SIZE or page_size & (page_size - 1):
-        return f"page_size {page_size} (the sparse kernel takes a power of two ≤ {MAX_PAGE_SIZE})"
-    if q.device.type == "cuda":
-        if is_interpreted(_sparse_split_kernel):
-            return "TRITON_INTERPRET=1 was set when the kernels were imported, and they cannot run on CUDA tensors"
-        return None
-    if q.device.type == "cpu":
-        if is_interpreted(_sparse_split_kernel):
-            return None
-        return ("CPU tensors: the Triton kernels run on CPU only through the interpreter "
-                "(set TRITON_INTERPRET=1 before kvsieve's Triton kernels are imported)")
-    return f"device {q.device.type}"
+    if 1 <= page_size <= MAX_PAGE_SIZE and not page_size & (page_size - 1):
+        return _triton_unsupported_reason(q, k, v, head_dims=SUPPORTED_HEAD_DIMS, kernels="the sparse kernels")
+    return f"page_size {page_size} (the sparse kernel takes a power of two ≤ {MAX_PAGE_SIZE})"
 
 
 def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, lengths, sink: int, window: int,
@@ -504,10 +441,8 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
            num_warps=num_warps, num_stages=num_stages)
     if fused_merge:
         return out, lse
-    d_chunk = 32
-    launch(_merge_lse_kernel, (hq, b, d // d_chunk),
-           acc, pm, pl, out, lse, parts, out.stride(0), out.stride(1),
-           D=d, D_CHUNK=d_chunk, CHUNK_P=min(64, max(16, next_pow2(parts))), num_warps=1, num_stages=2)
+    merge_partials(acc, pm, pl, None, out, b, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
+                   lse=lse, d_chunk=32, num_warps=1, num_stages=2)
     return out, lse
 
 
