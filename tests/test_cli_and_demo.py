@@ -112,6 +112,42 @@ def test_default_model_is_the_offline_smollm2(default_model):
 
 
 @pytest.mark.model
+def test_default_model_cache_holds_exactly_the_gguf_model(tmp_path, monkeypatch):
+    """The first load converts the GGUF into the cache folder; what later loads read from there has
+    the GGUF model's weights, config, tokenizer and chat template, bit for bit."""
+    import torch
+
+    from kvsieve.integrations import models
+
+    monkeypatch.setenv("KVSIEVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KVSIEVE_MODEL_CACHE", "1")
+    from_gguf = {}
+    write = models._write_cache
+    monkeypatch.setattr(models, "_write_cache",
+                        lambda model, tok: (from_gguf.update(model=model, tok=tok), write(model, tok)))
+    model, tok = models.load_model("default")
+    assert from_gguf, "the first load must convert the GGUF"
+    folder = models._cache_folder()
+    assert folder.parent == tmp_path / "models" and (folder / models._COMPLETE).is_file()
+    assert models._pretrained_source("default") == (str(folder), {})
+    text = "The quick brown fox jumps over 12345 lazy dogs. éà 🙂\nA second line."
+    ids = tok(text).input_ids
+    assert ids == from_gguf["tok"](text).input_ids
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == from_gguf["tok"].apply_chat_template(chat, tokenize=False)
+    def settings(m):
+        return {k: v for k, v in m.config.to_dict().items() if k != "_name_or_path"}
+
+    assert settings(model) == settings(from_gguf["model"])
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, from_gguf["model"](x).logits)
+    # a second load reads the folder only
+    monkeypatch.setattr(models, "_write_cache", lambda *a: pytest.fail("converted twice"))
+    assert models.load_model("default", dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("n_tokens,depth", [(600, 0.1), (1500, 0.9)])
 def test_demo_prompt_hides_the_number_at_the_requested_place(default_model, n_tokens, depth):
     from kvsieve.demo import ANSWER_PREFIX, needle_prompt
