@@ -174,12 +174,17 @@ def test_stats_stay_tensors_until_read():
 
 
 def test_row_streams_are_the_kernels_hash():
-    """With a host key the row words feed the very hash the Triton kernels evaluate."""
-    c = torch.arange(1000)
+    """With a host key the row words feed the very hash the Triton kernels evaluate; the kernels key
+    each batch row by its length first (``core.rng.length_words``)."""
+    c = torch.arange(1000).view(2, 500)
+    lengths = torch.tensor([700, 701])
     lo, hi = seed_words(123456789123)
-    from kvsieve.core.rng import hash_uniform
+    from kvsieve.core.rng import hash_uniform, length_words
 
-    torch.testing.assert_close(hash_uniform(lo, hi, STREAM_TILE, c), kernel_uniforms(123456789123, STREAM_TILE, c))
+    row_lo, row_hi = length_words(lo, hi, lengths)
+    torch.testing.assert_close(hash_uniform(row_lo[:, None], row_hi[:, None], STREAM_TILE, c),
+                               kernel_uniforms(123456789123, STREAM_TILE, c, lengths))
+    assert not torch.equal(hash_uniform(lo, hi, STREAM_TILE, c), kernel_uniforms(123456789123, STREAM_TILE, c, lengths))
 
 
 def test_device_counters_give_the_host_counters_words():
@@ -267,11 +272,13 @@ def test_gpu_decode_has_no_sync(spec, q_len):
 @cuda
 @pytest.mark.parametrize("spec", [*GPU_PATHS, *GPU_SPECS])
 def test_gpu_graph_replays_match_eager_calls(spec):
-    """Capture one call; each replay with a new device step counter equals an eager call with it.
+    """Capture one call; each replay, with new lengths (the next decode step) and a new device step
+    counter, equals an eager call with them, and draws fresh numbers.
 
-    The Triton santa kernels take their seed by value: their key has host counters only, so every
-    replay draws the captured numbers (still equal to the eager call with those counters)."""
+    The Triton santa kernels take their seed by value (host counters only) and key each row by its
+    length, which the graph reads from device memory: a replayed step draws new numbers all the same."""
     q, k, v, lengths = _gpu_inputs()
+    n = k.shape[2]
     m = kvsieve.method(spec)
     triton_seed_by_value = spec.startswith(("santa-prop", "santa-flash"))
     step = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -289,14 +296,16 @@ def test_gpu_graph_replays_match_eager_calls(spec):
     outs = []
     for i in range(3):
         step.fill_(i)
+        lengths.fill_(n - 3 + i)
         graph.replay()
         outs.append(out.clone())
     for i in range(3):
         step_i = torch.tensor(i, device="cuda")
         eager_key = key if triton_seed_by_value else RandomKey(3, (0, step_i))
-        ref, _ = m.decode(q, k, v, lengths=lengths, seed=eager_key, state=state, check_finite=False)
+        lengths_i = torch.full_like(lengths, n - 3 + i)
+        ref, _ = m.decode(q, k, v, lengths=lengths_i, seed=eager_key, state=state, check_finite=False)
         torch.testing.assert_close(outs[i], ref, rtol=0, atol=0)
-    if m.stochastic and not triton_seed_by_value:
+    if m.stochastic:
         assert not torch.equal(outs[0], outs[1])  # fresh numbers per replayed step
 
 
@@ -342,4 +351,4 @@ def test_tensor_seeds_per_batch_row():
     assert not torch.allclose(a[1], c[1])
     with host_reads_raise():
         m.decode(q, k, v, seed=seeds, check_finite=False)
-    assert kvsieve.method("santa").graph_capturable and not kvsieve.method("santa-prop").graph_capturable
+    assert all(kvsieve.method(name).graph_capturable for name in ("santa", "santa-prop", "santa-flash"))

@@ -49,12 +49,12 @@ def _references(inputs, seed, s, tile):
     from kvsieve.kernels.triton_utils import budget_uniforms, tile_uniforms
 
     b, hq, n = inputs.batch, inputs.heads, inputs.n_keys
-    tile_u = tile_uniforms(seed, b, hq, -(-n // tile), device="cuda")
+    tile_u = tile_uniforms(seed, b, hq, -(-n // tile), inputs.lengths, device="cuda")
     scores = inputs.scores(torch.float64)
     refs = {"flash": santa_flash_reference(scores, inputs.v, s, tile, tile_offsets=tile_u)}
     for rounding in ("largest-remainder", "systematic"):
         refs[rounding] = santa_prop_reference(scores, inputs.v, s, tile, rounding=rounding, tile_offsets=tile_u,
-                                              budget_offset=budget_uniforms(seed, b, hq, device="cuda"))
+                                              budget_offset=budget_uniforms(seed, b, hq, inputs.lengths, device="cuda"))
     return refs
 
 

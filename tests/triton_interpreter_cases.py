@@ -81,7 +81,7 @@ def test_kernels_match_references(case):
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, lens, dtype, seed)
     scale = d ** -0.5
     t = -(-n // tile)
-    tile_u = triton_utils.tile_uniforms(seed, b, hq, t)
+    tile_u = triton_utils.tile_uniforms(seed, b, hq, t, lens32)
 
     out = _poisoned(b, hq, d, dtype)
     triton_dense.dense_decode_triton(q, k, v, lens32, scale, block_n=16, out=out)
@@ -105,7 +105,7 @@ def test_kernels_match_references(case):
 
     for rounding in ("largest-remainder", "systematic"):
         ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
-                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
+                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq, lens32), tile_offsets=tile_u)
         # v8 (one or several gather steps) and v10
         for run, opts in ((santa_prop_two_pass, two_pass), (santa_prop_two_pass, {**two_pass, "r_max": 16}),
                           (santa_prop_overlap, two_pass)):
@@ -146,12 +146,12 @@ def test_scheduled_paths_match_references(flash):
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [160, 9, 100], torch.float32, 41, peaked=4.0)
     seed = 5
     t = n // tile
-    tile_u = triton_utils.tile_uniforms(seed, b, hq, t)
+    tile_u = triton_utils.tile_uniforms(seed, b, hq, t, lens32)
     if flash:
         ref = santa_flash_reference(inputs.scores(torch.float64), inputs.v, s, tile, tile_offsets=tile_u)
     else:
         ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
-                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq), tile_offsets=tile_u)
+                                   budget_offset=triton_utils.budget_uniforms(seed, b, hq, lens32), tile_offsets=tile_u)
     for opts in variants:
         for _ in range(2):
             out = _poisoned(b, hq, d, torch.float32)
@@ -221,8 +221,8 @@ def test_prop_skips_tiles_without_budget():
     _, counts, budgets = decode.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, seed, write_counts=True)
     assert (budgets == 0).any()
     ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
-                               budget_offset=triton_utils.budget_uniforms(seed, b, hq),
-                               tile_offsets=triton_utils.tile_uniforms(seed, b, hq, t))
+                               budget_offset=triton_utils.budget_uniforms(seed, b, hq, lens32),
+                               tile_offsets=triton_utils.tile_uniforms(seed, b, hq, t, lens32))
     assert torch.equal(budgets.long(), ref.tile_budgets)
     assert torch.equal(counts.long(), ref.counts)
     zero_tiles = (budgets == 0).repeat_interleave(tile, dim=-1)[..., :n]
@@ -236,7 +236,7 @@ def test_large_tile_budget_splits_counts_exactly():
     out, counts = decode.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True)
     assert (counts.sum(-1) == (s // 3) * 3).all()
     scores64 = inputs.scores(torch.float64)
-    ref = santa_flash_reference(scores64, inputs.v, s, tile, tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3))
+    ref = santa_flash_reference(scores64, inputs.v, s, tile, tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3, lens32))
     assert torch.equal(counts.long(), ref.counts)
     assert _rel(out, ref.out) < TOL[torch.float16]
 
@@ -246,22 +246,44 @@ def test_prop_split_counts_above_2048():
     b, hq, hkv, n, d, s, tile = 1, 2, 1, 48, 64, 20000, 16
     q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [n], torch.float16, 11, peaked=6.0)
     ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding="largest-remainder",
-                               budget_offset=triton_utils.budget_uniforms(4, b, hq),
-                               tile_offsets=triton_utils.tile_uniforms(4, b, hq, 3))
+                               budget_offset=triton_utils.budget_uniforms(4, b, hq, lens32),
+                               tile_offsets=triton_utils.tile_uniforms(4, b, hq, 3, lens32))
     assert ref.counts.max() > 2048
     out, counts, _ = decode.santa_prop_triton(q, k, v, lens32, d ** -0.5, s, tile, 4, write_counts=True)
     assert torch.equal(counts.long(), ref.counts)
     assert _rel(out, ref.out) < TOL[torch.float16]
 
 
-def test_uniforms_are_exact_binary_fractions_and_differ_by_counter():
-    u = triton_utils.tile_uniforms(5, 2, 3, 7)
+def test_uniforms_are_exact_binary_fractions_and_differ_by_counter_and_position():
+    lens = torch.tensor([40, 41])
+    u = triton_utils.tile_uniforms(5, 2, 3, 7, lens)
     assert u.shape == (2, 3, 7)
     assert ((u >= 0) & (u < 1)).all()
     assert torch.equal(u * 2**24, torch.floor(u * 2**24))
     assert u.flatten().unique().numel() == u.numel()
-    assert not torch.equal(u, triton_utils.tile_uniforms(6, 2, 3, 7))
-    assert not torch.equal(triton_utils.budget_uniforms(5, 2, 3), u[..., 0])
+    assert not torch.equal(u, triton_utils.tile_uniforms(6, 2, 3, 7, lens))
+    assert not torch.equal(triton_utils.budget_uniforms(5, 2, 3, lens), u[..., 0])
+    # the next decode step of a row (one more valid key) draws new numbers from the same seed
+    moved = triton_utils.tile_uniforms(5, 2, 3, 7, lens + 1)
+    assert not (moved == u).any(dim=(1, 2)).all()
+
+
+def test_santa_kernels_draw_new_numbers_at_the_next_step():
+    """Same seed, one more valid key: different counts (the kernels key each row by its length, so a
+    replayed CUDA graph draws fresh numbers), and each step matches the reference under its uniforms."""
+    b, hq, hkv, n, d, s, tile = 1, 4, 2, 96, 64, 24, 16
+    q, k, v, lens32, inputs = _case(b, hq, hkv, n, d, [80], torch.float32, 19)
+    step_counts = []
+    for lens in (lens32, lens32 + 1):
+        _, counts, _ = decode.santa_prop_triton(q, k, v, lens, d ** -0.5, s, tile, 7, rounding="systematic",
+                                                write_counts=True)
+        step = check_decode_inputs(q.double(), k.double(), v.double(), lengths=lens.long())
+        ref = santa_prop_reference(step.scores(torch.float64), step.v, s, tile, rounding="systematic",
+                                   budget_offset=triton_utils.budget_uniforms(7, b, hq, lens),
+                                   tile_offsets=triton_utils.tile_uniforms(7, b, hq, n // tile, lens))
+        assert torch.equal(counts.long(), ref.counts)
+        step_counts.append(counts.long())
+    assert not torch.equal(step_counts[0][..., :80], step_counts[1][..., :80])
 
 
 @pytest.mark.parametrize("kernel", ["flash", "prop-systematic"])

@@ -84,6 +84,15 @@ def hash_uniform(lo: IntOrTensor, hi: IntOrTensor, stream: int, counters: torch.
     return (hash_bits(lo, hi, stream, counters) >> 8).to(torch.float64) * 2.0**-24
 
 
+def length_words(lo: IntOrTensor, hi: IntOrTensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernels' per-row key: the call's words mixed with each row's valid length (its
+    position), so that a decode step draws fresh numbers from the same seed, with no counter that the
+    host must update (a replayed CUDA graph reads the lengths from device memory). ``[B]`` int64 each."""
+    p = lengths.to(torch.int64) & MASK32
+    lo = mix32(lo ^ p ^ 0x243F6A88)
+    return lo, mix32(hi ^ lo ^ 0x85A308D3)
+
+
 def _as_word(c: IntOrTensor, device: torch.device | None) -> IntOrTensor:
     if isinstance(c, torch.Tensor):
         return c.to(device=device, dtype=torch.int64) & MASK32

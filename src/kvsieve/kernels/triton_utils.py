@@ -2,7 +2,9 @@
 
 Counter-based randomness
 ------------------------
-Every uniform a kernel draws is ``hash_uniform(seed, stream, counter)``: three rounds of the
+Every uniform a kernel draws is ``row_uniform(seed, length, stream, counter)``: the seed's two words
+mixed with the row's valid length (its position: a new step of a row draws new numbers, with nothing
+for the host to update between CUDA-graph replays), then ``hash_uniform``: three rounds of the
 ``lowbias32`` integer mix over the 64-bit ``seed`` (low word, high word), a ``stream`` number and a
 32-bit ``counter``; the top 24 bits of the result give ``k / 2**24`` in [0, 1), a value that float32
 and float64 hold exactly. The counters are
@@ -107,23 +109,25 @@ def seed_words(seed: int) -> tuple[int, int]:
     return _rng.seed_words(seed)
 
 
-def uniforms(seed: int, stream: int, counters: torch.Tensor) -> torch.Tensor:
-    """The kernels' uniforms for ``counters`` (any int tensor), as float64 ``k / 2**24``: the torch
-    twin of ``hash_uniform`` below, shared with the references (``core.rng.hash_uniform``)."""
-    lo, hi = seed_words(seed)
-    return _rng.hash_uniform(lo, hi, stream, counters)
+def uniforms(seed: int, stream: int, counters: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The kernels' uniforms ``[B, ...]`` for ``counters`` (an int tensor whose first axis is the batch
+    row) of rows with valid lengths ``lengths [B]``, as float64 ``k / 2**24``: the torch twin of
+    ``row_uniform`` below, shared with the references (``core.rng``)."""
+    lo, hi = _rng.length_words(*seed_words(seed), lengths.to(counters.device))
+    view = (-1,) + (1,) * (counters.dim() - 1)
+    return _rng.hash_uniform(lo.view(view), hi.view(view), stream, counters)
 
 
-def tile_uniforms(seed: int, batch: int, heads: int, tiles: int, device=None) -> torch.Tensor:
-    """``[B, Hq, T]`` tile offsets as the kernels draw them."""
+def tile_uniforms(seed: int, batch: int, heads: int, tiles: int, lengths: torch.Tensor, device=None) -> torch.Tensor:
+    """``[B, Hq, T]`` tile offsets as the kernels draw them for rows of valid lengths ``lengths [B]``."""
     c = torch.arange(batch * heads * tiles, device=device, dtype=torch.int64).view(batch, heads, tiles)
-    return uniforms(seed, STREAM_TILE, c)
+    return uniforms(seed, STREAM_TILE, c, lengths)
 
 
-def budget_uniforms(seed: int, batch: int, heads: int, device=None) -> torch.Tensor:
+def budget_uniforms(seed: int, batch: int, heads: int, lengths: torch.Tensor, device=None) -> torch.Tensor:
     """``[B, Hq]`` budget offsets (prop's systematic rounding) as the kernels draw them."""
     c = torch.arange(batch * heads, device=device, dtype=torch.int64).view(batch, heads)
-    return uniforms(seed, STREAM_BUDGET, c)
+    return uniforms(seed, STREAM_BUDGET, c, lengths)
 
 
 if triton is not None:
@@ -145,6 +149,14 @@ if triton is not None:
         x = _mix32(x ^ seed_hi)
         x = _mix32(x ^ stream_key)
         return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+    @triton.jit
+    def row_uniform(seed_lo, seed_hi, length, stream_key, counter):
+        """``hash_uniform`` under the row's key: the call's words mixed with the row's valid ``length``
+        (``core.rng.length_words``), so each decode step of a row draws fresh numbers."""
+        lo = _mix32((seed_lo ^ length.to(tl.int64) ^ 0x243F6A88) & 0xFFFFFFFF)
+        hi = _mix32(seed_hi ^ lo ^ 0x85A308D3)
+        return hash_uniform(lo, hi, stream_key, counter)
 
     @triton.jit
     def dense_range(lens_ptr, b, sink, window, n_keys=0, HAS_LENS: tl.constexpr = True):

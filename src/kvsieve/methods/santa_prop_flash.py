@@ -71,8 +71,9 @@ class _SantaTiled(Method):
     exact_note = "rows whose valid keys fit in `budget` run exact attention (exact_when_covered=true, the default)"
     random_keys = True
     multi_row = True
-    # The Triton kernels take their seed by value: a replayed graph would redraw the captured numbers.
-    graph_capturable = False
+    # The Triton kernels take the seed by value and mix each row's length (read from device memory)
+    # into it, so a replayed graph draws fresh numbers at every step.
+    graph_capturable = True
 
     def exact_below(self) -> int:
         return self.config.budget if self.config.exact_when_covered else 0

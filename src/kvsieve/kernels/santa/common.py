@@ -29,7 +29,7 @@ gdc_launch_dependents = gdc_wait = None  # programmatic dependent launch, where 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import hash_uniform
+    from ..triton_utils import row_uniform
 
     # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
     # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
@@ -82,7 +82,7 @@ if triton is not None:
         return out
 
     @triton.jit
-    def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, tiles_b, budget, seed_lo, seed_hi, budget_key,
+    def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, length, tiles_b, budget, seed_lo, seed_hi, budget_key,
                       n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr):
         """The tile budgets of the heads ``heads [R]`` (``h_ok``: real rows) of batch row b, from the tile
         masses W_t = e^{m_t - m*} l_t (Alg. 4): largest remainder (the +1s go to the largest fractional
@@ -99,7 +99,7 @@ if triton is not None:
         z = tl.sum(w, axis=1)
         share = w * (budget.to(tl.float64) / tl.where(z > 0, z, 1.0))[:, None]
         if SYSTEMATIC:
-            a_b = hash_uniform(seed_lo, seed_hi, budget_key, (b * hq + heads).to(tl.int64))
+            a_b = row_uniform(seed_lo, seed_hi, length, budget_key, (b * hq + heads).to(tl.int64))
             x = tl.floor(share * 4294967296.0).to(tl.int64)
             top = budget.to(tl.int64) << 32
             hi = tl.cumsum(x, axis=1)
@@ -250,7 +250,7 @@ if triton is not None:
                 m_star = tl.load(mstar_ptr + b * hq + heads_r, mask=r_ok, other=0.0, cache_modifier=".cg")
                 mass = tl.where(r_ok & (l_r > 0), tl.exp(m_r - tl.where(r_ok, m_star, 0.0)) * l_r, 0.0)
             if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and add nothing
-                a0 = hash_uniform(seed_lo, seed_hi, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
+                a0 = row_uniform(seed_lo, seed_hi, length, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
                 scr = scr_ptr + ((b * hkv + kvh) * n_tiles + t).to(tl.int64) * (TILE * (1 + GP))
                 acc = compact_sample(v_ptr, s, counts_ptr, scr, b, kvh, t, length, m, l, tile_budget, a0,
                                      s_v_b, s_v_h, s_v_n, s_c_b, s_c_h,

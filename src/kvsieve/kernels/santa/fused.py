@@ -18,7 +18,7 @@ from .common import TILE_KEY, check_tile, fixed_point, split_at, stats_buffers, 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import hash_uniform
+    from ..triton_utils import row_uniform
     from .common import budget_jit, count_dot, fold_scores, load_group_q, score_block
 
     @triton.jit
@@ -147,7 +147,7 @@ if triton is not None:
             tiles_b = (length + TILE - 1) // TILE
             s_tile = tl.maximum(budget // tiles_b, 1)
             row_budget = tl.where(g_ok, s_tile, 0)
-            a0 = hash_uniform(seed_lo, seed_hi, stream_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
+            a0 = row_uniform(seed_lo, seed_hi, length, stream_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
             acc = _sample_tile_any(v_ptr, stash_ptr, counts_ptr, b, kvh, t, length, m, l, row_budget, a0,
                                    s_v_b, s_v_h, s_v_n, s_u_b, s_u_h, s_c_b, s_c_h,
                                    G, BLOCK_G, D, TILE, SAMPLE_N, SPLIT_COUNTS, WRITE_COUNTS, DOT_PRECISION,

@@ -172,7 +172,7 @@ if triton is not None:
         _wait_scored(sync_ptr, b * hkv + h // G, n_tiles, SLEEP, STATS_THREADS, NAPS)
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
-        group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, (length + TILE - 1) // TILE, budget,
+        group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
                       seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
         tl.debug_barrier()  # every thread's stores of the budgets are issued before the release below
         tl.atomic_xchg(sync_ptr + n_units * STATS_THREADS + b * hq + h, 1, sem="release")

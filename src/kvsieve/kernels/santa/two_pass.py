@@ -104,8 +104,8 @@ if triton is not None:
         b = tl.program_id(1)
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
-        group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, (length + TILE - 1) // TILE, budget, seed_lo,
-                      seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
+        group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
 
     @budget_jit
     def _compact_sample_kernel(
