@@ -236,7 +236,8 @@ def test_large_tile_budget_splits_counts_exactly():
     out, counts = decode.santa_flash_triton(q, k, v, lens32, d ** -0.5, s, tile, 3, write_counts=True)
     assert (counts.sum(-1) == (s // 3) * 3).all()
     scores64 = inputs.scores(torch.float64)
-    ref = santa_flash_reference(scores64, inputs.v, s, tile, tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3, lens32))
+    ref = santa_flash_reference(scores64, inputs.v, s, tile,
+                                tile_offsets=triton_utils.tile_uniforms(3, b, hq, 3, lens32))
     assert torch.equal(counts.long(), ref.counts)
     assert _rel(out, ref.out) < TOL[torch.float16]
 

@@ -68,7 +68,8 @@ def kernels_interpreted() -> bool:
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                       head_dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS, kernels: str = "the Triton kernels") -> str | None:
+                       head_dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS,
+                       kernels: str = "the Triton kernels") -> str | None:
     """Why the Triton kernels cannot serve these tensors (None when they can); ``head_dims`` and the
     ``kernels`` named in the message let one kernel family state its own limits."""
     if triton is None:

@@ -33,7 +33,6 @@ def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float
 if triton is not None:
     import triton.language as tl
 
-
     from .quest_pages import load_group_queries, score_program
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
