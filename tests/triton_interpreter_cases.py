@@ -327,6 +327,25 @@ def test_method_backends_on_cpu_under_interpreter():
     out, stats = kvsieve.method("santa-prop", budget=400, backend="triton").decode(q, k, v, lengths=lens, seed=1)
     assert stats.exact_rows == 2
     assert _rel(out, exact_attention(inputs)) < 1e-5
+    # one row covered (150 keys ≤ 200), one not: the kernel's estimate for the long row, exact for the short
+    m = kvsieve.method("santa-prop", budget=200, backend="triton")
+    out, stats = m.decode(q, k, v, lengths=lens, seed=1)
+    raw, _, _ = decode.santa_prop_triton(q, k, v, lens.to(torch.int32), 64 ** -0.5, 200, m.tile_for(300), m_seed(1))
+    assert torch.equal(out[0], raw[0])
+    assert _rel(out[1], exact_attention(inputs)[1]) < 1e-5
+    assert stats.exact_rows == 1 and stats.v_rows_read <= (200 + 150) / 2
+    # without per-key counts (what the decode runtime's captured steps ask): the same output, samples as reads
+    out2, stats2 = m.decode(q, k, v, lengths=lens, seed=1, state={"count_reads": False})
+    assert torch.equal(out, out2)
+    assert stats2.samples == 200 and "upper bound" in stats2.v_rows_read_is
+    assert stats2.v_rows_read >= stats.v_rows_read
+
+
+def m_seed(seed):
+    """The int the santa methods give their kernels for ``seed=<int>``."""
+    from kvsieve.core.rng import as_key, seed_int
+
+    return seed_int(as_key(seed), torch.device("cpu"))
 
 
 def test_method_backend_triton_rejects_what_the_kernels_cannot_serve():
@@ -348,3 +367,18 @@ def test_method_backend_triton_rejects_what_the_kernels_cannot_serve():
     # auto falls back to the reference for what the kernels cannot serve (here: CPU tensors)
     _, stats = kvsieve.method("santa-prop", backend="auto", tile_size=48).decode(q, k, v, seed=0)
     assert stats.backend == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_short_rows_get_exact_attention_and_long_rows_are_left_alone(dtype):
+    """``dense_short_rows_triton`` overwrites only rows with at most ``max_len`` valid keys (the rows a
+    method's budget covers) with exact attention, reading no length on the host."""
+    b, hq, hkv, n, d = 4, 6, 2, 200, 64
+    q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [200, 64, 1, 65], dtype, 23)
+    before = torch.randn(b, hq, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = before.clone()
+    triton_dense.dense_short_rows_triton(q, k, v, lens32, d ** -0.5, out, 64)
+    ref = triton_dense.dense_short_rows_reference(q, k, v, lens32, d ** -0.5, before, 64)
+    assert torch.equal(out[[0, 3]], before[[0, 3]])
+    assert _rel(out[[1, 2]], ref[[1, 2]]) < TOL[dtype]
+    assert _rel(out[[1, 2]], triton_dense.dense_decode_reference(q, k, v, lens32, d ** -0.5)[[1, 2]]) < TOL[dtype]

@@ -11,14 +11,12 @@ chunk unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-@dataclass(frozen=True)
 class DecodeInputs:
     """q ``[R, Hq, d]``; k ``[R, Hkv, N, d]``; v ``[R, Hkv, N, dv]``; key_mask ``[R, N]`` (True = valid).
 
@@ -29,19 +27,43 @@ class DecodeInputs:
     ``lengths`` is set when the valid keys of every row are a prefix ``[0, length)``; kernels that
     take lengths can serve exactly those calls. ``checked``: the value checks (non-finite inputs,
     lengths in range) ran.
+
+    With ``lengths``, ``key_mask`` and ``n_valid`` (``[R]`` int64) are built on first use: a kernel
+    path that needs only the lengths launches nothing for them (each is a device op per call).
+    ``kernel_lengths`` is the int32 ``[R]`` form the kernels take (the caller's tensor when it is one).
     """
 
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    key_mask: torch.Tensor
-    n_valid: torch.Tensor  # [R] int64
-    lengths: torch.Tensor | None
-    scale: float
-    q_len: int = 1
-    cache_k: torch.Tensor | None = None
-    cache_v: torch.Tensor | None = None
-    checked: bool = False
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+                 n_valid: torch.Tensor | None = None, lengths: torch.Tensor | None = None, scale: float = 1.0,
+                 q_len: int = 1, cache_k: torch.Tensor | None = None, cache_v: torch.Tensor | None = None,
+                 checked: bool = False) -> None:
+        if key_mask is None and lengths is None:
+            raise ValueError("DecodeInputs: give key_mask or lengths")
+        self.q, self.k, self.v = q, k, v
+        self._key_mask, self._n_valid, self.lengths = key_mask, n_valid, lengths
+        self.scale, self.q_len, self.checked = scale, q_len, checked
+        self.cache_k, self.cache_v = cache_k, cache_v
+        self._kernel_lengths = None
+
+    @property
+    def key_mask(self) -> torch.Tensor:
+        if self._key_mask is None:
+            positions = torch.arange(self.n_keys, device=self.q.device)
+            self._key_mask = positions[None, :] < self.lengths[:, None]
+        return self._key_mask
+
+    @property
+    def n_valid(self) -> torch.Tensor:
+        if self._n_valid is None:
+            self._n_valid = self.lengths.long() if self.lengths is not None else self.key_mask.sum(-1)
+        return self._n_valid
+
+    @property
+    def kernel_lengths(self) -> torch.Tensor:
+        """``lengths`` as int32 (converted once)."""
+        if self._kernel_lengths is None:
+            self._kernel_lengths = self.lengths.to(torch.int32)
+        return self._kernel_lengths
 
     @property
     def batch(self) -> int:
@@ -207,10 +229,10 @@ def check_decode_inputs(
     if lengths is not None and key_mask is not None:
         raise ValueError("lengths, key_mask: give at most one of them")
     device = q.device
-    positions = torch.arange(n, device=device)
-    back = torch.arange(q_len - 1, -1, -1, device=device)  # keys row j does not see yet: Q - 1 - j
+    mask = n_valid = None
     if lengths is not None:
-        lengths = torch.as_tensor(lengths, device=device)
+        if not isinstance(lengths, torch.Tensor) or lengths.device != device:
+            lengths = torch.as_tensor(lengths, device=device)
         _require(lengths.shape == (b,), f"lengths: expected shape [{b}], got {tuple(lengths.shape)}")
         _require(not lengths.is_floating_point() and lengths.dtype != torch.bool,
                  f"lengths: expected an integer tensor, got {lengths.dtype}")
@@ -219,11 +241,13 @@ def check_decode_inputs(
             _require(lo >= q_len and hi <= n,
                      f"lengths: expected values in [{q_len}, {n}] (the query rows, the cache length), "
                      f"got min {lo}, max {hi}")
-        rows_len = (lengths.long()[:, None] - back[None, :]).reshape(-1)
-        mask = positions[None, :] < rows_len[:, None]
-        n_valid = rows_len
-        lengths = rows_len
+        if q_len > 1:  # row j sees Q - 1 - j keys fewer than the last row
+            back = torch.arange(q_len - 1, -1, -1, device=device)
+            lengths = (lengths.long()[:, None] - back[None, :]).reshape(-1)
+        # (one query row: the caller's tensor as it is; key_mask and n_valid are built when used)
     elif key_mask is not None:
+        positions = torch.arange(n, device=device)
+        back = torch.arange(q_len - 1, -1, -1, device=device)  # keys row j does not see yet: Q - 1 - j
         _require(isinstance(key_mask, torch.Tensor) and key_mask.dtype == torch.bool,
                  "key_mask: expected a bool tensor")
         _require(key_mask.shape in ((b, n), (b, q_len, n)),
@@ -242,10 +266,8 @@ def check_decode_inputs(
             if bool((mask == (positions[None, :] < n_valid[:, None])).all()):
                 lengths = n_valid
     else:
-        rows_len = (n - back).repeat(b)
-        mask = positions[None, :] < rows_len[:, None]
-        n_valid = rows_len
-        lengths = n_valid
+        back = torch.arange(q_len - 1, -1, -1, device=device)
+        lengths = (n - back).repeat(b)
 
     if check_finite:
         for name, t in (("q", q), ("k", k), ("v", v)):

@@ -8,7 +8,7 @@ session can sum stats per layer on the device and read them once at the end.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -47,7 +47,7 @@ class StepStats(Mapping):
       whole context (a documented fallback, never a silent one).
     """
 
-    __slots__ = ("_values", "extra")
+    __slots__ = ("_values", "extra", "_pending")
 
     def __init__(self, n_keys, k_rows_scored, v_rows_read, kv_rows_read, density, kv_density, bytes_read,
                  backend: str = "reference", exact_rows: Any = 0, extra: dict[str, Any] | None = None) -> None:
@@ -56,9 +56,33 @@ class StepStats(Mapping):
             "kv_rows_read": kv_rows_read, "density": density, "kv_density": kv_density,
             "bytes_read": bytes_read, "backend": backend, "exact_rows": exact_rows})
         object.__setattr__(self, "extra", dict(extra or {}))
+        object.__setattr__(self, "_pending", None)
+
+    @classmethod
+    def deferred(cls, compute: Callable[[], StepStats], backend: str, extra: dict[str, Any] | None = None
+                 ) -> StepStats:
+        """Stats whose values ``compute()`` builds on first read (it returns a StepStats; its fields and
+        extra values join these). A kernel path returns this so that a call whose stats nobody reads
+        launches nothing for them: the device ops of the stats run only when asked, after the call."""
+        stats = cls(None, None, None, None, None, None, None, backend=backend, extra=extra)
+        object.__setattr__(stats, "_pending", compute)
+        return stats
+
+    def _resolve(self) -> None:
+        compute = self._pending
+        if compute is not None:
+            object.__setattr__(self, "_pending", None)
+            done = compute()
+            backend = self._values["backend"]
+            self._values.update(done._values)
+            self._values["backend"] = backend
+            for key, value in done.extra.items():
+                self.extra.setdefault(key, value)
 
     def raw(self, key: str) -> Any:
         """The value as stored (a device tensor where the method left one)."""
+        if self._pending is not None and key not in self.extra and key != "backend":
+            self._resolve()
         if key in self._values:
             return self._values[key]
         if key in self.extra:
@@ -80,15 +104,18 @@ class StepStats(Mapping):
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key in FIELDS:
+            self._resolve()
             self._values[key] = value
         else:
             raise AttributeError(f"StepStats has no field {key!r}; method-specific values go in extra")
 
     def __iter__(self) -> Iterator[str]:
+        self._resolve()
         yield from FIELDS
         yield from self.extra
 
     def __len__(self) -> int:
+        self._resolve()
         return len(FIELDS) + len(self.extra)
 
     def __repr__(self) -> str:

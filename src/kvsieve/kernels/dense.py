@@ -19,6 +19,8 @@ from .triton_utils import dot_precision, group_block, launch, merge_partials, tr
 if triton is not None:
     import triton.language as tl
 
+    from .triton_utils import attend_tile
+
     @triton.jit
     def _dense_split_kernel(
         q_ptr, k_ptr, v_ptr, lens_ptr, acc_ptr, m_ptr, l_ptr,
@@ -52,22 +54,46 @@ if triton is not None:
             v_base = v_ptr + b * s_v_b + kvh * s_v_h
             for start in range(lo, hi, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < hi
-                k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-                s = tl.where(n_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                alpha = tl.exp2(m_i - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + offs_n[:, None] * s_v_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = attend_tile(q, k_base, v_base, offs_n, offs_n < hi, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
+                                            offs_d, scale_log2, False, DOT_PRECISION, False)
             ml = b * s_ml_b + heads * s_ml_h + split
             tl.store(m_ptr + ml, m_i * 0.6931471805599453, mask=g_ok)  # back to natural-log units
             tl.store(l_ptr + ml, l_i, mask=g_ok)
             tl.store(acc_ptr + b * s_acc_b + heads[:, None] * s_acc_h + split * s_acc_p + offs_d[None, :],
                      acc, mask=g_ok[:, None])
+
+
+    @triton.jit
+    def _short_rows_kernel(
+        q_ptr, k_ptr, v_ptr, lens_ptr, out_ptr,
+        scale_log2, max_len,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # One program per (KV head, batch row); rows longer than max_len leave at once, so the launch
+        # costs next to nothing when no row is short (the common case of a decode at long context).
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(lens_ptr + b)
+        if length <= max_len:
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
+            heads = kvh * G + offs_g
+            g_ok = offs_g < G
+            q = tl.load(q_ptr + b * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, D], tl.float32)
+            k_base = k_ptr + b * s_k_b + kvh * s_k_h
+            v_base = v_ptr + b * s_v_b + kvh * s_v_h
+            for start in range(0, length, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = attend_tile(q, k_base, v_base, offs_n, offs_n < length, 0.0, m_i, l_i, acc, s_k_n,
+                                            s_v_n, offs_d, scale_log2, False, DOT_PRECISION, False)
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + b * s_o_b + heads[:, None] * s_o_h + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=g_ok[:, None])
 
 
 def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, target_programs: int = 264
@@ -119,6 +145,28 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
 _LOG2E = math.log2(math.e)
 
 
+def dense_short_rows_triton(q, k, v, lens, scale: float, out: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Overwrite ``out [B, Hq, d]`` with exact attention for the rows whose valid length is at most
+    ``max_len`` (one launch; the other rows are left as they are and cost one length load). Methods use
+    it for the rows their budget covers (``exact_when_covered``) without a host read of the lengths."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    launch(_short_rows_kernel, (hkv, b),
+           q, k, v, lens, out, scale * _LOG2E, max_len,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           out.stride(0), out.stride(1),
+           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=64, DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+           num_stages=2)
+    return out
+
+
+def dense_short_rows_reference(q, k, v, lens, scale: float, out: torch.Tensor, max_len: int) -> torch.Tensor:
+    """What :func:`dense_short_rows_triton` computes (a new tensor; float64 attention cast to out's dtype)."""
+    short = (lens.to(out.device).long() <= max_len)[:, None, None]
+    return torch.where(short, dense_decode_reference(q, k, v, lens, scale).to(out.dtype), out)
+
+
 def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """What :func:`dense_decode_triton` computes, in float64: ``softmax(q·K · scale) V`` over ``[0, lens)``."""
@@ -131,4 +179,4 @@ def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
     return torch.matmul(torch.softmax(s, dim=-1), v.double()).view(b, hq, -1)
 
 
-__all__ = ["dense_decode_reference", "dense_decode_triton"]
+__all__ = ["dense_decode_reference", "dense_decode_triton", "dense_short_rows_reference", "dense_short_rows_triton"]

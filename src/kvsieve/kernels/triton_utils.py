@@ -160,6 +160,30 @@ if triton is not None:
         return hash_uniform(lo, hi, stream_key, counter)
 
     @triton.jit
+    def attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n, offs_d, scale_log2,
+                     HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+        """One online-softmax step over the key rows at ``pos`` (``ok`` masks them) of the K/V rows at
+        ``k_base``/``v_base``, in log2 units (``scale_log2`` = scale·log2 e): returns the new running max,
+        sum and ``[G, D]`` accumulator. ``log2_w`` adds the rows' log2-weights when HAS_W."""
+        k = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_W:
+            s = s + log2_w[None, :]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key adds nothing
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def dense_range(lens_ptr, b, sink, window, n_keys=0, HAS_LENS: tl.constexpr = True):
         """Row ``b``'s length (``lens_ptr[b]``, or ``n_keys`` without lengths) and the bounds of its dense
         part: sink ``[0, sink_end)`` and window ``[win_start, length)``; the selectable keys are

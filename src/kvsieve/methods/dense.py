@@ -14,8 +14,9 @@ from typing import Literal
 from ..core.config import MethodConfig, param, require_choice
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
+from ..core.stats import StepStats
 from .shared.backend import BACKENDS, choose_backend, kernel_operands
-from .shared.exact import compute_dtype, exact_attention
+from .shared.exact import exact_attention
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,14 @@ class Dense(Method):
             from ..kernels.dense import dense_decode_triton
 
             q, k, v, lens = kernel_operands(inputs)
-            out = dense_decode_triton(q, k, v, lens, inputs.scale).to(compute_dtype(inputs))
-        else:
-            out = exact_attention(inputs)
-            if reason is not None and self.config.backend != "reference":
-                extra["backend_reason"] = reason
+            out = dense_decode_triton(q, k, v, lens, inputs.scale)  # in q's dtype: decode returns that
+            return out, StepStats.deferred(lambda: self._stats(inputs, path, extra), path, extra)
+        out = exact_attention(inputs)
+        if reason is not None and self.config.backend != "reference":
+            extra["backend_reason"] = reason
+        return out, self._stats(inputs, path, extra)
+
+    @staticmethod
+    def _stats(inputs, path, extra):
         v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
-        return out, read_stats(inputs, v_read, backend=path, extra=extra)
+        return read_stats(inputs, v_read, backend=path, extra=extra)

@@ -24,6 +24,7 @@ from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.rng import STREAM_BUDGET, STREAM_TILE, seed_int
+from ..core.stats import StepStats
 from ..kernels.santa.reference import (
     auto_tile_size,
     n_tiles,
@@ -86,15 +87,13 @@ class _SantaTiled(Method):
         path, reason = choose_backend(self.config.backend, inputs, tile=tile, budget=self.config.budget)
         extra = {"tile_size": tile}
         if path == "triton":
-            out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device))
-            out = out.to(compute_dtype(inputs))
-        else:
-            gen = row_draws(inputs, seed)
-            t = n_tiles(inputs.n_keys, tile)
-            sample = self.sample(inputs, tile, gen, t, (inputs.batch, inputs.heads))
-            out, counts, samples = sample.out.to(compute_dtype(inputs)), sample.counts, sample.samples
-            if reason is not None:
-                extra["backend_reason"] = reason
+            return self._decode_triton(inputs, tile, seed, state, extra)
+        gen = row_draws(inputs, seed)
+        t = n_tiles(inputs.n_keys, tile)
+        sample = self.sample(inputs, tile, gen, t, (inputs.batch, inputs.heads))
+        out, counts, samples = sample.out.to(compute_dtype(inputs)), sample.counts, sample.samples
+        if reason is not None:
+            extra["backend_reason"] = reason
         v_read = counts > 0
         exact_rows = 0
         if self.config.exact_when_covered:
@@ -102,6 +101,38 @@ class _SantaTiled(Method):
                                                            self.config.budget)
         extra["samples"] = samples.to(torch.float64).mean()
         return out, read_stats(inputs, v_read, backend=path, exact_rows=exact_rows, extra=extra)
+
+    def _decode_triton(self, inputs, tile, seed, state, extra):
+        # The kernels, then (exact_when_covered) one launch that gives the rows the budget covers exact
+        # attention, and nothing else: the stats are built from the kernels' outputs when read.
+        from ..kernels.dense import dense_short_rows_triton
+
+        q, k, v, lens = kernel_operands(inputs)
+        # state["count_reads"] = False (the decode runtime's captured steps, which read no per-step stats)
+        # skips the per-key counts, a [B, Hq, N] int32 buffer zeroed every call; the stats then report
+        # the samples drawn as V rows read, an upper bound on the distinct rows.
+        count_reads = state.get("count_reads", True)
+        out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device), count_reads)
+        budget = self.config.budget
+        if self.config.exact_when_covered:
+            dense_short_rows_triton(q, k, v, lens, inputs.scale, out, budget)
+
+        def stats():
+            drawn = samples().to(torch.float64)  # [B, Hq]
+            more = {"samples": drawn.mean()}
+            if counts is not None:
+                v_read = counts > 0
+            else:  # the first `samples` keys stand in for the rows read: counts, not which rows
+                v_read = torch.arange(inputs.n_keys, device=drawn.device) < drawn[..., None]
+                more["v_rows_read_is"] = "samples drawn (an upper bound; per-key counts were off)"
+            exact_rows = 0
+            if self.config.exact_when_covered:
+                covered = covered_rows(inputs, budget)
+                v_read = torch.where(covered[:, None, None], inputs.key_mask[:, None, :], v_read)
+                exact_rows = covered.sum()
+            return read_stats(inputs, v_read, backend="triton", exact_rows=exact_rows, extra=more)
+
+        return out, StepStats.deferred(stats, "triton", extra)
 
 
 def _scores(inputs) -> torch.Tensor:
@@ -127,13 +158,13 @@ class SantaProp(_SantaTiled):
                                     rounding=self.config.rounding, budget_offset=budget_offset,
                                     tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
-    def run_triton(self, inputs, tile, seed):
+    def run_triton(self, inputs, tile, seed, write_counts=True):
         from ..kernels.santa.decode import santa_prop_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts, budgets = santa_prop_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
-                                                 rounding=self.config.rounding, write_counts=True)
-        return out, counts, budgets.sum(-1)
+                                                 rounding=self.config.rounding, write_counts=write_counts)
+        return out, counts, lambda: budgets.sum(-1)
 
 
 @register_method
@@ -147,12 +178,16 @@ class SantaFlash(_SantaTiled):
         return santa_flash_reference(_scores(inputs), inputs.v, self.config.budget, tile,
                                      tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
-    def run_triton(self, inputs, tile, seed):
+    def run_triton(self, inputs, tile, seed, write_counts=True):
         from ..kernels.santa.decode import santa_flash_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, counts = santa_flash_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
-                                         write_counts=True)
-        tiles = -(-inputs.n_valid // tile)
-        per_tile = torch.clamp(self.config.budget // tiles, min=1)
-        return out, counts, (per_tile * tiles)[:, None].expand(inputs.batch, inputs.heads)
+                                         write_counts=write_counts)
+
+        def samples():
+            tiles = -(-inputs.n_valid // tile)
+            per_tile = torch.clamp(self.config.budget // tiles, min=1)
+            return (per_tile * tiles)[:, None].expand(inputs.batch, inputs.heads)
+
+        return out, counts, samples

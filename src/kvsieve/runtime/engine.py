@@ -381,6 +381,8 @@ class DecodeRuntime:
         artifacts (SAAP) which layer they serve, as kvsieve.sparsify does."""
         state = self.layer_state[layer]
         state["layer"] = layer
+        # captured steps read no per-step stats: kernel paths may skip what only the stats need
+        state["count_reads"] = not self.use_graph
         return state
 
     def _method_decode(self, layer, query, key, value, scaling):

@@ -52,30 +52,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-
-    @triton.jit
-    def _attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n, offs_d, scale_log2,
-                     HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-        # One online-softmax step over the key rows at ``pos`` (``ok`` masks them), in log2 units;
-        # ``log2_w`` adds the rows' log-weights when HAS_W.
-        k = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_W:
-            s = s + log2_w[None, :]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile with no key adds nothing
-        alpha = tl.exp2(m_i - m_ref)
-        p = tl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        return m_new, l_i, acc
+    from ..triton_utils import attend_tile, dense_range
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -136,7 +113,7 @@ if triton is not None:
                 log2_w = 0.0
                 if HAS_W:
                     log2_w = tl.log2(tl.load(w_base + entry, mask=ok, other=1.0).to(tl.float32))
-                m_i, l_i, acc = _attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n,
+                m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n,
                                              offs_d, scale_log2, HAS_W, DOT_PRECISION, DOT_F32)
         else:
             # Dense part: position t of the concatenation [0, sink_end) ++ [win_start, length).
@@ -147,7 +124,7 @@ if triton is not None:
                 t = t0 + offs_n
                 ok = t < hi
                 pos = tl.where(t < sink_end, t, win_start + (t - sink_end))
-                m_i, l_i, acc = _attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
+                m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
                                              offs_d, scale_log2, False, DOT_PRECISION, DOT_F32)
 
         # Partials are laid out [B, Hq, parts(, D)]; every program writes its own, empty or not.

@@ -59,4 +59,4 @@ def choose_path(backend: str, inputs: DecodeInputs, unsupported) -> tuple[str, s
 def kernel_operands(inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v with a contiguous last dim (copied only when not) and int32 lengths."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k, inputs.v))
-    return q, k, v, inputs.lengths.to(torch.int32)
+    return q, k, v, inputs.kernel_lengths
