@@ -237,7 +237,12 @@ GPU_PATHS = ["dense:backend=triton", "santa-prop:budget=128", "santa-flash:budge
 
 
 OLD_API = pytest.mark.xfail(strict=True, reason="generator-API method (issue 14 follow-up)")
-GPU_SPECS = [pytest.param(spec_of(n), marks=OLD_API) if _old_api(n) else spec_of(n) for n in ALL]
+# A method whose decode declares host reads is skipped on the GPU (its CPU test is the strict xfail):
+# sketchwalk's pre-contract decode also fails a device-side assert there, which would poison the CUDA
+# context of every later test of the run.
+GPU_SPECS = [pytest.param(spec_of(n), marks=pytest.mark.skip(reason=method_class(n).host_reads_note))
+             if method_class(n).host_reads_note else
+             pytest.param(spec_of(n), marks=OLD_API) if _old_api(n) else spec_of(n) for n in ALL]
 
 
 def _gpu_inputs(dtype=torch.bfloat16, n=2048, batch=1, q_len=1):

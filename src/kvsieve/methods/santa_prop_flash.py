@@ -114,7 +114,8 @@ class _SantaTiled(Method):
         count_reads = state.get("count_reads", True)
         out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device), count_reads)
         budget = self.config.budget
-        if self.config.exact_when_covered:
+        # state["min_length"]: a bound on every row's length the caller knows on the host (the runtime)
+        if self.config.exact_when_covered and state.get("min_length", 0) <= budget:
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, budget)
 
         def stats():

@@ -383,6 +383,9 @@ class DecodeRuntime:
         state["layer"] = layer
         # captured steps read no per-step stats: kernel paths may skip what only the stats need
         state["count_reads"] = not self.use_graph
+        # a lower bound on every row's length for the rest of the request (lengths only grow): a method
+        # may skip work for short rows (santa's covered-row fallback) without reading the device
+        state["min_length"] = min(self.prompt_lengths, default=0)
         return state
 
     def _method_decode(self, layer, query, key, value, scaling):
@@ -393,7 +396,7 @@ class DecodeRuntime:
         if not self.use_graph:
             n = max(self.host_lengths())  # eager: the method need not look past the longest row
             key, value = key[:, :, :n], value[:, :, :n]
-        est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths64, seed=seed,
+        est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths32, seed=seed,
                                         scale=scaling, state=self._state(layer), check_finite=False)
         if not self.use_graph and (isinstance(stats, dict) or hasattr(stats, "as_dict")):
             rec = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
