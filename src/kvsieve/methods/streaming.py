@@ -37,6 +37,7 @@ class Streaming(SelectionMethod):
     small_config = {"sink": 4, "window": 16}
     exact_config = {"sink": lambda n: n}
     multi_row = True
+    graph_capturable = True  # its CUDA path (Triton selection + sparse kernel) reads nothing on the host
 
     def select(self, inputs, gen, state):
         fixed, _ = fixed_part(self, inputs)

@@ -46,7 +46,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              device: str | torch.device | None = None, graph: bool | str = "auto", attention_backend: str = "auto",
              dense_layers: Sequence[int] = (), check_every: int = 8, prefill_chunk: int | None = None,
-             max_length: int | None = None) -> GenerateResult:
+             max_length: int | None = None, compile_ops: bool | str = "auto") -> GenerateResult:
     """Generate with ``method`` in every decode step; the prompt is prefilled exactly.
 
     Rows may differ in length (``attention_mask`` or a list of prompts); each keeps its own length.
@@ -54,7 +54,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     captures the decode step in a CUDA graph on CUDA when the method can be captured (``stats.graph``
     and ``stats.graph_reason`` say what ran). ``max_length`` caps the cache (default: longest prompt +
     ``max_new_tokens``). ``prefill_chunk`` splits each prompt's prefill into chunks of that many tokens
-    (less activation memory; default: one forward per row). Returns the new tokens and the run's stats.
+    (less activation memory; default: one forward per row). ``compile_ops`` (default: wherever the step is
+    captured) runs the decoder layers' norms, residual adds, MLP and RoPE through ``torch.compile`` in
+    decode steps (``kvsieve.runtime.compiled``). Returns the new tokens and the run's stats.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
@@ -86,7 +88,7 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     with DecodeRuntime(model, method, batch_size=len(rows), capacity=capacity, max_new_tokens=max_new_tokens,
                        sampling=sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id, graph=graph,
                        attention_backend=attention_backend, dense_layers=dense_layers, seed=seed,
-                       check_every=check_every, prefill_chunk=prefill_chunk) as runtime:
+                       check_every=check_every, prefill_chunk=prefill_chunk, compile_ops=compile_ops) as runtime:
         runtime.prefill(rows)
         runtime.decode()
         tokens = runtime.tokens()

@@ -35,6 +35,7 @@ from ..core.registry import method as build_method
 from ..core.rng import RandomKey, derive_seed
 from ..integrations.hf import attention_modules
 from .cache import RuntimeCache
+from .compiled import CompiledOps
 from .sampling import SamplingConfig, choose_tokens, mix32
 from .support import ModelShape, check_model, text_config
 
@@ -79,6 +80,7 @@ class RuntimeStats:
     capacity: int
     cache_bytes: int
     fallbacks: list[str] = field(default_factory=list)
+    compiled_ops: bool = False
     new_tokens: list[int] = field(default_factory=list)
     decode_steps: int = 0
     host_checks: int = 0
@@ -151,9 +153,12 @@ class DecodeRuntime:
                  max_new_tokens: int, sampling: SamplingConfig | None = None,
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  graph: bool | str = "auto", attention_backend: str = "auto", dense_layers: Sequence[int] = (),
-                 seed: int = 0, check_every: int = 8, prefill_chunk: int | None = None):
+                 seed: int = 0, check_every: int = 8, prefill_chunk: int | None = None,
+                 compile_ops: bool | str = "auto"):
         if graph not in GRAPH_CHOICES:
             raise ValueError(f"graph: expected 'auto', True or False, got {graph!r}")
+        if compile_ops not in GRAPH_CHOICES:
+            raise ValueError(f"compile_ops: expected 'auto', True or False, got {compile_ops!r}")
         if attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: expected one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
         for name, value, low in (("batch_size", batch_size, 1), ("capacity", capacity, 2),
@@ -224,6 +229,10 @@ class DecodeRuntime:
         # its mask and rope bookkeeping: the runtime's cache writes where `positions` says)
         self._pass_cache_position = _accepts(model.forward, "cache_position")
         self._attached = False
+        # the decoder layers' elementwise work compiled (runtime/compiled.py): by default wherever the step
+        # is captured in a CUDA graph, the only place the fused kernels pay without per-call guard costs
+        self.compile_ops = compile_ops
+        self._compiled: CompiledOps | None = None
         self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks)
@@ -315,6 +324,12 @@ class DecodeRuntime:
             c._attn_implementation = ATTENTION_NAME
         for m in self.modules:
             _RUNTIMES[m] = self
+        if self.compile_ops is True or (self.compile_ops == "auto" and self.use_graph):
+            self._compiled = CompiledOps(self.model, self.modules,
+                                         lambda: self.cache.mode != "prefill" and (self.use_graph
+                                                                                    or self.compile_ops is True))
+            self._compiled.attach()
+            self.stats.compiled_ops = True
         self._attached = True
 
     def close(self) -> None:
@@ -324,8 +339,17 @@ class DecodeRuntime:
             _RUNTIMES.pop(m, None)
         for k, c in self._configs.items():
             c._attn_implementation = self._previous[k]
+        self._drop_compiled()
         self.graph_obj = None
         self._attached = False
+
+    def _drop_compiled(self, reason: str | None = None) -> None:
+        if self._compiled is not None:
+            self._compiled.detach()
+            self._compiled = None
+        if reason is not None:
+            self.stats.compiled_ops = False
+            self.stats.fallbacks.append(reason)
 
     # -- attention --------------------------------------------------------------------------
 
@@ -510,8 +534,18 @@ class DecodeRuntime:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates workspaces and handles
-            for _ in range(2):
+            try:
                 self._step_body()
+            except Exception as exc:  # noqa: BLE001 - only a failure of the compiled pieces is recovered
+                if self._compiled is None:
+                    raise
+                self._drop_compiled(f"compile_ops: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); "
+                                    "the decode step runs the model's modules uncompiled")
+                for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished,
+                                 self.out_tokens), saved, strict=True):
+                    t.copy_(s)
+                self._step_body()
+            self._step_body()
         torch.cuda.current_stream(self.device).wait_stream(side)
         for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished, self.out_tokens),
                         saved, strict=True):
