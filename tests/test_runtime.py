@@ -328,6 +328,19 @@ def test_graph_replay_equals_eager_decode(do_sample):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["quest:top_k=0.05,sink=16,window=64", "streaming:sink=16,window=256",
+                                  "oracle-topk:top_k=0.05,sink=16,window=64"])
+def test_captured_selection_methods_equal_their_eager_runs(spec):
+    """The captured step runs the method's steady state (Quest's incremental page summaries, kept from
+    the warm-up and rewound by the device lengths) and gives the eager run's tokens."""
+    model = gpu_model(torch.float32)
+    rows = [random_ids(1, n, seed=i, vocab=1000, device="cuda")[0] for i, n in enumerate((1500, 700))]
+    runs = {g: generate(model, rows, spec, max_new_tokens=24, graph=g, eos_token_id=None) for g in (True, False)}
+    assert runs[True].stats.graph and not runs[False].stats.graph
+    assert torch.equal(runs[True].tokens, runs[False].tokens)
+
+
+@pytest.mark.gpu
 def test_graph_step_logits_equal_eager_step():
     model = gpu_model()
     rows = [random_ids(1, n, seed=n, vocab=1000, device="cuda")[0] for n in (300, 900)]

@@ -78,5 +78,5 @@ class OracleTopK(SelectionMethod):
         if idx is None:
             idx = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
             counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
-        mark = page_list_mark(inputs, idx, counts, 1, cfg.sink, cfg.window)
-        return out, sparse_stats(inputs, mark, extra={}, scored_all=True)
+        return out, sparse_stats(inputs, lambda: page_list_mark(inputs, idx, counts, 1, cfg.sink, cfg.window),
+                                 extra={}, scored_all=True)

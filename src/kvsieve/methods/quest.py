@@ -97,5 +97,5 @@ class Quest(SelectionMethod):
         if pages is None:
             pages = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
             counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
-        mark = page_list_mark(inputs, pages, counts, page, cfg.sink, cfg.window)
-        return out, sparse_stats(inputs, mark, extra={"page_size": page, "pages_scored": -(-n // page)})
+        return out, sparse_stats(inputs, lambda: page_list_mark(inputs, pages, counts, page, cfg.sink, cfg.window),
+                                 extra={"page_size": page, "pages_scored": -(-n // page)})

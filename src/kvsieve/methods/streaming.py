@@ -58,5 +58,7 @@ class Streaming(SelectionMethod):
 
         q, k, v, lens = kernel_operands(inputs)
         out, _ = sparse_decode_triton(q, k, v, lengths=lens, sink=cfg.sink, window=cfg.window, scale=inputs.scale)
-        mark = dense_part_mark(inputs, cfg.sink, cfg.window)[:, None, :].expand(inputs.batch, inputs.kv_heads, -1)
+        def mark():
+            return dense_part_mark(inputs, cfg.sink, cfg.window)[:, None, :].expand(inputs.batch, inputs.kv_heads, -1)
+
         return out, sparse_stats(inputs, mark, extra={})

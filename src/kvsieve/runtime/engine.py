@@ -550,7 +550,10 @@ class DecodeRuntime:
         for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished, self.out_tokens),
                         saved, strict=True):
             t.copy_(s)
-        self.layer_state.clear()
+        # The methods' per-layer state made by the warm-up stays: the captured step must run a method's
+        # steady-state path (Quest's incremental page update), not its first-call one (every page summary
+        # recomputed from all of K, at every replay). States are keyed by the device lengths, which were
+        # just rewound: Quest re-summarises from min(summarised, length), so the rewind costs nothing.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step_body()

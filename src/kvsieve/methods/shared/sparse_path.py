@@ -10,6 +10,8 @@ reference); ``"triton"`` runs the kernel path or raises a ValueError saying why 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ...core.inputs import DecodeInputs
@@ -63,13 +65,19 @@ def page_list_mark(inputs: DecodeInputs, pages: torch.Tensor, counts: torch.Tens
     return mark[..., :n] | dense_part_mark(inputs, sink, window)[:, None, :]
 
 
-def sparse_stats(inputs: DecodeInputs, mark: torch.Tensor, *, extra: dict, scored_all: bool = False) -> StepStats:
-    """Stats of a kernel call from the keys it read per selection head (``mark [B, Hs, N]``, weight 1):
-    K rows scored = V rows read = the union over each GQA group (as the reference's ``scored=[]``), or
-    every valid key with ``scored_all`` (as ``scored=None``)."""
-    b, hs, n = mark.shape
-    v_read = mark if hs == inputs.heads else mark.repeat_interleave(inputs.heads // hs, dim=1)
-    k_scored = None if scored_all else v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1)
-    exact_rows = (mark.sum(-1) == inputs.n_valid[:, None]).all(-1).sum()  # a device tensor: no host read
-    return read_stats(inputs, v_read, k_scored=k_scored, backend="triton", exact_rows=exact_rows,
-                      extra={"kernel": "sparse_decode_triton", **extra})
+def sparse_stats(inputs: DecodeInputs, mark: Callable[[], torch.Tensor], *, extra: dict,
+                 scored_all: bool = False) -> StepStats:
+    """Stats of a kernel call from the keys it read per selection head (``mark() -> [B, Hs, N]``, weight
+    1): K rows scored = V rows read = the union over each GQA group (as the reference's ``scored=[]``),
+    or every valid key with ``scored_all`` (as ``scored=None``). Deferred: the mark and the stats are
+    built on first read, so a call whose stats nobody reads (a captured decode step) adds no op."""
+
+    def compute() -> StepStats:
+        m = mark()
+        b, hs, n = m.shape
+        v_read = m if hs == inputs.heads else m.repeat_interleave(inputs.heads // hs, dim=1)
+        k_scored = None if scored_all else v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1)
+        exact_rows = (m.sum(-1) == inputs.n_valid[:, None]).all(-1).sum()  # a device tensor: no host read
+        return read_stats(inputs, v_read, k_scored=k_scored, backend="triton", exact_rows=exact_rows)
+
+    return StepStats.deferred(compute, "triton", {"kernel": "sparse_decode_triton", **extra})
