@@ -28,6 +28,8 @@ Mean-group query (App. C.2, Eq. 10–13): one feature set per GQA group from
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
 import torch
 
 SAMPLINGS = ("stratified", "iid")
@@ -116,56 +118,46 @@ def bernoulli_counts(f: torch.Tensor, draws: int, **kwargs) -> torch.Tensor:
     return bernoulli_draws(f, draws, **kwargs).sum(-2)
 
 
-def ternary_queries(
-    q: torch.Tensor,
-    draws: int,
-    *,
-    norm: torch.Tensor | float | None = None,
-    norm_factor: float = 1.0,
-    sampling: str = "stratified",
-    strata: str = "per-feature",
-    generator: torch.Generator | None = None,
-    check_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+class DrawOptions(TypedDict, total=False):
+    """The keyword options shared by :func:`ternary_queries`, :func:`bernoulli_query` and
+    :func:`mean_group_query` (defaults in :func:`_kept_features`)."""
+
+    norm: torch.Tensor | float | None  # the normaliser (default max |q| over the feature axis)
+    norm_factor: float
+    sampling: str  # "stratified" or "iid"
+    strata: str  # "per-feature" or "shared"
+    generator: torch.Generator | None
+    check_values: bool
+
+
+def _kept_features(absq: torch.Tensor, draws: int, *, norm: torch.Tensor | float | None = None,
+                   norm_factor: float = 1.0, sampling: str = "stratified", strata: str = "per-feature",
+                   generator: torch.Generator | None = None, check_values: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b [..., B, d] bool, norm [..., 1])``: the B draws' kept features of the magnitudes ``absq``."""
+    f, norm_t = inclusion_probabilities(absq, norm, norm_factor=norm_factor, check_values=check_values)
+    return bernoulli_draws(f, draws, sampling=sampling, strata=strata, generator=generator), norm_t
+
+
+def ternary_queries(q: torch.Tensor, draws: int, **options: Unpack[DrawOptions]) -> tuple[torch.Tensor, torch.Tensor]:
     """The ternary queries ``q̂ [..., B, d]`` (int8 in {-1, 0, +1}) of Eq. 8 and ``norm [..., 1]``."""
-    f, norm_t = inclusion_probabilities(q.abs(), norm, norm_factor=norm_factor, check_values=check_values)
-    b = bernoulli_draws(f, draws, sampling=sampling, strata=strata, generator=generator)
+    b, norm_t = _kept_features(q.abs(), draws, **options)
     return (b.to(torch.int8) * torch.sign(q).to(torch.int8).unsqueeze(-2)), norm_t
 
 
-def bernoulli_query(
-    q: torch.Tensor,
-    draws: int,
-    *,
-    norm: torch.Tensor | float | None = None,
-    norm_factor: float = 1.0,
-    sampling: str = "stratified",
-    strata: str = "per-feature",
-    generator: torch.Generator | None = None,
-    check_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def bernoulli_query(q: torch.Tensor, draws: int, **options: Unpack[DrawOptions]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query Bernoulli qKᵀ: the effective query ``q_est [..., d]`` (float64) and ``read [..., d]``.
 
     ``q_est = (norm / B) Σ_n q̂ⁿ``, so ``q_est · k`` is Eq. 5 for any key k; ``read`` marks the
     features some draw kept (the K features this query reads).
     """
-    f, norm_t = inclusion_probabilities(q.abs(), norm, norm_factor=norm_factor, check_values=check_values)
-    c = bernoulli_counts(f, draws, sampling=sampling, strata=strata, generator=generator)
+    b, norm_t = _kept_features(q.abs(), draws, **options)
+    c = b.sum(-2)
     q_est = (norm_t / draws) * torch.sign(q.to(torch.float64)) * c.to(torch.float64)
     return q_est, c > 0
 
 
-def mean_group_query(
-    q: torch.Tensor,
-    draws: int,
-    *,
-    norm: torch.Tensor | float | None = None,
-    norm_factor: float = 1.0,
-    sampling: str = "stratified",
-    strata: str = "per-feature",
-    generator: torch.Generator | None = None,
-    check_values: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mean_group_query(q: torch.Tensor, draws: int, **options: Unpack[DrawOptions]) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean-group query (Eq. 10–13) for ``q [..., G, d]`` (the group on axis -2).
 
     Returns ``q_est [..., G, d]`` (float64) with ``q_est_g = m̂ ⊙ q_g / m`` and ``read [..., d]``,
@@ -174,11 +166,11 @@ def mean_group_query(
     if q.dim() < 2:
         raise ValueError(f"q: expected shape [..., G, d] (the group on axis -2), got {tuple(q.shape)}")
     q64 = q.to(torch.float64)
-    if check_values:
+    if options.get("check_values", True):
         _check_finite("q", q64)
     m = q64.abs().mean(-2)
-    f, norm_t = inclusion_probabilities(m, norm, norm_factor=norm_factor, check_values=False)
-    c = bernoulli_counts(f, draws, sampling=sampling, strata=strata, generator=generator)
+    b, norm_t = _kept_features(m, draws, **{**options, "check_values": False})
+    c = b.sum(-2)
     m_hat = (norm_t / draws) * c.to(torch.float64)
     ratio = torch.where(m[..., None, :] > 0, q64 / torch.where(m > 0, m, torch.ones_like(m))[..., None, :],
                         torch.zeros_like(q64))
