@@ -541,7 +541,7 @@ kernel = buckets._bucket_parts_kernel
 pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
             "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "dense_ptr": "*i64", "dense_cnt_ptr": "*i64",
             "off_ptr": "*i64", "ids_ptr": "*i64", "bkt_ptr": "*i64"}
-meta = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128}
+meta = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "DOT_PRECISION": "tf32"}
 signature, constexprs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     if name in meta:

@@ -165,6 +165,7 @@ if triton is not None:
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -194,7 +195,7 @@ if triton is not None:
             idx = tl.load(list_ptr + start + offs_n, mask=ok, other=0).to(tl.int64)
             kb = tl.load(k_ptr + b * s_kb + h * s_kh + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None],
                          other=0.0)
-            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32) * scale
+            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the chunk holds at least one key
             alpha = tl.exp(m - m_new)
@@ -202,7 +203,8 @@ if triton is not None:
             l = l * alpha + tl.sum(pexp, axis=1)
             vb = tl.load(v_ptr + b * s_vb + h * s_vh + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None],
                          other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
+                                                input_precision=DOT_PRECISION)
             m = m_new
         heads = h * GROUP + offs_g
         tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + p * s_ap + offs_dv[None, :], acc, mask=g_ok[:, None])
@@ -227,7 +229,7 @@ def bucket_sparse_decode_triton(
     """:func:`bucket_sparse_decode_reference` as one Triton launch of ``ℓ + 1`` programs per (KV head,
     batch row) plus the split-KV merge. Probing per KV head only (``buckets [B, Hkv, L]``); ``width`` is
     unused (the programs read the CSR lists directly)."""
-    from ..triton_utils import merge_partials, next_pow2
+    from ..triton_utils import dot_precision, merge_partials, next_pow2
 
     if triton is None:
         raise RuntimeError("bucket_sparse_decode_triton needs triton")
@@ -258,13 +260,13 @@ def bucket_sparse_decode_triton(
         float(scale), hkv, offsets.shape[-1] - 1, max(n_probe, 1), dense_indices.shape[-1], ids.shape[-1],
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, num_warps=4,
+        GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv,
+        # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
-    lens = torch.full((b,), parts, device=q.device, dtype=torch.int32)
-    merge_partials(acc, m, l, lens, out, b, hq, parts, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
-                   (m.stride(0), m.stride(1)))
-    m_star = m.amax(-1, keepdim=True)
-    lse = m_star.squeeze(-1) + torch.log((torch.exp(m - m_star) * l).sum(-1))
+    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
+    merge_partials(acc, m, l, None, out, b, hq, parts, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
+                   (m.stride(0), m.stride(1)), lse=lse)
     sizes = bucket_sizes(offsets).gather(2, buckets) if n_probe else torch.zeros_like(buckets[..., :1])
     return out, lse, sizes.sum(-1)
