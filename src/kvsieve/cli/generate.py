@@ -203,16 +203,20 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         table.add_column(col)
     runs = (("dense", dense_text, dense_stats, dense_s), (method.spec, sparse_text, stats, sparse_s))
     for name, text, st, secs in runs:
-        density = st.mean("density") if st.records else 1.0
+        # captured steps record no stats: their density is not known here (not 1)
+        density = "1.0000" if name == "dense" else f"{st.mean('density'):.4f}" if st.records else "– (captured)"
         cells = [name, text]
         if answer is not None:
             cells.append("yes" if answer in text else "[red]no[/red]")
-        cells += [f"{density:.4f}", f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
+        cells += [density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
         table.add_row(*cells)
     console.print(table)
     console.print(f"exact prefill of {ids.shape[1]} tokens: {stats.prefill_s:.1f} s; attention paths: "
                   f"{', '.join(sorted(stats.backends))}")
     for st in (dense_stats, stats):
+        if st.capture_s:
+            console.print(f"{st.method}: graph capture and compilation {st.capture_s:.1f} s (in generate s, "
+                          "not in ms/token)")
         if not st.graph:
             console.print(f"{st.method}: no CUDA graph ({st.graph_reason})")
         for note in st.fallbacks:
