@@ -107,8 +107,8 @@ def _write_cache(model: Any, tokenizer: Any) -> None:
         model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
-        (tmp / _COMPLETE).write_text(f"converted from {'/'.join(default_model_file()[0].parts[-1:])}"
-                                     f"/{default_model_file()[1]} by kvsieve\n")
+        folder, gguf_file = default_model_file()
+        (tmp / _COMPLETE).write_text(f"converted from {folder.name}/{gguf_file} by kvsieve\n")
         try:
             tmp.rename(target)
         except OSError:  # another process got there first

@@ -112,7 +112,8 @@ class _SantaTiled(Method):
         # skips the per-key counts, a [B, Hq, N] int32 buffer zeroed every call; the stats then report
         # the samples drawn as V rows read, an upper bound on the distinct rows.
         count_reads = state.get("count_reads", True)
-        out, counts, samples = self.run_triton(inputs, tile, seed_int(seed, inputs.q.device), count_reads)
+        out, counts, samples = self.run_triton(inputs, (q, k, v, lens), tile, seed_int(seed, inputs.q.device),
+                                               count_reads)
         budget = self.config.budget
         # state["min_length"]: a bound on every row's length the caller knows on the host (the runtime)
         if self.config.exact_when_covered and state.get("min_length", 0) <= budget:
@@ -159,10 +160,10 @@ class SantaProp(_SantaTiled):
                                     rounding=self.config.rounding, budget_offset=budget_offset,
                                     tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
-    def run_triton(self, inputs, tile, seed, write_counts=True):
+    def run_triton(self, inputs, operands, tile, seed, write_counts=True):
         from ..kernels.santa.decode import santa_prop_triton
 
-        q, k, v, lens = kernel_operands(inputs)
+        q, k, v, lens = operands
         out, counts, budgets = santa_prop_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
                                                  rounding=self.config.rounding, write_counts=write_counts)
         return out, counts, lambda: budgets.sum(-1)
@@ -179,10 +180,10 @@ class SantaFlash(_SantaTiled):
         return santa_flash_reference(_scores(inputs), inputs.v, self.config.budget, tile,
                                      tile_offsets=tile_offsets, out_dtype=compute_dtype(inputs))
 
-    def run_triton(self, inputs, tile, seed, write_counts=True):
+    def run_triton(self, inputs, operands, tile, seed, write_counts=True):
         from ..kernels.santa.decode import santa_flash_triton
 
-        q, k, v, lens = kernel_operands(inputs)
+        q, k, v, lens = operands
         out, counts = santa_flash_triton(q, k, v, lens, inputs.scale, self.config.budget, tile, seed,
                                          write_counts=write_counts)
 

@@ -477,8 +477,7 @@ class DecodeRuntime:
         self.out_tokens.zero_()
         self._emit(torch.cat(last_logits))
         self.emitted = 1
-        self._after_prefill = [t.clone() for t in (self.cache.positions, self.step_counter, self.tokens_in,
-                                                  self.finished, self.out_tokens)]
+        self._after_prefill = self._snapshot()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.prompt_lengths = lengths
@@ -488,9 +487,7 @@ class DecodeRuntime:
 
     def rewind(self) -> None:
         """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks."""
-        for t, saved in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished,
-                             self.out_tokens), self._after_prefill, strict=True):
-            t.copy_(saved)
+        self._restore(self._after_prefill)
         self.emitted = 1
         self.layer_state.clear()
         self.stats.records.clear()
@@ -530,9 +527,19 @@ class DecodeRuntime:
         self._emit(logits)
         self.last_logits = logits
 
+    def _step_buffers(self) -> tuple[torch.Tensor, ...]:
+        """The buffers a decode step advances: positions, step counter, tokens in and out, EOS flags."""
+        return self.cache.positions, self.step_counter, self.tokens_in, self.finished, self.out_tokens
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self._step_buffers()]
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self._step_buffers(), saved, strict=True):
+            t.copy_(s)
+
     def _capture(self) -> None:
-        saved = [t.clone() for t in (self.cache.positions, self.step_counter, self.tokens_in, self.finished,
-                                     self.out_tokens)]
+        saved = self._snapshot()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: compiles kernels, allocates workspaces and handles
@@ -543,15 +550,11 @@ class DecodeRuntime:
                     raise
                 self._drop_compiled(f"compile_ops: torch.compile failed ({type(exc).__name__}: {str(exc)[:200]}); "
                                     "the decode step runs the model's modules uncompiled")
-                for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished,
-                                 self.out_tokens), saved, strict=True):
-                    t.copy_(s)
+                self._restore(saved)
                 self._step_body()
             self._step_body()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        for t, s in zip((self.cache.positions, self.step_counter, self.tokens_in, self.finished, self.out_tokens),
-                        saved, strict=True):
-            t.copy_(s)
+        self._restore(saved)
         # The methods' per-layer state made by the warm-up stays: the captured step must run a method's
         # steady-state path (Quest's incremental page update), not its first-call one (every page summary
         # recomputed from all of K, at every replay). States are keyed by the device lengths, which were
