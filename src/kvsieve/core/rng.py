@@ -242,6 +242,7 @@ STREAM_SAMPLE = 3  # santa family: thresholds
 STREAM_SUBSET = 4  # uniform subsets (random, vattention's base sample)
 STREAM_SUBSET2 = 5  # a second subset of the same call (vattention's residual sample)
 STREAM_CAP = 6  # magicpig's budget cap
+STREAM_BERNOULLI = 7  # bernoulli-qk: the draws of the ternary queries
 
 
 def as_generator(seed, device: torch.device) -> torch.Generator:

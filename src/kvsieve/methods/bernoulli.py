@@ -29,7 +29,8 @@ import torch
 from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
-from ..core.rng import as_generator
+from ..core.rng import STREAM_BERNOULLI, STREAM_BUDGET, STREAM_SAMPLE, STREAM_TILE, RandomKey, seed_int
+from ..core.stats import StepStats
 from ..kernels.bernoulli.reference import (
     SAMPLINGS,
     STRATA,
@@ -45,7 +46,9 @@ from ..kernels.santa.reference import (
     santa_prop_reference,
 )
 from ..kernels.santa.systematic import inverse_cdf
-from .shared.exact import compute_dtype
+from .shared.backend import BACKENDS, choose_path, kernel_operands, triton_unsupported
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws
+from .shared.selection import Draws, uniforms
 
 VALUE_STAGES = ("exact", "santa", "santa-strat", "santa-sys", "santa-prop", "santa-flash")
 QUERIES = ("head", "mean-group")
@@ -74,7 +77,12 @@ class BernoulliConfig(MethodConfig):
         "largest-remainder", "santa-prop tile budgets: largest remainder (the paper) or systematic (unbiased)"
     )
     exact_when_covered: bool = param(
-        True, "SANTA value stage: rows with at most `budget` valid keys weight every V row by softmax(ŝ)"
+        True, "SANTA value stage: rows with at most `budget` valid keys get exact attention (as the santa family)"
+    )
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the fused kernels (kernels/bernoulli/decode.py) on CUDA where they serve the "
+        "configuration (query=mean-group, stratified per-feature draws, values=santa-prop), else the "
+        "reference; reference; triton (error if it cannot)"
     )
 
     def __post_init__(self) -> None:
@@ -91,21 +99,17 @@ class BernoulliConfig(MethodConfig):
         require_int("budget", self.budget, minimum=1)
         require_int("tile_size", self.tile_size, minimum=0)
         require_choice("rounding", self.rounding, ("largest-remainder", "systematic"))
+        require_choice("backend", self.backend, BACKENDS)
 
 
-def _uniform(shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    return torch.rand(shape, generator=gen, device=device, dtype=torch.float64)
-
-
-def _thresholds(kind: str, shape: tuple[int, int], budget: int, gen: torch.Generator,
-                device: torch.device) -> torch.Tensor:
+def _thresholds(kind: str, shape: tuple[int, int], budget: int, draws: Draws, device: torch.device) -> torch.Tensor:
     """SANTA's thresholds ``[B, Hq, S]`` (see methods/santa.py): iid, one per stratum, or systematic."""
     if kind == "santa":
-        return _uniform((*shape, budget), gen, device)
+        return uniforms(draws, STREAM_SAMPLE, (*shape, budget), device)
     m = torch.arange(budget, device=device, dtype=torch.float64)
     if kind == "santa-strat":
-        return (m + _uniform((*shape, budget), gen, device)) / budget
-    return (m + _uniform((*shape, 1), gen, device)) / budget
+        return (m + uniforms(draws, STREAM_SAMPLE, (*shape, budget), device)) / budget
+    return (m + uniforms(draws, STREAM_SAMPLE, (*shape, 1), device)) / budget
 
 
 def sample_values(
@@ -113,7 +117,7 @@ def sample_values(
     scores: torch.Tensor,
     v: torch.Tensor,
     budget: int,
-    gen: torch.Generator,
+    draws: Draws,
     *,
     tile_size: int = 0,
     rounding: str = "largest-remainder",
@@ -121,13 +125,14 @@ def sample_values(
     """S²ANTA sampler ``kind`` over ``softmax(scores)``: ``(out [B, Hq, dv] float64, v_read [B, Hq, N]
     bool, samples [B, Hq])`` for ``scores [B, Hq, N]`` (float64, -inf on invalid keys) and
     ``v [B, Hkv, N, dv]``. The samplers are the ones of methods/santa.py and santa_prop_flash.py,
-    fed with whatever scores the caller has (here the Bernoulli estimates)."""
+    fed with whatever scores the caller has (here the Bernoulli estimates); ``draws`` are row streams
+    (``core.rng``) or a generator."""
     require_choice("values", kind, VALUE_STAGES[1:])
     b, hq, n = scores.shape
     shape = (b, hq)
     device = scores.device
     if kind in ("santa", "santa-strat", "santa-sys"):
-        t = _thresholds(kind, shape, budget, gen, device)
+        t = _thresholds(kind, shape, budget, draws, device)
         idx = inverse_cdf(torch.softmax(scores, -1), t)  # [B, Hq, S]
         hkv, dv = v.shape[1], v.shape[-1]
         v_heads = v.unsqueeze(2).expand(b, hkv, hq // hkv, n, dv).reshape(b, hq, n, dv)
@@ -137,13 +142,12 @@ def sample_values(
         return rows.to(torch.float64).mean(2), v_read, torch.full(shape, budget, device=device)
     tile = tile_size or auto_tile_size(n)
     t = n_tiles(n, tile)
+    tile_offsets = uniforms(draws, STREAM_TILE, (*shape, t), device)
     if kind == "santa-prop":
-        budget_offset = _uniform(shape, gen, device)
-        tile_offsets = _uniform((*shape, t), gen, device)
+        budget_offset = uniforms(draws, STREAM_BUDGET, shape, device)
         sample = santa_prop_reference(scores, v, budget, tile, rounding=rounding,
                                       budget_offset=budget_offset, tile_offsets=tile_offsets)
     else:
-        tile_offsets = _uniform((*shape, t), gen, device)
         sample = santa_flash_reference(scores, v, budget, tile, tile_offsets=tile_offsets)
     return sample.out, sample.counts > 0, sample.samples
 
@@ -155,6 +159,9 @@ class BernoulliQK(Method):
     summary = ("Bernoulli qKᵀ: scores from B sparse ternary queries (K features read sparsely), "
                "optional S²ANTA V sampling")
     stochastic = True
+    random_keys = True
+    multi_row = True
+    graph_capturable = True
     # values=exact reads every V row (the sparsity is in K features); a SANTA value stage makes the
     # V side sparse too, which is what the contract test's density check needs.
     small_config = {"values": "santa-sys", "budget": 16}
@@ -164,13 +171,18 @@ class BernoulliQK(Method):
     gqa_note = ("per query head under the default query=head; query=mean-group draws one feature set per "
                 "GQA group from mean|q_g|, so GQA then differs from repeated KV heads")
 
-    def estimate_scores(self, inputs, gen):
+    def estimate_scores(self, inputs, draws: Draws):
         """Estimated scaled scores ``[B, Hq, N]`` (float64, -inf on invalid keys) and the features
-        read per query head ``[B, Hq, d]`` and per KV head ``[B, Hkv, d]``."""
+        read per query head ``[B, Hq, d]`` and per KV head ``[B, Hkv, d]``. ``draws``: the row streams
+        of the call (or a generator); feature i of draw n of head (or group) h is uniform number
+        ``(h·B + n)·2^22 + i`` of the row's ``STREAM_BERNOULLI`` stream, the numbers the kernel draws."""
         c = self.config
         b, hq, d = inputs.q.shape
         hkv, g = inputs.kv_heads, inputs.group
-        kwargs = dict(norm_factor=c.norm_factor, sampling=c.sampling, strata=c.strata, generator=gen,
+        sets = hq if c.query == "head" else hkv
+        u = uniforms(draws, STREAM_BERNOULLI, (b, sets, c.draws, d if c.strata == "per-feature" else 1),
+                     inputs.q.device)
+        kwargs = dict(norm_factor=c.norm_factor, sampling=c.sampling, strata=c.strata, uniforms=u,
                       check_values=False)  # check_decode_inputs read the values already when asked
         if c.query == "head":
             q_est, read_head = bernoulli_query(inputs.q, c.draws, **kwargs)
@@ -182,40 +194,100 @@ class BernoulliQK(Method):
         scores = estimated_scores(q_est, inputs.k, inputs.scale, inputs.key_mask)
         return scores, read_head, read_group
 
+    def kernel_unsupported(self, inputs) -> str | None:
+        """Why the fused kernels cannot serve this call (None when they can)."""
+        c = self.config
+        if (c.query, c.sampling, c.strata, c.values) != ("mean-group", "stratified", "per-feature", "santa-prop"):
+            return ("the fused kernels serve query=mean-group, sampling=stratified, strata=per-feature, "
+                    "values=santa-prop")
+        if inputs.q.shape[-1] not in (64, 128, 256):
+            return f"head dim {inputs.q.shape[-1]} (the feature-major kernels take 64, 128, 256)"
+        return triton_unsupported(inputs, tile=self.tile_for(inputs.n_keys), budget=c.budget)
+
+    def tile_for(self, n_keys: int) -> int:
+        return self.config.tile_size or auto_tile_size(n_keys)
+
     def _decode(self, inputs, seed, state):
         c = self.config
-        gen = as_generator(seed, inputs.q.device)
-        scores, read_head, read_group = self.estimate_scores(inputs, gen)
+        path, reason = choose_path(c.backend, inputs, lambda: self.kernel_unsupported(inputs))
+        if path == "triton":
+            return self._decode_triton(inputs, seed, state)
+        draws = row_draws(inputs, seed)
+        scores, read_head, read_group = self.estimate_scores(inputs, draws)
         dtype = compute_dtype(inputs)
         extra = {"draws": c.draws}
+        if reason is not None:
+            extra["backend_reason"] = reason
         if c.values == "exact":
             out = grouped_weighted_values(torch.softmax(scores, -1), inputs.v).to(dtype)
             v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
         else:
-            out, v_read, samples = sample_values(c.values, scores, inputs.v, c.budget, gen,
+            out, v_read, samples = sample_values(c.values, scores, inputs.v, c.budget, draws,
                                                  tile_size=c.tile_size, rounding=c.rounding)
-            extra["samples"] = float(samples.to(torch.float64).mean())
+            extra["samples"] = samples.to(torch.float64).mean()
             out = out.to(dtype)
         exact_rows = 0
         if c.values != "exact" and c.exact_when_covered:
-            rows = inputs.n_valid <= c.budget
-            exact_rows = int(rows.sum())
-            if exact_rows:
-                full = grouped_weighted_values(torch.softmax(scores, -1), inputs.v).to(dtype)
-                out = torch.where(rows[:, None, None], full, out)
-                v_read = torch.where(rows[:, None, None], inputs.key_mask[:, None, :].expand_as(v_read), v_read)
+            out, v_read, exact_rows = merge_exact_rows(inputs, out, v_read, covered_rows(inputs, c.budget), c.budget)
+        return out, self._stats(inputs, v_read, read_head, read_group, exact_rows, extra, "reference")
+
+    def _decode_triton(self, inputs, seed, state):
+        # The feature-major copy of K lives in the state (per request and layer) and takes one launch per
+        # call to bring up to date; then the draw, stats, budget and sampling launches (and, for rows the
+        # budget covers, the exact short-rows launch); the stats are built from the outputs when read.
+        from ..kernels.bernoulli.decode import bernoulli_prop_triton
+        from ..kernels.bernoulli.feature_major import FeatureMajorKeys
+        from ..kernels.dense import dense_short_rows_triton
+
+        c = self.config
+        q, k, v, lens = kernel_operands(inputs)
+        keys = state.get("bernoulli/feature-major-k")
+        if keys is None:
+            keys = state["bernoulli/feature-major-k"] = FeatureMajorKeys()
+        cache_k = inputs.cache_k if inputs.cache_k is not None else inputs.k
+        kt = keys.update(cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous(), lens, inputs.q_len)
+        v_seed = seed_int(seed, inputs.q.device)
+        key = seed if isinstance(seed, RandomKey) else RandomKey(v_seed)
+        tile = self.tile_for(inputs.n_keys)
+        count_reads = state.get("count_reads", True)
+        out, counts, budgets, n_feat = bernoulli_prop_triton(
+            q, kt, v, lens, inputs.scale, c.draws, c.budget, tile, key, v_seed, norm_factor=c.norm_factor,
+            rounding=c.rounding, rows_per_batch=inputs.q_len, write_counts=count_reads)
+        if c.exact_when_covered and state.get("min_length", 0) <= c.budget:
+            dense_short_rows_triton(q, k, v, lens, inputs.scale, out, c.budget)
+
+        def stats():
+            more = {"draws": c.draws, "samples": budgets.sum(-1).to(torch.float64).mean(), "tile_size": tile}
+            if counts is not None:
+                v_read = counts > 0
+            else:
+                v_read = torch.arange(inputs.n_keys, device=q.device) < budgets.sum(-1)[..., None]
+                more["v_rows_read_is"] = "samples drawn (an upper bound; per-key counts were off)"
+            exact_rows = 0
+            if c.exact_when_covered:
+                covered = covered_rows(inputs, c.budget)
+                v_read = torch.where(covered[:, None, None], inputs.key_mask[:, None, :], v_read)
+                exact_rows = covered.sum()
+            read_group = torch.arange(q.shape[-1], device=q.device) < n_feat[..., None]  # counts matter, not which
+            read_head = read_group.repeat_interleave(inputs.group, 1)
+            return self._stats(inputs, v_read, read_head, read_group, exact_rows, more, "triton")
+
+        return out, StepStats.deferred(stats, "triton", {"draws": c.draws, "tile_size": tile})
+
+    @staticmethod
+    def _stats(inputs, v_read, read_head, read_group, exact_rows, extra, backend):
         d = inputs.q.shape[-1]
         feats_head = read_head.sum(-1).to(torch.float64)  # [B, Hq]
         feats_group = read_group.sum(-1).to(torch.float64)  # [B, Hkv]
         extra.update(
-            k_features_head=float(feats_head.mean()),
-            k_features_group=float(feats_group.mean()),
-            k_access_head=float(feats_head.mean() / d),
-            k_access_group=float(feats_group.mean() / d),
+            k_features_head=feats_head.mean(),
+            k_features_group=feats_group.mean(),
+            k_access_head=feats_head.mean() / d,
+            k_access_group=feats_group.mean() / d,
         )
-        stats = read_stats(inputs, v_read, exact_rows=exact_rows, extra=extra)
+        stats = read_stats(inputs, v_read, backend=backend, exact_rows=exact_rows, extra=extra)
         # Every valid key of a KV head is scored, but only on the group's read features.
         k_bytes = (inputs.n_valid[:, None].to(torch.float64) * feats_group).sum() * inputs.k.element_size()
         v_rows = v_read.view(inputs.batch, inputs.kv_heads, inputs.group, -1).any(2).sum()
-        stats.bytes_read = int(k_bytes) + int(v_rows) * inputs.v.element_size() * inputs.v.shape[-1]
-        return out, stats
+        stats.bytes_read = k_bytes + v_rows * (inputs.v.element_size() * inputs.v.shape[-1])
+        return stats

@@ -14,7 +14,7 @@ with ``-inf`` past each row's length. ``q_est`` is the effective query of
 ``reference.bernoulli_query`` / ``reference.mean_group_query`` (zero off the kept features), and
 ``compact_features`` turns a read mask into ``(feat_idx, n_feat)`` on the device (no host sync).
 The kernel loads ``FEATURE_BLOCK`` listed feature rows at a time (each a contiguous run of keys)
-and multiplies them with the G queries of the group on tensor cores (float32 inputs as tf32).
+and multiplies them with the G queries of the group on tensor cores (``feature_scores``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ def append_feature_major(kt: torch.Tensor, k_new: torch.Tensor, position: torch.
     in place: d strided 2-byte writes per KV head, the append-time cost of the copy."""
     b = torch.arange(kt.shape[0], device=kt.device)
     kt[b, :, :, position] = k_new.to(kt.dtype)
+
+
+def split_dots(kt: torch.Tensor) -> bool:
+    """``feature_scores``'s SPLIT: 16-bit K on a compiled kernel."""
+    return kt.dtype != torch.float32 and not is_interpreted(_feature_major_scores_kernel)
 
 
 def compact_features(read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,9 +99,37 @@ def feature_major_scores_reference(q_est, kt, feat_idx, n_feat, lengths, scale: 
 if triton is not None:
 
     @triton.jit
+    def feature_scores(q_rows, kt_base, idx_base, nf, offs_n, n_ok, g_ok, s_kt_f, FB: tl.constexpr,
+                       G_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        """``Σ_j q_est[g, f_j] · kT[f_j, n]`` ``[G_BLOCK, BLOCK_N]`` (float32, unscaled) over the
+        ``nf`` listed features ``idx_base[0:nf]``: FB feature rows (each a contiguous run of the keys
+        ``offs_n``) at a time against the group's effective queries at ``q_rows [G_BLOCK]`` (pointers
+        to float32 rows of D). ``SPLIT`` (16-bit K, compiled): on tensor cores, the float32 query split
+        in two parts of K's type; else (float32 K, or the interpreter, whose 16-bit ``tl.dot`` is wrong)
+        IEEE float32 dots."""
+        acc = tl.zeros([G_BLOCK, BLOCK_N], tl.float32)
+        for j0 in range(0, nf, FB):
+            offs_f = j0 + tl.arange(0, FB)
+            f_ok = offs_f < nf
+            feat = tl.load(idx_base + offs_f, mask=f_ok, other=0)
+            k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
+                        mask=f_ok[:, None] & n_ok[None, :], other=0.0)  # [FB, BLOCK_N]
+            qv = tl.load(q_rows[:, None] + feat[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
+            if not SPLIT:
+                acc += tl.dot(qv.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+            else:
+                # q_est is float32: split into K's 16-bit type, high part plus remainder, two tensor-core
+                # dots with exact products. tf32 (one dot) rounds q_est to 10 bits, enough to move S²ANTA's
+                # sampling boundaries (68 of 131k counts flipped at 4k on the H100, 2026-11-25).
+                hi = qv.to(k.dtype)
+                lo = (qv - hi.to(tl.float32)).to(k.dtype)
+                acc += tl.dot(hi, k) + tl.dot(lo, k)
+        return acc
+
+    @triton.jit
     def _feature_major_scores_kernel(q_ptr, kt_ptr, idx_ptr, nfeat_ptr, len_ptr, out_ptr, n_keys, kv_heads,
                                      scale, G: tl.constexpr, G_BLOCK: tl.constexpr, D: tl.constexpr,
-                                     FB: tl.constexpr, BLOCK_N: tl.constexpr):
+                                     FB: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
         row = tl.program_id(0)  # b * Hkv + kvh
         nb = tl.program_id(1)
         b = row // kv_heads
@@ -105,22 +138,71 @@ if triton is not None:
         key_ok = offs_n < length
         offs_g = tl.arange(0, G_BLOCK)
         head_ok = offs_g < G
-        nf = tl.load(nfeat_ptr + row)
         acc = tl.zeros([G_BLOCK, BLOCK_N], tl.float32)
-        kt_row = kt_ptr + row.to(tl.int64) * D * n_keys
-        q_rows = q_ptr + (row * G + offs_g) * D  # q_est [B, Hq, D]: heads of this group
         if nb * BLOCK_N < length:
-            for j0 in range(0, nf, FB):
-                offs_f = j0 + tl.arange(0, FB)
-                f_ok = offs_f < nf
-                feat = tl.load(idx_ptr + row * D + offs_f, mask=f_ok, other=0)
-                k = tl.load(kt_row + feat[:, None].to(tl.int64) * n_keys + offs_n[None, :],
-                            mask=f_ok[:, None] & key_ok[None, :], other=0.0)  # [FB, BLOCK_N]
-                qv = tl.load(q_rows[:, None] + feat[None, :], mask=head_ok[:, None] & f_ok[None, :], other=0.0)
-                acc += tl.dot(qv.to(tl.float32), k.to(tl.float32))
+            acc = feature_scores(q_ptr + (row * G + offs_g) * D, kt_ptr + row.to(tl.int64) * D * n_keys,
+                                 idx_ptr + row * D, tl.load(nfeat_ptr + row), offs_n, key_ok, head_ok, n_keys, FB,
+                                 G_BLOCK, BLOCK_N, SPLIT)
         out = tl.where(key_ok[None, :], acc * scale, float("-inf"))
         tl.store(out_ptr + (row * G + offs_g[:, None]) * n_keys + offs_n[None, :], out,
                  mask=head_ok[:, None] & (offs_n[None, :] < n_keys))
+
+    @triton.jit
+    def _transpose_new_keys_kernel(k_ptr, lens_ptr, done_ptr, kt_ptr, rows_per_batch, kv_heads,
+                                   s_k_b, s_k_h, s_k_n, s_kt_b, s_kt_h, s_kt_f,
+                                   D: tl.constexpr, BLOCK: tl.constexpr):
+        """Copy keys ``[min(done, length), length)`` of one (batch row, KV head) into kT; done = length."""
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        length = tl.load(lens_ptr + b * rows_per_batch + rows_per_batch - 1)  # the batch row's last query row
+        done = tl.load(done_ptr + b * kv_heads + kvh)
+        offs_d = tl.arange(0, D)
+        k_base = k_ptr + b.to(tl.int64) * s_k_b + kvh * s_k_h
+        kt_base = kt_ptr + b.to(tl.int64) * s_kt_b + kvh * s_kt_h
+        for n0 in range(tl.minimum(done, length), length, BLOCK):
+            offs_n = n0 + tl.arange(0, BLOCK)
+            ok = offs_n < length
+            k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+            tl.store(kt_base + offs_d[None, :] * s_kt_f + offs_n[:, None], k, mask=ok[:, None])
+        tl.store(done_ptr + b * kv_heads + kvh, length)
+
+
+class FeatureMajorKeys:
+    """Per-(request, layer) feature-major copy ``kT [B, Hkv, d, capacity]`` of a growing K cache.
+
+    Like ``sparse.quest_pages.PageSummaries``: a device tensor ``done [B, Hkv]`` holds how many keys of
+    each batch row are copied, and ``update(k, lengths)`` copies keys ``[min(done, length), length)``
+    (one key per decode step; the whole prompt on the first call) and sets ``done = length`` in one
+    launch, with no host sync, on a key axis that grows (a DynamicCache) or is fixed (a static cache).
+    A cache that changed batch, heads, head dim, dtype or device is copied from scratch. The capacity
+    grows by 1/8 beyond what is needed (capture a CUDA graph once it covers the context). Keys before
+    ``done`` are assumed unchanged (an append-only cache; a row that got shorter recopies from its new
+    length on)."""
+
+    def __init__(self) -> None:
+        self.kt: torch.Tensor | None = None
+        self.done: torch.Tensor | None = None
+
+    def update(self, k: torch.Tensor, lengths: torch.Tensor, rows_per_batch: int = 1) -> torch.Tensor:
+        """The current ``kT [B, Hkv, d, capacity]`` for ``k [B, Hkv, N, d]``; ``lengths [B·rows_per_batch]``
+        int32 are the query rows' lengths (the last row of each batch row has the cache's length)."""
+        b, hkv, n, d = k.shape
+        same = (self.kt is not None and self.kt.shape[:3] == (b, hkv, d) and self.kt.dtype == k.dtype
+                and self.kt.device == k.device)
+        if not same or n > self.kt.shape[3]:
+            # a multiple of 256 keys: every feature row starts 16-byte aligned, so its runs load as vectors
+            # (an odd capacity made the stats kernel 1.5x slower at 128k, 2026-11-25)
+            cap = -(-(n + n // 8 + 1) // 256) * 256
+            kt = torch.zeros(b, hkv, d, cap, device=k.device, dtype=k.dtype)
+            if same:  # grown: the copied keys move over
+                kt[..., :self.kt.shape[3]] = self.kt
+            else:
+                self.done = torch.zeros(b, hkv, device=k.device, dtype=torch.int32)
+            self.kt = kt
+        launch(_transpose_new_keys_kernel, (hkv, b), k, lengths, self.done, self.kt, rows_per_batch, hkv,
+               k.stride(0), k.stride(1), k.stride(2), self.kt.stride(0), self.kt.stride(1), self.kt.stride(2),
+               D=d, BLOCK=64, num_warps=4)
+        return self.kt
 
 
 def feature_major_scores(q_est, kt, feat_idx, n_feat, lengths, scale: float, *, block_keys: int = BLOCK_KEYS,
@@ -139,5 +221,6 @@ def feature_major_scores(q_est, kt, feat_idx, n_feat, lengths, scale: float, *, 
     grid = (b * hkv, triton.cdiv(n, block_keys))
     launch(_feature_major_scores_kernel, grid, q_est.float().contiguous(), kt, feat_idx.int().contiguous(),
            n_feat.int().contiguous(), lengths.int().contiguous(), out, n, hkv, float(scale),
-           G=g, G_BLOCK=group_block(g), D=d, FB=FEATURE_BLOCK, BLOCK_N=block_keys, num_warps=4)
+           G=g, G_BLOCK=group_block(g), D=d, FB=FEATURE_BLOCK, BLOCK_N=block_keys, SPLIT=split_dots(kt),
+           num_warps=4)
     return out

@@ -96,15 +96,26 @@ def bernoulli_draws(
     sampling: str = "stratified",
     strata: str = "per-feature",
     generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The draws ``b [..., B, d]`` (bool) for inclusion probabilities ``f [..., d]`` in [0, 1]."""
+    """The draws ``b [..., B, d]`` (bool) for inclusion probabilities ``f [..., d]`` in [0, 1].
+
+    ``uniforms`` (float64 in [0, 1), shape ``[..., B, d]``, or ``[..., B, 1]`` for shared strata)
+    replaces the generator: the counter-based numbers of ``core.rng`` that the kernel path draws too.
+    A stratified draw reads only the uniform of stratum ``floor(B f_i)``: the others decide nothing."""
     check_draws(draws)
     _check_choice("sampling", sampling, SAMPLINGS)
     _check_choice("strata", strata, STRATA)
     if sampling == "iid" and strata != "per-feature":
         raise ValueError("strata: 'shared' couples the strata of stratified draws; i.i.d. draws take 'per-feature'")
     shape = (*f.shape[:-1], draws, f.shape[-1] if strata == "per-feature" else 1)
-    u = torch.rand(shape, generator=generator, device=f.device, dtype=torch.float64)
+    if uniforms is None:
+        u = torch.rand(shape, generator=generator, device=f.device, dtype=torch.float64)
+    elif tuple(uniforms.shape) != shape:
+        raise ValueError(f"uniforms: expected shape {list(shape)} (the draws' [..., B, d or 1]), got "
+                         f"{list(uniforms.shape)}")
+    else:
+        u = uniforms.to(torch.float64)
     f = f.to(torch.float64).unsqueeze(-2)
     if sampling == "iid":
         return u < f
@@ -127,16 +138,18 @@ class DrawOptions(TypedDict, total=False):
     sampling: str  # "stratified" or "iid"
     strata: str  # "per-feature" or "shared"
     generator: torch.Generator | None
+    uniforms: torch.Tensor | None  # counter-based uniforms [..., B, d] instead of the generator
     check_values: bool
 
 
 def _kept_features(absq: torch.Tensor, draws: int, *, norm: torch.Tensor | float | None = None,
                    norm_factor: float = 1.0, sampling: str = "stratified", strata: str = "per-feature",
-                   generator: torch.Generator | None = None, check_values: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   generator: torch.Generator | None = None, uniforms: torch.Tensor | None = None,
+                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(b [..., B, d] bool, norm [..., 1])``: the B draws' kept features of the magnitudes ``absq``."""
     f, norm_t = inclusion_probabilities(absq, norm, norm_factor=norm_factor, check_values=check_values)
-    return bernoulli_draws(f, draws, sampling=sampling, strata=strata, generator=generator), norm_t
+    return bernoulli_draws(f, draws, sampling=sampling, strata=strata, generator=generator,
+                           uniforms=uniforms), norm_t
 
 
 def ternary_queries(q: torch.Tensor, draws: int, **options: Unpack[DrawOptions]) -> tuple[torch.Tensor, torch.Tensor]:

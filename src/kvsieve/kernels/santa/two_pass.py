@@ -162,15 +162,27 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
     b, hq, _ = q.shape
     t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
     _stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs)
-    if not flash:
-        lo, hi = seed_words(seed)
-        launch(_prop_budget_kernel, (hq, b, 1),
-               buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
-               TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
-               **_pdl_launch(pdl))
-    _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=flash, write_counts=write_counts, pdl=pdl,
-                 r_max=r_max)
+    if flash:
+        _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=True, write_counts=write_counts, pdl=pdl,
+                     r_max=r_max)
+    else:
+        prop_sampling_passes(v, lens, buf, budget, tile, seed, b, hq, t, rounding=rounding,
+                             write_counts=write_counts, pdl=pdl, r_max=r_max)
     return buf
+
+
+def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
+                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None) -> None:
+    """S²ANTA-prop after its stats pass: the tile budgets, then the compacted sampling pass with the merge
+    folded in, from whatever wrote ``buf.m``, ``buf.l`` and the score stash (the stats pass above, or
+    ``kernels/bernoulli/decode.py``'s feature-major one)."""
+    lo, hi = seed_words(seed)
+    launch(_prop_budget_kernel, (hq, b, 1),
+           buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
+           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
+           **_pdl_launch(pdl))
+    _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
+                 r_max=r_max)
 
 
 def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
@@ -197,4 +209,4 @@ def santa_flash_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, se
     return buf.out, buf.counts
 
 
-__all__ = ["santa_flash_two_pass", "santa_prop_two_pass"]
+__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass"]

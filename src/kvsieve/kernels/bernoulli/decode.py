@@ -1,0 +1,224 @@
+"""Bernoulli qKᵀ with S²ANTA-prop's V sampling, over a feature-major copy of K: the GPU decode path of
+``bernoulli-qk:query=mean-group,values=santa-prop`` (stratified, per-feature strata), and its reference.
+
+Four launches per call:
+
+1. ``_mean_group_draw_kernel``, one program per (row, KV head): ``m = mean_g |q_g|``, ``f = m / norm``
+   (``norm = norm_factor · max m``), the stratified counts ``c_i = ⌊B f_i⌋ + 1{u_i < frac(B f_i)}``
+   with ``u_i`` the uniform of stratum ``⌊B f_i⌋`` (the only one a stratified draw reads), the
+   effective queries ``q_est_g = (norm/B) c ⊙ q_g / m`` and the kept features listed first
+   (``feature_major.compact_features``'s order). ``u_i`` is the number the reference path draws:
+   ``hash_uniform`` of the row's words (``core.rng.row_words``: the call's key, batch row, position),
+   stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
+2. ``_feature_major_stats_kernel``: S²ANTA's stats pass (per-tile max m, Σ e^{s−m} and the float32 score
+   stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read over the listed features
+   only: the K bytes read are the kept fraction of K's.
+3.–4. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
+
+The V stage takes its seed by value and keys each row by its length, as ``santa-prop``'s kernels do;
+the score stage draws the reference path's numbers. ``bernoulli_prop_reference`` is the float64 twin
+(given the same seed and lengths it draws the same features, tile budgets and counts, up to rare float32
+boundary flips).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
+from ..santa.common import begin_call, pdl_available
+from ..santa.reference import santa_prop_reference
+from ..santa.two_pass import prop_sampling_passes
+from ..triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
+from .feature_major import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
+from .reference import estimated_scores, mean_group_query
+
+STREAM_KEY = (STREAM_BERNOULLI * GOLDEN) & MASK32
+FEATURE_BLOCK = 16
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..santa.common import fold_scores, gdc_launch_dependents
+    from ..triton_utils import _mix32, hash_uniform
+    from .feature_major import feature_scores
+
+    @triton.jit
+    def _mean_group_draw_kernel(q_ptr, lens_ptr, words_ptr, qest_ptr, idx_ptr, nfeat_ptr,
+                                key_lo, key_hi, draws, norm_factor, rows_per_batch, kv_heads, s_q_r, s_q_h,
+                                G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                                ROW_WORDS: tl.constexpr, STREAM: tl.constexpr):
+        kvh = tl.program_id(0)
+        r = tl.program_id(1)
+        offs_g = tl.arange(0, BLOCK_G)
+        g_ok = offs_g < G
+        offs_d = tl.arange(0, D)
+        heads = kvh * G + offs_g
+        q = tl.load(q_ptr + r * s_q_r + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
+                    other=0.0).to(tl.float32)
+        m = tl.sum(tl.abs(q), axis=0) / G
+        norm = tl.max(m, axis=0) * norm_factor
+        f = tl.where(norm > 0, m / tl.where(norm > 0, norm, 1.0), 0.0)
+        bf = f * draws
+        whole = tl.floor(bf)
+        frac = bf - whole
+        stratum = tl.minimum(whole, draws - 1).to(tl.int64)
+        if ROW_WORDS:  # keys with device counters or per-row seeds: words computed by core.rng
+            lo = tl.load(words_ptr + 2 * r)
+            hi = tl.load(words_ptr + 2 * r + 1)
+        else:  # core.rng.row_words of the call's words, the batch row and the position (valid length)
+            position = tl.load(lens_ptr + r).to(tl.int64)
+            brow = (r // rows_per_batch).to(tl.int64)
+            lo = _mix32((key_lo ^ brow ^ 0x243F6A88) & 0xFFFFFFFF)
+            hi = _mix32((key_hi ^ lo ^ position ^ 0x85A308D3) & 0xFFFFFFFF)
+            lo = _mix32(lo ^ hi)
+        u = hash_uniform(lo, hi, STREAM, ((kvh * draws + stratum) << 22) + offs_d)
+        c = whole + (u < frac).to(tl.float32)
+        m_hat = (norm / draws) * c
+        q_est = m_hat[None, :] * tl.where(m[None, :] > 0, q / tl.where(m > 0, m, 1.0)[None, :], 0.0)
+        tl.store(qest_ptr + (r * kv_heads * G + heads[:, None]) * D + offs_d[None, :], q_est, mask=g_ok[:, None])
+        kept = (c > 0).to(tl.int32)
+        before = tl.cumsum(kept, axis=0)  # kept features up to and including i
+        nf = tl.sum(kept, axis=0)
+        slot = tl.where(kept > 0, before - 1, nf + offs_d - before)  # kept first, then the others, ascending
+        row = r * kv_heads + kvh
+        tl.store(idx_ptr + row * D + slot, offs_d)
+        tl.store(nfeat_ptr + row, nf)
+
+    @triton.jit
+    def _feature_major_stats_kernel(qest_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
+                                    scale, tiles_per_program, hq, kv_heads, rows_per_batch,
+                                    s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
+                                    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """two_pass's stats pass with feature-major scores: tiles t0..t1-1 of (row r, KV head kvh)."""
+        if PDL:  # the budget kernel may launch now: it waits (gdc_wait) until this one is done
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.program_id(2)
+        length = tl.load(lens_ptr + r)
+        t0 = pid * tiles_per_program
+        t1 = tl.minimum(t0 + tiles_per_program, (length + TILE - 1) // TILE)
+        if t0 < t1:
+            offs_g = tl.arange(0, BLOCK_G)
+            g_ok = offs_g < G
+            heads = kvh * G + offs_g
+            row = r * kv_heads + kvh
+            nf = tl.load(nfeat_ptr + row)
+            q_rows = qest_ptr + (r * hq + heads) * D
+            kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
+            u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
+            ml_base = r * s_ml_b + heads * s_ml_h
+            for t in range(t0, t1):
+                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_G], tl.float32)
+                for j in range(0, TILE // BLOCK_N):
+                    offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
+                    n_ok = offs_n < length
+                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
+                                       BLOCK_G, BLOCK_N, SPLIT)
+                    s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                    tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                    m, l = fold_scores(m, l, s)
+                tl.store(m_ptr + ml_base + t, m, mask=g_ok)
+                tl.store(l_ptr + ml_base + t, l, mask=g_ok)
+
+
+def check_bernoulli_prop_inputs(q, kt, v, lens, draws: int, norm_factor: float) -> None:
+    """ValueError unless the shapes, dtypes and head dim are ones the kernels serve."""
+    if q.dim() != 3 or kt.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, kt, v: expected [R, Hq, d], [B, Hkv, d, capacity] and [R, Hkv, N, d], got "
+                         f"{tuple(q.shape)}, {tuple(kt.shape)}, {tuple(v.shape)}")
+    r, hq, d = q.shape
+    if kt.shape[2] != d or kt.shape[1] != v.shape[1] or hq % kt.shape[1] or r % kt.shape[0]:
+        raise ValueError(f"kt: shape {tuple(kt.shape)} does not fit q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if kt.shape[3] < v.shape[2]:
+        raise ValueError(f"kt: capacity {kt.shape[3]} is below the {v.shape[2]} keys of v")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head dim {d} is not served by the feature-major kernels "
+                         f"(they take {SUPPORTED_HEAD_DIMS})")
+    if kt.dtype not in SUPPORTED_DTYPES or kt.stride(3) != 1:
+        raise ValueError(f"kt: expected float16/bfloat16/float32 with contiguous key runs, got {kt.dtype}, "
+                         f"strides {kt.stride()}")
+    if lens.shape != (r,) or lens.dtype != torch.int32:
+        raise ValueError(f"lens: expected int32 [{r}], got {lens.dtype} {tuple(lens.shape)}")
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
+        raise ValueError(f"draws: expected an integer >= 1, got {draws!r}")
+    if not 1.0 <= norm_factor < float("inf"):
+        raise ValueError(f"norm_factor: expected a finite number >= 1, got {norm_factor!r}")
+
+
+def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_batch: int):
+    """``(key_lo, key_hi, words or None)``: the call's words by value, or per-row words [R, 2] (int64)
+    computed on the device where the key has device counters or per-row seeds."""
+    if key.host() and key.row_seeds is None:
+        lo, hi = key.words()
+        return lo, hi, None
+    batch_row = torch.arange(q.shape[0], device=q.device) // rows_per_batch
+    streams = RowStreams(key, batch_row, lens)
+    return 0, 0, torch.stack([streams.lo, streams.hi], 1).contiguous()
+
+
+def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int, tile: int, key: RandomKey,
+                          v_seed: int, *, norm_factor: float = 1.0, rounding: str = "largest-remainder",
+                          rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
+                          block_n: int = 256, stats_programs: int = 4224, feature_block: int = FEATURE_BLOCK,
+                          stats_warps: int = 4, r_max: int | None = None):
+    """Mean-group Bernoulli scores over ``kt`` and S²ANTA-prop over them (module docstring).
+
+    q ``[R, Hq, d]``; kt ``[B, Hkv, d, ≥N]`` (``feature_major.FeatureMajorKeys``) with query row r on batch
+    row ``r // rows_per_batch``; v ``[R, Hkv, N, d]``; lens ``[R]`` int32. ``key``: the score draws'
+    key (the method's); ``v_seed``: the V stage's seed by value. Returns ``(out [R, Hq, d], counts
+    [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
+    if triton is None:
+        raise ValueError("bernoulli_prop_triton: triton is not installed")
+    check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
+    r, hq, d = q.shape
+    hkv = kt.shape[1]
+    g = hq // hkv
+    t, pdl, buf = begin_call(q, v, v, tile, flash=False, rounding=rounding, write_counts=write_counts, out=out)
+    q_est = workspace("bernoulli_qest", q, r * hq * d, torch.float32)
+    idx = workspace("bernoulli_feat_idx", q, r * hkv * d, torch.int32)
+    n_feat = torch.empty(r, hkv, device=q.device, dtype=torch.int32)  # returned: the stats read it later
+    key_lo, key_hi, words = _key_words(key, q, lens, rows_per_batch)
+    launch(_mean_group_draw_kernel, (hkv, r), q, lens, words if words is not None else lens, q_est, idx, n_feat,
+           key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
+           G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY, num_warps=4)
+    # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: 175 µs at 128k, B = 8
+    # (σ = 0.75), against 190-266 for 128/512-key blocks, 32 features, 8 warps, or 264-1,056 programs
+    # (H100, 2026-11-25, benchmarks/results/2026-11-25-h100-bernoulli-decode.md).
+    per_program = max(1, round(t * hkv * r / stats_programs))
+    launch(_feature_major_stats_kernel, (-(-t // per_program), hkv, r),
+           q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
+           kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block,
+           SPLIT=split_dots(kt), PDL=pdl, num_warps=stats_warps, num_stages=3)
+    prop_sampling_passes(v, lens, buf, budget, tile, v_seed, r, hq, t, rounding=rounding,
+                         write_counts=write_counts, pdl=pdl, r_max=r_max)
+    return buf.out, buf.counts, buf.budgets, n_feat
+
+
+def bernoulli_prop_reference(q, k, v, lens, scale: float, draws: int, budget: int, tile: int, key: RandomKey,
+                             v_seed: int, *, norm_factor: float = 1.0,
+                             rounding: str = "largest-remainder", rows_per_batch: int = 1):
+    """float64 twin of ``bernoulli_prop_triton`` on the row layout ``k [R, Hkv, N, d]``: returns the
+    ``SantaSample`` of ``santa_prop_reference`` over the estimated scores, and ``read [R, Hkv, d]`` (the
+    features the draws kept: the draw kernel's ``q_est`` and feature lists, in float64)."""
+    r, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    streams = RowStreams(key, torch.arange(r, device=q.device) // rows_per_batch, lens.to(torch.int64))
+    u = streams.uniform(STREAM_BERNOULLI, (hkv, draws, d))
+    q_est, read = mean_group_query(q.view(r, hkv, hq // hkv, d), draws, norm_factor=norm_factor, uniforms=u,
+                                   check_values=False)
+    valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].to(q.device)
+    scores = estimated_scores(q_est.reshape(r, hq, d), k, scale, valid)
+    t = -(-n // tile)
+    sample = santa_prop_reference(scores, v, budget, tile, rounding=rounding,
+                                  budget_offset=budget_uniforms(v_seed, r, hq, lens, q.device),
+                                  tile_offsets=tile_uniforms(v_seed, r, hq, t, lens, q.device))
+    return sample, read
+
+
+__all__ = ["FEATURE_BLOCK", "bernoulli_prop_reference", "bernoulli_prop_triton", "check_bernoulli_prop_inputs",
+           "pdl_available"]
