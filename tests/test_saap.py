@@ -359,6 +359,61 @@ def test_new_tokens_join_the_dense_part_and_the_index_is_rebuilt(arts):
     assert state["saap/index"]["n_keys"] > 600  # rebuilt once the new keys outnumbered the window
 
 
+def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
+    """The decode contract for SAAP (tested here: it needs artifacts): under ``no_host_reads()`` (what a GPU
+    gets) a decode loop reads nothing on the host — index build and rebuilds included — and gives the
+    CPU path's outputs; host-known bounds replace the two values the CPU path reads at each build."""
+    import tests.test_decode_contract as contract
+    from kvsieve.core.sync import no_host_reads
+
+    q, k, v = qkv(1, 4, 2, 700, seed=21)
+    spec = f"saap:artifacts={arts},probes=3"
+    m = kvsieve.method(spec)
+    cpu_state, gpu_state = {"layer": 1}, {"layer": 1, "min_length": 600}
+    for n in (600, 601, 640, 664, 665, 700):  # the last two steps rebuild the index
+        a, sa = m.decode(q, k[:, :, :n], v[:, :, :n], state=cpu_state, check_finite=False)
+        with contract.host_reads_raise():
+            b, sb = m.decode(q, k[:, :, :n], v[:, :, :n], state=gpu_state, check_finite=False)
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        assert sb.selectivity == pytest.approx(sa.selectivity)
+        assert cpu_state["saap/index"]["n_keys"] == gpu_state["saap/index"]["n_keys"]
+    assert gpu_state["saap/index"]["n_keys"] > 600
+    with no_host_reads():  # a ragged batch: the scan for new keys starts at 0 without the hint
+        q2, k2, v2 = qkv(2, 4, 2, 500, seed=22)
+        out, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), state={"layer": 2}, check_finite=False)
+    ref, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), state={"layer": 2}, check_finite=False)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(1, 8, 2, 3000, d=64, seed=23))
+    lengths = torch.tensor([3000], device="cuda")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
+    state = {"layer": 1, "min_length": 2990}
+    m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # builds the index
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, stats = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert stats.backend == "triton" and torch.isfinite(out.float()).all()
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        captured, _ = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+    graph.replay()
+    torch.testing.assert_close(captured, out, rtol=0, atol=0)
+
+
 # ---- bad input -------------------------------------------------------------------------------------
 
 

@@ -38,6 +38,7 @@ from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.inputs import DecodeInputs
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
+from ..core.sync import host_reads_allowed
 from ..kernels.sparse.buckets import bucket_sparse_decode, bucket_sparse_decode_triton, build_csr, list_width
 from .shared.exact import compute_dtype, exact_attention
 
@@ -59,10 +60,15 @@ class Rope:
 
     inv_freq: torch.Tensor
     attention_scaling: float = 1.0
+    # inv_freq per device, copied once: a host-to-device copy per call would synchronise a decode step
+    _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
     def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         # The same float32 arithmetic as the model's rotary module, so that de-roping undoes it exactly.
-        freqs = positions[..., None].float() * self.inv_freq.to(device=device, dtype=torch.float32)
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = self.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = positions[..., None].float() * self._on_device[key]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
@@ -178,6 +184,7 @@ class SaapArtifacts:
     layers: dict[int, dict[str, torch.Tensor]]
     rope: Rope
     _classifiers: dict[tuple[int, str], QueryClassifier] = field(default_factory=dict, repr=False)
+    _tensors: dict[tuple[int, str, str], torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def buckets(self) -> int:
@@ -186,6 +193,13 @@ class SaapArtifacts:
     @property
     def shape(self) -> dict[str, int]:
         return self.manifest["model"]["shape"]
+
+    def on_device(self, layer: int, name: str, device: torch.device) -> torch.Tensor:
+        """A layer's tensor on ``device``, copied once (weights, not request state)."""
+        key = (layer, name, str(device))
+        if key not in self._tensors:
+            self._tensors[key] = self.layers[layer][name].to(device)
+        return self._tensors[key]
 
     def classifier(self, layer: int, device: torch.device) -> QueryClassifier:
         """The layer's classifier in eval mode on ``device`` (built once per device: weights, not
@@ -337,12 +351,14 @@ class Saap(Method):
         return k if self.roped else self.artifacts.rope.invert(k, positions[:, None, :])
 
     def _centroids(self, layer: int, device: torch.device) -> torch.Tensor:
-        name = "centroids_roped" if self.roped else "centroids"
-        return self.artifacts.layers[layer][name].to(device)
+        return self.artifacts.on_device(layer, "centroids_roped" if self.roped else "centroids", device)
 
-    def _build(self, inputs: DecodeInputs, layer: int) -> dict[str, Any]:
-        """Index the valid keys outside sink + window: assignment, CSR, dense list. One host read (the
-        list widths) per build."""
+    def _build(self, inputs: DecodeInputs, layer: int, state: dict[str, Any]) -> dict[str, Any]:
+        """Index the valid keys outside sink + window: assignment, CSR, dense list. Where the host may
+        read the device (CPU tensors) the list width and the first position not yet seen are read; on
+        a GPU (``core.sync``) host-known bounds stand in: the width is the key count (only the reference
+        path uses it; the kernel reads the CSR lists directly) and the scan for keys added after the
+        build starts at ``state["min_length"]`` (the runtime's bound on every row's length) or 0."""
         cfg = self.config
         n = inputs.n_keys
         window = effective_window(n, cfg.window, cfg.window_scale, cfg.window_min)
@@ -362,12 +378,15 @@ class Saap(Method):
         last = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(-1)
         dense_width = min(n, cfg.sink + window)
         dense_ids = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True)[:, :dense_width]
-        seen_end = int(last.min()) + 1
+        if host_reads_allowed(last):
+            seen_end, width = int(last.min()) + 1, list_width(offsets, self.probes)
+        else:
+            seen_end, width = min(n, int(state.get("min_length", 0))), n
         return {
             "n_keys": n, "batch": inputs.batch, "window": window, "seen_end": seen_end,
             "seen_last": last, "offsets": offsets, "ids": ids, "assign": assign,
             "dense_ids": dense_ids, "dense_counts": dense.sum(-1), "indexed": indexed.sum(-1),
-            "width": list_width(offsets, self.probes),
+            "width": width,
         }
 
     def _index(self, inputs: DecodeInputs, layer: int, state: dict[str, Any]) -> dict[str, Any]:
@@ -376,8 +395,8 @@ class Saap(Method):
         key = f"{self.name}/index"
         idx = state.get(key)
         n = inputs.n_keys
-        if idx is None or idx["batch"] != inputs.batch or n < idx["n_keys"] or n - idx["seen_end"] > idx["window"]:
-            idx = self._build(inputs, layer)
+        if idx is None or idx["batch"] != inputs.batch or n < idx["n_keys"] or n - idx["n_keys"] > idx["window"]:
+            idx = self._build(inputs, layer, state)
             state[key] = idx
         return idx
 
@@ -501,14 +520,14 @@ class Saap(Method):
         rows = bucket_counts.float() + dense_counts[:, None].float()  # [B, heads]
         indexed = idx["indexed"][:, None].float()
         sel_indexed = torch.where(indexed > 0, bucket_counts.float() / indexed.clamp(min=1), torch.zeros_like(rows))
-        extra = {
+        extra = {  # device tensors: StepStats turns them into numbers when read
             "saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets, "window": idx["window"],
-            "selectivity": float((rows / inputs.n_valid[:, None].float()).mean()),
-            "selectivity_indexed": float(sel_indexed.mean()),
-            "dense_keys": float(dense_counts.float().mean()), "bucket_keys": float(bucket_counts.float().mean()),
+            "selectivity": (rows / inputs.n_valid[:, None].float()).mean(),
+            "selectivity_indexed": sel_indexed.mean(),
+            "dense_keys": dense_counts.float().mean(), "bucket_keys": bucket_counts.float().mean(),
         }
         # Rows whose context is no longer than the dense part have nothing indexed: they ran exact.
-        exact_rows = int((idx["indexed"] == 0).sum())
+        exact_rows = (idx["indexed"] == 0).sum()
         return read_stats(inputs, v_read, k_scored=k_scored, backend=backend, exact_rows=exact_rows, extra=extra)
 
 

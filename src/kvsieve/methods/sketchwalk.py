@@ -173,7 +173,9 @@ def block_budget(rows: torch.Tensor, density: float, *, fixed_k: bool, n_blocks:
 
 def max_block_budget(n_blocks: int, density: float, *, fixed_k: bool) -> int:
     """The largest :func:`block_budget` over query blocks ``0..n_blocks-1`` (a host integer)."""
-    return int(block_budget(torch.tensor([n_blocks - 1]), density, fixed_k=fixed_k, n_blocks=n_blocks)[0])
+    # block_budget's arithmetic on host floats (the same IEEE doubles), for the last query block
+    k = max(2.0, math.ceil(density * float(n_blocks) - 1e-9))
+    return int(min(k, float(n_blocks)))
 
 
 def select_blocks(scores: torch.Tensor, rows: torch.Tensor, budget: torch.Tensor,
@@ -252,32 +254,41 @@ class SketchWalkConfig(MethodConfig):
 
 @dataclass
 class LayerSketch:
-    """What one layer keeps for decode (one request): sums over blocks of head-averaged keys and
-    queries, key sketches, and ``Â``/``Ã`` rows of completed blocks; capacities in blocks."""
+    """What one layer keeps for decode (one request): the head-averaged query of every token seen, sums
+    over blocks of head-averaged keys and queries, key sketches, and ``Â``/``Ã`` rows of completed blocks;
+    capacities in tokens and blocks.
 
+    A decode call recomputes its token's block (sums and sketch) from ``q_tok`` and the cache's keys
+    rather than adding to running sums: a repeated call, a rewound cache or a replayed CUDA graph
+    gives the same state as the first call, with nothing for the host to check. Blocks before the
+    token's are final (append-only cache); rows of ``Ã`` are written when their block completes."""
+
+    q_tok: torch.Tensor  # [B, cap_tokens, d] head-averaged queries (zero where not seen)
     k_sum: torch.Tensor  # [B, cap, d]
     q_sum: torch.Tensor  # [B, cap, d]
     k_sketch: torch.Tensor  # [B, cap, m]
     a_hat: torch.Tensor | None  # [B, cap, cap] rows of Â (walk_power=matrix only)
     a_tilde: torch.Tensor  # [B, cap, cap] rows of Ã
-    n_seen: torch.Tensor  # [B] tokens whose key and query are in the sums
     has_history: bool  # True when the queries of every token since position 0 were seen
 
     @property
     def capacity(self) -> int:
         return self.k_sum.shape[1]
 
-    def grow(self, n_blocks: int) -> None:
+    def grow(self, n_blocks: int, n_tokens: int) -> None:
+        """Room for ``n_blocks`` blocks and ``n_tokens`` tokens (doubling: a decode loop grows rarely)."""
+        pad = torch.nn.functional.pad
+        if n_tokens > self.q_tok.shape[1]:
+            self.q_tok = pad(self.q_tok, (0, 0, 0, max(n_tokens, 2 * self.q_tok.shape[1]) - self.q_tok.shape[1]))
         if n_blocks <= self.capacity:
             return
-        new = max(n_blocks, 2 * self.capacity)
-        extra = new - self.capacity
-        self.k_sum = torch.nn.functional.pad(self.k_sum, (0, 0, 0, extra))
-        self.q_sum = torch.nn.functional.pad(self.q_sum, (0, 0, 0, extra))
-        self.k_sketch = torch.nn.functional.pad(self.k_sketch, (0, 0, 0, extra))
-        self.a_tilde = torch.nn.functional.pad(self.a_tilde, (0, extra, 0, extra))
+        extra = max(n_blocks, 2 * self.capacity) - self.capacity
+        self.k_sum = pad(self.k_sum, (0, 0, 0, extra))
+        self.q_sum = pad(self.q_sum, (0, 0, 0, extra))
+        self.k_sketch = pad(self.k_sketch, (0, 0, 0, extra))
+        self.a_tilde = pad(self.a_tilde, (0, extra, 0, extra))
         if self.a_hat is not None:
-            self.a_hat = torch.nn.functional.pad(self.a_hat, (0, extra, 0, extra))
+            self.a_hat = pad(self.a_hat, (0, extra, 0, extra))
 
 
 # -- the method -------------------------------------------------------------------------------------------
@@ -292,8 +303,6 @@ class SketchWalk(PrefillMethod):
     exact_config = {"density": 1.0}
     exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
     prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
-    host_reads_note = ("its decode (block means, walk rows, selection) predates the decode contract and reads "
-                       "lengths on the host")
     summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
 
     # -- shared pieces ----------------------------------------------------------------------------------
@@ -354,14 +363,16 @@ class SketchWalk(PrefillMethod):
         bs = cfg.block_size
         n = -(-n_tok // bs)
         phi = self._phi(d, q.device, dtype)
-        q_sum = block_sums(head_mean(q, dtype), bs)
+        q_avg = head_mean(q, dtype)
+        q_sum = block_sums(q_avg, bs)
         k_sum = block_sums(head_mean(k, dtype), bs)
         counts = block_token_counts(n_tok, bs, q.device).to(dtype)[None, :, None]
         q_sketch = (q_sum / counts) @ phi.T
         k_sketch = (k_sum / counts) @ phi.T
         rows = torch.arange(n, device=q.device)[None].expand(b, n)
         log_a = causal_log_scores(q_sketch, k_sketch, logit_scale, rows)
-        return {"q_sum": q_sum, "k_sum": k_sum, "k_sketch": k_sketch, "log_a": log_a, "a_tilde": self.transition(log_a)}
+        return {"q_avg": q_avg, "q_sum": q_sum, "k_sum": k_sum, "k_sketch": k_sketch, "log_a": log_a,
+                "a_tilde": self.transition(log_a)}
 
     def prefill_select(self, a_tilde: torch.Tensor,
                        previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -386,9 +397,9 @@ class SketchWalk(PrefillMethod):
         if sparse and cfg.walk == "oracle":
             sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))
         state[STATE_KEY] = LayerSketch(
-            k_sum=sk["k_sum"], q_sum=sk["q_sum"], k_sketch=sk["k_sketch"],
+            q_tok=sk["q_avg"], k_sum=sk["k_sum"], q_sum=sk["q_sum"], k_sketch=sk["k_sketch"],
             a_hat=torch.exp(sk["log_a"]) if cfg.walk_power == "matrix" else None, a_tilde=sk["a_tilde"],
-            n_seen=torch.full((b,), n_tok, dtype=torch.long, device=q.device), has_history=True)
+            has_history=True)
         if not sparse:
             return None, None
         w, block_idx, block_counts = self.prefill_select(sk.get("a_tilde_select", sk["a_tilde"]),
@@ -435,9 +446,10 @@ class SketchWalk(PrefillMethod):
                              * cfg.block_size, min=1, max=cfg.block_size).to(dtype)
         cap = k_sum.shape[1]
         return LayerSketch(
-            k_sum=k_sum, q_sum=torch.zeros_like(k_sum), k_sketch=(k_sum / counts[..., None]) @ phi.T,
+            q_tok=k_sum.new_zeros(b, n_tok, d), k_sum=k_sum, q_sum=torch.zeros_like(k_sum),
+            k_sketch=(k_sum / counts[..., None]) @ phi.T,
             a_hat=k_sum.new_zeros(b, cap, cap) if cfg.walk_power == "matrix" else None,
-            a_tilde=k_sum.new_zeros(b, cap, cap), n_seen=inputs.lengths - 1, has_history=False)
+            a_tilde=k_sum.new_zeros(b, cap, cap), has_history=False)
 
     def _row_transition(self, sk: LayerSketch, log_row: torch.Tensor, c: torch.Tensor, n: int) -> torch.Tensor:
         """Row ``c`` of ``Ã`` given row ``c`` of ``log Â`` (rows ``< c`` from the cache)."""
@@ -465,21 +477,20 @@ class SketchWalk(PrefillMethod):
         if (sk is None or sk.k_sum.shape[0] != b or sk.k_sum.shape[2] != d or sk.k_sum.dtype != dtype
                 or sk.k_sum.device != dev):
             sk = self._fresh_sketch(inputs, phi, dtype)
-        sk.grow(n)
+        sk.grow(n, n_tok)
         length = inputs.lengths
         pos = length - 1  # the new token of each row
         c = torch.div(pos, bs, rounding_mode="floor")  # its (current, possibly partial) block
-        # The state must hold exactly the tokens before it (or already this one: a repeated call).
-        fresh = sk.n_seen == pos
-        torch._assert_async((fresh | (sk.n_seen == length)).all(),
-                            "sketchwalk: the decode state does not match the cache (tokens skipped)")
         batch = torch.arange(b, device=dev)
-        k_new = head_mean(inputs.k.gather(2, pos.view(b, 1, 1, 1).expand(b, inputs.kv_heads, 1, d)), dtype)[:, 0]
         q_new = inputs.q.to(dtype).mean(1)
-        add = fresh.to(dtype)[:, None]
-        sk.k_sum.index_put_((batch, c), k_new * add, accumulate=True)
-        sk.q_sum.index_put_((batch, c), q_new * add, accumulate=True)
-        sk.n_seen = torch.where(fresh, length, sk.n_seen)
+        sk.q_tok[batch, pos] = q_new
+        # Block c from its tokens so far (queries kept, keys from the cache): recomputed, not accumulated.
+        tok = c[:, None] * bs + torch.arange(bs, device=dev)  # [B, bs]
+        seen = (tok <= pos[:, None]).to(dtype)[..., None]
+        q_rows = sk.q_tok.gather(1, tok.clamp(max=sk.q_tok.shape[1] - 1)[..., None].expand(b, bs, d))
+        k_rows = inputs.k.gather(2, tok.clamp(max=n_tok - 1)[:, None, :, None].expand(b, inputs.kv_heads, bs, d))
+        sk.q_sum[batch, c] = (q_rows * seen).sum(1)
+        sk.k_sum[batch, c] = (head_mean(k_rows, dtype) * seen).sum(1)
         in_block = (pos - c * bs + 1).to(dtype)[:, None]  # tokens of block c so far
         sk.k_sketch[batch, c] = (sk.k_sum[batch, c] / in_block) @ phi.T
         k_sketch = sk.k_sketch[:, :n]
@@ -532,7 +543,7 @@ class SketchWalk(PrefillMethod):
         exact = counts == c + 1
         # The sketches read no K rows beyond the new token's; attention reads the selected rows.
         stats = read_stats(inputs, v_read, k_scored=n_used[:, None].expand(b, inputs.kv_heads),
-                           exact_rows=int(exact.sum()),
-                           extra={"phase": "decode", "block_density": float((counts / (c + 1)).mean()),
-                                  "blocks_kept": float(counts.float().mean()), "walk_hops": hops})
+                           exact_rows=exact.sum(),
+                           extra={"phase": "decode", "block_density": (counts / (c + 1)).to(torch.float64).mean(),
+                                  "blocks_kept": counts.to(torch.float64).mean(), "walk_hops": hops})
         return out, stats
