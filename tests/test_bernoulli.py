@@ -14,6 +14,7 @@ from statistics import NormalDist
 
 import pytest
 import torch
+from interpreted import run_script
 
 import kvsieve
 from kvsieve.kernels.bernoulli.reference import (
@@ -438,25 +439,8 @@ print("WORST", worst)
 """
 
 
-def _run_script(script: str, device: str, interpret: bool) -> str:
-    """Run ``script`` (formatted with ``device``) in a fresh interpreter: TRITON_INTERPRET must be chosen
-    before triton is imported. Returns its stdout; a failure shows its output."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", script.format(device=device)], capture_output=True,
-                         text=True, env=env, timeout=900, cwd=root)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
-
-
 def _run_kernel_cases(device: str, interpret: bool) -> float:
-    return float(_run_script(KERNEL_CASES, device, interpret).split("WORST")[-1])
+    return float(run_script(KERNEL_CASES, device, interpret).split("WORST")[-1])
 
 
 @pytest.mark.triton
@@ -548,7 +532,7 @@ print("WORST", worst)
 def _run_decode_cases(device: str, interpret: bool) -> tuple[int, dict]:
     import ast
 
-    out = _run_script(DECODE_CASES, device, interpret)
+    out = run_script(DECODE_CASES, device, interpret)
     return int(out.split("FLIPS")[-1].split()[0]), ast.literal_eval(out.split("WORST")[-1].strip())
 
 
@@ -612,4 +596,4 @@ def test_method_kernel_path_keeps_its_feature_major_copy_through_a_decode_loop()
     what a fresh copy gives, the features read equal the reference path's (same uniforms), and rows the
     budget covers get exact attention on both paths."""
     pytest.importorskip("triton")
-    assert "OK" in _run_script(METHOD_CASES, "cpu", True)
+    assert "OK" in run_script(METHOD_CASES, "cpu", True)

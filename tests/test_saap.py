@@ -363,7 +363,8 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     """The decode contract for SAAP (tested here: it needs artifacts): under ``no_host_reads()`` (what a GPU
     gets) a decode loop reads nothing on the host — index build and rebuilds included — and gives the
     CPU path's outputs; host-known bounds replace the two values the CPU path reads at each build."""
-    import tests.test_decode_contract as contract
+    import test_decode_contract as contract
+
     from kvsieve.core.sync import no_host_reads
 
     q, k, v = qkv(1, 4, 2, 700, seed=21)

@@ -559,3 +559,56 @@ def test_oracle_selection_keeps_the_most_attention_mass_per_block_row():
         kept[mode] = block_sums((probs * mask).sum(-1)[None, :, None], bs)[0, :, 0]  # mass kept per block row
     assert bool((kept["oracle"] >= kept["walk"] - 1e-12).all())
     assert bool((kept["oracle"] >= kept["one-hop"] - 1e-12).all())
+
+
+# -- the decode kernel path -------------------------------------------------------------------------------
+
+KERNEL_DECODE = """
+import torch
+import kvsieve
+from kvsieve.core.prefill import FORWARD_STATE
+device = "{device}"
+gen = torch.Generator().manual_seed(3)
+b, hq, hkv, d, bs, n0, steps = 2, 6, 2, 64, 16, 150, 5
+layers = [[torch.randn(b, h, n0 + steps, d, generator=gen).to(device) for h in (hq, hkv, hkv)] for _ in range(3)]
+outs = {{}}
+for backend in ("triton", "reference"):
+    m = kvsieve.method(f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0,backend={{backend}}")
+    states = [{{}} for _ in layers]
+    forward = {{}}
+    for (q, k, v), st in zip(layers, states):
+        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+    res = []
+    for t in range(n0, n0 + steps):
+        forward = {{}}
+        for (q, k, v), st in zip(layers, states):
+            st[FORWARD_STATE] = forward
+            lengths = torch.tensor([t + 1, t - 20], device=device)  # ragged rows: row 1 is shorter
+            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st)
+            assert stats.backend == backend, stats.backend
+            res.append((out, stats.kv_rows_read, stats.block_density))
+    outs[backend] = res
+worst = 0.0
+for (a, ra, da), (r, rr, dr) in zip(outs["triton"], outs["reference"]):
+    assert ra == rr and da == dr  # the same blocks
+    worst = max(worst, float((a.double() - r.double()).norm() / r.double().norm()))
+print("WORST", worst)
+"""
+
+
+@pytest.mark.triton
+def test_decode_kernel_path_equals_the_reference_path_under_the_interpreter():
+    """backend=triton (the weighted sparse kernel with the blocks as pages, lengths masking the partial
+    block) selects the same blocks and gives the reference path's outputs, ragged rows included."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    assert float(run_script(KERNEL_DECODE, "cpu", True).split("WORST")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_kernel_path_equals_the_reference_path_on_the_gpu():
+    from interpreted import run_script
+
+    assert float(run_script(KERNEL_DECODE, "cuda", False).split("WORST")[-1]) < 1e-4

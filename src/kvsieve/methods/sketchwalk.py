@@ -39,6 +39,8 @@ from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..kernels.sparse.block_sparse import block_sparse_prefill
 from ..kernels.sparse.weighted import weighted_sparse_decode
+from .shared.backend import BACKENDS, kernel_operands
+from .shared.sparse_path import choose_sparse_backend
 
 WALK_KEY = "sketchwalk/w"
 HOPS_KEY = "sketchwalk/hops"
@@ -224,6 +226,9 @@ class SketchWalkConfig(MethodConfig):
     logit_scale: Literal["sqrt_d", "sqrt_m"] = param(
         "sqrt_d", "sketched logits divided by √d (pairs with the unbiased Φ) or by √m (third-party code)")
     seed: int = param(0, "seed of the SRHT (signs and sampled rows): one Φ for every layer")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
+                "the torch reference elsewhere; reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         d = self.density
@@ -247,6 +252,7 @@ class SketchWalkConfig(MethodConfig):
         for layer in self.dense_layers:
             require_int("dense_layers", layer, minimum=0)
         require_int("seed", self.seed, minimum=0)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 # -- per-layer decode state ------------------------------------------------------------------------------
@@ -534,16 +540,28 @@ class SketchWalk(PrefillMethod):
         used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
         valid = used & (tokens < length[:, None])
         n_used = valid.sum(-1)
-        idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
-        out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx, n_used[:, None].expand(b, inputs.kv_heads),
-                                        None, scale=inputs.scale, check=False)
+        path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
+        if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
+            from ..kernels.sparse.weighted_triton import sparse_decode_triton
+
+            q, k, v, lens = kernel_operands(inputs)
+            pages = blocks[:, None, :].expand(b, inputs.kv_heads, kmax).to(torch.int32).contiguous()
+            n_pages = counts[:, None].expand(b, inputs.kv_heads).to(torch.int32).contiguous()
+            out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale)
+        else:
+            idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
+            out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx,
+                                            n_used[:, None].expand(b, inputs.kv_heads), None, scale=inputs.scale,
+                                            check=False)
         v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
         v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
         v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
         exact = counts == c + 1
         # The sketches read no K rows beyond the new token's; attention reads the selected rows.
+        extra = {"phase": "decode", "block_density": (counts / (c + 1)).to(torch.float64).mean(),
+                 "blocks_kept": counts.to(torch.float64).mean(), "walk_hops": hops}
+        if reason is not None:
+            extra["backend_reason"] = reason
         stats = read_stats(inputs, v_read, k_scored=n_used[:, None].expand(b, inputs.kv_heads),
-                           exact_rows=exact.sum(),
-                           extra={"phase": "decode", "block_density": (counts / (c + 1)).to(torch.float64).mean(),
-                                  "blocks_kept": counts.to(torch.float64).mean(), "walk_hops": hops})
+                           exact_rows=exact.sum(), backend=path, extra=extra)
         return out, stats

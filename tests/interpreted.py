@@ -1,0 +1,22 @@
+"""Run a test script in a fresh interpreter: Triton's interpreter is chosen when triton is imported, so
+kernel-vs-reference cases under ``TRITON_INTERPRET=1`` (and their GPU twins) run in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(script: str, device: str, interpret: bool, timeout: int = 900) -> str:
+    """Run ``script`` formatted with ``device`` (``{{``/``}}`` for literal braces); returns its stdout and
+    fails the test with its output when it fails."""
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", script.format(device=device)], capture_output=True, text=True,
+                         env=env, timeout=timeout, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
