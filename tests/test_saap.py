@@ -411,8 +411,11 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
         captured, _ = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
-    graph.replay()
-    torch.testing.assert_close(captured, out, rtol=0, atol=0)
+    for step in range(3):  # the next decode steps: the graph reads the new lengths from device memory
+        lengths.fill_(2997 + step)
+        graph.replay()
+        eager, _ = m.decode(q, k, v, lengths=torch.full_like(lengths, 2997 + step), state=state, check_finite=False)
+        torch.testing.assert_close(captured, eager, rtol=0, atol=0)
 
 
 # ---- bad input -------------------------------------------------------------------------------------

@@ -536,10 +536,11 @@ class SketchWalk(PrefillMethod):
         blocks, counts = blocks[:, 0], counts[:, 0]
         # Block-granular token lists: every used block but the last (the current one) is complete, so
         # the valid positions form a prefix of the list.
-        tokens = (blocks[..., None] * bs + torch.arange(bs, device=dev)).reshape(b, -1)
-        used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
-        valid = used & (tokens < length[:, None])
-        n_used = valid.sum(-1)
+        def token_lists():
+            tokens = (blocks[..., None] * bs + torch.arange(bs, device=dev)).reshape(b, -1)
+            used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
+            return tokens, used & (tokens < length[:, None])
+
         path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
         if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
             from ..kernels.sparse.weighted_triton import sparse_decode_triton
@@ -549,19 +550,25 @@ class SketchWalk(PrefillMethod):
             n_pages = counts[:, None].expand(b, inputs.kv_heads).to(torch.int32).contiguous()
             out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale)
         else:
+            tokens, valid = token_lists()
             idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
             out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx,
-                                            n_used[:, None].expand(b, inputs.kv_heads), None, scale=inputs.scale,
-                                            check=False)
-        v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
-        v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
-        v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
-        exact = counts == c + 1
-        # The sketches read no K rows beyond the new token's; attention reads the selected rows.
-        extra = {"phase": "decode", "block_density": (counts / (c + 1)).to(torch.float64).mean(),
-                 "blocks_kept": counts.to(torch.float64).mean(), "walk_hops": hops}
+                                            valid.sum(-1)[:, None].expand(b, inputs.kv_heads), None,
+                                            scale=inputs.scale, check=False)
+        extra = {"phase": "decode", "walk_hops": hops}
         if reason is not None:
             extra["backend_reason"] = reason
-        stats = read_stats(inputs, v_read, k_scored=n_used[:, None].expand(b, inputs.kv_heads),
-                           exact_rows=exact.sum(), backend=path, extra=extra)
+
+        def stats():  # built when read: a captured step (nobody reads it) launches none of this
+            tokens, valid = token_lists()
+            v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
+            v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
+            v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
+            more = {"block_density": (counts / (c + 1)).to(torch.float64).mean(),
+                    "blocks_kept": counts.to(torch.float64).mean()}
+            # The sketches read no K rows beyond the new token's; attention reads the selected rows.
+            return read_stats(inputs, v_read, k_scored=valid.sum(-1)[:, None].expand(b, inputs.kv_heads),
+                              exact_rows=(counts == c + 1).sum(), backend=path, extra=more)
+
+        stats = StepStats.deferred(stats, path, extra)
         return out, stats
