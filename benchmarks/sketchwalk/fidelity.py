@@ -45,7 +45,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--tail", type=int, default=16, help="positions scored (the prompt's last tokens)")
     p.add_argument("--densities", default="0.2,0.1")
-    p.add_argument("--selections", default="walk,one-hop,oracle")
+    p.add_argument("--selections", default="walk,one-hop,oracle",
+                   help="comma list (or ';' list) of walk modes, each optionally with '+'-joined parameters "
+                        "for an ablation, e.g. 'one-hop;walk;walk+alpha=4;walk+sketch_dim=32'")
     p.add_argument("--modes", default="prefill,decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
@@ -80,8 +82,9 @@ def main() -> None:
             dense = model(ids, logits_to_keep=tail).logits[0]
         for mode in args.modes.split(","):
             for density in (float(x) for x in args.densities.split(",")):
-                for sel in args.selections.split(","):
-                    spec = f"sketchwalk:density={density},walk={sel}"
+                for sel in args.selections.split(";" if ";" in args.selections else ","):
+                    walk, *extra = sel.split("+")
+                    spec = ",".join([f"sketchwalk:density={density}", f"walk={walk}", *extra])
                     t0 = time.perf_counter()
                     with torch.no_grad(), kvsieve.sparsify(model, spec, phase=mode, track_error=1) as s:
                         if mode == "prefill":
