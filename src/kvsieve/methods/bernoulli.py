@@ -17,6 +17,10 @@ largest-remainder rounding keeps its own small bias), so the composition's expec
 ``E_ŝ[softmax(ŝ)] V``, the same as ``values=exact``: V sampling adds variance and no bias. Neither
 is unbiased for ``softmax(s) V``: ŝ is unbiased for s but the softmax is not linear (Jensen), so
 the score stage is biased, more so at small B and peaked attention.
+
+On CUDA, ``query=mean-group,values=santa-prop`` (stratified, per-feature strata) runs the fused kernels of
+``kernels/bernoulli/decode.py`` over a feature-major copy of K kept in the state; the draws are the
+reference path's (counter-based, ``STREAM_BERNOULLI``), so both paths read the same features.
 """
 
 from __future__ import annotations
