@@ -586,6 +586,13 @@ for step in range(8):  # a decode loop: the cache grows by one key per row and s
         exact, _ = kvsieve.method("dense").decode(q_all[step], k, v, lengths=lengths)
         torch.testing.assert_close(out[1], exact[1], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ref[1], exact[1], rtol=1e-5, atol=1e-5)
+# a chunk of 3 query rows per batch row in one call (kT follows the cache, rows share it)
+chunk = q_all[:3].permute(1, 2, 0, 3).contiguous()  # [B, Hq, 3, d]
+lengths = torch.tensor([n, n - 30], device=device)
+out, stats = m_fused.decode(chunk, k, v, lengths=lengths, seed=RandomKey(9), state={{}}, check_finite=False)
+_, rstats = m_ref.decode(chunk, k, v, lengths=lengths, seed=RandomKey(9), check_finite=False)
+assert out.shape == chunk.shape and bool(torch.isfinite(out).all())
+assert abs(stats.k_access_group - rstats.k_access_group) < 1e-12
 print("OK")
 """
 

@@ -248,15 +248,16 @@ class BernoulliQK(Method):
         keys = state.get("bernoulli/feature-major-k")
         if keys is None:
             keys = state["bernoulli/feature-major-k"] = FeatureMajorKeys()
-        cache_k = inputs.cache_k if inputs.cache_k is not None else inputs.k
-        kt = keys.update(cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous(), lens, inputs.q_len)
+        # kT follows the cache [B, ...]; without one (a hand-built DecodeInputs) the per-row keys stand in
+        cache_k, rows = (inputs.cache_k, inputs.q_len) if inputs.cache_k is not None else (inputs.k, 1)
+        kt = keys.update(cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous(), lens, rows)
         v_seed = seed_int(seed, inputs.q.device)
         key = seed if isinstance(seed, RandomKey) else RandomKey(v_seed)
         tile = self.tile_for(inputs.n_keys)
         count_reads = state.get("count_reads", True)
         out, counts, budgets, n_feat = bernoulli_prop_triton(
             q, kt, v, lens, inputs.scale, c.draws, c.budget, tile, key, v_seed, norm_factor=c.norm_factor,
-            rounding=c.rounding, rows_per_batch=inputs.q_len, write_counts=count_reads)
+            rounding=c.rounding, rows_per_batch=rows, write_counts=count_reads)
         if c.exact_when_covered and state.get("min_length", 0) <= c.budget:
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, c.budget)
 
