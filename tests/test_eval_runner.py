@@ -131,6 +131,26 @@ def test_setup_a_makes_only_generated_tokens_sparse(default_model, tmp_path):
 
 
 @pytest.mark.model
+def test_sketchwalk_cells_run_their_prompt_inside_the_session(default_model, tmp_path):
+    """Setup A for a prefill method: its session sees the prompt (the walk needs the prompt's sketches);
+    at density 1 every block is kept, so greedy decoding and teacher forcing are dense's."""
+    import kvsieve
+
+    model, tok = default_model
+    spec, sparse_spec = (kvsieve.method(f"sketchwalk:density={d},block_size=16").spec for d in (1.0, 0.2))
+    cfg = tiny(tmp_path, phase="decode", stop_when_solved=False, max_new_tokens=3,
+               methods=("dense", spec, sparse_spec))
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert res.computed == 3
+    dense = res.store.read("niah_single_2", 384, 0, "dense")
+    full = res.store.read("niah_single_2", 384, 0, spec)
+    assert full["prediction"] == dense["prediction"]
+    assert full["kl_mean"] < 1e-6
+    sparse = res.store.read("niah_single_2", 384, 0, sparse_spec)
+    assert 0 < sparse["density"] < 1 and sparse["sparse_calls"] > 0
+
+
+@pytest.mark.model
 def test_length_above_model_maximum_is_refused_before_writing(default_model, tmp_path):
     model, tok = default_model
     with pytest.raises(ValueError, match="maximum context of 8192"):

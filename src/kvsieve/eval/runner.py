@@ -12,7 +12,9 @@ For each (task, length, sample) with unfinished cells:
 Under ``phase="question"`` (setup B) the cache holds only the context; the question's tokens and
 the generated ones use the method. Under ``phase="decode"`` (setup A) the question is prefilled
 exactly as well and only generated tokens use the method. Either way the shared prefill is
-exact, so every method reuses it and pays only for its own tokens.
+exact, so every method reuses it and pays only for its own tokens — except a prefill method
+(Sketch&Walk), whose decode needs what it records from the prompt's own forward (the queries): its
+prompt is run again inside its session (setup A; sparsify refuses setup B for it).
 """
 
 from __future__ import annotations
@@ -249,6 +251,24 @@ def _target_ids(tokenizer: Any, sample: task_registry.Sample) -> list[int]:
     return tokenizer(sample.target, add_special_tokens=False)["input_ids"] if sample.target else []
 
 
+def _records_prompt(session: Any) -> bool:
+    """Whether the session's method must see the prompt's forward itself (a PrefillMethod)."""
+    from ..core.prefill import PrefillMethod
+
+    return session is not None and isinstance(session.method, PrefillMethod)
+
+
+def _prefill_in_session(model: Any, sample: task_registry.Sample, upto: int, timer: Timer):
+    """``(cache, last logits)`` of the prompt's first ``upto`` tokens, run inside the open session."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    device = next(model.parameters()).device
+    out = timer.forward(model, input_ids=_ids(sample.input_ids[:upto], device), past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+    return cache, out.logits[0, -1].float()
+
+
 def _stateless(session: Any) -> bool:
     return session is None or not any(bool(v) for v in session.layer_state.values())
 
@@ -279,6 +299,12 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
     cache = copy.deepcopy(pre.cache)
     generated: list[int] = []
     with _session(model, method, cfg, sample.question_start, track=True) as session:
+        base = pre.cache
+        if _records_prompt(session):
+            # A prefill method (Sketch&Walk) keeps what its decode needs from the prompt's forward, queries
+            # included: the prompt is run again inside the session (exact under phase="decode").
+            base, logits = _prefill_in_session(model, sample, pre.prefilled, timer)
+            cache = base
         if cfg.phase == "question" and question:
             run = forced[:-1] if len(forced) > len(question) else question
             out = timer.forward(model, input_ids=_ids(run, device), past_key_values=cache, use_cache=True)
@@ -290,12 +316,12 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
                     # A negative count removes tokens from the end in transformers 4.x and 5.x alike.
                     cache.crop(-(len(run) - len(question)))
                 else:
-                    cache = copy.deepcopy(pre.cache)
+                    cache = copy.deepcopy(base)
                     out = timer.forward(model, input_ids=_ids(question, device), past_key_values=cache,
                                         use_cache=True, logits_to_keep=1)
                     logits = out.logits[0, -1].float()
         elif teacher_force and len(forced) >= 2:
-            tf_cache = copy.deepcopy(pre.cache)
+            tf_cache = copy.deepcopy(base)
             rows = []
             for tok in forced[:-1]:
                 out = timer.forward(model, input_ids=_ids([tok], device), past_key_values=tf_cache, use_cache=True)
