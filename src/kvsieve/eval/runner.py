@@ -258,17 +258,6 @@ def _records_prompt(session: Any) -> bool:
     return session is not None and isinstance(session.method, PrefillMethod)
 
 
-def _prefill_in_session(model: Any, sample: task_registry.Sample, upto: int, timer: Timer):
-    """``(cache, last logits)`` of the prompt's first ``upto`` tokens, run inside the open session."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    device = next(model.parameters()).device
-    out = timer.forward(model, input_ids=_ids(sample.input_ids[:upto], device), past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
-    return cache, out.logits[0, -1].float()
-
-
 def _stateless(session: Any) -> bool:
     return session is None or not any(bool(v) for v in session.layer_state.values())
 
@@ -303,8 +292,9 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
         if _records_prompt(session):
             # A prefill method (Sketch&Walk) keeps what its decode needs from the prompt's forward, queries
             # included: the prompt is run again inside the session (exact under phase="decode").
-            base, logits = _prefill_in_session(model, sample, pre.prefilled, timer)
-            cache = base
+            again = prefill(model, sample, cfg.phase, timer)
+            base = cache = again.cache
+            logits = again.last_logits
         if cfg.phase == "question" and question:
             run = forced[:-1] if len(forced) > len(question) else question
             out = timer.forward(model, input_ids=_ids(run, device), past_key_values=cache, use_cache=True)

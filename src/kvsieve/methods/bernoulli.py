@@ -51,7 +51,7 @@ from ..kernels.santa.reference import (
 )
 from ..kernels.santa.systematic import inverse_cdf
 from .shared.backend import BACKENDS, choose_path, kernel_operands, triton_unsupported
-from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws, sampled_v_read
 from .shared.selection import Draws, uniforms
 
 VALUE_STAGES = ("exact", "santa", "santa-strat", "santa-sys", "santa-prop", "santa-flash")
@@ -262,17 +262,9 @@ class BernoulliQK(Method):
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, c.budget)
 
         def stats():
-            more = {"draws": c.draws, "samples": budgets.sum(-1).to(torch.float64).mean(), "tile_size": tile}
-            if counts is not None:
-                v_read = counts > 0
-            else:
-                v_read = torch.arange(inputs.n_keys, device=q.device) < budgets.sum(-1)[..., None]
-                more["v_rows_read_is"] = "samples drawn (an upper bound; per-key counts were off)"
-            exact_rows = 0
-            if c.exact_when_covered:
-                covered = covered_rows(inputs, c.budget)
-                v_read = torch.where(covered[:, None, None], inputs.key_mask[:, None, :], v_read)
-                exact_rows = covered.sum()
+            drawn = budgets.sum(-1).to(torch.float64)  # [R, Hq]
+            v_read, exact_rows, more = sampled_v_read(inputs, counts, drawn, c.budget, c.exact_when_covered)
+            more.update(draws=c.draws, samples=drawn.mean(), tile_size=tile)
             read_group = torch.arange(q.shape[-1], device=q.device) < n_feat[..., None]  # counts matter, not which
             read_head = read_group.repeat_interleave(inputs.group, 1)
             return self._stats(inputs, v_read, read_head, read_group, exact_rows, more, "triton")

@@ -32,7 +32,7 @@ from ..kernels.santa.reference import (
     santa_prop_reference,
 )
 from .shared.backend import BACKENDS, choose_backend, kernel_operands
-from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws
+from .shared.exact import compute_dtype, covered_rows, merge_exact_rows, row_draws, sampled_v_read
 from .shared.selection import uniforms
 
 
@@ -121,17 +121,8 @@ class _SantaTiled(Method):
 
         def stats():
             drawn = samples().to(torch.float64)  # [B, Hq]
-            more = {"samples": drawn.mean()}
-            if counts is not None:
-                v_read = counts > 0
-            else:  # the first `samples` keys stand in for the rows read: counts, not which rows
-                v_read = torch.arange(inputs.n_keys, device=drawn.device) < drawn[..., None]
-                more["v_rows_read_is"] = "samples drawn (an upper bound; per-key counts were off)"
-            exact_rows = 0
-            if self.config.exact_when_covered:
-                covered = covered_rows(inputs, budget)
-                v_read = torch.where(covered[:, None, None], inputs.key_mask[:, None, :], v_read)
-                exact_rows = covered.sum()
+            v_read, exact_rows, more = sampled_v_read(inputs, counts, drawn, budget, self.config.exact_when_covered)
+            more["samples"] = drawn.mean()
             return read_stats(inputs, v_read, backend="triton", exact_rows=exact_rows, extra=more)
 
         return out, StepStats.deferred(stats, "triton", extra)

@@ -26,15 +26,14 @@ from __future__ import annotations
 import torch
 
 from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
-from ..santa.common import begin_call, pdl_available
-from ..santa.reference import santa_prop_reference
+from ..santa.common import begin_call
+from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
 from ..triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
-from .feature_major import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
-from .reference import estimated_scores, mean_group_query
+from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
+from .reference import check_draws, estimated_scores, mean_group_query
 
 STREAM_KEY = (STREAM_BERNOULLI * GOLDEN) & MASK32
-FEATURE_BLOCK = 16
 
 if triton is not None:
     import triton.language as tl
@@ -143,8 +142,7 @@ def check_bernoulli_prop_inputs(q, kt, v, lens, draws: int, norm_factor: float) 
                          f"strides {kt.stride()}")
     if lens.shape != (r,) or lens.dtype != torch.int32:
         raise ValueError(f"lens: expected int32 [{r}], got {lens.dtype} {tuple(lens.shape)}")
-    if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
-        raise ValueError(f"draws: expected an integer >= 1, got {draws!r}")
+    check_draws(draws)
     if not 1.0 <= norm_factor < float("inf"):
         raise ValueError(f"norm_factor: expected a finite number >= 1, got {norm_factor!r}")
 
@@ -213,12 +211,11 @@ def bernoulli_prop_reference(q, k, v, lens, scale: float, draws: int, budget: in
                                    check_values=False)
     valid = torch.arange(n, device=q.device)[None, :] < lens[:, None].to(q.device)
     scores = estimated_scores(q_est.reshape(r, hq, d), k, scale, valid)
-    t = -(-n // tile)
+    t = n_tiles(n, tile)
     sample = santa_prop_reference(scores, v, budget, tile, rounding=rounding,
                                   budget_offset=budget_uniforms(v_seed, r, hq, lens, q.device),
                                   tile_offsets=tile_uniforms(v_seed, r, hq, t, lens, q.device))
     return sample, read
 
 
-__all__ = ["FEATURE_BLOCK", "bernoulli_prop_reference", "bernoulli_prop_triton", "check_bernoulli_prop_inputs",
-           "pdl_available"]
+__all__ = ["bernoulli_prop_reference", "bernoulli_prop_triton", "check_bernoulli_prop_inputs"]

@@ -50,6 +50,27 @@ def merge_exact_rows(
     return out, v_read, n_rows
 
 
+def sampled_v_read(inputs: DecodeInputs, counts: torch.Tensor | None, drawn: torch.Tensor, budget: int,
+                   exact_when_covered: bool) -> tuple[torch.Tensor, torch.Tensor | int, dict]:
+    """The V rows a S²ANTA kernel path read, for its stats: ``(v_read [R, Hq, N], exact_rows, extra)``.
+
+    ``counts [R, Hq, N]`` are the kernel's per-key counts, or None when the caller turned them off; then
+    the first ``drawn [R, Hq]`` keys stand in (the samples drawn: an upper bound on the distinct rows, and
+    ``extra`` says so). Rows the budget covers read every valid key (they ran exact attention)."""
+    extra = {}
+    if counts is not None:
+        v_read = counts > 0
+    else:
+        v_read = torch.arange(inputs.n_keys, device=drawn.device) < drawn[..., None]
+        extra["v_rows_read_is"] = "samples drawn (an upper bound; per-key counts were off)"
+    exact_rows = 0
+    if exact_when_covered:
+        covered = covered_rows(inputs, budget)
+        v_read = torch.where(covered[:, None, None], inputs.key_mask[:, None, :], v_read)
+        exact_rows = covered.sum()
+    return v_read, exact_rows, extra
+
+
 def row_draws(inputs: DecodeInputs, seed) -> RowStreams | torch.Generator:
     """Where a stochastic method's numbers come from: the row streams of a key, or a generator."""
     if isinstance(seed, RandomKey):
