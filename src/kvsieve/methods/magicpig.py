@@ -15,6 +15,15 @@ Key codes are kept in ``state`` and extended incrementally; a new key longer tha
 bound ``M`` makes every code be recomputed (``M`` changed). The centering mean is fixed at the
 first call of a request (the prefill keys). Hyperplanes come from ``hash_seed`` and stay fixed for
 the request, as LSH tables do.
+
+``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same retrieval
+(codes, collisions, probabilities and the budget's uniform cap: torch ops on the same counter-based
+draws, no host read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`)
+with sink and window as key ranges and the kept keys as an index list weighted ``1/p`` (``p`` scaled
+by ``cap / R`` when capped), which is the importance-weighted ratio estimator above; elsewhere the
+torch reference. The list is as wide as the cap when there is one, else N (retrieval has no bound
+known on the host). "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
@@ -30,8 +39,10 @@ from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import STREAM_CAP, derive_seed
 from ..core.sync import any_or_true
-from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
-from .shared.selection import compact, require_size, resolve_size, uniforms, union
+from .shared.backend import BACKENDS
+from .shared.base import SinkWindowConfig, fixed_part
+from .shared.selection import compact, require_size, resolve_size, size_bound, uniforms
+from .shared.staged import StagedSelection, Stages
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,9 @@ class MagicPigConfig(SinkWindowConfig):
     transform: Literal["mips", "center"] = param(
         "mips", "'mips' (SimpleLSH, the vAttention paper's MagicPig-B) or 'center' (MagicPIG code)")
     hash_seed: int = param(0, "seed of the hyperplanes (fixed for a request)")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the same retrieval through the Triton sparse kernel on CUDA, else the torch reference; "
+                "reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,6 +67,7 @@ class MagicPigConfig(SinkWindowConfig):
         require_size("budget", self.budget)
         require_choice("transform", self.transform, ("mips", "center"))
         require_int("hash_seed", self.hash_seed, minimum=0)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 def _codes(x: torch.Tensor, proj: torch.Tensor, bits: int, tables: int) -> torch.Tensor:
@@ -130,7 +145,7 @@ class _KeyHashes:
 
 
 @register_method
-class MagicPig(SelectionMethod):
+class MagicPig(StagedSelection):
     name = "magicpig"
     config_class = MagicPigConfig
     summary = "MagicPIG: sink + window + SimHash-LSH retrieval weighted by 1/P(retrieved)"
@@ -145,7 +160,7 @@ class MagicPig(SelectionMethod):
                   "even retrieving every key gives weights ≠ 1 (an importance-weighted estimate); only a "
                   "sink + window that covers the context is exact")
 
-    def select(self, inputs, gen, state):
+    def stages(self, inputs, gen, state):
         cfg = self.config
         b, hq, n = inputs.batch, inputs.heads, inputs.n_keys
         fixed, available = fixed_part(self, inputs)
@@ -169,6 +184,7 @@ class MagicPig(SelectionMethod):
                 p = p * torch.where(over, cap.double() / r.clamp(min=1).double(), 1.0)[..., None]
         weights = 1.0 / p.clamp(min=1e-300)
         idx = torch.arange(n, device=inputs.q.device).expand(b, hq, n)
-        sampled = compact(idx, keep, weights)
-        extra = {"retrieved": r.double().mean(), "kept": keep.sum(-1).double().mean()}
-        return Selected(union(fixed, sampled), extra=extra)
+        # A cap bounds the kept keys: the list is that wide on the device, not N.
+        sampled = compact(idx, keep, weights, bound=None if cfg.budget == 0 else size_bound(cfg.budget, n))
+        return Stages(fixed, sampled, extra=lambda: {"retrieved": r.double().mean(),
+                                                     "kept": sampled.counts.double().mean()})

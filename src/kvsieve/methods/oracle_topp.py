@@ -1,4 +1,12 @@
-"""``oracle-topp``: sink + window + the fewest highest-probability keys reaching attention mass p (an oracle)."""
+"""``oracle-topp``: sink + window + the fewest highest-probability keys reaching attention mass p (an oracle).
+
+``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection (the
+softmax over every key and the threshold bisection, torch ops with no host read) handed to the Triton
+weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and window as key ranges and the
+chosen keys as an index list at weight 1 (the renormalised estimate); elsewhere the torch reference.
+"reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats.extra["backend_reason"]`` why the kernel did not.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,13 @@ from typing import Literal
 
 import torch
 
-from ..core.config import param, require_fraction
+from ..core.config import param, require_choice, require_fraction
 from ..core.registry import register_method
-from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
+from .shared.backend import BACKENDS
+from .shared.base import SinkWindowConfig, fixed_part
 from .shared.exact import compute_dtype
-from .shared.selection import top_p, union
+from .shared.selection import top_p
+from .shared.staged import StagedSelection, Stages
 
 
 @dataclass(frozen=True)
@@ -21,16 +31,20 @@ class OracleTopPConfig(SinkWindowConfig):
         "total", "'total': sink+window mass counts toward top_p (smallest set of the whole "
                       "softmax); 'residual': top_p of the mass left after sink+window (sparse-attention-hub)")
     share_kv_group: bool = param(False, "one selection per KV head shared by its query heads (summed mass)")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the same selection through the Triton sparse kernel on CUDA, else the torch reference; "
+                "reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_fraction("top_p", self.top_p, high_open=False)
         if self.mass not in ("total", "residual"):
             raise ValueError(f"mass: expected one of total, residual, got {self.mass!r}")
+        require_choice("backend", self.backend, BACKENDS)
 
 
 @register_method
-class OracleTopP(SelectionMethod):
+class OracleTopP(StagedSelection):
     name = "oracle-topp"
     config_class = OracleTopPConfig
     summary = "sink + window + the fewest highest-probability keys reaching attention mass p"
@@ -39,7 +53,7 @@ class OracleTopP(SelectionMethod):
     multi_row = True
     graph_capturable = True
 
-    def select(self, inputs, gen, state):
+    def stages(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)
         heads = fixed.heads
         # float64 probabilities from a product in the compute dtype (no float64 copy of K)
@@ -53,5 +67,4 @@ class OracleTopP(SelectionMethod):
             target = torch.clamp(p - (1.0 - rest), min=0.0)  # mass still missing after sink+window
         else:
             target = p * rest
-        chosen = union(fixed, top_p(probs, available, target))
-        return Selected(chosen, scored=None)
+        return Stages(fixed, top_p(probs, available, target), scored=None)

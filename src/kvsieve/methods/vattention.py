@@ -21,6 +21,15 @@ rounded up and clamped to ``[1, n_s]`` (``budget_floor=base``: the hub's ``[|bas
 budget of ``n_s`` takes the whole residual at weight 1 (exact). Flags reproduce the
 sparse-attention-hub code where it differs from the paper: ``replacement``, ``residual``,
 ``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
+
+``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection
+(predictor, base sample, budget, residual sample: torch ops on the same counter-based draws, no host
+read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`), which computes
+the ratio estimator above as ``Σ w e^s v / Σ w e^s`` — sink and window as key ranges at weight 1, the
+predicted top-k (weight 1) and the residual sample (weight ``n_s / b``) as one index list; elsewhere the
+torch reference. The sample's list is as wide as the residual can be (N): ``b`` is data-dependent and
+has no smaller bound known on the host. "reference" and "triton" force a path; ``stats.backend`` names
+the path that ran, ``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import STREAM_SUBSET2
 from ..kernels.sparse.weighted import gather_rows
-from .shared.base import Selected, SelectionMethod, SinkWindowConfig, ranking_scores
+from .shared.backend import BACKENDS
+from .shared.base import SinkWindowConfig, ranking_scores
 from .shared.pages import quest_top_tokens
 from .shared.selection import (
     IndexSet,
@@ -51,6 +61,7 @@ from .shared.selection import (
     uniform_sample,
     union,
 )
+from .shared.staged import StagedSelection, Stages
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,9 @@ class VAttentionConfig(SinkWindowConfig):
         "one", "smallest budget: 'one' (paper: no clamp given) or 'base' (hub: the base-sample size)")
     grid: int = param(19, "grid points per axis for the (ε', δ') split of bound=full")
     share_kv_group: bool = param(False, "one selection per KV head for its query heads (budget = max over the group)")
+    backend: Literal["auto", "reference", "triton"] = param(
+        "auto", "auto: the same selection through the Triton sparse kernel on CUDA, else the torch reference; "
+                "reference; triton (error if it cannot)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +109,7 @@ class VAttentionConfig(SinkWindowConfig):
         require_choice("residual", self.residual, ("excludes-topk", "includes-topk"))
         require_choice("budget_floor", self.budget_floor, ("one", "base"))
         require_int("grid", self.grid, minimum=1)
+        require_choice("backend", self.backend, BACKENDS)
 
 
 def normal_quantile(delta: torch.Tensor | float, two_sided: bool) -> torch.Tensor:
@@ -152,7 +167,7 @@ def _logits(inputs: DecodeInputs, s: IndexSet) -> torch.Tensor:
 
 
 @register_method
-class VAttention(SelectionMethod):
+class VAttention(StagedSelection):
     name = "vattention"
     config_class = VAttentionConfig
     summary = "vAttention: sink + window + top-k + uniform sample of the rest, budget from (ε, δ)"
@@ -210,7 +225,7 @@ class VAttention(SelectionMethod):
             b = full_budget(cfg, n_s_q, sigma, d_hat, tr, n_hat.norm(dim=-1))
         return torch.nan_to_num(b, nan=0.0, posinf=float("inf"))
 
-    def select(self, inputs, gen, state):
+    def stages(self, inputs, gen, state):
         cfg = self.config
         heads = self.selection_heads(inputs)
         fixed = sink_and_window(inputs, cfg.sink, cfg.window, heads)
@@ -235,25 +250,29 @@ class VAttention(SelectionMethod):
             # keeps weight 1, i.e. the sample entry is dropped.
             in_top = torch.gather(top.mark(inputs.n_keys), 2, dyn.indices)
             dyn = compact(dyn.indices, dyn.used() & ~in_top, dyn.weights)
-        chosen = union(static, dyn)
 
         scored = [base]
         if cfg.predictor == "oracle":
             scored = None  # every key scored
-        extra = {
-            "budget_per_head": b_int.double(),
-            "budget": b_int.double().mean(),
-            "budget_raw": torch.clamp(b, max=float(inputs.n_keys)).mean(),
-            "base_sample": n_base.double().mean(),
-            "residual_keys": n_s.double().mean(),
-            "fixed_keys": static.counts.double().mean(),
-            "sampled_fraction": (b_int.double() / n_s.clamp(min=1).double()).mean(),
-            "epsilon": cfg.epsilon,
-            "delta": cfg.delta,
-            "bound": cfg.bound,
-        }
+        n_keys = float(inputs.n_keys)
+
+        def extra():
+            return {
+                "budget_per_head": b_int.double(),
+                "budget": b_int.double().mean(),
+                "budget_raw": torch.clamp(b, max=n_keys).mean(),
+                "base_sample": n_base.double().mean(),
+                "residual_keys": n_s.double().mean(),
+                "fixed_keys": static.counts.double().mean(),
+                "sampled_fraction": (b_int.double() / n_s.clamp(min=1).double()).mean(),
+                "epsilon": cfg.epsilon,
+                "delta": cfg.delta,
+                "bound": cfg.bound,
+            }
+
         v_extra = [base] if cfg.bound == "full" else []  # V rows read for Tr Σ̂ and ‖N̂‖
-        return Selected(chosen, scored=scored, v_extra=v_extra, extra=extra)
+        # fixed, then top-k, then the sample: the order (and so the sums) of union(static, dyn)
+        return Stages(fixed, union(top, dyn), scored=scored, v_extra=v_extra, extra=extra)
 
     def sample_residual(self, residual: torch.Tensor, b: torch.Tensor, n_s: torch.Tensor,
                         gen: torch.Generator) -> IndexSet:

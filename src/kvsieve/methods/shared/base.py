@@ -17,6 +17,7 @@ from ...core.config import MethodConfig, param, require_int
 from ...core.inputs import DecodeInputs
 from ...core.method import Method, read_stats
 from ...core.rng import RandomKey, RowStreams, as_generator
+from ...core.stats import StepStats
 from ...kernels.sparse.weighted import weighted_sparse_decode
 from .exact import compute_dtype
 from .selection import (
@@ -86,13 +87,20 @@ class SelectionMethod(Method):
                              "give sink, window or a budget > 0")
         out, lse = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, chosen.indices, chosen.counts,
                                           chosen.weights, scale=inputs.scale, check=False)
-        k_scored = None if sel.scored is None else kv_union_count(inputs, chosen, *sel.scored)
-        v_read = v_read_mask(inputs, chosen)
-        for s in sel.v_extra:
-            v_read = v_read | v_read_mask(inputs, s)
-        stats = read_stats(inputs, v_read, k_scored=k_scored,
-                           exact_rows=exact_row_count(inputs, chosen), extra=sel.extra)
-        return out.to(compute_dtype(inputs)), stats
+        return out.to(compute_dtype(inputs)), selection_stats(inputs, sel)
+
+
+def selection_stats(inputs: DecodeInputs, sel: Selected, backend: str = "reference") -> StepStats:
+    """The stats of a selection: V rows of ``chosen`` and ``v_extra`` read, K rows of ``chosen`` and
+    ``scored`` scored (every valid key when ``scored`` is None). Shared by the reference decode and the
+    kernel paths that run the same selection (:mod:`kvsieve.methods.shared.staged`)."""
+    chosen = sel.chosen
+    k_scored = None if sel.scored is None else kv_union_count(inputs, chosen, *sel.scored)
+    v_read = v_read_mask(inputs, chosen)
+    for s in sel.v_extra:
+        v_read = v_read | v_read_mask(inputs, s)
+    return read_stats(inputs, v_read, k_scored=k_scored, backend=backend,
+                      exact_rows=exact_row_count(inputs, chosen), extra=sel.extra)
 
 
 def fixed_part(method: SelectionMethod, inputs: DecodeInputs) -> tuple[IndexSet, torch.Tensor]:

@@ -92,15 +92,17 @@ def empty_set(batch: int, heads: int, device: torch.device) -> IndexSet:
     )
 
 
-def compact(indices: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor | None) -> IndexSet:
+def compact(indices: torch.Tensor, keep: torch.Tensor, weights: torch.Tensor | None,
+            bound: int | None = None) -> IndexSet:
     """Keep the entries where ``keep`` is True, moved to the front of each row (order preserved).
 
     O(M) per row: each kept entry goes to slot ``cumsum(keep) − 1``; dropped ones to a spare slot.
-    The width is the largest count where the host may read it (CPU), else the input width M (no
-    host synchronisation; the extra columns are padding).
+    The width is the largest count where the host may read it (CPU), else the input width M or
+    ``bound``, a host-known bound of the counts the caller guarantees (no host synchronisation; the
+    extra columns are padding).
     """
     counts = keep.sum(-1)
-    width = max_or_bound(counts, keep.shape[-1])
+    width = max_or_bound(counts, keep.shape[-1] if bound is None else min(int(bound), keep.shape[-1]))
     dest = torch.where(keep, torch.cumsum(keep, dim=-1) - 1, width)
     shape = (*keep.shape[:-1], width + 1)
     idx = torch.zeros(shape, dtype=indices.dtype, device=indices.device).scatter_(-1, dest, indices)[..., :width]

@@ -1,0 +1,89 @@
+"""Sampling and selection methods whose estimate the weighted sparse Triton kernel computes.
+
+``random``, ``vattention``, ``magicpig`` and ``oracle-topp`` select keys with torch ops that read
+nothing on the host (the decode contract), so their selection already runs on the device. What their
+reference adds is the estimate: a gather of the chosen K/V rows and ``Σ w e^s v / Σ w e^s`` in torch.
+Their kernel path keeps the selection — the same code on the same counter-based random numbers, so
+both paths choose the same keys at the same weights — and hands it to
+:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`: sink and window as the kernel's
+dense ranges (weight 1, read contiguously, no index list), the method's own keys (top-k, sample,
+retrieved keys) as an index list per (batch row, selection head) with their weights ``1/p``.
+
+That needs the selection before sink and window are merged into it, hence :class:`Stages`; a method's
+``select`` (its reference) is the union of its stages, so the two paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.inputs import DecodeInputs
+from ...core.stats import StepStats
+from .backend import choose_path, kernel_operands
+from .base import Selected, SelectionMethod, selection_stats
+from .selection import IndexSet, union
+from .sparse_path import sparse_unsupported
+
+
+@dataclass
+class Stages:
+    """A selection split where the kernel splits it.
+
+    ``fixed``: sink + window at weight 1 (``sink_and_window`` of the method's config: exactly the
+    kernel's dense ranges on a prefix of each row). ``rest``: the method's own weighted keys, disjoint
+    from ``fixed``. ``scored``, ``v_extra`` as in :class:`~kvsieve.methods.shared.base.Selected`;
+    ``extra``: the stats extras, or a function building them (kept lazy on the kernel path, where a
+    call whose stats nobody reads should launch nothing for them).
+    """
+
+    fixed: IndexSet
+    rest: IndexSet
+    scored: list[IndexSet] | None = field(default_factory=list)
+    v_extra: list[IndexSet] = field(default_factory=list)
+    extra: dict[str, Any] | Callable[[], dict[str, Any]] = field(default_factory=dict)
+
+    def selected(self) -> Selected:
+        extra = self.extra() if callable(self.extra) else self.extra
+        return Selected(union(self.fixed, self.rest), self.scored, self.v_extra, extra)
+
+
+class StagedSelection(SelectionMethod):
+    """A selection method with a ``backend`` config field whose estimate the weighted sparse kernel
+    computes; subclasses implement :meth:`stages`."""
+
+    def stages(self, inputs: DecodeInputs, gen, state: dict[str, Any]) -> Stages:
+        raise NotImplementedError
+
+    def select(self, inputs, gen, state):
+        return self.stages(inputs, gen, state).selected()
+
+    def _decode(self, inputs, seed, state):
+        cfg = self.config
+        path, reason = choose_path(cfg.backend, inputs, lambda: sparse_unsupported(inputs))
+        if path == "reference":
+            out, stats = super()._decode(inputs, seed, state)
+            if reason is not None:
+                stats.extra["backend_reason"] = reason
+            return out, stats
+        from ...kernels.sparse.weighted_triton import sparse_decode_triton
+
+        st = self.stages(inputs, self.row_streams(inputs, seed), state)
+        rest = st.rest
+        if cfg.sink + cfg.window == 0 and (rest.width == 0 or (inputs.checked and int(rest.counts.min()) < 1)):
+            # The reference raises the same error (it reads the counts only when the call is checked;
+            # unchecked, the kernel gives such a head out = 0 instead of NaN).
+            raise ValueError(f"{self.name}: the configuration selected no key for some head; "
+                             "give sink, window or a budget > 0")
+        q, k, v, lens = kernel_operands(inputs)
+        idx = counts = weights = None
+        if rest.width > 0:
+            idx, counts, weights = rest.indices, rest.counts, rest.weights
+        out, _ = sparse_decode_triton(q, k, v, idx, counts, weights, lengths=lens, sink=cfg.sink,
+                                      window=cfg.window, scale=inputs.scale)
+        return out, StepStats.deferred(lambda: selection_stats(inputs, st.selected(), backend="triton"), "triton",
+                                       {"kernel": "sparse_decode_triton"})
+
+
+__all__ = ["Stages", "StagedSelection"]
