@@ -509,6 +509,30 @@ def test_fit_resumes_by_layer_and_refuses_another_model(tmp_path):
                  texts=TEXTS, log=lambda s: None)
 
 
+@pytest.mark.gpu
+def test_fit_on_cuda_equals_the_cpu_fit_up_to_rounding(tmp_path):
+    """The same random choices (one CPU generator) and the same fit up to float32 rounding."""
+    from safetensors.torch import load_file
+
+    kw = {"texts": TEXTS, "log": lambda s: None}
+    cpu = fit_saap(FitConfig(**FIT), tmp_path / "cpu", model_and_tokenizer=(tiny_llama(), CharTokenizer()), **kw)
+    gpu = fit_saap(FitConfig(**FIT), tmp_path / "gpu", model_and_tokenizer=(tiny_llama(), CharTokenizer()),
+                   device="cuda", **kw)
+    assert gpu["complete"] and gpu["wall_s"]["layers"]["1"]["device"].startswith("cuda")
+    for layer in (1, 2):
+        assert gpu["layer_metrics"][str(layer)]["train_queries"] == cpu["layer_metrics"][str(layer)]["train_queries"]
+        a = load_file(str(tmp_path / "cpu" / f"layer_{layer:03d}.safetensors"))
+        b = load_file(str(tmp_path / "gpu" / f"layer_{layer:03d}.safetensors"))
+        assert a.keys() == b.keys()
+        # k-means runs on the CPU in both; its inputs differ by rounding only
+        torch.testing.assert_close(b["centroids"], a["centroids"], atol=1e-2, rtol=0)
+        # 200 Adam steps amplify rounding in the weights; the fitted loss and recall must agree
+        m_cpu, m_gpu = cpu["layer_metrics"][str(layer)], gpu["layer_metrics"][str(layer)]
+        assert m_gpu["train_kl"] == pytest.approx(m_cpu["train_kl"], rel=0.1, abs=1e-3)
+        for key in (k for k in m_cpu if k.startswith("recall@")):
+            assert abs(m_gpu[key] - m_cpu[key]) < 0.05, key
+
+
 def test_cli_checks_arguments_before_loading_the_model(tmp_path, capsys):
     from kvsieve.cli.main import main
 

@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--layers", default="", help="comma-separated layers to fit (default: every layer >= 1)")
     s.add_argument("--keep-dumps", action="store_true", help="keep the q/k dumps (DIR/dumps) after a complete fit")
     s.add_argument("--overwrite", action="store_true", help="replace a fit with other settings in --out")
+    s.add_argument("--device", default=None,
+                   help="run the prefills, labels and classifier there, e.g. cuda (default: cpu); k-means stays on "
+                        "FAISS's CPU path")
     s.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     s.set_defaults(handler=run_saap)
 
@@ -72,7 +75,9 @@ def run_saap(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in _FIELDS if getattr(args, name) is not None}
     cfg = FitConfig(causal_labels=not args.non_causal_labels, layers=layers, **given)
     cfg.validate()  # before loading the model
-    manifest = fit_saap(cfg, args.out, keep_dumps=args.keep_dumps, overwrite=args.overwrite)
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device} asked for, but torch sees no CUDA device")
+    manifest = fit_saap(cfg, args.out, keep_dumps=args.keep_dumps, overwrite=args.overwrite, device=args.device)
     wall = manifest["wall_s"]
     print(f"SAAP artifacts in {args.out}: layers {manifest['layers_done']}, complete={manifest['complete']}; "
           f"wall time {wall['total']:.0f} s (collect {wall['collect']:.0f} s), this run {wall['this_run']:.0f} s")

@@ -154,8 +154,8 @@ def spherical_kmeans(x: torch.Tensor, clusters: int, *, niter: int, seed: int) -
         raise ValueError(f"clusters: C = {clusters} is larger than the {n} keys available to fit it; "
                          "lower --clusters or give more text")
     km = faiss.Kmeans(d, clusters, niter=niter, spherical=True, seed=seed, verbose=False)
-    km.train(np.ascontiguousarray(x.float().numpy()))
-    return torch.from_numpy(km.centroids.copy())
+    km.train(np.ascontiguousarray(x.float().cpu().numpy()))
+    return torch.from_numpy(km.centroids.copy()).to(x.device)
 
 
 # ---- the fit ---------------------------------------------------------------------------------------
@@ -307,12 +307,13 @@ def layer_labels(
     candidates (the paper's pass rate, 21 %; ties broken at random)."""
     p_count, hq, t, _ = q.shape
     group = hq // k.shape[1]
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=q.device)
     lo = min(cfg.window + 1, t - 1)
     cands, dists, ys_all = [], [], []
     for p in range(p_count):
         for h in range(hq):
-            cand = lo + torch.randperm(t - lo, generator=gen)[:queries]
+            # drawn on the CPU generator whatever the device, so a fit's choices do not depend on it
+            cand = (lo + torch.randperm(t - lo, generator=gen)[:queries]).to(q.device)
             ys = []
             for assign in assigns:
                 y, top1 = bucket_mass(q[p, h, cand], cand, k[p, h // group], pos, assign[p, h // group],
@@ -329,9 +330,9 @@ def layer_labels(
         keep_all = d_all > cfg.long_range
     else:
         n_keep = int(round(cfg.long_range_keep * int(usable.sum())))
-        jitter = torch.rand(len(d_all), generator=gen)  # random order among equal distances
+        jitter = torch.rand(len(d_all), generator=gen).to(d_all.device)  # random order among equal distances
         order = torch.argsort(d_all.double() + jitter.double() * 0.5, descending=True)
-        keep_all = torch.zeros(len(d_all), dtype=torch.bool)
+        keep_all = torch.zeros(len(d_all), dtype=torch.bool, device=d_all.device)
         keep_all[order[:n_keep]] = True
         keep_all &= usable
     stats = {"kept_fraction": round(float(keep_all.float().mean()), 4),
@@ -371,12 +372,12 @@ def train_classifier(
         raise ValueError("long_range: fewer than 2 training queries passed the long-range filter for some head; "
                          "give more text (--prompts, --queries) or lower --long-range")
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-    net = QueryClassifier(models, d, cfg.hidden, cfg.clusters)
+    net = QueryClassifier(models, d, cfg.hidden, cfg.clusters).to(x[0].device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     net.train()
     tail = []
     for step in range(cfg.steps):
-        picks = [torch.randint(0, len(xm), (cfg.batch,), generator=gen) for xm in x]
+        picks = [torch.randint(0, len(xm), (cfg.batch,), generator=gen).to(xm.device) for xm in x]
         xb = torch.stack([xm[i] for xm, i in zip(x, picks, strict=True)])
         yb = torch.stack([ym[i] for ym, i in zip(y, picks, strict=True)])
         logp = torch.log_softmax(net(xb), dim=-1)
@@ -393,7 +394,7 @@ def train_classifier(
 def classifier_logits(net: QueryClassifier, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits of model ``m`` for rows ``xs[m] [R_m, d]`` (eval mode; rows padded to one batch)."""
     width = max(len(x) for x in xs)
-    batch = torch.zeros(len(xs), max(width, 1), xs[0].shape[-1])
+    batch = torch.zeros(len(xs), max(width, 1), xs[0].shape[-1], device=xs[0].device)
     for m, x in enumerate(xs):
         batch[m, : len(x)] = x
     with torch.no_grad():
@@ -425,7 +426,7 @@ def recall_metrics(
     p_count, hq, t, _ = q.shape
     hkv = k.shape[1]
     group = hq // hkv
-    pos = torch.arange(t)
+    pos = torch.arange(t, device=q.device)
     models = net.w1.shape[0]
     assigns = {"kmeans": assign_all(rope.invert(k, pos[None, None, :]), cent, cfg.sink),
                "kmeans-roped": assign_all(k, cent_roped, cfg.sink)}
@@ -434,7 +435,7 @@ def recall_metrics(
     count = 0
     lo = max(cfg.window + 1, t // 2)
     for p in range(p_count):
-        cand = lo + torch.randperm(t - lo, generator=gen)[:queries]
+        cand = (lo + torch.randperm(t - lo, generator=gen)[:queries]).to(q.device)
         for g in range(hkv):
             heads = list(range(g * group, (g + 1) * group))
             mass = {name: [bucket_mass(q[p, h, cand], cand, k[p, g], pos, assigns[name][p, g], cfg.clusters,
@@ -442,7 +443,7 @@ def recall_metrics(
                     for name in ("kmeans", "kmeans-roped")}
             mass["saap"] = mass["kmeans"]
             q_pre = [rope.invert(q[p, h, cand], cand) for h in heads]
-            xs = [torch.zeros(0, q.shape[-1])] * models
+            xs = [torch.zeros(0, q.shape[-1], device=q.device)] * models
             if models == hq:
                 for i, h in enumerate(heads):
                     xs[h] = q_pre[i]
@@ -483,8 +484,13 @@ def fit_saap(
     log: Callable[[str], None] = print,
     model_and_tokenizer: tuple[Any, Any] | None = None,
     texts: list[str] | None = None,
+    device: str | torch.device | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) a fit into ``out``; returns the manifest.
+
+    ``device`` runs the model's prefills, the labels, the classifier and the recall metrics there
+    (default: where the model is); k-means stays on FAISS's CPU path. The random choices come from a CPU
+    generator either way, so a GPU fit differs from a CPU one only by floating-point rounding.
 
     ``model_and_tokenizer`` and ``texts`` replace ``cfg.model`` and the training essays (tests use a
     tiny random model; the manifest then names ``cfg.model`` and ``"custom texts"``).
@@ -501,6 +507,9 @@ def fit_saap(
         model, tokenizer = load_model(cfg.model)
     else:
         model, tokenizer = model_and_tokenizer
+    if device is not None:
+        model.to(device)
+    dev = next(model.parameters()).device
     shape = model_shape(model)
     rope = model_rope(model)
     hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
@@ -551,15 +560,16 @@ def fit_saap(
         model.eval()
         dumps.collect(model, prompts, log)
         manifest["wall_s"]["collect"] = round(dumps.wall_s, 2)
+        manifest["wall_s"]["collect_device"] = str(dev)
     scale = d ** -0.5
     gen = torch.Generator().manual_seed(cfg.seed)
     todo = [li for li in layers if li not in manifest["layers_done"]]
     for layer in _progress(todo, desc="fit layers", total=len(todo)):
         t0 = time.perf_counter()
         gen.manual_seed(cfg.seed * 1_000_003 + layer)  # per layer, so a resumed fit equals an unbroken one
-        q_all, k_all = dumps.load(layer)
+        q_all, k_all = (t.to(dev) for t in dumps.load(layer))
         q, k = q_all[: cfg.prompts], k_all[: cfg.prompts]
-        pos = torch.arange(cfg.prompt_tokens)
+        pos = torch.arange(cfg.prompt_tokens, device=dev)
         k_de = rope.invert(k, pos[None, None, :])
         cent = torch.stack([spherical_kmeans(k_de[:, h, cfg.sink:].reshape(-1, d), cfg.clusters,
                                              niter=cfg.kmeans_iters, seed=cfg.seed + h) for h in range(hkv)])
@@ -576,14 +586,15 @@ def fit_saap(
         if cfg.val_prompts:
             metrics.update(recall_metrics(net, rope, q_all[cfg.prompts:], k_all[cfg.prompts:], cent, cent_r, cfg,
                                           scale, gen, RECALL_PROBES, max(cfg.queries // 8, 16)))
-        tensors = {"centroids": cent.contiguous(), "centroids_roped": cent_r.contiguous()}
-        tensors.update({f"classifier.{n}": v.detach().contiguous() for n, v in net.state_dict().items()})
+        tensors = {"centroids": cent.cpu().contiguous(), "centroids_roped": cent_r.cpu().contiguous()}
+        tensors.update({f"classifier.{n}": v.detach().cpu().contiguous() for n, v in net.state_dict().items()})
         _save_layer(out, layer, tensors)
         manifest["layers_done"] = sorted(manifest["layers_done"] + [layer])
         manifest["layer_metrics"][str(layer)] = metrics
         manifest["wall_s"]["layers"][str(layer)] = {"kmeans": round(t_km, 2), "labels": round(t_lab, 2),
                                                     "train": round(t_train, 2),
-                                                    "total": round(time.perf_counter() - t0, 2)}
+                                                    "total": round(time.perf_counter() - t0, 2),
+                                                    "device": str(dev)}
         _write_json(manifest_path, manifest)
         del q_all, k_all, q, k, k_de
     manifest["complete"] = set(layers) <= set(manifest["layers_done"])
