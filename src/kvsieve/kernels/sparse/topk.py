@@ -34,15 +34,16 @@ if triton is not None:
     import triton.language as tl
 
     from .quest_pages import load_group_queries, score_program
+    from .select_triton import store_softmax_part
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
     def _scores_kernel(
-        q_ptr, k_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr,
+        q_ptr, k_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr,
         scale, sink, window, n_keys, size, max_units,
-        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_o_b, s_o_h,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_o_b, s_o_h, s_p_b, s_p_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, WRITE_PARTS: tl.constexpr,
     ):
         blk, kvh, b, b64, length, sink_end, win_start = score_program(
             lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, 1, WRITE_COUNTS, IS_FRAC)
@@ -61,40 +62,62 @@ if triton is not None:
         s = tl.where(keep[None, :], s, float("-inf"))
         tl.store(out_ptr + b64 * s_o_b + heads[:, None] * s_o_h + offs_n[None, :], s,
                  mask=g_ok[:, None] & (offs_n < n_keys)[None, :])
+        if WRITE_PARTS:  # the group-summed ranking's softmax needs each head's lse over all keys
+            store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, blk, s_p_b, s_p_h, s)
 
 
 def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None,
                   out: torch.Tensor | None = None, *, mask_dense: bool = True, counts: torch.Tensor | None = None,
-                  size: int | float = 0, max_k: int = 0) -> torch.Tensor:
+                  size: int | float = 0, max_k: int = 0,
+                  parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """:func:`scores_reference` in one launch (``lengths`` int32 ``[B]``). bf16/fp16 products are exact
     in the fp32 accumulator; fp32 inputs use IEEE dots. ``mask_dense=False`` masks only keys past the
-    length; with ``counts [B]`` (int64) it also writes the keys each row takes (``size``, ``max_k``)."""
+    length; with ``counts [B]`` (int64) it also writes the keys each row takes (``size``, ``max_k``); with
+    ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(N / score_block(d))]`` each block's softmax
+    partials (for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
     scale, out, frac, count, is_frac = score_launch_args(q, n, scale, out, size)
-    block_n = 128 if d <= 128 else 64
+    block_n = score_block(d)
+    pm, pl = (out, out) if parts is None else parts
     launch(_scores_kernel, (-(-n // block_n), hkv, b),
-           q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac,
+           q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
            scale, sink, window, n, count, max_k,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
+           pm.stride(0), pm.stride(1),
            G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n,
            MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-           DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_scores_kernel), num_warps=4, num_stages=2)
+           DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_scores_kernel), WRITE_PARTS=parts is not None,
+           num_warps=4, num_stages=2)
     return out
 
 
+def score_block(d: int) -> int:
+    """Keys per program of the scores launch (and per softmax partial) for head dim ``d``."""
+    return 128 if d <= 128 else 64
+
+
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
-                scale: float | None = None, scores: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float | None = None, scores: str = "triton",
+                select: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
     """``oracle-topk``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
-    ``(indices [B, Hs, K], counts [B, Hs])`` with ``K = max(1, max_k)``, highest first; ``Hs = Hkv`` when
+    ``(indices [B, Hs, K], counts [B, Hs])`` with ``K = max(1, max_k)``; ``Hs = Hkv`` when
     ``share_kv_group`` (ranked by the group-summed softmax, each head's softmax over every valid key as in
     the reference) else ``Hq``. ``size``: keys per row (a count or a fraction of its length, as
-    ``resolve_size``). ``scores="reference"`` runs every step in torch."""
+    ``resolve_size``). The first ``counts`` entries of a row are its keys.
+
+    ``select="triton"`` (default): two launches — the scores pass over K (group-summed rows also write
+    per-block softmax partials) and :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`
+    (group sum and exact radix select), keys in ascending order. ``select="torch"``: the earlier path,
+    kept to compare (scores, ``logsumexp`` + group-sum launch, ``torch.topk``; highest first).
+    ``scores="reference"`` runs every step in torch (highest first)."""
     b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     kk = max(1, min(max_k, n))
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
@@ -102,6 +125,22 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
         else:
             s = scores_reference(q, k, lengths, sink, window, scale)
         counts = selection_counts_reference(lengths, size, 1, sink, window, kk)
+    elif scores != "triton":
+        raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
+    elif select == "triton":
+        from .select_triton import topk_rows_triton
+
+        counts = torch.empty(b, device=q.device, dtype=torch.int64)
+        parts = None
+        if share_kv_group:
+            n_blocks = -(-n // score_block(q.shape[-1]))
+            parts = (torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32),
+                     torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32))
+        s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
+                          size=size, max_k=kk, parts=parts)
+        idx = topk_rows_triton(s, counts, kk, group=hq // hkv if share_kv_group else 1, parts=parts,
+                               lengths=lengths, unit=1, sink=sink, window=window)
+        return idx, counts[:, None].expand(b, idx.shape[1])
     else:
         counts = torch.empty(b, device=q.device, dtype=torch.int64)
         s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
@@ -112,4 +151,4 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     return idx, counts[:, None].expand(b, s.shape[1])
 
 
-__all__ = ["scores_reference", "scores_triton", "topk_select"]
+__all__ = ["score_block", "scores_reference", "scores_triton", "topk_select"]
