@@ -226,6 +226,14 @@ def merge_stats(parts: list[StepStats]) -> StepStats:
     """Stats of one call served in parts of equal row counts: means of means, sums of totals."""
     if len(parts) == 1:
         return parts[0]
+    if any(p._pending is not None for p in parts):
+        # Deferred parts (a kernel path's) hold their extras only once built: merge them when read.
+        def merged() -> StepStats:
+            for p in parts:
+                p._resolve()
+            return merge_stats(parts)
+
+        return StepStats.deferred(merged, "+".join(sorted({p.backend for p in parts})))
     n = len(parts)
     mean = lambda key: sum(p.raw(key) for p in parts) / n  # noqa: E731
     total = lambda key: sum(p.raw(key) for p in parts)  # noqa: E731

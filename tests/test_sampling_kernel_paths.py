@@ -1,0 +1,261 @@
+"""The kernel paths of the sampling and selection baselines (issue 15): ``random``, ``vattention``,
+``magicpig`` and ``oracle-topp`` run their own torch selection and hand it to the Triton weighted sparse
+kernel (``methods/shared/staged.py``).
+
+The kernel path must choose what the reference chooses from the same seed (same counter-based draws) and
+compute the same estimator: checked through every stat both paths derive from their selection (keys,
+V rows, K rows scored, bytes, exact rows and the method's extras such as vAttention's budget) and
+through the outputs, on ragged batches, GQA, float32 and bfloat16, one or several query rows per call,
+and a decode loop whose per-request state (MagicPIG's codes, vAttention's Quest page summaries) grows
+with the cache. On the CPU through Triton's interpreter (chosen when triton is imported, hence a
+subprocess); the ``gpu`` twin runs the same cases on CUDA, where ``auto`` must pick the kernel, with no
+host sync and a CUDA-graph replay equal to eager calls. (``tests/test_decode_contract.py``'s GPU tests
+also run these methods with their defaults, which now take the kernel path.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import run_script
+
+CASES = """
+import torch
+import kvsieve
+from kvsieve.core.rng import RandomKey
+
+device = "{device}"
+on_gpu = device == "cuda"
+SPECS = [
+    "random:sink=4,window=8,budget=30",
+    "random:sink=0,window=0,budget=0.1,replacement=True,share_kv_group=True",
+    "oracle-topp:sink=4,window=4,top_p=0.8",
+    "oracle-topp:sink=2,window=6,top_p=0.6,mass=residual,share_kv_group=True",
+    "magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
+    "magicpig:bits=3,tables=6,sink=2,window=4,transform=center",
+    "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
+    "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
+    "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
+    "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
+]
+STATS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "kv_density", "bytes_read",
+         "exact_rows")
+TOL = {{torch.float32: 2e-5 if not on_gpu else 2e-3, torch.bfloat16: 1.2e-2}}  # relative, per output
+worst = {{}}
+
+
+def same_selection(stats, ref, where):
+    assert stats.backend == "triton" and ref.backend == "reference", (where, stats.backend, ref.backend)
+    for f in STATS:
+        assert stats[f] == ref[f], (where, f, stats[f], ref[f])
+    for key, value in ref.extra.items():
+        got = stats.raw(key)  # deferred stats resolve on read
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got, value), (where, key)
+        else:
+            assert got == value, (where, key, got, value)
+
+
+def close(out, ref, where):
+    assert out.shape == ref.shape and out.dtype == ref.dtype, where
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    worst[out.dtype] = max(worst.get(out.dtype, 0.0), err)
+    assert err < TOL[out.dtype], (where, err)
+
+
+def tensors(seed, dtype, b=2, hq=8, hkv=2, n=300, d=64, q_len=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (b, hq, d) if q_len is None else (b, hq, q_len, d)
+    q = (torch.randn(shape, generator=g) * 2).to(device, dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(device, dtype)
+    v = torch.randn(b, hkv, n, d, generator=g).to(device, dtype)
+    return q, k, v
+
+
+calls = 0
+for spec in SPECS:
+    fast = kvsieve.method(spec) if on_gpu else kvsieve.method(spec + ",backend=triton")  # auto picks it on CUDA
+    slow = kvsieve.method(spec + ",backend=reference")
+    for dtype in (torch.float32, torch.bfloat16):
+        for seed in range(3):
+            q, k, v = tensors(seed, dtype)
+            lens = torch.tensor([300, 97 + 61 * seed], device=device)  # ragged rows
+            key = RandomKey(seed, (1, 2))
+            out, st = fast.decode(q, k, v, lengths=lens, seed=key, state={{}})
+            ref, rst = slow.decode(q, k, v, lengths=lens, seed=key, state={{}})
+            where = (spec, str(dtype), seed)
+            same_selection(st, rst, where)
+            close(out, ref, where)
+            calls += 1
+    # several query rows per call (a question chunk): each row its own length and draws
+    q4, k, v = tensors(7, torch.float32, q_len=3)
+    lens = torch.tensor([290, 150], device=device)
+    out, st = fast.decode(q4, k, v, lengths=lens, seed=RandomKey(4), state={{}})
+    ref, rst = slow.decode(q4, k, v, lengths=lens, seed=RandomKey(4), state={{}})
+    same_selection(st, rst, (spec, "chunk"))
+    close(out, ref, (spec, "chunk"))
+
+# A decode loop: the cache grows by one key per row and step, state is kept per path across steps, and
+# the step counter gives fresh draws; the paths stay equal at every step.
+for spec in ("magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
+             "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16"):
+    fast = kvsieve.method(spec) if on_gpu else kvsieve.method(spec + ",backend=triton")
+    slow = kvsieve.method(spec + ",backend=reference")
+    q_all, k, v = tensors(11, torch.bfloat16, q_len=6, n=212)
+    fs, ss = {{}}, {{}}
+    for step in range(6):
+        lens = torch.tensor([200 + step, 64 + step], device=device)
+        n = 200 + step + 1
+        key = RandomKey(5, (0, step))
+        q = q_all[:, :, step].contiguous()
+        out, st = fast.decode(q, k[:, :, :n], v[:, :, :n], lengths=lens, seed=key, state=fs, check_finite=False)
+        ref, rst = slow.decode(q, k[:, :, :n], v[:, :, :n], lengths=lens, seed=key, state=ss, check_finite=False)
+        same_selection(st, rst, (spec, "step", step))
+        close(out, ref, (spec, "step", step))
+print("CALLS", calls, "WORST", {{str(k): v for k, v in worst.items()}})
+print("OK")
+"""
+
+ERRORS = """
+import pytest
+import torch
+import kvsieve
+
+g = torch.Generator().manual_seed(0)
+q, k, v = torch.randn(2, 4, 64, generator=g), torch.randn(2, 2, 80, 64, generator=g), torch.randn(2, 2, 80, 64,
+                                                                                                    generator=g)
+for name in ("random", "vattention", "magicpig", "oracle-topp"):
+    # off the GPU, auto is the reference by design: no fallback to explain
+    _, st = kvsieve.method(name, sink=4, window=4).decode(q, k, v)
+    assert st.backend == "reference" and "backend_reason" not in st.extra, name
+    m = kvsieve.method(name, sink=4, window=4, backend="triton")
+    with pytest.raises(ValueError, match="backend: 'triton' cannot serve this call: .*float64"):
+        m.decode(q.double(), k.double(), v.double())
+    mask = torch.ones(2, 80, dtype=torch.bool)
+    mask[0, 10] = False  # a hole: not a prefix, the kernel takes lengths
+    with pytest.raises(ValueError, match="key_mask is not a prefix"):
+        m.decode(q, k, v, key_mask=mask)
+    with pytest.raises(ValueError, match="head dim 48"):
+        m.decode(q[..., :48].contiguous(), k[..., :48].contiguous(), v[..., :48].contiguous())
+    _, st = kvsieve.method(name, sink=4, window=4).decode(q, k, v, key_mask=mask)  # auto: the reference serves it
+    assert st.backend == "reference", name
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        kvsieve.method(name, backend="cuda")
+# nothing selected and no dense part: the kernel path raises as the reference does
+with pytest.raises(ValueError, match="selected no key"):
+    kvsieve.method("random", sink=0, window=0, budget=0, backend="triton").decode(
+        q, k, v, lengths=torch.tensor([80, 80]), seed=1)
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter():
+    pytest.importorskip("triton")
+    out = run_script(CASES, "cpu", True)
+    assert "OK" in out and "CALLS 60" in out, out[-2000:]
+
+
+@pytest.mark.triton
+def test_triton_backend_says_why_it_cannot_serve():
+    pytest.importorskip("triton")
+    assert "OK" in run_script(ERRORS, "cpu", True)
+
+
+def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
+    """A kernel-path call whose stats nobody reads builds none: the selection and the kernel run, the
+    stats' marks and sums only on read (the kernel is stubbed, so this runs on any machine)."""
+    import kvsieve
+    from kvsieve.kernels.sparse import weighted_triton
+    from kvsieve.methods.shared import staged
+
+    seen = {}
+
+    def fake_kernel(q, k, v, idx, counts, weights, **kw):
+        seen.update(idx=idx, counts=counts, weights=weights, **kw)
+        return torch.zeros_like(q), torch.zeros(q.shape[:2])
+
+    monkeypatch.setattr(staged, "sparse_unsupported", lambda inputs: None)
+    monkeypatch.setattr(weighted_triton, "sparse_decode_triton", fake_kernel)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(2, 4, 64, generator=g), torch.randn(2, 2, 120, 64, generator=g), torch.randn(
+        2, 2, 120, 64, generator=g)
+    lens = torch.tensor([120, 70])
+    _, st = kvsieve.method("vattention:sink=4,window=6,top_k=8,backend=triton").decode(q, k, v, lengths=lens, seed=3)
+    assert st.backend == "triton" and st._pending is not None  # nothing built yet
+    assert seen["sink"] == 4 and seen["window"] == 6 and torch.equal(seen["lengths"], lens.to(torch.int32))
+    # the list holds no sink or window key: those are the kernel's ranges
+    used = torch.arange(seen["idx"].shape[-1]) < seen["counts"][..., None]
+    pos = torch.where(used, seen["idx"], 50)
+    tail = (lens - 6)[:, None, None]
+    assert bool(((pos >= 4) & (pos < tail)).all())
+    _, ref = kvsieve.method("vattention:sink=4,window=6,top_k=8,backend=reference").decode(q, k, v, lengths=lens,
+                                                                                          seed=3)
+    assert st.density == ref.density and st["budget"] == ref["budget"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_paths_match_their_references_on_the_gpu():
+    """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32)."""
+    out = run_script(CASES, "cuda", False)
+    assert "OK" in out and "CALLS 60" in out, out[-2000:]
+
+
+GPU_SPECS = ["random:budget=0.05", "random:budget=0.05,replacement=True,share_kv_group=True",
+             "oracle-topp:top_p=0.9", "magicpig:bits=8,tables=16,budget=0.05",
+             "vattention:top_k=0.025,base_rate=0.025", "vattention:predictor=quest,top_k=0.025,bound=denominator"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", GPU_SPECS)
+def test_gpu_kernel_paths_do_not_sync_and_replay_in_a_graph(spec):
+    """Llama-3.1-8B heads (32/8, d 128, bf16) at 8k keys, ragged batch of 2: the default path is the
+    kernel, reads nothing on the host, and a captured call replays what eager calls compute at each new
+    step counter and length."""
+    import kvsieve
+    from kvsieve.core.rng import RandomKey
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, n = 2, 8192
+    q = torch.randn(b, 32, 128, generator=g, device="cuda", dtype=torch.bfloat16) * 2
+    k = torch.randn(b, 8, n, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, 8, n, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.tensor([n - 3, 5000], device="cuda")
+    m = kvsieve.method(spec)
+    step = torch.zeros((), dtype=torch.int64, device="cuda")
+    key = RandomKey(3, (0, step))
+    state = {}
+    out, stats = m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
+    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, seed=key, state={})
+    assert stats.backend == "triton" and ref_stats.backend == "reference"
+    assert stats.density == ref_stats.density
+    assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1.2e-2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured, _ = m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
+    replays = []
+    for i in range(3):
+        step.fill_(i + 1)
+        lengths[0] = n - 2 + i
+        graph.replay()
+        replays.append(captured.clone())
+    for i in range(3):
+        lens_i = torch.tensor([n - 2 + i, 5000], device="cuda")
+        eager, _ = m.decode(q, k, v, lengths=lens_i, seed=RandomKey(3, (0, torch.tensor(i + 1, device="cuda"))),
+                            state=state, check_finite=False)
+        torch.testing.assert_close(replays[i], eager, rtol=0, atol=0)
+    if m.stochastic:
+        assert not torch.equal(replays[0], replays[1])  # fresh draws per replayed step
