@@ -162,6 +162,38 @@ def test_triton_backend_says_why_it_cannot_serve():
     assert "OK" in run_script(ERRORS, "cpu", True)
 
 
+BENCH = """
+import importlib.util
+from types import SimpleNamespace
+import torch
+
+spec = importlib.util.spec_from_file_location("sampling_bench", "benchmarks/sparse_decode/sampling.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+assert bench.parse_args(["out", "--iters", "20"]).iters == 20
+g = torch.Generator().manual_seed(0)
+n = 1024
+x = SimpleNamespace(q=torch.randn(1, 8, 64, generator=g), k=torch.randn(1, 2, n, 64, generator=g),
+                    v=torch.randn(1, 2, n, 64, generator=g), lens=torch.tensor([n - 5], dtype=torch.int32))
+step = torch.zeros((), dtype=torch.int64)
+for name, s in bench.method_specs(n, 0.2).items():
+    c = bench.method_calls(s + ",sink=16,window=16", x, step)
+    out = c["call"]()  # the reference on the CPU (auto)
+    assert bench.rel_error(c["attend"](), out) < 1e-5, name  # the kernel alone on the same selection
+    assert bench.rel_error(c["reference"](), out) == 0, name
+    assert c["select"]().shape[:2] == (1, 8), name
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_benchmark_calls_run_and_agree():
+    """The GPU benchmark's calls on tiny CPU inputs: its attention-only call (the kernel on the method's
+    selection) computes what the method computes."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(BENCH, "cpu", True)
+
+
 def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
     """A kernel-path call whose stats nobody reads builds none: the selection and the kernel run, the
     stats' marks and sums only on read (the kernel is stubbed, so this runs on any machine)."""
