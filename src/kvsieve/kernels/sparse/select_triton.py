@@ -6,23 +6,30 @@ GQA group ranked together (``share_kv_group``), the launch's per-block softmax p
 the ``count`` best units of each row as an index list ``[B, Hs, K]`` in ascending unit order (the
 sparse kernel ignores the order; entries past the count are 0). One program per (row, selection head):
 
-1. group-summed rows only: the per-head log-sum-exp from the partials, then ``log Σ_g softmax_g(s)[x]``
-   with non-candidate units at −inf, written once to a workspace row (the separate ``logsumexp`` +
-   group-sum launches of the earlier path, folded in);
-2. a radix select on the order-preserving 32-bit image of the float scores: three histogram passes
-   (11 + 11 + 10 bits) over the row find the exact ``count``-th largest value ``T`` and how many of the
-   units equal to ``T`` are needed;
-3. one compaction pass writes the units above ``T`` and the first needed ties (lowest index first).
+1. group-summed rows: the per-head log-sum-exp from the partials, then ``log Σ_g softmax_g(s)[x]``
+   with non-candidate units at −inf, written once to a workspace row (the separate ``logsumexp`` and
+   group-sum launches of the earlier path, folded in). Rows too long for one program (oracle-topk's
+   keys) get this from :func:`group_sum_rows_triton` instead, one launch spread over the row;
+2. with ``maxima`` (long rows): a prefilter. The ``count``-th largest of the maxima of every
+   ``GROUP_MAX`` units (a subset of the row, one unit per group) is at most the row's ``count``-th
+   largest, so only units at or above it can be chosen; one pass copies them (value, index) out, and
+   the select below runs on that list (≈ 1.2 × count long for i.i.d. scores at 5% density; the whole
+   row in the worst case, still exact);
+3. a radix select on the order-preserving 32-bit image of the float scores: six 64-bin histogram
+   passes find the exact ``count``-th largest value ``T`` and how many units equal to ``T`` are needed;
+4. one compaction pass writes the units above ``T`` and the first needed ties (lowest index first).
 
 Why not ``torch.topk``: at these sizes it is a radix select of its own — one launch for rows shorter
 than ~20k but 20–50 launches (multi-block passes, then a sort for ``sorted=True``) for oracle-topk's
 32k/128k-key rows, and Quest's group-summed ranking needed a ``logsumexp`` (several elementwise
 launches) and a group-sum launch before it (issue 15 §2: 16 launches for Quest, 35–60 for oracle-topk).
-Here selection is the scoring launch plus this one. Ties at ``T`` go to the lowest indices, where
-``torch.topk`` picks any of them: selections are equal as sets up to ties.
+Here Quest's selection is the bounds launch plus this one, oracle-topk's the scores pass plus this one
+(plus :func:`group_sum_rows_triton` when ``share_kv_group``). Ties at ``T`` go to the lowest indices,
+where ``torch.topk`` picks any of them: selections are equal as sets up to ties.
 
-The row is read from L2 four times (five with the group sum), by one program; rows of 128k keys are
-the slow case (a few MB per program), a place to split rows over programs if it shows on the GPU.
+Cost model (why the histograms have 64 bins): one program per row, so a row's elements pass through
+one SM; Triton's histogram costs ~log2(bins) ballots + bins/32 ops per element, and each pass reloads
+the row from L2. A 2048-bin version was ~30x dearer per element.
 """
 
 from __future__ import annotations
@@ -30,8 +37,6 @@ from __future__ import annotations
 import torch
 
 from ..triton_utils import launch, next_pow2, triton
-
-_BITS = (11, 11, 10)  # radix digits from the top: 2048-bin histograms, three passes over 32 bits
 
 
 def group_summed_from_scores(scores: torch.Tensor, group: int) -> torch.Tensor:
@@ -75,6 +80,16 @@ if triton is not None:
         tl.store(pl_ptr + at, l_sum, mask=g_ok)
 
     @triton.jit
+    def store_maxima(mx_ptr, b64, heads, g_ok, blk, s_x_b, s_x_h, s, n_units, BLOCK_X: tl.constexpr,
+                     BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
+        """The max of every ``GROUP`` units of block ``blk``'s scores ``s [BLOCK_G, BLOCK_X]`` (the select
+        kernel's prefilter subset)."""
+        mx = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_X // GROUP, GROUP]), axis=2)
+        offs_m = blk * (BLOCK_X // GROUP) + tl.arange(0, BLOCK_X // GROUP)
+        tl.store(mx_ptr + b64 * s_x_b + heads[:, None] * s_x_h + offs_m[None, :], mx,
+                 mask=g_ok[:, None] & (offs_m * GROUP < n_units)[None, :])
+
+    @triton.jit
     def _ordered(v):
         # float32 -> uint32 with the same order (non-NaN): flip the magnitude bits of negatives, then
         # the sign bit, so unsigned comparisons and radix digits follow the float order.
@@ -87,7 +102,7 @@ if triton is not None:
                     BLOCK_X: tl.constexpr, NBINS: tl.constexpr):
         # Histogram of the WIDTH-bit digit at SHIFT over the units whose higher bits equal prefix's, then
         # the digit holding the need-th largest of them; returns the extended prefix and what is still
-        # needed inside that digit.
+        # needed inside that digit. Few bins on purpose: Triton's histogram costs ~bins/32 ops per element.
         bins = tl.arange(0, NBINS)
         hist = tl.zeros([NBINS], dtype=tl.int32)
         for x0 in range(0, n_units, BLOCK_X):
@@ -107,14 +122,111 @@ if triton is not None:
         above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
         return prefix | (digit.to(tl.uint32) << SHIFT), need - above
 
-    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "k_out"])
+    @triton.jit
+    def _radix_select(src, n_units, count, BLOCK_X: tl.constexpr):
+        """The ordered image of the ``count``-th largest of ``src[:n_units]`` (1 ≤ count ≤ n_units) and
+        how many units equal to it are among the ``count`` largest: six 64-bin passes (6·5 + 2 bits)."""
+        prefix = tl.zeros([], dtype=tl.uint32)
+        prefix, need = _radix_pass(src, n_units, prefix, count, 26, 6, True, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 20, 6, False, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 14, 6, False, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 8, 6, False, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 2, 6, False, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 0, 2, False, BLOCK_X, 64)
+        return prefix, need
+
+    @triton.jit
+    def _emit(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr):
+        # Units above thr and the first `need` equal to it, in src order, to out_row (their index: the
+        # unit's position, or idx_src's entry); returns how many were written.
+        n_taken = tl.full([], 0, tl.int32)
+        ties = tl.full([], 0, tl.int32)
+        for x0 in range(0, n_units, BLOCK_X):
+            offs = x0 + tl.arange(0, BLOCK_X)
+            ok = offs < n_units
+            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+            eq = (ok & (u == thr)).to(tl.int32)
+            sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= need))
+            pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            if HAS_IDX:
+                idx = tl.load(idx_src + offs, mask=sel, other=0, cache_modifier=".cg").to(tl.int64)
+            else:
+                idx = offs.to(tl.int64)
+            tl.store(out_row + pos, idx, mask=sel)
+            n_taken += tl.sum(sel.to(tl.int32), axis=0)
+            ties += tl.sum(eq, axis=0)
+        return n_taken
+
+    @triton.jit
+    def _group_sum_tile(s_ptr, row, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h, sink_end, win_start,
+                        UNIT: tl.constexpr):
+        # log Σ_g softmax_g(s)[x] for the units offs_x, −inf off the candidates [sink_end, win_start)
+        sc = tl.load(s_ptr + row + heads[:, None] * s_s_h + offs_x[None, :],
+                     mask=g_ok[:, None] & x_ok[None, :], other=float("-inf"))
+        live = (sc > float("-inf")) & live_h[:, None]
+        logp = tl.where(live, sc - lse[:, None], float("-inf"))
+        m = tl.max(logp, axis=0)
+        m_ref = tl.where(m > float("-inf"), m, 0.0)
+        total = tl.sum(tl.where(live, tl.exp(logp - m_ref[None, :]), 0.0), axis=0)
+        val = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        start = offs_x * UNIT
+        return tl.where((start < win_start) & (start + UNIT > sink_end), val, float("-inf"))
+
+    @triton.jit
+    def _group_lse(pm_ptr, pl_ptr, prow, heads, g_ok, n_parts, s_p_h, BLOCK_G: tl.constexpr,
+                   BLOCK_PART: tl.constexpr):
+        # each group head's log-sum-exp over all its valid units, from the scoring launch's block partials
+        m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_run = tl.zeros([BLOCK_G], tl.float32)
+        for p0 in range(0, n_parts, BLOCK_PART):
+            offs_p = p0 + tl.arange(0, BLOCK_PART)
+            at = prow + heads[:, None] * s_p_h + offs_p[None, :]
+            ok = g_ok[:, None] & (offs_p < n_parts)[None, :]
+            pm = tl.load(pm_ptr + at, mask=ok, other=float("-inf"))
+            pl = tl.load(pl_ptr + at, mask=ok, other=0.0)
+            m_new = tl.maximum(m_run, tl.max(pm, axis=1))
+            ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+            l_run = l_run * tl.exp(m_run - ref) + tl.sum(pl * tl.exp(pm - ref[:, None]), axis=1)
+            m_run = m_new
+        live_h = l_run > 0
+        return tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0), live_h
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts"])
+    def _group_sum_parts_kernel(
+        s_ptr, pm_ptr, pl_ptr, lens_ptr, out_ptr, mx_ptr,
+        sink, window, n_units, n_parts,
+        s_s_b, s_s_h, s_p_b, s_p_h, s_o_b, s_o_h, s_x_b, s_x_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, UNIT: tl.constexpr, BLOCK_X: tl.constexpr, CHUNK: tl.constexpr,
+        BLOCK_PART: tl.constexpr, GROUP_MAX: tl.constexpr,
+    ):
+        # Rows too long for one program to group-sum (oracle-topk's keys): each program takes BLOCK_X
+        # units, and also writes the max of every GROUP_MAX units (the select kernel's prefilter).
+        xb = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
+        offs_g = tl.arange(0, BLOCK_G)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G, BLOCK_PART)
+        for c0 in range(0, BLOCK_X, CHUNK):
+            offs_x = xb * BLOCK_X + c0 + tl.arange(0, CHUNK)
+            x_ok = offs_x < n_units
+            val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+                                  sink_end, win_start, UNIT)
+            tl.store(out_ptr + b64 * s_o_b + kvh * s_o_h + offs_x, val, mask=x_ok)
+            mx = tl.max(tl.reshape(val, [CHUNK // GROUP_MAX, GROUP_MAX]), axis=1)
+            offs_m = (xb * BLOCK_X + c0) // GROUP_MAX + tl.arange(0, CHUNK // GROUP_MAX)
+            tl.store(mx_ptr + b64 * s_x_b + kvh * s_x_h + offs_m, mx, mask=offs_m * GROUP_MAX < n_units)
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out"])
     def _topk_rows_kernel(
-        s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, out_ptr,
-        sink, window, n_units, n_parts, k_out,
-        s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_o_b, s_o_h,
+        s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, mx_ptr, cv_ptr, ci_ptr, out_ptr,
+        sink, window, n_units, n_parts, n_max, k_out,
+        s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_x_b, s_x_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
-        BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, NBINS: tl.constexpr,
-        B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr,
+        BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
     ):
         hs = tl.program_id(0)
         b = tl.program_id(1)
@@ -130,72 +242,66 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = hs * G + offs_g
-            # each head's log-sum-exp over all its valid units, from the scoring launch's block partials
-            m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l_run = tl.zeros([BLOCK_G], tl.float32)
-            for p0 in range(0, n_parts, BLOCK_PART):
-                offs_p = p0 + tl.arange(0, BLOCK_PART)
-                at = b64 * s_p_b + heads[:, None] * s_p_h + offs_p[None, :]
-                ok = g_ok[:, None] & (offs_p < n_parts)[None, :]
-                pm = tl.load(pm_ptr + at, mask=ok, other=float("-inf"))
-                pl = tl.load(pl_ptr + at, mask=ok, other=0.0)
-                m_new = tl.maximum(m_run, tl.max(pm, axis=1))
-                ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-                l_run = l_run * tl.exp(m_run - ref) + tl.sum(pl * tl.exp(pm - ref[:, None]), axis=1)
-                m_run = m_new
-            live_h = l_run > 0
-            lse = tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0)
-            # log Σ_g softmax_g(s)[x], −inf off the candidates, written once for the passes below
+            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+                                     BLOCK_PART)
             for x0 in range(0, n_units, BLOCK_XG):
                 offs_x = x0 + tl.arange(0, BLOCK_XG)
                 x_ok = offs_x < n_units
-                sc = tl.load(s_ptr + b64 * s_s_b + heads[:, None] * s_s_h + offs_x[None, :],
-                             mask=g_ok[:, None] & x_ok[None, :], other=float("-inf"))
-                live = (sc > float("-inf")) & live_h[:, None]
-                logp = tl.where(live, sc - lse[:, None], float("-inf"))
-                m = tl.max(logp, axis=0)
-                m_ref = tl.where(m > float("-inf"), m, 0.0)
-                total = tl.sum(tl.where(live, tl.exp(logp - m_ref[None, :]), 0.0), axis=0)
-                val = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-                start = offs_x * UNIT
-                keep = (start < win_start) & (start + UNIT > sink_end)
-                tl.store(src + offs_x, tl.where(keep, val, float("-inf")), mask=x_ok)
+                val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+                                      sink_end, win_start, UNIT)
+                tl.store(src + offs_x, val, mask=x_ok)
             tl.debug_barrier()  # the row written above is read back by other threads of this program
         n_taken = tl.full([], 0, tl.int32)
         if count > 0:
-            prefix = tl.zeros([], dtype=tl.uint32)
-            prefix, need = _radix_pass(src, n_units, prefix, count, 32 - B0, B0, True, BLOCK_X, NBINS)
-            prefix, need = _radix_pass(src, n_units, prefix, need, 32 - B0 - B1, B1, False, BLOCK_X, NBINS)
-            prefix, need = _radix_pass(src, n_units, prefix, need, 0, B2, False, BLOCK_X, NBINS)
-            # prefix is now the count-th largest value's image; take all above it and `need` ties
-            ties = tl.full([], 0, tl.int32)
-            for x0 in range(0, n_units, BLOCK_X):
-                offs = x0 + tl.arange(0, BLOCK_X)
-                ok = offs < n_units
-                u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-                eq = (ok & (u == prefix)).to(tl.int32)
-                sel = (ok & (u > prefix)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= need))
-                pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                tl.store(out_row + pos, offs.to(tl.int64), mask=sel)
-                n_taken += tl.sum(sel.to(tl.int32), axis=0)
-                ties += tl.sum(eq, axis=0)
+            if PREFILTER:
+                # A lower bound of the answer: the count-th largest of a subset of the row (one unit per
+                # group, its max) is at most the row's count-th largest. Only units at or above it can
+                # be chosen; copying them out leaves the exact select a list near count long.
+                bound = tl.zeros([], dtype=tl.uint32)
+                bound_ties = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
+                if count <= n_max:
+                    bound, bound_ties = _radix_select(mx_ptr + b64 * s_x_b + hs * s_x_h, n_max, count, BLOCK_X)
+                cv = cv_ptr + b64 * s_c_b + hs * s_c_h
+                ci = ci_ptr + b64 * s_c_b + hs * s_c_h
+                n_cand = tl.full([], 0, tl.int32)
+                for x0 in range(0, n_units, BLOCK_X):
+                    offs = x0 + tl.arange(0, BLOCK_X)
+                    ok = offs < n_units
+                    v = tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    keep = ok & (_ordered(v) >= bound)
+                    pos = n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                    tl.store(cv + pos, v, mask=keep)
+                    tl.store(ci + pos, offs, mask=keep)
+                    n_cand += tl.sum(keep.to(tl.int32), axis=0)
+                tl.debug_barrier()  # the candidates written above are read back by other threads
+                thr, need = _radix_select(cv, n_cand, count, BLOCK_X)
+                n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_X)
+            else:
+                thr, need = _radix_select(src, n_units, count, BLOCK_X)
+                n_taken = _emit(src, src, n_units, thr, need, out_row, False, BLOCK_X)
         for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
             offs = x0 + tl.arange(0, BLOCK_X)
             tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
 
 
+GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
+
+
 def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
                      parts: tuple[torch.Tensor, torch.Tensor] | None = None, lengths: torch.Tensor | None = None,
-                     unit: int = 1, sink: int = 0, window: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+                     unit: int = 1, sink: int = 0, window: int = 0, maxima: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The ``counts[b]`` best units of each row as ``[B, Hs, k]`` int64, ascending, zero-padded (one
     launch). ``scores [B, Hq, X]`` float32 with a contiguous last dim; ``counts [B]`` with every
     ``counts[b] ≤ min(k, X)`` and at most the row's finite scores (what the scoring launches write).
 
     ``group = 1``: rows are ``scores``' rows as they are (``Hs = Hq``; non-candidates already −inf).
     ``group > 1``: rows are KV heads ranked by ``log Σ_g softmax_g(s)`` over their ``group`` query
-    heads; ``scores`` are −inf only past each row's length (``lengths`` int32 ``[B]``), ``parts =
-    (max, sum_exp) [B, Hq, n_blocks]`` from the scoring launch, and units without a key in
-    ``[sink_end, window_start)`` (``unit`` keys each) are never chosen."""
+    heads, computed in this launch; ``scores`` are −inf only past each row's length (``lengths`` int32
+    ``[B]``), ``parts = (max, sum_exp) [B, Hq, n_blocks]`` from the scoring launch, and units without a
+    key in ``[sink_end, window_start)`` (``unit`` keys each) are never chosen. ``maxima [B, Hs,
+    ceil(X / GROUP_MAX)]``: the max of every ``GROUP_MAX`` units of each row (rows of ``group = 1``
+    only), for the prefilter that long rows need."""
     b, hq, x = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
@@ -205,26 +311,60 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     share = group > 1
     if share and (parts is None or lengths is None):
         raise ValueError("parts and lengths: required when group > 1 (the group-summed ranking)")
+    if share and maxima is not None:
+        raise ValueError("maxima: only for rows of group = 1 (group_sum_rows_triton writes both)")
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     hs = hq // group
+    if maxima is not None and (maxima.shape != (b, hs, -(-x // GROUP_MAX)) or maxima.stride(-1) != 1):
+        raise ValueError(f"maxima: expected [{b}, {hs}, {-(-x // GROUP_MAX)}] with a contiguous last dim, "
+                         f"got {tuple(maxima.shape)}")
+    dev = scores.device
     if out is None:
-        out = torch.empty(b, hs, k, device=scores.device, dtype=torch.int64)
-    if share:
-        pm, pl = parts
-        gs = torch.empty(b, hs, x, device=scores.device, dtype=torch.float32)
+        out = torch.empty(b, hs, k, device=dev, dtype=torch.int64)
+    pm, pl = parts if share else (scores, scores)
+    gs = torch.empty(b, hs, x, device=dev, dtype=torch.float32) if share else scores
+    mx = scores if maxima is None else maxima
+    if maxima is not None:  # candidates of the prefilter: at most the whole row
+        cv = torch.empty(b, hs, x, device=dev, dtype=torch.float32)
+        ci = torch.empty(b, hs, x, device=dev, dtype=torch.int32)
     else:
-        pm = pl = gs = scores
+        cv, ci = scores, scores
     block_g = max(2, next_pow2(group))
+    block_x = min(4096, max(64, next_pow2(x)))
     launch(_topk_rows_kernel, (hs, b),
-           scores, pm, pl, counts, counts if lengths is None else lengths, gs, out,
-           sink, window, x, pm.shape[-1], k,
+           scores, pm, pl, counts, counts if lengths is None else lengths, gs, mx, cv, ci, out,
+           sink, window, x, pm.shape[-1], mx.shape[-1], k,
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), gs.stride(0), gs.stride(1),
-           out.stride(0), out.stride(1),
-           G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=2048, BLOCK_XG=max(64, 4096 // block_g),
-           BLOCK_PART=max(64, 2048 // block_g), NBINS=1 << max(_BITS), B0=_BITS[0], B1=_BITS[1], B2=_BITS[2],
-           num_warps=8, num_stages=1)
+           mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
+           G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
+           BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
+           PREFILTER=maxima is not None, num_warps=8 if block_x >= 2048 else 4, num_stages=1)
     return out
 
 
-__all__ = ["group_summed_from_scores", "store_softmax_part", "topk_rows_reference", "topk_rows_triton"]
+def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.Tensor, torch.Tensor],
+                          lengths: torch.Tensor, unit: int, sink: int, window: int) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
+    """``(log Σ_g softmax_g(s) [B, Hq/group, X], its maxima [B, Hq/group, ceil(X / GROUP_MAX)])`` in one
+    launch spread over the row (for rows too long for :func:`topk_rows_triton` to group-sum in its one
+    program per row): each head's log-sum-exp from ``parts`` (as there), units off ``[sink_end,
+    window_start)`` at −inf."""
+    b, hq, x = scores.shape
+    pm, pl = parts
+    hs = hq // group
+    out = torch.empty(b, hs, x, device=scores.device, dtype=torch.float32)
+    maxima = torch.empty(b, hs, -(-x // GROUP_MAX), device=scores.device, dtype=torch.float32)
+    block_g = max(2, next_pow2(group))
+    block_x, chunk = 4096, max(GROUP_MAX, 2048 // block_g)
+    launch(_group_sum_parts_kernel, (-(-x // block_x), hs, b),
+           scores, pm, pl, lengths, out, maxima, sink, window, x, pm.shape[-1],
+           scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
+           maxima.stride(0), maxima.stride(1),
+           G=group, BLOCK_G=block_g, UNIT=unit, BLOCK_X=block_x, CHUNK=chunk, BLOCK_PART=max(64, 2048 // block_g),
+           GROUP_MAX=GROUP_MAX, num_warps=4, num_stages=1)
+    return out, maxima
+
+
+__all__ = ["GROUP_MAX", "group_sum_rows_triton", "group_summed_from_scores", "store_softmax_part", "store_maxima",
+           "topk_rows_reference", "topk_rows_triton"]

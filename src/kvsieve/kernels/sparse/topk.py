@@ -34,16 +34,17 @@ if triton is not None:
     import triton.language as tl
 
     from .quest_pages import load_group_queries, score_program
-    from .select_triton import store_softmax_part
+    from .select_triton import store_maxima, store_softmax_part
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
     def _scores_kernel(
-        q_ptr, k_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr,
+        q_ptr, k_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr, mx_ptr,
         scale, sink, window, n_keys, size, max_units,
-        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_o_b, s_o_h, s_p_b, s_p_h,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_o_b, s_o_h, s_p_b, s_p_h, s_x_b, s_x_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, WRITE_PARTS: tl.constexpr,
+        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr,
     ):
         blk, kvh, b, b64, length, sink_end, win_start = score_program(
             lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, 1, WRITE_COUNTS, IS_FRAC)
@@ -64,33 +65,40 @@ if triton is not None:
                  mask=g_ok[:, None] & (offs_n < n_keys)[None, :])
         if WRITE_PARTS:  # the group-summed ranking's softmax needs each head's lse over all keys
             store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, blk, s_p_b, s_p_h, s)
+        if WRITE_MAX:  # the select launch's prefilter subset
+            store_maxima(mx_ptr, b64, heads, g_ok, blk, s_x_b, s_x_h, s, n_keys, BLOCK_N, BLOCK_G, GROUP_MAX)
 
 
 def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None,
                   out: torch.Tensor | None = None, *, mask_dense: bool = True, counts: torch.Tensor | None = None,
                   size: int | float = 0, max_k: int = 0,
-                  parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  maxima: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`scores_reference` in one launch (``lengths`` int32 ``[B]``). bf16/fp16 products are exact
     in the fp32 accumulator; fp32 inputs use IEEE dots. ``mask_dense=False`` masks only keys past the
     length; with ``counts [B]`` (int64) it also writes the keys each row takes (``size``, ``max_k``); with
     ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(N / score_block(d))]`` each block's softmax
-    partials (for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
+    partials; with ``maxima`` float32 ``[B, Hq, ceil(N / GROUP_MAX)]`` the max of every ``GROUP_MAX``
+    scores (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
+    from .select_triton import GROUP_MAX
+
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
     scale, out, frac, count, is_frac = score_launch_args(q, n, scale, out, size)
     block_n = score_block(d)
     pm, pl = (out, out) if parts is None else parts
+    mx = out if maxima is None else maxima
     launch(_scores_kernel, (-(-n // block_n), hkv, b),
-           q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
+           q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl, mx,
            scale, sink, window, n, count, max_k,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
-           pm.stride(0), pm.stride(1),
+           pm.stride(0), pm.stride(1), mx.stride(0), mx.stride(1),
            G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n,
            MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_scores_kernel), WRITE_PARTS=parts is not None,
-           num_warps=4, num_stages=2)
+           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, num_warps=4, num_stages=2)
     return out
 
 
@@ -128,18 +136,21 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     elif scores != "triton":
         raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
     elif select == "triton":
-        from .select_triton import topk_rows_triton
+        from .select_triton import GROUP_MAX, group_sum_rows_triton, topk_rows_triton
 
-        counts = torch.empty(b, device=q.device, dtype=torch.int64)
-        parts = None
+        dev = q.device
+        counts = torch.empty(b, device=dev, dtype=torch.int64)
         if share_kv_group:
             n_blocks = -(-n // score_block(q.shape[-1]))
-            parts = (torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32),
-                     torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32))
-        s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
-                          size=size, max_k=kk, parts=parts)
-        idx = topk_rows_triton(s, counts, kk, group=hq // hkv if share_kv_group else 1, parts=parts,
-                               lengths=lengths, unit=1, sink=sink, window=window)
+            parts = (torch.empty(b, hq, n_blocks, device=dev, dtype=torch.float32),
+                     torch.empty(b, hq, n_blocks, device=dev, dtype=torch.float32))
+            s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=False, counts=counts, size=size,
+                              max_k=kk, parts=parts)
+            s, maxima = group_sum_rows_triton(s, hq // hkv, parts, lengths, 1, sink, window)
+        else:
+            maxima = torch.empty(b, hq, -(-n // GROUP_MAX), device=dev, dtype=torch.float32)
+            s = scores_triton(q, k, lengths, sink, window, scale, counts=counts, size=size, max_k=kk, maxima=maxima)
+        idx = topk_rows_triton(s, counts, kk, maxima=maxima)
         return idx, counts[:, None].expand(b, idx.shape[1])
     else:
         counts = torch.empty(b, device=q.device, dtype=torch.int64)
