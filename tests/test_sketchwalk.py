@@ -612,3 +612,123 @@ def test_decode_kernel_path_equals_the_reference_path_on_the_gpu():
     from interpreted import run_script
 
     assert float(run_script(KERNEL_DECODE, "cuda", False).split("WORST")[-1]) < 1e-4
+
+
+# The fused selection (kernels/sketchwalk/decode.py): the state update, the Ã rows, the walk and the chosen
+# blocks of backend=triton against the reference path, step by step and layer by layer. Both attention
+# calls are wrapped to record the blocks they read (sorted: the reference reads token lists).
+FUSED_DECODE = """
+import sys
+import torch
+import kvsieve
+import kvsieve.kernels.sparse.weighted_triton as wt
+from kvsieve.core.prefill import FORWARD_STATE
+sw = sys.modules["kvsieve.methods.sketchwalk"]  # kvsieve.methods is also a function's name
+device = "{device}"
+CASES = [
+    # ragged rows that each complete a block during the steps; GQA 3
+    dict(dtype=torch.float32, b=2, hq=6, hkv=2, d=64, n0=150, steps=12, short=(0, 5), layers=3,
+         spec="block_size=16,sketch_dim=32,density=0.3"),
+    # the paper's block and sketch sizes, head dim 128, bf16: a block completes at 768
+    dict(dtype=torch.bfloat16, b=1, hq=8, hkv=2, d=128, n0=64 * 12 - 3, steps=5, short=(0,), layers=3,
+         spec="density=0.25"),
+    # fp16, no GQA, the diagonal-walk control with a fixed k; row 2 sits in its first block (c = 0)
+    dict(dtype=torch.float16, b=3, hq=4, hkv=4, d=64, n0=200, steps=4, short=(0, 40, 195), layers=3,
+         spec="block_size=16,sketch_dim=16,density=0.2,walk=diagonal,fixed_k=true"),
+    # no prompt seen (fresh state, one-hop), 1/√m logits, α = 4, crossing into the second 64-block
+    dict(dtype=torch.float32, b=2, hq=4, hkv=2, d=64, n0=100, steps=30, short=(0, 37), layers=2, prefill=False,
+         spec="density=0.5,walk=one-hop,logit_scale=sqrt_m,alpha=4"),
+    # GQA 8, a sketch dim that is not a power of two, four walk layers
+    dict(dtype=torch.bfloat16, b=2, hq=8, hkv=1, d=128, n0=300, steps=4, short=(0, 9), layers=4,
+         spec="block_size=32,sketch_dim=48,density=0.4"),
+]
+seen = []
+_kernel, _reference = wt.sparse_decode_triton, sw.weighted_sparse_decode
+
+
+def kernel(q, k, v, pages, n_pages, **kw):
+    rows = [pages[r, 0, :int(n_pages[r, 0])].tolist() for r in range(pages.shape[0])]
+    assert all(row == sorted(row) and len(set(row)) == len(row) for row in rows), rows
+    assert all(torch.equal(pages[:, 0], pages[:, h]) for h in range(pages.shape[1]))  # one list for all heads
+    seen.append(rows)
+    return _kernel(q, k, v, pages, n_pages, **kw)
+
+
+def reference(q, k, v, idx, counts, w, **kw):
+    seen.append([sorted({{t // BS for t in idx[r, 0, :int(counts[r, 0])].tolist()}}) for r in range(idx.shape[0])])
+    return _reference(q, k, v, idx, counts, w, **kw)
+
+
+wt.sparse_decode_triton, sw.weighted_sparse_decode = kernel, reference
+
+
+def run(case, backend):
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv, d, n0, steps = (case[x] for x in ("b", "hq", "hkv", "d", "n0", "steps"))
+    layers = [[torch.randn(b, h, n0 + steps, d, generator=gen).to(device, case["dtype"]) for h in (hq, hkv, hkv)]
+              for _ in range(case["layers"])]
+    m = kvsieve.method(f"sketchwalk:{{case['spec']}},backend={{backend}}")
+    states = [{{}} for _ in layers]
+    if case.get("prefill", True):
+        forward = {{}}
+        for (q, k, v), st in zip(layers, states):
+            m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+    seen.clear()
+    res = []
+    for t in range(n0, n0 + steps):
+        forward = {{}}
+        for (q, k, v), st in zip(layers, states):
+            st[FORWARD_STATE] = forward
+            lengths = torch.tensor([t + 1 - s for s in case["short"]], device=device)
+            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st)
+            fused = "fused" if backend == "triton" else None
+            assert stats.backend == backend and stats.extra.get("selection") == fused, stats.extra
+            sk = st[sw.STATE_KEY]
+            n = -(-(t + 1) // BS)
+            res.append(dict(out=out.double(), w=forward[sw.WALK_KEY].double(), hops=stats.walk_hops,
+                            density=stats.block_density, q_tok=sk.q_tok[:, :t + 1].clone(),
+                            q_sum=sk.q_sum[:, :n].clone(), k_sum=sk.k_sum[:, :n].clone(),
+                            k_sketch=sk.k_sketch[:, :n].clone(), a_tilde=sk.a_tilde[:, :n, :n].clone()))
+    return res, list(seen)
+
+
+worst = 0.0
+for i, case in enumerate(CASES):
+    BS = int(dict(x.split("=") for x in case["spec"].split(",")).get("block_size", 64))
+    (fused, fused_blocks), (ref, ref_blocks) = run(case, "triton"), run(case, "reference")
+    assert len(fused_blocks) == len(ref_blocks) == len(ref)
+    for j, (a, r, ba, br) in enumerate(zip(fused, ref, fused_blocks, ref_blocks)):
+        where = f"case {{i}} call {{j}}"
+        assert ba == br, (where, ba, br)
+        assert a["hops"] == r["hops"] and a["density"] == r["density"], where
+        for key in ("q_tok", "q_sum", "k_sum", "k_sketch"):
+            torch.testing.assert_close(a[key], r[key], atol=1e-5, rtol=1e-5, msg=lambda s: f"{{where}} {{key}}: {{s}}")
+        torch.testing.assert_close(a["a_tilde"], r["a_tilde"], atol=1e-7, rtol=2e-4,
+                                   msg=lambda s: f"{{where}} a_tilde: {{s}}")
+        torch.testing.assert_close(a["w"], r["w"], atol=1e-6, rtol=2e-4, msg=lambda s: f"{{where}} w: {{s}}")
+        err = float((a["out"] - r["out"]).norm() / r["out"].norm())
+        assert err < (1e-5 if case["dtype"] == torch.float32 else 1e-2), (where, err)
+        if case["dtype"] == torch.float32:
+            worst = max(worst, err)
+    print("case", i, "ok", len(ref), "calls")
+print("WORST", worst)
+"""
+
+
+@pytest.mark.triton
+def test_fused_selection_equals_the_reference_path_under_the_interpreter():
+    """backend=triton's fused state update and selection write the reference path's state (block sums,
+    sketches, Ã rows of completed blocks), give its walk and choose its blocks, in every dtype, for ragged
+    rows, several block and sketch sizes, the walk controls and a standalone decode."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    assert float(run_script(FUSED_DECODE, "cpu", True).split("WORST")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_selection_equals_the_reference_path_on_the_gpu():
+    from interpreted import run_script
+
+    assert float(run_script(FUSED_DECODE, "cuda", False).split("WORST")[-1]) < 1e-4

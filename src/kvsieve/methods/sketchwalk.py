@@ -485,6 +485,100 @@ class SketchWalk(PrefillMethod):
             sk = self._fresh_sketch(inputs, phi, dtype)
         sk.grow(n, n_tok)
         length = inputs.lengths
+        forward = state.get(FORWARD_STATE)
+        previous = forward.get(WALK_KEY) if forward is not None else None
+        if previous is not None and previous.shape != (b, n):
+            previous = None  # another request's or step's walk (a forward dict reused): start anew
+        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)  # n: blocks of the longest row
+        path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
+        # The fused selection serves the paper's configuration; the controls that need the full Â row
+        # (matrix power) or dense attention (oracle) keep the torch selection before the kernel.
+        fused = path == "triton" and cfg.walk_power == "hadamard" and cfg.walk != "oracle"
+        if fused:
+            from ..kernels.sketchwalk.decode import sketch_walk_select
+
+            state[STATE_KEY] = sk
+            self._check_walk_history(previous, sk)
+            q, k, _, lens = kernel_operands(inputs)
+            w, pages, n_pages = sketch_walk_select(
+                q, k, lens, q_tok=sk.q_tok, q_sum=sk.q_sum, k_sum=sk.k_sum, k_sketch=sk.k_sketch,
+                a_tilde=sk.a_tilde, phi=phi, n_blocks=n, block_size=bs, logit_scale=logit_scale,
+                alpha=cfg.alpha, mode=cfg.walk, previous=previous, density=cfg.density, fixed_k=cfg.fixed_k,
+                kmax=kmax, tie=TIE_BREAK)
+
+            def selection():  # for the stats only: a captured step launches none of it
+                c = torch.div(length - 1, bs, rounding_mode="floor")
+                return pages[:, 0].long(), n_pages[:, 0].long(), c
+        else:
+            w, blocks, counts, c = self._select_reference(inputs, sk, phi, dtype, logit_scale, previous, kmax, state)
+            pages = n_pages = None
+
+            def selection():
+                return blocks, counts, c
+        hops = 1
+        if forward is not None:
+            forward[WALK_KEY] = w
+            hops = forward.get(HOPS_KEY, 0) + 1 if previous is not None else 1
+            forward[HOPS_KEY] = hops
+
+        # Block-granular token lists: every used block but the last (the current one) is complete, so
+        # the valid positions form a prefix of the list.
+        def token_lists():
+            blocks, counts, _ = selection()
+            tokens = (blocks[..., None] * bs + torch.arange(bs, device=dev)).reshape(b, -1)
+            used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
+            return tokens, used & (tokens < length[:, None])
+
+        if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
+            from ..kernels.sparse.weighted_triton import sparse_decode_triton
+
+            q, k, v, lens = kernel_operands(inputs)
+            if pages is None:
+                pages = blocks[:, None, :].expand(b, inputs.kv_heads, kmax).to(torch.int32).contiguous()
+                n_pages = counts[:, None].expand(b, inputs.kv_heads).to(torch.int32).contiguous()
+            out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale)
+        else:
+            tokens, valid = token_lists()
+            idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
+            out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx,
+                                            valid.sum(-1)[:, None].expand(b, inputs.kv_heads), None,
+                                            scale=inputs.scale, check=False)
+        extra = {"phase": "decode", "walk_hops": hops}
+        if reason is not None:
+            extra["backend_reason"] = reason
+        if fused:
+            extra["selection"] = "fused"
+
+        def stats():  # built when read: a captured step (nobody reads it) launches none of this
+            _, counts, c = selection()
+            tokens, valid = token_lists()
+            v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
+            v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
+            v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
+            more = {"block_density": (counts / (c + 1)).to(torch.float64).mean(),
+                    "blocks_kept": counts.to(torch.float64).mean()}
+            # The sketches read no K rows beyond the new token's; attention reads the selected rows.
+            return read_stats(inputs, v_read, k_scored=valid.sum(-1)[:, None].expand(b, inputs.kv_heads),
+                              exact_rows=(counts == c + 1).sum(), backend=path, extra=more)
+
+        stats = StepStats.deferred(stats, path, extra)
+        return out, stats
+
+    def _check_walk_history(self, previous: torch.Tensor | None, sk: LayerSketch) -> None:
+        if previous is not None and self.config.walk == "walk" and not sk.has_history:
+            raise ValueError("sketchwalk: the walk needs the prompt's block sketches; run the prompt inside "
+                             "the sparsify block (its prefill records them) or use walk=one-hop")
+
+    def _select_reference(self, inputs: DecodeInputs, sk: LayerSketch, phi: torch.Tensor, dtype: torch.dtype,
+                          logit_scale: float, previous: torch.Tensor | None, kmax: int, state: dict[str, Any]):
+        """The spec's decode step in torch: the state update, the token's row of Ã, the walk and the
+        selection. Returns ``(w [B, n], blocks [B, kmax], counts [B], c [B])``."""
+        cfg = self.config
+        b, _, d = inputs.q.shape
+        n_tok, bs = inputs.n_keys, cfg.block_size
+        dev = inputs.q.device
+        n = -(-n_tok // bs)
+        length = inputs.lengths
         pos = length - 1  # the new token of each row
         c = torch.div(pos, bs, rounding_mode="floor")  # its (current, possibly partial) block
         batch = torch.arange(b, device=dev)
@@ -516,59 +610,9 @@ class SketchWalk(PrefillMethod):
         if cfg.walk == "oracle":
             probs = inputs.probs(dtype).mean(1)  # [B, N]: exact attention mass, head-averaged
             a_token = block_sums(probs[..., None], bs)[..., 0]
-        forward = state.get(FORWARD_STATE)
-        previous = forward.get(WALK_KEY) if forward is not None else None
-        if previous is not None and previous.shape != (b, n):
-            previous = None  # another request's or step's walk (a forward dict reused): start anew
-        if previous is not None and cfg.walk == "walk" and not sk.has_history:
-            raise ValueError("sketchwalk: the walk needs the prompt's block sketches; run the prompt inside "
-                             "the sparsify block (its prefill records them) or use walk=one-hop")
+        self._check_walk_history(previous, sk)
         w = self.walk_step(previous, a_token, lambda prev: times_with_row(prev, sk.a_tilde[:, :n, :n], a_token, c))
-        hops = 1
-        if forward is not None:
-            forward[WALK_KEY] = w
-            hops = forward.get(HOPS_KEY, 0) + 1 if previous is not None else 1
-            forward[HOPS_KEY] = hops
         rank = w + TIE_BREAK * normalize_rows(a_token)
         budget = block_budget(c, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n)  # n: blocks of the longest row
-        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
         blocks, counts = select_blocks(rank[:, None], c[:, None], budget[:, None], kmax)
-        blocks, counts = blocks[:, 0], counts[:, 0]
-        # Block-granular token lists: every used block but the last (the current one) is complete, so
-        # the valid positions form a prefix of the list.
-        def token_lists():
-            tokens = (blocks[..., None] * bs + torch.arange(bs, device=dev)).reshape(b, -1)
-            used = (torch.arange(kmax, device=dev) < counts[:, None]).repeat_interleave(bs, dim=1)
-            return tokens, used & (tokens < length[:, None])
-
-        path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
-        if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
-            from ..kernels.sparse.weighted_triton import sparse_decode_triton
-
-            q, k, v, lens = kernel_operands(inputs)
-            pages = blocks[:, None, :].expand(b, inputs.kv_heads, kmax).to(torch.int32).contiguous()
-            n_pages = counts[:, None].expand(b, inputs.kv_heads).to(torch.int32).contiguous()
-            out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale)
-        else:
-            tokens, valid = token_lists()
-            idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
-            out, _ = weighted_sparse_decode(inputs.q, inputs.k, inputs.v, idx,
-                                            valid.sum(-1)[:, None].expand(b, inputs.kv_heads), None,
-                                            scale=inputs.scale, check=False)
-        extra = {"phase": "decode", "walk_hops": hops}
-        if reason is not None:
-            extra["backend_reason"] = reason
-
-        def stats():  # built when read: a captured step (nobody reads it) launches none of this
-            tokens, valid = token_lists()
-            v_read = torch.zeros(b, n_tok + 1, dtype=torch.bool, device=dev)
-            v_read.scatter_(1, torch.where(valid, tokens, n_tok), True)  # unused entries land in the spare column
-            v_read = v_read[:, None, :n_tok].expand(b, hq, n_tok).contiguous()
-            more = {"block_density": (counts / (c + 1)).to(torch.float64).mean(),
-                    "blocks_kept": counts.to(torch.float64).mean()}
-            # The sketches read no K rows beyond the new token's; attention reads the selected rows.
-            return read_stats(inputs, v_read, k_scored=valid.sum(-1)[:, None].expand(b, inputs.kv_heads),
-                              exact_rows=(counts == c + 1).sum(), backend=path, extra=more)
-
-        stats = StepStats.deferred(stats, path, extra)
-        return out, stats
+        return w, blocks[:, 0], counts[:, 0], c
