@@ -87,6 +87,17 @@ for spec in SPECS:
             same_selection(st, rst, where)
             close(out, ref, where)
             calls += 1
+    # rows no longer than sink + window: no key is left to select (an empty list on the CPU), exact
+    q, k, v = tensors(5, torch.float32)
+    lens = torch.tensor([3, 6], device=device)
+    out, st = fast.decode(q, k, v, lengths=lens, seed=RandomKey(2), state={{}})
+    ref, rst = slow.decode(q, k, v, lengths=lens, seed=RandomKey(2), state={{}})
+    same_selection(st, rst, (spec, "covered"))
+    close(out, ref, (spec, "covered"))
+    if "sink=0,window=0" not in spec:
+        assert st.exact_rows == 2, (spec, st.exact_rows)
+        exact, _ = kvsieve.method("dense").decode(q, k, v, lengths=lens)
+        close(out, exact, (spec, "covered vs exact"))
     # several query rows per call (a question chunk): each row its own length and draws
     q4, k, v = tensors(7, torch.float32, q_len=3)
     lens = torch.tensor([290, 150], device=device)
