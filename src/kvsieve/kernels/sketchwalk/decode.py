@@ -2,28 +2,32 @@
 
 Four Triton launches and one ``torch.topk`` per call (one layer, one token per batch row), where the
 method's torch path (:mod:`kvsieve.methods.sketchwalk`, ``backend="reference"``: the spec, and what the
-tests compare this with) takes about a hundred small ones:
+tests compare this with) launches about a hundred small kernels:
 
-1. ``_sketch_update_kernel``, one program per batch row: the head-mean of the token's query (stored in
-   ``q_tok``), its block ``c``'s sums recomputed from the kept queries and the cache's keys (stored),
-   and the SRHT of the block's mean key (stored in ``k_sketch``), of its mean query and of the token's
-   query (a scratch buffer).
-2. ``_scores_walk_kernel``, one program per (batch row, tile of key blocks): the sketched logits of the
-   token's query and of block c's mean query against the tile's key sketches with their per-tile
-   (max, Σ exp) for the softmax, and, for the walk, the tile's columns of ``w_prev[:c] · Ã[:c]`` (the
-   rows of completed blocks; only rows ≥ the tile's first column can be non-zero, by causality).
-3. ``_walk_row_kernel``, one program per batch row: the softmaxes from the partials, ``ã = exp(α·log â)``,
-   block c's row of Ã written when the token completes it, the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã``
-   (or ``ã``, or ``w_prev ⊙ ã``), ``w / max w`` (the next layer's walk) and the ranking score
-   ``w/max w + TIE·ã/max ã`` over blocks ``1..c−1`` (−inf elsewhere).
-4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known), then ``_select_kernel``, one program
-   per batch row: the row's budget ``k = max(2, ⌈ρ(c+1)⌉)`` (float64, as the reference), block 0, the
-   first ``k − 2`` of the top-k sorted ascending, block c, written as the page lists of
+1. ``_sketch_update_kernel``, one program per (batch row, chunk of head-dim features): the head-mean of
+   the token's query (stored in ``q_tok``), its block ``c``'s sums recomputed from the kept queries and
+   the cache's keys (stored), and the chunk's share of the SRHT Φx of the token's query, the block's
+   query sum and key sum.
+2. ``_scores_walk_kernel``, one program per (batch row, tile of key blocks, split of the walk's rows):
+   the sketched logits of the token's query and of block c's mean query against the tile's key sketches
+   (block c's from the projections) with the tile's (max, Σ exp) for the softmaxes; and, for the walk,
+   the split's share of the tile's columns of ``w_prev[:c] · Ã[:c]`` (only rows ≥ the tile's first
+   column can be non-zero, by causality) — a GEMV over Ã's causal half, the step's largest read.
+3. ``_walk_row_kernel``, one program per batch row: block c's key sketch (stored), the softmaxes from
+   the partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block,
+   the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous
+   walk; ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk) and the ranking score
+   ``w/max w + tie·ã/max ã`` over blocks ``1..c−1`` (−inf elsewhere).
+4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known; unsorted), then ``_select_kernel``,
+   one program per batch row: the row's budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as the
+   reference), the best ``k − 2`` of the top-k entries (score, then lower block), block 0, those sorted
+   ascending, block c, written as the page lists of
    :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` for every KV head.
 
-Everything reads its sizes from host-known shapes and the rows' positions from ``lengths`` in device
-memory: nothing is read on the host, and a replayed CUDA graph recomputes the token's block like the
-first call (the recompute-not-accumulate contract of ``LayerSketch``).
+Sizes come from host-known shapes and the rows' positions from ``lengths`` in device memory: nothing is
+read on the host, every buffer is allocated per call from host-known sizes (graph-capturable), there are
+no atomics (a replay equals an eager call bit for bit), and a replay recomputes the token's block like
+the first call (``LayerSketch``'s recompute-not-accumulate contract).
 """
 
 from __future__ import annotations
@@ -40,86 +44,103 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _sketch_update_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, ksk_ptr, qsk_ptr,
-                              hq, hkv, m,
-                              s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_kkb, s_kkn, s_pm,
-                              BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+    def _block_position(lens_ptr, b, BS: tl.constexpr):
+        """``(pos, c, count)``: the row's new token, its block, and the block's tokens so far (this one too)."""
         pos = tl.load(lens_ptr + b).to(tl.int64) - 1
         c = pos // BS
-        count = (pos - c * BS + 1).to(tl.float32)  # tokens of block c so far, this one included
-        tok = c * BS + tl.arange(0, BS)
-        before = tok < pos  # the block's earlier tokens: their queries are in q_tok
-        seen = tok <= pos
-        offs_m = tl.arange(0, BM)
-        m_ok = offs_m < m
-        kc = tl.zeros([BM], dtype=tl.float32)
-        qc = tl.zeros([BM], dtype=tl.float32)
-        qt = tl.zeros([BM], dtype=tl.float32)
-        for d0 in tl.static_range(0, D, BD):
-            offs_d = d0 + tl.arange(0, BD)
-            q_new = tl.zeros([BD], dtype=tl.float32)
-            for h in range(hq):
-                q_new += tl.load(q_ptr + b * s_qb + h * s_qh + offs_d).to(tl.float32)
-            q_new = q_new / hq
-            tl.store(qtok_ptr + b * s_tb + pos * s_tn + offs_d, q_new)
-            q_rows = tl.load(qtok_ptr + b * s_tb + tok[:, None] * s_tn + offs_d[None, :], mask=before[:, None],
-                             other=0.0)
-            q_sum = tl.sum(q_rows, axis=0) + q_new
-            k_sum = tl.zeros([BD], dtype=tl.float32)
-            for h in range(hkv):
-                rows = tl.load(k_ptr + b * s_kb + h * s_kh + tok[:, None] * s_kn + offs_d[None, :],
-                               mask=seen[:, None], other=0.0)
-                k_sum += tl.sum(rows.to(tl.float32), axis=0)
-            k_sum = k_sum / hkv
-            tl.store(qsum_ptr + b * s_sb + c * s_sn + offs_d, q_sum)
-            tl.store(ksum_ptr + b * s_sb + c * s_sn + offs_d, k_sum)
-            phi = tl.load(phi_ptr + offs_m[:, None] * s_pm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-            kc += tl.sum(phi * k_sum[None, :], axis=1)
-            qc += tl.sum(phi * q_sum[None, :], axis=1)
-            qt += tl.sum(phi * q_new[None, :], axis=1)
-        tl.store(ksk_ptr + b * s_kkb + c * s_kkn + offs_m, kc / count, mask=m_ok)
-        tl.store(qsk_ptr + b * 2 * BM + offs_m, qt)  # padding features are 0: they add nothing to a logit
-        tl.store(qsk_ptr + b * 2 * BM + BM + offs_m, qc / count)
+        return pos, c, pos - c * BS + 1
 
     @triton.jit
-    def _logit_tile(q_ptrs, ks, causal, logit_scale, out_ptrs, part_ptrs):
+    def _sketch_update_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr,
+                              hq, hkv, m,
+                              s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm,
+                              BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr,
+                              BM: tl.constexpr, NC: tl.constexpr):
+        # One program per (batch row, chunk of BD features): each tile is one load, so the step's reads
+        # (the block's keys of every KV head, at most BS·Hkv rows) are in flight at once.
+        b = tl.program_id(0).to(tl.int64)
+        chunk = tl.program_id(1)
+        pos, c, _ = _block_position(lens_ptr, b, BS)
+        offs_d = chunk * BD + tl.arange(0, BD)
+        offs_h = tl.arange(0, BH)
+        q = tl.load(q_ptr + b * s_qb + offs_h[:, None] * s_qh + offs_d[None, :], mask=(offs_h < hq)[:, None],
+                    other=0.0)
+        q_new = tl.sum(q.to(tl.float32), axis=0) / hq
+        tl.store(qtok_ptr + b * s_tb + pos * s_tn + offs_d, q_new)
+        tok = c * BS + tl.arange(0, BS)
+        q_rows = tl.load(qtok_ptr + b * s_tb + tok[:, None] * s_tn + offs_d[None, :], mask=(tok < pos)[:, None],
+                         other=0.0)  # the block's earlier tokens (this one's query is q_new)
+        q_sum = tl.sum(q_rows, axis=0) + q_new
+        r = tl.arange(0, BHK * BS)  # (KV head, token of the block) pairs
+        head = r // BS
+        tok_r = c * BS + r % BS
+        k_rows = tl.load(k_ptr + b * s_kb + head[:, None] * s_kh + tok_r[:, None] * s_kn + offs_d[None, :],
+                         mask=((head < hkv) & (tok_r <= pos))[:, None], other=0.0)
+        k_sum = tl.sum(k_rows.to(tl.float32), axis=0) / hkv
+        tl.store(qsum_ptr + b * s_sb + c * s_sn + offs_d, q_sum)
+        tl.store(ksum_ptr + b * s_sb + c * s_sn + offs_d, k_sum)
+        offs_m = tl.arange(0, BM)
+        phi = tl.load(phi_ptr + offs_m[:, None] * s_pm + offs_d[None, :], mask=(offs_m < m)[:, None], other=0.0)
+        # This chunk's share of Φx (padding features stay 0: they add nothing to a logit); the next
+        # kernel sums the chunks.
+        out = proj_ptr + ((b * NC + chunk) * 3) * BM + offs_m
+        tl.store(out, tl.sum(phi * q_new[None, :], axis=1))
+        tl.store(out + BM, tl.sum(phi * q_sum[None, :], axis=1))
+        tl.store(out + 2 * BM, tl.sum(phi * k_sum[None, :], axis=1))
+
+    @triton.jit
+    def _projection(proj_ptr, b, which, BM: tl.constexpr, NC: tl.constexpr):
+        """Φx summed over the feature chunks: ``which`` 0 the token's query, 1 block c's query sum, 2 its key sum."""
+        offs_m = tl.arange(0, BM)
+        total = tl.zeros([BM], dtype=tl.float32)
+        for chunk in tl.static_range(NC):
+            total += tl.load(proj_ptr + ((b * NC + chunk) * 3 + which) * BM + offs_m)
+        return total
+
+    @triton.jit
+    def _logit_tile(qv, ks, causal, logit_scale, out_ptrs, part_ptrs):
         """One query sketch's logits over a tile of key sketches, stored with the tile's (max, Σ exp)."""
-        logits = tl.where(causal, tl.sum(ks * tl.load(q_ptrs)[None, :], axis=1) * logit_scale, float("-inf"))
+        logits = tl.where(causal, tl.sum(ks * qv[None, :], axis=1) * logit_scale, float("-inf"))
         tl.store(out_ptrs, logits)
         mx = tl.max(logits, axis=0)
         tl.store(part_ptrs, mx)
         tl.store(part_ptrs + 1, tl.sum(tl.exp(logits - tl.where(mx > float("-inf"), mx, 0.0)), axis=0))
 
     @triton.jit
-    def _scores_walk_kernel(lens_ptr, ksk_ptr, qsk_ptr, at_ptr, prev_ptr, logit_ptr, part_ptr, g_ptr,
-                            m, n, n_pad, tiles, logit_scale,
+    def _scores_walk_kernel(lens_ptr, ksk_ptr, proj_ptr, at_ptr, prev_ptr, logit_ptr, part_ptr, g_ptr,
+                            m, n_pad, tiles, logit_scale,
                             s_kkb, s_kkn, s_ab, s_ar, s_pb,
                             BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
-                            WALK: tl.constexpr):
+                            NC: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, WALK: tl.constexpr):
+        # Program (b, t, s): key blocks j of tile t; split s of the walk's rows.
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
-        c = (tl.load(lens_ptr + b).to(tl.int64) - 1) // BS
+        s = tl.program_id(2)
+        _, c, count = _block_position(lens_ptr, b, BS)
         j = t * BJ + tl.arange(0, BJ)
-        causal = j <= c
-        offs_m = tl.arange(0, BM)
-        ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
-                     mask=causal[:, None] & (offs_m < m)[None, :], other=0.0)
-        # row 0: the token's query; row 1: block c's mean query
-        _logit_tile(qsk_ptr + b * 2 * BM + offs_m, ks, causal, logit_scale, logit_ptr + b * 2 * n_pad + j,
-                    part_ptr + (b * 2 * tiles + t) * 2)
-        _logit_tile(qsk_ptr + (b * 2 + 1) * BM + offs_m, ks, causal, logit_scale,
-                    logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
-        if WALK:
+        if s == 0:
+            offs_m = tl.arange(0, BM)
+            ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
+                         mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
+            k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
+            ks = tl.where((j == c)[:, None], k_c[None, :], ks)
+            causal = j <= c
+            # row 0: the token's query; row 1: block c's mean query
+            _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
+                        logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
+            _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
+                        logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
+        if WALK:  # w_prev[:c] · Ã[:c] over this split's rows; rows i < j of Ã are zero in column j
             acc = tl.zeros([BJ], dtype=tl.float32)
-            for i0 in range(t.to(tl.int64) * BJ, c, BI):  # rows i < j of Ã are zero in column j: start at the tile
+            lo = tl.maximum(s * ROWS, t * BJ).to(tl.int64)
+            hi = tl.minimum((s + 1) * ROWS, c)
+            for i0 in range(lo, hi, BI):
                 rows = i0 + tl.arange(0, BI)
-                r_ok = rows < c
+                r_ok = rows < hi
                 p = tl.load(prev_ptr + b * s_pb + rows, mask=r_ok, other=0.0)
-                a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :],
-                            mask=r_ok[:, None] & (j < n)[None, :], other=0.0)
+                a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :], mask=r_ok[:, None], other=0.0)
                 acc += tl.sum(p[:, None] * a, axis=0)
-            tl.store(g_ptr + b * n_pad + j, acc)
+            tl.store(g_ptr + (b * SPLITS + s) * n_pad + j, acc)
 
     @triton.jit
     def _softmax_stat(part_ptr, base, tiles, BT: tl.constexpr):
@@ -132,13 +153,15 @@ if triton is not None:
         return top + tl.log(tl.sum(total * tl.exp(mx - top), axis=0))
 
     @triton.jit
-    def _walk_row_kernel(lens_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, at_ptr, w_ptr, rank_ptr,
-                         n, n_pad, tiles, alpha, tie, s_ab, s_ar, s_pb,
-                         BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, MODE: tl.constexpr):
+    def _walk_row_kernel(lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr,
+                         rank_ptr, m, n, n_pad, tiles, alpha, tie, s_kkb, s_kkn, s_ab, s_ar, s_pb,
+                         BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                         NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
-        pos = tl.load(lens_ptr + b).to(tl.int64) - 1
-        c = pos // BS
-        in_block = pos - c * BS + 1  # block c's tokens so far; at BS its row of Ã is final
+        _, c, count = _block_position(lens_ptr, b, BS)
+        offs_m = tl.arange(0, BM)
+        tl.store(ksk_ptr + b * s_kkb + c * s_kkn + offs_m, _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32),
+                 mask=offs_m < m)
         lse_t = _softmax_stat(part_ptr, b * 2 * tiles, tiles, BT)
         lse_c = _softmax_stat(part_ptr, (b * 2 + 1) * tiles, tiles, BT)
         if MODE == 1:
@@ -147,44 +170,43 @@ if triton is not None:
             p_c = 0.0
         w_max = tl.zeros([], dtype=tl.float32)
         a_max = tl.zeros([], dtype=tl.float32)
-        for j0 in range(0, n, BJ):  # pass 1: the maxima; block c's row of Ã
+        for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
             j = j0 + tl.arange(0, BJ)
             ok = j < n
             a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
             if MODE == 1:
-                w = tl.load(g_ptr + b * n_pad + j, mask=ok, other=0.0) + p_c * a
+                w = p_c * a
+                for s in tl.static_range(SPLITS):
+                    w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
             elif MODE == 2:
                 w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
             else:
                 w = a
+            tl.store(w_ptr + b * n + j, w, mask=ok)
             w_max = tl.maximum(w_max, tl.max(w, axis=0))
             a_max = tl.maximum(a_max, tl.max(a, axis=0))
             a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf"))
                                   - lse_c))
             # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
-            tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + in_block == BS))
+            tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
         w_max = tl.maximum(w_max, 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
         a_max = tl.maximum(a_max, 1.1754943508222875e-38)
-        for j0 in range(0, n, BJ):  # pass 2: recomputed from the inputs (no read-back of this program's stores)
+        tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
+        for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
             j = j0 + tl.arange(0, BJ)
             ok = j < n
             a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
-            if MODE == 1:
-                w = tl.load(g_ptr + b * n_pad + j, mask=ok, other=0.0) + p_c * a
-            elif MODE == 2:
-                w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
-            else:
-                w = a
-            w = w / w_max
+            w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
             tl.store(w_ptr + b * n + j, w, mask=ok)
             rank = tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf"))
             tl.store(rank_ptr + b * n + j, rank, mask=ok)
 
     @triton.jit
-    def _select_kernel(lens_ptr, top_ptr, pages_ptr, npages_ptr, rho_bits, n_blocks, extra, kmax, hkv,
-                       BS: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
+    def _select_kernel(lens_ptr, val_ptr, top_ptr, pages_ptr, npages_ptr, rho_bits, n_blocks, extra, kmax, hkv,
+                       BS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+                       FIXED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
-        c = (tl.load(lens_ptr + b).to(tl.int64) - 1) // BS
+        _, c, _ = _block_position(lens_ptr, b, BS)
         # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1
         rho = rho_bits.to(tl.float64, bitcast=True)
         if FIXED:
@@ -195,16 +217,29 @@ if triton is not None:
         whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
         k = whole + (whole.to(tl.float64) < x).to(tl.int64)
         k = tl.minimum(tl.maximum(k, 2), c + 1)
+        # topk's entries come unsorted: entry e is among the row's best k − 2 when fewer than k − 2 entries
+        # beat it (a higher score, or the same score at a lower block)
         offs_e = tl.arange(0, BE)
-        used = offs_e < k - 2  # topk returns the best first: its first k − 2 entries are the row's
-        top = tl.load(top_ptr + b * extra + offs_e, mask=used, other=0).to(tl.int32)
-        ordered = tl.sort(tl.where(used, top, 2147483647), dim=0)  # the used ones ascending, first
+        e_ok = offs_e < extra
+        val = tl.load(val_ptr + b * extra + offs_e, mask=e_ok, other=float("-inf"))
+        idx = tl.load(top_ptr + b * extra + offs_e, mask=e_ok, other=0).to(tl.int32)
+        better = tl.zeros([BE], dtype=tl.int32)
+        for e0 in range(0, extra, BC):
+            rival = e0 + tl.arange(0, BC)
+            r_ok = rival < extra
+            r_val = tl.load(val_ptr + b * extra + rival, mask=r_ok, other=float("-inf"))[None, :]
+            r_idx = tl.load(top_ptr + b * extra + rival, mask=r_ok, other=0).to(tl.int32)[None, :]
+            beats = (r_val > val[:, None]) | ((r_val == val[:, None]) & (r_idx < idx[:, None]))
+            better += tl.sum((beats & r_ok[None, :]).to(tl.int32), axis=1)
+        used = e_ok & (better < k - 2)
+        ordered = tl.sort(tl.where(used, idx, 2147483647), dim=0)  # the used blocks ascending, first
         offs_k = tl.arange(0, BK)
         ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)  # block 0 first, block c last, 0 as padding
         ends_ok = (offs_k < kmax) & ((offs_k == 0) | (offs_k >= k - 1))
+        first = offs_e < k - 2
         for h in range(hkv):
             row = pages_ptr + (b * hkv + h) * kmax
-            tl.store(row + 1 + offs_e, ordered, mask=used)
+            tl.store(row + 1 + offs_e, ordered, mask=first)
             tl.store(row + offs_k, ends, mask=ends_ok)
             tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
 
@@ -215,11 +250,16 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def _prev_pow2(x: int) -> int:
+    return 1 << (max(1, int(x)).bit_length() - 1)
+
+
 def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, q_tok: torch.Tensor,
                        q_sum: torch.Tensor, k_sum: torch.Tensor, k_sketch: torch.Tensor, a_tilde: torch.Tensor,
                        phi: torch.Tensor, n_blocks: int, block_size: int, logit_scale: float, alpha: float,
                        mode: str, previous: torch.Tensor | None, density: float, fixed_k: bool,
-                       kmax: int, tie: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       kmax: int, tie: float, tile_cols: int | None = None,
+                       split_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step's state update and selection, in place on the layer's state.
 
     ``q [B, Hq, d]``, ``k [B, Hkv, N, d]`` (the cache), ``lengths [B]`` int32 (row b's new token is at
@@ -227,7 +267,8 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     [B, ≥n, d]``, ``k_sketch [B, ≥n, m]``, ``a_tilde [B, ≥n, ≥n]``, last dim contiguous), ``phi [m, d]``
     the SRHT; ``n_blocks`` = ⌈N / block_size⌉; ``mode`` one of :data:`MODES` (``walk``/``diagonal`` need
     ``previous [B, n]``, the walk of the previous sparse layer); ``kmax`` the largest budget
-    (``max_block_budget``); ``tie`` the one-hop score's weight in the ranking.
+    (``max_block_budget``); ``tie`` the one-hop score's weight in the ranking; ``tile_cols``/``split_rows``
+    (powers of two ≥ 16) override the GEMV's tiling (tests use them to run several tiles at small n).
 
     Returns ``(w [B, n] float32, pages [B, Hkv, kmax] int32, n_pages [B, Hkv] int32)``: the normalised
     walk and the selected blocks (ascending, block 0 first and block c last, padding 0)."""
@@ -242,8 +283,12 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
         if t.dtype != f32 or t.stride(-1) != 1:
             raise ValueError(f"{name}: expected float32 with a contiguous last dim, got {t.dtype}, "
                              f"strides {t.stride()}")
+    if k_sum.stride()[:2] != q_sum.stride()[:2]:
+        raise ValueError("k_sum, q_sum: expected the same strides")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"q: head dim {d} (the sketch kernels take a power of two ≥ 16)")
     if lengths.dtype != torch.int32:
         raise ValueError(f"lengths: expected int32, got {lengths.dtype}")
     if mode not in MODES:
@@ -252,37 +297,51 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     if walk_mode and (previous.shape != (b, n) or previous.dtype != f32 or previous.stride(-1) != 1):
         raise ValueError(f"previous: expected float32 [{b}, {n}] with a contiguous last dim, got "
                          f"{previous.dtype} {tuple(previous.shape)}")
-    bm = next_pow2(m)
-    # Tiles of key blocks for the logits and the walk's GEMV: narrow enough to spread n = 2048 blocks
-    # (128k tokens) over ~128 programs, the GEMV's read of Ã being the step's largest.
-    bj = min(128, max(16, next_pow2(-(-n // 128))))
+    bs = block_size
+    bm, bhk = next_pow2(m), next_pow2(hkv)
+    # Feature chunks small enough that one chunk of the block's keys (Hkv·B rows) is one 16k-element tile.
+    bd = min(d, 64, max(16, _prev_pow2(16384 // (bhk * bs))))
+    nc = d // bd
+    # Key-block tiles of up to 64 columns (256-byte rows of Ã) and up to 8 row splits of the walk's GEMV,
+    # the step's largest read (Ã's causal half: 8 MB at 128k tokens): ~128-256 programs at 128k.
+    bj = tile_cols or min(64, max(16, next_pow2(-(-n // 16))))
+    rows = split_rows or max(64, next_pow2(-(-n // 8)))
+    for name, x in (("tile_cols", bj), ("split_rows", rows)):
+        if x < 16 or x & (x - 1):
+            raise ValueError(f"{name}: expected a power of two >= 16, got {x}")
     tiles = -(-n // bj)
     n_pad = tiles * bj
-    qsk = torch.empty(b, 2, bm, device=dev, dtype=f32)
+    bi = min(64, rows)
+    splits = -(-n // rows)
+    proj = torch.empty(b, nc, 3, bm, device=dev, dtype=f32)
     logits = torch.empty(b, 2, n_pad, device=dev, dtype=f32)
     parts = torch.empty(b, 2, tiles, 2, device=dev, dtype=f32)
-    g = torch.empty(b, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
+    g = torch.empty(b, splits, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
     w = torch.empty(b, n, device=dev, dtype=f32)
     rank = torch.empty(b, n, device=dev, dtype=f32)
     prev = previous if walk_mode else w  # an unread stand-in
-    if k_sum.stride()[:2] != q_sum.stride()[:2]:
-        raise ValueError("k_sum, q_sum: expected the same strides")
-    bd = min(d, 64)
-    launch(_sketch_update_kernel, (b,), q, k, lengths, phi, q_tok, q_sum, k_sum, k_sketch, qsk, hq, hkv, m,
+    launch(_sketch_update_kernel, (b, nc), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, hq, hkv, m,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0), q_tok.stride(1),
-           q_sum.stride(0), q_sum.stride(1), k_sketch.stride(0), k_sketch.stride(1), phi.stride(0),
-           BS=block_size, D=d, BD=bd, BM=bm, num_warps=4)
-    launch(_scores_walk_kernel, (b, tiles), lengths, k_sketch, qsk, a_tilde, prev, logits, parts, g,
-           m, n, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
+           q_sum.stride(0), q_sum.stride(1), phi.stride(0),
+           BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, num_warps=8 if bhk * bs * bd > 4096 else 4)
+    launch(_scores_walk_kernel, (b, tiles, splits if walk_mode == 1 else 1), lengths, k_sketch, proj, a_tilde,
+           prev, logits, parts, g, m, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1),
+           a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
+           BS=bs, BJ=bj, BM=bm, BI=bi, NC=nc, ROWS=rows, SPLITS=splits, WALK=walk_mode == 1, num_warps=4)
+    launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, m, n, n_pad,
+           tiles, float(alpha), float(tie), k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
            a_tilde.stride(1), prev.stride(0),
-           BS=block_size, BJ=bj, BM=bm, BI=64, WALK=walk_mode == 1, num_warps=4)
-    launch(_walk_row_kernel, (b,), lengths, logits, parts, g, prev, a_tilde, w, rank, n, n_pad, tiles,
-           float(alpha), float(tie), a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
-           BS=block_size, BJ=min(1024, next_pow2(n)), BT=next_pow2(tiles), MODE=walk_mode, num_warps=4)
+           BS=bs, BJ=min(1024, next_pow2(n)), BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
+           num_warps=4)
     extra = min(kmax - 2, n)
-    top = torch.topk(rank, extra, dim=-1).indices if extra > 0 else rank  # rank: an unread stand-in
+    if extra > 0:  # unsorted: the select kernel ranks the entries itself (saves topk's sort launch)
+        val, top = torch.topk(rank, extra, dim=-1, sorted=False)
+    else:
+        val = top = rank  # unread stand-ins
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
-    launch(_select_kernel, (b,), lengths, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax, hkv,
-           BS=block_size, BE=next_pow2(max(extra, 2)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=1)
+    be = next_pow2(max(extra, 2))
+    launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax,
+           hkv, BS=bs, BE=be, BC=max(2, min(be, 4096 // be)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k),
+           num_warps=4)
     return w, pages, n_pages
