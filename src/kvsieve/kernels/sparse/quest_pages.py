@@ -194,7 +194,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..triton_utils import dense_range
-    from .select_triton import store_softmax_part
+    from .select_triton import store_maxima, store_softmax_part
 
     @triton.jit
     def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
@@ -266,12 +266,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["sink", "window", "n_pages", "size", "max_units"])
     def _page_bounds_kernel(
-        q_ptr, kmin_ptr, kmax_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr,
+        q_ptr, kmin_ptr, kmax_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr, mx_ptr,
         scale, sink, window, n_pages, size, max_units,
-        s_q_b, s_q_h, s_m_b, s_m_h, s_m_p, s_o_b, s_o_h, s_p_b, s_p_h,
+        s_q_b, s_q_h, s_m_b, s_m_h, s_m_p, s_o_b, s_o_h, s_p_b, s_p_h, s_x_b, s_x_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr,
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, WRITE_PARTS: tl.constexpr,
+        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr,
     ):
         # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile.
         pb, kvh, b, b64, length, sink_end, win_start = score_program(
@@ -300,6 +301,8 @@ if triton is not None:
                  mask=g_ok[:, None] & p_ok[None, :])
         if WRITE_PARTS:  # the group-summed ranking's softmax needs each head's lse over all pages
             store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, pb, s_p_b, s_p_h, bound)
+        if WRITE_MAX:  # the select launch's prefilter subset
+            store_maxima(mx_ptr, b64, heads, g_ok, pb, s_x_b, s_x_h, bound, n_pages, BLOCK_P, BLOCK_G, GROUP_MAX)
 
     @triton.jit(do_not_specialize=["sink", "window", "n_units"])
     def _group_sum_kernel(
@@ -336,28 +339,33 @@ if triton is not None:
 def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
                        scale: float | None = None, out: torch.Tensor | None = None, *, mask_dense: bool = True,
                        counts: torch.Tensor | None = None, size: int | float = 0,
-                       max_pages: int = 0, parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       max_pages: int = 0, parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       maxima: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`page_bounds_reference` in one launch (``lengths`` int32 ``[B]``; kmin/kmax in q's dtype
     with a contiguous last dim). Products of bf16/fp16 values are exact in the fp32 accumulator; fp32
     inputs use IEEE dots. ``mask_dense=False`` masks only pages past the length (the group-summed ranking
     normalises over them). With ``counts [B]`` (int64) it also writes :func:`selection_counts_reference`
     for ``size`` and ``max_pages``; with ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(P / 64)]`` each
-    block of 64 pages' softmax partials (for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
+    block of 64 pages' softmax partials; with ``maxima`` float32 ``[B, Hq, ceil(P / GROUP_MAX)]`` the max of
+    every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
+    from .select_triton import GROUP_MAX
+
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     g = hq // hkv
     scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     pm, pl = (out, out) if parts is None else parts
+    mx = out if maxima is None else maxima
     launch(_page_bounds_kernel, (-(-p // PAGE_BLOCK), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
-           scale, sink, window, p, count, max_pages,
+           mx, scale, sink, window, p, count, max_pages,
            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
-           pm.stride(0), pm.stride(1),
+           pm.stride(0), pm.stride(1), mx.stride(0), mx.stride(1),
            G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_P=PAGE_BLOCK, PAGE=page_size,
            MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_page_bounds_kernel), WRITE_PARTS=parts is not None,
-           num_warps=4, num_stages=1)
+           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, num_warps=4, num_stages=1)
     return out
 
 
@@ -389,15 +397,17 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     ``resolve_size``), rounded up to whole pages. The first ``counts`` entries of a row are its pages.
 
     ``select="triton"`` (default): two launches — the bounds (group-summed rows also write per-block
-    softmax partials) and :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum and
-    exact radix select), pages in ascending order. ``select="torch"``: the earlier path, kept to compare
-    (bounds, ``logsumexp`` + group-sum launch, ``torch.topk``; highest bound first).
+    softmax partials, the others the maxima of every 8 bounds) and
+    :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
+    select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
+    any) and ``torch.topk`` (highest first). ``select="legacy"``: the path before 2026-11-25, to compare
+    (``logsumexp`` and a group-sum launch, ``torch.topk(sorted=True)``: highest bound first).
     ``bounds="reference"`` runs every step in torch (highest bound first)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     k = max(1, min(max_pages, p))
-    if select not in ("triton", "torch"):
-        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    if select not in ("triton", "torch", "legacy"):
+        raise ValueError(f"select: expected 'triton', 'torch' or 'legacy', got {select!r}")
     if bounds == "reference":
         if share_kv_group:
             s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), hq // hkv)
@@ -407,20 +417,16 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
         counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
-    elif select == "triton":
-        from .select_triton import topk_rows_triton
+    elif select != "legacy":
+        from .select_triton import select_rows
 
-        counts = torch.empty(b, device=q.device, dtype=torch.int64)
-        parts = None
-        if share_kv_group:
-            n_blocks = -(-p // PAGE_BLOCK)
-            parts = (torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32),
-                     torch.empty(b, hq, n_blocks, device=q.device, dtype=torch.float32))
-        s = page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, mask_dense=not share_kv_group,
-                               counts=counts, size=size, max_pages=k, parts=parts)
-        pages = topk_rows_triton(s, counts, k, group=hq // hkv if share_kv_group else 1, parts=parts,
-                                 lengths=lengths, unit=page_size, sink=sink, window=window)
-        return pages, counts[:, None].expand(b, pages.shape[1])
+        def score(**kw):
+            return page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, size=size,
+                                      max_pages=k, **kw)
+
+        return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k, block=PAGE_BLOCK,
+                           share_kv_group=share_kv_group, lengths=lengths, unit=page_size, sink=sink,
+                           window=window, select=select, device=q.device)
     else:
         counts = torch.empty(b, device=q.device, dtype=torch.int64)
         s = page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, mask_dense=not share_kv_group,

@@ -108,7 +108,7 @@ if triton is not None:
         for x0 in range(0, n_units, BLOCK_X):
             offs = x0 + tl.arange(0, BLOCK_X)
             ok = offs < n_units
-            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
             if FIRST:
                 active = ok
             else:
@@ -136,6 +136,16 @@ if triton is not None:
         return prefix, need
 
     @triton.jit
+    def _radix_bound(src, n_units, count, BLOCK_X: tl.constexpr):
+        """A lower bound of the ``count``-th largest of ``src[:n_units]``: its top 18 bits (three passes),
+        the rest 0 — at most 0.2% below it in value, at half the passes of :func:`_radix_select`."""
+        prefix = tl.zeros([], dtype=tl.uint32)
+        prefix, need = _radix_pass(src, n_units, prefix, count, 26, 6, True, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 20, 6, False, BLOCK_X, 64)
+        prefix, need = _radix_pass(src, n_units, prefix, need, 14, 6, False, BLOCK_X, 64)
+        return prefix
+
+    @triton.jit
     def _emit(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr):
         # Units above thr and the first `need` equal to it, in src order, to out_row (their index: the
         # unit's position, or idx_src's entry); returns how many were written.
@@ -144,12 +154,12 @@ if triton is not None:
         for x0 in range(0, n_units, BLOCK_X):
             offs = x0 + tl.arange(0, BLOCK_X)
             ok = offs < n_units
-            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
+            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
             eq = (ok & (u == thr)).to(tl.int32)
             sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= need))
             pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
             if HAS_IDX:
-                idx = tl.load(idx_src + offs, mask=sel, other=0, cache_modifier=".cg").to(tl.int64)
+                idx = tl.load(idx_src + offs, mask=sel, other=0).to(tl.int64)
             else:
                 idx = offs.to(tl.int64)
             tl.store(out_row + pos, idx, mask=sel)
@@ -227,12 +237,14 @@ if triton is not None:
         s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_x_b, s_x_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
+        GROUP_MAX: tl.constexpr,
     ):
         hs = tl.program_id(0)
         b = tl.program_id(1)
         b64 = b.to(tl.int64)
         count = tl.load(cnt_ptr + b).to(tl.int32)
         out_row = out_ptr + b64 * s_o_b + hs * s_o_h
+        mx_row = mx_ptr + b64 * s_x_b + hs * s_x_h
         if SHARE:
             src = gs_ptr + b64 * s_g_b + hs * s_g_h
         else:
@@ -250,7 +262,10 @@ if triton is not None:
                 val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
                                       sink_end, win_start, UNIT)
                 tl.store(src + offs_x, val, mask=x_ok)
-            tl.debug_barrier()  # the row written above is read back by other threads of this program
+                mx = tl.max(tl.reshape(val, [BLOCK_XG // GROUP_MAX, GROUP_MAX]), axis=1)
+                offs_m = x0 // GROUP_MAX + tl.arange(0, BLOCK_XG // GROUP_MAX)
+                tl.store(mx_row + offs_m, mx, mask=offs_m < n_max)
+            tl.debug_barrier()  # the rows written above are read back by other threads of this program
         n_taken = tl.full([], 0, tl.int32)
         if count > 0:
             if PREFILTER:
@@ -258,16 +273,15 @@ if triton is not None:
                 # group, its max) is at most the row's count-th largest. Only units at or above it can
                 # be chosen; copying them out leaves the exact select a list near count long.
                 bound = tl.zeros([], dtype=tl.uint32)
-                bound_ties = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
                 if count <= n_max:
-                    bound, bound_ties = _radix_select(mx_ptr + b64 * s_x_b + hs * s_x_h, n_max, count, BLOCK_X)
+                    bound = _radix_bound(mx_row, n_max, count, BLOCK_X)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
                 for x0 in range(0, n_units, BLOCK_X):
                     offs = x0 + tl.arange(0, BLOCK_X)
                     ok = offs < n_units
-                    v = tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                    v = tl.load(src + offs, mask=ok, other=float("-inf"))
                     keep = ok & (_ordered(v) >= bound)
                     pos = n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                     tl.store(cv + pos, v, mask=keep)
@@ -299,9 +313,10 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     ``group > 1``: rows are KV heads ranked by ``log Σ_g softmax_g(s)`` over their ``group`` query
     heads, computed in this launch; ``scores`` are −inf only past each row's length (``lengths`` int32
     ``[B]``), ``parts = (max, sum_exp) [B, Hq, n_blocks]`` from the scoring launch, and units without a
-    key in ``[sink_end, window_start)`` (``unit`` keys each) are never chosen. ``maxima [B, Hs,
-    ceil(X / GROUP_MAX)]``: the max of every ``GROUP_MAX`` units of each row (rows of ``group = 1``
-    only), for the prefilter that long rows need."""
+    key in ``[sink_end, window_start)`` (``unit`` keys each) are never chosen; this launch takes the
+    rows' maxima itself and prefilters. ``maxima [B, Hs, ceil(X / GROUP_MAX)]`` (``group = 1``): the max
+    of every ``GROUP_MAX`` units of each row, written by the scoring launch; without them the select runs
+    on the whole row (six passes over it: fine for short rows only)."""
     b, hq, x = scores.shape
     if scores.dtype != torch.float32 or scores.stride(-1) != 1:
         raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
@@ -324,8 +339,11 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
         out = torch.empty(b, hs, k, device=dev, dtype=torch.int64)
     pm, pl = parts if share else (scores, scores)
     gs = torch.empty(b, hs, x, device=dev, dtype=torch.float32) if share else scores
+    prefilter = share or maxima is not None
+    if share:  # this launch group-sums the rows and takes their maxima on the way
+        maxima = torch.empty(b, hs, -(-x // GROUP_MAX), device=dev, dtype=torch.float32)
     mx = scores if maxima is None else maxima
-    if maxima is not None:  # candidates of the prefilter: at most the whole row
+    if prefilter:  # the prefilter's candidates: at most the whole row
         cv = torch.empty(b, hs, x, device=dev, dtype=torch.float32)
         ci = torch.empty(b, hs, x, device=dev, dtype=torch.int32)
     else:
@@ -339,7 +357,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
-           PREFILTER=maxima is not None, num_warps=8 if block_x >= 2048 else 4, num_stages=1)
+           PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, num_warps=8 if block_x >= 2048 else 4, num_stages=1)
     return out
 
 
@@ -366,5 +384,45 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     return out, maxima
 
 
-__all__ = ["GROUP_MAX", "group_sum_rows_triton", "group_summed_from_scores", "store_softmax_part", "store_maxima",
-           "topk_rows_reference", "topk_rows_triton"]
+ROW_GROUP_SUM_MAX = 16384  # longer group-summed rows get group_sum_rows_triton's parallel launch
+
+
+def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
+                share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
+    maxima=, mask_dense=)`` is the scoring launch (writing the row counts and, as asked, the softmax
+    partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
+    Hs])`` (an expanded view of ``[B]``).
+
+    ``select="triton"``: :func:`topk_rows_triton` (ascending order) — 2 launches with the scoring one,
+    3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="torch"``: the group sum (if any)
+    from the partials in one parallel launch, then ``torch.topk`` (sorted, highest first: rows whose count
+    is below ``k`` read the first ``count`` entries) — kept to compare."""
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    group = heads // kv_heads
+    # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
+    share_kv_group = share_kv_group and group > 1
+    counts = torch.empty(batch, device=device, dtype=torch.int64)
+    parts = maxima = None
+    if share_kv_group:
+        n_blocks = -(-n_units // block)
+        parts = (torch.empty(batch, heads, n_blocks, device=device, dtype=torch.float32),
+                 torch.empty(batch, heads, n_blocks, device=device, dtype=torch.float32))
+    elif select == "triton":
+        maxima = torch.empty(batch, heads, -(-n_units // GROUP_MAX), device=device, dtype=torch.float32)
+    s = score(counts=counts, parts=parts, maxima=maxima, mask_dense=not share_kv_group)
+    if share_kv_group and (select == "torch" or n_units > ROW_GROUP_SUM_MAX):
+        s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window)
+        share_kv_group = False
+    if select == "torch":  # sorted: a row whose count is below k takes the first count entries
+        idx = torch.topk(s, k, dim=-1, sorted=True).indices
+    else:
+        idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
+                               unit=unit, sink=sink, window=window, maxima=maxima)
+    return idx, counts[:, None].expand(batch, idx.shape[1])
+
+
+__all__ = ["GROUP_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "group_summed_from_scores", "select_rows",
+           "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_triton"]

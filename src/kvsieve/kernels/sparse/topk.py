@@ -116,16 +116,19 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     the reference) else ``Hq``. ``size``: keys per row (a count or a fraction of its length, as
     ``resolve_size``). The first ``counts`` entries of a row are its keys.
 
-    ``select="triton"`` (default): two launches — the scores pass over K (group-summed rows also write
-    per-block softmax partials) and :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`
-    (group sum and exact radix select), keys in ascending order. ``select="torch"``: the earlier path,
-    kept to compare (scores, ``logsumexp`` + group-sum launch, ``torch.topk``; highest first).
-    ``scores="reference"`` runs every step in torch (highest first)."""
+    ``select="triton"`` (default): the scores pass over K (writing the maxima of every 8 scores, or for
+    group-summed rows per-block softmax partials and then one parallel group-sum launch) and
+    :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
+    in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
+    ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
+    rows over ~20k keys). ``select="legacy"``: the path before 2026-11-25, to compare (``logsumexp`` and a
+    group-sum launch, ``torch.topk(sorted=True)``: highest first). ``scores="reference"`` runs every step
+    in torch (highest first)."""
     b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     kk = max(1, min(max_k, n))
-    if select not in ("triton", "torch"):
-        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    if select not in ("triton", "torch", "legacy"):
+        raise ValueError(f"select: expected 'triton', 'torch' or 'legacy', got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
@@ -135,23 +138,15 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
         counts = selection_counts_reference(lengths, size, 1, sink, window, kk)
     elif scores != "triton":
         raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
-    elif select == "triton":
-        from .select_triton import GROUP_MAX, group_sum_rows_triton, topk_rows_triton
+    elif select != "legacy":
+        from .select_triton import select_rows
 
-        dev = q.device
-        counts = torch.empty(b, device=dev, dtype=torch.int64)
-        if share_kv_group:
-            n_blocks = -(-n // score_block(q.shape[-1]))
-            parts = (torch.empty(b, hq, n_blocks, device=dev, dtype=torch.float32),
-                     torch.empty(b, hq, n_blocks, device=dev, dtype=torch.float32))
-            s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=False, counts=counts, size=size,
-                              max_k=kk, parts=parts)
-            s, maxima = group_sum_rows_triton(s, hq // hkv, parts, lengths, 1, sink, window)
-        else:
-            maxima = torch.empty(b, hq, -(-n // GROUP_MAX), device=dev, dtype=torch.float32)
-            s = scores_triton(q, k, lengths, sink, window, scale, counts=counts, size=size, max_k=kk, maxima=maxima)
-        idx = topk_rows_triton(s, counts, kk, maxima=maxima)
-        return idx, counts[:, None].expand(b, idx.shape[1])
+        def score(**kw):
+            return scores_triton(q, k, lengths, sink, window, scale, size=size, max_k=kk, **kw)
+
+        return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=n, k=kk, block=score_block(q.shape[-1]),
+                           share_kv_group=share_kv_group, lengths=lengths, unit=1, sink=sink, window=window,
+                           select=select, device=q.device)
     else:
         counts = torch.empty(b, device=q.device, dtype=torch.int64)
         s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
