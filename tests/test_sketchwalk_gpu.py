@@ -53,3 +53,123 @@ def test_method_prefill_and_decode_on_cuda_match_cpu():
     torch.testing.assert_close(results["cuda"][0], results["cpu"][0], atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(results["cuda"][1], results["cpu"][1], atol=1e-4, rtol=1e-4)
     assert results["cuda"][3] == results["cpu"][3]
+
+
+# -- the fused decode selection at the paper's shapes ---------------------------------------------------------
+
+
+def _llama_layers(n, layers, seed=0):
+    """Llama-3.1-8B heads (32/8/128), bf16, ``layers`` layers of random q/k/v over ``n`` positions."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [[torch.randn(1, h, n, 128, device="cuda", generator=g).bfloat16() for h in (32, 8, 8)]
+            for _ in range(layers)]
+
+
+def _decode_steps(spec, layers, n0, steps, monkeypatch):
+    """Prefill ``n0`` positions through every layer, then decode ``steps`` tokens; per call the blocks the
+    attention read, the walk and the output."""
+    import sys
+
+    import kvsieve.kernels.sparse.weighted_triton as wt
+    from kvsieve.core.prefill import FORWARD_STATE
+
+    sw = sys.modules["kvsieve.methods.sketchwalk"]
+    seen = []
+    kernel, reference = wt.sparse_decode_triton, sw.weighted_sparse_decode
+    bs = 64
+
+    def kernel_hook(q, k, v, pages, n_pages, **kw):
+        seen.append(pages[0, 0, :int(n_pages[0, 0])].tolist())
+        return kernel(q, k, v, pages, n_pages, **kw)
+
+    def reference_hook(q, k, v, idx, counts, w, **kw):
+        seen.append(sorted({t // bs for t in idx[0, 0, :int(counts[0, 0])].tolist()}))
+        return reference(q, k, v, idx, counts, w, **kw)
+
+    monkeypatch.setattr(wt, "sparse_decode_triton", kernel_hook)
+    monkeypatch.setattr(sw, "weighted_sparse_decode", reference_hook)
+    m = kvsieve.method(spec)
+    states = [{} for _ in layers]
+    forward = {}
+    for (q, k, v), st in zip(layers, states, strict=True):
+        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+    res = []
+    for t in range(n0, n0 + steps):
+        forward = {}
+        for (q, k, v), st in zip(layers, states, strict=True):
+            st[FORWARD_STATE] = forward
+            lengths = torch.tensor([t + 1], device="cuda", dtype=torch.int32)
+            out, _ = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st,
+                              check_finite=False)
+            res.append((seen[-1], forward[sw.WALK_KEY].clone(), out.float()))
+    monkeypatch.undo()
+    return res, states
+
+
+@pytest.mark.parametrize("walk", ["walk", "one-hop"])
+def test_fused_selection_matches_the_reference_at_long_context(walk, monkeypatch):
+    """300 blocks of 64 (the default tiling: several column tiles and row splits of the walk's GEMV), a block
+    completing mid-run, three walk layers: the same blocks, walks and outputs as the torch path."""
+    n0, steps = 64 * 300 + 10, 60
+    layers = _llama_layers(n0 + steps, 3)
+    spec = f"sketchwalk:density=0.1,dense_layers=0,walk={walk}"
+    fused, fused_states = _decode_steps(spec + ",backend=triton", layers, n0, steps, monkeypatch)
+    ref, ref_states = _decode_steps(spec + ",backend=reference", layers, n0, steps, monkeypatch)
+    for i, ((blocks, w, out), (ref_blocks, ref_w, ref_out)) in enumerate(zip(fused, ref, strict=True)):
+        assert blocks == ref_blocks, i
+        torch.testing.assert_close(w, ref_w, atol=1e-30, rtol=1e-3)
+        torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+    n = -(-(n0 + steps) // 64)
+    for a, r in zip(fused_states, ref_states, strict=True):
+        sa, sr = a["sketchwalk"], r["sketchwalk"]
+        torch.testing.assert_close(sa.k_sketch[:, :n], sr.k_sketch[:, :n], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(sa.a_tilde[:, :n, :n], sr.a_tilde[:, :n, :n], atol=1e-30, rtol=1e-3)
+
+
+def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
+    """The fused path with a previous layer's walk: no host read (sync debug mode "error"), and graph replays
+    at three lengths (one completes a block) equal eager calls bit for bit."""
+    from kvsieve.core.prefill import FORWARD_STATE
+    from kvsieve.methods.sketchwalk import HOPS_KEY, WALK_KEY
+
+    n0 = 64 * 100 + 61
+    (q, k, v), = _llama_layers(n0 + 3, 1, seed=1)
+    m = kvsieve.method("sketchwalk:density=0.1")
+    state = {}
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state, forward={}, sparse=True)
+    n = -(-(n0 + 3) // 64)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    w_prev = torch.rand(1, n, device="cuda", generator=g)
+    lengths = torch.full((1,), n0 + 3, device="cuda", dtype=torch.int32)
+
+    def call():
+        state[FORWARD_STATE] = {WALK_KEY: w_prev, HOPS_KEY: 1}  # as after one sparse layer
+        return m.decode(q[:, :, n0 + 2], k, v, lengths=lengths, state=state, check_finite=False)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            _, stats = call()
+    torch.cuda.current_stream().wait_stream(s)
+    assert stats.extra.get("selection") == "fused" and stats.walk_hops == 2
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = call()
+    outs, walks = [], []
+    for i in range(3):  # 6462..6464 keys: the last one completes block 100
+        lengths.fill_(n0 + 1 + i)
+        graph.replay()
+        outs.append(out.clone())
+        walks.append(state[FORWARD_STATE][WALK_KEY].clone())
+    for i in range(3):
+        lengths.fill_(n0 + 1 + i)
+        ref, _ = call()
+        torch.testing.assert_close(outs[i], ref, atol=0, rtol=0)
+        torch.testing.assert_close(walks[i], state[FORWARD_STATE][WALK_KEY], atol=0, rtol=0)
