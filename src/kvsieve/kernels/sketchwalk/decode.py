@@ -328,11 +328,14 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
            prev, logits, parts, g, m, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1),
            a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
            BS=bs, BJ=bj, BM=bm, BI=bi, NC=nc, ROWS=rows, SPLITS=splits, WALK=walk_mode == 1, num_warps=4)
+    # One program per row reads the row's partials and writes w and the ranking: one tile up to 2048 blocks
+    # (128k tokens of 64), so that each pass's loads are in flight together.
+    row_tile = min(2048, next_pow2(n))
     launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, m, n, n_pad,
            tiles, float(alpha), float(tie), k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
            a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=min(1024, next_pow2(n)), BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
-           num_warps=4)
+           BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
+           num_warps=8 if row_tile >= 1024 else 4)
     extra = min(kmax - 2, n)
     if extra > 0:  # unsorted: the select kernel ranks the entries itself (saves topk's sort launch)
         val, top = torch.topk(rank, extra, dim=-1, sorted=False)
