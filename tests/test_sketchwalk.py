@@ -788,3 +788,69 @@ def test_fused_selection_in_a_model_generates_what_the_reference_path_does_on_th
     from interpreted import run_script
 
     assert float(run_script(FUSED_GENERATE, "cuda", False).split("WORST")[-1]) < 1e-4
+
+
+# What the fused path launches per call: its four kernels and one topk before the attention's own launches,
+# and no other torch op (each would be a kernel launch and a graph node on the GPU).
+FUSED_LAUNCHES = """
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.interpreter import InterpretedFunction
+import kvsieve
+from kvsieve.core.prefill import FORWARD_STATE
+gen = torch.Generator().manual_seed(0)
+b, n0 = 2, 400
+layers = [[torch.randn(b, h, n0 + 1, 64, generator=gen).bfloat16() for h in (8, 2, 2)] for _ in range(2)]
+m = kvsieve.method("sketchwalk:block_size=16,density=0.2,backend=triton")
+states = [{{}} for _ in layers]
+forward = {{}}
+for (q, k, v), st in zip(layers, states):
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+log, paused = [], [False]
+run = InterpretedFunction.run
+
+
+def counted(self, *a, **kw):
+    log.append("triton:" + self.fn.__name__)
+    paused[0] = True
+    try:
+        return run(self, *a, **kw)
+    finally:
+        paused[0] = False
+
+
+class Ops(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if not paused[0] and not func.is_view and not name.startswith(("empty", "lift_fresh")):
+            log.append(name)
+        return func(*args, **(kwargs or {{}}))
+
+
+InterpretedFunction.run = counted
+lengths = torch.tensor([n0 + 1, n0 - 30], dtype=torch.int32)
+for step in range(2):  # the second pass: nothing left to allocate or grow
+    forward = {{}}
+    for (q, k, v), st in zip(layers, states):
+        st[FORWARD_STATE] = forward
+        log.clear()
+        with Ops():
+            out, stats = m.decode(q[:, :, n0], k, v, lengths=lengths, state=st, check_finite=False)
+        print("CALL", " ".join(log))
+"""
+
+
+@pytest.mark.triton
+def test_fused_path_launches_its_four_kernels_and_one_topk_under_the_interpreter():
+    """Per call (a first walk layer and a walk layer): the sketch update, scores + walk, walk row, topk and
+    select, then only the attention kernel's launches; the stats are deferred (nothing built when unread)."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    calls = [line.split()[1:] for line in run_script(FUSED_LAUNCHES, "cpu", True).splitlines()
+             if line.startswith("CALL")]
+    assert len(calls) == 4
+    for ops in calls[2:]:
+        assert ops[:5] == ["triton:_sketch_update_kernel", "triton:_scores_walk_kernel", "triton:_walk_row_kernel",
+                           "topk", "triton:_select_kernel"], ops
+        assert ops[5:] and all(op.startswith("triton:") for op in ops[5:]), ops  # the attention's launches
