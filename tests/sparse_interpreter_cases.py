@@ -349,3 +349,109 @@ def test_selection_kernels_match_their_references(size):
                 for h in range(idx.shape[1]):
                     c = int(counts[row, h])
                     assert set(idx[row, h, :c].tolist()) == set(ref_idx[row, h, :c].tolist())
+
+
+# --- device selection (select_triton) ---------------------------------------------------------------
+
+def _same_sets(idx, counts, ref_idx, ref_counts):
+    """Equal counts, and each row's first ``count`` entries are the same set (no duplicates)."""
+    assert torch.equal(counts, ref_counts)
+    for row in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            c = int(counts[row, h])
+            got = idx[row, h, :c].tolist()
+            assert len(set(got)) == c and set(got) == set(ref_idx[row, h, :c].tolist()), (row, h)
+
+
+@pytest.mark.parametrize("x,k,prefilter", [(1, 1, False), (7, 5, True), (300, 40, False), (300, 40, True),
+                                           (5000, 700, True), (2500, 2500, True)])
+def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilter):
+    """The rows' count-th largest found exactly (ties to the lowest index, as the reference), with rows
+    holding −inf, repeated values, one distinct value, count 0, count = every finite value."""
+    from kvsieve.kernels.sparse.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+
+    g = torch.Generator().manual_seed(x + k)
+    s = torch.randn(3, 4, x, generator=g) * 3
+    s[0, 1, ::3] = float("-inf")
+    s[1, 2] = (s[1, 2] * 2).round()  # many ties
+    s[2, 3] = 1.5  # one value
+    s[2, 0, : x // 2] = -s[2, 0, : x // 2].abs()  # negatives and positives
+    finite = int(torch.isfinite(s[0, 1]).sum())
+    counts = torch.tensor([min(k, finite), k if x > 1 else 0, k])
+    maxima = None
+    if prefilter:
+        maxima = torch.nn.functional.pad(s, (0, -x % GROUP_MAX), value=float("-inf"))
+        maxima = maxima.view(3, 4, -1, GROUP_MAX).amax(-1).contiguous()
+    got = topk_rows_triton(s, counts, k, maxima=maxima)
+    assert torch.equal(got, topk_rows_reference(s, counts, k))
+
+
+def _selection_case(seed, b, hq, hkv, n, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    lens = torch.randint(1, n + 1, (b,), generator=g).to(torch.int32)
+    lens[0] = n
+    if b > 2:
+        lens[2] = 20  # shorter than sink + window: no candidate, count 0
+    return q, k, lens
+
+
+# (seed, batch, Hq, Hkv, N, d, dtype): GQA groups 4 and 1, ragged rows, fp32/fp16/bf16
+SELECTION_SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, torch.float16),
+                    (2, 2, 8, 2, 600, 128, torch.bfloat16)]
+
+
+# (share_kv_group, long rows): long group-summed rows take the parallel group-sum launch; the limit is
+# lowered for the test so that these rows count as long
+ROW_KINDS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.parametrize("select", ["triton", "torch"])
+@pytest.mark.parametrize("share,long_rows", ROW_KINDS)
+def test_quest_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
+    """quest_select's device paths against its torch reference (the same bounds in torch): pages 16/32,
+    sizes as counts and fractions, with and without a dense part."""
+    from kvsieve.kernels.sparse import select_triton
+
+    if long_rows:
+        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+    for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
+        q, k, lens = _selection_case(seed, b, hq, hkv, n, d, dtype)
+        for page, size, (sink, window) in ((16, 40, (0, 0)), (32, 0.1, (4, 40)), (16, 1.0, (4, 40))):
+            kmin, kmax = quest_pages.page_minmax_reference(k, lens, page)
+            mp = -(-(size if isinstance(size, int) else int(n * size)) // page)
+            kw = dict(page_size=page, sink=sink, window=window, size=size, max_pages=mp, share_kv_group=share)
+            got = quest_pages.quest_select(q, kmin, kmax, lens, select=select, **kw)
+            _same_sets(*got, *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
+
+
+@pytest.mark.parametrize("select", ["triton", "torch"])
+@pytest.mark.parametrize("share,long_rows", ROW_KINDS)
+def test_topk_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
+    """topk_select's device paths against its torch reference, as Quest's above."""
+    from kvsieve.kernels.sparse import select_triton, topk
+
+    if long_rows:
+        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+    for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
+        q, k, lens = _selection_case(seed + 10, b, hq, hkv, n, d, dtype)
+        for size, (sink, window) in ((7, (0, 0)), (0.1, (4, 40)), (1.0, (4, 40))):
+            mk = size if isinstance(size, int) else int(n * size)
+            kw = dict(sink=sink, window=window, size=size, max_k=mk, share_kv_group=share)
+            got = topk.topk_select(q, k, lens, select=select, **kw)
+            _same_sets(*got, *topk.topk_select(q, k, lens, scores="reference", **kw))
+
+
+def test_legacy_selection_paths_still_match_the_reference():
+    from kvsieve.kernels.sparse import topk
+
+    q, k, lens = _selection_case(5, 3, 8, 2, 300, 64, torch.float32)
+    for share in (False, True):
+        kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+        kw = dict(page_size=16, sink=4, window=40, size=0.2, max_pages=4, share_kv_group=share)
+        _same_sets(*quest_pages.quest_select(q, kmin, kmax, lens, select="legacy", **kw),
+                   *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
+        kw = dict(sink=4, window=40, size=0.2, max_k=60, share_kv_group=share)
+        _same_sets(*topk.topk_select(q, k, lens, select="legacy", **kw),
+                   *topk.topk_select(q, k, lens, scores="reference", **kw))

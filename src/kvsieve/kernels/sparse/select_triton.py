@@ -39,17 +39,6 @@ import torch
 from ..triton_utils import launch, next_pow2, triton
 
 
-def group_summed_from_scores(scores: torch.Tensor, group: int) -> torch.Tensor:
-    """``[B, Hq, X] -> [B, Hq/group, X]``: ``log Σ_g softmax_g(s)``, −inf where no head has a finite
-    score (the torch twin of step 1, without the candidate mask)."""
-    b, hq, x = scores.shape
-    finite = torch.isfinite(scores)
-    lse = torch.logsumexp(torch.where(finite, scores, float("-inf")), dim=-1, keepdim=True)
-    logp = torch.where(finite & torch.isfinite(lse), scores - torch.where(torch.isfinite(lse), lse, 0.0),
-                       float("-inf"))
-    return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
-
-
 def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
     """``[B, Hs, k]`` int64: the ``counts[b]`` largest units of each row of ``values [B, Hs, X]`` in
     ascending order (ties to the lowest index), then zeros — what :func:`topk_rows_triton` writes."""
@@ -98,52 +87,66 @@ if triton is not None:
         return key.to(tl.uint32, bitcast=True) ^ 0x80000000
 
     @triton.jit
-    def _radix_pass(src, n_units, prefix, need, SHIFT: tl.constexpr, WIDTH: tl.constexpr, FIRST: tl.constexpr,
-                    BLOCK_X: tl.constexpr, NBINS: tl.constexpr):
-        # Histogram of the WIDTH-bit digit at SHIFT over the units whose higher bits equal prefix's, then
-        # the digit holding the need-th largest of them; returns the extended prefix and what is still
-        # needed inside that digit. Few bins on purpose: Triton's histogram costs ~bins/32 ops per element.
-        bins = tl.arange(0, NBINS)
-        hist = tl.zeros([NBINS], dtype=tl.int32)
+    def _high_bits(u, shift):
+        # u >> shift for a runtime shift in [0, 32] (a shift by 32 is undefined in LLVM: 0 here)
+        return tl.where(shift < 32, u >> tl.minimum(shift, 31).to(tl.uint32), 0)
+
+    @triton.jit
+    def _range(src, n_units, BLOCK_X: tl.constexpr):
+        """The ordered images of the largest and of the smallest finite value of ``src[:n_units]``, and how
+        many values are finite (> −inf)."""
+        hi = tl.zeros([], dtype=tl.uint32)
+        lo = tl.full([], 0xFFFFFFFF, tl.uint32)
+        n_fin = tl.full([], 0, tl.int32)
         for x0 in range(0, n_units, BLOCK_X):
             offs = x0 + tl.arange(0, BLOCK_X)
             ok = offs < n_units
-            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
-            if FIRST:
-                active = ok
-            else:
-                active = ok & ((u >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
-            digit = tl.where(active, (u >> SHIFT) & ((1 << WIDTH) - 1), 0).to(tl.int32)
-            # inactive units were counted in bin 0: take them out (portable; no histogram mask needed)
-            n_off = BLOCK_X - tl.sum(active.to(tl.int32), axis=0)
-            hist += tl.histogram(digit, NBINS) - tl.where(bins == 0, n_off, 0)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-        digit = tl.max(tl.where((at_or_above >= need) & (bins < (1 << WIDTH)), bins, 0), axis=0)
-        above = tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-        return prefix | (digit.to(tl.uint32) << SHIFT), need - above
+            v = tl.load(src + offs, mask=ok, other=float("-inf"))
+            u = _ordered(v)
+            fin = v > float("-inf")
+            hi = tl.maximum(hi, tl.max(u, axis=0))
+            lo = tl.minimum(lo, tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0))
+            n_fin += tl.sum(fin.to(tl.int32), axis=0)
+        return hi, lo, n_fin
 
     @triton.jit
-    def _radix_select(src, n_units, count, BLOCK_X: tl.constexpr):
-        """The ordered image of the ``count``-th largest of ``src[:n_units]`` (1 ≤ count ≤ n_units) and
-        how many units equal to it are among the ``count`` largest: six 64-bin passes (6·5 + 2 bits)."""
-        prefix = tl.zeros([], dtype=tl.uint32)
-        prefix, need = _radix_pass(src, n_units, prefix, count, 26, 6, True, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 20, 6, False, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 14, 6, False, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 8, 6, False, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 2, 6, False, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 0, 2, False, BLOCK_X, 64)
+    def _radix(src, n_units, count, hi, lo, KEEP: tl.constexpr, BLOCK_X: tl.constexpr):
+        """Radix select of the ``count``-th largest of ``src[:n_units]``, whose ordered image lies in
+        ``[lo, hi]`` (1 ≤ count ≤ the values in that range): returns its image with only the top ``KEEP``
+        bits that differ between lo and hi resolved (the rest 0: a lower bound; KEEP ≥ 32 gives it
+        exactly) and how many values equal to that are among the ``count`` largest (exact case).
+
+        Bits shared by lo and hi are skipped (for the prefilter's candidates, sign and most exponent
+        bits), so no pass sorts nearly every value into one bin; each pass then resolves 6 bits with a
+        64-bin histogram (Triton's histogram costs grow with the bins, per element)."""
+        diff = hi ^ lo
+        top = tl.full([], 0, tl.int32)
+        for bit in tl.static_range(32):  # bit length of diff
+            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
+        stop = tl.maximum(top - KEEP, 0)
+        need = count
+        bins = tl.arange(0, 64)
+        shift = top
+        while shift > stop:
+            low = tl.maximum(shift - 6, stop)
+            width = shift - low
+            hist = tl.zeros([64], dtype=tl.int32)
+            for x0 in range(0, n_units, BLOCK_X):
+                offs = x0 + tl.arange(0, BLOCK_X)
+                ok = offs < n_units
+                u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
+                active = ok & (_high_bits(u, shift) == _high_bits(prefix, shift))
+                digit = tl.where(active, (u >> low.to(tl.uint32)) & ((1 << width) - 1).to(tl.uint32), 0).to(tl.int32)
+                # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
+                n_off = BLOCK_X - tl.sum(active.to(tl.int32), axis=0)
+                hist += tl.histogram(digit, 64) - tl.where(bins == 0, n_off, 0)
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+            need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
+            prefix = prefix | (digit.to(tl.uint32) << low.to(tl.uint32))
+            shift = low
         return prefix, need
-
-    @triton.jit
-    def _radix_bound(src, n_units, count, BLOCK_X: tl.constexpr):
-        """A lower bound of the ``count``-th largest of ``src[:n_units]``: its top 18 bits (three passes),
-        the rest 0 — at most 0.2% below it in value, at half the passes of :func:`_radix_select`."""
-        prefix = tl.zeros([], dtype=tl.uint32)
-        prefix, need = _radix_pass(src, n_units, prefix, count, 26, 6, True, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 20, 6, False, BLOCK_X, 64)
-        prefix, need = _radix_pass(src, n_units, prefix, need, 14, 6, False, BLOCK_X, 64)
-        return prefix
 
     @triton.jit
     def _emit(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -273,25 +276,33 @@ if triton is not None:
                 # group, its max) is at most the row's count-th largest. Only units at or above it can
                 # be chosen; copying them out leaves the exact select a list near count long.
                 bound = tl.zeros([], dtype=tl.uint32)
-                if count <= n_max:
-                    bound = _radix_bound(mx_row, n_max, count, BLOCK_X)
+                m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
+                m_hi, m_lo, m_fin = _range(mx_row, n_max, BLOCK_X)
+                if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
+                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 12, BLOCK_X)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
+                hi = tl.zeros([], dtype=tl.uint32)
+                lo = tl.full([], 0xFFFFFFFF, tl.uint32)
                 for x0 in range(0, n_units, BLOCK_X):
                     offs = x0 + tl.arange(0, BLOCK_X)
                     ok = offs < n_units
                     v = tl.load(src + offs, mask=ok, other=float("-inf"))
-                    keep = ok & (_ordered(v) >= bound)
+                    u = _ordered(v)
+                    keep = ok & (u >= bound)
                     pos = n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                     tl.store(cv + pos, v, mask=keep)
                     tl.store(ci + pos, offs, mask=keep)
                     n_cand += tl.sum(keep.to(tl.int32), axis=0)
+                    hi = tl.maximum(hi, tl.max(u, axis=0))
+                    lo = tl.minimum(lo, tl.min(tl.where(keep & (v > float("-inf")), u, 0xFFFFFFFF), axis=0))
                 tl.debug_barrier()  # the candidates written above are read back by other threads
-                thr, need = _radix_select(cv, n_cand, count, BLOCK_X)
+                thr, need = _radix(cv, n_cand, count, hi, lo, 32, BLOCK_X)
                 n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_X)
             else:
-                thr, need = _radix_select(src, n_units, count, BLOCK_X)
+                hi, lo, n_fin = _range(src, n_units, BLOCK_X)
+                thr, need = _radix(src, n_units, count, hi, lo, 32, BLOCK_X)
                 n_taken = _emit(src, src, n_units, thr, need, out_row, False, BLOCK_X)
         for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
             offs = x0 + tl.arange(0, BLOCK_X)
@@ -424,5 +435,5 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     return idx, counts[:, None].expand(batch, idx.shape[1])
 
 
-__all__ = ["GROUP_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "group_summed_from_scores", "select_rows",
+__all__ = ["GROUP_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "select_rows",
            "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_triton"]
