@@ -281,7 +281,8 @@ def test_benchmark_variants_run_and_match_their_references():
                         v=torch.randn(1, 2, 640, 64, generator=g), lens=torch.tensor([640], dtype=torch.int32),
                         scale=0.125)
     calls = bench.variants(case, x, 0.2, sink=8, window_qt=8)
-    assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q"} <= set(calls)
+    assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q", "quest-kv@torch-select",
+            "quest-kv@legacy", "oracle-topk-kv@torch-select", "oracle-topk-kv@legacy"} <= set(calls)
     for name, (call, select, attend, n_bytes, ref) in calls.items():
         got, want = call(), ref()
         assert float((got - want).norm() / want.norm()) < 1e-5, name

@@ -1,6 +1,11 @@
 """Sparse decode on the GPU: the Triton weighted sparse kernel and the device-side selections of
 ``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run (issue 15 §3).
 
+``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
+one select launch, ``kernels/sparse/select_triton.py``); at batch 1 the same selections also run as
+``…@torch-select`` (partials-based group sum + ``torch.topk``) and ``…@legacy`` (the path measured before
+2026-11-25: ``logsumexp`` + group-sum launch + ``torch.topk``), so one run compares the three.
+
     python benchmarks/sparse_decode/run.py OUT_DIR [--contexts 32768 131072] [--batch8-context 32768]
 
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, d 128), bf16, i.i.d. Gaussian inputs, ≈5% density.
@@ -19,6 +24,7 @@ import math
 import sys
 import time
 from functools import partial
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -103,17 +109,23 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         fused = _first(partial(sparse_decode_triton, x.q, x.k, x.v, fused_merge=True, **dense_opts))
         out["streaming+fused-merge"] = (fused, None, fused, out["streaming"][3], stream_ref)
 
+    # selection paths: the default, and at batch 1 the two it replaces (same name + suffix)
+    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@legacy", "legacy")] if b == 1 else [])
+
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
     page = 16
     tokens_wanted = max(page, budget - sink - window_qt)
     max_pages = -(-tokens_wanted // page)
     summaries = quest_pages.PageSummaries(page)
     summaries.update(x.k, lens)  # the prefill's summary; each timed step refreshes the last pages
-    for name, share in (("quest-kv", True), ("quest-q", False)):
-        def select(share=share):
+    for (base, share), (suffix, how) in product((("quest-kv", True), ("quest-q", False)), selections):
+        name = base + suffix
+
+        def select(share=share, how=how):
             kmin, kmax = summaries.update(x.k, lens)
             return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink, window=window_qt,
-                                            size=tokens_wanted, max_pages=max_pages, share_kv_group=share)
+                                            size=tokens_wanted, max_pages=max_pages, share_kv_group=share,
+                                            select=how)
 
         pages, counts = select()
         quest_opts = {"page_size": page, "lengths": lens, "sink": sink, "window": window_qt}
@@ -130,10 +142,12 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         out[name] = (call, select, attend, summary_bytes + 2 * row * rows_read, ref)
 
     # oracle top-k: every score (one Triton pass over K), top-k tokens outside sink + window
-    for name, share in (("oracle-topk-kv", True), ("oracle-topk-q", False)):
-        def select(share=share):
+    for (base, share), (suffix, how) in product((("oracle-topk-kv", True), ("oracle-topk-q", False)), selections):
+        name = base + suffix
+
+        def select(share=share, how=how):
             return topk.topk_select(x.q, x.k, lens, sink=sink, window=window_qt, size=tokens_wanted,
-                                    max_k=tokens_wanted, share_kv_group=share)
+                                    max_k=tokens_wanted, share_kv_group=share, select=how)
 
         idx, counts = select()
         topk_opts = {"lengths": lens, "sink": sink, "window": window_qt}
@@ -204,6 +218,8 @@ def main(argv=None) -> int:
                     r["attention_graph_us"] = timer.time_graph_us(attend, warmup=args.warmup,
                                                                   iters=args.iters)["median_us"]
                 r["launches"] = count_launches(call)
+                if select is not None:
+                    r["selection_launches"] = count_launches(select)
                 r["kernels_us"] = timer.kernel_breakdown(call)
                 print(f"n={case.n} b={case.batch} {name}: graph {r.get('graph_us', float('nan')):.1f} us, "
                       f"eager {r['eager_us']:.1f} us,"
@@ -261,12 +277,12 @@ def markdown(res: dict) -> str:
              "bytes = unique K+V rows per KV head (+ the page min/max for quest; oracle-topk: all of K + the V rows "
              "it selects)", "",
              "| n | batch | variant | graph µs | eager µs | × FlashInfer (graph) | × FlashInfer (eager) | target "
-             "| selection µs | attention µs | floor µs | MB | launches | rel err |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| selection µs | attention µs | floor µs | MB | launches | selection launches | rel err |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['n']:,} | {r['batch']} | {r['variant']} | error: {r['error'][:90]} |"
-                         " | | | | | | | | | |")
+                         " | | | | | | | | | | |")
             continue
         tgt = TARGETS.get(r["variant"])
         target = "—" if tgt is None or r["batch"] != 1 else f"≥ {tgt[0 if r['n'] <= 32768 else 1]}×"
@@ -275,7 +291,8 @@ def markdown(res: dict) -> str:
             f"{_f(r.get('speedup_vs_flashinfer'), '.2f')} | {_f(r.get('eager_speedup_vs_flashinfer'), '.2f')} | "
             f"{target} | {_f(r.get('selection_graph_us'))} | "
             f"{_f(r.get('attention_graph_us'))} | {_f(r.get('floor_us'))} | {r['bytes'] / 1e6:.1f} | "
-            f"{r.get('launches')} | {_f(r.get('rel_error_vs_reference'), '.1e')} |")
+            f"{r.get('launches')} | {r.get('selection_launches', '—')} | "
+            f"{_f(r.get('rel_error_vs_reference'), '.1e')} |")
     return "\n".join(lines) + "\n"
 
 
