@@ -645,6 +645,9 @@ CASES = [
     # 63-64 blocks over several column tiles and row splits of the walk's GEMV (its long-context tiling)
     dict(dtype=torch.float32, b=2, hq=4, hkv=2, d=64, n0=1005, steps=6, short=(0, 333), layers=3, tiles=(16, 16),
          spec="block_size=16,sketch_dim=32,density=0.1,alpha=1"),
+    # 451 blocks at ρ = 0.6: 268 top-k entries, past which topk comes sorted (no pairwise ranking)
+    dict(dtype=torch.float32, b=1, hq=4, hkv=2, d=64, n0=16 * 450 + 14, steps=3, short=(0,), layers=2,
+         spec="block_size=16,sketch_dim=16,density=0.6"),
 ]
 seen = []
 _kernel, _reference = wt.sparse_decode_triton, sw.weighted_sparse_decode

@@ -18,7 +18,7 @@ tests compare this with) launches about a hundred small kernels:
    the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous
    walk; ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk) and the ranking score
    ``w/max w + tie·ã/max ã`` over blocks ``1..c−1`` (−inf elsewhere).
-4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known; unsorted), then ``_select_kernel``,
+4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known; unsorted up to 256), then ``_select_kernel``,
    one program per batch row: the row's budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as the
    reference), the best ``k − 2`` of the top-k entries (score, then lower block), block 0, those sorted
    ascending, block c, written as the page lists of
@@ -204,7 +204,7 @@ if triton is not None:
     @triton.jit
     def _select_kernel(lens_ptr, val_ptr, top_ptr, pages_ptr, npages_ptr, rho_bits, n_blocks, extra, kmax, hkv,
                        BS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       FIXED: tl.constexpr):
+                       FIXED: tl.constexpr, SORTED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         _, c, _ = _block_position(lens_ptr, b, BS)
         # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1
@@ -217,21 +217,22 @@ if triton is not None:
         whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
         k = whole + (whole.to(tl.float64) < x).to(tl.int64)
         k = tl.minimum(tl.maximum(k, 2), c + 1)
-        # topk's entries come unsorted: entry e is among the row's best k − 2 when fewer than k − 2 entries
-        # beat it (a higher score, or the same score at a lower block)
         offs_e = tl.arange(0, BE)
         e_ok = offs_e < extra
-        val = tl.load(val_ptr + b * extra + offs_e, mask=e_ok, other=float("-inf"))
         idx = tl.load(top_ptr + b * extra + offs_e, mask=e_ok, other=0).to(tl.int32)
-        better = tl.zeros([BE], dtype=tl.int32)
-        for e0 in range(0, extra, BC):
-            rival = e0 + tl.arange(0, BC)
-            r_ok = rival < extra
-            r_val = tl.load(val_ptr + b * extra + rival, mask=r_ok, other=float("-inf"))[None, :]
-            r_idx = tl.load(top_ptr + b * extra + rival, mask=r_ok, other=0).to(tl.int32)[None, :]
-            beats = (r_val > val[:, None]) | ((r_val == val[:, None]) & (r_idx < idx[:, None]))
-            better += tl.sum((beats & r_ok[None, :]).to(tl.int32), axis=1)
-        used = e_ok & (better < k - 2)
+        if SORTED:  # best first: the row's k − 2 are the first entries
+            used = offs_e < k - 2
+        else:  # entry e is among the best k − 2 when fewer entries beat it (a higher score, or a tie at a lower block)
+            val = tl.load(val_ptr + b * extra + offs_e, mask=e_ok, other=float("-inf"))
+            better = tl.zeros([BE], dtype=tl.int32)
+            for e0 in range(0, extra, BC):
+                rival = e0 + tl.arange(0, BC)
+                r_ok = rival < extra
+                r_val = tl.load(val_ptr + b * extra + rival, mask=r_ok, other=float("-inf"))[None, :]
+                r_idx = tl.load(top_ptr + b * extra + rival, mask=r_ok, other=0).to(tl.int32)[None, :]
+                beats = (r_val > val[:, None]) | ((r_val == val[:, None]) & (r_idx < idx[:, None]))
+                better += tl.sum((beats & r_ok[None, :]).to(tl.int32), axis=1)
+            used = e_ok & (better < k - 2)
         ordered = tl.sort(tl.where(used, idx, 2147483647), dim=0)  # the used blocks ascending, first
         offs_k = tl.arange(0, BK)
         ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)  # block 0 first, block c last, 0 as padding
@@ -337,8 +338,11 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
            BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
            num_warps=8 if row_tile >= 1024 else 4)
     extra = min(kmax - 2, n)
-    if extra > 0:  # unsorted: the select kernel ranks the entries itself (saves topk's sort launch)
-        val, top = torch.topk(rank, extra, dim=-1, sorted=False)
+    # Up to 256 entries topk comes unsorted and the select kernel ranks them pairwise (saving topk's sort
+    # launch); beyond, the pairwise ranking (quadratic) would cost more than the sort.
+    ranked = extra > 256
+    if extra > 0:
+        val, top = torch.topk(rank, extra, dim=-1, sorted=ranked)
     else:
         val = top = rank  # unread stand-ins
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
@@ -346,5 +350,5 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     be = next_pow2(max(extra, 2))
     launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax,
            hkv, BS=bs, BE=be, BC=max(2, min(be, 4096 // be)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k),
-           num_warps=4)
+           SORTED=ranked, num_warps=4)
     return w, pages, n_pages
