@@ -95,19 +95,20 @@ if triton is not None:
     def _range(src, n_units, BLOCK_X: tl.constexpr):
         """The ordered images of the largest and of the smallest finite value of ``src[:n_units]``, and how
         many values are finite (> −inf)."""
-        hi = tl.zeros([], dtype=tl.uint32)
-        lo = tl.full([], 0xFFFFFFFF, tl.uint32)
-        n_fin = tl.full([], 0, tl.int32)
+        # elementwise accumulators: one block-wide reduction each at the end, not one per chunk
+        hi = tl.zeros([BLOCK_X], dtype=tl.uint32)
+        lo = tl.full([BLOCK_X], 0xFFFFFFFF, tl.uint32)
+        n_fin = tl.zeros([BLOCK_X], dtype=tl.int32)
         for x0 in range(0, n_units, BLOCK_X):
             offs = x0 + tl.arange(0, BLOCK_X)
             ok = offs < n_units
             v = tl.load(src + offs, mask=ok, other=float("-inf"))
             u = _ordered(v)
             fin = v > float("-inf")
-            hi = tl.maximum(hi, tl.max(u, axis=0))
-            lo = tl.minimum(lo, tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0))
-            n_fin += tl.sum(fin.to(tl.int32), axis=0)
-        return hi, lo, n_fin
+            hi = tl.maximum(hi, u)
+            lo = tl.minimum(lo, tl.where(fin, u, 0xFFFFFFFF))
+            n_fin += fin.to(tl.int32)
+        return tl.max(hi, axis=0), tl.min(lo, axis=0), tl.sum(n_fin, axis=0)
 
     @triton.jit
     def _radix(src, n_units, count, hi, lo, KEEP: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -132,15 +133,17 @@ if triton is not None:
             low = tl.maximum(shift - 6, stop)
             width = shift - low
             hist = tl.zeros([64], dtype=tl.int32)
+            n_off = tl.zeros([BLOCK_X], dtype=tl.int32)
             for x0 in range(0, n_units, BLOCK_X):
                 offs = x0 + tl.arange(0, BLOCK_X)
                 ok = offs < n_units
                 u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
                 active = ok & (_high_bits(u, shift) == _high_bits(prefix, shift))
                 digit = tl.where(active, (u >> low.to(tl.uint32)) & ((1 << width) - 1).to(tl.uint32), 0).to(tl.int32)
-                # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
-                n_off = BLOCK_X - tl.sum(active.to(tl.int32), axis=0)
-                hist += tl.histogram(digit, 64) - tl.where(bins == 0, n_off, 0)
+                hist += tl.histogram(digit, 64)
+                n_off += (~active).to(tl.int32)
+            # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
+            hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
             at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
             digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
             need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
@@ -240,8 +243,10 @@ if triton is not None:
         s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_x_b, s_x_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
-        GROUP_MAX: tl.constexpr,
+        GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
     ):
+        # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
+        # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked
         hs = tl.program_id(0)
         b = tl.program_id(1)
         b64 = b.to(tl.int64)
@@ -277,14 +282,14 @@ if triton is not None:
                 # be chosen; copying them out leaves the exact select a list near count long.
                 bound = tl.zeros([], dtype=tl.uint32)
                 m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
-                m_hi, m_lo, m_fin = _range(mx_row, n_max, BLOCK_X)
+                m_hi, m_lo, m_fin = _range(mx_row, n_max, BLOCK_M)
                 if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
-                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 12, BLOCK_X)
+                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 12, BLOCK_M)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
-                hi = tl.zeros([], dtype=tl.uint32)
-                lo = tl.full([], 0xFFFFFFFF, tl.uint32)
+                hi = tl.zeros([BLOCK_X], dtype=tl.uint32)
+                lo = tl.full([BLOCK_X], 0xFFFFFFFF, tl.uint32)
                 for x0 in range(0, n_units, BLOCK_X):
                     offs = x0 + tl.arange(0, BLOCK_X)
                     ok = offs < n_units
@@ -295,11 +300,11 @@ if triton is not None:
                     tl.store(cv + pos, v, mask=keep)
                     tl.store(ci + pos, offs, mask=keep)
                     n_cand += tl.sum(keep.to(tl.int32), axis=0)
-                    hi = tl.maximum(hi, tl.max(u, axis=0))
-                    lo = tl.minimum(lo, tl.min(tl.where(keep & (v > float("-inf")), u, 0xFFFFFFFF), axis=0))
+                    hi = tl.maximum(hi, u)
+                    lo = tl.minimum(lo, tl.where(keep & (v > float("-inf")), u, 0xFFFFFFFF))
                 tl.debug_barrier()  # the candidates written above are read back by other threads
-                thr, need = _radix(cv, n_cand, count, hi, lo, 32, BLOCK_X)
-                n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_X)
+                thr, need = _radix(cv, n_cand, count, tl.max(hi, axis=0), tl.min(lo, axis=0), 32, BLOCK_C)
+                n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_C)
             else:
                 hi, lo, n_fin = _range(src, n_units, BLOCK_X)
                 thr, need = _radix(src, n_units, count, hi, lo, 32, BLOCK_X)
@@ -368,7 +373,8 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
-           PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, num_warps=8 if block_x >= 2048 else 4, num_stages=1)
+           PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(-(-x // GROUP_MAX)))),
+           BLOCK_C=min(block_x, max(64, next_pow2(k))), num_warps=8 if block_x >= 2048 else 4, num_stages=1)
     return out
 
 
