@@ -567,9 +567,12 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
         k, v = torch.randn(2, b, hkv, n, d, generator=g)
         w = list_width(offsets, probes)
         ref = bucket_sparse_decode_reference(q, k, v, dense, dc, offsets, ids, bk, w)
-        got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16)
-        assert torch.equal(ref[2], got[2])
-        worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
+        # one program per part (the paper's), the default split, and splits that leave programs empty
+        for splits in ((1, 1), (None, 4), (3, 2), (5, 7)):
+            got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
+                                              dense_splits=splits[0], bucket_splits=splits[1])
+            assert torch.equal(ref[2], got[2])
+            worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
 print("worst", worst)
 """
 
@@ -624,7 +627,8 @@ kernel = buckets._bucket_parts_kernel
 pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
             "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "dense_ptr": "*i64", "dense_cnt_ptr": "*i64",
             "off_ptr": "*i64", "ids_ptr": "*i64", "bkt_ptr": "*i64"}
-meta = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "DOT_PRECISION": "tf32"}
+meta = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "DOT_PRECISION": "tf32", "DENSE_SPLITS": 16,
+        "BUCKET_SPLITS": 4}
 signature, constexprs = {}, {}
 for i, name in enumerate(kernel.arg_names):
     if name in meta:
@@ -634,6 +638,19 @@ for i, name in enumerate(kernel.arg_names):
 src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
 print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
 """
+
+
+def test_bucket_kernel_refuses_bad_splits():
+    pytest.importorskip("triton")
+    from kvsieve.kernels.sparse.buckets import bucket_sparse_decode_triton
+
+    q, k, v = qkv(1, 4, 2, 50, dtype=torch.float32)
+    offsets, ids = build_csr(torch.zeros(1, 2, 50, dtype=torch.long), 4)
+    dense, counts = torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
+    buckets = torch.zeros(1, 2, 1, dtype=torch.long)
+    for name in ("dense_splits", "bucket_splits"):
+        with pytest.raises(ValueError, match=f"{name}: expected an integer >= 1"):
+            bucket_sparse_decode_triton(q, k, v, dense, counts, offsets, ids, buckets, **{name: 0})
 
 
 @pytest.mark.triton

@@ -13,6 +13,10 @@ dense part 1 + 2047. Timed with CUDA events on a cold L2 (kvsieve.bench.timing),
   split-KV merge; ``saap-attention-reference``: the same through the torch reference (bucket lists +
   the weighted sparse decode twice + LSE merge);
 - ``saap-probe``: de-rope + classifier + top-ℓ only;
+- ``method-graph`` / ``method-eager``: what a user gets: ``kvsieve.method("saap:...").decode(...)`` on
+  artifacts holding the same centroids and classifier (written to a temporary directory), after the
+  index build, captured in a CUDA graph and replayed, and eager; checked against the method's
+  ``backend=reference`` once;
 - ``index-build``: de-rope the N keys, assign them to the nearest of C centroids, CSR (argsort +
   bincount), and the list width; after prefill, once per request and layer (warm L2 is irrelevant
   at these sizes; plain CUDA events).
@@ -39,14 +43,17 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+import kvsieve
+from kvsieve.fit.saap import _save_layer, _write_json
 from kvsieve.kernels.sparse import buckets as bucket_kernels
 from kvsieve.kernels.sparse import weighted
-from kvsieve.methods.saap import QueryClassifier, Rope
+from kvsieve.methods.saap import ARTIFACT_FORMAT, MANIFEST, QueryClassifier, Rope
 
 
 def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, device, dtype, seed: int):
@@ -63,6 +70,44 @@ def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, dev
     net = QueryClassifier(hkv, d, clusters, clusters).eval().to(device=device, dtype=dtype)
     return {"q": q, "k": k, "v": v, "rope": rope, "centroids": centres.to(device=device, dtype=torch.float32),
             "net": net, "n": n, "window": window}
+
+
+def write_artifacts(case, folder: Path, hq: int) -> None:
+    """The case's centroids and classifier as a one-layer artifact directory (layer 1)."""
+    cent = case["centroids"].float().cpu()
+    hkv, c, d = cent.shape
+    tensors = {"centroids": cent.contiguous(), "centroids_roped": cent.clone()}
+    tensors.update({f"classifier.{n}": t.detach().float().cpu().contiguous()
+                    for n, t in case["net"].state_dict().items()})
+    _save_layer(folder, 1, tensors)
+    shape = {"layers": 2, "heads": hq, "kv_heads": hkv, "head_dim": d}
+    _write_json(folder / MANIFEST, {
+        "format": ARTIFACT_FORMAT, "complete": True,
+        "model": {"name": "bench", "config_hash": "-", "weights_fingerprint": "-", "shape": shape},
+        "rope": {"inv_freq": case["rope"].inv_freq.tolist(), "attention_scaling": 1.0},
+        "hyperparameters": {"clusters": c, "hidden": case["net"].w1.shape[-1], "per": "kv"}, "layers_done": [1]})
+
+
+def method_rows(case, probes: int, window: int, hq: int, timer, iters: int) -> dict:
+    """``m.decode`` as a user calls it: eager and captured, and its error against the reference path."""
+    q, k, v, n = case["q"], case["k"], case["v"], case["n"]
+    lengths = torch.full((1,), n, device=q.device)
+    with tempfile.TemporaryDirectory() as folder:
+        write_artifacts(case, Path(folder), hq)
+        spec = f"saap:artifacts={folder},probes={probes},window={window},window_scale=1.0"
+        m = kvsieve.method(spec)
+        ref = kvsieve.method(spec + ",backend=reference")
+        state = {"layer": 1, "min_length": n}
+        out, stats = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # builds the index
+        ref_out, _ = ref.decode(q, k, v, lengths=lengths, state={"layer": 1}, check_finite=False)
+        row = {"method_backend": stats.backend,
+               "method_selectivity": float(stats["selectivity"]),
+               "method_max_abs_err_vs_reference": float((out.float() - ref_out.float()).abs().max())}
+        call = lambda: m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # noqa: E731
+        if timer is not None:
+            row["method-graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+            row["method-eager_us"] = timer.time_us(call, iters=iters)["median_us"]
+    return row
 
 
 def build_index(case, probes: int, sink: int = 1):
@@ -92,7 +137,8 @@ def saap_step(case, index, probes: int, attend=bucket_kernels.bucket_sparse_deco
     return attend(q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width)
 
 
-def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer) -> dict:
+def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer, timer=None,
+            iters: int = 40) -> dict:
     """One context length: index build, correctness check, then the timed calls."""
     def sync():
         if device.type == "cuda":
@@ -144,6 +190,7 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
     row["saap-attention-reference_us"] = timed(lambda: bucket_kernels.bucket_sparse_decode(
         q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
     row["saap-probe_us"] = timed(probe)
+    row.update(method_rows(case, probes, window, hq, timer, iters))
     qs = q[:, :, None, :]
     row["sdpa_us"] = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qs, k, v, enable_gqa=True))
     if flashinfer is not None and device.type == "cuda":
@@ -152,6 +199,8 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
         row["flashinfer_us"] = timed(lambda: flashinfer.single_decode_with_kv_cache(q0, kn, vn, kv_layout="NHD"))
         row["speedup_step_vs_flashinfer"] = row["flashinfer_us"] / row["saap-step_us"]
         row["speedup_attention_vs_flashinfer"] = row["flashinfer_us"] / row["saap-attention_us"]
+        if "method-graph_us" in row:
+            row["speedup_method_graph_vs_flashinfer"] = row["flashinfer_us"] / row["method-graph_us"]
     return row
 
 
@@ -201,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with torch.inference_mode():
         for n in lengths:
-            row = measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer)
+            row = measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer, timer,
+                          args.iters)
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -211,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     cols = ["n_keys", "selectivity", "bucket_size_max", "index_build_ms", "saap-probe_us", "saap-attention_us",
-            "saap-attention-reference_us", "saap-step_us", "sdpa_us", "flashinfer_us", "speedup_step_vs_flashinfer",
-            "speedup_attention_vs_flashinfer", "max_abs_err_vs_masked_fp32"]
+            "saap-attention-reference_us", "saap-step_us", "method-eager_us", "method-graph_us", "sdpa_us",
+            "flashinfer_us", "speedup_step_vs_flashinfer", "speedup_attention_vs_flashinfer",
+            "speedup_method_graph_vs_flashinfer", "max_abs_err_vs_masked_fp32", "method_max_abs_err_vs_reference"]
     lines = [f"# SAAP decode step vs FlashInfer ({meta['device']}, {meta['date']})", "",
              f"`{meta['command']}`; {meta['flashinfer']}; saap-attention/step run `{rows[0]['attention_path']}`, "
              f"the reference runs `{rows[0]['sparse_path']}`; keys: {meta['keys']}.",

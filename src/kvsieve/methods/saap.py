@@ -38,6 +38,7 @@ from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.inputs import DecodeInputs
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
+from ..core.stats import StepStats
 from ..core.sync import host_reads_allowed
 from ..kernels.sparse.buckets import bucket_sparse_decode, bucket_sparse_decode_triton, build_csr, list_width
 from .shared.exact import compute_dtype, exact_attention
@@ -470,7 +471,13 @@ class Saap(Method):
         run = bucket_sparse_decode_triton if backend == "triton" else bucket_sparse_decode
         out, _, bucket_counts = run(inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts),
                                     offsets, ids, buckets, idx["width"], scale=inputs.scale)
-        stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
+        if backend == "triton":
+            # built on first read: the read mask is O(N) work that a captured step nobody reads would repeat
+            stats = StepStats.deferred(
+                lambda: self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend), backend,
+                {"saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets})
+        else:
+            stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
         return out.to(compute_dtype(inputs)), stats
 
     def _backend(self, inputs: DecodeInputs) -> str:

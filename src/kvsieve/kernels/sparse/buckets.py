@@ -143,11 +143,14 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 
 # ---- Triton kernel: the paper's ℓ + 1 programs per KV head ------------------------------------------
 #
-# Program (KV head h, batch row b, part p): part 0 walks the dense list, part p >= 1 the inverted list
-# of bucket buckets[b, h, p - 1] straight from the CSR arrays (no list is materialised). Each program
-# scores its keys for the G query heads of the group at once (q is a [G, d] block: K and V rows are
-# read once per group) and writes an unnormalised partial (acc, m, l); the shared split-KV merge of
-# kernels/triton_utils.py combines the ℓ + 1 partials, skipping empty ones (l = 0).
+# Program (KV head h, batch row b, slot): the first DENSE_SPLITS slots walk the dense list, the next
+# BUCKET_SPLITS slots per probe the inverted list of bucket buckets[b, h, p - 1] straight from the CSR
+# arrays (no list is materialised). A part's tiles are dealt round-robin over its slots: with one
+# program per part (the paper's ℓ + 1 blocks) the 2047-key dense part and the largest buckets were one
+# program each, and the step waited on them (83 µs for 8k keys at 128k on an H100). Each program scores
+# its keys for the G query heads of the group at once (q is a [G, d] block: K and V rows are read once
+# per group) and writes an unnormalised partial (acc, m, l); the shared split-KV merge of
+# kernels/triton_utils.py combines the partials, skipping empty ones (l = 0).
 
 try:
     import triton
@@ -165,12 +168,20 @@ if triton is not None:
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DENSE_SPLITS: tl.constexpr, BUCKET_SPLITS: tl.constexpr,
     ):
         h = tl.program_id(0)
         b = tl.program_id(1)
-        p = tl.program_id(2)
+        slot = tl.program_id(2)
         row = b * kv_heads + h
+        if slot < DENSE_SPLITS:
+            p = slot * 0
+            split = slot
+            n_splits = DENSE_SPLITS
+        else:
+            p = (slot - DENSE_SPLITS) // BUCKET_SPLITS + 1
+            split = (slot - DENSE_SPLITS) % BUCKET_SPLITS
+            n_splits = BUCKET_SPLITS
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
@@ -189,7 +200,7 @@ if triton is not None:
         m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
-        for n0 in range(0, count, BLOCK_N):
+        for n0 in range(split * BLOCK_N, count, n_splits * BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             ok = offs_n < count
             idx = tl.load(list_ptr + start + offs_n, mask=ok, other=0).to(tl.int64)
@@ -207,9 +218,10 @@ if triton is not None:
                                                 input_precision=DOT_PRECISION)
             m = m_new
         heads = h * GROUP + offs_g
-        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + p * s_ap + offs_dv[None, :], acc, mask=g_ok[:, None])
-        tl.store(m_ptr + b * s_mb + heads * s_mh + p, m, mask=g_ok)
-        tl.store(l_ptr + b * s_mb + heads * s_mh + p, l, mask=g_ok)
+        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + slot * s_ap + offs_dv[None, :], acc,
+                 mask=g_ok[:, None])
+        tl.store(m_ptr + b * s_mb + heads * s_mh + slot, m, mask=g_ok)
+        tl.store(l_ptr + b * s_mb + heads * s_mh + slot, l, mask=g_ok)
 
 
 def bucket_sparse_decode_triton(
@@ -225,10 +237,14 @@ def bucket_sparse_decode_triton(
     *,
     scale: float | None = None,
     block_n: int = 64,
+    dense_splits: int | None = None,
+    bucket_splits: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`bucket_sparse_decode_reference` as one Triton launch of ``ℓ + 1`` programs per (KV head,
-    batch row) plus the split-KV merge. Probing per KV head only (``buckets [B, Hkv, L]``); ``width`` is
-    unused (the programs read the CSR lists directly)."""
+    """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
+    KV head only (``buckets [B, Hkv, L]``); ``width`` is unused (the programs read the CSR lists
+    directly). The dense list is split over ``dense_splits`` programs (default: one per two tiles of its
+    width, at most 32) and each bucket over ``bucket_splits``, tiles dealt round-robin; a program
+    with no tile writes an empty partial that the merge skips."""
     from ..triton_utils import dot_precision, merge_partials, next_pow2
 
     if triton is None:
@@ -241,7 +257,12 @@ def bucket_sparse_decode_triton(
     if d % 16 or dv % 16 or d != next_pow2(d) or dv != next_pow2(dv):
         raise ValueError(f"q, v: head dims {d}, {dv} must be powers of two >= 16 for the kernel")
     n_probe = buckets.shape[-1]
-    parts = n_probe + 1
+    if dense_splits is None:
+        dense_splits = min(32, max(1, -(-dense_indices.shape[-1] // (2 * block_n))))
+    for name, value in (("dense_splits", dense_splits), ("bucket_splits", bucket_splits)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+    parts = dense_splits + n_probe * bucket_splits
     scale = d ** -0.5 if scale is None else scale
     acc = torch.empty(b, hq, parts, dv, device=q.device, dtype=torch.float32)
     m = torch.empty(b, hq, parts, device=q.device, dtype=torch.float32)
@@ -262,7 +283,7 @@ def bucket_sparse_decode_triton(
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype), DENSE_SPLITS=dense_splits, BUCKET_SPLITS=bucket_splits, num_warps=4,
     )
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
