@@ -1,8 +1,12 @@
 """``oracle-topk``: sink + window + the exact top-k keys by q·k (an oracle: it scores every key).
 
-``backend``: "auto" (default) runs the device path on CUDA tensors it can serve: every score in one
-Triton pass over K (:func:`kvsieve.kernels.sparse.topk.scores_triton`), ``torch.topk``, and the Triton
-sparse kernel on the chosen tokens with sink and window as ranges — no host sync; elsewhere the torch
+``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, no host sync: every
+score in one Triton pass over K (:func:`kvsieve.kernels.sparse.topk.scores_triton`, also writing the
+maxima of every 8 scores, or with ``share_kv_group`` each block's softmax partials and then one
+parallel group-sum launch), one select launch
+(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_triton`: a prefilter from those maxima, then the
+exact top keys by a radix select) and the Triton sparse kernel (2 launches) on the chosen tokens with
+sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Elsewhere the torch
 reference. "reference" and "triton" force a path; ``stats.backend`` names the path that ran.
 """
 

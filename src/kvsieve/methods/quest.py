@@ -8,11 +8,15 @@ predictor of ``vattention:predictor=quest``) live in the per-(request, layer) ``
 updated incrementally as the cache grows: only the last, partly filled page and the new pages are
 recomputed.
 
-``backend``: "auto" (default) runs the device path on CUDA tensors it can serve: page min/max kept in
-``state`` by :class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (the last pages of each row
-refreshed per call), the bounds in one Triton launch, ``torch.topk`` over pages, and the Triton sparse
-kernel reading the chosen pages as tiles with sink and window as ranges — no host sync. Elsewhere it
-runs the torch reference; "reference" and "triton" force a path; ``stats.backend`` names the path.
+``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, five launches per call
+and no host sync: page min/max kept in ``state`` by
+:class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (one launch refreshes the last pages of each
+row), the bounds in one Triton launch (with ``share_kv_group`` it also writes each block's softmax
+partials, so that no ``logsumexp`` runs), one select launch
+(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_triton`: the group sum, then the exact top pages
+by a radix select) and the Triton sparse kernel (2 launches) reading the chosen pages as tiles with sink
+and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton" force a path;
+``stats.backend`` names the path.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Quest's page selection on the device: page min/max kept as keys are appended, the page bound
-``Σ_j max(q_j·min_j, q_j·max_j)`` in one Triton launch, and the top pages as an index list for
+``Σ_j max(q_j·min_j, q_j·max_j)`` in one Triton launch, and the top pages (one more launch,
+:mod:`kvsieve.kernels.sparse.select_triton`) as an index list for
 :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
 
 Everything here takes plain tensors and runs without a host sync: lengths, counts and budgets stay on

@@ -1,10 +1,12 @@
-"""Exact top-k selection on the device (``oracle-topk``): every score in one Triton pass over K, then
-``torch.topk``, as a token list for :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`.
+"""Exact top-k selection on the device (``oracle-topk``): every score in one Triton pass over K, then the
+exact top keys in one more launch (:mod:`kvsieve.kernels.sparse.select_triton`), as a token list for
+:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`.
 
 The scores pass reads all of K once (a GQA group's query rows share each K tile) and writes float32
 scaled logits ``[B, Hq, N]``, −inf outside each row's candidates ``[sink_end, window_start)`` (the keys
-the dense part does not cover, below the length), and each row's count of keys to take. No host sync;
-shapes are static.
+the dense part does not cover, below the length), and each row's count of keys to take (and what the
+select launch needs: the maxima of every 8 scores, or per-block softmax partials). No host sync; shapes
+are static.
 """
 
 from __future__ import annotations
