@@ -187,6 +187,10 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
     buckets = torch.topk(torch.rand(1, hkv, clusters, device=device), probes, dim=-1).indices
     row["saap-step_us"] = timed(lambda: saap_step(case, index, probes, kernel))
     row["saap-attention_us"] = timed(lambda: kernel(q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
+    if device.type == "cuda":  # the kernel's work split: (1, 1) is the paper's one program per part
+        for ds, bs in ((1, 1), (8, 2), (16, 4), (32, 8)):
+            row[f"saap-attention@{ds}x{bs}_us"] = timed(lambda ds=ds, bs=bs: kernel(
+                q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, dense_splits=ds, bucket_splits=bs))
     row["saap-attention-reference_us"] = timed(lambda: bucket_kernels.bucket_sparse_decode(
         q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
     row["saap-probe_us"] = timed(probe)
