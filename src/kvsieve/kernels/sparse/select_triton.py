@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
+from ..triton_utils import launch, next_pow2, triton, workspace
 
 
 def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -314,6 +314,15 @@ if triton is not None:
             tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
 
 
+def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A per-device cached buffer viewed as ``shape`` (``triton_utils.workspace``): an eager call allocates
+    nothing but its outputs. Calls on one device must not overlap in time (as the sparse kernel's)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return workspace(tag, like, numel, dtype)[:numel].view(shape)
+
+
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 
 
@@ -354,14 +363,14 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     if out is None:
         out = torch.empty(b, hs, k, device=dev, dtype=torch.int64)
     pm, pl = parts if share else (scores, scores)
-    gs = torch.empty(b, hs, x, device=dev, dtype=torch.float32) if share else scores
+    gs = _scratch("select_gs", scores, (b, hs, x), torch.float32) if share else scores
     prefilter = share or maxima is not None
     if share:  # this launch group-sums the rows and takes their maxima on the way
-        maxima = torch.empty(b, hs, -(-x // GROUP_MAX), device=dev, dtype=torch.float32)
+        maxima = _scratch("select_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
     mx = scores if maxima is None else maxima
     if prefilter:  # the prefilter's candidates: at most the whole row
-        cv = torch.empty(b, hs, x, device=dev, dtype=torch.float32)
-        ci = torch.empty(b, hs, x, device=dev, dtype=torch.int32)
+        cv = _scratch("select_cv", scores, (b, hs, x), torch.float32)
+        ci = _scratch("select_ci", scores, (b, hs, x), torch.int32)
     else:
         cv, ci = scores, scores
     block_g = max(2, next_pow2(group))
@@ -388,8 +397,8 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     b, hq, x = scores.shape
     pm, pl = parts
     hs = hq // group
-    out = torch.empty(b, hs, x, device=scores.device, dtype=torch.float32)
-    maxima = torch.empty(b, hs, -(-x // GROUP_MAX), device=scores.device, dtype=torch.float32)
+    out = _scratch("select_rows", scores, (b, hs, x), torch.float32)
+    maxima = _scratch("select_rows_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
     block_g = max(2, next_pow2(group))
     block_x, chunk = 4096, max(GROUP_MAX, 2048 // block_g)
     launch(_group_sum_parts_kernel, (-(-x // block_x), hs, b),
@@ -408,7 +417,7 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
                 device) -> tuple[torch.Tensor, torch.Tensor]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
-    maxima=, mask_dense=)`` is the scoring launch (writing the row counts and, as asked, the softmax
+    maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
     Hs])`` (an expanded view of ``[B]``).
 
@@ -425,11 +434,12 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     parts = maxima = None
     if share_kv_group:
         n_blocks = -(-n_units // block)
-        parts = (torch.empty(batch, heads, n_blocks, device=device, dtype=torch.float32),
-                 torch.empty(batch, heads, n_blocks, device=device, dtype=torch.float32))
+        parts = (_scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
+                 _scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
     elif select == "triton":
-        maxima = torch.empty(batch, heads, -(-n_units // GROUP_MAX), device=device, dtype=torch.float32)
-    s = score(counts=counts, parts=parts, maxima=maxima, mask_dense=not share_kv_group)
+        maxima = _scratch("select_scores_mx", counts, (batch, heads, -(-n_units // GROUP_MAX)), torch.float32)
+    s = score(counts=counts, parts=parts, maxima=maxima, mask_dense=not share_kv_group,
+              out=_scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
     if share_kv_group and (select == "torch" or n_units > ROW_GROUP_SUM_MAX):
         s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window)
         share_kv_group = False
