@@ -160,6 +160,72 @@ print("OK")
 """
 
 
+SAMPLE = """
+import torch
+from kvsieve.core.rng import STREAM_SUBSET, RandomKey, RowStreams, row_words
+from kvsieve.kernels.sparse.sample_triton import row_words_triton, sample_rows_reference, sample_rows_triton
+from kvsieve.methods.shared.selection import uniform_sample
+
+# the fused row words equal core.rng's: int and device counters, host-int prefixes, per-row seeds, chunks
+pos = torch.tensor([300, 97, 55, 1000])
+for key, q_len in [(RandomKey(3, (1, 2)), 1), (RandomKey(7, (0, torch.tensor(5))), 2), (RandomKey(2**40 + 5), 1),
+                   (RandomKey(9, (torch.tensor(3), 4, torch.tensor(2**33 + 7))), 4),
+                   (RandomKey(0, (), torch.tensor([11, -5])), 2)]:
+    got = row_words_triton(key, pos, q_len)
+    want = row_words(key, torch.arange(4) // q_len, pos)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), key
+
+g = torch.Generator().manual_seed(0)
+# sizes: small, the whole range, 0, more than available (capped), a large share (the prefilter's fallback
+# and the candidates' multi-block loop: the interpreter keeps 256 candidates per block)
+for r, hs, n, sizes in [(2, 3, 300, [30, 5, 0]), (1, 2, 3000, [600, 2999]), (3, 2, 700, [1000, 1]),
+                        (1, 1, 5000, [4000])]:
+    rs = RowStreams(RandomKey(3, (1, 2)), torch.arange(r), torch.full((r,), n))
+    start = torch.tensor([4, 10, 0][:r])
+    end = torch.tensor([n - 8, n - 100, 5][:r])
+    size = torch.tensor(sizes).repeat(r, 1)[:, :hs]
+    p = torch.arange(n)
+    rng_ok = ((p >= start[:, None]) & (p < end[:, None]))[:, None].expand(r, hs, n)
+    for excl in (None, torch.rand(r, hs, -(-n // 16), generator=g) < 0.3):
+        avail = rng_ok if excl is None else rng_ok & ~excl[:, :, p // 16]
+        n_av = avail.sum(-1)
+        idx, w = sample_rows_triton(rs.lo, rs.hi, STREAM_SUBSET, start, end, size, n_av, n + 5, n, excluded=excl,
+                                    page=16)
+        take = torch.minimum(size, n_av)
+        assert torch.equal(idx, sample_rows_reference(rs.lo, rs.hi, STREAM_SUBSET, start, end, take, n + 5, n,
+                                                      excl, 16))
+        ref = uniform_sample(avail, size, rs)  # the methods' reference: the same set (no tie at these sizes)
+        assert torch.equal(ref.counts, take)
+        for a in range(r):
+            for b in range(hs):
+                c = int(take[a, b])
+                assert set(idx[a, b, :c].tolist()) == set(ref.indices[a, b, :c].tolist()), (n, a, b)
+                assert torch.equal(w[a, b, :c], ref.weights[a, b, :c].double())
+                assert bool((idx[a, b, c:] == 0).all()) and bool((w[a, b, c:] == 1).all())
+# written from an offset: the columns before it are kept
+off = torch.tensor([[3, 0]])
+out = torch.full((1, 2, 40), -7, dtype=torch.int64)
+wts = torch.full((1, 2, 40), -7.0, dtype=torch.float64)
+rs = RowStreams(RandomKey(1), torch.arange(1), torch.tensor([200]))
+size, n_av = torch.tensor([[10, 20]]), torch.tensor([[100, 100]])
+sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor([150]), size, n_av, 40, 200, offset=off,
+                   out=out, weights=wts)
+plain, _ = sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor([150]), size, n_av, 40, 200)
+assert bool((out[0, 0, :3] == -7).all()) and torch.equal(out[0, 0, 3:13], plain[0, 0, :10])
+assert torch.equal(out[0, 1, :20], plain[0, 1, :20]) and bool((out[0, 0, 13:] == 0).all())
+assert bool((wts[0, 0, 3:13] == 10.0).all()) and bool((wts[0, 1, 20:] == 1.0).all())
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_sample_kernel_draws_the_references_sample():
+    """The one-launch sample (hashes in registers, prefilter, bisection) picks the set the references'
+    ``uniform_sample`` picks from the same row streams, and the fused row words equal ``core.rng``'s."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(SAMPLE, "cpu", True)
+
+
 @pytest.mark.triton
 def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter():
     pytest.importorskip("triton")

@@ -12,10 +12,10 @@ which settings give ≈5% here): the density each call reached is reported besid
 
 Each ``m.decode`` (the runtime's form: ``check_finite=False``, a device step counter in the key) is
 captured in a CUDA graph and replayed with a 512 MB L2 flush before each replay (CUDA events, median;
-``kvsieve.bench.timing``); eager times too. "selection" times the method's torch selection alone
-(``m.stages``), "attention" the kernel alone on that selection. "floor" = the bytes the method's stats
-say it touched (K rows scored + V rows read; page summaries and MagicPIG's hash codes not counted) /
-the measured device copy rate. Once per case the kernel path's output is compared with the torch
+``kvsieve.bench.timing``); eager times too. "selection" times the method's selection alone
+(``m.kernel_stages``: what the kernel path runs before the kernel), "attention" the kernel alone on
+that selection. "floor" = the bytes the method's stats say it touched (K rows scored + V rows read;
+page summaries and MagicPIG's hash codes not counted) / the measured device copy rate. Once per case the kernel path's output is compared with the torch
 reference's on the same key (same selection, so only rounding differs) and with exact attention (the
 estimator's own error). Writes ``sampling.json`` and ``sampling.md`` into OUT_DIR. Aimed at < 3 minutes
 on an H100.
@@ -80,12 +80,12 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
     def call():
         return m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, check_finite=False)[0]
 
-    def select():
+    def select():  # what the kernel path runs before the kernel
         inputs = check_decode_inputs(x.q, x.k, x.v, lengths=x.lens, check_finite=False)
-        return m.stages(inputs, m.row_streams(inputs, key), sel_state).rest.indices
+        return m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), sel_state).rest.indices
 
     inputs = check_decode_inputs(x.q, x.k, x.v, lengths=x.lens, check_finite=False)
-    rest = m.stages(inputs, m.row_streams(inputs, key), {}).rest
+    rest = m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), {}).rest
     cfg = m.config
 
     def attend():

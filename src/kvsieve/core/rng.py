@@ -228,6 +228,14 @@ class RowStreams:
             u = u[:, 0]
         return u if dtype == torch.float64 else u.to(dtype)
 
+    @classmethod
+    def from_words(cls, key: RandomKey, lo: torch.Tensor, hi: torch.Tensor) -> RowStreams:
+        """Streams whose row words ``lo, hi [R]`` were computed elsewhere (a fused kernel of
+        :func:`row_words`); they must equal ``row_words``'s."""
+        out = cls.__new__(cls)
+        out.key, out.lo, out.hi, out.device = key, lo, hi, lo.device
+        return out
+
     def select(self, rows: torch.Tensor) -> RowStreams:
         """The streams of a subset of rows (index tensor)."""
         out = RowStreams.__new__(RowStreams)

@@ -17,10 +17,10 @@ import torch
 
 from ..core.config import param, require_choice
 from ..core.registry import register_method
-from ..core.rng import STREAM_SUBSET2
+from ..core.rng import STREAM_SUBSET, STREAM_SUBSET2, RowStreams
 from .shared.backend import BACKENDS
 from .shared.base import SinkWindowConfig, fixed_part
-from .shared.selection import require_size, resolve_size, size_bound, uniform_sample, union
+from .shared.selection import IndexSet, require_size, resolve_size, size_bound, uniform_sample, union
 from .shared.staged import StagedSelection, Stages
 
 
@@ -66,3 +66,23 @@ class RandomSample(StagedSelection):
         else:
             drawn = uniform_sample(available, size, gen, size_bound=bound)
         return Stages(fixed, drawn)
+
+    def kernel_stages(self, inputs, gen, state):
+        cfg = self.config
+        from ..kernels.sparse.sample_triton import sample_rows_triton, usable
+
+        if cfg.replacement or not isinstance(gen, RowStreams) or inputs.lengths is None or not usable(inputs.q):
+            return self.stages(inputs, gen, state)
+
+        # The kernel path serves prefix rows: the available keys are the range between sink and window,
+        # so the sample is drawn in one launch (hashes in registers, no sort over the row).
+        heads = self.selection_heads(inputs)
+        nv = inputs.n_valid
+        start = torch.clamp(nv, max=cfg.sink)
+        end = torch.maximum(nv - cfg.window, start)
+        n_av = (end - start)[:, None].expand(inputs.batch, heads)
+        size = resolve_size(cfg.budget, nv)[:, None].expand(inputs.batch, heads)
+        width = min(size_bound(cfg.budget, inputs.n_keys), inputs.n_keys)
+        idx, w = sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET, start, end, size, n_av, width, inputs.n_keys)
+        drawn = IndexSet(idx, torch.minimum(size, n_av), w)
+        return Stages(lambda: fixed_part(self, inputs)[0], drawn)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.inputs import DecodeInputs
+from ...core.rng import RandomKey, RowStreams
 from ...core.stats import StepStats
 from .backend import choose_path, kernel_operands
 from .base import Selected, SelectionMethod, selection_stats
@@ -35,10 +36,11 @@ class Stages:
     kernel's dense ranges on a prefix of each row). ``rest``: the method's own weighted keys, disjoint
     from ``fixed``. ``scored``, ``v_extra`` as in :class:`~kvsieve.methods.shared.base.Selected`;
     ``extra``: the stats extras, or a function building them (kept lazy on the kernel path, where a
-    call whose stats nobody reads should launch nothing for them).
+    call whose stats nobody reads should launch nothing for them); ``fixed`` may be such a function too
+    (the kernel reads sink and window as ranges, only the stats need their index set).
     """
 
-    fixed: IndexSet
+    fixed: IndexSet | Callable[[], IndexSet]
     rest: IndexSet
     scored: list[IndexSet] | None = field(default_factory=list)
     v_extra: list[IndexSet] = field(default_factory=list)
@@ -46,7 +48,8 @@ class Stages:
 
     def selected(self) -> Selected:
         extra = self.extra() if callable(self.extra) else self.extra
-        return Selected(union(self.fixed, self.rest), self.scored, self.v_extra, extra)
+        fixed = self.fixed() if callable(self.fixed) else self.fixed
+        return Selected(union(fixed, self.rest), self.scored, self.v_extra, extra)
 
 
 class StagedSelection(SelectionMethod):
@@ -59,6 +62,22 @@ class StagedSelection(SelectionMethod):
     def select(self, inputs, gen, state):
         return self.stages(inputs, gen, state).selected()
 
+    def kernel_stages(self, inputs: DecodeInputs, gen, state: dict[str, Any]) -> Stages:
+        """The selection the kernel path runs: :meth:`stages` unless a method overrides it with device
+        launches that select the same keys (its ``rest`` is what the kernel reads)."""
+        return self.stages(inputs, gen, state)
+
+    def kernel_row_streams(self, inputs: DecodeInputs, seed):
+        """:meth:`row_streams`, with the rows' words from one fused launch where it can (the torch
+        words are ~40 elementwise launches on a key with a device step counter)."""
+        if self.stochastic and self.random_keys and isinstance(seed, RandomKey):
+            from ...kernels.sparse.sample_triton import row_words_triton
+
+            words = row_words_triton(seed, inputs.n_valid, inputs.q_len)
+            if words is not None:
+                return RowStreams.from_words(seed, *words)
+        return self.row_streams(inputs, seed)
+
     def _decode(self, inputs, seed, state):
         cfg = self.config
         path, reason = choose_path(cfg.backend, inputs, lambda: sparse_unsupported(inputs))
@@ -69,7 +88,7 @@ class StagedSelection(SelectionMethod):
             return out, stats
         from ...kernels.sparse.weighted_triton import sparse_decode_triton
 
-        st = self.stages(inputs, self.row_streams(inputs, seed), state)
+        st = self.kernel_stages(inputs, self.kernel_row_streams(inputs, seed), state)
         rest = st.rest
         if cfg.sink + cfg.window == 0 and (rest.width == 0 or (inputs.checked and int(rest.counts.min()) < 1)):
             # The reference raises the same error (it reads the counts only when the call is checked;

@@ -1,0 +1,318 @@
+"""A uniform sample without replacement on the device in one Triton launch (issue 15: ``random`` and
+vAttention's samples).
+
+The references (``methods/shared/selection.uniform_sample``) give every available key ``j`` of a row the
+uniform ``u = hash(row key, stream, h·2^22 + j) / 2^24`` (``core.rng.RowStreams``) and take the ``size``
+smallest: ``torch.topk`` over the whole row (N keys), which at 5% of 32k–128k keys is a sort of the
+row in 10–30 launches, after ~25 elementwise launches that build ``u``. Here one program per (row,
+selection head):
+
+1. hashes its available keys (a range ``[start, end)`` of positions, optionally minus excluded pages) in
+   registers — ``u`` is never written — and copies out the keys whose 24-bit hash lies below a
+   threshold a few standard deviations above the expected ``size``-th smallest
+   (``(size + 4√size + 16) / n_avail``), in position order; if fewer than ``size`` pass (rare), every
+   available key is taken as a candidate instead, so the result is exact whatever the draws;
+2. finds the ``size``-th smallest hash among the candidates by bisection over the 24 bits (in registers
+   when the candidates fit one block);
+3. writes the keys below it and the first needed keys equal to it (ties to the lowest position), in
+   ascending position order, then zeros up to the list's width, and the weights ``n_avail / size``.
+
+Equal to the reference as a set up to ties of the 24-bit hash at the cut (``torch.topk`` breaks them
+in no specified order): :func:`sample_rows_reference` is the twin with ties to the lowest position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix32, seed_words
+from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+
+CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
+
+
+def sample_rows_reference(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
+                          size: torch.Tensor, width: int, n_keys: int, excluded: torch.Tensor | None = None,
+                          page: int = 1) -> torch.Tensor:
+    """``[R, Hs, width]`` int64: the ``size [R, Hs]`` positions of ``[start, end) [R]`` (minus the pages
+    marked in ``excluded [R, Hs, P]``) with the smallest hash under row words ``lo, hi [R]``, ascending,
+    ties to the lowest position, then zeros — what :func:`sample_rows_triton` writes."""
+    r, hs = size.shape
+    pos = torch.arange(n_keys, device=size.device)
+    c = (torch.arange(hs, device=size.device)[:, None] << POSITION_BITS) + pos[None, :]
+    h = hash_bits(lo.view(r, 1, 1), hi.view(r, 1, 1), stream, c[None]) >> 8  # [R, Hs, N]
+    ok = (pos >= start.view(r, 1, 1)) & (pos < end.view(r, 1, 1))
+    if excluded is not None:
+        ok = ok & ~excluded[:, :, pos // page]
+    key = torch.where(ok, (h << POSITION_BITS) + pos, torch.iinfo(torch.int64).max)  # unique: no ties
+    k = min(width, n_keys)
+    chosen = torch.topk(key, k, dim=-1, largest=False, sorted=True).values & ((1 << POSITION_BITS) - 1)
+    take = torch.arange(k, device=size.device) < size[..., None]
+    out = torch.where(take, chosen, n_keys).sort(-1).values
+    out = torch.where(out < n_keys, out, 0)
+    return torch.nn.functional.pad(out, (0, width - k))
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..triton_utils import _mix32
+
+    @triton.jit
+    def _hash24(lo, hi, stream_key, counter):
+        x = counter.to(tl.int64) & 0xFFFFFFFF
+        x = _mix32(x ^ lo)
+        x = _mix32(x ^ hi)
+        x = _mix32(x ^ stream_key)
+        return x >> 8
+
+    @triton.jit
+    def _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
+                    n_pages, PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr):
+        """Copy the available keys of ``[start, end)`` whose hash is below ``thr`` to ``cand`` as
+        ``hash << 22 | position``, in position order; returns how many."""
+        offs = tl.arange(0, BLOCK)
+        cnt = tl.zeros([], tl.int32)
+        if size > 0:
+            for b0 in range(start, end, BLOCK):
+                pos = b0 + offs
+                ok = pos < end
+                if HAS_EXCL:
+                    pg = pos // PAGE
+                    ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages),
+                                 other=0)
+                    ok = ok & (ex == 0)
+                hv = _hash24(lo, hi, stream_key, base_c + pos)
+                keep = ok & (hv < thr)
+                ki = keep.to(tl.int32)
+                dest = cnt + tl.cumsum(ki, 0) - 1
+                tl.store(cand + dest, (hv << 22) | pos.to(tl.int64), mask=keep)
+                cnt += tl.sum(ki, 0)
+        return cnt
+
+    @triton.jit
+    def _sample_rows_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, out_ptr, w_ptr, cand_ptr,
+        stream_key, hs, n_keys, width, n_pages,
+        s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
+        BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+    ):
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        rh = r.to(tl.int64) * hs + h
+        lo = tl.load(lo_ptr + r)
+        hi = tl.load(hi_ptr + r)
+        start = tl.load(start_ptr + r).to(tl.int32)
+        end = tl.load(end_ptr + r).to(tl.int32)
+        size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
+        n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
+        size = tl.maximum(tl.minimum(size, n_av), 0)
+        off = 0
+        if HAS_OFF:
+            off = tl.load(off_ptr + rh).to(tl.int32)
+        cand = cand_ptr + rh * n_keys
+        base_c = h.to(tl.int64) << 22
+        offs = tl.arange(0, BLOCK)
+        # 1. candidates: hash below a threshold the size-th smallest of n_av uniforms rarely exceeds
+        sz = size.to(tl.float32)
+        thr_f = (sz + 4.0 * tl.sqrt(sz) + 16.0) / tl.maximum(n_av, 1).to(tl.float32) * 16777216.0
+        thr = tl.minimum(thr_f, 16777216.0).to(tl.int64)
+        thr = tl.where(size >= n_av, 16777216, thr).to(tl.int64)
+        cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
+                          n_pages, PAGE, HAS_EXCL, BLOCK)
+        if cnt < size:  # too few below the threshold: every available key is a candidate
+            thr = tl.full([], 16777216, tl.int64)
+            cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r,
+                              s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
+        # 2. bisection over the 24-bit hash: count(h < t_lo) < size <= count(h < t_hi)
+        t_lo = tl.zeros([], tl.int64)
+        t_hi = thr.to(tl.int64)
+        if cnt <= CBLOCK:
+            coffs = tl.arange(0, CBLOCK)
+            ck = tl.load(cand + coffs, mask=coffs < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+            for _ in range(24):
+                mid = (t_lo + t_hi) // 2
+                c = tl.sum((ck < mid).to(tl.int32), 0)
+                go_lo = c >= size
+                t_hi = tl.where(go_lo, mid, t_hi)
+                t_lo = tl.where(go_lo, t_lo, mid)
+        else:
+            for _ in range(24):
+                mid = (t_lo + t_hi) // 2
+                c = 0
+                for c0 in range(0, cnt, CBLOCK):
+                    co = c0 + tl.arange(0, CBLOCK)
+                    kk = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+                    c += tl.sum((kk < mid).to(tl.int32), 0)
+                go_lo = c >= size
+                t_hi = tl.where(go_lo, mid, t_hi)
+                t_lo = tl.where(go_lo, t_lo, mid)
+        # the size-th smallest is t_lo: take every key below it and the first `need` equal to it
+        below = 0
+        for c0 in range(0, cnt, CBLOCK):
+            co = c0 + tl.arange(0, CBLOCK)
+            kk = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+            below += tl.sum((kk < t_lo).to(tl.int32), 0)
+        need = size - below
+        # 3. the chosen keys in position order, then zeros; weights n_av / size
+        out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        w = w_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
+        written = 0
+        ties = 0
+        for c0 in range(0, cnt, CBLOCK):
+            co = c0 + tl.arange(0, CBLOCK)
+            packed = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF)
+            kk = packed >> 22
+            eq = (kk == t_lo) & (co < cnt)
+            tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0)
+            take = (co < cnt) & ((kk < t_lo) | (eq & (tie_rank <= need)))
+            dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out + dest, packed & 0x3FFFFF, mask=take)
+            if HAS_W:
+                tl.store(w + dest, tl.zeros([CBLOCK], tl.float64) + wv, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+        for z0 in range(off + size, width, BLOCK):
+            zo = z0 + offs
+            zm = zo < width
+            tl.store(out + zo, tl.zeros([BLOCK], tl.int64), mask=zm)
+            if HAS_W:
+                tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
+
+    @triton.jit
+    def _row_words_kernel(pos_ptr, seeds_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, out_ptr, rows, q_len, lo0, hi0,
+                          v0, v1, v2, v3, k10, k20, k11, k21, k12, k22, k13, k23,
+                          NC: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
+                          T3: tl.constexpr, ROW_SEEDS: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        ok = r < rows
+        brow = (r // q_len).to(tl.int64)
+        p = tl.load(pos_ptr + r, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
+        if ROW_SEEDS:
+            s = tl.load(seeds_ptr + brow, mask=ok, other=0)
+            lo = s & 0xFFFFFFFF
+            hi = (s >> 32) & 0xFFFFFFFF
+            brow = brow * 0
+        else:
+            lo = tl.zeros([BLOCK], tl.int64) + lo0
+            hi = tl.zeros([BLOCK], tl.int64) + hi0
+            # the key's counters after its host-int prefix (``RandomKey.words``)
+            if NC > 0:
+                if T0:
+                    w = tl.load(c0_ptr).to(tl.int64) & 0xFFFFFFFF
+                else:
+                    w = tl.zeros([], tl.int64) + v0
+                lo = _mix32(lo ^ w ^ k10)
+                hi = _mix32(hi ^ lo ^ k20)
+            if NC > 1:
+                if T1:
+                    w = tl.load(c1_ptr).to(tl.int64) & 0xFFFFFFFF
+                else:
+                    w = tl.zeros([], tl.int64) + v1
+                lo = _mix32(lo ^ w ^ k11)
+                hi = _mix32(hi ^ lo ^ k21)
+            if NC > 2:
+                if T2:
+                    w = tl.load(c2_ptr).to(tl.int64) & 0xFFFFFFFF
+                else:
+                    w = tl.zeros([], tl.int64) + v2
+                lo = _mix32(lo ^ w ^ k12)
+                hi = _mix32(hi ^ lo ^ k22)
+            if NC > 3:
+                if T3:
+                    w = tl.load(c3_ptr).to(tl.int64) & 0xFFFFFFFF
+                else:
+                    w = tl.zeros([], tl.int64) + v3
+                lo = _mix32(lo ^ w ^ k13)
+                hi = _mix32(hi ^ lo ^ k23)
+        lo = _mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
+        hi = _mix32(hi ^ lo ^ p ^ 0x85A308D3)
+        lo = _mix32(lo ^ hi)
+        tl.store(out_ptr + r, lo, mask=ok)
+        tl.store(out_ptr + rows + r, hi, mask=ok)
+
+
+def usable(t: torch.Tensor) -> bool:
+    """Whether these kernels can run on ``t``'s device (CUDA, or the CPU under Triton's interpreter)."""
+    return triton is not None and (t.is_cuda or is_interpreted(_sample_rows_kernel))
+
+
+def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
+                       size: torch.Tensor, n_avail: torch.Tensor, width: int, n_keys: int, *,
+                       excluded: torch.Tensor | None = None, page: int = 1, offset: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                       with_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(indices, weights)``: per row ``r`` (words ``lo, hi [R]``, positions ``[start, end) [R]``) and
+    selection head ``h`` of ``size [R, Hs]``, the ``min(size, n_avail)`` available positions with the
+    smallest hash (:func:`sample_rows_reference`), ascending, written from column ``offset [R, Hs]``
+    (default 0) of ``out [R, Hs, width]``; columns after them are 0 (weight 1), columns before the
+    offset are left as the caller wrote them. ``n_avail [R, Hs]``: the available positions (the range
+    minus the ``excluded [R, Hs, P]`` pages of ``page`` keys); the weights are ``n_avail / size``
+    (float64). No host read; one launch."""
+    r, hs = size.shape
+    dev = size.device
+    if out is None:
+        out = torch.empty(r, hs, width, device=dev, dtype=torch.int64)
+    if with_weights and weights is None:
+        weights = torch.empty(r, hs, width, device=dev, dtype=torch.float64)
+    if out.stride(-1) != 1 or (weights is not None and weights.stride() != out.stride()):
+        raise ValueError("sample_rows_triton: out and weights must share a layout with a contiguous last dim")
+    if width == 0 or r * hs == 0:
+        return out, weights
+    cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
+    excl = excluded if excluded is not None else size
+    stream_key = (stream * GOLDEN) & MASK32
+    block = min(1024, max(16, next_pow2(n_keys)))
+    interp = is_interpreted(_sample_rows_kernel)
+    launch(_sample_rows_kernel, (hs, r),
+           lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous(), size, n_avail, excl,
+           offset if offset is not None else size, out,
+           weights if weights is not None else out, cand,
+           stream_key, hs, n_keys, width, excluded.shape[-1] if excluded is not None else 1,
+           out.stride(0), out.stride(1), excl.stride(0) if excluded is not None else 0,
+           excl.stride(1) if excluded is not None else 0, size.stride(0), size.stride(1), n_avail.stride(0),
+           n_avail.stride(1),
+           PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
+           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, num_warps=8, num_stages=1)
+    return out, weights
+
+
+def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``core.rng.row_words(key, r // q_len, position)`` for the ``R = position.numel()`` query rows in one
+    launch (the torch version is ~40 elementwise launches on a key with a device step counter); None
+    where this cannot serve (no Triton, a key with more than 4 counters after its host-int prefix)."""
+    if not usable(position):
+        return None
+    rows = position.numel()
+    dev = position.device
+    lo, hi = seed_words(key.seed)
+    counters = list(key.counters)
+    i = 0
+    if key.row_seeds is None:
+        while i < len(counters) and not isinstance(counters[i], torch.Tensor):  # fold host ints
+            w = int(counters[i]) & MASK32
+            lo = mix32(lo ^ w ^ ((GOLDEN * (2 * i + 1)) & MASK32))
+            hi = mix32(hi ^ lo ^ ((GOLDEN * (2 * i + 2)) & MASK32))
+            i += 1
+    rest = counters[i:] if key.row_seeds is None else []
+    if len(rest) > 4 or any(isinstance(c, torch.Tensor) and (c.numel() != 1 or c.device != dev) for c in rest):
+        return None
+    ptrs, vals, flags, consts = [], [], [], []
+    for j in range(4):
+        c = rest[j] if j < len(rest) else 0
+        t = isinstance(c, torch.Tensor)
+        ptrs.append(c if t else position)
+        vals.append(0 if t else int(c) & MASK32)
+        flags.append(t)
+        consts += [(GOLDEN * (2 * (i + j) + 1)) & MASK32, (GOLDEN * (2 * (i + j) + 2)) & MASK32]
+    out = torch.empty(2, rows, device=dev, dtype=torch.int64)
+    seeds = key.row_seeds if key.row_seeds is not None else position
+    launch(_row_words_kernel, (1,), position, seeds, *ptrs, out, rows, q_len, lo, hi, *vals, *consts,
+           NC=len(rest), T0=flags[0], T1=flags[1], T2=flags[2], T3=flags[3], ROW_SEEDS=key.row_seeds is not None,
+           BLOCK=max(16, next_pow2(rows)), num_warps=1)
+    return out[0], out[1]
+
+
+__all__ = ["CAND_BLOCK", "row_words_triton", "sample_rows_reference", "sample_rows_triton", "usable"]
