@@ -373,3 +373,25 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
             else:
                 got = topk.topk_select(q, k, lens, select=select, **kw)
             assert _check_near_ties(*got, *ref, s) >= 0.5, (share, select)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("x,k", [(2048, 87), (8192, 410), (32768, 1600), (131072, 6500)])
+def test_gpu_row_select_matches_its_reference(x, k):
+    """The select launch alone on the device, with and without the prefilter, at Quest's (pages) and
+    oracle-topk's (keys) row lengths of 32k/128k contexts: exactly the reference's units (ties to the
+    lowest index), on rows with −inf, many ties, one value, count 0 and every finite value."""
+    from kvsieve.kernels.sparse.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+
+    g = torch.Generator(device="cuda").manual_seed(x)
+    s = torch.randn(3, 8, x, device="cuda", generator=g) * 3
+    s[0, 1, ::3] = float("-inf")
+    s[1, 2] = (s[1, 2] * 2).round()
+    s[2, 3] = 1.5
+    counts = torch.tensor([k, 0, k], device="cuda")
+    maxima = torch.nn.functional.pad(s, (0, -x % GROUP_MAX), value=float("-inf"))
+    maxima = maxima.view(3, 8, -1, GROUP_MAX).amax(-1).contiguous()
+    want = topk_rows_reference(s, counts, k)
+    assert torch.equal(topk_rows_triton(s, counts, k), want)
+    assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), want)
