@@ -4,7 +4,9 @@
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
 one select launch, ``kernels/sparse/select_triton.py``); at batch 1 the same selections also run as
 ``…@torch-select`` (partials-based group sum + ``torch.topk``) and ``…@legacy`` (the path measured before
-2026-11-25: ``logsumexp`` + group-sum launch + ``torch.topk``), so one run compares the three.
+2026-11-25: ``logsumexp`` + group-sum launch + ``torch.topk``), so one run compares the three;
+``quest-kv@split-group-sum`` group-sums the pages in a parallel launch of their own instead of inside the
+select launch (for tuning ``select_triton.ROW_GROUP_SUM_MAX``).
 
     python benchmarks/sparse_decode/run.py OUT_DIR [--contexts 32768 131072] [--batch8-context 32768]
 
@@ -23,6 +25,7 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from itertools import product
 from pathlib import Path
@@ -31,7 +34,7 @@ import torch
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, load_flashinfer
 from kvsieve.bench.timing import ColdL2Timer, copy_bandwidth, count_launches
-from kvsieve.kernels.sparse import quest_pages, topk
+from kvsieve.kernels.sparse import quest_pages, select_triton, topk
 from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -40,6 +43,18 @@ TARGETS = {  # issue 15 §3: speedup over FlashInfer at (32k, 128k), batch 1
     "sparse-pages16": (6, 12), "streaming": (6, 12), "quest-q": (4, 7), "quest-kv": (4, 7),
     "oracle-topk-q": (1.3, 1.5), "oracle-topk-kv": (1.3, 1.5),
 }
+
+
+@contextmanager
+def _group_sum_in_select_up_to(units: int):
+    """Rows of at most ``units`` group-summed units are group-summed inside the select launch (a module
+    constant; changed around a call, also while a CUDA graph captures it)."""
+    before = select_triton.ROW_GROUP_SUM_MAX
+    select_triton.ROW_GROUP_SUM_MAX = units
+    try:
+        yield
+    finally:
+        select_triton.ROW_GROUP_SUM_MAX = before
 
 
 def _first(fn):
@@ -109,8 +124,10 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         fused = _first(partial(sparse_decode_triton, x.q, x.k, x.v, fused_merge=True, **dense_opts))
         out["streaming+fused-merge"] = (fused, None, fused, out["streaming"][3], stream_ref)
 
-    # selection paths: the default, and at batch 1 the two it replaces (same name + suffix)
-    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@legacy", "legacy")] if b == 1 else [])
+    # selection paths: the default, and at batch 1 the two it replaces (same name + suffix) and, for
+    # Quest's group-summed pages, the group sum in its own parallel launch instead of the select launch
+    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@legacy", "legacy"),
+                                      ("@split-group-sum", "triton-split")] if b == 1 else [])
 
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
     page = 16
@@ -120,12 +137,15 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     summaries.update(x.k, lens)  # the prefill's summary; each timed step refreshes the last pages
     for (base, share), (suffix, how) in product((("quest-kv", True), ("quest-q", False)), selections):
         name = base + suffix
+        if how == "triton-split" and not share:
+            continue
 
         def select(share=share, how=how):
             kmin, kmax = summaries.update(x.k, lens)
-            return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink, window=window_qt,
-                                            size=tokens_wanted, max_pages=max_pages, share_kv_group=share,
-                                            select=how)
+            with _group_sum_in_select_up_to(0 if how == "triton-split" else select_triton.ROW_GROUP_SUM_MAX):
+                return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink,
+                                                window=window_qt, size=tokens_wanted, max_pages=max_pages,
+                                                share_kv_group=share, select=how.removesuffix("-split"))
 
         pages, counts = select()
         quest_opts = {"page_size": page, "lengths": lens, "sink": sink, "window": window_qt}
@@ -144,6 +164,8 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     # oracle top-k: every score (one Triton pass over K), top-k tokens outside sink + window
     for (base, share), (suffix, how) in product((("oracle-topk-kv", True), ("oracle-topk-q", False)), selections):
         name = base + suffix
+        if how == "triton-split":  # keys always take the parallel group sum
+            continue
 
         def select(share=share, how=how):
             return topk.topk_select(x.q, x.k, lens, sink=sink, window=window_qt, size=tokens_wanted,
