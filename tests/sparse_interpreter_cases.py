@@ -282,7 +282,8 @@ def test_benchmark_variants_run_and_match_their_references():
                         scale=0.125)
     calls = bench.variants(case, x, 0.2, sink=8, window_qt=8)
     assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q", "quest-kv@torch-select",
-            "quest-kv@legacy", "quest-kv@split-group-sum", "oracle-topk-kv@torch-select",
+            "quest-kv@legacy", "quest-kv@split-group-sum", "quest-kv@group-sum-in-select",
+            "oracle-topk-kv@torch-select",
             "oracle-topk-kv@legacy"} <= set(calls)
     for name, (call, select, attend, n_bytes, ref) in calls.items():
         got, want = call(), ref()

@@ -6,7 +6,8 @@ one select launch, ``kernels/sparse/select_triton.py``); at batch 1 the same sel
 ``…@torch-select`` (partials-based group sum + ``torch.topk``) and ``…@legacy`` (the path measured before
 2026-11-25: ``logsumexp`` + group-sum launch + ``torch.topk``), so one run compares the three;
 ``quest-kv@split-group-sum`` group-sums the pages in a parallel launch of their own instead of inside the
-select launch (for tuning ``select_triton.ROW_GROUP_SUM_MAX``).
+select launch, ``quest-kv@group-sum-in-select`` inside it whatever the row length (for tuning
+``select_triton.ROW_GROUP_SUM_MAX``).
 
     python benchmarks/sparse_decode/run.py OUT_DIR [--contexts 32768 131072] [--batch8-context 32768]
 
@@ -125,9 +126,12 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         out["streaming+fused-merge"] = (fused, None, fused, out["streaming"][3], stream_ref)
 
     # selection paths: the default, and at batch 1 the two it replaces (same name + suffix) and, for
-    # Quest's group-summed pages, the group sum in its own parallel launch instead of the select launch
+    # Quest's group-summed pages, the group sum inside the select launch or in a parallel launch of its
+    # own (the default picks by the row length: select_triton.ROW_GROUP_SUM_MAX)
     selections = [("", "triton")] + ([("@torch-select", "torch"), ("@legacy", "legacy"),
+                                      ("@group-sum-in-select", "triton-fold"),
                                       ("@split-group-sum", "triton-split")] if b == 1 else [])
+    fold_limit = {"triton-fold": 1 << 30, "triton-split": 0}
 
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
     page = 16
@@ -137,15 +141,15 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     summaries.update(x.k, lens)  # the prefill's summary; each timed step refreshes the last pages
     for (base, share), (suffix, how) in product((("quest-kv", True), ("quest-q", False)), selections):
         name = base + suffix
-        if how == "triton-split" and not share:
+        if how in fold_limit and not share:
             continue
 
         def select(share=share, how=how):
             kmin, kmax = summaries.update(x.k, lens)
-            with _group_sum_in_select_up_to(0 if how == "triton-split" else select_triton.ROW_GROUP_SUM_MAX):
+            with _group_sum_in_select_up_to(fold_limit.get(how, select_triton.ROW_GROUP_SUM_MAX)):
                 return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink,
                                                 window=window_qt, size=tokens_wanted, max_pages=max_pages,
-                                                share_kv_group=share, select=how.removesuffix("-split"))
+                                                share_kv_group=share, select=how.split("-")[0])
 
         pages, counts = select()
         quest_opts = {"page_size": page, "lengths": lens, "sink": sink, "window": window_qt}
@@ -164,7 +168,7 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     # oracle top-k: every score (one Triton pass over K), top-k tokens outside sink + window
     for (base, share), (suffix, how) in product((("oracle-topk-kv", True), ("oracle-topk-q", False)), selections):
         name = base + suffix
-        if how == "triton-split":  # keys always take the parallel group sum
+        if how in fold_limit:  # tuning variants for Quest's pages only
             continue
 
         def select(share=share, how=how):

@@ -8,8 +8,9 @@ sparse kernel ignores the order; entries past the count are 0). One program per 
 
 1. group-summed rows: the per-head log-sum-exp from the partials, then ``log Σ_g softmax_g(s)[x]``
    with non-candidate units at −inf, written once to a workspace row (the separate ``logsumexp`` and
-   group-sum launches of the earlier path, folded in). Rows too long for one program (oracle-topk's
-   keys) get this from :func:`group_sum_rows_triton` instead, one launch spread over the row;
+   group-sum launches of the earlier path, folded in). Rows longer than ``ROW_GROUP_SUM_MAX``
+   (oracle-topk's keys, Quest's pages beyond a 64k context) get this from :func:`group_sum_rows_triton`
+   instead, one launch spread over the row;
 2. with ``maxima`` (long rows): a prefilter. The ``count``-th largest of the maxima of every
    ``GROUP_MAX`` units (a subset of the row, one unit per group) is at most the row's ``count``-th
    largest, so only units at or above it can be chosen; one pass copies them (value, index) out, and
@@ -24,8 +25,9 @@ than ~20k but 20–50 launches (multi-block passes, then a sort for ``sorted=Tru
 32k/128k-key rows, and Quest's group-summed ranking needed a ``logsumexp`` (several elementwise
 launches) and a group-sum launch before it (issue 15 §2: 16 launches for Quest, 35–60 for oracle-topk).
 Here Quest's selection is the bounds launch plus this one, oracle-topk's the scores pass plus this one
-(plus :func:`group_sum_rows_triton` when ``share_kv_group``). Ties at ``T`` go to the lowest indices,
-where ``torch.topk`` picks any of them: selections are equal as sets up to ties.
+(plus :func:`group_sum_rows_triton` for group-summed rows longer than ``ROW_GROUP_SUM_MAX``). Ties at
+``T`` go to the lowest indices, where ``torch.topk`` picks any of them: selections are equal as sets up
+to ties.
 
 Cost model (why the histograms have 64 bins): one program per row, so a row's elements pass through
 one SM; Triton's histogram costs ~log2(bins) ballots + bins/32 ops per element, and each pass reloads
@@ -400,7 +402,9 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     out = _scratch("select_rows", scores, (b, hs, x), torch.float32)
     maxima = _scratch("select_rows_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
     block_g = max(2, next_pow2(group))
-    block_x, chunk = 4096, max(GROUP_MAX, 2048 // block_g)
+    # short rows (pages) in small blocks, for programs enough to fill the GPU; long rows (keys) in big
+    # ones, since every program reads all of its heads' softmax partials
+    block_x, chunk = (4096 if x >= 65536 else 1024), max(GROUP_MAX, 2048 // block_g)
     launch(_group_sum_parts_kernel, (-(-x // block_x), hs, b),
            scores, pm, pl, lengths, out, maxima, sink, window, x, pm.shape[-1],
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
@@ -410,7 +414,11 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     return out, maxima
 
 
-ROW_GROUP_SUM_MAX = 16384  # longer group-summed rows get group_sum_rows_triton's parallel launch
+# Group-summed rows longer than this get group_sum_rows_triton's parallel launch: in the select launch one
+# program reads the group's G rows (~30 ops per unit and head, ~7 µs for 8192 pages × 4 heads by a cost
+# model, vs ~2 µs of launch for the split); at Quest's 32k context (2048 pages) the fold wins, at 128k
+# not. To be tuned on the GPU: the benchmark times both (quest-kv@group-sum-in-select / @split-group-sum).
+ROW_GROUP_SUM_MAX = 4096
 
 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
