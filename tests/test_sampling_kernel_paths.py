@@ -37,6 +37,10 @@ SPECS = [
     "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
     "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
     "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
+    # the fused Quest path (kernel_stages): per-query-head pages, bound=full; Hoeffding with budget_floor=base
+    "vattention:sink=4,window=4,top_k=0.05,epsilon=0.2,delta=0.1,predictor=quest,page_size=16",
+    "vattention:sink=4,window=4,top_k=0.05,epsilon=0.3,delta=0.3,predictor=quest,page_size=8,bound=denominator,"
+    "concentration=hoeffding,budget_floor=base",
 ]
 STATS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "kv_density", "bytes_read",
          "exact_rows")
@@ -50,7 +54,10 @@ def same_selection(stats, ref, where):
         assert stats[f] == ref[f], (where, f, stats[f], ref[f])
     for key, value in ref.extra.items():
         got = stats.raw(key)  # deferred stats resolve on read
-        if isinstance(value, torch.Tensor):
+        if key == "budget_raw":
+            # float64 sums over the same keys in another order (vAttention's fused budget statistics)
+            torch.testing.assert_close(got, value, rtol=1e-12, atol=0, msg=str((where, key)))
+        elif isinstance(value, torch.Tensor):
             assert torch.equal(got, value), (where, key)
         else:
             assert got == value, (where, key, got, value)
@@ -230,7 +237,7 @@ def test_sample_kernel_draws_the_references_sample():
 def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter():
     pytest.importorskip("triton")
     out = run_script(CASES, "cpu", True)
-    assert "OK" in out and "CALLS 60" in out, out[-2000:]
+    assert "OK" in out and "CALLS 72" in out, out[-2000:]
 
 
 @pytest.mark.triton
@@ -308,7 +315,7 @@ def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
 def test_kernel_paths_match_their_references_on_the_gpu():
     """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32)."""
     out = run_script(CASES, "cuda", False)
-    assert "OK" in out and "CALLS 60" in out, out[-2000:]
+    assert "OK" in out and "CALLS 72" in out, out[-2000:]
 
 
 GPU_SPECS = ["random:budget=0.05", "random:budget=0.05,replacement=True,share_kv_group=True",

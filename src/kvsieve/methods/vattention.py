@@ -43,7 +43,7 @@ import torch
 from ..core.config import param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
-from ..core.rng import STREAM_SUBSET2
+from ..core.rng import STREAM_SUBSET, STREAM_SUBSET2, RowStreams
 from ..kernels.sparse.weighted import gather_rows
 from .shared.backend import BACKENDS
 from .shared.base import SinkWindowConfig, ranking_scores
@@ -254,25 +254,124 @@ class VAttention(StagedSelection):
         scored = [base]
         if cfg.predictor == "oracle":
             scored = None  # every key scored
-        n_keys = float(inputs.n_keys)
 
         def extra():
-            return {
-                "budget_per_head": b_int.double(),
-                "budget": b_int.double().mean(),
-                "budget_raw": torch.clamp(b, max=n_keys).mean(),
-                "base_sample": n_base.double().mean(),
-                "residual_keys": n_s.double().mean(),
-                "fixed_keys": static.counts.double().mean(),
-                "sampled_fraction": (b_int.double() / n_s.clamp(min=1).double()).mean(),
-                "epsilon": cfg.epsilon,
-                "delta": cfg.delta,
-                "bound": cfg.bound,
-            }
+            return self.extras(b_int, b, n_base, n_s, static.counts, inputs.n_keys)
 
         v_extra = [base] if cfg.bound == "full" else []  # V rows read for Tr Σ̂ and ‖N̂‖
         # fixed, then top-k, then the sample: the order (and so the sums) of union(static, dyn)
         return Stages(fixed, union(top, dyn), scored=scored, v_extra=v_extra, extra=extra)
+
+    def kernel_stages(self, inputs, gen, state):
+        """The kernel path's selection with the Quest predictor: Quest's incremental page summaries (in
+        ``state``) and device page selection, the base and residual samples of
+        :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row) and the budget's statistics in
+        one launch (:mod:`~kvsieve.kernels.sparse.budget_triton`); the same keys as :meth:`stages` given the
+        same draws, up to near-ties of the page bounds (computed in another order) and ties of the 24-bit
+        hash at a sample's cut. Other settings run :meth:`stages`."""
+        from ..kernels.sparse import budget_triton, sample_triton
+
+        cfg = self.config
+        if (cfg.predictor != "quest" or cfg.replacement or cfg.residual != "excludes-topk"
+                or not isinstance(gen, RowStreams) or inputs.lengths is None or not sample_triton.usable(inputs.q)
+                or not budget_triton.usable(inputs.q)):
+            return self.stages(inputs, gen, state)
+        from ..kernels.sparse.quest_pages import PageSummaries, quest_select
+
+        heads = self.selection_heads(inputs)
+        r, n, page, dev = inputs.batch, inputs.n_keys, cfg.page_size, inputs.q.device
+        nv = inputs.n_valid
+        start = torch.clamp(nv, max=cfg.sink)
+        end = torch.maximum(nv - cfg.window, start)
+        # the predicted top-k: whole pages of the highest Quest bound, their keys between sink and window
+        p_total = -(-n // page)
+        if cfg.top_k == 0:
+            top = empty_set(r, heads, dev)
+            excluded = None
+        else:
+            summaries = state.get(f"vattention/quest-pages{page}")
+            if summaries is None:
+                summaries = state[f"vattention/quest-pages{page}"] = PageSummaries(page)
+            kmin, kmax = summaries.update(inputs.k, inputs.kernel_lengths)
+            max_pages = -(-min(size_bound(cfg.top_k, n), n) // page)
+            pages, pcount = quest_select(inputs.q, kmin, kmax, inputs.kernel_lengths, page_size=page, sink=cfg.sink,
+                                         window=cfg.window, size=cfg.top_k, max_pages=max_pages,
+                                         share_kv_group=heads != inputs.heads, scale=inputs.scale)
+            kp = pages.shape[-1]
+            page_used = torch.arange(kp, device=dev) < pcount[..., None]
+            tok = (pages[..., None] * page + torch.arange(page, device=dev)).view(r, heads, kp * page)
+            keep = (page_used.repeat_interleave(page, dim=-1) & (tok >= start[:, None, None])
+                    & (tok < end[:, None, None]))
+            top = compact(tok, keep, None)
+            excluded = torch.zeros(r, heads, p_total + 1, dtype=torch.bool, device=dev)
+            excluded.scatter_(2, torch.where(page_used, pages, p_total), True)
+            excluded = excluded[..., :p_total]
+        n_s = (end - start)[:, None] - top.counts  # [R, Hs]
+        n_base = torch.minimum(torch.clamp(torch.floor(cfg.base_rate * n_s.double()).long(), min=2), n_s)
+        base_bound = min(max(2, math.floor(cfg.base_rate * n)), n)
+        b_idx, b_w = sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET, start, end, n_base, n_s,
+                                                      base_bound, n, excluded=excluded, page=page)
+        base = IndexSet(b_idx, n_base, b_w)
+        dense_width = min(cfg.sink + cfg.window, n)
+        stats = budget_triton.budget_stats_triton(inputs.q, inputs.k, inputs.v, start, end, nv, top.indices,
+                                                  top.counts, b_idx, n_base, n_s, inputs.scale,
+                                                  cfg.bound == "full" and cfg.concentration == "clt", dense_width)
+        b = self.budget_from_stats(inputs, stats, n_s, heads)
+        if heads != inputs.heads:
+            b = b.view(inputs.batch, heads, inputs.group).amax(-1)
+        floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
+        b_int = torch.ceil(torch.clamp(b, max=float(n))).long()
+        b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
+        # one list for the kernel: the top-k keys (weight 1), then the residual sample (weight n_s / b)
+        kt = top.width
+        idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
+        w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
+        if kt:
+            idx[..., :kt] = top.indices
+            w[..., :kt] = 1.0
+        sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
+                                         excluded=excluded, page=page, offset=top.counts.contiguous(), out=idx,
+                                         weights=w)
+        rest = IndexSet(idx, top.counts + torch.minimum(b_int, n_s), w)
+
+        def fixed():  # the stats' index set of the kernel's ranges, built only when the stats are read
+            return sink_and_window(inputs, cfg.sink, cfg.window, heads)
+
+        def extra():
+            return self.extras(b_int, b, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
+
+        return Stages(fixed, rest, scored=[base], v_extra=[base] if cfg.bound == "full" else [], extra=extra)
+
+    def budget_from_stats(self, inputs: DecodeInputs, stats: torch.Tensor, n_s: torch.Tensor,
+                          heads: int) -> torch.Tensor:
+        """:meth:`budget`'s formula on the statistics of :func:`budget_triton.budget_stats_triton`."""
+        cfg = self.config
+        n_s_q = n_s.repeat_interleave(inputs.heads // heads, dim=1).double()
+        d_hat, sigma, n_norm, tr, rng = stats.unbind(-1)
+        two = cfg.quantile == "two-sided"
+        if cfg.concentration == "hoeffding":
+            b = hoeffding_budget(cfg.delta, n_s_q, rng, cfg.epsilon, d_hat)
+        elif cfg.bound == "denominator":
+            b = clt_budget(normal_quantile(cfg.delta, two), n_s_q, sigma, cfg.epsilon, d_hat)
+        else:
+            b = full_budget(cfg, n_s_q, sigma, d_hat, tr, n_norm)
+        return torch.nan_to_num(b, nan=0.0, posinf=float("inf"))
+
+    def extras(self, b_int, b, n_base, n_s, fixed_keys, n_keys: int) -> dict:
+        """The stats extras of both paths."""
+        cfg = self.config
+        return {
+            "budget_per_head": b_int.double(),
+            "budget": b_int.double().mean(),
+            "budget_raw": torch.clamp(b, max=float(n_keys)).mean(),
+            "base_sample": n_base.double().mean(),
+            "residual_keys": n_s.double().mean(),
+            "fixed_keys": fixed_keys.double().mean(),
+            "sampled_fraction": (b_int.double() / n_s.clamp(min=1).double()).mean(),
+            "epsilon": cfg.epsilon,
+            "delta": cfg.delta,
+            "bound": cfg.bound,
+        }
 
     def sample_residual(self, residual: torch.Tensor, b: torch.Tensor, n_s: torch.Tensor,
                         gen: torch.Generator) -> IndexSet:

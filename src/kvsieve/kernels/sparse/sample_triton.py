@@ -59,12 +59,22 @@ if triton is not None:
     from ..triton_utils import _mix32
 
     @triton.jit
+    def _mix32u(x):
+        # core.rng.mix32 in uint32 arithmetic: products wrap mod 2^32 natively (no int64 emulation)
+        x = x ^ (x >> 16)
+        x = x * tl.full([], 0x7FEB352D, tl.uint32)
+        x = x ^ (x >> 15)
+        x = x * tl.full([], 0x846CA68B, tl.uint32)
+        return x ^ (x >> 16)
+
+    @triton.jit
     def _hash24(lo, hi, stream_key, counter):
-        x = counter.to(tl.int64) & 0xFFFFFFFF
-        x = _mix32(x ^ lo)
-        x = _mix32(x ^ hi)
-        x = _mix32(x ^ stream_key)
-        return x >> 8
+        """``core.rng.hash_bits(lo, hi, stream, counter) >> 8`` as int64 (``stream_key`` = stream·golden)."""
+        x = counter.to(tl.uint32)
+        x = _mix32u(x ^ lo.to(tl.uint32))
+        x = _mix32u(x ^ hi.to(tl.uint32))
+        x = _mix32u(x ^ tl.full([], stream_key, tl.int64).to(tl.uint32))
+        return (x >> 8).to(tl.int64)
 
     @triton.jit
     def _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
@@ -98,6 +108,7 @@ if triton is not None:
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
         BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
     ):
+        PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
         r = tl.program_id(1)
         rh = r.to(tl.int64) * hs + h
@@ -108,7 +119,7 @@ if triton is not None:
         size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
         n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
         size = tl.maximum(tl.minimum(size, n_av), 0)
-        off = 0
+        off = tl.zeros([], tl.int32)
         if HAS_OFF:
             off = tl.load(off_ptr + rh).to(tl.int32)
         cand = cand_ptr + rh * n_keys
@@ -125,12 +136,13 @@ if triton is not None:
             thr = tl.full([], 16777216, tl.int64)
             cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r,
                               s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
+        tl.debug_barrier()  # the candidates were written by other threads of this program
         # 2. bisection over the 24-bit hash: count(h < t_lo) < size <= count(h < t_hi)
-        t_lo = tl.zeros([], tl.int64)
-        t_hi = thr.to(tl.int64)
+        t_lo = tl.zeros([], tl.int32)
+        t_hi = thr.to(tl.int32)
         if cnt <= CBLOCK:
             coffs = tl.arange(0, CBLOCK)
-            ck = tl.load(cand + coffs, mask=coffs < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+            ck = (tl.load(cand + coffs, mask=coffs < cnt, other=PAD) >> 22).to(tl.int32)
             for _ in range(24):
                 mid = (t_lo + t_hi) // 2
                 c = tl.sum((ck < mid).to(tl.int32), 0)
@@ -140,30 +152,30 @@ if triton is not None:
         else:
             for _ in range(24):
                 mid = (t_lo + t_hi) // 2
-                c = 0
-                for c0 in range(0, cnt, CBLOCK):
-                    co = c0 + tl.arange(0, CBLOCK)
-                    kk = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+                c = tl.zeros([], tl.int32)
+                for c0 in range(0, cnt, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    kk = (tl.load(cand + co, mask=co < cnt, other=PAD) >> 22).to(tl.int32)
                     c += tl.sum((kk < mid).to(tl.int32), 0)
                 go_lo = c >= size
                 t_hi = tl.where(go_lo, mid, t_hi)
                 t_lo = tl.where(go_lo, t_lo, mid)
         # the size-th smallest is t_lo: take every key below it and the first `need` equal to it
-        below = 0
-        for c0 in range(0, cnt, CBLOCK):
-            co = c0 + tl.arange(0, CBLOCK)
-            kk = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF) >> 22
+        below = tl.zeros([], tl.int32)
+        for c0 in range(0, cnt, BLOCK):
+            co = c0 + tl.arange(0, BLOCK)
+            kk = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
             below += tl.sum((kk < t_lo).to(tl.int32), 0)
         need = size - below
         # 3. the chosen keys in position order, then zeros; weights n_av / size
         out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
         w = w_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
         wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
-        written = 0
-        ties = 0
-        for c0 in range(0, cnt, CBLOCK):
-            co = c0 + tl.arange(0, CBLOCK)
-            packed = tl.load(cand + co, mask=co < cnt, other=0x7FFFFFFFFFFFFFFF)
+        written = tl.zeros([], tl.int32)
+        ties = tl.zeros([], tl.int32)
+        for c0 in range(0, cnt, BLOCK):
+            co = c0 + tl.arange(0, BLOCK)
+            packed = tl.load(cand + co, mask=co < cnt, other=PAD)
             kk = packed >> 22
             eq = (kk == t_lo) & (co < cnt)
             tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0)
@@ -171,7 +183,7 @@ if triton is not None:
             dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
             tl.store(out + dest, packed & 0x3FFFFF, mask=take)
             if HAS_W:
-                tl.store(w + dest, tl.zeros([CBLOCK], tl.float64) + wv, mask=take)
+                tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
             written += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
         for z0 in range(off + size, width, BLOCK):

@@ -1,0 +1,188 @@
+"""vAttention's budget statistics in one Triton launch (issue 15).
+
+``methods/vattention.VAttention.budget`` (the reference) gathers the K rows of the deterministic set
+(sink, window, predicted top-k) and of the base sample, computes their float64 logits, shifts by the
+largest, and sums ``e^s`` (``D̂``), the base sample's spread (``σ̂``) and, for ``bound=full``, the
+numerator's plug-in ``N̂ = Σ_f e^s v + (n_s/n_b) Σ_b e^s v`` and ``Tr Σ̂`` of ``e^s v`` over the base
+sample: ~40 torch launches. Here one program per (row, query head) does the same in float64: logits of
+the sink range, the window range, the top-k list and the base list (written once to a workspace), then
+the sums, then the spreads around their means (two passes, as the reference, not ``Σx² − (Σx)²/n``).
+Its torch twin is the method's ``budget`` (the tests compare the kernel path's budgets with the
+reference's); what follows the statistics (the (ε, δ) formula) stays in torch, on ``[R, Hq]`` values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _logits_segment(ws, wo, q, k_base, s_k_n, lst, cnt, seg_lo, seg_hi, scale, m, IS_LIST: tl.constexpr,
+                        BLOCK: tl.constexpr, D: tl.constexpr):
+        """Logits of one segment (a range ``[seg_lo, seg_hi)``, or the first ``cnt`` entries of list
+        ``lst``) written from workspace slot ``wo``; returns the next slot and the running max."""
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        if IS_LIST:
+            n_seg = cnt + 0
+        else:
+            n_seg = seg_hi - seg_lo
+        for j0 in range(0, n_seg, BLOCK):
+            j = j0 + offs
+            ok = j < n_seg
+            if IS_LIST:
+                pos = tl.load(lst + j, mask=ok, other=0)
+            else:
+                pos = seg_lo + j
+            kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+            s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
+            s = tl.where(ok, s, float("-inf"))
+            tl.store(ws + wo + j, s, mask=ok)
+            m = tl.maximum(m, tl.max(s, 0))
+        return wo + n_seg, m
+
+    @triton.jit
+    def _weighted_v_segment(ws, wo, v_base, s_v_n, lst, cnt, seg_lo, seg_hi, shift, acc, IS_LIST: tl.constexpr,
+                            BLOCK: tl.constexpr, D: tl.constexpr):
+        """``acc + Σ e^(s − shift) v`` over one segment (its logits from slot ``wo``)."""
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        if IS_LIST:
+            n_seg = cnt + 0
+        else:
+            n_seg = seg_hi - seg_lo
+        for j0 in range(0, n_seg, BLOCK):
+            j = j0 + offs
+            ok = j < n_seg
+            if IS_LIST:
+                pos = tl.load(lst + j, mask=ok, other=0)
+            else:
+                pos = seg_lo + j
+            e = tl.where(ok, tl.exp(tl.load(ws + wo + j, mask=ok, other=0.0) - shift), 0.0)
+            vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(e[:, None] * vr.to(tl.float64), 0)
+        return wo + n_seg, acc
+
+    @triton.jit
+    def _budget_stats_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
+                             ns_ptr, out_ptr, ws_ptr, scale, hq, group, hs_div, ws_width,
+                             s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
+                             s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_ns_r, s_ns_h,
+                             FULL: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+        h = tl.program_id(0)
+        r = tl.program_id(1).to(tl.int64)
+        kvh = h // group
+        sh = h // hs_div  # the selection head of this query head
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + r * s_q_r + h * s_q_h + offs_d).to(tl.float64)
+        k_base = k_ptr + r * s_k_r + kvh * s_k_h
+        v_base = v_ptr + r * s_v_r + kvh * s_v_h
+        start = tl.load(start_ptr + r).to(tl.int32)
+        end = tl.load(end_ptr + r).to(tl.int32)
+        length = tl.load(len_ptr + r).to(tl.int32)
+        top = top_ptr + r * s_t_r + sh * s_t_h
+        base = base_ptr + r * s_b_r + sh * s_b_h
+        tc = tl.load(tc_ptr + r * s_c_r + sh * s_c_h).to(tl.int32)
+        bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
+        n_s = tl.load(ns_ptr + r * s_ns_r + sh * s_ns_h).to(tl.float64)
+        ws = ws_ptr + (r * hq + h) * ws_width
+        m = tl.full([], float("-inf"), tl.float64)
+        # 1. logits: sink, window, top-k (the deterministic set), then the base sample
+        wo, m = _logits_segment(ws, 0, q, k_base, s_k_n, top, 0, 0, start, scale, m, False, BLOCK, D)
+        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, top, 0, end, length, scale, m, False, BLOCK, D)
+        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, top, tc, 0, 0, scale, m, True, BLOCK, D)
+        n_f = wo
+        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, base, bc, 0, 0, scale, m, True, BLOCK, D)
+        tl.debug_barrier()
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        # 2. sums of e^(s - shift): the deterministic set, the base sample, its range
+        offs = tl.arange(0, BLOCK)
+        d_f = tl.zeros([], tl.float64)
+        for j0 in range(0, n_f, BLOCK):
+            j = j0 + offs
+            e = tl.exp(tl.load(ws + j, mask=j < n_f, other=float("-inf")) - shift)
+            d_f += tl.sum(tl.where(j < n_f, e, 0.0), 0)
+        s_b = tl.zeros([], tl.float64)
+        lo = tl.full([], float("inf"), tl.float64)
+        hi = tl.full([], float("-inf"), tl.float64)
+        for j0 in range(0, bc, BLOCK):
+            j = j0 + offs
+            ok = j < bc
+            e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+            s_b += tl.sum(tl.where(ok, e, 0.0), 0)
+            lo = tl.minimum(lo, tl.min(tl.where(ok, e, float("inf")), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(ok, e, float("-inf")), 0))
+        nb = bc.to(tl.float64)
+        ratio = n_s / tl.maximum(nb, 1.0)
+        mean_b = s_b / tl.maximum(nb, 1.0)
+        var = tl.zeros([], tl.float64)
+        for j0 in range(0, bc, BLOCK):
+            j = j0 + offs
+            ok = j < bc
+            e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+            dev = tl.where(ok, e - mean_b, 0.0)
+            var += tl.sum(dev * dev, 0)
+        var = var / (tl.maximum(nb, 2.0) - 1.0)
+        o = out_ptr + (r * hq + h) * 5
+        tl.store(o, d_f + ratio * s_b)
+        tl.store(o + 1, tl.sqrt(var))
+        tl.store(o + 4, tl.where(bc > 0, hi - lo, 0.0))
+        if FULL:
+            acc_f = tl.zeros([D], tl.float64)
+            wo, acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, 0, start, shift, acc_f, False, BLOCK, D)
+            wo, acc_f = _weighted_v_segment(ws, wo, v_base, s_v_n, top, 0, end, length, shift, acc_f, False,
+                                            BLOCK, D)
+            wo, acc_f = _weighted_v_segment(ws, wo, v_base, s_v_n, top, tc, 0, 0, shift, acc_f, True, BLOCK, D)
+            acc_b = tl.zeros([D], tl.float64)
+            wo, acc_b = _weighted_v_segment(ws, wo, v_base, s_v_n, base, bc, 0, 0, shift, acc_b, True, BLOCK, D)
+            n_hat = acc_f + ratio * acc_b
+            mean_r = acc_b / tl.maximum(nb, 1.0)
+            tr = tl.zeros([], tl.float64)
+            for j0 in range(0, bc, BLOCK):
+                j = j0 + offs
+                ok = j < bc
+                pos = tl.load(base + j, mask=ok, other=0)
+                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float64)
+                dev = tl.where(ok[:, None], e[:, None] * vr - mean_r[None, :], 0.0)
+                tr += tl.sum(tl.sum(dev * dev, 1), 0)
+            tl.store(o + 2, tl.sqrt(tl.sum(n_hat * n_hat, 0)))
+            tl.store(o + 3, tr / (tl.maximum(nb, 2.0) - 1.0))
+        else:
+            tl.store(o + 2, 0.0)
+            tl.store(o + 3, 0.0)
+
+
+def usable(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or is_interpreted(_budget_stats_kernel))
+
+
+def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
+                        full: bool, dense_width: int) -> torch.Tensor:
+    """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
+    (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``). The deterministic set of row ``r`` is
+    ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts`` entries of
+    ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``; ``Hs`` is Hkv
+    or Hq; ``n_s [R, Hs]`` the residual's size. ``k``/``v`` ``[R, Hkv, N, d]`` with a contiguous last dim."""
+    r, hq, d = q.shape
+    hkv = k.shape[1]
+    hs = top.shape[1]
+    width = dense_width + top.shape[2] + base.shape[2]
+    ws = workspace("vattention_logits", q, max(1, r * hq * width), torch.float64)
+    out = torch.empty(r, hq, 5, device=q.device, dtype=torch.float64)
+    launch(_budget_stats_kernel, (hq, r),
+           q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, out, ws, scale, hq, hq // hkv,
+           hq // hs, width,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
+           base_counts.stride(0), base_counts.stride(1), n_s.stride(0), n_s.stride(1),
+           FULL=full, BLOCK=32 if d <= 128 else 16, D=next_pow2(d), num_warps=4, num_stages=1)
+    return out
+
+
+__all__ = ["budget_stats_triton", "usable"]
