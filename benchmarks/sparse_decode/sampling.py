@@ -14,10 +14,11 @@ Each ``m.decode`` (the runtime's form: ``check_finite=False``, a device step cou
 captured in a CUDA graph and replayed with a 512 MB L2 flush before each replay (CUDA events, median;
 ``kvsieve.bench.timing``); eager times too. "selection" times the method's selection alone
 (``m.kernel_stages``: what the kernel path runs before the kernel), "attention" the kernel alone on
-that selection. "floor" = the bytes the method's stats say it touched (K rows scored + V rows read;
-page summaries and MagicPIG's hash codes not counted) / the measured device copy rate. Once per case
-the kernel path's output is compared with the torch reference's on the same key (same selection, so only rounding differs) and with exact attention (the
-estimator's own error). Writes ``sampling.json`` and ``sampling.md`` into OUT_DIR. Aimed at < 3 minutes
+that selection. "floor" = the bytes the method's stats say it touched (K rows scored + V rows read; page
+summaries and MagicPIG's hash codes not counted) / the measured device copy rate. Once per case the
+kernel path's output is compared with the torch reference's on the same key (same selection, so only
+rounding differs) and with exact attention (the estimator's own error). Writes ``sampling.json`` and
+``sampling.md`` into OUT_DIR. Aimed at < 3 minutes
 on an H100.
 """
 
