@@ -366,12 +366,20 @@ def _same_sets(idx, counts, ref_idx, ref_counts):
             assert len(set(got)) == c and set(got) == set(ref_idx[row, h, :c].tolist()), (row, h)
 
 
-@pytest.mark.parametrize("x,k,prefilter", [(1, 1, False), (7, 5, True), (300, 40, False), (300, 40, True),
-                                           (5000, 700, True), (2500, 2500, True)])
-def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilter):
+@pytest.mark.parametrize("x,k,prefilter,segment", [(1, 1, False, None), (7, 5, True, None), (300, 40, False, None),
+                                                   (300, 40, True, None), (5000, 700, True, None),
+                                                   (2500, 2500, True, None), (300, 40, True, 64),
+                                                   (5000, 700, True, 512), (129, 129, True, 64)])
+def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilter, segment, monkeypatch):
     """The rows' count-th largest found exactly (ties to the lowest index, as the reference), with rows
-    holding −inf, repeated values, one distinct value, count 0, count = every finite value."""
+    holding −inf, repeated values, one distinct value, count 0, count = every finite value; ``segment``:
+    long rows split over several programs (the limit lowered so that these rows count as long), twice
+    (the ticket counters must be back at 0 after a call)."""
+    from kvsieve.kernels.sparse import select_triton
     from kvsieve.kernels.sparse.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+
+    if segment is not None:
+        monkeypatch.setattr(select_triton, "SEGMENT", segment)
 
     g = torch.Generator().manual_seed(x + k)
     s = torch.randn(3, 4, x, generator=g) * 3
@@ -385,8 +393,8 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     if prefilter:
         maxima = torch.nn.functional.pad(s, (0, -x % GROUP_MAX), value=float("-inf"))
         maxima = maxima.view(3, 4, -1, GROUP_MAX).amax(-1).contiguous()
-    got = topk_rows_triton(s, counts, k, maxima=maxima)
-    assert torch.equal(got, topk_rows_reference(s, counts, k))
+    for _ in range(2 if segment else 1):
+        assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), topk_rows_reference(s, counts, k))
 
 
 def _selection_case(seed, b, hq, hkv, n, d, dtype):
@@ -405,9 +413,9 @@ SELECTION_SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, 
                     (2, 2, 8, 2, 600, 128, torch.bfloat16)]
 
 
-# (share_kv_group, long rows): long group-summed rows take the parallel group-sum launch; the limit is
-# lowered for the test so that these rows count as long
-ROW_KINDS = [(False, False), (True, False), (True, True)]
+# (share_kv_group, long rows): long group-summed rows take the parallel group-sum launch, and long rows
+# split the select's prefilter pass over programs; the limits are lowered so that these rows count as long
+ROW_KINDS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 @pytest.mark.parametrize("select", ["triton", "torch"])
@@ -419,6 +427,7 @@ def test_quest_device_selection_matches_the_reference(select, share, long_rows, 
 
     if long_rows:
         monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+        monkeypatch.setattr(select_triton, "SEGMENT", 16)
     for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
         q, k, lens = _selection_case(seed, b, hq, hkv, n, d, dtype)
         for page, size, (sink, window) in ((16, 40, (0, 0)), (32, 0.1, (4, 40)), (16, 1.0, (4, 40))):
@@ -437,6 +446,7 @@ def test_topk_device_selection_matches_the_reference(select, share, long_rows, m
 
     if long_rows:
         monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+        monkeypatch.setattr(select_triton, "SEGMENT", 128)
     for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
         q, k, lens = _selection_case(seed + 10, b, hq, hkv, n, d, dtype)
         for size, (sink, window) in ((7, (0, 0)), (0.1, (4, 40)), (1.0, (4, 40))):

@@ -394,4 +394,5 @@ def test_gpu_row_select_matches_its_reference(x, k):
     maxima = maxima.view(3, 8, -1, GROUP_MAX).amax(-1).contiguous()
     want = topk_rows_reference(s, counts, k)
     assert torch.equal(topk_rows_triton(s, counts, k), want)
-    assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), want)
+    for _ in range(3):  # rows over 8192 units split over programs: their ticket counters must reset
+        assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), want)

@@ -4,7 +4,9 @@
 units (pages or keys), each batch row's count of units to take (written by that launch), and, for a
 GQA group ranked together (``share_kv_group``), the launch's per-block softmax partials — and writes
 the ``count`` best units of each row as an index list ``[B, Hs, K]`` in ascending unit order (the
-sparse kernel ignores the order; entries past the count are 0). One program per (row, selection head):
+sparse kernel ignores the order; entries past the count are 0). One program per (row, selection head)
+— rows over ``SEGMENT`` units (oracle-topk's keys) get one per ``SEGMENT`` units for step 2, and the last
+of them to finish (a ticket counter it resets) runs steps 3–4 on all their candidates:
 
 1. group-summed rows: the per-head log-sum-exp from the partials, then ``log Σ_g softmax_g(s)[x]``
    with non-candidate units at −inf, written once to a workspace row (the separate ``logsumexp`` and
@@ -29,9 +31,12 @@ Here Quest's selection is the bounds launch plus this one, oracle-topk's the sco
 ``T`` go to the lowest indices, where ``torch.topk`` picks any of them: selections are equal as sets up
 to ties.
 
-Cost model (why the histograms have 64 bins): one program per row, so a row's elements pass through
-one SM; Triton's histogram costs ~log2(bins) ballots + bins/32 ops per element, and each pass reloads
-the row from L2. A 2048-bin version was ~30x dearer per element.
+Cost model: a row's select runs on one SM (its prefilter pass on ``ceil(X / SEGMENT)`` of them), so
+the work per row is what counts. Triton's histogram lowering differs across versions (ballots per bin
+bit or per bin, or shared-memory atomics): 64 bins keep each variant cheap per element, and starting
+below the shared high bits keeps the atomics' variant from piling every value into one bin. The
+prefilter's copy pass (~20 ops per unit: a cumsum and two scattered stores) dominated a 128k-key row
+on one SM (~30 µs by the model), hence the segments.
 """
 
 from __future__ import annotations
@@ -238,17 +243,21 @@ if triton is not None:
             offs_m = (xb * BLOCK_X + c0) // GROUP_MAX + tl.arange(0, CHUNK // GROUP_MAX)
             tl.store(mx_ptr + b64 * s_x_b + kvh * s_x_h + offs_m, mx, mask=offs_m * GROUP_MAX < n_units)
 
-    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out"])
+    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out", "n_seg"])
     def _topk_rows_kernel(
         s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, mx_ptr, cv_ptr, ci_ptr, out_ptr,
-        sink, window, n_units, n_parts, n_max, k_out,
+        tk_ptr, sn_ptr, sh_ptr, sl_ptr, cv2_ptr, ci2_ptr,
+        sink, window, n_units, n_parts, n_max, k_out, n_seg,
         s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_x_b, s_x_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
-        GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+        GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr,
+        SEGMENTED: tl.constexpr,
     ):
         # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
-        # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked
+        # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked.
+        # SEGMENTED (long rows): n_seg programs per row, each prefilters SEG units of it; the last to
+        # finish (a ticket counter it resets) selects among all their candidates.
         hs = tl.program_id(0)
         b = tl.program_id(1)
         b64 = b.to(tl.int64)
@@ -277,6 +286,12 @@ if triton is not None:
                 tl.store(mx_row + offs_m, mx, mask=offs_m < n_max)
             tl.debug_barrier()  # the rows written above are read back by other threads of this program
         n_taken = tl.full([], 0, tl.int32)
+        if SEGMENTED:  # only the row's last program writes its list (or the first, for an empty row)
+            seg = tl.program_id(2)
+            writer = (count == 0) & (seg == 0)
+        else:
+            seg = 0
+            writer = count >= 0
         if count > 0:
             if PREFILTER:
                 # A lower bound of the answer: the count-th largest of a subset of the row (one unit per
@@ -292,28 +307,72 @@ if triton is not None:
                 n_cand = tl.full([], 0, tl.int32)
                 hi = tl.zeros([BLOCK_X], dtype=tl.uint32)
                 lo = tl.full([BLOCK_X], 0xFFFFFFFF, tl.uint32)
-                for x0 in range(0, n_units, BLOCK_X):
+                x_lo = seg * SEG
+                if SEGMENTED:
+                    x_hi = tl.minimum(n_units, x_lo + SEG)
+                else:
+                    x_hi = n_units
+                for x0 in range(x_lo, x_hi, BLOCK_X):
                     offs = x0 + tl.arange(0, BLOCK_X)
-                    ok = offs < n_units
+                    ok = offs < x_hi
                     v = tl.load(src + offs, mask=ok, other=float("-inf"))
                     u = _ordered(v)
                     keep = ok & (u >= bound)
-                    pos = n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                    pos = x_lo + n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1  # in the segment's region
                     tl.store(cv + pos, v, mask=keep)
                     tl.store(ci + pos, offs, mask=keep)
                     n_cand += tl.sum(keep.to(tl.int32), axis=0)
                     hi = tl.maximum(hi, u)
                     lo = tl.minimum(lo, tl.where(keep & (v > float("-inf")), u, 0xFFFFFFFF))
-                tl.debug_barrier()  # the candidates written above are read back by other threads
-                thr, need = _radix(cv, n_cand, count, tl.max(hi, axis=0), tl.min(lo, axis=0), 32, BLOCK_C)
-                n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_C)
+                hi_row = tl.max(hi, axis=0)
+                lo_row = tl.min(lo, axis=0)
+                if SEGMENTED:
+                    sq = (b * tl.num_programs(0) + hs) * n_seg
+                    tl.store(sn_ptr + sq + seg, n_cand)
+                    tl.store(sh_ptr + sq + seg, hi_row.to(tl.int32, bitcast=True))
+                    tl.store(sl_ptr + sq + seg, lo_row.to(tl.int32, bitcast=True))
+                    # all threads' stores precede the release; the acquire of the last one sees them all
+                    tl.debug_barrier()
+                    ticket = tl.atomic_add(tk_ptr + b * tl.num_programs(0) + hs, 1, sem="acq_rel", scope="gpu")
+                    if ticket == n_seg - 1:
+                        # the segments' candidates, in order (so in unit order), into one list; other
+                        # programs wrote them: read through L2 (.cg), not this SM's L1
+                        cv2 = cv2_ptr + b64 * s_c_b + hs * s_c_h
+                        ci2 = ci2_ptr + b64 * s_c_b + hs * s_c_h
+                        total = tl.full([], 0, tl.int32)
+                        hi_row = tl.zeros([], dtype=tl.uint32)
+                        lo_row = tl.full([], 0xFFFFFFFF, tl.uint32)
+                        for sg in range(0, n_seg):
+                            n_sg = tl.load(sn_ptr + sq + sg, cache_modifier=".cg")
+                            hi_row = tl.maximum(hi_row, tl.load(sh_ptr + sq + sg, cache_modifier=".cg").to(
+                                tl.uint32, bitcast=True))
+                            lo_row = tl.minimum(lo_row, tl.load(sl_ptr + sq + sg, cache_modifier=".cg").to(
+                                tl.uint32, bitcast=True))
+                            for y0 in range(0, n_sg, BLOCK_C):
+                                offs = y0 + tl.arange(0, BLOCK_C)
+                                ok = offs < n_sg
+                                tl.store(cv2 + total + offs, tl.load(cv + sg * SEG + offs, mask=ok,
+                                                                     cache_modifier=".cg"), mask=ok)
+                                tl.store(ci2 + total + offs, tl.load(ci + sg * SEG + offs, mask=ok,
+                                                                     cache_modifier=".cg"), mask=ok)
+                            total += n_sg
+                        tl.debug_barrier()  # the list written above is read back by other threads
+                        thr, need = _radix(cv2, total, count, hi_row, lo_row, 32, BLOCK_C)
+                        n_taken = _emit(cv2, ci2, total, thr, need, out_row, True, BLOCK_C)
+                        writer = count > 0
+                        tl.atomic_xchg(tk_ptr + b * tl.num_programs(0) + hs, 0)
+                else:
+                    tl.debug_barrier()  # the candidates written above are read back by other threads
+                    thr, need = _radix(cv, n_cand, count, hi_row, lo_row, 32, BLOCK_C)
+                    n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_C)
             else:
                 hi, lo, n_fin = _range(src, n_units, BLOCK_X)
                 thr, need = _radix(src, n_units, count, hi, lo, 32, BLOCK_X)
                 n_taken = _emit(src, src, n_units, thr, need, out_row, False, BLOCK_X)
-        for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
-            offs = x0 + tl.arange(0, BLOCK_X)
-            tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
+        if writer:
+            for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
+                offs = x0 + tl.arange(0, BLOCK_X)
+                tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
 
 
 def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -325,6 +384,7 @@ def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.
     return workspace(tag, like, numel, dtype)[:numel].view(shape)
 
 
+SEGMENT = 8192  # units per program of a long row's prefilter pass (oracle-topk: 4 per row at 32k, 16 at 128k)
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 
 
@@ -375,17 +435,31 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
         ci = _scratch("select_ci", scores, (b, hs, x), torch.int32)
     else:
         cv, ci = scores, scores
+    # long rows: several programs per row share the prefilter's pass over it (see the kernel)
+    segmented = prefilter and not share and x > SEGMENT
+    n_seg = -(-x // SEGMENT) if segmented else 1
+    if segmented:
+        tickets = workspace("select_tickets", scores, b * hs, torch.int32, zeroed=True)
+        seg_n, seg_hi, seg_lo = (_scratch(f"select_seg_{t}", scores, (b, hs, n_seg), torch.int32)
+                                 for t in ("n", "hi", "lo"))
+        cv2 = _scratch("select_cv2", scores, (b, hs, x), torch.float32)
+        ci2 = _scratch("select_ci2", scores, (b, hs, x), torch.int32)
+    else:
+        tickets = seg_n = seg_hi = seg_lo = counts
+        cv2, ci2 = cv, ci
     block_g = max(2, next_pow2(group))
-    block_x = min(4096, max(64, next_pow2(x)))
-    launch(_topk_rows_kernel, (hs, b),
+    block_x = min(4096, max(64, next_pow2(min(x, SEGMENT) if segmented else x)))
+    launch(_topk_rows_kernel, (hs, b, n_seg),
            scores, pm, pl, counts, counts if lengths is None else lengths, gs, mx, cv, ci, out,
-           sink, window, x, pm.shape[-1], mx.shape[-1], k,
+           tickets, seg_n, seg_hi, seg_lo, cv2, ci2,
+           sink, window, x, pm.shape[-1], mx.shape[-1], k, n_seg,
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), gs.stride(0), gs.stride(1),
            mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(-(-x // GROUP_MAX)))),
-           BLOCK_C=min(block_x, max(64, next_pow2(k))), num_warps=8 if block_x >= 2048 else 4, num_stages=1)
+           BLOCK_C=min(block_x, max(64, next_pow2(k))), SEG=SEGMENT, SEGMENTED=segmented,
+           num_warps=8 if block_x >= 2048 else 4, num_stages=1)
     return out
 
 
