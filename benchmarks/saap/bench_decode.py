@@ -107,6 +107,8 @@ def method_rows(case, probes: int, window: int, hq: int, timer, iters: int) -> d
         if timer is not None:
             row["method-graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
             row["method-eager_us"] = timer.time_us(call, iters=iters)["median_us"]
+            # where the captured step's device time goes (kernel name -> mean µs), for the closing table
+            row["method_kernels_us"] = timer.kernel_breakdown(call)
     return row
 
 
@@ -275,6 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
                                        for c in cols) + " |")
+    for r in rows:
+        kernels = r.get("method_kernels_us") or {}
+        if kernels:
+            lines += ["", f"Device time of one m.decode call at N = {r['n_keys']} by kernel (torch profiler, µs):", "",
+                      "| kernel | µs |", "|---|---:|"]
+            lines += [f"| `{name}` | {us:.1f} |" for name, us in sorted(kernels.items(), key=lambda x: -x[1])]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
