@@ -5,8 +5,9 @@ units (pages or keys), each batch row's count of units to take (written by that 
 GQA group ranked together (``share_kv_group``), the launch's per-block softmax partials — and writes
 the ``count`` best units of each row as an index list ``[B, Hs, K]`` in ascending unit order (the
 sparse kernel ignores the order; entries past the count are 0). One program per (row, selection head)
-— rows over ``SEGMENT`` units (oracle-topk's keys) get one per ``SEGMENT`` units for step 2, and the last
-of them to finish (a ticket counter it resets) runs steps 3–4 on all their candidates:
+— rows over ``SEGMENT`` units (oracle-topk's keys) get up to one per ``SEGMENT`` units for step 2 (fewer
+when rows are many: about two waves of programs in all), and the last of them to finish (a ticket
+counter it resets) runs steps 3–4 on all their candidates:
 
 1. group-summed rows: the per-head log-sum-exp from the partials, then ``log Σ_g softmax_g(s)[x]``
    with non-candidate units at −inf, written once to a workspace row (the separate ``logsumexp`` and
@@ -31,7 +32,7 @@ Here Quest's selection is the bounds launch plus this one, oracle-topk's the sco
 ``T`` go to the lowest indices, where ``torch.topk`` picks any of them: selections are equal as sets up
 to ties.
 
-Cost model: a row's select runs on one SM (its prefilter pass on ``ceil(X / SEGMENT)`` of them), so
+Cost model: a row's select runs on one SM (its prefilter pass on up to ``ceil(X / SEGMENT)``), so
 the work per row is what counts. Triton's histogram lowering differs across versions (ballots per bin
 bit or per bin, or shared-memory atomics): 64 bins keep each variant cheap per element, and starting
 below the shared high bits keeps the atomics' variant from piling every value into one bin. The
@@ -243,20 +244,19 @@ if triton is not None:
             offs_m = (xb * BLOCK_X + c0) // GROUP_MAX + tl.arange(0, CHUNK // GROUP_MAX)
             tl.store(mx_ptr + b64 * s_x_b + kvh * s_x_h + offs_m, mx, mask=offs_m * GROUP_MAX < n_units)
 
-    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out", "n_seg"])
+    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out", "n_seg", "seg_len"])
     def _topk_rows_kernel(
         s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, mx_ptr, cv_ptr, ci_ptr, out_ptr,
         tk_ptr, sn_ptr, sh_ptr, sl_ptr, cv2_ptr, ci2_ptr,
-        sink, window, n_units, n_parts, n_max, k_out, n_seg,
+        sink, window, n_units, n_parts, n_max, k_out, n_seg, seg_len,
         s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_x_b, s_x_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
-        GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEG: tl.constexpr,
-        SEGMENTED: tl.constexpr,
+        GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEGMENTED: tl.constexpr,
     ):
         # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
         # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked.
-        # SEGMENTED (long rows): n_seg programs per row, each prefilters SEG units of it; the last to
+        # SEGMENTED (long rows): n_seg programs per row, each prefilters seg_len units of it; the last to
         # finish (a ticket counter it resets) selects among all their candidates.
         hs = tl.program_id(0)
         b = tl.program_id(1)
@@ -301,15 +301,17 @@ if triton is not None:
                 m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
                 m_hi, m_lo, m_fin = _range(mx_row, n_max, BLOCK_M)
                 if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
-                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 12, BLOCK_M)
+                    # one pass: 6 bits below those the maxima share (the bound is a few % of the
+                    # maxima's range low at most: some more candidates, for a pass less per program)
+                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 6, BLOCK_M)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
                 hi = tl.zeros([BLOCK_X], dtype=tl.uint32)
                 lo = tl.full([BLOCK_X], 0xFFFFFFFF, tl.uint32)
-                x_lo = seg * SEG
+                x_lo = seg * seg_len
                 if SEGMENTED:
-                    x_hi = tl.minimum(n_units, x_lo + SEG)
+                    x_hi = tl.minimum(n_units, x_lo + seg_len)
                 else:
                     x_hi = n_units
                 for x0 in range(x_lo, x_hi, BLOCK_X):
@@ -351,9 +353,9 @@ if triton is not None:
                             for y0 in range(0, n_sg, BLOCK_C):
                                 offs = y0 + tl.arange(0, BLOCK_C)
                                 ok = offs < n_sg
-                                tl.store(cv2 + total + offs, tl.load(cv + sg * SEG + offs, mask=ok,
+                                tl.store(cv2 + total + offs, tl.load(cv + sg * seg_len + offs, mask=ok,
                                                                      cache_modifier=".cg"), mask=ok)
-                                tl.store(ci2 + total + offs, tl.load(ci + sg * SEG + offs, mask=ok,
+                                tl.store(ci2 + total + offs, tl.load(ci + sg * seg_len + offs, mask=ok,
                                                                      cache_modifier=".cg"), mask=ok)
                             total += n_sg
                         tl.debug_barrier()  # the list written above is read back by other threads
@@ -384,7 +386,21 @@ def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.
     return workspace(tag, like, numel, dtype)[:numel].view(shape)
 
 
-SEGMENT = 8192  # units per program of a long row's prefilter pass (oracle-topk: 4 per row at 32k, 16 at 128k)
+SEGMENT = 8192  # rows longer than this split their prefilter pass over programs (oracle-topk's keys)
+_SMS: dict = {}
+
+
+def _segments(rows: int, x: int, device) -> int:
+    """Programs per row for a long row's prefilter pass: one per SEGMENT units, fewer when there are many
+    rows — at most about two waves of programs in all, since each one also derives the bound from the
+    row's maxima (that work repeats per program)."""
+    if device.type == "cuda":
+        if device not in _SMS:
+            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = _SMS[device]
+    else:
+        sms = 132
+    return max(1, min(-(-x // SEGMENT), (2 * sms) // max(rows, 1)))
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 
 
@@ -436,8 +452,9 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     else:
         cv, ci = scores, scores
     # long rows: several programs per row share the prefilter's pass over it (see the kernel)
-    segmented = prefilter and not share and x > SEGMENT
-    n_seg = -(-x // SEGMENT) if segmented else 1
+    n_seg = _segments(b * hs, x, scores.device) if prefilter and not share and x > SEGMENT else 1
+    segmented = n_seg > 1
+    seg_len = -(-x // n_seg)
     if segmented:
         tickets = workspace("select_tickets", scores, b * hs, torch.int32, zeroed=True)
         seg_n, seg_hi, seg_lo = (_scratch(f"select_seg_{t}", scores, (b, hs, n_seg), torch.int32)
@@ -448,17 +465,17 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
         tickets = seg_n = seg_hi = seg_lo = counts
         cv2, ci2 = cv, ci
     block_g = max(2, next_pow2(group))
-    block_x = min(4096, max(64, next_pow2(min(x, SEGMENT) if segmented else x)))
+    block_x = min(4096, max(64, next_pow2(seg_len)))
     launch(_topk_rows_kernel, (hs, b, n_seg),
            scores, pm, pl, counts, counts if lengths is None else lengths, gs, mx, cv, ci, out,
            tickets, seg_n, seg_hi, seg_lo, cv2, ci2,
-           sink, window, x, pm.shape[-1], mx.shape[-1], k, n_seg,
+           sink, window, x, pm.shape[-1], mx.shape[-1], k, n_seg, seg_len,
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), gs.stride(0), gs.stride(1),
            mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(-(-x // GROUP_MAX)))),
-           BLOCK_C=min(block_x, max(64, next_pow2(k))), SEG=SEGMENT, SEGMENTED=segmented,
+           BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented,
            num_warps=8 if block_x >= 2048 else 4, num_stages=1)
     return out
 
