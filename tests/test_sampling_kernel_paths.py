@@ -225,6 +225,52 @@ print("OK")
 """
 
 
+LSH = """
+import torch
+from kvsieve.kernels.sparse.lsh_triton import LshCodes
+from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
+
+g = torch.Generator().manual_seed(0)
+k = torch.randn(2, 2, 140, 64, generator=g)
+proj = torch.randn(65, 4 * 8, generator=g)
+for transform in ("mips", "center"):
+    cfg = MagicPigConfig(bits=4, tables=8, transform=transform)
+    codes = LshCodes(proj if transform == "mips" else proj[:64], 4, 8, transform)
+    kk = k.clone()
+    for step in range(5):
+        lens = torch.tensor([100 + step, 60 + 3 * step])
+        if step == 3:
+            kk[1, 0, lens[1] - 1] *= 10  # a new longest key: row 1, head 0 is hashed again from its start
+        done = codes.done.clone() if codes.codes is not None else torch.zeros(2, 2, dtype=torch.int32)
+        c = codes.update(kk[:, :, :110 + step], lens)
+        valid = torch.arange(110 + step)[None, :] < lens[:, None]
+        kv = kk[:, :, :110 + step] * valid[:, None, :, None]
+        if transform == "mips":
+            m = kv.norm(dim=-1).amax(-1)
+            torch.testing.assert_close(codes.norm_max, m)
+            const = {{"norm_max": m}}
+            if step:
+                grew = (codes.lo == 0) & (done > 0)
+                assert grew.tolist() == ([[False, False], [step == 3, False]]), (step, codes.lo)
+        else:
+            const = {{"mean": codes.mean}}
+        want = _codes(_KeyHashes.transform(cfg, const, kk[:, :, :110 + step]), codes.proj, 4, 8)
+        for b in range(2):
+            n = int(lens[b])
+            assert torch.equal(c[b, :, :n].long(), want[b, :, :n]), (transform, step, b)
+        assert torch.equal(codes.done, lens[:, None].expand(2, 2).int())
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_lsh_codes_are_kept_incrementally():
+    """MagicPIG's kernel-path codes: only new keys are hashed, every key of a row again where the MIPS
+    bound grew, and the codes equal the reference's hashing of the valid keys."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(LSH, "cpu", True)
+
+
 @pytest.mark.triton
 def test_sample_kernel_draws_the_references_sample():
     """The one-launch sample (hashes in registers, prefilter, bisection) picks the set the references'

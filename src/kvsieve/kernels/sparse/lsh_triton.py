@@ -1,0 +1,270 @@
+"""MagicPIG's SimHash retrieval on the device (issue 15): key codes kept as the cache grows, the
+collision test in one launch, the retrieved keys' cosines in one launch.
+
+``methods/magicpig`` (the reference) hashes every key with ``x @ proj`` in torch — on a GPU every call,
+since noticing that the MIPS norm bound ``M`` grew needs a host read — then compares ``[B, Hkv, G, N, L]``
+codes, computes ``θ`` and ``p`` for every key and ranks the retrieved ones by two argsorts for the cap.
+Here:
+
+- :class:`LshCodes` keeps the codes ``[B, Hkv, capacity, L]`` in the method's state with a device
+  counter of the keys hashed per row (as Quest's ``PageSummaries``): one launch updates ``M`` (MIPS) from
+  the new keys and says per row whether it grew; a second hashes only the blocks of new keys — every
+  block of a row whose ``M`` grew (all its codes change). No host read.
+- :func:`retrieve_triton`: one program per (row, query head) hashes the query and marks, in
+  ``[sink_end, window_start)``, the keys colliding in at least one table; it writes the complement
+  (what :func:`~kvsieve.kernels.sparse.sample_triton.sample_rows_triton` takes as excluded keys) and the
+  retrieved count.
+- :func:`key_dots_triton`: ``q·k`` (and, for the ``center`` transform, ``‖k − μ‖``) of the kept keys only,
+  for their cosines.
+
+Codes are the signs of float32 dot products summed in another order than torch's matmul: a key whose
+projection on a hyperplane is within float32 rounding of 0 may get the other bit (then the paths
+retrieve different keys; random data makes it rare).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..triton_utils import is_interpreted, launch, next_pow2, triton
+
+
+def usable(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or is_interpreted(_codes_kernel))
+
+
+class LshCodes:
+    """Per-(request, layer) SimHash codes of the keys, updated as the cache grows (one or two launches).
+
+    ``proj [d', L·K]`` float32 are the hyperplanes (``d' = d + 1`` for ``mips``); ``center`` takes the
+    mean of the first call's valid keys (as the reference: the prefill keys). A cache that changed its
+    batch, heads, head dim or device is hashed from scratch.
+    """
+
+    def __init__(self, proj: torch.Tensor, bits: int, tables: int, transform: str):
+        self.proj, self.bits, self.tables, self.transform = proj.float().contiguous(), bits, tables, transform
+        self.codes: torch.Tensor | None = None
+
+    def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
+        b, hkv, n, d = k.shape
+        cap = n + n // 8 + 16
+        dtype = torch.int32 if self.bits <= 30 else torch.int64
+        self.codes = torch.zeros(b, hkv, cap, self.tables, device=k.device, dtype=dtype)
+        self.done = torch.zeros(b, hkv, device=k.device, dtype=torch.int32)
+        self.lo = torch.zeros(b, hkv, device=k.device, dtype=torch.int32)
+        self.norm_max = torch.zeros(b, hkv, device=k.device, dtype=torch.float32)
+        self.mean = torch.zeros(b, hkv, d, device=k.device, dtype=torch.float32)
+        if self.transform == "center":
+            valid = torch.arange(n, device=k.device)[None, :] < lengths.long()[:, None]
+            kf = k.float() * valid[:, None, :, None]
+            self.mean = kf.sum(2) / lengths.float().clamp(min=1)[:, None, None]
+        self.shape = (b, hkv, d, k.device)
+
+    def update(self, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The codes ``[B, Hkv, capacity, L]`` (first ``length`` keys of each row current)."""
+        b, hkv, n, d = k.shape
+        if self.codes is None or self.shape != (b, hkv, d, k.device):
+            self._fresh(k, lengths)
+        if n > self.codes.shape[2]:
+            grow = torch.zeros(b, hkv, n + n // 8 + 16 - self.codes.shape[2], self.tables, device=k.device,
+                               dtype=self.codes.dtype)
+            self.codes = torch.cat([self.codes, grow], 2)
+        lengths = lengths.to(torch.int32)
+        mips = self.transform == "mips"
+        launch(_norms_kernel, (hkv, b), k, lengths, self.done, self.lo, self.norm_max,
+               k.stride(0), k.stride(1), k.stride(2), MIPS=mips, BLOCK=64, D=next_pow2(d), num_warps=4)
+        block = 32
+        kp = max(16, next_pow2(self.bits))
+        launch(_codes_kernel, (triton.cdiv(n, block), hkv, b), k, lengths, self.lo, self.norm_max, self.mean,
+               self.proj, self.codes, hkv, k.stride(0), k.stride(1), k.stride(2), self.codes.stride(0),
+               self.codes.stride(1), self.codes.stride(2), self.bits, self.tables, d, self.proj.shape[0],
+               MIPS=mips, BLOCK=block, D=next_pow2(d + mips), KP=kp, num_warps=4, num_stages=1)
+        return self.codes
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..triton_utils import dense_range
+
+    @triton.jit
+    def _norms_kernel(k_ptr, len_ptr, done_ptr, lo_ptr, m_ptr, s_k_b, s_k_h, s_k_n, MIPS: tl.constexpr,
+                      BLOCK: tl.constexpr, D: tl.constexpr):
+        """Per (row, KV head): the largest norm of the keys new since the last update; ``lo`` = the first
+        key to hash again (0 where ``M`` grew), ``done`` = the row's length."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        at = b * tl.num_programs(0) + h
+        length = tl.load(len_ptr + b)
+        start = tl.minimum(tl.load(done_ptr + at), length)
+        m_old = tl.load(m_ptr + at)
+        lo = start
+        if MIPS:
+            offs = tl.arange(0, BLOCK)
+            offs_d = tl.arange(0, D)
+            base = k_ptr + b.to(tl.int64) * s_k_b + h * s_k_h
+            m = m_old
+            for j0 in range(start, length, BLOCK):
+                pos = j0 + offs
+                ok = pos < length
+                kr = tl.load(base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float32)
+                nrm = tl.sqrt(tl.sum(kr * kr, 1))
+                m = tl.maximum(m, tl.max(tl.where(ok, nrm, 0.0), 0))
+            tl.store(m_ptr + at, m)
+            lo = tl.where(m > m_old, 0, start)
+        tl.store(lo_ptr + at, lo)
+        tl.store(done_ptr + at, length)
+
+    @triton.jit
+    def _codes_kernel(k_ptr, len_ptr, lo_ptr, m_ptr, mean_ptr, proj_ptr, codes_ptr, hkv, s_k_b, s_k_h, s_k_n,
+                      s_c_b, s_c_h, s_c_n, bits, tables, d, dp, MIPS: tl.constexpr, BLOCK: tl.constexpr,
+                      D: tl.constexpr, KP: tl.constexpr):
+        """Codes of one block of keys, where it holds a key at or after the row's ``lo``."""
+        blk = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
+        at = b * hkv + h
+        length = tl.load(len_ptr + b)
+        lo = tl.load(lo_ptr + at)
+        j0 = blk * BLOCK
+        if (j0 + BLOCK > lo) & (j0 < length):
+            offs = j0 + tl.arange(0, BLOCK)
+            offs_d = tl.arange(0, D)
+            ok = offs < length
+            kr = tl.load(k_ptr + b.to(tl.int64) * s_k_b + h * s_k_h + offs.to(tl.int64)[:, None] * s_k_n
+                         + offs_d[None, :], mask=ok[:, None] & (offs_d < d)[None, :], other=0.0).to(tl.float32)
+            if MIPS:
+                m = tl.maximum(tl.load(m_ptr + at), 1e-30)
+                kr = kr / m
+                extra = tl.sqrt(tl.maximum(1.0 - tl.sum(kr * kr, 1), 0.0))
+                kr = tl.where((offs_d == d)[None, :], extra[:, None], kr)
+            else:
+                mu = tl.load(mean_ptr + at * d + offs_d, mask=offs_d < d, other=0.0)
+                kr = tl.where((offs_d < d)[None, :], kr - mu[None, :], 0.0)
+            cols = tl.arange(0, KP)
+            col_ok = cols < bits
+            out = codes_ptr + b.to(tl.int64) * s_c_b + h * s_c_h + offs.to(tl.int64) * s_c_n
+            width = tables * bits
+            for t in range(tables):
+                # MIPS: the extra coordinate is column d of the keys and row d of the planes
+                p = tl.load(proj_ptr + offs_d[:, None] * width + t * bits + cols[None, :],
+                            mask=(offs_d < dp)[:, None] & col_ok[None, :], other=0.0)
+                s = tl.dot(kr, p, input_precision="ieee")
+                bit = ((s > 0) & col_ok[None, :]).to(tl.int64) << cols.to(tl.int64)[None, :]
+                code = tl.sum(bit, 1)
+                tl.store(out + t, code.to(codes_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _retrieve_kernel(q_ptr, proj_ptr, codes_ptr, len_ptr, excl_ptr, count_ptr, hq, group, sink, window,
+                         s_q_b, s_q_h, s_c_b, s_c_h, s_c_n, s_x_b, s_x_h, bits, tables, d,
+                         MIPS: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+                         LP: tl.constexpr):
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * s_q_b + h * s_q_h + offs_d, mask=offs_d < d, other=0.0).to(tl.float32)
+        if MIPS:
+            q = q / tl.maximum(tl.sqrt(tl.sum(q * q, 0)), 1e-30)  # the extra coordinate is 0
+        cols = tl.arange(0, KP)
+        col_ok = cols < bits
+        tl_idx = tl.arange(0, LP)
+        qc = tl.full([LP], -2, tl.int64)
+        width = tables * bits
+        for t in range(tables):
+            p = tl.load(proj_ptr + offs_d[:, None] * width + t * bits + cols[None, :],
+                        mask=(offs_d < d)[:, None] & col_ok[None, :], other=0.0)
+            s = tl.sum(q[:, None] * p, 0)
+            code = tl.sum(((s > 0) & col_ok).to(tl.int64) << cols.to(tl.int64), 0)
+            qc = tl.where(tl_idx == t, code, qc)
+        length, lo, hi = dense_range(len_ptr, b, sink, window)
+        kvh = h // group
+        cbase = codes_ptr + b.to(tl.int64) * s_c_b + kvh * s_c_h
+        xbase = excl_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
+        offs = tl.arange(0, BLOCK)
+        count = tl.zeros([], tl.int32)
+        for j0 in range(lo, hi, BLOCK):
+            pos = j0 + offs
+            ok = pos < hi
+            c = tl.load(cbase + pos.to(tl.int64)[:, None] * s_c_n + tl_idx[None, :],
+                        mask=ok[:, None] & (tl_idx < tables)[None, :], other=-1).to(tl.int64)
+            hit = tl.max((c == qc[None, :]).to(tl.int32), 1) > 0
+            tl.store(xbase + pos, (~hit).to(tl.int8), mask=ok)
+            count += tl.sum((hit & ok).to(tl.int32), 0)
+        tl.store(count_ptr + b * hq + h, count)
+
+    @triton.jit
+    def _key_dots_kernel(q_ptr, k_ptr, mean_ptr, idx_ptr, cnt_ptr, dot_ptr, knorm_ptr, group, hs_div,
+                         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_i_b, s_i_h, s_c_b, s_c_h, s_o_b, s_o_h, d,
+                         CENTER: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        kvh = h // group
+        sh = h // hs_div
+        offs_d = tl.arange(0, D)
+        dm = offs_d < d
+        q = tl.load(q_ptr + b.to(tl.int64) * s_q_b + h * s_q_h + offs_d, mask=dm, other=0.0).to(tl.float32)
+        cnt = tl.load(cnt_ptr + b.to(tl.int64) * s_c_b + sh * s_c_h)
+        lst = idx_ptr + b.to(tl.int64) * s_i_b + sh * s_i_h
+        kbase = k_ptr + b.to(tl.int64) * s_k_b + kvh * s_k_h
+        obase = b.to(tl.int64) * s_o_b + h * s_o_h
+        if CENTER:
+            mu = tl.load(mean_ptr + (b * (tl.num_programs(0) // group) + kvh) * d + offs_d, mask=dm, other=0.0)
+        offs = tl.arange(0, BLOCK)
+        for j0 in range(0, cnt, BLOCK):
+            j = j0 + offs
+            ok = j < cnt
+            pos = tl.load(lst + j, mask=ok, other=0)
+            kr = tl.load(kbase + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None] & dm[None, :],
+                         other=0.0).to(tl.float32)
+            tl.store(dot_ptr + obase + j, tl.sum(kr * q[None, :], 1), mask=ok)
+            if CENTER:
+                kc = tl.where(dm[None, :], kr - mu[None, :], 0.0)
+                tl.store(knorm_ptr + obase + j, tl.sqrt(tl.sum(kc * kc, 1)), mask=ok)
+
+
+def retrieve_triton(q: torch.Tensor, codes: LshCodes, lengths: torch.Tensor, sink: int, window: int,
+                    n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(excluded [B, Hq, N] bool, retrieved [B, Hq] int32)``: in ``[sink_end, window_start)`` of each
+    row, the keys whose code differs from the query's in every table (entries outside that range are not
+    written), and how many collide."""
+    b, hq, d = q.shape
+    hkv = codes.codes.shape[1]
+    excl = torch.empty(b, hq, n_keys, device=q.device, dtype=torch.bool)
+    count = torch.empty(b, hq, device=q.device, dtype=torch.int32)
+    c = codes.codes
+    launch(_retrieve_kernel, (hq, b), q, codes.proj, c, lengths.to(torch.int32), excl.view(torch.int8), count, hq,
+           hq // hkv, sink, window, q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2),
+           excl.stride(0), excl.stride(1), codes.bits, codes.tables, d, MIPS=codes.transform == "mips",
+           BLOCK=64, D=next_pow2(d), KP=max(16, next_pow2(codes.bits)), LP=max(2, next_pow2(codes.tables)),
+           num_warps=4, num_stages=1)
+    return excl, count
+
+
+def key_dots_triton(q: torch.Tensor, k: torch.Tensor, codes: LshCodes, idx: torch.Tensor,
+                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``q·k`` (float32, unscaled) of the first ``counts`` keys of ``idx [B, Hs, M]`` for every query head
+    (``[B, Hq, M]``), and for ``center`` their ``‖k − μ‖``."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    hs, m = idx.shape[1], idx.shape[2]
+    dots = torch.empty(b, hq, m, device=q.device, dtype=torch.float32)
+    center = codes.transform == "center"
+    knorm = torch.empty_like(dots) if center else dots
+    if m:
+        launch(_key_dots_kernel, (hq, b), q, k, codes.mean, idx, counts, dots, knorm, hq // hkv, hq // hs,
+               q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), idx.stride(0), idx.stride(1),
+               counts.stride(0), counts.stride(1), dots.stride(0), dots.stride(1), d, CENTER=center, BLOCK=32,
+               D=next_pow2(d), num_warps=4, num_stages=1)
+    return dots, (knorm if center else None)
+
+
+def retrieval_probability(cos: torch.Tensor, bits: int, tables: int) -> torch.Tensor:
+    """``1 − (1 − (1 − θ/π)^K)^L`` for ``θ = arccos(cos)``, float64 (the reference's formula)."""
+    theta = torch.arccos(torch.clamp(cos.double(), -1.0, 1.0))
+    return 1 - (1 - (1 - theta / math.pi) ** bits) ** tables
+
+
+__all__ = ["LshCodes", "key_dots_triton", "retrieval_probability", "retrieve_triton", "usable"]
