@@ -653,6 +653,84 @@ def test_bucket_kernel_refuses_bad_splits():
             bucket_sparse_decode_triton(q, k, v, dense, counts, offsets, ids, buckets, **{name: 0})
 
 
+PROBE_CASES = r"""
+import tempfile
+from pathlib import Path
+import torch, kvsieve
+from kvsieve.methods.saap import QueryClassifier
+from kvsieve.kernels.saap.probe import (derope_reference, fold_batchnorm, probe_scores_reference,
+                                        probe_scores_triton)
+from tests.test_saap import write_artifacts
+dev = "{device}"
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+# The kernels against their reference and against the unfolded module (one model per KV head or per query
+# head; head dims whose half is below and above tl.dot's 16; hidden and bucket counts off the blocks).
+for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3, 16, 16, 8, False),
+                                            (2, 4, 1, 64, 100, 257, True), (3, 4, 4, 32, 64, 64, True)]:
+    models = hkv if per_kv else hq
+    net = QueryClassifier(models, d, hidden, c)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        net.norm.running_mean.copy_(torch.randn(net.norm.running_mean.shape, generator=g))
+        net.norm.running_var.copy_(torch.rand(net.norm.running_var.shape, generator=g) + 0.5)
+    net.eval()
+    w = [t.to(dev) for t in fold_batchnorm(net.w1, net.b1, net.w2, net.b2, net.norm.running_mean,
+                                           net.norm.running_var, net.norm.weight, net.norm.bias, net.norm.eps)]
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))).to(dev)
+    q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16).to(dev)
+    pos = torch.randint(0, 5000, (b,), generator=g).to(dev)
+    ref = probe_scores_reference(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
+    got = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
+    x = derope_reference(q, pos, inv_freq, 1.3).cpu()
+    xm = x.view(b, models, hq // models, d).permute(1, 0, 2, 3).reshape(models, -1, d)
+    with torch.no_grad():
+        pr = torch.softmax(net(xm), -1).view(models, b, hq // models, c).permute(1, 0, 2, 3).reshape(b, hq, c)
+    module = pr.view(b, hkv, hq // hkv, c).sum(2)
+    assert got.shape == (b, hkv, c)
+    worst = max(worst, float((got - ref).abs().max()), float((module - ref.cpu()).abs().max()))
+# The kernels' de-rope is the method's (Rope.invert) with a non-trivial attention scaling.
+from kvsieve.methods.saap import Rope
+rope = Rope(1.0 / (10000 ** (torch.arange(0, 32, 2).float() / 32)), 1.3)
+q = torch.randn(2, 4, 32, generator=g)
+pos = torch.tensor([7, 3000])
+inverted = rope.invert(q[:, :, None, :], pos[:, None, None])[:, :, 0]
+worst = max(worst, float((derope_reference(q, pos, rope.inv_freq, 1.3) - inverted).abs().max()))
+# The method: the fused probe picks the reference path's buckets and gives its output.
+for per in ("kv", "query"):
+    folder = Path(tempfile.mkdtemp())
+    write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16, per=per)
+    q = torch.randn(2, 8, 32, generator=g).to(dev)
+    k, v = torch.randn(2, 2, 2, 300, 32, generator=g).to(dev)
+    lengths = torch.tensor([300, 250], device=dev)
+    spec = f"saap:artifacts={{folder}},probes=4"
+    out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, state={{"layer": 1}})
+    out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, state={{"layer": 1}})
+    assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
+    assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
+    worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
+print("worst", worst)
+"""
+
+
+@pytest.mark.triton
+def test_fused_probe_matches_the_reference_and_the_method_path():
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    out = run_script(PROBE_CASES, "cpu", interpret=True)
+    assert float(out.split("worst")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_fused_probe_on_cuda_matches_the_reference():
+    from interpreted import run_script
+
+    out = run_script(PROBE_CASES, "cuda", interpret=False)
+    assert float(out.split("worst")[-1]) < 1e-4  # libdevice cos/sin and fp32 sums in another order
+
+
 @pytest.mark.triton
 def test_triton_bucket_kernel_compiles_for_the_h100():
     """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does."""

@@ -64,12 +64,15 @@ class Rope:
     # inv_freq per device, copied once: a host-to-device copy per call would synchronise a decode step
     _on_device: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        # The same float32 arithmetic as the model's rotary module, so that de-roping undoes it exactly.
+    def inv_freq_on(self, device: torch.device) -> torch.Tensor:
         key = str(device)
         if key not in self._on_device:
             self._on_device[key] = self.inv_freq.to(device=device, dtype=torch.float32)
-        freqs = positions[..., None].float() * self._on_device[key]
+        return self._on_device[key]
+
+    def cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # The same float32 arithmetic as the model's rotary module, so that de-roping undoes it exactly.
+        freqs = positions[..., None].float() * self.inv_freq_on(device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
 
@@ -215,6 +218,18 @@ class SaapArtifacts:
                                  if k.startswith("classifier.")})
             self._classifiers[key] = net.to(device).eval()
         return self._classifiers[key]
+
+    def probe_weights(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The layer's classifier with its BatchNorm folded in, float32 on ``device`` (the fused probe's
+        operands; built once per device)."""
+        key = (layer, "probe", str(device))
+        if key not in self._tensors:
+            from ..kernels.saap.probe import fold_batchnorm
+
+            net = self.classifier(layer, device)
+            self._tensors[key] = fold_batchnorm(net.w1, net.b1, net.w2, net.b2, net.norm.running_mean,
+                                                net.norm.running_var, net.norm.weight, net.norm.bias, net.norm.eps)
+        return self._tensors[key]
 
 
 def load_artifacts(path: str | Path, *, allow_incomplete: bool = False) -> SaapArtifacts:
@@ -458,16 +473,24 @@ class Saap(Method):
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
         per_head = lambda t: t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:]).contiguous()  # noqa: E731
         offsets, ids = idx["offsets"], idx["ids"]
+        backend = self._backend(inputs)
+        fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped
         if self.probes > 0:
-            scores = self.bucket_scores(inputs, layer)
-            if probing_heads == hkv:
-                scores = scores.view(inputs.batch, hkv, group, -1).sum(2)
+            if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
+                from ..kernels.saap.probe import probe_scores_triton
+
+                scores = probe_scores_triton(inputs.q, inputs.n_valid - 1, self.artifacts.rope.inv_freq_on(
+                    inputs.q.device), self.artifacts.rope.attention_scaling,
+                    *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv)
             else:
-                offsets, ids = (t.repeat_interleave(group, dim=1) for t in (offsets, ids))
+                scores = self.bucket_scores(inputs, layer)
+                if probing_heads == hkv:
+                    scores = scores.view(inputs.batch, hkv, group, -1).sum(2)
+                else:
+                    offsets, ids = (t.repeat_interleave(group, dim=1) for t in (offsets, ids))
             buckets = torch.topk(scores, self.probes, dim=-1).indices
         else:
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
-        backend = self._backend(inputs)
         run = bucket_sparse_decode_triton if backend == "triton" else bucket_sparse_decode
         out, _, bucket_counts = run(inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts),
                                     offsets, ids, buckets, idx["width"], scale=inputs.scale)
@@ -475,7 +498,8 @@ class Saap(Method):
             # built on first read: the read mask is O(N) work that a captured step nobody reads would repeat
             stats = StepStats.deferred(
                 lambda: self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend), backend,
-                {"saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets})
+                {"saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets,
+                 "probe": "fused" if fused_probe and self.probes > 0 else "torch"})
         else:
             stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
         return out.to(compute_dtype(inputs)), stats

@@ -1,0 +1,178 @@
+"""SAAP's probe on the device: de-rope the step's queries, run the bucket classifier, sum the group's
+probabilities — three Triton launches where the torch path takes about twenty small ops.
+
+Contract
+--------
+- ``q [B, Hq, d]`` post-RoPE queries, ``positions [B]`` the position each row's query sits at, RoPE
+  as :class:`kvsieve.methods.saap.Rope` (``inv_freq [d/2]``, ``scaling`` its ``attention_scaling``);
+- the classifier of one layer with its BatchNorm folded into the first linear map (eval mode:
+  :func:`fold_batchnorm`): ``w1 [M, d, H]``, ``b1 [M, H]``, ``w2 [M, H, C]``, ``b2 [M, C]``, one model
+  per KV head (``M = Hkv``) or per query head (``M = Hq``); model ``m`` serves query heads
+  ``m·(Hq/M) ...``;
+- returns ``scores [B, Hkv, C]``: ``Σ_{g in group} softmax(f(derope(q_g)))``, the batched probing of
+  the paper (App. E.3), whose top-ℓ the method visits.
+
+:func:`probe_scores_reference` is the same computation in torch (float32).
+
+Kernels (why three): the hidden layer needs all of ``x·W1`` before ReLU, the logits need all of the
+hidden layer, and the softmax needs a whole row of logits. One program per (model, hidden block)
+computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
+block) the logits, one per (batch row, KV head) the softmaxes and their group sum. Dots run in IEEE
+float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU installs without triton run the reference
+    triton = None
+
+
+def fold_batchnorm(w1, b1, w2, b2, running_mean, running_var, gamma, beta, eps: float):
+    """``(w1', b1', w2, b2)`` float32 with eval-mode BatchNorm (per model and hidden unit, flattened
+    ``[M·H]`` as :class:`kvsieve.methods.saap.QueryClassifier` holds it) folded into the first map:
+    ``BN(x·W1 + b1) = x·(W1·s) + (b1 − μ)·s + β`` with ``s = γ / sqrt(σ² + eps)``."""
+    m, _, h = w1.shape
+    w1, b1, w2, b2, running_mean, running_var, gamma, beta = (
+        t.detach() for t in (w1, b1, w2, b2, running_mean, running_var, gamma, beta))
+    s = (gamma.float() / torch.sqrt(running_var.float() + eps)).view(m, h)
+    w1f = (w1.float() * s[:, None, :]).contiguous()
+    b1f = ((b1.float() - running_mean.float().view(m, h)) * s + beta.float().view(m, h)).contiguous()
+    return w1f, b1f, w2.float().contiguous(), b2.float().contiguous()
+
+
+def derope_reference(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``[B, Hq, d]`` float32 pre-RoPE queries (transformers' ``rotate_half`` layout): RoPE at position
+    ``p`` is ``scaling`` times a rotation by ``p·inv_freq``, so its inverse rotates back and divides by
+    ``scaling`` (the model's ``attention_scaling``)."""
+    half = q.shape[-1] // 2
+    freqs = positions.float()[:, None, None] * inv_freq.float().to(q.device)  # [B, 1, d/2]
+    c, s = freqs.cos(), freqs.sin()
+    y1, y2 = q.float()[..., :half], q.float()[..., half:]
+    return torch.cat((y1 * c + y2 * s, y2 * c - y1 * s), dim=-1) / scaling
+
+
+def probe_scores_reference(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int) -> torch.Tensor:
+    """``[B, Hkv, C]``: the group sums of the classifier's softmax (folded weights, float32)."""
+    b, hq, d = q.shape
+    models = w1.shape[0]
+    per = hq // models  # query heads per model: G per KV head, 1 per query head
+    x = derope_reference(q, positions, inv_freq, scaling)
+    xm = x.view(b, models, per, d).permute(1, 0, 2, 3).reshape(models, b * per, d)
+    hidden = torch.relu(torch.baddbmm(b1[:, None, :], xm, w1))
+    probs = torch.softmax(torch.baddbmm(b2[:, None, :], hidden, w2), dim=-1)  # [M, B·per, C]
+    probs = probs.view(models, b, per, -1).permute(1, 0, 2, 3).reshape(b, hq, -1)
+    return probs.view(b, kv_heads, hq // kv_heads, -1).sum(2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _hidden_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                       HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """``h[m, r, :] = relu(derope(q_r)·W1'[m] + b1'[m])`` for every row ``r`` of model ``m``."""
+        m = tl.program_id(0)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        offs_r = tl.arange(0, BLOCK_R)
+        offs_d = tl.arange(0, HALF_P)
+        r_ok = offs_r < rows
+        d_ok = offs_d < HALF
+        h_ok = offs_h < hidden
+        b = offs_r // per
+        head = m * per + offs_r % per
+        base = q_ptr + b[:, None] * s_qb + head[:, None] * s_qh + offs_d[None, :]
+        y1 = tl.load(base, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        y2 = tl.load(base + HALF, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        pos = tl.load(pos_ptr + b, mask=r_ok, other=0).to(tl.float32)
+        freqs = pos[:, None] * tl.load(freq_ptr + offs_d, mask=d_ok, other=0.0)[None, :]
+        c = tl.cos(freqs)
+        s = tl.sin(freqs)
+        x1 = (y1 * c + y2 * s) / scaling
+        x2 = (y2 * c - y1 * s) / scaling
+        w_base = w1_ptr + m * (2 * HALF) * hidden + offs_d[:, None] * hidden + offs_h[None, :]
+        w_ok = d_ok[:, None] & h_ok[None, :]
+        w_top = tl.load(w_base, mask=w_ok, other=0.0)
+        w_bot = tl.load(w_base + HALF * hidden, mask=w_ok, other=0.0)
+        acc = tl.dot(x1, w_top, input_precision="ieee") + tl.dot(x2, w_bot, input_precision="ieee")
+        acc += tl.load(b1_ptr + m * hidden + offs_h, mask=h_ok, other=0.0)[None, :]
+        acc = tl.maximum(acc, 0.0)
+        tl.store(h_ptr + (m * rows + offs_r[:, None]) * hidden + offs_h[None, :], acc,
+                 mask=r_ok[:, None] & h_ok[None, :])
+
+    @triton.jit
+    def _logits_kernel(h_ptr, w2_ptr, b2_ptr, out_ptr, rows, hidden, buckets,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+        """``logits[m, r, c] = h[m, r, :]·W2[m, :, c] + b2[m, c]`` for one block of buckets."""
+        m = tl.program_id(0)
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rows
+        c_ok = offs_c < buckets
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden
+            hb = tl.load(h_ptr + (m * rows + offs_r[:, None]) * hidden + offs_k[None, :],
+                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            wb = tl.load(w2_ptr + (m * hidden + offs_k[:, None]) * buckets + offs_c[None, :],
+                         mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc += tl.dot(hb, wb, input_precision="ieee")
+        acc += tl.load(b2_ptr + m * buckets + offs_c, mask=c_ok, other=0.0)[None, :]
+        tl.store(out_ptr + (m * rows + offs_r[:, None]) * buckets + offs_c[None, :], acc,
+                 mask=r_ok[:, None] & c_ok[None, :])
+
+    @triton.jit
+    def _group_softmax_kernel(logits_ptr, out_ptr, rows, per, group, kv_heads, buckets, BLOCK_C: tl.constexpr):
+        """``scores[b, h, :] = Σ_g softmax(logits of query head h·G + g of row b)``."""
+        b = tl.program_id(0)
+        kv = tl.program_id(1)
+        offs_c = tl.arange(0, BLOCK_C)
+        c_ok = offs_c < buckets
+        total = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for g in range(0, group):
+            head = kv * group + g
+            m = head // per
+            r = b * per + head % per
+            z = tl.load(logits_ptr + (m * rows + r) * buckets + offs_c, mask=c_ok, other=float("-inf"))
+            e = tl.exp(z - tl.max(z, axis=0))
+            total += e / tl.sum(e, axis=0)
+        tl.store(out_ptr + (b * kv_heads + kv) * buckets + offs_c, total, mask=c_ok)
+
+
+def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int) -> torch.Tensor:
+    """:func:`probe_scores_reference` in three Triton launches (see the module docstring)."""
+    from ..triton_utils import next_pow2
+
+    if triton is None:
+        raise RuntimeError("probe_scores_triton needs triton")
+    b, hq, d = q.shape
+    models, _, hidden = w1.shape
+    buckets = w2.shape[-1]
+    if d % 2 or hq % models or hq % kv_heads or w1.shape[1] != d or w2.shape[1] != hidden:
+        raise ValueError(f"q, w1, w2: shapes {tuple(q.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)} do not form "
+                         "a classifier of one model per KV head or per query head")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    per = hq // models
+    rows = b * per
+    block_r = max(16, next_pow2(rows))
+    dev = q.device
+    hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
+    logits = torch.empty(models, rows, buckets, device=dev, dtype=torch.float32)
+    scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
+    half = d // 2
+    block_h = 64
+    _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
+        q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
+        HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+    block_c = 32
+    _logits_kernel[(models, triton.cdiv(buckets, block_c))](
+        hid, w2, b2, logits, rows, hidden, buckets, BLOCK_R=block_r, BLOCK_K=64, BLOCK_C=block_c, num_warps=4)
+    _group_softmax_kernel[(b, kv_heads)](
+        logits, scores, rows, per, hq // kv_heads, kv_heads, buckets, BLOCK_C=max(16, next_pow2(buckets)),
+        num_warps=4)
+    return scores
