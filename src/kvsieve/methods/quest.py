@@ -9,7 +9,7 @@ updated incrementally as the cache grows: only the last, partly filled page and 
 recomputed.
 
 ``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, five launches per call
-and no host sync: page min/max kept in ``state`` by
+(six for group-summed rows of over 4096 pages) and no host sync: page min/max kept in ``state`` by
 :class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (one launch refreshes the last pages of each
 row), the bounds in one Triton launch (with ``share_kv_group`` it also writes each block's softmax
 partials, so that no ``logsumexp`` runs), one select launch
