@@ -72,6 +72,7 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
     from kvsieve.core.inputs import check_decode_inputs
     from kvsieve.core.rng import RandomKey
     from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.methods.shared.staged import kernel_plan
 
     m = kvsieve.method(spec)
     key = RandomKey(7, (0, step))
@@ -86,12 +87,14 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
         return m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), sel_state).rest.indices
 
     inputs = check_decode_inputs(x.q, x.k, x.v, lengths=x.lens, check_finite=False)
-    rest = m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), {}).rest
+    st = m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), {})
+    rest = st.rest
     cfg = m.config
+    plan = kernel_plan(st)  # the split the kernel path asks for
 
     def attend():
         return sparse_decode_triton(x.q, x.k, x.v, rest.indices, rest.counts, rest.weights, lengths=x.lens,
-                                    sink=cfg.sink, window=cfg.window, scale=inputs.scale)[0]
+                                    sink=cfg.sink, window=cfg.window, scale=inputs.scale, **plan)[0]
 
     ref_m = kvsieve.method(spec + ",backend=reference")
 

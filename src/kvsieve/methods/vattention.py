@@ -340,7 +340,9 @@ class VAttention(StagedSelection):
         def extra():
             return self.extras(b_int, b, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
 
-        return Stages(fixed, rest, scored=[base], v_extra=[base] if cfg.bound == "full" else [], extra=extra)
+        # the sample's list is N wide; its size is typically of the order of the base sample's
+        return Stages(fixed, rest, scored=[base], v_extra=[base] if cfg.bound == "full" else [], extra=extra,
+                      plan_entries=kt + max(base_bound, 256))
 
     def budget_from_stats(self, inputs: DecodeInputs, stats: torch.Tensor, n_s: torch.Tensor,
                           heads: int) -> torch.Tensor:

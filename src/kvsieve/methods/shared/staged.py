@@ -45,11 +45,29 @@ class Stages:
     scored: list[IndexSet] | None = field(default_factory=list)
     v_extra: list[IndexSet] = field(default_factory=list)
     extra: dict[str, Any] | Callable[[], dict[str, Any]] = field(default_factory=dict)
+    #: A host guess of the entries ``rest`` typically uses when its width is only a bound (vAttention's
+    #: sample is as wide as the context): the kernel then splits the list as if it were that long, so the
+    #: used entries spread over several programs instead of one (more, mostly empty, programs).
+    plan_entries: int | None = None
 
     def selected(self) -> Selected:
         extra = self.extra() if callable(self.extra) else self.extra
         fixed = self.fixed() if callable(self.fixed) else self.fixed
         return Selected(union(fixed, self.rest), self.scored, self.v_extra, extra)
+
+
+def kernel_plan(st: Stages) -> dict[str, int]:
+    """Keyword arguments of ``sparse_decode_triton`` for ``st``'s list: more programs than the default
+    when ``st.plan_entries`` says the list is mostly padding."""
+    width = st.rest.width
+    if not st.plan_entries or width <= st.plan_entries:
+        return {}
+    import inspect
+
+    from ...kernels.sparse.weighted_triton import sparse_decode_triton
+
+    default = inspect.signature(sparse_decode_triton).parameters["target_programs"].default
+    return {"target_programs": default * -(-width // st.plan_entries)}
 
 
 class StagedSelection(SelectionMethod):
@@ -100,9 +118,9 @@ class StagedSelection(SelectionMethod):
         if rest.width > 0:
             idx, counts, weights = rest.indices, rest.counts, rest.weights
         out, _ = sparse_decode_triton(q, k, v, idx, counts, weights, lengths=lens, sink=cfg.sink,
-                                      window=cfg.window, scale=inputs.scale)
+                                      window=cfg.window, scale=inputs.scale, **kernel_plan(st))
         return out, StepStats.deferred(lambda: selection_stats(inputs, st.selected(), backend="triton"), "triton",
                                        {"kernel": "sparse_decode_triton"})
 
 
-__all__ = ["Stages", "StagedSelection"]
+__all__ = ["Stages", "StagedSelection", "kernel_plan"]
