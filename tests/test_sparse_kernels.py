@@ -396,3 +396,13 @@ def test_gpu_row_select_matches_its_reference(x, k):
     assert torch.equal(topk_rows_triton(s, counts, k), want)
     for _ in range(3):  # rows over 8192 units split over programs: their ticket counters must reset
         assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), want)
+
+
+def test_oracle_topk_takes_torch_topk_for_long_per_query_head_rows():
+    """The measured crossover (oracle_topk.TORCH_SELECT_ABOVE): per query head at 128k keys torch.topk
+    beats the select launch, per KV head it does not."""
+    from kvsieve.methods.oracle_topk import TORCH_SELECT_ABOVE, select_path
+
+    assert select_path(False, TORCH_SELECT_ABOVE + 1) == "torch"
+    assert select_path(False, TORCH_SELECT_ABOVE) == "triton"
+    assert select_path(True, 4 * TORCH_SELECT_ABOVE) == "triton"

@@ -6,8 +6,10 @@ maxima of every 8 scores, or with ``share_kv_group`` each block's softmax partia
 parallel group-sum launch), one select launch
 (:func:`kvsieve.kernels.sparse.select_triton.topk_rows_triton`: a prefilter from those maxima, then the
 exact top keys by a radix select) and the Triton sparse kernel (2 launches) on the chosen tokens with
-sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Elsewhere the torch
-reference. "reference" and "triton" force a path; ``stats.backend`` names the path that ran.
+sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Per-query-head rows of
+more than ``TORCH_SELECT_ABOVE`` keys take ``torch.topk`` in place of the select launch (see
+:func:`select_path`). Elsewhere the torch reference. "reference" and "triton" force a path;
+``stats.backend`` names the path that ran.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
 from .shared.selection import require_size, resolve_size, size_bound, top_k, union
 from .shared.sparse_path import choose_sparse_backend, page_list_mark, sparse_stats
+
+# Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
+# per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
+# 123 µs at 32k); per KV head (a quarter of the rows) it wins at 128k, 243 vs 277 µs.
+TORCH_SELECT_ABOVE = 65536
+
+
+def select_path(share_kv_group: bool, n_keys: int) -> str:
+    """The top-k step of the device path: ``"torch"`` for long per-query-head rows, else ``"triton"``."""
+    return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
 
 
 @dataclass(frozen=True)
@@ -76,11 +88,12 @@ class OracleTopK(SelectionMethod):
         if top > 0:
             idx, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window,
                                       size=cfg.top_k, max_k=top,
-                                      share_kv_group=cfg.share_kv_group, scale=inputs.scale)
+                                      share_kv_group=cfg.share_kv_group, scale=inputs.scale,
+                                      select=select_path(cfg.share_kv_group, n))
         out, _ = sparse_decode_triton(q, k, v, idx, counts, lengths=lens, sink=cfg.sink, window=cfg.window,
                                       scale=inputs.scale)
         if idx is None:
             idx = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
             counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
         return out, sparse_stats(inputs, lambda: page_list_mark(inputs, idx, counts, 1, cfg.sink, cfg.window),
-                                 extra={}, scored_all=True)
+                                 extra={"select": select_path(cfg.share_kv_group, n)}, scored_all=True)
