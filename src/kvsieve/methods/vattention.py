@@ -272,7 +272,9 @@ class VAttention(StagedSelection):
         from ..kernels.sparse import budget_triton, sample_triton
 
         cfg = self.config
+        # Quest's page kernels take power-of-two pages
         if (cfg.predictor != "quest" or cfg.replacement or cfg.residual != "excludes-topk"
+                or cfg.page_size & (cfg.page_size - 1)
                 or not isinstance(gen, RowStreams) or inputs.lengths is None or not sample_triton.usable(inputs.q)
                 or not budget_triton.usable(inputs.q)):
             return self.stages(inputs, gen, state)
@@ -283,12 +285,11 @@ class VAttention(StagedSelection):
         nv = inputs.n_valid
         start = torch.clamp(nv, max=cfg.sink)
         end = torch.maximum(nv - cfg.window, start)
-        # the predicted top-k: whole pages of the highest Quest bound, their keys between sink and window
+        # the predicted top-k: whole pages of the highest Quest bound, their keys between sink and window,
+        # written in place as the first entries of the kernel's list (then the residual sample)
         p_total = -(-n // page)
-        if cfg.top_k == 0:
-            top = empty_set(r, heads, dev)
-            excluded = None
-        else:
+        kt = 0
+        if cfg.top_k != 0:
             summaries = state.get(f"vattention/quest-pages{page}")
             if summaries is None:
                 summaries = state[f"vattention/quest-pages{page}"] = PageSummaries(page)
@@ -297,15 +298,14 @@ class VAttention(StagedSelection):
             pages, pcount = quest_select(inputs.q, kmin, kmax, inputs.kernel_lengths, page_size=page, sink=cfg.sink,
                                          window=cfg.window, size=cfg.top_k, max_pages=max_pages,
                                          share_kv_group=heads != inputs.heads, scale=inputs.scale)
-            kp = pages.shape[-1]
-            page_used = torch.arange(kp, device=dev) < pcount[..., None]
-            tok = (pages[..., None] * page + torch.arange(page, device=dev)).view(r, heads, kp * page)
-            keep = (page_used.repeat_interleave(page, dim=-1) & (tok >= start[:, None, None])
-                    & (tok < end[:, None, None]))
-            top = compact(tok, keep, None)
-            excluded = torch.zeros(r, heads, p_total + 1, dtype=torch.bool, device=dev)
-            excluded.scatter_(2, torch.where(page_used, pages, p_total), True)
-            excluded = excluded[..., :p_total]
+            kt = pages.shape[-1] * page
+        idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
+        w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
+        if kt:
+            top_counts, excluded = budget_triton.expand_pages_triton(pages, pcount, start, end, page, p_total, idx, w)
+            top = IndexSet(idx[..., :kt], top_counts)
+        else:
+            top, excluded = empty_set(r, heads, dev), None
         n_s = (end - start)[:, None] - top.counts  # [R, Hs]
         n_base = torch.minimum(torch.clamp(torch.floor(cfg.base_rate * n_s.double()).long(), min=2), n_s)
         base_bound = min(max(2, math.floor(cfg.base_rate * n)), n)
@@ -322,13 +322,6 @@ class VAttention(StagedSelection):
         floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
         b_int = torch.ceil(torch.clamp(b, max=float(n))).long()
         b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
-        # one list for the kernel: the top-k keys (weight 1), then the residual sample (weight n_s / b)
-        kt = top.width
-        idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
-        w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
-        if kt:
-            idx[..., :kt] = top.indices
-            w[..., :kt] = 1.0
         sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
                                          excluded=excluded, page=page, offset=top.counts.contiguous(), out=idx,
                                          weights=w)

@@ -157,6 +157,40 @@ if triton is not None:
             tl.store(o + 2, 0.0)
             tl.store(o + 3, 0.0)
 
+    @triton.jit
+    def _expand_pages_kernel(pages_ptr, pcnt_ptr, start_ptr, end_ptr, idx_ptr, w_ptr, tc_ptr, excl_ptr, hs, n_pages,
+                             s_p_r, s_p_h, s_pc_r, s_pc_h, s_i_r, s_i_h, page, PP: tl.constexpr, CH: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        h = tl.program_id(0)
+        r = tl.program_id(1).to(tl.int64)
+        start = tl.load(start_ptr + r)
+        end = tl.load(end_ptr + r)
+        pc = tl.load(pcnt_ptr + r * s_pc_r + h * s_pc_h).to(tl.int32)
+        xrow = excl_ptr + (r * hs + h) * n_pages
+        offs = tl.arange(0, BLOCK)
+        for p0 in range(0, n_pages, BLOCK):
+            tl.store(xrow + p0 + offs, tl.zeros([BLOCK], tl.int8), mask=p0 + offs < n_pages)
+        tl.debug_barrier()  # the marks below land on zeros written by other threads
+        prow = pages_ptr + r * s_p_r + h * s_p_h
+        irow = idx_ptr + r * s_i_r + h * s_i_h
+        wrow = w_ptr + r * s_i_r + h * s_i_h
+        ch = tl.arange(0, CH)
+        tok = tl.arange(0, PP)
+        written = tl.zeros([], tl.int32)
+        for j0 in range(0, pc, CH):
+            j = j0 + ch
+            ok = j < pc
+            pg = tl.load(prow + j, mask=ok, other=0)
+            tl.store(xrow + pg, tl.full([CH], 1, tl.int8), mask=ok)
+            pos = tl.reshape(pg[:, None] * page + tok[None, :], [CH * PP])
+            okp = tl.reshape(ok[:, None] & (tok < page)[None, :], [CH * PP])
+            keep = okp & (pos >= start) & (pos < end)
+            dest = written + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(irow + dest, pos, mask=keep)
+            tl.store(wrow + dest, tl.full([CH * PP], 1.0, tl.float64), mask=keep)
+            written += tl.sum(keep.to(tl.int32), 0)
+        tl.store(tc_ptr + r * hs + h, written.to(tl.int64))
+
 
 def usable(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or is_interpreted(_budget_stats_kernel))
@@ -185,4 +219,23 @@ def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base
     return out
 
 
-__all__ = ["budget_stats_triton", "usable"]
+def expand_pages_triton(pages: torch.Tensor, page_counts: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
+                        page: int, n_pages: int, idx: torch.Tensor, weights: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys of the first ``page_counts [R, Hs]`` pages of ``pages [R, Hs, K]`` that lie in
+    ``[start, end) [R]``, written page by page to the first columns of ``idx [R, Hs, W]`` (weights 1;
+    ``W ≥ K·page``); returns ``(counts [R, Hs] int64, excluded [R, Hs, n_pages] bool)`` — the pages
+    taken, for the samples that must avoid their keys. One launch."""
+    r, hs, k = pages.shape
+    counts = torch.empty(r, hs, device=pages.device, dtype=torch.int64)
+    excl = torch.empty(r, hs, n_pages, device=pages.device, dtype=torch.bool)
+    pp = next_pow2(page)
+    ch = max(1, min(next_pow2(k), max(1, 1024 // pp)))
+    launch(_expand_pages_kernel, (hs, r), pages, page_counts, start, end, idx, weights, counts,
+           excl.view(torch.int8), hs, n_pages, pages.stride(0), pages.stride(1), page_counts.stride(0),
+           page_counts.stride(1), idx.stride(0), idx.stride(1), page, PP=pp, CH=ch, BLOCK=1024, num_warps=4,
+           num_stages=1)
+    return counts, excl
+
+
+__all__ = ["budget_stats_triton", "expand_pages_triton", "usable"]
