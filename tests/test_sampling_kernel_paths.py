@@ -221,6 +221,12 @@ plain, _ = sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor(
 assert bool((out[0, 0, :3] == -7).all()) and torch.equal(out[0, 0, 3:13], plain[0, 0, :10])
 assert torch.equal(out[0, 1, :20], plain[0, 1, :20]) and bool((out[0, 0, 13:] == 0).all())
 assert bool((wts[0, 0, 3:13] == 10.0).all()) and bool((wts[0, 1, 20:] == 1.0).all())
+# fill=False: the columns after the sample keep what they held
+out2 = torch.full((1, 2, 40), -7, dtype=torch.int64)
+sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor([150]), size, n_av, 40, 200, offset=off,
+                   out=out2, weights=torch.zeros(1, 2, 40, dtype=torch.float64), fill=False)
+assert torch.equal(out2[0, 0, 3:13], plain[0, 0, :10]) and bool((out2[0, 0, 13:] == -7).all())
+assert bool((out2[0, 1, 20:] == -7).all())
 print("OK")
 """
 

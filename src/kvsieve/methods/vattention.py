@@ -322,10 +322,15 @@ class VAttention(StagedSelection):
         floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
         b_int = torch.ceil(torch.clamp(b, max=float(n))).long()
         b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
+        # the list is N wide and the kernel reads its first counts entries only: its padding stays unwritten
         sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
                                          excluded=excluded, page=page, offset=top.counts.contiguous(), out=idx,
-                                         weights=w)
+                                         weights=w, fill=False)
         rest = IndexSet(idx, top.counts + torch.minimum(b_int, n_s), w)
+
+        def stats_rest():
+            used = rest.used()
+            return IndexSet(torch.where(used, idx, 0), rest.counts, torch.where(used, w, 1.0))
 
         def fixed():  # the stats' index set of the kernel's ranges, built only when the stats are read
             return sink_and_window(inputs, cfg.sink, cfg.window, heads)
@@ -335,7 +340,7 @@ class VAttention(StagedSelection):
 
         # the sample's list is N wide; its size is typically of the order of the base sample's
         return Stages(fixed, rest, scored=[base], v_extra=[base] if cfg.bound == "full" else [], extra=extra,
-                      plan_entries=kt + max(base_bound, 256))
+                      plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
 
     def budget_from_stats(self, inputs: DecodeInputs, stats: torch.Tensor, n_s: torch.Tensor,
                           heads: int) -> torch.Tensor:

@@ -106,7 +106,7 @@ if triton is not None:
         stream_key, hs, n_keys, width, n_pages,
         s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
-        BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+        FILL: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
     ):
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
@@ -186,12 +186,13 @@ if triton is not None:
                 tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
             written += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
-        for z0 in range(off + size, width, BLOCK):
-            zo = z0 + offs
-            zm = zo < width
-            tl.store(out + zo, tl.zeros([BLOCK], tl.int64), mask=zm)
-            if HAS_W:
-                tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
+        if FILL:
+            for z0 in range(off + size, width, BLOCK):
+                zo = z0 + offs
+                zm = zo < width
+                tl.store(out + zo, tl.zeros([BLOCK], tl.int64), mask=zm)
+                if HAS_W:
+                    tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
 
     @triton.jit
     def _row_words_kernel(pos_ptr, seeds_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, out_ptr, rows, q_len, lo0, hi0,
@@ -255,14 +256,16 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
                        size: torch.Tensor, n_avail: torch.Tensor, width: int, n_keys: int, *,
                        excluded: torch.Tensor | None = None, page: int = 1, offset: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-                       with_weights: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_weights: bool = True, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(indices, weights)``: per row ``r`` (words ``lo, hi [R]``, positions ``[start, end) [R]``) and
     selection head ``h`` of ``size [R, Hs]``, the ``min(size, n_avail)`` available positions with the
     smallest hash (:func:`sample_rows_reference`), ascending, written from column ``offset [R, Hs]``
     (default 0) of ``out [R, Hs, width]``; columns after them are 0 (weight 1), columns before the
     offset are left as the caller wrote them. ``n_avail [R, Hs]``: the available positions (the range
     minus the ``excluded [R, Hs, P]`` pages of ``page`` keys); the weights are ``n_avail / size``
-    (float64). No host read; one launch."""
+    (float64). ``fill=False`` leaves the columns after the sample as they were (a list as wide as the
+    context whose readers look at the first ``count`` entries only: writing its padding costs more than
+    the sample). No host read; one launch."""
     r, hs = size.shape
     dev = size.device
     if out is None:
@@ -287,6 +290,7 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
            excl.stride(1) if excluded is not None else 0, size.stride(0), size.stride(1), n_avail.stride(0),
            n_avail.stride(1),
            PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
+           FILL=fill,
            BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, num_warps=8, num_stages=1)
     return out, weights
 

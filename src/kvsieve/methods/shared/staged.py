@@ -49,11 +49,15 @@ class Stages:
     #: sample is as wide as the context): the kernel then splits the list as if it were that long, so the
     #: used entries spread over several programs instead of one (more, mostly empty, programs).
     plan_entries: int | None = None
+    #: ``rest`` with the padding convention of :class:`IndexSet` (position 0, weight 1), for the stats,
+    #: where the kernel's list leaves its padding unwritten (it reads the first ``counts`` entries only).
+    stats_rest: Callable[[], IndexSet] | None = None
 
     def selected(self) -> Selected:
         extra = self.extra() if callable(self.extra) else self.extra
         fixed = self.fixed() if callable(self.fixed) else self.fixed
-        return Selected(union(fixed, self.rest), self.scored, self.v_extra, extra)
+        rest = self.rest if self.stats_rest is None else self.stats_rest()
+        return Selected(union(fixed, rest), self.scored, self.v_extra, extra)
 
 
 def kernel_plan(st: Stages) -> dict[str, int]:
