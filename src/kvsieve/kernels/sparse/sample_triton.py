@@ -140,7 +140,9 @@ if triton is not None:
         # 2. bisection over the 24-bit hash: count(h < t_lo) < size <= count(h < t_hi)
         t_lo = tl.zeros([], tl.int32)
         t_hi = thr.to(tl.int32)
-        if cnt <= CBLOCK:
+        if size >= cnt:  # every candidate is taken (size >= n_avail): no cut to find
+            t_lo = tl.full([], 16777216, tl.int32)
+        elif cnt <= CBLOCK:
             coffs = tl.arange(0, CBLOCK)
             ck = (tl.load(cand + coffs, mask=coffs < cnt, other=PAD) >> 22).to(tl.int32)
             for _ in range(24):
@@ -162,10 +164,13 @@ if triton is not None:
                 t_lo = tl.where(go_lo, t_lo, mid)
         # the size-th smallest is t_lo: take every key below it and the first `need` equal to it
         below = tl.zeros([], tl.int32)
-        for c0 in range(0, cnt, BLOCK):
-            co = c0 + tl.arange(0, BLOCK)
-            kk = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
-            below += tl.sum((kk < t_lo).to(tl.int32), 0)
+        if size < cnt:
+            for c0 in range(0, cnt, BLOCK):
+                co = c0 + tl.arange(0, BLOCK)
+                kk = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
+                below += tl.sum((kk < t_lo).to(tl.int32), 0)
+        else:
+            below = cnt
         need = size - below
         # 3. the chosen keys in position order, then zeros; weights n_av / size
         out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
