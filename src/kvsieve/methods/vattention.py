@@ -263,18 +263,19 @@ class VAttention(StagedSelection):
         return Stages(fixed, union(top, dyn), scored=scored, v_extra=v_extra, extra=extra)
 
     def kernel_stages(self, inputs, gen, state):
-        """The kernel path's selection with the Quest predictor: Quest's incremental page summaries (in
-        ``state``) and device page selection, the base and residual samples of
-        :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row) and the budget's statistics in
-        one launch (:mod:`~kvsieve.kernels.sparse.budget_triton`); the same keys as :meth:`stages` given the
-        same draws, up to near-ties of the page bounds (computed in another order) and ties of the 24-bit
-        hash at a sample's cut. Other settings run :meth:`stages`."""
+        """The kernel path's selection: the top-k from Quest's incremental page summaries (in ``state``) and
+        device page selection (the oracle: ``torch.topk`` over the exact scores), the base and residual
+        samples of :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row) and the budget's
+        statistics in one launch (:mod:`~kvsieve.kernels.sparse.budget_triton`); the same keys as
+        :meth:`stages` given the same draws, up to near-ties of the page bounds (computed in another order)
+        and ties of the 24-bit hash at a sample's cut. Other settings (``replacement``,
+        ``residual=includes-topk``, pages not a power of two) run :meth:`stages`."""
         from ..kernels.sparse import budget_triton, sample_triton
 
         cfg = self.config
+        oracle = cfg.predictor == "oracle"
         # Quest's page kernels take power-of-two pages
-        if (cfg.predictor != "quest" or cfg.replacement or cfg.residual != "excludes-topk"
-                or cfg.page_size & (cfg.page_size - 1)
+        if (cfg.replacement or cfg.residual != "excludes-topk" or (not oracle and cfg.page_size & (cfg.page_size - 1))
                 or not isinstance(gen, RowStreams) or inputs.lengths is None or not sample_triton.usable(inputs.q)
                 or not budget_triton.usable(inputs.q)):
             return self.stages(inputs, gen, state)
@@ -289,7 +290,12 @@ class VAttention(StagedSelection):
         # written in place as the first entries of the kernel's list (then the residual sample)
         p_total = -(-n // page)
         kt = 0
-        if cfg.top_k != 0:
+        if cfg.top_k != 0 and oracle:  # the exact top-k over the keys between sink and window (torch.topk)
+            available = available_after(inputs, sink_and_window(inputs, cfg.sink, cfg.window, heads))
+            top_o = top_k(ranking_scores(inputs, heads), available, resolve_size(cfg.top_k, nv),
+                          size_bound(cfg.top_k, n))
+            kt = top_o.width
+        elif cfg.top_k != 0:
             summaries = state.get(f"vattention/quest-pages{page}")
             if summaries is None:
                 summaries = state[f"vattention/quest-pages{page}"] = PageSummaries(page)
@@ -301,7 +307,11 @@ class VAttention(StagedSelection):
             kt = pages.shape[-1] * page
         idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
         w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
-        if kt:
+        if kt and oracle:
+            idx[..., :kt] = top_o.indices
+            w[..., :kt] = 1.0
+            top, excluded, page = IndexSet(idx[..., :kt], top_o.counts), top_o.mark(n), 1
+        elif kt:
             top_counts, excluded = budget_triton.expand_pages_triton(pages, pcount, start, end, page, p_total, idx, w)
             top = IndexSet(idx[..., :kt], top_counts)
         else:
@@ -339,8 +349,8 @@ class VAttention(StagedSelection):
             return self.extras(b_int, b, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
 
         # the sample's list is N wide; its size is typically of the order of the base sample's
-        return Stages(fixed, rest, scored=[base], v_extra=[base] if cfg.bound == "full" else [], extra=extra,
-                      plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
+        return Stages(fixed, rest, scored=None if oracle else [base], v_extra=[base] if cfg.bound == "full" else [],
+                      extra=extra, plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
 
     def budget_from_stats(self, inputs: DecodeInputs, stats: torch.Tensor, n_s: torch.Tensor,
                           heads: int) -> torch.Tensor:
