@@ -9,7 +9,7 @@ out of the mass outside the sink and the dense window (:func:`kvsieve.fit.saap.r
 Selectivity is the fraction of the indexed keys that the visited buckets hold: equal ℓ is not equal
 cost when bucket sizes differ, so the plot is recall against selectivity.
 
-Usage (CPU, about 3 minutes per prompt on 2 idle cores)::
+Usage (CPU, about 3 minutes per prompt on 2 idle cores; ``--device cuda`` on a GPU)::
 
     python benchmarks/saap/recall.py --artifacts ~/saap-smollm2 --out docs/results/saap
 """
@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=128, help="query positions per prompt (all heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the prefills and the metrics run, e.g. cuda")
     p.add_argument("--allow-incomplete", action="store_true", help="use the finished layers of a running fit")
     p.add_argument("--tag", default="", help="suffix of the output names: recall-TAG.json/.md/.png")
     args = p.parse_args(argv)
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     hp = art.manifest["hyperparameters"]
     model, tok = load_model(art.manifest["model"]["name"])
     _check(art, model)
+    device = torch.device(args.device)
+    model.to(device)
     known = {f for f in FitConfig.__dataclass_fields__}
     cfg = FitConfig(**{k: (tuple(v) if k == "layers" and v is not None else v) for k, v in hp.items() if k in known})
     _, held = essay_split()
@@ -67,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[int, int] = {}
     for i, ids in enumerate(prompts):
         with torch.no_grad(), capture_attention(model, only_decode=False) as cap:
-            model(torch.tensor([ids]), use_cache=False)
+            model(torch.tensor([ids], device=device), use_cache=False)
         for layer, q, k, _v in cap.calls:
             if layer not in art.layers:
                 continue
             t = art.layers[layer]
-            net = art.classifier(layer, torch.device("cpu"))
-            m = recall_metrics(net, art.rope, q, k, t["centroids"], t["centroids_roped"], cfg, q.shape[-1] ** -0.5,
-                               gen, RECALL_PROBES, args.queries)
+            net = art.classifier(layer, device)
+            m = recall_metrics(net, art.rope, q, k, t["centroids"].to(device), t["centroids_roped"].to(device), cfg,
+                               q.shape[-1] ** -0.5, gen, RECALL_PROBES, args.queries)
             n = m.pop("queries")
             acc = per_layer.setdefault(layer, {})
             for key, v in m.items():
@@ -101,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 **({"layers_where_saap_recalls_more": f"{wins}/{len(layers)}"} if wins is not None else {}),
             }
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)", "command": " ".join(sys.argv),
+            "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                       else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"),
+            "command": " ".join(sys.argv),
             "artifacts": str(args.artifacts), "model": art.manifest["model"]["name"],
             "causal_labels": bool(hp.get("causal_labels")),
             "clusters": cfg.clusters, "window": cfg.window, "held_out_essays": essay_names(held),
