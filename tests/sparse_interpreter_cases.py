@@ -282,9 +282,8 @@ def test_benchmark_variants_run_and_match_their_references():
                         scale=0.125)
     calls = bench.variants(case, x, 0.2, sink=8, window_qt=8)
     assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q", "quest-kv@torch-select",
-            "quest-kv@legacy", "quest-kv@split-group-sum", "quest-kv@group-sum-in-select",
-            "oracle-topk-kv@torch-select",
-            "oracle-topk-kv@legacy"} <= set(calls)
+            "quest-kv@split-group-sum", "quest-kv@group-sum-in-select",
+            "oracle-topk-kv@torch-select"} <= set(calls)
     for name, (call, select, attend, n_bytes, ref) in calls.items():
         got, want = call(), ref()
         assert float((got - want).norm() / want.norm()) < 1e-5, name
@@ -454,17 +453,3 @@ def test_topk_device_selection_matches_the_reference(select, share, long_rows, m
             kw = dict(sink=sink, window=window, size=size, max_k=mk, share_kv_group=share)
             got = topk.topk_select(q, k, lens, select=select, **kw)
             _same_sets(*got, *topk.topk_select(q, k, lens, scores="reference", **kw))
-
-
-def test_legacy_selection_paths_still_match_the_reference():
-    from kvsieve.kernels.sparse import topk
-
-    q, k, lens = _selection_case(5, 3, 8, 2, 300, 64, torch.float32)
-    for share in (False, True):
-        kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
-        kw = dict(page_size=16, sink=4, window=40, size=0.2, max_pages=4, share_kv_group=share)
-        _same_sets(*quest_pages.quest_select(q, kmin, kmax, lens, select="legacy", **kw),
-                   *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
-        kw = dict(sink=4, window=40, size=0.2, max_k=60, share_kv_group=share)
-        _same_sets(*topk.topk_select(q, k, lens, select="legacy", **kw),
-                   *topk.topk_select(q, k, lens, scores="reference", **kw))

@@ -3,8 +3,8 @@
 
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
 one select launch, ``kernels/sparse/select_triton.py``); at batch 1 the same selections also run as
-``…@torch-select`` (partials-based group sum + ``torch.topk``) and ``…@legacy`` (the path measured before
-2026-11-25: ``logsumexp`` + group-sum launch + ``torch.topk``), so one run compares the three;
+``…@torch-select`` (partials-based group sum + ``torch.topk``; the path before 2026-11-25, ``logsumexp`` +
+a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``);
 ``quest-kv@split-group-sum`` group-sums the pages in a parallel launch of their own instead of inside the
 select launch, ``quest-kv@group-sum-in-select`` inside it whatever the row length (for tuning
 ``select_triton.ROW_GROUP_SUM_MAX``).
@@ -125,11 +125,10 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         fused = _first(partial(sparse_decode_triton, x.q, x.k, x.v, fused_merge=True, **dense_opts))
         out["streaming+fused-merge"] = (fused, None, fused, out["streaming"][3], stream_ref)
 
-    # selection paths: the default, and at batch 1 the two it replaces (same name + suffix) and, for
+    # selection paths: the default, and at batch 1 torch.topk in place of the select launch and, for
     # Quest's group-summed pages, the group sum inside the select launch or in a parallel launch of its
     # own (the default picks by the row length: select_triton.ROW_GROUP_SUM_MAX)
-    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@legacy", "legacy"),
-                                      ("@group-sum-in-select", "triton-fold"),
+    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@group-sum-in-select", "triton-fold"),
                                       ("@split-group-sum", "triton-split")] if b == 1 else [])
     fold_limit = {"triton-fold": 1 << 30, "triton-split": 0}
 

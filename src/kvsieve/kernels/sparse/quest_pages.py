@@ -305,37 +305,6 @@ if triton is not None:
         if WRITE_MAX:  # the select launch's prefilter subset
             store_maxima(mx_ptr, b64, heads, g_ok, pb, s_x_b, s_x_h, bound, n_pages, BLOCK_P, BLOCK_G, GROUP_MAX)
 
-    @triton.jit(do_not_specialize=["sink", "window", "n_units"])
-    def _group_sum_kernel(
-        s_ptr, lse_ptr, out_ptr, lens_ptr,
-        sink, window, n_units,
-        s_s_b, s_s_h, s_o_b, s_o_h,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_X: tl.constexpr, UNIT: tl.constexpr,
-    ):
-        # log Σ_g softmax_g(s)[x] per KV head = logsumexp_g(s_g[x] − lse_g), then non-candidates → −inf.
-        xb = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        b64 = b.to(tl.int64)
-        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_x = xb * BLOCK_X + tl.arange(0, BLOCK_X)
-        g_ok = offs_g < G
-        x_ok = offs_x < n_units
-        heads = kvh * G + offs_g
-        lse = tl.load(lse_ptr + b64 * (G * tl.num_programs(1)) + heads, mask=g_ok, other=float("-inf"))
-        sc = tl.load(s_ptr + b64 * s_s_b + heads[:, None] * s_s_h + offs_x[None, :],
-                     mask=g_ok[:, None] & x_ok[None, :], other=float("-inf"))
-        live = (sc > float("-inf")) & (lse > float("-inf"))[:, None]
-        logp = tl.where(live, sc - tl.where(lse > float("-inf"), lse, 0.0)[:, None], float("-inf"))
-        m = tl.max(logp, axis=0)
-        m_ref = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(tl.where(live, tl.exp(logp - m_ref[None, :]), 0.0), axis=0)
-        out = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        start = offs_x * UNIT
-        keep = (start < win_start) & (start + UNIT > sink_end)
-        tl.store(out_ptr + b64 * s_o_b + kvh * s_o_h + offs_x, tl.where(keep, out, float("-inf")), mask=x_ok)
-
 
 def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
                        scale: float | None = None, out: torch.Tensor | None = None, *, mask_dense: bool = True,
@@ -370,21 +339,6 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     return out
 
 
-def group_summed_triton(scores: torch.Tensor, group: int, lengths: torch.Tensor, unit: int, sink: int,
-                        window: int) -> torch.Tensor:
-    """:func:`group_summed` of ``scores [B, Hq, X]`` (−inf only past each row's length), then −inf on
-    units without a candidate key: one ``logsumexp`` and one Triton launch."""
-    b, hq, x = scores.shape
-    lse = torch.logsumexp(scores, dim=-1).contiguous()
-    out = torch.empty(b, hq // group, x, device=scores.device, dtype=torch.float32)
-    block_x = 256
-    launch(_group_sum_kernel, (-(-x // block_x), hq // group, b),
-           scores, lse, out, lengths, sink, window, x,
-           scores.stride(0), scores.stride(1), out.stride(0), out.stride(1),
-           G=group, BLOCK_G=max(2, next_pow2(group)), BLOCK_X=block_x, UNIT=unit, num_warps=4, num_stages=1)
-    return out
-
-
 # --- top pages ------------------------------------------------------------------------------------
 
 def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: int, size: int | float,
@@ -401,14 +355,12 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     softmax partials, the others the maxima of every 8 bounds) and
     :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
     select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
-    any) and ``torch.topk`` (highest first). ``select="legacy"``: the path before 2026-11-25, to compare
-    (``logsumexp`` and a group-sum launch, ``torch.topk(sorted=True)``: highest bound first).
-    ``bounds="reference"`` runs every step in torch (highest bound first)."""
+    any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     k = max(1, min(max_pages, p))
-    if select not in ("triton", "torch", "legacy"):
-        raise ValueError(f"select: expected 'triton', 'torch' or 'legacy', got {select!r}")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if bounds == "reference":
         if share_kv_group:
             s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), hq // hkv)
@@ -418,7 +370,7 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
         counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
-    elif select != "legacy":
+    else:
         from .select_triton import select_rows
 
         def score(**kw):
@@ -428,16 +380,10 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k, block=PAGE_BLOCK,
                            share_kv_group=share_kv_group, lengths=lengths, unit=page_size, sink=sink,
                            window=window, select=select, device=q.device)
-    else:
-        counts = torch.empty(b, device=q.device, dtype=torch.int64)
-        s = page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, mask_dense=not share_kv_group,
-                               counts=counts, size=size, max_pages=k)
-        if share_kv_group:
-            s = group_summed_triton(s, hq // hkv, lengths, page_size, sink, window)
     pages = torch.topk(s, k, dim=-1, sorted=True).indices
     return pages, counts[:, None].expand(b, s.shape[1])
 
 
 __all__ = ["PAGE_BLOCK", "PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed",
-           "group_summed_triton", "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
+           "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
            "quest_select", "selection_counts_reference"]

@@ -17,7 +17,6 @@ from ..triton_utils import is_interpreted, launch, next_pow2, triton
 from .quest_pages import (
     candidate_mask,
     group_summed,
-    group_summed_triton,
     score_launch_args,
     selection_counts_reference,
 )
@@ -123,14 +122,13 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
     in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
-    rows over ~20k keys). ``select="legacy"``: the path before 2026-11-25, to compare (``logsumexp`` and a
-    group-sum launch, ``torch.topk(sorted=True)``: highest first). ``scores="reference"`` runs every step
+    rows over ~20k keys). ``scores="reference"`` runs every step
     in torch (highest first)."""
     b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     kk = max(1, min(max_k, n))
-    if select not in ("triton", "torch", "legacy"):
-        raise ValueError(f"select: expected 'triton', 'torch' or 'legacy', got {select!r}")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
@@ -140,7 +138,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
         counts = selection_counts_reference(lengths, size, 1, sink, window, kk)
     elif scores != "triton":
         raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
-    elif select != "legacy":
+    else:
         from .select_triton import select_rows
 
         def score(**kw):
@@ -149,12 +147,6 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=n, k=kk, block=score_block(q.shape[-1]),
                            share_kv_group=share_kv_group, lengths=lengths, unit=1, sink=sink, window=window,
                            select=select, device=q.device)
-    else:
-        counts = torch.empty(b, device=q.device, dtype=torch.int64)
-        s = scores_triton(q, k, lengths, sink, window, scale, mask_dense=not share_kv_group, counts=counts,
-                          size=size, max_k=kk)
-        if share_kv_group:
-            s = group_summed_triton(s, hq // hkv, lengths, 1, sink, window)
     idx = torch.topk(s, kk, dim=-1, sorted=True).indices
     return idx, counts[:, None].expand(b, s.shape[1])
 
