@@ -415,12 +415,13 @@ def test_gpu_kernel_paths_do_not_sync_and_replay_in_a_graph(spec):
     with torch.cuda.graph(graph):
         captured, _ = m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
     replays = []
+    # Step by step, each replay then its eager twin: state a method keeps across steps (magicpig's codes
+    # and norm bound, vattention's page summaries) is then the same for both calls of a step.
     for i in range(3):
         step.fill_(i + 1)
         lengths[0] = n - 2 + i
         graph.replay()
         replays.append(captured.clone())
-    for i in range(3):
         lens_i = torch.tensor([n - 2 + i, 5000], device="cuda")
         eager, _ = m.decode(q, k, v, lengths=lens_i, seed=RandomKey(3, (0, torch.tensor(i + 1, device="cuda"))),
                             state=state, check_finite=False)
