@@ -21,23 +21,35 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _segment_length(cnt, seg_lo, seg_hi, IS_LIST: tl.constexpr):
+        """Entries of a segment: the first ``cnt`` of a list, or the range ``[seg_lo, seg_hi)``."""
+        if IS_LIST:
+            n_seg = cnt + 0
+        else:
+            n_seg = seg_hi - seg_lo
+        return n_seg
+
+    @triton.jit
+    def _segment_positions(lst, seg_lo, j, ok, IS_LIST: tl.constexpr):
+        """Cache positions of a segment's entries ``j`` (masked by ``ok``)."""
+        if IS_LIST:
+            pos = tl.load(lst + j, mask=ok, other=0)
+        else:
+            pos = seg_lo + j
+        return pos
+
+    @triton.jit
     def _logits_segment(ws, wo, q, k_base, s_k_n, lst, cnt, seg_lo, seg_hi, scale, m, IS_LIST: tl.constexpr,
                         BLOCK: tl.constexpr, D: tl.constexpr):
         """Logits of one segment (a range ``[seg_lo, seg_hi)``, or the first ``cnt`` entries of list
         ``lst``) written from workspace slot ``wo``; returns the next slot and the running max."""
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
-        if IS_LIST:
-            n_seg = cnt + 0
-        else:
-            n_seg = seg_hi - seg_lo
+        n_seg = _segment_length(cnt, seg_lo, seg_hi, IS_LIST)
         for j0 in range(0, n_seg, BLOCK):
             j = j0 + offs
             ok = j < n_seg
-            if IS_LIST:
-                pos = tl.load(lst + j, mask=ok, other=0)
-            else:
-                pos = seg_lo + j
+            pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
             kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
             s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
             s = tl.where(ok, s, float("-inf"))
@@ -51,17 +63,11 @@ if triton is not None:
         """``acc + Σ e^(s − shift) v`` over one segment (its logits from slot ``wo``)."""
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
-        if IS_LIST:
-            n_seg = cnt + 0
-        else:
-            n_seg = seg_hi - seg_lo
+        n_seg = _segment_length(cnt, seg_lo, seg_hi, IS_LIST)
         for j0 in range(0, n_seg, BLOCK):
             j = j0 + offs
             ok = j < n_seg
-            if IS_LIST:
-                pos = tl.load(lst + j, mask=ok, other=0)
-            else:
-                pos = seg_lo + j
+            pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
             e = tl.where(ok, tl.exp(tl.load(ws + wo + j, mask=ok, other=0.0) - shift), 0.0)
             vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
             acc += tl.sum(e[:, None] * vr.to(tl.float64), 0)

@@ -200,6 +200,18 @@ if triton is not None:
                     tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
 
     @triton.jit
+    def _absorb_counter(lo, hi, ptr, value, k1, k2, FROM_PTR: tl.constexpr):
+        """One counter of the key mixed into the row's (lo, hi) words: read from device memory (a step
+        counter) or given as a host int."""
+        if FROM_PTR:
+            w = tl.load(ptr).to(tl.int64) & 0xFFFFFFFF
+        else:
+            w = tl.zeros([], tl.int64) + value
+        lo = _mix32(lo ^ w ^ k1)
+        hi = _mix32(hi ^ lo ^ k2)
+        return lo, hi
+
+    @triton.jit
     def _row_words_kernel(pos_ptr, seeds_ptr, c0_ptr, c1_ptr, c2_ptr, c3_ptr, out_ptr, rows, q_len, lo0, hi0,
                           v0, v1, v2, v3, k10, k20, k11, k21, k12, k22, k13, k23,
                           NC: tl.constexpr, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr,
@@ -218,33 +230,13 @@ if triton is not None:
             hi = tl.zeros([BLOCK], tl.int64) + hi0
             # the key's counters after its host-int prefix (``RandomKey.words``)
             if NC > 0:
-                if T0:
-                    w = tl.load(c0_ptr).to(tl.int64) & 0xFFFFFFFF
-                else:
-                    w = tl.zeros([], tl.int64) + v0
-                lo = _mix32(lo ^ w ^ k10)
-                hi = _mix32(hi ^ lo ^ k20)
+                lo, hi = _absorb_counter(lo, hi, c0_ptr, v0, k10, k20, T0)
             if NC > 1:
-                if T1:
-                    w = tl.load(c1_ptr).to(tl.int64) & 0xFFFFFFFF
-                else:
-                    w = tl.zeros([], tl.int64) + v1
-                lo = _mix32(lo ^ w ^ k11)
-                hi = _mix32(hi ^ lo ^ k21)
+                lo, hi = _absorb_counter(lo, hi, c1_ptr, v1, k11, k21, T1)
             if NC > 2:
-                if T2:
-                    w = tl.load(c2_ptr).to(tl.int64) & 0xFFFFFFFF
-                else:
-                    w = tl.zeros([], tl.int64) + v2
-                lo = _mix32(lo ^ w ^ k12)
-                hi = _mix32(hi ^ lo ^ k22)
+                lo, hi = _absorb_counter(lo, hi, c2_ptr, v2, k12, k22, T2)
             if NC > 3:
-                if T3:
-                    w = tl.load(c3_ptr).to(tl.int64) & 0xFFFFFFFF
-                else:
-                    w = tl.zeros([], tl.int64) + v3
-                lo = _mix32(lo ^ w ^ k13)
-                hi = _mix32(hi ^ lo ^ k23)
+                lo, hi = _absorb_counter(lo, hi, c3_ptr, v3, k13, k23, T3)
         lo = _mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
         hi = _mix32(hi ^ lo ^ p ^ 0x85A308D3)
         lo = _mix32(lo ^ hi)
