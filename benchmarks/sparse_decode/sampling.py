@@ -188,16 +188,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
-    from kvsieve.bench.decode import Case, library_version, load_flashinfer
-    from kvsieve.bench.timing import ColdL2Timer, copy_bandwidth
+    from kvsieve.bench.decode import Case, library_version, timing_setup
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    flashinfer = load_flashinfer()
-    if isinstance(flashinfer, Exception):
-        print(f"FlashInfer unavailable ({flashinfer}); its rows are skipped and no speedups are computed")
-    peak = copy_bandwidth()
-    print(f"device-to-device copy: {peak / 1e12:.2f} TB/s")
-    timer = ColdL2Timer()
+    flashinfer, peak, timer = timing_setup()
     cases = [Case("llama-3.1-8b", HEADS, KV_HEADS, HEAD_DIM, n, 1) for n in args.contexts]
     if args.batch8_context:
         cases.append(Case("llama-3.1-8b", HEADS, KV_HEADS, HEAD_DIM, args.batch8_context, 8))

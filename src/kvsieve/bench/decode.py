@@ -107,6 +107,18 @@ def load_flashinfer():
         return exc
 
 
+def timing_setup(*, flashinfer: bool = True, log: Callable[[str], None] = print):
+    """``(flashinfer, copy rate in bytes/s, ColdL2Timer)``: what every GPU timing run starts from.
+    ``flashinfer`` is the module, the exception that importing it raised (logged: its rows are then
+    skipped), or None when not asked for."""
+    module = load_flashinfer() if flashinfer else None
+    if isinstance(module, Exception):
+        log(f"FlashInfer unavailable ({module}); its rows are skipped")
+    peak = copy_bandwidth()
+    log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
+    return module, peak, ColdL2Timer()
+
+
 @register_variant("flashinfer", peer=True)
 def _flashinfer(x: Inputs, budget, seed):
     flashinfer = load_flashinfer()
@@ -190,12 +202,7 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
     if not torch.cuda.is_available():
         raise RuntimeError("kvsieve bench decode needs a CUDA GPU")
     parsed = [(spec, *parse_variant(spec)) for spec in variants]
-    flashinfer = load_flashinfer() if any(p[1] == "flashinfer" for p in parsed) else None
-    if isinstance(flashinfer, Exception):
-        log(f"FlashInfer unavailable ({flashinfer}); its rows are skipped")
-    peak = copy_bandwidth()
-    log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
-    timer = ColdL2Timer()
+    flashinfer, peak, timer = timing_setup(flashinfer=any(p[1] == "flashinfer" for p in parsed), log=log)
     rows = []
     cases = [Case(s, *SHAPES[s], n, b) for s in shapes for b in batches for n in contexts]
     try:
