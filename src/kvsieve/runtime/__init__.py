@@ -1,5 +1,6 @@
-"""Decode runtime (issue 16): a KV cache kvsieve owns, exact prefill, and the decode step captured once
-in a CUDA graph and replayed per token. ``generate`` is the public face; ``DecodeRuntime`` the engine."""
+"""Decode runtime (issue 16): a KV cache kvsieve owns, exact prefill (or a method's sparse prefill), and
+the decode step captured once in a CUDA graph and replayed per token. ``generate`` is the public face;
+``DecodeRuntime`` the engine."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              device: str | torch.device | None = None, graph: bool | str = "auto", attention_backend: str = "auto",
              dense_layers: Sequence[int] = (), check_every: int = 8, prefill_chunk: int | None = None,
-             max_length: int | None = None, compile_ops: bool | str = "auto") -> GenerateResult:
-    """Generate with ``method`` in every decode step; the prompt is prefilled exactly.
+             max_length: int | None = None, compile_ops: bool | str = "auto",
+             prefill: str | Any = "exact") -> GenerateResult:
+    """Generate with ``method`` in every decode step; the prompt is prefilled exactly by default.
 
     Rows may differ in length (``attention_mask`` or a list of prompts); each keeps its own length.
     ``eos_token_id``/``pad_token_id`` default to the model's generation config. ``graph="auto"``
@@ -56,7 +58,12 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     ``max_new_tokens``). ``prefill_chunk`` splits each prompt's prefill into chunks of that many tokens
     (less activation memory; default: one forward per row). ``compile_ops`` (default: wherever the step is
     captured) runs the decoder layers' norms, residual adds, MLP and RoPE through ``torch.compile`` in
-    decode steps (``kvsieve.runtime.compiled``). Returns the new tokens and the run's stats.
+    decode steps (``kvsieve.runtime.compiled``). ``prefill``: ``"exact"`` (SDPA), ``"method"`` (the
+    method's own sparse prefill, e.g. sketchwalk's block-sparse prefill; one row) or the spec of a method
+    with a sparse prefill (``"sketchwalk:density=0.1"``: its prefill, then ``method`` decodes); layers in
+    ``dense_layers`` or kept exact by the method stay exact, and ``stats.prefill`` / ``prefill_method`` /
+    ``prefill_sparse_layers`` / ``prefill_block_density`` say what ran. Not with ``prefill_chunk``.
+    Returns the new tokens and the run's stats.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
@@ -88,7 +95,8 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     with DecodeRuntime(model, method, batch_size=len(rows), capacity=capacity, max_new_tokens=max_new_tokens,
                        sampling=sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id, graph=graph,
                        attention_backend=attention_backend, dense_layers=dense_layers, seed=seed,
-                       check_every=check_every, prefill_chunk=prefill_chunk, compile_ops=compile_ops) as runtime:
+                       check_every=check_every, prefill_chunk=prefill_chunk, compile_ops=compile_ops,
+                       prefill=prefill) as runtime:
         runtime.prefill(rows)
         runtime.decode()
         tokens = runtime.tokens()

@@ -6,7 +6,9 @@ and MLP); two things are ours:
 - the cache (:class:`~kvsieve.runtime.cache.RuntimeCache`), allocated once for the request, one
   write position per batch row held in device memory;
 - the attention function ``"kvsieve-runtime"`` registered in transformers' ``AttentionInterface``:
-  prefill is exact SDPA over the row's prefix; a decode step reads each row's valid length from
+  prefill is exact SDPA over the row's prefix (or, with ``prefill="method"`` or a prefill method's
+  spec, that :class:`~kvsieve.core.prefill.PrefillMethod`'s sparse prefill on the layers it does not
+  keep exact); a decode step reads each row's valid length from
   device memory and runs kvsieve's dense split-KV Triton kernel (or the method's decode), never a
   padded mask over the whole cache (except the recorded ``sdpa-masked`` fallback for head dims the
   kernel does not take).
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 
 from ..core.method import Method
+from ..core.prefill import PrefillMethod
 from ..core.registry import method as build_method
 from ..core.rng import RandomKey, derive_seed
 from ..integrations.hf import attention_modules
@@ -42,6 +45,7 @@ from .support import ModelShape, check_model, text_config
 ATTENTION_NAME = "kvsieve-runtime"
 GRAPH_CHOICES = ("auto", True, False)
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "sdpa-masked")
+PREFILL_CHOICES = ("exact", "method")  # or the spec / instance of a method with a sparse prefill
 
 # attention module -> the runtime serving it (weak: a dropped model leaves nothing behind)
 _RUNTIMES: weakref.WeakKeyDictionary[torch.nn.Module, DecodeRuntime] = weakref.WeakKeyDictionary()
@@ -88,6 +92,12 @@ class RuntimeStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     records: list[dict[str, Any]] = field(default_factory=list)
+    # which prefill ran: "exact" (SDPA on every layer) or "sparse" (prefill_method on prefill_sparse_layers,
+    # SDPA on the others); prefill_records: the method's stats per (row, layer) of the last prefill
+    prefill: str = "exact"
+    prefill_method: str | None = None
+    prefill_sparse_layers: list[int] = field(default_factory=list)
+    prefill_records: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ms_per_step(self) -> float:
@@ -117,11 +127,25 @@ class RuntimeStats:
         values = [r[key] for r in self.records if key in r]
         return sum(values) / len(values) if values else float("nan")
 
+    def prefill_mean(self, key: str) -> float:
+        """Mean of one field over the sparse prefill's (row, layer) calls (NaN after an exact prefill):
+        ``block_density`` (kept key blocks / causal blocks), ``density`` (keys read / causal pairs), ..."""
+        values = [r[key] for r in self.prefill_records if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    @property
+    def prefill_block_density(self) -> float:
+        """Realised block density of the sparse prefill, averaged over its layers (and rows)."""
+        return self.prefill_mean("block_density")
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("records")
+        d.pop("prefill_records")
         d.update(ms_per_step=self.ms_per_step, tokens_per_s=self.tokens_per_s, backends=sorted(self.backends),
-                 method_calls=len(self.records))
+                 method_calls=len(self.records), prefill_block_density=self.prefill_block_density,
+                 prefill_density=self.prefill_mean("density"),
+                 prefill_backends=sorted({r["backend"] for r in self.prefill_records}))
         return d
 
 
@@ -149,6 +173,14 @@ class DecodeRuntime:
             rt.prefill([ids])              # exact, emits the first new token
             rt.decode(63)                  # graph replays
             rt.tokens(), rt.stats
+
+    ``prefill`` chooses the prompt's attention: ``"exact"`` (SDPA, the default), ``"method"`` (the
+    method's own sparse prefill; it must be a :class:`~kvsieve.core.prefill.PrefillMethod`, and its
+    state from the prompt — Sketch&Walk's block sketches — is the state its decode steps start from;
+    one row only), or a :class:`PrefillMethod` spec/instance (its sparse prefill, then ``method`` in the
+    decode steps, e.g. ``DecodeRuntime(model, "dense", prefill="sketchwalk:density=0.1", ...)``). The
+    sparse prefill runs on every layer except ``dense_layers`` and the layers the method keeps exact
+    (sketchwalk's ``dense_layers``), one forward per row; chunked prefill stays exact-only.
     """
 
     def __init__(self, model: torch.nn.Module, method: str | Method = "dense", *, batch_size: int, capacity: int,
@@ -156,7 +188,7 @@ class DecodeRuntime:
                  eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
                  graph: bool | str = "auto", attention_backend: str = "auto", dense_layers: Sequence[int] = (),
                  seed: int = 0, check_every: int = 8, prefill_chunk: int | None = None,
-                 compile_ops: bool | str = "auto"):
+                 compile_ops: bool | str = "auto", prefill: str | Method = "exact"):
         if graph not in GRAPH_CHOICES:
             raise ValueError(f"graph: expected 'auto', True or False, got {graph!r}")
         if compile_ops not in GRAPH_CHOICES:
@@ -182,12 +214,14 @@ class DecodeRuntime:
         # one forward per row by default: causal SDPA without a mask (flash); chunks trade that for memory
         self.seed, self.check_every = seed, check_every
         self.prefill_chunk = capacity if prefill_chunk is None else prefill_chunk
+        self._chunked = prefill_chunk is not None
         self.modules = attention_modules(model)
         n_layers = len(self.modules)
         self.dense_layers = frozenset(int(i) for i in dense_layers)
         bad = sorted(i for i in self.dense_layers if not 0 <= i < n_layers)
         if bad:
             raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
+        self._set_prefill(prefill)
 
         # every refusal before the cache is allocated
         fallbacks = list(self.shape.fallbacks)
@@ -223,6 +257,11 @@ class DecodeRuntime:
                                              dtype=torch.int64, device=dev)
         self.row_seeds = torch.zeros(n_layers, b, dtype=torch.int64, device=dev)
         self.layer_state: dict[int, dict[str, Any]] = defaultdict(dict)
+        # a separate prefill method's per-layer state (one row's prompt) and the forward pass's shared dict
+        # (Sketch&Walk's walk): per request, on the runtime, never on the modules
+        self.prefill_state: dict[int, dict[str, Any]] = defaultdict(dict)
+        self.forward_state: dict[str, Any] = {}
+        self._prefill_calls: list[tuple[int, int, Any]] = []
         self.prompt_lengths: list[int] = []
         self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
         self.graph_obj: torch.cuda.CUDAGraph | None = None
@@ -239,12 +278,19 @@ class DecodeRuntime:
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks)
 
-    def set_method(self, method: str | Method, graph: bool | str = "auto") -> None:
+    def set_method(self, method: str | Method, graph: bool | str = "auto", prefill: str | Method | None = None) -> None:
         """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
-        with ``rewind``): drops the captured graph and every layer's method state."""
+        with ``rewind``): drops the captured graph and every layer's method state. ``prefill`` (default:
+        keep the current choice, checked against the new method) is the next ``prefill()``'s mode."""
+        previous = self.method
         self.method = build_method(method)
-        if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
-            self.method.check_model(self.model)
+        try:
+            if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
+                self.method.check_model(self.model)
+            self._set_prefill(self.prefill_choice if prefill is None else prefill)
+        except Exception:
+            self.method = previous
+            raise
         self.is_dense = self.method.name == "dense"
         self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.graph_obj = None
@@ -252,6 +298,50 @@ class DecodeRuntime:
         self.use_graph, reason = self._choose_graph(graph)
         self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
         self.stats.records.clear()
+
+    def _set_prefill(self, prefill: str | Method) -> None:
+        """Check and record the prefill choice (see the class docstring); every refusal names ``prefill``."""
+        if isinstance(prefill, str) and prefill.strip() == "exact":
+            self.prefill_choice, self.prefill_method, self.prefill_shared = "exact", None, False
+            self.prefill_dense_layers: frozenset[int] = frozenset(range(len(self.modules)))
+            return
+        if isinstance(prefill, str) and prefill.strip() == "method":
+            method, shared = self.method, True
+            if not isinstance(method, PrefillMethod):
+                raise ValueError(f"prefill: 'method' needs a method with a sparse prefill (sketchwalk); "
+                                 f"{method.name} has none (use prefill='exact', or prefill='<spec>' with the "
+                                 "spec of a method that has one)")
+            if self.batch > 1:
+                raise ValueError(f"prefill: 'method' serves one row (batch_size={self.batch}): the runtime "
+                                 f"prefills row by row and {method.name}'s decode state from the prompt is per "
+                                 "request; use batch_size=1, or prefill='<spec>' (a sparse prefill whose state is "
+                                 "not handed to the decode method)")
+        elif isinstance(prefill, (str, Method)):
+            try:
+                method = build_method(prefill)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"prefill: expected 'exact', 'method' or the spec of a method with a sparse "
+                                 f"prefill, got {prefill!r} ({exc})") from None
+            shared = False
+            if not isinstance(method, PrefillMethod):
+                raise ValueError(f"prefill: {method.name} has no sparse prefill; expected 'exact', 'method' or "
+                                 "the spec of a method with one (sketchwalk)")
+            if getattr(method, "check_model", None) is not None:
+                method.check_model(self.model)
+        else:
+            raise ValueError(f"prefill: expected 'exact', 'method' or a method spec, got {prefill!r}")
+        if self._chunked:
+            raise ValueError(f"prefill_chunk: chunked prefill is exact only; {method.name}'s sparse prefill "
+                             "takes the whole prompt in one forward (drop prefill_chunk, or use prefill='exact')")
+        n_layers = len(self.modules)
+        max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
+        exact = self.dense_layers | method.check_layers(n_layers, max_positions)
+        if len(exact) >= n_layers:
+            raise ValueError(f"prefill: {method.spec} would prefill no layer sparsely: layers {sorted(exact)} stay "
+                             f"exact (dense_layers and the method's own) and the model has {n_layers}")
+        self.prefill_dense_layers = exact
+        self.prefill_choice = prefill if isinstance(prefill, str) else method
+        self.prefill_method, self.prefill_shared = method, shared
 
     # -- choices made once --------------------------------------------------------------------
 
@@ -369,6 +459,8 @@ class DecodeRuntime:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         if self.cache.mode == "prefill":
+            if module.layer_idx not in self.prefill_dense_layers:
+                return self._method_prefill(module, query, key, value, scaling)
             return self._prefill_attention(module, query, key, value, scaling)
         layer = module.layer_idx
         if self.is_dense or layer in self.dense_layers:
@@ -383,6 +475,20 @@ class DecodeRuntime:
         if start:  # a later chunk: query i (position start + i) sees keys [0, start + i]
             mask = (self.key_index[None, :n_keys] <= start + self.key_index[:q_len, None])[None, None]
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+
+    def _method_prefill(self, module, query, key, value, scaling):
+        """One layer of one row's prompt through the prefill method's sparse prefill."""
+        layer, method = module.layer_idx, self.prefill_method
+        if self.cache.prefill_start or key.shape[2] != query.shape[2]:  # chunks are refused up front
+            raise RuntimeError(f"prefill: {method.name}'s sparse prefill needs the whole prompt in one forward")
+        state = self.layer_state[layer] if self.prefill_shared else self.prefill_state[layer]
+        # K/V are views of the row's cache prefix; the method gets them contiguous, as sparsify's cache holds them
+        out, stats = method.prefill(query, key.contiguous(), value.contiguous(), scale=scaling, state=state,
+                                    forward=self.forward_state, sparse=True)
+        if out is None:
+            raise RuntimeError(f"prefill: {method.name}.prefill(sparse=True) returned no output")
+        self._prefill_calls.append((self.cache.prefill_row, layer, stats))
+        return out.transpose(1, 2)
 
     def _dense_decode(self, module, query, key, value, scaling):
         if self.attention_backend == "triton":
@@ -439,8 +545,9 @@ class DecodeRuntime:
 
     @torch.no_grad()
     def prefill(self, rows: Sequence[torch.Tensor]) -> None:
-        """Prefill every row exactly (SDPA over the row, or chunks of ``prefill_chunk`` tokens, each seeing
-        the row's earlier keys) and emit its first new token."""
+        """Prefill every row (exactly: SDPA over the row, or chunks of ``prefill_chunk`` tokens, each seeing
+        the row's earlier keys; or through the prefill method, see the class docstring) and emit its first
+        new token."""
         if len(rows) != self.batch:
             raise ValueError(f"rows: expected {self.batch} prompts, got {len(rows)}")
         lengths = [int(r.numel()) for r in rows]
@@ -455,11 +562,14 @@ class DecodeRuntime:
         self.emitted = 0
         self.layer_state.clear()
         self.stats.records.clear()
+        self._prefill_calls = []
         self.graph_obj = None
         self.cache.mode = "prefill"
         last_logits = []
         for b, row in enumerate(rows):
             row = row.reshape(1, -1).to(self.device)
+            self.forward_state = {}  # one forward per row: the walk starts anew
+            self.prefill_state.clear()
             for start in range(0, row.shape[1], self.prefill_chunk):
                 chunk = row[:, start:start + self.prefill_chunk]
                 self.cache.prefill_row, self.cache.prefill_start = b, start
@@ -475,7 +585,8 @@ class DecodeRuntime:
         self.step_counter.zero_()
         self.finished.zero_()
         self.out_tokens.zero_()
-        self._emit(torch.cat(last_logits))
+        self.last_logits = torch.cat(last_logits)  # [B, V]: the logits the first new tokens came from
+        self._emit(self.last_logits)
         self.emitted = 1
         self._after_prefill = self._snapshot()
         if self.device.type == "cuda":
@@ -484,12 +595,29 @@ class DecodeRuntime:
         self.stats.prefill_s = time.perf_counter() - t0
         self.stats.decode_steps = self.stats.host_checks = 0
         self.stats.decode_s = self.stats.capture_s = 0.0
+        self._record_prefill()
+
+    def _record_prefill(self) -> None:
+        """Which prefill ran, and the method's stats per (row, layer), read after the prefill was timed."""
+        st, method = self.stats, self.prefill_method
+        st.prefill = "sparse" if self._prefill_calls else "exact"
+        st.prefill_method = None if method is None else method.spec
+        st.prefill_sparse_layers = sorted({layer for _, layer, _ in self._prefill_calls})
+        st.prefill_records = [{"row": row, "layer": layer, **stats.as_dict()}
+                              for row, layer, stats in self._prefill_calls]
+        self._prefill_calls = []
+        self.forward_state = {}
+        self.prefill_state.clear()
 
     def rewind(self) -> None:
-        """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks."""
+        """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks.
+        Every layer's method state is dropped, except a state the method's own sparse prefill made
+        (``prefill="method"``): it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes
+        what it writes there, so repeating the steps gives the same state."""
         self._restore(self._after_prefill)
         self.emitted = 1
-        self.layer_state.clear()
+        if not (self.prefill_shared and self.stats.prefill == "sparse"):
+            self.layer_state.clear()
         self.stats.records.clear()
         self.stats.decode_steps = self.stats.host_checks = 0
         self.stats.decode_s = self.stats.capture_s = 0.0
