@@ -1,6 +1,6 @@
 """The runtime's sparse prefill (``prefill="method"`` / a prefill method's spec): the same prompt
 attention, K/V cache and first-token logits as ``kvsieve.sparsify(..., phase="prefill")``, the method's
-dense layers exact, per-row forward state, stats, and the refusals."""
+dense layers exact, per-row forward state, stats, and the refusals; the TTFT bench on the CPU."""
 
 import math
 
@@ -156,3 +156,46 @@ def test_bad_prefill_arguments_are_refused_by_name():
         rt.set_method("dense", prefill="exact")
         assert rt.prefill_method is None
 
+
+def test_ttft_bench_rows_on_a_tiny_shape(monkeypatch, tmp_path):
+    from kvsieve.bench import e2e
+
+    monkeypatch.setitem(e2e.MODEL_SHAPES, "tiny", dict(
+        model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
+    seen = []
+    res = e2e.run_ttft_bench(shapes=("tiny",), cases=[(1, 200), (1, 600)], methods=(SPEC,), repeats=2, warmup=1,
+                             device="cpu", dtype=torch.float32, log=lambda s: None,
+                             checkpoint=lambda partial: seen.append(len(partial["rows"])))
+    assert res["kind"] == "e2e-ttft" and seen == [3, 4]
+    rows = res["rows"]
+    done = {r["variant"]: r for r in rows if "ttft_ms" in r}
+    assert set(done) == {"runtime", "hf-eager", SPEC}
+    assert [r for r in rows if r["n"] == 600][0]["skipped"].startswith("context 600")
+    dense, hf, sparse = done["runtime"], done["hf-eager"], done[SPEC]
+    assert dense["prefill"] == "exact" and dense["speedup_vs_runtime_dense"] == 1.0
+    assert sparse["prefill"] == "sparse" and sparse["prefill_sparse_layers"] == [2, 3]
+    assert 0 < sparse["block_density"] < 1 and sparse["prefill_backends"] == ["reference"]
+    assert len(sparse["repeats_ms"]) == 2 and sparse["ttft_ms"] > 0
+    assert sparse["speedup_vs_runtime_dense"] == pytest.approx(dense["ttft_ms"] / sparse["ttft_ms"])
+    # the runtime's exact prefill and transformers' give the same first token; the sparse one is recorded
+    assert hf["first_token"] == dense["first_token"] and "first_token" in sparse
+    paths = e2e.write_results(res, tmp_path, "ttft", "kvsieve bench e2e --ttft --test")
+    text = paths[1].read_text()
+    assert all(p.exists() for p in paths) and "time to first token" in text and f"| 200 | {SPEC} |" in text
+
+
+def test_ttft_bench_refuses_methods_without_a_sparse_prefill():
+    from kvsieve.bench import e2e
+
+    with pytest.raises(ValueError, match="methods: streaming has no sparse prefill"):
+        e2e.run_ttft_bench(shapes=("smollm2-135m",), cases=[(1, 64)], methods=("streaming",), device="cpu")
+
+
+def test_cli_bench_ttft_refuses_bad_arguments_before_building_a_model(capsys):
+    from kvsieve.cli.main import main
+
+    assert main(["bench", "e2e", "--ttft", "--methods", "streaming:sink=4,window=8"]) == 2
+    assert "--methods: streaming has no sparse prefill" in capsys.readouterr().err
+    assert main(["bench", "e2e", "--ttft", "--ttft-repeats", "0"]) == 2
+    assert "--ttft-repeats: expected an integer >= 1" in capsys.readouterr().err

@@ -15,6 +15,19 @@ Reported per (variant, N, batch): ms per decode step (median of per-step CUDA-ev
 mean of one timed loop), tokens/s (batch / step time), speedups vs runtime-dense and vs hf-eager, host
 time to issue a step, and the fraction of the physical floor: (weights read per step + the K/V bytes
 the method reads) / the measured device copy rate (read + write), the floor of issue 16.
+
+``run_ttft_bench`` (``kvsieve bench e2e --ttft``) times the prompt instead: time to first token = one
+prefill of the N-token prompt (every row, one forward each) + the first token, per variant:
+
+- ``runtime``: the runtime's exact prefill (SDPA, causal flash, over each row);
+- a method spec with a sparse prefill (``sketchwalk:density=0.1``): the runtime with
+  ``prefill=<spec>`` (that method's block-sparse prefill on its sparse layers, SDPA on the others);
+- ``hf-eager``: transformers' own forward of the prompt (DynamicCache, SDPA) + argmax of the last
+  position's logits.
+
+Every variant computes the logits of the last position only (``logits_to_keep=1``): all positions' logits
+would be N × vocab (33 GB at 128k for Llama 3.1). Timed with CUDA events around the whole call after
+``warmup`` untimed calls (which compile FlexAttention for that shape), median of ``repeats``.
 """
 
 from __future__ import annotations
@@ -39,6 +52,7 @@ MODEL_SHAPES: dict[str, dict] = {
                          max_position_embeddings=8192, tie_word_embeddings=True),
 }
 BASELINES = ("runtime", "hf-eager")
+TTFT_METHODS = ("sketchwalk:density=0.1",)
 
 
 def build_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
@@ -292,6 +306,254 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
     return _time_steps(step, steps, cuda)
 
 
+# -- time to first token -----------------------------------------------------------------------------
+
+
+def check_ttft_methods(methods: Sequence[str]) -> None:
+    """Every method spec must have a sparse prefill (a ``PrefillMethod``); ValueError naming ``methods``."""
+    from ..core.prefill import PrefillMethod
+    from ..core.registry import method as build_method
+
+    for spec in methods:
+        m = build_method(spec)
+        if not isinstance(m, PrefillMethod):
+            raise ValueError(f"methods: {m.name} has no sparse prefill; the time-to-first-token bench times "
+                             "methods' sparse prefills (sketchwalk), the runtime's exact prefill and transformers'")
+
+
+def _time_prefill(run: Callable[[], object], repeats: int, warmup: int, cuda: bool) -> tuple[dict, object]:
+    """Median time of ``run`` (CUDA events around the whole call, the device idle before it) over ``repeats``
+    calls after ``warmup`` untimed ones; also wall-clock times and the warm-up's (compilation) time."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(warmup):
+        out = run()
+    if cuda:
+        torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    device_ms, wall_ms = [], []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            start.record()
+            out = run()
+            end.record()
+            torch.cuda.synchronize()
+            wall_ms.append((time.perf_counter() - t) * 1e3)
+            device_ms.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            out = run()
+            wall_ms.append((time.perf_counter() - t) * 1e3)
+    times = device_ms if cuda else wall_ms
+    return {"ttft_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "repeats_ms": times,
+            "wall_ms": statistics.median(wall_ms), "warmup_s": warm_s}, out
+
+
+def run_ttft_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequence[int] = (65536, 131072),
+                   batches: Sequence[int] = (1,), methods: Sequence[str] = TTFT_METHODS,
+                   baselines: Sequence[str] = BASELINES, repeats: int = 3, warmup: int = 1,
+                   dtype: torch.dtype = torch.bfloat16, cases: Sequence[tuple[int, int]] | None = None,
+                   device: str = "cuda", log: Callable[[str], None] = print,
+                   checkpoint: Callable[[dict], None] | None = None) -> dict:
+    """Time-to-first-token rows per (shape, batch, context, variant); see the module docstring."""
+    for b in baselines:
+        if b not in BASELINES:
+            raise ValueError(f"baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
+    for name, value, low in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    check_ttft_methods(methods)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+    rows: list[dict] = []
+    results = {
+        "kind": "e2e-ttft",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "dtype": str(dtype).replace("torch.", ""),
+        "protocol": (f"random weights; N random prompt tokens per row; time to first token = prefill (one forward "
+                     f"per row; the last position's logits only) + the first token (greedy); {warmup} untimed "
+                     f"call(s), then the median of {repeats} ({'CUDA-event' if cuda else 'wall-clock'} time "
+                     "around the whole call)"),
+        "rows": rows,
+    }
+    todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
+    for shape in shapes:
+        t0 = time.perf_counter()
+        model = build_model(shape, device=device, dtype=dtype)
+        log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s")
+        for batch, n in todo:
+            base = {"shape": shape, "batch": batch, "n": n}
+            try:
+                case_rows = _run_ttft_case(model, base, methods, baselines, repeats, warmup, cuda, log)
+            except Exception as exc:  # noqa: BLE001 - keep the other cases
+                case_rows = [{**base, "variant": "*", "error": f"{type(exc).__name__}: {exc}"[:300]}]
+                log(_ttft_line(case_rows[0]))
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            _derive_ttft(case_rows)
+            rows.extend(case_rows)
+            if checkpoint is not None:
+                checkpoint(results)
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+def _run_ttft_case(model, base: dict, methods, baselines, repeats: int, warmup: int, cuda: bool, log) -> list[dict]:
+    """The rows of one (shape, batch, N): the runtime's exact prefill, each sparse prefill, then transformers'
+    (after the runtime's cache is freed, so that one cache is alive at a time)."""
+    from ..runtime import DecodeRuntime
+
+    batch, n, cfg = base["batch"], base["n"], model.config
+    if n + 1 > cfg.max_position_embeddings:
+        return [{**base, "variant": "*", "skipped": f"context {n} + 1 > the shape's {cfg.max_position_embeddings}"}]
+    elt = torch.finfo(next(model.parameters()).dtype).bits // 8
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = batch * (n + 1) * cfg.num_key_value_heads * 2 * head_dim * elt * cfg.num_hidden_layers
+    # one layer's activations of one row's forward: the MLP's intermediates (about three alive at once)
+    # and a few hidden-size tensors (residual, norm, q, attention output)
+    act = n * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * elt
+    if cuda:
+        free, _ = torch.cuda.mem_get_info()
+        if kv * 1.15 + act + 4e9 > free:
+            log(f"skip {base}: cache {kv / 1e9:.1f} GB + activations {act / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
+            return [{**base, "variant": "*", "skipped": f"K/V cache {kv / 1e9:.1f} GB + prefill activations "
+                                                         f"{act / 1e9:.1f} GB do not fit in {free / 1e9:.1f} GB free"}]
+    g = torch.Generator().manual_seed(n + batch)
+    device = next(model.parameters()).device
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
+    case_rows = []
+    variants = (["runtime"] if "runtime" in baselines else []) + list(methods)
+    if variants:
+        # decode never runs (one new token: the prefill's): no graph, nothing compiled but FlexAttention
+        rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + 1, max_new_tokens=1, eos_token_id=[],
+                           graph=False, compile_ops=False)
+        with rt:
+            for variant in variants:
+                row = {**base, "variant": variant}
+                try:
+                    rt.set_method("dense", graph=False, prefill="exact" if variant == "runtime" else variant)
+
+                    def run():
+                        rt.prefill(prompts)
+
+                    timing, _ = _time_prefill(run, repeats, warmup, cuda)
+                    row.update(timing)
+                    st = rt.stats
+                    sparse = st.prefill == "sparse"
+                    row.update(prefill=st.prefill, prefill_method=st.prefill_method,
+                               prefill_sparse_layers=st.prefill_sparse_layers,
+                               block_density=st.prefill_block_density if sparse else None,
+                               density=st.prefill_mean("density") if sparse else None,
+                               prefill_backends=sorted({r["backend"] for r in st.prefill_records}),
+                               first_token=rt.out_tokens[:, 0].tolist(), prefill_s=st.prefill_s,
+                               attention="sdpa" + (f" + {'/'.join(sorted({r['backend'] for r in st.prefill_records}))}"
+                                                   " (sparse layers)" if sparse else ""))
+                except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                case_rows.append(row)
+                log(_ttft_line(row))
+        del rt
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    if "hf-eager" in baselines:
+        row = {**base, "variant": "hf-eager"}
+        try:
+            ids = torch.stack(prompts)
+
+            @torch.no_grad()
+            def run_hf():
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                return out.logits[:, -1].argmax(-1)
+
+            timing, tokens = _time_prefill(run_hf, repeats, warmup, cuda)
+            row.update(timing)
+            row.update(prefill="exact", attention=f"{model.config._attn_implementation} (transformers)",
+                       first_token=tokens.tolist())
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        case_rows.append(row)
+        log(_ttft_line(row))
+    return case_rows
+
+
+def _derive_ttft(rows: list[dict]) -> None:
+    base = next((r for r in rows if r["variant"] == "runtime" and "ttft_ms" in r), None)
+    hf = next((r for r in rows if r["variant"] == "hf-eager" and "ttft_ms" in r), None)
+    for r in rows:
+        if "ttft_ms" not in r:
+            continue
+        if base is not None:
+            r["speedup_vs_runtime_dense"] = base["ttft_ms"] / r["ttft_ms"]
+            r["first_token_as_dense"] = r.get("first_token") == base.get("first_token")
+        if hf is not None:
+            r["speedup_vs_hf_eager"] = hf["ttft_ms"] / r["ttft_ms"]
+
+
+def _ttft_line(r: dict) -> str:
+    head = f"{r['shape']} b={r['batch']} n={r['n']} {r['variant']}"
+    if "skipped" in r:
+        return f"{head}: skipped: {r['skipped']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    dens = f" block density {r['block_density']:.3f}" if r.get("block_density") is not None else ""
+    return (f"{head}: time to first token {r['ttft_ms']:.1f} ms (min {r['min_ms']:.1f}, max {r['max_ms']:.1f}; "
+            f"warm-up {r['warmup_s']:.1f} s); prefill={r.get('prefill')}{dens}")
+
+
+def ttft_markdown(results: dict, command: str) -> str:
+    lines = [
+        f"# Time to first token — {results['device']}",
+        "",
+        f"- date: {results['date']}; torch {results['torch']}, transformers {results['transformers']}, "
+        f"triton {results['triton']}; {results['dtype']}",
+        f"- command: `{command}`",
+        f"- protocol: {results['protocol']}",
+        "- runtime = kvsieve's runtime with its exact prefill (SDPA); hf-eager = transformers' forward of the "
+        "prompt (DynamicCache, SDPA); other rows = the runtime with that method's sparse prefill "
+        "(`prefill=<spec>`; the method's dense layers run SDPA); block density = kept key blocks / causal "
+        "blocks over the sparse layers",
+        "",
+    ]
+    rows = results["rows"]
+    for shape in sorted({r["shape"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows if r["shape"] == shape}):
+            sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+            lines += [f"## {shape}, batch {batch}", "",
+                      "| N | variant | time to first token ms | min–max ms | vs runtime-dense | vs hf-eager "
+                      "| prefill | sparse layers | block density | attention | first token = dense | warm-up s |",
+                      "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|---:|"]
+            order = {"runtime": 0, "hf-eager": 1}  # the baselines first, then the methods as given
+            for r in sorted(sel, key=lambda r: (r["n"], order.get(r["variant"], 2))):
+                if "skipped" in r or "error" in r:
+                    what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error'][:160]}"
+                    lines.append(f"| {r['n']:,} | {r['variant']} | {what} | | | | | | | | | |")
+                    continue
+                layers = r.get("prefill_sparse_layers")
+                same = r.get("first_token_as_dense")
+                lines.append(
+                    f"| {r['n']:,} | {r['variant']} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} "
+                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                    f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x | {r.get('prefill')} "
+                    f"| {len(layers) if layers else '—'} | {_fmt(r.get('block_density'), '.3f')} "
+                    f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
+                    f"| {r['warmup_s']:.1f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+
 def _derive(rows: list[dict], peak: float) -> None:
     base = next((r for r in rows if r["variant"] == "runtime" and "ms" in r), None)
     hf = next((r for r in rows if r["variant"] == "hf-eager" and "ms" in r), None)
@@ -330,6 +592,8 @@ def _fmt(value, spec: str) -> str:
 
 
 def markdown(results: dict, command: str) -> str:
+    if results.get("kind") == "e2e-ttft":
+        return ttft_markdown(results, command)
     lines = [
         f"# End-to-end decode benchmark — {results['device']}",
         "",
@@ -391,6 +655,10 @@ def plot(results: dict, path) -> bool:
         return False
     from .report import plot_by_context
 
+    if results.get("kind") == "e2e-ttft":
+        rows = {**results, "rows": [r for r in results["rows"] if "ttft_ms" in r]}
+        plot_by_context(rows, path, "ttft_ms", "context N (prompt tokens per row)", "time to first token (ms)")
+        return True
     # Rows that failed (no "ms") carry no tokens/s and are left out.
     rows = {**results, "rows": [r for r in results["rows"] if "ms" in r]}
     plot_by_context(rows, path, "tokens_per_s", "context N (tokens per row)", "tokens/s (batch / median step time)")

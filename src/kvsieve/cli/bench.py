@@ -48,15 +48,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     e.add_argument("--cases", default=None,
                    help="explicit batch×context cases instead of the full grid, e.g. '1x32k,1x128k,8x32k'")
-    e.add_argument("--methods", default="santa-prop:budget=128",
-                   help="semicolon list of method specs run in the runtime (empty: none)")
+    e.add_argument("--methods", default=None,
+                   help="semicolon list of method specs run in the runtime (empty: none; default "
+                        "santa-prop:budget=128, with --ttft sketchwalk:density=0.1: methods with a sparse prefill)")
     e.add_argument("--baselines", default="runtime,hf-eager", help="comma list of runtime, hf-eager")
     e.add_argument("--steps", type=int, default=30, help="timed decode steps (graph-captured variants)")
     e.add_argument("--method-steps", type=int, default=8, help="timed decode steps of eagerly run methods")
     e.add_argument("--hf-steps", type=int, default=4, help="timed decode steps of transformers' eager decode")
     e.add_argument("--warmup", type=int, default=3)
+    e.add_argument("--ttft", action="store_true",
+                   help="time to first token instead of decode steps: prefill of N tokens + the first token, for the "
+                        "runtime's exact prefill, transformers' (hf-eager) and each method's sparse prefill")
+    e.add_argument("--ttft-repeats", type=int, default=3, help="--ttft: timed prefills per variant (the median)")
+    e.add_argument("--ttft-warmup", type=int, default=1,
+                   help="--ttft: untimed prefills per variant first (they compile FlexAttention for the shape)")
     e.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
-    e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e)")
+    e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e, or -ttft with --ttft)")
     e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
     e.set_defaults(handler=run_e2e)
 
@@ -111,7 +118,8 @@ def parse_cases(text: str) -> tuple[tuple[int, int], ...]:
 def run_e2e(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench.e2e import BASELINES, MODEL_SHAPES, markdown, run_e2e_bench, write_results
+    from ..bench import e2e
+    from ..bench.e2e import BASELINES, MODEL_SHAPES, markdown, write_results
 
     shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
     for s in shapes:
@@ -121,23 +129,41 @@ def run_e2e(args: argparse.Namespace) -> int:
     for b in baselines:
         if b not in BASELINES:
             raise ValueError(f"--baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
-    methods = tuple(m.strip() for m in args.methods.split(";") if m.strip())
+    if args.methods is None:
+        methods = e2e.TTFT_METHODS if args.ttft else ("santa-prop:budget=128",)
+    else:
+        methods = tuple(m.strip() for m in args.methods.split(";") if m.strip())
     import kvsieve
 
     for m in methods:
         kvsieve.method(m)  # a bad spec fails before the model is built
+    if args.ttft:
+        try:
+            e2e.check_ttft_methods(methods)
+        except ValueError as exc:
+            raise ValueError(f"--{exc} (with --ttft)") from None
+        for name, value, low in (("--ttft-repeats", args.ttft_repeats, 1), ("--ttft-warmup", args.ttft_warmup, 0)):
+            if value < low:
+                raise ValueError(f"{name}: expected an integer >= {low}, got {value}")
     cases = parse_cases(args.cases) if args.cases else None
     if not torch.cuda.is_available():
         print("kvsieve bench e2e needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name().lower()
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
-    stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-e2e"
+    stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-{'ttft' if args.ttft else 'e2e'}"
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results = run_e2e_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
-                            methods=methods, baselines=baselines, steps=args.steps, method_steps=args.method_steps,
-                            hf_steps=args.hf_steps, warmup=args.warmup, cases=cases,
-                            checkpoint=lambda partial: write_results(partial, Path(args.out), stem, command))
+    def save(partial):
+        return write_results(partial, Path(args.out), stem, command)
+
+    sizes = dict(contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches), cases=cases)
+    if args.ttft:
+        results = e2e.run_ttft_bench(shapes=shapes, methods=methods, baselines=baselines, repeats=args.ttft_repeats,
+                                     warmup=args.ttft_warmup, checkpoint=save, **sizes)
+    else:
+        results = e2e.run_e2e_bench(shapes=shapes, methods=methods, baselines=baselines, steps=args.steps,
+                                    method_steps=args.method_steps, hf_steps=args.hf_steps, warmup=args.warmup,
+                                    checkpoint=save, **sizes)
     paths = write_results(results, Path(args.out), stem, command)
     print(markdown(results, command))
     for path in paths:
