@@ -199,3 +199,29 @@ def test_cli_bench_ttft_refuses_bad_arguments_before_building_a_model(capsys):
     assert "--methods: streaming has no sparse prefill" in capsys.readouterr().err
     assert main(["bench", "e2e", "--ttft", "--ttft-repeats", "0"]) == 2
     assert "--ttft-repeats: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_cli_generate_refuses_bad_prefill_choices(capsys, tmp_path):
+    from kvsieve.cli.main import main
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    cases = [(["--method", "streaming:sink=4,window=8", "--prefill", "method"],
+              "--prefill method: streaming (--method) has no sparse prefill"),
+             (["--prefill", "streaming"], "--prefill: streaming has no sparse prefill"),
+             (["--prefill", "sketchwalk", "--engine", "sparsify"], "--prefill sketchwalk: the sparse prefill runs in "
+                                                                   "the runtime")]
+    for extra, message in cases:
+        assert main(["generate", "--prompt-file", str(prompt), *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_cli_generate_with_a_sparse_prefill(capsys):
+    from kvsieve.cli.main import main
+
+    assert main(["generate", "--demo", "--context-tokens", "600", "--max-new-tokens", "3",
+                 "--method", "sketchwalk:density=0.2,block_size=32", "--prefill", "method"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "sparse prefill by sketchwalk:block_size=32 on layers 2-29 (the others exact)" in out
+    assert "block density 0." in out and "exact prefill of 600 tokens" in out

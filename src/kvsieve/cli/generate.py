@@ -12,8 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
         help="generate with dense attention and with a method, and compare",
-        description="Prefill the prompt exactly once, then generate greedily with dense attention and "
-        "with the method; print both answers, per-layer density and wall times.",
+        description="Prefill the prompt (exactly, or with --prefill through a method's sparse prefill), then "
+        "generate greedily with dense attention and with the method; print both answers, per-layer density and "
+        "wall times.",
     )
     p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M) or a transformers id/path")
     p.add_argument("--method", default="santa-sys:budget=64", help="method spec, e.g. santa-sys:budget=64")
@@ -26,6 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=("decode", "question"), default="decode",
                    help="decode: generated tokens are sparse; question (demo only): the question too")
     p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact")
+    p.add_argument("--prefill", default="exact",
+                   help="prompt attention of the method's run (runtime engine): exact (SDPA), method (the method's "
+                        "own sparse prefill, e.g. sketchwalk) or the spec of a method with a sparse prefill "
+                        "(e.g. sketchwalk:density=0.1, then --method decodes); the dense run's prefill is exact")
     p.add_argument("--max-new-tokens", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -44,12 +49,39 @@ def _parse_layers(text: str) -> tuple[int, ...]:
         raise ValueError(f"--dense-layers: expected comma-separated integers, got {text!r}") from None
 
 
+def _check_prefill(args: argparse.Namespace, method) -> None:
+    """--prefill: exact, method (a method with a sparse prefill) or such a method's spec; runtime engine only."""
+    import kvsieve
+    from kvsieve.core.prefill import PrefillMethod
+
+    choice = args.prefill.strip()
+    if choice == "exact":
+        return
+    if args.engine == "sparsify" or args.phase != "decode":
+        raise ValueError(f"--prefill {choice}: the sparse prefill runs in the runtime (--engine runtime, --phase "
+                         "decode); with sparsify use a phase that includes the prefill (kvsieve.sparsify(..., "
+                         "phase='prefill'))")
+    if choice == "method":
+        if not isinstance(method, PrefillMethod):
+            raise ValueError(f"--prefill method: {method.name} (--method) has no sparse prefill; use --prefill exact "
+                             "or the spec of a method with one (sketchwalk:density=0.1)")
+        return
+    try:
+        other = kvsieve.method(choice)
+    except ValueError as exc:
+        raise ValueError(f"--prefill: expected exact, method or a method spec, got {choice!r} ({exc})") from None
+    if not isinstance(other, PrefillMethod):
+        raise ValueError(f"--prefill: {other.name} has no sparse prefill; expected exact, method or the spec of a "
+                         "method with one (sketchwalk)")
+
+
 def check_arguments(args: argparse.Namespace):
     """Everything that can be checked before the model is loaded; returns (method, dense layers)."""
     import kvsieve
 
     method = kvsieve.method(args.method)
     dense_layers = _parse_layers(args.dense_layers)
+    _check_prefill(args, method)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     if args.threads < 0:
@@ -186,17 +218,18 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
 
     ids = ids.to(args.device)
 
-    def generate(spec):
+    def generate(spec, prefill="exact"):
         t = time.perf_counter()
         result = kvsieve.generate(model, ids, spec, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                  dense_layers=dense_layers, pad_token_id=tok.pad_token_id, device=args.device)
+                                  dense_layers=dense_layers, pad_token_id=tok.pad_token_id, device=args.device,
+                                  prefill=prefill)
         text = tok.decode(result.tokens[0], skip_special_tokens=True).strip()
         return text, time.perf_counter() - t, result.stats
 
     with console.status("generating with dense attention"):
         dense_text, dense_s, dense_stats = generate("dense")
     with console.status(f"generating with {method.spec}"):
-        sparse_text, sparse_s, stats = generate(method)
+        sparse_text, sparse_s, stats = generate(method, args.prefill.strip())
     table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}")
     for col in ("attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
                 "generate s", "ms/token", "graph"):
@@ -211,8 +244,15 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         cells += [density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
         table.add_row(*cells)
     console.print(table)
-    console.print(f"exact prefill of {ids.shape[1]} tokens: {stats.prefill_s:.1f} s; attention paths: "
-                  f"{', '.join(sorted(stats.backends))}")
+    console.print(f"exact prefill of {ids.shape[1]} tokens: {dense_stats.prefill_s:.1f} s (dense run)")
+    if stats.prefill == "sparse":
+        console.print(f"{stats.method}: sparse prefill by {stats.prefill_method} on layers "
+                      f"{_ranges(stats.prefill_sparse_layers)} (the others exact): "
+                      f"{stats.prefill_s:.1f} s, block density {stats.prefill_block_density:.3f}, backends "
+                      f"{', '.join(sorted({r['backend'] for r in stats.prefill_records}))}")
+    else:
+        console.print(f"{stats.method}: exact prefill, {stats.prefill_s:.1f} s")
+    console.print(f"{stats.method}: decode attention paths: {', '.join(sorted(stats.backends))}")
     for st in (dense_stats, stats):
         if st.capture_s:
             console.print(f"{st.method}: graph capture and compilation {st.capture_s:.1f} s (in generate s, "
@@ -223,6 +263,17 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
             console.print(f"{st.method}: {note}")
     _print_layer_summary(console, stats.layer_summary(), dense_layers)
     return 0
+
+
+def _ranges(layers: list[int]) -> str:
+    """[2, 3, 4, 7] -> '2-4, 7'."""
+    parts: list[list[int]] = []
+    for i in layers:
+        if parts and i == parts[-1][1] + 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def _print_layer_summary(console, summary: dict, dense_layers) -> None:
