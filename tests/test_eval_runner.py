@@ -151,6 +151,28 @@ def test_sketchwalk_cells_run_their_prompt_inside_the_session(default_model, tmp
 
 
 @pytest.mark.model
+def test_sketchwalk_cells_in_setup_b_take_the_question_as_one_chunk(default_model, tmp_path):
+    """Setup B for a prefill method: its session records the context, the question (+ the forced target)
+    goes through its decode as one multi-row call per layer, each row with its own walk; at density 1
+    greedy decoding and teacher forcing are dense's (a sparse run's chunk is compared with single-token
+    steps in tests/test_sketchwalk.py, on a tiny model)."""
+    import kvsieve
+
+    model, tok = default_model
+    spec = kvsieve.method("sketchwalk:density=1.0,block_size=16").spec
+    cfg = tiny(tmp_path, phase="question", stop_when_solved=False, max_new_tokens=3, methods=("dense", spec))
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert res.computed == 2
+    dense = res.store.read("niah_single_2", 384, 0, "dense")
+    full = res.store.read("niah_single_2", 384, 0, spec)
+    assert full["prediction"] == dense["prediction"] and full["new_tokens"] == 3
+    assert full["kl_mean"] < 1e-6 and full["top1_agree"] == 1.0 and full["tf_tokens"] == dense["tf_tokens"]
+    sparse_layers = model.config.num_hidden_layers - 2  # layers 0 and 1 stay dense
+    # per sparse layer: the teacher-forced chunk, the question again, 2 generated tokens fed back
+    assert full["sparse_calls"] == sparse_layers * 4
+
+
+@pytest.mark.model
 def test_length_above_model_maximum_is_refused_before_writing(default_model, tmp_path):
     model, tok = default_model
     with pytest.raises(ValueError, match="maximum context of 8192"):

@@ -15,6 +15,7 @@ from kvsieve.kernels.sparse.block_sparse import (
     selection_token_mask,
 )
 from kvsieve.methods.sketchwalk import (
+    HOPS_KEY,
     STATE_KEY,
     WALK_KEY,
     block_budget,
@@ -409,6 +410,123 @@ def test_decode_walk_at_a_block_boundary_equals_the_prefill_walk_row():
     torch.testing.assert_close(decode_forward[WALK_KEY], prefill_forward[WALK_KEY][:, c], atol=1e-9, rtol=1e-7)
 
 
+# -- a chunk of query rows (setup B's question): one call per layer ≡ one single-token step per row ----------
+
+
+def chunk_and_steps(spec, *, b=2, hq=4, hkv=2, d=32, n0=90, q_len=28, short=(0, 7), layers=3, seed=0,
+                    dtype=F64, prefill=True):
+    """The same tokens through ``layers`` layers after an ``n0``-token prompt: (a) one forward whose calls take
+    the ``q_len`` rows at once, (b) ``q_len`` forwards of one token each (the cache cut at the token, as a
+    model's steps see it). Batch row i is ``short[i]`` tokens shorter (ragged lengths). Returns, per run, the
+    per-layer outputs ``[B, Hq, Q, d]``, walks (per row: ``[B, Q, n]`` zero-padded), stats, and final states."""
+    g = gen(seed)
+    n_total = n0 + q_len
+    data = [[torch.randn(b, h, n_total, d, generator=g, dtype=F64).to(dtype) for h in (hq, hkv, hkv)]
+            for _ in range(layers)]
+    m = kvsieve.method(f"sketchwalk:{spec}")
+
+    def prompt():
+        states, forward = [{} for _ in data], {}
+        if prefill:
+            for (q, k, v), st in zip(data, states, strict=True):
+                m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+        return states
+
+    states, forward, chunk = prompt(), {}, []
+    lengths = torch.tensor([n_total - s for s in short])
+    for (q, k, v), st in zip(data, states, strict=True):
+        st[FORWARD_STATE] = forward
+        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st)
+        chunk.append((out, forward[WALK_KEY].view(b, q_len, -1).clone(), stats, forward[HOPS_KEY]))
+    chunk_states = states
+    states, steps = prompt(), [[] for _ in data]
+    for t in range(q_len):
+        forward = {}
+        lens = torch.tensor([n0 + t + 1 - s for s in short])
+        for layer, ((q, k, v), st) in enumerate(zip(data, states, strict=True)):
+            st[FORWARD_STATE] = forward
+            out, stats = m.decode(q[:, :, n0 + t], k[:, :, : n0 + t + 1], v[:, :, : n0 + t + 1], lengths=lens, state=st)
+            steps[layer].append((out, forward[WALK_KEY].clone(), stats, forward[HOPS_KEY]))
+    return chunk, chunk_states, steps, states
+
+
+CHUNK_CASES = [
+    # the chunk starts mid-block (90 = 5·16 + 10) and completes two blocks; ragged rows
+    ("block_size=16,sketch_dim=16,density=0.3", {}),
+    ("block_size=16,sketch_dim=16,density=0.3,walk=one-hop", {}),
+    ("block_size=16,sketch_dim=16,density=0.2,walk=diagonal,fixed_k=true", dict(seed=1)),
+    ("block_size=16,sketch_dim=16,density=0.3,walk=oracle", dict(seed=2)),
+    ("block_size=16,sketch_dim=16,density=0.3,walk_power=matrix,alpha=3", dict(seed=3)),
+    # float32, GQA 4, a chunk that starts on a block boundary and ends mid-block
+    ("block_size=16,sketch_dim=32,density=0.4", dict(dtype=torch.float32, b=1, hq=8, n0=96, q_len=33, short=(0,),
+                                                    seed=4)),
+    # no prompt seen (fresh state): one-hop, a chunk over three blocks of 32
+    ("block_size=32,sketch_dim=16,density=0.4,walk=one-hop", dict(prefill=False, n0=70, q_len=75, layers=2, seed=5)),
+]
+
+
+@pytest.mark.parametrize("spec,kw", CHUNK_CASES)
+def test_a_chunk_of_rows_equals_one_token_steps(spec, kw):
+    """Each row of a multi-row call carries its own walk through the layers, and the state is left as the
+    single-token steps leave it: outputs, every row's walk at every layer, stats and the final state."""
+    chunk, chunk_states, steps, step_states = chunk_and_steps(spec, **kw)
+    exact = kw.get("dtype", F64) == F64
+    rtol = 1e-9 if exact else 2e-4
+    b, q_len = chunk[0][1].shape[:2]
+    bs = int(dict(x.split("=") for x in spec.split(","))["block_size"])
+    for layer, (out, walks, stats, hops) in enumerate(chunk):
+        outs, step_walks, step_stats, step_hops = zip(*steps[layer], strict=True)
+        torch.testing.assert_close(out, torch.stack(outs, 2), rtol=rtol, atol=1e-12 if exact else 1e-5)
+        assert hops == layer + 1 and set(step_hops) == {layer + 1}
+        for t, w in enumerate(step_walks):  # entry by entry: Ã^α spans tens of decades
+            torch.testing.assert_close(walks[:, t, : w.shape[1]], w, rtol=rtol, atol=1e-30)
+            assert not walks[:, t, w.shape[1]:].any()
+        assert stats.blocks_kept == pytest.approx(sum(s.blocks_kept for s in step_stats) / q_len, rel=1e-12)
+        assert stats.kv_rows_read == pytest.approx(sum(s.kv_rows_read for s in step_stats) / q_len, rel=1e-12)
+        assert stats.backend == "reference" and stats.extra["selection"] == "reference"
+        assert stats.walk_hops == layer + 1
+    n_tok = chunk_states[0][STATE_KEY].q_tok.shape[1]
+    n_tok = min(n_tok, step_states[0][STATE_KEY].q_tok.shape[1])
+    for a, r in zip(chunk_states, step_states, strict=True):
+        sa, sr = a[STATE_KEY], r[STATE_KEY]
+        n = -(-(kw.get("n0", 90) + q_len) // bs)
+        torch.testing.assert_close(sa.q_tok[:, :n_tok], sr.q_tok[:, :n_tok], rtol=0, atol=0)
+        for key in ("q_sum", "k_sum", "k_sketch"):
+            torch.testing.assert_close(getattr(sa, key)[:, :n], getattr(sr, key)[:, :n], rtol=rtol, atol=1e-12)
+        torch.testing.assert_close(sa.a_tilde[:, :n, :n], sr.a_tilde[:, :n, :n], rtol=rtol, atol=1e-30)
+        if sr.a_hat is not None:
+            torch.testing.assert_close(sa.a_hat[:, :n, :n], sr.a_hat[:, :n, :n], rtol=rtol, atol=1e-30)
+        assert sa.a_tilde[:, :n, :n].count_nonzero() > n  # rows of blocks completed during the chunk are there
+
+
+def test_a_chunk_row_at_a_block_boundary_equals_the_prefill_walk_row():
+    """The spec's decode/prefill agreement for chunks: a question block whose rows all carry the block's
+    mean query gives, at the row that completes it, the prefill's walk row and selection of that block."""
+    bs, c = 16, 6
+    n_total = (c + 1) * bs
+    qs, ks, vs = three_layers(n_total, seed=21)
+    qs = [q.clone() for q in qs]
+    for q in qs:
+        q[:, :, c * bs:] = q[:, :, c * bs:].mean(2, keepdim=True)
+    m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,density=0.3")
+    _, prefill_forward, _ = run_layers(m, qs, ks, vs, n_total, 0)
+    states, forward = [{} for _ in qs], {}
+    for q, k, v, st in zip(qs, ks, vs, states, strict=True):
+        m.prefill(q[:, :, : c * bs], k[:, :, : c * bs], v[:, :, : c * bs], scale=None, state=st, forward={},
+                  sparse=True)
+    for q, k, v, st in zip(qs, ks, vs, states, strict=True):
+        st[FORWARD_STATE] = forward
+        m.decode(q[:, :, c * bs:], k, v, state=st)
+    b = qs[0].shape[0]
+    last = forward[WALK_KEY].view(b, bs, -1)[:, -1]
+    torch.testing.assert_close(last, prefill_forward[WALK_KEY][:, c], atol=1e-9, rtol=1e-7)
+    rows = torch.full((b, 1), c)
+    budget = block_budget(rows, 0.3, fixed_k=False, n_blocks=c + 1)
+    kmax = max_block_budget(c + 1, 0.3, fixed_k=False)
+    assert torch.equal(select_blocks(last[:, None], rows, budget, kmax)[0],
+                       select_blocks(prefill_forward[WALK_KEY][:, c:c + 1], rows, budget, kmax)[0])
+
+
 def test_decode_with_density_one_is_exact_and_selects_block_lists():
     qs, ks, vs = three_layers(150, seed=30)
     m = kvsieve.method("sketchwalk:block_size=16,sketch_dim=16,density=1.0")
@@ -533,12 +651,61 @@ def test_integration_bad_input():
     with pytest.raises(ValueError, match="block_size"):
         with kvsieve.sparsify(model, "sketchwalk:block_size=2048"):
             pass
-    with pytest.raises(ValueError, match="phase"):
-        with kvsieve.sparsify(model, "sketchwalk", phase="question", question_start=3):
-            pass
     with pytest.raises(ValueError, match="prefill"):
         with kvsieve.sparsify(model, "oracle-topk", phase="all"):
             pass
+
+
+def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_one():
+    """Setup B: the context's forward is recorded, the question goes through the decode as one multi-row
+    call per layer; the same logits as feeding the question token by token, and dense's at density 1."""
+    model = tiny_llama()
+    x = ids(280, seed=2)
+    ctx = 243  # mid-block: the question completes blocks 15 and 16 of 16 tokens
+    with torch.no_grad():
+        ref = model(x).logits
+        for density in (1.0, 0.2):
+            spec = f"sketchwalk:density={density},block_size=16,sketch_dim=16"
+            logits = {}
+            for mode in ("chunk", "steps"):
+                cache = DynamicCache()
+                with kvsieve.sparsify(model, spec, phase="question", question_start=ctx) as s:
+                    model(x[:, :ctx], past_key_values=cache)
+                    if mode == "chunk":
+                        logits[mode] = model(x[:, ctx:], past_key_values=cache).logits
+                    else:
+                        logits[mode] = torch.cat([model(x[:, t:t + 1], past_key_values=cache).logits
+                                                  for t in range(ctx, 280)], 1)
+                if mode == "chunk":  # one call per sparse layer, every question row, walks over the two layers
+                    assert [(r["layer"], r["rows"], r["walk_hops"]) for r in s.records] == [(2, 37, 1), (3, 37, 2)]
+                    assert {r["selection"] for r in s.records} == {"reference"}
+            torch.testing.assert_close(logits["chunk"], logits["steps"], atol=1e-5, rtol=1e-5)
+            if density == 1.0:
+                torch.testing.assert_close(logits["chunk"], ref[:, ctx:], atol=1e-4, rtol=1e-4)
+            else:
+                assert float((logits["chunk"] - ref[:, ctx:]).abs().max()) > 1e-2  # actually sparse
+                assert s.mean("density") < 0.5
+
+
+def test_integration_question_phase_refuses_what_its_state_cannot_follow():
+    model = tiny_llama()
+    x = ids(120, seed=3)
+    spec = "sketchwalk:density=0.3,block_size=16,sketch_dim=16"
+    with torch.no_grad():
+        # the context in two chunks: the second would be exact and unrecorded
+        with pytest.raises(ValueError, match="context in one forward pass"):
+            with kvsieve.sparsify(model, spec, phase="question", question_start=100):
+                cache = DynamicCache()
+                model(x[:, :50], past_key_values=cache)
+                model(x[:, 50:], past_key_values=cache)
+        # a padded question chunk: blocks are cache positions
+        with pytest.raises(ValueError, match="attention_mask"):
+            with kvsieve.sparsify(model, spec, phase="question", question_start=100):
+                cache = DynamicCache()
+                model(x[:, :100], past_key_values=cache)
+                mask = torch.ones(1, 120, dtype=torch.long)
+                mask[0, 3] = 0
+                model(x[:, 100:], past_key_values=cache, attention_mask=mask)
 
 
 def test_oracle_selection_keeps_the_most_attention_mass_per_block_row():
@@ -612,6 +779,54 @@ def test_decode_kernel_path_equals_the_reference_path_on_the_gpu():
     from interpreted import run_script
 
     assert float(run_script(KERNEL_DECODE, "cuda", False).split("WORST")[-1]) < 1e-4
+
+
+# A chunk of query rows on the kernel path: the torch selection of every row (the fused one serves one row
+# per batch row), then the weighted sparse kernel reading the batch row's cache for its Q rows.
+KERNEL_CHUNK = """
+import torch
+import kvsieve
+from kvsieve.core.prefill import FORWARD_STATE
+device = "{device}"
+gen = torch.Generator().manual_seed(4)
+b, hq, hkv, d, bs, n0, q_len = 2, 6, 2, 64, 16, 150, 12
+layers = [[torch.randn(b, h, n0 + q_len, d, generator=gen).to(device) for h in (hq, hkv, hkv)] for _ in range(2)]
+outs = {{}}
+for backend in ("triton", "reference"):
+    m = kvsieve.method(f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0,backend={{backend}}")
+    states, forward = [{{}} for _ in layers], {{}}
+    for (q, k, v), st in zip(layers, states):
+        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+    forward, res = {{}}, []
+    lengths = torch.tensor([n0 + q_len, n0 + q_len - 9], device=device)  # ragged rows
+    for (q, k, v), st in zip(layers, states):
+        st[FORWARD_STATE] = forward
+        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st)
+        assert stats.backend == backend and stats.extra["selection"] == "reference", stats.extra
+        res.append((out, stats.kv_rows_read, stats.block_density, forward["sketchwalk/w"].clone()))
+    outs[backend] = res
+worst = 0.0
+for (a, ra, da, wa), (r, rr, dr, wr) in zip(outs["triton"], outs["reference"]):
+    assert ra == rr and da == dr and torch.equal(wa, wr)  # the same selection
+    worst = max(worst, float((a.double() - r.double()).norm() / r.double().norm()))
+print("WORST", worst)
+"""
+
+
+@pytest.mark.triton
+def test_chunk_on_the_kernel_path_equals_the_reference_path_under_the_interpreter():
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    assert float(run_script(KERNEL_CHUNK, "cpu", True).split("WORST")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunk_on_the_kernel_path_equals_the_reference_path_on_the_gpu():
+    from interpreted import run_script
+
+    assert float(run_script(KERNEL_CHUNK, "cuda", False).split("WORST")[-1]) < 1e-4
 
 
 # The fused selection (kernels/sketchwalk/decode.py): the state update, the Ã rows, the walk and the chosen

@@ -14,7 +14,8 @@ the generated ones use the method. Under ``phase="decode"`` (setup A) the questi
 exactly as well and only generated tokens use the method. Either way the shared prefill is
 exact, so every method reuses it and pays only for its own tokens — except a prefill method
 (Sketch&Walk), whose decode needs what it records from the prompt's own forward (the queries): its
-prompt is run again inside its session (setup A; sparsify refuses setup B for it).
+prompt (setup A) or its context (setup B, then the question as one multi-row chunk) is run again
+inside its session.
 """
 
 from __future__ import annotations
@@ -291,9 +292,11 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
         base = pre.cache
         if _records_prompt(session):
             # A prefill method (Sketch&Walk) keeps what its decode needs from the prompt's forward, queries
-            # included: the prompt is run again inside the session (exact under phase="decode").
+            # included: the prompt (setup A) or the context (setup B) is run again inside the session, exact.
             again = prefill(model, sample, cfg.phase, timer)
-            base = cache = again.cache
+            base = again.cache
+            # Setup B runs the question on `cache` and may start again from `base`: two caches.
+            cache = copy.deepcopy(base) if cfg.phase == "question" else base
             logits = again.last_logits
         if cfg.phase == "question" and question:
             run = forced[:-1] if len(forced) > len(question) else question

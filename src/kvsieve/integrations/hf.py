@@ -11,7 +11,9 @@ Per-request state (step counter, each layer's method state, the collected stats)
 
 Methods with a prefill path (:class:`~kvsieve.core.prefill.PrefillMethod`, e.g. Sketch&Walk) also
 get the prompt's forward pass (sparse under ``phase="prefill"`` or ``"all"``, observed only under
-``"decode"``) and one dict per forward pass shared by its layers (``SparseSession.forward_state``).
+``"decode"`` and ``"question"``) and one dict per forward pass shared by its layers
+(``SparseSession.forward_state``). Under ``"question"`` the question chunk that follows the observed
+context goes through their decode as one multi-row call per layer.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class _Plan:
     first_row: int  # query rows before it stay exact (host-known)
     row_mask: torch.Tensor | None  # [B, Q'] bool on the device where rows after first_row still differ
     track_rows: torch.Tensor | None  # [Q'] rows whose error is tracked (positions divisible by k)
+    plain_causal: bool | None = None  # the forward's mask is plain causal (checked once, prefix-only methods)
 
 
 @dataclass
@@ -257,11 +260,19 @@ class SparseSession:
         batch, _, q_len, _ = query.shape
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
-        if q_len > 1 and isinstance(self.method, PrefillMethod) and layer not in self.dense_layers:
+        prefill_method = isinstance(self.method, PrefillMethod) and layer not in self.dense_layers
+        # Setup B: a chunk after the observed context (the question) goes through the method's decode.
+        question_chunk = prefill_method and self.phase == "question" and n_keys > q_len
+        if q_len > 1 and prefill_method and not question_chunk:
             out = self._prefill(module, query, key, value, attention_mask, scaling, kwargs)
             if out is not None:
                 return out
         plan = self._plan(batch, q_len, n_keys, query.device)
+        if question_chunk and (plan is None or plan.first_row > 0):
+            raise ValueError(
+                f"model: {self.method.name} takes the context in one forward pass (its decode needs what the "
+                f"prefill records) and then the question; this forward has {q_len} tokens after {n_keys - q_len} "
+                "cached ones that start before the question")
         reason = None if plan is None else self._exact_reason(module, layer, n_keys, kwargs)
         if plan is None or reason is not None:
             if reason is not None:
@@ -275,6 +286,8 @@ class SparseSession:
         q_rows = query[:, :, lo:, :]
         rows = q_len - lo
         key_mask = None
+        if attention_mask is not None and q_len > 1 and self.method.prefix_only_note:
+            attention_mask = self._prefix_only_mask(plan, attention_mask, batch, q_len, n_keys)
         if attention_mask is not None:
             m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
             m = m[:, lo:, :n_keys]
@@ -296,6 +309,22 @@ class SparseSession:
             out = torch.cat([out[:, :lo], mixed], dim=1) if lo else mixed
         self._account(layer, n_keys - q_len + lo, n_keys - 1, rows, stats, error)
         return out
+
+    def _prefix_only_mask(self, plan: _Plan, attention_mask: torch.Tensor, batch: int, q_len: int,
+                          n_keys: int) -> torch.Tensor | None:
+        """None when the chunk's mask is plain causal (then the method gets per-row lengths), else a
+        ValueError: methods whose blocks are cache positions (``prefix_only_note``) serve no padding.
+        Read once per forward (a host read of the mask, on multi-row forwards only)."""
+        if plan.plain_causal is None:
+            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            m = m[:, 0] if m.dim() == 4 else m
+            rows = torch.arange(n_keys - q_len, n_keys, device=m.device)
+            causal = torch.arange(n_keys, device=m.device)[None, :] <= rows[:, None]
+            plan.plain_causal = bool((m[..., :q_len, :n_keys] == causal).all())
+        if not plan.plain_causal:
+            raise ValueError(f"attention_mask: {self.method.name} needs plain causal attention for a chunk of "
+                             f"query rows ({self.method.prefix_only_note}); run padded prompts one at a time")
+        return None
 
     def _state(self, layer: int) -> dict[str, Any]:
         """The method's state for this request and layer. ``state["layer"]`` tells methods with
@@ -436,7 +465,9 @@ def sparsify(
 
     - ``phase="decode"``: the prompt is prefilled exactly; generated tokens use the method.
     - ``phase="question"`` (setup B): the context is prefilled exactly; the question's tokens (from
-      ``question_start`` or ``session.mark_question(...)``) and generated tokens use the method.
+      ``question_start`` or ``session.mark_question(...)``) and generated tokens use the method. A method
+      with a sparse prefill (``sketchwalk``) records the context's forward (one pass, no past keys) and
+      takes the question as a chunk of query rows after it.
     - ``phase="prefill"`` / ``"all"``: methods with a sparse prefill (``sketchwalk``) run it on the
       prompt; generated tokens stay exact (``"prefill"``) or use the method too (``"all"``).
     - ``dense_layers``: layer indices that always stay exact.
@@ -461,8 +492,6 @@ def sparsify(
     n_layers = len(modules)
     dense = frozenset(int(i) for i in dense_layers)
     if isinstance(m, PrefillMethod):
-        if phase not in ("decode", "prefill", "all"):
-            raise ValueError(f"phase: {m.name} supports phases decode, prefill and all, got {phase!r}")
         max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         dense = dense | m.check_layers(n_layers, max_positions)
     elif phase in SPARSE_PREFILL:

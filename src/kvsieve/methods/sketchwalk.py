@@ -18,8 +18,10 @@
 Decode keeps, per layer (``state``), running block sums of the head-averaged keys and queries, the
 key sketches and the rows of ``Ã`` of completed blocks (append-only, by causality); the current
 token's row of ``Â`` comes from its own query, and the walk runs over the token's pass through the
-layers (the forward pass's shared dict, see :mod:`kvsieve.core.prefill`). Every reconstructed
-choice is listed in ``docs/methods/sketchwalk.md``.
+layers (the forward pass's shared dict, see :mod:`kvsieve.core.prefill`). A call with ``Q > 1`` query
+rows per batch row (a question chunk, setup B) leaves the state as ``Q`` single-token steps would and
+gives each row its own walk across the layers of the forward (``[B·Q, n]`` in the forward's dict).
+Every reconstructed choice is listed in ``docs/methods/sketchwalk.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from ..core.config import MethodConfig, param, require_choice, require_int
 from ..core.inputs import DecodeInputs
-from ..core.method import read_stats
+from ..core.method import read_stats, select_rows
 from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import register_method
 from ..core.stats import StepStats
@@ -158,16 +160,33 @@ def times_with_row(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Te
     return torch.matmul(before[:, None, :], rows_cache).squeeze(1) + at_last * last_row
 
 
+def times_with_rows(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Tensor,
+                    last: torch.Tensor) -> torch.Tensor:
+    """:func:`times_with_row` for ``Q`` rows per batch row, each with its own last row: ``x [B, Q, n]``,
+    ``rows_cache [B, n, n]``, ``last_row [B, Q, n]``, ``last [B, Q]``; row ``(b, j)`` is ``x[b, j] · M``
+    with ``M`` holding ``rows_cache[b]`` above row ``last[b, j]`` and ``last_row[b, j]`` as that row."""
+    cols = torch.arange(x.shape[-1], device=x.device)
+    before = torch.where(cols < last[..., None], x, 0.0)
+    at_last = x.gather(-1, last[..., None])
+    return torch.matmul(before, rows_cache) + at_last * last_row
+
+
 def normalize_rows(w: torch.Tensor) -> torch.Tensor:
     """Each row divided by its maximum: exact for row-wise top-k (``D·W`` then ``·Ã`` ranks as ``W·Ã``)."""
     return w / w.amax(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
 
 
-def block_budget(rows: torch.Tensor, density: float, *, fixed_k: bool, n_blocks: int) -> torch.Tensor:
+def block_budget(rows: torch.Tensor, density: float, *, fixed_k: bool, n_blocks: int | torch.Tensor) -> torch.Tensor:
     """Blocks kept by query block ``rows`` (any int tensor): ``max(2, ⌈ρ(i+1)⌉)`` or, with ``fixed_k``,
-    ``max(2, ⌈ρ·n_blocks⌉)``, never more than its ``i + 1`` causal blocks."""
+    ``max(2, ⌈ρ·n_blocks⌉)``, never more than its ``i + 1`` causal blocks. ``n_blocks``: an int, or a
+    tensor shaped like ``rows`` (one context per row)."""
     causal = rows.to(torch.float64) + 1
-    base = torch.full_like(causal, float(n_blocks)) if fixed_k else causal
+    if not fixed_k:
+        base = causal
+    elif isinstance(n_blocks, torch.Tensor):
+        base = n_blocks.to(torch.float64).expand_as(causal)
+    else:
+        base = torch.full_like(causal, float(n_blocks))
     # The 1e-9 keeps ρ·(i+1) that is an integer in exact arithmetic (0.7·10) from rounding up.
     k = torch.clamp(torch.ceil(density * base - 1e-9), min=2)
     return torch.minimum(k, causal).long()
@@ -309,6 +328,9 @@ class SketchWalk(PrefillMethod):
     exact_config = {"density": 1.0}
     exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
     prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
+    # Q > 1 query rows per batch row (a question chunk) in one call: the torch selection for all rows,
+    # each with its own walk (the fused selection serves one row per batch row).
+    multi_row = True
     summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
 
     # -- shared pieces ----------------------------------------------------------------------------------
@@ -473,16 +495,19 @@ class SketchWalk(PrefillMethod):
         if inputs.lengths is None:
             raise ValueError("key_mask: sketchwalk needs each row's valid keys to be a prefix [0, length) "
                              "(blocks are positions); left padding is not supported")
-        b, hq, d = inputs.q.shape
+        b, hq, d = inputs.q.shape  # b: query rows (B·Q)
+        chunk = inputs.q_len > 1
         n_tok, bs = inputs.n_keys, cfg.block_size
         dtype, logit_scale = self._dims(d, inputs.q.dtype)
         dev = inputs.q.device
         phi = self._phi(d, dev, dtype)
         n = -(-n_tok // bs)
         sk = state.get(STATE_KEY)
-        if (sk is None or sk.k_sum.shape[0] != b or sk.k_sum.shape[2] != d or sk.k_sum.dtype != dtype
-                or sk.k_sum.device != dev):
-            sk = self._fresh_sketch(inputs, phi, dtype)
+        if (sk is None or sk.k_sum.shape[0] != inputs.cache_batch or sk.k_sum.shape[2] != d
+                or sk.k_sum.dtype != dtype or sk.k_sum.device != dev):
+            # a chunk's state starts before its first row's token
+            first = torch.arange(inputs.cache_batch, device=dev) * inputs.q_len
+            sk = self._fresh_sketch(select_rows(inputs, first) if chunk else inputs, phi, dtype)
         sk.grow(n, n_tok)
         length = inputs.lengths
         forward = state.get(FORWARD_STATE)
@@ -493,7 +518,7 @@ class SketchWalk(PrefillMethod):
         path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
         # The fused selection serves the paper's configuration; the controls that need the full Â row
         # (matrix power) or dense attention (oracle) keep the torch selection before the kernel.
-        fused = path == "triton" and cfg.walk_power == "hadamard" and cfg.walk != "oracle"
+        fused = path == "triton" and cfg.walk_power == "hadamard" and cfg.walk != "oracle" and not chunk
         if fused:
             from ..kernels.sketchwalk.decode import sketch_walk_select
 
@@ -510,7 +535,8 @@ class SketchWalk(PrefillMethod):
                 c = torch.div(length - 1, bs, rounding_mode="floor")
                 return pages[:, 0].long(), n_pages[:, 0].long(), c
         else:
-            w, blocks, counts, c = self._select_reference(inputs, sk, phi, dtype, logit_scale, previous, kmax, state)
+            select = self._select_reference_rows if chunk else self._select_reference
+            w, blocks, counts, c = select(inputs, sk, phi, dtype, logit_scale, previous, kmax, state)
             pages = n_pages = None
 
             def selection():
@@ -536,7 +562,10 @@ class SketchWalk(PrefillMethod):
             if pages is None:
                 pages = blocks[:, None, :].expand(b, inputs.kv_heads, kmax).to(torch.int32).contiguous()
                 n_pages = counts[:, None].expand(b, inputs.kv_heads).to(torch.int32).contiguous()
-            out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale)
+            if chunk:  # the Q rows of a batch row read its cache (no per-row copy of K/V)
+                k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.cache_k, inputs.cache_v))
+            out, _ = sparse_decode_triton(q, k, v, pages, n_pages, page_size=bs, lengths=lens, scale=inputs.scale,
+                                          rows_per_batch=inputs.q_len)
         else:
             tokens, valid = token_lists()
             idx = torch.where(valid, tokens, 0)[:, None].expand(b, inputs.kv_heads, -1)
@@ -548,6 +577,8 @@ class SketchWalk(PrefillMethod):
             extra["backend_reason"] = reason
         if fused:
             extra["selection"] = "fused"
+        elif chunk:
+            extra["selection"] = "reference"  # the torch selection of Q rows per batch row, whatever the attention
 
         def stats():  # built when read: a captured step (nobody reads it) launches none of this
             _, counts, c = selection()
@@ -614,5 +645,93 @@ class SketchWalk(PrefillMethod):
         w = self.walk_step(previous, a_token, lambda prev: times_with_row(prev, sk.a_tilde[:, :n, :n], a_token, c))
         rank = w + TIE_BREAK * normalize_rows(a_token)
         budget = block_budget(c, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n)  # n: blocks of the longest row
+        blocks, counts = select_blocks(rank[:, None], c[:, None], budget[:, None], kmax)
+        return w, blocks[:, 0], counts[:, 0], c
+
+    def _rows_transition(self, sk: LayerSketch, log_rows: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+        """:meth:`_row_transition` for ``Q`` rows per batch row: ``log_rows [B, Q, n]``, ``rows [B, Q]``."""
+        cfg = self.config
+        if cfg.walk_power == "hadamard":
+            return hadamard_power(log_rows, cfg.alpha)
+        a_rows = torch.exp(log_rows)
+        x = a_rows
+        for _ in range(int(cfg.alpha) - 1):
+            x = times_with_rows(x, sk.a_hat[:, :n, :n], a_rows, rows)
+        return x
+
+    def _select_reference_rows(self, inputs: DecodeInputs, sk: LayerSketch, phi: torch.Tensor, dtype: torch.dtype,
+                               logit_scale: float, previous: torch.Tensor | None, kmax: int, state: dict[str, Any]):
+        """:meth:`_select_reference` for ``Q > 1`` query rows per batch row (positions ``p .. p+Q−1``), in
+        torch: the state as the ``Q`` single-token steps leave it, and each row's Ã row, walk and selection
+        as its own step computes them — its block's key sketch from its keys so far, the Ã rows of the
+        blocks completed before it (in this chunk too), the previous layer's walk of the same row.
+        Returns ``(w [R, n], blocks [R, kmax], counts [R], c [R])`` for the ``R = B·Q`` rows."""
+        cfg = self.config
+        r_rows, _, d = inputs.q.shape
+        bq, ql = inputs.cache_batch, inputs.q_len
+        n_tok, bs = inputs.n_keys, cfg.block_size
+        dev = inputs.q.device
+        n = -(-n_tok // bs)
+        m = phi.shape[0]
+        pos = inputs.lengths.long() - 1  # [R] each row's token (consecutive within a batch row)
+        c = torch.div(pos, bs, rounding_mode="floor")
+        brow = inputs.batch_row()
+        q_new = inputs.q.to(dtype).mean(1)  # [R, d]
+        sk.q_tok[brow, pos] = q_new
+        # Each row's block so far, as its own step recomputes it (queries kept, keys from the cache).
+        tok = c[:, None] * bs + torch.arange(bs, device=dev)  # [R, bs]
+        seen = (tok <= pos[:, None]).to(dtype)[..., None]
+        q_rows = sk.q_tok[brow[:, None], tok.clamp(max=sk.q_tok.shape[1] - 1)]  # [R, bs, d]
+        k_rows = inputs.cache_k[brow[:, None], :, tok.clamp(max=n_tok - 1)]  # [R, bs, Hkv, d]
+        q_part = (q_rows * seen).sum(1)
+        k_part = (k_rows.to(dtype).mean(2) * seen).sum(1)
+        in_block = (pos - c * bs + 1).to(dtype)[:, None]
+        k_sketch_part = (k_part / in_block) @ phi.T  # [R, m]: block c's key sketch as row r sees it
+        # The state: each block the chunk touches takes the sums of its last row in the chunk. Per batch
+        # row the blocks are first_c + i, i < nb (host bound), clamped to the last one (a repeated write of
+        # the same values).
+        pos2, c2 = pos.view(bq, ql), c.view(bq, ql)
+        nb = (ql - 1) // bs + 2
+        batch = torch.arange(bq, device=dev)[:, None]
+        blk = torch.minimum(c2[:, :1] + torch.arange(nb, device=dev), c2[:, -1:])  # [B, nb]
+        end = torch.minimum(blk * bs + bs - 1, pos2[:, -1:])  # the block's last token in the chunk
+        last = batch * ql + (end - pos2[:, :1])  # [B, nb] its row
+        sk.q_sum[batch, blk] = q_part[last]
+        sk.k_sum[batch, blk] = k_part[last]
+        sk.k_sketch[batch, blk] = k_sketch_part[last]
+        k_sketch = sk.k_sketch[:, :n]
+        # Blocks completed in the chunk: their rows of Â/Ã are final (Â first: the matrix power reads the
+        # rows of the blocks before, which may have completed in this chunk too).
+        complete = (end == blk * bs + bs - 1)[..., None]
+        q_block = (q_part[last] / in_block[last]) @ phi.T  # [B, nb, m]
+        log_block = causal_log_scores(q_block, k_sketch, logit_scale, blk)
+        if cfg.walk_power == "matrix":
+            sk.a_hat[batch, blk, :n] = torch.where(complete, torch.exp(log_block), sk.a_hat[batch, blk, :n])
+        row_block = self._rows_transition(sk, log_block, blk, n)
+        sk.a_tilde[batch, blk, :n] = torch.where(complete, row_block, sk.a_tilde[batch, blk, :n])
+        state[STATE_KEY] = sk
+        # Each row's own row of Â: the final key sketches before its block, its own sketch of the block.
+        q_sketch = q_new @ phi.T  # [R, m]
+        logits = torch.matmul(q_sketch.view(bq, ql, m), k_sketch.transpose(-1, -2)).view(r_rows, n) * logit_scale
+        own = (q_sketch * k_sketch_part).sum(-1, keepdim=True) * logit_scale
+        logits = logits.scatter(1, c[:, None], own)
+        cols = torch.arange(n, device=dev)
+        log_token = torch.log_softmax(logits.masked_fill(cols > c[:, None], float("-inf")), dim=-1)
+        a_token = self._rows_transition(sk, log_token.view(bq, ql, n), c2, n).view(r_rows, n)
+        if cfg.walk == "oracle":
+            probs = inputs.probs(dtype).mean(1)  # [R, N]: exact attention mass, head-averaged
+            a_token = block_sums(probs[..., None], bs)[..., 0]
+        self._check_walk_history(previous, sk)
+
+        def times(prev: torch.Tensor) -> torch.Tensor:
+            return times_with_rows(prev.view(bq, ql, n), sk.a_tilde[:, :n, :n], a_token.view(bq, ql, n),
+                                   c2).view(r_rows, n)
+
+        w = self.walk_step(previous, a_token, times)
+        rank = w + TIE_BREAK * normalize_rows(a_token)
+        # fixed_k: row j's context is the cache its own step would hold, N − Q + 1 + j keys
+        j = torch.arange(r_rows, device=dev) % ql
+        n_rows = torch.div(n_tok - ql + 1 + j + bs - 1, bs, rounding_mode="floor")
+        budget = block_budget(c, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n_rows)
         blocks, counts = select_blocks(rank[:, None], c[:, None], budget[:, None], kmax)
         return w, blocks[:, 0], counts[:, 0], c
