@@ -683,6 +683,11 @@ for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3
     pos = torch.randint(0, 5000, (b,), generator=g).to(dev)
     ref = probe_scores_reference(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
     got = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
+    # The in-kernel top-l: torch.topk's buckets, best first (random weights: no ties), every l up to C.
+    for probes in sorted(set([1, 3, c // 2, c])):
+        scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv, probes=probes)
+        assert torch.equal(top, torch.topk(scores, probes, dim=-1).indices), (c, probes)
+        assert torch.equal(scores, got)
     x = derope_reference(q, pos, inv_freq, 1.3).cpu()
     xm = x.view(b, models, hq // models, d).permute(1, 0, 2, 3).reshape(models, -1, d)
     with torch.no_grad():

@@ -479,16 +479,16 @@ class Saap(Method):
             if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
-                scores = probe_scores_triton(inputs.q, inputs.n_valid - 1, self.artifacts.rope.inv_freq_on(
+                _, buckets = probe_scores_triton(inputs.q, inputs.n_valid - 1, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
-                    *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv)
+                    *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
                     scores = scores.view(inputs.batch, hkv, group, -1).sum(2)
                 else:
                     offsets, ids = (t.repeat_interleave(group, dim=1) for t in (offsets, ids))
-            buckets = torch.topk(scores, self.probes, dim=-1).indices
+                buckets = torch.topk(scores, self.probes, dim=-1).indices
         else:
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
         run = bucket_sparse_decode_triton if backend == "triton" else bucket_sparse_decode
