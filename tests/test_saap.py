@@ -573,6 +573,12 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
                                               dense_splits=splits[0], bucket_splits=splits[1])
             assert torch.equal(ref[2], got[2])
             worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
+        # One dense list shared by the KV heads, read through a head stride of 0 (as SAAP passes it).
+        shared, shared_counts = dense[:, :1].expand(b, hkv, -1), dc[:, :1].expand(b, hkv)
+        ref = bucket_sparse_decode_reference(q, k, v, shared.contiguous(), shared_counts.contiguous(), offsets, ids,
+                                             bk, w)
+        got = bucket_sparse_decode_triton(q, k, v, shared, shared_counts, offsets, ids, bk, w, block_n=16)
+        worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
 print("worst", worst)
 """
 

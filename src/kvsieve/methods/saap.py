@@ -471,7 +471,12 @@ class Saap(Method):
         dense_ids, dense_counts = self._dense_list(inputs, idx)
         hkv, group = inputs.kv_heads, inputs.group
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
-        per_head = lambda t: t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:]).contiguous()  # noqa: E731
+        copy = self._backend(inputs) != "triton"
+
+        def per_head(t: torch.Tensor) -> torch.Tensor:
+            # The kernel reads the shared dense list through a head stride of 0; the reference wants copies.
+            e = t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:])
+            return e.contiguous() if copy else e
         offsets, ids = idx["offsets"], idx["ids"]
         backend = self._backend(inputs)
         fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped

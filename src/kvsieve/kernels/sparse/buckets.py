@@ -164,7 +164,7 @@ if triton is not None:
     def _bucket_parts_kernel(
         q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, off_ptr, ids_ptr, bkt_ptr,
         acc_ptr, m_ptr, l_ptr,
-        scale, kv_heads, n_buckets, n_probe, dense_width, n_ids,
+        scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -189,8 +189,9 @@ if triton is not None:
         q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
                     mask=g_ok[:, None], other=0.0)
         if p == 0:
-            list_ptr = dense_ptr + row * dense_width
-            count = tl.load(dense_cnt_ptr + row)
+            # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
+            list_ptr = dense_ptr + b * s_db + h * s_dh
+            count = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch)
             start = count * 0  # int64 like the other branch's (the compiler needs one type)
         else:
             c = tl.load(bkt_ptr + row * n_probe + p - 1)
@@ -267,8 +268,8 @@ def bucket_sparse_decode_triton(
     acc = torch.empty(b, hq, parts, dv, device=q.device, dtype=torch.float32)
     m = torch.empty(b, hq, parts, device=q.device, dtype=torch.float32)
     l = torch.empty(b, hq, parts, device=q.device, dtype=torch.float32)
-    dense_indices = dense_indices.contiguous()
-    dense_counts = dense_counts.contiguous()
+    if dense_indices.stride(-1) != 1:
+        dense_indices = dense_indices.contiguous()
     offsets, ids, buckets = offsets.contiguous(), ids.contiguous(), buckets.contiguous()
     k_, v_ = k, v
     if k.stride(-1) != 1:
@@ -278,7 +279,8 @@ def bucket_sparse_decode_triton(
     block_g = max(16, next_pow2(group))
     _bucket_parts_kernel[(hkv, b, parts)](
         q, k_, v_, dense_indices, dense_counts, offsets, ids, buckets, acc, m, l,
-        float(scale), hkv, offsets.shape[-1] - 1, max(n_probe, 1), dense_indices.shape[-1], ids.shape[-1],
+        float(scale), hkv, offsets.shape[-1] - 1, max(n_probe, 1), dense_indices.stride(0), dense_indices.stride(1),
+        dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1],
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv,
