@@ -547,46 +547,64 @@ import torch, kvsieve
 from kvsieve.kernels.sparse.buckets import (build_csr, list_width, bucket_sparse_decode_reference,
                                             bucket_sparse_decode_triton)
 g = torch.Generator().manual_seed(0)
-worst = 0.0
+worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
 for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 200, 6, 0), (1, 4, 1, 16, 150, 8, 8),
-                                      (2, 6, 2, 32, 97, 5, 3)]:
+                                      (2, 6, 2, 32, 97, 5, 3), (1, 8, 2, 16, 260, 40, 17)]:
     for seed in range(2):
         assign = torch.randint(0, c + 1, (b, hkv, n), generator=g)
         assign[0, 0, assign[0, 0] == 2] = 3  # bucket 2 empty in one list
         assign[..., 10:80] = 1  # a bucket longer than a block, not a multiple of it
         assign[..., 5] = 0
+        assign[0, -1, assign[0, -1] == 4] = 0
+        assign[0, -1, 7] = 4  # a bucket of one key
         assign[..., 0] = c
         offsets, ids = build_csr(assign, c)
         bk = torch.stack([torch.randperm(c, generator=g)[:probes] for _ in range(b * hkv)]).view(b, hkv, probes)
         if probes:
             bk[0, 0, 0] = 2
+            bk[0, -1, -1] = 4
         dense = torch.arange(n - 40, n).expand(b, hkv, -1).contiguous()
         dc = torch.full((b, hkv), 40)
         dc[0, 0] = 1
+        w = list_width(offsets, probes)
+        # keys added since the build: a range per batch row after the list (empty in the first row)
+        lo = torch.full((b,), n - 45)
+        hi = torch.full((b,), n - 41)
+        hi[0] = lo[0] - 3
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.randn(b, hq, d, generator=g).to(dtype)
+            k, v = torch.randn(2, b, hkv, n, d, generator=g).to(dtype)
+            for rng in (None, (lo, hi)):
+                ref = bucket_sparse_decode_reference(q.float(), k.float(), v.float(), dense, dc, offsets, ids, bk, w,
+                                                     dense_range=rng)
+                # one program per list, the default split, splits that leave programs empty
+                for splits in (1, None, 3, 40):
+                    got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
+                                                      splits=splits, dense_range=rng)
+                    assert torch.equal(ref[2], got[2]), (ref[2], got[2])
+                    assert got[0].dtype == dtype
+                    worst[dtype] = max(worst[dtype], float((ref[0] - got[0].float()).abs().max()),
+                                       float((ref[1] - got[1]).abs().max()))
+        # One dense list shared by the KV heads, read through a head stride of 0 (as SAAP passes it).
         q = torch.randn(b, hq, d, generator=g)
         k, v = torch.randn(2, b, hkv, n, d, generator=g)
-        w = list_width(offsets, probes)
-        ref = bucket_sparse_decode_reference(q, k, v, dense, dc, offsets, ids, bk, w)
-        # one program per part (the paper's), the default split, and splits that leave programs empty
-        for splits in ((1, 1), (None, 4), (3, 2), (5, 7)):
-            got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
-                                              dense_splits=splits[0], bucket_splits=splits[1])
-            assert torch.equal(ref[2], got[2])
-            worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
-        # One dense list shared by the KV heads, read through a head stride of 0 (as SAAP passes it).
         shared, shared_counts = dense[:, :1].expand(b, hkv, -1), dc[:, :1].expand(b, hkv)
         ref = bucket_sparse_decode_reference(q, k, v, shared.contiguous(), shared_counts.contiguous(), offsets, ids,
-                                             bk, w)
-        got = bucket_sparse_decode_triton(q, k, v, shared, shared_counts, offsets, ids, bk, w, block_n=16)
-        worst = max(worst, float((ref[0] - got[0]).abs().max()), float((ref[1] - got[1]).abs().max()))
-print("worst", worst)
+                                             bk, w, dense_range=(lo, hi))
+        got = bucket_sparse_decode_triton(q, k, v, shared, shared_counts, offsets, ids, bk, w, block_n=16,
+                                          dense_range=(lo, hi))
+        assert torch.equal(ref[2], got[2])
+        worst[torch.float32] = max(worst[torch.float32], float((ref[0] - got[0]).abs().max()),
+                                   float((ref[1] - got[1]).abs().max()))
+print("worst", worst[torch.float32], worst[torch.bfloat16])
 """
 
 
 @pytest.mark.triton
 def test_triton_bucket_kernel_matches_the_reference():
-    """Bucket sizes 0, 1 and longer than a block (not a multiple of it), GQA groups 1-4, under the
-    interpreter (chosen before triton is imported, hence the subprocess)."""
+    """Bucket sizes 0, 1 and longer than a block (not a multiple of it), GQA groups 1-4, ℓ from 0 to 17,
+    float32 and bfloat16, with and without a dense range (empty in one row), 1 to 40 programs per list,
+    under the interpreter (chosen before triton is imported, hence the subprocess)."""
     import os
     import subprocess
     import sys
@@ -595,8 +613,9 @@ def test_triton_bucket_kernel_matches_the_reference():
     res = subprocess.run([sys.executable, "-c", TRITON_CASES], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, TRITON_INTERPRET="1"))
     assert res.returncode == 0, res.stderr[-3000:]
-    worst = float(res.stdout.split("worst")[-1])
-    assert worst < 1e-5  # float32 sums of <= 300 terms in another order
+    worst32, worst16 = (float(x) for x in res.stdout.split("worst")[-1].split())
+    assert worst32 < 1e-5  # float32 sums of <= 300 terms in another order
+    assert worst16 < 2e-2  # bfloat16 output and probabilities (the kernel's P·V) against a float32 reference
 
 
 @pytest.mark.gpu
@@ -628,21 +647,36 @@ COMPILE_FOR_H100 = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kvsieve.kernels.saap import probe
 from kvsieve.kernels.sparse import buckets
-kernel = buckets._bucket_parts_kernel
-pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-            "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "dense_ptr": "*i64", "dense_cnt_ptr": "*i64",
-            "off_ptr": "*i64", "ids_ptr": "*i64", "bkt_ptr": "*i64"}
-meta = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "DOT_PRECISION": "tf32", "DENSE_SPLITS": 16,
-        "BUCKET_SPLITS": 4}
-signature, constexprs = {}, {}
-for i, name in enumerate(kernel.arg_names):
-    if name in meta:
-        signature[name], constexprs[(i,)] = "constexpr", meta[name]
-    else:
-        signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
-src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
+
+
+def compile_(kernel, pointers, meta, floats=()):
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
+    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
+
+
+compile_(buckets._bucket_parts_kernel,
+         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+          "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
+          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64"},
+         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 64,
+          "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False}, floats=("scale",))
+# the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the in-register
+# sort of 1024 scores for the top-l
+compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
+                                "b1_ptr": "*fp32", "h_ptr": "*fp32"},
+         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64}, floats=("scaling",))
+compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
+         {"BLOCK_R": 16, "BLOCK_K": 64, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
+compile_(probe._group_softmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
+         {"BLOCK_C": 1024, "TOP": True})
 """
 
 
@@ -654,9 +688,9 @@ def test_bucket_kernel_refuses_bad_splits():
     offsets, ids = build_csr(torch.zeros(1, 2, 50, dtype=torch.long), 4)
     dense, counts = torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, dtype=torch.long)
     buckets = torch.zeros(1, 2, 1, dtype=torch.long)
-    for name in ("dense_splits", "bucket_splits"):
-        with pytest.raises(ValueError, match=f"{name}: expected an integer >= 1"):
-            bucket_sparse_decode_triton(q, k, v, dense, counts, offsets, ids, buckets, **{name: 0})
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="splits: expected an integer >= 1"):
+            bucket_sparse_decode_triton(q, k, v, dense, counts, offsets, ids, buckets, splits=bad)
 
 
 PROBE_CASES = r"""
@@ -665,11 +699,11 @@ from pathlib import Path
 import torch, kvsieve
 from kvsieve.methods.saap import QueryClassifier
 from kvsieve.kernels.saap.probe import (derope_reference, fold_batchnorm, probe_scores_reference,
-                                        probe_scores_triton)
+                                        probe_scores_triton, serve_weights)
 from tests.test_saap import write_artifacts
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
-worst = 0.0
+worst = worst16 = 0.0
 # The kernels against their reference and against the unfolded module (one model per KV head or per query
 # head; head dims whose half is below and above tl.dot's 16; hidden and bucket counts off the blocks).
 for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3, 16, 16, 8, False),
@@ -687,6 +721,15 @@ for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3
     inv_freq = (1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))).to(dev)
     q = torch.randn(b, hq, d, generator=g).to(torch.bfloat16).to(dev)
     pos = torch.randint(0, 5000, (b,), generator=g).to(dev)
+    # The serve-time weights (bfloat16 W1', W2: three-term products in the logits kernel) against the
+    # reference on the same rounded tensors; the positions given as lengths with the kernel's - 1.
+    ws = serve_weights(*w)
+    assert ws[0].dtype == ws[2].dtype == torch.bfloat16
+    ref16 = probe_scores_reference(q, pos, inv_freq, 1.3, *ws, kv_heads=hkv)
+    got16, top16 = probe_scores_triton(q, pos + 1, inv_freq, 1.3, *ws, kv_heads=hkv, probes=min(c, 5),
+                                       position_offset=-1)
+    assert torch.equal(top16, torch.topk(got16, min(c, 5), dim=-1).indices)
+    worst16 = max(worst16, float((got16 - ref16).abs().max()))
     ref = probe_scores_reference(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
     got = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
     # The in-kernel top-l: torch.topk's buckets, best first (random weights: no ties), every l up to C.
@@ -721,6 +764,7 @@ for per in ("kv", "query"):
     assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
     assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
     worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
+print("worst16", worst16)
 print("worst", worst)
 """
 
@@ -732,6 +776,7 @@ def test_fused_probe_matches_the_reference_and_the_method_path():
 
     out = run_script(PROBE_CASES, "cpu", interpret=True)
     assert float(out.split("worst")[-1]) < 1e-5
+    assert float(out.split("worst16")[-1].split()[0]) < 1e-5  # the same rounded weights on both sides
 
 
 @pytest.mark.gpu
@@ -744,7 +789,8 @@ def test_fused_probe_on_cuda_matches_the_reference():
 
 @pytest.mark.triton
 def test_triton_bucket_kernel_compiles_for_the_h100():
-    """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does."""
+    """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does: the
+    bucket kernel and the probe's kernels (bfloat16 weights, the top-l sort of 1024 scores)."""
     import os
     import subprocess
     import sys
@@ -755,4 +801,5 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and "shared" in res.stdout, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("shared") == 4, res.stderr[-3000:]
+

@@ -189,10 +189,10 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
     buckets = torch.topk(torch.rand(1, hkv, clusters, device=device), probes, dim=-1).indices
     row["saap-step_us"] = timed(lambda: saap_step(case, index, probes, kernel))
     row["saap-attention_us"] = timed(lambda: kernel(q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
-    if device.type == "cuda":  # the kernel's work split: (1, 1) is the paper's one program per part
-        for ds, bs in ((1, 1), (8, 2), (16, 4), (32, 8)):
-            row[f"saap-attention@{ds}x{bs}_us"] = timed(lambda ds=ds, bs=bs: kernel(
-                q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, dense_splits=ds, bucket_splits=bs))
+    if device.type == "cuda":  # the kernel's work split: programs per (row, KV head), each a share of its keys
+        for splits in (8, 16, 32, 64, 128):
+            row[f"saap-attention@{splits}_us"] = timed(lambda splits=splits: kernel(
+                q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, splits=splits))
     row["saap-attention-reference_us"] = timed(lambda: bucket_kernels.bucket_sparse_decode(
         q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
     row["saap-probe_us"] = timed(probe)
@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=2047)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device, to check the script")
+    p.add_argument("--tag", default="", help="names the variant (e.g. a branch) in results.json and the table's title, "
+                                            "so that runs of two trees in one session stay apart")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if not args.smoke and device.type != "cuda":
@@ -263,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "flashinfer": fi_note, "command": " ".join(sys.argv), "smoke": args.smoke,
+            "tag": args.tag, "kvsieve": str(Path(kvsieve.__file__).parent),
             "keys": "Gaussian mixture, C unit centres x4 + N(0, I) noise, Dirichlet(1) weights, roped (theta 5e5)"}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             "saap-attention-reference_us", "saap-step_us", "method-eager_us", "method-graph_us", "sdpa_us",
             "flashinfer_us", "speedup_step_vs_flashinfer", "speedup_attention_vs_flashinfer",
             "speedup_method_graph_vs_flashinfer", "max_abs_err_vs_masked_fp32", "method_max_abs_err_vs_reference"]
-    lines = [f"# SAAP decode step vs FlashInfer ({meta['device']}, {meta['date']})", "",
+    tag = f" [{args.tag}]" if args.tag else ""
+    lines = [f"# SAAP decode step vs FlashInfer{tag} ({meta['device']}, {meta['date']})", "",
              f"`{meta['command']}`; {meta['flashinfer']}; saap-attention/step run `{rows[0]['attention_path']}`, "
              f"the reference runs `{rows[0]['sparse_path']}`; keys: {meta['keys']}.",
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]

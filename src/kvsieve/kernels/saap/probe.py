@@ -19,6 +19,14 @@ hidden layer, and the softmax needs a whole row of logits. One program per (mode
 computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
 block) the logits, one per (batch row, KV head) the softmaxes and their group sum. Dots run in IEEE
 float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+
+Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
+(``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
+33.5 MB in float32, 16.8 MB in bfloat16. Activations stay float32: the kernels upcast the weights
+(hidden layer) or split the float32 hidden activations into three bfloat16 terms whose sum is the
+float32 value to 2^-24 (logits), so that the bfloat16 tensor cores multiply them by the exact bfloat16
+weights with float32 accumulation: the product is float32 arithmetic on the rounded weights, which
+is what the references compute (they take the same rounded tensors).
 """
 
 from __future__ import annotations
@@ -45,6 +53,22 @@ def fold_batchnorm(w1, b1, w2, b2, running_mean, running_var, gamma, beta, eps: 
     return w1f, b1f, w2.float().contiguous(), b2.float().contiguous()
 
 
+def serve_weights(w1, b1, w2, b2) -> tuple[torch.Tensor, ...]:
+    """The folded classifier as the decode step reads it: ``w1'``, ``w2`` rounded to bfloat16 (half the
+    bytes of the step's largest read), biases float32. Rounding the weights moves the logits by about
+    2^-9 relative: it can reorder buckets whose scores nearly tie, nothing else. The kernels and the
+    references take these same tensors."""
+    return (w1.to(torch.bfloat16).contiguous(), b1.float().contiguous(), w2.to(torch.bfloat16).contiguous(),
+            b2.float().contiguous())
+
+
+def classifier_logits_reference(x, w1, b1, w2, b2) -> torch.Tensor:
+    """``[M, R, C]`` logits of the folded classifier for ``x [M, R, d]`` (float32 arithmetic on the given
+    weights, whatever their dtype)."""
+    hidden = torch.relu(torch.baddbmm(b1.float()[:, None, :], x.float(), w1.float()))
+    return torch.baddbmm(b2.float()[:, None, :], hidden, w2.float())
+
+
 def derope_reference(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> torch.Tensor:
     """``[B, Hq, d]`` float32 pre-RoPE queries (transformers' ``rotate_half`` layout): RoPE at position
     ``p`` is ``scaling`` times a rotation by ``p·inv_freq``, so its inverse rotates back and divides by
@@ -63,8 +87,7 @@ def probe_scores_reference(q, positions, inv_freq, scaling: float, w1, b1, w2, b
     per = hq // models  # query heads per model: G per KV head, 1 per query head
     x = derope_reference(q, positions, inv_freq, scaling)
     xm = x.view(b, models, per, d).permute(1, 0, 2, 3).reshape(models, b * per, d)
-    hidden = torch.relu(torch.baddbmm(b1[:, None, :], xm, w1))
-    probs = torch.softmax(torch.baddbmm(b2[:, None, :], hidden, w2), dim=-1)  # [M, B·per, C]
+    probs = torch.softmax(classifier_logits_reference(xm, w1, b1, w2, b2), dim=-1)  # [M, B·per, C]
     probs = probs.view(models, b, per, -1).permute(1, 0, 2, 3).reshape(b, hq, -1)
     return probs.view(b, kv_heads, hq // kv_heads, -1).sum(2)
 
@@ -73,8 +96,10 @@ if triton is not None:
 
     @triton.jit
     def _hidden_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                       pos_offset,
                        HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """``h[m, r, :] = relu(derope(q_r)·W1'[m] + b1'[m])`` for every row ``r`` of model ``m``."""
+        """``h[m, r, :] = relu(derope(q_r)·W1'[m] + b1'[m])`` for every row ``r`` of model ``m``; row ``r``'s
+        query sits at ``positions[r // per] + pos_offset``."""
         m = tl.program_id(0)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, BLOCK_R)
@@ -87,7 +112,7 @@ if triton is not None:
         base = q_ptr + b[:, None] * s_qb + head[:, None] * s_qh + offs_d[None, :]
         y1 = tl.load(base, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         y2 = tl.load(base + HALF, mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        pos = tl.load(pos_ptr + b, mask=r_ok, other=0).to(tl.float32)
+        pos = (tl.load(pos_ptr + b, mask=r_ok, other=0) + pos_offset).to(tl.float32)
         freqs = pos[:, None] * tl.load(freq_ptr + offs_d, mask=d_ok, other=0.0)[None, :]
         c = tl.cos(freqs)
         s = tl.sin(freqs)
@@ -95,8 +120,8 @@ if triton is not None:
         x2 = (y2 * c - y1 * s) / scaling
         w_base = w1_ptr + m * (2 * HALF) * hidden + offs_d[:, None] * hidden + offs_h[None, :]
         w_ok = d_ok[:, None] & h_ok[None, :]
-        w_top = tl.load(w_base, mask=w_ok, other=0.0)
-        w_bot = tl.load(w_base + HALF * hidden, mask=w_ok, other=0.0)
+        w_top = tl.load(w_base, mask=w_ok, other=0.0).to(tl.float32)
+        w_bot = tl.load(w_base + HALF * hidden, mask=w_ok, other=0.0).to(tl.float32)
         acc = tl.dot(x1, w_top, input_precision="ieee") + tl.dot(x2, w_bot, input_precision="ieee")
         acc += tl.load(b1_ptr + m * hidden + offs_h, mask=h_ok, other=0.0)[None, :]
         acc = tl.maximum(acc, 0.0)
@@ -104,9 +129,23 @@ if triton is not None:
                  mask=r_ok[:, None] & h_ok[None, :])
 
     @triton.jit
+    def _split3(x):
+        """Three bfloat16 terms whose sum is the float32 ``x`` to 2^-24 relative (each takes the rounding
+        error of the ones before)."""
+        hi = x.to(tl.bfloat16)
+        rest = x - hi.to(tl.float32)
+        mid = rest.to(tl.bfloat16)
+        lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+        return hi, mid, lo
+
+    @triton.jit
     def _logits_kernel(h_ptr, w2_ptr, b2_ptr, out_ptr, rows, hidden, buckets,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
-        """``logits[m, r, c] = h[m, r, :]·W2[m, :, c] + b2[m, c]`` for one block of buckets."""
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                       W_BF16: tl.constexpr, DOT_F32: tl.constexpr):
+        """``logits[m, r, c] = h[m, r, :]·W2[m, :, c] + b2[m, c]`` for one block of buckets. A bfloat16
+        ``W2`` meets the float32 hidden rows split in three bfloat16 terms (:func:`_split3`): three
+        tensor-core products with float32 accumulation, float32 accuracy. ``DOT_F32``: the interpreter
+        (whose bfloat16 ``tl.dot`` is wrong) takes the same terms upcast."""
         m = tl.program_id(0)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         offs_r = tl.arange(0, BLOCK_R)
@@ -120,7 +159,19 @@ if triton is not None:
                          mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             wb = tl.load(w2_ptr + (m * hidden + offs_k[:, None]) * buckets + offs_c[None, :],
                          mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-            acc += tl.dot(hb, wb, input_precision="ieee")
+            if W_BF16:
+                hi, mid, lo = _split3(hb)
+                if DOT_F32:
+                    wf = wb.to(tl.float32)
+                    acc += tl.dot(lo.to(tl.float32), wf, input_precision="ieee")
+                    acc += tl.dot(mid.to(tl.float32), wf, input_precision="ieee")
+                    acc += tl.dot(hi.to(tl.float32), wf, input_precision="ieee")
+                else:
+                    acc = tl.dot(lo, wb, acc, out_dtype=tl.float32)
+                    acc = tl.dot(mid, wb, acc, out_dtype=tl.float32)
+                    acc = tl.dot(hi, wb, acc, out_dtype=tl.float32)
+            else:
+                acc += tl.dot(hb, wb.to(tl.float32), input_precision="ieee")
         acc += tl.load(b2_ptr + m * buckets + offs_c, mask=c_ok, other=0.0)[None, :]
         tl.store(out_ptr + (m * rows + offs_r[:, None]) * buckets + offs_c[None, :], acc,
                  mask=r_ok[:, None] & c_ok[None, :])
@@ -156,11 +207,13 @@ if triton is not None:
 
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
-                        probes: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        probes: int = 0, position_offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets (what ``torch.topk(scores,
-    probes).indices`` gives, ties aside), from the last launch."""
-    from ..triton_utils import next_pow2
+    probes).indices`` gives, ties aside), from the last launch. The queries sit at ``positions +
+    position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
+    Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
+    from ..triton_utils import kernels_interpreted, next_pow2
 
     if triton is None:
         raise RuntimeError("probe_scores_triton needs triton")
@@ -183,10 +236,14 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     block_h = 64
     _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
-        HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
-    block_c = 32
+        int(position_offset), HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+    # 64 buckets (128 bytes of a bfloat16 W2 row) per program: 8 × 16 programs at C = 1024, each streaming
+    # its 1024 × 64 slice of W2 in 64-row tiles that the loop pipelines.
+    w_bf16 = w2.dtype == torch.bfloat16
+    block_c = 64 if w_bf16 else 32
     _logits_kernel[(models, triton.cdiv(buckets, block_c))](
-        hid, w2, b2, logits, rows, hidden, buckets, BLOCK_R=block_r, BLOCK_K=64, BLOCK_C=block_c, num_warps=4)
+        hid, w2, b2, logits, rows, hidden, buckets, BLOCK_R=block_r, BLOCK_K=64, BLOCK_C=block_c,
+        W_BF16=w_bf16, DOT_F32=w_bf16 and kernels_interpreted(), num_warps=4)
     if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
         raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)

@@ -117,11 +117,16 @@ def bucket_sparse_decode_reference(
     width: int,
     *,
     scale: float | None = None,
+    dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, dv], lse [B, Hq], bucket_counts [B, Hkv])``: attention over the dense list
-    ``dense_indices [B, Hkv, M]`` (first ``dense_counts [B, Hkv] >= 1`` used) and the keys of
-    ``buckets [B, Hkv, L]`` of the CSR index, merged by log-sum-exp. Float32 arithmetic (float64 for
-    float64 inputs), as the weighted sparse decode."""
+    ``dense_indices [B, Hkv, M]`` (first ``dense_counts [B, Hkv]`` used) and the keys of ``buckets [B, Hkv,
+    L]`` of the CSR index, merged by log-sum-exp. ``dense_range = (lo [B], hi [B])`` adds the positions
+    ``[lo_b, hi_b)`` of row b to its dense part, after the list (SAAP's keys added since the index
+    build); the dense part needs at least one key. Float32 arithmetic (float64 for float64 inputs), as
+    the weighted sparse decode."""
+    if dense_range is not None:
+        dense_indices, dense_counts = append_range(dense_indices, dense_counts, *dense_range, k.shape[2])
     out_d, lse_d = weighted_sparse_decode(q, k, v, dense_indices, dense_counts, None, scale=scale, check=False)
     b, hkv = buckets.shape[:2]
     if buckets.shape[-1] == 0 or width == 0:
@@ -137,20 +142,36 @@ def bucket_sparse_decode_reference(
     return out, lse, counts
 
 
+def append_range(indices: torch.Tensor, counts: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                 n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lists ``indices [B, H, M]`` (first ``counts [B, H]`` used) followed by the positions ``[lo_b,
+    hi_b)`` of each batch row (none when ``hi_b <= lo_b``): ``[B, H, M + n_keys]`` (padding 0) and the
+    new counts."""
+    b, h, width = indices.shape
+    n_range = (hi.long() - lo.long()).clamp(min=0)  # [B]
+    rel = torch.arange(width + n_keys, device=indices.device) - counts[..., None]  # slot - count: [B, H, W]
+    padded = torch.cat([indices, indices.new_zeros(b, h, n_keys)], dim=-1)
+    from_range = torch.where(rel < n_range[:, None, None], lo.long()[:, None, None] + rel, torch.zeros_like(rel))
+    return torch.where(rel < 0, padded, from_range), counts + n_range[:, None]
+
+
 bucket_sparse_decode = bucket_sparse_decode_reference
 """The entry point SAAP calls; a GPU kernel will dispatch here by device once it exists."""
 
 
-# ---- Triton kernel: the paper's ℓ + 1 programs per KV head ------------------------------------------
+# ---- Triton kernel: one flat list of keys per KV head, cut into equal chunks ---------------------
 #
-# Program (KV head h, batch row b, slot): the first DENSE_SPLITS slots walk the dense list, the next
-# BUCKET_SPLITS slots per probe the inverted list of bucket buckets[b, h, p - 1] straight from the CSR
-# arrays (no list is materialised). A part's tiles are dealt round-robin over its slots: with one
-# program per part (the paper's ℓ + 1 blocks) the 2047-key dense part and the largest buckets were one
-# program each, and the step waited on them (83 µs for 8k keys at 128k on an H100). Each program scores
-# its keys for the G query heads of the group at once (q is a [G, d] block: K and V rows are read once
-# per group) and writes an unnormalised partial (acc, m, l); the shared split-KV merge of
-# kernels/triton_utils.py combines the partials, skipping empty ones (l = 0).
+# The keys a (batch row, KV head) attends are, in order: the dense list (``dense_counts`` entries), the
+# dense range ``[lo_b, hi_b)`` and the keys of the chosen buckets one after the other, as the CSR arrays
+# hold them (``bucket_lists`` order). Program (KV head h, batch row b, split s) walks positions
+# ``s·BLOCK_N, (s + SPLITS)·BLOCK_N, ...`` of that virtual list: each chunk of BLOCK_N positions finds
+# its keys in registers (the bucket of a position is the one whose running end first exceeds it, over
+# the ≤ ℓ chosen buckets), so no list is materialised and every program gets the same number of keys
+# give or take one chunk, whatever the bucket sizes (the earlier split of each part over a fixed number
+# of programs waited on the largest bucket). Each program scores its keys for the G query heads of the
+# group at once (q is a [G, d] block: K and V rows are read once per group) and writes an unnormalised
+# partial (acc, m, l); the shared split-KV merge of kernels/triton_utils.py combines the partials,
+# skipping empty ones (l = 0). Split 0 also writes the bucket key count (the step's stats).
 
 try:
     import triton
@@ -162,67 +183,96 @@ if triton is not None:
 
     @triton.jit
     def _bucket_parts_kernel(
-        q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, off_ptr, ids_ptr, bkt_ptr,
-        acc_ptr, m_ptr, l_ptr,
+        q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
+        acc_ptr, m_ptr, l_ptr, counts_ptr,
         scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DENSE_SPLITS: tl.constexpr, BUCKET_SPLITS: tl.constexpr,
+        BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         h = tl.program_id(0)
         b = tl.program_id(1)
-        slot = tl.program_id(2)
+        split = tl.program_id(2)
         row = b * kv_heads + h
-        if slot < DENSE_SPLITS:
-            p = slot * 0
-            split = slot
-            n_splits = DENSE_SPLITS
+        # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
+        offs_l = tl.arange(0, BLOCK_L)
+        l_ok = offs_l < n_probe
+        # (positions and slots are below 2^31: int32 keeps the [BLOCK_N, BLOCK_L] search in few registers)
+        c = tl.load(bkt_ptr + row * n_probe + offs_l, mask=l_ok, other=0)
+        off_row = off_ptr + row.to(tl.int64) * (n_buckets + 1)
+        starts = tl.load(off_row + c, mask=l_ok, other=0).to(tl.int32)
+        sizes = tl.load(off_row + c + 1, mask=l_ok, other=0).to(tl.int32) - starts
+        ends = tl.cumsum(sizes, 0)
+        begins = ends - sizes
+        shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
+        n_bucket_keys = tl.sum(sizes, axis=0)
+        n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
+        if HAS_RANGE:
+            lo = tl.load(lo_ptr + b).to(tl.int32)
+            n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
         else:
-            p = (slot - DENSE_SPLITS) // BUCKET_SPLITS + 1
-            split = (slot - DENSE_SPLITS) % BUCKET_SPLITS
-            n_splits = BUCKET_SPLITS
+            lo = n_list * 0
+            n_range = n_list * 0
+        n_dense = n_list + n_range
+        total = n_dense + n_bucket_keys
+        if split == 0:
+            tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
         offs_dv = tl.arange(0, DV)
         g_ok = offs_g < GROUP
         q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
                     mask=g_ok[:, None], other=0.0)
-        if p == 0:
-            # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
-            list_ptr = dense_ptr + b * s_db + h * s_dh
-            count = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch)
-            start = count * 0  # int64 like the other branch's (the compiler needs one type)
-        else:
-            c = tl.load(bkt_ptr + row * n_probe + p - 1)
-            start = tl.load(off_ptr + row * (n_buckets + 1) + c)
-            count = tl.load(off_ptr + row * (n_buckets + 1) + c + 1) - start
-            list_ptr = ids_ptr + row * n_ids
+        if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; its tests upcast the tiles instead
+            q = q.to(tl.float32)
+        # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
+        list_ptr = dense_ptr + b * s_db + h * s_dh
+        ids_row = ids_ptr + row.to(tl.int64) * n_ids
+        k_base = k_ptr + b * s_kb + h * s_kh
+        v_base = v_ptr + b * s_vb + h * s_vh
         m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
-        for n0 in range(split * BLOCK_N, count, n_splits * BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            ok = offs_n < count
-            idx = tl.load(list_ptr + start + offs_n, mask=ok, other=0).to(tl.int64)
-            kb = tl.load(k_ptr + b * s_kb + h * s_kh + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None],
-                         other=0.0)
+        for n0 in range(split * BLOCK_N, total, SPLITS * BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            ok = pos < total
+            in_list = pos < n_list
+            rel = pos - n_dense  # position in the chosen buckets' run
+            in_bucket = ok & (rel >= 0)
+            hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
+            slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
+            from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+            from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
+            idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
+            idx = tl.where(ok, idx, 0).to(tl.int64)
+            kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
+            if DOT_F32:
+                kb = kb.to(tl.float32)
             s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the chunk holds at least one key
             alpha = tl.exp(m - m_new)
             pexp = tl.exp(s - m_new[:, None])
             l = l * alpha + tl.sum(pexp, axis=1)
-            vb = tl.load(v_ptr + b * s_vb + h * s_vh + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None],
-                         other=0.0)
+            vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
+            if DOT_F32:
+                vb = vb.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
                                                 input_precision=DOT_PRECISION)
             m = m_new
         heads = h * GROUP + offs_g
-        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + slot * s_ap + offs_dv[None, :], acc,
+        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
                  mask=g_ok[:, None])
-        tl.store(m_ptr + b * s_mb + heads * s_mh + slot, m, mask=g_ok)
-        tl.store(l_ptr + b * s_mb + heads * s_mh + slot, l, mask=g_ok)
+        tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
+        tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
+
+
+def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
+    """Programs per (batch row, KV head): about 512 in all (four per SM of an H100: one wave, and each
+    program's gathers overlap three others'), no more than the chunks of the longest possible list."""
+    return max(1, min(512 // max(rows, 1), -(-max_keys // block_n)))
 
 
 def bucket_sparse_decode_triton(
@@ -237,37 +287,39 @@ def bucket_sparse_decode_triton(
     width: int = 0,
     *,
     scale: float | None = None,
+    dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
-    dense_splits: int | None = None,
-    bucket_splits: int = 4,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
-    KV head only (``buckets [B, Hkv, L]``); ``width`` is unused (the programs read the CSR lists
-    directly). The dense list is split over ``dense_splits`` programs (default: one per two tiles of its
-    width, at most 32) and each bucket over ``bucket_splits``, tiles dealt round-robin; a program
-    with no tile writes an empty partial that the merge skips."""
-    from ..triton_utils import dot_precision, merge_partials, next_pow2
+    KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
+    chosen buckets — form one virtual list cut into chunks of ``block_n`` dealt round-robin over
+    ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
+    dense list's width, the range and ``width``, the most keys of any ``L`` buckets, or every key
+    when ``width`` is 0); a program with no chunk writes an empty partial that the merge skips. The
+    bucket key counts come from the kernel (no torch launch)."""
+    from ..triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2
 
     if triton is None:
         raise RuntimeError("bucket_sparse_decode_triton needs triton")
     b, hq, d = q.shape
-    hkv, dv = k.shape[1], v.shape[-1]
+    hkv, n_keys, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = hq // hkv
     if buckets.shape[1] != hkv:
         raise ValueError(f"buckets: the kernel probes per KV head, expected [B, {hkv}, L], got {tuple(buckets.shape)}")
     if d % 16 or dv % 16 or d != next_pow2(d) or dv != next_pow2(dv):
         raise ValueError(f"q, v: head dims {d}, {dv} must be powers of two >= 16 for the kernel")
     n_probe = buckets.shape[-1]
-    if dense_splits is None:
-        dense_splits = min(32, max(1, -(-dense_indices.shape[-1] // (2 * block_n))))
-    for name, value in (("dense_splits", dense_splits), ("bucket_splits", bucket_splits)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
-    parts = dense_splits + n_probe * bucket_splits
+    if splits is None:
+        bound = dense_indices.shape[-1] + (n_keys if dense_range is not None else 0) + (width or n_keys)
+        splits = default_splits(b * hkv, min(bound, n_keys), block_n)
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits: expected an integer >= 1, got {splits!r}")
     scale = d ** -0.5 if scale is None else scale
-    acc = torch.empty(b, hq, parts, dv, device=q.device, dtype=torch.float32)
-    m = torch.empty(b, hq, parts, device=q.device, dtype=torch.float32)
-    l = torch.empty(b, hq, parts, device=q.device, dtype=torch.float32)
+    acc = torch.empty(b, hq, splits, dv, device=q.device, dtype=torch.float32)
+    m = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    l = torch.empty(b, hq, splits, device=q.device, dtype=torch.float32)
+    counts = torch.empty(b, hkv, device=q.device, dtype=torch.int64)
     if dense_indices.stride(-1) != 1:
         dense_indices = dense_indices.contiguous()
     offsets, ids, buckets = offsets.contiguous(), ids.contiguous(), buckets.contiguous()
@@ -276,20 +328,22 @@ def bucket_sparse_decode_triton(
         k_ = k.contiguous()
     if v.stride(-1) != 1:
         v_ = v.contiguous()
+    lo, hi = dense_range if dense_range is not None else (dense_counts, dense_counts)
     block_g = max(16, next_pow2(group))
-    _bucket_parts_kernel[(hkv, b, parts)](
-        q, k_, v_, dense_indices, dense_counts, offsets, ids, buckets, acc, m, l,
-        float(scale), hkv, offsets.shape[-1] - 1, max(n_probe, 1), dense_indices.stride(0), dense_indices.stride(1),
+    _bucket_parts_kernel[(hkv, b, splits)](
+        q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts,
+        float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
         dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1],
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-        GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv,
+        GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
+        SPLITS=splits, HAS_RANGE=dense_range is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
-        DOT_PRECISION=dot_precision(q.dtype), DENSE_SPLITS=dense_splits, BUCKET_SPLITS=bucket_splits, num_warps=4,
+        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), num_warps=4,
     )
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
-    merge_partials(acc, m, l, None, out, b, hq, parts, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
+    merge_partials(acc, m, l, None, out, b, hq, splits, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
                    (m.stride(0), m.stride(1)), lse=lse)
-    sizes = bucket_sizes(offsets).gather(2, buckets) if n_probe else torch.zeros_like(buckets[..., :1])
-    return out, lse, sizes.sum(-1)
+    return out, lse, counts
