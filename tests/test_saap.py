@@ -803,3 +803,80 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
         pytest.skip("this triton install has no ptxas")
     assert res.returncode == 0 and res.stdout.count("shared") == 4, res.stderr[-3000:]
 
+
+# What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
+# kernel and the merge, and no torch op (each would be a kernel launch and a graph node on the GPU).
+SAAP_LAUNCHES = r"""
+import tempfile
+from pathlib import Path
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton.runtime.interpreter import InterpretedFunction
+import kvsieve
+from tests.test_saap import write_artifacts
+log, paused = [], [False]
+run = InterpretedFunction.run
+
+
+def counted(self, *a, **kw):
+    log.append("triton:" + self.fn.__name__)
+    paused[0] = True
+    try:
+        return run(self, *a, **kw)
+    finally:
+        paused[0] = False
+
+
+class Ops(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if not paused[0] and not func.is_view and not name.startswith(("empty", "lift_fresh")):
+            log.append(name)
+        return func(*args, **(kwargs or {{}}))
+
+
+InterpretedFunction.run = counted
+folder = Path(tempfile.mkdtemp())
+write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16)
+g = torch.Generator().manual_seed(0)
+n = 300
+q = torch.randn(2, 8, 32, generator=g).bfloat16()
+k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
+m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
+ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
+state, ref_state = {{"layer": 1, "min_length": n - 20}}, {{"layer": 1}}
+worst = 0.0
+for step in range(3):  # the build, then two generated tokens (the dense range grows; no rebuild)
+    lengths = torch.tensor([n + step, n - 20 + step])
+    kk, vv = k[:, :, : n + step], v[:, :, : n + step]
+    log.clear()
+    with Ops():
+        out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, check_finite=False)
+    print("CALL", " ".join(log))
+    ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, check_finite=False)
+    assert out.dtype == torch.bfloat16
+    assert stats["bucket_keys"] == ref_stats["bucket_keys"] and stats["dense_keys"] == ref_stats["dense_keys"]
+    assert stats["selectivity"] == ref_stats["selectivity"], (stats["selectivity"], ref_stats["selectivity"])
+    worst = max(worst, float((out.float() - ref_out.float()).abs().max()))
+print("worst", worst)
+"""
+
+
+@pytest.mark.triton
+def test_captured_decode_launches_five_kernels_and_no_torch_op():
+    """Per call, after the build and while generated tokens join the dense part (a range in the kernel,
+    not a list rebuilt per step): the probe's three kernels, the bucket kernel and the merge, nothing else
+    (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
+    branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
+    reference path's (bfloat16 rounding of the output aside)."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    out = run_script(SAAP_LAUNCHES, "cpu", True)
+    calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
+    assert len(calls) == 3
+    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_softmax_kernel",
+               "triton:_bucket_parts_kernel", "triton:_merge_partials_kernel"]
+    for ops in calls[1:]:
+        assert ops == kernels, ops
+    assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

@@ -220,15 +220,17 @@ class SaapArtifacts:
         return self._classifiers[key]
 
     def probe_weights(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The layer's classifier with its BatchNorm folded in, float32 on ``device`` (the fused probe's
-        operands; built once per device)."""
+        """The layer's classifier as decoding reads it: BatchNorm folded into the first map, the two weight
+        matrices rounded to bfloat16 (:func:`kvsieve.kernels.saap.probe.serve_weights`), on ``device``
+        (built once per device). Both the fused probe and the torch path score with these tensors."""
         key = (layer, "probe", str(device))
         if key not in self._tensors:
-            from ..kernels.saap.probe import fold_batchnorm
+            from ..kernels.saap.probe import fold_batchnorm, serve_weights
 
             net = self.classifier(layer, device)
-            self._tensors[key] = fold_batchnorm(net.w1, net.b1, net.w2, net.b2, net.norm.running_mean,
-                                                net.norm.running_var, net.norm.weight, net.norm.bias, net.norm.eps)
+            self._tensors[key] = serve_weights(*fold_batchnorm(
+                net.w1, net.b1, net.w2, net.b2, net.norm.running_mean, net.norm.running_var, net.norm.weight,
+                net.norm.bias, net.norm.eps))
         return self._tensors[key]
 
 
@@ -400,7 +402,7 @@ class Saap(Method):
             seen_end, width = min(n, int(state.get("min_length", 0))), n
         return {
             "n_keys": n, "batch": inputs.batch, "window": window, "seen_end": seen_end,
-            "seen_last": last, "offsets": offsets, "ids": ids, "assign": assign,
+            "seen_last": last, "seen_next": last + 1, "offsets": offsets, "ids": ids, "assign": assign,
             "dense_ids": dense_ids, "dense_counts": dense.sum(-1), "indexed": indexed.sum(-1),
             "width": width,
         }
@@ -445,12 +447,14 @@ class Saap(Method):
             cent = self._centroids(layer, q.device)  # [Hkv, C, d]
             qg = q.view(b, inputs.kv_heads, inputs.group, d)
             return torch.einsum("bhgd,hcd->bhgc", qg, cent).reshape(b, hq, -1)
-        net = self.artifacts.classifier(layer, q.device)
-        models = net.w1.shape[0]
+        from ..kernels.saap.probe import classifier_logits_reference
+
+        weights = self.artifacts.probe_weights(layer, q.device)  # the fused probe's (bfloat16) weights
+        models = weights[0].shape[0]
         # Rows of model m: per KV head, the group's queries of every batch row; per query head, its own.
         x = q.view(b, models, -1, d).transpose(0, 1).reshape(models, -1, d)
         with torch.no_grad():
-            probs = torch.softmax(net(x), dim=-1)  # [M, B·rows, C]
+            probs = torch.softmax(classifier_logits_reference(x, *weights), dim=-1)  # [M, B·rows, C]
         return probs.view(models, b, -1, probs.shape[-1]).transpose(0, 1).reshape(b, hq, -1)
 
     # -- decode ---------------------------------------------------------------------------------
@@ -468,25 +472,35 @@ class Saap(Method):
                              f"{sorted(self.artifacts.layers)}); fit it or keep it exact with "
                              f"sparsify(..., dense_layers=[{layer}])")
         idx = self._index(inputs, layer, state)
-        dense_ids, dense_counts = self._dense_list(inputs, idx)
         hkv, group = inputs.kv_heads, inputs.group
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
-        copy = self._backend(inputs) != "triton"
+        backend = self._backend(inputs)
+        copy = backend != "triton"
+        dense_range = None
+        if backend == "triton" and inputs.lengths is not None:
+            # Prefix rows: the keys added since the build are [last seen + 1, length) of each row, passed to
+            # the kernel as a range (no per-step list: _dense_list would launch about ten ops per step).
+            dense_ids, dense_counts = idx["dense_ids"], idx["dense_counts"]
+            dense_range = (idx["seen_next"], inputs.lengths)
+        else:
+            dense_ids, dense_counts = self._dense_list(inputs, idx)
 
         def per_head(t: torch.Tensor) -> torch.Tensor:
             # The kernel reads the shared dense list through a head stride of 0; the reference wants copies.
             e = t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:])
             return e.contiguous() if copy else e
         offsets, ids = idx["offsets"], idx["ids"]
-        backend = self._backend(inputs)
         fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped
         if self.probes > 0:
             if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
-                _, buckets = probe_scores_triton(inputs.q, inputs.n_valid - 1, self.artifacts.rope.inv_freq_on(
+                # the query sits at the last visible position: n_valid - 1, the - 1 added in the kernel
+                lengths = inputs.lengths if inputs.lengths is not None else inputs.n_valid
+                _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
-                    *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes)
+                    *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
+                    position_offset=-1)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
@@ -496,17 +510,27 @@ class Saap(Method):
                 buckets = torch.topk(scores, self.probes, dim=-1).indices
         else:
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
-        run = bucket_sparse_decode_triton if backend == "triton" else bucket_sparse_decode
-        out, _, bucket_counts = run(inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts),
-                                    offsets, ids, buckets, idx["width"], scale=inputs.scale)
         if backend == "triton":
+            out, _, bucket_counts = bucket_sparse_decode_triton(
+                inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts), offsets, ids, buckets,
+                idx["width"], scale=inputs.scale, dense_range=dense_range)
+
+            def deferred():  # the dense list is materialised only when the stats are read
+                d_ids, d_counts = self._dense_list(inputs, idx)
+                return self._stats(inputs, idx, d_ids, d_counts, buckets, bucket_counts, backend)
+
             # built on first read: the read mask is O(N) work that a captured step nobody reads would repeat
             stats = StepStats.deferred(
-                lambda: self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend), backend,
+                deferred, backend,
                 {"saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets,
                  "probe": "fused" if fused_probe and self.probes > 0 else "torch"})
-        else:
-            stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
+            # the kernel's output in q's dtype as it is (decode returns q's dtype: a float32 copy here and
+            # the copy back were two launches per step)
+            return out, stats
+        out, _, bucket_counts = bucket_sparse_decode(inputs.q, inputs.k, inputs.v, per_head(dense_ids),
+                                                     per_head(dense_counts), offsets, ids, buckets, idx["width"],
+                                                     scale=inputs.scale)
+        stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
         return out.to(compute_dtype(inputs)), stats
 
     def _backend(self, inputs: DecodeInputs) -> str:
