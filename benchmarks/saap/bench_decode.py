@@ -190,7 +190,7 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
     row["saap-step_us"] = timed(lambda: saap_step(case, index, probes, kernel))
     row["saap-attention_us"] = timed(lambda: kernel(q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
     if device.type == "cuda":  # the kernel's work split: programs per (row, KV head), each a share of its keys
-        for splits in (8, 16, 32, 64, 128):
+        for splits in (16, 32, 48, 64, 128):
             row[f"saap-attention@{splits}_us"] = timed(lambda splits=splits: kernel(
                 q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, splits=splits))
     row["saap-attention-reference_us"] = timed(lambda: bucket_kernels.bucket_sparse_decode(
