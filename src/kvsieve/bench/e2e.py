@@ -13,8 +13,11 @@ prefilled cache (``DecodeRuntime.rewind`` between variants):
 
 Reported per (variant, N, batch): ms per decode step (median of per-step CUDA-event times, and the
 mean of one timed loop), tokens/s (batch / step time), speedups vs runtime-dense and vs hf-eager, host
-time to issue a step, and the fraction of the physical floor: (weights read per step + the K/V bytes
-the method reads) / the measured device copy rate (read + write), the floor of issue 16.
+time per step (``host_ms``: the median time ``step()`` takes to return with the device idle before it —
+the graph replay plus bookkeeping, issue 16's "host time per step"; ``issue_ms``: the mean time to issue
+a step inside the timed loop, which also counts the host waiting on a full launch queue), and the
+fraction of the physical floor: (weights read per step + the K/V bytes the method reads) / the
+measured device copy rate (read + write), the floor of issue 16.
 
 ``run_ttft_bench`` (``kvsieve bench e2e --ttft``) times the prompt instead: time to first token = one
 prefill of the N-token prompt (every row, one forward each) + the first token, per variant:
@@ -93,7 +96,7 @@ def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float
             t0 = time.perf_counter()
             step()
             t.append((time.perf_counter() - t0) * 1e3)
-        return {"ms": statistics.median(t), "loop_ms": sum(t) / n, "host_ms": float("nan")}
+        return {"ms": statistics.median(t), "loop_ms": sum(t) / n, "host_ms": float("nan"), "issue_ms": float("nan")}
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -105,8 +108,24 @@ def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float
     torch.cuda.synchronize()
     loop = time.perf_counter() - t0
     per = [s.elapsed_time(e) for s, e in events]
-    return {"ms": statistics.median(per), "loop_ms": loop / n * 1e3, "host_ms": host / n * 1e3,
+    return {"ms": statistics.median(per), "loop_ms": loop / n * 1e3, "issue_ms": host / n * 1e3,
             "min_ms": min(per), "max_ms": max(per)}
+
+
+HOST_STEPS = 5
+
+
+def _host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> float:
+    """Median host time of one step with the device idle before it: the replay (or eager launches)
+    plus the runtime's bookkeeping, without waiting on earlier steps' work."""
+    t = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        t.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(t)
 
 
 # kvsieve's Triton kernels (kernels/), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
@@ -179,7 +198,9 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, "
                      f"{'one forward per row' if prefill_chunk is None else f'chunks of {prefill_chunk}'});"
                      f" per variant {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} (eager"
-                     f" steps), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; greedy"),
+                     f" steps), {hf_steps} for hf-eager; ms = median per-step CUDA-event time; host ms = median time"
+                     f" step() takes to return with the device idle ({HOST_STEPS} steps; hf-eager: its issue time"
+                     f" in the timed loop); greedy"),
         "copy_bandwidth_bytes_per_s": peak,
         "rows": rows,
     }
@@ -219,7 +240,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
 
     batch, n, cfg = base["batch"], base["n"], model.config
     steps, method_steps, hf_steps, warmup = (timing[k] for k in ("steps", "method_steps", "hf_steps", "warmup"))
-    new = 1 + warmup + max(steps, method_steps, hf_steps) + BREAKDOWN_STEPS + 1
+    new = 1 + warmup + max(steps, method_steps, hf_steps) + HOST_STEPS + BREAKDOWN_STEPS + 1
     if n + new > cfg.max_position_embeddings:
         return [{**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {cfg.max_position_embeddings}"}]
     kv_per_key = cfg.num_key_value_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 2 * cfg.num_hidden_layers
@@ -262,6 +283,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                     per_step = _kv_bytes_dense(rt, keys)
                     row["kv_bytes_source"] = "all valid keys"
                 if cuda:
+                    row["host_ms"] = _host_ms(rt.step)
                     row["breakdown"] = kernel_breakdown(rt.step)
                 row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                            attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
@@ -303,7 +325,9 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
 
     for _ in range(warmup):
         step()
-    return _time_steps(step, steps, cuda)
+    timed = _time_steps(step, steps, cuda)
+    # eager: the host issues every kernel of the step, so its issue time is its host time
+    return {"host_ms": timed["issue_ms"], **timed}
 
 
 # -- time to first token -----------------------------------------------------------------------------
@@ -576,7 +600,8 @@ def _line(r: dict) -> str:
         return f"{head}: skipped: {r['skipped']}"
     if "error" in r:
         return f"{head}: {r['error']}"
-    return (f"{head}: {r['ms']:.2f} ms/step (loop {r['loop_ms']:.2f}, host {r['host_ms']:.3f}); graph={r.get('graph')}"
+    host = r.get("host_ms", float("nan"))
+    return (f"{head}: {r['ms']:.2f} ms/step (loop {r['loop_ms']:.2f}, host {host:.3f}); graph={r.get('graph')}"
             f" backend={r.get('attention_backend')}")
 
 
