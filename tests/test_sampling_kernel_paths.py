@@ -170,7 +170,8 @@ print("OK")
 SAMPLE = """
 import torch
 from kvsieve.core.rng import STREAM_SUBSET, RandomKey, RowStreams, row_words
-from kvsieve.kernels.sparse.sample_triton import row_words_triton, sample_rows_reference, sample_rows_triton
+from kvsieve.kernels.sparse.sample_triton import (row_words_triton, sample_rows_reference, sample_rows_triton,
+                                                  sample_splits)
 from kvsieve.methods.shared.selection import uniform_sample
 
 # the fused row words equal core.rng's: int and device counters, host-int prefixes, per-row seeds, chunks
@@ -209,6 +210,25 @@ for r, hs, n, sizes in [(2, 3, 300, [30, 5, 0]), (1, 2, 3000, [600, 2999]), (3, 
                 assert set(idx[a, b, :c].tolist()) == set(ref.indices[a, b, :c].tolist()), (n, a, b)
                 assert torch.equal(w[a, b, :c], ref.weights[a, b, :c].double())
                 assert bool((idx[a, b, c:] == 0).all()) and bool((w[a, b, c:] == 1).all())
+# the split scan (counts, then candidates, in splits x heads x rows programs) writes the one-program scan's
+# list: many splits of small blocks, a chunk cut inside the range, N not a multiple of the chunk, pages
+for r, hs, n, block, target, page in [(1, 2, 1000, 16, 64, 1), (2, 3, 777, 32, 100, 16), (1, 1, 130, 16, 528, 16)]:
+    assert sample_splits(n, r * hs, block, target)[0] > 4
+    rs = RowStreams(RandomKey(n, (1, 2)), torch.arange(r), torch.full((r,), n))
+    start, end = torch.tensor([3, 17, 0][:r]), torch.tensor([n - 5, n - 29, n][:r])
+    p = torch.arange(n)
+    excl = torch.rand(r, hs, -(-n // page), generator=g) < 0.4
+    avail = ((p >= start[:, None]) & (p < end[:, None]))[:, None] & ~excl[:, :, p // page]
+    n_av = avail.sum(-1)
+    for frac in (0.0, 0.03, 0.3, 1.5):
+        size = (n_av.double() * frac).long() + torch.randint(0, 3, (r, hs), generator=g)
+        want = sample_rows_reference(rs.lo, rs.hi, STREAM_SUBSET, start, end, torch.minimum(size, n_av), n + 3, n,
+                                     excl, page)
+        idx, w = sample_rows_triton(rs.lo, rs.hi, STREAM_SUBSET, start, end, size, n_av, n + 3, n, excluded=excl,
+                                    page=page, block=block, target_programs=target)
+        one, w1 = sample_rows_triton(rs.lo, rs.hi, STREAM_SUBSET, start, end, size, n_av, n + 3, n, excluded=excl,
+                                     page=page, block=block, target_programs=1)
+        assert torch.equal(idx, want) and torch.equal(idx, one) and torch.equal(w, w1), (n, block, frac)
 # written from an offset: the columns before it are kept
 off = torch.tensor([[3, 0]])
 out = torch.full((1, 2, 40), -7, dtype=torch.int64)

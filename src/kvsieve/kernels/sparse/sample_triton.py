@@ -29,6 +29,9 @@ from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix
 from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
+#: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
+#: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` programs (at least two blocks of keys each)
+SPLIT_PROGRAMS = 528
 
 
 def sample_rows_reference(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
@@ -77,10 +80,20 @@ if triton is not None:
         return (x >> 8).to(tl.int64)
 
     @triton.jit
+    def _threshold(size, n_av):
+        """The prefilter's 24-bit threshold: a few standard deviations above the expected ``size``-th
+        smallest of ``n_av`` uniforms (every key when ``size >= n_av``)."""
+        sz = size.to(tl.float32)
+        thr_f = (sz + 4.0 * tl.sqrt(sz) + 16.0) / tl.maximum(n_av, 1).to(tl.float32) * 16777216.0
+        thr = tl.minimum(thr_f, 16777216.0).to(tl.int64)
+        return tl.where(size >= n_av, 16777216, thr).to(tl.int64)
+
+    @triton.jit
     def _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
-                    n_pages, PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr):
+                    n_pages, PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr,
+                    WRITE: tl.constexpr = True):
         """Copy the available keys of ``[start, end)`` whose hash is below ``thr`` to ``cand`` as
-        ``hash << 22 | position``, in position order; returns how many."""
+        ``hash << 22 | position``, in position order (``WRITE=False``: count them only); returns how many."""
         offs = tl.arange(0, BLOCK)
         cnt = tl.zeros([], tl.int32)
         if size > 0:
@@ -95,18 +108,57 @@ if triton is not None:
                 hv = _hash24(lo, hi, stream_key, base_c + pos)
                 keep = ok & (hv < thr)
                 ki = keep.to(tl.int32)
-                dest = cnt + tl.cumsum(ki, 0) - 1
-                tl.store(cand + dest, (hv << 22) | pos.to(tl.int64), mask=keep)
+                if WRITE:
+                    dest = cnt + tl.cumsum(ki, 0) - 1
+                    tl.store(cand + dest, (hv << 22) | pos.to(tl.int64), mask=keep)
                 cnt += tl.sum(ki, 0)
         return cnt
 
     @triton.jit
+    def _split_candidates_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, cand_ptr, cnt_ptr,
+        stream_key, hs, n_keys, chunk, n_pages, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, WRITE: tl.constexpr, SPLITS: tl.constexpr,
+        SP: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """One chunk ``[s·chunk, (s+1)·chunk) ∩ [start, end)`` of a row's positions: ``WRITE=False`` counts
+        its keys below the prefilter's threshold into ``cnt[rh, s]``; ``WRITE=True`` copies them to the
+        row's candidate list after those of the chunks before it (their counts from the first launch), so
+        the list is the single-program scan's, in position order."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        rh = r.to(tl.int64) * hs + h
+        lo = tl.load(lo_ptr + r)
+        hi = tl.load(hi_ptr + r)
+        start = tl.load(start_ptr + r).to(tl.int32)
+        end = tl.load(end_ptr + r).to(tl.int32)
+        size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
+        n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
+        size = tl.maximum(tl.minimum(size, n_av), 0)
+        thr = _threshold(size, n_av)
+        c_lo = tl.maximum(start, s * chunk)
+        c_hi = tl.minimum(end, s * chunk + chunk)
+        cnt_row = cnt_ptr + rh * SPLITS
+        base_c = h.to(tl.int64) << 22
+        if WRITE:
+            so = tl.arange(0, SP)
+            before = tl.sum(tl.load(cnt_row + so, mask=so < s, other=0), 0)
+            _candidates(cand_ptr + rh * n_keys + before, lo, hi, stream_key, base_c, c_lo, c_hi, thr, size,
+                        excl_ptr, r, h, s_x_r, s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK, True)
+        else:
+            cnt = _candidates(cand_ptr, lo, hi, stream_key, base_c, c_lo, c_hi, thr, size, excl_ptr, r, h, s_x_r,
+                              s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK, False)
+            tl.store(cnt_row + s, cnt)
+
+    @triton.jit
     def _sample_rows_kernel(
         lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, out_ptr, w_ptr, cand_ptr,
-        stream_key, hs, n_keys, width, n_pages,
+        cnt_ptr, stream_key, hs, n_keys, width, n_pages,
         s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
-        FILL: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+        FILL: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SPLITS: tl.constexpr = 1,
+        SP: tl.constexpr = 1,
     ):
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
@@ -125,13 +177,15 @@ if triton is not None:
         cand = cand_ptr + rh * n_keys
         base_c = h.to(tl.int64) << 22
         offs = tl.arange(0, BLOCK)
-        # 1. candidates: hash below a threshold the size-th smallest of n_av uniforms rarely exceeds
-        sz = size.to(tl.float32)
-        thr_f = (sz + 4.0 * tl.sqrt(sz) + 16.0) / tl.maximum(n_av, 1).to(tl.float32) * 16777216.0
-        thr = tl.minimum(thr_f, 16777216.0).to(tl.int64)
-        thr = tl.where(size >= n_av, 16777216, thr).to(tl.int64)
-        cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
-                          n_pages, PAGE, HAS_EXCL, BLOCK)
+        # 1. candidates: hash below a threshold the size-th smallest of n_av uniforms rarely exceeds (with
+        # SPLITS > 1 found by two launches of SPLITS programs per row and head before this one)
+        thr = _threshold(size, n_av)
+        if SPLITS > 1:  # the candidates were written by _split_candidates_kernel: their count
+            so = tl.arange(0, SP)
+            cnt = tl.sum(tl.load(cnt_ptr + rh * SPLITS + so, mask=so < SPLITS, other=0), 0)
+        else:
+            cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r,
+                              s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
         if cnt < size:  # too few below the threshold: every available key is a candidate
             thr = tl.full([], 16777216, tl.int64)
             cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r,
@@ -253,7 +307,9 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
                        size: torch.Tensor, n_avail: torch.Tensor, width: int, n_keys: int, *,
                        excluded: torch.Tensor | None = None, page: int = 1, offset: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-                       with_weights: bool = True, fill: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       with_weights: bool = True, fill: bool = True,
+                       target_programs: int = SPLIT_PROGRAMS, block: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(indices, weights)``: per row ``r`` (words ``lo, hi [R]``, positions ``[start, end) [R]``) and
     selection head ``h`` of ``size [R, Hs]``, the ``min(size, n_avail)`` available positions with the
     smallest hash (:func:`sample_rows_reference`), ascending, written from column ``offset [R, Hs]``
@@ -276,20 +332,45 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
     excl = excluded if excluded is not None else size
     stream_key = (stream * GOLDEN) & MASK32
-    block = min(1024, max(16, next_pow2(n_keys)))
+    block = block or min(1024, max(16, next_pow2(n_keys)))
     interp = is_interpreted(_sample_rows_kernel)
+    lo, hi, start, end = lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous()
+    splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+    cnt = size
+    if splits > 1:  # the scan over the row in splits x hs x r programs: counts, then the candidates
+        cnt = workspace("sample_split_counts", size, r * hs * splits, torch.int32)
+        for write in (False, True):
+            launch(_split_candidates_kernel, (splits, hs, r), lo, hi, start, end, size, n_avail, excl, cand, cnt,
+                   stream_key, hs, n_keys, chunk, excluded.shape[-1] if excluded is not None else 1,
+                   excl.stride(0) if excluded is not None else 0, excl.stride(1) if excluded is not None else 0,
+                   size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1),
+                   PAGE=page, HAS_EXCL=excluded is not None, WRITE=write, SPLITS=splits, SP=next_pow2(splits),
+                   BLOCK=block, num_warps=8, num_stages=1)
     launch(_sample_rows_kernel, (hs, r),
-           lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous(), size, n_avail, excl,
+           lo, hi, start, end, size, n_avail, excl,
            offset if offset is not None else size, out,
-           weights if weights is not None else out, cand,
+           weights if weights is not None else out, cand, cnt,
            stream_key, hs, n_keys, width, excluded.shape[-1] if excluded is not None else 1,
            out.stride(0), out.stride(1), excl.stride(0) if excluded is not None else 0,
            excl.stride(1) if excluded is not None else 0, size.stride(0), size.stride(1), n_avail.stride(0),
            n_avail.stride(1),
            PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
            FILL=fill,
-           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, num_warps=8, num_stages=1)
+           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, SPLITS=splits, SP=next_pow2(splits), num_warps=8,
+           num_stages=1)
     return out, weights
+
+
+def sample_splits(n_keys: int, rows: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> tuple[int, int]:
+    """``(splits, chunk)``: the row's positions cut into ``splits`` chunks of ``chunk`` keys (a multiple
+    of ``block``) so that ``splits · rows`` programs scan them, about ``target_programs`` in all; one
+    split (the single-launch scan) when the row holds at most two blocks or the rows alone fill the GPU."""
+    want = min(-(-target_programs // max(rows, 1)), -(-n_keys // (2 * block)))
+    if want <= 1:
+        return 1, max(n_keys, 1)
+    per = -(-n_keys // want)
+    chunk = -(-per // block) * block
+    return -(-n_keys // chunk), chunk
 
 
 def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -328,4 +409,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "row_words_triton", "sample_rows_reference", "sample_rows_triton", "usable"]
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "row_words_triton", "sample_rows_reference", "sample_rows_triton",
+           "sample_splits", "usable"]
