@@ -265,8 +265,9 @@ class VAttention(StagedSelection):
     def kernel_stages(self, inputs, gen, state):
         """The kernel path's selection: the top-k from Quest's incremental page summaries (in ``state``) and
         device page selection (the oracle: ``torch.topk`` over the exact scores), the base and residual
-        samples of :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row) and the budget's
-        statistics in one launch (:mod:`~kvsieve.kernels.sparse.budget_triton`); the same keys as
+        samples of :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row; the row scanned by
+        ~528 programs) and the budget's statistics in two launches (:mod:`~kvsieve.kernels.sparse.budget_triton`:
+        ~528 programs of partial sums, then their merge); the same keys as
         :meth:`stages` given the same draws, up to near-ties of the page bounds (computed in another order)
         and ties of the 24-bit hash at a sample's cut. Other settings (``replacement``,
         ``residual=includes-topk``, pages not a power of two) run :meth:`stages`."""

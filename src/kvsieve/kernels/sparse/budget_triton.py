@@ -4,9 +4,13 @@
 (sink, window, predicted top-k) and of the base sample, computes their float64 logits, shifts by the
 largest, and sums ``e^s`` (``D̂``), the base sample's spread (``σ̂``) and, for ``bound=full``, the
 numerator's plug-in ``N̂ = Σ_f e^s v + (n_s/n_b) Σ_b e^s v`` and ``Tr Σ̂`` of ``e^s v`` over the base
-sample: ~40 torch launches. Here one program per (row, query head) does the same in float64: logits of
-the sink range, the window range, the top-k list and the base list (written once to a workspace), then
-the sums, then the spreads around their means (two passes, as the reference, not ``Σx² − (Σx)²/n``).
+sample: ~40 torch launches. Here two launches do the same in float64: ``splits`` programs per (row,
+query head) (~528 in all, issue 15: one program per head looped over every key at 32 programs) each
+take a share of the sink range, the window range, the top-k list and the base list, write their logits
+once to a workspace, and store sums around their own max and spreads around their own mean (two
+passes, not ``Σx² − (Σx)²/n``); one program per (row, query head) rescales them to the row's max and
+merges the spreads (Chan et al.). Float64 sums in another order than the reference's: equal to ~1e-15
+relative (the tests hold the budgets to 1e-12 and their integer ceilings to equality).
 Its torch twin is the method's ``budget`` (the tests compare the kernel path's budgets with the
 reference's); what follows the statistics (the (ε, δ) formula) stays in torch, on ``[R, Hq]`` values.
 """
@@ -17,17 +21,12 @@ import torch
 
 from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
 
+#: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
+#: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
+SPLIT_PROGRAMS = 528
+
 if triton is not None:
     import triton.language as tl
-
-    @triton.jit
-    def _segment_length(cnt, seg_lo, seg_hi, IS_LIST: tl.constexpr):
-        """Entries of a segment: the first ``cnt`` of a list, or the range ``[seg_lo, seg_hi)``."""
-        if IS_LIST:
-            n_seg = cnt + 0
-        else:
-            n_seg = seg_hi - seg_lo
-        return n_seg
 
     @triton.jit
     def _segment_positions(lst, seg_lo, j, ok, IS_LIST: tl.constexpr):
@@ -39,48 +38,69 @@ if triton is not None:
         return pos
 
     @triton.jit
-    def _logits_segment(ws, wo, q, k_base, s_k_n, lst, cnt, seg_lo, seg_hi, scale, m, IS_LIST: tl.constexpr,
+    def _split_range(n_seg, s, splits):
+        """Split ``s``'s share ``[lo, hi)`` of a segment's ``n_seg`` entries (``ceil(n_seg / splits)`` each)."""
+        c = (n_seg + splits - 1) // splits
+        lo = tl.minimum(s * c, n_seg)
+        return lo, tl.minimum(lo + c, n_seg)
+
+    @triton.jit
+    def _logits_segment(ws, wo, q, k_base, s_k_n, lst, seg_lo, j_lo, j_hi, scale, m, IS_LIST: tl.constexpr,
                         BLOCK: tl.constexpr, D: tl.constexpr):
-        """Logits of one segment (a range ``[seg_lo, seg_hi)``, or the first ``cnt`` entries of list
-        ``lst``) written from workspace slot ``wo``; returns the next slot and the running max."""
+        """Logits of entries ``[j_lo, j_hi)`` of one segment (positions ``seg_lo + j`` of a range, or list
+        ``lst``'s entries ``j``) written to workspace slots ``wo + j``; returns the running max."""
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
-        n_seg = _segment_length(cnt, seg_lo, seg_hi, IS_LIST)
-        for j0 in range(0, n_seg, BLOCK):
+        for j0 in range(j_lo, j_hi, BLOCK):
             j = j0 + offs
-            ok = j < n_seg
+            ok = j < j_hi
             pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
             kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
             s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
             s = tl.where(ok, s, float("-inf"))
             tl.store(ws + wo + j, s, mask=ok)
             m = tl.maximum(m, tl.max(s, 0))
-        return wo + n_seg, m
+        return m
 
     @triton.jit
-    def _weighted_v_segment(ws, wo, v_base, s_v_n, lst, cnt, seg_lo, seg_hi, shift, acc, IS_LIST: tl.constexpr,
+    def _exp_sum(ws, wo, j_lo, j_hi, shift, acc, BLOCK: tl.constexpr):
+        """``acc + Σ e^(s − shift)`` over slots ``wo + [j_lo, j_hi)``."""
+        offs = tl.arange(0, BLOCK)
+        for j0 in range(j_lo, j_hi, BLOCK):
+            j = j0 + offs
+            ok = j < j_hi
+            e = tl.exp(tl.load(ws + wo + j, mask=ok, other=float("-inf")) - shift)
+            acc += tl.sum(tl.where(ok, e, 0.0), 0)
+        return acc
+
+    @triton.jit
+    def _weighted_v_segment(ws, wo, v_base, s_v_n, lst, seg_lo, j_lo, j_hi, shift, acc, IS_LIST: tl.constexpr,
                             BLOCK: tl.constexpr, D: tl.constexpr):
-        """``acc + Σ e^(s − shift) v`` over one segment (its logits from slot ``wo``)."""
+        """``acc + Σ e^(s − shift) v`` over entries ``[j_lo, j_hi)`` of one segment (logits at ``wo + j``)."""
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
-        n_seg = _segment_length(cnt, seg_lo, seg_hi, IS_LIST)
-        for j0 in range(0, n_seg, BLOCK):
+        for j0 in range(j_lo, j_hi, BLOCK):
             j = j0 + offs
-            ok = j < n_seg
+            ok = j < j_hi
             pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
             e = tl.where(ok, tl.exp(tl.load(ws + wo + j, mask=ok, other=0.0) - shift), 0.0)
             vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
             acc += tl.sum(e[:, None] * vr.to(tl.float64), 0)
-        return wo + n_seg, acc
+        return acc
 
     @triton.jit
-    def _budget_stats_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
-                             ns_ptr, out_ptr, ws_ptr, scale, hq, group, hs_div, ws_width,
+    def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
+                             part_ptr, ws_ptr, scale, hq, group, hs_div, ws_width, splits,
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
-                             s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_ns_r, s_ns_h,
-                             FULL: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
-        h = tl.program_id(0)
-        r = tl.program_id(1).to(tl.int64)
+                             s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h,
+                             FULL: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+        """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base
+        list). It writes its logits, shifts by its own max ``m_s`` and stores ``m_s``, ``Σ_f e``, ``Σ_b e``,
+        its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
+        ``Σ_f e v``, ``Σ_b e v``: the combine launch rescales them to the row's max (Chan's merge)."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2).to(tl.int64)
         kvh = h // group
         sh = h // hs_div  # the selection head of this query head
         offs_d = tl.arange(0, D)
@@ -94,69 +114,122 @@ if triton is not None:
         base = base_ptr + r * s_b_r + sh * s_b_h
         tc = tl.load(tc_ptr + r * s_c_r + sh * s_c_h).to(tl.int32)
         bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
-        n_s = tl.load(ns_ptr + r * s_ns_r + sh * s_ns_h).to(tl.float64)
         ws = ws_ptr + (r * hq + h) * ws_width
+        n_w = length - end
+        o_w = start  # workspace slots: sink, window, top-k, base sample
+        o_t = start + n_w
+        n_f = o_t + tc
+        a0, a1 = _split_range(start, s, splits)
+        w0, w1 = _split_range(n_w, s, splits)
+        t0, t1 = _split_range(tc, s, splits)
+        b0, b1 = _split_range(bc, s, splits)
         m = tl.full([], float("-inf"), tl.float64)
-        # 1. logits: sink, window, top-k (the deterministic set), then the base sample
-        wo, m = _logits_segment(ws, 0, q, k_base, s_k_n, top, 0, 0, start, scale, m, False, BLOCK, D)
-        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, top, 0, end, length, scale, m, False, BLOCK, D)
-        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, top, tc, 0, 0, scale, m, True, BLOCK, D)
-        n_f = wo
-        wo, m = _logits_segment(ws, wo, q, k_base, s_k_n, base, bc, 0, 0, scale, m, True, BLOCK, D)
-        tl.debug_barrier()
+        m = _logits_segment(ws, 0, q, k_base, s_k_n, top, 0, a0, a1, scale, m, False, BLOCK, D)
+        m = _logits_segment(ws, o_w, q, k_base, s_k_n, top, end, w0, w1, scale, m, False, BLOCK, D)
+        m = _logits_segment(ws, o_t, q, k_base, s_k_n, top, 0, t0, t1, scale, m, True, BLOCK, D)
+        m = _logits_segment(ws, n_f, q, k_base, s_k_n, base, 0, b0, b1, scale, m, True, BLOCK, D)
+        tl.debug_barrier()  # the logits were written by other threads of this program
         shift = tl.where(m > float("-inf"), m, 0.0)
-        # 2. sums of e^(s - shift): the deterministic set, the base sample, its range
+        zero = tl.zeros([], tl.float64)
+        d_f = _exp_sum(ws, 0, a0, a1, shift, zero, BLOCK)
+        d_f = _exp_sum(ws, o_w, w0, w1, shift, d_f, BLOCK)
+        d_f = _exp_sum(ws, o_t, t0, t1, shift, d_f, BLOCK)
         offs = tl.arange(0, BLOCK)
-        d_f = tl.zeros([], tl.float64)
-        for j0 in range(0, n_f, BLOCK):
-            j = j0 + offs
-            e = tl.exp(tl.load(ws + j, mask=j < n_f, other=float("-inf")) - shift)
-            d_f += tl.sum(tl.where(j < n_f, e, 0.0), 0)
         s_b = tl.zeros([], tl.float64)
         lo = tl.full([], float("inf"), tl.float64)
         hi = tl.full([], float("-inf"), tl.float64)
-        for j0 in range(0, bc, BLOCK):
+        for j0 in range(b0, b1, BLOCK):
             j = j0 + offs
-            ok = j < bc
+            ok = j < b1
             e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
             s_b += tl.sum(tl.where(ok, e, 0.0), 0)
             lo = tl.minimum(lo, tl.min(tl.where(ok, e, float("inf")), 0))
             hi = tl.maximum(hi, tl.max(tl.where(ok, e, float("-inf")), 0))
-        nb = bc.to(tl.float64)
-        ratio = n_s / tl.maximum(nb, 1.0)
+        nb = (b1 - b0).to(tl.float64)
         mean_b = s_b / tl.maximum(nb, 1.0)
-        var = tl.zeros([], tl.float64)
-        for j0 in range(0, bc, BLOCK):
+        m2 = tl.zeros([], tl.float64)
+        for j0 in range(b0, b1, BLOCK):
             j = j0 + offs
-            ok = j < bc
+            ok = j < b1
             e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
             dev = tl.where(ok, e - mean_b, 0.0)
-            var += tl.sum(dev * dev, 0)
-        var = var / (tl.maximum(nb, 2.0) - 1.0)
-        o = out_ptr + (r * hq + h) * 5
-        tl.store(o, d_f + ratio * s_b)
-        tl.store(o + 1, tl.sqrt(var))
-        tl.store(o + 4, tl.where(bc > 0, hi - lo, 0.0))
+            m2 += tl.sum(dev * dev, 0)
+        o = part_ptr + ((r * hq + h) * splits + s) * W
+        tl.store(o, m)
+        tl.store(o + 1, d_f)
+        tl.store(o + 2, s_b)
+        tl.store(o + 3, nb)
+        tl.store(o + 4, m2)
+        tl.store(o + 5, lo)
+        tl.store(o + 6, hi)
         if FULL:
             acc_f = tl.zeros([D], tl.float64)
-            wo, acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, 0, start, shift, acc_f, False, BLOCK, D)
-            wo, acc_f = _weighted_v_segment(ws, wo, v_base, s_v_n, top, 0, end, length, shift, acc_f, False,
-                                            BLOCK, D)
-            wo, acc_f = _weighted_v_segment(ws, wo, v_base, s_v_n, top, tc, 0, 0, shift, acc_f, True, BLOCK, D)
+            acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
+            acc_f = _weighted_v_segment(ws, o_w, v_base, s_v_n, top, end, w0, w1, shift, acc_f, False, BLOCK, D)
+            acc_f = _weighted_v_segment(ws, o_t, v_base, s_v_n, top, 0, t0, t1, shift, acc_f, True, BLOCK, D)
             acc_b = tl.zeros([D], tl.float64)
-            wo, acc_b = _weighted_v_segment(ws, wo, v_base, s_v_n, base, bc, 0, 0, shift, acc_b, True, BLOCK, D)
-            n_hat = acc_f + ratio * acc_b
+            acc_b = _weighted_v_segment(ws, n_f, v_base, s_v_n, base, 0, b0, b1, shift, acc_b, True, BLOCK, D)
             mean_r = acc_b / tl.maximum(nb, 1.0)
             tr = tl.zeros([], tl.float64)
-            for j0 in range(0, bc, BLOCK):
+            for j0 in range(b0, b1, BLOCK):
                 j = j0 + offs
-                ok = j < bc
+                ok = j < b1
                 pos = tl.load(base + j, mask=ok, other=0)
                 e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
                 vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
                              other=0.0).to(tl.float64)
                 dev = tl.where(ok[:, None], e[:, None] * vr - mean_r[None, :], 0.0)
                 tr += tl.sum(tl.sum(dev * dev, 1), 0)
+            tl.store(o + 7, tr)
+            tl.store(o + 8 + offs_d, acc_f)
+            tl.store(o + 8 + D + offs_d, acc_b)
+
+    @triton.jit
+    def _budget_combine_kernel(part_ptr, bc_ptr, ns_ptr, out_ptr, hq, hs_div, splits,
+                               s_bc_r, s_bc_h, s_ns_r, s_ns_h,
+                               FULL: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+        """The statistics of (row, query head) from its splits' partials: each split's sums rescaled by
+        ``c_s = e^(m_s − m)`` to the row's max ``m``; the spreads by Chan's merge,
+        ``Σ c_s² M2_s + Σ n_s (c_s mean_s − mean)²`` (two-pass accuracy, no ``Σx² − (Σx)²/n``)."""
+        h = tl.program_id(0)
+        r = tl.program_id(1).to(tl.int64)
+        sh = h // hs_div
+        so = tl.arange(0, SP)
+        sm = so < splits
+        rec = part_ptr + ((r * hq + h) * splits + so) * W
+        m_s = tl.load(rec, mask=sm, other=float("-inf"))
+        m = tl.max(m_s, 0)
+        shift = tl.where(m > float("-inf"), m, 0.0)
+        c = tl.where(m_s > float("-inf"), tl.exp(m_s - shift), 0.0)
+        d_f = tl.sum(c * tl.load(rec + 1, mask=sm, other=0.0), 0)
+        sb_s = c * tl.load(rec + 2, mask=sm, other=0.0)
+        nb_s = tl.load(rec + 3, mask=sm, other=0.0)
+        has = nb_s > 0
+        s_b = tl.sum(sb_s, 0)
+        lo = tl.min(tl.where(has, c * tl.load(rec + 5, mask=sm, other=0.0), float("inf")), 0)
+        hi = tl.max(tl.where(has, c * tl.load(rec + 6, mask=sm, other=0.0), float("-inf")), 0)
+        bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
+        n_s = tl.load(ns_ptr + r * s_ns_r + sh * s_ns_h).to(tl.float64)
+        nb = bc.to(tl.float64)
+        ratio = n_s / tl.maximum(nb, 1.0)
+        mean_b = s_b / tl.maximum(nb, 1.0)
+        dm = sb_s / tl.maximum(nb_s, 1.0) - mean_b
+        m2 = tl.sum(c * c * tl.load(rec + 4, mask=sm, other=0.0) + tl.where(has, nb_s * dm * dm, 0.0), 0)
+        var = m2 / (tl.maximum(nb, 2.0) - 1.0)
+        o = out_ptr + (r * hq + h) * 5
+        tl.store(o, d_f + ratio * s_b)
+        tl.store(o + 1, tl.sqrt(var))
+        tl.store(o + 4, tl.where(bc > 0, hi - lo, 0.0))
+        if FULL:
+            offs_d = tl.arange(0, D)
+            acc_f = tl.sum(c[:, None] * tl.load(rec[:, None] + 8 + offs_d[None, :], mask=sm[:, None], other=0.0), 0)
+            accb_s = c[:, None] * tl.load(rec[:, None] + 8 + D + offs_d[None, :], mask=sm[:, None], other=0.0)
+            acc_b = tl.sum(accb_s, 0)
+            n_hat = acc_f + ratio * acc_b
+            mean_r = acc_b / tl.maximum(nb, 1.0)
+            dr = accb_s / tl.maximum(nb_s, 1.0)[:, None] - mean_r[None, :]
+            tr = tl.sum(c * c * tl.load(rec + 7, mask=sm, other=0.0) + tl.where(has, nb_s * tl.sum(dr * dr, 1), 0.0),
+                        0)
             tl.store(o + 2, tl.sqrt(tl.sum(n_hat * n_hat, 0)))
             tl.store(o + 3, tr / (tl.maximum(nb, 2.0) - 1.0))
         else:
@@ -199,29 +272,47 @@ if triton is not None:
 
 
 def usable(t: torch.Tensor) -> bool:
-    return triton is not None and (t.is_cuda or is_interpreted(_budget_stats_kernel))
+    return triton is not None and (t.is_cuda or is_interpreted(_budget_parts_kernel))
+
+
+def budget_splits(rows: int, entries: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> int:
+    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all, at
+    most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64."""
+    return max(1, min(-(-target_programs // max(rows, 1)), -(-entries // (2 * block)), 64))
 
 
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
-                        full: bool, dense_width: int) -> torch.Tensor:
+                        full: bool, dense_width: int, splits: int | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``). The deterministic set of row ``r`` is
     ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts`` entries of
     ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``; ``Hs`` is Hkv
-    or Hq; ``n_s [R, Hs]`` the residual's size. ``k``/``v`` ``[R, Hkv, N, d]`` with a contiguous last dim."""
+    or Hq; ``n_s [R, Hs]`` the residual's size. ``k``/``v`` ``[R, Hkv, N, d]`` with a contiguous last dim.
+
+    Two launches: ``splits`` programs per (row, query head) (default :func:`budget_splits`) each take
+    ``1/splits`` of every segment and write partial sums around their own max; one program per (row,
+    query head) merges them (float64; the same sums as a single pass up to rounding, ~1e-15 relative)."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
     width = dense_width + top.shape[2] + base.shape[2]
+    block = 32 if d <= 128 else 16
+    dp = next_pow2(d)
+    splits = splits or budget_splits(r * hq, width, block)
+    rec = 8 + (2 * dp if full else 0)
     ws = workspace("vattention_logits", q, max(1, r * hq * width), torch.float64)
+    parts = workspace("vattention_budget_parts", q, max(1, r * hq * splits * rec), torch.float64)
     out = torch.empty(r, hq, 5, device=q.device, dtype=torch.float64)
-    launch(_budget_stats_kernel, (hq, r),
-           q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, out, ws, scale, hq, hq // hkv,
-           hq // hs, width,
+    launch(_budget_parts_kernel, (splits, hq, r),
+           q, k, v, start, end, length, top, top_counts, base, base_counts, parts, ws, scale, hq, hq // hkv,
+           hq // hs, width, splits,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
+           base_counts.stride(0), base_counts.stride(1),
+           FULL=full, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
+    launch(_budget_combine_kernel, (hq, r), parts, base_counts, n_s, out, hq, hq // hs, splits,
            base_counts.stride(0), base_counts.stride(1), n_s.stride(0), n_s.stride(1),
-           FULL=full, BLOCK=32 if d <= 128 else 16, D=next_pow2(d), num_warps=4, num_stages=1)
+           FULL=full, SP=max(2, next_pow2(splits)), D=dp, W=rec, num_warps=4, num_stages=1)
     return out
 
 
@@ -244,4 +335,4 @@ def expand_pages_triton(pages: torch.Tensor, page_counts: torch.Tensor, start: t
     return counts, excl
 
 
-__all__ = ["budget_stats_triton", "expand_pages_triton", "usable"]
+__all__ = ["SPLIT_PROGRAMS", "budget_splits", "budget_stats_triton", "expand_pages_triton", "usable"]
