@@ -289,6 +289,204 @@ print("OK")
 """
 
 
+BUDGET = """
+# vAttention's budget statistics (split launch + combine) against a direct float64 reference, for every
+# number of splits: GQA 1/4/2 with per-query-head or per-KV-head lists, ragged counts, fp32 and bf16
+import itertools
+
+import torch
+from kvsieve.kernels.sparse.budget_triton import budget_stats_triton
+
+def ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, scale, full):
+    r, hq, d = q.shape
+    hkv = k.shape[1]; hs = top.shape[1]
+    out = torch.zeros(r, hq, 5, dtype=torch.float64)
+    for a in range(r):
+        for h in range(hq):
+            kv, sh = h // (hq // hkv), h // (hq // hs)
+            fpos = torch.cat([torch.arange(int(start[a])), torch.arange(int(end[a]), int(length[a])),
+                              top[a, sh, :int(tc[a, sh])]])
+            bpos = base[a, sh, :int(bc[a, sh])]
+            qq = q[a, h].double()
+            sf = (k[a, kv, fpos].double() @ qq) * scale
+            sb = (k[a, kv, bpos].double() @ qq) * scale
+            m = torch.cat([sf, sb]).max() if len(sf) + len(sb) else torch.tensor(0.0, dtype=torch.float64)
+            ef, eb = torch.exp(sf - m), torch.exp(sb - m)
+            nb = len(bpos); ns = float(n_s[a, sh])
+            ratio = ns / max(nb, 1)
+            mean = eb.sum() / max(nb, 1)
+            out[a, h, 0] = ef.sum() + ratio * eb.sum()
+            out[a, h, 1] = (((eb - mean) ** 2).sum() / (max(nb, 2) - 1)).sqrt()
+            out[a, h, 4] = (eb.max() - eb.min()) if nb else 0.0
+            if full:
+                rb = eb[:, None] * v[a, kv, bpos].double()
+                nh = (ef[:, None] * v[a, kv, fpos].double()).sum(0) + ratio * rb.sum(0)
+                mr = rb.sum(0) / max(nb, 1)
+                out[a, h, 2] = nh.norm()
+                out[a, h, 3] = ((rb - mr) ** 2).sum() / (max(nb, 2) - 1)
+    return out
+
+g = torch.Generator().manual_seed(1)
+worst = 0.0
+for (r, hq, hkv, hs_kind, n, d), dtype, full in itertools.product(
+        [(2, 4, 1, "q", 300, 64), (1, 8, 2, "kv", 157, 128), (2, 4, 4, "q", 90, 32)],
+        (torch.float32, torch.bfloat16), (False, True)):
+    hs = hq if hs_kind == "q" else hkv
+    q = (torch.randn(r, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    length = torch.tensor([n, n - 37][:r])
+    start = torch.clamp(length, max=5)
+    end = torch.maximum(length - 7, start)
+    kt, kb = 40, 23
+    top = torch.randint(0, n - 40, (r, hs, kt), generator=g)
+    tc = torch.randint(0, kt + 1, (r, hs), generator=g); tc[0, 0] = kt
+    base = torch.randint(0, n - 40, (r, hs, kb), generator=g)
+    bc = torch.randint(0, kb + 1, (r, hs), generator=g); bc[0, 0] = kb
+    bc[-1, -1] = 1
+    n_s = torch.randint(50, 200, (r, hs), generator=g)
+    want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full)
+    if not full:
+        want[..., 2:4] = 0
+    for splits in (1, 2, 5, 13, 64):
+        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                  splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+        worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
+print("WORST", worst)
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_budget_statistics_split_over_programs_equal_a_direct_float64_sum():
+    """The statistics launch cut into 1-64 splits per (row, query head) and merged (shift to the row's
+    max, Chan's merge of the spreads) equals a direct float64 two-pass computation to 1e-13 relative."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(BUDGET, "cpu", True)
+
+
+LSH_SPLIT = """
+# MagicPIG's collision launch (query codes, then chunks of a KV head's codes for its query heads) and the
+# key dots, cut over 1..528 programs: the same marks and counts as torch's codes, the same dots per entry
+import torch
+from kvsieve.kernels.sparse.lsh_triton import LshCodes, key_dots_triton, retrieve_triton
+from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
+
+g = torch.Generator().manual_seed(3)
+for (b, hq, hkv, n, d, bits, tables, transform, dtype) in [
+        (2, 8, 2, 300, 64, 4, 8, "mips", torch.float32), (1, 4, 4, 1000, 32, 3, 5, "center", torch.bfloat16),
+        (2, 4, 1, 77, 64, 8, 16, "mips", torch.bfloat16)]:
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    lens = torch.tensor([n, n - 13][:b])
+    mips = transform == "mips"
+    proj = torch.randn(d + mips, bits * tables, generator=g)
+    codes = LshCodes(proj, bits, tables, transform)
+    codes.update(k, lens)
+    sink, window = 3, 5
+    ref = None
+    for target in (1, 7, 64, 528):
+        excl, cnt = retrieve_triton(q, codes, lens, sink, window, n, target_programs=target)
+        lo = torch.clamp(lens, max=sink); hi = torch.maximum(lens - window, lo)
+        m = (torch.arange(n)[None, :] >= lo[:, None]) & (torch.arange(n)[None, :] < hi[:, None])
+        e = excl & m[:, None, :]
+        if ref is None:
+            ref = (e, cnt)
+            # torch: the query codes and collisions
+            cfg = MagicPigConfig(bits=bits, tables=tables, transform=transform)
+            qf = q.float()
+            qt = torch.cat([qf / qf.norm(dim=-1, keepdim=True), torch.zeros_like(qf[..., :1])], -1) if mips else qf
+            qc = _codes(qt, codes.proj, bits, tables)
+            kc = codes.codes[:, :, :n].long()
+            hit = (kc[:, :, None] == qc.view(b, hkv, hq // hkv, 1, tables)).any(-1).view(b, hq, n) & m[:, None, :]
+            assert torch.equal(e, ~hit & m[:, None, :]), "excl vs torch"
+            assert torch.equal(cnt.long(), hit.sum(-1)), "count vs torch"
+        else:
+            assert torch.equal(e, ref[0]) and torch.equal(cnt, ref[1]), target
+    width = 50
+    idx = torch.randint(0, n, (b, hq, width), generator=g)
+    kept = torch.randint(0, width + 1, (b, hq), generator=g)
+    d1, n1 = key_dots_triton(q, k, codes, idx, kept, target_programs=1)
+    used = torch.arange(width)[None, None] < kept[..., None]
+    for target in (5, 528):
+        d2, n2 = key_dots_triton(q, k, codes, idx, kept, target_programs=target)
+        assert torch.equal(d1[used], d2[used]), target
+        if n1 is not None:
+            assert torch.equal(n1[used], n2[used])
+    kr = torch.gather(k.float().repeat_interleave(hq // hkv, 1), 2, idx[..., None].expand(b, hq, width, d))
+    torch.testing.assert_close(d1[used], (kr * q.float()[:, :, None]).sum(-1)[used], rtol=1e-5, atol=1e-4)
+print("OK")
+"""
+
+
+@pytest.mark.triton
+def test_lsh_retrieval_and_key_dots_split_over_programs():
+    """MagicPIG's retrieval and key dots give the same marks, counts (integer atomics) and dots whatever
+    the number of programs, equal to torch's collision test."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(LSH_SPLIT, "cpu", True)
+
+
+COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvsieve.kernels.sparse import budget_triton as bt, lsh_triton as lt, sample_triton as st
+
+
+def compile_(kernel, pointers, meta, ints64=(), floats=(), num_warps=4):
+    signature, constexprs = {{}}, {{}}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+        else:
+            signature[name] = pointers.get(name, "fp64" if name in floats else ("i64" if name in ints64 else "i32"))
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={{}})
+    md = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": num_warps}}).metadata
+    print(kernel.fn.__name__, meta.get("FULL", meta.get("WRITE", "")), "shared", md.shared)
+
+i64 = "*i64"
+sp = {{n: i64 for n in ("lo_ptr", "hi_ptr", "start_ptr", "end_ptr", "size_ptr", "nav_ptr", "off_ptr", "out_ptr",
+                       "cand_ptr")}}
+sp.update(excl_ptr="*i8", cnt_ptr="*i32", w_ptr="*fp64")
+for write in (False, True):
+    compile_(st._split_candidates_kernel, sp, dict(PAGE=16, HAS_EXCL=True, WRITE=write, SPLITS=16, SP=16, BLOCK=1024),
+             ints64=("stream_key",), num_warps=8)
+compile_(st._sample_rows_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, HAS_W=True, FILL=False, BLOCK=1024,
+                                          CBLOCK=8192, SPLITS=16, SP=16), ints64=("stream_key",), num_warps=8)
+bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", "base_ptr", "bc_ptr", "ns_ptr")}}
+bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr="*fp64", out_ptr="*fp64")
+for full in (False, True):
+    compile_(bt._budget_parts_kernel, bp, dict(FULL=full, BLOCK=32, D=128, W=8 + 256 * full), floats=("scale",))
+    compile_(bt._budget_combine_kernel, bp, dict(FULL=full, SP=32, D=128, W=8 + 256 * full))
+lp = dict(q_ptr="*bf16", proj_ptr="*fp32", qc_ptr=i64, count_ptr="*i32", codes_ptr="*i32", len_ptr="*i32",
+          excl_ptr="*i8", k_ptr="*bf16", mean_ptr="*fp32", idx_ptr=i64, cnt_ptr=i64, dot_ptr="*fp32", knorm_ptr="*fp32")
+compile_(lt._query_codes_kernel, lp, dict(MIPS=True, D=128, KP=16, LP=16))
+compile_(lt._retrieve_kernel, lp, dict(G=4, BLOCK=64, LP=16))
+compile_(lt._key_dots_kernel, lp, dict(CENTER=False, BLOCK=32, D=128))
+print("COMPILED")
+"""
+
+
+@pytest.mark.triton
+def test_split_sampling_kernels_compile_for_the_h100():
+    """The interpreter does not type-check branches; compiling for sm_90 (no GPU needed) does: the split
+    sample scan, the budget statistics' two launches (both bounds) and MagicPIG's retrieval and dots."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from interpreted import ROOT
+
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100.format()], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=ROOT)
+    assert res.returncode == 0 and "COMPILED" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
 @pytest.mark.triton
 def test_lsh_codes_are_kept_incrementally():
     """MagicPIG's kernel-path codes: only new keys are hashed, every key of a row again where the MIPS

@@ -10,12 +10,13 @@ Here:
   counter of the keys hashed per row (as Quest's ``PageSummaries``): one launch updates ``M`` (MIPS) from
   the new keys and says per row whether it grew; a second hashes only the blocks of new keys — every
   block of a row whose ``M`` grew (all its codes change). No host read.
-- :func:`retrieve_triton`: one program per (row, query head) hashes the query and marks, in
-  ``[sink_end, window_start)``, the keys colliding in at least one table; it writes the complement
-  (what :func:`~kvsieve.kernels.sparse.sample_triton.sample_rows_triton` takes as excluded keys) and the
-  retrieved count.
+- :func:`retrieve_triton`: one program per (row, query head) hashes the query, then chunks of
+  ``[sink_end, window_start)`` over ~528 programs (each reading a KV head's codes once for its query
+  heads) mark the keys colliding in at least one table; they write the complement
+  (what :func:`~kvsieve.kernels.sparse.sample_triton.sample_rows_triton` takes as excluded keys) and add
+  up the retrieved counts (integer atomics).
 - :func:`key_dots_triton`: ``q·k`` (and, for the ``center`` transform, ``‖k − μ‖``) of the kept keys only,
-  for their cosines.
+  for their cosines, the list cut over ~528 programs.
 
 Codes are the signs of float32 dot products summed in another order than torch's matmul: a key whose
 projection on a hyperplane is within float32 rounding of 0 may get the other bit (then the paths
@@ -29,6 +30,9 @@ import math
 import torch
 
 from ..triton_utils import is_interpreted, launch, next_pow2, triton
+
+#: programs of the retrieval and key-dot launches in all (4 per H100 SM)
+SPLIT_PROGRAMS = 528
 
 
 def usable(t: torch.Tensor) -> bool:
@@ -158,10 +162,9 @@ if triton is not None:
                 tl.store(out + t, code.to(codes_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _retrieve_kernel(q_ptr, proj_ptr, codes_ptr, len_ptr, excl_ptr, count_ptr, hq, group, sink, window,
-                         s_q_b, s_q_h, s_c_b, s_c_h, s_c_n, s_x_b, s_x_h, bits, tables, d,
-                         MIPS: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
-                         LP: tl.constexpr):
+    def _query_codes_kernel(q_ptr, proj_ptr, qc_ptr, count_ptr, hq, s_q_b, s_q_h, bits, tables, d,
+                            MIPS: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, LP: tl.constexpr):
+        """The query's code per table (``-2`` past ``tables``) into ``qc [B, Hq, LP]``; the count zeroed."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         offs_d = tl.arange(0, D)
@@ -179,28 +182,49 @@ if triton is not None:
             s = tl.sum(q[:, None] * p, 0)
             code = tl.sum(((s > 0) & col_ok).to(tl.int64) << cols.to(tl.int64), 0)
             qc = tl.where(tl_idx == t, code, qc)
-        length, lo, hi = dense_range(len_ptr, b, sink, window)
-        kvh = h // group
-        cbase = codes_ptr + b.to(tl.int64) * s_c_b + kvh * s_c_h
-        xbase = excl_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
-        offs = tl.arange(0, BLOCK)
-        count = tl.zeros([], tl.int32)
-        for j0 in range(lo, hi, BLOCK):
-            pos = j0 + offs
-            ok = pos < hi
-            c = tl.load(cbase + pos.to(tl.int64)[:, None] * s_c_n + tl_idx[None, :],
-                        mask=ok[:, None] & (tl_idx < tables)[None, :], other=-1).to(tl.int64)
-            hit = tl.max((c == qc[None, :]).to(tl.int32), 1) > 0
-            tl.store(xbase + pos, (~hit).to(tl.int8), mask=ok)
-            count += tl.sum((hit & ok).to(tl.int32), 0)
-        tl.store(count_ptr + b * hq + h, count)
+        tl.store(qc_ptr + (b * hq + h).to(tl.int64) * LP + tl_idx, qc)
+        tl.store(count_ptr + b * hq + h, 0)
 
     @triton.jit
-    def _key_dots_kernel(q_ptr, k_ptr, mean_ptr, idx_ptr, cnt_ptr, dot_ptr, knorm_ptr, group, hs_div,
+    def _retrieve_kernel(qc_ptr, codes_ptr, len_ptr, excl_ptr, count_ptr, hq, sink, window, chunk,
+                         s_c_b, s_c_h, s_c_n, s_x_b, s_x_h, tables,
+                         G: tl.constexpr, BLOCK: tl.constexpr, LP: tl.constexpr):
+        """One chunk ``[s·chunk, (s+1)·chunk) ∩ [sink_end, window_start)`` of (row, KV head): each block
+        of key codes is read once for the group's ``G`` query heads; their collision marks are written
+        and their counts added atomically (integers: the order does not matter)."""
+        s = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        length, lo, hi = dense_range(len_ptr, b, sink, window)
+        c_lo = tl.maximum(lo, s * chunk)
+        c_hi = tl.minimum(hi, s * chunk + chunk)
+        tl_idx = tl.arange(0, LP)
+        cbase = codes_ptr + b.to(tl.int64) * s_c_b + kvh * s_c_h
+        offs = tl.arange(0, BLOCK)
+        for g in tl.static_range(G):
+            h = kvh * G + g
+            qc = tl.load(qc_ptr + (b * hq + h).to(tl.int64) * LP + tl_idx)
+            xbase = excl_ptr + b.to(tl.int64) * s_x_b + h * s_x_h
+            count = tl.zeros([], tl.int32)
+            for j0 in range(c_lo, c_hi, BLOCK):
+                pos = j0 + offs
+                ok = pos < c_hi
+                c = tl.load(cbase + pos.to(tl.int64)[:, None] * s_c_n + tl_idx[None, :],
+                            mask=ok[:, None] & (tl_idx < tables)[None, :], other=-1).to(tl.int64)
+                hit = tl.max((c == qc[None, :]).to(tl.int32), 1) > 0
+                tl.store(xbase + pos, (~hit).to(tl.int8), mask=ok)
+                count += tl.sum((hit & ok).to(tl.int32), 0)
+            if c_hi > c_lo:
+                tl.atomic_add(count_ptr + b * hq + h, count)
+
+    @triton.jit
+    def _key_dots_kernel(q_ptr, k_ptr, mean_ptr, idx_ptr, cnt_ptr, dot_ptr, knorm_ptr, group, hs_div, hkv, chunk,
                          s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_i_b, s_i_h, s_c_b, s_c_h, s_o_b, s_o_h, d,
                          CENTER: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
-        h = tl.program_id(0)
-        b = tl.program_id(1)
+        # entries [s·chunk, (s+1)·chunk) of the list of (row, query head)
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
         kvh = h // group
         sh = h // hs_div
         offs_d = tl.arange(0, D)
@@ -211,9 +235,9 @@ if triton is not None:
         kbase = k_ptr + b.to(tl.int64) * s_k_b + kvh * s_k_h
         obase = b.to(tl.int64) * s_o_b + h * s_o_h
         if CENTER:
-            mu = tl.load(mean_ptr + (b * (tl.num_programs(0) // group) + kvh) * d + offs_d, mask=dm, other=0.0)
+            mu = tl.load(mean_ptr + (b * hkv + kvh) * d + offs_d, mask=dm, other=0.0)
         offs = tl.arange(0, BLOCK)
-        for j0 in range(0, cnt, BLOCK):
+        for j0 in range(s * chunk, tl.minimum(cnt, s * chunk + chunk), BLOCK):
             j = j0 + offs
             ok = j < cnt
             pos = tl.load(lst + j, mask=ok, other=0)
@@ -225,28 +249,44 @@ if triton is not None:
                 tl.store(knorm_ptr + obase + j, tl.sqrt(tl.sum(kc * kc, 1)), mask=ok)
 
 
+def _chunk(n: int, splits: int, block: int) -> int:
+    """``ceil(n / splits)`` rounded up to a multiple of ``block``."""
+    per = -(-n // splits)
+    return -(-per // block) * block
+
+
 def retrieve_triton(q: torch.Tensor, codes: LshCodes, lengths: torch.Tensor, sink: int, window: int,
-                    n_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_keys: int, target_programs: int = SPLIT_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
     """``(excluded [B, Hq, N] bool, retrieved [B, Hq] int32)``: in ``[sink_end, window_start)`` of each
     row, the keys whose code differs from the query's in every table (entries outside that range are not
-    written), and how many collide."""
+    written), and how many collide. Two launches: the query codes (one program per query head), then the
+    collisions in ``splits x Hkv x B`` programs (about ``target_programs``), each reading a chunk of a KV
+    head's codes once for its query heads."""
     b, hq, d = q.shape
     hkv = codes.codes.shape[1]
     excl = torch.empty(b, hq, n_keys, device=q.device, dtype=torch.bool)
     count = torch.empty(b, hq, device=q.device, dtype=torch.int32)
     c = codes.codes
-    launch(_retrieve_kernel, (hq, b), q, codes.proj, c, lengths.to(torch.int32), excl.view(torch.int8), count, hq,
-           hq // hkv, sink, window, q.stride(0), q.stride(1), c.stride(0), c.stride(1), c.stride(2),
-           excl.stride(0), excl.stride(1), codes.bits, codes.tables, d, MIPS=codes.transform == "mips",
-           BLOCK=64, D=next_pow2(d), KP=max(16, next_pow2(codes.bits)), LP=max(2, next_pow2(codes.tables)),
-           num_warps=4, num_stages=1)
+    lp = max(2, next_pow2(codes.tables))
+    qc = torch.empty(b, hq, lp, device=q.device, dtype=torch.int64)
+    launch(_query_codes_kernel, (hq, b), q, codes.proj, qc, count, hq, q.stride(0), q.stride(1), codes.bits,
+           codes.tables, d, MIPS=codes.transform == "mips", D=next_pow2(d), KP=max(16, next_pow2(codes.bits)),
+           LP=lp, num_warps=4, num_stages=1)
+    block = 64
+    splits = max(1, min(-(-target_programs // (b * hkv)), -(-n_keys // (2 * block))))
+    chunk = _chunk(n_keys, splits, block)
+    launch(_retrieve_kernel, (-(-n_keys // chunk), hkv, b), qc, c, lengths.to(torch.int32), excl.view(torch.int8),
+           count, hq, sink, window, chunk, c.stride(0), c.stride(1), c.stride(2), excl.stride(0), excl.stride(1),
+           codes.tables, G=hq // hkv, BLOCK=block, LP=lp, num_warps=4, num_stages=1)
     return excl, count
 
 
 def key_dots_triton(q: torch.Tensor, k: torch.Tensor, codes: LshCodes, idx: torch.Tensor,
-                    counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    counts: torch.Tensor, target_programs: int = SPLIT_PROGRAMS
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``q·k`` (float32, unscaled) of the first ``counts`` keys of ``idx [B, Hs, M]`` for every query head
-    (``[B, Hq, M]``), and for ``center`` their ``‖k − μ‖``."""
+    (``[B, Hq, M]``), and for ``center`` their ``‖k − μ‖``; the list cut into chunks over about
+    ``target_programs`` programs (each entry's value does not depend on the cut)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     hs, m = idx.shape[1], idx.shape[2]
@@ -254,9 +294,13 @@ def key_dots_triton(q: torch.Tensor, k: torch.Tensor, codes: LshCodes, idx: torc
     center = codes.transform == "center"
     knorm = torch.empty_like(dots) if center else dots
     if m:
-        launch(_key_dots_kernel, (hq, b), q, k, codes.mean, idx, counts, dots, knorm, hq // hkv, hq // hs,
-               q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), idx.stride(0), idx.stride(1),
-               counts.stride(0), counts.stride(1), dots.stride(0), dots.stride(1), d, CENTER=center, BLOCK=32,
+        block = 32
+        splits = max(1, min(-(-target_programs // (b * hq)), -(-m // block)))
+        chunk = _chunk(m, splits, block)
+        launch(_key_dots_kernel, (-(-m // chunk), hq, b), q, k, codes.mean, idx, counts, dots, knorm, hq // hkv,
+               hq // hs, hkv, chunk, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), idx.stride(0),
+               idx.stride(1),
+               counts.stride(0), counts.stride(1), dots.stride(0), dots.stride(1), d, CENTER=center, BLOCK=block,
                D=next_pow2(d), num_warps=4, num_stages=1)
     return dots, (knorm if center else None)
 
@@ -267,4 +311,4 @@ def retrieval_probability(cos: torch.Tensor, bits: int, tables: int) -> torch.Te
     return 1 - (1 - (1 - theta / math.pi) ** bits) ** tables
 
 
-__all__ = ["LshCodes", "key_dots_triton", "retrieval_probability", "retrieve_triton", "usable"]
+__all__ = ["SPLIT_PROGRAMS", "LshCodes", "key_dots_triton", "retrieval_probability", "retrieve_triton", "usable"]
