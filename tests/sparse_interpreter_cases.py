@@ -282,8 +282,9 @@ def test_benchmark_variants_run_and_match_their_references():
                         scale=0.125)
     calls = bench.variants(case, x, 0.2, sink=8, window_qt=8)
     assert {"sparse-pages16", "streaming", "quest-kv", "quest-q", "oracle-topk-q", "quest-kv@torch-select",
-            "quest-kv@split-group-sum", "quest-kv@group-sum-in-select",
-            "oracle-topk-kv@torch-select"} <= set(calls)
+            "quest-kv@split-group-sum", "quest-kv@group-sum-in-select", "quest-kv@row-select", "quest-q@row-select",
+            "quest-kv@register-select",
+            "oracle-topk-kv@torch-select", "oracle-topk-kv@row-select"} <= set(calls)
     for name, (call, select, attend, n_bytes, ref) in calls.items():
         got, want = call(), ref()
         assert float((got - want).norm() / want.norm()) < 1e-5, name
@@ -396,6 +397,25 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
         assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), topk_rows_reference(s, counts, k))
 
 
+@pytest.mark.parametrize("x,k", [(1, 1), (7, 5), (64, 3), (300, 40), (5000, 700), (2500, 2500), (129, 129)])
+def test_register_select_matches_its_reference_with_ties_and_empty_rows(x, k):
+    """topk_rows_registers (a row whole in registers, the radix stopping once the answer's bin is taken
+    whole) on the rows of the test above: −inf, repeated values, one distinct value, count 0, count =
+    every finite value."""
+    from kvsieve.kernels.sparse.select_triton import topk_rows_reference, topk_rows_registers
+
+    g = torch.Generator().manual_seed(x + k)
+    s = torch.randn(3, 4, x, generator=g) * 3
+    s[0, 1, ::3] = float("-inf")
+    s[1, 2] = (s[1, 2] * 2).round()  # many ties
+    s[2, 3] = 1.5  # one value
+    s[2, 0, : x // 2] = -s[2, 0, : x // 2].abs()  # negatives and positives
+    s[0, 0, x // 3:] = 0.0  # ties at the answer with +0
+    finite = int(torch.isfinite(s[0, 1]).sum())
+    counts = torch.tensor([min(k, finite), k if x > 1 else 0, k])
+    assert torch.equal(topk_rows_registers(s, counts, k), topk_rows_reference(s, counts, k))
+
+
 def _selection_case(seed, b, hq, hkv, n, d, dtype):
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
@@ -412,21 +432,33 @@ SELECTION_SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, 
                     (2, 2, 8, 2, 600, 128, torch.bfloat16)]
 
 
-# (share_kv_group, long rows): long group-summed rows take the parallel group-sum launch, and long rows
-# split the select's prefilter pass over programs; the limits are lowered so that these rows count as long
+# (share_kv_group, long rows): with select="triton-rows" (the rows select launch: the register select's
+# limit at 0) long group-summed rows take the parallel group-sum launch, and long rows split the select's
+# prefilter pass over programs; with "triton" (the register select) long group-summed rows are group-summed
+# in many chunks. The limits are lowered so that these rows count as long.
 ROW_KINDS = [(False, False), (True, False), (False, True), (True, True)]
 
 
-@pytest.mark.parametrize("select", ["triton", "torch"])
+def _select_limits(monkeypatch, select, long_rows, segment):
+    from kvsieve.kernels.sparse import select_triton
+
+    if select == "triton-rows":
+        monkeypatch.setattr(select_triton, "REGISTER_SELECT_MAX", 0)
+    else:  # group-summed rows through the register select whatever their length
+        monkeypatch.setattr(select_triton, "REGISTER_SELECT_GROUPED_MAX", 1 << 30)
+    if long_rows:
+        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+        monkeypatch.setattr(select_triton, "SEGMENT", segment)
+        monkeypatch.setattr(select_triton, "REGISTER_CHUNK_MIN", 4)
+    return select.split("-")[0]
+
+
+@pytest.mark.parametrize("select", ["triton", "triton-rows", "torch"])
 @pytest.mark.parametrize("share,long_rows", ROW_KINDS)
 def test_quest_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
     """quest_select's device paths against its torch reference (the same bounds in torch): pages 16/32,
     sizes as counts and fractions, with and without a dense part."""
-    from kvsieve.kernels.sparse import select_triton
-
-    if long_rows:
-        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
-        monkeypatch.setattr(select_triton, "SEGMENT", 16)
+    select = _select_limits(monkeypatch, select, long_rows, 16)
     for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
         q, k, lens = _selection_case(seed, b, hq, hkv, n, d, dtype)
         for page, size, (sink, window) in ((16, 40, (0, 0)), (32, 0.1, (4, 40)), (16, 1.0, (4, 40))):
@@ -437,15 +469,13 @@ def test_quest_device_selection_matches_the_reference(select, share, long_rows, 
             _same_sets(*got, *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
 
 
-@pytest.mark.parametrize("select", ["triton", "torch"])
+@pytest.mark.parametrize("select", ["triton", "triton-rows", "torch"])
 @pytest.mark.parametrize("share,long_rows", ROW_KINDS)
 def test_topk_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
     """topk_select's device paths against its torch reference, as Quest's above."""
-    from kvsieve.kernels.sparse import select_triton, topk
+    from kvsieve.kernels.sparse import topk
 
-    if long_rows:
-        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
-        monkeypatch.setattr(select_triton, "SEGMENT", 128)
+    select = _select_limits(monkeypatch, select, long_rows, 128)
     for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:
         q, k, lens = _selection_case(seed + 10, b, hq, hkv, n, d, dtype)
         for size, (sink, window) in ((7, (0, 0)), (0.1, (4, 40)), (1.0, (4, 40))):

@@ -2,14 +2,19 @@
 ``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run (issue 15 §3).
 
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
-one select launch, ``kernels/sparse/select_triton.py``); at batch 1 the same selections also run as
+one select launch, ``kernels/sparse/select_triton.py``: the register select for rows of at most
+``REGISTER_SELECT_MAX`` units, Quest's pages); at batch 1 the same selections also run as
 ``…@torch-select`` (partials-based group sum + ``torch.topk``; the path before 2026-11-25, ``logsumexp`` +
-a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``);
-``quest-kv@split-group-sum`` group-sums the pages in a parallel launch of their own instead of inside the
-select launch, ``quest-kv@group-sum-in-select`` inside it whatever the row length (for tuning
-``select_triton.ROW_GROUP_SUM_MAX``).
+a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``)
+and ``…@row-select`` (``topk_rows_triton``, the default before the register select; ``quest-kv@register-select``:
+the register select on group-summed pages whatever their number, by default up to 4096);
+``quest-kv@split-group-sum`` / ``@group-sum-in-select`` run the rows select with the pages group-summed
+in a parallel launch of their own / inside it whatever the row length (for tuning
+``select_triton.ROW_GROUP_SUM_MAX``). ``--variants`` limits the run to some variants (FlashInfer is the
+baseline of the speedups: keep it).
 
     python benchmarks/sparse_decode/run.py OUT_DIR [--contexts 32768 131072] [--batch8-context 32768]
+                                          [--variants quest oracle-topk flashinfer]
 
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, d 128), bf16, i.i.d. Gaussian inputs, ≈5% density.
 Every call is captured in a CUDA graph and replayed with a 512 MB L2 flush before each replay (CUDA
@@ -47,15 +52,19 @@ TARGETS = {  # issue 15 §3: speedup over FlashInfer at (32k, 128k), batch 1
 
 
 @contextmanager
-def _group_sum_in_select_up_to(units: int):
-    """Rows of at most ``units`` group-summed units are group-summed inside the select launch (a module
-    constant; changed around a call, also while a CUDA graph captures it)."""
-    before = select_triton.ROW_GROUP_SUM_MAX
-    select_triton.ROW_GROUP_SUM_MAX = units
+def _select_limits(group_sum_in_select: int, registers: int, grouped: int):
+    """Rows of at most ``group_sum_in_select`` group-summed units are group-summed inside the rows select
+    launch, rows of at most ``registers`` units take the register select, group-summed ones up to
+    ``grouped`` units (module constants; changed around a call, also while a CUDA graph captures it)."""
+    names = ("ROW_GROUP_SUM_MAX", "REGISTER_SELECT_MAX", "REGISTER_SELECT_GROUPED_MAX")
+    before = [getattr(select_triton, name) for name in names]
+    for name, value in zip(names, (group_sum_in_select, registers, grouped), strict=True):
+        setattr(select_triton, name, value)
     try:
         yield
     finally:
-        select_triton.ROW_GROUP_SUM_MAX = before
+        for name, value in zip(names, before, strict=True):
+            setattr(select_triton, name, value)
 
 
 def _first(fn):
@@ -125,12 +134,22 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
         fused = _first(partial(sparse_decode_triton, x.q, x.k, x.v, fused_merge=True, **dense_opts))
         out["streaming+fused-merge"] = (fused, None, fused, out["streaming"][3], stream_ref)
 
-    # selection paths: the default, and at batch 1 torch.topk in place of the select launch and, for
-    # Quest's group-summed pages, the group sum inside the select launch or in a parallel launch of its
-    # own (the default picks by the row length: select_triton.ROW_GROUP_SUM_MAX)
-    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@group-sum-in-select", "triton-fold"),
+    # selection paths: the default (rows up to select_triton.REGISTER_SELECT_MAX units: the register
+    # select), and at batch 1 torch.topk in place of the select launch and the rows select launch
+    # (topk_rows_triton, the path before the register select): for Quest's group-summed pages by the row
+    # length (select_triton.ROW_GROUP_SUM_MAX), with the group sum inside it or in a parallel launch
+    selections = [("", "triton")] + ([("@torch-select", "torch"), ("@row-select", "triton-rows"),
+                                      ("@register-select", "triton-registers"),
+                                      ("@group-sum-in-select", "triton-fold"),
                                       ("@split-group-sum", "triton-split")] if b == 1 else [])
     fold_limit = {"triton-fold": 1 << 30, "triton-split": 0}
+    tuning = ("triton-fold", "triton-split", "triton-registers")  # Quest's group-summed pages only
+
+    def limits(how):
+        registers = select_triton.REGISTER_SELECT_MAX
+        return _select_limits(fold_limit.get(how, select_triton.ROW_GROUP_SUM_MAX),
+                              0 if how in ("triton-rows", *fold_limit) else registers,
+                              1 << 30 if how == "triton-registers" else select_triton.REGISTER_SELECT_GROUPED_MAX)
 
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
     page = 16
@@ -140,12 +159,12 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     summaries.update(x.k, lens)  # the prefill's summary; each timed step refreshes the last pages
     for (base, share), (suffix, how) in product((("quest-kv", True), ("quest-q", False)), selections):
         name = base + suffix
-        if how in fold_limit and not share:
+        if how in tuning and not share:
             continue
 
         def select(share=share, how=how):
             kmin, kmax = summaries.update(x.k, lens)
-            with _group_sum_in_select_up_to(fold_limit.get(how, select_triton.ROW_GROUP_SUM_MAX)):
+            with limits(how):
                 return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink,
                                                 window=window_qt, size=tokens_wanted, max_pages=max_pages,
                                                 share_kv_group=share, select=how.split("-")[0])
@@ -167,12 +186,13 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     # oracle top-k: every score (one Triton pass over K), top-k tokens outside sink + window
     for (base, share), (suffix, how) in product((("oracle-topk-kv", True), ("oracle-topk-q", False)), selections):
         name = base + suffix
-        if how in fold_limit:  # tuning variants for Quest's pages only
-            continue
+        if how in tuning or (how == "triton-rows" and n > select_triton.REGISTER_SELECT_MAX):
+            continue  # keys rows this long take the rows select anyway
 
         def select(share=share, how=how):
-            return topk.topk_select(x.q, x.k, lens, sink=sink, window=window_qt, size=tokens_wanted,
-                                    max_k=tokens_wanted, share_kv_group=share, select=how)
+            with limits(how):
+                return topk.topk_select(x.q, x.k, lens, sink=sink, window=window_qt, size=tokens_wanted,
+                                        max_k=tokens_wanted, share_kv_group=share, select=how.split("-")[0])
 
         idx, counts = select()
         topk_opts = {"lengths": lens, "sink": sink, "window": window_qt}
@@ -196,6 +216,9 @@ def main(argv=None) -> int:
     ap.add_argument("--density", type=float, default=0.05)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--variants", nargs="+", default=None, metavar="PREFIX",
+                    help="time only the variants whose name starts with one of these (e.g. quest oracle-topk "
+                         "flashinfer); default: all")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -216,6 +239,8 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a missing baseline must not lose the others
                 rows.append({"n": case.n, "batch": case.batch, "variant": name, "error": str(exc)[:200]})
         calls.update(variants(case, x, args.density))
+        if args.variants:
+            calls = {name: c for name, c in calls.items() if name.startswith(tuple(args.variants))}
         for name, (call, select, attend, n_bytes, ref) in calls.items():
             r = {"n": case.n, "batch": case.batch, "variant": name, "bytes": n_bytes,
                  "floor_us": n_bytes / peak * 1e6}

@@ -13,10 +13,12 @@ recomputed.
 :class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (one launch refreshes the last pages of each
 row), the bounds in one Triton launch (with ``share_kv_group`` it also writes each block's softmax
 partials, so that no ``logsumexp`` runs), one select launch
-(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_triton`: the group sum — in a launch of its own
-beyond 4096 pages — then the exact top pages by a radix select) and the Triton sparse kernel (2
-launches) reading the chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch
-reference; "reference" and "triton" force a path; ``stats.backend`` names the path.
+(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_registers` for rows of up to 16384 pages per query
+head, 4096 group-summed — the group sum in chunks over the GPU, then each row's last chunk program selects
+with the row in registers; else :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`, with a
+group-sum launch of its own beyond 4096 pages) and the Triton sparse kernel (2 launches) reading the
+chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton"
+force a path; ``stats.backend`` names the path.
 """
 
 from __future__ import annotations

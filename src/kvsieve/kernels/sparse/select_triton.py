@@ -376,6 +376,104 @@ if triton is not None:
                 offs = x0 + tl.arange(0, BLOCK_X)
                 tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
 
+    @triton.jit
+    def _radix_regs(u, valid, count, hi, lo):
+        """:func:`_radix` (exact) on a row held in registers: ``u`` the ordered images, ``valid`` which
+        entries count. Stops as soon as the bin holding the answer is taken whole (its count equals what is
+        still needed): the returned threshold is then the bin's low end (its lower bits 0), at most the
+        answer, and ``need`` covers every unit equal to it, so the emit step takes exactly the bin and
+        all above it."""
+        diff = hi ^ lo
+        top = tl.full([], 0, tl.int32)
+        for bit in tl.static_range(32):  # bit length of diff
+            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
+        need = count
+        bins = tl.arange(0, 64)
+        shift = top
+        while shift > 0:
+            low = tl.maximum(shift - 6, 0)
+            width = shift - low
+            active = valid & (_high_bits(u, shift) == _high_bits(prefix, shift))
+            digit = tl.where(active, (u >> low.to(tl.uint32)) & ((1 << width) - 1).to(tl.uint32), 0).to(tl.int32)
+            hist = tl.histogram(digit, 64)
+            # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
+            n_act = tl.sum(active.to(tl.int32), axis=0)
+            hist -= tl.where(bins == 0, digit.shape[0] - n_act, 0)
+            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+            d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+            need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+            in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+            prefix = prefix | (d.to(tl.uint32) << low.to(tl.uint32))
+            shift = tl.where(in_bin == need, 0, low)
+        return prefix, need
+
+    @triton.jit
+    def _select_row_regs(v, offs, ok, count, out_row, k_out, XT: tl.constexpr):
+        # The count best of the row v [XT] (entries with ok), ties to the lowest index, as an ascending
+        # list at out_row, then zeros up to k_out.
+        u = _ordered(v)
+        fin = ok & (v > float("-inf"))
+        n_taken = tl.full([], 0, tl.int32)
+        if count > 0:
+            hi = tl.max(tl.where(ok, u, 0), axis=0)
+            lo = tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0)
+            thr, need = _radix_regs(u, ok, count, hi, lo)
+            eq = (ok & (u == thr)).to(tl.int32)
+            sel = (ok & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= need))
+            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(out_row + pos, offs.to(tl.int64), mask=sel)
+            n_taken = tl.sum(sel.to(tl.int32), axis=0)
+        for x0 in range(0, k_out, XT):  # the unused tail: defined values, never read
+            at = x0 + offs
+            tl.store(out_row + at, tl.zeros([XT], tl.int64), mask=(at >= n_taken) & (at < k_out))
+
+    @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "k_out", "n_chunks"])
+    def _select_regs_kernel(
+        s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, tk_ptr, out_ptr,
+        sink, window, n_units, n_parts, k_out, n_chunks,
+        s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_o_b, s_o_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr, XT: tl.constexpr,
+        CHUNK: tl.constexpr, BLOCK_PART: tl.constexpr,
+    ):
+        # One row per (selection head, batch row), held whole in registers (XT >= its units) by the
+        # program that selects on it. SHARE (group-summed rows): n_chunks programs per row each group-sum
+        # CHUNK units into a workspace row, and the last of them to finish (a ticket counter it resets)
+        # selects; otherwise one program per row reads the scores row itself.
+        hs = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        offs = tl.arange(0, XT)
+        ok = offs < n_units
+        out_row = out_ptr + b64 * s_o_b + hs * s_o_h
+        if SHARE:
+            c = tl.program_id(0)
+            src = gs_ptr + b64 * s_g_b + hs * s_g_h
+            length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
+            offs_g = tl.arange(0, BLOCK_G)
+            g_ok = offs_g < G
+            heads = hs * G + offs_g
+            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+                                     BLOCK_PART)
+            offs_x = c * CHUNK + tl.arange(0, CHUNK)
+            x_ok = offs_x < n_units
+            val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+                                  sink_end, win_start, UNIT)
+            tl.store(src + offs_x, val, mask=x_ok)
+            # all threads' stores precede the release; the acquire of the last one sees them all
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tk_ptr + b * tl.num_programs(1) + hs, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_chunks - 1:
+                tl.atomic_xchg(tk_ptr + b * tl.num_programs(1) + hs, 0)
+                count = tl.load(cnt_ptr + b).to(tl.int32)
+                # other programs wrote the row: read it through L2 (.cg), not this SM's L1
+                v = tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                _select_row_regs(v, offs, ok, count, out_row, k_out, XT)
+        else:
+            count = tl.load(cnt_ptr + b).to(tl.int32)
+            v = tl.load(s_ptr + b64 * s_s_b + hs * s_s_h + offs, mask=ok, other=float("-inf"))
+            _select_row_regs(v, offs, ok, count, out_row, k_out, XT)
+
 
 def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A per-device cached buffer viewed as ``shape`` (``triton_utils.workspace``): an eager call allocates
@@ -480,6 +578,72 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     return out
 
 
+# Rows of at most this many units are selected by _select_regs_kernel: the row whole in one program's
+# registers (XT = next_pow2(units) values; 32 per thread at 8192 units with 8 warps, 16 warps beyond), the
+# radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context.
+# Measured on the H100 (Llama shapes, 5 %, cold L2; select launch alone): per query head 8.7 µs at 2048
+# pages and 19.4 µs at 8192 (topk_rows_triton: 12.4 / 21.0); group-summed 13.2 / 25.7 µs against 12.9 and
+# 4.6 + 15.2 for the rows select with its group-sum launch (with 128 chunk programs: 10.7 µs at 2048 pages,
+# 22.7 at 8192) — each radix pass costs ~60 instructions per unit of the whole row (tl.histogram's
+# ballots): group-summed rows take it up to REGISTER_SELECT_GROUPED_MAX units only.
+REGISTER_SELECT_MAX = 16384
+REGISTER_SELECT_GROUPED_MAX = 4096
+# group-summed rows: about this many programs in all group-sum the rows (in chunks of at least
+# REGISTER_CHUNK_MIN units) before the last of each row selects (one wave: ~200 registers per program)
+REGISTER_PROGRAMS = 128
+REGISTER_CHUNK_MIN = 64
+
+
+def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
+                        parts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        lengths: torch.Tensor | None = None, unit: int = 1, sink: int = 0, window: int = 0,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`topk_rows_triton` (same arguments, less ``maxima``; same output: ascending, zero-padded,
+    ties to the lowest index) for rows of at most ``REGISTER_SELECT_MAX`` units, in one launch.
+
+    ``group = 1``: one program per row loads it whole into registers and selects there — a radix select
+    whose passes read no memory and stop once the answer's bin is taken whole, then one cumulative sum
+    writes the list. ``group > 1``: ``ceil(X / chunk)`` programs per row each group-sum a chunk of it from
+    the partials (as :func:`group_sum_rows_triton`, so in parallel over the GPU) into a workspace row; the
+    last of them to finish (a ticket counter, reset by it) loads the row and selects as above."""
+    b, hq, x = scores.shape
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
+                         f"strides {tuple(scores.stride())}")
+    if group < 1 or hq % group:
+        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    if x > REGISTER_SELECT_MAX:
+        raise ValueError(f"scores: rows of at most {REGISTER_SELECT_MAX} units, got {x} (use topk_rows_triton)")
+    share = group > 1
+    if share and (parts is None or lengths is None):
+        raise ValueError("parts and lengths: required when group > 1 (the group-summed ranking)")
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    hs = hq // group
+    if out is None:
+        out = torch.empty(b, hs, k, device=scores.device, dtype=torch.int64)
+    xt = max(64, next_pow2(x))
+    pm, pl = parts if share else (scores, scores)
+    if share:
+        gs = _scratch("select_regs_gs", scores, (b, hs, x), torch.float32)
+        tickets = workspace("select_regs_tickets", scores, b * hs, torch.int32, zeroed=True)
+        per_row = max(1, REGISTER_PROGRAMS // (b * hs))
+        chunk = max(REGISTER_CHUNK_MIN, next_pow2(-(-x // per_row)))
+        n_chunks = -(-x // chunk)
+    else:
+        gs, tickets, chunk, n_chunks = scores, counts, 64, 1
+    block_g = max(2, next_pow2(group))
+    launch(_select_regs_kernel, (n_chunks, hs, b),
+           scores, pm, pl, counts, counts if lengths is None else lengths, gs, tickets, out,
+           sink, window, x, pm.shape[-1], k, n_chunks,
+           scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), gs.stride(0), gs.stride(1),
+           out.stride(0), out.stride(1),
+           G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, XT=xt, CHUNK=chunk,
+           BLOCK_PART=max(64, 2048 // block_g), num_warps=16 if xt > 8192 else (8 if xt >= 2048 else 4),
+           num_stages=1)
+    return out
+
+
 def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.Tensor, torch.Tensor],
                           lengths: torch.Tensor, unit: int, sink: int, window: int) -> tuple[torch.Tensor,
                                                                                              torch.Tensor]:
@@ -529,16 +693,22 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
+    registers = select == "triton" and n_units <= min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX
+                                                      if share_kv_group else REGISTER_SELECT_MAX)
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
     if share_kv_group:
         n_blocks = -(-n_units // block)
         parts = (_scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
                  _scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
-    elif select == "triton":
+    elif select == "triton" and not registers:
         maxima = _scratch("select_scores_mx", counts, (batch, heads, -(-n_units // GROUP_MAX)), torch.float32)
     s = score(counts=counts, parts=parts, maxima=maxima, mask_dense=not share_kv_group,
               out=_scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
+    if registers:
+        idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
+                                  unit=unit, sink=sink, window=window)
+        return idx, counts[:, None].expand(batch, idx.shape[1])
     if share_kv_group and (select == "torch" or n_units > ROW_GROUP_SUM_MAX):
         s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window)
         share_kv_group = False
@@ -550,5 +720,5 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     return idx, counts[:, None].expand(batch, idx.shape[1])
 
 
-__all__ = ["GROUP_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "select_rows",
-           "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_triton"]
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "select_rows",
+           "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_registers", "topk_rows_triton"]
