@@ -139,20 +139,25 @@ if triton is not None:
         return hi, mid, lo
 
     @triton.jit
-    def _logits_kernel(h_ptr, w2_ptr, b2_ptr, out_ptr, rows, hidden, buckets,
+    def _logits_kernel(h_ptr, w2_ptr, b2_ptr, out_ptr, rows, hidden, buckets, k_per,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                        W_BF16: tl.constexpr, DOT_F32: tl.constexpr):
-        """``logits[m, r, c] = h[m, r, :]·W2[m, :, c] + b2[m, c]`` for one block of buckets. A bfloat16
+        """``part[s, m, r, c] = h[m, r, K_s]·W2[m, K_s, c] (+ b2[m, c] in part 0)`` for one block of buckets
+        and one slice ``K_s = [s·k_per, (s + 1)·k_per)`` of the hidden units (``k_per`` a multiple of
+        ``BLOCK_K``): the logits are the sum of the parts, which the softmax kernel takes. A bfloat16
         ``W2`` meets the float32 hidden rows split in three bfloat16 terms (:func:`_split3`): three
         tensor-core products with float32 accumulation, float32 accuracy. ``DOT_F32``: the interpreter
         (whose bfloat16 ``tl.dot`` is wrong) takes the same terms upcast."""
         m = tl.program_id(0)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        part = tl.program_id(2)
+        models = tl.num_programs(0)
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < rows
         c_ok = offs_c < buckets
         acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        k_lo = part * k_per
+        for k0 in range(k_lo, tl.minimum(k_lo + k_per, hidden), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < hidden
             hb = tl.load(h_ptr + (m * rows + offs_r[:, None]) * hidden + offs_k[None, :],
@@ -172,17 +177,18 @@ if triton is not None:
                     acc = tl.dot(hi, wb, acc, out_dtype=tl.float32)
             else:
                 acc += tl.dot(hb, wb.to(tl.float32), input_precision="ieee")
-        acc += tl.load(b2_ptr + m * buckets + offs_c, mask=c_ok, other=0.0)[None, :]
-        tl.store(out_ptr + (m * rows + offs_r[:, None]) * buckets + offs_c[None, :], acc,
+        if part == 0:
+            acc += tl.load(b2_ptr + m * buckets + offs_c, mask=c_ok, other=0.0)[None, :]
+        tl.store(out_ptr + ((part * models + m) * rows + offs_r[:, None]) * buckets + offs_c[None, :], acc,
                  mask=r_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _group_softmax_kernel(logits_ptr, out_ptr, top_ptr, rows, per, group, kv_heads, buckets, n_top,
-                              BLOCK_C: tl.constexpr, TOP: tl.constexpr):
-        """``scores[b, h, :] = Σ_g softmax(logits of query head h·G + g of row b)``; with ``TOP`` also the
-        ``n_top`` best buckets, best first (ties to the lower index), from one in-register sort: the row's
-        scores are all in this program, so no torch.topk launch (two kernels, 17.6 µs for 8 × 1024 on
-        an H100) is needed."""
+    def _group_softmax_kernel(logits_ptr, out_ptr, top_ptr, rows, per, group, kv_heads, buckets, n_top, s_part,
+                              BLOCK_C: tl.constexpr, PARTS: tl.constexpr, TOP: tl.constexpr):
+        """``scores[b, h, :] = Σ_g softmax(logits of query head h·G + g of row b)``, the logits the sum of the
+        logits kernel's ``PARTS`` parts (``s_part`` elements apart); with ``TOP`` also the ``n_top`` best
+        buckets in increasing bucket order (:func:`_top_threshold`): the row's scores are all in this
+        program, so no torch.topk launch is needed."""
         b = tl.program_id(0)
         kv = tl.program_id(1)
         offs_c = tl.arange(0, BLOCK_C)
@@ -192,25 +198,51 @@ if triton is not None:
             head = kv * group + g
             m = head // per
             r = b * per + head % per
-            z = tl.load(logits_ptr + (m * rows + r) * buckets + offs_c, mask=c_ok, other=float("-inf"))
+            z_ptr = logits_ptr + (m * rows + r) * buckets + offs_c
+            z = tl.load(z_ptr, mask=c_ok, other=float("-inf"))
+            for p in tl.static_range(1, PARTS):
+                z += tl.load(z_ptr + p * s_part, mask=c_ok, other=0.0)
             e = tl.exp(z - tl.max(z, axis=0))
             total += e / tl.sum(e, axis=0)
         tl.store(out_ptr + (b * kv_heads + kv) * buckets + offs_c, total, mask=c_ok)
         if TOP:
-            # Non-negative floats order as their bit patterns; padding gets -1, below every score. The low
-            # word holds the reversed index so that, sorted descending, equal scores keep the lower index.
-            bits = tl.where(c_ok, total.to(tl.int32, bitcast=True), -1).to(tl.int64)
-            key = (bits << 32) | (BLOCK_C - 1 - offs_c).to(tl.int64)
-            ranked = tl.sort(key, 0, descending=True)
-            best = (BLOCK_C - 1) - (ranked & 0xFFFFFFFF)
-            tl.store(top_ptr + (b * kv_heads + kv) * n_top + offs_c, best, mask=offs_c < n_top)
+            _top_threshold(total, c_ok, n_top, top_ptr + (b * kv_heads + kv) * n_top, BLOCK_C)
+
+    @triton.jit
+    def _top_threshold(scores, ok, n_top, out_ptr, BLOCK_C: tl.constexpr):
+        """Write the indices of the ``n_top`` (``1 <= n_top <= count of ok``) largest ``scores`` (float32,
+        non-negative: sums of probabilities), ties at the threshold taken lowest index first, to
+        ``out_ptr[0 : n_top]`` in increasing index order — no sort. Non-negative floats order as their
+        bit patterns (int32); the n_top-th largest pattern ``t`` is built bit by bit from the top (31
+        counting passes: keep a bit when at least n_top patterns reach the prefix with it set); then
+        every index above ``t`` is taken, and the first ``n_top - #(> t)`` indices equal to it."""
+        offs = tl.arange(0, BLOCK_C)
+        bits = tl.where(ok, scores.to(tl.int32, bitcast=True), -1)  # padding below every score
+        t = n_top * 0
+        for i in tl.static_range(0, 31):
+            cand = t | (1 << (30 - i))
+            t = tl.where(tl.sum((bits >= cand).to(tl.int32), axis=0) >= n_top, cand, t)
+        above = bits > t
+        tie = bits == t
+        need = n_top - tl.sum(above.to(tl.int32), axis=0)
+        take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
+        slot = tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_ptr + slot, offs.to(tl.int64), mask=take)
+
+
+def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
+    """``[..., probes]`` int64: the kernel's top-ℓ — the ``probes`` largest scores, ties taken lowest index
+    first (what a stable descending sort keeps), listed in increasing bucket order."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :probes]
+    return torch.sort(order, dim=-1).values
 
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
-    ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets (what ``torch.topk(scores,
-    probes).indices`` gives, ties aside), from the last launch. The queries sit at ``positions +
+    ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
+    :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, in
+    increasing bucket order; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
     Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
     from ..triton_utils import kernels_interpreted, next_pow2
@@ -230,24 +262,31 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     block_r = max(16, next_pow2(rows))
     dev = q.device
     hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
-    logits = torch.empty(models, rows, buckets, device=dev, dtype=torch.float32)
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     half = d // 2
     block_h = 64
     _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
         int(position_offset), HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
-    # 64 buckets (128 bytes of a bfloat16 W2 row) per program: 8 × 16 programs at C = 1024, each streaming
-    # its 1024 × 64 slice of W2 in 64-row tiles that the loop pipelines.
+    # The logits GEMV reads all of W2 (16.8 MB in bfloat16 at Llama-3.1-8B shapes): its speed is the bytes in
+    # flight. 64 buckets (128 bytes of a bfloat16 W2 row) per program and the hidden units cut in `parts`
+    # slices: 8 × 16 × 4 = 512 programs at C = 1024, four per H100 SM, each streaming a 256 × 64 slice of
+    # W2 in 32-row tiles (before: 128 programs, one per SM, 16 KB in flight each: 1.1 TB/s measured).
+    # The softmax kernel adds the parts up.
     w_bf16 = w2.dtype == torch.bfloat16
     block_c = 64 if w_bf16 else 32
-    _logits_kernel[(models, triton.cdiv(buckets, block_c))](
-        hid, w2, b2, logits, rows, hidden, buckets, BLOCK_R=block_r, BLOCK_K=64, BLOCK_C=block_c,
-        W_BF16=w_bf16, DOT_F32=w_bf16 and kernels_interpreted(), num_warps=4)
+    block_k = 32
+    parts = max(1, min(4, triton.cdiv(hidden, block_k)))
+    k_per = triton.cdiv(triton.cdiv(hidden, parts), block_k) * block_k
+    parts = triton.cdiv(hidden, k_per)
+    logits = torch.empty(parts, models, rows, buckets, device=dev, dtype=torch.float32)
+    _logits_kernel[(models, triton.cdiv(buckets, block_c), parts)](
+        hid, w2, b2, logits, rows, hidden, buckets, k_per, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_C=block_c,
+        W_BF16=w_bf16, DOT_F32=w_bf16 and kernels_interpreted(), num_warps=4, num_stages=4)
     if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
         raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     _group_softmax_kernel[(b, kv_heads)](
-        logits, scores, top, rows, per, hq // kv_heads, kv_heads, buckets, probes,
-        BLOCK_C=max(16, next_pow2(buckets)), TOP=probes > 0, num_warps=4)
+        logits, scores, top, rows, per, hq // kv_heads, kv_heads, buckets, probes, models * rows * buckets,
+        BLOCK_C=max(16, next_pow2(buckets)), PARTS=parts, TOP=probes > 0, num_warps=4)
     return (scores, top) if probes else scores
