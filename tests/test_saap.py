@@ -672,7 +672,7 @@ compile_(buckets._bucket_parts_kernel,
 # parts, the top-l of 1024 scores by a threshold
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
                                 "b1_ptr": "*fp32", "h_ptr": "*fp32"},
-         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64}, floats=("scaling",))
+         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 32}, floats=("scaling",))
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 compile_(probe._group_softmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
