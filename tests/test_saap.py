@@ -549,7 +549,7 @@ from kvsieve.kernels.sparse.buckets import (build_csr, list_width, bucket_sparse
 g = torch.Generator().manual_seed(0)
 worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
 for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 200, 6, 0), (1, 4, 1, 16, 150, 8, 8),
-                                      (2, 6, 2, 32, 97, 5, 3), (1, 8, 2, 16, 260, 40, 17)]:
+                                      (2, 6, 2, 32, 97, 5, 3), (1, 8, 2, 16, 260, 40, 17), (1, 4, 2, 32, 130, 7, 7)]:
     for seed in range(2):
         assign = torch.randint(0, c + 1, (b, hkv, n), generator=g)
         assign[0, 0, assign[0, 0] == 2] = 3  # bucket 2 empty in one list
@@ -578,9 +578,10 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
                 ref = bucket_sparse_decode_reference(q.float(), k.float(), v.float(), dense, dc, offsets, ids, bk, w,
                                                      dense_range=rng)
                 # one program per list, the default split, splits that leave programs empty
-                for splits in (1, None, 3, 40):
+                # the merge fused into the kernel (ticket counter) and as its own launch
+                for splits, fused in [(s, f) for s in (1, None, 3, 40) for f in (True, False)]:
                     got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
-                                                      splits=splits, dense_range=rng)
+                                                      splits=splits, dense_range=rng, fused_merge=fused)
                     assert torch.equal(ref[2], got[2]), (ref[2], got[2])
                     assert got[0].dtype == dtype
                     worst[dtype] = max(worst[dtype], float((ref[0] - got[0].float()).abs().max()),
@@ -596,6 +597,9 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
         assert torch.equal(ref[2], got[2])
         worst[torch.float32] = max(worst[torch.float32], float((ref[0] - got[0]).abs().max()),
                                    float((ref[1] - got[1]).abs().max()))
+from kvsieve.kernels.triton_utils import _WORKSPACE
+tickets = [t for key, t in _WORKSPACE.items() if key[0] == "bucket_ticket"]
+assert tickets and all(not t.any() for t in tickets)  # the fused merge leaves its counters at 0
 print("worst", worst[torch.float32], worst[torch.bfloat16])
 """
 
@@ -665,9 +669,11 @@ def compile_(kernel, pointers, meta, floats=()):
 compile_(buckets._bucket_parts_kernel,
          {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
           "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
-          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64"},
-         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 64,
-          "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False}, floats=("scale",))
+          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+          "sem_ptr": "*i32"},
+         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
+          "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True, "GROUP_P": 4,
+          "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
 # parts, the top-l of 1024 scores by a threshold
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
@@ -821,7 +827,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
 
 
 # What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
-# kernel and the merge, and no torch op (each would be a kernel launch and a graph node on the GPU).
+# kernel (the merge folded into it), and no torch op (each would be a kernel launch and a graph node on the GPU).
 SAAP_LAUNCHES = r"""
 import tempfile
 from pathlib import Path
@@ -879,9 +885,10 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-def test_captured_decode_launches_five_kernels_and_no_torch_op():
+def test_captured_decode_launches_four_kernels_and_no_torch_op():
     """Per call, after the build and while generated tokens join the dense part (a range in the kernel,
-    not a list rebuilt per step): the probe's three kernels, the bucket kernel and the merge, nothing else
+    not a list rebuilt per step): the probe's three kernels and the bucket kernel (which merges its partials
+    itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
     branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
     reference path's (bfloat16 rounding of the output aside)."""
@@ -892,7 +899,7 @@ def test_captured_decode_launches_five_kernels_and_no_torch_op():
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
     kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_softmax_kernel",
-               "triton:_bucket_parts_kernel", "triton:_merge_partials_kernel"]
+               "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
     assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

@@ -170,8 +170,9 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 # give or take one chunk, whatever the bucket sizes (the earlier split of each part over a fixed number
 # of programs waited on the largest bucket). Each program scores its keys for the G query heads of the
 # group at once (q is a [G, d] block: K and V rows are read once per group) and writes an unnormalised
-# partial (acc, m, l); the shared split-KV merge of kernels/triton_utils.py combines the partials,
-# skipping empty ones (l = 0). Split 0 also writes the bucket key count (the step's stats).
+# partial (acc, m, l); the last program of the (row, KV head) to finish (a ticket counter it resets)
+# merges the partials in split order, skipping empty ones (l = 0) — or, with fused_merge=False, the shared
+# split-KV merge of kernels/triton_utils.py does. Split 0 also writes the bucket key count (the step's stats).
 
 try:
     import triton
@@ -184,13 +185,14 @@ if triton is not None:
     @triton.jit
     def _bucket_parts_kernel(
         q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
-        acc_ptr, m_ptr, l_ptr, counts_ptr,
+        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr,
         scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
-        s_ab, s_ah, s_ap, s_mb, s_mh,
+        s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
     ):
         h = tl.program_id(0)
         b = tl.program_id(1)
@@ -267,6 +269,44 @@ if triton is not None:
                  mask=g_ok[:, None])
         tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
         tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
+        if FUSED_MERGE:
+            # The last program of (row, KV head) to finish merges the SPLITS partials of its GROUP query
+            # heads (a ticket counter it resets to 0, so every graph replay finds it at 0): no merge launch.
+            # The merge reads the partials in split order whichever program runs it (deterministic).
+            # All threads' stores precede the release (barrier, then an acq_rel atomic at GPU scope).
+            tl.debug_barrier()
+            ticket = tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:
+                offs_gp = tl.arange(0, GROUP_P)
+                heads_p = h * GROUP + offs_gp
+                gp_ok = offs_gp < GROUP
+                offs_s = tl.arange(0, BLOCK_S)
+                s_ok = gp_ok[:, None] & (offs_s[None, :] < SPLITS)
+                ml_all = b * s_mb + heads_p[:, None] * s_mh + offs_s[None, :]
+                mp = tl.load(m_ptr + ml_all, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                lp = tl.load(l_ptr + ml_all, mask=s_ok, other=0.0, cache_modifier=".cg")
+                m_max = tl.max(tl.where(lp > 0, mp, float("-inf")), axis=1)
+                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+                z = tl.sum(tl.where(lp > 0, tl.exp(mp - m_ref[:, None]), 0.0) * lp, axis=1)
+                o = tl.zeros([GROUP_P, DV], dtype=tl.float32)
+                for p0 in tl.static_range(0, SPLITS, MERGE_S):  # unrolled: every chunk's loads in flight
+                    offs_c = p0 + tl.arange(0, MERGE_S)
+                    ml_c = b * s_mb + heads_p[:, None] * s_mh + offs_c[None, :]
+                    c_ok = gp_ok[:, None] & (offs_c[None, :] < SPLITS)
+                    mc = tl.load(m_ptr + ml_c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                    lc = tl.load(l_ptr + ml_c, mask=c_ok, other=0.0, cache_modifier=".cg")
+                    live = c_ok & (lc > 0)  # empty partials cost no traffic
+                    wc = tl.where(live, tl.exp(mc - m_ref[:, None]), 0.0)
+                    a = tl.load(acc_ptr + b * s_ab + heads_p[:, None, None] * s_ah + offs_c[None, :, None] * s_ap
+                                + offs_dv[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+                    o += tl.sum(wc[:, :, None] * a, axis=1)
+                safe = tl.where(z > 0, z, 1.0)
+                o = tl.where((z > 0)[:, None], o / safe[:, None], 0.0)  # no key at all: 0 and LSE -inf
+                tl.store(out_ptr + b * s_ob + heads_p[:, None] * s_oh + offs_dv[None, :],
+                         o.to(out_ptr.dtype.element_ty), mask=gp_ok[:, None])
+                tl.store(lse_ptr + b * (kv_heads * GROUP) + heads_p,
+                         tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=gp_ok)
+                tl.atomic_xchg(sem_ptr + row, 0)
 
 
 def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
@@ -291,6 +331,7 @@ def bucket_sparse_decode_triton(
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
     splits: int | None = None,
+    fused_merge: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
@@ -298,8 +339,11 @@ def bucket_sparse_decode_triton(
     ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
     dense list's width, the range and ``width``, the most keys of any ``L`` buckets, or every key
     when ``width`` is 0); a program with no chunk writes an empty partial that the merge skips. The
-    bucket key counts come from the kernel (no torch launch)."""
-    from ..triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2
+    bucket key counts come from the kernel (no torch launch). ``fused_merge`` (default): the last program
+    of each (row, KV head) merges its partials (a ticket counter in a zeroed workspace that the kernel
+    leaves at 0; one launch per call); False runs the separate merge kernel. Calls on different streams
+    of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers)."""
+    from ..triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
 
     if triton is None:
         raise RuntimeError("bucket_sparse_decode_triton needs triton")
@@ -331,20 +375,27 @@ def bucket_sparse_decode_triton(
         v_ = v.contiguous()
     lo, hi = dense_range if dense_range is not None else (dense_counts, dense_counts)
     block_g = max(16, next_pow2(group))
+    out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
+    sem = workspace("bucket_ticket", q, b * hkv, torch.int32, zeroed=True) if fused_merge else counts
+    group_p = max(2, next_pow2(group))
     _bucket_parts_kernel[(hkv, b, splits)](
-        q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts,
+        q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts, out, lse, sem,
         float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
         dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1],
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
-        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+        acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
         SPLITS=splits, HAS_RANGE=dense_range is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
         DOT_PRECISION=dot_precision(q.dtype),
-        DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), num_warps=4,
+        DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,
+        GROUP_P=group_p, BLOCK_S=max(16, next_pow2(splits)),
+        MERGE_S=max(1, min(32 // group_p, next_pow2(splits))),  # 8 at G = 4: no spill for sm_90
+        num_warps=4,
     )
-    out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
-    lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
+    if fused_merge:
+        return out, lse, counts
     merge_partials(acc, m, l, None, out, b, hq, splits, dv, 1, (acc.stride(0), acc.stride(1), acc.stride(2)),
                    (m.stride(0), m.stride(1)), lse=lse)
     return out, lse, counts
