@@ -832,32 +832,9 @@ SAAP_LAUNCHES = r"""
 import tempfile
 from pathlib import Path
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from triton.runtime.interpreter import InterpretedFunction
 import kvsieve
 from tests.test_saap import write_artifacts
-log, paused = [], [False]
-run = InterpretedFunction.run
-
-
-def counted(self, *a, **kw):
-    log.append("triton:" + self.fn.__name__)
-    paused[0] = True
-    try:
-        return run(self, *a, **kw)
-    finally:
-        paused[0] = False
-
-
-class Ops(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if not paused[0] and not func.is_view and not name.startswith(("empty", "lift_fresh")):
-            log.append(name)
-        return func(*args, **(kwargs or {{}}))
-
-
-InterpretedFunction.run = counted
+from tests.launch_log import Ops, log
 folder = Path(tempfile.mkdtemp())
 write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16)
 g = torch.Generator().manual_seed(0)

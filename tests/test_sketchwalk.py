@@ -1012,8 +1012,6 @@ def test_fused_selection_in_a_model_generates_what_the_reference_path_does_on_th
 # and no other torch op (each would be a kernel launch and a graph node on the GPU).
 FUSED_LAUNCHES = """
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from triton.runtime.interpreter import InterpretedFunction
 import kvsieve
 from kvsieve.core.prefill import FORWARD_STATE
 gen = torch.Generator().manual_seed(0)
@@ -1024,28 +1022,7 @@ states = [{{}} for _ in layers]
 forward = {{}}
 for (q, k, v), st in zip(layers, states):
     m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
-log, paused = [], [False]
-run = InterpretedFunction.run
-
-
-def counted(self, *a, **kw):
-    log.append("triton:" + self.fn.__name__)
-    paused[0] = True
-    try:
-        return run(self, *a, **kw)
-    finally:
-        paused[0] = False
-
-
-class Ops(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if not paused[0] and not func.is_view and not name.startswith(("empty", "lift_fresh")):
-            log.append(name)
-        return func(*args, **(kwargs or {{}}))
-
-
-InterpretedFunction.run = counted
+from tests.launch_log import Ops, log
 lengths = torch.tensor([n0 + 1, n0 - 30], dtype=torch.int32)
 for step in range(2):  # the second pass: nothing left to allocate or grow
     forward = {{}}
