@@ -72,7 +72,9 @@ def test_exact_prefill_is_unchanged_and_says_so():
         st = rt.stats
         assert st.prefill == "exact" and st.prefill_method is None and st.prefill_sparse_layers == []
         assert st.prefill_records == [] and math.isnan(st.prefill_block_density)
-        assert "sketchwalk" not in rt.layer_state.get(2, {})  # no sketches from an exact prefill
+        # the exact prefill's output is SDPA's; sketchwalk (the decode method) recorded its sketches of the
+        # prompt on its sparse layers (prefill(sparse=False), as sparsify's phase="decode"), none on 0 and 1
+        assert rt.layer_state[2]["sketchwalk"].has_history and "sketchwalk" not in rt.layer_state.get(1, {})
 
 
 def test_density_one_sparse_prefill_is_exact():

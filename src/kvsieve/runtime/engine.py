@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..core.method import Method
-from ..core.prefill import PrefillMethod
+from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
 from ..core.rng import RandomKey, derive_seed
 from ..integrations.hf import attention_modules
@@ -98,6 +98,9 @@ class RuntimeStats:
     prefill_method: str | None = None
     prefill_sparse_layers: list[int] = field(default_factory=list)
     prefill_records: list[dict[str, Any]] = field(default_factory=list)
+    # layers the decode steps serve with the runtime's dense decode: the runtime's dense_layers and the
+    # layers the method keeps exact (sketchwalk's dense_layers); the method runs (and records) on the others
+    dense_decode_layers: list[int] = field(default_factory=list)
 
     @property
     def ms_per_step(self) -> float:
@@ -181,6 +184,12 @@ class DecodeRuntime:
     decode steps, e.g. ``DecodeRuntime(model, "dense", prefill="sketchwalk:density=0.1", ...)``). The
     sparse prefill runs on every layer except ``dense_layers`` and the layers the method keeps exact
     (sketchwalk's ``dense_layers``), one forward per row; chunked prefill stays exact-only.
+
+    A :class:`PrefillMethod` decoding (sketchwalk) is served as ``kvsieve.sparsify`` serves it: its
+    exact layers (``check_layers``) run the dense decode (``stats.dense_decode_layers``), each decode
+    step's forward gets a fresh dict shared by its layers (``state[FORWARD_STATE]``: the walk), and
+    after an exact prefill (or another method's) it records the prompt with ``prefill(sparse=False)``
+    (its sketches). One row, the prompt in one forward.
     """
 
     def __init__(self, model: torch.nn.Module, method: str | Method = "dense", *, batch_size: int, capacity: int,
@@ -222,6 +231,7 @@ class DecodeRuntime:
         if bad:
             raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
         self._set_prefill(prefill)
+        self._set_decode_layers()
 
         # every refusal before the cache is allocated
         fallbacks = list(self.shape.fallbacks)
@@ -261,6 +271,11 @@ class DecodeRuntime:
         # (Sketch&Walk's walk): per request, on the runtime, never on the modules
         self.prefill_state: dict[int, dict[str, Any]] = defaultdict(dict)
         self.forward_state: dict[str, Any] = {}
+        # the decode method's own forward dict while it observes a prompt another prefill serves
+        self.observe_state: dict[str, Any] = {}
+        # a PrefillMethod decoding (sketchwalk) starts from what it recorded of the prompt: True once a
+        # prefill ran with this method in place (set_method to such a method clears it)
+        self._prompt_recorded = False
         self._prefill_calls: list[tuple[int, int, Any]] = []
         self.prompt_lengths: list[int] = []
         self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
@@ -276,27 +291,33 @@ class DecodeRuntime:
         self._compiled: CompiledOps | None = None
         self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
-                                  capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks)
+                                  capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks,
+                                  dense_decode_layers=sorted(self.decode_dense_layers))
 
     def set_method(self, method: str | Method, graph: bool | str = "auto", prefill: str | Method | None = None) -> None:
         """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
         with ``rewind``): drops the captured graph and every layer's method state. ``prefill`` (default:
         keep the current choice, checked against the new method) is the next ``prefill()``'s mode."""
-        previous = self.method
+        previous, previous_prefill = self.method, self.prefill_choice
         self.method = build_method(method)
         try:
             if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
                 self.method.check_model(self.model)
             self._set_prefill(self.prefill_choice if prefill is None else prefill)
+            self._set_decode_layers()
         except Exception:
-            self.method = previous
+            self.method = previous  # the runtime as it was (both choices were valid with it)
+            self._set_prefill(previous_prefill)
+            self._set_decode_layers()
             raise
         self.is_dense = self.method.name == "dense"
         self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.graph_obj = None
         self.layer_state.clear()
+        self._prompt_recorded = False  # the prompt went by without this method: a prefill records it again
         self.use_graph, reason = self._choose_graph(graph)
         self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
+        self.stats.dense_decode_layers = sorted(self.decode_dense_layers)
         self.stats.records.clear()
 
     def _set_prefill(self, prefill: str | Method) -> None:
@@ -342,6 +363,27 @@ class DecodeRuntime:
         self.prefill_dense_layers = exact
         self.prefill_choice = prefill if isinstance(prefill, str) else method
         self.prefill_method, self.prefill_shared = method, shared
+
+    def _set_decode_layers(self) -> None:
+        """The layers the decode steps serve densely: ``dense_layers`` and those the method keeps exact
+        (``check_layers``: sketchwalk's ``dense_layers``, also left out of its walk), as sparsify does.
+        A :class:`PrefillMethod`'s decode starts from what it recorded of the prompt (Sketch&Walk's
+        sketches; per request): one row only."""
+        n_layers = len(self.modules)
+        method = self.method
+        dense = method.name == "dense"
+        exact = frozenset(range(n_layers)) if dense else self.dense_layers
+        if isinstance(method, PrefillMethod) and not dense:
+            max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
+            exact = exact | method.check_layers(n_layers, max_positions)
+            if self.batch > 1:
+                raise ValueError(f"batch_size: {method.name}'s decode starts from the prompt's state it records "
+                                 f"in the prefill (one forward per row, per request); the runtime serves it for "
+                                 f"one row (batch_size={self.batch}): use batch_size=1")
+        # record the prompt for the decode: the method's own sparse prefill does (prefill="method"); after
+        # an exact prefill or another method's, the method observes the prompt (prefill(sparse=False))
+        self.records_prompt = isinstance(method, PrefillMethod) and not dense
+        self.decode_dense_layers = frozenset(exact)
 
     # -- choices made once --------------------------------------------------------------------
 
@@ -458,12 +500,15 @@ class DecodeRuntime:
                              "the runtime does not implement windows")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
+        layer = module.layer_idx
         if self.cache.mode == "prefill":
-            if module.layer_idx not in self.prefill_dense_layers:
+            sparse = layer not in self.prefill_dense_layers
+            if self.records_prompt and layer not in self.decode_dense_layers and not (self.prefill_shared and sparse):
+                self._observe_prompt(layer, query, key, value, scaling)
+            if sparse:
                 return self._method_prefill(module, query, key, value, scaling)
             return self._prefill_attention(module, query, key, value, scaling)
-        layer = module.layer_idx
-        if self.is_dense or layer in self.dense_layers:
+        if layer in self.decode_dense_layers:  # every layer for dense; the runtime's and the method's exact layers
             return self._dense_decode(module, query, key, value, scaling)
         return self._method_decode(layer, query, key, value, scaling)
 
@@ -489,6 +534,15 @@ class DecodeRuntime:
             raise RuntimeError(f"prefill: {method.name}.prefill(sparse=True) returned no output")
         self._prefill_calls.append((self.cache.prefill_row, layer, stats))
         return out.transpose(1, 2)
+
+    def _observe_prompt(self, layer, query, key, value, scaling):
+        """The decode method records what its decode needs from this layer's prompt (Sketch&Walk's block
+        sketches) without computing attention: ``prefill(..., sparse=False)``, as sparsify does under
+        ``phase="decode"``; the layer's output comes from the prefill that runs (exact or another method's)."""
+        if self.cache.prefill_start or key.shape[2] != query.shape[2]:  # chunks are refused up front
+            raise RuntimeError(f"prefill: {self.method.name}'s decode needs the whole prompt in one forward")
+        self.method.prefill(query, key.contiguous(), value.contiguous(), scale=scaling, state=self.layer_state[layer],
+                            forward=self.observe_state, sparse=False)
 
     def _dense_decode(self, module, query, key, value, scaling):
         if self.attention_backend == "triton":
@@ -518,6 +572,8 @@ class DecodeRuntime:
         # a lower bound on every row's length for the rest of the request (lengths only grow): a method
         # may skip work for short rows (santa's covered-row fallback) without reading the device
         state["min_length"] = min(self.prompt_lengths, default=0)
+        if isinstance(self.method, PrefillMethod):  # cross-layer state of this step's forward (Sketch&Walk's walk)
+            state[FORWARD_STATE] = self.forward_state
         return state
 
     def _method_decode(self, layer, query, key, value, scaling):
@@ -556,6 +612,10 @@ class DecodeRuntime:
         if max(lengths) + self.max_new > self.capacity:
             raise ValueError(f"max_new_tokens: a prompt of {max(lengths)} tokens + {self.max_new} new tokens exceed "
                              f"the allocated cache of {self.capacity}")
+        if self.records_prompt and max(lengths) > self.prefill_chunk:
+            raise ValueError(f"prefill_chunk: {self.method.name}'s decode starts from the state its prefill records "
+                             f"of the whole prompt in one forward; a prompt of {max(lengths)} tokens does not fit "
+                             f"prefill_chunk={self.prefill_chunk} (drop prefill_chunk or raise it)")
         self.attach()
         t0 = time.perf_counter()
         self.prompt_lengths = lengths
@@ -569,6 +629,7 @@ class DecodeRuntime:
         for b, row in enumerate(rows):
             row = row.reshape(1, -1).to(self.device)
             self.forward_state = {}  # one forward per row: the walk starts anew
+            self.observe_state = {}
             self.prefill_state.clear()
             for start in range(0, row.shape[1], self.prefill_chunk):
                 chunk = row[:, start:start + self.prefill_chunk]
@@ -589,6 +650,7 @@ class DecodeRuntime:
         self._emit(self.last_logits)
         self.emitted = 1
         self._after_prefill = self._snapshot()
+        self._prompt_recorded = True
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.prompt_lengths = lengths
@@ -607,16 +669,18 @@ class DecodeRuntime:
                               for row, layer, stats in self._prefill_calls]
         self._prefill_calls = []
         self.forward_state = {}
+        self.observe_state = {}
         self.prefill_state.clear()
 
     def rewind(self) -> None:
         """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks.
-        Every layer's method state is dropped, except a state the method's own sparse prefill made
-        (``prefill="method"``): it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes
-        what it writes there, so repeating the steps gives the same state."""
+        Every layer's method state is dropped, except the state a :class:`PrefillMethod` recorded of the
+        prompt (its sparse prefill with ``prefill="method"``, or its observation of another prefill):
+        it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes what it writes there,
+        so repeating the steps gives the same state."""
         self._restore(self._after_prefill)
         self.emitted = 1
-        if not (self.prefill_shared and self.stats.prefill == "sparse"):
+        if not self.records_prompt:
             self.layer_state.clear()
         self.stats.records.clear()
         self.stats.decode_steps = self.stats.host_checks = 0
@@ -646,6 +710,11 @@ class DecodeRuntime:
             self.row_seeds.copy_((hi << 32) | lo)
 
     def _step_body(self) -> None:
+        # This token's forward: a fresh dict shared by its layers (Sketch&Walk's walk, handed to a
+        # PrefillMethod's decode as state[FORWARD_STATE], as sparsify does per forward). Host-side only:
+        # a captured step builds it while capturing and replays the kernels that fill it; the eager
+        # (uncaptured: sketchwalk) step gets a new one every token.
+        self.forward_state = {}
         self._plan_step()
         extra = {"cache_position": self.cache.positions[:1]} if self._pass_cache_position else {}
         out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
@@ -699,6 +768,9 @@ class DecodeRuntime:
             raise ValueError(f"max_new_tokens: all {self.max_new} new tokens were already generated")
         if not self.prompt_lengths:
             raise ValueError("prefill: call prefill(rows) before decoding")
+        if self.records_prompt and not self._prompt_recorded:
+            raise ValueError(f"prefill: {self.method.name}'s decode needs the prompt's sketches, recorded by a "
+                             "prefill with it in place; set_method dropped them: call prefill(rows) again")
         if self.use_graph:
             if self.graph_obj is None:  # once per request: warm-up steps, torch.compile, the capture
                 torch.cuda.synchronize(self.device)
