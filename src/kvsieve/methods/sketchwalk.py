@@ -154,10 +154,7 @@ def times_with_row(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Te
     """``x · M`` where ``M`` holds ``rows_cache[b, j]`` for ``j < last[b]`` and ``last_row[b]`` as row
     ``last[b]`` (rows beyond it are never reached, by causality). ``x [B, n]``, ``rows_cache
     [B, n, n]``, ``last_row [B, n]``, ``last [B]``."""
-    cols = torch.arange(x.shape[-1], device=x.device)
-    before = torch.where(cols < last[:, None], x, 0.0)
-    at_last = x.gather(1, last[:, None])
-    return torch.matmul(before[:, None, :], rows_cache).squeeze(1) + at_last * last_row
+    return times_with_rows(x[:, None], rows_cache, last_row[:, None], last[:, None])[:, 0]
 
 
 def times_with_rows(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Tensor,
@@ -481,14 +478,7 @@ class SketchWalk(PrefillMethod):
 
     def _row_transition(self, sk: LayerSketch, log_row: torch.Tensor, c: torch.Tensor, n: int) -> torch.Tensor:
         """Row ``c`` of ``Ã`` given row ``c`` of ``log Â`` (rows ``< c`` from the cache)."""
-        cfg = self.config
-        if cfg.walk_power == "hadamard":
-            return hadamard_power(log_row, cfg.alpha)
-        a_row = torch.exp(log_row)
-        x = a_row
-        for _ in range(int(cfg.alpha) - 1):
-            x = times_with_row(x, sk.a_hat[:, :n, :n], a_row, c)
-        return x
+        return self._rows_transition(sk, log_row[:, None], c[:, None], n)[:, 0]
 
     def _decode(self, inputs: DecodeInputs, seed, state: dict[str, Any]):
         cfg = self.config
