@@ -537,44 +537,54 @@ def _ttft_line(r: dict) -> str:
             f"warm-up {r['warmup_s']:.1f} s); prefill={r.get('prefill')}{dens}")
 
 
-def ttft_markdown(results: dict, command: str) -> str:
-    lines = [
-        f"# Time to first token — {results['device']}",
+def _header(title: str, results: dict, command: str) -> list[str]:
+    """The lines every e2e markdown report starts with: title, versions, command, protocol."""
+    return [
+        f"# {title} — {results['device']}",
         "",
         f"- date: {results['date']}; torch {results['torch']}, transformers {results['transformers']}, "
         f"triton {results['triton']}; {results['dtype']}",
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
+    ]
+
+
+def _groups(rows: list[dict]):
+    """(shape, batch, that group's rows) in sorted order: one markdown section each."""
+    for shape in sorted({r["shape"] for r in rows}):
+        for batch in sorted({r["batch"] for r in rows if r["shape"] == shape}):
+            yield shape, batch, [r for r in rows if r["shape"] == shape and r["batch"] == batch]
+
+
+def ttft_markdown(results: dict, command: str) -> str:
+    lines = _header("Time to first token", results, command) + [
         "- runtime = kvsieve's runtime with its exact prefill (SDPA); hf-eager = transformers' forward of the "
         "prompt (DynamicCache, SDPA); other rows = the runtime with that method's sparse prefill "
         "(`prefill=<spec>`; the method's dense layers run SDPA); block density = kept key blocks / causal "
         "blocks over the sparse layers",
         "",
     ]
-    rows = results["rows"]
-    for shape in sorted({r["shape"] for r in rows}):
-        for batch in sorted({r["batch"] for r in rows if r["shape"] == shape}):
-            sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
-            lines += [f"## {shape}, batch {batch}", "",
-                      "| N | variant | time to first token ms | min–max ms | vs runtime-dense | vs hf-eager "
-                      "| prefill | sparse layers | block density | attention | first token = dense | warm-up s |",
-                      "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|---:|"]
-            order = {"runtime": 0, "hf-eager": 1}  # the baselines first, then the methods as given
-            for r in sorted(sel, key=lambda r: (r["n"], order.get(r["variant"], 2))):
-                if "skipped" in r or "error" in r:
-                    what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error'][:160]}"
-                    lines.append(f"| {r['n']:,} | {r['variant']} | {what} | | | | | | | | | |")
-                    continue
-                layers = r.get("prefill_sparse_layers")
-                same = r.get("first_token_as_dense")
-                lines.append(
-                    f"| {r['n']:,} | {r['variant']} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} "
-                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
-                    f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x | {r.get('prefill')} "
-                    f"| {len(layers) if layers else '—'} | {_fmt(r.get('block_density'), '.3f')} "
-                    f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
-                    f"| {r['warmup_s']:.1f} |")
-            lines.append("")
+    for shape, batch, sel in _groups(results["rows"]):
+        lines += [f"## {shape}, batch {batch}", "",
+                  "| N | variant | time to first token ms | min–max ms | vs runtime-dense | vs hf-eager "
+                  "| prefill | sparse layers | block density | attention | first token = dense | warm-up s |",
+                  "|---:|---|---:|---:|---:|---:|---|---:|---:|---|---|---:|"]
+        order = {"runtime": 0, "hf-eager": 1}  # the baselines first, then the methods as given
+        for r in sorted(sel, key=lambda r: (r["n"], order.get(r["variant"], 2))):
+            if "skipped" in r or "error" in r:
+                what = f"skipped: {r['skipped']}" if "skipped" in r else f"error: {r['error'][:160]}"
+                lines.append(f"| {r['n']:,} | {r['variant']} | {what} | | | | | | | | | |")
+                continue
+            layers = r.get("prefill_sparse_layers")
+            same = r.get("first_token_as_dense")
+            lines.append(
+                f"| {r['n']:,} | {r['variant']} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} "
+                f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x | {r.get('prefill')} "
+                f"| {len(layers) if layers else '—'} | {_fmt(r.get('block_density'), '.3f')} "
+                f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
+                f"| {r['warmup_s']:.1f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -619,13 +629,7 @@ def _fmt(value, spec: str) -> str:
 def markdown(results: dict, command: str) -> str:
     if results.get("kind") == "e2e-ttft":
         return ttft_markdown(results, command)
-    lines = [
-        f"# End-to-end decode benchmark — {results['device']}",
-        "",
-        f"- date: {results['date']}; torch {results['torch']}, transformers {results['transformers']}, "
-        f"triton {results['triton']}; {results['dtype']}",
-        f"- command: `{command}`",
-        f"- protocol: {results['protocol']}",
+    lines = _header("End-to-end decode benchmark", results, command) + [
         f"- floor = (weights read per step + K/V bytes the method reads) / device copy rate "
         f"({results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, read + write)",
         "- runtime = kvsieve's decode runtime with dense attention; hf-eager = transformers' eager decode "
@@ -633,28 +637,26 @@ def markdown(results: dict, command: str) -> str:
         "",
     ]
     rows = results["rows"]
-    for shape in sorted({r["shape"] for r in rows}):
-        for batch in sorted({r["batch"] for r in rows if r["shape"] == shape}):
-            sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
-            lines += [f"## {shape}, batch {batch}", "",
-                      "| N | variant | ms/step | tokens/s | vs runtime-dense | vs hf-eager | floor ms | of floor "
-                      "| host ms | graph | attention | K/V density |",
-                      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
-            for r in sorted(sel, key=lambda r: (r["n"], r["variant"])):
-                if "skipped" in r:
-                    lines.append(f"| {r['n']:,} | {r['variant']} | skipped: {r['skipped']} | | | | | | | | | |")
-                    continue
-                if "error" in r:
-                    lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:120]} | | | | | | | | | |")
-                    continue
-                lines.append(
-                    f"| {r['n']:,} | {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.1f} "
-                    f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
-                    f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
-                    f"| {_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('fraction_of_floor'), '.0%')} "
-                    f"| {_fmt(r.get('host_ms'), '.3f')} | {'yes' if r.get('graph') else 'no'} "
-                    f"| {r.get('attention_backend')} | {_fmt(r.get('density'), '.3f')} |")
-            lines.append("")
+    for shape, batch, sel in _groups(rows):
+        lines += [f"## {shape}, batch {batch}", "",
+                  "| N | variant | ms/step | tokens/s | vs runtime-dense | vs hf-eager | floor ms | of floor "
+                  "| host ms | graph | attention | K/V density |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+        for r in sorted(sel, key=lambda r: (r["n"], r["variant"])):
+            if "skipped" in r:
+                lines.append(f"| {r['n']:,} | {r['variant']} | skipped: {r['skipped']} | | | | | | | | | |")
+                continue
+            if "error" in r:
+                lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:120]} | | | | | | | | | |")
+                continue
+            lines.append(
+                f"| {r['n']:,} | {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.1f} "
+                f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
+                f"| {_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('fraction_of_floor'), '.0%')} "
+                f"| {_fmt(r.get('host_ms'), '.3f')} | {'yes' if r.get('graph') else 'no'} "
+                f"| {r.get('attention_backend')} | {_fmt(r.get('density'), '.3f')} |")
+        lines.append("")
     broken = [r for r in rows if r.get("breakdown")]
     if broken:
         lines += ["Per-step device time by kernel kind (torch profiler, mean of "
