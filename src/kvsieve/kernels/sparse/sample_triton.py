@@ -115,6 +115,21 @@ if triton is not None:
         return cnt
 
     @triton.jit
+    def _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r, h, hs, s_sz_r, s_sz_h, s_nav_r,
+                    s_nav_h):
+        """Row ``r``, head ``h``: the flat index, the key's words, the range ``[start, end)``, the sample
+        size (clamped to ``[0, n_av]``) and the available keys ``n_av``."""
+        rh = r.to(tl.int64) * hs + h
+        lo = tl.load(lo_ptr + r)
+        hi = tl.load(hi_ptr + r)
+        start = tl.load(start_ptr + r).to(tl.int32)
+        end = tl.load(end_ptr + r).to(tl.int32)
+        size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
+        n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
+        size = tl.maximum(tl.minimum(size, n_av), 0)
+        return rh, lo, hi, start, end, size, n_av
+
+    @triton.jit
     def _split_candidates_kernel(
         lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, cand_ptr, cnt_ptr,
         stream_key, hs, n_keys, chunk, n_pages, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
@@ -128,14 +143,8 @@ if triton is not None:
         s = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.program_id(2)
-        rh = r.to(tl.int64) * hs + h
-        lo = tl.load(lo_ptr + r)
-        hi = tl.load(hi_ptr + r)
-        start = tl.load(start_ptr + r).to(tl.int32)
-        end = tl.load(end_ptr + r).to(tl.int32)
-        size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
-        n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
-        size = tl.maximum(tl.minimum(size, n_av), 0)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
         thr = _threshold(size, n_av)
         c_lo = tl.maximum(start, s * chunk)
         c_hi = tl.minimum(end, s * chunk + chunk)
@@ -163,14 +172,8 @@ if triton is not None:
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
         r = tl.program_id(1)
-        rh = r.to(tl.int64) * hs + h
-        lo = tl.load(lo_ptr + r)
-        hi = tl.load(hi_ptr + r)
-        start = tl.load(start_ptr + r).to(tl.int32)
-        end = tl.load(end_ptr + r).to(tl.int32)
-        size = tl.load(size_ptr + r.to(tl.int64) * s_sz_r + h * s_sz_h).to(tl.int32)
-        n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
-        size = tl.maximum(tl.minimum(size, n_av), 0)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
         off = tl.zeros([], tl.int32)
         if HAS_OFF:
             off = tl.load(off_ptr + rh).to(tl.int32)
