@@ -328,14 +328,22 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     return out.reshape(b, hq, d), lse.reshape(b, hq).float()
 
 
+# About four programs per SM of an H100/H200 (132 SMs). Swept on an H200 (2026-11-27,
+# benchmarks/results/2026-11-27-h200-sparse-launch-tune.md: block_n 32/64/128 × warps 4/8 × stages 1–4 ×
+# 132–1056 programs): at 128k, 528 programs took a 5 % page-16 list from 21.1 to 19.7 µs and streaming from
+# 20.0 to 18.5; at 32k every setting was within 0.5 µs of the others (fixed costs dominate there).
+TARGET_PROGRAMS = 528
+
+
 def launch_config(d: int) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages) by head dim: K and V tiles of 64 × d (32 × 256 for d = 256) keep
-    two stages in shared memory. Not yet tuned on a GPU."""
+    two stages in shared memory. For d = 128 the H200 sweep (TARGET_PROGRAMS) found no block, warp or
+    stage setting faster than these by more than its noise."""
     return (32, 4, 2) if d > 128 else (64, 4, 2)
 
 
 def split_plan(batch: int, heads: int, entries: int, page_size: int, dense_keys: int, block_n: int,
-               target_programs: int = 264) -> tuple[int, int, int, int]:
+               target_programs: int = TARGET_PROGRAMS) -> tuple[int, int, int, int]:
     """``(n_sel_parts, sel_chunk entries, n_dense_parts, dense_chunk keys)`` for about
     ``target_programs`` programs, each a whole number of ``block_n``-key blocks."""
     keys = entries * page_size + dense_keys
@@ -353,7 +361,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
                          check: bool = False, out: torch.Tensor | None = None,
                          lse: torch.Tensor | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
-                         target_programs: int = 264, fused_merge: bool = False,
+                         target_programs: int = TARGET_PROGRAMS, fused_merge: bool = False,
                          rows_per_batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
