@@ -1,4 +1,4 @@
-"""Sketch&Walk prefill on one layer: block-sparse FlexAttention vs SDPA (and FlashInfer), plus the
+"""Sketch&Walk prefill on one layer: block-sparse FlexAttention and Triton vs SDPA (and FlashInfer), plus the
 sketch + walk + selection overhead and the method's decode step.
 
 One layer of Llama-3.1-8B (32 query / 8 KV heads, d 128), bf16, batch 1, random q/k/v, at each
@@ -12,6 +12,14 @@ length. Timed with CUDA events and a cold L2 (``kvsieve.bench.timing.ColdL2Timer
   (against a previous layer's W) + top-k selection + the BlockMask build, all on the device.
 - ``sparse_layer``: selection + FlexAttention, as the method runs them (``SketchWalk.prefill``'s
   pieces without the decode-state bookkeeping).
+- ``triton_sparse``: the block-sparse Triton kernel (``block_sparse_prefill_triton``: a KV head's query
+  heads packed into one tile, each selected K/V block read once per KV-head group) over the same
+  selection, once per ``--triton-tiles`` entry (``default`` = ``launch_config``, or ``BLOCK_MxBLOCK_N``);
+  before timing, its output is compared with FlexAttention's on the same lists (``max_abs_err_vs_flex``).
+- ``triton_layer``: selection (without the BlockMask, which the kernel does not need) + the Triton kernel
+  at its default tiles, i.e. the method with ``prefill_backend=triton``.
+- ``triton_dense`` (up to ``--dense-flex-max``): the Triton kernel with every causal block, checked
+  against SDPA first (``max_abs_err_vs_sdpa``).
 - ``flex_dense``: FlexAttention with every causal block (how far FlexAttention is from flash).
 - ``decode_step`` (``--decode``): ``SketchWalk.decode`` of one token at the end of the context
   (incremental sketch update, walk row, selection, weighted sparse decode) vs FlashInfer's decode.
@@ -44,6 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--block-sizes", default="64,128", help="Sketch&Walk block sizes to time (64 is the paper's)")
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
     p.add_argument("--dense-flex-max", type=int, default=65536, help="time flex_dense up to this length")
+    p.add_argument("--triton-tiles", default="default,256x32",
+                   help="Triton kernel tiles to time: 'default' (launch_config) or BLOCK_MxBLOCK_N, comma-separated")
     p.add_argument("--decode", action="store_true", help="also time one decode step of the method")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
@@ -154,6 +164,7 @@ def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
         dmask = flex_block_mask(all_idx, all_cnt, block_size=bs, n_tokens=nb * bs)
         timed("flex_dense", n, lambda: block_sparse_prefill_flex(
             q, k, v, all_idx, all_cnt, block_size=bs, block_mask=dmask), block_size=bs)
+    time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra)
     if args.decode and bs == 64:
         state, fwd = {}, {}
         m.prefill(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], scale=None, state=state, forward={}, sparse=False)
@@ -173,21 +184,81 @@ def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
                 qt[0], kn, vn, kv_layout="NHD"))
 
 
+def time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra) -> None:
+    """``triton_sparse`` per tile setting and ``triton_layer``, each after a check against FlexAttention."""
+    from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex
+    from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton
+
+    q, k, v = qkv
+    flex_out = block_sparse_prefill_flex(q, k, v, idx, cnt, block_size=bs)[0]
+
+    def err_vs_flex(fn) -> dict:
+        try:
+            out = fn()[0]
+        except Exception as exc:  # reported in the row; the timing below reports it too
+            return {"check_error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {"max_abs_err_vs_flex": float((out.float() - flex_out.float()).abs().max())}
+
+    for tiles in args.triton_tiles.split(","):
+        kw = {}
+        if tiles != "default":
+            block_m, block_n = (int(x) for x in tiles.split("x"))
+            kw = {"block_m": block_m, "block_n": block_n}
+
+        def run(kw=kw):
+            return block_sparse_prefill_triton(q, k, v, idx, cnt, block_size=bs, **kw)
+
+        row = timed("triton_sparse", n, run, tiles=tiles, **err_vs_flex(run), **extra)
+        if "median_us" in row and "median_us" in sdpa:
+            row["speedup_vs_sdpa"] = sdpa["median_us"] / row["median_us"]
+
+    if n <= args.dense_flex_max:  # every causal block: the kernel against SDPA
+        nb = idx.shape[1]
+        all_idx = torch.arange(nb, device=q.device).expand(1, nb, nb).contiguous()
+        all_cnt = torch.arange(1, nb + 1, device=q.device)[None]
+        group = q.shape[1] // k.shape[1]
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(group, 1),
+                                                               v.repeat_interleave(group, 1), is_causal=True)
+
+        def dense():
+            return block_sparse_prefill_triton(q, k, v, all_idx, all_cnt, block_size=bs)
+
+        err = {"max_abs_err_vs_sdpa": float((dense()[0].float() - ref.float()).abs().max())}
+        del ref
+        row = timed("triton_dense", n, dense, tiles="default", block_size=bs, **err)
+        if "median_us" in row and "median_us" in sdpa:
+            row["speedup_vs_sdpa"] = sdpa["median_us"] / row["median_us"]
+
+    def layer():
+        _, sel_idx, sel_cnt = m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], prev)
+        return block_sparse_prefill_triton(q, k, v, sel_idx, sel_cnt, block_size=bs)
+
+    row = timed("triton_layer", n, layer, tiles="default", **err_vs_flex(layer), **extra)
+    if "median_us" in row and "median_us" in sdpa:
+        row["speedup_vs_sdpa"] = sdpa["median_us"] / row["median_us"]
+
+
 def markdown(meta, rows) -> str:
     lines = [f"# Sketch&Walk prefill, one layer ({meta['device']}, {meta['date']})", "",
              f"Command: `{meta['command']}`; torch {meta['torch']}; {meta['flashinfer']}; {meta['timing']}.", "",
-             "| n | variant | block | median ms | vs SDPA | block density | selection / sparse attn |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+             "| n | variant | block | tiles | median ms | vs SDPA | block density | selection / sparse attn "
+             "| max abs err vs flex |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "median_us" not in r:
             err = r.get("error", "")
-            lines.append(f"| {r['n']} | {r['variant']} | {r.get('block_size', '')} | error: {err} | | | |")
+            lines.append(f"| {r['n']} | {r['variant']} | {r.get('block_size', '')} | {r.get('tiles', '')} "
+                         f"| error: {err} | | | | |")
             continue
         sp = f"{r['speedup_vs_sdpa']:.2f}x" if "speedup_vs_sdpa" in r else ""
         bd = f"{r['block_density']:.3f}" if "block_density" in r else ""
         sh = f"{100 * r['share_of_sparse_attention']:.1f}%" if "share_of_sparse_attention" in r else ""
-        lines.append(f"| {r['n']} | {r['variant']} | {r.get('block_size', '')} | {r['median_us'] / 1000:.3f} | {sp} "
-                     f"| {bd} | {sh} |")
+        ea = r.get("check_error", "")
+        for key, what in (("max_abs_err_vs_flex", ""), ("max_abs_err_vs_sdpa", " (vs SDPA)")):
+            if key in r:
+                ea = f"{r[key]:.2e}{what}"
+        lines.append(f"| {r['n']} | {r['variant']} | {r.get('block_size', '')} | {r.get('tiles', '')} "
+                     f"| {r['median_us'] / 1000:.3f} | {sp} | {bd} | {sh} | {ea} |")
     return "\n".join(lines) + "\n"
 
 
@@ -203,7 +274,8 @@ def plot(rows, path: Path) -> None:
     series = {}
     for r in rows:
         if "median_us" in r:
-            key = r["variant"] + (f" B={r['block_size']}" if "block_size" in r else "")
+            key = r["variant"] + (f" B={r['block_size']}" if "block_size" in r else "") + (
+                f" {r['tiles']}" if r.get("tiles", "default") != "default" else "")
             series.setdefault(key, []).append((r["n"], r["median_us"] / 1000))
     for key, pts in sorted(series.items()):
         pts.sort()

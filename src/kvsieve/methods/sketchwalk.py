@@ -39,6 +39,7 @@ from ..core.method import read_stats, select_rows
 from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import register_method
 from ..core.stats import StepStats
+from ..kernels.sparse.block_sparse import BACKENDS as PREFILL_BACKENDS
 from ..kernels.sparse.block_sparse import block_sparse_prefill
 from ..kernels.sparse.weighted import weighted_sparse_decode
 from .shared.backend import BACKENDS, kernel_operands
@@ -245,6 +246,10 @@ class SketchWalkConfig(MethodConfig):
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
                 "the torch reference elsewhere; reference; triton (error if it cannot)")
+    prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
+        "auto", "sparse prefill attention: auto = FlexAttention on CUDA, the torch reference elsewhere; flex; "
+                "triton (the block-sparse Triton kernel that reads each K/V block once per KV-head group; error "
+                "if it cannot); reference")
 
     def __post_init__(self) -> None:
         d = self.density
@@ -269,6 +274,7 @@ class SketchWalkConfig(MethodConfig):
             require_int("dense_layers", layer, minimum=0)
         require_int("seed", self.seed, minimum=0)
         require_choice("backend", self.backend, BACKENDS)
+        require_choice("prefill_backend", self.prefill_backend, PREFILL_BACKENDS)
 
 
 # -- per-layer decode state ------------------------------------------------------------------------------
@@ -433,7 +439,7 @@ class SketchWalk(PrefillMethod):
         hops = forward.get(HOPS_KEY, 0) + 1
         forward[HOPS_KEY] = hops
         out, _, backend = block_sparse_prefill(q, k, v, block_idx, block_counts, block_size=cfg.block_size,
-                                               scale=scale)
+                                               scale=scale, backend=cfg.prefill_backend)
         stats = self._prefill_stats(k, block_counts, n_tok, backend, hops)
         return out.to(q.dtype), stats
 

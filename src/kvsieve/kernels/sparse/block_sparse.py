@@ -17,10 +17,13 @@ selected blocks at positions ``≤`` its own (causal), and ``lse [B, Hq, N]`` (n
 softmax denominator of the scaled logits). With every causal block selected this is dense causal
 attention.
 
-Two paths: :func:`block_sparse_prefill_reference` (torch, chunks of query blocks, float32 or
-float64 arithmetic; no ``[N, N]`` tensor) and :func:`block_sparse_prefill_flex` (PyTorch's
+Three paths: :func:`block_sparse_prefill_reference` (torch, chunks of query blocks, float32 or
+float64 arithmetic; no ``[N, N]`` tensor), :func:`block_sparse_prefill_flex` (PyTorch's
 FlexAttention with a ``BlockMask`` built on the device from the lists: the selected off-diagonal
-blocks as full blocks, the diagonal as a partial block with a causal ``mask_mod``).
+blocks as full blocks, the diagonal as a partial block with a causal ``mask_mod``) and
+``block_sparse_triton.block_sparse_prefill_triton`` (a Triton kernel that packs a KV head's query heads
+into one tile, so each selected K/V block is read once per KV-head group); :func:`block_sparse_prefill`
+picks one (``backend``).
 """
 
 from __future__ import annotations
@@ -232,13 +235,23 @@ def block_sparse_prefill_flex(
     return out[:, :, :n_tok], lse[:, :, :n_tok]
 
 
+BACKENDS = ("auto", "flex", "triton", "reference")
+
+
 def block_sparse_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_counts: torch.Tensor, *,
     block_size: int, scale: float | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """``(out, lse, backend)``: FlexAttention on CUDA for bf16/fp16/fp32 (``auto``), else the reference."""
-    if backend not in ("auto", "reference", "flex"):
-        raise ValueError(f"backend: expected one of auto, reference, flex, got {backend!r}")
+    """``(out, lse, backend)`` with the backend that ran: ``auto`` is FlexAttention on CUDA for
+    bf16/fp16/fp32, else the reference; ``flex``; ``triton`` (:mod:`.block_sparse_triton`, one K/V read
+    per selected block per KV-head group; a ValueError when it cannot serve the call); ``reference``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "triton":
+        from .block_sparse_triton import block_sparse_prefill_triton  # decorating the kernel reads TRITON_INTERPRET
+
+        out, lse = block_sparse_prefill_triton(q, k, v, block_idx, block_counts, block_size=block_size, scale=scale)
+        return out, lse, "triton"
     use_flex = backend == "flex" or (backend == "auto" and q.is_cuda and q.dtype != torch.float64)
     if use_flex:
         out, lse = block_sparse_prefill_flex(q, k, v, block_idx, block_counts, block_size=block_size, scale=scale)
@@ -246,4 +259,3 @@ def block_sparse_prefill(
     out, lse = block_sparse_prefill_reference(q, k, v, block_idx, block_counts, block_size=block_size,
                                               scale=scale, check=False)
     return out, lse, "reference"
-
