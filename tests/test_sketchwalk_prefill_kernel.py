@@ -205,6 +205,7 @@ def test_gpu_method_prefill_backends_agree():
         m = kvsieve.method(f"sketchwalk:density=0.1,prefill_backend={backend}")
         out, stats = m.prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
         res[backend] = (out.float(), stats.backend)
-    assert [res[b][1] for b in ("auto", "triton", "reference")] == ["flex", "triton", "reference"]
+    # auto: the kernel for the default 64-key blocks (measured 2x Flex there, H200 2026-11-27)
+    assert [res[b][1] for b in ("auto", "triton", "reference")] == ["triton", "triton", "reference"]
     torch.testing.assert_close(res["triton"][0], res["reference"][0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(res["auto"][0], res["reference"][0], atol=2e-2, rtol=2e-2)

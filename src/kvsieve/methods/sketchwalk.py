@@ -247,9 +247,10 @@ class SketchWalkConfig(MethodConfig):
         "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
                 "the torch reference elsewhere; reference; triton (error if it cannot)")
     prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
-        "auto", "sparse prefill attention: auto = FlexAttention on CUDA, the torch reference elsewhere; flex; "
-                "triton (the block-sparse Triton kernel that reads each K/V block once per KV-head group; error "
-                "if it cannot); reference")
+        "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to 64 "
+                "keys and FlexAttention for larger ones (the faster of the two, measured), the torch reference "
+                "elsewhere; flex; triton (the kernel that shares each K/V block's read among a KV-head group's "
+                "query heads; error if it cannot); reference")
 
     def __post_init__(self) -> None:
         d = self.density

@@ -236,24 +236,44 @@ def block_sparse_prefill_flex(
 
 
 BACKENDS = ("auto", "flex", "triton", "reference")
+# auto takes the Triton kernel up to this block size, FlexAttention above it. Measured per layer at 10 %
+# density, Llama-3.1-8B shapes, H200 (benchmarks/results/2026-11-27-h200-sketchwalk-prefill-triton.md): 64-key
+# blocks 38.4 ms (Triton) vs 74.4 (Flex) at 128k, 9.9 vs 19.3 at 64k; 128-key blocks 42.8 vs 37.0 and
+# 11.1 vs 9.4, where Flex's own tiles are already 128 keys wide.
+TRITON_MAX_BLOCK = 64
+
+
+def auto_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> str:
+    """What ``backend="auto"`` runs for these tensors: the reference off CUDA or in float64; on CUDA the
+    Triton kernel for blocks of at most ``TRITON_MAX_BLOCK`` keys where it can serve them, else Flex."""
+    if not q.is_cuda or q.dtype == torch.float64:
+        return "reference"
+    if block_size <= TRITON_MAX_BLOCK:
+        from .block_sparse_triton import unsupported_reason
+
+        if unsupported_reason(q, k, v, block_size) is None:
+            return "triton"
+    return "flex"
 
 
 def block_sparse_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_counts: torch.Tensor, *,
     block_size: int, scale: float | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """``(out, lse, backend)`` with the backend that ran: ``auto`` is FlexAttention on CUDA for
-    bf16/fp16/fp32, else the reference; ``flex``; ``triton`` (:mod:`.block_sparse_triton`, one K/V read
-    per selected block per KV-head group; a ValueError when it cannot serve the call); ``reference``."""
+    """``(out, lse, backend)`` with the backend that ran: ``auto`` (:func:`auto_backend`: the Triton kernel
+    for blocks of up to 64 keys on CUDA, FlexAttention for larger ones, the reference off CUDA); ``flex``;
+    ``triton`` (:mod:`.block_sparse_triton`, fewer K/V reads per selected block: the GQA group's heads share
+    a tile; a ValueError when it cannot serve the call); ``reference``."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        backend = auto_backend(q, k, v, block_size)
     if backend == "triton":
         from .block_sparse_triton import block_sparse_prefill_triton  # decorating the kernel reads TRITON_INTERPRET
 
         out, lse = block_sparse_prefill_triton(q, k, v, block_idx, block_counts, block_size=block_size, scale=scale)
         return out, lse, "triton"
-    use_flex = backend == "flex" or (backend == "auto" and q.is_cuda and q.dtype != torch.float64)
-    if use_flex:
+    if backend == "flex":
         out, lse = block_sparse_prefill_flex(q, k, v, block_idx, block_counts, block_size=block_size, scale=scale)
         return out, lse, "flex"
     out, lse = block_sparse_prefill_reference(q, k, v, block_idx, block_counts, block_size=block_size,
