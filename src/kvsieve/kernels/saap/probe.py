@@ -264,9 +264,10 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     half = d // 2
-    # 32 hidden units per program: 8 × 32 = 256 programs at hidden 1024, two per H100 SM (63 registers for
-    # sm_90), each with half the float32 FMA product of 64 (the layer is latency-bound: 2 MB of W1)
-    block_h = 32
+    # 64 hidden units per program: 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound: 2 MB of
+    # W1). 32 units (256 programs) measured slower: 8.3 against 7.0 µs at 128k (H100, 2026-11-25), 8.0
+    # against 6.8 (H200, 2026-11-27, benchmarks/results/2026-11-27-h200-saap-decode-r4-*.md)
+    block_h = 64
     _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
         int(position_offset), HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
