@@ -137,6 +137,12 @@ _ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "s
                       "sdpa", "topk", "sort")
 _GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
 BREAKDOWN_STEPS = 3
+# The torch profiler keeps CUPTI attached after its first use in a process that captures CUDA graphs
+# (torch/profiler/profiler.py sets TEARDOWN_CUPTI=0: teardown crashes with graphs), and every later launch
+# pays CUPTI's callbacks: captured decode steps measured 0.3-0.8 ms of host time after a profiled variant
+# against 13-22 us in a process never profiled (benchmarks/runtime_host/README.md). So each case profiles
+# its variants only after timing all of them, and host times taken after any profiling are flagged.
+_PROFILED = {"done": False}
 
 
 def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict[str, float] | None:
@@ -146,6 +152,7 @@ def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
+        _PROFILED["done"] = True
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 step()
@@ -286,8 +293,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                     per_step = _kv_bytes_dense(rt, keys)
                     row["kv_bytes_source"] = "all valid keys"
                 if cuda:
-                    row.update(_host_ms(rt.step))
-                    row["breakdown"] = kernel_breakdown(rt.step)
+                    row.update(_host_ms(rt.step), host_after_profiler=_PROFILED["done"])
                 row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                            attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
                            fallbacks=list(rt.stats.fallbacks))
@@ -295,6 +301,18 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             case_rows.append(row)
             log(_line(row))
+        if cuda:  # after every variant's timing: see _PROFILED
+            for row in case_rows:
+                if "error" in row:
+                    continue
+                try:
+                    rt.set_method("dense" if row["variant"] == "runtime" else row["variant"])
+                    rt.rewind()
+                    for _ in range(warmup):
+                        rt.step()
+                    row["breakdown"] = kernel_breakdown(rt.step)
+                except Exception as exc:  # noqa: BLE001 - the breakdown is optional
+                    row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
     if "hf-eager" in baselines:
         row = {**base, "variant": "hf-eager"}
         try:
@@ -620,7 +638,8 @@ def _line(r: dict) -> str:
 
 def _host_cell(r: dict) -> str:
     cell = _fmt(r.get("host_ms"), ".3f")
-    return f"{cell} ({r['host_min_ms']:.3f})" if "host_min_ms" in r else cell
+    cell = f"{cell} ({r['host_min_ms']:.3f})" if "host_min_ms" in r else cell
+    return cell + "†" if r.get("host_after_profiler") else cell
 
 
 def _version(module: str) -> str | None:
@@ -676,6 +695,10 @@ def markdown(results: dict, command: str) -> str:
             lines.append(f"| {r['shape']} | {r['batch']} | {r['n']:,} | {r['variant']} | {b['attention_ms']:.2f} "
                          f"| {b['gemm_ms']:.2f} | {b['other_ms']:.2f} | {b['kernels']:.0f} |")
         lines.append("")
+    if any(r.get("host_after_profiler") for r in rows):
+        lines += ["† host time taken after the torch profiler ran in this process (an earlier case's kernel "
+                  "breakdown): CUPTI stays attached once CUDA graphs were profiled, and its callbacks add to every "
+                  "launch; run one case per process for clean host times.", ""]
     reasons = sorted({r["graph_reason"] for r in rows if r.get("graph_reason") and not r.get("graph")})
     if reasons:
         lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
