@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from interpreted import run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -24,14 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_kernels_under_the_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-         str(HERE / "triton_interpreter_cases.py")],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+    run_interpreter_cases("triton_interpreter_cases.py")
 
 
 def test_backend_triton_on_cpu_without_interpreter_is_a_clear_error():

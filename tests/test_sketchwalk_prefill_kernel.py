@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreter_cases
 
 import kvsieve
 from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill, block_sparse_prefill_reference
@@ -26,14 +27,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.triton
 def test_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-         str(HERE / "sketchwalk_prefill_interpreter_cases.py")],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+    run_interpreter_cases("sketchwalk_prefill_interpreter_cases.py")
 
 
 # The kernel compiled for the H100 (sm_90) by the installed Triton at launch_config's tiles for Llama-3.1-8B

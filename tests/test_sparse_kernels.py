@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreter_cases
 
 from kvsieve.kernels.sparse import quest_pages
 from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
@@ -197,14 +198,7 @@ def test_register_select_compiles_for_the_h100():
 @pytest.mark.triton
 def test_kernels_under_the_triton_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-         str(HERE / "sparse_interpreter_cases.py")],
-        cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
+    run_interpreter_cases("sparse_interpreter_cases.py")
 
 
 # --- GPU --------------------------------------------------------------------------------------------
