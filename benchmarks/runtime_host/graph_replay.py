@@ -16,23 +16,17 @@ import argparse
 import collections
 import json
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 
 def host_replay_ms(graph, n: int = 30) -> float:
-    t = []
-    for _ in range(n):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graph.replay()
-        t.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(t)
+    """Median host time of ``graph.replay()`` with the device idle, as the e2e bench times ``step()``."""
+    from kvsieve.bench.e2e import _host_ms
+
+    return _host_ms(graph.replay, n)["host_ms"]
 
 
 def dot_summary(path: Path) -> dict:

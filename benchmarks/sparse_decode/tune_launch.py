@@ -23,6 +23,7 @@ from itertools import product
 from pathlib import Path
 
 import torch
+from run import random_pages  # benchmarks/sparse_decode/run.py: the same random page lists as its rows
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing_setup
 from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
@@ -30,14 +31,6 @@ from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, spar
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE = 16
 SINK = 128
-
-
-def random_pages(b, hs, n, page, count, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    p = -(-n // page)
-    pages = torch.rand(b, hs, p, device="cuda", generator=g).argsort(-1)[..., :count]
-    return pages.sort(-1).values.to(torch.int32).contiguous(), torch.full((b, hs), count, device="cuda",
-                                                                           dtype=torch.int32)
 
 
 def main(argv=None) -> int:
@@ -66,7 +59,9 @@ def main(argv=None) -> int:
             fi = VARIANTS["flashinfer"].make(x, None, 0)[0]
             rows.append({"n": n, "case": "flashinfer", "us": timer.time_graph_us(fi, iters=args.iters)["median_us"]})
             print(rows[-1], flush=True)
-        pages, counts = random_pages(1, KV_HEADS, n, PAGE, budget // PAGE)
+        pages, counts = random_pages(1, KV_HEADS, n, PAGE, budget // PAGE,
+                                     torch.Generator(device="cuda").manual_seed(0))
+        pages, counts = pages.to(torch.int32), counts.to(torch.int32)  # the lists the 2026-11-27 sweep timed
         cases = {
             "pages16": dict(indices=pages, counts=counts, page_size=PAGE),
             "streaming": dict(sink=SINK, window=budget - SINK),
