@@ -118,9 +118,8 @@ HOST_STEPS = 9
 def _host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> dict[str, float]:
     """Host time of one step with the device idle before it: the replay (or eager launches) plus the
     runtime's bookkeeping, without waiting on earlier steps' work. ``host_ms`` the median, ``host_min_ms``
-    the fastest: on 2026-11-27 a bare runtime's step() took 8–22 µs for every captured method
-    (benchmarks/runtime_host/), while this column had read 0.3–1.6 ms in some bench runs, dense
-    included; the minimum beside the median tells a steady cost from interference."""
+    the fastest: the minimum beside the median tells a steady cost from interference (such as CUPTI's, see
+    ``_PROFILED``)."""
     t = []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -243,6 +242,15 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
     return results
 
 
+def _start_variant(rt, variant: str, warmup: int) -> None:
+    """The runtime set to ``variant`` (``runtime`` = dense), back to just after prefill, ``warmup`` steps run
+    (the first captures the step)."""
+    rt.set_method("dense" if variant == "runtime" else variant)
+    rt.rewind()
+    for _ in range(warmup):
+        rt.step()
+
+
 def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict, prefill_chunk, cuda: bool,
               log) -> list[dict]:
     """The rows of one (shape, batch, N): one prefill, every runtime variant, then hf-eager."""
@@ -274,11 +282,8 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
         for variant in variants:
             row = {**base, "variant": variant}
             try:
-                rt.set_method("dense" if variant == "runtime" else variant)
-                rt.rewind()
+                _start_variant(rt, variant, warmup)
                 n_steps = steps if rt.use_graph else method_steps
-                for _ in range(warmup):
-                    rt.step()
                 rt.stats.records.clear()
                 # valid keys summed over rows, averaged over the timed steps
                 keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
@@ -306,10 +311,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 if "error" in row:
                     continue
                 try:
-                    rt.set_method("dense" if row["variant"] == "runtime" else row["variant"])
-                    rt.rewind()
-                    for _ in range(warmup):
-                        rt.step()
+                    _start_variant(rt, row["variant"], warmup)
                     row["breakdown"] = kernel_breakdown(rt.step)
                 except Exception as exc:  # noqa: BLE001 - the breakdown is optional
                     row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]

@@ -146,9 +146,10 @@ def launch_config(group: int, block_size: int, d: int) -> tuple[int, int, int, i
     64-key blocks), key tiles of up to 64 keys, 8 warps, 2 stages. Compiled for sm_90 by the installed
     Triton (3.6; registers from ``cuobjdump --dump-resource-usage``, G = 4): at d = 128, 128 × 64 tiles take
     165 registers (block 64) and 218 (block 128), no spill; 256-row tiles spill (96 bytes with 64-key
-    tiles, 8 with 32-key tiles at block 64; 248+ at block 128), so ``block_m=256, block_n=32`` is an option
-    until the GPU says which is faster; at d = 64, 256 × 64 takes 255 registers, no spill, at block 64.
-    Not yet timed: the bench sweeps the tiles."""
+    tiles, 8 with 32-key tiles at block 64; 248+ at block 128); at d = 64, 256 × 64 takes 255 registers, no
+    spill, at block 64. Timed on an H200 (benchmarks/results/2026-11-27-h200-sketchwalk-prefill-triton.md,
+    G = 4, d = 128, block 64, 128k): these tiles 38.4 ms per layer, ``block_m=256, block_n=32`` (one read
+    per group) 43.3, ``block_m=128, block_n=32`` 55.6."""
     rows = next_pow2(group * block_size)
     return min(rows, 256 if d <= 64 and block_size <= 64 else 128), min(block_size, 64), 8, 2
 
