@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (issue 16): the runtime's gpu-marked tests, then `kvsieve bench e2e` for the
 # issue's targets (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime
-# dense, transformers eager, santa-prop:budget=128, santa-flash:budget=2048, quest:top_k=0.05), all under $OUT.
+# dense, transformers eager, and every method the runtime captures in its graph, at about 5 % density where
+# it takes a size: santa-prop:budget=128 and quest:top_k=0.05 for the targets, the rest for "every method
+# at least 5x transformers' eager decode at 128k"), all under $OUT. CASES=1x128k (etc.) runs a subset.
 #
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
 #   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
 #
-# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~3.5 min; at most 150 + 420 s (timeouts).
+# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~8 min for the three cases (10 methods;
+# run one case per call where a call is limited to 10 minutes: CASES=1x128k, then CASES=1x32k,8x32k).
 # Build .device_data/wheels here with:
 #   pip download --no-deps --only-binary=:all: -d .device_data/wheels pytest pluggy iniconfig packaging pygments
 set -uo pipefail
@@ -26,6 +29,10 @@ if [[ "${1:-}" != "--no-tests" ]]; then
     timeout 150 python3 -m pytest tests/test_runtime.py -m gpu -q -rs --maxfail=20 -p no:cacheprovider \
         2>&1 | tee "$OUT/gpu_tests.txt" | tail -40
 fi
-timeout 420 python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases 1x32k,1x128k,8x32k \
-    --methods "santa-prop:budget=128;santa-flash:budget=2048;quest:top_k=0.05" --baselines runtime,hf-eager --out "$OUT" \
-    --record-command "bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
+CASES=${CASES:-1x32k,1x128k,8x32k}
+METHODS="santa-prop:budget=128;quest:top_k=0.05,share_kv_group=true;streaming:sink=128,window=1536"
+METHODS+=";santa-flash:budget=2048;oracle-topk:top_k=0.05,share_kv_group=true;oracle-topp:top_p=0.9"
+METHODS+=";random:budget=0.05;magicpig:bits=8,tables=16,budget=0.05;vattention;vattention:predictor=quest"
+timeout ${BENCH_TIMEOUT:-560} python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases "$CASES" \
+    --methods "$METHODS" --baselines runtime,hf-eager --out "$OUT" --name "e2e-${CASES//,/-}" \
+    --record-command "CASES=$CASES bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
