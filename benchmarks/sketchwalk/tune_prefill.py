@@ -7,10 +7,11 @@ inputs and lists as its rows). In one run:
 
 - ``sdpa``: flash SDPA (``is_causal``, K/V expanded to the query heads), once per length: the baseline.
 - ``flex``: ``block_sparse_prefill_flex`` with the prebuilt BlockMask and each ``kernel_options`` of the
-  grid ``BLOCK_M`` × ``BLOCK_N`` × ``num_warps`` × ``num_stages`` (the names of torch's
-  ``FlexKernelOptions``, unchanged from 2.9 to 2.13; a tile must divide the BlockMask's blocks, so 64-key
-  blocks take 64 × 64 only), then on the best of them for blocks ``auto`` gives to Flex, each of
-  ``--flex-flags`` (``ROWS_GUARANTEED_SAFE``: every row sees its diagonal key; ``USE_TMA``).
+  grid ``BLOCK_M`` × ``BLOCK_N`` × ``num_warps`` × ``num_stages`` (the keys of torch's ``FlexKernelOptions``
+  as torch 2.13's and pytorch main's source spell them; a tile must divide the BlockMask's blocks, so
+  64-key blocks take 64 × 64 only), then on the best of them for blocks ``auto`` gives to Flex, each of
+  ``--flex-flags`` (``ROWS_GUARANTEED_SAFE``: every row sees its diagonal key; ``USE_TMA``), each alone and
+  all together (``kind=refine``).
 - ``triton``: ``block_sparse_prefill_triton`` with each ``block_m`` × ``block_n`` × ``num_warps`` ×
   ``num_stages`` (``block_n`` ≤ the block size).
 
@@ -23,10 +24,12 @@ first variant of that (length, block size) that passed (bf16 agreement). A confi
 launch is recorded with its error, one that fails the check is not timed.
 
 The full grid runs at ``--grid-length`` (the longest length), in the order of the cases nearest the target
-(``auto``'s backend per block size first); the other lengths re-time the default and the ``--top`` best of
-each case (their compiled Triton kernels are reused; Flex compiles once per shape). Grid entries start only
-while the run is under ``--budget-s`` seconds (recorded as skipped after), nothing starts after
-``--hard-stop-s``. Results are rewritten after every row, so a killed run keeps what it measured.
+(``auto``'s backend per block size first, then Triton, then Flex), each case's configs nearest its default
+first; the other lengths re-time the default and the ``--top`` best of each case (their compiled Triton
+kernels are reused; Flex compiles once per shape). Grid entries start only while the run is under
+``--budget-s`` seconds (recorded as skipped after; defaults, refines and the other lengths' rows still
+run), nothing starts after ``--hard-stop-s``. Results are rewritten after every row, so a killed run keeps
+what it measured.
 
 Timing: CUDA events, cold L2 (``kvsieve.bench.timing.ColdL2Timer``), ``--warmup`` calls, median of
 ``--iters``; ``first_call_s`` is the first call's wall time (compile + one run).
@@ -354,9 +357,10 @@ def main(argv=None) -> int:
         sys.exit(f"--grid-length {grid_n} is not among --lengths {args.lengths}")
     lengths = [grid_n] + [n for n in lengths if n != grid_n]
     block_sizes = ints(args.block_sizes)
-    # auto's backend per block size first: those are the configurations the targets hinge on
+    # auto's backend per block size first: the targets hinge on those; then the other backend, Triton first
+    # (its kernels compile in seconds, a Flex config costs a torch.compile)
     cases = [("triton" if bs <= TRITON_MAX_BLOCK else "flex", bs) for bs in block_sizes]
-    cases += [("flex" if b == "triton" else "triton", bs) for b, bs in cases]
+    cases += sorted((("flex" if b == "triton" else "triton", bs) for b, bs in cases), key=lambda c: c[0] == "flex")
     sweep = Sweep(args, timer, dev)
     try:
         import triton
