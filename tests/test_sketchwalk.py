@@ -246,17 +246,30 @@ def test_block_sparse_equals_masked_softmax(seed):
         torch.testing.assert_close(out[b:b + 1], ref, atol=1e-10, rtol=1e-10)
 
 
-def test_flex_attention_path_matches_the_reference_on_cpu():
+@pytest.mark.parametrize("kernel_options", [None, {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}])
+def test_flex_attention_path_matches_the_reference_on_cpu(kernel_options):
     n_tok, bs = 256, 64
     q, k, v = prompt_qkv(b=1, hq=4, hkv=2, n=n_tok, d=32, seed=3, dtype=torch.float32)
     idx, counts = random_selection(1, n_tok // bs, 0.5, 3)
     try:
-        out, lse = block_sparse_prefill_flex(q, k, v, idx, counts, block_size=bs)
+        out, lse = block_sparse_prefill_flex(q, k, v, idx, counts, block_size=bs, kernel_options=kernel_options)
     except Exception as exc:  # FlexAttention's eager CPU path is missing on some builds
         pytest.skip(f"FlexAttention unavailable on CPU here: {exc}")
     ref, ref_lse = block_sparse_prefill_reference(q, k, v, idx, counts, block_size=bs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.float(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_flex_kernel_options_default_rule_and_tuned_entries(monkeypatch):
+    from kvsieve.kernels.sparse import block_sparse
+
+    assert block_sparse.flex_kernel_options(64) == {"BLOCK_M": 64, "BLOCK_N": 64}  # tiles divide the blocks
+    assert block_sparse.flex_kernel_options(128) is None  # torch's default config
+    tuned = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    monkeypatch.setattr(block_sparse, "FLEX_TUNED_OPTIONS", {128: tuned})
+    got = block_sparse.flex_kernel_options(128)
+    assert got == tuned and got is not tuned  # a copy: torch may add keys to the dict it is given
+    assert block_sparse.flex_kernel_options(64) == {"BLOCK_M": 64, "BLOCK_N": 64}
 
 
 def test_output_error_bound_and_dropped_mass_monotone_in_density():

@@ -35,6 +35,23 @@ def test_flex_prefill_matches_reference_bf16(n_tok, d, density):
     torch.testing.assert_close(lse.float(), ref_lse, atol=2e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("kernel_options", [{}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+                                            {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
+                                             "ROWS_GUARANTEED_SAFE": True}])
+def test_flex_prefill_kernel_options_match_reference_bf16(kernel_options):
+    # the launch sweep's configurations (benchmarks/sketchwalk/tune_prefill.py) at 128-key blocks
+    n_tok, d, bs = 4096 + 37, 128, 128
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, 8, n_tok, d, device="cuda", generator=g).bfloat16()
+    k = torch.randn(1, 2, n_tok, d, device="cuda", generator=g).bfloat16()
+    v = torch.randn(1, 2, n_tok, d, device="cuda", generator=g).bfloat16()
+    idx, cnt = selection(-(-n_tok // bs), 0.1, seed=5)
+    out, lse = block_sparse_prefill_flex(q, k, v, idx, cnt, block_size=bs, check=True, kernel_options=kernel_options)
+    ref, ref_lse = block_sparse_prefill_reference(q, k, v, idx, cnt, block_size=bs)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse.float(), ref_lse, atol=2e-2, rtol=1e-3)
+
+
 def test_method_prefill_and_decode_on_cuda_match_cpu():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 2048 + 5, 64, generator=g)

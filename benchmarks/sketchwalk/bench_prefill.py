@@ -97,10 +97,7 @@ def main() -> None:
         return row
 
     for n in lengths:
-        g = torch.Generator(device=dev).manual_seed(args.seed)
-        qkv = (torch.randn(1, hq, n, d, device=dev, dtype=torch.bfloat16, generator=g),
-               torch.randn(1, hkv, n, d, device=dev, dtype=torch.bfloat16, generator=g),
-               torch.randn(1, hkv, n, d, device=dev, dtype=torch.bfloat16, generator=g))
+        qkv = make_qkv(n, hq, hkv, d, seed=args.seed, device=dev)
         sdpa = time_dense(timed, n, qkv, flashinfer)
         for bs in block_sizes:
             time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer)
@@ -117,6 +114,34 @@ def main() -> None:
     print((args.out / "sketchwalk_prefill.md").read_text())
 
 
+def make_qkv(n: int, hq: int, hkv: int, d: int, *, seed: int, device: torch.device,
+             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random ``q [1, hq, n, d]``, ``k, v [1, hkv, n, d]`` from one seeded generator (the rows' inputs)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(1, hq, n, d, device=device, dtype=dtype, generator=g),
+            torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=g),
+            torch.randn(1, hkv, n, d, device=device, dtype=dtype, generator=g))
+
+
+def sketchwalk_selection(q: torch.Tensor, k: torch.Tensor, block_size: int, density: float):
+    """``(method, prev, selection)``: the Sketch&Walk method at this density and block size, a previous
+    layer's walk state ``prev`` (so that the selection includes the walk GEMM), and ``selection()``, which
+    runs sketch + walk + top-k and returns ``(block_mask, block_idx, block_counts)``."""
+    import kvsieve
+    from kvsieve.kernels.sparse.block_sparse import flex_block_mask
+
+    m = kvsieve.method(f"sketchwalk:density={density},block_size={block_size}")
+    nb = -(-q.shape[2] // block_size)
+    prev = m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], None)[0]
+
+    def selection():
+        a_tilde = m.prefill_sketch(q, k)["a_tilde"]
+        _, idx, cnt = m.prefill_select(a_tilde, prev)
+        return flex_block_mask(idx, cnt, block_size=block_size, n_tokens=nb * block_size), idx, cnt
+
+    return m, prev, selection
+
+
 def time_dense(timed, n, qkv, flashinfer) -> dict:
     """SDPA (flash, K/V expanded to the query heads) and FlashInfer's causal prefill; returns SDPA's row."""
     q, k, v = qkv
@@ -130,21 +155,12 @@ def time_dense(timed, n, qkv, flashinfer) -> dict:
 
 
 def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
-    import kvsieve
     from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex, flex_block_mask
 
     q, k, v = qkv
     dev = q.device
-    m = kvsieve.method(f"sketchwalk:density={args.density},block_size={bs}")
     nb = -(-n // bs)
-    # A previous layer's walk state, so that the timed selection includes the walk GEMM.
-    prev = m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], None)[0]
-
-    def selection():
-        a_tilde = m.prefill_sketch(q, k)["a_tilde"]
-        _, idx, cnt = m.prefill_select(a_tilde, prev)
-        return flex_block_mask(idx, cnt, block_size=bs, n_tokens=nb * bs), idx, cnt
-
+    m, prev, selection = sketchwalk_selection(q, k, bs, args.density)
     mask, idx, cnt = selection()
     kept = float(cnt.double().sum() / (nb * (nb + 1) / 2))
     extra = {"block_size": bs, "density": args.density, "block_density": kept}

@@ -184,6 +184,19 @@ def flex_block_mask(block_idx: torch.Tensor, block_counts: torch.Tensor, *, bloc
 
 _COMPILED_FLEX = None
 
+# FlexAttention kernel_options per BlockMask block size, where a launch sweep
+# (benchmarks/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule; empty: none adopted.
+FLEX_TUNED_OPTIONS: dict[int, dict] = {}
+
+
+def flex_kernel_options(block_size: int) -> dict | None:
+    """The ``kernel_options`` :func:`block_sparse_prefill_flex` passes on CUDA by default: a tuned entry of
+    ``FLEX_TUNED_OPTIONS``, else tiles as wide as the blocks below 128 keys (torch's default tiles are 128
+    query rows, and a tile must divide the BlockMask's blocks), else None (torch's default config)."""
+    if block_size in FLEX_TUNED_OPTIONS:
+        return dict(FLEX_TUNED_OPTIONS[block_size])
+    return {"BLOCK_M": block_size, "BLOCK_N": block_size} if block_size < 128 else None
+
 
 def _flex_attention():
     global _COMPILED_FLEX
@@ -206,11 +219,14 @@ def block_sparse_prefill_flex(
     scale: float | None = None,
     block_mask=None,
     check: bool = False,
+    kernel_options: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The contract through FlexAttention (compiled on CUDA, eager elsewhere); ``lse`` in float32.
 
     ``N`` is padded up to a multiple of ``block_size``: padded keys lie after every real query, so
-    the causal mask hides them, and padded query rows are dropped.
+    the causal mask hides them, and padded query rows are dropped. ``kernel_options`` (FlexAttention's:
+    ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``, ...) replace :func:`flex_kernel_options` for
+    this call; ``{}`` asks for torch's default config. Each distinct dict compiles its own kernel.
     """
     if check:
         check_block_sparse_inputs(q, k, v, block_idx, block_counts, block_size)
@@ -222,7 +238,8 @@ def block_sparse_prefill_flex(
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     if block_mask is None:
         block_mask = flex_block_mask(block_idx, block_counts, block_size=block_size, n_tokens=n * block_size)
-    kernel_options = {"BLOCK_M": block_size, "BLOCK_N": block_size} if q.is_cuda and block_size < 128 else None
+    if kernel_options is None and q.is_cuda:
+        kernel_options = flex_kernel_options(block_size)
     kwargs = dict(block_mask=block_mask, scale=scale if scale is not None else d ** -0.5, enable_gqa=hq != hkv,
                   kernel_options=kernel_options)
     try:
