@@ -263,6 +263,7 @@ def test_flex_attention_path_matches_the_reference_on_cpu(kernel_options):
 def test_flex_kernel_options_default_rule_and_tuned_entries(monkeypatch):
     from kvsieve.kernels.sparse import block_sparse
 
+    monkeypatch.setattr(block_sparse, "FLEX_TUNED_OPTIONS", {})
     assert block_sparse.flex_kernel_options(64) == {"BLOCK_M": 64, "BLOCK_N": 64}  # tiles divide the blocks
     assert block_sparse.flex_kernel_options(128) is None  # torch's default config
     tuned = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}

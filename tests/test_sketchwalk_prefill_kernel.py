@@ -31,9 +31,11 @@ def test_kernel_under_the_triton_interpreter():
 
 
 # The kernel compiled for the H100 (sm_90) by the installed Triton at launch_config's tiles for Llama-3.1-8B
-# (G = 4, d = 128) with 64- and 128-key blocks, and at d = 64: the interpreter does not compile, and a spill
-# would cost the speed this kernel is for. Registers from cuobjdump (seen with Triton 3.6: 165 and 218 at
-# d = 128, 255 at d = 64, no spill); the 256-row option compiles too (it spills a little).
+# (G = 4, d = 128) with 64- and 128-key blocks, and at d = 64: the interpreter does not compile, and a large
+# spill would cost the speed this kernel is for. The launch sweep (2026-11-27-h200-sketchwalk-prefill-tune.md)
+# measured the 256 x 64 tiles at 64-key blocks, d = 128, fastest although they spill (255 registers, a 96-byte stack),
+# so that default may use a small stack; the others none (253 registers at 128-key blocks, 255 at d = 64).
+# The 128 x 64 tiles, the default before the sweep, compile too.
 COMPILE_FOR_H100 = r"""
 import os, subprocess, tempfile
 import triton
@@ -45,7 +47,7 @@ kernel = m._block_sparse_prefill_kernel
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 aligned = {"q_ptr", "k_ptr", "v_ptr", "idx_ptr", "cnt_ptr", "out_ptr", "lse_ptr", "s_qb", "s_qh", "s_qn", "s_kb",
            "s_kh", "s_kn", "s_vb", "s_vh", "s_vn", "s_ib", "s_ob", "s_oh", "s_on", "s_lb", "s_lh"}
-for g, bs, d, tiles in ((4, 64, 128, None), (4, 128, 128, None), (4, 64, 64, None), (4, 64, 128, (256, 32, 8, 2))):
+for g, bs, d, tiles in ((4, 64, 128, None), (4, 128, 128, None), (4, 64, 64, None), (4, 64, 128, (128, 64, 8, 2))):
     bm, bn, warps, stages = tiles or m.launch_config(g, bs, d)
     meta = {"G": g, "BS": bs, "BLOCK_M": bm, "BLOCK_N": bn, "D": d, "DOT_PRECISION": "tf32", "DOT_F32": False}
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "idx_ptr": "*i64", "cnt_ptr": "*i64",
@@ -85,8 +87,10 @@ def test_kernel_compiles_for_the_h100_without_spills():
     assert res.returncode == 0, res.stderr[-3000:]
     lines = [line.split() for line in res.stdout.splitlines() if line.startswith("compiled")]
     assert len(lines) == 4 and all(line[6] == "True" for line in lines), res.stdout  # Hopper's wgmma
-    defaults = [line for line in lines if line[-1] == "default"]
-    assert all(line[7] in ("STACK:0", "STACK:?") for line in defaults), res.stdout
+    defaults = {(line[2], line[3]): line[7] for line in lines if line[-1] == "default"}
+    spilling = defaults.pop(("64", "128"))  # 256-row tiles over 64-key blocks at d = 128
+    assert spilling == "STACK:?" or int(spilling.split(":")[1]) <= 128, res.stdout
+    assert all(stack in ("STACK:0", "STACK:?") for stack in defaults.values()), res.stdout
 
 
 def _tiny():

@@ -142,16 +142,20 @@ if triton is not None:
 
 
 def launch_config(group: int, block_size: int, d: int) -> tuple[int, int, int, int]:
-    """``(block_m, block_n, num_warps, num_stages)``: packed tiles of up to 128 rows (256 at d = 64 with
-    64-key blocks), key tiles of up to 64 keys, 8 warps, 2 stages. Compiled for sm_90 by the installed
-    Triton (3.6; registers from ``cuobjdump --dump-resource-usage``, G = 4): at d = 128, 128 × 64 tiles take
-    165 registers (block 64) and 218 (block 128), no spill; 256-row tiles spill (96 bytes with 64-key
-    tiles, 8 with 32-key tiles at block 64; 248+ at block 128); at d = 64, 256 × 64 takes 255 registers, no
-    spill, at block 64. Timed on an H200 (benchmarks/results/2026-11-27-h200-sketchwalk-prefill-triton.md,
-    G = 4, d = 128, block 64, 128k): these tiles 38.4 ms per layer, ``block_m=256, block_n=32`` (one read
-    per group) 43.3, ``block_m=128, block_n=32`` 55.6."""
+    """``(block_m, block_n, num_warps, num_stages)`` from the launch sweep
+    (``benchmarks/sketchwalk/tune_prefill.py``; ``benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md``,
+    H200, G = 4, d = 128, 10 % density): 64-key blocks take packed tiles of up to 256 rows against whole
+    64-key blocks, 8 warps, 2 stages (29.6 ms per layer at 128k, was 38.6 with 128-row tiles: the group's
+    256 rows share each K/V tile although it spills: 255 registers and a 96-byte stack); 128-key blocks take
+    128-row tiles against whole 128-key blocks, 3 stages (31.6 ms, was 43.4 with 64-key tiles; 253 registers,
+    no spill).
+    Other block sizes keep tiles of up to 128 rows and 64 keys, 2 stages (not swept)."""
     rows = next_pow2(group * block_size)
-    return min(rows, 256 if d <= 64 and block_size <= 64 else 128), min(block_size, 64), 8, 2
+    if block_size == 64:
+        return min(rows, 256), 64, 8, 2
+    if block_size == 128 and d <= 128:
+        return min(rows, 128), 128, 8, 3
+    return min(rows, 128), min(block_size, 64), 8, 2
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> str | None:
