@@ -678,14 +678,14 @@ compile_(buckets._bucket_parts_kernel,
           "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True, "GROUP_P": 4,
           "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
-# parts, the top-l of 1024 scores by a threshold
+# parts, the top-l of 1024 scores by rank, 32 buckets a program
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
                                 "b1_ptr": "*fp32", "h_ptr": "*fp32"},
          {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 32}, floats=("scaling",))
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
-compile_(probe._group_softmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
-         {"BLOCK_C": 1024, "PARTS": 4, "TOP": True})
+compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
+         {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4, "TOP": True})
 """
 
 
@@ -703,10 +703,12 @@ def test_bucket_kernel_refuses_bad_splits():
 
 
 PROBE_CASES = r"""
+import itertools
 import tempfile
 from pathlib import Path
 import torch, kvsieve
 from kvsieve.methods.saap import QueryClassifier
+from kvsieve.kernels.saap import probe
 from kvsieve.kernels.saap.probe import (derope_reference, fold_batchnorm, probe_scores_reference,
                                         probe_scores_triton, serve_weights, top_buckets_reference)
 from tests.test_saap import write_artifacts
@@ -738,28 +740,33 @@ for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3
     got16, top16 = probe_scores_triton(q, pos + 1, inv_freq, 1.3, *ws, kv_heads=hkv, probes=min(c, 5),
                                        position_offset=-1)
     assert torch.equal(top16, top_buckets_reference(got16, min(c, 5)))
-    assert torch.equal(top16, torch.topk(got16, min(c, 5), dim=-1).indices.sort(-1).values)
+    assert torch.equal(top16.sort(-1).values, torch.topk(got16, min(c, 5), dim=-1).indices.sort(-1).values)
     worst16 = max(worst16, float((got16 - ref16).abs().max()))
     ref = probe_scores_reference(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
     got = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
-    # The in-kernel top-l (a threshold, no sort): torch.topk's set in increasing bucket order (random
-    # weights: no ties), every l up to C.
+    # The in-kernel top-l (each bucket's rank against all C, no sort): torch.topk's set, best first (random
+    # weights: no ties), every l up to C; chunks of 4 buckets a program to more than C (one chunk).
     for probes in sorted(set([1, 2, 3, c // 2, c - 1, c])):
-        scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv, probes=probes)
-        assert torch.equal(top, torch.topk(scores, probes, dim=-1).indices.sort(-1).values), (c, probes)
-        assert torch.equal(top, top_buckets_reference(scores, probes)), (c, probes)
-        assert torch.equal(scores, got)
+        for chunk in (4, 32, 1024):
+            probe.RANK_CHUNK = chunk
+            scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv, probes=probes)
+            assert torch.equal(top.sort(-1).values, torch.topk(scores, probes, dim=-1).indices.sort(-1).values)
+            assert torch.equal(top, top_buckets_reference(scores, probes)), (c, probes, chunk)
+            assert torch.equal(scores, got)
+        probe.RANK_CHUNK = 32
     # Ties: W2 columns and biases copied from 3 buckets (equal logits, bit-equal scores), and logits
     # scaled up so that most probabilities underflow to 0 (a tie at the threshold 0): the lowest indices.
     src = torch.randint(0, 3, (c,), generator=g).to(dev)
     for gain in (1.0, 300.0):
         wt = (w[0], w[1], (w[2][..., src] * gain).contiguous(), (w[3][..., src] * gain).contiguous())
-        for probes in sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])):
+        for probes, chunk in itertools.product(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32)):
+            probe.RANK_CHUNK = chunk  # tied buckets in one chunk and across chunks
             scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *wt, kv_heads=hkv, probes=probes)
             ties = (scores[..., :, None] == scores[..., None, :]).sum() > scores.numel()
-            assert ties and torch.equal(top, top_buckets_reference(scores, probes)), (c, probes, gain)
+            assert ties and torch.equal(top, top_buckets_reference(scores, probes)), (c, probes, gain, chunk)
             assert torch.equal(scores.gather(-1, top).sort(-1).values,
                                torch.topk(scores, probes, dim=-1).values.sort(-1).values)
+        probe.RANK_CHUNK = 32
         zeros = int((scores == 0).sum()) if gain > 1 else 0
         assert gain == 1 or zeros > 0 or c < 16, "the large gain gives probabilities of 0"
     x = derope_reference(q, pos, inv_freq, 1.3).cpu()
@@ -815,7 +822,7 @@ def test_fused_probe_on_cuda_matches_the_reference():
 @pytest.mark.triton
 def test_triton_bucket_kernel_compiles_for_the_h100():
     """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does: the
-    bucket kernel and the probe's kernels (bfloat16 weights, the top-l threshold over 1024 scores)."""
+    bucket kernel and the probe's kernels (bfloat16 weights, the top-l by rank over 1024 scores)."""
     import os
     import subprocess
     import sys
@@ -878,7 +885,7 @@ def test_captured_decode_launches_four_kernels_and_no_torch_op():
     out = run_script(SAAP_LAUNCHES, "cpu", True)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
-    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_softmax_kernel",
+    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
                "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops

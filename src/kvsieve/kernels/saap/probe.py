@@ -17,8 +17,9 @@ Contract
 Kernels (why three): the hidden layer needs all of ``x·W1`` before ReLU, the logits need all of the
 hidden layer, and the softmax needs a whole row of logits. One program per (model, hidden block)
 computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
-block) the logits, one per (batch row, KV head) the softmaxes and their group sum. Dots run in IEEE
-float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+block, slice of the hidden units) the logits, one per (batch row, KV head, chunk of buckets) the
+softmaxes, their group sum and the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32:
+TF32 rounding moved near-tied buckets in and out of the top-ℓ.
 
 Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
 (``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
@@ -38,6 +39,13 @@ try:
     import triton.language as tl
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
+
+# The group softmax + top-l runs as Hkv·B·C/RANK_CHUNK programs (256 at Llama-3.1-8B shapes, C = 1024):
+# each recomputes the C group-summed scores from the logits in L2 and ranks its RANK_CHUNK buckets against
+# them (RANK_CHUNK × C comparisons). Before: one program per (row, KV head), 8 in all, latency-bound at
+# 12.8 µs on the H200 whatever its pass count (2026-11-27). Module constants so a sweep can set them.
+RANK_CHUNK = 32
+RANK_WARPS = 4
 
 
 def fold_batchnorm(w1, b1, w2, b2, running_mean, running_var, gamma, beta, eps: float):
@@ -183,66 +191,59 @@ if triton is not None:
                  mask=r_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _group_softmax_kernel(logits_ptr, out_ptr, top_ptr, rows, per, group, kv_heads, buckets, n_top, s_part,
-                              BLOCK_C: tl.constexpr, PARTS: tl.constexpr, TOP: tl.constexpr):
-        """``scores[b, h, :] = Σ_g softmax(logits of query head h·G + g of row b)``, the logits the sum of the
-        logits kernel's ``PARTS`` parts (``s_part`` elements apart); with ``TOP`` also the ``n_top`` best
-        buckets in increasing bucket order (:func:`_top_threshold`): the row's scores are all in this
-        program, so no torch.topk launch is needed."""
-        b = tl.program_id(0)
-        kv = tl.program_id(1)
-        offs_c = tl.arange(0, BLOCK_C)
-        c_ok = offs_c < buckets
+    def _group_rank_kernel(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part,
+                           GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
+                           TOP: tl.constexpr):
+        """Program (row·Hkv + KV head, chunk): ``scores[b, h, chunk] = Σ_g softmax(logits of query head h·G + g
+        of row b)`` over the chunk's ``CHUNK`` buckets, the logits the sum of the logits kernel's ``PARTS``
+        parts (``s_part`` elements apart); with ``TOP`` each of the chunk's buckets whose rank is below
+        ``n_top`` written to ``top[b, h, rank]``. The rank of bucket ``i`` is ``#{j: s_j > s_i or (s_j = s_i
+        and j < i)}`` (``torch.topk``'s set, ties to the lower index, best first), counted against all C
+        scores: no threshold search, no sort, no step that waits on another program. Every program of a
+        (row, KV head) computes all C scores with the same code, so all agree on them to the bit, and
+        takes its chunk's scores out of that vector (``tl.gather``) rather than computing them again."""
+        bk = tl.program_id(0)
+        b = bk // kv_heads
+        kv = bk % kv_heads
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < buckets
         total = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for g in range(0, group):
-            head = kv * group + g
+        for g in tl.static_range(0, GROUP):  # unrolled: the G·PARTS loads of the row issue together
+            head = kv * GROUP + g
             m = head // per
             r = b * per + head % per
-            z_ptr = logits_ptr + (m * rows + r) * buckets + offs_c
-            z = tl.load(z_ptr, mask=c_ok, other=float("-inf"))
+            z_ptr = logits_ptr + (m * rows + r) * buckets + offs
+            z = tl.load(z_ptr, mask=ok, other=float("-inf"))
             for p in tl.static_range(1, PARTS):
-                z += tl.load(z_ptr + p * s_part, mask=c_ok, other=0.0)
+                z += tl.load(z_ptr + p * s_part, mask=ok, other=0.0)
             e = tl.exp(z - tl.max(z, axis=0))
             total += e / tl.sum(e, axis=0)
-        tl.store(out_ptr + (b * kv_heads + kv) * buckets + offs_c, total, mask=c_ok)
+        offs_i = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)  # < BLOCK_C: CHUNK divides BLOCK_C
+        ok_i = offs_i < buckets
+        mine = tl.gather(total, offs_i, 0)
+        tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
         if TOP:
-            _top_threshold(total, c_ok, n_top, top_ptr + (b * kv_heads + kv) * n_top, BLOCK_C)
-
-    @triton.jit
-    def _top_threshold(scores, ok, n_top, out_ptr, BLOCK_C: tl.constexpr):
-        """Write the indices of the ``n_top`` (``1 <= n_top <= count of ok``) largest ``scores`` (float32,
-        non-negative: sums of probabilities), ties at the threshold taken lowest index first, to
-        ``out_ptr[0 : n_top]`` in increasing index order — no sort. Non-negative floats order as their
-        bit patterns (int32); the n_top-th largest pattern ``t`` is built bit by bit from the top (31
-        counting passes: keep a bit when at least n_top patterns reach the prefix with it set); then
-        every index above ``t`` is taken, and the first ``n_top - #(> t)`` indices equal to it."""
-        offs = tl.arange(0, BLOCK_C)
-        bits = tl.where(ok, scores.to(tl.int32, bitcast=True), -1)  # padding below every score
-        t = n_top * 0
-        for i in tl.static_range(0, 31):
-            cand = t | (1 << (30 - i))
-            t = tl.where(tl.sum((bits >= cand).to(tl.int32), axis=0) >= n_top, cand, t)
-        above = bits > t
-        tie = bits == t
-        need = n_top - tl.sum(above.to(tl.int32), axis=0)
-        take = above | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-        slot = tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_ptr + slot, offs.to(tl.int64), mask=take)
+            # Non-negative floats order as their int32 bit patterns; padding (-1) is below every score.
+            # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
+            bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
+            bits_i = mine.to(tl.int32, bitcast=True)
+            beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
+            rank = tl.sum(beats.to(tl.int32), axis=1)
+            tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
 
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
     """``[..., probes]`` int64: the kernel's top-ℓ — the ``probes`` largest scores, ties taken lowest index
-    first (what a stable descending sort keeps), listed in increasing bucket order."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :probes]
-    return torch.sort(order, dim=-1).values
+    first, best first: the first ``probes`` of a stable descending sort (each bucket at its rank)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :probes]
 
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
-    :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, in
-    increasing bucket order; the bucket kernel takes them in any order). The queries sit at ``positions +
+    :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
+    first; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
     Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
     from ..triton_utils import kernels_interpreted, next_pow2
@@ -255,6 +256,8 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     if d % 2 or hq % models or hq % kv_heads or w1.shape[1] != d or w2.shape[1] != hidden:
         raise ValueError(f"q, w1, w2: shapes {tuple(q.shape)}, {tuple(w1.shape)}, {tuple(w2.shape)} do not form "
                          "a classifier of one model per KV head or per query head")
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
+        raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     per = hq // models
@@ -286,10 +289,10 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     _logits_kernel[(models, triton.cdiv(buckets, block_c), parts)](
         hid, w2, b2, logits, rows, hidden, buckets, k_per, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_C=block_c,
         W_BF16=w_bf16, DOT_F32=w_bf16 and kernels_interpreted(), num_warps=4, num_stages=4)
-    if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
-        raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
-    _group_softmax_kernel[(b, kv_heads)](
-        logits, scores, top, rows, per, hq // kv_heads, kv_heads, buckets, probes, models * rows * buckets,
-        BLOCK_C=max(16, next_pow2(buckets)), PARTS=parts, TOP=probes > 0, num_warps=4)
+    block_c = max(16, next_pow2(buckets))
+    chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
+    _group_rank_kernel[(b * kv_heads, triton.cdiv(buckets, chunk))](
+        logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets,
+        GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, PARTS=parts, TOP=probes > 0, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
