@@ -488,17 +488,19 @@ SEGMENT = 8192  # rows longer than this split their prefilter pass over programs
 _SMS: dict = {}
 
 
-def _segments(rows: int, x: int, device) -> int:
-    """Programs per row for a long row's prefilter pass: one per SEGMENT units, fewer when there are many
-    rows — at most about two waves of programs in all, since each one also derives the bound from the
-    row's maxima (that work repeats per program)."""
+def _segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: int = 2) -> int:
+    """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
+    many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
+    program also derives the bound from the row's maxima (that work repeats per program)."""
     if device.type == "cuda":
         if device not in _SMS:
             _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         sms = _SMS[device]
     else:
         sms = 132
-    return max(1, min(-(-x // SEGMENT), (2 * sms) // max(rows, 1)))
+    return max(1, min(-(-x // segment), (waves * sms) // max(rows, 1)))
+
+
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 
 
