@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..triton_utils import launch, next_pow2, triton
-from .select_triton import _scratch, _segments
+from .select_triton import _scratch, _segments, check_score_rows
 
 BITS = 4  # digit bits per pass: BINS = 16 bins (a mass histogram costs one select + add per bin and key)
 VALUE_BITS = 30  # bits 0..29 vary for float32 values in [0, 1]
@@ -197,11 +197,7 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
     ``top_p − (mass off them)`` (``mass="total"``) or ``top_p ×`` their mass (``"residual"``).
     ``bits``: digit bits per pass; ``segments``: programs per row (default: from the rows and the GPU)."""
     b, hq, n = scores.shape
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    check_score_rows(scores, group)
     if mass not in ("total", "residual"):
         raise ValueError(f"mass: expected 'total' or 'residual', got {mass!r}")
     if not 0 < top_p <= 1:
