@@ -1,5 +1,7 @@
-"""The sampling baselines' GPU paths: ``vattention`` (Quest and oracle predictors), ``random`` and
-``magicpig`` through ``method.decode`` (their device selection + the Triton weighted sparse kernel,
+"""The sampling baselines' GPU paths: ``vattention`` (Quest and oracle predictors), ``random``,
+``magicpig`` and ``oracle-topp`` (top_p = 0.9: its density is the data's; ``select=torch`` is the same
+set by the torch selection, to compare with the device select) through ``method.decode`` (their device
+selection + the Triton weighted sparse kernel,
 ``methods/shared/staged.py``) against FlashInfer in the same run (issue 15).
 
     PYTHONPATH=src python benchmarks/sparse_decode/sampling.py OUT_DIR [--iters 20] [--contexts 32768 131072]
@@ -57,6 +59,9 @@ def method_specs(n: int, density: float) -> dict[str, str]:
         # 8 bits x 16 tables retrieve ≈ 6% of these keys (1 − (1 − 2^-8)^16 for orthogonal ones); the cap
         # keeps 5% of the context in all
         "magicpig": f"magicpig:bits=8,tables=16,budget={sample}",
+        # data-dependent density (top-p of the softmax); select=torch: the same set by the torch ops
+        "oracle-topp": "oracle-topp:top_p=0.9",
+        "oracle-topp-torch-select": "oracle-topp:top_p=0.9,select=torch",
     }
 
 

@@ -1,11 +1,14 @@
 """``oracle-topp``: sink + window + the fewest highest-probability keys reaching attention mass p (an oracle).
 
-``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection (the
-softmax over every key and the threshold bisection, torch ops with no host read) handed to the Triton
-weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and window as key ranges and the
-chosen keys as an index list at weight 1 (the renormalised estimate); elsewhere the torch reference.
-"reference" and "triton" force a path; ``stats.backend`` names the path that ran,
-``stats.extra["backend_reason"]`` why the kernel did not.
+``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the selection on the
+device (:func:`kvsieve.kernels.sparse.topp_triton.topp_select`: one scores launch over K, then a radix
+select of the probability threshold by mass, split over programs per row — about 11 launches, no host
+read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and
+window as key ranges and the chosen keys as an index list at weight 1 (the renormalised estimate);
+elsewhere the torch reference. ``select="torch"`` keeps the reference's torch selection on the kernel
+path (to compare). "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats["select"]`` the kernel path's selection, ``stats.extra["backend_reason"]`` why the kernel did
+not run.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import torch
 
 from ..core.config import param, require_choice, require_fraction
 from ..core.registry import register_method
-from .shared.backend import BACKENDS
+from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import SinkWindowConfig, fixed_part
 from .shared.exact import compute_dtype
-from .shared.selection import top_p
+from .shared.selection import IndexSet, top_p
 from .shared.staged import StagedSelection, Stages
 
 
@@ -35,9 +38,13 @@ class OracleTopPConfig(SinkWindowConfig):
         "auto", "auto: the same selection through the Triton sparse kernel on CUDA, else the torch reference; "
                 "reference; triton (error if it cannot)")
 
+    select: Literal["triton", "torch"] = param(
+        "triton", "the kernel path's selection: triton (device launches) or torch (the reference's ops)")
+
     def __post_init__(self) -> None:
         super().__post_init__()
         require_fraction("top_p", self.top_p, high_open=False)
+        require_choice("select", self.select, ("triton", "torch"))
         if self.mass not in ("total", "residual"):
             raise ValueError(f"mass: expected one of total, residual, got {self.mass!r}")
         require_choice("backend", self.backend, BACKENDS)
@@ -68,3 +75,21 @@ class OracleTopP(StagedSelection):
         else:
             target = p * rest
         return Stages(fixed, top_p(probs, available, target), scored=None)
+
+    def kernel_stages(self, inputs, gen, state):
+        cfg = self.config
+        if cfg.select == "torch":
+            st = self.stages(inputs, gen, state)
+            st.extra = {"select": "torch"}
+            return st
+        from ..kernels.sparse.topp_triton import topp_select
+
+        q, k, _, lens = kernel_operands(inputs)
+        idx, counts = topp_select(q, k, lens, sink=cfg.sink, window=cfg.window, top_p=cfg.top_p, mass=cfg.mass,
+                                  share_kv_group=self.selection_heads(inputs) != inputs.heads, scale=inputs.scale)
+        rest = IndexSet(idx, counts)
+        # the list is N wide (no smaller bound of a top-p set is known on the host); split it for the
+        # kernel as if it were an eighth of that, so a typical set spreads over several programs
+        return Stages(lambda: fixed_part(self, inputs)[0], rest, scored=None, extra={"select": "triton"},
+                      plan_entries=max(1, inputs.n_keys // 8),
+                      stats_rest=lambda: IndexSet(torch.where(rest.used(), idx.long(), 0), counts.long()))

@@ -484,21 +484,33 @@ def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.
     return workspace(tag, like, numel, dtype)[:numel].view(shape)
 
 
+def check_score_rows(scores: torch.Tensor, group: int) -> None:
+    """The select launches' input: float32 score rows with a contiguous last dim, ``group`` dividing them."""
+    hq = scores.shape[1]
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
+                         f"strides {tuple(scores.stride())}")
+    if group < 1 or hq % group:
+        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+
+
 SEGMENT = 8192  # rows longer than this split their prefilter pass over programs (oracle-topk's keys)
 _SMS: dict = {}
 
 
-def _segments(rows: int, x: int, device) -> int:
-    """Programs per row for a long row's prefilter pass: one per SEGMENT units, fewer when there are many
-    rows — at most about two waves of programs in all, since each one also derives the bound from the
-    row's maxima (that work repeats per program)."""
+def _segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: int = 2) -> int:
+    """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
+    many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
+    program also derives the bound from the row's maxima (that work repeats per program)."""
     if device.type == "cuda":
         if device not in _SMS:
             _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         sms = _SMS[device]
     else:
         sms = 132
-    return max(1, min(-(-x // SEGMENT), (2 * sms) // max(rows, 1)))
+    return max(1, min(-(-x // segment), (waves * sms) // max(rows, 1)))
+
+
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 
 
@@ -519,11 +531,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     of every ``GROUP_MAX`` units of each row, written by the scoring launch; without them the select runs
     on the whole row (six passes over it: fine for short rows only)."""
     b, hq, x = scores.shape
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    check_score_rows(scores, group)
     share = group > 1
     if share and (parts is None or lengths is None):
         raise ValueError("parts and lengths: required when group > 1 (the group-summed ranking)")
@@ -607,11 +615,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     the partials (as :func:`group_sum_rows_triton`, so in parallel over the GPU) into a workspace row; the
     last of them to finish (a ticket counter, reset by it) loads the row and selects as above."""
     b, hq, x = scores.shape
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    check_score_rows(scores, group)
     if x > REGISTER_SELECT_MAX:
         raise ValueError(f"scores: rows of at most {REGISTER_SELECT_MAX} units, got {x} (use topk_rows_triton)")
     share = group > 1
