@@ -23,13 +23,14 @@ sparse-attention-hub code where it differs from the paper: ``replacement``, ``re
 ``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection
-(predictor, base sample, budget, residual sample: torch ops on the same counter-based draws, no host
-read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`), which computes
-the ratio estimator above as ``Σ w e^s v / Σ w e^s`` — sink and window as key ranges at weight 1, the
-predicted top-k (weight 1) and the residual sample (weight ``n_s / b``) as one index list; elsewhere the
-torch reference. The sample's list is as wide as the residual can be (N): ``b`` is data-dependent and
-has no smaller bound known on the host. "reference" and "triton" force a path; ``stats.backend`` names
-the path that ran, ``stats.extra["backend_reason"]`` why the kernel did not.
+(predictor, base sample, budget, residual sample: device launches on the same counter-based draws, no
+host read; :meth:`VAttention.kernel_stages`) handed to the Triton weighted sparse kernel
+(:mod:`kvsieve.methods.shared.staged`), which computes the ratio estimator above as
+``Σ w e^s v / Σ w e^s`` — sink and window as key ranges at weight 1, the predicted top-k (weight 1) and
+the residual sample (weight ``n_s / b``) as one index list; elsewhere the torch reference. The sample's
+list is as wide as the residual can be (N): ``b`` is data-dependent and has no smaller bound known on the
+host. "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
