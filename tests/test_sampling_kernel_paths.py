@@ -289,7 +289,28 @@ print("OK")
 """
 
 
-BUDGET = """
+BUDGET_INPUTS = """
+import torch
+
+
+def budget_inputs(g, r, hq, hkv, hs, n, d, dtype, kt, kb):
+    \"\"\"Random inputs of the budget statistics: q, k, v, each row's length and [start, end), a top-k list
+    and a base list of ``kt`` / ``kb`` entries per selection head with ragged counts.\"\"\"
+    q = (torch.randn(r, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    length = torch.tensor([n, n - 37][:r])
+    start = torch.clamp(length, max=5)
+    end = torch.maximum(length - 7, start)
+    top = torch.randint(5, n - 40, (r, hs, kt), generator=g)
+    tc = torch.randint(0, kt + 1, (r, hs), generator=g)
+    base = torch.randint(5, n - 40, (r, hs, kb), generator=g)
+    bc = torch.randint(0, kb + 1, (r, hs), generator=g)
+    return q, k, v, length, start, end, top, tc, base, bc
+"""
+
+
+BUDGET = BUDGET_INPUTS + """
 # vAttention's budget statistics (split launch + combine) against a direct float64 reference, for every
 # number of splits: GQA 1/4/2 with per-query-head or per-KV-head lists, ragged counts, fp32 and bf16
 import itertools
@@ -332,17 +353,10 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full in itertools.product(
         [(2, 4, 1, "q", 300, 64), (1, 8, 2, "kv", 157, 128), (2, 4, 4, "q", 90, 32)],
         (torch.float32, torch.bfloat16), (False, True)):
     hs = hq if hs_kind == "q" else hkv
-    q = (torch.randn(r, hq, d, generator=g) * 2).to(dtype)
-    k = torch.randn(r, hkv, n, d, generator=g).to(dtype)
-    v = torch.randn(r, hkv, n, d, generator=g).to(dtype)
-    length = torch.tensor([n, n - 37][:r])
-    start = torch.clamp(length, max=5)
-    end = torch.maximum(length - 7, start)
     kt, kb = 40, 23
-    top = torch.randint(0, n - 40, (r, hs, kt), generator=g)
-    tc = torch.randint(0, kt + 1, (r, hs), generator=g); tc[0, 0] = kt
-    base = torch.randint(0, n - 40, (r, hs, kb), generator=g)
-    bc = torch.randint(0, kb + 1, (r, hs), generator=g); bc[0, 0] = kb
+    q, k, v, length, start, end, top, tc, base, bc = budget_inputs(g, r, hq, hkv, hs, n, d, dtype, kt, kb)
+    tc[0, 0] = kt
+    bc[0, 0] = kb
     bc[-1, -1] = 1
     n_s = torch.randint(50, 200, (r, hs), generator=g)
     want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full)
@@ -366,7 +380,7 @@ def test_budget_statistics_split_over_programs_equal_a_direct_float64_sum():
     assert "OK" in run_script(BUDGET, "cpu", True)
 
 
-BUDGET_RULE = """
+BUDGET_RULE = BUDGET_INPUTS + """
 # The budget folded into the statistics' combine launch (every rule, per query or per KV head, both floors)
 # equals the torch formulas of methods/vattention on the kernel's own statistics; the residual setup
 # launch writes the top-k list, the marks and the sizes the reference computes
@@ -379,16 +393,7 @@ from kvsieve.methods.vattention import (VAttentionConfig, budget_constants, clt_
 g = torch.Generator().manual_seed(2)
 for (r, hq, hkv, hs, n, d, dtype) in [(2, 8, 2, 8, 300, 64, torch.float32), (1, 8, 2, 2, 200, 128, torch.bfloat16),
                                       (2, 4, 4, 4, 120, 32, torch.bfloat16)]:
-    q = (torch.randn(r, hq, d, generator=g) * 2).to(dtype)
-    k = torch.randn(r, hkv, n, d, generator=g).to(dtype)
-    v = torch.randn(r, hkv, n, d, generator=g).to(dtype)
-    length = torch.tensor([n, n - 37][:r])
-    start = torch.clamp(length, max=5)
-    end = torch.maximum(length - 7, start)
-    top = torch.randint(5, n - 40, (r, hs, 30), generator=g)
-    tc = torch.randint(0, 31, (r, hs), generator=g)
-    base = torch.randint(5, n - 40, (r, hs, 20), generator=g)
-    bc = torch.randint(0, 21, (r, hs), generator=g)
+    q, k, v, length, start, end, top, tc, base, bc = budget_inputs(g, r, hq, hkv, hs, n, d, dtype, 30, 20)
     bc[0, 0] = 1  # one key: no spread (σ̂ = 0)
     n_s = torch.randint(0, 200, (r, hs), generator=g)
     n_s[-1, -1] = 0
