@@ -320,6 +320,20 @@ def launch(kernel, grid, *args, **meta):
     compiled[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *constexprs)
 
 
+_CONSTANTS: dict = {}
+
+
+def float64_constants(values: tuple[float, ...], device) -> torch.Tensor:
+    """A cached float64 vector of ``values`` on ``device``, for kernels that must compute in float64 with
+    constants the host knows: Triton passes a Python float as float32. Created on first use (a copy from
+    the host: outside any graph capture), then reused."""
+    key = (tuple(float(v) for v in values), str(device))
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(key[0], dtype=torch.float64, device=device)
+    return t
+
+
 _WORKSPACE: dict = {}
 
 

@@ -23,13 +23,14 @@ sparse-attention-hub code where it differs from the paper: ``replacement``, ``re
 ``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection
-(predictor, base sample, budget, residual sample: torch ops on the same counter-based draws, no host
-read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`), which computes
-the ratio estimator above as ``Σ w e^s v / Σ w e^s`` — sink and window as key ranges at weight 1, the
-predicted top-k (weight 1) and the residual sample (weight ``n_s / b``) as one index list; elsewhere the
-torch reference. The sample's list is as wide as the residual can be (N): ``b`` is data-dependent and
-has no smaller bound known on the host. "reference" and "triton" force a path; ``stats.backend`` names
-the path that ran, ``stats.extra["backend_reason"]`` why the kernel did not.
+(predictor, base sample, budget, residual sample: device launches on the same counter-based draws, no
+host read; :meth:`VAttention.kernel_stages`) handed to the Triton weighted sparse kernel
+(:mod:`kvsieve.methods.shared.staged`), which computes the ratio estimator above as
+``Σ w e^s v / Σ w e^s`` — sink and window as key ranges at weight 1, the predicted top-k (weight 1) and
+the residual sample (weight ``n_s / b``) as one index list; elsewhere the torch reference. The sample's
+list is as wide as the residual can be (N): ``b`` is data-dependent and has no smaller bound known on the
+host. "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
@@ -131,20 +132,44 @@ def hoeffding_budget(delta: float, n_s: torch.Tensor, value_range: torch.Tensor,
         2 * eps**2 * total**2)
 
 
+def full_budget_grid(cfg: VAttentionConfig, device) -> tuple[torch.Tensor, ...]:
+    """Theorem 4.3's grid: ``(ε'/2, (ε − ε')/2, z(δ'), z(δ − δ'))``, each ``[grid]`` float64, with
+    ``ε' = ε·t``, ``δ' = δ·t``, ``t = 1/(grid+1) … grid/(grid+1)``."""
+    two = cfg.quantile == "two-sided"
+    t = torch.arange(1, cfg.grid + 1, dtype=torch.float64, device=device) / (cfg.grid + 1)
+    e1 = cfg.epsilon * t  # ε'
+    d1 = cfg.delta * t  # δ'
+    return e1 / 2, (cfg.epsilon - e1) / 2, normal_quantile(d1, two), normal_quantile(cfg.delta - d1, two)
+
+
 def full_budget(cfg: VAttentionConfig, n_s: torch.Tensor, sigma: torch.Tensor, d_hat: torch.Tensor,
                 tr_sigma: torch.Tensor, n_norm: torch.Tensor) -> torch.Tensor:
     """Theorem 4.3: min over a grid of (ε', δ') of max(b_D(ε'/2, δ'), b_N((ε − ε')/2, δ − δ'))."""
-    two = cfg.quantile == "two-sided"
-    t = torch.arange(1, cfg.grid + 1, dtype=torch.float64, device=n_s.device) / (cfg.grid + 1)
-    e1 = (cfg.epsilon * t)[:, None]  # ε'
-    d1 = (cfg.delta * t)[None, :]  # δ'
-    z_d = normal_quantile(d1, two)  # [1, g]
-    z_n = normal_quantile(cfg.delta - d1, two)
+    e_d, e_n, z_d, z_n = full_budget_grid(cfg, n_s.device)
     shape = (*n_s.shape, 1, 1)
-    b_d = clt_budget(z_d, n_s.double().view(shape), sigma.view(shape), e1 / 2, d_hat.view(shape))
-    b_n = clt_budget(z_n, n_s.double().view(shape), tr_sigma.sqrt().view(shape), (cfg.epsilon - e1) / 2,
+    # rows ε', columns δ'
+    b_d = clt_budget(z_d[None, :], n_s.double().view(shape), sigma.view(shape), e_d[:, None], d_hat.view(shape))
+    b_n = clt_budget(z_n[None, :], n_s.double().view(shape), tr_sigma.sqrt().view(shape), e_n[:, None],
                      n_norm.view(shape))
     return torch.maximum(b_d, b_n).flatten(-2).amin(-1)
+
+
+_CONSTANTS: dict = {}
+
+
+def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
+    """The float64 constants of the kernel path's budget (``budget_triton.BudgetRule``): ``[z, ln(2/δ),
+    2ε², ε]`` as :meth:`VAttention.budget` computes them (on the host), then :func:`full_budget_grid`
+    (on ``device``, as the reference). Cached per (config, device); built on first use, outside any graph
+    capture."""
+    key = (cfg, str(device))
+    c = _CONSTANTS.get(key)
+    if c is None:
+        z = float(normal_quantile(cfg.delta, cfg.quantile == "two-sided"))
+        log_term = float(torch.log(torch.tensor(2.0 / cfg.delta, dtype=torch.float64)))
+        head = torch.tensor([z, log_term, 2 * cfg.epsilon**2, cfg.epsilon], dtype=torch.float64, device=device)
+        c = _CONSTANTS[key] = torch.cat([head, *full_budget_grid(cfg, device)])
+    return c
 
 
 def _amax(t: torch.Tensor) -> torch.Tensor:
@@ -263,14 +288,23 @@ class VAttention(StagedSelection):
         return Stages(fixed, union(top, dyn), scored=scored, v_extra=v_extra, extra=extra)
 
     def kernel_stages(self, inputs, gen, state):
-        """The kernel path's selection: the top-k from Quest's incremental page summaries (in ``state``) and
-        device page selection (the oracle: ``torch.topk`` over the exact scores), the base and residual
-        samples of :mod:`~kvsieve.kernels.sparse.sample_triton` (no sort over the row; the row scanned by
-        ~528 programs) and the budget's statistics in two launches (:mod:`~kvsieve.kernels.sparse.budget_triton`:
-        ~528 programs of partial sums, then their merge); the same keys as
-        :meth:`stages` given the same draws, up to near-ties of the page bounds (computed in another order)
-        and ties of the 24-bit hash at a sample's cut. Other settings (``replacement``,
-        ``residual=includes-topk``, pages not a power of two) run :meth:`stages`."""
+        """The kernel path's selection, the same keys as :meth:`stages` given the same draws (up to ties
+        of the scores or page bounds, computed in another order, and of the 24-bit hash at a sample's
+        cut), in about ten launches whatever the predictor (issue 15):
+
+        - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.sparse.
+          topk.topk_select`: every score in one pass over K, then its select); ``quest`` — Quest's
+          incremental page summaries (in ``state``) and device page selection;
+        - one launch (:func:`~kvsieve.kernels.sparse.budget_triton.residual_setup_triton`) writes the
+          top-k keys as the first entries of the kernel's list, marks them for the samples, and sizes the
+          residual and the base sample;
+        - the base sample (:mod:`~kvsieve.kernels.sparse.sample_triton`: no sort over the row);
+        - the budget's statistics and the (ε, δ) budget itself, rounded and clamped, in two launches
+          (:func:`~kvsieve.kernels.sparse.budget_triton.budget_triton`);
+        - the residual sample, written after the top-k.
+
+        Other settings (``replacement``, ``residual=includes-topk``, pages not a power of two) run
+        :meth:`stages`."""
         from ..kernels.sparse import budget_triton, sample_triton
 
         cfg = self.config
@@ -280,64 +314,56 @@ class VAttention(StagedSelection):
                 or not isinstance(gen, RowStreams) or inputs.lengths is None or not sample_triton.usable(inputs.q)
                 or not budget_triton.usable(inputs.q)):
             return self.stages(inputs, gen, state)
-        from ..kernels.sparse.quest_pages import PageSummaries, quest_select
 
         heads = self.selection_heads(inputs)
-        r, n, page, dev = inputs.batch, inputs.n_keys, cfg.page_size, inputs.q.device
-        nv = inputs.n_valid
-        start = torch.clamp(nv, max=cfg.sink)
-        end = torch.maximum(nv - cfg.window, start)
-        # the predicted top-k: whole pages of the highest Quest bound, their keys between sink and window,
-        # written in place as the first entries of the kernel's list (then the residual sample)
-        p_total = -(-n // page)
-        kt = 0
-        if cfg.top_k != 0 and oracle:  # the exact top-k over the keys between sink and window (torch.topk)
-            available = available_after(inputs, sink_and_window(inputs, cfg.sink, cfg.window, heads))
-            top_o = top_k(ranking_scores(inputs, heads), available, resolve_size(cfg.top_k, nv),
-                          size_bound(cfg.top_k, n))
-            kt = top_o.width
+        r, n, dev = inputs.batch, inputs.n_keys, inputs.q.device
+        nv, lens = inputs.n_valid, inputs.kernel_lengths
+        share = heads != inputs.heads
+        pages = counts = None
+        page, p_total = 1, n  # the oracle's top-k as pages of one key
+        if cfg.top_k != 0 and oracle:
+            from ..kernels.sparse.topk import topk_select
+            from .oracle_topk import select_path
+
+            q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
+            pages, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
+                                        max_k=size_bound(cfg.top_k, n), share_kv_group=share, scale=inputs.scale,
+                                        select=select_path(share, n))
         elif cfg.top_k != 0:
+            from ..kernels.sparse.quest_pages import PageSummaries, quest_select
+
+            page, p_total = cfg.page_size, -(-n // cfg.page_size)
             summaries = state.get(f"vattention/quest-pages{page}")
             if summaries is None:
                 summaries = state[f"vattention/quest-pages{page}"] = PageSummaries(page)
-            kmin, kmax = summaries.update(inputs.k, inputs.kernel_lengths)
+            kmin, kmax = summaries.update(inputs.k, lens)
             max_pages = -(-min(size_bound(cfg.top_k, n), n) // page)
-            pages, pcount = quest_select(inputs.q, kmin, kmax, inputs.kernel_lengths, page_size=page, sink=cfg.sink,
+            pages, counts = quest_select(inputs.q, kmin, kmax, lens, page_size=page, sink=cfg.sink,
                                          window=cfg.window, size=cfg.top_k, max_pages=max_pages,
-                                         share_kv_group=heads != inputs.heads, scale=inputs.scale)
-            kt = pages.shape[-1] * page
+                                         share_kv_group=share, scale=inputs.scale)
+        kt = 0 if pages is None else pages.shape[-1] * page
         idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
         w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
-        if kt and oracle:
-            idx[..., :kt] = top_o.indices
-            w[..., :kt] = 1.0
-            top, excluded, page = IndexSet(idx[..., :kt], top_o.counts), top_o.mark(n), 1
-        elif kt:
-            top_counts, excluded = budget_triton.expand_pages_triton(pages, pcount, start, end, page, p_total, idx, w)
-            top = IndexSet(idx[..., :kt], top_counts)
-        else:
-            top, excluded = empty_set(r, heads, dev), None
-        n_s = (end - start)[:, None] - top.counts  # [R, Hs]
-        n_base = torch.minimum(torch.clamp(torch.floor(cfg.base_rate * n_s.double()).long(), min=2), n_s)
+        setup = budget_triton.residual_setup_triton(lens, cfg.sink, cfg.window, cfg.base_rate, heads, pages, counts,
+                                                    page, p_total, idx, w)
+        start, end, n_s, n_base = setup.start, setup.end, setup.n_s, setup.n_base
+        top = IndexSet(idx[..., :kt], setup.top_counts) if kt else empty_set(r, heads, dev)
         base_bound = min(max(2, math.floor(cfg.base_rate * n)), n)
         b_idx, b_w = sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET, start, end, n_base, n_s,
-                                                      base_bound, n, excluded=excluded, page=page)
+                                                      base_bound, n, excluded=setup.excluded, page=page)
         base = IndexSet(b_idx, n_base, b_w)
-        dense_width = min(cfg.sink + cfg.window, n)
-        stats = budget_triton.budget_stats_triton(inputs.q, inputs.k, inputs.v, start, end, nv, top.indices,
-                                                  top.counts, b_idx, n_base, n_s, inputs.scale,
-                                                  cfg.bound == "full" and cfg.concentration == "clt", dense_width)
-        b = self.budget_from_stats(inputs, stats, n_s, heads)
-        if heads != inputs.heads:
-            b = b.view(inputs.batch, heads, inputs.group).amax(-1)
-        floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
-        b_int = torch.ceil(torch.clamp(b, max=float(n))).long()
-        b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
+        rule = budget_triton.BudgetRule(3 if cfg.concentration == "hoeffding" else 1 if cfg.bound == "denominator"
+                                        else 2, budget_constants(cfg, dev), cfg.grid, cfg.budget_floor == "base", n)
+        budget = budget_triton.budget_triton(inputs.q, inputs.k, inputs.v, start, end, nv, top.indices,
+                                             setup.top_counts, b_idx, n_base, n_s, inputs.scale,
+                                             cfg.bound == "full" and cfg.concentration == "clt",
+                                             min(cfg.sink + cfg.window, n), rule=rule)
+        b_int = budget.size
         # the list is N wide and the kernel reads its first counts entries only: its padding stays unwritten
         sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
-                                         excluded=excluded, page=page, offset=top.counts.contiguous(), out=idx,
+                                         excluded=setup.excluded, page=page, offset=setup.top_counts, out=idx,
                                          weights=w, fill=False)
-        rest = IndexSet(idx, top.counts + torch.minimum(b_int, n_s), w)
+        rest = IndexSet(idx, budget.counts, w)
 
         def stats_rest():
             used = rest.used()
@@ -347,26 +373,11 @@ class VAttention(StagedSelection):
             return sink_and_window(inputs, cfg.sink, cfg.window, heads)
 
         def extra():
-            return self.extras(b_int, b, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
+            return self.extras(b_int, budget.raw, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
 
         # the sample's list is N wide; its size is typically of the order of the base sample's
         return Stages(fixed, rest, scored=None if oracle else [base], v_extra=[base] if cfg.bound == "full" else [],
                       extra=extra, plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
-
-    def budget_from_stats(self, inputs: DecodeInputs, stats: torch.Tensor, n_s: torch.Tensor,
-                          heads: int) -> torch.Tensor:
-        """:meth:`budget`'s formula on the statistics of :func:`budget_triton.budget_stats_triton`."""
-        cfg = self.config
-        n_s_q = n_s.repeat_interleave(inputs.heads // heads, dim=1).double()
-        d_hat, sigma, n_norm, tr, rng = stats.unbind(-1)
-        two = cfg.quantile == "two-sided"
-        if cfg.concentration == "hoeffding":
-            b = hoeffding_budget(cfg.delta, n_s_q, rng, cfg.epsilon, d_hat)
-        elif cfg.bound == "denominator":
-            b = clt_budget(normal_quantile(cfg.delta, two), n_s_q, sigma, cfg.epsilon, d_hat)
-        else:
-            b = full_budget(cfg, n_s_q, sigma, d_hat, tr, n_norm)
-        return torch.nan_to_num(b, nan=0.0, posinf=float("inf"))
 
     def extras(self, b_int, b, n_base, n_s, fixed_keys, n_keys: int) -> dict:
         """The stats extras of both paths."""

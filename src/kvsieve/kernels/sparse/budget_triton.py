@@ -17,9 +17,11 @@ reference's); what follows the statistics (the (ε, δ) formula) stays in torch,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
@@ -27,6 +29,8 @@ SPLIT_PROGRAMS = 528
 
 if triton is not None:
     import triton.language as tl
+
+    from ..triton_utils import dense_range
 
     @triton.jit
     def _segment_positions(lst, seg_lo, j, ok, IS_LIST: tl.constexpr):
@@ -90,7 +94,7 @@ if triton is not None:
 
     @triton.jit
     def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
-                             part_ptr, ws_ptr, scale, hq, group, hs_div, ws_width, splits,
+                             part_ptr, ws_ptr, scale_ptr, hq, group, hs_div, ws_width, splits,
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
                              s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h,
                              FULL: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
@@ -105,6 +109,7 @@ if triton is not None:
         sh = h // hs_div  # the selection head of this query head
         offs_d = tl.arange(0, D)
         q = tl.load(q_ptr + r * s_q_r + h * s_q_h + offs_d).to(tl.float64)
+        scale = tl.load(scale_ptr)  # float64: a Python float argument would be float32
         k_base = k_ptr + r * s_k_r + kvh * s_k_h
         v_base = v_ptr + r * s_v_r + kvh * s_v_h
         start = tl.load(start_ptr + r).to(tl.int32)
@@ -185,15 +190,12 @@ if triton is not None:
             tl.store(o + 8 + D + offs_d, acc_b)
 
     @triton.jit
-    def _budget_combine_kernel(part_ptr, bc_ptr, ns_ptr, out_ptr, hq, hs_div, splits,
-                               s_bc_r, s_bc_h, s_ns_r, s_ns_h,
-                               FULL: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+    def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
+                      D: tl.constexpr, W: tl.constexpr):
         """The statistics of (row, query head) from its splits' partials: each split's sums rescaled by
         ``c_s = e^(m_s − m)`` to the row's max ``m``; the spreads by Chan's merge,
-        ``Σ c_s² M2_s + Σ n_s (c_s mean_s − mean)²`` (two-pass accuracy, no ``Σx² − (Σx)²/n``)."""
-        h = tl.program_id(0)
-        r = tl.program_id(1).to(tl.int64)
-        sh = h // hs_div
+        ``Σ c_s² M2_s + Σ n_s (c_s mean_s − mean)²`` (two-pass accuracy, no ``Σx² − (Σx)²/n``). Stored
+        to ``out[r, h]`` and returned as ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range)``."""
         so = tl.arange(0, SP)
         sm = so < splits
         rec = part_ptr + ((r * hq + h) * splits + so) * W
@@ -208,18 +210,17 @@ if triton is not None:
         s_b = tl.sum(sb_s, 0)
         lo = tl.min(tl.where(has, c * tl.load(rec + 5, mask=sm, other=0.0), float("inf")), 0)
         hi = tl.max(tl.where(has, c * tl.load(rec + 6, mask=sm, other=0.0), float("-inf")), 0)
-        bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
-        n_s = tl.load(ns_ptr + r * s_ns_r + sh * s_ns_h).to(tl.float64)
         nb = bc.to(tl.float64)
         ratio = n_s / tl.maximum(nb, 1.0)
         mean_b = s_b / tl.maximum(nb, 1.0)
         dm = sb_s / tl.maximum(nb_s, 1.0) - mean_b
         m2 = tl.sum(c * c * tl.load(rec + 4, mask=sm, other=0.0) + tl.where(has, nb_s * dm * dm, 0.0), 0)
         var = m2 / (tl.maximum(nb, 2.0) - 1.0)
-        o = out_ptr + (r * hq + h) * 5
-        tl.store(o, d_f + ratio * s_b)
-        tl.store(o + 1, tl.sqrt(var))
-        tl.store(o + 4, tl.where(bc > 0, hi - lo, 0.0))
+        d_hat = d_f + ratio * s_b
+        sigma = tl.sqrt(var)
+        rng = tl.where(bc > 0, hi - lo, 0.0)
+        n_norm = tl.zeros([], tl.float64)
+        tr = tl.zeros([], tl.float64)
         if FULL:
             offs_d = tl.arange(0, D)
             acc_f = tl.sum(c[:, None] * tl.load(rec[:, None] + 8 + offs_d[None, :], mask=sm[:, None], other=0.0), 0)
@@ -229,47 +230,125 @@ if triton is not None:
             mean_r = acc_b / tl.maximum(nb, 1.0)
             dr = accb_s / tl.maximum(nb_s, 1.0)[:, None] - mean_r[None, :]
             tr = tl.sum(c * c * tl.load(rec + 7, mask=sm, other=0.0) + tl.where(has, nb_s * tl.sum(dr * dr, 1), 0.0),
-                        0)
-            tl.store(o + 2, tl.sqrt(tl.sum(n_hat * n_hat, 0)))
-            tl.store(o + 3, tr / (tl.maximum(nb, 2.0) - 1.0))
-        else:
-            tl.store(o + 2, 0.0)
-            tl.store(o + 3, 0.0)
+                        0) / (tl.maximum(nb, 2.0) - 1.0)
+            n_norm = tl.sqrt(tl.sum(n_hat * n_hat, 0))
+        o = out_ptr + (r * hq + h) * 5
+        tl.store(o, d_hat)
+        tl.store(o + 1, sigma)
+        tl.store(o + 2, n_norm)
+        tl.store(o + 3, tr)
+        tl.store(o + 4, rng)
+        return d_hat, sigma, n_norm, tr, rng
 
     @triton.jit
-    def _expand_pages_kernel(pages_ptr, pcnt_ptr, start_ptr, end_ptr, idx_ptr, w_ptr, tc_ptr, excl_ptr, hs, n_pages,
-                             s_p_r, s_p_h, s_pc_r, s_pc_h, s_i_r, s_i_h, page, PP: tl.constexpr, CH: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _budget_formula(d_hat, sigma, n_norm, tr, rng, n_s, c_ptr, n_grid, RULE: tl.constexpr, GP: tl.constexpr):
+        """vAttention's sample size before rounding (``methods/vattention``'s ``clt_budget``,
+        ``full_budget``, ``hoeffding_budget``, then ``nan_to_num``), float64 in the reference's order of
+        operations, its constants from ``c_ptr`` (:func:`budget_constants`). RULE 1: CLT on the
+        denominator; 2: Theorem 4.3's min over the ``(ε', δ')`` grid; 3: Hoeffding."""
+        if RULE == 1:
+            b = tl.load(c_ptr) * n_s * sigma / (tl.load(c_ptr + 3) * d_hat)
+            b = b * b
+        elif RULE == 2:
+            gi = tl.arange(0, GP)
+            ok = gi < n_grid
+            grid_ptr = c_ptr + 4
+            e_d = tl.load(grid_ptr + gi, mask=ok, other=1.0)
+            e_n = tl.load(grid_ptr + n_grid + gi, mask=ok, other=1.0)
+            z_d = tl.load(grid_ptr + 2 * n_grid + gi, mask=ok, other=0.0)
+            z_n = tl.load(grid_ptr + 3 * n_grid + gi, mask=ok, other=0.0)
+            b_d = z_d[None, :] * n_s * sigma / (e_d[:, None] * d_hat)  # rows ε', columns δ'
+            b_d = b_d * b_d
+            b_n = z_n[None, :] * n_s * tl.sqrt(tr) / (e_n[:, None] * n_norm)
+            b_n = b_n * b_n
+            cell = tl.where((b_d != b_d) | (b_n != b_n), float("nan"), tl.maximum(b_d, b_n))  # torch.maximum: NaN wins
+            live = ok[:, None] & ok[None, :]
+            any_nan = tl.max(tl.max((live & (cell != cell)).to(tl.int32), 1), 0)
+            b = tl.min(tl.min(tl.where(live, cell, float("inf")), 1), 0)
+            b = tl.where(any_nan > 0, float("nan"), b)  # amin propagates NaN, nan_to_num makes it 0
+        else:
+            b = n_s * n_s * (rng * rng) * tl.load(c_ptr + 1) / (tl.load(c_ptr + 2) * (d_hat * d_hat))
+        return tl.where(b != b, 0.0, b)
+
+    @triton.jit
+    def _budget_combine_kernel(part_ptr, bc_ptr, ns_ptr, tc_ptr, out_ptr, b_ptr, bi_ptr, cnt_ptr, c_ptr,
+                               hq, hs_div, splits, n_keys, n_grid,
+                               s_bc_r, s_bc_h, s_ns_r, s_ns_h, s_tc_r, s_tc_h,
+                               FULL: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                               RULE: tl.constexpr, GP: tl.constexpr, FLOOR_BASE: tl.constexpr):
+        """One program per (row, selection head): the statistics of its ``hs_div`` query heads
+        (:func:`_combine_head`) and, with a RULE (> 0), the sample size: the max of their budgets
+        (:func:`_budget_formula`; a KV head keeps every query head's budget), capped at ``n_keys``,
+        rounded up, clamped to ``[floor, n_s]`` (floor 1, or the base sample's size), and the list's count
+        ``top_counts + size`` — what ``VAttention.stages`` computes in ~20 torch launches."""
+        sh = tl.program_id(0)
+        r = tl.program_id(1).to(tl.int64)
+        bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
+        n_s_i = tl.load(ns_ptr + r * s_ns_r + sh * s_ns_h)
+        n_s = n_s_i.to(tl.float64)
+        b = tl.full([], float("-inf"), tl.float64)
+        for g in range(0, hs_div):
+            h = sh * hs_div + g
+            d_hat, sigma, n_norm, tr, rng = _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL, SP, D, W)
+            if RULE > 0:
+                b = tl.maximum(b, _budget_formula(d_hat, sigma, n_norm, tr, rng, n_s, c_ptr, n_grid, RULE, GP))
+        if RULE > 0:
+            hs = tl.num_programs(0)
+            tl.store(b_ptr + r * hs + sh, b)
+            b_int = tl.ceil(tl.minimum(b, tl.full([], n_keys, tl.int64).to(tl.float64))).to(tl.int64)
+            if FLOOR_BASE:
+                b_int = tl.maximum(b_int, bc.to(tl.int64))
+            else:
+                b_int = tl.maximum(b_int, 1)
+            b_int = tl.minimum(b_int, n_s_i.to(tl.int64))
+            tl.store(bi_ptr + r * hs + sh, b_int)
+            tc = tl.load(tc_ptr + r * s_tc_r + sh * s_tc_h).to(tl.int64)
+            tl.store(cnt_ptr + r * hs + sh, tc + b_int)
+
+    @triton.jit
+    def _residual_setup_kernel(pages_ptr, pcnt_ptr, lens_ptr, idx_ptr, w_ptr, tc_ptr, excl_ptr, start_ptr, end_ptr,
+                               ns_ptr, nb_ptr, rate_ptr, sink, window, hs, n_pages, s_p_r, s_p_h, s_pc_r, s_pc_h,
+                               s_i_r, s_i_h, page, HAS_TOP: tl.constexpr, PP: tl.constexpr, CH: tl.constexpr,
+                               BLOCK: tl.constexpr):
         h = tl.program_id(0)
         r = tl.program_id(1).to(tl.int64)
-        start = tl.load(start_ptr + r)
-        end = tl.load(end_ptr + r)
-        pc = tl.load(pcnt_ptr + r * s_pc_r + h * s_pc_h).to(tl.int32)
-        xrow = excl_ptr + (r * hs + h) * n_pages
-        offs = tl.arange(0, BLOCK)
-        for p0 in range(0, n_pages, BLOCK):
-            tl.store(xrow + p0 + offs, tl.zeros([BLOCK], tl.int8), mask=p0 + offs < n_pages)
-        tl.debug_barrier()  # the marks below land on zeros written by other threads
-        prow = pages_ptr + r * s_p_r + h * s_p_h
-        irow = idx_ptr + r * s_i_r + h * s_i_h
-        wrow = w_ptr + r * s_i_r + h * s_i_h
-        ch = tl.arange(0, CH)
-        tok = tl.arange(0, PP)
+        length, start, end = dense_range(lens_ptr, r, sink, window)
+        if h == 0:  # every head of the row has the same range: one program writes it
+            tl.store(start_ptr + r, start.to(tl.int64))
+            tl.store(end_ptr + r, end.to(tl.int64))
         written = tl.zeros([], tl.int32)
-        for j0 in range(0, pc, CH):
-            j = j0 + ch
-            ok = j < pc
-            pg = tl.load(prow + j, mask=ok, other=0)
-            tl.store(xrow + pg, tl.full([CH], 1, tl.int8), mask=ok)
-            pos = tl.reshape(pg[:, None] * page + tok[None, :], [CH * PP])
-            okp = tl.reshape(ok[:, None] & (tok < page)[None, :], [CH * PP])
-            keep = okp & (pos >= start) & (pos < end)
-            dest = written + tl.cumsum(keep.to(tl.int32), 0) - 1
-            tl.store(irow + dest, pos, mask=keep)
-            tl.store(wrow + dest, tl.full([CH * PP], 1.0, tl.float64), mask=keep)
-            written += tl.sum(keep.to(tl.int32), 0)
-        tl.store(tc_ptr + r * hs + h, written.to(tl.int64))
-
+        if HAS_TOP:
+            pc = tl.load(pcnt_ptr + r * s_pc_r + h * s_pc_h).to(tl.int32)
+            xrow = excl_ptr + (r * hs + h) * n_pages
+            offs = tl.arange(0, BLOCK)
+            for p0 in range(0, n_pages, BLOCK):
+                tl.store(xrow + p0 + offs, tl.zeros([BLOCK], tl.int8), mask=p0 + offs < n_pages)
+            tl.debug_barrier()  # the marks below land on zeros written by other threads
+            prow = pages_ptr + r * s_p_r + h * s_p_h
+            irow = idx_ptr + r * s_i_r + h * s_i_h
+            wrow = w_ptr + r * s_i_r + h * s_i_h
+            ch = tl.arange(0, CH)
+            tok = tl.arange(0, PP)
+            for j0 in range(0, pc, CH):
+                j = j0 + ch
+                ok = j < pc
+                pg = tl.load(prow + j, mask=ok, other=0)
+                tl.store(xrow + pg, tl.full([CH], 1, tl.int8), mask=ok)
+                pos = tl.reshape(pg[:, None] * page + tok[None, :], [CH * PP])
+                okp = tl.reshape(ok[:, None] & (tok < page)[None, :], [CH * PP])
+                keep = okp & (pos >= start) & (pos < end)
+                dest = written + tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(irow + dest, pos, mask=keep)
+                tl.store(wrow + dest, tl.full([CH * PP], 1.0, tl.float64), mask=keep)
+                written += tl.sum(keep.to(tl.int32), 0)
+        # the residual's size and the base sample's, as the reference computes them (float64 floor)
+        n_s = (end - start - written).to(tl.int64)
+        n_b = tl.floor(tl.load(rate_ptr) * n_s.to(tl.float64)).to(tl.int64)
+        n_b = tl.minimum(tl.maximum(n_b, 2), n_s)
+        at = r * hs + h
+        tl.store(tc_ptr + at, written.to(tl.int64))
+        tl.store(ns_ptr + at, n_s)
+        tl.store(nb_ptr + at, n_b)
 
 def usable(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or is_interpreted(_budget_parts_kernel))
@@ -281,58 +360,152 @@ def budget_splits(rows: int, entries: int, block: int, target_programs: int = SP
     return max(1, min(-(-target_programs // max(rows, 1)), -(-entries // (2 * block)), 64))
 
 
+@dataclass(frozen=True)
+class BudgetRule:
+    """How :func:`budget_triton` turns the statistics into a sample size: ``rule`` 1 (CLT on the
+    denominator), 2 (Theorem 4.3's grid) or 3 (Hoeffding); ``constants`` the float64 vector
+    ``[z, ln(2/δ), 2ε², ε, ε'/2 (g), (ε − ε')/2 (g), z(δ') (g), z(δ − δ') (g)]`` over a grid of ``g``
+    points (``methods/vattention.budget_constants``); ``floor_base``: the size is at least the base
+    sample's (else 1); ``n_keys``: the cap before rounding."""
+
+    rule: int
+    constants: torch.Tensor
+    grid: int
+    floor_base: bool
+    n_keys: int
+
+
+@dataclass
+class Budget:
+    """:func:`budget_triton`'s results: ``stats [R, Hq, 5]`` (as :func:`budget_stats_triton`) and, with a
+    rule, per (row, selection head) the size before rounding ``raw`` (float64, the max over the
+    selection head's query heads), the size ``size`` (int64) and the list's count ``top_counts + size``."""
+
+    stats: torch.Tensor
+    raw: torch.Tensor | None = None
+    size: torch.Tensor | None = None
+    counts: torch.Tensor | None = None
+
+
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
-    (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``). The deterministic set of row ``r`` is
-    ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts`` entries of
-    ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``; ``Hs`` is Hkv
-    or Hq; ``n_s [R, Hs]`` the residual's size. ``k``/``v`` ``[R, Hkv, N, d]`` with a contiguous last dim.
+    (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
+    return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
+                         dense_width, splits=splits).stats
+
+
+def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
+                  full: bool, dense_width: int, rule: BudgetRule | None = None,
+                  splits: int | None = None) -> Budget:
+    """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
+    ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
+    entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
+    ``Hs`` is Hkv or Hq; ``n_s [R, Hs]`` the residual's size. ``k``/``v`` ``[R, Hkv, N, d]`` with a
+    contiguous last dim.
 
     Two launches: ``splits`` programs per (row, query head) (default :func:`budget_splits`) each take
     ``1/splits`` of every segment and write partial sums around their own max; one program per (row,
-    query head) merges them (float64; the same sums as a single pass up to rounding, ~1e-15 relative)."""
+    selection head) merges them for its query heads (float64; the same sums as a single pass up to
+    rounding, ~1e-15 relative) and applies the rule."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
+    if hq % hs or hq % hkv:
+        raise ValueError(f"budget_triton: {hq} query heads are not a multiple of {hs} selection and {hkv} KV heads")
     width = dense_width + top.shape[2] + base.shape[2]
     block = 32 if d <= 128 else 16
     dp = next_pow2(d)
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
+    dev = q.device
     ws = workspace("vattention_logits", q, max(1, r * hq * width), torch.float64)
     parts = workspace("vattention_budget_parts", q, max(1, r * hq * splits * rec), torch.float64)
-    out = torch.empty(r, hq, 5, device=q.device, dtype=torch.float64)
+    out = torch.empty(r, hq, 5, device=dev, dtype=torch.float64)
     launch(_budget_parts_kernel, (splits, hq, r),
-           q, k, v, start, end, length, top, top_counts, base, base_counts, parts, ws, scale, hq, hq // hkv,
-           hq // hs, width, splits,
+           q, k, v, start, end, length, top, top_counts, base, base_counts, parts, ws,
+           float64_constants((scale,), dev), hq, hq // hkv, hq // hs, width, splits,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1),
            FULL=full, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
-    launch(_budget_combine_kernel, (hq, r), parts, base_counts, n_s, out, hq, hq // hs, splits,
-           base_counts.stride(0), base_counts.stride(1), n_s.stride(0), n_s.stride(1),
-           FULL=full, SP=max(2, next_pow2(splits)), D=dp, W=rec, num_warps=4, num_stages=1)
-    return out
+    res = Budget(out)
+    if rule is not None:
+        sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
+        res.raw, res.size, res.counts = torch.empty(r, hs, device=dev, dtype=torch.float64), sizes[0], sizes[1]
+        if rule.constants.dtype != torch.float64 or rule.constants.numel() < 4 + 4 * rule.grid:
+            raise ValueError(f"budget_triton: rule.constants must be float64 with {4 + 4 * rule.grid} entries")
+    launch(_budget_combine_kernel, (hs, r), parts, base_counts, n_s, top_counts, out,
+           res.raw if rule else out, res.size if rule else n_s, res.counts if rule else n_s,
+           rule.constants if rule else out, hq, hq // hs, splits, rule.n_keys if rule else 0,
+           rule.grid if rule else 1,
+           base_counts.stride(0), base_counts.stride(1), n_s.stride(0), n_s.stride(1), top_counts.stride(0),
+           top_counts.stride(1),
+           FULL=full, SP=max(2, next_pow2(splits)), D=dp, W=rec, RULE=rule.rule if rule else 0,
+           GP=max(2, next_pow2(rule.grid)) if rule else 2, FLOOR_BASE=bool(rule and rule.floor_base),
+           num_warps=4, num_stages=1)
+    return res
 
 
-def expand_pages_triton(pages: torch.Tensor, page_counts: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-                        page: int, n_pages: int, idx: torch.Tensor, weights: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys of the first ``page_counts [R, Hs]`` pages of ``pages [R, Hs, K]`` that lie in
-    ``[start, end) [R]``, written page by page to the first columns of ``idx [R, Hs, W]`` (weights 1;
-    ``W ≥ K·page``); returns ``(counts [R, Hs] int64, excluded [R, Hs, n_pages] bool)`` — the pages
-    taken, for the samples that must avoid their keys. One launch."""
-    r, hs, k = pages.shape
-    counts = torch.empty(r, hs, device=pages.device, dtype=torch.int64)
-    excl = torch.empty(r, hs, n_pages, device=pages.device, dtype=torch.bool)
-    pp = next_pow2(page)
-    ch = max(1, min(next_pow2(k), max(1, 1024 // pp)))
-    launch(_expand_pages_kernel, (hs, r), pages, page_counts, start, end, idx, weights, counts,
-           excl.view(torch.int8), hs, n_pages, pages.stride(0), pages.stride(1), page_counts.stride(0),
-           page_counts.stride(1), idx.stride(0), idx.stride(1), page, PP=pp, CH=ch, BLOCK=1024, num_warps=4,
-           num_stages=1)
-    return counts, excl
+@dataclass
+class ResidualSetup:
+    """What :func:`residual_setup_triton` writes: the rows' key range ``[start, end)`` ``[R]`` between
+    sink and window, per (row, selection head) ``[R, Hs]`` the top-k keys listed (``top_counts``), the
+    residual's size ``n_s`` and the base sample's ``n_base``, and the pages (keys, for ``page = 1``)
+    the samples must skip (``excluded [R, Hs, P]`` bool; None without a top-k)."""
+
+    start: torch.Tensor
+    end: torch.Tensor
+    top_counts: torch.Tensor
+    n_s: torch.Tensor
+    n_base: torch.Tensor
+    excluded: torch.Tensor | None
 
 
-__all__ = ["SPLIT_PROGRAMS", "budget_splits", "budget_stats_triton", "expand_pages_triton", "usable"]
+def residual_setup_reference(lengths: torch.Tensor, sink: int, window: int, base_rate: float,
+                             top_counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(start, end, n_s, n_base)`` as ``VAttention.stages`` computes them, from the top-k's counts."""
+    nv = lengths.long()
+    start = torch.clamp(nv, max=sink)
+    end = torch.maximum(nv - window, start)
+    n_s = (end - start)[:, None] - top_counts
+    n_base = torch.minimum(torch.clamp(torch.floor(base_rate * n_s.double()).long(), min=2), n_s)
+    return start, end, n_s, n_base
+
+
+def residual_setup_triton(lengths: torch.Tensor, sink: int, window: int, base_rate: float, heads: int,
+                          pages: torch.Tensor | None = None, page_counts: torch.Tensor | None = None,
+                          page: int = 1, n_pages: int = 0, idx: torch.Tensor | None = None,
+                          weights: torch.Tensor | None = None) -> ResidualSetup:
+    """vAttention's bookkeeping between its predictor and its samples, in one launch: the keys of the
+    first ``page_counts [R, Hs]`` pages of ``pages [R, Hs, K]`` (``page`` keys each; ``page = 1``: keys)
+    that lie in ``[start, end)``, written page by page to the first columns of ``idx [R, Hs, W]``
+    (weights 1; ``W ≥ K·page``), the pages marked for the samples, and the sizes of
+    :func:`residual_setup_reference`. Without ``pages`` there is no top-k (counts 0). ``lengths`` [R]."""
+    r = lengths.shape[0]
+    dev = lengths.device
+    lens = lengths.to(torch.int32) if lengths.dtype != torch.int32 else lengths
+    start = torch.empty(r, device=dev, dtype=torch.int64)
+    end = torch.empty(r, device=dev, dtype=torch.int64)
+    sizes = torch.empty(3, r, heads, device=dev, dtype=torch.int64)
+    has_top = pages is not None
+    if has_top:
+        k = pages.shape[-1]
+        excl = torch.empty(r, heads, n_pages, device=dev, dtype=torch.bool)
+        pp = next_pow2(page)
+        ch = max(1, min(next_pow2(k), max(1, 1024 // pp)))
+        if idx.stride() != weights.stride() or idx.stride(-1) != 1:
+            raise ValueError("residual_setup_triton: idx and weights must share a layout with a contiguous last dim")
+    else:
+        excl, pages, page_counts, idx, weights, pp, ch = None, sizes, sizes[0], sizes, sizes, 1, 1
+    launch(_residual_setup_kernel, (heads, r), pages, page_counts, lens, idx, weights, sizes[0],
+           excl.view(torch.int8) if has_top else sizes, start, end, sizes[1], sizes[2],
+           float64_constants((base_rate,), dev), sink, window, heads, n_pages, pages.stride(0), pages.stride(1),
+           page_counts.stride(0), page_counts.stride(1), idx.stride(0), idx.stride(1), page,
+           HAS_TOP=has_top, PP=pp, CH=ch, BLOCK=1024, num_warps=4, num_stages=1)
+    return ResidualSetup(start, end, sizes[0], sizes[1], sizes[2], excl)
+
+
+__all__ = ["SPLIT_PROGRAMS", "Budget", "BudgetRule", "ResidualSetup", "budget_splits", "budget_stats_triton",
+           "budget_triton", "residual_setup_reference",
+           "residual_setup_triton", "usable"]

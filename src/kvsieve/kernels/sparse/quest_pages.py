@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton
+from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per program of the bounds launch (and per softmax partial)
 
@@ -161,19 +161,6 @@ def group_summed(scores: torch.Tensor, group: int) -> torch.Tensor:
     return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
 
 
-_FRACTIONS: dict = {}
-
-
-def _fraction_tensor(value: float, device) -> torch.Tensor:
-    """A cached float64 scalar on ``device``, so that kernels compute ``floor(len · fraction)`` in float64
-    exactly as ``resolve_size`` does (created on first use, outside any graph capture)."""
-    key = (value, str(device))
-    t = _FRACTIONS.get(key)
-    if t is None:
-        t = _FRACTIONS[key] = torch.tensor([value], dtype=torch.float64, device=device)
-    return t
-
-
 def score_launch_args(q: torch.Tensor, n_units: int, scale: float | None, out: torch.Tensor | None,
                       size: int | float):
     """What a scoring launch over ``n_units`` keys or pages needs besides its tensors: the scale (1/√d by
@@ -187,7 +174,7 @@ def score_launch_args(q: torch.Tensor, n_units: int, scale: float | None, out: t
 def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, bool]:
     """``(fraction tensor or None, count, is_fraction)`` for the kernels that write selection counts."""
     if isinstance(size, float):
-        return _fraction_tensor(size, device), 0, True
+        return float64_constants((size,), device), 0, True
     return None, int(size), False
 
 
