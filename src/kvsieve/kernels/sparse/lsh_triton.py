@@ -194,40 +194,45 @@ if triton is not None:
             tl.store(done_ptr + at, length)
 
     @triton.jit
-    def _hash_keys(kbase, cbase, j0, j1, m, mean_ptr, proj_ptr, s_k_n, s_c_n, bits, tables, d, dp,
-                   MIPS: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, KP: tl.constexpr):
-        """Codes of the keys ``[j0, j1)`` (``mean_ptr``: the KV head's mean, ``center`` only)."""
-        offs_d = tl.arange(0, D)
+    def _hash_keys(kbase, cbase, j0, j1, m, mean_ptr, proj_ptr, s_k_n, s_c_n, bits, tables, d,
+                   MIPS: tl.constexpr, BLOCK: tl.constexpr, DQ: tl.constexpr, KP: tl.constexpr):
+        """Codes of the keys ``[j0, j1)`` (``mean_ptr``: the KV head's mean, ``center`` only). MIPS's extra
+        coordinate (row ``d`` of the planes) is added apart, so the tiles stay ``d`` wide (a ``d + 1``
+        column tile would double to 256 and its dot's shared memory with it)."""
+        offs_d = tl.arange(0, DQ)
+        dm = offs_d < d
         cols = tl.arange(0, KP)
         col_ok = cols < bits
         width = tables * bits
         if not MIPS:
-            mu = tl.load(mean_ptr + offs_d, mask=offs_d < d, other=0.0)
+            mu = tl.load(mean_ptr + offs_d, mask=dm, other=0.0)
         for b0 in range(j0, j1, BLOCK):
             pos = b0 + tl.arange(0, BLOCK)
             ok = pos < j1
-            kr = tl.load(kbase + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :],
-                         mask=ok[:, None] & (offs_d < d)[None, :], other=0.0).to(tl.float32)
+            kr = tl.load(kbase + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None] & dm[None, :],
+                         other=0.0).to(tl.float32)
             if MIPS:
                 kr = kr / m
                 extra = tl.sqrt(tl.maximum(1.0 - tl.sum(kr * kr, 1), 0.0))
-                kr = tl.where((offs_d == d)[None, :], extra[:, None], kr)  # the extra coordinate: column d
             else:
-                kr = tl.where((offs_d < d)[None, :], kr - mu[None, :], 0.0)
+                kr = tl.where(dm[None, :], kr - mu[None, :], 0.0)
             out = cbase + pos.to(tl.int64) * s_c_n
             for t in range(tables):
                 p = tl.load(proj_ptr + offs_d[:, None] * width + t * bits + cols[None, :],
-                            mask=(offs_d < dp)[:, None] & col_ok[None, :], other=0.0)
+                            mask=dm[:, None] & col_ok[None, :], other=0.0)
                 sc = tl.dot(kr, p, input_precision="ieee")
+                if MIPS:
+                    pe = tl.load(proj_ptr + d * width + t * bits + cols, mask=col_ok, other=0.0)
+                    sc += extra[:, None] * pe[None, :]
                 code = tl.sum(((sc > 0) & col_ok[None, :]).to(tl.int64) << cols.to(tl.int64)[None, :], 1)
                 tl.store(out + t, code.to(cbase.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _collide_kernel(q_ptr, k_ptr, proj_ptr, codes_ptr, qc_ptr, len_ptr, lo_ptr, m_ptr, mean_ptr, wlo_ptr,
                         whi_ptr, cand_ptr, p_ptr, cnt_ptr,
-                        hq, hkv, sink, window, chunk, seg_stride, stream_key, bits, tables, d, dp,
+                        hq, hkv, sink, window, chunk, seg_stride, stream_key, bits, tables, d,
                         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_c_b, s_c_h, s_c_n,
-                        G: tl.constexpr, GP: tl.constexpr, MIPS: tl.constexpr, D: tl.constexpr, DQ: tl.constexpr,
+                        G: tl.constexpr, GP: tl.constexpr, MIPS: tl.constexpr, DQ: tl.constexpr,
                         KP: tl.constexpr, LP: tl.constexpr, HBLOCK: tl.constexpr, CBLOCK: tl.constexpr,
                         KBLOCK: tl.constexpr):
         """Keys ``[s·chunk, (s+1)·chunk)`` of (row b, KV head): hash the stale ones, then for each of the
@@ -247,8 +252,8 @@ if triton is not None:
         # 1. stale codes (new keys; every key of a row whose M grew)
         lo = tl.maximum(tl.load(lo_ptr + at), c_lo)
         if lo < c_hi:
-            _hash_keys(kbase, cbase, lo, c_hi, m, mean_ptr + at * d, proj_ptr, s_k_n, s_c_n, bits, tables, d, dp,
-                       MIPS, HBLOCK, D, KP)
+            _hash_keys(kbase, cbase, lo, c_hi, m, mean_ptr + at * d, proj_ptr, s_k_n, s_c_n, bits, tables, d, MIPS,
+                       HBLOCK, DQ, KP)
             tl.debug_barrier()  # the codes were written by other threads of this program
         # 2. collisions: the chunk's codes read once for the G query heads
         gi = tl.arange(0, GP)
@@ -434,9 +439,9 @@ def select_triton(q: torch.Tensor, k: torch.Tensor, codes: LshCodes, lengths: to
     launch(_collide_kernel, (n_seg, hkv, b), q, k, codes.proj, c, qc, lengths, codes.lo, codes.norm_max,
            codes.mean, lo.contiguous(), hi.contiguous(), cand, prob, seg_counts,
            hq, hkv, sink, window, chunk, seg_stride, (stream * GOLDEN) & MASK32, codes.bits, codes.tables, d,
-           codes.proj.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), c.stride(0),
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), c.stride(0),
            c.stride(1), c.stride(2),
-           G=g, GP=max(2, next_pow2(g)), MIPS=mips, D=next_pow2(d + mips), DQ=dq, KP=kp, LP=lp, HBLOCK=32,
+           G=g, GP=max(2, next_pow2(g)), MIPS=mips, DQ=dq, KP=kp, LP=lp, HBLOCK=32,
            CBLOCK=cblock, KBLOCK=64, num_warps=4, num_stages=1)
     mode, count, frac_bits = _budget_args(budget)
     work = workspace("lsh_joined", q, b * hq * seg_stride, torch.int64)
