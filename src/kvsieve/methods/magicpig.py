@@ -17,13 +17,13 @@ first call of a request (the prefill keys). Hyperplanes come from ``hash_seed`` 
 the request, as LSH tables do.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same retrieval
-(codes, collisions, probabilities and the budget's uniform cap: torch ops on the same counter-based
-draws, no host read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`)
-with sink and window as key ranges and the kept keys as an index list weighted ``1/p`` (``p`` scaled
-by ``cap / R`` when capped), which is the importance-weighted ratio estimator above; elsewhere the
-torch reference. The list is as wide as the cap when there is one, else N (retrieval has no bound
-known on the host). "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
-``stats.extra["backend_reason"]`` why the kernel did not.
+(codes, collisions, probabilities and the budget's uniform cap on the same counter-based draws, in three
+launches with no host read: :func:`kvsieve.kernels.sparse.lsh_triton.select_triton`) handed to the Triton
+weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and window as key ranges and the
+kept keys as an index list weighted ``1/p`` (``p`` scaled by ``cap / R`` when capped), which is the
+importance-weighted ratio estimator above; elsewhere the torch reference. The list is as wide as the cap
+when there is one, else N (retrieval has no bound known on the host). "reference" and "triton" force a
+path; ``stats.backend`` names the path that ran, ``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
