@@ -30,6 +30,8 @@ ROWS = [
     ("oracle-topk, per query head", "sparse_decode", "oracle-topk-q", (1.3, 1.5)),
     ("random", "sampling", "random", None),
     ("magicpig", "sampling", "magicpig", None),
+    ("oracle-topp, top_p 0.9 (device select)", "sampling", "oracle-topp", None),
+    ("oracle-topp, top_p 0.9 (torch select)", "sampling", "oracle-topp-torch-select", None),
 ]
 LONG = 131072
 
