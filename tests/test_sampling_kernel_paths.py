@@ -253,27 +253,22 @@ print("OK")
 
 LSH = """
 import torch
-from kvsieve.core.rng import STREAM_CAP, RandomKey, RowStreams
-from kvsieve.kernels.sparse.lsh_triton import LshCodes, select_triton
+from kvsieve.kernels.sparse.lsh_triton import LshCodes
 from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(0)
 k = torch.randn(2, 2, 140, 64, generator=g)
-q = torch.randn(2, 4, 64, generator=g)
 proj = torch.randn(65, 4 * 8, generator=g)
 for transform in ("mips", "center"):
     cfg = MagicPigConfig(bits=4, tables=8, transform=transform)
     codes = LshCodes(proj if transform == "mips" else proj[:64], 4, 8, transform)
     kk = k.clone()
     for step in range(5):
-        lens = torch.tensor([100 + step, 60 + 3 * step], dtype=torch.int32)
+        lens = torch.tensor([100 + step, 60 + 3 * step])
         if step == 3:
             kk[1, 0, lens[1] - 1] *= 10  # a new longest key: row 1, head 0 is hashed again from its start
         done = codes.done.clone() if codes.codes is not None else torch.zeros(2, 2, dtype=torch.int32)
-        rs = RowStreams(RandomKey(1, (step,)), torch.arange(2), lens.long())
-        select_triton(q, kk[:, :, :110 + step], codes, lens, rs.lo, rs.hi, STREAM_CAP, 2, 2, 10, 10)
-        c = codes.codes
-        assert c.dtype == torch.uint8
+        c = codes.update(kk[:, :, :110 + step], lens)
         valid = torch.arange(110 + step)[None, :] < lens[:, None]
         kv = kk[:, :, :110 + step] * valid[:, None, :, None]
         if transform == "mips":
@@ -468,80 +463,66 @@ def test_budget_rule_and_residual_setup_equal_the_torch_formulas():
     assert "OK" in run_script(BUDGET_RULE, "cpu", True)
 
 
-LSH_SELECT = """
-# MagicPIG's three-launch selection against its torch twin given the same codes and draws: the query
-# codes (vs the method's torch hashing), the retrieved counts, the kept keys (equal lists: position order,
-# ties to the lowest position) and their weights 1/p; the same outputs whatever the number of programs;
-# GQA groups 1/2/4/8, fp32/bf16/fp16, mips/center, a count, a fraction and no cap, ragged rows
-import math
+LSH_SPLIT = """
+# MagicPIG's collision launch (query codes, then chunks of a KV head's codes for its query heads) and the
+# key dots, cut over 1..528 programs: the same marks and counts as torch's codes, the same dots per entry
 import torch
-from kvsieve.core.rng import STREAM_CAP, RandomKey, RowStreams
-from kvsieve.kernels.sparse.lsh_triton import LshCodes, select_reference, select_triton
-from kvsieve.kernels.triton_utils import next_pow2, workspace
-from kvsieve.methods.magicpig import _codes
-import triton
-import triton.language as tl
-from kvsieve.kernels.sparse import lsh_triton
-
-@triton.jit
-def acos_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    o = tl.arange(0, BLOCK)
-    tl.store(y_ptr + o, lsh_triton._acos_f64(tl.load(x_ptr + o, mask=o < n, other=0.0)), mask=o < n)
-
-x = torch.cat([torch.linspace(-1, 1, 1001, dtype=torch.float64), torch.tensor([-1.0, 1.0, 0.0, 1 - 1e-12, -1 + 1e-12],
-                                                                               dtype=torch.float64)])
-y = torch.empty_like(x)
-acos_kernel[(1,)](x, y, x.numel(), BLOCK=2048)
-torch.testing.assert_close(y, torch.arccos(x), rtol=1e-15, atol=4e-16)
+from kvsieve.kernels.sparse.lsh_triton import LshCodes, key_dots_triton, retrieve_triton
+from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(3)
-for (b, hq, hkv, n, d, bits, tables, transform, dtype, budget) in [
-        (2, 8, 2, 300, 64, 4, 8, "mips", torch.float32, 40), (1, 4, 4, 1000, 32, 3, 5, "center", torch.bfloat16, 0.1),
-        (2, 4, 1, 77, 64, 8, 16, "mips", torch.bfloat16, 0), (1, 8, 1, 600, 128, 2, 3, "mips", torch.float16, 0.5),
-        (2, 16, 2, 500, 64, 5, 4, "center", torch.float32, 7)]:
-    q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
+for (b, hq, hkv, n, d, bits, tables, transform, dtype) in [
+        (2, 8, 2, 300, 64, 4, 8, "mips", torch.float32), (1, 4, 4, 1000, 32, 3, 5, "center", torch.bfloat16),
+        (2, 4, 1, 77, 64, 8, 16, "mips", torch.bfloat16)]:
+    q = torch.randn(b, hq, d, generator=g).to(dtype)
     k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
-    lens = torch.tensor([n, n - 13][:b], dtype=torch.int32)
+    lens = torch.tensor([n, n - 13][:b])
     mips = transform == "mips"
     proj = torch.randn(d + mips, bits * tables, generator=g)
-    rs = RowStreams(RandomKey(n, (1, 2)), torch.arange(b), lens.long())
-    if isinstance(budget, float):
-        width = max(1, math.floor(n * budget))
-    else:
-        width = min(budget, n) if budget else n
-    first = None
+    codes = LshCodes(proj, bits, tables, transform)
+    codes.update(k, lens)
+    sink, window = 3, 5
+    ref = None
     for target in (1, 7, 64, 528):
-        codes = LshCodes(proj, bits, tables, transform)
-        got = select_triton(q, k, codes, lens, rs.lo, rs.hi, STREAM_CAP, 3, 5, budget, width, target_programs=target)
-        if first is None:
-            first = got
-            lp = max(2, next_pow2(tables))
-            qc = workspace("lsh_query_codes", q, b * hq * lp, torch.int64)[:b * hq * lp].view(b, hq, lp)[..., :tables]
+        excl, cnt = retrieve_triton(q, codes, lens, sink, window, n, target_programs=target)
+        lo = torch.clamp(lens, max=sink); hi = torch.maximum(lens - window, lo)
+        m = (torch.arange(n)[None, :] >= lo[:, None]) & (torch.arange(n)[None, :] < hi[:, None])
+        e = excl & m[:, None, :]
+        if ref is None:
+            ref = (e, cnt)
+            # torch: the query codes and collisions
+            cfg = MagicPigConfig(bits=bits, tables=tables, transform=transform)
             qf = q.float()
             qt = torch.cat([qf / qf.norm(dim=-1, keepdim=True), torch.zeros_like(qf[..., :1])], -1) if mips else qf
-            assert torch.equal(qc, _codes(qt, codes.proj, bits, tables)), "query codes vs torch"
-            want = select_reference(q, k, codes.codes, qc, transform, codes.norm_max, codes.mean, lens, rs.lo, rs.hi,
-                                    STREAM_CAP, 3, 5, budget, width, bits, tables)
-            idx, kept, w, r = got
-            assert torch.equal(r, want[3]) and torch.equal(kept, want[1]), "counts"
-            assert torch.equal(idx, want[0]), "kept keys"
-            # float32 dots summed in another order: the cosines, hence p, agree to float32 rounding
-            torch.testing.assert_close(w, want[2], rtol=2e-6, atol=0)
-            assert bool((r > kept).any()) or not budget, "the cap was not exercised"
+            qc = _codes(qt, codes.proj, bits, tables)
+            kc = codes.codes[:, :, :n].long()
+            hit = (kc[:, :, None] == qc.view(b, hkv, hq // hkv, 1, tables)).any(-1).view(b, hq, n) & m[:, None, :]
+            assert torch.equal(e, ~hit & m[:, None, :]), "excl vs torch"
+            assert torch.equal(cnt.long(), hit.sum(-1)), "count vs torch"
         else:
-            for a, c in zip(first, got):
-                assert torch.equal(a, c), target
+            assert torch.equal(e, ref[0]) and torch.equal(cnt, ref[1]), target
+    width = 50
+    idx = torch.randint(0, n, (b, hq, width), generator=g)
+    kept = torch.randint(0, width + 1, (b, hq), generator=g)
+    d1, n1 = key_dots_triton(q, k, codes, idx, kept, target_programs=1)
+    used = torch.arange(width)[None, None] < kept[..., None]
+    for target in (5, 528):
+        d2, n2 = key_dots_triton(q, k, codes, idx, kept, target_programs=target)
+        assert torch.equal(d1[used], d2[used]), target
+        if n1 is not None:
+            assert torch.equal(n1[used], n2[used])
+    kr = torch.gather(k.float().repeat_interleave(hq // hkv, 1), 2, idx[..., None].expand(b, hq, width, d))
+    torch.testing.assert_close(d1[used], (kr * q.float()[:, :, None]).sum(-1)[used], rtol=1e-5, atol=1e-4)
 print("OK")
 """
 
 
 @pytest.mark.triton
-def test_lsh_selection_equals_its_torch_twin_over_any_number_of_programs():
-    """MagicPIG's selection launches keep what the torch twin keeps from the same codes and draws (the
-    same list, weights to float32 rounding of the cosines) whatever the number of programs; the float64
-    arccos built from sqrt and division is within an ulp or so of torch's."""
+def test_lsh_retrieval_and_key_dots_split_over_programs():
+    """MagicPIG's retrieval and key dots give the same marks, counts (integer atomics) and dots whatever
+    the number of programs, equal to torch's collision test."""
     pytest.importorskip("triton")
-    assert "OK" in run_script(LSH_SELECT, "cpu", True)
+    assert "OK" in run_script(LSH_SPLIT, "cpu", True)
 
 
 COMPILE_FOR_H100 = """
@@ -583,15 +564,11 @@ for full in (False, True):
                                                      FLOOR_BASE=rule == 3))
 for has_top, pp in ((True, 16), (True, 1), (False, 1)):
     compile_(bt._residual_setup_kernel, bp, dict(HAS_TOP=has_top, PP=pp, CH=64, BLOCK=1024))
-lp = dict(q_ptr="*bf16", proj_ptr="*fp32", qc_ptr=i64, k_ptr="*bf16", len_ptr="*i32", done_ptr="*i32", lo_ptr="*i32",
-          m_ptr="*fp32", codes_ptr="*u8", mean_ptr="*fp32", wlo_ptr=i64, whi_ptr=i64, cand_ptr=i64, p_ptr="*fp64",
-          cnt_ptr="*i32", work_ptr=i64, wp_ptr="*fp64", idx_ptr=i64, w_ptr="*fp64", kept_ptr=i64, ret_ptr="*i32")
-for mips in (True, False):
-    compile_(lt._prepare_kernel, lp, dict(MIPS=mips, G=4, DQ=128, DC=32, KP=16, LP=16, BLOCK=64))
-    compile_(lt._collide_kernel, lp, dict(G=4, GP=4, MIPS=mips, DQ=128, KP=16, LP=16, HBLOCK=32, CBLOCK=256, KBLOCK=64),
-             ints64=("stream_key",))
-compile_(lt._cap_kernel, lp, dict(CAP=2, SG=16, SB=128, BLOCK=1024, CBLOCK=8192), ints64=("frac_bits", "budget"),
-         num_warps=8)
+lp = dict(q_ptr="*bf16", proj_ptr="*fp32", qc_ptr=i64, count_ptr="*i32", codes_ptr="*i32", len_ptr="*i32",
+          excl_ptr="*i8", k_ptr="*bf16", mean_ptr="*fp32", idx_ptr=i64, cnt_ptr=i64, dot_ptr="*fp32", knorm_ptr="*fp32")
+compile_(lt._query_codes_kernel, lp, dict(MIPS=True, D=128, KP=16, LP=16))
+compile_(lt._retrieve_kernel, lp, dict(G=4, BLOCK=64, LP=16))
+compile_(lt._key_dots_kernel, lp, dict(CENTER=False, BLOCK=32, D=128))
 from kvsieve.kernels.sparse import topp_triton as tt
 tp = {{n: "*fp32" for n in ("s_ptr", "pm_ptr", "pl_ptr", "p_ptr", "sum_ptr", "hist_ptr", "goal_ptr")}}
 tp.update(lens_ptr="*i32", pre_ptr="*i32", cnt_ptr="*i32", idx_ptr="*i32", out_cnt_ptr="*i32",
@@ -607,8 +584,8 @@ print("COMPILED")
 @pytest.mark.triton
 def test_split_sampling_kernels_compile_for_the_h100():
     """The interpreter does not type-check branches; compiling for sm_90 (no GPU needed) does: the split
-    sample scan, the budget statistics' two launches (both bounds) and the residual setup, MagicPIG's three
-    selection launches and oracle-topp's select passes (every stage)."""
+    sample scan, the budget statistics' two launches (both bounds), MagicPIG's retrieval and dots, and
+    oracle-topp's select passes (every stage)."""
     import os
     import subprocess
     import sys
@@ -625,8 +602,8 @@ def test_split_sampling_kernels_compile_for_the_h100():
 
 @pytest.mark.triton
 def test_lsh_codes_are_kept_incrementally():
-    """MagicPIG's kernel-path codes (one byte per table at bits <= 8): only new keys are hashed, every key of
-    a row again where the MIPS bound grew, and the codes equal the reference's hashing of the valid keys."""
+    """MagicPIG's kernel-path codes: only new keys are hashed, every key of a row again where the MIPS
+    bound grew, and the codes equal the reference's hashing of the valid keys."""
     pytest.importorskip("triton")
     assert "OK" in run_script(LSH, "cpu", True)
 

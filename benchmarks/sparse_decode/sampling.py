@@ -5,7 +5,6 @@ selection + the Triton weighted sparse kernel,
 ``methods/shared/staged.py``) against FlashInfer in the same run (issue 15).
 
     PYTHONPATH=src python benchmarks/sparse_decode/sampling.py OUT_DIR [--iters 20] [--contexts 32768 131072]
-        [--variants magicpig]
 
 Llama-3.1-8B shapes (32 query heads, 8 KV heads, d 128), bf16, i.i.d. Gaussian inputs, batch 1 at each
 context and batch 8 at 32k. Budgets aim at ≈5% density: ``random`` and ``magicpig`` (capped) take
@@ -134,8 +133,6 @@ def run_case(case, args, timer, peak, rows):
         case_rows.append(r)
         print(f"n={case.n} b={case.batch} {name}: {r.get('graph_us', r.get('error'))}")
     for name, spec in method_specs(case.n, args.density).items():
-        if args.variants and name not in args.variants:
-            continue
         r = {"n": case.n, "batch": case.batch, "variant": name, "spec": spec}
         try:
             c = method_calls(spec, x, step)
@@ -188,8 +185,6 @@ def parse_args(argv=None):
     ap.add_argument("--density", type=float, default=0.05)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--variants", nargs="+", default=None,
-                    help="only these methods (names of method_specs, e.g. magicpig); FlashInfer and dense always run")
     return ap.parse_args(argv)
 
 

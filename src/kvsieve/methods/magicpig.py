@@ -17,13 +17,13 @@ first call of a request (the prefill keys). Hyperplanes come from ``hash_seed`` 
 the request, as LSH tables do.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same retrieval
-(codes, collisions, probabilities and the budget's uniform cap on the same counter-based draws, in three
-launches with no host read: :func:`kvsieve.kernels.sparse.lsh_triton.select_triton`) handed to the Triton
-weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and window as key ranges and the
-kept keys as an index list weighted ``1/p`` (``p`` scaled by ``cap / R`` when capped), which is the
-importance-weighted ratio estimator above; elsewhere the torch reference. The list is as wide as the cap
-when there is one, else N (retrieval has no bound known on the host). "reference" and "triton" force a
-path; ``stats.backend`` names the path that ran, ``stats.extra["backend_reason"]`` why the kernel did not.
+(codes, collisions, probabilities and the budget's uniform cap: torch ops on the same counter-based
+draws, no host read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`)
+with sink and window as key ranges and the kept keys as an index list weighted ``1/p`` (``p`` scaled
+by ``cap / R`` when capped), which is the importance-weighted ratio estimator above; elsewhere the
+torch reference. The list is as wide as the cap when there is one, else N (retrieval has no bound
+known on the host). "reference" and "triton" force a path; ``stats.backend`` names the path that ran,
+``stats.extra["backend_reason"]`` why the kernel did not.
 """
 
 from __future__ import annotations
@@ -190,18 +190,18 @@ class MagicPig(StagedSelection):
                                                      "kept": sampled.counts.double().mean()})
 
     def kernel_stages(self, inputs, gen, state):
-        """The kernel path's retrieval (:func:`~kvsieve.kernels.sparse.lsh_triton.select_triton`, three
-        launches): codes kept in ``state`` and hashed only for new keys (all of a row's keys where the MIPS
-        bound grew), the collisions, the retrieved keys' probabilities and the budget's uniform cap on the
-        same counter-based draws as :meth:`stages`. The same keys as :meth:`stages` up to hyperplane
-        projections within float32 rounding of 0 and ties of the 24-bit draws at the cap."""
-        from ..kernels.sparse import lsh_triton
+        """The kernel path's retrieval: codes kept in ``state`` and hashed only for new keys (all of a row's
+        keys where the MIPS bound grew), the collision test in one launch, the budget's uniform cap from
+        the one-launch sampler (the same counter-based draws as :meth:`stages`), the cosines of the kept
+        keys only (:mod:`~kvsieve.kernels.sparse.lsh_triton`). The same keys as :meth:`stages` up to
+        hyperplane projections within float32 rounding of 0 and ties of the 24-bit draws at the cap."""
+        from ..kernels.sparse import lsh_triton, sample_triton
 
         cfg = self.config
         if (not isinstance(gen, RowStreams) or inputs.lengths is None or inputs.q_len != 1
                 or not lsh_triton.usable(inputs.q)):
             return self.stages(inputs, gen, state)
-        n, d = inputs.n_keys, inputs.q.shape[-1]
+        b, hq, n, d = inputs.batch, inputs.heads, inputs.n_keys, inputs.q.shape[-1]
         mips = cfg.transform == "mips"
         key = f"magicpig-kernel/{cfg.bits}x{cfg.tables}/{cfg.transform}/{cfg.hash_seed}"
         codes = state.get(key)
@@ -209,10 +209,32 @@ class MagicPig(StagedSelection):
             gen_p = torch.Generator(device="cpu").manual_seed(derive_seed(cfg.hash_seed, d))
             proj = torch.randn(d + mips, cfg.bits * cfg.tables, generator=gen_p).to(inputs.q.device)
             codes = state[key] = lsh_triton.LshCodes(proj, cfg.bits, cfg.tables, cfg.transform)
-        width = n if cfg.budget == 0 else min(size_bound(cfg.budget, n), n)
-        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
-        idx, kept, weights, r = lsh_triton.select_triton(q, k, codes, inputs.kernel_lengths, gen.lo, gen.hi,
-                                                         STREAM_CAP, cfg.sink, cfg.window, cfg.budget, width)
+        lens = inputs.kernel_lengths
+        codes.update(inputs.k, lens)
+        excluded, r = lsh_triton.retrieve_triton(inputs.q, codes, lens, cfg.sink, cfg.window, n)
+        nv = inputs.n_valid
+        start = torch.clamp(nv, max=cfg.sink)
+        end = torch.maximum(nv - cfg.window, start)
+        if cfg.budget != 0:
+            cap = resolve_size(cfg.budget, nv)[:, None].expand(b, hq)
+            width = min(size_bound(cfg.budget, n), n)
+        else:
+            cap, width = r, n  # no cap: every retrieved key
+        idx, _ = sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_CAP, start, end, cap, r, width, n,
+                                                  excluded=excluded, page=1, with_weights=False)
+        kept = torch.minimum(cap, r.long())
+        dots, knorm = lsh_triton.key_dots_triton(inputs.q, inputs.k, codes, idx, kept)
+        qn = inputs.q.float().norm(dim=-1).clamp(min=1e-30)[..., None]
+        if mips:
+            cos = dots / (qn * inputs.expand_kv(codes.norm_max[..., None]).clamp(min=1e-30))
+        else:
+            q_mu = (inputs.q.float().view(b, inputs.kv_heads, inputs.group, d) @ codes.mean[..., None]).view(b, hq, 1)
+            cos = (dots - q_mu) / (qn * knorm.clamp(min=1e-30))
+        p = lsh_triton.retrieval_probability(cos, cfg.bits, cfg.tables)
+        if cfg.budget != 0:
+            p = p * torch.where(r > cap, cap.double() / r.clamp(min=1).double(), 1.0)[..., None]
+        used = torch.arange(width, device=idx.device) < kept[..., None]
+        weights = torch.where(used, 1.0 / p.clamp(min=1e-300), 1.0)
         sampled = IndexSet(idx, kept, weights)
         return Stages(lambda: fixed_part(self, inputs)[0], sampled,
                       extra=lambda: {"retrieved": r.double().mean(), "kept": kept.double().mean()})

@@ -115,49 +115,6 @@ if triton is not None:
         return cnt
 
     @triton.jit
-    def _cut(cand, cnt, size, thr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr):
-        """The ``size``-th smallest 24-bit hash ``t`` of the ``cnt`` packed candidates ``hash << 22 | position``
-        at ``cand`` (every hash below ``thr``) and how many equal to ``t`` to take after those below it
-        (``t = 2^24``: every candidate is taken). Bisection over the 24 bits, in registers when the
-        candidates fit ``CBLOCK``."""
-        PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
-        # count(h < t_lo) < size <= count(h < t_hi)
-        t_lo = tl.zeros([], tl.int32)
-        t_hi = thr.to(tl.int32)
-        if size >= cnt:  # every candidate is taken: no cut to find
-            t_lo = tl.full([], 16777216, tl.int32)
-        elif cnt <= CBLOCK:
-            coffs = tl.arange(0, CBLOCK)
-            ck = (tl.load(cand + coffs, mask=coffs < cnt, other=PAD) >> 22).to(tl.int32)
-            for _ in range(24):
-                mid = (t_lo + t_hi) // 2
-                c = tl.sum((ck < mid).to(tl.int32), 0)
-                go_lo = c >= size
-                t_hi = tl.where(go_lo, mid, t_hi)
-                t_lo = tl.where(go_lo, t_lo, mid)
-        else:
-            for _ in range(24):
-                mid = (t_lo + t_hi) // 2
-                c = tl.zeros([], tl.int32)
-                for c0 in range(0, cnt, BLOCK):
-                    co = c0 + tl.arange(0, BLOCK)
-                    kk = (tl.load(cand + co, mask=co < cnt, other=PAD) >> 22).to(tl.int32)
-                    c += tl.sum((kk < mid).to(tl.int32), 0)
-                go_lo = c >= size
-                t_hi = tl.where(go_lo, mid, t_hi)
-                t_lo = tl.where(go_lo, t_lo, mid)
-        # the size-th smallest is t_lo: every key below it and the first `need` equal to it
-        below = tl.zeros([], tl.int32)
-        if size < cnt:
-            for c0 in range(0, cnt, BLOCK):
-                co = c0 + tl.arange(0, BLOCK)
-                kk = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
-                below += tl.sum((kk < t_lo).to(tl.int32), 0)
-        else:
-            below = cnt
-        return t_lo, size - below
-
-    @triton.jit
     def _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r, h, hs, s_sz_r, s_sz_h, s_nav_r,
                     s_nav_h):
         """Row ``r``, head ``h``: the flat index, the key's words, the range ``[start, end)``, the sample
@@ -237,7 +194,41 @@ if triton is not None:
             cnt = _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r,
                               s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
         tl.debug_barrier()  # the candidates were written by other threads of this program
-        t_lo, need = _cut(cand, cnt, size, thr, BLOCK, CBLOCK)
+        # 2. bisection over the 24-bit hash: count(h < t_lo) < size <= count(h < t_hi)
+        t_lo = tl.zeros([], tl.int32)
+        t_hi = thr.to(tl.int32)
+        if size >= cnt:  # every candidate is taken (size >= n_avail): no cut to find
+            t_lo = tl.full([], 16777216, tl.int32)
+        elif cnt <= CBLOCK:
+            coffs = tl.arange(0, CBLOCK)
+            ck = (tl.load(cand + coffs, mask=coffs < cnt, other=PAD) >> 22).to(tl.int32)
+            for _ in range(24):
+                mid = (t_lo + t_hi) // 2
+                c = tl.sum((ck < mid).to(tl.int32), 0)
+                go_lo = c >= size
+                t_hi = tl.where(go_lo, mid, t_hi)
+                t_lo = tl.where(go_lo, t_lo, mid)
+        else:
+            for _ in range(24):
+                mid = (t_lo + t_hi) // 2
+                c = tl.zeros([], tl.int32)
+                for c0 in range(0, cnt, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    kk = (tl.load(cand + co, mask=co < cnt, other=PAD) >> 22).to(tl.int32)
+                    c += tl.sum((kk < mid).to(tl.int32), 0)
+                go_lo = c >= size
+                t_hi = tl.where(go_lo, mid, t_hi)
+                t_lo = tl.where(go_lo, t_lo, mid)
+        # the size-th smallest is t_lo: take every key below it and the first `need` equal to it
+        below = tl.zeros([], tl.int32)
+        if size < cnt:
+            for c0 in range(0, cnt, BLOCK):
+                co = c0 + tl.arange(0, BLOCK)
+                kk = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
+                below += tl.sum((kk < t_lo).to(tl.int32), 0)
+        else:
+            below = cnt
+        need = size - below
         # 3. the chosen keys in position order, then zeros; weights n_av / size
         out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
         w = w_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
