@@ -253,6 +253,12 @@ def main(argv=None) -> int:
                 r["eager_us"] = timer.time_us(call, warmup=args.warmup, iters=args.iters)["median_us"]
                 try:
                     r["graph_us"] = timer.time_graph_us(call, warmup=args.warmup, iters=args.iters)["median_us"]
+                    if name in ("flashinfer", "sdpa", "dense") and r["graph_us"] > 1.5 * r["eager_us"]:
+                        # a baseline's replay far slower than its eager launches is a measuring fault (seen
+                        # once: FlashInfer at 32k, 285 µs captured vs 66 eager and 62 of kernels, 2026-11-27),
+                        # and every speedup of its case divides by it: capture and time it again, keep both
+                        r["graph_us_first"] = r["graph_us"]
+                        r["graph_us"] = timer.time_graph_us(call, warmup=args.warmup, iters=args.iters)["median_us"]
                 except Exception as exc:  # noqa: BLE001 - a call that cannot be captured keeps its eager time
                     r["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
                     torch.cuda.synchronize()
