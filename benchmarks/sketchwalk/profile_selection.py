@@ -24,7 +24,8 @@ Usage (GPU machine, repository root; < 1 minute)::
 
     PYTHONPATH=src python benchmarks/sketchwalk/profile_selection.py OUT_DIR [--lengths 65536,131072]
 
-Writes OUT_DIR/profile_selection.json, .md and profile_selection_kernels_<n>.txt.
+Writes OUT_DIR/profile_selection.json, .md, profile_selection_kernels_<n>.txt and selection_<n>.pt (the
+block lists and counts, to compare two trees' selections with ``torch.equal``).
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ def kernel_table(fn, path: Path) -> str:
 
 def run_cuda(args, hq, hkv, d) -> tuple[list[dict], dict]:
     from kvsieve.bench.timing import ColdL2Timer, count_launches
+    from kvsieve.methods import sketchwalk as sw
 
     torch.backends.cuda.matmul.allow_tf32 = not args.no_tf32
     dev = torch.device("cuda")
@@ -190,6 +192,12 @@ def run_cuda(args, hq, hkv, d) -> tuple[list[dict], dict]:
     for n_tok in (int(x) for x in args.lengths.split(",")):
         q, k, _ = make_qkv(n_tok, hq, hkv, d, seed=0, device=dev)
         named, info = stages(q, k, args.block_size, args.density)
+        # For an A/B across trees: the selection itself (compare the files of two runs with torch.equal), and
+        # whether this tree's head mean gives the floats of the float32-copy form.
+        _, idx, cnt = named[-1][1]()
+        torch.save({"block_idx": idx.cpu(), "block_counts": cnt.cpu()}, args.out / f"selection_{n_tok}.pt")
+        info["head_mean_equal_fp32_copy"] = bool(torch.equal(sw.head_mean(q, torch.float32), q.float().mean(1)))
+        print(json.dumps({"n": n_tok, **info}), flush=True)
         for name, fn in named:
             row = {"n": n_tok, "stage": name, **info}
             row["aten_ops"], row["compute_ops"], ops = count_ops(fn)
@@ -202,7 +210,7 @@ def run_cuda(args, hq, hkv, d) -> tuple[list[dict], dict]:
                 row["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
             row["host_us"] = host_issue_us(fn)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "top_ops"}), flush=True)
+            print(json.dumps({key: v for key, v in row.items() if key != "top_ops"}), flush=True)
         full = named[-1][1]
         tables[n_tok] = kernel_table(full, args.out / f"profile_selection_kernels_{n_tok}.txt")
         print(f"\n## kernels of the selection with mask, n = {n_tok} (5 calls)\n{tables[n_tok]}", flush=True)
