@@ -95,7 +95,7 @@ def head_mean(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, T, d]`` -> ``[B, T, d]``: the mean over heads (under GQA, that of the KV heads equals
     that of their repeats)."""
     # mean(dtype=) reads bf16/fp16 as it is on CUDA and accumulates in float32 (the same sums); x.to(dtype)
-    # first wrote an fp32 copy of every head and read it back: 3 GiB of traffic for a 128k-token Llama
+    # first wrote an fp32 copy of every head and read it back: 5 GiB of traffic for a 128k-token Llama
     # layer's queries against 1 GiB.
     return x.mean(1, dtype=dtype)
 
