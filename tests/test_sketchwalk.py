@@ -19,7 +19,9 @@ from kvsieve.methods.sketchwalk import (
     STATE_KEY,
     WALK_KEY,
     block_budget,
+    block_means,
     block_sums,
+    block_token_counts,
     causal_log_scores,
     head_mean,
     max_block_budget,
@@ -116,6 +118,22 @@ def test_pool_average_sketch_commute():
     c = (block_sums(q.reshape(-1, 192, 32), 64).view(1, 4, 3, 32).mean(1) / 64) @ phi.T
     torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
     torch.testing.assert_close(a, c, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("n_tok", [192, 200, 63, 64, 1])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_head_mean_and_block_means_as_before(n_tok, dtype):
+    """The prefill's cheaper head mean (no float32 copy of every head), block sums (no pad copy when the
+    blocks divide the prompt) and block means (one division) give the floats of the forms they replaced."""
+    g = gen(n_tok)
+    x = torch.randn(2, 4, n_tok, 32, generator=g).to(dtype)
+    avg = head_mean(x, torch.float32)
+    assert torch.equal(avg, x.to(torch.float32).mean(1))
+    sums = block_sums(avg, 64)
+    padded = torch.nn.functional.pad(avg, (0, 0, 0, -n_tok % 64)).view(2, -1, 64, 32).sum(2)
+    assert torch.equal(sums, padded)
+    counts = block_token_counts(n_tok, 64).to(torch.float32)[None, :, None]
+    assert torch.equal(block_means(sums, n_tok, 64), sums / counts)
 
 
 # -- 4-6: Â, the walk, selection --------------------------------------------------------------------------

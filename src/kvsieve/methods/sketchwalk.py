@@ -94,14 +94,29 @@ def _srht_on(d: int, m: int, seed: int, device: torch.device, dtype: torch.dtype
 def head_mean(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, T, d]`` -> ``[B, T, d]``: the mean over heads (under GQA, that of the KV heads equals
     that of their repeats)."""
-    return x.to(dtype).mean(1)
+    # mean(dtype=) reads bf16/fp16 as it is on CUDA and accumulates in float32 (the same sums); x.to(dtype)
+    # first wrote an fp32 copy of every head and read it back: 5 GiB of traffic for a 128k-token Llama
+    # layer's queries against 1 GiB.
+    return x.mean(1, dtype=dtype)
 
 
 def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[B, T, d]`` -> ``[B, ⌈T/bs⌉, d]``: per-block sums (the last block may be partial)."""
     b, t, d = x.shape
     n = -(-t // block_size)
-    return torch.nn.functional.pad(x, (0, 0, 0, n * block_size - t)).view(b, n, block_size, d).sum(2)
+    if t % block_size:  # pad copies x even when it adds nothing
+        x = torch.nn.functional.pad(x, (0, 0, 0, n * block_size - t))
+    return x.reshape(b, n, block_size, d).sum(2)
+
+
+def block_means(sums: torch.Tensor, n_tokens: int, block_size: int) -> torch.Tensor:
+    """``sums [B, n, d]`` of an ``n_tokens`` prefix divided by the tokens of each block: the same floats
+    as dividing by :func:`block_token_counts`, in one division (plus one when the last block is partial)."""
+    means = sums / block_size
+    tail = n_tokens - (sums.shape[1] - 1) * block_size
+    if tail != block_size:
+        means[:, -1] = sums[:, -1] / tail
+    return means
 
 
 def block_token_counts(n_tokens: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -211,15 +226,15 @@ def select_blocks(scores: torch.Tensor, rows: torch.Tensor, budget: torch.Tensor
     parts = [torch.zeros(b, r, 1, dtype=torch.long, device=scores.device)]
     extra = min(kmax - 2, n)
     if extra > 0:
-        top = torch.topk(scores.masked_fill(~middle, float("-inf")), extra, dim=-1).indices
+        top = torch.topk(torch.where(middle, scores, float("-inf")), extra, dim=-1).indices
         used = torch.arange(extra, device=scores.device) < (budget - 2)[..., None]
         parts.append(torch.where(used, top, n))
     parts.append(torch.where(rows > 0, rows, n)[..., None])
     chosen = torch.cat(parts, dim=-1).sort(dim=-1).values
     if chosen.shape[-1] < kmax:
         chosen = torch.nn.functional.pad(chosen, (0, kmax - chosen.shape[-1]), value=n)
-    counts = (chosen < n).sum(-1)
-    return torch.where(chosen < n, chosen, 0)[..., :kmax], counts
+    valid = chosen < n
+    return torch.where(valid, chosen, 0)[..., :kmax], valid.sum(-1)
 
 
 # -- config --------------------------------------------------------------------------------------------
@@ -398,9 +413,8 @@ class SketchWalk(PrefillMethod):
         q_avg = head_mean(q, dtype)
         q_sum = block_sums(q_avg, bs)
         k_sum = block_sums(head_mean(k, dtype), bs)
-        counts = block_token_counts(n_tok, bs, q.device).to(dtype)[None, :, None]
-        q_sketch = (q_sum / counts) @ phi.T
-        k_sketch = (k_sum / counts) @ phi.T
+        q_sketch = block_means(q_sum, n_tok, bs) @ phi.T
+        k_sketch = block_means(k_sum, n_tok, bs) @ phi.T
         rows = torch.arange(n, device=q.device)[None].expand(b, n)
         log_a = causal_log_scores(q_sketch, k_sketch, logit_scale, rows)
         return {"q_avg": q_avg, "q_sum": q_sum, "k_sum": k_sum, "k_sketch": k_sketch, "log_a": log_a,
@@ -445,25 +459,30 @@ class SketchWalk(PrefillMethod):
         return out.to(q.dtype), stats
 
     def _prefill_stats(self, k, block_counts, n_tok, backend, hops) -> StepStats:
+        # Built when read: its host reads would wait for this layer's attention, and the next layer's
+        # launches would then start on an idle device.
         bs = self.config.block_size
-        b, hkv, _, d = k.shape
+        _, hkv, _, d = k.shape
         n = block_counts.shape[1]
-        rows_in = block_token_counts(n_tok, bs, k.device).to(torch.float64)  # query rows per block
-        kept = block_counts.to(torch.float64)
-        causal = torch.arange(1, n + 1, device=k.device, dtype=torch.float64)
-        # keys each query row reads (its diagonal block causally) and the causal keys it could read
-        diag = (rows_in + 1) / 2
-        keys_read = ((kept - 1) * bs * rows_in + rows_in * diag).sum(-1)  # [B]
-        pairs = n_tok * (n_tok + 1) / 2
-        exact = int((block_counts == causal.long()).all(-1).sum())
-        per_row = float(keys_read.mean()) / n_tok
-        return StepStats(
-            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
-            density=float(keys_read.mean()) / pairs, kv_density=float(keys_read.mean()) / pairs,
-            bytes_read=int(kept.sum() * bs * hkv * 2 * d * k.element_size()), backend=backend,
-            exact_rows=exact,
-            extra={"phase": "prefill", "block_density": float(kept.sum(-1).mean() / causal.sum()),
-                   "blocks_kept": float(kept.mean()), "walk_hops": hops})
+        dev, itemsize = k.device, k.element_size()
+
+        def compute() -> StepStats:
+            rows_in = block_token_counts(n_tok, bs, dev).to(torch.float64)  # query rows per block
+            kept = block_counts.to(torch.float64)
+            causal = torch.arange(1, n + 1, device=dev, dtype=torch.float64)
+            # keys each query row reads (its diagonal block causally) and the causal keys it could read
+            diag = (rows_in + 1) / 2
+            keys_read = ((kept - 1) * bs * rows_in + rows_in * diag).sum(-1)  # [B]
+            pairs = n_tok * (n_tok + 1) / 2
+            exact = int((block_counts == causal.long()).all(-1).sum())
+            per_row = float(keys_read.mean()) / n_tok
+            return StepStats(
+                n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
+                density=float(keys_read.mean()) / pairs, kv_density=float(keys_read.mean()) / pairs,
+                bytes_read=int(kept.sum() * bs * hkv * 2 * d * itemsize), backend=backend, exact_rows=exact,
+                extra={"block_density": float(kept.sum(-1).mean() / causal.sum()), "blocks_kept": float(kept.mean())})
+
+        return StepStats.deferred(compute, backend, {"phase": "prefill", "walk_hops": hops})
 
     # -- decode -----------------------------------------------------------------------------------------
 
