@@ -133,6 +133,38 @@ def test_quest_select_picks_the_reference_methods_pages():
         assert torch.equal(got, want), seed
 
 
+def test_launch_overrides_are_checked():
+    """The selection launches' overrides (tune_quest.py) refuse values their kernels cannot take, by name,
+    before anything launches."""
+    pytest.importorskip("triton")
+    from kvsieve.kernels.sparse import select_triton
+
+    q, k, _ = _qkv(1, 8, 2, 64, 16, 0, torch.float32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    kw = dict(page_size=16, sink=0, window=0, size=16, max_pages=1, share_kv_group=True)
+    for opts, match in (({"bound": {}}, "unknown launch 'bound'"), ({"rows": 4}, "a dict of keyword"),
+                        ({"bounds": {"block_p": 8}}, "block_p: expected a power of two in 16..1024"),
+                        ({"bounds": {"block_p": 48}}, "block_p"), ({"bounds": {"tiles": 0}}, "tiles"),
+                        ({"bounds": {"num_warps": 3}}, "num_warps"), ({"bounds": {"num_stages": 0}}, "num_stages")):
+        with pytest.raises(ValueError, match=match):
+            quest_pages.quest_select(q, kmin, kmax, lens, launch_opts=opts, **kw)
+    parts = (torch.empty(1, 8, 4), torch.empty(1, 8, 4))
+    with pytest.raises(ValueError, match=r"parts: expected two \[1, 8, 1\] tensors"):
+        quest_pages.page_bounds_triton(q, kmin, kmax, lens, 16, parts=parts)
+    s = torch.zeros(1, 2, 100)
+    for opts, match in (({"chunk": 4}, "chunk"), ({"block_x": 100}, "block_x"),
+                        ({"block_x": 64, "chunk": 128}, "chunk"), ({"num_warps": 64}, "num_warps")):
+        with pytest.raises(ValueError, match=match):
+            select_triton.group_sum_rows_triton(s, 2, parts, lens, 16, 0, 0, **opts)
+    with pytest.raises(ValueError, match="segment"):
+        select_triton.topk_rows_triton(s, torch.ones(1, dtype=torch.long), 4, segment=0)
+    with pytest.raises(ValueError, match="num_warps"):
+        select_triton.topk_rows_triton(s, torch.ones(1, dtype=torch.long), 4, num_warps=6)
+    with pytest.raises(ValueError, match="programs"):
+        select_triton.topk_rows_registers(s, torch.ones(1, dtype=torch.long), 4, programs=0)
+
+
 def test_topk_select_picks_the_reference_methods_keys():
     import kvsieve
     from kvsieve.core.inputs import check_decode_inputs
