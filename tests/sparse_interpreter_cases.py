@@ -333,6 +333,36 @@ def test_benchmark_variants_run_and_match_their_references():
             assert idx.shape[:2] == counts.shape and bool((counts > 0).all()), name
 
 
+def test_quest_launch_tuner_runs_a_tiny_case(tmp_path):
+    """benchmarks/sparse_decode/tune_quest.py's sweep on a tiny case (the --quick path, one case): every
+    launch runs (limits lowered), each setting's selection is checked and timed, the proposals and the
+    report come out."""
+    import sys
+    from argparse import Namespace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_decode"))
+    try:
+        import tune_quest
+    finally:
+        sys.path.pop(0)
+    args = Namespace(quick=True, density=0.2, warmup=0, iters=1)
+    sweep = {"group_sum": [{"block_x": 16, "chunk": 8}], "rows": [{"segment": 8}], "bounds": [{"tiles": 2}]}
+    rows = tune_quest.run_case(tune_quest.TuneCase(512, 1, (8, 0, 0)), args, tune_quest.WallTimer(), sweep,
+                               lambda r: None)
+    swept = [r for r in rows if r["launch"] in tune_quest.LAUNCHES]
+    assert {(r["method"], r["launch"]) for r in swept} == {("quest-kv", "bounds"), ("quest-kv", "group_sum"),
+                                                           ("quest-kv", "rows"), ("quest-q", "bounds"),
+                                                           ("quest-q", "rows")}
+    assert all(r["same"] and r["selection_us"] > 0 and r["call_us"] > 0 for r in swept), swept
+    props = tune_quest.proposals(rows, 0.02)
+    assert set(props) == {"bounds", "group_sum", "rows"}
+    report = tune_quest.markdown({"device": "cpu", "date": "-", "command": "-", "torch": "-", "triton": "-",
+                                  "protocol": "-", "density": 0.2, "seconds_sweep": 0, "seconds": 0, "rows": rows,
+                                  "proposals": props, "min_gain": 0.02, "combined": {}, "combined_check": []})
+    assert "## Proposed defaults" in report and "_group_sum_parts_kernel" in report
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_kernel_matches_reference(dtype):
     from kvsieve.kernels.sparse import topk

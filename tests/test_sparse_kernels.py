@@ -165,6 +165,25 @@ def test_launch_overrides_are_checked():
         select_triton.topk_rows_registers(s, torch.ones(1, dtype=torch.long), 4, programs=0)
 
 
+def test_tuner_selection_check_tells_near_ties_from_wrong_pages():
+    """tune_quest.py's check of a setting's selection against the defaults': equal sets, sets that differ
+    only at a near-tie of the reference scores (accepted), a worse page or a repeated one (refused)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks" / "sparse_decode"))
+    try:
+        from tune_quest import selection_check
+    finally:
+        sys.path.pop(0)
+    scores = torch.tensor([[[5.0, 4.0, 3.0, 3.0 - 1e-6, 1.0, 0.0]]])
+    counts = torch.tensor([[3]])
+    want = (torch.tensor([[[0, 1, 2, 0]]]), counts)
+    assert selection_check((torch.tensor([[[2, 0, 1, 5]]]), counts), want, scores)["same"]
+    tie = selection_check((torch.tensor([[[0, 1, 3, 0]]]), counts), want, scores)
+    assert not tie["same"] and tie["ok"] and tie["rows_differ"] == 1
+    assert not selection_check((torch.tensor([[[0, 1, 4, 0]]]), counts), want, scores)["ok"]
+    assert not selection_check((torch.tensor([[[0, 1, 1, 0]]]), counts), want, scores)["ok"]
+    assert not selection_check((torch.tensor([[[0, 1, 2, 0]]]), torch.tensor([[2]])), want, scores)["ok"]
+
+
 def test_topk_select_picks_the_reference_methods_keys():
     import kvsieve
     from kvsieve.core.inputs import check_decode_inputs

@@ -367,6 +367,17 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
 
 # --- top pages ------------------------------------------------------------------------------------
 
+def quest_scores_reference(q, kmin, kmax, lengths, page_size: int, sink: int, window: int, share_kv_group: bool,
+                           scale: float | None = None) -> torch.Tensor:
+    """What :func:`quest_select` ranks, in torch: ``[B, Hs, P]`` float32, −inf on non-candidate pages —
+    the bounds (``Hs = Hq``), or with ``share_kv_group`` their group-summed softmax (``Hs = Hkv``; each
+    head normalised over every page with a valid key, sink and window included)."""
+    if not share_kv_group:
+        return page_bounds_reference(q, kmin, kmax, lengths, page_size, sink, window, scale)
+    s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), q.shape[1] // kmin.shape[1])
+    return s.masked_fill(~candidate_mask(lengths, kmin.shape[2], page_size, sink, window)[:, None, :], float("-inf"))
+
+
 def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: int, size: int | float,
                  max_pages: int, share_kv_group: bool, scale: float | None = None,
                  bounds: str = "triton", select: str = "triton",
@@ -395,11 +406,7 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if bounds == "reference":
-        if share_kv_group:
-            s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), hq // hkv)
-            s = s.masked_fill(~candidate_mask(lengths, p, page_size, sink, window)[:, None, :], float("-inf"))
-        else:
-            s = page_bounds_reference(q, kmin, kmax, lengths, page_size, sink, window, scale)
+        s = quest_scores_reference(q, kmin, kmax, lengths, page_size, sink, window, share_kv_group, scale)
         counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
@@ -423,4 +430,4 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
 
 __all__ = ["PAGE_BLOCK", "PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed",
            "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
-           "quest_select", "selection_counts_reference"]
+           "quest_scores_reference", "quest_select", "selection_counts_reference"]

@@ -498,6 +498,15 @@ def check_launch_value(name: str, value, *, low: int = 1, high: int | None = Non
     return value
 
 
+def _check_rows(scores: torch.Tensor, group: int) -> None:
+    """The select launches' ``scores [B, Hq, X]`` and ``group``, or a ValueError."""
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
+        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
+                         f"strides {tuple(scores.stride())}")
+    if group < 1 or scores.shape[1] % group:
+        raise ValueError(f"group: expected a divisor of the {scores.shape[1]} score rows, got {group}")
+
+
 def _warps(value, default: int) -> int:
     return default if value is None else check_launch_value("num_warps", value, high=32, pow2=True)
 
@@ -541,11 +550,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     them."""
     b, hq, x = scores.shape
     segment = SEGMENT if segment is None else check_launch_value("segment", segment)
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    _check_rows(scores, group)
     share = group > 1
     if share and (parts is None or lengths is None):
         raise ValueError("parts and lengths: required when group > 1 (the group-summed ranking)")
@@ -636,11 +641,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     two of at least ``REGISTER_CHUNK_MIN`` units. The selection does not depend on them."""
     b, hq, x = scores.shape
     programs = REGISTER_PROGRAMS if programs is None else check_launch_value("programs", programs)
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
+    _check_rows(scores, group)
     if x > REGISTER_SELECT_MAX:
         raise ValueError(f"scores: rows of at most {REGISTER_SELECT_MAX} units, got {x} (use topk_rows_triton)")
     share = group > 1
@@ -728,6 +729,19 @@ def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...
     return opts
 
 
+def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton") -> tuple[str, ...]:
+    """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
+    groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
+    or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
+    Read from the module limits at call time (the benchmarks change them)."""
+    share = share_kv_group and group > 1
+    limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
+    if select == "triton" and n_units <= limit:
+        return ("registers",)
+    split = share and (select == "torch" or n_units > ROW_GROUP_SUM_MAX)
+    return (("group_sum",) if split else ()) + (("rows",) if select == "triton" else ())
+
+
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
                 device, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -751,8 +765,8 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
-    registers = select == "triton" and n_units <= min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX
-                                                      if share_kv_group else REGISTER_SELECT_MAX)
+    launches = select_launches(n_units, group, share_kv_group, select)
+    registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
     if share_kv_group:
@@ -767,7 +781,7 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
         idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                   unit=unit, sink=sink, window=window, **opts.get("registers", {}))
         return idx, counts[:, None].expand(batch, idx.shape[1])
-    if share_kv_group and (select == "torch" or n_units > ROW_GROUP_SUM_MAX):
+    if "group_sum" in launches:
         s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window, **opts.get("group_sum", {}))
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
@@ -779,5 +793,5 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
 
 
 __all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
-           "check_launch_value", "group_sum_rows_triton", "select_rows",
+           "check_launch_value", "group_sum_rows_triton", "select_launches", "select_rows",
            "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_registers", "topk_rows_triton"]
