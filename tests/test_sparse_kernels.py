@@ -459,6 +459,39 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
             assert _check_near_ties(*got, *ref, s) >= 0.5, (share, select)
 
 
+# Non-default launch settings (tune_quest.py's kind) of every selection launch that runs at 32k / 128k
+GPU_OVERRIDES = [{"bounds": {"block_p": 128, "num_warps": 8}}, {"bounds": {"tiles": 4, "num_stages": 3}},
+                 {"bounds": {"block_p": 32, "tiles": 8, "num_stages": 2}},
+                 {"group_sum": {"block_x": 256, "chunk": 256, "num_warps": 8}},
+                 {"rows": {"segment": 1024}}, {"rows": {"segment": 512, "num_warps": 16}},
+                 {"registers": {"programs": 512, "num_warps": 16}}, {"registers": {"programs": 32, "num_warps": 4}}]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n", [32768, 131072])
+def test_gpu_launch_overrides_keep_the_selection(n):
+    """Llama-3.1-8B shape, bf16, two rows of different lengths, 5 %: quest_select under non-default launch
+    settings picks the default settings' pages, up to near-ties of the group-summed ranking (its float32
+    sums may run in another order), twice (ticket counters reset)."""
+    q, k, _ = _qkv(2, 32, 8, n, 128, 9, torch.bfloat16, "cuda")
+    lens = torch.tensor([n, n // 2 + 3], device="cuda", dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    for share in (False, True):
+        kw = dict(page_size=16, sink=128, window=128, size=0.05, max_pages=-(-int(0.05 * n) // 16),
+                  share_kv_group=share)
+        idx, counts = quest_pages.quest_select(q, kmin, kmax, lens, **kw)
+        scores = quest_pages.quest_scores_reference(q, kmin, kmax, lens, 16, 128, 128, share)
+        # best first, as _check_near_ties reads the reference (the device lists are in page order)
+        taken = torch.arange(idx.shape[-1], device="cuda") < counts[..., None]
+        order = torch.where(taken, scores.gather(-1, idx), float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        want = (idx.gather(-1, order), counts)
+        for opts in GPU_OVERRIDES:
+            for _ in range(2):
+                got = quest_pages.quest_select(q, kmin, kmax, lens, launch_opts=opts, **kw)
+                assert _check_near_ties(*got, *want, scores) >= 0.9, (share, opts)
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("x,k", [(2048, 87), (8192, 410), (16384, 800), (32768, 1600), (131072, 6500)])
