@@ -21,10 +21,11 @@ default stays. The proposals together are then timed against the defaults at eve
     PYTHONPATH=src python benchmarks/sparse_decode/tune_quest.py OUT [--iters 40]
     PYTHONPATH=src python benchmarks/sparse_decode/tune_quest.py OUT --quick   # CPU smoke run (interpreter)
 
-About 3 minutes on an H100 / H200 (mostly Triton compiling ~110 settings; ~130 timed points). Writes
-``tune_quest.json`` and ``tune_quest.md``. ``--quick``: tiny shapes through the Triton interpreter on the
-CPU (wall-clock times, meaningless as timings), the select limits lowered in one case so that every launch
-runs; it checks the script, not the kernels.
+About 3 minutes on an H100 / H200 (an estimate, not yet measured: 113 settings and ~290 graph timings of
+~25 ms, most of the time Triton compiling ~70 kernel variants at 1.5–2.5 s). ``--launches`` limits the
+sweep to some launches. Writes ``tune_quest.json`` and ``tune_quest.md``. ``--quick``: tiny shapes through
+the Triton interpreter on the CPU (wall-clock times, meaningless as timings), the select limits lowered in
+one case so that every launch runs; it checks the script, not the kernels (~45 s).
 """
 
 from __future__ import annotations
