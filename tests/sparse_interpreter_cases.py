@@ -220,6 +220,44 @@ def test_page_bounds_kernel_matches_reference(dtype):
         assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)
 
 
+# (block_p, tiles, num_warps, num_stages): 19 pages, so 2 tiles of 16 per program leave the last program a
+# tile past the pages (whose softmax partial has no column to go to)
+BOUNDS_LAUNCHES = [(64, 1, 4, 1), (16, 2, 2, 2), (32, 3, 8, 3), (128, 1, 4, 1), (16, 8, 4, 1)]
+
+
+@pytest.mark.parametrize("block_p,tiles,warps,stages", BOUNDS_LAUNCHES)
+def test_page_bounds_launch_overrides_keep_bounds_and_partials(block_p, tiles, warps, stages):
+    """The bounds launch's overrides (tune_quest.py sweeps them): the default launch's bounds and maxima,
+    and softmax partials of block_p pages each whose log-sum-exp is each head's over its bounds —
+    nothing written past them (the partials are NaN-filled first; a stray column would land in the next
+    head's row)."""
+    from kvsieve.kernels.sparse.select_triton import GROUP_MAX
+
+    g = torch.Generator().manual_seed(21)
+    b, hq, hkv, n, d, page = 2, 8, 2, 300, 64, 16
+    q = torch.randn(b, hq, d, generator=g)
+    k = torch.randn(b, hkv, n, d, generator=g)
+    lens = torch.tensor([300, 77], dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, page)
+    p = kmin.shape[2]
+    want = quest_pages.page_bounds_triton(q, kmin, kmax, lens, page, mask_dense=False)
+    parts = tuple(torch.full((b, hq, -(-p // block_p)), float("nan")) for _ in range(2))
+    maxima = torch.full((b, hq, -(-p // GROUP_MAX)), float("nan"))
+    kw = dict(block_p=block_p, tiles=tiles, num_warps=warps, num_stages=stages)
+    got = quest_pages.page_bounds_triton(q, kmin, kmax, lens, page, mask_dense=False, parts=parts, **kw)
+    live = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), live)
+    # to rounding: the interpreter's float32 dot (numpy) sums in an order that depends on the tile width
+    assert torch.allclose(got[live], want[live], atol=1e-5, rtol=1e-6)
+    pm, pl = parts
+    lse = torch.logsumexp(pm + torch.log(pl), -1)
+    assert torch.allclose(lse, torch.logsumexp(want, -1), atol=1e-5, rtol=1e-6)
+    quest_pages.page_bounds_triton(q, kmin, kmax, lens, page, 4, 20, maxima=maxima, **kw)
+    dense = quest_pages.page_bounds_triton(q, kmin, kmax, lens, page, 4, 20)
+    padded = torch.nn.functional.pad(dense, (0, -p % GROUP_MAX), value=float("-inf"))
+    assert torch.allclose(maxima, padded.view(b, hq, -1, GROUP_MAX).amax(-1), atol=1e-5, rtol=1e-6)
+
+
 # --- methods lowered to the kernel ------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec", ["streaming:sink=4,window=16", "streaming:sink=0,window=9",
@@ -293,6 +331,36 @@ def test_benchmark_variants_run_and_match_their_references():
         if select is not None:
             idx, counts = select()
             assert idx.shape[:2] == counts.shape and bool((counts > 0).all()), name
+
+
+def test_quest_launch_tuner_runs_a_tiny_case(tmp_path):
+    """benchmarks/sparse_decode/tune_quest.py's sweep on a tiny case (the --quick path, one case): every
+    launch runs (limits lowered), each setting's selection is checked and timed, the proposals and the
+    report come out."""
+    import sys
+    from argparse import Namespace
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_decode"))
+    try:
+        import tune_quest
+    finally:
+        sys.path.pop(0)
+    args = Namespace(quick=True, density=0.2, warmup=0, iters=1)
+    sweep = {"group_sum": [{"block_x": 16, "chunk": 8}], "rows": [{"segment": 8}], "bounds": [{"tiles": 2}]}
+    rows = tune_quest.run_case(tune_quest.TuneCase(512, 1, (8, 0, 0)), args, tune_quest.WallTimer(), sweep,
+                               lambda r: None)
+    swept = [r for r in rows if r["launch"] in tune_quest.LAUNCHES]
+    assert {(r["method"], r["launch"]) for r in swept} == {("quest-kv", "bounds"), ("quest-kv", "group_sum"),
+                                                           ("quest-kv", "rows"), ("quest-q", "bounds"),
+                                                           ("quest-q", "rows")}
+    assert all(r["same"] and r["selection_us"] > 0 and r["call_us"] > 0 for r in swept), swept
+    props = tune_quest.proposals(rows, 0.02)
+    assert set(props) == {"bounds", "group_sum", "rows"}
+    report = tune_quest.markdown({"device": "cpu", "date": "-", "command": "-", "torch": "-", "triton": "-",
+                                  "protocol": "-", "density": 0.2, "seconds_sweep": 0, "seconds": 0, "rows": rows,
+                                  "proposals": props, "min_gain": 0.02, "combined": {}, "combined_check": []})
+    assert "## Proposed defaults" in report and "_group_sum_parts_kernel" in report
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -467,6 +535,43 @@ def test_quest_device_selection_matches_the_reference(select, share, long_rows, 
             kw = dict(page_size=page, sink=sink, window=window, size=size, max_pages=mp, share_kv_group=share)
             got = quest_pages.quest_select(q, kmin, kmax, lens, select=select, **kw)
             _same_sets(*got, *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
+
+
+# Non-default settings of each selection launch (tune_quest.py sweeps them), by launch; "rows" paths: the
+# rows select with the group sum in a launch of its own (the path of Quest's pages beyond 64k contexts)
+SELECT_OVERRIDES = {
+    "bounds": [{"block_p": 16, "tiles": 2, "num_warps": 2, "num_stages": 2}, {"block_p": 128, "num_warps": 8},
+               {"tiles": 3, "num_stages": 3}],
+    "group_sum": [{"block_x": 16, "chunk": 8, "num_warps": 2}, {"block_x": 64, "chunk": 32, "num_warps": 8}],
+    "rows": [{"segment": 8, "num_warps": 2}, {"segment": 16, "num_warps": 16}],
+    "registers": [{"programs": 3, "num_warps": 2}, {"programs": 1000, "num_warps": 16}],
+}
+
+
+@pytest.mark.parametrize("path", ["registers", "rows"])
+@pytest.mark.parametrize("share", [False, True])
+def test_quest_launch_overrides_keep_the_selection(path, share, monkeypatch):
+    """quest_select with non-default launch settings: the default settings' pages and the reference's
+    (as sets), on the launches that run on each path — tiles past the pages, chunks of a few units,
+    rows split into segments of 8 units, a program per few units or per row."""
+    from kvsieve.kernels.sparse import select_triton
+
+    # the bounds launch (its maxima: the test above) once per path of its outputs: parts or neither
+    launches = ["bounds", "registers"] if path == "registers" else ["rows"] + (["group_sum"] if share else [])
+    if path == "rows":
+        monkeypatch.setattr(select_triton, "REGISTER_SELECT_MAX", 0)
+        monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+    q, k, lens = _selection_case(*SELECTION_SHAPES[2])  # GQA group 4, bf16, ragged rows
+    n = k.shape[2]
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    kw = dict(page_size=16, sink=4, window=40, size=0.1, max_pages=-(-int(n * 0.1) // 16), share_kv_group=share)
+    want = quest_pages.quest_select(q, kmin, kmax, lens, **kw)
+    _same_sets(*want, *quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw))
+    for launch in launches:
+        for opts in SELECT_OVERRIDES[launch]:
+            for _ in range(2 if launch != "bounds" else 1):  # the ticket counters must be back at 0 after a call
+                got = quest_pages.quest_select(q, kmin, kmax, lens, launch_opts={launch: opts}, **kw)
+                _same_sets(*got, *want)
 
 
 @pytest.mark.parametrize("select", ["triton", "triton-rows", "torch"])

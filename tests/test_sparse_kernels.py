@@ -133,6 +133,57 @@ def test_quest_select_picks_the_reference_methods_pages():
         assert torch.equal(got, want), seed
 
 
+def test_launch_overrides_are_checked():
+    """The selection launches' overrides (tune_quest.py) refuse values their kernels cannot take, by name,
+    before anything launches."""
+    pytest.importorskip("triton")
+    from kvsieve.kernels.sparse import select_triton
+
+    q, k, _ = _qkv(1, 8, 2, 64, 16, 0, torch.float32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    kw = dict(page_size=16, sink=0, window=0, size=16, max_pages=1, share_kv_group=True)
+    for opts, match in (({"bound": {}}, "unknown launch 'bound'"), ({"rows": 4}, "a dict of keyword"),
+                        ({"bounds": {"block_p": 8}}, "block_p: expected a power of two in 16..1024"),
+                        ({"bounds": {"block_p": 48}}, "block_p"), ({"bounds": {"tiles": 0}}, "tiles"),
+                        ({"bounds": {"num_warps": 3}}, "num_warps"), ({"bounds": {"num_stages": 0}}, "num_stages")):
+        with pytest.raises(ValueError, match=match):
+            quest_pages.quest_select(q, kmin, kmax, lens, launch_opts=opts, **kw)
+    parts = (torch.empty(1, 8, 4), torch.empty(1, 8, 4))
+    with pytest.raises(ValueError, match=r"parts: expected two \[1, 8, 1\] tensors"):
+        quest_pages.page_bounds_triton(q, kmin, kmax, lens, 16, parts=parts)
+    s = torch.zeros(1, 2, 100)
+    for opts, match in (({"chunk": 4}, "chunk"), ({"block_x": 100}, "block_x"),
+                        ({"block_x": 64, "chunk": 128}, "chunk"), ({"num_warps": 64}, "num_warps")):
+        with pytest.raises(ValueError, match=match):
+            select_triton.group_sum_rows_triton(s, 2, parts, lens, 16, 0, 0, **opts)
+    with pytest.raises(ValueError, match="segment"):
+        select_triton.topk_rows_triton(s, torch.ones(1, dtype=torch.long), 4, segment=0)
+    with pytest.raises(ValueError, match="num_warps"):
+        select_triton.topk_rows_triton(s, torch.ones(1, dtype=torch.long), 4, num_warps=6)
+    with pytest.raises(ValueError, match="programs"):
+        select_triton.topk_rows_registers(s, torch.ones(1, dtype=torch.long), 4, programs=0)
+
+
+def test_tuner_selection_check_tells_near_ties_from_wrong_pages():
+    """tune_quest.py's check of a setting's selection against the defaults': equal sets, sets that differ
+    only at a near-tie of the reference scores (accepted), a worse page or a repeated one (refused)."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks" / "sparse_decode"))
+    try:
+        from tune_quest import selection_check
+    finally:
+        sys.path.pop(0)
+    scores = torch.tensor([[[5.0, 4.0, 3.0, 3.0 - 1e-6, 1.0, 0.0]]])
+    counts = torch.tensor([[3]])
+    want = (torch.tensor([[[0, 1, 2, 0]]]), counts)
+    assert selection_check((torch.tensor([[[2, 0, 1, 5]]]), counts), want, scores)["same"]
+    tie = selection_check((torch.tensor([[[0, 1, 3, 0]]]), counts), want, scores)
+    assert not tie["same"] and tie["ok"] and tie["rows_differ"] == 1
+    assert not selection_check((torch.tensor([[[0, 1, 4, 0]]]), counts), want, scores)["ok"]
+    assert not selection_check((torch.tensor([[[0, 1, 1, 0]]]), counts), want, scores)["ok"]
+    assert not selection_check((torch.tensor([[[0, 1, 2, 0]]]), torch.tensor([[2]])), want, scores)["ok"]
+
+
 def test_topk_select_picks_the_reference_methods_keys():
     import kvsieve
     from kvsieve.core.inputs import check_decode_inputs
@@ -406,6 +457,39 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
             else:
                 got = topk.topk_select(q, k, lens, select=select, **kw)
             assert _check_near_ties(*got, *ref, s) >= 0.5, (share, select)
+
+
+# Non-default launch settings (tune_quest.py's kind) of every selection launch that runs at 32k / 128k
+GPU_OVERRIDES = [{"bounds": {"block_p": 128, "num_warps": 8}}, {"bounds": {"tiles": 4, "num_stages": 3}},
+                 {"bounds": {"block_p": 32, "tiles": 8, "num_stages": 2}},
+                 {"group_sum": {"block_x": 256, "chunk": 256, "num_warps": 8}},
+                 {"rows": {"segment": 1024}}, {"rows": {"segment": 512, "num_warps": 16}},
+                 {"registers": {"programs": 512, "num_warps": 16}}, {"registers": {"programs": 32, "num_warps": 4}}]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("n", [32768, 131072])
+def test_gpu_launch_overrides_keep_the_selection(n):
+    """Llama-3.1-8B shape, bf16, two rows of different lengths, 5 %: quest_select under non-default launch
+    settings picks the default settings' pages, up to near-ties of the group-summed ranking (its float32
+    sums may run in another order), twice (ticket counters reset)."""
+    q, k, _ = _qkv(2, 32, 8, n, 128, 9, torch.bfloat16, "cuda")
+    lens = torch.tensor([n, n // 2 + 3], device="cuda", dtype=torch.int32)
+    kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
+    for share in (False, True):
+        kw = dict(page_size=16, sink=128, window=128, size=0.05, max_pages=-(-int(0.05 * n) // 16),
+                  share_kv_group=share)
+        idx, counts = quest_pages.quest_select(q, kmin, kmax, lens, **kw)
+        scores = quest_pages.quest_scores_reference(q, kmin, kmax, lens, 16, 128, 128, share)
+        # best first, as _check_near_ties reads the reference (the device lists are in page order)
+        taken = torch.arange(idx.shape[-1], device="cuda") < counts[..., None]
+        order = torch.where(taken, scores.gather(-1, idx), float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        want = (idx.gather(-1, order), counts)
+        for opts in GPU_OVERRIDES:
+            for _ in range(2):
+                got = quest_pages.quest_select(q, kmin, kmax, lens, launch_opts=opts, **kw)
+                assert _check_near_ties(*got, *want, scores) >= 0.9, (share, opts)
 
 
 @pytest.mark.gpu

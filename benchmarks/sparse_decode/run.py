@@ -31,7 +31,7 @@ import json
 import math
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from itertools import product
 from pathlib import Path
@@ -45,6 +45,7 @@ from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, spar
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK = WINDOW = 128  # the methods' default sink + window around quest and oracle-topk
+QUEST_PAGE = 16
 TARGETS = {  # issue 15 §3: speedup over FlashInfer at (32k, 128k), batch 1
     "sparse-pages16": (6, 12), "streaming": (6, 12), "quest-q": (4, 7), "quest-kv": (4, 7),
     "oracle-topk-q": (1.3, 1.5), "oracle-topk-kv": (1.3, 1.5),
@@ -70,6 +71,35 @@ def _select_limits(group_sum_in_select: int, registers: int, grouped: int):
 def _first(fn):
     """A call returning the first output of ``fn`` (the attention output, not the LSE)."""
     return lambda: fn()[0]
+
+
+def quest_budget(n: int, density: float, sink: int = SINK, window_qt: int = WINDOW,
+                 page: int = QUEST_PAGE) -> tuple[int, int]:
+    """``(tokens wanted, most pages)`` of quest's selection: ``density`` of an ``n``-key context, less the
+    sink and window it attends anyway (a page at least)."""
+    tokens_wanted = max(page, int(density * n) - sink - window_qt)
+    return tokens_wanted, -(-tokens_wanted // page)
+
+
+def quest_calls(x, summaries, share: bool, tokens_wanted: int, max_pages: int, *, sink: int = SINK,
+                window_qt: int = WINDOW, page: int = QUEST_PAGE, select: str = "triton", launch_opts=None,
+                limits=nullcontext):
+    """``(selection call, whole call)`` of one quest decode step on ``x`` (``Inputs``): the page summaries
+    refreshed, ``quest_select`` (with ``select`` and ``launch_opts``, inside ``limits()``), and for the
+    whole call the attention over its pages with the ``sink`` / ``window_qt`` dense part."""
+    def select_pages():
+        kmin, kmax = summaries.update(x.k, x.lens)
+        with limits():
+            return quest_pages.quest_select(x.q, kmin, kmax, x.lens, page_size=page, sink=sink, window=window_qt,
+                                            size=tokens_wanted, max_pages=max_pages, share_kv_group=share,
+                                            select=select, launch_opts=launch_opts)
+
+    def call():
+        p, c = select_pages()
+        return sparse_decode_triton(x.q, x.k, x.v, p, c, page_size=page, lengths=x.lens, sink=sink,
+                                    window=window_qt)[0]
+
+    return select_pages, call
 
 
 def random_pages(b, hs, n, page, count, gen):
@@ -152,32 +182,19 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
                               1 << 30 if how == "triton-registers" else select_triton.REGISTER_SELECT_GROUPED_MAX)
 
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
-    page = 16
-    tokens_wanted = max(page, budget - sink - window_qt)
-    max_pages = -(-tokens_wanted // page)
+    page = QUEST_PAGE
+    tokens_wanted, max_pages = quest_budget(n, density, sink, window_qt, page)
     summaries = quest_pages.PageSummaries(page)
     summaries.update(x.k, lens)  # the prefill's summary; each timed step refreshes the last pages
     for (base, share), (suffix, how) in product((("quest-kv", True), ("quest-q", False)), selections):
         name = base + suffix
         if how in tuning and not share:
             continue
-
-        def select(share=share, how=how):
-            kmin, kmax = summaries.update(x.k, lens)
-            with limits(how):
-                return quest_pages.quest_select(x.q, kmin, kmax, lens, page_size=page, sink=sink,
-                                                window=window_qt, size=tokens_wanted, max_pages=max_pages,
-                                                share_kv_group=share, select=how.split("-")[0])
-
+        select, call = quest_calls(x, summaries, share, tokens_wanted, max_pages, sink=sink, window_qt=window_qt,
+                                   page=page, select=how.split("-")[0], limits=partial(limits, how))
         pages, counts = select()
         quest_opts = {"page_size": page, "lengths": lens, "sink": sink, "window": window_qt}
         attend = _first(partial(sparse_decode_triton, x.q, x.k, x.v, pages, counts, **quest_opts))
-
-        def call(select=select):
-            p, c = select()
-            return sparse_decode_triton(x.q, x.k, x.v, p, c, page_size=page, lengths=lens, sink=sink,
-                                        window=window_qt)[0]
-
         summary_bytes = 2.0 * b * kv_heads * (-(-n // page)) * row
         ref = _first(partial(sparse_decode_reference, x.q, x.k, x.v, pages, counts, check=False, **quest_opts))
         rows_read = unique_rows(n, pages, counts, page, kv_heads, lens, sink, window_qt)

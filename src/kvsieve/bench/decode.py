@@ -38,15 +38,15 @@ class Case:
 class Inputs:
     """Random bf16 decode inputs of one case, in our layout (and FlashInfer's NHD copy on demand)."""
 
-    def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0):
-        g = torch.Generator(device="cuda").manual_seed(seed)
+    def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0, device: str = "cuda"):
+        g = torch.Generator(device=device).manual_seed(seed)
         b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
         self.case = case
         # q_scale > 1 sharpens attention (Gaussian q, K: scores have standard deviation q_scale)
-        self.q = (torch.randn(b, h, d, device="cuda", generator=g) * q_scale).to(dtype)
-        self.k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
-        self.v = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, generator=g)
-        self.lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        self.q = (torch.randn(b, h, d, device=device, generator=g) * q_scale).to(dtype)
+        self.k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
+        self.v = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
+        self.lens = torch.full((b,), n, device=device, dtype=torch.int32)
         self.scale = d ** -0.5
         self._nhd = None
 

@@ -19,7 +19,7 @@ import torch
 
 from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
 
-PAGE_BLOCK = 64  # pages per program of the bounds launch (and per softmax partial)
+PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
 # --- page summaries -------------------------------------------------------------------------------
 
@@ -260,77 +260,115 @@ if triton is not None:
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr,
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, WRITE_PARTS: tl.constexpr,
-        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr,
+        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr, TILES: tl.constexpr,
     ):
-        # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile.
-        pb, kvh, b, b64, length, sink_end, win_start = score_program(
+        # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile. A program takes
+        # TILES consecutive tiles of BLOCK_P pages (the query rows loaded once; with num_stages > 1 the
+        # next tiles' loads overlap this one's dots); outputs stay per tile, so the consumers see one
+        # layout whatever TILES is.
+        pid, kvh, b, b64, length, sink_end, win_start = score_program(
             lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, PAGE, WRITE_COUNTS, IS_FRAC)
         q, heads, g_ok, offs_d = load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G, BLOCK_G, D)
-        offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-        p_ok = offs_p < n_pages
-        base = b64 * s_m_b + kvh * s_m_h + offs_p[:, None] * s_m_p + offs_d[None, :]
-        lo = tl.load(kmin_ptr + base, mask=p_ok[:, None], other=0.0)
-        hi = tl.load(kmax_ptr + base, mask=p_ok[:, None], other=0.0)
         if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
             q = q.to(tl.float32)
-            lo = lo.to(tl.float32)
-            hi = hi.to(tl.float32)
         q_pos = tl.where(q > 0, q, 0.0).to(q.dtype)
         q_neg = tl.where(q < 0, q, 0.0).to(q.dtype)
-        bound = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PRECISION)
-        bound = tl.dot(q_neg, tl.trans(lo), bound, input_precision=DOT_PRECISION) * scale
-        start = offs_p * PAGE
-        if MASK_DENSE:
-            keep = p_ok & (start < win_start) & (start + PAGE > sink_end)
-        else:
-            keep = p_ok & (start < length)
-        bound = tl.where(keep[None, :], bound, float("-inf"))
-        tl.store(out_ptr + b64 * s_o_b + heads[:, None] * s_o_h + offs_p[None, :], bound,
-                 mask=g_ok[:, None] & p_ok[None, :])
-        if WRITE_PARTS:  # the group-summed ranking's softmax needs each head's lse over all pages
-            store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, pb, s_p_b, s_p_h, bound)
-        if WRITE_MAX:  # the select launch's prefilter subset
-            store_maxima(mx_ptr, b64, heads, g_ok, pb, s_x_b, s_x_h, bound, n_pages, BLOCK_P, BLOCK_G, GROUP_MAX)
+        for t in range(TILES):
+            pb = pid * TILES + t
+            offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+            p_ok = offs_p < n_pages
+            base = b64 * s_m_b + kvh * s_m_h + offs_p[:, None] * s_m_p + offs_d[None, :]
+            lo = tl.load(kmin_ptr + base, mask=p_ok[:, None], other=0.0)
+            hi = tl.load(kmax_ptr + base, mask=p_ok[:, None], other=0.0)
+            if DOT_F32:
+                lo = lo.to(tl.float32)
+                hi = hi.to(tl.float32)
+            bound = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PRECISION)
+            bound = tl.dot(q_neg, tl.trans(lo), bound, input_precision=DOT_PRECISION) * scale
+            start = offs_p * PAGE
+            if MASK_DENSE:
+                keep = p_ok & (start < win_start) & (start + PAGE > sink_end)
+            else:
+                keep = p_ok & (start < length)
+            bound = tl.where(keep[None, :], bound, float("-inf"))
+            tl.store(out_ptr + b64 * s_o_b + heads[:, None] * s_o_h + offs_p[None, :], bound,
+                     mask=g_ok[:, None] & p_ok[None, :])
+            if WRITE_PARTS:  # the group-summed ranking's softmax needs each head's lse over all pages
+                # the last program's tiles past the pages have no partial to write (TILES > 1)
+                # (a [BLOCK_G] mask: the interpreter rejects g_ok & a scalar comparison as a store mask)
+                tile_ok = g_ok & (heads * 0 + pb * BLOCK_P < n_pages)
+                store_softmax_part(pm_ptr, pl_ptr, b64, heads, tile_ok, pb, s_p_b, s_p_h, bound)
+            if WRITE_MAX:  # the select launch's prefilter subset
+                store_maxima(mx_ptr, b64, heads, g_ok, pb, s_x_b, s_x_h, bound, n_pages, BLOCK_P, BLOCK_G, GROUP_MAX)
 
 
 def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
                        scale: float | None = None, out: torch.Tensor | None = None, *, mask_dense: bool = True,
                        counts: torch.Tensor | None = None, size: int | float = 0,
                        max_pages: int = 0, parts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                       maxima: torch.Tensor | None = None) -> torch.Tensor:
+                       maxima: torch.Tensor | None = None, block_p: int = PAGE_BLOCK, tiles: int = 1,
+                       num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """:func:`page_bounds_reference` in one launch (``lengths`` int32 ``[B]``; kmin/kmax in q's dtype
     with a contiguous last dim). Products of bf16/fp16 values are exact in the fp32 accumulator; fp32
     inputs use IEEE dots. ``mask_dense=False`` masks only pages past the length (the group-summed ranking
     normalises over them). With ``counts [B]`` (int64) it also writes :func:`selection_counts_reference`
-    for ``size`` and ``max_pages``; with ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(P / 64)]`` each
-    block of 64 pages' softmax partials; with ``maxima`` float32 ``[B, Hq, ceil(P / GROUP_MAX)]`` the max of
-    every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
-    from .select_triton import GROUP_MAX
+    for ``size`` and ``max_pages``; with ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(P / block_p)]``
+    each block of ``block_p`` pages' softmax partials; with ``maxima`` float32 ``[B, Hq, ceil(P / GROUP_MAX)]``
+    the max of every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`).
+
+    Launch overrides (for tuning; defaults: the settings so far): ``block_p`` pages per tile (a power of
+    two, 16 to 1024: ``tl.dot``'s least width, and whole groups of ``GROUP_MAX`` for the maxima), ``tiles``
+    consecutive tiles per program (the grid: ``ceil(P / (block_p · tiles))`` programs per KV head and row),
+    ``num_warps`` (a power of two up to 32), ``num_stages`` (1 to 8; software pipelining over the tiles of a
+    program, so it matters only with ``tiles > 1``). The bounds do not depend on them; the partials' blocks
+    follow ``block_p``."""
+    from .select_triton import GROUP_MAX, check_launch_value
 
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     g = hq // hkv
+    check_launch_value("block_p", block_p, low=max(16, GROUP_MAX), high=1024, pow2=True)
+    check_launch_value("tiles", tiles)
+    check_launch_value("num_warps", num_warps, high=32, pow2=True)
+    check_launch_value("num_stages", num_stages, high=8)
+    n_tiles = -(-p // block_p)
+    if parts is not None and any(t.shape != (b, hq, n_tiles) for t in parts):
+        raise ValueError(f"parts: expected two [{b}, {hq}, {n_tiles}] tensors (one column per {block_p} pages), "
+                         f"got {[tuple(t.shape) for t in parts]}")
     scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     pm, pl = (out, out) if parts is None else parts
     mx = out if maxima is None else maxima
-    launch(_page_bounds_kernel, (-(-p // PAGE_BLOCK), hkv, b),
+    launch(_page_bounds_kernel, (-(-n_tiles // tiles), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
            mx, scale, sink, window, p, count, max_pages,
            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
            pm.stride(0), pm.stride(1), mx.stride(0), mx.stride(1),
-           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_P=PAGE_BLOCK, PAGE=page_size,
+           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_P=block_p, PAGE=page_size,
            MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_page_bounds_kernel), WRITE_PARTS=parts is not None,
-           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, num_warps=4, num_stages=1)
+           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, TILES=tiles, num_warps=num_warps,
+           num_stages=num_stages)
     return out
 
 
 # --- top pages ------------------------------------------------------------------------------------
 
+def quest_scores_reference(q, kmin, kmax, lengths, page_size: int, sink: int, window: int, share_kv_group: bool,
+                           scale: float | None = None) -> torch.Tensor:
+    """What :func:`quest_select` ranks, in torch: ``[B, Hs, P]`` float32, −inf on non-candidate pages —
+    the bounds (``Hs = Hq``), or with ``share_kv_group`` their group-summed softmax (``Hs = Hkv``; each
+    head normalised over every page with a valid key, sink and window included)."""
+    if not share_kv_group:
+        return page_bounds_reference(q, kmin, kmax, lengths, page_size, sink, window, scale)
+    s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), q.shape[1] // kmin.shape[1])
+    return s.masked_fill(~candidate_mask(lengths, kmin.shape[2], page_size, sink, window)[:, None, :], float("-inf"))
+
+
 def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: int, size: int | float,
                  max_pages: int, share_kv_group: bool, scale: float | None = None,
-                 bounds: str = "triton", select: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                 bounds: str = "triton", select: str = "triton",
+                 launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quest's page list for :func:`sparse_decode_triton` (``page_size`` granularity, with the same
     ``sink``/``window`` dense part): ``(pages [B, Hs, K], counts [B, Hs])`` with ``K = max(1,
     max_pages)``, ``Hs = Hkv`` when ``share_kv_group`` (pages ranked by the group-summed softmax of the
@@ -342,35 +380,41 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     softmax partials, the others the maxima of every 8 bounds) and
     :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
     select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
-    any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first)."""
+    any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first).
+
+    ``launch_opts`` (device paths; for tuning, ``benchmarks/sparse_decode/tune_quest.py``): launch overrides
+    by launch — ``"bounds"``: :func:`page_bounds_triton`'s ``block_p``, ``tiles``, ``num_warps``,
+    ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``: as
+    :func:`~kvsieve.kernels.sparse.select_triton.select_rows` takes them. The pages chosen do not depend
+    on them (up to near-ties of the group-summed ranking, whose float32 sums may run in another order)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     k = max(1, min(max_pages, p))
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if bounds == "reference":
-        if share_kv_group:
-            s = group_summed(page_bounds_reference(q, kmin, kmax, lengths, page_size, 0, 0, scale), hq // hkv)
-            s = s.masked_fill(~candidate_mask(lengths, p, page_size, sink, window)[:, None, :], float("-inf"))
-        else:
-            s = page_bounds_reference(q, kmin, kmax, lengths, page_size, sink, window, scale)
+        s = quest_scores_reference(q, kmin, kmax, lengths, page_size, sink, window, share_kv_group, scale)
         counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
     else:
-        from .select_triton import select_rows
+        from .select_triton import SELECT_LAUNCHES, check_launch_opts, select_rows
+
+        opts = check_launch_opts(launch_opts, ("bounds", *SELECT_LAUNCHES))
+        bounds_opts = opts.pop("bounds", {})
 
         def score(**kw):
             return page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, size=size,
-                                      max_pages=k, **kw)
+                                      max_pages=k, **bounds_opts, **kw)
 
-        return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k, block=PAGE_BLOCK,
-                           share_kv_group=share_kv_group, lengths=lengths, unit=page_size, sink=sink,
-                           window=window, select=select, device=q.device)
+        return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k,
+                           block=bounds_opts.get("block_p", PAGE_BLOCK), share_kv_group=share_kv_group,
+                           lengths=lengths, unit=page_size, sink=sink, window=window, select=select,
+                           device=q.device, launch_opts=opts)
     pages = torch.topk(s, k, dim=-1, sorted=True).indices
     return pages, counts[:, None].expand(b, s.shape[1])
 
 
 __all__ = ["PAGE_BLOCK", "PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed",
            "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
-           "quest_select", "selection_counts_reference"]
+           "quest_scores_reference", "quest_select", "selection_counts_reference"]

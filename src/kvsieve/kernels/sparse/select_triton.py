@@ -498,6 +498,20 @@ SEGMENT = 8192  # rows longer than this split their prefilter pass over programs
 _SMS: dict = {}
 
 
+def check_launch_value(name: str, value, *, low: int = 1, high: int | None = None, pow2: bool = False):
+    """A launch override (an int of at least ``low``, at most ``high``, a power of two if ``pow2``) or a
+    ValueError naming it; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high) \
+            or (pow2 and value & (value - 1)):
+        bound = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name}: expected {'a power of two ' if pow2 else 'an int '}in {bound}, got {value!r}")
+    return value
+
+
+def _warps(value, default: int) -> int:
+    return default if value is None else check_launch_value("num_warps", value, high=32, pow2=True)
+
+
 def _segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: int = 2) -> int:
     """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
     many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
@@ -517,7 +531,8 @@ GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 m
 def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
                      parts: tuple[torch.Tensor, torch.Tensor] | None = None, lengths: torch.Tensor | None = None,
                      unit: int = 1, sink: int = 0, window: int = 0, maxima: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, num_warps: int | None = None,
+                     segment: int | None = None) -> torch.Tensor:
     """The ``counts[b]`` best units of each row as ``[B, Hs, k]`` int64, ascending, zero-padded (one
     launch). ``scores [B, Hq, X]`` float32 with a contiguous last dim; ``counts [B]`` with every
     ``counts[b] ≤ min(k, X)`` and at most the row's finite scores (what the scoring launches write).
@@ -529,8 +544,15 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     key in ``[sink_end, window_start)`` (``unit`` keys each) are never chosen; this launch takes the
     rows' maxima itself and prefilters. ``maxima [B, Hs, ceil(X / GROUP_MAX)]`` (``group = 1``): the max
     of every ``GROUP_MAX`` units of each row, written by the scoring launch; without them the select runs
-    on the whole row (six passes over it: fine for short rows only)."""
+    on the whole row (six passes over it: fine for short rows only).
+
+    Launch overrides (for tuning; None: the defaults below): ``num_warps`` (a power of two up to 32;
+    default 8 for chunks of 2048 units or more, else 4); ``segment`` (default ``SEGMENT``): rows with
+    ``maxima`` longer than this split their prefilter pass over up to one program per ``segment`` units
+    (about two waves of programs at most); no effect on other rows. The selection does not depend on
+    them."""
     b, hq, x = scores.shape
+    segment = SEGMENT if segment is None else check_launch_value("segment", segment)
     check_score_rows(scores, group)
     share = group > 1
     if share and (parts is None or lengths is None):
@@ -558,7 +580,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     else:
         cv, ci = scores, scores
     # long rows: several programs per row share the prefilter's pass over it (see the kernel)
-    n_seg = _segments(b * hs, x, scores.device) if prefilter and not share and x > SEGMENT else 1
+    n_seg = _segments(b * hs, x, scores.device, segment=segment) if prefilter and not share and x > segment else 1
     segmented = n_seg > 1
     seg_len = -(-x // n_seg)
     if segmented:
@@ -582,7 +604,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(-(-x // GROUP_MAX)))),
            BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented,
-           num_warps=8 if block_x >= 2048 else 4, num_stages=1)
+           num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
     return out
 
 
@@ -605,7 +627,8 @@ REGISTER_CHUNK_MIN = 64
 def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
                         parts: tuple[torch.Tensor, torch.Tensor] | None = None,
                         lengths: torch.Tensor | None = None, unit: int = 1, sink: int = 0, window: int = 0,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, num_warps: int | None = None,
+                        programs: int | None = None) -> torch.Tensor:
     """:func:`topk_rows_triton` (same arguments, less ``maxima``; same output: ascending, zero-padded,
     ties to the lowest index) for rows of at most ``REGISTER_SELECT_MAX`` units, in one launch.
 
@@ -613,8 +636,14 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     whose passes read no memory and stop once the answer's bin is taken whole, then one cumulative sum
     writes the list. ``group > 1``: ``ceil(X / chunk)`` programs per row each group-sum a chunk of it from
     the partials (as :func:`group_sum_rows_triton`, so in parallel over the GPU) into a workspace row; the
-    last of them to finish (a ticket counter, reset by it) loads the row and selects as above."""
+    last of them to finish (a ticket counter, reset by it) loads the row and selects as above.
+
+    Launch overrides (for tuning; None: the defaults): ``num_warps`` (a power of two up to 32; default 4
+    below 2048 units, 8 up to 8192, 16 beyond); ``programs`` (group-summed rows; default
+    ``REGISTER_PROGRAMS``): about this many programs in all group-sum the rows, in chunks of a power of
+    two of at least ``REGISTER_CHUNK_MIN`` units. The selection does not depend on them."""
     b, hq, x = scores.shape
+    programs = REGISTER_PROGRAMS if programs is None else check_launch_value("programs", programs)
     check_score_rows(scores, group)
     if x > REGISTER_SELECT_MAX:
         raise ValueError(f"scores: rows of at most {REGISTER_SELECT_MAX} units, got {x} (use topk_rows_triton)")
@@ -631,7 +660,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     if share:
         gs = _scratch("select_regs_gs", scores, (b, hs, x), torch.float32)
         tickets = workspace("select_regs_tickets", scores, b * hs, torch.int32, zeroed=True)
-        per_row = max(1, REGISTER_PROGRAMS // (b * hs))
+        per_row = max(1, programs // (b * hs))
         chunk = max(REGISTER_CHUNK_MIN, next_pow2(-(-x // per_row)))
         n_chunks = -(-x // chunk)
     else:
@@ -643,33 +672,43 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), gs.stride(0), gs.stride(1),
            out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, XT=xt, CHUNK=chunk,
-           BLOCK_PART=max(64, 2048 // block_g), num_warps=16 if xt > 8192 else (8 if xt >= 2048 else 4),
-           num_stages=1)
+           BLOCK_PART=max(64, 2048 // block_g),
+           num_warps=_warps(num_warps, 16 if xt > 8192 else (8 if xt >= 2048 else 4)), num_stages=1)
     return out
 
 
 def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.Tensor, torch.Tensor],
-                          lengths: torch.Tensor, unit: int, sink: int, window: int) -> tuple[torch.Tensor,
-                                                                                             torch.Tensor]:
+                          lengths: torch.Tensor, unit: int, sink: int, window: int, *, block_x: int | None = None,
+                          chunk: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log Σ_g softmax_g(s) [B, Hq/group, X], its maxima [B, Hq/group, ceil(X / GROUP_MAX)])`` in one
     launch spread over the row (for rows too long for :func:`topk_rows_triton` to group-sum in its one
     program per row): each head's log-sum-exp from ``parts`` (as there), units off ``[sink_end,
-    window_start)`` at −inf."""
+    window_start)`` at −inf.
+
+    Launch overrides (for tuning; None: the defaults): ``block_x`` units per program (default 1024, 4096
+    for rows of 64k units or more), taken ``chunk`` at a time (default ``2048 / group`` rounded up to a
+    power of two, at least ``GROUP_MAX``): both powers of two, ``GROUP_MAX ≤ chunk ≤ block_x`` (each
+    chunk's maxima cover whole groups; the chunks tile the block); ``num_warps`` a power of two up to 32."""
     b, hq, x = scores.shape
     pm, pl = parts
     hs = hq // group
-    out = _scratch("select_rows", scores, (b, hs, x), torch.float32)
-    maxima = _scratch("select_rows_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
     block_g = max(2, next_pow2(group))
     # short rows (pages) in small blocks, for programs enough to fill the GPU; long rows (keys) in big
     # ones, since every program reads all of its heads' softmax partials
-    block_x, chunk = (4096 if x >= 65536 else 1024), max(GROUP_MAX, 2048 // block_g)
+    block_x = (4096 if x >= 65536 else 1024) if block_x is None else check_launch_value("block_x", block_x, pow2=True)
+    chunk = max(GROUP_MAX, 2048 // block_g) if chunk is None else check_launch_value(
+        "chunk", chunk, low=GROUP_MAX, high=block_x, pow2=True)
+    if chunk > block_x:
+        raise ValueError(f"block_x: expected at least the chunk of {chunk} units, got {block_x}")
+    check_launch_value("num_warps", num_warps, high=32, pow2=True)
+    out = _scratch("select_rows", scores, (b, hs, x), torch.float32)
+    maxima = _scratch("select_rows_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
     launch(_group_sum_parts_kernel, (-(-x // block_x), hs, b),
            scores, pm, pl, lengths, out, maxima, sink, window, x, pm.shape[-1],
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
            maxima.stride(0), maxima.stride(1),
            G=group, BLOCK_G=block_g, UNIT=unit, BLOCK_X=block_x, CHUNK=chunk, BLOCK_PART=max(64, 2048 // block_g),
-           GROUP_MAX=GROUP_MAX, num_warps=4, num_stages=1)
+           GROUP_MAX=GROUP_MAX, num_warps=num_warps, num_stages=1)
     return out, maxima
 
 
@@ -679,10 +718,36 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # not. To be tuned on the GPU: the benchmark times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
 
+SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
+
+
+def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
+    """``launch_opts`` (None: {}) after checking that it maps some of ``names`` to keyword dicts."""
+    opts = dict(launch_opts or {})
+    for name, kw in opts.items():
+        if name not in names:
+            raise ValueError(f"launch_opts: unknown launch {name!r} (expected some of {', '.join(names)})")
+        if not isinstance(kw, dict):
+            raise ValueError(f"launch_opts[{name!r}]: expected a dict of keyword arguments, got {kw!r}")
+    return opts
+
+
+def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton") -> tuple[str, ...]:
+    """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
+    groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
+    or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
+    Read from the module limits at call time (the benchmarks change them)."""
+    share = share_kv_group and group > 1
+    limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
+    if select == "triton" and n_units <= limit:
+        return ("registers",)
+    split = share and (select == "torch" or n_units > ROW_GROUP_SUM_MAX)
+    return (("group_sum",) if split else ()) + (("rows",) if select == "triton" else ())
+
 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
-                device) -> tuple[torch.Tensor, torch.Tensor]:
+                device, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -691,14 +756,20 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     ``select="triton"``: :func:`topk_rows_triton` (ascending order) — 2 launches with the scoring one,
     3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="torch"``: the group sum (if any)
     from the partials in one parallel launch, then ``torch.topk`` (sorted, highest first: rows whose count
-    is below ``k`` read the first ``count`` entries) — kept to compare."""
+    is below ``k`` read the first ``count`` entries) — kept to compare.
+
+    ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
+    :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
+    ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``); each applies where its
+    launch runs. The selection does not depend on them."""
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
-    registers = select == "triton" and n_units <= min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX
-                                                      if share_kv_group else REGISTER_SELECT_MAX)
+    launches = select_launches(n_units, group, share_kv_group, select)
+    registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
     if share_kv_group:
@@ -711,18 +782,19 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
               out=_scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
     if registers:
         idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
-                                  unit=unit, sink=sink, window=window)
+                                  unit=unit, sink=sink, window=window, **opts.get("registers", {}))
         return idx, counts[:, None].expand(batch, idx.shape[1])
-    if share_kv_group and (select == "torch" or n_units > ROW_GROUP_SUM_MAX):
-        s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window)
+    if "group_sum" in launches:
+        s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window, **opts.get("group_sum", {}))
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
         idx = torch.topk(s, k, dim=-1, sorted=True).indices
     else:
         idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
-                               unit=unit, sink=sink, window=window, maxima=maxima)
+                               unit=unit, sink=sink, window=window, maxima=maxima, **opts.get("rows", {}))
     return idx, counts[:, None].expand(batch, idx.shape[1])
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "group_sum_rows_triton", "select_rows",
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
+           "check_launch_value", "group_sum_rows_triton", "select_launches", "select_rows",
            "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_registers", "topk_rows_triton"]
