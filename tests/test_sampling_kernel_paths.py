@@ -619,7 +619,8 @@ def test_sample_kernel_draws_the_references_sample():
 TOPP = """
 import itertools
 import torch
-from kvsieve.kernels.sparse.topp_triton import topp_reference, topp_select
+from kvsieve.kernels.sparse.topp_triton import topp_select
+from kvsieve.methods.oracle_topp import topp_reference
 
 device = "{device}"
 

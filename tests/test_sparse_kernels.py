@@ -524,9 +524,9 @@ def test_gpu_row_select_matches_its_reference(x, k):
 
 
 def test_oracle_topk_takes_torch_topk_for_long_per_query_head_rows():
-    """The measured crossover (oracle_topk.TORCH_SELECT_ABOVE): per query head at 128k keys torch.topk
+    """The measured crossover (topk.TORCH_SELECT_ABOVE): per query head at 128k keys torch.topk
     beats the select launch, per KV head it does not."""
-    from kvsieve.methods.oracle_topk import TORCH_SELECT_ABOVE, select_path
+    from kvsieve.kernels.sparse.topk import TORCH_SELECT_ABOVE, select_path
 
     assert select_path(False, TORCH_SELECT_ABOVE + 1) == "torch"
     assert select_path(False, TORCH_SELECT_ABOVE) == "triton"

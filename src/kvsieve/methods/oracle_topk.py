@@ -8,7 +8,7 @@ parallel group-sum launch), one select launch
 exact top keys by a radix select) and the Triton sparse kernel (2 launches) on the chosen tokens with
 sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Per-query-head rows of
 more than ``TORCH_SELECT_ABOVE`` keys take ``torch.topk`` in place of the select launch (see
-:func:`select_path`). Elsewhere the torch reference. "reference" and "triton" force a path;
+:func:`kvsieve.kernels.sparse.topk.select_path`). Elsewhere the torch reference. "reference" and "triton" force a path;
 ``stats.backend`` names the path that ran.
 """
 
@@ -19,20 +19,11 @@ from typing import Literal
 
 from ..core.config import param, require_choice
 from ..core.registry import register_method
+from ..kernels.sparse.topk import select_path
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
 from .shared.selection import require_size, resolve_size, size_bound, top_k, union
 from .shared.sparse_path import choose_sparse_backend, page_list_mark, sparse_stats
-
-# Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
-# per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
-# 123 µs at 32k); per KV head (a quarter of the rows) it wins at 128k, 243 vs 277 µs.
-TORCH_SELECT_ABOVE = 65536
-
-
-def select_path(share_kv_group: bool, n_keys: int) -> str:
-    """The top-k step of the device path: ``"torch"`` for long per-query-head rows, else ``"triton"``."""
-    return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,23 @@ class OracleTopP(StagedSelection):
         return Stages(lambda: fixed_part(self, inputs)[0], rest, scored=None, extra={"select": "triton"},
                       plan_entries=max(1, inputs.n_keys // 8),
                       stats_rest=lambda: IndexSet(torch.where(rest.used(), idx.long(), 0), counts.long()))
+
+
+def topp_reference(q, k, lengths, *, sink: int, window: int, top_p: float, mass: str, share_kv_group: bool,
+                   scale: float | None = None) -> torch.Tensor:
+    """``[B, Hs, N]`` bool: the keys :func:`topp_select` lists — the torch reference's set
+    (:func:`kvsieve.methods.shared.selection.top_p` on float64 probabilities, as ``OracleTopP.stages``;
+    here, not beside the kernel, because kernels import no method code), without sink and window."""
+    from ..kernels.sparse.quest_pages import candidate_mask
+    from ..kernels.sparse.topk import scores_reference
+    from .shared.selection import top_p as top_p_set  # the argument top_p shadows the module's name
+
+    b, hq, _ = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    probs = torch.softmax(scores_reference(q, k, lengths, 0, 0, scale).to(torch.float64), dim=-1)
+    if share_kv_group:
+        probs = probs.view(b, hkv, hq // hkv, n).sum(2) / (hq // hkv)
+    available = candidate_mask(lengths, n, 1, sink, window)[:, None, :].expand(probs.shape)
+    rest = (probs * available).sum(-1)
+    target = torch.clamp(top_p - (1.0 - rest), min=0.0) if mass == "total" else top_p * rest
+    return top_p_set(probs, available, target).mark(n)

@@ -322,8 +322,7 @@ class VAttention(StagedSelection):
         pages = counts = None
         page, p_total = 1, n  # the oracle's top-k as pages of one key
         if cfg.top_k != 0 and oracle:
-            from ..kernels.sparse.topk import topk_select
-            from .oracle_topk import select_path
+            from ..kernels.sparse.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
             pages, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,

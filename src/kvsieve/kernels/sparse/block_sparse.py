@@ -281,7 +281,7 @@ def block_sparse_prefill(
     block_size: int, scale: float | None = None, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, str]:
     """``(out, lse, backend)`` with the backend that ran: ``auto`` (:func:`auto_backend`: the Triton kernel
-    for blocks of up to 64 keys on CUDA, FlexAttention for larger ones, the reference off CUDA); ``flex``;
+    for blocks of up to 128 keys on CUDA, FlexAttention for larger ones, the reference off CUDA); ``flex``;
     ``triton`` (:mod:`.block_sparse_triton`, fewer K/V reads per selected block: the GQA group's heads share
     a tile; a ValueError when it cannot serve the call); ``reference``."""
     if backend not in BACKENDS:

@@ -21,6 +21,18 @@ from .quest_pages import (
     selection_counts_reference,
 )
 
+# Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
+# per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
+# 123 µs at 32k); per KV head (a quarter of the rows) it wins at 128k, 243 vs 277 µs.
+TORCH_SELECT_ABOVE = 65536
+
+
+def select_path(share_kv_group: bool, n_keys: int) -> str:
+    """The top-k step of an oracle top-k on the device (oracle-topk, vattention's oracle predictor):
+    ``"torch"`` for long per-query-head rows, else ``"triton"``."""
+    return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
+
+
 
 def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None) -> torch.Tensor:
     """``[B, Hq, N]`` float32 ``scale · q·k``, −inf outside ``[sink_end, window_start)``."""

@@ -235,26 +235,6 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
     return idx, counts
 
 
-def topp_reference(q, k, lengths, *, sink: int, window: int, top_p: float, mass: str, share_kv_group: bool,
-                   scale: float | None = None) -> torch.Tensor:
-    """``[B, Hs, N]`` bool: the keys :func:`topp_select` lists — the torch reference's set
-    (:func:`kvsieve.methods.shared.selection.top_p` on float64 probabilities, as ``oracle-topp``'s
-    ``stages``), without sink and window."""
-    from ...methods.shared.selection import top_p as top_p_set
-    from .quest_pages import candidate_mask
-    from .topk import scores_reference
-
-    b, hq, _ = q.shape
-    hkv, n = k.shape[1], k.shape[2]
-    probs = torch.softmax(scores_reference(q, k, lengths, 0, 0, scale).to(torch.float64), dim=-1)
-    if share_kv_group:
-        probs = probs.view(b, hkv, hq // hkv, n).sum(2) / (hq // hkv)
-    available = candidate_mask(lengths, n, 1, sink, window)[:, None, :].expand(probs.shape)
-    rest = (probs * available).sum(-1)
-    target = torch.clamp(top_p - (1.0 - rest), min=0.0) if mass == "total" else top_p * rest
-    return top_p_set(probs, available, target).mark(n)
-
-
 def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: str, share_kv_group: bool,
                 scale: float | None = None, bits: int = BITS,
                 segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -276,4 +256,4 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
                             bits=bits, segments=segments)
 
 
-__all__ = ["BITS", "n_passes", "topp_reference", "topp_rows_triton", "topp_select"]
+__all__ = ["BITS", "n_passes", "topp_rows_triton", "topp_select"]
