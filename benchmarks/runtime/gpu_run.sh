@@ -8,8 +8,8 @@
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
 #   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
 #
-# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~8 min for the three cases (10 methods;
-# run one case per call where a call is limited to 10 minutes: CASES=1x128k, then CASES=1x32k,8x32k).
+# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~4 min for the three cases (10 methods,
+# measured 2026-11-27: 246 s; CASES=1x128k runs one case).
 # Build .device_data/wheels here with:
 #   pip download --no-deps --only-binary=:all: -d .device_data/wheels pytest pluggy iniconfig packaging pygments
 set -uo pipefail
