@@ -65,15 +65,7 @@ class OracleTopP(StagedSelection):
         heads = fixed.heads
         # float64 probabilities from a product in the compute dtype (no float64 copy of K)
         probs = torch.softmax(inputs.scores(compute_dtype(inputs)).to(torch.float64), dim=-1)
-        if heads != inputs.heads:
-            b = inputs.batch
-            probs = probs.view(b, heads, inputs.group, -1).sum(2) / inputs.group
-        rest = (probs * available).sum(-1)
-        p = self.config.top_p
-        if self.config.mass == "total":
-            target = torch.clamp(p - (1.0 - rest), min=0.0)  # mass still missing after sink+window
-        else:
-            target = p * rest
+        probs, target = _probs_and_target(probs, available, heads, self.config.top_p, self.config.mass)
         return Stages(fixed, top_p(probs, available, target), scored=None)
 
     def kernel_stages(self, inputs, gen, state):
@@ -104,12 +96,23 @@ def topp_reference(q, k, lengths, *, sink: int, window: int, top_p: float, mass:
     from ..kernels.sparse.topk import scores_reference
     from .shared.selection import top_p as top_p_set  # the argument top_p shadows the module's name
 
-    b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
+    heads = hkv if share_kv_group else q.shape[1]
     probs = torch.softmax(scores_reference(q, k, lengths, 0, 0, scale).to(torch.float64), dim=-1)
-    if share_kv_group:
-        probs = probs.view(b, hkv, hq // hkv, n).sum(2) / (hq // hkv)
-    available = candidate_mask(lengths, n, 1, sink, window)[:, None, :].expand(probs.shape)
-    rest = (probs * available).sum(-1)
-    target = torch.clamp(top_p - (1.0 - rest), min=0.0) if mass == "total" else top_p * rest
+    available = candidate_mask(lengths, n, 1, sink, window)[:, None, :].expand(q.shape[0], heads, n)
+    probs, target = _probs_and_target(probs, available, heads, top_p, mass)
     return top_p_set(probs, available, target).mark(n)
+
+
+def _probs_and_target(probs: torch.Tensor, available: torch.Tensor, heads: int, p: float, mass: str):
+    """Per-query-head float64 ``probs [B, Hq, N]`` averaged over each group when the selection has fewer
+    ``heads`` (``share_kv_group``), and the mass ``target [B, heads]`` the top-p set must reach among the
+    ``available`` keys: ``mass="total"`` counts sink + window toward ``p``, ``"residual"`` takes ``p`` of
+    the rest."""
+    b, hq, n = probs.shape
+    if heads != hq:
+        probs = probs.view(b, heads, hq // heads, n).sum(2) / (hq // heads)
+    rest = (probs * available).sum(-1)
+    if mass == "total":
+        return probs, torch.clamp(p - (1.0 - rest), min=0.0)  # mass still missing after sink + window
+    return probs, p * rest

@@ -33,7 +33,6 @@ def select_path(share_kv_group: bool, n_keys: int) -> str:
     return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
 
 
-
 def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float | None = None) -> torch.Tensor:
     """``[B, Hq, N]`` float32 ``scale · q·k``, −inf outside ``[sink_end, window_start)``."""
     b, hq, d = q.shape
