@@ -719,6 +719,36 @@ def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_o
                 assert s.mean("density") < 0.5
 
 
+def test_integration_all_phase_takes_a_chunk_after_the_sparse_prefill_through_the_decode():
+    """phase="all" (what `kvsieve eval --phase all` runs): the context through the sparse prefill, then a
+    chunk (the question) as one multi-row decode call per layer, the same logits as token steps."""
+    model = tiny_llama()
+    x = ids(280, seed=2)
+    ctx = 243
+    with torch.no_grad():
+        ref = model(x).logits
+        for density in (1.0, 0.2):
+            spec = f"sketchwalk:density={density},block_size=16,sketch_dim=16"
+            logits = {}
+            for mode in ("chunk", "steps"):
+                cache = DynamicCache()
+                with kvsieve.sparsify(model, spec, phase="all") as s:
+                    model(x[:, :ctx], past_key_values=cache)
+                    if mode == "chunk":
+                        logits[mode] = model(x[:, ctx:], past_key_values=cache).logits
+                    else:
+                        logits[mode] = torch.cat([model(x[:, t:t + 1], past_key_values=cache).logits
+                                                  for t in range(ctx, 280)], 1)
+                if mode == "chunk":
+                    assert [(r["phase"], r["layer"], r["rows"]) for r in s.records] == [
+                        ("prefill", 2, ctx), ("prefill", 3, ctx), ("decode", 2, 37), ("decode", 3, 37)]
+            torch.testing.assert_close(logits["chunk"], logits["steps"], atol=1e-5, rtol=1e-5)
+            if density == 1.0:
+                torch.testing.assert_close(logits["chunk"], ref[:, ctx:], atol=1e-4, rtol=1e-4)
+            else:
+                assert float((logits["chunk"] - ref[:, ctx:]).abs().max()) > 1e-2
+
+
 def test_integration_question_phase_refuses_what_its_state_cannot_follow():
     model = tiny_llama()
     x = ids(120, seed=3)
