@@ -173,6 +173,49 @@ def test_sketchwalk_cells_in_setup_b_take_the_question_as_one_chunk(default_mode
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("phase", ["prefill", "all"])
+def test_sketchwalk_cells_with_a_sparse_prefill_of_the_context(default_model, tmp_path, phase):
+    """prefill: the context through the sparse prefill, question + answer exact; all: then the question
+    chunk and the answer through the decode as in setup B. At density 1 every block is kept, so the cells
+    are dense's; an interrupted folder resumes, and refuses another phase."""
+    import kvsieve
+
+    model, tok = default_model
+    spec, sparse_spec = (kvsieve.method(f"sketchwalk:density={d},block_size=16").spec for d in (1.0, 0.2))
+    cfg = tiny(tmp_path, phase=phase, stop_when_solved=False, max_new_tokens=3, methods=("dense", spec, sparse_spec))
+
+    def interrupt_after_first(row):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_eval(cfg, model=model, tokenizer=tok, progress=False, on_cell=interrupt_after_first)
+    res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
+    assert (res.computed, res.skipped) == (2, 1)
+    assert run_eval(cfg, model=model, tokenizer=tok, progress=False).computed == 0
+    with pytest.raises(ResultsFolderError, match="other settings.*phase"):
+        run_eval(dataclasses.replace(cfg, phase="question"), model=model, tokenizer=tok, progress=False)
+
+    dense = res.store.read("niah_single_2", 384, 0, "dense")
+    full = res.store.read("niah_single_2", 384, 0, spec)
+    sparse = res.store.read("niah_single_2", 384, 0, sparse_spec)
+    assert full["prediction"] == dense["prediction"] and full["new_tokens"] == dense["new_tokens"] == 3
+    assert full["kl_mean"] < 1e-6 and full["top1_agree"] == 1.0 and full["tf_tokens"] == dense["tf_tokens"]
+    assert dense["prefill_density"] == dense["decode_density"] == 1.0
+    assert full["prefill_density"] == pytest.approx(1.0) and full["prefill_block_density"] == pytest.approx(1.0)
+    assert 0 < sparse["prefill_density"] < 0.5 and 0 < sparse["prefill_block_density"] < 0.5
+    assert sparse["kl_mean"] > 1e-3  # the sparse prefill reaches the question's logits
+    sparse_layers = model.config.num_hidden_layers - 2  # layers 0 and 1 stay dense
+    if phase == "prefill":
+        # the context's prefill, nothing after it
+        assert full["sparse_calls"] == sparse["sparse_calls"] == sparse_layers
+        assert sparse["decode_density"] == 1.0 and sparse["density"] == sparse["prefill_density"]
+    else:
+        # per sparse layer: the prefill, the teacher-forced chunk, the question again, 2 generated tokens
+        assert full["sparse_calls"] == sparse["sparse_calls"] == sparse_layers * 5
+        assert 0 < sparse["decode_density"] < 1 and full["decode_density"] == pytest.approx(1.0)
+
+
+@pytest.mark.model
 def test_length_above_model_maximum_is_refused_before_writing(default_model, tmp_path):
     model, tok = default_model
     with pytest.raises(ValueError, match="maximum context of 8192"):
@@ -219,7 +262,12 @@ def test_bad_grid_names_list_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="unknown model 'nope'.*'default'"):
         run_eval(tiny(tmp_path, model="nope"), progress=False)
     with pytest.raises(ValueError, match="phase"):
-        run_eval(tiny(tmp_path, phase="prefill"), progress=False)
+        run_eval(tiny(tmp_path, phase="question-and-answer"), progress=False)
+    # No dense fallback: a method without a sparse prefill is refused in the phases that need one.
+    for phase in ("prefill", "all"):
+        with pytest.raises(ValueError, match=f"phase: '{phase}'.*santa-sys:budget=16 has none.*sketchwalk"):
+            run_eval(tiny(tmp_path, phase=phase, methods=("sketchwalk", "santa-sys:budget=16")), progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_errors(capsys, tmp_path):

@@ -688,12 +688,18 @@ def test_integration_bad_input():
             pass
 
 
-def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_one():
+@pytest.mark.parametrize("phase", ["question", "all"])
+def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_one(phase):
     """Setup B: the context's forward is recorded, the question goes through the decode as one multi-row
-    call per layer; the same logits as feeding the question token by token, and dense's at density 1."""
+    call per layer; the same logits as feeding the question token by token, and dense's at density 1.
+    phase="all" (`kvsieve eval --phase all`): the same after the context's sparse prefill."""
     model = tiny_llama()
     x = ids(280, seed=2)
     ctx = 243  # mid-block: the question completes blocks 15 and 16 of 16 tokens
+    kw = {"question_start": ctx} if phase == "question" else {}
+    # one call per sparse layer, every question row, walks over the two layers (after the prefill's)
+    prefill_calls = [] if phase == "question" else [("prefill", 2, ctx, 1), ("prefill", 3, ctx, 2)]
+    calls = prefill_calls + [("decode", 2, 37, 1), ("decode", 3, 37, 2)]
     with torch.no_grad():
         ref = model(x).logits
         for density in (1.0, 0.2):
@@ -701,16 +707,16 @@ def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_o
             logits = {}
             for mode in ("chunk", "steps"):
                 cache = DynamicCache()
-                with kvsieve.sparsify(model, spec, phase="question", question_start=ctx) as s:
+                with kvsieve.sparsify(model, spec, phase=phase, **kw) as s:
                     model(x[:, :ctx], past_key_values=cache)
                     if mode == "chunk":
                         logits[mode] = model(x[:, ctx:], past_key_values=cache).logits
                     else:
                         logits[mode] = torch.cat([model(x[:, t:t + 1], past_key_values=cache).logits
                                                   for t in range(ctx, 280)], 1)
-                if mode == "chunk":  # one call per sparse layer, every question row, walks over the two layers
-                    assert [(r["layer"], r["rows"], r["walk_hops"]) for r in s.records] == [(2, 37, 1), (3, 37, 2)]
-                    assert {r["selection"] for r in s.records} == {"reference"}
+                if mode == "chunk":
+                    assert [(r["phase"], r["layer"], r["rows"], r["walk_hops"]) for r in s.records] == calls
+                    assert {r["selection"] for r in s.records if r["phase"] == "decode"} == {"reference"}
             torch.testing.assert_close(logits["chunk"], logits["steps"], atol=1e-5, rtol=1e-5)
             if density == 1.0:
                 torch.testing.assert_close(logits["chunk"], ref[:, ctx:], atol=1e-4, rtol=1e-4)

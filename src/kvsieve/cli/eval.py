@@ -48,9 +48,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="dense",
                    help="method specs, e.g. 'dense,santa-sys:budget=64,santa:budget=32' (dense is always added)")
     p.add_argument("--samples", type=int, default=20, help="samples per (task, length) (default 20)")
-    p.add_argument("--phase", default="question", choices=("question", "decode"),
+    p.add_argument("--phase", default="question", choices=("question", "decode", "prefill", "all"),
                    help="question: setup B, context exact, question + answer sparse (default); "
-                   "decode: setup A, only generated tokens sparse")
+                   "decode: setup A, only generated tokens sparse; prefill: the context through the method's "
+                   "sparse prefill, question + answer exact; all: the context through the sparse prefill, "
+                   "question + answer sparse as in setup B. prefill and all need methods with a sparse "
+                   "prefill (sketchwalk); others are refused. Part of the folder's settings")
     p.add_argument("--output", required=True, help="results folder (created, or resumed when it exists)")
     p.add_argument("--seed", type=int, default=0, help="seed of the task generators and the methods")
     p.add_argument("--dense-layers", default="", help="comma-separated layers that stay exact (default none)")

@@ -95,7 +95,7 @@ def summarize_records(records: Sequence[dict[str, Any]], n_layers: int) -> dict[
         acc[1] = rows
     token_bytes = sum(b * n for b, n in steps.values())
     tokens = sum(n for _, n in steps.values())
-    return {
+    out = {
         "density": _weighted_mean(records, "density"),
         "kv_density": _weighted_mean(records, "kv_density"),
         "bytes_read_per_step": token_bytes / tokens if tokens else None,
@@ -104,3 +104,12 @@ def summarize_records(records: Sequence[dict[str, Any]], n_layers: int) -> dict[
         "sparse_calls": len(records),
         "backends": sorted({str(r.get("backend")) for r in records if r.get("backend") is not None}),
     }
+    prefill = [r for r in records if r.get("phase") == "prefill"]
+    if prefill:
+        # A sparse prefill's call serves every context token, so the mean above is nearly the prefill's
+        # alone: the two parts are kept apart as well (decode: None when no sparse decode call ran).
+        decode = [r for r in records if r.get("phase") != "prefill"]
+        out["prefill_density"] = _weighted_mean(prefill, "density")
+        out["prefill_block_density"] = _weighted_mean(prefill, "block_density")
+        out["decode_density"] = _weighted_mean(decode, "density")
+    return out

@@ -16,10 +16,17 @@ exact, so every method reuses it and pays only for its own tokens — except a p
 (Sketch&Walk), whose decode needs what it records from the prompt's own forward (the queries): its
 prompt (setup A) or its context (setup B, then the question as one multi-row chunk) is run again
 inside its session.
+
+The sparse-prefill phases split the prompt as setup B does and run the context through the method's
+sparse prefill (only methods that have one: others are refused by :func:`validate_config`):
+``phase="prefill"`` (prefill-only) leaves the session after the context, so the question, the gold
+target and the generated tokens are exact; ``phase="all"`` (end to end) keeps it, and they go through
+the method's decode as under ``"question"``. Dense is the exact reference in every phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import platform
@@ -37,6 +44,9 @@ from .metrics import next_token_agreement, summarize_records
 from .store import ResultStore
 
 DENSE = "dense"
+PHASES = ("question", "decode", "prefill", "all")
+# Phases whose cache before the question is the method's own sparse prefill of the context.
+SPARSE_PREFILL_PHASES = ("prefill", "all")
 
 
 @dataclass(frozen=True)
@@ -106,15 +116,35 @@ def validate_config(cfg: EvalConfig) -> EvalConfig:
             raise ValueError(f"lengths: expected integers of at least 256 tokens, got {length!r}")
     if isinstance(cfg.samples, bool) or not isinstance(cfg.samples, int) or cfg.samples < 1:
         raise ValueError(f"samples: expected a positive integer, got {cfg.samples!r}")
-    if cfg.phase not in ("question", "decode"):
-        raise ValueError(f"phase: expected 'question' (setup B) or 'decode' (setup A), got {cfg.phase!r}")
+    if cfg.phase not in PHASES:
+        raise ValueError(f"phase: expected 'question' (setup B), 'decode' (setup A), 'prefill' (sparse "
+                         f"prefill of the context only) or 'all' (sparse prefill, then setup B), got {cfg.phase!r}")
     if cfg.track_error < 0:
         raise ValueError(f"track_error: expected an integer >= 0 (0 = off), got {cfg.track_error}")
     if cfg.max_new_tokens is not None and cfg.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive integer, got {cfg.max_new_tokens}")
     check_device(cfg.device)
+    methods = canonical_methods(cfg.methods)
+    if cfg.phase in SPARSE_PREFILL_PHASES:
+        check_sparse_prefill(methods, cfg.phase)
     return EvalConfig(**{**asdict(cfg), "tasks": tasks, "lengths": tuple(dict.fromkeys(cfg.lengths)),
-                         "methods": canonical_methods(cfg.methods), "dense_layers": tuple(cfg.dense_layers)})
+                         "methods": methods, "dense_layers": tuple(cfg.dense_layers)})
+
+
+def check_sparse_prefill(methods: Sequence[str], phase: str) -> None:
+    """Every method but dense has a sparse prefill: an exact prefill in its place would be scored as if it
+    were the method's, so a method without one is refused rather than run densely."""
+    from ..core.prefill import PrefillMethod
+    from ..core.registry import method, method_class
+    from ..core.registry import methods as registered
+
+    lacking = [m for m in methods if m != DENSE and not isinstance(method(m), PrefillMethod)]
+    if lacking:
+        having = [n for n in registered() if issubclass(method_class(n), PrefillMethod)]
+        raise ValueError(
+            f"phase: {phase!r} runs the context through the method's sparse prefill, and "
+            f"{', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} none; methods with one: "
+            f"{', '.join(having) or 'none'}. Run the others with phase 'question' or 'decode'")
 
 
 def check_device(device: str) -> None:
@@ -206,10 +236,11 @@ def _ids(tokens: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def prefill(model: Any, sample: task_registry.Sample, phase: str, timer: Timer) -> Prefill:
+    """The context (every phase but ``"decode"``) or the whole prompt (``"decode"``) in one forward."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    upto = sample.question_start if phase == "question" else sample.n_tokens
+    upto = sample.n_tokens if phase == "decode" else sample.question_start
     cache = DynamicCache()
     t0 = time.perf_counter()
     out = timer.forward(model, input_ids=_ids(sample.input_ids[:upto], device), past_key_values=cache,
@@ -218,8 +249,6 @@ def prefill(model: Any, sample: task_registry.Sample, phase: str, timer: Timer) 
 
 
 def _session(model: Any, method: str, cfg: EvalConfig, question_start: int, track: bool):
-    import contextlib
-
     if method == DENSE:
         return contextlib.nullcontext(None)
     from ..integrations.hf import sparsify
@@ -277,6 +306,11 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
     and greedy decoding continues from the question's last logits. The crop is exact only for
     methods that keep no per-layer state; for others the question is run again on a fresh copy.
     Under setup A forced tokens are fed one at a time, since only single-token steps are sparse.
+
+    ``phase="prefill"`` / ``"all"`` go as setup B, from the method's own sparse prefill of the context
+    instead of the shared exact one; under ``"prefill"`` the session ends there, so everything after the
+    context is exact (and the crop with it). The first forced token is then predicted by the sparse
+    prefill, still left out: it is a question token, and its row is the same position in every phase.
     """
     device = next(model.parameters()).device
     limit = sample.max_new_tokens if cfg.max_new_tokens is None else min(cfg.max_new_tokens, sample.max_new_tokens)
@@ -288,24 +322,29 @@ def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Pr
     logits = pre.last_logits
     cache = copy.deepcopy(pre.cache)
     generated: list[int] = []
-    with _session(model, method, cfg, sample.question_start, track=True) as session:
+    split = cfg.phase != "decode"  # the question comes after the cached context (setup B's split)
+    with contextlib.ExitStack() as stack:
+        session = stack.enter_context(_session(model, method, cfg, sample.question_start, track=True))
         base = pre.cache
         if _records_prompt(session):
             # A prefill method (Sketch&Walk) keeps what its decode needs from the prompt's forward, queries
-            # included: the prompt (setup A) or the context (setup B) is run again inside the session, exact.
+            # included: the prompt (setup A) or the context (the other phases) is run again inside the
+            # session, exact (setups A, B) or through its sparse prefill ("prefill", "all").
             again = prefill(model, sample, cfg.phase, timer)
             base = again.cache
             # Setup B runs the question on `cache` and may start again from `base`: two caches.
-            cache = copy.deepcopy(base) if cfg.phase == "question" else base
+            cache = copy.deepcopy(base) if split else base
             logits = again.last_logits
-        if cfg.phase == "question" and question:
+        if cfg.phase == "prefill":
+            stack.close()  # prefill-only: the question, the forced target and the answer run exact
+        if split and question:
             run = forced[:-1] if len(forced) > len(question) else question
             out = timer.forward(model, input_ids=_ids(run, device), past_key_values=cache, use_cache=True)
             if teacher_force and len(forced) >= 2:
                 tf_logits = out.logits[0, : len(forced) - 1].float()
             logits = out.logits[0, len(question) - 1].float()
             if generate and len(run) > len(question):
-                if _stateless(session):
+                if cfg.phase == "prefill" or _stateless(session):
                     # A negative count removes tokens from the end in transformers 4.x and 5.x alike.
                     cache.crop(-(len(run) - len(question)))
                 else:
@@ -407,6 +446,12 @@ def evaluate_group(model: Any, tokenizer: Any, cfg: EvalConfig, store: ResultSto
                         "bytes_read_per_step": dense_kv_bytes(model, sample.n_tokens)})
         else:
             row.update(summarize_records(res.records, n_layers))
+        if cfg.phase in SPARSE_PREFILL_PHASES:
+            # What ran in each part (1.0: exact); ``density`` mixes them, weighted by query tokens.
+            exact_after = m == DENSE or cfg.phase == "prefill"
+            row.setdefault("prefill_density", 1.0)
+            row.setdefault("prefill_block_density", 1.0)
+            row["decode_density"] = 1.0 if exact_after else row.get("decode_density")
         if cfg.teacher_forced and dense_tf is not None and res.tf_logits is not None:
             row.update(next_token_agreement(dense_tf, res.tf_logits))
             if res.tf_target_rows:

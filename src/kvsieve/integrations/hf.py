@@ -224,9 +224,14 @@ class SparseSession:
         plan = None
         if self.phase == "prefill":
             pass  # the prompt is sparse (the method's prefill), generated tokens exact
-        elif self.phase in ("decode", "all"):
+        elif self.phase == "decode":
             # Generated tokens: single-token forwards that follow a prefill.
             if q_len == 1 and n_keys > 1:
+                plan = _Plan(0, None, None)
+        elif self.phase == "all":
+            # Every forward after the sparse prefill: generated tokens, or a chunk of rows (setup B's
+            # question), which a prefill method's decode takes as that many decode steps at once.
+            if n_keys > q_len:
                 plan = _Plan(0, None, None)
         else:
             if self.question_start is None:
@@ -261,8 +266,9 @@ class SparseSession:
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
         prefill_method = isinstance(self.method, PrefillMethod) and layer not in self.dense_layers
-        # Setup B: a chunk after the observed context (the question) goes through the method's decode.
-        question_chunk = prefill_method and self.phase == "question" and n_keys > q_len
+        # Setup B: a chunk after the observed context (the question) goes through the method's decode;
+        # under "all" so does any chunk after the sparse prefill.
+        question_chunk = prefill_method and self.phase in ("question", "all") and n_keys > q_len
         if q_len > 1 and prefill_method and not question_chunk:
             out = self._prefill(module, query, key, value, attention_mask, scaling, kwargs)
             if out is not None:
@@ -469,7 +475,9 @@ def sparsify(
       with a sparse prefill (``sketchwalk``) records the context's forward (one pass, no past keys) and
       takes the question as a chunk of query rows after it.
     - ``phase="prefill"`` / ``"all"``: methods with a sparse prefill (``sketchwalk``) run it on the
-      prompt; generated tokens stay exact (``"prefill"``) or use the method too (``"all"``).
+      prompt (one forward, no past keys); generated tokens stay exact (``"prefill"``) or use the method
+      too (``"all"``, where a chunk of several tokens after the prompt, such as a question, goes through
+      the method's decode as one multi-row call, as under ``"question"``).
     - ``dense_layers``: layer indices that always stay exact.
     - ``seed``: every (request, layer, batch row, query position) draws its own stream derived from it.
     - ``track_error=k``: for query rows at positions divisible by k (every k-th decode step, every
