@@ -43,6 +43,8 @@ MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 if triton is not None:
     import triton.language as tl
 
+    from ..sparse.select_triton import _ordered, _radix, _radix_regs, _range
+
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
         """``(pos, c, count)``: the row's new token, its block, and the block's tokens so far (this one too)."""
@@ -153,10 +155,55 @@ if triton is not None:
         return top + tl.log(tl.sum(total * tl.exp(mx - top), axis=0))
 
     @triton.jit
+    def _budget(c, rho_bits, n_blocks, FIXED: tl.constexpr):
+        """The row's block budget as ``block_budget`` in float64: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1."""
+        rho = rho_bits.to(tl.float64, bitcast=True)
+        if FIXED:
+            base = (c * 0 + n_blocks).to(tl.float64)
+        else:
+            base = (c + 1).to(tl.float64)
+        x = rho * base - tl.full([], 1e-9, tl.float64)
+        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
+        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
+        return tl.minimum(tl.maximum(k, 2), c + 1)
+
+    @triton.jit
+    def _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK: tl.constexpr):
+        """Every KV head's list but the chosen middle: block 0 first, block c at k − 1, 0 as padding."""
+        offs_k = tl.arange(0, BK)
+        ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)
+        ends_ok = (offs_k < kmax) & ((offs_k == 0) | (offs_k >= k - 1))
+        for h in range(hkv):
+            tl.store(pages_ptr + (b * hkv + h) * kmax + offs_k, ends, mask=ends_ok)
+            tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
+
+    @triton.jit
+    def _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
+                   s_ab, s_ar, s_pb, BS: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
+        """Columns ``j`` of the token's row ``ã`` and of the walk (unnormalised; 0 past n), and of block c's
+        row of Ã, stored when the token completes the block."""
+        ok = j < n
+        a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
+        if MODE == 1:
+            w = p_c * a
+            for s in tl.static_range(SPLITS):
+                w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
+        elif MODE == 2:
+            w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
+        else:
+            w = a
+        a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf")) - lse_c))
+        # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
+        tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
+        return a, w
+
+    @triton.jit
     def _walk_row_kernel(lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr,
-                         rank_ptr, m, n, n_pad, tiles, alpha, tie, s_kkb, s_kkn, s_ab, s_ar, s_pb,
+                         rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax,
+                         hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
                          BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                         NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
+                         NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr,
+                         BK: tl.constexpr, FIXED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         _, c, count = _block_position(lens_ptr, b, BS)
         offs_m = tl.arange(0, BM)
@@ -168,81 +215,67 @@ if triton is not None:
             p_c = tl.load(prev_ptr + b * s_pb + c)
         else:
             p_c = 0.0
-        w_max = tl.zeros([], dtype=tl.float32)
-        a_max = tl.zeros([], dtype=tl.float32)
-        for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
-            j = j0 + tl.arange(0, BJ)
-            ok = j < n
-            a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
-            if MODE == 1:
-                w = p_c * a
-                for s in tl.static_range(SPLITS):
-                    w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
-            elif MODE == 2:
-                w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
-            else:
-                w = a
-            tl.store(w_ptr + b * n + j, w, mask=ok)
-            w_max = tl.maximum(w_max, tl.max(w, axis=0))
-            a_max = tl.maximum(a_max, tl.max(a, axis=0))
-            a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf"))
-                                  - lse_c))
-            # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
-            tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
-        w_max = tl.maximum(w_max, 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
-        a_max = tl.maximum(a_max, 1.1754943508222875e-38)
-        tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
-        for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
-            j = j0 + tl.arange(0, BJ)
-            ok = j < n
-            a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
-            w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
-            tl.store(w_ptr + b * n + j, w, mask=ok)
-            rank = tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf"))
-            tl.store(rank_ptr + b * n + j, rank, mask=ok)
-
-    @triton.jit
-    def _select_kernel(lens_ptr, val_ptr, top_ptr, pages_ptr, npages_ptr, rho_bits, n_blocks, extra, kmax, hkv,
-                       BS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       FIXED: tl.constexpr, SORTED: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        _, c, _ = _block_position(lens_ptr, b, BS)
-        # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1
-        rho = rho_bits.to(tl.float64, bitcast=True)
-        if FIXED:
-            base = (c * 0 + n_blocks).to(tl.float64)
+        k = _budget(c, rho_bits, n, FIXED)
+        need = (k - 2).to(tl.int32)  # the blocks to choose among 1..c−1 (at most c − 1 of them)
+        _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK)
+        first = pages_ptr + b * hkv * kmax + 1  # the chosen blocks' place in head 0's list
+        if WHOLE:  # the row is one tile: w and ã stay in registers for the ranking and its top k − 2
+            j = tl.arange(0, BJ)
+            a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
+                              s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+            w = w / tl.maximum(tl.max(w, axis=0), 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
+            tl.store(w_ptr + b * n + j, w, mask=j < n)
+            middle = (j >= 1) & (j < c)
+            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), 1.1754943508222875e-38)),
+                                  float("-inf")))
+            if need > 0:
+                hi = tl.max(tl.where(middle, u, 0), axis=0)
+                lo = tl.min(tl.where(middle, u, 0xFFFFFFFF), axis=0)
+                thr, ties = _radix_regs(u, middle, need, hi, lo)
+                eq = (middle & (u == thr)).to(tl.int32)
+                # above the threshold, then the first `ties` equal to it: a tie goes to the lower block
+                sel = (middle & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= ties))
+                pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1  # ascending by block, as the list wants
+                for h in range(hkv):
+                    tl.store(first + h * kmax + pos, j.to(tl.int32), mask=sel)
         else:
-            base = (c + 1).to(tl.float64)
-        x = rho * base - tl.full([], 1e-9, tl.float64)
-        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
-        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
-        k = tl.minimum(tl.maximum(k, 2), c + 1)
-        offs_e = tl.arange(0, BE)
-        e_ok = offs_e < extra
-        idx = tl.load(top_ptr + b * extra + offs_e, mask=e_ok, other=0).to(tl.int32)
-        if SORTED:  # best first: the row's k − 2 are the first entries
-            used = offs_e < k - 2
-        else:  # entry e is among the best k − 2 when fewer entries beat it (a higher score, or a tie at a lower block)
-            val = tl.load(val_ptr + b * extra + offs_e, mask=e_ok, other=float("-inf"))
-            better = tl.zeros([BE], dtype=tl.int32)
-            for e0 in range(0, extra, BC):
-                rival = e0 + tl.arange(0, BC)
-                r_ok = rival < extra
-                r_val = tl.load(val_ptr + b * extra + rival, mask=r_ok, other=float("-inf"))[None, :]
-                r_idx = tl.load(top_ptr + b * extra + rival, mask=r_ok, other=0).to(tl.int32)[None, :]
-                beats = (r_val > val[:, None]) | ((r_val == val[:, None]) & (r_idx < idx[:, None]))
-                better += tl.sum((beats & r_ok[None, :]).to(tl.int32), axis=1)
-            used = e_ok & (better < k - 2)
-        ordered = tl.sort(tl.where(used, idx, 2147483647), dim=0)  # the used blocks ascending, first
-        offs_k = tl.arange(0, BK)
-        ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)  # block 0 first, block c last, 0 as padding
-        ends_ok = (offs_k < kmax) & ((offs_k == 0) | (offs_k >= k - 1))
-        first = offs_e < k - 2
-        for h in range(hkv):
-            row = pages_ptr + (b * hkv + h) * kmax
-            tl.store(row + 1 + offs_e, ordered, mask=first)
-            tl.store(row + offs_k, ends, mask=ends_ok)
-            tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
+            w_max = tl.zeros([], dtype=tl.float32)
+            a_max = tl.zeros([], dtype=tl.float32)
+            for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
+                j = j0 + tl.arange(0, BJ)
+                a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr,
+                                  at_ptr, s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+                tl.store(w_ptr + b * n + j, w, mask=j < n)
+                w_max = tl.maximum(w_max, tl.max(w, axis=0))
+                a_max = tl.maximum(a_max, tl.max(a, axis=0))
+            w_max = tl.maximum(w_max, 1.1754943508222875e-38)
+            a_max = tl.maximum(a_max, 1.1754943508222875e-38)
+            tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
+            row = rank_ptr + b * n
+            for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
+                j = j0 + tl.arange(0, BJ)
+                ok = j < n
+                a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
+                w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
+                tl.store(w_ptr + b * n + j, w, mask=ok)
+                tl.store(row + j, tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf")), mask=ok)
+            tl.debug_barrier()  # the select reads the ranking row back
+            if need > 0:
+                hi, lo, _ = _range(row, n, BJ)
+                thr, ties = _radix(row, n, need, hi, lo, 32, BJ)
+                n_taken = tl.full([], 0, tl.int32)
+                n_eq = tl.full([], 0, tl.int32)
+                for j0 in range(0, n, BJ):  # the chosen blocks in block order, ties to the lower block
+                    j = j0 + tl.arange(0, BJ)
+                    ok = j < n
+                    u = _ordered(tl.load(row + j, mask=ok, other=float("-inf")))
+                    eq = (ok & (u == thr)).to(tl.int32)
+                    sel = (ok & (u > thr)) | ((eq != 0) & (n_eq + tl.cumsum(eq, axis=0) <= ties))
+                    pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                    for h in range(hkv):
+                        tl.store(first + h * kmax + pos, j.to(tl.int32), mask=sel)
+                    n_taken += tl.sum(sel.to(tl.int32), axis=0)
+                    n_eq += tl.sum(eq, axis=0)
 
 
 def _float_bits(x: float) -> int:
@@ -260,7 +293,8 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
                        phi: torch.Tensor, n_blocks: int, block_size: int, logit_scale: float, alpha: float,
                        mode: str, previous: torch.Tensor | None, density: float, fixed_k: bool,
                        kmax: int, tie: float, tile_cols: int | None = None,
-                       split_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       split_rows: int | None = None,
+                       row_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step's state update and selection, in place on the layer's state.
 
     ``q [B, Hq, d]``, ``k [B, Hkv, N, d]`` (the cache), ``lengths [B]`` int32 (row b's new token is at
@@ -269,7 +303,8 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     the SRHT; ``n_blocks`` = ⌈N / block_size⌉; ``mode`` one of :data:`MODES` (``walk``/``diagonal`` need
     ``previous [B, n]``, the walk of the previous sparse layer); ``kmax`` the largest budget
     (``max_block_budget``); ``tie`` the one-hop score's weight in the ranking; ``tile_cols``/``split_rows``
-    (powers of two ≥ 16) override the GEMV's tiling (tests use them to run several tiles at small n).
+    (powers of two ≥ 16) override the GEMV's tiling and ``row_tile`` (one too) the walk row's (tests use them
+    to run several tiles at small n, and the select over memory that rows past 2048 blocks take).
 
     Returns ``(w [B, n] float32, pages [B, Hkv, kmax] int32, n_pages [B, Hkv] int32)``: the normalised
     walk and the selected blocks (ascending, block 0 first and block c last, padding 0)."""
@@ -319,7 +354,6 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     parts = torch.empty(b, 2, tiles, 2, device=dev, dtype=f32)
     g = torch.empty(b, splits, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
     w = torch.empty(b, n, device=dev, dtype=f32)
-    rank = torch.empty(b, n, device=dev, dtype=f32)
     prev = previous if walk_mode else w  # an unread stand-in
     launch(_sketch_update_kernel, (b, nc), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, hq, hkv, m,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0), q_tok.stride(1),
@@ -329,26 +363,19 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
            prev, logits, parts, g, m, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1),
            a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
            BS=bs, BJ=bj, BM=bm, BI=bi, NC=nc, ROWS=rows, SPLITS=splits, WALK=walk_mode == 1, num_warps=4)
-    # One program per row reads the row's partials and writes w and the ranking: one tile up to 2048 blocks
-    # (128k tokens of 64), so that each pass's loads are in flight together.
-    row_tile = min(2048, next_pow2(n))
-    launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, m, n, n_pad,
-           tiles, float(alpha), float(tie), k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
-           a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
-           num_warps=8 if row_tile >= 1024 else 4)
-    extra = min(kmax - 2, n)
-    # Up to 256 entries topk comes unsorted and the select kernel ranks them pairwise (saving topk's sort
-    # launch); beyond, the pairwise ranking (quadratic) would cost more than the sort.
-    ranked = extra > 256
-    if extra > 0:
-        val, top = torch.topk(rank, extra, dim=-1, sorted=ranked)
-    else:
-        val = top = rank  # unread stand-ins
+    # One program per row reads the row's partials, writes w and selects: the row whole in one tile up to
+    # 2048 blocks (128k tokens of 64), so the ranking and its radix select stay in registers; longer rows
+    # (or a smaller row_tile) go over memory in tiles.
+    row_tile = row_tile or min(2048, max(16, next_pow2(n)))
+    if row_tile < 16 or row_tile & (row_tile - 1):
+        raise ValueError(f"row_tile: expected a power of two >= 16, got {row_tile}")
+    whole = n <= row_tile
+    rank = w if whole else torch.empty(b, n, device=dev, dtype=f32)  # whole rows rank in registers
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
-    be = next_pow2(max(extra, 2))
-    launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax,
-           hkv, BS=bs, BE=be, BC=max(2, min(be, 4096 // be)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k),
-           SORTED=ranked, num_warps=4)
+    launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, pages,
+           n_pages, m, n, n_pad, tiles, float(alpha), float(tie), _float_bits(density), kmax, hkv,
+           k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
+           BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode, WHOLE=whole,
+           BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=8 if row_tile >= 1024 else 4)
     return w, pages, n_pages
