@@ -1143,8 +1143,9 @@ for step in range(2):  # the second pass: nothing left to allocate or grow
 
 @pytest.mark.triton
 def test_fused_path_launches_its_three_kernels_under_the_interpreter():
-    """Per call (a first walk layer and a walk layer): the sketch update, scores + walk, and the walk row with
-    the select, then only the attention kernel's launches; the stats are deferred (nothing built when unread)."""
+    """Per call (a first walk layer and a walk layer): the sketch update with the walk's GEMV, the scores, and
+    the walk row with the select, then only the attention kernel's launches; the stats are deferred (nothing
+    built when unread)."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -1152,5 +1153,5 @@ def test_fused_path_launches_its_three_kernels_under_the_interpreter():
              if line.startswith("CALL")]
     assert len(calls) == 4
     for ops in calls[2:]:
-        assert ops[:3] == ["triton:_sketch_update_kernel", "triton:_scores_walk_kernel", "triton:_walk_row_kernel"], ops
+        assert ops[:3] == ["triton:_update_walk_kernel", "triton:_scores_kernel", "triton:_walk_row_kernel"], ops
         assert ops[3:] and all(op.startswith("triton:") for op in ops[3:]), ops  # the attention's launches

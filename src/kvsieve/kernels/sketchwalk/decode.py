@@ -53,15 +53,12 @@ if triton is not None:
         return pos, c, pos - c * BS + 1
 
     @triton.jit
-    def _sketch_update_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr,
-                              hq, hkv, m,
-                              s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm,
-                              BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr,
-                              BM: tl.constexpr, NC: tl.constexpr):
-        # One program per (batch row, chunk of BD features): each tile is one load, so the step's reads
-        # (the block's keys of every KV head, at most BS·Hkv rows) are in flight at once.
-        b = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
+    def _sketch_update(b, chunk, q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr, hq, hkv, m,
+                       s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm,
+                       BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr, BM: tl.constexpr,
+                       NC: tl.constexpr):
+        # Feature chunk `chunk` of row b: each tile is one load, so the step's reads (the block's keys of
+        # every KV head, at most BS·Hkv rows) are in flight at once.
         pos, c, _ = _block_position(lens_ptr, b, BS)
         offs_d = chunk * BD + tl.arange(0, BD)
         offs_h = tl.arange(0, BH)
@@ -109,40 +106,62 @@ if triton is not None:
         tl.store(part_ptrs + 1, tl.sum(tl.exp(logits - tl.where(mx > float("-inf"), mx, 0.0)), axis=0))
 
     @triton.jit
-    def _scores_walk_kernel(lens_ptr, ksk_ptr, proj_ptr, at_ptr, prev_ptr, logit_ptr, part_ptr, g_ptr,
-                            m, n_pad, tiles, logit_scale,
-                            s_kkb, s_kkn, s_ab, s_ar, s_pb,
-                            BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
-                            NC: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, WALK: tl.constexpr):
-        # Program (b, t, s): key blocks j of tile t; split s of the walk's rows.
+    def _walk_gemv(b, t, s, lens_ptr, at_ptr, prev_ptr, g_ptr, n_pad, s_ab, s_ar, s_pb, BS: tl.constexpr,
+                   BJ: tl.constexpr, BI: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr):
+        """Split s of the rows of ``w_prev[:c] · Ã[:c]`` over the columns of tile t; rows i < j of Ã are zero
+        in column j, so only rows from the tile's first column on are read."""
+        _, c, _ = _block_position(lens_ptr, b, BS)
+        j = t * BJ + tl.arange(0, BJ)
+        acc = tl.zeros([BJ], dtype=tl.float32)
+        lo = tl.maximum(s * ROWS, t * BJ).to(tl.int64)
+        hi = tl.minimum((s + 1) * ROWS, c)
+        for i0 in range(lo, hi, BI):
+            rows = i0 + tl.arange(0, BI)
+            r_ok = rows < hi
+            p = tl.load(prev_ptr + b * s_pb + rows, mask=r_ok, other=0.0)
+            a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :], mask=r_ok[:, None], other=0.0)
+            acc += tl.sum(p[:, None] * a, axis=0)
+        tl.store(g_ptr + (b * SPLITS + s) * n_pad + j, acc)
+
+    @triton.jit
+    def _update_walk_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr,
+                            at_ptr, prev_ptr, g_ptr, hq, hkv, m, n_pad,
+                            s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm, s_ab, s_ar, s_pb,
+                            BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr,
+                            BM: tl.constexpr, NC: tl.constexpr, BJ: tl.constexpr, BI: tl.constexpr,
+                            ROWS: tl.constexpr, SPLITS: tl.constexpr):
+        # Programs (b, p < NC): the sketch update's feature chunk p. Programs (b, NC + t·SPLITS + s), walk
+        # layers only: split s of the walk's GEMV over tile t. The GEMV reads only the previous layer's walk
+        # and the Ã rows of completed blocks, nothing the update writes: in one launch the GEMV's read (the
+        # step's largest) overlaps the update's dependent loads instead of waiting for them.
+        b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
+        if p < NC:
+            _sketch_update(b, p, q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr, hq, hkv,
+                           m, s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm, BS, BD, BH, BHK, BM, NC)
+        else:
+            _walk_gemv(b, (p - NC) // SPLITS, (p - NC) % SPLITS, lens_ptr, at_ptr, prev_ptr, g_ptr, n_pad,
+                       s_ab, s_ar, s_pb, BS, BJ, BI, ROWS, SPLITS)
+
+    @triton.jit
+    def _scores_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, m, n_pad, tiles, logit_scale,
+                       s_kkb, s_kkn, BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, NC: tl.constexpr):
+        # Program (b, t): the sketched logits of key blocks j of tile t, with the tile's softmax partials.
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1)
-        s = tl.program_id(2)
         _, c, count = _block_position(lens_ptr, b, BS)
         j = t * BJ + tl.arange(0, BJ)
-        if s == 0:
-            offs_m = tl.arange(0, BM)
-            ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
-                         mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
-            k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
-            ks = tl.where((j == c)[:, None], k_c[None, :], ks)
-            causal = j <= c
-            # row 0: the token's query; row 1: block c's mean query
-            _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
-                        logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
-            _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
-                        logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
-        if WALK:  # w_prev[:c] · Ã[:c] over this split's rows; rows i < j of Ã are zero in column j
-            acc = tl.zeros([BJ], dtype=tl.float32)
-            lo = tl.maximum(s * ROWS, t * BJ).to(tl.int64)
-            hi = tl.minimum((s + 1) * ROWS, c)
-            for i0 in range(lo, hi, BI):
-                rows = i0 + tl.arange(0, BI)
-                r_ok = rows < hi
-                p = tl.load(prev_ptr + b * s_pb + rows, mask=r_ok, other=0.0)
-                a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :], mask=r_ok[:, None], other=0.0)
-                acc += tl.sum(p[:, None] * a, axis=0)
-            tl.store(g_ptr + (b * SPLITS + s) * n_pad + j, acc)
+        offs_m = tl.arange(0, BM)
+        ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
+                     mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
+        k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
+        ks = tl.where((j == c)[:, None], k_c[None, :], ks)
+        causal = j <= c
+        # row 0: the token's query; row 1: block c's mean query
+        _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
+                    logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
+        _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
+                    logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
 
     @triton.jit
     def _softmax_stat(part_ptr, base, tiles, BT: tl.constexpr):
@@ -355,14 +374,14 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     g = torch.empty(b, splits, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
     w = torch.empty(b, n, device=dev, dtype=f32)
     prev = previous if walk_mode else w  # an unread stand-in
-    launch(_sketch_update_kernel, (b, nc), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, hq, hkv, m,
-           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0), q_tok.stride(1),
-           q_sum.stride(0), q_sum.stride(1), phi.stride(0),
-           BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, num_warps=8 if bhk * bs * bd > 4096 else 4)
-    launch(_scores_walk_kernel, (b, tiles, splits if walk_mode == 1 else 1), lengths, k_sketch, proj, a_tilde,
-           prev, logits, parts, g, m, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1),
-           a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=bj, BM=bm, BI=bi, NC=nc, ROWS=rows, SPLITS=splits, WALK=walk_mode == 1, num_warps=4)
+    gemv = tiles * splits if walk_mode == 1 else 0
+    launch(_update_walk_kernel, (b, nc + gemv), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, a_tilde, prev, g,
+           hq, hkv, m, n_pad, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0),
+           q_tok.stride(1), q_sum.stride(0), q_sum.stride(1), phi.stride(0), a_tilde.stride(0), a_tilde.stride(1),
+           prev.stride(0), BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, BJ=bj, BI=bi, ROWS=rows,
+           SPLITS=splits, num_warps=8 if bhk * bs * bd > 4096 else 4)
+    launch(_scores_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, m, n_pad, tiles, float(logit_scale),
+           k_sketch.stride(0), k_sketch.stride(1), BS=bs, BJ=bj, BM=bm, NC=nc, num_warps=4)
     # One program per row reads the row's partials, writes w and selects: the row whole in one tile up to
     # 2048 blocks (128k tokens of 64), so the ranking and its radix select stay in registers; longer rows
     # (or a smaller row_tile) go over memory in tiles.
