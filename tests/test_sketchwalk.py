@@ -1114,7 +1114,7 @@ def test_fused_select_takes_the_top_blocks_with_ties_to_the_lower_block_on_the_g
     assert "DONE" in run_script(FUSED_SELECT, "cuda", False)
 
 
-# What the fused path launches per call: its three kernels before the attention's own launches,
+# What the fused path launches per call: its two kernels before the attention's own launches,
 # and no other torch op (each would be a kernel launch and a graph node on the GPU).
 FUSED_LAUNCHES = """
 import torch
@@ -1142,10 +1142,10 @@ for step in range(2):  # the second pass: nothing left to allocate or grow
 
 
 @pytest.mark.triton
-def test_fused_path_launches_its_three_kernels_under_the_interpreter():
-    """Per call (a first walk layer and a walk layer): the sketch update with the walk's GEMV, the scores, and
-    the walk row with the select, then only the attention kernel's launches; the stats are deferred (nothing
-    built when unread)."""
+def test_fused_path_launches_its_two_kernels_under_the_interpreter():
+    """Per call (a first walk layer and a walk layer): the sketch update with the walk's GEMV, then the scores
+    with the walk row and the select, then only the attention kernel's launches; the stats are deferred
+    (nothing built when unread)."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -1153,5 +1153,5 @@ def test_fused_path_launches_its_three_kernels_under_the_interpreter():
              if line.startswith("CALL")]
     assert len(calls) == 4
     for ops in calls[2:]:
-        assert ops[:3] == ["triton:_update_walk_kernel", "triton:_scores_kernel", "triton:_walk_row_kernel"], ops
-        assert ops[3:] and all(op.startswith("triton:") for op in ops[3:]), ops  # the attention's launches
+        assert ops[:2] == ["triton:_update_walk_kernel", "triton:_scores_select_kernel"], ops
+        assert ops[2:] and all(op.startswith("triton:") for op in ops[2:]), ops  # the attention's launches

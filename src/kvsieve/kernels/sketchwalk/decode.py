@@ -1,33 +1,35 @@
 """Sketch&Walk's decode step up to the attention, fused: :func:`sketch_walk_select`.
 
-Four Triton launches and one ``torch.topk`` per call (one layer, one token per batch row), where the
-method's torch path (:mod:`kvsieve.methods.sketchwalk`, ``backend="reference"``: the spec, and what the
-tests compare this with) launches about a hundred small kernels:
+Two Triton launches per call (one layer, one token per batch row), where the method's torch path
+(:mod:`kvsieve.methods.sketchwalk`, ``backend="reference"``: the spec, and what the tests compare this
+with) launches about a hundred small kernels:
 
-1. ``_sketch_update_kernel``, one program per (batch row, chunk of head-dim features): the head-mean of
-   the token's query (stored in ``q_tok``), its block ``c``'s sums recomputed from the kept queries and
-   the cache's keys (stored), and the chunk's share of the SRHT Φx of the token's query, the block's
-   query sum and key sum.
-2. ``_scores_walk_kernel``, one program per (batch row, tile of key blocks, split of the walk's rows):
-   the sketched logits of the token's query and of block c's mean query against the tile's key sketches
-   (block c's from the projections) with the tile's (max, Σ exp) for the softmaxes; and, for the walk,
-   the split's share of the tile's columns of ``w_prev[:c] · Ã[:c]`` (only rows ≥ the tile's first
-   column can be non-zero, by causality) — a GEMV over Ã's causal half, the step's largest read.
-3. ``_walk_row_kernel``, one program per batch row: block c's key sketch (stored), the softmaxes from
-   the partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block,
-   the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous
-   walk; ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk) and the ranking score
-   ``w/max w + tie·ã/max ã`` over blocks ``1..c−1`` (−inf elsewhere).
-4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known; unsorted up to 256), then ``_select_kernel``,
-   one program per batch row: the row's budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as the
-   reference), the best ``k − 2`` of the top-k entries (score, then lower block), block 0, those sorted
-   ascending, block c, written as the page lists of
+1. ``_update_walk_kernel``, per batch row ``NC`` programs of the sketch update and, on a walk layer, one
+   per (tile of key blocks, split of the walk's rows) of the walk's GEMV. The update, per chunk of
+   head-dim features: the head-mean of the token's query (stored in ``q_tok``), its block ``c``'s sums
+   recomputed from the kept queries and the cache's keys (stored), and the chunk's share of the SRHT Φx
+   of the token's query, the block's query sum and key sum. The GEMV: the split's share of the tile's
+   columns of ``w_prev[:c] · Ã[:c]`` (only rows ≥ the tile's first column can be non-zero, by
+   causality) — Ã's causal half, the step's largest read, which needs nothing the update writes and so
+   runs beside it.
+2. ``_scores_select_kernel``, one program per (batch row, tile of key blocks): the sketched logits of
+   the token's query and of block c's mean query against the tile's key sketches (block c's from the
+   projections) with the tile's (max, Σ exp) for the softmaxes. The last of a row's programs to finish
+   (a ticket counter it resets) then runs the row: block c's key sketch (stored), the softmaxes from the
+   partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block, the
+   walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous walk;
+   ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk), the ranking score
+   ``w/max w + tie·ã/max ã`` over blocks ``1..c−1``, the budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as
+   the reference), and the best ``k − 2`` of the ranking by a radix select (``select_triton``'s; ties to
+   the lower block): in registers for rows of up to 2048 blocks, over a workspace row beyond. Block 0,
+   those ascending (the select emits them in block order) and block c are written as the page lists of
    :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` for every KV head.
 
 Sizes come from host-known shapes and the rows' positions from ``lengths`` in device memory: nothing is
-read on the host, every buffer is allocated per call from host-known sizes (graph-capturable), there are
-no atomics (a replay equals an eager call bit for bit), and a replay recomputes the token's block like
-the first call (``LayerSketch``'s recompute-not-accumulate contract).
+read on the host, every buffer is allocated per call from host-known sizes or is a cached workspace
+(graph-capturable); the one atomic is the ticket, which only picks the program that goes on, so nothing
+is summed in arrival order and a replay equals an eager call bit for bit; and a replay recomputes the
+token's block like the first call (``LayerSketch``'s recompute-not-accumulate contract).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import struct
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
+from ..triton_utils import launch, next_pow2, triton, workspace
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 
@@ -144,32 +146,12 @@ if triton is not None:
                        s_ab, s_ar, s_pb, BS, BJ, BI, ROWS, SPLITS)
 
     @triton.jit
-    def _scores_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, m, n_pad, tiles, logit_scale,
-                       s_kkb, s_kkn, BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, NC: tl.constexpr):
-        # Program (b, t): the sketched logits of key blocks j of tile t, with the tile's softmax partials.
-        b = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1)
-        _, c, count = _block_position(lens_ptr, b, BS)
-        j = t * BJ + tl.arange(0, BJ)
-        offs_m = tl.arange(0, BM)
-        ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
-                     mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
-        k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
-        ks = tl.where((j == c)[:, None], k_c[None, :], ks)
-        causal = j <= c
-        # row 0: the token's query; row 1: block c's mean query
-        _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
-                    logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
-        _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
-                    logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
-
-    @triton.jit
     def _softmax_stat(part_ptr, base, tiles, BT: tl.constexpr):
         """log Σ exp over the tiles' partials (tile 0 always holds block 0, so the max is finite)."""
         offs = tl.arange(0, BT)
         ok = offs < tiles
-        mx = tl.load(part_ptr + (base + offs) * 2, mask=ok, other=float("-inf"))
-        total = tl.load(part_ptr + (base + offs) * 2 + 1, mask=ok, other=0.0)
+        mx = tl.load(part_ptr + (base + offs) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        total = tl.load(part_ptr + (base + offs) * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
         top = tl.max(mx, axis=0)
         return top + tl.log(tl.sum(total * tl.exp(mx - top), axis=0))
 
@@ -202,7 +184,8 @@ if triton is not None:
         """Columns ``j`` of the token's row ``ã`` and of the walk (unnormalised; 0 past n), and of block c's
         row of Ã, stored when the token completes the block."""
         ok = j < n
-        a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
+        a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf"),
+                                    cache_modifier=".cg") - lse_t))
         if MODE == 1:
             w = p_c * a
             for s in tl.static_range(SPLITS):
@@ -211,19 +194,19 @@ if triton is not None:
             w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
         else:
             w = a
-        a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf")) - lse_c))
+        a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf"),
+                                      cache_modifier=".cg") - lse_c))
         # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
         tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
         return a, w
 
     @triton.jit
-    def _walk_row_kernel(lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr,
-                         rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax,
-                         hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
-                         BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                         NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr,
-                         BK: tl.constexpr, FIXED: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+    def _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+                  pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab,
+                  s_ar, s_pb, BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                  NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr, BK: tl.constexpr,
+                  FIXED: tl.constexpr):
+        """Row b's walk, its ranking and selection, once every tile's logits and partials are written."""
         _, c, count = _block_position(lens_ptr, b, BS)
         offs_m = tl.arange(0, BM)
         tl.store(ksk_ptr + b * s_kkb + c * s_kkn + offs_m, _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32),
@@ -274,7 +257,8 @@ if triton is not None:
             for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
                 j = j0 + tl.arange(0, BJ)
                 ok = j < n
-                a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
+                a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf"),
+                                            cache_modifier=".cg") - lse_t))
                 w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
                 tl.store(w_ptr + b * n + j, w, mask=ok)
                 tl.store(row + j, tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf")), mask=ok)
@@ -296,6 +280,42 @@ if triton is not None:
                     n_taken += tl.sum(sel.to(tl.int32), axis=0)
                     n_eq += tl.sum(eq, axis=0)
 
+
+    @triton.jit
+    def _scores_select_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, tk_ptr, g_ptr, prev_ptr, at_ptr,
+                              w_ptr, rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, logit_scale, alpha, tie,
+                              rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
+                              BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, NC: tl.constexpr,
+                              ROW: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
+                              WHOLE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
+        # Program (b, t): the sketched logits of key blocks j of tile t, with the tile's softmax partials;
+        # the last of row b's programs to finish (a ticket counter it resets) then runs the row's walk and
+        # selection on all tiles' results: no launch of its own (the counter orders, nothing is summed
+        # in arrival order, so a replay still equals an eager call bit for bit).
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1)
+        _, c, count = _block_position(lens_ptr, b, BS)
+        j = t * BJ + tl.arange(0, BJ)
+        offs_m = tl.arange(0, BM)
+        ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
+                     mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
+        k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
+        ks = tl.where((j == c)[:, None], k_c[None, :], ks)
+        causal = j <= c
+        # row 0: the token's query; row 1: block c's mean query
+        _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
+                    logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
+        _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
+                    logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
+
+        # every thread's stores precede the release; the acquire of the last program sees them all
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if ticket == tiles - 1:
+            tl.atomic_xchg(tk_ptr + b, 0)
+            _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+                      pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn,
+                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, SPLITS, MODE, WHOLE, BK, FIXED)
 
 def _float_bits(x: float) -> int:
     """A float's IEEE double bits as a signed 64-bit integer: Triton passes Python floats as float32, which
@@ -380,9 +400,7 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
            q_tok.stride(1), q_sum.stride(0), q_sum.stride(1), phi.stride(0), a_tilde.stride(0), a_tilde.stride(1),
            prev.stride(0), BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, BJ=bj, BI=bi, ROWS=rows,
            SPLITS=splits, num_warps=8 if bhk * bs * bd > 4096 else 4)
-    launch(_scores_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, m, n_pad, tiles, float(logit_scale),
-           k_sketch.stride(0), k_sketch.stride(1), BS=bs, BJ=bj, BM=bm, NC=nc, num_warps=4)
-    # One program per row reads the row's partials, writes w and selects: the row whole in one tile up to
+    # The last program of each row reads the row's partials, writes w and selects: the row whole in one tile up to
     # 2048 blocks (128k tokens of 64), so the ranking and its radix select stay in registers; longer rows
     # (or a smaller row_tile) go over memory in tiles.
     row_tile = row_tile or min(2048, max(16, next_pow2(n)))
@@ -392,9 +410,11 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     rank = w if whole else torch.empty(b, n, device=dev, dtype=f32)  # whole rows rank in registers
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
-    launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, pages,
-           n_pages, m, n, n_pad, tiles, float(alpha), float(tie), _float_bits(density), kmax, hkv,
-           k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode, WHOLE=whole,
+    tickets = workspace("sketchwalk_tickets", q, b, torch.int32, zeroed=True)
+    launch(_scores_select_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, tickets, g, prev, a_tilde, w,
+           rank, pages, n_pages, m, n, n_pad, tiles, float(logit_scale), float(alpha), float(tie),
+           _float_bits(density), kmax, hkv, k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
+           a_tilde.stride(1), prev.stride(0),
+           BS=bs, BJ=bj, BM=bm, NC=nc, ROW=row_tile, BT=next_pow2(tiles), SPLITS=splits, MODE=walk_mode, WHOLE=whole,
            BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=8 if row_tile >= 1024 else 4)
     return w, pages, n_pages
