@@ -45,7 +45,7 @@ MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 if triton is not None:
     import triton.language as tl
 
-    from ..sparse.select_triton import _ordered, _radix, _radix_regs, _range
+    from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
 
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
@@ -230,14 +230,8 @@ if triton is not None:
             middle = (j >= 1) & (j < c)
             u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), 1.1754943508222875e-38)),
                                   float("-inf")))
-            if need > 0:
-                hi = tl.max(tl.where(middle, u, 0), axis=0)
-                lo = tl.min(tl.where(middle, u, 0xFFFFFFFF), axis=0)
-                thr, ties = _radix_regs(u, middle, need, hi, lo)
-                eq = (middle & (u == thr)).to(tl.int32)
-                # above the threshold, then the first `ties` equal to it: a tie goes to the lower block
-                sel = (middle & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= ties))
-                pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1  # ascending by block, as the list wants
+            if need > 0:  # ties to the lower block; pos ascends with the block, as the list wants
+                sel, pos = chosen_regs(u, middle, middle, need)
                 for h in range(hkv):
                     tl.store(first + h * kmax + pos, j.to(tl.int32), mask=sel)
         else:
@@ -266,20 +260,13 @@ if triton is not None:
             if need > 0:
                 hi, lo, _ = _range(row, n, BJ)
                 thr, ties = _radix(row, n, need, hi, lo, 32, BJ)
-                n_taken = tl.full([], 0, tl.int32)
-                n_eq = tl.full([], 0, tl.int32)
-                for j0 in range(0, n, BJ):  # the chosen blocks in block order, ties to the lower block
-                    j = j0 + tl.arange(0, BJ)
-                    ok = j < n
-                    u = _ordered(tl.load(row + j, mask=ok, other=float("-inf")))
-                    eq = (ok & (u == thr)).to(tl.int32)
-                    sel = (ok & (u > thr)) | ((eq != 0) & (n_eq + tl.cumsum(eq, axis=0) <= ties))
-                    pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                    for h in range(hkv):
-                        tl.store(first + h * kmax + pos, j.to(tl.int32), mask=sel)
-                    n_taken += tl.sum(sel.to(tl.int32), axis=0)
-                    n_eq += tl.sum(eq, axis=0)
-
+                # the chosen blocks in block order into head 0's list (ties to the lower block), then copied
+                _emit(row, row, n, thr, ties, first, False, BJ)
+                tl.debug_barrier()  # the copy reads what other threads stored
+                offs_k = tl.arange(0, BK)
+                chosen = tl.load(first + offs_k, mask=offs_k < need)
+                for h in range(1, hkv):
+                    tl.store(first + h * kmax + offs_k, chosen, mask=offs_k < need)
 
     @triton.jit
     def _scores_select_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, tk_ptr, g_ptr, prev_ptr, at_ptr,
