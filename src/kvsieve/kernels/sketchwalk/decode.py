@@ -1,33 +1,35 @@
 """Sketch&Walk's decode step up to the attention, fused: :func:`sketch_walk_select`.
 
-Four Triton launches and one ``torch.topk`` per call (one layer, one token per batch row), where the
-method's torch path (:mod:`kvsieve.methods.sketchwalk`, ``backend="reference"``: the spec, and what the
-tests compare this with) launches about a hundred small kernels:
+Two Triton launches per call (one layer, one token per batch row), where the method's torch path
+(:mod:`kvsieve.methods.sketchwalk`, ``backend="reference"``: the spec, and what the tests compare this
+with) launches about a hundred small kernels:
 
-1. ``_sketch_update_kernel``, one program per (batch row, chunk of head-dim features): the head-mean of
-   the token's query (stored in ``q_tok``), its block ``c``'s sums recomputed from the kept queries and
-   the cache's keys (stored), and the chunk's share of the SRHT Φx of the token's query, the block's
-   query sum and key sum.
-2. ``_scores_walk_kernel``, one program per (batch row, tile of key blocks, split of the walk's rows):
-   the sketched logits of the token's query and of block c's mean query against the tile's key sketches
-   (block c's from the projections) with the tile's (max, Σ exp) for the softmaxes; and, for the walk,
-   the split's share of the tile's columns of ``w_prev[:c] · Ã[:c]`` (only rows ≥ the tile's first
-   column can be non-zero, by causality) — a GEMV over Ã's causal half, the step's largest read.
-3. ``_walk_row_kernel``, one program per batch row: block c's key sketch (stored), the softmaxes from
-   the partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block,
-   the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous
-   walk; ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk) and the ranking score
-   ``w/max w + tie·ã/max ã`` over blocks ``1..c−1`` (−inf elsewhere).
-4. ``torch.topk`` of the ranking (``kmax − 2`` entries, host-known; unsorted up to 256), then ``_select_kernel``,
-   one program per batch row: the row's budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as the
-   reference), the best ``k − 2`` of the top-k entries (score, then lower block), block 0, those sorted
-   ascending, block c, written as the page lists of
+1. ``_update_walk_kernel``, per batch row ``NC`` programs of the sketch update and, on a walk layer, one
+   per (tile of key blocks, split of the walk's rows) of the walk's GEMV. The update, per chunk of
+   head-dim features: the head-mean of the token's query (stored in ``q_tok``), its block ``c``'s sums
+   recomputed from the kept queries and the cache's keys (stored), and the chunk's share of the SRHT Φx
+   of the token's query, the block's query sum and key sum. The GEMV: the split's share of the tile's
+   columns of ``w_prev[:c] · Ã[:c]`` (only rows ≥ the tile's first column can be non-zero, by
+   causality) — Ã's causal half, the step's largest read, which needs nothing the update writes and so
+   runs beside it.
+2. ``_scores_select_kernel``, one program per (batch row, tile of key blocks): the sketched logits of
+   the token's query and of block c's mean query against the tile's key sketches (block c's from the
+   projections) with the tile's (max, Σ exp) for the softmaxes. The last of a row's programs to finish
+   (a ticket counter it resets) then runs the row: block c's key sketch (stored), the softmaxes from the
+   partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block, the
+   walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous walk;
+   ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk), the ranking score
+   ``w/max w + tie·ã/max ã`` over blocks ``1..c−1``, the budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as
+   the reference), and the best ``k − 2`` of the ranking by a radix select (``select_triton``'s; ties to
+   the lower block): in registers for rows of up to 2048 blocks, over a workspace row beyond. Block 0,
+   those ascending (the select emits them in block order) and block c are written as the page lists of
    :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` for every KV head.
 
 Sizes come from host-known shapes and the rows' positions from ``lengths`` in device memory: nothing is
-read on the host, every buffer is allocated per call from host-known sizes (graph-capturable), there are
-no atomics (a replay equals an eager call bit for bit), and a replay recomputes the token's block like
-the first call (``LayerSketch``'s recompute-not-accumulate contract).
+read on the host, every buffer is allocated per call from host-known sizes or is a cached workspace
+(graph-capturable); the one atomic is the ticket, which only picks the program that goes on, so nothing
+is summed in arrival order and a replay equals an eager call bit for bit; and a replay recomputes the
+token's block like the first call (``LayerSketch``'s recompute-not-accumulate contract).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import struct
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
+from ..triton_utils import launch, next_pow2, triton, workspace
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 
 if triton is not None:
     import triton.language as tl
+
+    from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
 
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
@@ -51,15 +55,12 @@ if triton is not None:
         return pos, c, pos - c * BS + 1
 
     @triton.jit
-    def _sketch_update_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr,
-                              hq, hkv, m,
-                              s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm,
-                              BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr,
-                              BM: tl.constexpr, NC: tl.constexpr):
-        # One program per (batch row, chunk of BD features): each tile is one load, so the step's reads
-        # (the block's keys of every KV head, at most BS·Hkv rows) are in flight at once.
-        b = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
+    def _sketch_update(b, chunk, q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr, hq, hkv, m,
+                       s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm,
+                       BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr, BM: tl.constexpr,
+                       NC: tl.constexpr):
+        # Feature chunk `chunk` of row b: each tile is one load, so the step's reads (the block's keys of
+        # every KV head, at most BS·Hkv rows) are in flight at once.
         pos, c, _ = _block_position(lens_ptr, b, BS)
         offs_d = chunk * BD + tl.arange(0, BD)
         offs_h = tl.arange(0, BH)
@@ -107,57 +108,105 @@ if triton is not None:
         tl.store(part_ptrs + 1, tl.sum(tl.exp(logits - tl.where(mx > float("-inf"), mx, 0.0)), axis=0))
 
     @triton.jit
-    def _scores_walk_kernel(lens_ptr, ksk_ptr, proj_ptr, at_ptr, prev_ptr, logit_ptr, part_ptr, g_ptr,
-                            m, n_pad, tiles, logit_scale,
-                            s_kkb, s_kkn, s_ab, s_ar, s_pb,
-                            BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, BI: tl.constexpr,
-                            NC: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr, WALK: tl.constexpr):
-        # Program (b, t, s): key blocks j of tile t; split s of the walk's rows.
-        b = tl.program_id(0).to(tl.int64)
-        t = tl.program_id(1)
-        s = tl.program_id(2)
-        _, c, count = _block_position(lens_ptr, b, BS)
+    def _walk_gemv(b, t, s, lens_ptr, at_ptr, prev_ptr, g_ptr, n_pad, s_ab, s_ar, s_pb, BS: tl.constexpr,
+                   BJ: tl.constexpr, BI: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr):
+        """Split s of the rows of ``w_prev[:c] · Ã[:c]`` over the columns of tile t; rows i < j of Ã are zero
+        in column j, so only rows from the tile's first column on are read."""
+        _, c, _ = _block_position(lens_ptr, b, BS)
         j = t * BJ + tl.arange(0, BJ)
-        if s == 0:
-            offs_m = tl.arange(0, BM)
-            ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
-                         mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
-            k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
-            ks = tl.where((j == c)[:, None], k_c[None, :], ks)
-            causal = j <= c
-            # row 0: the token's query; row 1: block c's mean query
-            _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
-                        logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
-            _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
-                        logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
-        if WALK:  # w_prev[:c] · Ã[:c] over this split's rows; rows i < j of Ã are zero in column j
-            acc = tl.zeros([BJ], dtype=tl.float32)
-            lo = tl.maximum(s * ROWS, t * BJ).to(tl.int64)
-            hi = tl.minimum((s + 1) * ROWS, c)
-            for i0 in range(lo, hi, BI):
-                rows = i0 + tl.arange(0, BI)
-                r_ok = rows < hi
-                p = tl.load(prev_ptr + b * s_pb + rows, mask=r_ok, other=0.0)
-                a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :], mask=r_ok[:, None], other=0.0)
-                acc += tl.sum(p[:, None] * a, axis=0)
-            tl.store(g_ptr + (b * SPLITS + s) * n_pad + j, acc)
+        acc = tl.zeros([BJ], dtype=tl.float32)
+        lo = tl.maximum(s * ROWS, t * BJ).to(tl.int64)
+        hi = tl.minimum((s + 1) * ROWS, c)
+        for i0 in range(lo, hi, BI):
+            rows = i0 + tl.arange(0, BI)
+            r_ok = rows < hi
+            p = tl.load(prev_ptr + b * s_pb + rows, mask=r_ok, other=0.0)
+            a = tl.load(at_ptr + b * s_ab + rows[:, None] * s_ar + j[None, :], mask=r_ok[:, None], other=0.0)
+            acc += tl.sum(p[:, None] * a, axis=0)
+        tl.store(g_ptr + (b * SPLITS + s) * n_pad + j, acc)
+
+    @triton.jit
+    def _update_walk_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr,
+                            at_ptr, prev_ptr, g_ptr, hq, hkv, m, n_pad,
+                            s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm, s_ab, s_ar, s_pb,
+                            BS: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr, BHK: tl.constexpr,
+                            BM: tl.constexpr, NC: tl.constexpr, BJ: tl.constexpr, BI: tl.constexpr,
+                            ROWS: tl.constexpr, SPLITS: tl.constexpr):
+        # Programs (b, p < NC): the sketch update's feature chunk p. Programs (b, NC + t·SPLITS + s), walk
+        # layers only: split s of the walk's GEMV over tile t. The GEMV reads only the previous layer's walk
+        # and the Ã rows of completed blocks, nothing the update writes: in one launch the GEMV's read (the
+        # step's largest) overlaps the update's dependent loads instead of waiting for them.
+        b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
+        if p < NC:
+            _sketch_update(b, p, q_ptr, k_ptr, lens_ptr, phi_ptr, qtok_ptr, qsum_ptr, ksum_ptr, proj_ptr, hq, hkv,
+                           m, s_qb, s_qh, s_kb, s_kh, s_kn, s_tb, s_tn, s_sb, s_sn, s_pm, BS, BD, BH, BHK, BM, NC)
+        else:
+            _walk_gemv(b, (p - NC) // SPLITS, (p - NC) % SPLITS, lens_ptr, at_ptr, prev_ptr, g_ptr, n_pad,
+                       s_ab, s_ar, s_pb, BS, BJ, BI, ROWS, SPLITS)
 
     @triton.jit
     def _softmax_stat(part_ptr, base, tiles, BT: tl.constexpr):
         """log Σ exp over the tiles' partials (tile 0 always holds block 0, so the max is finite)."""
         offs = tl.arange(0, BT)
         ok = offs < tiles
-        mx = tl.load(part_ptr + (base + offs) * 2, mask=ok, other=float("-inf"))
-        total = tl.load(part_ptr + (base + offs) * 2 + 1, mask=ok, other=0.0)
+        mx = tl.load(part_ptr + (base + offs) * 2, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        total = tl.load(part_ptr + (base + offs) * 2 + 1, mask=ok, other=0.0, cache_modifier=".cg")
         top = tl.max(mx, axis=0)
         return top + tl.log(tl.sum(total * tl.exp(mx - top), axis=0))
 
     @triton.jit
-    def _walk_row_kernel(lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr,
-                         rank_ptr, m, n, n_pad, tiles, alpha, tie, s_kkb, s_kkn, s_ab, s_ar, s_pb,
-                         BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                         NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
+    def _budget(c, rho_bits, n_blocks, FIXED: tl.constexpr):
+        """The row's block budget as ``block_budget`` in float64: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1."""
+        rho = rho_bits.to(tl.float64, bitcast=True)
+        if FIXED:
+            base = (c * 0 + n_blocks).to(tl.float64)
+        else:
+            base = (c + 1).to(tl.float64)
+        x = rho * base - tl.full([], 1e-9, tl.float64)
+        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
+        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
+        return tl.minimum(tl.maximum(k, 2), c + 1)
+
+    @triton.jit
+    def _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK: tl.constexpr):
+        """Every KV head's list but the chosen middle: block 0 first, block c at k − 1, 0 as padding."""
+        offs_k = tl.arange(0, BK)
+        ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)
+        ends_ok = (offs_k < kmax) & ((offs_k == 0) | (offs_k >= k - 1))
+        for h in range(hkv):
+            tl.store(pages_ptr + (b * hkv + h) * kmax + offs_k, ends, mask=ends_ok)
+            tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
+
+    @triton.jit
+    def _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
+                   s_ab, s_ar, s_pb, BS: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
+        """Columns ``j`` of the token's row ``ã`` and of the walk (unnormalised; 0 past n), and of block c's
+        row of Ã, stored when the token completes the block."""
+        ok = j < n
+        a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf"),
+                                    cache_modifier=".cg") - lse_t))
+        if MODE == 1:
+            w = p_c * a
+            for s in tl.static_range(SPLITS):
+                w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
+        elif MODE == 2:
+            w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
+        else:
+            w = a
+        a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf"),
+                                      cache_modifier=".cg") - lse_c))
+        # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
+        tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
+        return a, w
+
+    @triton.jit
+    def _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+                  pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab,
+                  s_ar, s_pb, BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
+                  NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr, BK: tl.constexpr,
+                  FIXED: tl.constexpr):
+        """Row b's walk, its ranking and selection, once every tile's logits and partials are written."""
         _, c, count = _block_position(lens_ptr, b, BS)
         offs_m = tl.arange(0, BM)
         tl.store(ksk_ptr + b * s_kkb + c * s_kkn + offs_m, _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32),
@@ -168,82 +217,92 @@ if triton is not None:
             p_c = tl.load(prev_ptr + b * s_pb + c)
         else:
             p_c = 0.0
-        w_max = tl.zeros([], dtype=tl.float32)
-        a_max = tl.zeros([], dtype=tl.float32)
-        for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
-            j = j0 + tl.arange(0, BJ)
-            ok = j < n
-            a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
-            if MODE == 1:
-                w = p_c * a
-                for s in tl.static_range(SPLITS):
-                    w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
-            elif MODE == 2:
-                w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
-            else:
-                w = a
-            tl.store(w_ptr + b * n + j, w, mask=ok)
-            w_max = tl.maximum(w_max, tl.max(w, axis=0))
-            a_max = tl.maximum(a_max, tl.max(a, axis=0))
-            a_c = tl.exp(alpha * (tl.load(logit_ptr + (b * 2 + 1) * n_pad + j, mask=ok, other=float("-inf"))
-                                  - lse_c))
-            # the condition as a vector: Triton's interpreter rejects a mask that mixes in a scalar bool
-            tl.store(at_ptr + b * s_ab + c * s_ar + j, a_c, mask=ok & (j * 0 + count == BS))
-        w_max = tl.maximum(w_max, 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
-        a_max = tl.maximum(a_max, 1.1754943508222875e-38)
-        tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
-        for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
-            j = j0 + tl.arange(0, BJ)
-            ok = j < n
-            a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf")) - lse_t))
-            w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
-            tl.store(w_ptr + b * n + j, w, mask=ok)
-            rank = tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf"))
-            tl.store(rank_ptr + b * n + j, rank, mask=ok)
+        k = _budget(c, rho_bits, n, FIXED)
+        need = (k - 2).to(tl.int32)  # the blocks to choose among 1..c−1 (at most c − 1 of them)
+        _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK)
+        first = pages_ptr + b * hkv * kmax + 1  # the chosen blocks' place in head 0's list
+        if WHOLE:  # the row is one tile: w and ã stay in registers for the ranking and its top k − 2
+            j = tl.arange(0, BJ)
+            a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
+                              s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+            w = w / tl.maximum(tl.max(w, axis=0), 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
+            tl.store(w_ptr + b * n + j, w, mask=j < n)
+            middle = (j >= 1) & (j < c)
+            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), 1.1754943508222875e-38)),
+                                  float("-inf")))
+            if need > 0:  # ties to the lower block; pos ascends with the block, as the list wants
+                sel, pos = chosen_regs(u, middle, middle, need)
+                for h in range(hkv):
+                    tl.store(first + h * kmax + pos, j.to(tl.int32), mask=sel)
+        else:
+            w_max = tl.zeros([], dtype=tl.float32)
+            a_max = tl.zeros([], dtype=tl.float32)
+            for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
+                j = j0 + tl.arange(0, BJ)
+                a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr,
+                                  at_ptr, s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+                tl.store(w_ptr + b * n + j, w, mask=j < n)
+                w_max = tl.maximum(w_max, tl.max(w, axis=0))
+                a_max = tl.maximum(a_max, tl.max(a, axis=0))
+            w_max = tl.maximum(w_max, 1.1754943508222875e-38)
+            a_max = tl.maximum(a_max, 1.1754943508222875e-38)
+            tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
+            row = rank_ptr + b * n
+            for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
+                j = j0 + tl.arange(0, BJ)
+                ok = j < n
+                a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf"),
+                                            cache_modifier=".cg") - lse_t))
+                w = tl.load(w_ptr + b * n + j, mask=ok, other=0.0) / w_max
+                tl.store(w_ptr + b * n + j, w, mask=ok)
+                tl.store(row + j, tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf")), mask=ok)
+            tl.debug_barrier()  # the select reads the ranking row back
+            if need > 0:
+                hi, lo, _ = _range(row, n, BJ)
+                thr, ties = _radix(row, n, need, hi, lo, 32, BJ)
+                # the chosen blocks in block order into head 0's list (ties to the lower block), then copied
+                _emit(row, row, n, thr, ties, first, False, BJ)
+                tl.debug_barrier()  # the copy reads what other threads stored
+                offs_k = tl.arange(0, BK)
+                chosen = tl.load(first + offs_k, mask=offs_k < need)
+                for h in range(1, hkv):
+                    tl.store(first + h * kmax + offs_k, chosen, mask=offs_k < need)
 
     @triton.jit
-    def _select_kernel(lens_ptr, val_ptr, top_ptr, pages_ptr, npages_ptr, rho_bits, n_blocks, extra, kmax, hkv,
-                       BS: tl.constexpr, BE: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-                       FIXED: tl.constexpr, SORTED: tl.constexpr):
+    def _scores_select_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, tk_ptr, g_ptr, prev_ptr, at_ptr,
+                              w_ptr, rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, logit_scale, alpha, tie,
+                              rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
+                              BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, NC: tl.constexpr,
+                              ROW: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
+                              WHOLE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
+        # Program (b, t): the sketched logits of key blocks j of tile t, with the tile's softmax partials;
+        # the last of row b's programs to finish (a ticket counter it resets) then runs the row's walk and
+        # selection on all tiles' results: no launch of its own (the counter orders, nothing is summed
+        # in arrival order, so a replay still equals an eager call bit for bit).
         b = tl.program_id(0).to(tl.int64)
-        _, c, _ = _block_position(lens_ptr, b, BS)
-        # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1
-        rho = rho_bits.to(tl.float64, bitcast=True)
-        if FIXED:
-            base = (c * 0 + n_blocks).to(tl.float64)
-        else:
-            base = (c + 1).to(tl.float64)
-        x = rho * base - tl.full([], 1e-9, tl.float64)
-        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
-        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
-        k = tl.minimum(tl.maximum(k, 2), c + 1)
-        offs_e = tl.arange(0, BE)
-        e_ok = offs_e < extra
-        idx = tl.load(top_ptr + b * extra + offs_e, mask=e_ok, other=0).to(tl.int32)
-        if SORTED:  # best first: the row's k − 2 are the first entries
-            used = offs_e < k - 2
-        else:  # entry e is among the best k − 2 when fewer entries beat it (a higher score, or a tie at a lower block)
-            val = tl.load(val_ptr + b * extra + offs_e, mask=e_ok, other=float("-inf"))
-            better = tl.zeros([BE], dtype=tl.int32)
-            for e0 in range(0, extra, BC):
-                rival = e0 + tl.arange(0, BC)
-                r_ok = rival < extra
-                r_val = tl.load(val_ptr + b * extra + rival, mask=r_ok, other=float("-inf"))[None, :]
-                r_idx = tl.load(top_ptr + b * extra + rival, mask=r_ok, other=0).to(tl.int32)[None, :]
-                beats = (r_val > val[:, None]) | ((r_val == val[:, None]) & (r_idx < idx[:, None]))
-                better += tl.sum((beats & r_ok[None, :]).to(tl.int32), axis=1)
-            used = e_ok & (better < k - 2)
-        ordered = tl.sort(tl.where(used, idx, 2147483647), dim=0)  # the used blocks ascending, first
-        offs_k = tl.arange(0, BK)
-        ends = tl.where(offs_k == k - 1, c, 0).to(tl.int32)  # block 0 first, block c last, 0 as padding
-        ends_ok = (offs_k < kmax) & ((offs_k == 0) | (offs_k >= k - 1))
-        first = offs_e < k - 2
-        for h in range(hkv):
-            row = pages_ptr + (b * hkv + h) * kmax
-            tl.store(row + 1 + offs_e, ordered, mask=first)
-            tl.store(row + offs_k, ends, mask=ends_ok)
-            tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
+        t = tl.program_id(1)
+        _, c, count = _block_position(lens_ptr, b, BS)
+        j = t * BJ + tl.arange(0, BJ)
+        offs_m = tl.arange(0, BM)
+        ks = tl.load(ksk_ptr + b * s_kkb + j[:, None] * s_kkn + offs_m[None, :],
+                     mask=(j < c)[:, None] & (offs_m < m)[None, :], other=0.0)
+        k_c = _projection(proj_ptr, b, 2, BM, NC) / count.to(tl.float32)  # block c's sketch, not yet stored
+        ks = tl.where((j == c)[:, None], k_c[None, :], ks)
+        causal = j <= c
+        # row 0: the token's query; row 1: block c's mean query
+        _logit_tile(_projection(proj_ptr, b, 0, BM, NC), ks, causal, logit_scale,
+                    logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
+        _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
+                    logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
 
+        # every thread's stores precede the release; the acquire of the last program sees them all
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if ticket == tiles - 1:
+            tl.atomic_xchg(tk_ptr + b, 0)
+            _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+                      pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn,
+                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, SPLITS, MODE, WHOLE, BK, FIXED)
 
 def _float_bits(x: float) -> int:
     """A float's IEEE double bits as a signed 64-bit integer: Triton passes Python floats as float32, which
@@ -260,7 +319,8 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
                        phi: torch.Tensor, n_blocks: int, block_size: int, logit_scale: float, alpha: float,
                        mode: str, previous: torch.Tensor | None, density: float, fixed_k: bool,
                        kmax: int, tie: float, tile_cols: int | None = None,
-                       split_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       split_rows: int | None = None,
+                       row_tile: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decode step's state update and selection, in place on the layer's state.
 
     ``q [B, Hq, d]``, ``k [B, Hkv, N, d]`` (the cache), ``lengths [B]`` int32 (row b's new token is at
@@ -269,7 +329,8 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     the SRHT; ``n_blocks`` = ⌈N / block_size⌉; ``mode`` one of :data:`MODES` (``walk``/``diagonal`` need
     ``previous [B, n]``, the walk of the previous sparse layer); ``kmax`` the largest budget
     (``max_block_budget``); ``tie`` the one-hop score's weight in the ranking; ``tile_cols``/``split_rows``
-    (powers of two ≥ 16) override the GEMV's tiling (tests use them to run several tiles at small n).
+    (powers of two ≥ 16) override the GEMV's tiling and ``row_tile`` (one too) the walk row's (tests use them
+    to run several tiles at small n, and the select over memory that rows past 2048 blocks take).
 
     Returns ``(w [B, n] float32, pages [B, Hkv, kmax] int32, n_pages [B, Hkv] int32)``: the normalised
     walk and the selected blocks (ascending, block 0 first and block c last, padding 0)."""
@@ -319,36 +380,28 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     parts = torch.empty(b, 2, tiles, 2, device=dev, dtype=f32)
     g = torch.empty(b, splits, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
     w = torch.empty(b, n, device=dev, dtype=f32)
-    rank = torch.empty(b, n, device=dev, dtype=f32)
     prev = previous if walk_mode else w  # an unread stand-in
-    launch(_sketch_update_kernel, (b, nc), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, hq, hkv, m,
-           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0), q_tok.stride(1),
-           q_sum.stride(0), q_sum.stride(1), phi.stride(0),
-           BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, num_warps=8 if bhk * bs * bd > 4096 else 4)
-    launch(_scores_walk_kernel, (b, tiles, splits if walk_mode == 1 else 1), lengths, k_sketch, proj, a_tilde,
-           prev, logits, parts, g, m, n_pad, tiles, float(logit_scale), k_sketch.stride(0), k_sketch.stride(1),
-           a_tilde.stride(0), a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=bj, BM=bm, BI=bi, NC=nc, ROWS=rows, SPLITS=splits, WALK=walk_mode == 1, num_warps=4)
-    # One program per row reads the row's partials and writes w and the ranking: one tile up to 2048 blocks
-    # (128k tokens of 64), so that each pass's loads are in flight together.
-    row_tile = min(2048, next_pow2(n))
-    launch(_walk_row_kernel, (b,), lengths, proj, logits, parts, g, prev, k_sketch, a_tilde, w, rank, m, n, n_pad,
-           tiles, float(alpha), float(tie), k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
-           a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=row_tile, BT=next_pow2(tiles), BM=bm, NC=nc, SPLITS=splits, MODE=walk_mode,
-           num_warps=8 if row_tile >= 1024 else 4)
-    extra = min(kmax - 2, n)
-    # Up to 256 entries topk comes unsorted and the select kernel ranks them pairwise (saving topk's sort
-    # launch); beyond, the pairwise ranking (quadratic) would cost more than the sort.
-    ranked = extra > 256
-    if extra > 0:
-        val, top = torch.topk(rank, extra, dim=-1, sorted=ranked)
-    else:
-        val = top = rank  # unread stand-ins
+    gemv = tiles * splits if walk_mode == 1 else 0
+    launch(_update_walk_kernel, (b, nc + gemv), q, k, lengths, phi, q_tok, q_sum, k_sum, proj, a_tilde, prev, g,
+           hq, hkv, m, n_pad, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), q_tok.stride(0),
+           q_tok.stride(1), q_sum.stride(0), q_sum.stride(1), phi.stride(0), a_tilde.stride(0), a_tilde.stride(1),
+           prev.stride(0), BS=bs, BD=bd, BH=next_pow2(hq), BHK=bhk, BM=bm, NC=nc, BJ=bj, BI=bi, ROWS=rows,
+           SPLITS=splits, num_warps=8 if bhk * bs * bd > 4096 else 4)
+    # The last program of each row reads the row's partials, writes w and selects: the row whole in one tile up to
+    # 2048 blocks (128k tokens of 64), so the ranking and its radix select stay in registers; longer rows
+    # (or a smaller row_tile) go over memory in tiles.
+    row_tile = row_tile or min(2048, max(16, next_pow2(n)))
+    if row_tile < 16 or row_tile & (row_tile - 1):
+        raise ValueError(f"row_tile: expected a power of two >= 16, got {row_tile}")
+    whole = n <= row_tile
+    rank = w if whole else torch.empty(b, n, device=dev, dtype=f32)  # whole rows rank in registers
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
-    be = next_pow2(max(extra, 2))
-    launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax,
-           hkv, BS=bs, BE=be, BC=max(2, min(be, 4096 // be)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k),
-           SORTED=ranked, num_warps=4)
+    tickets = workspace("sketchwalk_tickets", q, b, torch.int32, zeroed=True)
+    launch(_scores_select_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, tickets, g, prev, a_tilde, w,
+           rank, pages, n_pages, m, n, n_pad, tiles, float(logit_scale), float(alpha), float(tie),
+           _float_bits(density), kmax, hkv, k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
+           a_tilde.stride(1), prev.stride(0),
+           BS=bs, BJ=bj, BM=bm, NC=nc, ROW=row_tile, BT=next_pow2(tiles), SPLITS=splits, MODE=walk_mode, WHOLE=whole,
+           BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=8 if row_tile >= 1024 else 4)
     return w, pages, n_pages

@@ -409,6 +409,19 @@ if triton is not None:
         return prefix, need
 
     @triton.jit
+    def chosen_regs(u, valid, fin, count):
+        """The ``count`` (≥ 1) largest of a row held in registers, ties to the lowest index: ``u`` the ordered
+        images (:func:`_ordered`), ``valid`` the entries that count, ``fin`` those of them that are finite
+        (at least ``count``). Returns ``(sel, pos)``: which entries are chosen, and each one's place in the
+        ascending list of the chosen (a cumulative sum, so in index order)."""
+        hi = tl.max(tl.where(valid, u, 0), axis=0)
+        lo = tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0)
+        thr, need = _radix_regs(u, valid, count, hi, lo)
+        eq = (valid & (u == thr)).to(tl.int32)
+        sel = (valid & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= need))
+        return sel, tl.cumsum(sel.to(tl.int32), axis=0) - 1
+
+    @triton.jit
     def _select_row_regs(v, offs, ok, count, out_row, k_out, XT: tl.constexpr):
         # The count best of the row v [XT] (entries with ok), ties to the lowest index, as an ascending
         # list at out_row, then zeros up to k_out.
@@ -416,12 +429,7 @@ if triton is not None:
         fin = ok & (v > float("-inf"))
         n_taken = tl.full([], 0, tl.int32)
         if count > 0:
-            hi = tl.max(tl.where(ok, u, 0), axis=0)
-            lo = tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0)
-            thr, need = _radix_regs(u, ok, count, hi, lo)
-            eq = (ok & (u == thr)).to(tl.int32)
-            sel = (ok & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= need))
-            pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            sel, pos = chosen_regs(u, ok, fin, count)
             tl.store(out_row + pos, offs.to(tl.int64), mask=sel)
             n_taken = tl.sum(sel.to(tl.int32), axis=0)
         for x0 in range(0, k_out, XT):  # the unused tail: defined values, never read
