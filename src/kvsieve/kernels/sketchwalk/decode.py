@@ -32,16 +32,17 @@ the first call (``LayerSketch``'s recompute-not-accumulate contract).
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from ..triton_utils import launch, next_pow2, triton
+from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 
 if triton is not None:
     import triton.language as tl
+
+    from .common import block_budget
 
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
@@ -207,16 +208,7 @@ if triton is not None:
                        FIXED: tl.constexpr, SORTED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         _, c, _ = _block_position(lens_ptr, b, BS)
-        # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1
-        rho = rho_bits.to(tl.float64, bitcast=True)
-        if FIXED:
-            base = (c * 0 + n_blocks).to(tl.float64)
-        else:
-            base = (c + 1).to(tl.float64)
-        x = rho * base - tl.full([], 1e-9, tl.float64)
-        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
-        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
-        k = tl.minimum(tl.maximum(k, 2), c + 1)
+        k = block_budget(rho_bits, c, n_blocks, FIXED)
         offs_e = tl.arange(0, BE)
         e_ok = offs_e < extra
         idx = tl.load(top_ptr + b * extra + offs_e, mask=e_ok, other=0).to(tl.int32)
@@ -243,12 +235,6 @@ if triton is not None:
             tl.store(row + 1 + offs_e, ordered, mask=first)
             tl.store(row + offs_k, ends, mask=ends_ok)
             tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
-
-
-def _float_bits(x: float) -> int:
-    """A float's IEEE double bits as a signed 64-bit integer: Triton passes Python floats as float32, which
-    would move ρ(c+1) across an integer (ρ = 0.1, c + 1 = 100)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _prev_pow2(x: int) -> int:
@@ -348,7 +334,7 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
     be = next_pow2(max(extra, 2))
-    launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, _float_bits(density), n, max(extra, 0), kmax,
+    launch(_select_kernel, (b,), lengths, val, top, pages, n_pages, float_bits(density), n, max(extra, 0), kmax,
            hkv, BS=bs, BE=be, BC=max(2, min(be, 4096 // be)), BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k),
            SORTED=ranked, num_warps=4)
     return w, pages, n_pages

@@ -27,11 +27,10 @@ host, the calls are graph-capturable) and there are no atomics.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from ..triton_utils import launch, next_pow2, triton
+from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 # A row of the n x n block scores is one tile of a program: up to 4096 blocks (256k tokens of 64) its
@@ -40,6 +39,8 @@ MAX_BLOCKS = 4096
 
 if triton is not None:
     import triton.language as tl
+
+    from .common import block_budget
 
     @triton.jit
     def _block_means_kernel(q_ptr, k_ptr, qtok_ptr, sums_ptr, means_ptr, hq, hkv, n_tok, d, n_blocks, batch,
@@ -106,16 +107,7 @@ if triton is not None:
         tl.store(w_ptr + row + j, w, mask=in_row)
         a_n = tl.div_rn(a, tl.full([BN], 1.0, tl.float32) * tl.maximum(tl.max(a, axis=0), tiny))
         rank = w + tie * a_n
-        # block_budget in float64, as the reference: max(2, ⌈ρ·base − 1e-9⌉), at most i + 1
-        rho = rho_bits.to(tl.float64, bitcast=True)
-        if FIXED:
-            base = (i * 0 + n_budget).to(tl.float64)
-        else:
-            base = (i + 1).to(tl.float64)
-        x = rho * base - tl.full([], 1e-9, tl.float64)
-        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
-        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
-        k = tl.minimum(tl.maximum(k, 2), i + 1)
+        k = block_budget(rho_bits, i, n_budget, FIXED)
         extra = (k - 2).to(tl.int32)
         # The ranking is ≥ 0, so its float32 bits order as int32: the extra-th largest key is found bit by
         # bit from the top (31 row reductions), blocks outside 1..i−1 keyed −1.
@@ -137,12 +129,6 @@ if triton is not None:
         pad = tl.arange(0, BK)
         tl.store(out + pad, tl.zeros([BK], dtype=tl.int64), mask=(pad >= count) & (pad < kmax))
         tl.store(cnt_ptr + b * n + i, count.to(tl.int64))
-
-
-def _float_bits(x: float) -> int:
-    """A float's IEEE double bits as a signed 64-bit integer: Triton passes Python floats as float32, which
-    would move ρ(i+1) across an integer (ρ = 0.1, i + 1 = 100)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def unsupported_reason(n_blocks: int, dtype: torch.dtype) -> str | None:
@@ -222,7 +208,7 @@ def prefill_select(a_tilde: torch.Tensor, previous: torch.Tensor | None, *, mode
     idx = torch.empty(b, n, kmax, device=dev, dtype=torch.int64)
     counts = torch.empty(b, n, device=dev, dtype=torch.int64)
     bn = next_pow2(n)
-    launch(_select_rows_kernel, (b, n), a_tilde, raw, w, idx, counts, n, kmax, float(tie), _float_bits(density), n,
+    launch(_select_rows_kernel, (b, n), a_tilde, raw, w, idx, counts, n, kmax, float(tie), float_bits(density), n,
            BN=bn, BK=next_pow2(kmax), MODE=walk_mode, FIXED=bool(fixed_k), num_warps=_row_warps(bn))
     return w, idx, counts
 
