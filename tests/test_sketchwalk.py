@@ -831,10 +831,14 @@ b, hq, hkv, d, bs, n0, q_len = 2, 6, 2, 64, 16, 150, 12
 layers = [[torch.randn(b, h, n0 + q_len, d, generator=gen).to(device) for h in (hq, hkv, hkv)] for _ in range(2)]
 outs = {{}}
 for backend in ("triton", "reference"):
-    m = kvsieve.method(f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0,backend={{backend}}")
+    spec = f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0"
+    m = kvsieve.method(f"{{spec}},backend={{backend}}")
+    # the context through the torch selection for both (the kernels' prefill state equals it to rounding only,
+    # and this compares the chunk's walks bit for bit)
     states, forward = [{{}} for _ in layers], {{}}
     for (q, k, v), st in zip(layers, states):
-        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+        kvsieve.method(f"{{spec}},backend=reference").prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None,
+                                                              state=st, forward=forward, sparse=True)
     forward, res = {{}}, []
     lengths = torch.tensor([n0 + q_len, n0 + q_len - 9], device=device)  # ragged rows
     for (q, k, v), st in zip(layers, states):

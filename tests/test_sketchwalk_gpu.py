@@ -83,8 +83,9 @@ def _llama_layers(n, layers, seed=0):
 
 
 def _decode_steps(spec, layers, n0, steps, monkeypatch):
-    """Prefill ``n0`` positions through every layer, then decode ``steps`` tokens; per call the blocks the
-    attention read, the walk and the output."""
+    """Prefill ``n0`` positions through every layer (the torch selection, whatever ``spec``'s backend: the
+    prefill kernels' state equals it to rounding only, and the decode paths are compared block for block),
+    then decode ``steps`` tokens; per call the blocks the attention read, the walk and the output."""
     import sys
 
     import kvsieve.kernels.sparse.weighted_triton as wt
@@ -106,10 +107,11 @@ def _decode_steps(spec, layers, n0, steps, monkeypatch):
     monkeypatch.setattr(wt, "sparse_decode_triton", kernel_hook)
     monkeypatch.setattr(sw, "weighted_sparse_decode", reference_hook)
     m = kvsieve.method(spec)
+    prefill = kvsieve.method(spec.rsplit(",backend=", 1)[0] + ",backend=reference")
     states = [{} for _ in layers]
     forward = {}
     for (q, k, v), st in zip(layers, states, strict=True):
-        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+        prefill.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
     res = []
     for t in range(n0, n0 + steps):
         forward = {}

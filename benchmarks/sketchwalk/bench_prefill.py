@@ -16,6 +16,9 @@ length. Timed with CUDA events and a cold L2 (``kvsieve.bench.timing.ColdL2Timer
   heads packed into one tile, each selected K/V block read once per KV-head group) over the same
   selection, once per ``--triton-tiles`` entry (``default`` = ``launch_config``, or ``BLOCK_MxBLOCK_N``);
   before timing, its output is compared with FlexAttention's on the same lists (``max_abs_err_vs_flex``).
+- ``selection_nomask``: the selection without the BlockMask (the Triton kernel's path; the method's prefill
+  selection kernels on CUDA where the tree has them, ``selection_path``), its share of the default-tile
+  ``triton_sparse`` time (issue 17: at most 10 % at >= 32k keys).
 - ``triton_layer``: selection (without the BlockMask, which the kernel does not need) + the Triton kernel
   at its default tiles, i.e. the method with ``prefill_backend=triton``.
 - ``triton_dense`` (up to ``--dense-flex-max``): the Triton kernel with every causal block, checked
@@ -163,7 +166,9 @@ def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
     m, prev, selection = sketchwalk_selection(q, k, bs, args.density)
     mask, idx, cnt = selection()
     kept = float(cnt.double().sum() / (nb * (nb + 1) / 2))
-    extra = {"block_size": bs, "density": args.density, "block_density": kept}
+    extra = {"block_size": bs, "density": args.density, "block_density": kept,
+             "selection_path": m.prefill_selection_path(q, nb)[0] if hasattr(m, "prefill_selection_path")
+             else "reference"}
     sparse = timed("flex_sparse", n, lambda: block_sparse_prefill_flex(
         q, k, v, idx, cnt, block_size=bs, block_mask=mask), **extra)
     sel = timed("selection", n, selection, **extra)
@@ -215,6 +220,7 @@ def time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra) -> None
             return {"check_error": f"{type(exc).__name__}: {exc}"[:300]}
         return {"max_abs_err_vs_flex": float((out.float() - flex_out.float()).abs().max())}
 
+    default_row = None
     for tiles in args.triton_tiles.split(","):
         kw = {}
         if tiles != "default":
@@ -227,6 +233,13 @@ def time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra) -> None
         row = timed("triton_sparse", n, run, tiles=tiles, **err_vs_flex(run), **extra)
         if "median_us" in row and "median_us" in sdpa:
             row["speedup_vs_sdpa"] = sdpa["median_us"] / row["median_us"]
+        if tiles == "default":
+            default_row = row
+
+    # issue 17's measure: the selection the kernel path runs (no BlockMask) against the kernel's attention
+    sel = timed("selection_nomask", n, lambda: m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], prev), **extra)
+    if default_row is not None and "median_us" in sel and "median_us" in default_row:
+        sel["share_of_sparse_attention"] = sel["median_us"] / default_row["median_us"]
 
     if n <= args.dense_flex_max:  # every causal block: the kernel against SDPA
         nb = idx.shape[1]

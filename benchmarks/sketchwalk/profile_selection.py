@@ -17,12 +17,15 @@ tree ``PYTHONPATH`` points at):
 - ``kernels``: device kernels one call launches (profiler); ``aten_ops``: aten ops it dispatches (views
   included), counted with a dispatch mode.
 
-Then a torch.profiler table of the kernels of the whole selection (mask included). Without CUDA it only
+Then a torch.profiler table of the kernels of the selection without the mask (the kernel path where the
+tree has one). ``selection_path`` says which path the method took; ``rows_differ_vs_torch``,
+``counts_equal_vs_torch`` and ``w_max_rel_diff_vs_torch`` compare it with the torch path (``backend=reference``)
+on the same inputs. Without CUDA it only
 counts the aten ops per stage on CPU at ``--cpu-length`` tokens.
 
 Usage (GPU machine, repository root; < 1 minute)::
 
-    PYTHONPATH=src python benchmarks/sketchwalk/profile_selection.py OUT_DIR [--lengths 65536,131072]
+    PYTHONPATH=src python benchmarks/sketchwalk/profile_selection.py OUT_DIR [--lengths 32768,65536,131072]
 
 Writes OUT_DIR/profile_selection.json, .md, profile_selection_kernels_<n>.txt and selection_<n>.pt (the
 block lists and counts, to compare two trees' selections with ``torch.equal``).
@@ -50,7 +53,7 @@ from bench_prefill import make_qkv, sketchwalk_selection  # noqa: E402
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
-    p.add_argument("--lengths", default="65536,131072")
+    p.add_argument("--lengths", default="32768,65536,131072")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--density", type=float, default=0.1)
     p.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head dim")
@@ -101,10 +104,14 @@ def stages(q: torch.Tensor, k: torch.Tensor, block_size: int, density: float) ->
     """``[(name, fn)]``: each stage of the selection on inputs the stages before it computed once, then the
     composite calls. The stages mirror ``SketchWalk.prefill_sketch`` / ``prefill_select`` of the tree under
     test (``block_means`` where it exists, else the division by ``block_token_counts`` it replaced)."""
+    import kvsieve
     from kvsieve.kernels.sparse.block_sparse import flex_block_mask
     from kvsieve.methods import sketchwalk as sw
 
     m, prev, selection = sketchwalk_selection(q, k, block_size, density)
+    # the torch path beside whichever path the tree's method takes (its prefill selection kernels on CUDA where
+    # the tree has them), on the same previous walk
+    ref = kvsieve.method(f"sketchwalk:density={density},block_size={block_size},backend=reference")
     b, _, n_tok, d = q.shape
     n = -(-n_tok // block_size)
     dtype, logit_scale = m._dims(d, q.dtype)
@@ -150,8 +157,23 @@ def stages(q: torch.Tensor, k: torch.Tensor, block_size: int, density: float) ->
         ("= prefill_select", lambda: m.prefill_select(a_tilde, prev)),
         ("= selection without mask (triton path)", lambda: m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], prev)),
         ("= selection with mask (bench 'selection')", selection),
+        ("= torch selection without mask (backend=reference)",
+         lambda: ref.prefill_select(ref.prefill_sketch(q, k)["a_tilde"], prev)),
     ]
-    return out, {"n_blocks": n, "kmax": kmax, "kept": float(cnt.double().sum() / (n * (n + 1) / 2))}
+    path = m.prefill_selection_path(q, n)[0] if hasattr(m, "prefill_selection_path") else "reference"
+    return out, {"n_blocks": n, "kmax": kmax, "kept": float(cnt.double().sum() / (n * (n + 1) / 2)),
+                 "selection_path": path}
+
+
+def compare_paths(named: list) -> dict:
+    """The method's selection (``= selection without mask``) against the torch path's on the same inputs: rows
+    whose block lists differ, and the walk's largest relative difference (0 and equal where both are torch)."""
+    calls = dict(named)
+    w, idx, cnt = calls["= selection without mask (triton path)"]()
+    rw, ridx, rcnt = calls["= torch selection without mask (backend=reference)"]()
+    rel = ((w - rw).abs() / rw.abs().clamp_min(1e-30)).masked_fill((w == 0) & (rw == 0), 0)
+    return {"rows_differ_vs_torch": int((idx != ridx).any(-1).sum()),
+            "counts_equal_vs_torch": bool(torch.equal(cnt, rcnt)), "w_max_rel_diff_vs_torch": float(rel.max())}
 
 
 def host_issue_us(fn, iters: int = 5) -> float:
@@ -194,9 +216,10 @@ def run_cuda(args, hq, hkv, d) -> tuple[list[dict], dict]:
         named, info = stages(q, k, args.block_size, args.density)
         # For an A/B across trees: the selection itself (compare the files of two runs with torch.equal), and
         # whether this tree's head mean gives the floats of the float32-copy form.
-        _, idx, cnt = named[-1][1]()
+        _, idx, cnt = dict(named)["= selection with mask (bench 'selection')"]()
         torch.save({"block_idx": idx.cpu(), "block_counts": cnt.cpu()}, args.out / f"selection_{n_tok}.pt")
         info["head_mean_equal_fp32_copy"] = bool(torch.equal(sw.head_mean(q, torch.float32), q.float().mean(1)))
+        info.update(compare_paths(named))
         print(json.dumps({"n": n_tok, **info}), flush=True)
         for name, fn in named:
             row = {"n": n_tok, "stage": name, **info}
@@ -211,9 +234,9 @@ def run_cuda(args, hq, hkv, d) -> tuple[list[dict], dict]:
             row["host_us"] = host_issue_us(fn)
             rows.append(row)
             print(json.dumps({key: v for key, v in row.items() if key != "top_ops"}), flush=True)
-        full = named[-1][1]
+        full = dict(named)["= selection without mask (triton path)"]
         tables[n_tok] = kernel_table(full, args.out / f"profile_selection_kernels_{n_tok}.txt")
-        print(f"\n## kernels of the selection with mask, n = {n_tok} (5 calls)\n{tables[n_tok]}", flush=True)
+        print(f"\n## kernels of the selection without mask, n = {n_tok} (5 calls)\n{tables[n_tok]}", flush=True)
         del q, k, named
         torch.cuda.empty_cache()
     return rows, tables

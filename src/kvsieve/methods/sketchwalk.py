@@ -260,7 +260,9 @@ class SketchWalkConfig(MethodConfig):
     seed: int = param(0, "seed of the SRHT (signs and sampled rows): one Φ for every layer")
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
-                "the torch reference elsewhere; reference; triton (error if it cannot)")
+                "the torch reference elsewhere; reference; triton (error if it cannot). Also picks the "
+                "selection's path (decode and prefill): the Triton kernels where this asks for them and they can "
+                "serve the call (the stats' selection key), the torch reference otherwise")
     prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
         "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to 64 "
                 "keys and FlexAttention for larger ones (the faster of the two, measured), the torch reference "
@@ -402,14 +404,38 @@ class SketchWalk(PrefillMethod):
 
     # -- prefill ----------------------------------------------------------------------------------------
 
+    def prefill_selection_path(self, x: torch.Tensor, n_blocks: int) -> tuple[str, str | None]:
+        """``(path, reason)`` of the prefill selection for a prompt of ``n_blocks`` blocks on ``x``'s device
+        and dtype: ``"triton"`` (:mod:`kvsieve.kernels.sketchwalk.prefill_select`, a handful of launches) or
+        ``"reference"`` (the torch functions above); ``reason`` says why the kernels did not run where
+        ``backend`` asked for them (None where the reference is the expected path)."""
+        cfg = self.config
+        if cfg.backend == "reference" or (cfg.backend == "auto" and x.device.type != "cuda"):
+            return "reference", None
+        if cfg.walk_power == "matrix":
+            return "reference", "walk_power=matrix (the kernels compute the element-wise power)"
+        from ..kernels.sketchwalk.prefill_select import unsupported_reason
+        from ..kernels.triton_utils import kernels_interpreted
+
+        reason = unsupported_reason(n_blocks, x.dtype)
+        if reason is None and (x.device.type == "cuda") == kernels_interpreted():
+            reason = f"{x.device.type} tensors with TRITON_INTERPRET={int(kernels_interpreted())}"
+        return ("reference", reason) if reason is not None else ("triton", None)
+
     def prefill_sketch(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Block sums, key sketches, ``log Â`` and ``Ã`` of a prompt (q ``[B, Hq, N, d]``, k ``[B, Hkv, N, d]``)."""
+        """Block sums, key sketches, ``log Â`` and ``Ã`` of a prompt (q ``[B, Hq, N, d]``, k ``[B, Hkv, N, d]``);
+        on the kernel path (:meth:`prefill_selection_path`) without ``log_a``, which only the matrix power needs."""
         cfg = self.config
         b, _, n_tok, d = q.shape
         dtype, logit_scale = self._dims(d, q.dtype)
         bs = cfg.block_size
         n = -(-n_tok // bs)
         phi = self._phi(d, q.device, dtype)
+        if self.prefill_selection_path(q, n)[0] == "triton":
+            from ..kernels.sketchwalk import prefill_select as kernels
+
+            q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+            return kernels.prefill_sketch(q, k, phi, block_size=bs, logit_scale=logit_scale, alpha=cfg.alpha)
         q_avg = head_mean(q, dtype)
         q_sum = block_sums(q_avg, bs)
         k_sum = block_sums(head_mean(k, dtype), bs)
@@ -425,11 +451,17 @@ class SketchWalk(PrefillMethod):
         """``(W, block_idx [B, n, K], block_counts [B, n])`` from this layer's ``Ã`` and the walk so far."""
         cfg = self.config
         b, n, _ = a_tilde.shape
+        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
+        if self.prefill_selection_path(a_tilde, n)[0] == "triton" and a_tilde.dtype == torch.float32:
+            from ..kernels.sketchwalk import prefill_select as kernels
+
+            mode = "one-hop" if cfg.walk == "oracle" else cfg.walk
+            return kernels.prefill_select(a_tilde, previous, mode=mode, density=cfg.density, fixed_k=cfg.fixed_k,
+                                          kmax=kmax, tie=TIE_BREAK)
         w = self.walk_step(previous, a_tilde, lambda prev: torch.matmul(prev, a_tilde))
         rank = w + TIE_BREAK * normalize_rows(a_tilde)
         rows = torch.arange(n, device=a_tilde.device)[None].expand(b, n)
         budget = block_budget(rows, cfg.density, fixed_k=cfg.fixed_k, n_blocks=n)
-        kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
         block_idx, block_counts = select_blocks(rank, rows, budget, kmax)
         return w, block_idx, block_counts
 
@@ -455,10 +487,12 @@ class SketchWalk(PrefillMethod):
         forward[HOPS_KEY] = hops
         out, _, backend = block_sparse_prefill(q, k, v, block_idx, block_counts, block_size=cfg.block_size,
                                                scale=scale, backend=cfg.prefill_backend)
-        stats = self._prefill_stats(k, block_counts, n_tok, backend, hops)
+        path, reason = self.prefill_selection_path(q, block_counts.shape[1])
+        extra = {"selection": path} if reason is None else {"selection": path, "selection_reason": reason}
+        stats = self._prefill_stats(k, block_counts, n_tok, backend, hops, extra)
         return out.to(q.dtype), stats
 
-    def _prefill_stats(self, k, block_counts, n_tok, backend, hops) -> StepStats:
+    def _prefill_stats(self, k, block_counts, n_tok, backend, hops, extra) -> StepStats:
         # Built when read: its host reads would wait for this layer's attention, and the next layer's
         # launches would then start on an idle device.
         bs = self.config.block_size
@@ -482,7 +516,7 @@ class SketchWalk(PrefillMethod):
                 bytes_read=int(kept.sum() * bs * hkv * 2 * d * itemsize), backend=backend, exact_rows=exact,
                 extra={"block_density": float(kept.sum(-1).mean() / causal.sum()), "blocks_kept": float(kept.mean())})
 
-        return StepStats.deferred(compute, backend, {"phase": "prefill", "walk_hops": hops})
+        return StepStats.deferred(compute, backend, {"phase": "prefill", "walk_hops": hops, **extra})
 
     # -- decode -----------------------------------------------------------------------------------------
 

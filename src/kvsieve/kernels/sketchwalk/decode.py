@@ -34,11 +34,10 @@ token's block like the first call (``LayerSketch``'s recompute-not-accumulate co
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from ..triton_utils import launch, next_pow2, triton, workspace
+from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 
@@ -46,6 +45,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
+    from .common import block_budget
 
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
@@ -156,19 +156,6 @@ if triton is not None:
         return top + tl.log(tl.sum(total * tl.exp(mx - top), axis=0))
 
     @triton.jit
-    def _budget(c, rho_bits, n_blocks, FIXED: tl.constexpr):
-        """The row's block budget as ``block_budget`` in float64: max(2, ⌈ρ·base − 1e-9⌉), at most c + 1."""
-        rho = rho_bits.to(tl.float64, bitcast=True)
-        if FIXED:
-            base = (c * 0 + n_blocks).to(tl.float64)
-        else:
-            base = (c + 1).to(tl.float64)
-        x = rho * base - tl.full([], 1e-9, tl.float64)
-        whole = x.to(tl.int64)  # truncation: floor for x ≥ 0, and a negative x rounds up to ≤ 0 anyway
-        k = whole + (whole.to(tl.float64) < x).to(tl.int64)
-        return tl.minimum(tl.maximum(k, 2), c + 1)
-
-    @triton.jit
     def _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK: tl.constexpr):
         """Every KV head's list but the chosen middle: block 0 first, block c at k − 1, 0 as padding."""
         offs_k = tl.arange(0, BK)
@@ -217,7 +204,7 @@ if triton is not None:
             p_c = tl.load(prev_ptr + b * s_pb + c)
         else:
             p_c = 0.0
-        k = _budget(c, rho_bits, n, FIXED)
+        k = block_budget(rho_bits, c, n, FIXED)
         need = (k - 2).to(tl.int32)  # the blocks to choose among 1..c−1 (at most c − 1 of them)
         _store_pages(pages_ptr, npages_ptr, b, c, k, kmax, hkv, BK)
         first = pages_ptr + b * hkv * kmax + 1  # the chosen blocks' place in head 0's list
@@ -303,12 +290,6 @@ if triton is not None:
             _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
                       pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn,
                       s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, SPLITS, MODE, WHOLE, BK, FIXED)
-
-def _float_bits(x: float) -> int:
-    """A float's IEEE double bits as a signed 64-bit integer: Triton passes Python floats as float32, which
-    would move ρ(c+1) across an integer (ρ = 0.1, c + 1 = 100)."""
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
 
 def _prev_pow2(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
@@ -400,7 +381,7 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     tickets = workspace("sketchwalk_tickets", q, b, torch.int32, zeroed=True)
     launch(_scores_select_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, tickets, g, prev, a_tilde, w,
            rank, pages, n_pages, m, n, n_pad, tiles, float(logit_scale), float(alpha), float(tie),
-           _float_bits(density), kmax, hkv, k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
+           float_bits(density), kmax, hkv, k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
            a_tilde.stride(1), prev.stride(0),
            BS=bs, BJ=bj, BM=bm, NC=nc, ROW=row_tile, BT=next_pow2(tiles), SPLITS=splits, MODE=walk_mode, WHOLE=whole,
            BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=8 if row_tile >= 1024 else 4)
