@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kvsieve.kernels import dense, triton_utils  # noqa: E402
-from kvsieve.kernels.santa import fused, overlap, two_pass  # noqa: E402
+from kvsieve.kernels.santa import common, decode, fused, overlap, two_pass  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64"}
@@ -100,7 +100,7 @@ def main() -> int:
 
     for module in (triton_utils, dense, fused, overlap, two_pass):
         module.launch = fake_launch
-    for module in (overlap, two_pass):  # programmatic dependent launch as the target would have it
+    for module in (common, decode):  # programmatic dependent launch as the target would have it
         module.pdl_available = lambda: args.capability >= 90
     torch.cuda.current_device = lambda: 0
     q = torch.randn(1, 32, 128).to(torch.bfloat16)

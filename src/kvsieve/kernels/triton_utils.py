@@ -28,6 +28,8 @@ past a row's length are never read; parts with ``l = 0`` are skipped without mem
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..core import rng as _rng
@@ -38,6 +40,13 @@ try:  # triton is an optional dependency at run time (CPU-only installs run the 
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
     tl = None
+
+gdc_launch_dependents = gdc_wait = None  # programmatic dependent launch, where Triton and the GPU have it
+if triton is not None:
+    try:  # programmatic dependent launch (Hopper); absent from older Triton releases
+        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 - used by the kernels
+    except ImportError:  # pragma: no cover - depends on the installed Triton
+        pass
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -90,6 +99,28 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         return ("CPU tensors: the Triton kernels run on CPU only through the interpreter "
                 "(set TRITON_INTERPRET=1 before kvsieve's Triton kernels are imported)")
     return f"device {q.device.type}"
+
+
+@functools.cache
+def _hopper_or_newer(device: int) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_available() -> bool:
+    """Programmatic dependent launch (PDL): the kernels are compiled (the interpreter has no grid
+    dependency control), Triton has it and the GPU too (compute capability 9.0 and newer).
+
+    A kernel launched with PDL (:func:`pdl_launch`) may start while the one before it in the stream still
+    runs, so it must call ``gdc_wait()`` before it reads anything an earlier kernel writes (and before it
+    writes anything an earlier kernel reads); ``gdc_launch_dependents()`` lets the next one launch. Waiting
+    covers every kernel before: each PDL kernel waits before it finishes, so completions chain."""
+    return (gdc_wait is not None and not kernels_interpreted()
+            and _hopper_or_newer(torch.cuda.current_device()))
+
+
+def pdl_launch(pdl: bool) -> dict:
+    """The launch option that turns programmatic dependent launch on (see :func:`pdl_available`)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 def next_pow2(x: int) -> int:

@@ -38,8 +38,8 @@ STREAM_KEY = (STREAM_BERNOULLI * GOLDEN) & MASK32
 if triton is not None:
     import triton.language as tl
 
-    from ..santa.common import fold_scores, gdc_launch_dependents
-    from ..triton_utils import _mix32, hash_uniform
+    from ..santa.common import fold_scores
+    from ..triton_utils import _mix32, gdc_launch_dependents, hash_uniform
     from .feature_major import feature_scores
 
     @triton.jit

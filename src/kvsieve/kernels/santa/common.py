@@ -9,7 +9,6 @@ draws the same counts for the same seed.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -19,13 +18,12 @@ from ..triton_utils import (
     STREAM_TILE,
     dot_precision,
     group_block,
-    is_interpreted,
     next_pow2,
+    pdl_available,
     triton,
     workspace,
 )
 
-gdc_launch_dependents = gdc_wait = None  # programmatic dependent launch, where Triton and the GPU have it
 if triton is not None:
     import triton.language as tl
 
@@ -34,11 +32,6 @@ if triton is not None:
     # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
     # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
     budget_jit = triton.jit(do_not_specialize=["budget"])
-
-    try:  # programmatic dependent launch (Hopper); absent from older Triton releases
-        from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 - used by the kernels
-    except ImportError:  # pragma: no cover - depends on the installed Triton
-        pass
 
     @triton.jit
     def load_group_q(q_ptr, b, kvh, s_q_b, s_q_h, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
@@ -317,19 +310,6 @@ def default_r_max(group: int, budget: int, tiles: int) -> int:
     """Rows gathered per step of the compacted V gather: the group's expected samples in a tile
     (G·S/T, the flash tile budget), as a power of two in [16, 64]; more rows take more steps."""
     return min(64, max(16, next_pow2(group * max(1, -(-budget // max(1, tiles))))))
-
-
-@functools.cache
-def _hopper_or_newer(device: int) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_available() -> bool:
-    """Programmatic dependent launch: the kernels are compiled (the interpreter has no grid dependency
-    control), Triton has it and the GPU too (compute capability 9.0 and newer). On wherever available
-    since 2026-11-22-h100-decode-v9 (prop 1.0–1.9 µs faster from 8k to 128k, flash within ±0.8)."""
-    return (gdc_wait is not None and not is_interpreted(sample_fold)
-            and _hopper_or_newer(torch.cuda.current_device()))
 
 
 def stats_buffers(q, b, hq, t, tile):

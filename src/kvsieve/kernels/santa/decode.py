@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .common import all_tiles, check_rounding, check_tile, pdl_available, tile_count
+from ..triton_utils import pdl_available
+from .common import all_tiles, check_rounding, check_tile, tile_count
 from .fused import santa_flash_fused
 from .overlap import santa_flash_overlap, santa_prop_overlap
 from .two_pass import santa_flash_two_pass, santa_prop_two_pass

@@ -45,6 +45,7 @@ from ..triton_utils import (
     is_interpreted,
     launch,
     next_pow2,
+    pdl_launch,
     seed_words,
     triton,
     workspace,
@@ -54,7 +55,8 @@ from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_
 if triton is not None:
     import triton.language as tl
 
-    from .common import budget_jit, gdc_launch_dependents, group_budgets, sample_fold
+    from ..triton_utils import gdc_launch_dependents
+    from .common import budget_jit, group_budgets, sample_fold
 
     @triton.jit
     def _nap(x, SLEEP: tl.constexpr):
@@ -238,7 +240,6 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
     programs = max(1, min(stats_programs, units * t))
     threads = 32 * STATS_WARPS
     sleep = not is_interpreted(_overlap_sample_kernel)
-    pdl_launch = {"launch_pdl": True} if pdl else {}
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
     launch(_ordered_stats_kernel, (programs, 1, 1),
@@ -252,13 +253,13 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
         launch(_unit_budget_kernel, (hq, b, 1),
                buf.m, buf.l, lens, buf.budgets, sync, budget, lo, hi, BUDGET_KEY, t, hq, hkv, units, hq * t, t,
                G=g, TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl,
-               SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch)
+               SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch(pdl))
     launch(_overlap_sample_kernel, (t, hkv, b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, sync, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, units, *sample_strides(v, buf, hq, t, tile, write_counts),
            **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
-           SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch)
+           SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch(pdl))
     return buf
 
 

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import dot_precision, group_block, launch, next_pow2, seed_words, triton
+from ..triton_utils import dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
 from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
 
+    from ..triton_utils import gdc_launch_dependents, gdc_wait
     from .common import (
         budget_jit,
         fold_scores,
-        gdc_launch_dependents,
-        gdc_wait,
         group_budgets,
         load_group_q,
         sample_fold,
@@ -128,10 +127,6 @@ if triton is not None:
                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
 
-def _pdl_launch(pdl: bool) -> dict:
-    return {"launch_pdl": True} if pdl else {}
-
-
 def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs):
     """The stats pass into ``buf.m``, ``buf.l``, ``buf.stash`` (and, for flash, ``buf.mstar``)."""
     b, hq, d = q.shape
@@ -154,7 +149,7 @@ def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_cou
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, *sample_strides(v, buf, hq, t, tile, write_counts),
            **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
-           PDL=pdl, num_warps=4, **_pdl_launch(pdl))
+           PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
@@ -180,7 +175,7 @@ def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int
     launch(_prop_budget_kernel, (hq, b, 1),
            buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
            TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
-           **_pdl_launch(pdl))
+           **pdl_launch(pdl))
     _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
                  r_max=r_max)
 
