@@ -99,6 +99,36 @@ def test_select_matches_the_reference(n, walk, density, fixed_k):
         assert a[1].dtype == r[1].dtype == torch.int64 and a[2].dtype == torch.int64
 
 
+def assert_lists_break_ties_low(got, ref, a_tilde, density, fixed_k):
+    """``got = (w, idx, cnt)`` (the kernel) against ``ref`` (the method's torch path, whose ``torch.topk``
+    may pick any of tied blocks): the same counts and ranking values, and each row's list exactly block 0,
+    the best ``k − 2`` of blocks 1..i−1 by a stable sort (ties to the lowest index) ascending, block i, then
+    zeros. Returns how many rows chose nothing of a non-empty middle (``k − 2 = 0``) and how many had a tie
+    across their threshold (the last taken block's ranking equal to the first left out)."""
+    (w, idx, cnt), (_, ridx, rcnt) = got, ref
+    b, n, _ = a_tilde.shape
+    assert torch.equal(cnt, rcnt)
+    rank = w + TIE_BREAK * normalize_rows(a_tilde)
+    budget = block_budget(torch.arange(n)[None].expand(b, n), density, fixed_k=fixed_k, n_blocks=n)
+    kmax = max_block_budget(n, density, fixed_k=fixed_k)
+    none_taken = split_ties = 0
+    for r in range(b):
+        for i in range(n):
+            used = int(cnt[r, i])
+            got_i, ref_i = idx[r, i, :used], ridx[r, i, :used]
+            assert torch.equal(rank[r, i, got_i].sort().values, rank[r, i, ref_i].sort().values), (r, i)
+            middle = rank[r, i, 1:i] if i > 1 else rank[r, i, :0]
+            extra = max(0, int(budget[r, i]) - 2)
+            order = torch.sort(-middle, stable=True).indices
+            expect = torch.cat([torch.zeros(1, dtype=torch.long), (order[:extra] + 1).sort().values,
+                                torch.tensor([i] if i > 0 else [], dtype=torch.long)])
+            assert torch.equal(got_i, expect), (r, i, got_i, expect)
+            assert torch.equal(idx[r, i, used:], torch.zeros(kmax - used, dtype=torch.long))
+            none_taken += extra == 0 and len(middle) > 0
+            split_ties += 0 < extra < len(middle) and bool(middle[order[extra - 1]] == middle[order[extra]])
+    return none_taken, split_ties
+
+
 @pytest.mark.parametrize("levels", [1, 2, 5])
 def test_ties_go_to_the_lower_block(levels):
     """Exact ties in the ranking (a few levels of Ã, zeros included, and no previous walk, so the tie-break
@@ -108,24 +138,39 @@ def test_ties_go_to_the_lower_block(levels):
     a_tilde = random_causal(2, n, seed=levels, levels=levels)
     a_tilde[..., 0] = 1.0  # every row has a positive maximum
     spec = f"density={density},walk=one-hop"
-    w, idx, cnt = method(spec, "triton").prefill_select(a_tilde, None)
-    _, ridx, rcnt = method(spec, "reference").prefill_select(a_tilde, None)
-    assert torch.equal(cnt, rcnt)
-    rank = w + TIE_BREAK * normalize_rows(a_tilde)
-    rows = torch.arange(n)[None].expand(2, n)
-    budget = block_budget(rows, density, fixed_k=False, n_blocks=n)
-    kmax = max_block_budget(n, density, fixed_k=False)
-    for b in range(2):
-        for i in range(n):
-            used = int(cnt[b, i])
-            got, ref = idx[b, i, :used], ridx[b, i, :used]
-            assert torch.equal(rank[b, i, got].sort().values, rank[b, i, ref].sort().values), (b, i)
-            middle = rank[b, i, 1:i] if i > 1 else rank[b, i, :0]
-            order = torch.sort(-middle, stable=True).indices[: max(0, int(budget[b, i]) - 2)] + 1
-            expect = torch.cat([torch.zeros(1, dtype=torch.long), order.sort().values,
-                                torch.tensor([i] if i > 0 else [], dtype=torch.long)])
-            assert torch.equal(got, expect), (b, i, got, expect)
-            assert torch.equal(idx[b, i, used:], torch.zeros(kmax - used, dtype=torch.long))
+    got = method(spec, "triton").prefill_select(a_tilde, None)
+    ref = method(spec, "reference").prefill_select(a_tilde, None)
+    assert_lists_break_ties_low(got, ref, a_tilde, density, fixed_k=False)
+
+
+@pytest.mark.parametrize("walk,density,fixed_k", [("one-hop", 0.1, False), ("diagonal", 0.3, False),
+                                                  ("diagonal", 0.15, True)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_forced_ties_in_random_rankings(walk, density, fixed_k, seed):
+    """Continuous random Ã (and previous walk) spanning many decades, with a few columns copied onto several
+    later ones: the copies rank exactly equal (one-hop, and diagonal's element-wise product), some of them
+    across a row's threshold. Low densities leave many rows with k − 2 = 0 of a non-empty middle (the
+    kernel's guard around the select; with fixed_k only rows 0 and 1, whose middle is empty); the test checks
+    that the cases occur."""
+    n = 70
+    g = torch.Generator().manual_seed(100 + seed)
+    a_tilde = random_causal(2, n, seed=seed)
+    previous = normalize_rows(random_causal(2, n, seed=seed + 50))
+    for src in torch.randperm(n - 1, generator=g)[:8].tolist():
+        src += 1  # a middle block: block 0 is always taken
+        for dst in torch.randint(src + 1, n, (3,), generator=g).tolist() if src + 1 < n else []:
+            a_tilde[..., dst] = a_tilde[..., src]
+            previous[..., dst] = previous[..., src]
+    a_tilde, previous = a_tilde.tril(), previous.tril()
+    spec = f"density={density},fixed_k={fixed_k},walk={walk}"
+    none_taken = split_ties = 0
+    for prev in (None, previous):
+        got = method(spec, "triton").prefill_select(a_tilde, prev)
+        ref = method(spec, "reference").prefill_select(a_tilde, prev)
+        close(got[0], ref[0], f"w (previous: {prev is not None})", rtol=1e-6)
+        counted = assert_lists_break_ties_low(got, ref, a_tilde, density, fixed_k)
+        none_taken, split_ties = none_taken + counted[0], split_ties + counted[1]
+    assert split_ties > 0 and (none_taken > 0 or fixed_k), (none_taken, split_ties)
 
 
 def run_layers(spec: str, backend: str, layers, prompt: int):

@@ -1,14 +1,20 @@
 """What Sketch&Walk's decode and prefill selection kernels share: the block budget in float64 (as the
-method's ``block_budget``) and the host side of passing ρ to it."""
+method's ``block_budget``), the host side of passing ρ to it, and the floor of a row's maximum."""
 
 from __future__ import annotations
 
 import struct
 
+import torch
+
 from ..triton_utils import triton
 
 if triton is not None:
     import triton.language as tl
+
+    # The floor normalize_rows clamps a row's maximum to (an all-zero row stays zero, not NaN). A constexpr:
+    # jit code may read a module global only if it is one.
+    FLOAT32_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
 
     @triton.jit
     def block_budget(rho_bits, row, n_blocks, FIXED: tl.constexpr):

@@ -16,8 +16,9 @@ Here the same selection is six launches (five without a previous walk):
 5. ``torch.matmul``: the walk ``W_prev · Ã`` (mode ``walk`` with a previous layer only).
 6. ``_select_rows_kernel``, one program per (batch row, query block): ``w / max w`` (the next layer's walk),
    the ranking ``w/max w + tie·ã/max ã``, the row's budget (float64, as ``block_budget``), the best
-   ``k − 2`` of blocks ``1..i−1`` by a radix select on the ranking's bits (ties at the threshold go to the
-   lower block, as in the decode kernel), and the list: block 0, those ascending, block ``i``, padding 0.
+   ``k − 2`` of blocks ``1..i−1`` by ``select_triton``'s register radix select (``chosen_regs``: ties at the
+   threshold go to the lower block, as in the decode kernel), and the list: block 0, those ascending, block
+   ``i``, padding 0.
 
 The matmuls are torch's (TF32 where the caller allows it, as in the reference path), so the sketches, the
 logits and the walk are the reference's products; the kernels' sums run in another order than torch's
@@ -40,7 +41,8 @@ MAX_BLOCKS = 4096
 if triton is not None:
     import triton.language as tl
 
-    from .common import block_budget
+    from ..sparse.select_triton import _ordered, chosen_regs
+    from .common import FLOAT32_TINY, block_budget
 
     @triton.jit
     def _block_means_kernel(q_ptr, k_ptr, qtok_ptr, sums_ptr, means_ptr, hq, hkv, n_tok, d, n_blocks, batch,
@@ -102,33 +104,21 @@ if triton is not None:
             raw = tl.load(raw_ptr + row + j, mask=in_row, other=0.0)
         else:
             raw = tl.load(raw_ptr + row + j, mask=in_row, other=0.0) * a
-        tiny = 1.1754943508222875e-38  # torch.finfo(float32).tiny, as normalize_rows clamps
-        w = tl.div_rn(raw, tl.full([BN], 1.0, tl.float32) * tl.maximum(tl.max(raw, axis=0), tiny))
+        w = tl.div_rn(raw, tl.full([BN], 1.0, tl.float32) * tl.maximum(tl.max(raw, axis=0), FLOAT32_TINY))
         tl.store(w_ptr + row + j, w, mask=in_row)
-        a_n = tl.div_rn(a, tl.full([BN], 1.0, tl.float32) * tl.maximum(tl.max(a, axis=0), tiny))
-        rank = w + tie * a_n
+        a_n = tl.div_rn(a, tl.full([BN], 1.0, tl.float32) * tl.maximum(tl.max(a, axis=0), FLOAT32_TINY))
         k = block_budget(rho_bits, i, n_budget, FIXED)
-        extra = (k - 2).to(tl.int32)
-        # The ranking is ≥ 0, so its float32 bits order as int32: the extra-th largest key is found bit by
-        # bit from the top (31 row reductions), blocks outside 1..i−1 keyed −1.
-        middle = (j >= 1) & (j < i)
-        key = tl.where(middle, rank.to(tl.int32, bitcast=True), -1)
-        thr = tl.zeros([], dtype=tl.int32)
-        for step in range(31):
-            trial = thr | (1 << (30 - step))
-            thr = tl.where(tl.sum((key >= trial).to(tl.int32), axis=0) >= extra, trial, thr)
-        above = key > thr
-        tied = middle & (key == thr)
-        room = extra - tl.sum(above.to(tl.int32), axis=0)
-        chosen = (above | (tied & (tl.cumsum(tied.to(tl.int32), axis=0) <= room))) & (j * 0 < extra)
-        chosen = chosen | (j == 0) | (j == i)
-        count = tl.sum(chosen.to(tl.int32), axis=0)
-        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        # The list: block 0 first, block i at k − 1 (the same slot when i = 0, k = 1), padding 0 from k; the
+        # chosen blocks fill 1..k−2, so the two stores never write one slot (no order between their threads).
         out = idx_ptr + (b * n + i) * kmax
-        tl.store(out + slot, j.to(tl.int64), mask=chosen & in_row)
-        pad = tl.arange(0, BK)
-        tl.store(out + pad, tl.zeros([BK], dtype=tl.int64), mask=(pad >= count) & (pad < kmax))
-        tl.store(cnt_ptr + b * n + i, count.to(tl.int64))
+        slot = tl.arange(0, BK)
+        tl.store(out + slot, tl.where(slot == k - 1, i, 0), mask=(slot < kmax) & ((slot == 0) | (slot >= k - 1)))
+        extra = (k - 2).to(tl.int32)  # at most i − 1: every block of 1..i−1 can be taken
+        if extra > 0:  # ties to the lower block, as the decode kernel; pos ascends with the block
+            middle = (j >= 1) & (j < i)
+            sel, pos = chosen_regs(_ordered(w + tie * a_n), middle, middle, extra)
+            tl.store(out + 1 + pos, j.to(tl.int64), mask=sel)
+        tl.store(cnt_ptr + b * n + i, k.to(tl.int64))
 
 
 def unsupported_reason(n_blocks: int, dtype: torch.dtype) -> str | None:
