@@ -45,7 +45,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
-    from .common import block_budget
+    from .common import FLOAT32_TINY, block_budget
 
     @triton.jit
     def _block_position(lens_ptr, b, BS: tl.constexpr):
@@ -212,10 +212,10 @@ if triton is not None:
             j = tl.arange(0, BJ)
             a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
                               s_ab, s_ar, s_pb, BS, SPLITS, MODE)
-            w = w / tl.maximum(tl.max(w, axis=0), 1.1754943508222875e-38)  # float32 tiny, as normalize_rows
+            w = w / tl.maximum(tl.max(w, axis=0), FLOAT32_TINY)  # as normalize_rows
             tl.store(w_ptr + b * n + j, w, mask=j < n)
             middle = (j >= 1) & (j < c)
-            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), 1.1754943508222875e-38)),
+            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), FLOAT32_TINY)),
                                   float("-inf")))
             if need > 0:  # ties to the lower block; pos ascends with the block, as the list wants
                 sel, pos = chosen_regs(u, middle, middle, need)
@@ -231,8 +231,8 @@ if triton is not None:
                 tl.store(w_ptr + b * n + j, w, mask=j < n)
                 w_max = tl.maximum(w_max, tl.max(w, axis=0))
                 a_max = tl.maximum(a_max, tl.max(a, axis=0))
-            w_max = tl.maximum(w_max, 1.1754943508222875e-38)
-            a_max = tl.maximum(a_max, 1.1754943508222875e-38)
+            w_max = tl.maximum(w_max, FLOAT32_TINY)
+            a_max = tl.maximum(a_max, FLOAT32_TINY)
             tl.debug_barrier()  # pass 2 reads what other threads of this program stored in pass 1
             row = rank_ptr + b * n
             for j0 in range(0, n, BJ):  # pass 2: normalise; the ranking score over blocks 1..c−1
