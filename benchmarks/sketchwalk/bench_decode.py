@@ -140,7 +140,13 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--breakdown", action="store_true", help="per-kernel device µs of the method calls")
+    ap.add_argument("--split-rows", type=int, default=None,
+                    help="rows of Ã per walk-GEMV program (a power of two >= 16; default n / 8, at least 64)")
     args = ap.parse_args(argv)
+    if args.split_rows is not None:
+        from kvsieve.kernels.sketchwalk import decode as sketchwalk_decode
+
+        sketchwalk_decode.GEMV_SPLIT_ROWS = args.split_rows
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py times CUDA graphs: it needs a GPU")
     timer = ColdL2Timer()
