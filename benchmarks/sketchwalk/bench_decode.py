@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import sys
 from pathlib import Path
@@ -143,10 +144,11 @@ def main(argv=None) -> None:
     ap.add_argument("--split-rows", type=int, default=None,
                     help="rows of Ã per walk-GEMV program (a power of two >= 16; default n / 8, at least 64)")
     args = ap.parse_args(argv)
-    if args.split_rows is not None:
+    if args.split_rows is not None:  # the method looks the function up at each call, as the tests' overrides rely on
         from kvsieve.kernels.sketchwalk import decode as sketchwalk_decode
 
-        sketchwalk_decode.GEMV_SPLIT_ROWS = args.split_rows
+        sketchwalk_decode.sketch_walk_select = functools.partial(sketchwalk_decode.sketch_walk_select,
+                                                                 split_rows=args.split_rows)
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py times CUDA graphs: it needs a GPU")
     timer = ColdL2Timer()

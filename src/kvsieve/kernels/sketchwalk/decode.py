@@ -41,10 +41,6 @@ from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 
-# The walk GEMV's rows per program when the caller gives no ``split_rows`` (None: n / 8, at least 64): a module
-# setting, so that ``benchmarks/sketchwalk/bench_decode.py --split-rows`` can sweep it without a method option.
-GEMV_SPLIT_ROWS: int | None = None
-
 if triton is not None:
     import triton.language as tl
 
@@ -352,7 +348,7 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     # Key-block tiles of up to 64 columns (256-byte rows of Ã) and up to 8 row splits of the walk's GEMV,
     # the step's largest read (Ã's causal half: 8 MB at 128k tokens): ~128-256 programs at 128k.
     bj = tile_cols or min(64, max(16, next_pow2(-(-n // 16))))
-    rows = split_rows or GEMV_SPLIT_ROWS or max(64, next_pow2(-(-n // 8)))
+    rows = split_rows or max(64, next_pow2(-(-n // 8)))
     for name, x in (("tile_cols", bj), ("split_rows", rows)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {x}")
