@@ -56,17 +56,22 @@ from kvsieve.kernels.sparse import weighted
 from kvsieve.methods.saap import ARTIFACT_FORMAT, MANIFEST, QueryClassifier, Rope
 
 
-def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, device, dtype, seed: int):
+def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, device, dtype, seed: int,
+              batch: int = 1):
+    """``batch`` rows of keys drawn from one mixture (the artifacts' centroids serve every row); each row's
+    draws in turn, so that row 0 is the batch-1 case at any batch."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     centres = torch.nn.functional.normalize(torch.randn(hkv, clusters, d, generator=g), dim=-1)
     weights = torch.distributions.Dirichlet(torch.ones(clusters)).sample((hkv,))
-    comp = torch.multinomial(weights, n, replacement=True, generator=g)  # [Hkv, N]
-    k_pre = centres.gather(1, comp[..., None].expand(-1, -1, d)) * 4.0 + torch.randn(hkv, n, d, generator=g)
     rope = Rope(1.0 / (500000.0 ** (torch.arange(0, d, 2).float() / d)))
     pos = torch.arange(n)
-    k = rope.apply(k_pre, pos[None]).to(dtype)[None].to(device)
-    v = torch.randn(1, hkv, n, d, generator=g).to(dtype).to(device)
-    q = torch.randn(1, hq, d, generator=g).to(dtype).to(device)
+    rows = []
+    for _ in range(batch):
+        comp = torch.multinomial(weights, n, replacement=True, generator=g)  # [Hkv, N]
+        k_pre = centres.gather(1, comp[..., None].expand(-1, -1, d)) * 4.0 + torch.randn(hkv, n, d, generator=g)
+        rows.append((rope.apply(k_pre, pos[None]).to(dtype), torch.randn(hkv, n, d, generator=g).to(dtype),
+                     torch.randn(hq, d, generator=g).to(dtype)))
+    k, v, q = (torch.stack(t).to(device) for t in zip(*rows, strict=True))
     net = QueryClassifier(hkv, d, clusters, clusters).eval().to(device=device, dtype=dtype)
     return {"q": q, "k": k, "v": v, "rope": rope, "centroids": centres.to(device=device, dtype=torch.float32),
             "net": net, "n": n, "window": window}

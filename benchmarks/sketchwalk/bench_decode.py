@@ -46,7 +46,8 @@ HQ, HKV, D = 32, 8, 128
 
 
 def seen_prompt_state(m, q, k, v, lens, gen) -> tuple[dict, torch.Tensor]:
-    """A layer state as after a prompt (history, random causal Ã rows) and a previous layer's walk."""
+    """A layer state as after a prompt (history, random causal Ã rows) and a previous layer's walk
+    (``[B, n_blocks]``, a row per batch row of ``q``)."""
     state = {}
     m.decode(q, k, v, lengths=lens, state=state, check_finite=False)  # allocates the state from the cache
     sk = state[STATE_KEY]
@@ -55,7 +56,7 @@ def seen_prompt_state(m, q, k, v, lens, gen) -> tuple[dict, torch.Tensor]:
         sk.a_hat.copy_(torch.rand(sk.a_hat.shape, device=q.device, generator=gen).tril())
     sk.has_history = True
     n_blocks = -(-k.shape[2] // m.config.block_size)
-    return state, torch.rand(1, n_blocks, device=q.device, generator=gen)
+    return state, torch.rand(q.shape[0], n_blocks, device=q.device, generator=gen)
 
 
 def walk_call(m, q, k, v, lens, state, w_prev):
