@@ -256,12 +256,12 @@ if triton is not None:
                     tl.store(first + h * kmax + offs_k, chosen, mask=offs_k < need)
 
     @triton.jit
-    def _scores_select_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, tk_ptr, g_ptr, prev_ptr, at_ptr,
-                              w_ptr, rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, logit_scale, alpha, tie,
-                              rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
+    def _scores_select_kernel(lens_ptr, ksk_ptr, proj_ptr, logit_ptr, part_ptr, tk_ptr, g_ptr, gs_ptr, prev_ptr,
+                              at_ptr, w_ptr, rank_ptr, pages_ptr, npages_ptr, m, n, n_pad, tiles, logit_scale, alpha,
+                              tie, rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab, s_ar, s_pb,
                               BS: tl.constexpr, BJ: tl.constexpr, BM: tl.constexpr, NC: tl.constexpr,
-                              ROW: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr,
-                              WHOLE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
+                              ROW: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P: tl.constexpr,
+                              MODE: tl.constexpr, WHOLE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
         # Program (b, t): the sketched logits of key blocks j of tile t, with the tile's softmax partials;
         # the last of row b's programs to finish (a ticket counter it resets) then runs the row's walk and
         # selection on all tiles' results: no launch of its own (the counter orders, nothing is summed
@@ -281,15 +281,22 @@ if triton is not None:
                     logit_ptr + b * 2 * n_pad + j, part_ptr + (b * 2 * tiles + t) * 2)
         _logit_tile(_projection(proj_ptr, b, 1, BM, NC) / count.to(tl.float32), ks, causal, logit_scale,
                     logit_ptr + (b * 2 + 1) * n_pad + j, part_ptr + ((b * 2 + 1) * tiles + t) * 2)
+        if MODE == 1:
+            # The GEMV's row splits summed here, per tile, so that the row's serial tail reads one row of
+            # partial walks whatever the split count (at 128k: 32 rows of 2,048 columns otherwise).
+            offs_s = tl.arange(0, SPLITS_P)
+            g = tl.load(g_ptr + (b * SPLITS + offs_s[:, None]) * n_pad + j[None, :],
+                        mask=(offs_s < SPLITS)[:, None], other=0.0)
+            tl.store(gs_ptr + b * n_pad + j, tl.sum(g, axis=0))
 
         # every thread's stores precede the release; the acquire of the last program sees them all
         tl.debug_barrier()
         ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
         if ticket == tiles - 1:
             tl.atomic_xchg(tk_ptr + b, 0)
-            _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+            _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, gs_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
                       pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn,
-                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, SPLITS, MODE, WHOLE, BK, FIXED)
+                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, 1, MODE, WHOLE, BK, FIXED)
 
 def _prev_pow2(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
@@ -345,10 +352,12 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     # Feature chunks small enough that one chunk of the block's keys (Hkv·B rows) is one 16k-element tile.
     bd = min(d, 64, max(16, _prev_pow2(16384 // (bhk * bs))))
     nc = d // bd
-    # Key-block tiles of up to 64 columns (256-byte rows of Ã) and up to 8 row splits of the walk's GEMV,
-    # the step's largest read (Ã's causal half: 8 MB at 128k tokens): ~128-256 programs at 128k.
+    # Key-block tiles of up to 64 columns (256-byte rows of Ã) and 64-row splits of the walk's GEMV, the
+    # step's largest read (Ã's causal half: 8 MB at 128k tokens): each program one 16 KB tile, every tile in
+    # flight at once (1,024 programs at 128k; 256-row splits, 4 dependent steps each, took 11.0 against
+    # 8.2 µs on the H200). The scores kernel's tiles sum the splits, so their count costs the tail nothing.
     bj = tile_cols or min(64, max(16, next_pow2(-(-n // 16))))
-    rows = split_rows or max(64, next_pow2(-(-n // 8)))
+    rows = split_rows or 64
     for name, x in (("tile_cols", bj), ("split_rows", rows)):
         if x < 16 or x & (x - 1):
             raise ValueError(f"{name}: expected a power of two >= 16, got {x}")
@@ -360,6 +369,7 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     logits = torch.empty(b, 2, n_pad, device=dev, dtype=f32)
     parts = torch.empty(b, 2, tiles, 2, device=dev, dtype=f32)
     g = torch.empty(b, splits, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
+    g_sum = torch.empty(b, n_pad, device=dev, dtype=f32) if walk_mode == 1 else logits
     w = torch.empty(b, n, device=dev, dtype=f32)
     prev = previous if walk_mode else w  # an unread stand-in
     gemv = tiles * splits if walk_mode == 1 else 0
@@ -379,10 +389,11 @@ def sketch_walk_select(q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, 
     pages = torch.empty(b, hkv, kmax, device=dev, dtype=torch.int32)
     n_pages = torch.empty(b, hkv, device=dev, dtype=torch.int32)
     tickets = workspace("sketchwalk_tickets", q, b, torch.int32, zeroed=True)
-    launch(_scores_select_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, tickets, g, prev, a_tilde, w,
-           rank, pages, n_pages, m, n, n_pad, tiles, float(logit_scale), float(alpha), float(tie),
+    launch(_scores_select_kernel, (b, tiles), lengths, k_sketch, proj, logits, parts, tickets, g, g_sum, prev,
+           a_tilde, w, rank, pages, n_pages, m, n, n_pad, tiles, float(logit_scale), float(alpha), float(tie),
            float_bits(density), kmax, hkv, k_sketch.stride(0), k_sketch.stride(1), a_tilde.stride(0),
            a_tilde.stride(1), prev.stride(0),
-           BS=bs, BJ=bj, BM=bm, NC=nc, ROW=row_tile, BT=next_pow2(tiles), SPLITS=splits, MODE=walk_mode, WHOLE=whole,
+           BS=bs, BJ=bj, BM=bm, NC=nc, ROW=row_tile, BT=next_pow2(tiles), SPLITS=splits,
+           SPLITS_P=max(2, next_pow2(splits)), MODE=walk_mode, WHOLE=whole,
            BK=next_pow2(max(kmax, 2)), FIXED=bool(fixed_k), num_warps=8 if row_tile >= 1024 else 4)
     return w, pages, n_pages
