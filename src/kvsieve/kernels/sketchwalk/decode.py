@@ -14,7 +14,8 @@ with) launches about a hundred small kernels:
    runs beside it.
 2. ``_scores_select_kernel``, one program per (batch row, tile of key blocks): the sketched logits of
    the token's query and of block c's mean query against the tile's key sketches (block c's from the
-   projections) with the tile's (max, Σ exp) for the softmaxes. The last of a row's programs to finish
+   projections) with the tile's (max, Σ exp) for the softmaxes, and the sum of the GEMV's row splits over
+   the tile's columns (one row of partial walks for the tail, whatever the split count). The last of a row's programs to finish
    (a ticket counter it resets) then runs the row: block c's key sketch (stored), the softmaxes from the
    partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block, the
    walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous walk;
