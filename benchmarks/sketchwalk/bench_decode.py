@@ -143,7 +143,7 @@ def main(argv=None) -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--breakdown", action="store_true", help="per-kernel device µs of the method calls")
     ap.add_argument("--split-rows", type=int, default=None,
-                    help="rows of Ã per walk-GEMV program (a power of two >= 16; default n / 8, at least 64)")
+                    help="rows of Ã per walk-GEMV program (a power of two >= 16; default 64)")
     args = ap.parse_args(argv)
     if args.split_rows is not None:  # the method looks the function up at each call, as the tests' overrides rely on
         from kvsieve.kernels.sketchwalk import decode as sketchwalk_decode

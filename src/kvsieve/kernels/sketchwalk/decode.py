@@ -15,11 +15,11 @@ with) launches about a hundred small kernels:
 2. ``_scores_select_kernel``, one program per (batch row, tile of key blocks): the sketched logits of
    the token's query and of block c's mean query against the tile's key sketches (block c's from the
    projections) with the tile's (max, Σ exp) for the softmaxes, and the sum of the GEMV's row splits over
-   the tile's columns (one row of partial walks for the tail, whatever the split count). The last of a row's programs to finish
-   (a ticket counter it resets) then runs the row: block c's key sketch (stored), the softmaxes from the
-   partials, ``ã = exp(α·log â)``, block c's row of Ã written when the token completes the block, the
-   walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a layer without a previous walk;
-   ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk), the ranking score
+   the tile's columns (one row of partial walks for the tail, whatever the split count). The last of a
+   row's programs to finish (a ticket counter it resets) then runs the row: block c's key sketch
+   (stored), the softmaxes from the partials, ``ã = exp(α·log â)``, block c's row of Ã written when the
+   token completes the block, the walk ``w = w_prev[:c]·Ã[:c] + w_prev[c]·ã`` (or ``ã``: one-hop and a
+   layer without a previous walk; ``w_prev ⊙ ã``: diagonal), ``w / max w`` (the next layer's walk), the ranking score
    ``w/max w + tie·ã/max ã`` over blocks ``1..c−1``, the budget ``k = max(2, ⌈ρ(c+1)⌉)`` (in float64, as
    the reference), and the best ``k − 2`` of the ranking by a radix select (``select_triton``'s; ties to
    the lower block): in registers for rows of up to 2048 blocks, over a workspace row beyond. Block 0,
@@ -167,17 +167,15 @@ if triton is not None:
             tl.store(npages_ptr + b * hkv + h, k.to(tl.int32))
 
     @triton.jit
-    def _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
-                   s_ab, s_ar, s_pb, BS: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr):
-        """Columns ``j`` of the token's row ``ã`` and of the walk (unnormalised; 0 past n), and of block c's
-        row of Ã, stored when the token completes the block."""
+    def _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, gs_ptr, prev_ptr, at_ptr,
+                   s_ab, s_ar, s_pb, BS: tl.constexpr, MODE: tl.constexpr):
+        """Columns ``j`` of the token's row ``ã`` and of the walk (unnormalised; 0 past n; ``gs_ptr`` the GEMV's
+        splits summed by the tiles), and of block c's row of Ã, stored when the token completes the block."""
         ok = j < n
         a = tl.exp(alpha * (tl.load(logit_ptr + b * 2 * n_pad + j, mask=ok, other=float("-inf"),
                                     cache_modifier=".cg") - lse_t))
         if MODE == 1:
-            w = p_c * a
-            for s in tl.static_range(SPLITS):
-                w += tl.load(g_ptr + (b * SPLITS + s) * n_pad + j, mask=ok, other=0.0)
+            w = p_c * a + tl.load(gs_ptr + b * n_pad + j, mask=ok, other=0.0)
         elif MODE == 2:
             w = tl.load(prev_ptr + b * s_pb + j, mask=ok, other=0.0) * a
         else:
@@ -189,11 +187,10 @@ if triton is not None:
         return a, w
 
     @triton.jit
-    def _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, g_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
+    def _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, gs_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
                   pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn, s_ab,
                   s_ar, s_pb, BS: tl.constexpr, BJ: tl.constexpr, BT: tl.constexpr, BM: tl.constexpr,
-                  NC: tl.constexpr, SPLITS: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr, BK: tl.constexpr,
-                  FIXED: tl.constexpr):
+                  NC: tl.constexpr, MODE: tl.constexpr, WHOLE: tl.constexpr, BK: tl.constexpr, FIXED: tl.constexpr):
         """Row b's walk, its ranking and selection, once every tile's logits and partials are written."""
         _, c, count = _block_position(lens_ptr, b, BS)
         offs_m = tl.arange(0, BM)
@@ -211,8 +208,8 @@ if triton is not None:
         first = pages_ptr + b * hkv * kmax + 1  # the chosen blocks' place in head 0's list
         if WHOLE:  # the row is one tile: w and ã stay in registers for the ranking and its top k − 2
             j = tl.arange(0, BJ)
-            a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr, at_ptr,
-                              s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+            a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, gs_ptr, prev_ptr, at_ptr,
+                              s_ab, s_ar, s_pb, BS, MODE)
             w = w / tl.maximum(tl.max(w, axis=0), FLOAT32_TINY)  # as normalize_rows
             tl.store(w_ptr + b * n + j, w, mask=j < n)
             middle = (j >= 1) & (j < c)
@@ -227,8 +224,8 @@ if triton is not None:
             a_max = tl.zeros([], dtype=tl.float32)
             for j0 in range(0, n, BJ):  # pass 1: the walk (unnormalised), the maxima, block c's row of Ã
                 j = j0 + tl.arange(0, BJ)
-                a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, g_ptr, prev_ptr,
-                                  at_ptr, s_ab, s_ar, s_pb, BS, SPLITS, MODE)
+                a, w = _walk_tile(j, b, c, count, p_c, lse_t, lse_c, alpha, n, n_pad, logit_ptr, gs_ptr, prev_ptr,
+                                  at_ptr, s_ab, s_ar, s_pb, BS, MODE)
                 tl.store(w_ptr + b * n + j, w, mask=j < n)
                 w_max = tl.maximum(w_max, tl.max(w, axis=0))
                 a_max = tl.maximum(a_max, tl.max(a, axis=0))
@@ -297,7 +294,7 @@ if triton is not None:
             tl.atomic_xchg(tk_ptr + b, 0)
             _walk_row(b, lens_ptr, proj_ptr, logit_ptr, part_ptr, gs_ptr, prev_ptr, ksk_ptr, at_ptr, w_ptr, rank_ptr,
                       pages_ptr, npages_ptr, m, n, n_pad, tiles, alpha, tie, rho_bits, kmax, hkv, s_kkb, s_kkn,
-                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, 1, MODE, WHOLE, BK, FIXED)
+                      s_ab, s_ar, s_pb, BS, ROW, BT, BM, NC, MODE, WHOLE, BK, FIXED)
 
 def _prev_pow2(x: int) -> int:
     return 1 << (max(1, int(x)).bit_length() - 1)
