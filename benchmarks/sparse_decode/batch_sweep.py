@@ -44,7 +44,7 @@ from kvsieve.bench.decode import library_version, timing_setup
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from vs_flashinfer_paged import flashinfer_paged, timed  # noqa: E402
+from vs_flashinfer_paged import dense_reference, flashinfer_paged, max_err, timed  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 64
 SW_SPEC = "sketchwalk:density=0.1"
@@ -62,17 +62,6 @@ sw_bench = load(HERE.parent / "sketchwalk" / "bench_decode.py", "sketchwalk_benc
 saap_bench = load(HERE.parent / "saap" / "bench_decode.py", "saap_bench_decode")
 
 
-def dense_reference(q, k, v) -> torch.Tensor:
-    """Softmax attention in float32, a batch row at a time (the float32 cache of 8 rows would be 8 GB)."""
-    b, hq, d = q.shape
-    hkv = k.shape[1]
-    out = []
-    for i in range(b):
-        s = q[i].float().view(hkv, hq // hkv, d) @ k[i].float().transpose(1, 2) * d ** -0.5
-        out.append((torch.softmax(s, -1) @ v[i].float()).reshape(hq, d))
-    return torch.stack(out)
-
-
 def hnd_pages(t: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, N, d] -> FlashInfer's HND pages [B·N/PAGE, Hkv, PAGE, d], row b's pages b·N/PAGE ... ."""
     b, h, n, d = t.shape
@@ -81,11 +70,6 @@ def hnd_pages(t: torch.Tensor) -> torch.Tensor:
     if not torch.equal(last, t[-1]):
         raise AssertionError("the HND page copy does not hold the cache's last row")
     return pages
-
-
-def max_err(out, ref) -> float:
-    out = out[0] if isinstance(out, tuple) else out
-    return float((out.float().reshape(ref.shape) - ref).abs().max())
 
 
 class Timing:
@@ -158,7 +142,7 @@ def saap_row(row: dict, q, k, v, lens, spec: str, time) -> None:
     state = {"layer": 1, "min_length": n}
     out, stats = m.decode(q, k, v, lengths=lens, state=state, check_finite=False)
     ref_out, _ = ref.decode(q, k, v, lengths=lens, state={"layer": 1}, check_finite=False)
-    row.update(saap_err_vs_reference=max_err(out, ref_out.float()), saap_backend=stats.backend,
+    row.update(saap_err_vs_reference=max_err(out, ref_out), saap_backend=stats.backend,
                saap_selectivity=float(stats["selectivity"]), saap_kv_bytes=stats.bytes_read,
                saap_floor_us=time.floor_us(stats.bytes_read))
     row["saap_us"] = time(lambda: m.decode(q, k, v, lengths=lens, state=state, check_finite=False))["median_us"]

@@ -76,6 +76,23 @@ def flashinfer_paged(fi, q, k_pages, v_pages, tables: list[torch.Tensor], page_s
     return lambda: wrapper.run(q, (k_pages, v_pages))
 
 
+def dense_reference(q, k, v) -> torch.Tensor:
+    """Softmax attention in float32, a batch row at a time (the float32 cache of 8 rows would be 8 GB)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    out = []
+    for i in range(b):
+        s = q[i].float().view(hkv, hq // hkv, d) @ k[i].float().transpose(1, 2) * d ** -0.5
+        out.append((torch.softmax(s, -1) @ v[i].float()).reshape(hq, d))
+    return torch.stack(out)
+
+
+def max_err(out, ref) -> float:
+    """Max abs error of a call's output (or of the first of its outputs) against a reference."""
+    out = out[0] if isinstance(out, tuple) else out
+    return float((out.float().reshape(ref.shape) - ref.float()).abs().max())
+
+
 def timed(timer, fn, iters):
     """Captured in a CUDA graph when the call allows it, else eager (the flush hides host launch time)."""
     try:
@@ -94,9 +111,7 @@ def run_context(n: int, density: float, window: int, fi, timer, iters: int, copy
     rows = []
 
     def add(case, impl, fn, ref, keys_per_head):
-        res = fn()
-        out = res[0] if isinstance(res, tuple) else res
-        err = float((out.float().reshape(ref.shape) - ref.float()).abs().max())
+        err = max_err(fn(), ref)
         t = timed(timer, fn, iters)
         floor = keys_per_head * HKV * D * 2 * 2 / copy_rate * 1e6 if keys_per_head else 0.0
         rows.append({"n": n, "case": case, "impl": impl, "us": t["median_us"], "graph": t["graph"],
@@ -158,10 +173,8 @@ def run_context(n: int, density: float, window: int, fi, timer, iters: int, copy
     print(f"{n:>7} triton-empty {t['median_us']:8.1f} µs", flush=True)
     if not isinstance(fi, Exception):
         kn, vn = k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()
-        dense = torch.softmax((k[0].float() @ q[0].view(HKV, HQ // HKV, D).float().transpose(1, 2)).transpose(1, 2)
-                              * D ** -0.5, -1) @ v[0].float()
         add("dense", "flashinfer-single", lambda: fi.single_decode_with_kv_cache(q[0], kn, vn, kv_layout="NHD"),
-            dense.reshape(HQ, D), n)
+            dense_reference(q, k, v)[0], n)
     return rows
 
 
