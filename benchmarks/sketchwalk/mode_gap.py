@@ -49,6 +49,7 @@ class SelectionProbe:
 
     def __init__(self) -> None:
         self.rows: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
+        self.heads: dict[int, torch.Tensor] = {}  # layer -> [R, Hq] exact mass each head keeps
         self.active = False
         self._orig = sw.SketchWalk._select_reference_rows
 
@@ -70,32 +71,51 @@ class SelectionProbe:
     def record(self, method, inputs, layer: int, out) -> None:
         _, blocks, counts, c = out
         bs = method.config.block_size
-        mass = sw.block_sums(inputs.probs(torch.float64).mean(1)[..., None], bs)[..., 0]  # [R, n]
+        dev = blocks.device
+        probs = inputs.probs(torch.float64)  # [R, Hq, N]
+        mass = sw.block_sums(probs.mean(1)[..., None], bs)[..., 0]  # [R, n]
         n = mass.shape[1]
-        used = torch.arange(blocks.shape[1])[None] < counts[:, None]
+        used = torch.arange(blocks.shape[1], device=dev)[None] < counts[:, None]
         chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(1, torch.where(used, blocks, 0), used)
+        keys_chosen = chosen.repeat_interleave(bs, 1)[:, : probs.shape[-1]]
+        self.heads[layer] = (probs * keys_chosen[:, None]).sum(-1)
         got = (mass * chosen).sum(-1)
         # The best blocks of the same budget: 0 and c forced, the heaviest counts − 2 of 1..c−1.
-        cols = torch.arange(n)[None]
+        cols = torch.arange(n, device=dev)[None]
         middle = (cols >= 1) & (cols < c[:, None])
         ranked = torch.where(middle, mass, -1.0).sort(-1, descending=True).indices
         best = torch.zeros_like(chosen)
-        take = torch.arange(n)[None] < (counts - 2).clamp_min(0)[:, None]
+        take = torch.arange(n, device=dev)[None] < (counts - 2).clamp_min(0)[:, None]
         best.scatter_(1, ranked, take)
         best[:, 0] = True
-        best[torch.arange(len(c)), c] = True
+        best[torch.arange(len(c), device=dev), c] = True
         top = (mass * best).sum(-1)
         overlap = (chosen & best).sum(-1).double() / counts.double()
         for g, t, o in zip(got.tolist(), top.tolist(), overlap.tolist(), strict=True):
             self.rows[layer].append((g, t, o))
 
-    def take(self) -> dict[int, dict[str, float]]:
+    def take(self, n_ans: int) -> dict[int, dict[str, float]]:
+        """Per layer, means over every row and over the answer rows (the last ``n_ans``) alone."""
         out = {}
         for layer, vals in sorted(self.rows.items()):
             t = torch.tensor(vals, dtype=torch.float64)
+            a = t[-n_ans:]
             out[layer] = {"mass": float(t[:, 0].mean()), "best_mass": float(t[:, 1].mean()),
-                          "overlap": float(t[:, 2].mean())}
+                          "overlap": float(t[:, 2].mean()), "answer_mass": float(a[:, 0].mean()),
+                          "answer_best_mass": float(a[:, 1].mean()), "answer_overlap": float(a[:, 2].mean())}
         self.rows.clear()
+        return out
+
+    def take_heads(self, n_ans: int, threshold: float = 0.5) -> dict[str, float]:
+        """Over (row, sparse layer, head): the mean mass kept and the share of heads that keep less than
+        ``threshold`` of their exact attention, for the question rows and the answer rows apart."""
+        kept = torch.stack([self.heads[k] for k in sorted(self.heads)])  # [L, R, Hq]
+        self.heads = {}
+        parts = {"question": kept[:, :-n_ans], "answer": kept[:, -n_ans:]}
+        out = {}
+        for name, t in parts.items():
+            out[f"{name}_head_mass"] = float(t.mean())
+            out[f"{name}_heads_below_{threshold}"] = float((t < threshold).double().mean())
         return out
 
 
@@ -105,15 +125,16 @@ def context_pass(model, spec: str, ctx: list[int], phase: str, qs: int):
     cache = DynamicCache()
     with sparsify(model, spec, phase=phase, question_start=qs if phase == "question" else None) as s:
         with torch.no_grad():
-            model(input_ids=torch.tensor([ctx]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=torch.tensor([ctx], device=model.device), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
         state = {k: copy.deepcopy(v) for k, v in s.layer_state.items()}
     return cache, state
 
 
-def question_pass(model, spec: str, run: list[int], cache, state, probe: SelectionProbe | None):
+def question_pass(model, spec: str, run: list[int], cache, state, probe: SelectionProbe | None, n_ans: int = 1):
     """The chunk through the method's decode from (cache, state), or exactly when ``state`` is None."""
     cache = copy.deepcopy(cache)
-    ids = torch.tensor([run])
+    ids = torch.tensor([run], device=model.device)
     if state is None:
         with torch.no_grad():
             return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float(), None, None
@@ -127,7 +148,7 @@ def question_pass(model, spec: str, run: list[int], cache, state, probe: Selecti
         if probe is not None:
             probe.active = False
         errs = {r["layer"]: r["rel_error"] for r in s.records if "rel_error" in r}
-    return logits, errs, probe.take() if probe is not None else None
+    return logits, errs, probe.take(n_ans) if probe is not None else None
 
 
 def mixed_cache(exact, sparse, layers, parts=("keys", "values")):
@@ -179,11 +200,12 @@ def one_prompt(model, tok, spec: str, task: str, length: int, index: int, kv_swa
     logits = {"P": pre_only}
     with SelectionProbe() as probe:
         for name, cache, state in (("B", ce, se), ("E", cs, ss), ("Xk", ce, ss), ("Xs", cs, se)):
-            logits[name], errs, sel = question_pass(model, spec, run, cache, state, probe)
+            logits[name], errs, sel = question_pass(model, spec, run, cache, state, probe, n_ans)
             out[f"{name}_rel_error_by_layer"] = errs
             out[f"{name}_selection_by_layer"] = sel
+            out[f"{name}_heads"] = probe.take_heads(n_ans)
     for name, lg in logits.items():
-        kl = kl_rows(dense, lg)
+        kl = kl_rows(dense, lg).cpu()
         out[f"{name}_kl_mean"] = float(kl.mean())
         out[f"{name}_kl_question"] = float(kl[:-n_ans].mean())
         out[f"{name}_kl_answer"] = float(kl[-n_ans:].mean())
@@ -203,11 +225,12 @@ def main() -> None:
     ap.add_argument("--samples", default="0,1,2")
     ap.add_argument("--method", default="sketchwalk:density=0.1")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
     ap.add_argument("--kv-swaps", action="store_true",
                     help="also the layer-group and K-or-V swaps of the sparse prefill's cache (kv_swap_table)")
     args = ap.parse_args()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, device=args.device)
     results = []
     for index in (int(s) for s in args.samples.split(",")):
         r = one_prompt(model, tok, args.method, args.task, args.length, index, args.kv_swaps)
