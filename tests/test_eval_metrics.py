@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from kvsieve.eval.bootstrap import bootstrap_mean_ci, paired_delta_ci
-from kvsieve.eval.metrics import next_token_agreement, string_match_all, string_match_part, summarize_records
+from kvsieve.eval.metrics import (
+    kl_per_position,
+    next_token_agreement,
+    string_match_all,
+    string_match_part,
+    summarize_records,
+)
 
 
 def test_string_match_all_is_recall_over_references():
@@ -47,6 +53,9 @@ def test_kl_zero_for_identical_and_matches_definition():
     assert res["tf_tokens"] == 7
     with pytest.raises(ValueError, match="logits"):
         next_token_agreement(a, b[:3])
+    # per position, and over leading batch dimensions
+    assert torch.allclose(kl_per_position(a, b), expected, rtol=1e-9, atol=0)
+    assert torch.allclose(kl_per_position(a.view(7, 1, 50), b.view(7, 1, 50))[:, 0], expected, rtol=1e-9, atol=0)
 
 
 def test_bootstrap_ci_covers_true_mean_at_nominal_rate():

@@ -30,16 +30,10 @@ from typing import Any
 import torch
 
 from kvsieve.eval import tasks as task_registry
+from kvsieve.eval.metrics import kl_per_position
 from kvsieve.integrations.hf import sparsify
 from kvsieve.integrations.models import load_model
 from kvsieve.methods import sketchwalk as sw
-
-
-def kl_rows(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) per row, nats (as :func:`kvsieve.eval.metrics.next_token_agreement`)."""
-    log_p = torch.log_softmax(p_logits.double(), -1)
-    log_q = torch.log_softmax(q_logits.double(), -1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)
 
 
 class SelectionProbe:
@@ -176,7 +170,7 @@ def kv_swap_table(model, spec, run, n_ans, dense, ce, cs, se) -> dict[str, dict[
         row = {}
         for q_name, state in (("exact_q", None), ("sparse_q", se)):
             lg, _, _ = question_pass(model, spec, run, cache, state, None)
-            kl = kl_rows(dense, lg)
+            kl = kl_per_position(dense, lg)
             row[f"{q_name}_kl_mean"] = float(kl.mean())
             row[f"{q_name}_kl_answer"] = float(kl[-n_ans:].mean())
         table[name] = row
@@ -205,14 +199,14 @@ def one_prompt(model, tok, spec: str, task: str, length: int, index: int, kv_swa
             out[f"{name}_selection_by_layer"] = sel
             out[f"{name}_heads"] = probe.take_heads(n_ans)
     for name, lg in logits.items():
-        kl = kl_rows(dense, lg).cpu()
+        kl = kl_per_position(dense, lg).cpu()
         out[f"{name}_kl_mean"] = float(kl.mean())
         out[f"{name}_kl_question"] = float(kl[:-n_ans].mean())
         out[f"{name}_kl_answer"] = float(kl[-n_ans:].mean())
         out[f"{name}_kl_rows"] = [round(float(x), 4) for x in kl]
     if kv_swaps:
         out["kv_swaps"] = kv_swap_table(model, spec, run, n_ans, dense, ce, cs, se)
-    kl_pe = kl_rows(pre_only, logits["E"])
+    kl_pe = kl_per_position(pre_only, logits["E"])
     out["E_vs_P_kl_mean"] = float(kl_pe.mean())
     out["E_vs_P_kl_answer"] = float(kl_pe[-n_ans:].mean())
     return out

@@ -37,6 +37,13 @@ def string_match_part(prediction: str, references: Sequence[str]) -> float:
     return float(max(ref.lower() in pred for ref in references))
 
 
+def kl_per_position(dense_logits: torch.Tensor, method_logits: torch.Tensor) -> torch.Tensor:
+    """KL(dense ‖ method) of each position's next-token distribution, nats, float64, ``[..., V] -> [...]``."""
+    log_p = torch.log_softmax(dense_logits.double(), dim=-1)
+    log_q = torch.log_softmax(method_logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)
+
+
 def next_token_agreement(dense_logits: torch.Tensor, method_logits: torch.Tensor) -> dict[str, float]:
     """KL(dense ‖ method) per position (nats, mean and max) and top-1 agreement, logits ``[T, V]``."""
     if dense_logits.shape != method_logits.shape or dense_logits.dim() != 2:
@@ -46,9 +53,7 @@ def next_token_agreement(dense_logits: torch.Tensor, method_logits: torch.Tensor
         )
     if dense_logits.shape[0] == 0:
         return {"kl_mean": float("nan"), "kl_max": float("nan"), "top1_agree": float("nan"), "tf_tokens": 0}
-    log_p = torch.log_softmax(dense_logits.double(), dim=-1)
-    log_q = torch.log_softmax(method_logits.double(), dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).clamp_min(0)
+    kl = kl_per_position(dense_logits, method_logits)
     top1 = (dense_logits.argmax(-1) == method_logits.argmax(-1)).double()
     return {
         "kl_mean": float(kl.mean()),
