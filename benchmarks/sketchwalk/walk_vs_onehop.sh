@@ -6,6 +6,8 @@ set -euo pipefail
 kvsieve=${KVSIEVE:-.venv/bin/kvsieve}
 dir=docs/results/sketchwalk
 out=$dir/walk-vs-onehop.md
+err=$(mktemp)
+trap 'rm -f "$err"' EXIT
 folders=(eval-setupB-2k-h200 eval-setupB-4k-h100 eval-setupB-4k-fwe-cpu eval-setupB-8k-h200
          eval-phase-prefill-2k-cpu eval-phase-prefill-4k-h200 eval-phase-prefill-8k-h200
          eval-phase-all-2k-cpu eval-phase-all-4k-h200 eval-phase-all-8k-h200)
@@ -22,9 +24,13 @@ folders=(eval-setupB-2k-h200 eval-setupB-4k-h100 eval-setupB-4k-fwe-cpu eval-set
         for density in 0.1 0.2; do
             if [[ $density == 0.2 ]]; then a=sketchwalk; b=sketchwalk:walk=one-hop
             else a=sketchwalk:density=0.1; b=sketchwalk:density=0.1,walk=one-hop; fi
-            # a folder without one of the two methods has nothing to pair at this density
-            table=$("$kvsieve" compare "$dir/$folder" "$a" "$b" --metrics score,kl_answer,kl_mean,rel_error \
-                --markdown 2>/dev/null) || continue
+            # a folder without one of the two methods has nothing to pair at this density; any other error stops
+            if ! table=$("$kvsieve" compare "$dir/$folder" "$a" "$b" --metrics score,kl_answer,kl_mean,rel_error \
+                    --markdown 2>"$err"); then
+                grep -q "has no cells in this folder" "$err" && continue
+                cat "$err" >&2
+                exit 1
+            fi
             echo
             echo "## \`$folder\`: \`$a\` − \`$b\`"
             echo
