@@ -275,7 +275,7 @@ def test_methods_triton_path_matches_their_reference(spec):
     b, hq, hkv, n, d = 2, 8, 2, 100, 64
     k = torch.randn(b, hkv, n + 12, d, generator=g)
     v = torch.randn(b, hkv, n + 12, d, generator=g)
-    fast_state, slow_state = {}, {}
+    fast_state, slow_state = fast.new_state(), slow.new_state()
     lens = torch.tensor([n, 41])
     for step in range(12):  # a growing cache: one key per row and step, state kept across steps
         q = torch.randn(b, hq, d, generator=g) * 2

@@ -1,6 +1,6 @@
 """The package's layering (docs/architecture.md), checked on the source: every import, lazy ones too.
 
-core ← kernels ← methods ← integrations ← runtime ← eval, bench, fit ← cli. A module imports only
+core ← kernels ← methods ← driver ← integrations ← runtime ← eval, bench, fit ← cli. A module imports only
 from its own layer or below; method modules use each other only through ``methods.shared``; the
 shared Triton helpers import no other kernel module; nothing below the command line imports the
 ``kvsieve`` facade itself.
@@ -21,13 +21,14 @@ LAYERS = {
     "assets": 0,
     "kernels": 1,
     "methods": 2,
-    "integrations": 3,
-    "runtime": 4,
-    "eval": 5,
-    "bench": 5,
-    "fit": 5,
-    "demo": 6,
-    "cli": 6,
+    "driver": 3,
+    "integrations": 4,
+    "runtime": 5,
+    "eval": 6,
+    "bench": 6,
+    "fit": 6,
+    "demo": 7,
+    "cli": 7,
 }
 
 
@@ -121,3 +122,48 @@ def test_every_layer_directory_is_known():
     dirs = {p.name for p in SRC.iterdir() if p.is_dir() and p.name != "__pycache__"}
     modules = {p.stem for p in SRC.glob("*.py") if p.stem != "__init__"}
     assert dirs | modules <= set(LAYERS), "add the new package to LAYERS and docs/architecture.md"
+
+
+def _method_subclass_names() -> set[str]:
+    import kvsieve
+    from kvsieve.core.registry import method_class
+
+    return {method_class(name).__name__ for name in kvsieve.methods()} - {"Method"}
+
+
+def class_checks(path: Path, names: set[str]) -> list[str]:
+    """``isinstance``/``issubclass`` calls against a method class (not the ``Method`` base) in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "isinstance", "issubclass") and len(node.args) == 2:
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for c in classes:
+                name = c.id if isinstance(c, ast.Name) else c.attr if isinstance(c, ast.Attribute) else None
+                if name in names:
+                    out.append(f"{path.relative_to(SRC.parent)}:{node.lineno}: {node.func.id}(..., {name})")
+    return out
+
+
+def test_no_special_case_for_a_method_class_outside_core_methods_and_the_driver():
+    """What a method needs is declared on it (sparse_prefill, observes_prefill, ...) and served by the
+    driver: nothing above the methods asks what class a method is."""
+    names = _method_subclass_names()
+    assert {"SketchWalk", "Saap", "Quest"} <= names
+    found = []
+    for path in sources():
+        rel = path.relative_to(SRC)
+        if rel.parts[0] in ("core", "methods", "kernels") or rel.name == "driver.py":
+            continue
+        found += class_checks(path, names)
+    assert found == []
+
+
+def test_the_class_check_catches_one(tmp_path, monkeypatch):
+    fake = tmp_path / "kvsieve"
+    fake.mkdir()
+    bad = fake / "x.py"
+    bad.write_text("def f(m):\n    return isinstance(m, SketchWalk) or issubclass(type(m), (int, sw.Saap))\n")
+    monkeypatch.setattr(__import__(__name__), "SRC", fake)
+    assert len(class_checks(bad, {"SketchWalk", "Saap"})) == 2

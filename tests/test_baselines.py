@@ -182,17 +182,17 @@ def test_quest_page_bound_is_an_upper_bound_and_state_is_incremental():
     assert torch.isinf(bounds[1, :, 0]).all()  # a page of padding only
     # Grow the cache step by step with one state; it must equal a fresh summary.
     m = kvsieve.method("quest", sink=4, window=4, top_k=48, page_size=16)
-    state = {}
+    state = m.new_state()
     for n in (100, 101, 128, 129, 200):
         got, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state=state)
-        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state={})
+        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n])
         torch.testing.assert_close(got, fresh, atol=0, rtol=0)
     # Rows of a causal question block: same cache, one more valid key per call.
-    state = {}
+    state = m.new_state()
     for length in (150, 151, 152, 170):
         lengths = torch.tensor([length, length - 40])
         got, _ = m.decode(q, k[:, :, :200], v[:, :, :200], lengths=lengths, state=state)
-        fresh, _ = m.decode(q, k[:, :, :200], v[:, :, :200], lengths=lengths, state={})
+        fresh, _ = m.decode(q, k[:, :, :200], v[:, :, :200], lengths=lengths)
         torch.testing.assert_close(got, fresh, atol=0, rtol=0)
     # A state from a longer cache (another request) is not reused.
     got, _ = m.decode(q, k[:, :, :90], v[:, :, :90], state=state)
@@ -227,10 +227,10 @@ def test_magicpig_retrieval_frequency_matches_its_probability(transform):
 def test_magicpig_state_is_incremental():
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=300, d=16, seed=11)
     m = kvsieve.method("magicpig", sink=4, window=4, bits=4, tables=8)
-    state = {}
+    state = m.new_state()
     for n in (200, 201, 250):
         got, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, seed=0)
-        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state={}, seed=0)
+        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], seed=0)
         torch.testing.assert_close(got, fresh, atol=1e-6, rtol=1e-6)
 
 

@@ -573,7 +573,7 @@ for step in range(8):  # a decode loop: the cache grows by one key per row and s
     lengths = torch.tensor([n - 8 + step + 1, 12 + step], device=device)  # row 1 is covered until 16 keys
     key = RandomKey(3, (0, 4))
     out, stats = m_fused.decode(q_all[step], k, v, lengths=lengths, seed=key, state=state, check_finite=False)
-    fresh, _ = m_fused.decode(q_all[step], k, v, lengths=lengths, seed=key, state={{}}, check_finite=False)
+    fresh, _ = m_fused.decode(q_all[step], k, v, lengths=lengths, seed=key, check_finite=False)
     assert torch.equal(out, fresh), "the incrementally kept kT differs from a fresh copy"
     ref, rstats = m_ref.decode(q_all[step], k, v, lengths=lengths, seed=key, check_finite=False)
     assert stats.backend == "triton" and rstats.backend == "reference"
@@ -589,7 +589,7 @@ for step in range(8):  # a decode loop: the cache grows by one key per row and s
 # a chunk of 3 query rows per batch row in one call (kT follows the cache, rows share it)
 chunk = q_all[:3].permute(1, 2, 0, 3).contiguous()  # [B, Hq, 3, d]
 lengths = torch.tensor([n, n - 30], device=device)
-out, stats = m_fused.decode(chunk, k, v, lengths=lengths, seed=RandomKey(9), state={{}}, check_finite=False)
+out, stats = m_fused.decode(chunk, k, v, lengths=lengths, seed=RandomKey(9), check_finite=False)
 _, rstats = m_ref.decode(chunk, k, v, lengths=lengths, seed=RandomKey(9), check_finite=False)
 assert out.shape == chunk.shape and bool(torch.isfinite(out).all())
 assert abs(stats.k_access_group - rstats.k_access_group) < 1e-12

@@ -85,7 +85,7 @@ def test_decode_reads_nothing_on_the_host(name, q_len):
     q4 = torch.randn(2, 6, q_len, 16, generator=torch.Generator().manual_seed(2))
     lengths = torch.tensor([300, 251])
     m = kvsieve.method(spec_of(name))
-    state = {}
+    state = m.new_state()
     key = RandomKey(5, (0, 3))
     m.decode(q4, k, v, lengths=lengths, seed=key, state=state, check_finite=False)  # first call fills state
     with host_reads_raise():
@@ -102,9 +102,9 @@ def test_no_host_read_path_equals_the_cpu_path(name):
     q, k, v = random_qkv(batch=2, heads=6, kv_heads=2, n=300, d=16, seed=3)
     lengths = torch.tensor([300, 260])
     m = kvsieve.method(spec_of(name))
-    a, sa = m.decode(q, k, v, lengths=lengths, seed=RandomKey(1, (2,)), state={})
+    a, sa = m.decode(q, k, v, lengths=lengths, seed=RandomKey(1, (2,)))
     with no_host_reads():
-        b, sb = m.decode(q, k, v, lengths=lengths, seed=RandomKey(1, (2,)), state={}, check_finite=False)
+        b, sb = m.decode(q, k, v, lengths=lengths, seed=RandomKey(1, (2,)), check_finite=False)
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert sa.density == pytest.approx(sb.density) and sa.exact_rows == sb.exact_rows
 
@@ -118,8 +118,8 @@ def test_chunk_rows_equal_rows_decoded_one_at_a_time(name):
     lengths = torch.tensor([300, 270])
     key = RandomKey(9, (1, 7))
     m = kvsieve.method(spec_of(name))
-    chunk, stats = m.decode(q4, k, v, lengths=lengths, seed=key, state={})
-    state = {}
+    chunk, stats = m.decode(q4, k, v, lengths=lengths, seed=key)
+    state = m.new_state()
     rows = [m.decode(q4[:, :, j], k, v, lengths=lengths - q_len + 1 + j, seed=key, state=state)[0]
             for j in range(q_len)]
     torch.testing.assert_close(chunk, torch.stack(rows, dim=2), rtol=1e-9, atol=1e-11)
@@ -261,7 +261,7 @@ def _gpu_inputs(dtype=torch.bfloat16, n=2048, batch=1, q_len=1):
 def test_gpu_decode_has_no_sync(spec, q_len):
     q, k, v, lengths = _gpu_inputs(q_len=q_len)
     m = kvsieve.method(spec)
-    state = {}
+    state = m.new_state()
     key = RandomKey(1, (0, 5))
     m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)  # compile, fill state
     torch.cuda.synchronize()
@@ -288,7 +288,7 @@ def test_gpu_graph_replays_match_eager_calls(spec):
     triton_seed_by_value = spec.startswith(("santa-prop", "santa-flash"))
     step = torch.zeros((), dtype=torch.int64, device="cuda")
     key = RandomKey(3, (0,)) if triton_seed_by_value else RandomKey(3, (0, step))
-    state = {}
+    state = m.new_state()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):

@@ -88,8 +88,8 @@ for spec in SPECS:
             q, k, v = tensors(seed, dtype)
             lens = torch.tensor([300, 97 + 61 * seed], device=device)  # ragged rows
             key = RandomKey(seed, (1, 2))
-            out, st = fast.decode(q, k, v, lengths=lens, seed=key, state={{}})
-            ref, rst = slow.decode(q, k, v, lengths=lens, seed=key, state={{}})
+            out, st = fast.decode(q, k, v, lengths=lens, seed=key)
+            ref, rst = slow.decode(q, k, v, lengths=lens, seed=key)
             where = (spec, str(dtype), seed)
             same_selection(st, rst, where)
             close(out, ref, where)
@@ -97,8 +97,8 @@ for spec in SPECS:
     # rows no longer than sink + window: no key is left to select (an empty list on the CPU), exact
     q, k, v = tensors(5, torch.float32)
     lens = torch.tensor([3, 6], device=device)
-    out, st = fast.decode(q, k, v, lengths=lens, seed=RandomKey(2), state={{}})
-    ref, rst = slow.decode(q, k, v, lengths=lens, seed=RandomKey(2), state={{}})
+    out, st = fast.decode(q, k, v, lengths=lens, seed=RandomKey(2))
+    ref, rst = slow.decode(q, k, v, lengths=lens, seed=RandomKey(2))
     same_selection(st, rst, (spec, "covered"))
     close(out, ref, (spec, "covered"))
     if "sink=0,window=0" not in spec:
@@ -108,8 +108,8 @@ for spec in SPECS:
     # several query rows per call (a question chunk): each row its own length and draws
     q4, k, v = tensors(7, torch.float32, q_len=3)
     lens = torch.tensor([290, 150], device=device)
-    out, st = fast.decode(q4, k, v, lengths=lens, seed=RandomKey(4), state={{}})
-    ref, rst = slow.decode(q4, k, v, lengths=lens, seed=RandomKey(4), state={{}})
+    out, st = fast.decode(q4, k, v, lengths=lens, seed=RandomKey(4))
+    ref, rst = slow.decode(q4, k, v, lengths=lens, seed=RandomKey(4))
     same_selection(st, rst, (spec, "chunk"))
     close(out, ref, (spec, "chunk"))
 
@@ -823,9 +823,9 @@ def test_gpu_kernel_paths_do_not_sync_and_replay_in_a_graph(spec):
     m = kvsieve.method(spec)
     step = torch.zeros((), dtype=torch.int64, device="cuda")
     key = RandomKey(3, (0, step))
-    state = {}
+    state = m.new_state()
     out, stats = m.decode(q, k, v, lengths=lengths, seed=key, state=state, check_finite=False)
-    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, seed=key, state={})
+    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, seed=key)
     assert stats.backend == "triton" and ref_stats.backend == "reference"
     assert stats.density == ref_stats.density
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 1.2e-2

@@ -349,9 +349,10 @@ def test_gpu_methods_run_the_kernel_path_by_default(spec):
 
     q, k, v = _qkv(2, 32, 8, 8192, 128, 6, torch.bfloat16, "cuda")
     lens = torch.tensor([8192, 5000], device="cuda")
-    state = {}
-    out, stats = kvsieve.method(spec).decode(q, k, v, lengths=lens, state=state, check_finite=False)
-    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, state={})
+    m = kvsieve.method(spec)
+    state = m.new_state()
+    out, stats = m.decode(q, k, v, lengths=lens, state=state, check_finite=False)
+    ref, ref_stats = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens)
     assert stats.backend == "triton" and ref_stats.backend == "reference"
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
     assert abs(stats.density - ref_stats.density) < 0.01 * ref_stats.density

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kvsieve import CallContext  # noqa: E402
 from kvsieve.kernels import dense as triton_dense  # noqa: E402
 from kvsieve.kernels import triton_utils  # noqa: E402
 from kvsieve.kernels.santa import decode  # noqa: E402
@@ -335,7 +336,7 @@ def test_method_backends_on_cpu_under_interpreter():
     assert _rel(out[1], exact_attention(inputs)[1]) < 1e-5
     assert stats.exact_rows == 1 and stats.v_rows_read <= (200 + 150) / 2
     # without per-key counts (what the decode runtime's captured steps ask): the same output, samples as reads
-    out2, stats2 = m.decode(q, k, v, lengths=lens, seed=1, state={"count_reads": False})
+    out2, stats2 = m.decode(q, k, v, lengths=lens, seed=1, context=CallContext(count_reads=False))
     assert torch.equal(out, out2)
     assert stats2.samples == 200 and "upper bound" in stats2.v_rows_read_is
     assert stats2.v_rows_read >= stats.v_rows_read

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import kvsieve
+from kvsieve import CallContext
 from kvsieve.bench.timing import ColdL2Timer
 from kvsieve.core.rng import RandomKey
 
@@ -99,9 +100,9 @@ def main() -> None:
             def api(m=m, q=q, k=k, v=v, lens=lens, key=key):
                 return m.decode(q, k, v, lengths=lens, seed=key, check_finite=False)
 
-            def api_runtime(m=m, q=q, k=k, v=v, lens=lens, key=key, state={"count_reads": False}):  # noqa: B006
+            def api_runtime(m=m, q=q, k=k, v=v, lens=lens, key=key, context=CallContext(count_reads=False)):
                 # as the decode runtime's captured step calls it: no per-key read counts for the stats
-                return m.decode(q, k, v, lengths=lens, seed=key, check_finite=False, state=state)
+                return m.decode(q, k, v, lengths=lens, seed=key, check_finite=False, context=context)
 
             kern = kernel_call(name, q, k, v, lens, scale, n)
             row = {"n": n, "call": name, "spec": spec}

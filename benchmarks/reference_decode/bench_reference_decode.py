@@ -40,7 +40,7 @@ SPECS = [
 
 def time_method(spec, q, k, v, reps):
     m = kvsieve.method(spec)
-    state = {}
+    state = m.new_state()
     m.decode(q, k, v, seed=0, state=state, check_finite=False)  # warm state and allocator
     times = []
     for i in range(reps):
@@ -52,7 +52,7 @@ def time_method(spec, q, k, v, reps):
 
 def top_ops(spec, q, k, v, n=3):
     m = kvsieve.method(spec)
-    state = {}
+    state = m.new_state()
     m.decode(q, k, v, seed=0, state=state, check_finite=False)
     prof = cProfile.Profile()
     prof.enable()

@@ -81,8 +81,8 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
 
     m = kvsieve.method(spec)
     key = RandomKey(7, (0, step))
-    state: dict = {}
-    sel_state: dict = {}
+    state = m.new_state()
+    sel_state = m.new_state()
 
     def call():
         return m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, check_finite=False)[0]
@@ -104,7 +104,7 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
     ref_m = kvsieve.method(spec + ",backend=reference")
 
     def reference():
-        return ref_m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state={}, check_finite=False)[0]
+        return ref_m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, check_finite=False)[0]
 
     return {"method": m, "key": key, "state": state, "call": call, "select": select, "attend": attend,
             "reference": reference}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .core.context import CallContext
 from .core.method import Method
 
 # Import the built-in methods first: importing a subpackage binds its name on this package, and the
@@ -27,7 +28,7 @@ from .core.stats import StepStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec", "sparsify",
+__all__ = ["CallContext", "Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec", "sparsify",
            "__version__"]
 
 

@@ -357,13 +357,12 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
 
 
 def check_ttft_methods(methods: Sequence[str]) -> None:
-    """Every method spec must have a sparse prefill (a ``PrefillMethod``); ValueError naming ``methods``."""
-    from ..core.prefill import PrefillMethod
+    """Every method spec must have a sparse prefill (``sparse_prefill``); ValueError naming ``methods``."""
     from ..core.registry import method as build_method
 
     for spec in methods:
         m = build_method(spec)
-        if not isinstance(m, PrefillMethod):
+        if not m.sparse_prefill:
             raise ValueError(f"methods: {m.name} has no sparse prefill; the time-to-first-token bench times "
                              "methods' sparse prefills (sketchwalk), the runtime's exact prefill and transformers'")
 

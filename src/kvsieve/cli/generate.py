@@ -52,7 +52,6 @@ def _parse_layers(text: str) -> tuple[int, ...]:
 def _check_prefill(args: argparse.Namespace, method) -> None:
     """--prefill: exact, method (a method with a sparse prefill) or such a method's spec; runtime engine only."""
     import kvsieve
-    from kvsieve.core.prefill import PrefillMethod
 
     choice = args.prefill.strip()
     if choice == "exact":
@@ -62,7 +61,7 @@ def _check_prefill(args: argparse.Namespace, method) -> None:
                          "decode); with sparsify use a phase that includes the prefill (kvsieve.sparsify(..., "
                          "phase='prefill'))")
     if choice == "method":
-        if not isinstance(method, PrefillMethod):
+        if not method.sparse_prefill:
             raise ValueError(f"--prefill method: {method.name} (--method) has no sparse prefill; use --prefill exact "
                              "or the spec of a method with one (sketchwalk:density=0.1)")
         return
@@ -70,7 +69,7 @@ def _check_prefill(args: argparse.Namespace, method) -> None:
         other = kvsieve.method(choice)
     except ValueError as exc:
         raise ValueError(f"--prefill: expected exact, method or a method spec, got {choice!r} ({exc})") from None
-    if not isinstance(other, PrefillMethod):
+    if not other.sparse_prefill:
         raise ValueError(f"--prefill: {other.name} has no sparse prefill; expected exact, method or the spec of a "
                          "method with one (sketchwalk)")
 

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from .context import NO_CONTEXT, CallContext
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -44,6 +46,8 @@ class DecodeInputs:
         self.scale, self.q_len, self.checked = scale, q_len, checked
         self.cache_k, self.cache_v = cache_k, cache_v
         self._kernel_lengths = None
+        #: What the caller knows of the call (layer, whether stats are read, ...): set by Method.decode.
+        self.context: CallContext = NO_CONTEXT
 
     @property
     def key_mask(self) -> torch.Tensor:

@@ -8,17 +8,22 @@ from typing import Any, ClassVar
 import torch
 
 from .config import MethodConfig
+from .context import NO_CONTEXT, CallContext, ForwardState, MethodState
 from .inputs import DecodeInputs, check_decode_inputs
 from .rng import RandomKey, as_key, per_row_key
-from .stats import StepStats, merge_row_stats
+from .stats import StepStats
 
 
 class Method:
     """Base class of every attention method.
 
     Subclasses set ``name``, ``config_class`` and ``summary``, and implement ``_decode``. A method
-    sees one layer's q/K/V and, through ``state``, whatever it keeps across steps for one request
-    and layer (page summaries, sketches, ...); it never keeps request state on itself.
+    sees one layer's q/K/V, a :class:`~kvsieve.core.context.CallContext` (``inputs.context``) and its
+    own typed state for one request and layer (``new_state()``: page summaries, sketches, an index);
+    it never keeps request state on itself.
+
+    What a model driver must do for the method is *declared* on the class (the class attributes
+    below), never detected: ``kvsieve.driver.LayerDriver`` reads the declarations and calls the hooks.
     """
 
     name: ClassVar[str] = ""
@@ -66,6 +71,61 @@ class Method:
             return None
         return {key: value(n_keys) if callable(value) else value for key, value in cls.exact_config.items()}
 
+    # -- What a model driver must do for the method (kvsieve.driver reads these; nothing else may ask
+    # -- what class a method is).
+
+    #: True when the method has a sparse prefill: :meth:`prefill` with ``sparse=True`` returns one
+    #: layer's attention over the whole prompt (Sketch&Walk's block-sparse prefill).
+    sparse_prefill: ClassVar[bool] = False
+    #: True when the method's decode starts from what it records of the prompt's forward pass (its
+    #: queries included, which no cache keeps): the driver calls :meth:`prefill` with ``sparse=False``
+    #: on every prompt forward the method does not serve itself (Sketch&Walk's block sketches).
+    observes_prefill: ClassVar[bool] = False
+    #: True when the method's state crosses the layers of one forward pass: the driver gives every
+    #: forward a fresh :meth:`new_forward_state` in ``context.forward`` (Sketch&Walk's walk).
+    cross_layer: ClassVar[bool] = False
+    #: True when the method cannot be built without artifacts fitted to one model (SAAP's
+    #: classifiers); :meth:`check_model` then refuses any other model.
+    needs_fit: ClassVar[bool] = False
+
+    def new_state(self) -> MethodState | None:
+        """A fresh per-(request, layer) state, or None for a method that keeps none."""
+        return None
+
+    def new_forward_state(self) -> ForwardState | None:
+        """A fresh state shared by the layers of one forward pass (``cross_layer`` methods), or None."""
+        return None
+
+    def exact_layers(self, n_layers: int, max_positions: int | None) -> frozenset[int]:
+        """Validate the config against a model of ``n_layers`` layers (and ``max_positions`` tokens of
+        context, if known); return the layers the method keeps exact (its own ``dense_layers``)."""
+        return frozenset()
+
+    def check_model(self, model: Any) -> None:
+        """Refuse a model the method's artifacts were not made for (``needs_fit`` methods)."""
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
+                state: MethodState | None, context: CallContext = NO_CONTEXT,
+                sparse: bool) -> tuple[torch.Tensor | None, StepStats | None]:
+        """One layer's prompt: q ``[B, Hq, N, d]``, k/v ``[B, Hkv, N, d]`` (no past keys).
+
+        With ``sparse`` (methods that declare ``sparse_prefill``) returns ``(out [B, Hq, N, dv], stats)``;
+        with ``sparse=False`` (methods that declare ``observes_prefill``) it only records into ``state``
+        what later decode steps need and returns ``(None, None)``.
+        """
+        raise ValueError(f"{self.name}: has no prefill hook (it declares neither sparse_prefill nor "
+                         "observes_prefill)")
+
+    def checked_state(self, state: Any) -> MethodState | None:
+        """``state`` if it is this method's state, a fresh one for None; a ValueError otherwise."""
+        fresh = self.new_state()
+        if state is None:
+            return fresh
+        if fresh is None or type(state) is not type(fresh):
+            want = "None (the method keeps no state)" if fresh is None else f"a {type(fresh).__name__} or None"
+            raise ValueError(f"state: expected {want} (from {self.name}'s new_state()), got {type(state).__name__}")
+        return state
+
     def __init__(self, config: MethodConfig | None = None) -> None:
         if config is None:
             config = self.config_class()
@@ -94,7 +154,8 @@ class Method:
         key_mask: torch.Tensor | None = None,
         seed: int | RandomKey | torch.Generator | None | list[int] | torch.Tensor = None,
         scale: float | None = None,
-        state: dict[str, Any] | None = None,
+        state: MethodState | None = None,
+        context: CallContext = NO_CONTEXT,
         check_finite: bool = True,
     ) -> tuple[torch.Tensor, StepStats]:
         """One decode step of one layer, for one or many query rows per batch row.
@@ -105,15 +166,21 @@ class Method:
         ``[0, length)``; ``key_mask [B, N]`` or ``[B, Q, N]`` marks any other pattern (e.g. left
         padding). ``seed``: an int, a :class:`~kvsieve.core.rng.RandomKey` (seed + counters such as
         request, layer, step, possibly device tensors) or None (fresh entropy). ``scale`` defaults to
-        ``1/sqrt(d)``. ``check_finite`` (default True) runs the value checks that read the data (a host
-        synchronisation on CUDA); the decode path of a model turns them off. Returns the output
+        ``1/sqrt(d)``. ``state``: the method's state for this request and layer (``new_state()``;
+        None: a fresh one for this call alone). ``context``: what the caller knows of the call
+        (:class:`~kvsieve.core.context.CallContext`; the model drivers set it). ``check_finite`` (default
+        True) runs the value checks that read the data (a host synchronisation on CUDA); the decode
+        path of a model turns them off. Returns the output
         ``[B, Hq, dv]`` (or ``[B, Hq, Q, dv]``) in q's dtype and the step's stats, whose values stay
         device tensors until read.
         """
+        if not isinstance(context, CallContext):
+            raise ValueError(f"context: expected a kvsieve CallContext, got {type(context).__name__}")
         inputs = check_decode_inputs(
             q, k, v, lengths=lengths, key_mask=key_mask, scale=scale, check_finite=check_finite
         )
-        state = state if state is not None else {}
+        inputs.context = context
+        state = self.checked_state(state)
         if isinstance(seed, bool) or not (seed is None or isinstance(seed, (int, RandomKey, torch.Generator, list,
                                                                               tuple, torch.Tensor))):
             raise ValueError(f"seed: expected an int, a torch.Generator or None (or B ints, or a kvsieve "
@@ -122,19 +189,12 @@ class Method:
             # Per-row seeds: row b gets exactly what it gets alone with seed=seeds[b].
             if self.random_keys:
                 seed = per_row_key(seed, inputs.cache_batch, inputs.q.device)
+            elif self.stochastic:
+                raise ValueError(f"seed: per-row seeds need a method with counter-based draws; {self.name} "
+                                 "draws from one torch.Generator (give an int)")
             else:
-                row_seeds = _row_seeds(seed, inputs.cache_batch)  # reads a tensor on the host
-                if inputs.q_len > 1:
-                    raise ValueError(f"seed: per-row seeds with {inputs.q_len} query rows per batch row need a "
-                                     f"method with counter-based draws; {self.name} uses a torch.Generator")
-                if inputs.batch == 1 or not self.stochastic:
-                    out, stats = self._decode(inputs, row_seeds[0], state)
-                else:
-                    rows = [self._decode(_row(inputs, b), row_seeds[b], state.setdefault(("row", b), {}))
-                            for b in range(inputs.batch)]
-                    out = torch.cat([o for o, _ in rows], dim=0)
-                    stats = merge_row_stats([s for _, s in rows])
-                return out.to(q.dtype), stats
+                _row_seeds(seed, inputs.cache_batch)  # checked; a deterministic method draws nothing
+                seed = None
         if inputs.q_len > 1 and not self.multi_row:
             out, stats = self._decode_rows_one_by_one(inputs, seed, state)
         else:
@@ -207,19 +267,14 @@ def _row_seeds(seed: Any, batch: int) -> list[int] | None:
     return seeds
 
 
-def _row(inputs: DecodeInputs, b: int) -> DecodeInputs:
-    """Batch row ``b`` alone, checked as if it had been passed alone (lengths set for a prefix mask)."""
-    sl = slice(b, b + 1)
-    return check_decode_inputs(inputs.q[sl], inputs.k[sl], inputs.v[sl], key_mask=inputs.key_mask[sl],
-                               scale=inputs.scale, check_finite=False)
-
-
 def select_rows(inputs: DecodeInputs, rows: torch.Tensor) -> DecodeInputs:
     """The query rows ``rows`` (an index tensor, one per batch row) of a call, as a one-row-per-batch call."""
     pick = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-    return DecodeInputs(q=pick(inputs.q), k=inputs.cache_k, v=inputs.cache_v, key_mask=pick(inputs.key_mask),
-                        n_valid=pick(inputs.n_valid), lengths=pick(inputs.lengths), scale=inputs.scale,
-                        q_len=1, cache_k=inputs.cache_k, cache_v=inputs.cache_v, checked=inputs.checked)
+    out = DecodeInputs(q=pick(inputs.q), k=inputs.cache_k, v=inputs.cache_v, key_mask=pick(inputs.key_mask),
+                       n_valid=pick(inputs.n_valid), lengths=pick(inputs.lengths), scale=inputs.scale,
+                       q_len=1, cache_k=inputs.cache_k, cache_v=inputs.cache_v, checked=inputs.checked)
+    out.context = inputs.context
+    return out
 
 
 def merge_stats(parts: list[StepStats]) -> StepStats:

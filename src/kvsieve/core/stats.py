@@ -132,37 +132,3 @@ class StepStats(Mapping):
             value = self[key]
             out[key] = value.tolist() if hasattr(value, "tolist") else value
         return out
-
-
-_ROW_MEANS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "kv_density")
-
-
-def merge_row_stats(rows: list[StepStats]) -> StepStats:
-    """The stats of a batch from the stats of its rows run one at a time.
-
-    Row counts and densities are means over rows (every row has the same heads), ``bytes_read`` and
-    ``exact_rows`` add up; a method-specific value that is a tensor is concatenated over rows, a
-    number that differs between rows is averaged, and anything else is kept when all rows agree.
-    """
-    first = rows[0]
-    merged = {name: sum(getattr(r, name) for r in rows) / len(rows) for name in _ROW_MEANS}
-    backends = sorted({r.backend for r in rows})
-    extra: dict[str, Any] = {}
-    for key, value in first.extra.items():
-        values = [r.extra.get(key) for r in rows]
-        if hasattr(value, "dim") and value.dim() > 0:
-            extra[key] = _cat(values)
-        elif all(v == value for v in values):
-            extra[key] = value
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            extra[key] = sum(values) / len(values)
-        else:
-            extra[key] = values
-    return StepStats(**merged, bytes_read=sum(r.bytes_read for r in rows), backend="+".join(backends),
-                     exact_rows=sum(r.exact_rows for r in rows), extra=extra)
-
-
-def _cat(values: list[Any]) -> Any:
-    import torch
-
-    return torch.cat(values, dim=0)

@@ -134,13 +134,12 @@ def validate_config(cfg: EvalConfig) -> EvalConfig:
 def check_sparse_prefill(methods: Sequence[str], phase: str) -> None:
     """Every method but dense has a sparse prefill: an exact prefill in its place would be scored as if it
     were the method's, so a method without one is refused rather than run densely."""
-    from ..core.prefill import PrefillMethod
     from ..core.registry import method, method_class
     from ..core.registry import methods as registered
 
-    lacking = [m for m in methods if m != DENSE and not isinstance(method(m), PrefillMethod)]
+    lacking = [m for m in methods if m != DENSE and not method(m).sparse_prefill]
     if lacking:
-        having = [n for n in registered() if issubclass(method_class(n), PrefillMethod)]
+        having = [n for n in registered() if method_class(n).sparse_prefill]
         raise ValueError(
             f"phase: {phase!r} runs the context through the method's sparse prefill, and "
             f"{', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} none; methods with one: "
@@ -282,14 +281,13 @@ def _target_ids(tokenizer: Any, sample: task_registry.Sample) -> list[int]:
 
 
 def _records_prompt(session: Any) -> bool:
-    """Whether the session's method must see the prompt's forward itself (a PrefillMethod)."""
-    from ..core.prefill import PrefillMethod
-
-    return session is not None and isinstance(session.method, PrefillMethod)
+    """Whether the session's method must see the prompt's forward itself (``observes_prefill``)."""
+    return session is not None and session.driver.records_prompt
 
 
 def _stateless(session: Any) -> bool:
-    return session is None or not any(bool(v) for v in session.layer_state.values())
+    """Whether the method keeps no state across calls (cropping the cache back is then exact)."""
+    return session is None or session.method.new_state() is None
 
 
 def run_method(model: Any, tokenizer: Any, sample: task_registry.Sample, pre: Prefill, method: str,

@@ -4,23 +4,21 @@ kvsieve registers an attention function named ``"kvsieve"`` in transformers' att
 (and the SDPA mask builder under the same name). ``sparsify`` points the model's attention modules
 at it for the duration of a ``with`` block and restores the previous implementation afterwards.
 Queries that the phase policy leaves dense go through transformers' own SDPA path unchanged; the
-others run the method, one query row at a time, against the layer's whole KV cache.
+others run the method, every query row of the chunk in one call, against the layer's whole KV cache.
 
-Per-request state (step counter, each layer's method state, the collected stats) lives in the
-:class:`SparseSession` object, never on the model's modules.
-
-Methods with a prefill path (:class:`~kvsieve.core.prefill.PrefillMethod`, e.g. Sketch&Walk) also
-get the prompt's forward pass (sparse under ``phase="prefill"`` or ``"all"``, observed only under
-``"decode"`` and ``"question"``) and one dict per forward pass shared by its layers
-(``SparseSession.forward_state``). Under ``"question"`` the question chunk that follows the observed
-context goes through their decode as one multi-row call per layer.
+This module only plumbs the model: the phase policy (which query rows use the method), masks and the
+error tracking. How the method is served — its per-request state, seeds, prefill hooks and stats —
+is the :class:`~kvsieve.driver.LayerDriver`'s, the same one the decode runtime uses. A method that
+declares a prefill hook (``sparse_prefill``/``observes_prefill``: Sketch&Walk) gets the prompt's forward
+pass (sparse under ``phase="prefill"`` or ``"all"``, observed only under ``"decode"`` and ``"question"``);
+under ``"question"`` the question chunk that follows the observed context goes through its decode as one
+multi-row call per layer. Left-padded rows reach a prefix-only method one row at a time (its blocks are
+positions), which its stats say.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,14 +27,13 @@ from typing import Any, Literal
 import torch
 
 from ..core.method import Method
-from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
-from ..core.rng import RandomKey
+from ..driver import LayerDriver
 
 ATTENTION_NAME = "kvsieve"
 Phase = Literal["decode", "question", "prefill", "all"]
 PHASES = ("decode", "question", "prefill", "all")
-# Phases whose prompt forward runs a PrefillMethod's sparse prefill.
+# Phases whose prompt forward runs the method's sparse prefill.
 SPARSE_PREFILL = ("prefill", "all")
 
 # attention module -> the session it currently serves (weak: a dropped model leaves nothing behind)
@@ -108,21 +105,6 @@ def _attached(modules: Sequence[torch.nn.Module], registry: weakref.WeakKeyDicti
                 registry.pop(mod, None)
 
 
-def visible_keys(attention_mask: torch.Tensor | None, batch: int, q_len: int, n_keys: int,
-                 row: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Keys visible to query ``row`` of the chunk: ``(lengths [B], None)`` or ``(None, key_mask [B, N])``.
-
-    Without a mask attention is plain causal: the chunk's last query sits at the cache's end.
-    """
-    if attention_mask is None:
-        length = n_keys - q_len + row + 1
-        return torch.full((batch,), length, dtype=torch.long, device=device), None
-    m = attention_mask[:, 0, row, :n_keys] if attention_mask.dim() == 4 else attention_mask[:, row, :n_keys]
-    if m.dtype != torch.bool:
-        m = m == 0  # additive float mask: 0 where visible, a large negative number where not
-    return None, m.expand(batch, n_keys).contiguous()
-
-
 @dataclass
 class _Plan:
     """What every layer of one forward shares (FlashInfer's plan/run split), computed at its first
@@ -132,20 +114,6 @@ class _Plan:
     row_mask: torch.Tensor | None  # [B, Q'] bool on the device where rows after first_row still differ
     track_rows: torch.Tensor | None  # [Q'] rows whose error is tracked (positions divisible by k)
     plain_causal: bool | None = None  # the forward's mask is plain causal (checked once, prefix-only methods)
-
-
-@dataclass
-class _LayerTotals:
-    """Per layer sums over the calls the method served, on the device until read."""
-
-    calls: int = 0
-    rows: int = 0
-    sums: dict[str, Any] = field(default_factory=dict)
-    error_sum: Any = 0.0
-    error_rows: int = 0
-
-
-_SUMMED = ("density", "kv_density", "v_rows_read", "n_keys")
 
 
 @dataclass
@@ -159,24 +127,25 @@ class SparseSession:
     """
 
     model: torch.nn.Module
-    method: Method
+    driver: LayerDriver
     phase: Phase = "decode"
-    dense_layers: frozenset[int] = frozenset()
-    seed: int = 0
     track_error: int = 0
     sparse_everywhere: bool = False
     question_start: torch.Tensor | None = None
-    step: int = -1
-    request: int = 0
-    layer_state: dict[int, dict[str, Any]] = field(default_factory=lambda: defaultdict(dict))
     layer_paths: dict[int, str] = field(default_factory=dict)
     first_layer: int = 0
-    _calls: list[tuple[dict[str, Any], Any, Any]] = field(default_factory=list)
-    _records: list[dict[str, Any]] | None = None
     _plans: dict[tuple, _Plan] = field(default_factory=dict)
-    _totals: dict[int, _LayerTotals] = field(default_factory=lambda: defaultdict(_LayerTotals))
-    #: State shared by the layers of the current forward pass (Sketch&Walk's walk); reset per forward.
-    forward_state: dict[str, Any] = field(default_factory=dict)
+    # first valid key of each row when the prompt was left-padded and the method serves prefixes only
+    _row_starts: list[int] | None = None
+
+    @property
+    def method(self) -> Method:
+        return self.driver.method
+
+    @property
+    def dense_layers(self) -> frozenset[int]:
+        """The layers that stay exact: ``dense_layers`` and the method's own."""
+        return self.driver.exact_layers
 
     def mark_question(self, start: int | Sequence[int] | torch.Tensor) -> None:
         """Where the question starts: an index into the (left-padded) input ids, per row or shared.
@@ -195,17 +164,15 @@ class SparseSession:
     def _begin_forward(self, layer: int, q_len: int, n_keys: int) -> None:
         if layer != self.first_layer:
             return
-        self.forward_state = {}
-        if n_keys == q_len and self.step >= 0:  # no past keys after earlier work: a new request
-            self.request += 1
-            self.step = -1
-            self.layer_state.clear()
-        self.step += 1
+        if n_keys == q_len:  # no past keys: a new request (the first one keeps request 0)
+            self.driver.begin_request(new=self.driver.step >= 0)
+            self._row_starts = None
+        self.driver.begin_forward()
         self._plans.clear()
 
     def _exact_reason(self, module, layer: int, n_keys: int, kwargs) -> str | None:
         """Why this layer stays exact in this forward (host-known facts only), or None."""
-        if layer in self.dense_layers:
+        if layer in self.driver.exact_layers:
             return "exact: dense_layers"
         if self.sparse_everywhere:
             return None
@@ -265,18 +232,19 @@ class SparseSession:
         batch, _, q_len, _ = query.shape
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
-        prefill_method = isinstance(self.method, PrefillMethod) and layer not in self.dense_layers
+        method = self.method
+        hooked = (method.sparse_prefill or method.observes_prefill) and self.driver.serves(layer)
         # Setup B: a chunk after the observed context (the question) goes through the method's decode;
         # under "all" so does any chunk after the sparse prefill.
-        question_chunk = prefill_method and self.phase in ("question", "all") and n_keys > q_len
-        if q_len > 1 and prefill_method and not question_chunk:
+        question_chunk = hooked and self.phase in ("question", "all") and n_keys > q_len
+        if q_len > 1 and hooked and not question_chunk:
             out = self._prefill(module, query, key, value, attention_mask, scaling, kwargs)
             if out is not None:
                 return out
         plan = self._plan(batch, q_len, n_keys, query.device)
         if question_chunk and (plan is None or plan.first_row > 0):
             raise ValueError(
-                f"model: {self.method.name} takes the context in one forward pass (its decode needs what the "
+                f"model: {method.name} takes the context in one forward pass (its decode needs what the "
                 f"prefill records) and then the question; this forward has {q_len} tokens after {n_keys - q_len} "
                 "cached ones that start before the question")
         reason = None if plan is None else self._exact_reason(module, layer, n_keys, kwargs)
@@ -292,17 +260,16 @@ class SparseSession:
         q_rows = query[:, :, lo:, :]
         rows = q_len - lo
         key_mask = None
-        if attention_mask is not None and q_len > 1 and self.method.prefix_only_note:
-            attention_mask = self._prefix_only_mask(plan, attention_mask, batch, q_len, n_keys)
-        if attention_mask is not None:
-            m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
-            m = m[:, lo:, :n_keys]
-            key_mask = (m if m.dtype == torch.bool else m == 0).expand(batch, rows, n_keys)
-        # Rows are keyed by their batch row and position on top of this (core.rng.RowStreams): every
-        # decode step draws fresh numbers, and a row draws the same in a chunk as on its own.
-        seed = RandomKey(self.seed, (self.request, layer))
-        est, stats = self.method.decode(q_rows, key, value, key_mask=key_mask, seed=seed, scale=scaling,
-                                        state=self._state(layer), check_finite=False)
+        if self._row_starts is not None:  # left-padded rows under a prefix-only method: one row at a time
+            est, stats = self.driver.decode_rows_apart(layer, q_rows, key, value, self._row_starts, scale=scaling)
+        else:
+            if attention_mask is not None and q_len > 1 and method.prefix_only_note:
+                attention_mask = self._prefix_only_mask(plan, attention_mask, batch, q_len, n_keys)
+            if attention_mask is not None:
+                m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask
+                m = m[:, lo:, :n_keys]
+                key_mask = (m if m.dtype == torch.bool else m == 0).expand(batch, rows, n_keys)
+            est, stats = self.driver.decode(layer, q_rows, key, value, key_mask=key_mask, scale=scaling)
         est = est.transpose(1, 2).to(query.dtype)  # [B, Q', Hq, dv]
         error = None
         if plan.track_rows is not None:
@@ -319,8 +286,8 @@ class SparseSession:
     def _prefix_only_mask(self, plan: _Plan, attention_mask: torch.Tensor, batch: int, q_len: int,
                           n_keys: int) -> torch.Tensor | None:
         """None when the chunk's mask is plain causal (then the method gets per-row lengths), else a
-        ValueError: methods whose blocks are cache positions (``prefix_only_note``) serve no padding.
-        Read once per forward (a host read of the mask, on multi-row forwards only)."""
+        ValueError: methods whose blocks are cache positions (``prefix_only_note``) serve no padding
+        within a chunk. Read once per forward (a host read of the mask, on multi-row forwards only)."""
         if plan.plain_causal is None:
             m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
             m = m[:, 0] if m.dim() == 4 else m
@@ -332,54 +299,42 @@ class SparseSession:
                              f"query rows ({self.method.prefix_only_note}); run padded prompts one at a time")
         return None
 
-    def _state(self, layer: int) -> dict[str, Any]:
-        """The method's state for this request and layer. ``state["layer"]`` tells methods with
-        per-layer artifacts (SAAP) which layer they serve."""
-        state = self.layer_state[layer]
-        state["layer"] = layer
-        if isinstance(self.method, PrefillMethod):  # cross-layer state of this forward (Sketch&Walk's walk)
-            state[FORWARD_STATE] = self.forward_state
-        return state
-
     def _account(self, layer: int, first_pos: int, last_pos: int, rows: int, stats, error) -> None:
-        meta = {"request": self.request, "layer": layer, "step": self.step, "position": last_pos,
-                "first_position": first_pos, "rows": rows}
-        self._calls.append((meta, stats, error))
-        self._records = None
-        tot = self._totals[layer]
-        tot.calls += 1
-        tot.rows += rows
-        for name in _SUMMED:
-            tot.sums[name] = tot.sums.get(name, 0.0) + stats.raw(name) * rows
-        if error is not None:
-            tot.error_sum = tot.error_sum + error.sum()
-            tot.error_rows += error.numel()
+        d = self.driver
+        meta = {"request": d.request, "layer": layer, "step": d.step, "position": last_pos,
+                "first_position": first_pos, "rows": rows, "q_len": rows}
+        d.log.add(meta, stats, error)
 
     def _prefill(self, module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
-        """A PrefillMethod's prompt forward: its output ``[B, Q, Hq, dv]``, or None when the prompt stays
-        exact (the method only recorded what its decode needs). ``track_error`` compares every sparse
-        prefill with exact attention."""
+        """The prompt's forward through the method's prefill hook: its output ``[B, Q, Hq, dv]``, or None
+        when the prompt stays exact (the method only recorded what its decode needs). Left-padded rows
+        go one at a time, each from its first valid token. ``track_error`` compares every sparse prefill
+        with exact attention."""
         layer = module.layer_idx
         q_len = query.shape[2]
         if key.shape[2] != q_len:
             raise ValueError(
                 f"model: {self.method.name} takes the prompt in one forward pass and then one token per "
                 f"step; this forward has {q_len} tokens after {key.shape[2] - q_len} cached ones")
-        if attention_mask is not None:
-            m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-            causal = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
-            if not bool((m[..., :q_len, :q_len] == causal).all()):
-                raise ValueError(f"attention_mask: {self.method.name}'s prefill needs plain causal attention "
-                                 "(no padding); run padded prompts one at a time")
+        starts = None if attention_mask is None else _left_padding(attention_mask, q_len, self.method.name)
         sparse = self.phase in SPARSE_PREFILL
-        out, stats = self.method.prefill(query, key, value, scale=scaling, state=self.layer_state[layer],
-                                         forward=self.forward_state, sparse=sparse)
+        if starts is None:
+            out, stats = self.driver.prefill(layer, query, key, value, scale=scaling, sparse=sparse)
+        else:
+            self._row_starts = starts
+            out, stats = self.driver.prefill_rows_apart(layer, query, key, value, starts, scale=scaling,
+                                                        sparse=sparse)
         if out is None:
             return None
         out = out.transpose(1, 2)
         error = None
         if self.track_error:
             exact = _sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)[0].to(torch.float64)
+            if starts is not None:  # padded query rows attend to nothing: compare the rows that exist
+                valid = torch.arange(q_len, device=exact.device)[None, :] >= torch.tensor(starts, device=exact.device)[
+                    :, None]
+                exact = torch.where(valid[..., None, None], exact, 0.0)
+                out = torch.where(valid[..., None, None], out, 0.0)
             error = ((out.to(torch.float64) - exact).norm() / exact.norm().clamp_min(1e-30)).reshape(1)
         self._account(layer, 0, q_len - 1, q_len, stats, error)
         return out
@@ -390,39 +345,37 @@ class SparseSession:
     def records(self) -> list[dict[str, Any]]:
         """One dict per method call (layer × forward): its stats, request, step, last ``position``,
         ``rows`` served, and ``rel_error`` (mean over the tracked rows) where tracked."""
-        if self._records is None or len(self._records) != len(self._calls):
-            self._records = [_record(meta, stats, error) for meta, stats, error in self._calls]
-        return self._records
+        return self.driver.log.records
 
     def layer_summary(self) -> dict[int, dict[str, float]]:
         """Per layer: mean density, kv_density, V rows read, n_keys over rows, calls, rows, and
         rel_error where tracked."""
-        summary = {}
-        for layer in sorted(self._totals):
-            tot = self._totals[layer]
-            row = {"calls": tot.calls, "rows": tot.rows}
-            for key in _SUMMED:
-                row[key] = float(tot.sums[key]) / tot.rows
-            if tot.error_rows:
-                row["rel_error"] = float(tot.error_sum) / tot.error_rows
-            summary[layer] = row
-        return summary
+        return self.driver.log.layer_summary()
 
     def mean(self, key: str) -> float:
         """Mean of one record field over every sparse call (NaN when none ran)."""
-        values = [r[key] for r in self.records if key in r]
-        return sum(values) / len(values) if values else math.nan
+        return self.driver.log.mean(key)
 
     @property
     def backends(self) -> set[str]:
-        return {stats.backend for _, stats, _ in self._calls}
+        return self.driver.log.backends
 
 
-def _record(meta: dict[str, Any], stats, error) -> dict[str, Any]:
-    rec = {**meta, "q_len": meta["rows"], **stats.as_dict()}
-    if error is not None:
-        rec["rel_error"] = float(error.mean())
-    return rec
+def _left_padding(attention_mask: torch.Tensor, q_len: int, name: str) -> list[int] | None:
+    """None for a plain causal prompt mask; each row's first valid key for a left-padded one (a host read,
+    once per prompt forward); a ValueError for any other pattern."""
+    m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    m = (m[:, 0] if m.dim() == 4 else m)[..., :q_len, :q_len]
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=m.device).tril()
+    if bool((m == causal).all()):
+        return None
+    starts = (~m[:, -1]).sum(-1)  # the last query row sees every valid key
+    cols = torch.arange(q_len, device=m.device)
+    padded = causal & (cols[None, None, :] >= starts[:, None, None]) & (cols[None, :, None] >= starts[:, None, None])
+    if not bool((m == padded).all()):
+        raise ValueError(f"attention_mask: {name}'s prefill needs causal attention over each row's tokens (left "
+                         "padding at most); run other masks one prompt at a time")
+    return [int(x) for x in starts.tolist()]
 
 
 def _relative_errors(est, q, k, v, key_mask, scale, rows: torch.Tensor) -> torch.Tensor:
@@ -493,26 +446,19 @@ def sparsify(
     if isinstance(track_error, bool) or not isinstance(track_error, int) or track_error < 0:
         raise ValueError(f"track_error: expected an integer >= 0, got {track_error!r}")
     m = build_method(method)
-    check_model = getattr(m, "check_model", None)
-    if check_model is not None:  # methods fitted to one model (SAAP) refuse any other
-        check_model(model)
+    m.check_model(model)  # methods fitted to one model (SAAP) refuse any other
     modules = attention_modules(model)
-    n_layers = len(modules)
-    dense = frozenset(int(i) for i in dense_layers)
-    if isinstance(m, PrefillMethod):
-        max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        dense = dense | m.check_layers(n_layers, max_positions)
-    elif phase in SPARSE_PREFILL:
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    driver = LayerDriver(m, n_layers=len(modules), dense_layers=dense_layers, seed=seed,
+                         max_positions=max_positions)
+    if phase in SPARSE_PREFILL and not m.sparse_prefill:
         raise ValueError(f"phase: {phase!r} needs a method with a sparse prefill (sketchwalk); "
                          f"{m.name} has none")
-    bad = sorted(i for i in dense if not 0 <= i < n_layers)
-    if bad:
-        raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
     busy = [mod for mod in modules if mod in _SESSIONS]
     if busy:
         raise ValueError("model: already inside another kvsieve.sparsify block; nest none")
-    session = SparseSession(model=model, method=m, phase=phase, dense_layers=dense, seed=seed,
-                            track_error=track_error, sparse_everywhere=bool(sparse_everywhere),
+    session = SparseSession(model=model, driver=driver, phase=phase, track_error=track_error,
+                            sparse_everywhere=bool(sparse_everywhere),
                             first_layer=min(mod.layer_idx for mod in modules))
     if question_start is not None:
         session.mark_question(question_start)

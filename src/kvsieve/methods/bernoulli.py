@@ -26,11 +26,12 @@ reference path's (counter-based, ``STREAM_BERNOULLI``), so both paths read the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.context import MethodState
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.rng import STREAM_BERNOULLI, STREAM_BUDGET, STREAM_SAMPLE, STREAM_TILE, RandomKey, seed_int
@@ -156,6 +157,14 @@ def sample_values(
     return sample.out, sample.counts > 0, sample.samples
 
 
+@dataclass
+class BernoulliState(MethodState):
+    """The kernel path's feature-major copy of K (a ``kernels.bernoulli.feature_major.FeatureMajorKeys``),
+    brought up to date by each call."""
+
+    keys: Any = None
+
+
 @register_method
 class BernoulliQK(Method):
     name = "bernoulli-qk"
@@ -174,6 +183,9 @@ class BernoulliQK(Method):
                   "softmax of the estimated scores is biased for softmax(s) at any finite B (Jensen)")
     gqa_note = ("per query head under the default query=head; query=mean-group draws one feature set per "
                 "GQA group from mean|q_g|, so GQA then differs from repeated KV heads")
+
+    def new_state(self) -> BernoulliState:
+        return BernoulliState()
 
     def estimate_scores(self, inputs, draws: Draws):
         """Estimated scaled scores ``[B, Hq, N]`` (float64, -inf on invalid keys) and the features
@@ -245,20 +257,20 @@ class BernoulliQK(Method):
 
         c = self.config
         q, k, v, lens = kernel_operands(inputs)
-        keys = state.get("bernoulli/feature-major-k")
-        if keys is None:
-            keys = state["bernoulli/feature-major-k"] = FeatureMajorKeys()
+        if state.keys is None:
+            state.keys = FeatureMajorKeys()
+        keys = state.keys
         # kT follows the cache [B, ...]; without one (a hand-built DecodeInputs) the per-row keys stand in
         cache_k, rows = (inputs.cache_k, inputs.q_len) if inputs.cache_k is not None else (inputs.k, 1)
         kt = keys.update(cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous(), lens, rows)
         v_seed = seed_int(seed, inputs.q.device)
         key = seed if isinstance(seed, RandomKey) else RandomKey(v_seed)
         tile = self.tile_for(inputs.n_keys)
-        count_reads = state.get("count_reads", True)
+        count_reads = inputs.context.count_reads
         out, counts, budgets, n_feat = bernoulli_prop_triton(
             q, kt, v, lens, inputs.scale, c.draws, c.budget, tile, key, v_seed, norm_factor=c.norm_factor,
             rounding=c.rounding, rows_per_batch=rows, write_counts=count_reads)
-        if c.exact_when_covered and state.get("min_length", 0) <= c.budget:
+        if c.exact_when_covered and inputs.context.min_length <= c.budget:
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, c.budget)
 
         def stats():

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 
 from ..core.config import param, require_choice, require_int
+from ..core.context import MethodState
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import STREAM_CAP, RowStreams, derive_seed
@@ -76,15 +77,27 @@ def _codes(x: torch.Tensor, proj: torch.Tensor, bits: int, tables: int) -> torch
     return (signs << torch.arange(bits, device=x.device)).sum(-1)
 
 
+@dataclass
+class MagicPigState(MethodState):
+    """Key codes of one request and layer: the reference path's (``reference``: codes, projection and
+    transform constants) or the kernel path's (``codes``, a ``kernels.sparse.lsh_triton.LshCodes``),
+    each with the hashing setup (``*_key``) it was made under."""
+
+    reference: dict[str, Any] | None = None
+    reference_key: str = ""
+    codes: Any = None
+    codes_key: str = ""
+
+
 class _KeyHashes:
     """Codes of the keys and the transform's constants, cached in ``state``."""
 
-    def __init__(self, cfg: MagicPigConfig, inputs: DecodeInputs, state: dict[str, Any]) -> None:
+    def __init__(self, cfg: MagicPigConfig, inputs: DecodeInputs, state: MagicPigState) -> None:
         b, hkv, n, d = inputs.k.shape
         key = f"magicpig/{cfg.bits}x{cfg.tables}/{cfg.transform}/{cfg.hash_seed}"
         k = inputs.k.float()
         valid = inputs.key_mask[:, None, :, None]
-        cached = state.get(key)
+        cached = state.reference if state.reference_key == key else None
         if cached is not None and not (cached["n"] <= n and cached["codes"].shape[:2] == (b, hkv)
                                        and cached["proj"].shape[0] == d + (cfg.transform == "mips")):
             cached = None
@@ -110,7 +123,7 @@ class _KeyHashes:
         new_codes = _codes(kt, cached["proj"], cfg.bits, cfg.tables)
         cached["codes"] = torch.cat([cached["codes"][:, :, :start], new_codes], dim=2)
         cached["n"] = n
-        state[key] = cached
+        state.reference, state.reference_key = cached, key
         self.cfg, self.cached = cfg, cached
 
     @staticmethod
@@ -160,6 +173,9 @@ class MagicPig(StagedSelection):
                   "even retrieving every key gives weights ≠ 1 (an importance-weighted estimate); only a "
                   "sink + window that covers the context is exact")
 
+    def new_state(self) -> MagicPigState:
+        return MagicPigState()
+
     def stages(self, inputs, gen, state):
         cfg = self.config
         b, hq, n = inputs.batch, inputs.heads, inputs.n_keys
@@ -204,11 +220,12 @@ class MagicPig(StagedSelection):
         b, hq, n, d = inputs.batch, inputs.heads, inputs.n_keys, inputs.q.shape[-1]
         mips = cfg.transform == "mips"
         key = f"magicpig-kernel/{cfg.bits}x{cfg.tables}/{cfg.transform}/{cfg.hash_seed}"
-        codes = state.get(key)
+        codes = state.codes if state.codes_key == key else None
         if codes is None or codes.proj.shape[0] != d + mips or codes.proj.device != inputs.q.device:
             gen_p = torch.Generator(device="cpu").manual_seed(derive_seed(cfg.hash_seed, d))
             proj = torch.randn(d + mips, cfg.bits * cfg.tables, generator=gen_p).to(inputs.q.device)
-            codes = state[key] = lsh_triton.LshCodes(proj, cfg.bits, cfg.tables, cfg.transform)
+            codes = state.codes = lsh_triton.LshCodes(proj, cfg.bits, cfg.tables, cfg.transform)
+            state.codes_key = key
         lens = inputs.kernel_lengths
         codes.update(inputs.k, lens)
         excluded, r = lsh_triton.retrieve_triton(inputs.q, codes, lens, cfg.sink, cfg.window, n)

@@ -30,7 +30,7 @@ from ..core.config import param, require_choice, require_int
 from ..core.registry import register_method
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part
-from .shared.pages import quest_top_tokens
+from .shared.pages import PageState, quest_top_tokens
 from .shared.selection import require_size, resolve_size, union
 from .shared.sparse_path import choose_sparse_backend, page_list_mark, sparse_stats
 
@@ -63,6 +63,9 @@ class Quest(SelectionMethod):
     multi_row = False
     graph_capturable = True  # its CUDA path (Triton selection + sparse kernel) reads nothing on the host
 
+    def new_state(self) -> PageState:
+        return PageState()
+
     def select(self, inputs, gen, state):
         fixed, available = fixed_part(self, inputs)
         tokens = resolve_size(self.config.top_k, inputs.n_valid)
@@ -89,9 +92,9 @@ class Quest(SelectionMethod):
             raise ValueError(f"{self.name}: the configuration selected no key for some head; "
                              "give sink, window or a budget > 0")
         q, k, v, lens = kernel_operands(inputs)
-        summaries = state.get(f"quest/device/page{page}")
-        if summaries is None:
-            summaries = state[f"quest/device/page{page}"] = PageSummaries(page)
+        if state.device is None:
+            state.device = PageSummaries(page)
+        summaries = state.device
         kmin, kmax = summaries.update(k, lens)
         pages = counts = None
         if max_pages > 0:

@@ -18,7 +18,7 @@ Registered here:
 
 The artifacts (one directory: ``manifest.json`` + ``layer_XX.safetensors``) name the model they were
 fitted on; :meth:`Saap.check_model` (called by ``kvsieve.sparsify``) refuses another model. The layer a
-call serves comes from ``state["layer"]``, which ``sparsify`` sets. Every decision the paper leaves
+call serves comes from ``context.layer``, which the model drivers set. Every decision the paper leaves
 open is recorded in ``docs/methods/saap.md``.
 """
 
@@ -35,6 +35,7 @@ from typing import Any, Literal
 import torch
 
 from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.context import MethodState
 from ..core.inputs import DecodeInputs
 from ..core.method import Method, read_stats
 from ..core.registry import register_method
@@ -313,6 +314,35 @@ class SaapConfig(MethodConfig):
             raise ValueError("backend: the triton kernel probes per KV head; use probing=batched or backend=reference")
 
 
+@dataclass
+class SaapIndex:
+    """One layer's key index for a request: the valid keys outside sink + window in their buckets (CSR
+    ``offsets``/``ids`` per KV head, ``assign`` per key), the dense part's positions, and what the build
+    saw (``n_keys`` positions of ``batch`` rows; ``seen_*``: each row's last valid position then)."""
+
+    n_keys: int
+    batch: int
+    window: int
+    seen_end: int
+    seen_last: torch.Tensor
+    seen_next: torch.Tensor
+    offsets: torch.Tensor
+    ids: torch.Tensor
+    assign: torch.Tensor
+    dense_ids: torch.Tensor
+    dense_counts: torch.Tensor
+    indexed: torch.Tensor
+    width: int
+
+
+@dataclass
+class SaapState(MethodState):
+    """SAAP's per-(request, layer) state: the key index, built after prefill, rebuilt as keys leave the
+    window."""
+
+    index: SaapIndex | None = None
+
+
 @register_method
 class Saap(Method):
     name = "saap"
@@ -326,6 +356,10 @@ class Saap(Method):
     query_scoring: str = "classifier"
     #: Whether keys and queries are compared after RoPE (the roped k-means baseline).
     roped: bool = False
+    needs_fit = True
+
+    def new_state(self) -> SaapState:
+        return SaapState()
 
     def __init__(self, config: SaapConfig | None = None) -> None:
         super().__init__(config)
@@ -359,7 +393,7 @@ class Saap(Method):
                              f"were fitted for {s['heads']}, {s['kv_heads']}, {s['head_dim']} "
                              f"({self.artifacts.manifest['model']['name']})")
         if not 0 <= layer < s["layers"]:
-            raise ValueError(f"state['layer']: expected a layer in [0, {s['layers']}), got {layer}")
+            raise ValueError(f"context.layer: expected a layer in [0, {s['layers']}), got {layer}")
 
     # -- index ----------------------------------------------------------------------------------
 
@@ -371,12 +405,12 @@ class Saap(Method):
     def _centroids(self, layer: int, device: torch.device) -> torch.Tensor:
         return self.artifacts.on_device(layer, "centroids_roped" if self.roped else "centroids", device)
 
-    def _build(self, inputs: DecodeInputs, layer: int, state: dict[str, Any]) -> dict[str, Any]:
+    def _build(self, inputs: DecodeInputs, layer: int) -> SaapIndex:
         """Index the valid keys outside sink + window: assignment, CSR, dense list. Where the host may
         read the device (CPU tensors) the list width and the first position not yet seen are read; on
         a GPU (``core.sync``) host-known bounds stand in: the width is the key count (only the reference
         path uses it; the kernel reads the CSR lists directly) and the scan for keys added after the
-        build starts at ``state["min_length"]`` (the runtime's bound on every row's length) or 0."""
+        build starts at ``context.min_length`` (the runtime's bound on every row's length) or 0."""
         cfg = self.config
         n = inputs.n_keys
         window = effective_window(n, cfg.window, cfg.window_scale, cfg.window_min)
@@ -399,33 +433,28 @@ class Saap(Method):
         if host_reads_allowed(last):
             seen_end, width = int(last.min()) + 1, list_width(offsets, self.probes)
         else:
-            seen_end, width = min(n, int(state.get("min_length", 0))), n
-        return {
-            "n_keys": n, "batch": inputs.batch, "window": window, "seen_end": seen_end,
-            "seen_last": last, "seen_next": last + 1, "offsets": offsets, "ids": ids, "assign": assign,
-            "dense_ids": dense_ids, "dense_counts": dense.sum(-1), "indexed": indexed.sum(-1),
-            "width": width,
-        }
+            seen_end, width = min(n, inputs.context.min_length), n
+        return SaapIndex(n_keys=n, batch=inputs.batch, window=window, seen_end=seen_end, seen_last=last,
+                         seen_next=last + 1, offsets=offsets, ids=ids, assign=assign, dense_ids=dense_ids,
+                         dense_counts=dense.sum(-1), indexed=indexed.sum(-1), width=width)
 
-    def _index(self, inputs: DecodeInputs, layer: int, state: dict[str, Any]) -> dict[str, Any]:
+    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState) -> SaapIndex:
         """The request's index for this layer, built after prefill and rebuilt once the keys added since
         outnumber the window (so that keys leaving the window join their buckets)."""
-        key = f"{self.name}/index"
-        idx = state.get(key)
+        idx = state.index
         n = inputs.n_keys
-        if idx is None or idx["batch"] != inputs.batch or n < idx["n_keys"] or n - idx["n_keys"] > idx["window"]:
-            idx = self._build(inputs, layer, state)
-            state[key] = idx
+        if idx is None or idx.batch != inputs.batch or n < idx.n_keys or n - idx.n_keys > idx.window:
+            idx = state.index = self._build(inputs, layer)
         return idx
 
-    def _dense_list(self, inputs: DecodeInputs, idx: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dense_list(self, inputs: DecodeInputs, idx: SaapIndex) -> tuple[torch.Tensor, torch.Tensor]:
         """Build-time dense positions followed by the visible positions added since, compacted."""
-        ids, counts = idx["dense_ids"], idx["dense_counts"]
-        lo = idx["seen_end"]
+        ids, counts = idx.dense_ids, idx.dense_counts
+        lo = idx.seen_end
         new = torch.arange(lo, inputs.n_keys, device=ids.device).expand(inputs.batch, -1)
         if new.shape[-1] == 0:
             return ids, counts
-        visible = inputs.key_mask[:, lo:] & (new > idx["seen_last"][:, None])
+        visible = inputs.key_mask[:, lo:] & (new > idx.seen_last[:, None])
         width = ids.shape[-1] + new.shape[-1]
         dest = torch.where(visible, counts[:, None] + torch.cumsum(visible, dim=-1) - 1, width)
         out = torch.zeros(inputs.batch, width + 1, dtype=ids.dtype, device=ids.device)
@@ -460,10 +489,10 @@ class Saap(Method):
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self, inputs, seed, state):
-        layer = state.get("layer")
-        if not isinstance(layer, int):
-            raise ValueError(f"{self.name}: state['layer']: expected the layer index (kvsieve.sparsify sets it; "
-                             f"direct callers pass state={{'layer': i, ...}}), got {layer!r}")
+        layer = inputs.context.layer
+        if layer is None:
+            raise ValueError(f"{self.name}: context.layer: expected the layer index (the model drivers set it; "
+                             "direct callers pass context=kvsieve.CallContext(layer=i))")
         self._check_shapes(inputs, layer)
         if layer == 0:
             return self._exact(inputs, "layer 0 runs exact attention (the paper)")
@@ -480,8 +509,8 @@ class Saap(Method):
         if backend == "triton" and inputs.lengths is not None:
             # Prefix rows: the keys added since the build are [last seen + 1, length) of each row, passed to
             # the kernel as a range (no per-step list: _dense_list would launch about ten ops per step).
-            dense_ids, dense_counts = idx["dense_ids"], idx["dense_counts"]
-            dense_range = (idx["seen_next"], inputs.lengths)
+            dense_ids, dense_counts = idx.dense_ids, idx.dense_counts
+            dense_range = (idx.seen_next, inputs.lengths)
         else:
             dense_ids, dense_counts = self._dense_list(inputs, idx)
 
@@ -489,7 +518,7 @@ class Saap(Method):
             # The kernel reads the shared dense list through a head stride of 0; the reference wants copies.
             e = t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:])
             return e.contiguous() if copy else e
-        offsets, ids = idx["offsets"], idx["ids"]
+        offsets, ids = idx.offsets, idx.ids
         fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped
         if self.probes > 0:
             if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
@@ -513,7 +542,7 @@ class Saap(Method):
         if backend == "triton":
             out, _, bucket_counts = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts), offsets, ids, buckets,
-                idx["width"], scale=inputs.scale, dense_range=dense_range)
+                idx.width, scale=inputs.scale, dense_range=dense_range)
 
             def deferred():  # the dense list is materialised only when the stats are read
                 d_ids, d_counts = self._dense_list(inputs, idx)
@@ -528,7 +557,7 @@ class Saap(Method):
             # the copy back were two launches per step)
             return out, stats
         out, _, bucket_counts = bucket_sparse_decode(inputs.q, inputs.k, inputs.v, per_head(dense_ids),
-                                                     per_head(dense_counts), offsets, ids, buckets, idx["width"],
+                                                     per_head(dense_counts), offsets, ids, buckets, idx.width,
                                                      scale=inputs.scale)
         stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
         return out.to(compute_dtype(inputs)), stats
@@ -570,7 +599,7 @@ class Saap(Method):
             chosen = torch.zeros(b, heads, c + 1, dtype=torch.bool, device=read.device)
             chosen.scatter_(2, buckets, True)
             chosen[..., c] = False  # "not indexed"
-            assign = idx["assign"]
+            assign = idx.assign
             if heads != assign.shape[1]:
                 assign = assign.repeat_interleave(inputs.group, dim=1)
             read[..., : assign.shape[-1]] |= chosen.gather(2, assign)
@@ -578,16 +607,16 @@ class Saap(Method):
         v_read = read if heads == inputs.heads else read.repeat_interleave(inputs.group, dim=1)
         k_scored = v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1)
         rows = bucket_counts.float() + dense_counts[:, None].float()  # [B, heads]
-        indexed = idx["indexed"][:, None].float()
+        indexed = idx.indexed[:, None].float()
         sel_indexed = torch.where(indexed > 0, bucket_counts.float() / indexed.clamp(min=1), torch.zeros_like(rows))
         extra = {  # device tensors: StepStats turns them into numbers when read
-            "saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets, "window": idx["window"],
+            "saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets, "window": idx.window,
             "selectivity": (rows / inputs.n_valid[:, None].float()).mean(),
             "selectivity_indexed": sel_indexed.mean(),
             "dense_keys": dense_counts.float().mean(), "bucket_keys": bucket_counts.float().mean(),
         }
         # Rows whose context is no longer than the dense part have nothing indexed: they ran exact.
-        exact_rows = (idx["indexed"] == 0).sum()
+        exact_rows = (idx.indexed == 0).sum()
         return read_stats(inputs, v_read, k_scored=k_scored, backend=backend, exact_rows=exact_rows, extra=extra)
 
 

@@ -108,15 +108,15 @@ class _SantaTiled(Method):
         from ..kernels.dense import dense_short_rows_triton
 
         q, k, v, lens = kernel_operands(inputs)
-        # state["count_reads"] = False (the decode runtime's captured steps, which read no per-step stats)
+        # context.count_reads = False (the decode runtime's captured steps, which read no per-step stats)
         # skips the per-key counts, a [B, Hq, N] int32 buffer zeroed every call; the stats then report
         # the samples drawn as V rows read, an upper bound on the distinct rows.
-        count_reads = state.get("count_reads", True)
+        count_reads = inputs.context.count_reads
         out, counts, samples = self.run_triton(inputs, (q, k, v, lens), tile, seed_int(seed, inputs.q.device),
                                                count_reads)
         budget = self.config.budget
-        # state["min_length"]: a bound on every row's length the caller knows on the host (the runtime)
-        if self.config.exact_when_covered and state.get("min_length", 0) <= budget:
+        # context.min_length: a bound on every row's length the caller knows on the host (the runtime)
+        if self.config.exact_when_covered and inputs.context.min_length <= budget:
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, budget)
 
         def stats():

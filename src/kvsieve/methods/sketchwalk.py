@@ -18,9 +18,9 @@
 Decode keeps, per layer (``state``), running block sums of the head-averaged keys and queries, the
 key sketches and the rows of ``Ã`` of completed blocks (append-only, by causality); the current
 token's row of ``Â`` comes from its own query, and the walk runs over the token's pass through the
-layers (the forward pass's shared dict, see :mod:`kvsieve.core.prefill`). A call with ``Q > 1`` query
+layers (the forward pass's :class:`WalkState`, ``context.forward``). A call with ``Q > 1`` query
 rows per batch row (a question chunk, setup B) leaves the state as ``Q`` single-token steps would and
-gives each row its own walk across the layers of the forward (``[B·Q, n]`` in the forward's dict).
+gives each row its own walk across the layers of the forward (``[B·Q, n]`` in the walk state).
 Every reconstructed choice is listed in ``docs/methods/sketchwalk.md``.
 """
 
@@ -29,14 +29,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.context import NO_CONTEXT, ForwardState, MethodState
 from ..core.inputs import DecodeInputs
-from ..core.method import read_stats, select_rows
-from ..core.prefill import FORWARD_STATE, PrefillMethod
+from ..core.method import Method, read_stats, select_rows
 from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..kernels.sparse.block_sparse import BACKENDS as PREFILL_BACKENDS
@@ -45,9 +45,6 @@ from ..kernels.sparse.weighted import weighted_sparse_decode
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.sparse_path import choose_sparse_backend
 
-WALK_KEY = "sketchwalk/w"
-HOPS_KEY = "sketchwalk/hops"
-STATE_KEY = "sketchwalk"
 DEFAULT_SKETCH_DIM = 64  # the paper's m
 # Weight of the one-hop score added to the walk score for ranking only: breaks ties and ranks rows
 # whose walk entries underflowed to zero, without reordering distinct walk scores.
@@ -299,7 +296,7 @@ class SketchWalkConfig(MethodConfig):
 
 
 @dataclass
-class LayerSketch:
+class LayerSketch(MethodState):
     """What one layer keeps for decode (one request): the head-averaged query of every token seen, sums
     over blocks of head-averaged keys and queries, key sketches, and ``Â``/``Ã`` rows of completed blocks;
     capacities in tokens and blocks.
@@ -337,11 +334,28 @@ class LayerSketch:
             self.a_hat = pad(self.a_hat, (0, extra, 0, extra))
 
 
+@dataclass
+class SketchWalkState(MethodState):
+    """One layer's state for one request: its block sketches (None until a prompt or a decode step made
+    them)."""
+
+    sketch: LayerSketch | None = None
+
+
+@dataclass
+class WalkState(ForwardState):
+    """The walk across the sparse layers of one forward pass: the last layer's walk rows ``[R, n]`` and
+    how many layers it has crossed."""
+
+    walk: torch.Tensor | None = None
+    hops: int = 0
+
+
 # -- the method -------------------------------------------------------------------------------------------
 
 
 @register_method
-class SketchWalk(PrefillMethod):
+class SketchWalk(Method):
     name = "sketchwalk"
     config_class = SketchWalkConfig
     # The contract test's contexts are 100-300 keys: 16-key blocks make ρ = 0.3 actually sparse.
@@ -352,11 +366,22 @@ class SketchWalk(PrefillMethod):
     # Q > 1 query rows per batch row (a question chunk) in one call: the torch selection for all rows,
     # each with its own walk (the fused selection serves one row per batch row).
     multi_row = True
+    # The prompt's forward feeds the decode (block sketches of its queries and keys), the walk crosses
+    # the layers of each forward, and the prompt itself can be served block-sparse.
+    sparse_prefill = True
+    observes_prefill = True
+    cross_layer = True
     summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
-    def check_layers(self, n_layers: int, max_positions: int | None) -> frozenset[int]:
+    def new_state(self) -> SketchWalkState:
+        return SketchWalkState()
+
+    def new_forward_state(self) -> WalkState:
+        return WalkState()
+
+    def exact_layers(self, n_layers: int, max_positions: int | None) -> frozenset[int]:
         cfg = self.config
         bad = sorted(i for i in cfg.dense_layers if not 0 <= i < n_layers)
         if bad:
@@ -465,7 +490,7 @@ class SketchWalk(PrefillMethod):
         block_idx, block_counts = select_blocks(rank, rows, budget, kmax)
         return w, block_idx, block_counts
 
-    def prefill(self, q, k, v, *, scale, state, forward, sparse):
+    def prefill(self, q, k, v, *, scale, state, context=NO_CONTEXT, sparse):
         cfg = self.config
         b, hq, n_tok, d = q.shape
         if k.shape[2] != n_tok:
@@ -474,17 +499,17 @@ class SketchWalk(PrefillMethod):
         sk = self.prefill_sketch(q, k)
         if sparse and cfg.walk == "oracle":
             sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))
-        state[STATE_KEY] = LayerSketch(
+        state.sketch = LayerSketch(
             q_tok=sk["q_avg"], k_sum=sk["k_sum"], q_sum=sk["q_sum"], k_sketch=sk["k_sketch"],
             a_hat=torch.exp(sk["log_a"]) if cfg.walk_power == "matrix" else None, a_tilde=sk["a_tilde"],
             has_history=True)
         if not sparse:
             return None, None
-        w, block_idx, block_counts = self.prefill_select(sk.get("a_tilde_select", sk["a_tilde"]),
-                                                         forward.get(WALK_KEY))
-        forward[WALK_KEY] = w
-        hops = forward.get(HOPS_KEY, 0) + 1
-        forward[HOPS_KEY] = hops
+        forward = context.forward if context.forward is not None else WalkState()
+        w, block_idx, block_counts = self.prefill_select(sk.get("a_tilde_select", sk["a_tilde"]), forward.walk)
+        forward.walk = w
+        forward.hops += 1
+        hops = forward.hops
         out, _, backend = block_sparse_prefill(q, k, v, block_idx, block_counts, block_size=cfg.block_size,
                                                scale=scale, backend=cfg.prefill_backend)
         path, reason = self.prefill_selection_path(q, block_counts.shape[1])
@@ -540,7 +565,7 @@ class SketchWalk(PrefillMethod):
         """Row ``c`` of ``Ã`` given row ``c`` of ``log Â`` (rows ``< c`` from the cache)."""
         return self._rows_transition(sk, log_row[:, None], c[:, None], n)[:, 0]
 
-    def _decode(self, inputs: DecodeInputs, seed, state: dict[str, Any]):
+    def _decode(self, inputs: DecodeInputs, seed, state: SketchWalkState):
         cfg = self.config
         if inputs.lengths is None:
             raise ValueError("key_mask: sketchwalk needs each row's valid keys to be a prefix [0, length) "
@@ -552,7 +577,7 @@ class SketchWalk(PrefillMethod):
         dev = inputs.q.device
         phi = self._phi(d, dev, dtype)
         n = -(-n_tok // bs)
-        sk = state.get(STATE_KEY)
+        sk = state.sketch
         if (sk is None or sk.k_sum.shape[0] != inputs.cache_batch or sk.k_sum.shape[2] != d
                 or sk.k_sum.dtype != dtype or sk.k_sum.device != dev):
             # a chunk's state starts before its first row's token
@@ -560,10 +585,10 @@ class SketchWalk(PrefillMethod):
             sk = self._fresh_sketch(select_rows(inputs, first) if chunk else inputs, phi, dtype)
         sk.grow(n, n_tok)
         length = inputs.lengths
-        forward = state.get(FORWARD_STATE)
-        previous = forward.get(WALK_KEY) if forward is not None else None
+        forward = inputs.context.forward
+        previous = forward.walk if forward is not None else None
         if previous is not None and previous.shape != (b, n):
-            previous = None  # another request's or step's walk (a forward dict reused): start anew
+            previous = None  # another request's or step's walk (a forward state reused): start anew
         kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)  # n: blocks of the longest row
         path, reason = choose_sparse_backend(cfg.backend, inputs, bs)
         # The fused selection serves the paper's configuration; the controls that need the full Â row
@@ -572,7 +597,7 @@ class SketchWalk(PrefillMethod):
         if fused:
             from ..kernels.sketchwalk.decode import sketch_walk_select
 
-            state[STATE_KEY] = sk
+            state.sketch = sk
             self._check_walk_history(previous, sk)
             q, k, _, lens = kernel_operands(inputs)
             w, pages, n_pages = sketch_walk_select(
@@ -593,9 +618,8 @@ class SketchWalk(PrefillMethod):
                 return blocks, counts, c
         hops = 1
         if forward is not None:
-            forward[WALK_KEY] = w
-            hops = forward.get(HOPS_KEY, 0) + 1 if previous is not None else 1
-            forward[HOPS_KEY] = hops
+            hops = forward.hops + 1 if previous is not None else 1
+            forward.walk, forward.hops = w, hops
 
         # Block-granular token lists: every used block but the last (the current one) is complete, so
         # the valid positions form a prefix of the list.
@@ -651,7 +675,7 @@ class SketchWalk(PrefillMethod):
                              "the sparsify block (its prefill records them) or use walk=one-hop")
 
     def _select_reference(self, inputs: DecodeInputs, sk: LayerSketch, phi: torch.Tensor, dtype: torch.dtype,
-                          logit_scale: float, previous: torch.Tensor | None, kmax: int, state: dict[str, Any]):
+                          logit_scale: float, previous: torch.Tensor | None, kmax: int, state: SketchWalkState):
         """The spec's decode step in torch: the state update, the token's row of Ã, the walk and the
         selection. Returns ``(w [B, n], blocks [B, kmax], counts [B], c [B])``."""
         cfg = self.config
@@ -684,7 +708,7 @@ class SketchWalk(PrefillMethod):
             sk.a_hat[batch, c, :n] = torch.where(complete[:, None], torch.exp(log_block), old)
         row_block = self._row_transition(sk, log_block, c, n)
         sk.a_tilde[batch, c, :n] = torch.where(complete[:, None], row_block, sk.a_tilde[batch, c, :n])
-        state[STATE_KEY] = sk
+        state.sketch = sk
         # The token's own row, and the walk over this forward pass's layers.
         log_token = causal_log_scores((q_new @ phi.T)[:, None], k_sketch, logit_scale, c[:, None])[:, 0]
         a_token = self._row_transition(sk, log_token, c, n)
@@ -710,7 +734,7 @@ class SketchWalk(PrefillMethod):
         return x
 
     def _select_reference_rows(self, inputs: DecodeInputs, sk: LayerSketch, phi: torch.Tensor, dtype: torch.dtype,
-                               logit_scale: float, previous: torch.Tensor | None, kmax: int, state: dict[str, Any]):
+                               logit_scale: float, previous: torch.Tensor | None, kmax: int, state: SketchWalkState):
         """:meth:`_select_reference` for ``Q > 1`` query rows per batch row (positions ``p .. p+Q−1``), in
         torch: the state as the ``Q`` single-token steps leave it, and each row's Ã row, walk and selection
         as its own step computes them — its block's key sketch from its keys so far, the Ã rows of the
@@ -759,7 +783,7 @@ class SketchWalk(PrefillMethod):
             sk.a_hat[batch, blk, :n] = torch.where(complete, torch.exp(log_block), sk.a_hat[batch, blk, :n])
         row_block = self._rows_transition(sk, log_block, blk, n)
         sk.a_tilde[batch, blk, :n] = torch.where(complete, row_block, sk.a_tilde[batch, blk, :n])
-        state[STATE_KEY] = sk
+        state.sketch = sk
         # Each row's own row of Â: the final key sketches before its block, its own sketch of the block.
         q_sketch = q_new @ phi.T  # [R, m]
         logits = torch.matmul(q_sketch.view(bq, ql, m), k_sketch.transpose(-1, -2)).view(r_rows, n) * logit_scale

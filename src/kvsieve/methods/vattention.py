@@ -48,7 +48,7 @@ from ..core.rng import STREAM_SUBSET, STREAM_SUBSET2, RowStreams
 from ..kernels.sparse.weighted import gather_rows
 from .shared.backend import BACKENDS
 from .shared.base import SinkWindowConfig, ranking_scores
-from .shared.pages import quest_top_tokens
+from .shared.pages import PageState, quest_top_tokens
 from .shared.selection import (
     IndexSet,
     available_after,
@@ -203,6 +203,10 @@ class VAttention(StagedSelection):
     small_config = {"sink": 4, "window": 8, "top_k": 8, "base_rate": 0.1, "epsilon": 0.5, "delta": 0.5}
     exact_config = {"top_k": 1.0}
 
+    def new_state(self) -> PageState:
+        """The quest predictor's page summaries (unused by the other predictors)."""
+        return PageState()
+
     def predicted_top(self, inputs: DecodeInputs, available: torch.Tensor, state) -> IndexSet:
         cfg = self.config
         if cfg.top_k == 0:
@@ -332,9 +336,9 @@ class VAttention(StagedSelection):
             from ..kernels.sparse.quest_pages import PageSummaries, quest_select
 
             page, p_total = cfg.page_size, -(-n // cfg.page_size)
-            summaries = state.get(f"vattention/quest-pages{page}")
-            if summaries is None:
-                summaries = state[f"vattention/quest-pages{page}"] = PageSummaries(page)
+            if state.device is None:
+                state.device = PageSummaries(page)
+            summaries = state.device
             kmin, kmax = summaries.update(inputs.k, lens)
             max_pages = -(-min(size_bound(cfg.top_k, n), n) // page)
             pages, counts = quest_select(inputs.q, kmin, kmax, lens, page_size=page, sink=cfg.sink,

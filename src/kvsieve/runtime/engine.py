@@ -6,9 +6,9 @@ and MLP); two things are ours:
 - the cache (:class:`~kvsieve.runtime.cache.RuntimeCache`), allocated once for the request, one
   write position per batch row held in device memory;
 - the attention function ``"kvsieve-runtime"`` registered in transformers' ``AttentionInterface``:
-  prefill is exact SDPA over the row's prefix (or, with ``prefill="method"`` or a prefill method's
-  spec, that :class:`~kvsieve.core.prefill.PrefillMethod`'s sparse prefill on the layers it does not
-  keep exact); a decode step reads each row's valid length from
+  prefill is exact SDPA over the row's prefix (or, with ``prefill="method"`` or the spec of a method
+  with a sparse prefill, that method's prefill on the layers it does not keep exact); a decode step
+  reads each row's valid length from
   device memory and runs kvsieve's dense split-KV Triton kernel (or the method's decode), never a
   padded mask over the whole cache (except the recorded ``sdpa-masked`` fallback for head dims the
   kernel does not take).
@@ -16,8 +16,9 @@ and MLP); two things are ours:
 One decode step = forward of the last tokens → logits → next tokens (greedy or counter-based
 sampling) → EOS bookkeeping, all on the device with no host synchronisation, so it is captured in a
 CUDA graph once and replayed per token. The host looks at ``finished`` only every ``check_every``
-steps. Per-request state (positions, step counter, each layer's method state) lives on the runtime
-object, never on the model's modules.
+steps. Per-request state (positions, step counter) lives on the runtime object; how the method is
+served (its state per layer, seeds, prefill hooks, stats) is the :class:`~kvsieve.driver.LayerDriver`'s,
+the same one ``kvsieve.sparsify`` uses; nothing lives on the model's modules.
 """
 
 from __future__ import annotations
@@ -25,22 +26,23 @@ from __future__ import annotations
 import inspect
 import time
 import weakref
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from ..core.method import Method
-from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
-from ..core.rng import RandomKey, derive_seed
+from ..core.rng import derive_seed
+from ..driver import LayerDriver
 from ..integrations.hf import attention_modules
 from .cache import RuntimeCache
 from .compiled import CompiledOps
 from .sampling import SamplingConfig, choose_tokens, mix32
+from .stats import GenerateResult, RuntimeStats
 from .support import ModelShape, check_model, text_config
+
+__all__ = ["DecodeRuntime", "GenerateResult", "RuntimeStats"]
 
 ATTENTION_NAME = "kvsieve-runtime"
 GRAPH_CHOICES = ("auto", True, False)
@@ -71,95 +73,6 @@ def _runtime_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return runtime.attend(module, query, key, value, scaling, kwargs), None
 
 
-@dataclass
-class RuntimeStats:
-    """What a run did; ``records`` holds the method's per-(layer, step) stats where it reports them."""
-
-    method: str
-    attention_backend: str
-    graph: bool
-    graph_reason: str | None
-    batch: int
-    prompt_lengths: list[int]
-    capacity: int
-    cache_bytes: int
-    fallbacks: list[str] = field(default_factory=list)
-    compiled_ops: bool = False
-    capture_s: float = 0.0  # warm-up steps, torch.compile and the CUDA-graph capture, once per request
-    new_tokens: list[int] = field(default_factory=list)
-    decode_steps: int = 0
-    host_checks: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    records: list[dict[str, Any]] = field(default_factory=list)
-    # which prefill ran: "exact" (SDPA on every layer) or "sparse" (prefill_method on prefill_sparse_layers,
-    # SDPA on the others); prefill_records: the method's stats per (row, layer) of the last prefill
-    prefill: str = "exact"
-    prefill_method: str | None = None
-    prefill_sparse_layers: list[int] = field(default_factory=list)
-    prefill_records: list[dict[str, Any]] = field(default_factory=list)
-    # layers the decode steps serve with the runtime's dense decode: the runtime's dense_layers and the
-    # layers the method keeps exact (sketchwalk's dense_layers); the method runs (and records) on the others
-    dense_decode_layers: list[int] = field(default_factory=list)
-
-    @property
-    def ms_per_step(self) -> float:
-        """Decode time per step, the one-time graph capture (and compilation) left out (``capture_s``)."""
-        return 1e3 * (self.decode_s - self.capture_s) / self.decode_steps if self.decode_steps else float("nan")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch * self.decode_steps / self.decode_s if self.decode_s else float("nan")
-
-    @property
-    def backends(self) -> set[str]:
-        return {r["backend"] for r in self.records} or {self.attention_backend}
-
-    def layer_summary(self) -> dict[int, dict[str, float]]:
-        """Per layer: mean density, kv_density, V rows read and bytes over the method's calls."""
-        by_layer: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for rec in self.records:
-            by_layer[rec["layer"]].append(rec)
-        return {layer: {"calls": len(recs), **{k: sum(r[k] for r in recs) / len(recs)
-                                              for k in ("density", "kv_density", "v_rows_read", "n_keys",
-                                                        "bytes_read")}}
-                for layer, recs in sorted(by_layer.items())}
-
-    def mean(self, key: str) -> float:
-        """Mean of one record field over every method call (NaN when none ran)."""
-        values = [r[key] for r in self.records if key in r]
-        return sum(values) / len(values) if values else float("nan")
-
-    def prefill_mean(self, key: str) -> float:
-        """Mean of one field over the sparse prefill's (row, layer) calls (NaN after an exact prefill):
-        ``block_density`` (kept key blocks / causal blocks), ``density`` (keys read / causal pairs), ..."""
-        values = [r[key] for r in self.prefill_records if key in r]
-        return sum(values) / len(values) if values else float("nan")
-
-    @property
-    def prefill_block_density(self) -> float:
-        """Realised block density of the sparse prefill, averaged over its layers (and rows)."""
-        return self.prefill_mean("block_density")
-
-    def as_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("records")
-        d.pop("prefill_records")
-        d.update(ms_per_step=self.ms_per_step, tokens_per_s=self.tokens_per_s, backends=sorted(self.backends),
-                 method_calls=len(self.records), prefill_block_density=self.prefill_block_density,
-                 prefill_density=self.prefill_mean("density"),
-                 prefill_backends=sorted({r["backend"] for r in self.prefill_records}))
-        return d
-
-
-@dataclass
-class GenerateResult:
-    """``tokens [B, T]``: the new tokens of each row (``pad_token_id`` after a row's EOS); ``stats``."""
-
-    tokens: torch.Tensor
-    stats: RuntimeStats
-
-
 def _accepts(fn, name: str) -> bool:
     try:
         return name in inspect.signature(fn).parameters
@@ -178,18 +91,18 @@ class DecodeRuntime:
             rt.tokens(), rt.stats
 
     ``prefill`` chooses the prompt's attention: ``"exact"`` (SDPA, the default), ``"method"`` (the
-    method's own sparse prefill; it must be a :class:`~kvsieve.core.prefill.PrefillMethod`, and its
-    state from the prompt — Sketch&Walk's block sketches — is the state its decode steps start from;
-    one row only), or a :class:`PrefillMethod` spec/instance (its sparse prefill, then ``method`` in the
-    decode steps, e.g. ``DecodeRuntime(model, "dense", prefill="sketchwalk:density=0.1", ...)``). The
-    sparse prefill runs on every layer except ``dense_layers`` and the layers the method keeps exact
-    (sketchwalk's ``dense_layers``), one forward per row; chunked prefill stays exact-only.
+    method's own sparse prefill, for a method that declares ``sparse_prefill``; its state from the
+    prompt — Sketch&Walk's block sketches — is the state its decode steps start from), or the spec of
+    a method with a sparse prefill (its prefill, then ``method`` in the decode steps, e.g.
+    ``DecodeRuntime(model, "dense", prefill="sketchwalk:density=0.1", ...)``). The sparse prefill runs
+    on every layer except ``dense_layers`` and the layers the method keeps exact (sketchwalk's
+    ``dense_layers``), one forward per row; chunked prefill stays exact-only.
 
-    A :class:`PrefillMethod` decoding (sketchwalk) is served as ``kvsieve.sparsify`` serves it: its
-    exact layers (``check_layers``) run the dense decode (``stats.dense_decode_layers``), each decode
-    step's forward gets a fresh dict shared by its layers (``state[FORWARD_STATE]``: the walk), and
-    after an exact prefill (or another method's) it records the prompt with ``prefill(sparse=False)``
-    (its sketches). One row, the prompt in one forward.
+    Both are served through a :class:`~kvsieve.driver.LayerDriver`, as ``kvsieve.sparsify`` serves them:
+    the method's exact layers run the dense decode (``stats.dense_decode_layers``), each forward gets
+    a fresh cross-layer state (Sketch&Walk's walk), and a method that ``observes_prefill`` records each
+    row's prompt (``prefill(sparse=False)``) after an exact prefill or another method's; the rows'
+    records are stacked into one batch state, so rows of different lengths decode together.
     """
 
     def __init__(self, model: torch.nn.Module, method: str | Method = "dense", *, batch_size: int, capacity: int,
@@ -210,11 +123,6 @@ class DecodeRuntime:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
         self.model = model
-        self.method = build_method(method)
-        if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
-            self.method.check_model(self.model)
-        self.is_dense = self.method.name == "dense"
-        self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
         self.sampling = sampling or SamplingConfig()
         self.shape: ModelShape = check_model(model, capacity)
         param = next(model.parameters())
@@ -227,9 +135,7 @@ class DecodeRuntime:
         self.modules = attention_modules(model)
         n_layers = len(self.modules)
         self.dense_layers = frozenset(int(i) for i in dense_layers)
-        bad = sorted(i for i in self.dense_layers if not 0 <= i < n_layers)
-        if bad:
-            raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
+        self.driver = self._new_driver(method)
         self._set_prefill(prefill)
         self._set_decode_layers()
 
@@ -266,16 +172,6 @@ class DecodeRuntime:
         self.layer_seed_words = torch.tensor([[w & 0xFFFFFFFF, (w >> 32) & 0x7FFFFFFF] for w in words],
                                              dtype=torch.int64, device=dev)
         self.row_seeds = torch.zeros(n_layers, b, dtype=torch.int64, device=dev)
-        self.layer_state: dict[int, dict[str, Any]] = defaultdict(dict)
-        # a separate prefill method's per-layer state (one row's prompt) and the forward pass's shared dict
-        # (Sketch&Walk's walk): per request, on the runtime, never on the modules
-        self.prefill_state: dict[int, dict[str, Any]] = defaultdict(dict)
-        self.forward_state: dict[str, Any] = {}
-        # the decode method's own forward dict while it observes a prompt another prefill serves
-        self.observe_state: dict[str, Any] = {}
-        # a PrefillMethod decoding (sketchwalk) starts from what it recorded of the prompt: True once a
-        # prefill ran with this method in place (set_method to such a method clears it)
-        self._prompt_recorded = False
         self._prefill_calls: list[tuple[int, int, Any]] = []
         self.prompt_lengths: list[int] = []
         self.emitted = 0  # host count of tokens written to out_tokens (no sync needed to know it)
@@ -294,96 +190,96 @@ class DecodeRuntime:
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks,
                                   dense_decode_layers=sorted(self.decode_dense_layers))
 
+    @property
+    def method(self) -> Method:
+        return self.driver.method
+
+    @property
+    def is_dense(self) -> bool:
+        return self.method.name == "dense"
+
+    @property
+    def capturable(self) -> bool:
+        """The decode step runs the method's graph-capturable path (its seeds are planned on the device)."""
+        return not self.is_dense and self.method.graph_capturable
+
+    @property
+    def records_prompt(self) -> bool:
+        """The decode method starts from what it records of each row's prompt."""
+        return not self.is_dense and self.driver.records_prompt
+
+    def _new_driver(self, method: str | Method) -> LayerDriver:
+        max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
+        return LayerDriver(method, n_layers=len(self.modules), dense_layers=self.dense_layers, seed=self.seed,
+                           max_positions=max_positions, capacity=self.capacity, model=self.model)
+
     def set_method(self, method: str | Method, graph: bool | str = "auto", prefill: str | Method | None = None) -> None:
         """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
-        with ``rewind``): drops the captured graph and every layer's method state. ``prefill`` (default:
-        keep the current choice, checked against the new method) is the next ``prefill()``'s mode."""
-        previous, previous_prefill = self.method, self.prefill_choice
-        self.method = build_method(method)
+        with ``rewind``): drops the captured graph and every layer's method state (the new method has
+        not seen the prompt: a prefill records it again). ``prefill`` (default: keep the current choice,
+        checked against the new method) is the next ``prefill()``'s mode."""
+        previous, previous_prefill = self.driver, self.prefill_choice
+        self.driver = self._new_driver(method)
         try:
-            if getattr(self.method, "check_model", None) is not None:  # fitted to one model (SAAP): refuse others
-                self.method.check_model(self.model)
             self._set_prefill(self.prefill_choice if prefill is None else prefill)
             self._set_decode_layers()
         except Exception:
-            self.method = previous  # the runtime as it was (both choices were valid with it)
+            self.driver = previous  # the runtime as it was (both choices were valid with it)
             self._set_prefill(previous_prefill)
             self._set_decode_layers()
             raise
-        self.is_dense = self.method.name == "dense"
-        self.capturable = not self.is_dense and bool(getattr(self.method, "graph_capturable", False))
+        self.driver.min_length = min(self.prompt_lengths, default=0)
         self.graph_obj = None
-        self.layer_state.clear()
-        self._prompt_recorded = False  # the prompt went by without this method: a prefill records it again
         self.use_graph, reason = self._choose_graph(graph)
         self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
         self.stats.dense_decode_layers = sorted(self.decode_dense_layers)
-        self.stats.records.clear()
+        self.stats.log = self.driver.log
 
     def _set_prefill(self, prefill: str | Method) -> None:
         """Check and record the prefill choice (see the class docstring); every refusal names ``prefill``."""
         if isinstance(prefill, str) and prefill.strip() == "exact":
-            self.prefill_choice, self.prefill_method, self.prefill_shared = "exact", None, False
+            self.prefill_choice, self.prefill_driver = "exact", None
             self.prefill_dense_layers: frozenset[int] = frozenset(range(len(self.modules)))
             return
         if isinstance(prefill, str) and prefill.strip() == "method":
-            method, shared = self.method, True
-            if not isinstance(method, PrefillMethod):
+            driver = self.driver
+            if not driver.method.sparse_prefill:
                 raise ValueError(f"prefill: 'method' needs a method with a sparse prefill (sketchwalk); "
-                                 f"{method.name} has none (use prefill='exact', or prefill='<spec>' with the "
+                                 f"{driver.method.name} has none (use prefill='exact', or prefill='<spec>' with the "
                                  "spec of a method that has one)")
-            if self.batch > 1:
-                raise ValueError(f"prefill: 'method' serves one row (batch_size={self.batch}): the runtime "
-                                 f"prefills row by row and {method.name}'s decode state from the prompt is per "
-                                 "request; use batch_size=1, or prefill='<spec>' (a sparse prefill whose state is "
-                                 "not handed to the decode method)")
         elif isinstance(prefill, (str, Method)):
             try:
                 method = build_method(prefill)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"prefill: expected 'exact', 'method' or the spec of a method with a sparse "
                                  f"prefill, got {prefill!r} ({exc})") from None
-            shared = False
-            if not isinstance(method, PrefillMethod):
+            if not method.sparse_prefill:
                 raise ValueError(f"prefill: {method.name} has no sparse prefill; expected 'exact', 'method' or "
                                  "the spec of a method with one (sketchwalk)")
-            if getattr(method, "check_model", None) is not None:
-                method.check_model(self.model)
+            driver = self._new_driver(method)
         else:
             raise ValueError(f"prefill: expected 'exact', 'method' or a method spec, got {prefill!r}")
         if self._chunked:
-            raise ValueError(f"prefill_chunk: chunked prefill is exact only; {method.name}'s sparse prefill "
+            raise ValueError(f"prefill_chunk: chunked prefill is exact only; {driver.method.name}'s sparse prefill "
                              "takes the whole prompt in one forward (drop prefill_chunk, or use prefill='exact')")
         n_layers = len(self.modules)
-        max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
-        exact = self.dense_layers | method.check_layers(n_layers, max_positions)
+        exact = driver.exact_layers
         if len(exact) >= n_layers:
-            raise ValueError(f"prefill: {method.spec} would prefill no layer sparsely: layers {sorted(exact)} stay "
-                             f"exact (dense_layers and the method's own) and the model has {n_layers}")
+            raise ValueError(f"prefill: {driver.method.spec} would prefill no layer sparsely: layers {sorted(exact)} "
+                             f"stay exact (dense_layers and the method's own) and the model has {n_layers}")
         self.prefill_dense_layers = exact
-        self.prefill_choice = prefill if isinstance(prefill, str) else method
-        self.prefill_method, self.prefill_shared = method, shared
+        self.prefill_choice = prefill if isinstance(prefill, str) else driver.method
+        self.prefill_driver = driver
+
+    @property
+    def prefill_shared(self) -> bool:
+        """The decode method's own sparse prefill serves the prompt (``prefill="method"``)."""
+        return self.prefill_driver is self.driver
 
     def _set_decode_layers(self) -> None:
         """The layers the decode steps serve densely: ``dense_layers`` and those the method keeps exact
-        (``check_layers``: sketchwalk's ``dense_layers``, also left out of its walk), as sparsify does.
-        A :class:`PrefillMethod`'s decode starts from what it recorded of the prompt (Sketch&Walk's
-        sketches; per request): one row only."""
-        n_layers = len(self.modules)
-        method = self.method
-        dense = method.name == "dense"
-        exact = frozenset(range(n_layers)) if dense else self.dense_layers
-        if isinstance(method, PrefillMethod) and not dense:
-            max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
-            exact = exact | method.check_layers(n_layers, max_positions)
-            if self.batch > 1:
-                raise ValueError(f"batch_size: {method.name}'s decode starts from the prompt's state it records "
-                                 f"in the prefill (one forward per row, per request); the runtime serves it for "
-                                 f"one row (batch_size={self.batch}): use batch_size=1")
-        # record the prompt for the decode: the method's own sparse prefill does (prefill="method"); after
-        # an exact prefill or another method's, the method observes the prompt (prefill(sparse=False))
-        self.records_prompt = isinstance(method, PrefillMethod) and not dense
-        self.decode_dense_layers = frozenset(exact)
+        (sketchwalk's ``dense_layers``, also left out of its walk), as sparsify does."""
+        self.decode_dense_layers = frozenset(range(len(self.modules))) if self.is_dense else self.driver.exact_layers
 
     # -- choices made once --------------------------------------------------------------------
 
@@ -426,10 +322,9 @@ class DecodeRuntime:
         why = None
         if self.device.type != "cuda":
             why = "the model is not on a CUDA device (eager decode)"
-        elif not self.is_dense and not getattr(self.method, "graph_capturable", False):
-            why = (f"{self.method.name}: its decode does not declare graph_capturable (today every method's decode "
-                   "reads lengths and seeds on the host and returns Python-float stats; issue 14); decode steps "
-                   "run eagerly")
+        elif not self.is_dense and not self.method.graph_capturable:
+            why = (f"{self.method.name}: its decode does not declare graph_capturable (a host read or a shape that "
+                   "depends on the data); decode steps run eagerly")
         if why is None:
             return True, None
         if wanted is True:
@@ -523,15 +418,11 @@ class DecodeRuntime:
 
     def _method_prefill(self, module, query, key, value, scaling):
         """One layer of one row's prompt through the prefill method's sparse prefill."""
-        layer, method = module.layer_idx, self.prefill_method
-        if self.cache.prefill_start or key.shape[2] != query.shape[2]:  # chunks are refused up front
-            raise RuntimeError(f"prefill: {method.name}'s sparse prefill needs the whole prompt in one forward")
-        state = self.layer_state[layer] if self.prefill_shared else self.prefill_state[layer]
-        # K/V are views of the row's cache prefix; the method gets them contiguous, as sparsify's cache holds them
-        out, stats = method.prefill(query, key.contiguous(), value.contiguous(), scale=scaling, state=state,
-                                    forward=self.forward_state, sparse=True)
-        if out is None:
-            raise RuntimeError(f"prefill: {method.name}.prefill(sparse=True) returned no output")
+        layer = module.layer_idx
+        if self.cache.prefill_start:  # chunks are refused up front
+            raise RuntimeError(f"prefill: {self.prefill_driver.method.name}'s sparse prefill needs the whole "
+                               "prompt in one forward")
+        out, stats = self.prefill_driver.prefill(layer, query, key, value, scale=scaling, sparse=True)
         self._prefill_calls.append((self.cache.prefill_row, layer, stats))
         return out.transpose(1, 2)
 
@@ -539,10 +430,9 @@ class DecodeRuntime:
         """The decode method records what its decode needs from this layer's prompt (Sketch&Walk's block
         sketches) without computing attention: ``prefill(..., sparse=False)``, as sparsify does under
         ``phase="decode"``; the layer's output comes from the prefill that runs (exact or another method's)."""
-        if self.cache.prefill_start or key.shape[2] != query.shape[2]:  # chunks are refused up front
+        if self.cache.prefill_start:  # chunks are refused up front
             raise RuntimeError(f"prefill: {self.method.name}'s decode needs the whole prompt in one forward")
-        self.method.prefill(query, key.contiguous(), value.contiguous(), scale=scaling, state=self.layer_state[layer],
-                            forward=self.observe_state, sparse=False)
+        self.driver.prefill(layer, query, key, value, scale=scaling, sparse=False)
 
     def _dense_decode(self, module, query, key, value, scaling):
         if self.attention_backend == "triton":
@@ -562,33 +452,18 @@ class DecodeRuntime:
             mask = (self.key_index[None, :n] < self.lengths64[:, None])[:, None, None, :]
         return sdpa_attention_forward(module, query, k, v, mask, dropout=0.0, scaling=scaling)[0]
 
-    def _state(self, layer: int) -> dict[str, Any]:
-        """The method's state for this request and layer; ``state["layer"]`` tells methods with per-layer
-        artifacts (SAAP) which layer they serve, as kvsieve.sparsify does."""
-        state = self.layer_state[layer]
-        state["layer"] = layer
-        # captured steps read no per-step stats: kernel paths may skip what only the stats need
-        state["count_reads"] = not self.use_graph
-        # a lower bound on every row's length for the rest of the request (lengths only grow): a method
-        # may skip work for short rows (santa's covered-row fallback) without reading the device
-        state["min_length"] = min(self.prompt_lengths, default=0)
-        if isinstance(self.method, PrefillMethod):  # cross-layer state of this step's forward (Sketch&Walk's walk)
-            state[FORWARD_STATE] = self.forward_state
-        return state
-
     def _method_decode(self, layer, query, key, value, scaling):
-        # The key sparsify uses for request 0: (seed, request, layer); each row adds its batch row and
-        # position (core.rng.RowStreams), which live in device memory — fresh draws every step and
-        # every graph replay, and the same draws as sparsify + transformers' generate.
-        seed = RandomKey(self.seed, (0, layer))
+        # The driver's key for request 0, (seed, 0, layer); each row adds its batch row and position
+        # (core.rng.RowStreams), which live in device memory — fresh draws every step and every graph
+        # replay, and the same draws as sparsify + transformers' generate.
         if not self.use_graph:
             n = max(self.host_lengths())  # eager: the method need not look past the longest row
             key, value = key[:, :, :n], value[:, :, :n]
-        est, stats = self.method.decode(query[:, :, 0], key, value, lengths=self.lengths32, seed=seed,
-                                        scale=scaling, state=self._state(layer), check_finite=False)
-        if not self.use_graph and (isinstance(stats, dict) or hasattr(stats, "as_dict")):
-            rec = stats.as_dict() if hasattr(stats, "as_dict") else dict(stats)
-            self.stats.records.append({"layer": layer, "step": self.emitted, **rec})
+        # captured steps read no per-step stats: kernel paths may skip what only the stats need
+        est, stats = self.driver.decode(layer, query[:, :, 0], key, value, lengths=self.lengths32, scale=scaling,
+                                        count_reads=not self.use_graph)
+        if not self.use_graph:
+            self.driver.log.add({"layer": layer, "step": self.emitted, "rows": self.batch}, stats)
         return est.to(query.dtype)[:, None]
 
     # -- host-side bookkeeping (never reads the device) ---------------------------------------
@@ -620,17 +495,19 @@ class DecodeRuntime:
         t0 = time.perf_counter()
         self.prompt_lengths = lengths
         self.emitted = 0
-        self.layer_state.clear()
-        self.stats.records.clear()
+        drivers = [self.driver] + ([self.prefill_driver] if self.prefill_driver not in (None, self.driver) else [])
+        for driver in drivers:  # every row's prompt is recorded alone, then the rows are stacked
+            driver.begin_request(new=False, min_length=min(lengths))
+            driver.begin_prefill_rows()
+        self.driver.log.clear()
         self._prefill_calls = []
         self.graph_obj = None
         self.cache.mode = "prefill"
         last_logits = []
         for b, row in enumerate(rows):
             row = row.reshape(1, -1).to(self.device)
-            self.forward_state = {}  # one forward per row: the walk starts anew
-            self.observe_state = {}
-            self.prefill_state.clear()
+            for driver in drivers:
+                driver.begin_forward()  # one forward per row: the walk starts anew
             for start in range(0, row.shape[1], self.prefill_chunk):
                 chunk = row[:, start:start + self.prefill_chunk]
                 self.cache.prefill_row, self.cache.prefill_start = b, start
@@ -650,7 +527,8 @@ class DecodeRuntime:
         self._emit(self.last_logits)
         self.emitted = 1
         self._after_prefill = self._snapshot()
-        self._prompt_recorded = True
+        for driver in drivers:
+            driver.end_prefill()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.stats.prompt_lengths = lengths
@@ -661,28 +539,24 @@ class DecodeRuntime:
 
     def _record_prefill(self) -> None:
         """Which prefill ran, and the method's stats per (row, layer), read after the prefill was timed."""
-        st, method = self.stats, self.prefill_method
+        st = self.stats
         st.prefill = "sparse" if self._prefill_calls else "exact"
-        st.prefill_method = None if method is None else method.spec
+        st.prefill_method = None if self.prefill_driver is None else self.prefill_driver.method.spec
         st.prefill_sparse_layers = sorted({layer for _, layer, _ in self._prefill_calls})
         st.prefill_records = [{"row": row, "layer": layer, **stats.as_dict()}
                               for row, layer, stats in self._prefill_calls]
         self._prefill_calls = []
-        self.forward_state = {}
-        self.observe_state = {}
-        self.prefill_state.clear()
 
     def rewind(self) -> None:
         """Back to just after prefill (the prompt's K/V stay; later writes are overwritten), for benchmarks.
-        Every layer's method state is dropped, except the state a :class:`PrefillMethod` recorded of the
-        prompt (its sparse prefill with ``prefill="method"``, or its observation of another prefill):
-        it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes what it writes there,
-        so repeating the steps gives the same state."""
+        Every layer's method state is dropped, except the state a method recorded of the prompt
+        (``observes_prefill``: its sparse prefill with ``prefill="method"``, or its observation of another
+        prefill): it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes what it writes
+        there, so repeating the steps gives the same state."""
         self._restore(self._after_prefill)
         self.emitted = 1
-        if not self.records_prompt:
-            self.layer_state.clear()
-        self.stats.records.clear()
+        self.driver.rewind()
+        self.driver.log.clear()
         self.stats.decode_steps = self.stats.host_checks = 0
         self.stats.decode_s = self.stats.capture_s = 0.0
 
@@ -710,11 +584,10 @@ class DecodeRuntime:
             self.row_seeds.copy_((hi << 32) | lo)
 
     def _step_body(self) -> None:
-        # This token's forward: a fresh dict shared by its layers (Sketch&Walk's walk, handed to a
-        # PrefillMethod's decode as state[FORWARD_STATE], as sparsify does per forward). Host-side only:
-        # a captured step builds it while capturing and replays the kernels that fill it; the eager
-        # (uncaptured: sketchwalk) step gets a new one every token.
-        self.forward_state = {}
+        # This token's forward: a fresh cross-layer state (Sketch&Walk's walk), as sparsify gives every
+        # forward. Host-side only: a captured step builds it while capturing and replays the kernels that
+        # fill it; an eager step gets a new one every token.
+        self.driver.begin_forward()
         self._plan_step()
         extra = {"cache_position": self.cache.positions[:1]} if self._pass_cache_position else {}
         out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
@@ -768,7 +641,7 @@ class DecodeRuntime:
             raise ValueError(f"max_new_tokens: all {self.max_new} new tokens were already generated")
         if not self.prompt_lengths:
             raise ValueError("prefill: call prefill(rows) before decoding")
-        if self.records_prompt and not self._prompt_recorded:
+        if self.records_prompt and not self.driver.prompt_recorded:
             raise ValueError(f"prefill: {self.method.name}'s decode needs the prompt's sketches, recorded by a "
                              "prefill with it in place; set_method dropped them: call prefill(rows) again")
         if self.use_graph:

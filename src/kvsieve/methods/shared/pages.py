@@ -3,43 +3,64 @@
 Keys are cut into pages of ``page_size`` positions. Each page keeps the per-channel minimum and
 maximum of its valid keys; a query bounds the page's best logit by
 ``Σ_j max(q_j · min_j, q_j · max_j)`` (Tang et al., "Quest: Query-Aware Sparsity for Efficient
-Long-Context LLM Inference", ICML 2024). The summaries live in the per-(request, layer) ``state``
-and are updated incrementally as the cache grows.
+Long-Context LLM Inference", ICML 2024). The summaries live in the per-(request, layer)
+:class:`PageState` and are updated incrementally as the cache grows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ...core.context import MethodState
 from ...core.inputs import DecodeInputs
 from ...core.sync import host_reads_allowed, max_or_bound
 from .selection import IndexSet, compact, empty_set, group_scores
 
 
-def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass
+class PageSummaryCache:
+    """The reference path's page summaries: over the first ``n`` keys under ``mask`` in ``dtype``."""
+
+    n: int
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+    dtype: torch.dtype
+    mask: torch.Tensor
+
+
+@dataclass
+class PageState(MethodState):
+    """Page summaries of one request and layer: the reference path's (``reference``) or the kernel
+    path's incremental device summaries (``device``, a ``kernels.sparse.quest_pages.PageSummaries``)."""
+
+    reference: PageSummaryCache | None = None
+    device: Any = None
+
+
+def page_summaries(inputs: DecodeInputs, page_size: int, state: PageState) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kmin, kmax)`` ``[B, Hkv, P, d]`` over each page's valid keys (±inf for pages without any).
 
-    Cached in ``state["quest/page<size>"]``; a cache that grew since the last call has only its new
+    Cached in ``state.reference``; a cache that grew since the last call has only its new
     pages (and the last old one, which may have been partial) recomputed, and so do pages from the
     first key whose validity changed. A cache that shrank, or changed shape or dtype, is summarized
     again from scratch.
     """
     b, hkv, n, d = inputs.k.shape
     p_total = -(-n // page_size)
-    key = f"quest/page{page_size}"
-    cached = state.get(key)
+    cached = state.reference
     start_page = 0
     if cached is not None:
-        ok = (cached["n"] <= n and cached["kmin"].shape[:2] == (b, hkv) and cached["kmin"].shape[-1] == d
-              and cached["dtype"] == inputs.k.dtype and cached["mask"].shape[0] == b)
+        ok = (cached.n <= n and cached.kmin.shape[:2] == (b, hkv) and cached.kmin.shape[-1] == d
+              and cached.dtype == inputs.k.dtype and cached.mask.shape[0] == b)
         if ok:
             # Pages from the first key whose validity changed (e.g. the next row of a causal question
             # block sees one more key) are recomputed; pages before it are still right.
-            changed = (cached["mask"] != inputs.key_mask[:, : cached["n"]]).any(0)
+            changed = (cached.mask != inputs.key_mask[:, : cached.n]).any(0)
             if host_reads_allowed(changed):
-                first = int(changed.to(torch.int8).argmax()) if bool(changed.any()) else cached["n"]
+                first = int(changed.to(torch.int8).argmax()) if bool(changed.any()) else cached.n
             else:
                 # Finding the first changed key needs a host read: summarize every page again
                 # (one pass over K; a kernel that updates pages in place is the GPU's way).
@@ -59,11 +80,11 @@ def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) 
     kmin_new = kmin_new.view(b, hkv, -1, page_size, d).amin(3)
     kmax_new = kmax_new.view(b, hkv, -1, page_size, d).amax(3)
     if cached is not None and start_page > 0:
-        kmin = torch.cat([cached["kmin"][:, :, :start_page], kmin_new], dim=2)
-        kmax = torch.cat([cached["kmax"][:, :, :start_page], kmax_new], dim=2)
+        kmin = torch.cat([cached.kmin[:, :, :start_page], kmin_new], dim=2)
+        kmax = torch.cat([cached.kmax[:, :, :start_page], kmax_new], dim=2)
     else:
         kmin, kmax = kmin_new, kmax_new
-    state[key] = {"n": n, "kmin": kmin, "kmax": kmax, "dtype": inputs.k.dtype, "mask": inputs.key_mask.clone()}
+    state.reference = PageSummaryCache(n, kmin, kmax, inputs.k.dtype, inputs.key_mask.clone())
     return kmin, kmax
 
 
@@ -100,7 +121,7 @@ def select_pages(available: torch.Tensor, scores: torch.Tensor, pages: torch.Ten
 
 
 def quest_top_tokens(inputs: DecodeInputs, available: torch.Tensor, tokens: torch.Tensor, page_size: int,
-                     state: dict[str, Any]) -> IndexSet:
+                     state: PageState) -> IndexSet:
     """The pages of highest Quest bound covering ``tokens [B]`` keys (rounded up to whole pages)."""
     kmin, kmax = page_summaries(inputs, page_size, state)
     bounds = page_bounds(inputs, kmin, kmax)
