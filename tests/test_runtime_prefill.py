@@ -74,7 +74,7 @@ def test_exact_prefill_is_unchanged_and_says_so():
         assert st.prefill_records == [] and math.isnan(st.prefill_block_density)
         # the exact prefill's output is SDPA's; sketchwalk (the decode method) recorded its sketches of the
         # prompt on its sparse layers (prefill(sparse=False), as sparsify's phase="decode"), none on 0 and 1
-        assert rt.layer_state[2]["sketchwalk"].has_history and "sketchwalk" not in rt.layer_state.get(1, {})
+        assert rt.driver.states[2].sketch.has_history and 1 not in rt.driver.states
 
 
 def test_density_one_sparse_prefill_is_exact():
@@ -116,12 +116,12 @@ def test_method_prefill_hands_its_sketches_to_the_decode_and_rewind_repeats_it()
     model = tiny_model("llama", num_hidden_layers=4)
     ids = random_ids(1, 100, seed=7)
     with runtime_prefill(model, [ids[0]], SPEC, "method", new=6) as rt:
-        assert rt.layer_state[2]["sketchwalk"].has_history  # the prompt's sketches, from the sparse prefill
+        assert rt.driver.states[2].sketch.has_history  # the prompt's sketches, from the sparse prefill
         rt.decode()
         first = rt.tokens().clone()
         assert {r["phase"] for r in rt.stats.records} == {"decode"}
         rt.rewind()
-        assert rt.layer_state[2]["sketchwalk"].has_history
+        assert rt.driver.states[2].sketch.has_history
         rt.decode()
         assert torch.equal(rt.tokens(), first)
     # kvsieve.generate: the same tokens, and the decode steps after a separate prefill method are dense
@@ -145,8 +145,6 @@ def test_bad_prefill_arguments_are_refused_by_name():
         generate(model, ids, "dense", max_new_tokens=2, prefill=True)
     with pytest.raises(ValueError, match="prefill_chunk: chunked prefill is exact only"):
         generate(model, ids, "dense", max_new_tokens=2, prefill=SPEC, prefill_chunk=16)
-    with pytest.raises(ValueError, match="prefill: 'method' serves one row"):
-        generate(model, random_ids(2, 40), SPEC, max_new_tokens=2, prefill="method")
     with pytest.raises(ValueError, match="prefill: .* would prefill no layer sparsely"):
         generate(model, ids, "dense", max_new_tokens=2, prefill=SPEC, dense_layers=[2, 3])
     with pytest.raises(ValueError, match="dense_layers: layers \\[7\\]"):
@@ -157,7 +155,7 @@ def test_bad_prefill_arguments_are_refused_by_name():
             rt.set_method("dense")
         assert rt.method.name == "sketchwalk" and rt.prefill_choice == "method"
         rt.set_method("dense", prefill="exact")
-        assert rt.prefill_method is None
+        assert rt.prefill_driver is None
 
 
 def test_ttft_bench_rows_on_a_tiny_shape(monkeypatch, tmp_path):

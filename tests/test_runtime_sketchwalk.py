@@ -65,7 +65,7 @@ def test_sketchwalk_decode_equals_sparsify(model, prefill):
     theirs = [(r["step"], r["layer"], r["walk_hops"], r["block_density"]) for r in ref_records]
     assert ours == theirs
     assert [r["walk_hops"] for r in st.records] == [1, 2, 3] * (NEW - 1)
-    assert rt.layer_state[2]["sketchwalk"].has_history  # the prompt's sketches, whichever prefill ran
+    assert rt.driver.states[2].sketch.has_history  # the prompt's sketches, whichever prefill ran
 
 
 def test_the_walk_changes_this_decode(model):
@@ -95,7 +95,7 @@ def test_rewind_after_an_exact_prefill_repeats_the_decode(model):
         rt.decode()
         first, records = rt.tokens().clone(), list(rt.stats.records)
         rt.rewind()
-        assert rt.layer_state[2]["sketchwalk"].has_history  # the prompt's sketches survive the rewind
+        assert rt.driver.states[2].sketch.has_history  # the prompt's sketches survive the rewind
         rt.decode()
         assert torch.equal(rt.tokens(), first) and rt.stats.records == records
     result = generate(model, ids, SPEC, max_new_tokens=NEW)
@@ -114,8 +114,6 @@ def test_a_separate_prefill_method_leaves_the_decode_its_own_sketches(model):
 
 def test_what_sketchwalk_decode_refuses(model):
     ids = random_ids(2, 40, seed=15)
-    with pytest.raises(ValueError, match="batch_size: sketchwalk's decode"):
-        generate(model, ids, SPEC, max_new_tokens=2)
     with pytest.raises(ValueError, match="prefill_chunk: sketchwalk's decode"):
         generate(model, ids[:1], SPEC, max_new_tokens=2, prefill_chunk=16)
     generate(model, ids[:1], SPEC, max_new_tokens=2, prefill_chunk=64)  # one chunk: the whole prompt
@@ -127,6 +125,45 @@ def test_what_sketchwalk_decode_refuses(model):
         rt.prefill([ids[0]])
         rt.decode()
         assert rt.stats.records
-    with pytest.raises(ValueError, match="batch_size: sketchwalk's decode"):
-        with DecodeRuntime(model, "dense", batch_size=2, capacity=50, max_new_tokens=4) as rt:
-            rt.set_method(SPEC)
+
+
+@pytest.mark.parametrize("prefill", ["exact", "method"])
+def test_rows_of_different_lengths_decode_together_as_each_alone(prefill):
+    """A method that records each row's prompt (Sketch&Walk) serves a batch of rows of different lengths:
+    the rows' prompt records are stacked into one batch state, and every row's tokens and per-step logits
+    equal what it gets alone."""
+    model = tiny_model("llama", num_hidden_layers=5)
+    rows = [random_ids(1, 70, seed=31)[0], random_ids(1, 45, seed=32)[0]]
+    together = DecodeRuntime(model, SPEC, batch_size=2, capacity=70 + NEW, max_new_tokens=NEW, prefill=prefill)
+    with together:
+        together.prefill(rows)
+        logits = [together.last_logits.clone()]
+        for _ in range(NEW - 1):
+            together.step()
+            logits.append(together.last_logits.clone())
+        tokens = together.tokens()
+        assert together.stats.records and {r["backend"] for r in together.stats.records} == {"reference"}
+    for b, row in enumerate(rows):
+        alone, alone_logits, _ = runtime_generate(model, row[None], SPEC, prefill)
+        assert tokens[b].tolist() == alone[0].tolist()
+        torch.testing.assert_close(torch.stack([step[b] for step in logits]), alone_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sparsify_serves_left_padded_rows_apart_as_each_alone():
+    """sparsify + transformers' generate with left-padded rows of different lengths: Sketch&Walk's blocks
+    are positions, so each row is served from its first real token (its stats say so), and every row's
+    greedy tokens equal its run alone."""
+    model = tiny_model("llama", num_hidden_layers=5)
+    rows = [random_ids(1, 70, seed=41)[0], random_ids(1, 45, seed=42)[0]]
+    ids = torch.zeros(2, 70, dtype=torch.long)
+    mask = torch.zeros(2, 70, dtype=torch.long)
+    for b, row in enumerate(rows):
+        ids[b, 70 - row.numel():] = row
+        mask[b, 70 - row.numel():] = 1
+    for phase in ("decode", "all"):
+        with torch.no_grad(), kvsieve.sparsify(model, SPEC, phase=phase) as session:
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        assert any("apart" in str(r.get("rows_served", "")) for r in session.records)
+        for b, row in enumerate(rows):
+            alone, _, _ = sparsify_generate(model, row[None], SPEC, phase)
+            assert out[b, 70:].tolist() == alone[0].tolist(), (phase, b)

@@ -121,7 +121,7 @@ def context_pass(model, spec: str, ctx: list[int], phase: str, qs: int):
         with torch.no_grad():
             model(input_ids=torch.tensor([ctx], device=model.device), past_key_values=cache, use_cache=True,
                   logits_to_keep=1)
-        state = {k: copy.deepcopy(v) for k, v in s.layer_state.items()}
+        state = {k: copy.deepcopy(v) for k, v in s.driver.states.items()}
     return cache, state
 
 
@@ -134,7 +134,7 @@ def question_pass(model, spec: str, run: list[int], cache, state, probe: Selecti
             return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0].float(), None, None
     with sparsify(model, spec, phase="all", track_error=1) as s:
         for layer, st in state.items():
-            s.layer_state[layer].update(copy.deepcopy(st))
+            s.driver.states[layer] = copy.deepcopy(st)
         if probe is not None:
             probe.active = True
         with torch.no_grad():

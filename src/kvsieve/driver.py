@@ -145,6 +145,8 @@ class LayerDriver:
         self.min_length = 0
         self.states: dict[int, MethodState | None] = {}
         self.forward: ForwardState | None = None
+        # rows served apart (left padding): each row's own cross-layer state of the current forward
+        self._row_forwards: dict[int, ForwardState | None] = {}
         self.prompt_recorded = False
         # rows prefilled one at a time: each layer's row states, stacked by end_prefill()
         self._row_states: dict[int, list[MethodState | None]] | None = None
@@ -183,6 +185,7 @@ class LayerDriver:
         """A new forward pass: cross-layer methods get a fresh forward state."""
         self.step += 1
         self.forward = self.method.new_forward_state()
+        self._row_forwards = {}
 
     def rewind(self) -> None:
         """Back to the state just after the prompt: what the method recorded of the prompt stays (a
@@ -197,9 +200,15 @@ class LayerDriver:
             self.states[layer] = self.method.new_state()
         return self.states[layer]
 
-    def context(self, layer: int, *, count_reads: bool = True) -> CallContext:
+    def context(self, layer: int, *, count_reads: bool = True, row: int | None = None) -> CallContext:
+        """The call context of ``layer``; ``row``: a batch row served apart, with its own forward state."""
+        forward = self.forward
+        if row is not None:
+            if row not in self._row_forwards:
+                self._row_forwards[row] = self.method.new_forward_state()
+            forward = self._row_forwards[row]
         return CallContext(layer=layer, request=self.request, count_reads=count_reads, min_length=self.min_length,
-                           capacity=self.capacity, forward=self.forward)
+                           capacity=self.capacity, forward=forward)
 
     def seed_key(self, layer: int) -> RandomKey:
         return RandomKey(self.seed, (self.request, layer))
@@ -224,7 +233,7 @@ class LayerDriver:
         for b, start in enumerate(starts):
             n = k.shape[2] - start
             lengths = torch.full((1,), n, dtype=torch.long, device=q.device)
-            context = self.context(layer)
+            context = self.context(layer, row=b)
             out, st = self.method.decode(q[b:b + 1], k[b:b + 1, :, start:], v[b:b + 1, :, start:], lengths=lengths,
                                          seed=self.seed_key(layer), scale=scale, state=states[b], context=context,
                                          check_finite=False)
@@ -237,7 +246,8 @@ class LayerDriver:
     # -- prefill ------------------------------------------------------------------------------------
 
     def prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None,
-                sparse: bool, state: MethodState | None = None) -> tuple[torch.Tensor | None, StepStats | None]:
+                sparse: bool, state: MethodState | None = None,
+                row: int | None = None) -> tuple[torch.Tensor | None, StepStats | None]:
         """One layer's prompt (no past keys) through the method: its sparse prefill (``sparse``) or its
         observation of a prefill it does not serve. Between :meth:`begin_prefill_rows` and
         :meth:`end_prefill` the call is one batch row's, and its state is kept for stacking."""
@@ -256,7 +266,7 @@ class LayerDriver:
             else:
                 state = self.state(layer)
         out, stats = self.method.prefill(q, k.contiguous(), v.contiguous(), scale=scale, state=state,
-                                         context=self.context(layer), sparse=sparse)
+                                         context=self.context(layer, row=row), sparse=sparse)
         if sparse and out is None:
             raise RuntimeError(f"prefill: {self.method.name}.prefill(sparse=True) returned no output")
         return out, stats
@@ -269,7 +279,7 @@ class LayerDriver:
         outs, parts = [], []
         for b, start in enumerate(starts):
             out, st = self.prefill(layer, q[b:b + 1, :, start:], k[b:b + 1, :, start:], v[b:b + 1, :, start:],
-                                   scale=scale, sparse=sparse, state=states[b])
+                                   scale=scale, sparse=sparse, state=states[b], row=b)
             if out is not None:
                 outs.append(torch.nn.functional.pad(out, (0, 0, start, 0)))
                 parts.append(st)

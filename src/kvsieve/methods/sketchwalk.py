@@ -496,6 +496,7 @@ class SketchWalk(Method):
         if k.shape[2] != n_tok:
             raise ValueError(f"k: sketchwalk's prefill takes a prompt without past keys (N = {k.shape[2]} keys "
                              f"for {n_tok} queries)")
+        state = self.checked_state(state)
         sk = self.prefill_sketch(q, k)
         if sparse and cfg.walk == "oracle":
             sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))

@@ -188,7 +188,7 @@ class DecodeRuntime:
         self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks,
-                                  dense_decode_layers=sorted(self.decode_dense_layers))
+                                  dense_decode_layers=sorted(self.decode_dense_layers), log=self.driver.log)
 
     @property
     def method(self) -> Method:
