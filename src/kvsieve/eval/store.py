@@ -40,7 +40,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,36 +206,36 @@ class ResultStore:
         if path.exists() and not path.is_file():
             raise ResultsFolderError(f"results: {path} is not a file; it should be the folder's SQLite database")
         archive = self.root / ARCHIVE
-        if not path.exists() and archive.is_file():
-            if write:
-                raise ResultsFolderError(
-                    f"results: {self.root} keeps its cells compressed in {ARCHIVE}, which is read-only; "
-                    f"unpack it first (`gunzip {archive}`) to add cells")
-            with tempfile.TemporaryDirectory(prefix="kvsieve-results-") as tmp:
-                with _unpacked(archive, Path(tmp) / DATABASE) as con:
-                    yield con
-            return
-        if not write and not path.exists():
+        packed = not path.exists() and archive.is_file()
+        if packed and write:
+            raise ResultsFolderError(
+                f"results: {self.root} keeps its cells compressed in {ARCHIVE}, which is read-only; "
+                f"unpack it first (`gunzip {archive}`) to add cells")
+        if not write and not path.exists() and not packed:
             yield None
             return
-        try:
-            if write or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
-                # Readers too open read-write: the last connection to close folds the log back in and
-                # removes it (a read-only one would leave cells.sqlite-wal and -shm behind).
-                con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            else:
-                con = _connect_read_only_copy(path)
-        except sqlite3.Error as e:
-            raise ResultsFolderError(f"results: cannot open {path} ({e})") from e
-        try:
-            if write:
-                _create_schema(con)
-            yield con
-        except sqlite3.DatabaseError as e:
-            hint = " (is it a kvsieve results database?)" if "not a database" in str(e) else ""
-            raise ResultsFolderError(f"results: {path}: {e}{hint}") from e
-        finally:
-            con.close()
+        with ExitStack() as stack:
+            try:
+                if packed:
+                    unpacked = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvsieve-results-")))
+                    con = _unpack(archive, unpacked / DATABASE)
+                elif write or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+                    # Readers too open read-write: the last connection to close folds the log back in and
+                    # removes it (a read-only one would leave cells.sqlite-wal and -shm behind).
+                    con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+                else:
+                    con = _connect_read_only_copy(path)
+            except sqlite3.Error as e:
+                raise ResultsFolderError(f"results: cannot open {archive if packed else path} ({e})") from e
+            try:
+                if write:
+                    _create_schema(con)
+                yield con
+            except sqlite3.DatabaseError as e:
+                hint = " (is it a kvsieve results database?)" if "not a database" in str(e) else ""
+                raise ResultsFolderError(f"results: {archive if packed else path}: {e}{hint}") from e
+            finally:
+                con.close()
 
     def vacuum(self) -> None:
         """Rewrite the database without free pages (after a run or a migration: the committed file stays small)."""
@@ -299,23 +299,15 @@ class ResultStore:
             return _rows(con.execute("SELECT * FROM cells ORDER BY task, length, sample, method"))
 
 
-@contextmanager
-def _unpacked(archive: Path, path: Path) -> Iterator[sqlite3.Connection]:
-    """A read-only connection to ``archive`` (a gzip-compressed database) unpacked at ``path``."""
+def _unpack(archive: Path, path: Path) -> sqlite3.Connection:
+    """A read-only connection to ``archive`` (a gzip-compressed database), unpacked at ``path``."""
     try:
         with gzip.open(archive, "rb") as src, open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
-        con = sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
-    except (OSError, EOFError, sqlite3.Error) as e:
+    except (OSError, EOFError) as e:
         raise ResultsFolderError(f"results: cannot read {archive} ({e}); it should be a gzip-compressed "
                                  f"{DATABASE}") from e
-    try:
-        yield con
-    except sqlite3.DatabaseError as e:
-        hint = " (is it a kvsieve results database?)" if "not a database" in str(e) else ""
-        raise ResultsFolderError(f"results: {archive}: {e}{hint}") from e
-    finally:
-        con.close()
+    return sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
 
 
 def _connect_read_only_copy(path: Path) -> sqlite3.Connection:
