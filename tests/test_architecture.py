@@ -167,3 +167,47 @@ def test_the_class_check_catches_one(tmp_path, monkeypatch):
     bad.write_text("def f(m):\n    return isinstance(m, SketchWalk) or issubclass(type(m), (int, sw.Saap))\n")
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     assert len(class_checks(bad, {"SketchWalk", "Saap"})) == 2
+
+
+# ---- benchmarks/: living tools on the public API -----------------------------------------------
+
+BENCHMARKS = SRC.parents[1] / "benchmarks"
+
+
+def private_uses(path: Path) -> list[str]:
+    """Private kvsieve names a script imports (``from kvsieve.x import _y``, ``kvsieve._x``, ``from
+    kvsieve.x import y`` then ``y._z``): the tools in benchmarks/ use only what the package publishes."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found, aliases = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kvsieve":
+            private_module = any(part.startswith("_") for part in node.module.split("."))
+            for alias in node.names:
+                if private_module or alias.name.startswith("_"):
+                    found.append(f"{path.name}:{node.lineno} imports {node.module}.{alias.name}")
+                aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "kvsieve":
+                    if any(part.startswith("_") for part in alias.name.split(".")):
+                        found.append(f"{path.name}:{node.lineno} imports {alias.name}")
+                    aliases.add((alias.asname or alias.name).split(".")[0])
+    for node in ast.walk(tree):
+        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        if private and ast.unparse(node.value).split(".")[0] in aliases:
+            found.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(BENCHMARKS.rglob("*.py")), ids=lambda p: str(p.relative_to(BENCHMARKS)))
+def test_benchmark_tools_use_only_the_public_api(path):
+    assert private_uses(path) == []
+
+
+def test_the_benchmark_checker_catches_private_names(tmp_path):
+    script = tmp_path / "tool.py"
+    script.write_text("import kvsieve.bench.e2e as e2e\nfrom kvsieve.kernels.triton_utils import _COMPILED, launch\n"
+                      "from kvsieve.methods import sketchwalk as sw\nx = sw.SketchWalk._select\ny = e2e._host_ms\n"
+                      "z = launch.__name__\n")
+    assert [v.split(" ", 1)[1] for v in private_uses(script)] == [
+        "imports kvsieve.kernels.triton_utils._COMPILED", "uses sw.SketchWalk._select", "uses e2e._host_ms"]

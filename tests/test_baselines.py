@@ -9,8 +9,8 @@ from conftest import random_qkv
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
 from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
-from kvsieve.methods.magicpig import _KeyHashes
-from kvsieve.methods.shared.pages import page_bounds, page_summaries
+from kvsieve.methods.magicpig import MagicPigState, _KeyHashes
+from kvsieve.methods.shared.pages import PageState, page_bounds, page_summaries
 from kvsieve.methods.shared.selection import sink_and_window, uniform_sample
 
 
@@ -172,7 +172,7 @@ def test_quest_page_bound_is_an_upper_bound_and_state_is_incremental():
     mask = torch.ones(2, 333, dtype=torch.bool)
     mask[1, :21] = False
     inputs = check_decode_inputs(q, k, v, key_mask=mask)
-    kmin, kmax = page_summaries(inputs, 16, {})
+    kmin, kmax = page_summaries(inputs, 16, PageState())
     bounds = page_bounds(inputs, kmin, kmax)  # [B, Hq, P]
     s = inputs.scores(torch.float64)
     pad = 21 * 16 - 333
@@ -211,7 +211,7 @@ def test_magicpig_retrieval_frequency_matches_its_probability(transform):
         import dataclasses
 
         c = dataclasses.replace(cfg, hash_seed=seed)
-        h = _KeyHashes(c, inputs, {})
+        h = _KeyHashes(c, inputs, MagicPigState())
         from kvsieve.methods.magicpig import _codes
 
         qc = _codes(h.query(q), h.cached["proj"], c.bits, c.tables)

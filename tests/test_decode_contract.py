@@ -367,7 +367,7 @@ def test_kernel_path_launches_nothing_but_its_kernels(spec, monkeypatch):
     """On the kernel path ``m.decode`` adds no torch op to the kernels' launches (each would cost several
     µs of host time per call on CUDA and a node in a captured graph): inputs, the covered-row fallback
     and the stats are built from the kernels' outputs only when read. The kernels are stubbed here, so
-    this runs on any machine; ``benchmarks/decode_contract/bench_api.py`` times the real thing."""
+    this runs on any machine; ``docs/results/studies/decode-contract/bench_api.py`` times the real thing."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from kvsieve.kernels import dense as dense_kernels

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import json
 import math
@@ -17,6 +18,7 @@ import pytest
 from kvsieve.eval import store as store_module
 from kvsieve.eval.report import SUMMARY_FIELDS, summarize
 from kvsieve.eval.store import (
+    ARCHIVE,
     DATABASE,
     FORMAT,
     Migration,
@@ -232,9 +234,17 @@ def test_an_interrupted_migration_finishes_and_a_bad_cell_stops_it_before_any_ch
         migrate_folder(conflict)
 
 
-@pytest.mark.parametrize("folder", sorted(p.parent.name for p in RESULTS.glob(f"*/{DATABASE}")))
+COMMITTED = sorted(str(p.parent.relative_to(RESULTS)) for name in (DATABASE, ARCHIVE) for p in RESULTS.rglob(name))
+
+
+def test_every_committed_results_folder_is_checked():
+    assert len(COMMITTED) >= 27 and any(
+        (RESULTS / f / ARCHIVE).is_file() for f in COMMITTED), "the committed results folders moved: update RESULTS"
+
+
+@pytest.mark.parametrize("folder", COMMITTED)
 def test_committed_results_regenerate_their_summary(folder):
-    """Each committed database gives back the summary.csv committed beside it (written before the migration)."""
+    """Each committed database (plain or compressed) gives back the summary.csv committed beside it."""
     root = RESULTS / folder
     rows = ResultStore.open_existing(root).rows()
     buf = io.StringIO()
@@ -270,6 +280,30 @@ def test_bad_paths_give_clear_errors(tmp_path, monkeypatch):
     db.mkdir()
     with pytest.raises(ResultsFolderError, match="is not a file"):
         store.rows()
+
+
+def test_a_compressed_database_is_read_as_it_is_and_refused_for_writing(tmp_path):
+    store = new_store(tmp_path / "run")
+    rows = [cell(0, score=1.0, layers=[0.25, 0.5]), cell(1, "santa-sys:budget=16", score=0.0, gold=["x"])]
+    store.write_many(rows)
+    db = store.root / DATABASE
+    (store.root / ARCHIVE).write_bytes(gzip.compress(db.read_bytes()))
+    db.unlink()
+    again = ResultStore.open_existing(store.root)
+    assert canonical(again.rows()) == canonical(rows)
+    assert again.finished() == {("vt", 512, 0, "dense"), ("vt", 512, 1, "santa-sys:budget=16")}
+    assert again.read("vt", 512, 1, "santa-sys:budget=16") == rows[1]
+    assert sorted(p.name for p in store.root.iterdir()) == [ARCHIVE, "manifest.json"]  # nothing unpacked beside it
+    with pytest.raises(ResultsFolderError, match=r"compressed in cells.sqlite.gz.*gunzip"):
+        again.write(cell(2))
+    with pytest.raises(ResultsFolderError, match="gunzip"):
+        ResultStore.open_for_run(store.root, {"seed": 0, "device": "cpu"}, GRID).save_manifest()
+    (store.root / ARCHIVE).write_bytes(b"not gzip" * 10)
+    with pytest.raises(ResultsFolderError, match="cannot read .*cells.sqlite.gz"):
+        again.rows()
+    (store.root / ARCHIVE).write_bytes(gzip.compress(b"this is not sqlite" * 100))
+    with pytest.raises(ResultsFolderError, match="not a database"):
+        again.rows()
 
 
 def test_a_read_only_copy_is_readable_unless_a_killed_run_left_its_log(tmp_path, monkeypatch):

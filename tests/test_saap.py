@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvsieve
+from kvsieve import CallContext
 from kvsieve.fit.saap import (
     FitConfig,
     _save_layer,
@@ -269,8 +270,7 @@ def arts(tmp_path_factory):
 
 def run(spec, q, k, v, layer=1, state=None, **kw):
     m = kvsieve.method(spec)
-    st = {"layer": layer} if state is None else state
-    return m.decode(q, k, v, state=st, **kw)
+    return m.decode(q, k, v, state=state, context=CallContext(layer=layer), **kw)
 
 
 @pytest.mark.parametrize("name", ["saap", "saap-kmeans", "saap-kmeans-roped"])
@@ -292,14 +292,15 @@ def test_dense_and_indexed_sets_are_disjoint_and_complete(arts):
     q, k, v = qkv(2, 4, 2, 300, seed=6)
     mask = torch.ones(2, 300, dtype=torch.bool)
     mask[1, :40] = False  # left padding
-    state = {"layer": 2}
-    run(f"saap:artifacts={arts},probes=3", q, k, v, layer=2, state=state, key_mask=mask)
-    idx = state["saap/index"]
+    spec = f"saap:artifacts={arts},probes=3"
+    state = kvsieve.method(spec).new_state()
+    run(spec, q, k, v, layer=2, state=state, key_mask=mask)
+    idx = state.index
     for b in range(2):
-        dense = set(idx["dense_ids"][b, : int(idx["dense_counts"][b])].tolist())
+        dense = set(idx.dense_ids[b, : int(idx.dense_counts[b])].tolist())
         for h in range(2):
-            n_idx = int(idx["offsets"][b, h, -1])
-            indexed = set(idx["ids"][b, h, :n_idx].tolist())
+            n_idx = int(idx.offsets[b, h, -1])
+            indexed = set(idx.ids[b, h, :n_idx].tolist())
             assert not dense & indexed
             assert dense | indexed == set(mask[b].nonzero().squeeze(1).tolist())
         first = int(mask[b].nonzero()[0])
@@ -328,19 +329,19 @@ def test_group_of_one_batched_equals_independent(tmp_path):
 def test_batched_probing_ranks_the_summed_group_probabilities(arts):
     q, k, v = qkv(1, 4, 2, 600, seed=9)
     m = kvsieve.method(f"saap:artifacts={arts},probes=3")
-    state = {"layer": 1}
-    out, _ = m.decode(q, k, v, state=state)
+    state = m.new_state()
+    out, _ = m.decode(q, k, v, state=state, context=CallContext(layer=1))
     from kvsieve.core.inputs import check_decode_inputs
 
     inputs = check_decode_inputs(q, k, v)
     p = m.bucket_scores(inputs, 1).view(1, 2, 2, -1)
     assert torch.allclose(p.sum(-1), torch.ones(1, 2, 2, dtype=p.dtype), atol=1e-5)  # probabilities
     top = torch.topk(p.sum(2), 3, dim=-1).indices  # [1, Hkv, 3]
-    idx = state["saap/index"]
-    assign = idx["assign"]  # [1, Hkv, N]
+    idx = state.index
+    assign = idx.assign  # [1, Hkv, N]
     chosen = torch.stack([torch.isin(assign[0, h], top[0, h]) for h in range(2)])[None]
     dense = torch.zeros(1, 600, dtype=torch.bool)
-    dense[0, idx["dense_ids"][0, : int(idx["dense_counts"][0])]] = True
+    dense[0, idx.dense_ids[0, : int(idx.dense_counts[0])]] = True
     for h in range(4):
         keep = (chosen[0, h // 2] | dense[0]).nonzero().squeeze(1)
         ref = exact(q[:, h:h + 1], k[:, h // 2:h // 2 + 1, keep], v[:, h // 2:h // 2 + 1, keep])
@@ -349,14 +350,14 @@ def test_batched_probing_ranks_the_summed_group_probabilities(arts):
 
 def test_new_tokens_join_the_dense_part_and_the_index_is_rebuilt(arts):
     q, k, v = qkv(1, 4, 2, 700, seed=10)
-    state = {"layer": 1}
     m = kvsieve.method(f"saap:artifacts={arts},probes=8")  # all buckets: exact at every step
+    state = m.new_state()
     for n in (600, 601, 650, 664, 665, 700):
-        out, stats = m.decode(q, k[:, :, :n], v[:, :, :n], state=state)
+        out, stats = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, context=CallContext(layer=1))
         assert torch.allclose(out.double(), exact(q, k[:, :, :n], v[:, :, :n]), atol=1e-10)
-        built = state["saap/index"]["n_keys"]
-        assert n - built <= state["saap/index"]["window"]
-    assert state["saap/index"]["n_keys"] > 600  # rebuilt once the new keys outnumbered the window
+        built = state.index.n_keys
+        assert n - built <= state.index.window
+    assert state.index.n_keys > 600  # rebuilt once the new keys outnumbered the window
 
 
 def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
@@ -370,19 +371,21 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     q, k, v = qkv(1, 4, 2, 700, seed=21)
     spec = f"saap:artifacts={arts},probes=3"
     m = kvsieve.method(spec)
-    cpu_state, gpu_state = {"layer": 1}, {"layer": 1, "min_length": 600}
+    cpu_state, gpu_state = m.new_state(), m.new_state()
+    layer1, hinted = CallContext(layer=1), CallContext(layer=1, min_length=600)
     for n in (600, 601, 640, 664, 665, 700):  # the last two steps rebuild the index
-        a, sa = m.decode(q, k[:, :, :n], v[:, :, :n], state=cpu_state, check_finite=False)
+        a, sa = m.decode(q, k[:, :, :n], v[:, :, :n], state=cpu_state, context=layer1, check_finite=False)
         with contract.host_reads_raise():
-            b, sb = m.decode(q, k[:, :, :n], v[:, :, :n], state=gpu_state, check_finite=False)
+            b, sb = m.decode(q, k[:, :, :n], v[:, :, :n], state=gpu_state, context=hinted, check_finite=False)
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert sb.selectivity == pytest.approx(sa.selectivity)
-        assert cpu_state["saap/index"]["n_keys"] == gpu_state["saap/index"]["n_keys"]
-    assert gpu_state["saap/index"]["n_keys"] > 600
+        assert cpu_state.index.n_keys == gpu_state.index.n_keys
+    assert gpu_state.index.n_keys > 600
+    layer2 = CallContext(layer=2)
     with no_host_reads():  # a ragged batch: the scan for new keys starts at 0 without the hint
         q2, k2, v2 = qkv(2, 4, 2, 500, seed=22)
-        out, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), state={"layer": 2}, check_finite=False)
-    ref, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), state={"layer": 2}, check_finite=False)
+        out, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
+    ref, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
@@ -394,12 +397,12 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(1, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([3000], device="cuda")
     m = kvsieve.method(f"saap:artifacts={folder},probes=4")
-    state = {"layer": 1, "min_length": 2990}
-    m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # builds the index
+    state, ctx = m.new_state(), CallContext(layer=1, min_length=2990)
+    m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)  # builds the index
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out, stats = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+        out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert stats.backend == "triton" and torch.isfinite(out.float()).all()
@@ -407,14 +410,15 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+        m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
-        captured, _ = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+        captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     for step in range(3):  # the next decode steps: the graph reads the new lengths from device memory
         lengths.fill_(2997 + step)
         graph.replay()
-        eager, _ = m.decode(q, k, v, lengths=torch.full_like(lengths, 2997 + step), state=state, check_finite=False)
+        eager, _ = m.decode(q, k, v, lengths=torch.full_like(lengths, 2997 + step), state=state, context=ctx,
+                            check_finite=False)
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
 
 
@@ -784,6 +788,7 @@ pos = torch.tensor([7, 3000])
 inverted = rope.invert(q[:, :, None, :], pos[:, None, None])[:, :, 0]
 worst = max(worst, float((derope_reference(q, pos, rope.inv_freq, 1.3) - inverted).abs().max()))
 # The method: the fused probe picks the reference path's buckets and gives its output.
+from kvsieve import CallContext
 for per in ("kv", "query"):
     folder = Path(tempfile.mkdtemp())
     write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16, per=per)
@@ -791,8 +796,9 @@ for per in ("kv", "query"):
     k, v = torch.randn(2, 2, 2, 300, 32, generator=g).to(dev)
     lengths = torch.tensor([300, 250], device=dev)
     spec = f"saap:artifacts={{folder}},probes=4"
-    out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, state={{"layer": 1}})
-    out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, state={{"layer": 1}})
+    ctx = CallContext(layer=1)
+    out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, context=ctx)
+    out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, context=ctx)
     assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
     assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
     worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
@@ -843,6 +849,7 @@ import tempfile
 from pathlib import Path
 import torch
 import kvsieve
+from kvsieve import CallContext
 from tests.test_saap import write_artifacts
 from tests.launch_log import Ops, log
 folder = Path(tempfile.mkdtemp())
@@ -853,16 +860,17 @@ q = torch.randn(2, 8, 32, generator=g).bfloat16()
 k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
 m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
-state, ref_state = {{"layer": 1, "min_length": n - 20}}, {{"layer": 1}}
+state, ref_state = m.new_state(), ref.new_state()
+ctx, ref_ctx = CallContext(layer=1, min_length=n - 20), CallContext(layer=1)
 worst = 0.0
 for step in range(3):  # the build, then two generated tokens (the dense range grows; no rebuild)
     lengths = torch.tensor([n + step, n - 20 + step])
     kk, vv = k[:, :, : n + step], v[:, :, : n + step]
     log.clear()
     with Ops():
-        out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, check_finite=False)
+        out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, context=ctx, check_finite=False)
     print("CALL", " ".join(log))
-    ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, check_finite=False)
+    ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, context=ref_ctx, check_finite=False)
     assert out.dtype == torch.bfloat16
     assert stats["bucket_keys"] == ref_stats["bucket_keys"] and stats["dense_keys"] == ref_stats["dense_keys"]
     assert stats["selectivity"] == ref_stats["selectivity"], (stats["selectivity"], ref_stats["selectivity"])

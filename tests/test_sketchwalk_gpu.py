@@ -39,7 +39,7 @@ def test_flex_prefill_matches_reference_bf16(n_tok, d, density):
                                             {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3,
                                              "ROWS_GUARANTEED_SAFE": True}])
 def test_flex_prefill_kernel_options_match_reference_bf16(kernel_options):
-    # the launch sweep's configurations (benchmarks/sketchwalk/tune_prefill.py) at 128-key blocks
+    # the launch sweep's configurations (docs/results/studies/sketchwalk/tune_prefill.py) at 128-key blocks
     n_tok, d, bs = 4096 + 37, 128, 128
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(1, 8, n_tok, d, device="cuda", generator=g).bfloat16()

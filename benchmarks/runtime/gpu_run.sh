@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (issue 16): the runtime's gpu-marked tests, then `kvsieve bench e2e` for the
-# issue's targets (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime
-# dense, transformers eager, and every method the runtime captures in its graph, at about 5 % density where
-# it takes a size: santa-prop:budget=128 and quest:top_k=0.05 for the targets, the rest for "every method
-# at least 5x transformers' eager decode at 128k"), all under $OUT. CASES=1x128k (etc.) runs a subset.
+# One call on a GPU machine: the runtime's gpu-marked tests, then `kvsieve bench e2e` for the README's results
+# table (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime dense,
+# transformers' eager decode, and every method the runtime captures in its graph, at about 5 % density where
+# it takes a size), all under $OUT. CASES=1x128k (etc.) runs a subset.
 #
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
 #   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
 #
-# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~4 min for the three cases (10 methods,
-# measured 2026-11-27: 246 s; CASES=1x128k runs one case).
+# Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~4 min for the three cases (10 methods;
+# CASES=1x128k runs one case).
 # Build .device_data/wheels here with:
 #   pip download --no-deps --only-binary=:all: -d .device_data/wheels pytest pluggy iniconfig packaging pygments
 set -uo pipefail

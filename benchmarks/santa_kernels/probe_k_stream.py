@@ -16,7 +16,7 @@ FlashInfer, all in one run, and writes the ratios FlashInfer / each.
 Run on the GPU machine: ``python benchmarks/santa_kernels/probe_k_stream.py --contexts 32k,128k``; ``--check``
 compares the TMA stats with the reference's tile statistics on a small case first (also under
 ``TRITON_INTERPRET=1``). The grid's rows of the shipped stats pass with and without its stash and tile counters
-(``2026-11-22-h100-k-stream-probe.json``) came from switches the kernels no longer have.
+(``docs/results/studies/santa-kernels/results/``) came from switches the kernels no longer have.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Sparse decode on the GPU: the Triton weighted sparse kernel and the device-side selections of
-``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run (issue 15 §3).
+``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run.
 
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
 one select launch, ``kernels/sparse/select_triton.py``: the register select for rows of at most
 ``REGISTER_SELECT_MAX`` units, Quest's pages); at batch 1 the same selections also run as
-``…@torch-select`` (partials-based group sum + ``torch.topk``; the path before 2026-11-25, ``logsumexp`` +
+``…@torch-select`` (partials-based group sum + ``torch.topk``; the earlier path, ``logsumexp`` +
 a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``)
 and ``…@row-select`` (``topk_rows_triton``, the default before the register select; ``quest-kv@register-select``:
 the register select on group-summed pages whatever their number, by default up to 4096);
@@ -46,7 +46,7 @@ from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, spar
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK = WINDOW = 128  # the methods' default sink + window around quest and oracle-topk
 QUEST_PAGE = 16
-TARGETS = {  # issue 15 §3: speedup over FlashInfer at (32k, 128k), batch 1
+TARGETS = {  # the targets: speedup over FlashInfer at (32k, 128k), batch 1
     "sparse-pages16": (6, 12), "streaming": (6, 12), "quest-q": (4, 7), "quest-kv": (4, 7),
     "oracle-topk-q": (1.3, 1.5), "oracle-topk-kv": (1.3, 1.5),
 }
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
                     r["graph_us"] = timer.time_graph_us(call, warmup=args.warmup, iters=args.iters)["median_us"]
                     if name in ("flashinfer", "sdpa", "dense") and r["graph_us"] > 1.5 * r["eager_us"]:
                         # a baseline's replay far slower than its eager launches is a measuring fault (seen
-                        # once: FlashInfer at 32k, 285 µs captured vs 66 eager and 62 of kernels, 2026-11-27),
+                        # once: FlashInfer at 32k, 285 µs captured vs 66 eager and 62 of kernels),
                         # and every speedup of its case divides by it: capture and time it again, keep both
                         r["graph_us_first"] = r["graph_us"]
                         r["graph_us"] = timer.time_graph_us(call, warmup=args.warmup, iters=args.iters)["median_us"]

@@ -2,7 +2,7 @@
 ``magicpig`` and ``oracle-topp`` (top_p = 0.9: its density is the data's; ``select=torch`` is the same
 set by the torch selection, to compare with the device select) through ``method.decode`` (their device
 selection + the Triton weighted sparse kernel,
-``methods/shared/staged.py``) against FlashInfer in the same run (issue 15).
+``methods/shared/staged.py``) against FlashInfer in the same run.
 
     PYTHONPATH=src python benchmarks/sparse_decode/sampling.py OUT_DIR [--iters 20] [--contexts 32768 131072]
 
@@ -37,7 +37,7 @@ import torch
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK = WINDOW = 128  # the methods' defaults
-TARGETS = {"vattention-quest": (3, 4)}  # issue 15: × FlashInfer at (32k, 128k), batch 1; the others: report
+TARGETS = {"vattention-quest": (3, 4)}  # the targets: × FlashInfer at (32k, 128k), batch 1; the others: report
 
 
 def method_specs(n: int, density: float) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Launch settings of Quest's device selection (``quest_pages.quest_select``), swept on the GPU: the page
 bounds launch ran at ~53 % of its byte floor at 128k (15.0 µs for 33.5 MB on an H200), and the select
 launches (register select; rows select and its group-sum launch beyond 4096 group-summed pages) were set
-by cost models, not measurements (issues 15 and 16).
+by cost models, not measurements.
 
 Cases: 32k and 128k keys at batch 1, 32k at batch 8; quest-kv (group-summed pages) and quest-q (per query
 head); Llama-3.1-8B shapes 32/8/128 bf16, page 16, ≈ 5 % density, sink + window 128 — ``run.py``'s

@@ -11,6 +11,8 @@ write into one folder at once, a killed run loses nothing already finished, and 
 cells that are there. Every operation opens its own short-lived connection: once it closes, the
 write-ahead log is folded back into ``cells.sqlite`` and removed, so a finished folder is the
 database file alone (a ``cells.sqlite-wal`` beside it means a run was killed; the next open recovers it).
+A finished folder may keep its database gzip-compressed as ``cells.sqlite.gz`` (``gzip -9n``: a third of
+the size, for committed results): it is then read as it is and refused for writing until unpacked.
 
 A cell is stored without repeating its field names: each field has a column, added the first time
 a row carries it. Integers, finite floats and strings are stored as SQLite values (so ``SELECT
@@ -27,6 +29,7 @@ settings is refused with a clear error: results are never silently mixed.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -37,7 +40,7 @@ import struct
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,7 @@ FORMAT = "kvsieve-eval-results"
 FORMAT_VERSION = 2  # 1: one JSON file per cell under cells/ (read only by migrate_folder)
 MANIFEST = "manifest.json"
 DATABASE = "cells.sqlite"
+ARCHIVE = DATABASE + ".gz"  # a finished folder's database, compressed: read-only
 CELL_FILES = "cells"  # the per-cell JSON files of format version 1
 # Settings added after folders had been written, with the value those folders implicitly used.
 SETTINGS_ADDED_LATER = {"device": "cpu"}
@@ -201,27 +205,37 @@ class ResultStore:
         path = self.database
         if path.exists() and not path.is_file():
             raise ResultsFolderError(f"results: {path} is not a file; it should be the folder's SQLite database")
-        if not write and not path.exists():
+        archive = self.root / ARCHIVE
+        packed = not path.exists() and archive.is_file()
+        if packed and write:
+            raise ResultsFolderError(
+                f"results: {self.root} keeps its cells compressed in {ARCHIVE}, which is read-only; "
+                f"unpack it first (`gunzip {archive}`) to add cells")
+        if not write and not path.exists() and not packed:
             yield None
             return
-        try:
-            if write or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
-                # Readers too open read-write: the last connection to close folds the log back in and
-                # removes it (a read-only one would leave cells.sqlite-wal and -shm behind).
-                con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
-            else:
-                con = _connect_read_only_copy(path)
-        except sqlite3.Error as e:
-            raise ResultsFolderError(f"results: cannot open {path} ({e})") from e
-        try:
-            if write:
-                _create_schema(con)
-            yield con
-        except sqlite3.DatabaseError as e:
-            hint = " (is it a kvsieve results database?)" if "not a database" in str(e) else ""
-            raise ResultsFolderError(f"results: {path}: {e}{hint}") from e
-        finally:
-            con.close()
+        with ExitStack() as stack:
+            try:
+                if packed:
+                    unpacked = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvsieve-results-")))
+                    con = _unpack(archive, unpacked / DATABASE)
+                elif write or (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+                    # Readers too open read-write: the last connection to close folds the log back in and
+                    # removes it (a read-only one would leave cells.sqlite-wal and -shm behind).
+                    con = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+                else:
+                    con = _connect_read_only_copy(path)
+            except sqlite3.Error as e:
+                raise ResultsFolderError(f"results: cannot open {archive if packed else path} ({e})") from e
+            try:
+                if write:
+                    _create_schema(con)
+                yield con
+            except sqlite3.DatabaseError as e:
+                hint = " (is it a kvsieve results database?)" if "not a database" in str(e) else ""
+                raise ResultsFolderError(f"results: {archive if packed else path}: {e}{hint}") from e
+            finally:
+                con.close()
 
     def vacuum(self) -> None:
         """Rewrite the database without free pages (after a run or a migration: the committed file stays small)."""
@@ -283,6 +297,17 @@ class ResultStore:
             if con is None:
                 return []
             return _rows(con.execute("SELECT * FROM cells ORDER BY task, length, sample, method"))
+
+
+def _unpack(archive: Path, path: Path) -> sqlite3.Connection:
+    """A read-only connection to ``archive`` (a gzip-compressed database), unpacked at ``path``."""
+    try:
+        with gzip.open(archive, "rb") as src, open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    except (OSError, EOFError) as e:
+        raise ResultsFolderError(f"results: cannot read {archive} ({e}); it should be a gzip-compressed "
+                                 f"{DATABASE}") from e
+    return sqlite3.connect(f"{path.resolve().as_uri()}?immutable=1", uri=True, isolation_level=None)
 
 
 def _connect_read_only_copy(path: Path) -> sqlite3.Connection:
