@@ -1,4 +1,4 @@
-"""The decode contract (issue 14): no host reads on the decode path, counter-based randomness that a
+"""The decode contract: no host reads on the decode path, counter-based randomness that a
 CUDA graph can replay, many query rows per call."""
 
 from contextlib import contextmanager
@@ -13,47 +13,14 @@ from kvsieve.core.rng import STREAM_TILE, RandomKey, RowStreams, seed_words
 from kvsieve.core.sync import no_host_reads
 from kvsieve.kernels.triton_utils import uniforms as kernel_uniforms
 
-# Small specs that exercise each method's sampling or selection at N = 300 keys.
-SPECS = {
-    "dense": "dense",
-    "magicpig": "magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
-    "oracle-topk": "oracle-topk:sink=4,window=4,top_k=20",
-    "oracle-topp": "oracle-topp:sink=4,window=4,top_p=0.8",
-    "quest": "quest:sink=4,window=4,top_k=32,page_size=8",
-    "random": "random:sink=4,window=4,budget=30",
-    "santa": "santa:budget=16",
-    "santa-flash": "santa-flash:budget=32,tile_size=32",
-    "santa-prop": "santa-prop:budget=32,tile_size=32",
-    "santa-strat": "santa-strat:budget=16",
-    "santa-sys": "santa-sys:budget=16",
-    "streaming": "streaming:sink=4,window=16",
-    "vattention": "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
-}
-# Methods registered by other modules are run with their defaults; methods built from external
-# artifacts (SAAP) are tested in their own modules.
+# Every registered method, at the small settings it declares for ~100-300-key contexts (``small_config``);
+# methods built from external artifacts (SAAP) are tested in their own modules (``contract_tested_in``).
 ALL = sorted(n for n in kvsieve.methods() if not method_class(n).contract_tested_in)
 
 
-def _old_api(name):
-    """Stochastic methods still drawing from a torch.Generator (written before the contract): they read
-    the host and draw per-row generator streams; strict xfails flag the day they are converted."""
-    cls = method_class(name)
-    return cls.stochastic and not cls.random_keys
-
-
-def contract_params(names):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="generator-API method (issue 14 follow-up)"))
-            if _old_api(n) else n for n in names]
-
-
-def host_read_params(names):
-    """contract_params, plus the methods that declare host reads on their decode (``host_reads_note``)."""
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=method_class(n).host_reads_note))
-            if method_class(n).host_reads_note else p for n, p in zip(names, contract_params(names), strict=True)]
-
-
 def spec_of(name):
-    return SPECS.get(name, name)
+    """The method at its declared ``small_config``, as a spec string."""
+    return kvsieve.method(name, **method_class(name).small_config).spec
 
 
 @contextmanager
@@ -78,7 +45,7 @@ def host_reads_raise():
 
 
 @pytest.mark.parametrize("q_len", [1, 3])
-@pytest.mark.parametrize("name", host_read_params(ALL))
+@pytest.mark.parametrize("name", ALL)
 def test_decode_reads_nothing_on_the_host(name, q_len):
     """The code path of CUDA devices, run on the CPU: no .item(), bool(t), int(t), tolist()."""
     q, k, v = random_qkv(batch=2, heads=6, kv_heads=2, n=300, d=16, dtype=torch.float32, seed=1)
@@ -109,7 +76,7 @@ def test_no_host_read_path_equals_the_cpu_path(name):
     assert sa.density == pytest.approx(sb.density) and sa.exact_rows == sb.exact_rows
 
 
-@pytest.mark.parametrize("name", contract_params(ALL))
+@pytest.mark.parametrize("name", ALL)
 def test_chunk_rows_equal_rows_decoded_one_at_a_time(name):
     """q [B, Hq, Q, d]: row j sees len − Q + 1 + j keys and draws what it draws on its own."""
     b, q_len, n = 2, 4, 300
@@ -236,13 +203,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU_PATHS = ["dense:backend=triton", "santa-prop:budget=128", "santa-flash:budget=256"]
 
 
-OLD_API = pytest.mark.xfail(strict=True, reason="generator-API method (issue 14 follow-up)")
-# A method whose decode declares host reads is skipped on the GPU (its CPU test is the strict xfail):
-# sketchwalk's pre-contract decode also fails a device-side assert there, which would poison the CUDA
-# context of every later test of the run.
-GPU_SPECS = [pytest.param(spec_of(n), marks=pytest.mark.skip(reason=method_class(n).host_reads_note))
-             if method_class(n).host_reads_note else
-             pytest.param(spec_of(n), marks=OLD_API) if _old_api(n) else spec_of(n) for n in ALL]
+GPU_SPECS = [spec_of(n) for n in ALL]
 
 
 def _gpu_inputs(dtype=torch.bfloat16, n=2048, batch=1, q_len=1):

@@ -52,9 +52,6 @@ class Method:
     #: draw) per KV head across its group; ``gqa_note`` must then say how the two differ.
     gqa_equivalent: ClassVar[bool] = True
     gqa_note: ClassVar[str] = ""
-    #: Non-empty for a method whose decode still reads device values on the host (written before the
-    #: decode contract), saying so; the contract's no-host-read tests then expect it to fail (strict xfail).
-    host_reads_note: ClassVar[str] = ""
     #: Non-empty for a method that serves only prefix key masks (valid keys ``[0, length)``, no left
     #: padding), saying why; the contract test then checks that other masks are refused by name.
     prefix_only_note: ClassVar[str] = ""
