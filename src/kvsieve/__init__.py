@@ -28,8 +28,8 @@ from .core.stats import StepStats
 
 __version__ = "0.1.0"
 
-__all__ = ["CallContext", "Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec", "sparsify",
-           "__version__"]
+__all__ = ["CallContext", "Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec",
+           "sparsify", "__version__"]
 
 
 def sparsify(model: Any, method: Any, **kwargs: Any):
