@@ -172,7 +172,7 @@ def test_sketchwalk_prefill_backend_triton_equals_reference():
     outs = {}
     for backend in ("reference", "triton"):
         m = kvsieve.method(f"sketchwalk:density=0.3,block_size=16,prefill_backend={backend}")
-        out, stats = m.prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
+        out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
         outs[backend] = (out, stats)
     assert outs["triton"][1].backend == "triton" and outs["reference"][1].backend == "reference"
     assert outs["triton"][1]["block_density"] == outs["reference"][1]["block_density"] < 1  # deferred: read by key

@@ -22,6 +22,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import kvsieve  # noqa: E402
+from kvsieve import CallContext  # noqa: E402
 from kvsieve.kernels.sketchwalk import prefill_select as kernels  # noqa: E402
 from kvsieve.methods.sketchwalk import TIE_BREAK, block_budget, max_block_budget, normalize_rows  # noqa: E402
 
@@ -175,13 +176,13 @@ def test_forced_ties_in_random_rankings(walk, density, fixed_k, seed):
 
 def run_layers(spec: str, backend: str, layers, prompt: int):
     m = method(spec, backend)
-    forward, outs = {}, []
+    forward, outs = m.new_forward_state(), []
     for q, k, v in layers:
-        state = {}
+        state = m.new_state()
         out, stats = m.prefill(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], scale=None, state=state,
-                               forward=forward, sparse=True)
-        sk = state["sketchwalk"]
-        outs.append({"out": out, "w": forward["sketchwalk/w"].clone(), "density": stats.block_density,
+                               context=CallContext(forward=forward), sparse=True)
+        sk = state.sketch
+        outs.append({"out": out, "w": forward.walk.clone(), "density": stats.block_density,
                      "selection": stats.extra["selection"], "hops": stats.extra["walk_hops"],
                      "q_tok": sk.q_tok, "q_sum": sk.q_sum, "k_sum": sk.k_sum, "k_sketch": sk.k_sketch,
                      "a_tilde": sk.a_tilde})
@@ -212,10 +213,10 @@ def test_matrix_power_and_float64_keep_the_reference_and_say_why():
     q, k = qk(1, 4, 2, 100, 64, seed=3)
     v = k.clone()
     m = method("block_size=16,walk_power=matrix,alpha=2", "triton")
-    _, stats = m.prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
+    _, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
     assert stats.extra["selection"] == "reference" and "matrix" in stats.extra["selection_reason"]
     m = method("block_size=16", "triton")
-    _, stats = m.prefill(q.double(), k.double(), v.double(), scale=None, state={}, forward={}, sparse=True)
+    _, stats = m.prefill(q.double(), k.double(), v.double(), scale=None, state=None, sparse=True)
     assert stats.extra["selection"] == "reference" and "float64" in stats.extra["selection_reason"]
     assert method("block_size=16", "auto").prefill_selection_path(q, 7) == ("reference", None)  # CPU: expected
     assert method("block_size=16", "triton").prefill_selection_path(q, kernels.MAX_BLOCKS + 1)[0] == "reference"

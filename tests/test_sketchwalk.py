@@ -8,16 +8,15 @@ import torch
 from transformers import DynamicCache
 
 import kvsieve
-from kvsieve.core.prefill import FORWARD_STATE
+from kvsieve import CallContext
 from kvsieve.kernels.sparse.block_sparse import (
     block_sparse_prefill_flex,
     block_sparse_prefill_reference,
     selection_token_mask,
 )
 from kvsieve.methods.sketchwalk import (
-    HOPS_KEY,
-    STATE_KEY,
-    WALK_KEY,
+    SketchWalkState,
+    WalkState,
     block_budget,
     block_means,
     block_sums,
@@ -208,18 +207,18 @@ def test_selection_invariants(density, fixed_k):
 def test_first_walk_layer_selects_the_one_hop_top_k():
     q, k, v = prompt_qkv(n=640, d=32, seed=7, coherent=1.0)
     m = kvsieve.method("sketchwalk:density=0.3,block_size=16,sketch_dim=16,alpha=8")
-    forward = {}
-    m.prefill(q, k, v, scale=None, state={}, forward=forward, sparse=True)
-    walk = forward[WALK_KEY]
+    forward = WalkState()
+    m.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=forward), sparse=True)
+    walk = forward.walk
     one_hop = kvsieve.method("sketchwalk:density=0.3,block_size=16,sketch_dim=16,alpha=1,walk=one-hop")
-    f2 = {}
-    one_hop.prefill(q, k, v, scale=None, state={}, forward=f2, sparse=True)
+    f2 = WalkState()
+    one_hop.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=f2), sparse=True)
     n = walk.shape[-1]
     rows = torch.arange(n)[None]
     budget = block_budget(rows, 0.3, fixed_k=False, n_blocks=n)
     kmax = max_block_budget(n, 0.3, fixed_k=False)
     # α = 8 and α = 1 rank identically at the first walk layer: the power is monotone
-    assert torch.equal(select_blocks(walk, rows, budget, kmax)[0], select_blocks(f2[WALK_KEY], rows, budget, kmax)[0])
+    assert torch.equal(select_blocks(walk, rows, budget, kmax)[0], select_blocks(f2.walk, rows, budget, kmax)[0])
 
 
 # -- 7-8: block-sparse attention --------------------------------------------------------------------------
@@ -389,17 +388,17 @@ def test_matrix_power_walk_is_the_alpha_step_walk():
 def run_layers(method, qs, ks, vs, n_prefill, decode_tokens, sparse_prefill=True):
     """Prefill ``n_prefill`` tokens through len(qs) layers, then decode ``decode_tokens`` tokens one
     at a time (one forward dict per token). Returns (layer states, last forward dict, outputs)."""
-    states = [{} for _ in qs]
-    forward = {}
+    states = [SketchWalkState() for _ in qs]
+    forward = WalkState()
     for layer, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
         method.prefill(q[:, :, :n_prefill], k[:, :, :n_prefill], v[:, :, :n_prefill], scale=None,
-                       state=states[layer], forward=forward, sparse=sparse_prefill)
+                       state=states[layer], context=CallContext(forward=forward), sparse=sparse_prefill)
     outs = []
     for t in range(n_prefill, n_prefill + decode_tokens):
-        forward = {}
+        forward = WalkState()
         for layer, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
-            states[layer][FORWARD_STATE] = forward
-            out, stats = method.decode(q[:, :, t], k[:, :, : t + 1], v[:, :, : t + 1], state=states[layer])
+            ctx = CallContext(forward=forward)
+            out, stats = method.decode(q[:, :, t], k[:, :, : t + 1], v[:, :, : t + 1], state=states[layer], context=ctx)
             outs.append((out, stats))
     return states, forward, outs
 
@@ -418,7 +417,7 @@ def test_decode_state_after_a_block_of_tokens_equals_the_prefill_state(walk_powe
     decoded, _, _ = run_layers(m, qs, ks, vs, n_total - bs, bs)
     prefilled, _, _ = run_layers(m, qs, ks, vs, n_total, 0)
     for a, b in zip(decoded, prefilled, strict=True):
-        sa, sb = a[STATE_KEY], b[STATE_KEY]
+        sa, sb = a.sketch, b.sketch
         n = sb.k_sum.shape[1]
         torch.testing.assert_close(sa.k_sum[:, :n], sb.k_sum, atol=1e-10, rtol=0)
         torch.testing.assert_close(sa.q_sum[:, :n], sb.q_sum, atol=1e-10, rtol=0)
@@ -439,7 +438,7 @@ def test_decode_walk_at_a_block_boundary_equals_the_prefill_walk_row():
     m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,density=0.3")
     _, prefill_forward, _ = run_layers(m, qs, ks, vs, n_total, 0)
     _, decode_forward, _ = run_layers(m, qs, ks, vs, n_total - 1, 1)
-    torch.testing.assert_close(decode_forward[WALK_KEY], prefill_forward[WALK_KEY][:, c], atol=1e-9, rtol=1e-7)
+    torch.testing.assert_close(decode_forward.walk, prefill_forward.walk[:, c], atol=1e-9, rtol=1e-7)
 
 
 # -- a chunk of query rows (setup B's question): one call per layer ≡ one single-token step per row ----------
@@ -458,27 +457,28 @@ def chunk_and_steps(spec, *, b=2, hq=4, hkv=2, d=32, n0=90, q_len=28, short=(0, 
     m = kvsieve.method(f"sketchwalk:{spec}")
 
     def prompt():
-        states, forward = [{} for _ in data], {}
+        states, forward = [SketchWalkState() for _ in data], WalkState()
         if prefill:
             for (q, k, v), st in zip(data, states, strict=True):
-                m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+                ctx = CallContext(forward=forward)
+                m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, context=ctx, sparse=True)
         return states
 
-    states, forward, chunk = prompt(), {}, []
+    states, forward, chunk = prompt(), WalkState(), []
     lengths = torch.tensor([n_total - s for s in short])
     for (q, k, v), st in zip(data, states, strict=True):
-        st[FORWARD_STATE] = forward
-        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st)
-        chunk.append((out, forward[WALK_KEY].view(b, q_len, -1).clone(), stats, forward[HOPS_KEY]))
+        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st, context=CallContext(forward=forward))
+        chunk.append((out, forward.walk.view(b, q_len, -1).clone(), stats, forward.hops))
     chunk_states = states
     states, steps = prompt(), [[] for _ in data]
     for t in range(q_len):
-        forward = {}
+        forward = WalkState()
         lens = torch.tensor([n0 + t + 1 - s for s in short])
         for layer, ((q, k, v), st) in enumerate(zip(data, states, strict=True)):
-            st[FORWARD_STATE] = forward
-            out, stats = m.decode(q[:, :, n0 + t], k[:, :, : n0 + t + 1], v[:, :, : n0 + t + 1], lengths=lens, state=st)
-            steps[layer].append((out, forward[WALK_KEY].clone(), stats, forward[HOPS_KEY]))
+            ctx = CallContext(forward=forward)
+            out, stats = m.decode(q[:, :, n0 + t], k[:, :, : n0 + t + 1], v[:, :, : n0 + t + 1], lengths=lens,
+                                  state=st, context=ctx)
+            steps[layer].append((out, forward.walk.clone(), stats, forward.hops))
     return chunk, chunk_states, steps, states
 
 
@@ -517,10 +517,10 @@ def test_a_chunk_of_rows_equals_one_token_steps(spec, kw):
         assert stats.kv_rows_read == pytest.approx(sum(s.kv_rows_read for s in step_stats) / q_len, rel=1e-12)
         assert stats.backend == "reference" and stats.extra["selection"] == "reference"
         assert stats.walk_hops == layer + 1
-    n_tok = chunk_states[0][STATE_KEY].q_tok.shape[1]
-    n_tok = min(n_tok, step_states[0][STATE_KEY].q_tok.shape[1])
+    n_tok = chunk_states[0].sketch.q_tok.shape[1]
+    n_tok = min(n_tok, step_states[0].sketch.q_tok.shape[1])
     for a, r in zip(chunk_states, step_states, strict=True):
-        sa, sr = a[STATE_KEY], r[STATE_KEY]
+        sa, sr = a.sketch, r.sketch
         n = -(-(kw.get("n0", 90) + q_len) // bs)
         torch.testing.assert_close(sa.q_tok[:, :n_tok], sr.q_tok[:, :n_tok], rtol=0, atol=0)
         for key in ("q_sum", "k_sum", "k_sketch"):
@@ -542,21 +542,20 @@ def test_a_chunk_row_at_a_block_boundary_equals_the_prefill_walk_row():
         q[:, :, c * bs:] = q[:, :, c * bs:].mean(2, keepdim=True)
     m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,density=0.3")
     _, prefill_forward, _ = run_layers(m, qs, ks, vs, n_total, 0)
-    states, forward = [{} for _ in qs], {}
+    states, forward = [SketchWalkState() for _ in qs], WalkState()
     for q, k, v, st in zip(qs, ks, vs, states, strict=True):
-        m.prefill(q[:, :, : c * bs], k[:, :, : c * bs], v[:, :, : c * bs], scale=None, state=st, forward={},
+        m.prefill(q[:, :, : c * bs], k[:, :, : c * bs], v[:, :, : c * bs], scale=None, state=st,
                   sparse=True)
     for q, k, v, st in zip(qs, ks, vs, states, strict=True):
-        st[FORWARD_STATE] = forward
-        m.decode(q[:, :, c * bs:], k, v, state=st)
+        m.decode(q[:, :, c * bs:], k, v, state=st, context=CallContext(forward=forward))
     b = qs[0].shape[0]
-    last = forward[WALK_KEY].view(b, bs, -1)[:, -1]
-    torch.testing.assert_close(last, prefill_forward[WALK_KEY][:, c], atol=1e-9, rtol=1e-7)
+    last = forward.walk.view(b, bs, -1)[:, -1]
+    torch.testing.assert_close(last, prefill_forward.walk[:, c], atol=1e-9, rtol=1e-7)
     rows = torch.full((b, 1), c)
     budget = block_budget(rows, 0.3, fixed_k=False, n_blocks=c + 1)
     kmax = max_block_budget(c + 1, 0.3, fixed_k=False)
     assert torch.equal(select_blocks(last[:, None], rows, budget, kmax)[0],
-                       select_blocks(prefill_forward[WALK_KEY][:, c:c + 1], rows, budget, kmax)[0])
+                       select_blocks(prefill_forward.walk[:, c:c + 1], rows, budget, kmax)[0])
 
 
 def test_decode_with_density_one_is_exact_and_selects_block_lists():
@@ -598,7 +597,7 @@ def test_standalone_decode_runs_as_the_first_walk_layer():
 def test_short_context_runs_exact_and_says_so():
     q, k, v = prompt_qkv(b=1, n=100, seed=40)
     m = kvsieve.method("sketchwalk:density=0.1,sketch_dim=16")  # 100 tokens = 2 blocks of 64: nothing to drop
-    out, stats = m.prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
+    out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
     torch.testing.assert_close(out, dense_causal(q, k, v), atol=1e-10, rtol=1e-10)
     assert stats.exact_rows == 1 and stats.density == 1.0
 
@@ -619,7 +618,7 @@ def test_bad_config_names_the_argument(spec, argument):
 def test_sketch_dim_larger_than_head_dim_is_rejected():
     q, k, v = prompt_qkv(n=64, d=32)
     with pytest.raises(ValueError, match="sketch_dim"):
-        kvsieve.method("sketchwalk:sketch_dim=64").prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
+        kvsieve.method("sketchwalk:sketch_dim=64").prefill(q, k, v, scale=None, state=None, sparse=True)
 
 
 # -- integration ------------------------------------------------------------------------------------------
@@ -755,10 +754,10 @@ def test_oracle_selection_keeps_the_most_attention_mass_per_block_row():
     kept = {}
     for mode in ("oracle", "walk", "one-hop"):
         m = kvsieve.method(f"sketchwalk:density=0.25,block_size={bs},sketch_dim=16,walk={mode}")
-        forward = {}
-        m.prefill(q, k, v, scale=None, state={}, forward=forward, sparse=True)
+        forward = WalkState()
+        m.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=forward), sparse=True)
         rows = torch.arange(n)[None]
-        idx, cnt = select_blocks(forward[WALK_KEY], rows, block_budget(rows, 0.25, fixed_k=False, n_blocks=n),
+        idx, cnt = select_blocks(forward.walk, rows, block_budget(rows, 0.25, fixed_k=False, n_blocks=n),
                                  max_block_budget(n, 0.25, fixed_k=False))
         mask = selection_token_mask(idx, cnt, block_size=bs, n_tokens=320)[0]
         kept[mode] = block_sums((probs * mask).sum(-1)[None, :, None], bs)[0, :, 0]  # mass kept per block row
@@ -771,7 +770,8 @@ def test_oracle_selection_keeps_the_most_attention_mass_per_block_row():
 KERNEL_DECODE = """
 import torch
 import kvsieve
-from kvsieve.core.prefill import FORWARD_STATE
+from kvsieve import CallContext
+from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 device = "{device}"
 gen = torch.Generator().manual_seed(3)
 b, hq, hkv, d, bs, n0, steps = 2, 6, 2, 64, 16, 150, 5
@@ -779,17 +779,18 @@ layers = [[torch.randn(b, h, n0 + steps, d, generator=gen).to(device) for h in (
 outs = {{}}
 for backend in ("triton", "reference"):
     m = kvsieve.method(f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0,backend={{backend}}")
-    states = [{{}} for _ in layers]
-    forward = {{}}
+    states = [SketchWalkState() for _ in layers]
+    forward = WalkState()
     for (q, k, v), st in zip(layers, states):
-        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+        ctx = CallContext(forward=forward)
+        m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, context=ctx, sparse=True)
     res = []
     for t in range(n0, n0 + steps):
-        forward = {{}}
+        forward = WalkState()
         for (q, k, v), st in zip(layers, states):
-            st[FORWARD_STATE] = forward
             lengths = torch.tensor([t + 1, t - 20], device=device)  # ragged rows: row 1 is shorter
-            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st)
+            ctx = CallContext(forward=forward)
+            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st, context=ctx)
             assert stats.backend == backend, stats.backend
             res.append((out, stats.kv_rows_read, stats.block_density))
     outs[backend] = res
@@ -824,7 +825,8 @@ def test_decode_kernel_path_equals_the_reference_path_on_the_gpu():
 KERNEL_CHUNK = """
 import torch
 import kvsieve
-from kvsieve.core.prefill import FORWARD_STATE
+from kvsieve import CallContext
+from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 device = "{device}"
 gen = torch.Generator().manual_seed(4)
 b, hq, hkv, d, bs, n0, q_len = 2, 6, 2, 64, 16, 150, 12
@@ -835,17 +837,17 @@ for backend in ("triton", "reference"):
     m = kvsieve.method(f"{{spec}},backend={{backend}}")
     # the context through the torch selection for both (the kernels' prefill state equals it to rounding only,
     # and this compares the chunk's walks bit for bit)
-    states, forward = [{{}} for _ in layers], {{}}
+    states, forward = [SketchWalkState() for _ in layers], WalkState()
     for (q, k, v), st in zip(layers, states):
+        ctx = CallContext(forward=forward)
         kvsieve.method(f"{{spec}},backend=reference").prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None,
-                                                              state=st, forward=forward, sparse=True)
-    forward, res = {{}}, []
+                                                              state=st, context=ctx, sparse=True)
+    forward, res = WalkState(), []
     lengths = torch.tensor([n0 + q_len, n0 + q_len - 9], device=device)  # ragged rows
     for (q, k, v), st in zip(layers, states):
-        st[FORWARD_STATE] = forward
-        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st)
+        out, stats = m.decode(q[:, :, n0:], k, v, lengths=lengths, state=st, context=CallContext(forward=forward))
         assert stats.backend == backend and stats.extra["selection"] == "reference", stats.extra
-        res.append((out, stats.kv_rows_read, stats.block_density, forward["sketchwalk/w"].clone()))
+        res.append((out, stats.kv_rows_read, stats.block_density, forward.walk.clone()))
     outs[backend] = res
 worst = 0.0
 for (a, ra, da, wa), (r, rr, dr, wr) in zip(outs["triton"], outs["reference"]):
@@ -880,7 +882,8 @@ import torch
 import kvsieve
 import kvsieve.kernels.sketchwalk.decode as sketch_decode
 import kvsieve.kernels.sparse.weighted_triton as wt
-from kvsieve.core.prefill import FORWARD_STATE
+from kvsieve import CallContext
+from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 sw = sys.modules["kvsieve.methods.sketchwalk"]  # kvsieve.methods is also a function's name
 device = "{device}"
 CASES = [
@@ -937,24 +940,25 @@ def run(case, backend):
     cols, rows, row_tile = case.get("tiles", (None, None, None))
     sketch_decode.sketch_walk_select = lambda *a, **kw: select(*a, tile_cols=cols, split_rows=rows, row_tile=row_tile,
                                                                **kw)
-    states = [{{}} for _ in layers]
+    states = [SketchWalkState() for _ in layers]
     if case.get("prefill", True):
-        forward = {{}}
+        forward = WalkState()
         for (q, k, v), st in zip(layers, states):
-            m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+            ctx = CallContext(forward=forward)
+            m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, context=ctx, sparse=True)
     seen.clear()
     res = []
     for t in range(n0, n0 + steps):
-        forward = {{}}
+        forward = WalkState()
         for (q, k, v), st in zip(layers, states):
-            st[FORWARD_STATE] = forward
             lengths = torch.tensor([t + 1 - s for s in case["short"]], device=device)
-            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st)
+            ctx = CallContext(forward=forward)
+            out, stats = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st, context=ctx)
             fused = "fused" if backend == "triton" else None
             assert stats.backend == backend and stats.extra.get("selection") == fused, stats.extra
-            sk = st[sw.STATE_KEY]
+            sk = st.sketch
             n = -(-(t + 1) // BS)
-            res.append(dict(out=out.double(), w=forward[sw.WALK_KEY].double(), hops=stats.walk_hops,
+            res.append(dict(out=out.double(), w=forward.walk.double(), hops=stats.walk_hops,
                             density=stats.block_density, q_tok=sk.q_tok[:, :t + 1].clone(),
                             q_sum=sk.q_sum[:, :n].clone(), k_sum=sk.k_sum[:, :n].clone(),
                             k_sketch=sk.k_sketch[:, :n].clone(), a_tilde=sk.a_tilde[:, :n, :n].clone()))
@@ -1129,24 +1133,26 @@ def test_fused_select_takes_the_top_blocks_with_ties_to_the_lower_block_on_the_g
 FUSED_LAUNCHES = """
 import torch
 import kvsieve
-from kvsieve.core.prefill import FORWARD_STATE
+from kvsieve import CallContext
+from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 gen = torch.Generator().manual_seed(0)
 b, n0 = 2, 400
 layers = [[torch.randn(b, h, n0 + 1, 64, generator=gen).bfloat16() for h in (8, 2, 2)] for _ in range(2)]
 m = kvsieve.method("sketchwalk:block_size=16,density=0.2,backend=triton")
-states = [{{}} for _ in layers]
-forward = {{}}
+states = [SketchWalkState() for _ in layers]
+forward = WalkState()
 for (q, k, v), st in zip(layers, states):
-    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+    ctx = CallContext(forward=forward)
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, context=ctx, sparse=True)
 from tests.launch_log import Ops, log
 lengths = torch.tensor([n0 + 1, n0 - 30], dtype=torch.int32)
 for step in range(2):  # the second pass: nothing left to allocate or grow
-    forward = {{}}
+    forward = WalkState()
     for (q, k, v), st in zip(layers, states):
-        st[FORWARD_STATE] = forward
         log.clear()
         with Ops():
-            out, stats = m.decode(q[:, :, n0], k, v, lengths=lengths, state=st, check_finite=False)
+            ctx = CallContext(forward=forward)
+            out, stats = m.decode(q[:, :, n0], k, v, lengths=lengths, state=st, context=ctx, check_finite=False)
         print("CALL", " ".join(log))
 """
 

@@ -53,6 +53,8 @@ def test_flex_prefill_kernel_options_match_reference_bf16(kernel_options):
 
 
 def test_method_prefill_and_decode_on_cuda_match_cpu():
+    from kvsieve import CallContext
+
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 2048 + 5, 64, generator=g)
     k = torch.randn(1, 2, 2048 + 5, 64, generator=g)
@@ -60,11 +62,11 @@ def test_method_prefill_and_decode_on_cuda_match_cpu():
     m = kvsieve.method("sketchwalk:density=0.2")
     results = {}
     for dev in ("cpu", "cuda"):
-        state, fwd = {}, {}
+        state = m.new_state()
         out, stats = m.prefill(q[:, :, :-1].to(dev), k[:, :, :-1].to(dev), v[:, :, :-1].to(dev), scale=None,
-                               state=state, forward=fwd, sparse=True)
-        state["forward"] = {}
-        dec, dstats = m.decode(q[:, :, -1].to(dev), k.to(dev), v.to(dev), state=state)
+                               state=state, sparse=True)
+        dec, dstats = m.decode(q[:, :, -1].to(dev), k.to(dev), v.to(dev), state=state,
+                               context=CallContext(forward=m.new_forward_state()))
         results[dev] = (out.cpu(), dec.cpu(), stats.backend, dstats.blocks_kept)
     assert results["cuda"][2] == "triton" and results["cpu"][2] == "reference"  # 64-key blocks: the kernel
     torch.testing.assert_close(results["cuda"][0], results["cpu"][0], atol=1e-3, rtol=1e-3)
@@ -89,7 +91,8 @@ def _decode_steps(spec, layers, n0, steps, monkeypatch):
     import sys
 
     import kvsieve.kernels.sparse.weighted_triton as wt
-    from kvsieve.core.prefill import FORWARD_STATE
+    from kvsieve import CallContext
+    from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 
     sw = sys.modules["kvsieve.methods.sketchwalk"]
     seen = []
@@ -108,19 +111,19 @@ def _decode_steps(spec, layers, n0, steps, monkeypatch):
     monkeypatch.setattr(sw, "weighted_sparse_decode", reference_hook)
     m = kvsieve.method(spec)
     prefill = kvsieve.method(spec.rsplit(",backend=", 1)[0] + ",backend=reference")
-    states = [{} for _ in layers]
-    forward = {}
+    states = [SketchWalkState() for _ in layers]
+    forward = WalkState()
     for (q, k, v), st in zip(layers, states, strict=True):
-        prefill.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st, forward=forward, sparse=True)
+        prefill.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=st,
+                        context=CallContext(forward=forward), sparse=True)
     res = []
     for t in range(n0, n0 + steps):
-        forward = {}
+        forward = WalkState()
         for (q, k, v), st in zip(layers, states, strict=True):
-            st[FORWARD_STATE] = forward
             lengths = torch.tensor([t + 1], device="cuda", dtype=torch.int32)
             out, _ = m.decode(q[:, :, t], k[:, :, :t + 1], v[:, :, :t + 1], lengths=lengths, state=st,
-                              check_finite=False)
-            res.append((seen[-1], forward[sw.WALK_KEY].clone(), out.float()))
+                              context=CallContext(forward=forward), check_finite=False)
+            res.append((seen[-1], forward.walk.clone(), out.float()))
     monkeypatch.undo()
     return res, states
 
@@ -140,7 +143,7 @@ def test_fused_selection_matches_the_reference_at_long_context(walk, monkeypatch
         torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
     n = -(-(n0 + steps) // 64)
     for a, r in zip(fused_states, ref_states, strict=True):
-        sa, sr = a["sketchwalk"], r["sketchwalk"]
+        sa, sr = a.sketch, r.sketch
         torch.testing.assert_close(sa.k_sketch[:, :n], sr.k_sketch[:, :n], atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(sa.a_tilde[:, :n, :n], sr.a_tilde[:, :n, :n], atol=1e-30, rtol=1e-3)
 
@@ -148,22 +151,24 @@ def test_fused_selection_matches_the_reference_at_long_context(walk, monkeypatch
 def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
     """The fused path with a previous layer's walk: no host read (sync debug mode "error"), and graph replays
     at three lengths (one completes a block) equal eager calls bit for bit."""
-    from kvsieve.core.prefill import FORWARD_STATE
-    from kvsieve.methods.sketchwalk import HOPS_KEY, WALK_KEY
+    from kvsieve import CallContext
+    from kvsieve.methods.sketchwalk import WalkState
 
     n0 = 64 * 100 + 61
     (q, k, v), = _llama_layers(n0 + 3, 1, seed=1)
     m = kvsieve.method("sketchwalk:density=0.1")
-    state = {}
-    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state, forward={}, sparse=True)
+    state = m.new_state()
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state, sparse=True)
     n = -(-(n0 + 3) // 64)
     g = torch.Generator(device="cuda").manual_seed(2)
     w_prev = torch.rand(1, n, device="cuda", generator=g)
     lengths = torch.full((1,), n0 + 3, device="cuda", dtype=torch.int32)
+    forward = WalkState()
 
     def call():
-        state[FORWARD_STATE] = {WALK_KEY: w_prev, HOPS_KEY: 1}  # as after one sparse layer
-        return m.decode(q[:, :, n0 + 2], k, v, lengths=lengths, state=state, check_finite=False)
+        forward.walk, forward.hops = w_prev, 1  # as after one sparse layer
+        return m.decode(q[:, :, n0 + 2], k, v, lengths=lengths, state=state, context=CallContext(forward=forward),
+                        check_finite=False)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -186,9 +191,9 @@ def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
         lengths.fill_(n0 + 1 + i)
         graph.replay()
         outs.append(out.clone())
-        walks.append(state[FORWARD_STATE][WALK_KEY].clone())
+        walks.append(forward.walk.clone())
     for i in range(3):
         lengths.fill_(n0 + 1 + i)
         ref, _ = call()
         torch.testing.assert_close(outs[i], ref, atol=0, rtol=0)
-        torch.testing.assert_close(walks[i], state[FORWARD_STATE][WALK_KEY], atol=0, rtol=0)
+        torch.testing.assert_close(walks[i], forward.walk, atol=0, rtol=0)

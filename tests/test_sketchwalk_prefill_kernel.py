@@ -203,7 +203,7 @@ def test_gpu_method_prefill_backends_agree():
     res = {}
     for backend in ("auto", "triton", "reference"):
         m = kvsieve.method(f"sketchwalk:density=0.1,prefill_backend={backend}")
-        out, stats = m.prefill(q, k, v, scale=None, state={}, forward={}, sparse=True)
+        out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
         res[backend] = (out.float(), stats.backend)
     # auto: the kernel for the default 64-key blocks (measured 2x Flex there, H200 2026-11-27)
     assert [res[b][1] for b in ("auto", "triton", "reference")] == ["triton", "triton", "reference"]
