@@ -179,7 +179,7 @@ def test_stats_report_the_budget_per_head_and_reads():
 
 def test_gqa_shared_budget_is_the_group_max():
     q, k, v = random_qkv(batch=1, heads=6, kv_heads=2, n=2000, d=16, seed=7, peaked=1.0)
-    m = kvsieve.method("vattention", epsilon=0.2, delta=0.2, sink=16, window=16, top_k=0.02, share_kv_group=True)
+    m = kvsieve.method("vattention", epsilon=0.05, delta=0.2, sink=16, window=16, top_k=0.02, share_kv_group=True)
     _, st = m.decode(q, k, v, seed=0)
     assert st.budget_per_head.shape == (1, 2)
     assert st.density == pytest.approx(st.kv_density)
@@ -290,3 +290,56 @@ def test_spec_string_round_trip():
     assert m.config.top_k == 64 and isinstance(m.config.top_k, int)
     assert kvsieve.method(m.spec).config == m.config
     assert kvsieve.method("vattention:top_k=0.05").config.top_k == 0.05
+
+
+def test_hub_flags_leave_two_hub_rules_out_as_documented():
+    """With every hub flag on, two rules of sparse-attention-hub's AdaptiveSamplingMasker stay ours
+    (docs/methods/vattention.md): the budget is rounded up where the hub truncates (``.long()``), and D̂
+    counts every base draw where the hub's dense base mask holds a key drawn twice once (σ̂ uses every
+    draw in both). Replaying the method's base sample, our budget is ceil of our formula, and the hub's
+    re-stated formula gives another budget on rows whose base sample has duplicates."""
+    from kvsieve.core.rng import RandomKey, RowStreams
+    from kvsieve.methods.shared.selection import available_after, sink_and_window, union
+
+    q, k, v = random_qkv(batch=1, heads=8, kv_heads=8, n=400, d=16, seed=13, peaked=1.0)
+    m = kvsieve.method("vattention", epsilon=0.05, delta=0.2, sink=16, window=16, top_k=8, base_rate=0.2,
+                       bound="denominator", quantile="one-sided", replacement=True, residual="includes-topk",
+                       budget_floor="base")
+    _, st = m.decode(q, k, v, seed=0)
+    inputs = check_decode_inputs(q, k, v)
+    fixed = sink_and_window(inputs, 16, 16, 8)
+    residual = available_after(inputs, fixed)  # includes-topk: all but sink and window (the hub's range)
+    static = union(fixed, m.predicted_top(inputs, residual, {}))
+    n_s = residual.sum(-1)
+    n_base = torch.clamp(torch.floor(0.2 * n_s.double()).long(), min=2)
+    base = uniform_sample(residual, n_base, RowStreams(RandomKey(0), inputs.batch_row(), inputs.n_valid),
+                          replacement=True, size_bound=max(2, int(0.2 * inputs.n_keys)))
+    raw = m.budget(inputs, static, base, n_s, n_base)
+    ours = torch.minimum(torch.maximum(torch.ceil(raw).long(), n_base), n_s)
+    torch.testing.assert_close(st.budget_per_head, ours.double())  # the replay is the method's draw
+
+    # the hub (adaptive_sampling.py): D̂ = static sum + (range/|base|)·Σ over distinct base keys,
+    # σ̂ = torch.std over all draws, b = clamp((z σ̂ range / (ε D̂))², 1, range).long(), then [|base|, range]
+    s = inputs.scores(torch.float64)  # [1, 8, N]
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    z = float(normal_quantile(0.2, False))
+    dups = 0
+    for h in range(8):
+        draws = base.indices[0, h, : int(base.counts[0, h])]
+        distinct = torch.unique(draws)
+        static_idx = static.indices[0, h, : int(static.counts[0, h])]
+        sigma, n_sh = e[0, h, draws].std(), float(n_s[0, h])
+        d_all, d_hub = (e[0, h, static_idx].sum() + n_sh / len(draws) * e[0, h, keys].sum()
+                        for keys in (draws, distinct))
+        raw_all, raw_hub = ((z * sigma * n_sh / (0.05 * d)) ** 2 for d in (d_all, d_hub))
+        # the same formula over every draw is ours: only the de-duplication and the rounding differ
+        torch.testing.assert_close(raw_all, raw[0, h], rtol=1e-9, atol=0)
+        hub = int(torch.clamp(torch.clamp(raw_hub, min=1.0, max=n_sh).long(), min=int(n_base[0, h]), max=int(n_sh)))
+        if float(raw[0, h]) >= n_sh:
+            continue
+        dups += len(distinct) < len(draws)
+        if len(distinct) == len(draws):  # truncated where we round up
+            assert hub == int(ours[0, h]) - (float(raw[0, h]) % 1 > 0), h
+        else:  # D̂ lower: a larger budget
+            assert raw_hub > raw[0, h] and hub > int(ours[0, h]), h
+    assert dups >= 4  # most rows below the cap have duplicates in their base sample

@@ -20,7 +20,8 @@ plug-in statistics (D̂, σ̂ of ``e^{s}``; for ``bound=full`` also ‖N̂‖ an
 rounded up and clamped to ``[1, n_s]`` (``budget_floor=base``: the hub's ``[|base|, n_s]``); a
 budget of ``n_s`` takes the whole residual at weight 1 (exact). Flags reproduce the
 sparse-attention-hub code where it differs from the paper: ``replacement``, ``residual``,
-``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
+``quantile``, ``budget_floor``; not its truncated budget nor its de-duplicated D̂ and sample (kept
+unbiased here). See ``docs/methods/vattention.md``.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection
 (predictor, base sample, budget, residual sample: device launches on the same counter-based draws, no
