@@ -57,7 +57,7 @@ class MagicPigConfig(SinkWindowConfig):
            "(2: MagicPIG's code; 1: sparse-attention-hub's); an integer in [1, tables]")
     weight_eps: float = param(
         1e-4, "a retrieved key weighs 1/(P + weight_eps), P its retrieval probability (MagicPIG's code: 1e-4; "
-              "0: the exact inverse, as sparse-attention-hub); in [0, 1)")
+              "0: the exact inverse; sparse-attention-hub's masks divide by P + 1e-6); in [0, 1)")
     budget: int | float = param(
         0, "cap on retrieved keys beyond sink+window (count or fraction of the context); 0 = no cap")
     transform: Literal["center", "mips"] = param(
