@@ -38,6 +38,9 @@ SPECS = [
     "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
     "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
     "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
+    # every hub flag: the torch selection (de-duplicated sample) handed to the kernel
+    "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,bound=denominator,quantile=one-sided,replacement=True,"
+    "residual=includes-topk,budget_floor=base,rounding=down,duplicates=collapse",
     # the fused Quest path (kernel_stages): per-query-head pages, bound=full; Hoeffding with budget_floor=base
     "vattention:sink=4,window=4,top_k=0.05,epsilon=0.2,delta=0.1,predictor=quest,page_size=16",
     "vattention:sink=4,window=4,top_k=0.05,epsilon=0.3,delta=0.3,predictor=quest,page_size=8,bound=denominator,"
