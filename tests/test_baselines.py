@@ -199,39 +199,146 @@ def test_quest_page_bound_is_an_upper_bound_and_state_is_incremental():
     torch.testing.assert_close(got, m.decode(q, k[:, :, :90], v[:, :, :90])[0], atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("transform", ["mips", "center"])
-def test_magicpig_retrieval_frequency_matches_its_probability(transform):
-    """Over independent hyperplane draws, key i is retrieved with probability 1 − (1 − (1 − θ/π)^K)^L."""
-    q, k, v = random_qkv(batch=1, heads=1, kv_heads=1, n=60, d=8, seed=10, peaked=1.0)
-    cfg = kvsieve.method("magicpig", bits=3, tables=2, transform=transform, sink=0, window=0).config
+def _magicpig_collisions(cfg, q, k, v, state=None):
+    """The method's own key codes and the query's: collisions per key ``[N]`` (one head) and the hashes."""
+    from kvsieve.methods.magicpig import _codes
+
     inputs = check_decode_inputs(q, k, v)
+    h = _KeyHashes(cfg, inputs, MagicPigState() if state is None else state)
+    qc = _codes(h.query(q), h.cached.proj, cfg.bits, cfg.tables)
+    return (h.cached.codes[0, 0] == qc[0, 0]).sum(-1), h, inputs
+
+
+def _binomial_tail(p, tables, t):
+    """``Pr[Binomial(L, p) >= t]``, the upper terms summed directly (not the implementation's complement)."""
+    return sum(float(math.comb(tables, j)) * p**j * (1 - p) ** (tables - j) for j in range(t, tables + 1))
+
+
+@pytest.mark.parametrize("transform,min_tables", [("mips", 1), ("center", 1), ("center", 2), ("mips", 3)])
+def test_magicpig_retrieval_frequency_matches_its_probability(transform, min_tables):
+    """Over independent hyperplane draws, key i collides in at least t of the L tables with probability
+    Pr[Binomial(L, (1 − θ/π)^K) ≥ t], the probability the method inverts."""
+    import dataclasses
+
+    from kvsieve.kernels.sparse.lsh_triton import retrieval_probability
+
+    q, k, v = random_qkv(batch=1, heads=1, kv_heads=1, n=60, d=8, seed=10, peaked=1.0)
+    cfg = kvsieve.method("magicpig", bits=2, tables=4, min_tables=min_tables, transform=transform, sink=0,
+                         window=0).config
     trials = 600
-    hits = torch.zeros(60)
+    hits = torch.zeros(60, dtype=torch.float64)
     for seed in range(trials):
-        import dataclasses
-
-        c = dataclasses.replace(cfg, hash_seed=seed)
-        h = _KeyHashes(c, inputs, MagicPigState())
-        from kvsieve.methods.magicpig import _codes
-
-        qc = _codes(h.query(q), h.cached["proj"], c.bits, c.tables)
-        hits += (h.cached["codes"][0, 0] == qc[0, 0]).any(-1).double()
+        coll, h, inputs = _magicpig_collisions(dataclasses.replace(cfg, hash_seed=seed), q, k, v)
+        hits += (coll >= min_tables).double()
         if seed == 0:
-            theta = torch.arccos(h.cosines(inputs)[0, 0].double().clamp(-1, 1))
-    p = 1 - (1 - (1 - theta / math.pi) ** 3) ** 2
+            cos = h.cosines(inputs)[0, 0]
+    p = retrieval_probability(cos, 2, 4, min_tables)
+    theta = torch.arccos(cos.double().clamp(-1, 1))
+    torch.testing.assert_close(p, _binomial_tail((1 - theta / math.pi) ** 2, 4, min_tables), rtol=1e-12, atol=1e-15)
     freq = hits / trials
     se = torch.sqrt(p * (1 - p) / trials)
     assert ((freq - p).abs() <= 4 * se + 1e-9).all()
+    # the check has power: the neighbouring threshold's probabilities are contradicted
+    other = retrieval_probability(cos, 2, 4, min_tables + 1 if min_tables < 4 else min_tables - 1)
+    assert ((freq - other).abs() > 4 * torch.sqrt(other * (1 - other) / trials) + 1e-9).any()
 
 
-def test_magicpig_state_is_incremental():
+def test_magicpig_probability_is_the_binomial_tail_and_magicpigs_closed_form():
+    """The retrieval probability against a direct computation: the binomial tail summed term by term, and
+    for t = 2 MagicPIG's ``1 − (1 − p)^{L−1}(Lp + 1 − p)`` (their sparse_attention.cc), K = 10, L = 150."""
+    from kvsieve.kernels.sparse.lsh_triton import retrieval_probability, retrieval_weights
+
+    cos = torch.linspace(-0.99, 0.99, 41, dtype=torch.float64)
+    p = (1 - torch.arccos(cos) / math.pi) ** 10
+    for t in (1, 2, 3, 150):
+        torch.testing.assert_close(retrieval_probability(cos, 10, 150, t), _binomial_tail(p, 150, t),
+                                   rtol=1e-9, atol=1e-13)
+    theirs = 1 - (1 - p) ** 149 * (150 * p + 1 - p)
+    torch.testing.assert_close(retrieval_probability(cos, 10, 150, 2), theirs, rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(retrieval_weights(cos, 10, 150, 2, 1e-4), 1 / (theirs + 1e-4), rtol=1e-9, atol=0)
+    torch.testing.assert_close(retrieval_weights(cos, 10, 150, 1, 0.0), 1 / (1 - (1 - p) ** 150), rtol=1e-9, atol=0)
+
+
+def test_magicpig_retrieves_on_two_tables_weights_and_centres_as_magicpigs_code():
+    """The default retrieves a key colliding in at least 2 tables (one colliding in exactly one is not;
+    with min_tables=1 it is), weighs it 1/(P[≥2] + 1e-4) with P from the angle to the keys centred by the
+    mean of the middle keys (neither sink nor window), read back from the output: with one-hot values the
+    output's coordinate j is ``w_j e^{s_j} / Z``, and a sink key has weight 1."""
+    n, d, sink, window, bits, tables = 60, 64, 3, 4, 2, 6
+    q, k, _ = random_qkv(batch=1, heads=1, kv_heads=1, n=n, d=d, seed=4, peaked=0.3)
+    k[:, :, :sink] += 3.0  # sink and window far from the middle: centring by all keys would differ
+    k[:, :, n - window:] -= 2.0
+    v = torch.eye(n, d, dtype=torch.float64)[None, None]
+    m = kvsieve.method("magicpig", bits=bits, tables=tables, sink=sink, window=window)
+    assert (m.config.min_tables, m.config.weight_eps, m.config.transform) == (2, 1e-4, "center")
+    coll, _, _ = _magicpig_collisions(m.config, q, k, v)
+    middle = torch.arange(n)[(torch.arange(n) >= sink) & (torch.arange(n) < n - window)]
+    once = [j for j in middle.tolist() if coll[j] == 1]
+    assert once and any(coll[j] >= 2 for j in middle.tolist())  # both kinds present
+    s = (q[0, 0] @ k[0, 0].T) / math.sqrt(d)
+    for t, spec in ((2, m), (1, kvsieve.method("magicpig", bits=bits, tables=tables, sink=sink, window=window,
+                                                min_tables=1))):
+        out, _ = spec.decode(q, k, v)
+        w = (out[0, 0, :n] / torch.exp(s - s.max())) / (out[0, 0, 0] / torch.exp(s[0] - s.max()))
+        kept = torch.zeros(n, dtype=torch.bool)
+        kept[middle] = coll[middle] >= t
+        kept[:sink] = kept[n - window:] = True
+        assert torch.equal(out[0, 0, :n] > 0, kept), t
+        for mean, expect in ((k[0, 0, middle].mean(0), True), (k[0, 0].mean(0), False)):
+            kc = k[0, 0, middle] - mean
+            cos = (kc @ q[0, 0]) / (kc.norm(dim=-1) * q[0, 0].norm())
+            want = 1 / (_binomial_tail((1 - torch.arccos(cos) / math.pi) ** bits, tables, t) + 1e-4)
+            sel = kept[middle]
+            assert torch.allclose(w[middle][sel], want[sel], rtol=1e-4) == expect, (t, expect)
+        assert torch.allclose(w[:sink], torch.ones(sink, dtype=torch.float64), rtol=1e-9)
+
+
+@pytest.mark.parametrize("min_tables", [1, 2])
+def test_magicpig_inverse_probability_sum_is_unbiased(min_tables):
+    """With weight_eps=0 the weighted sum over retrieved keys, Σ w_i e^{s_i}, is unbiased for Σ e^{s_i} over
+    hyperplane draws (Horvitz–Thompson): the mean over 800 draws is within 4 standard errors (measured
+    spread); the default's 1e-4 lowers each weight, so its mean lies below."""
+    import dataclasses
+
+    from kvsieve.kernels.sparse.lsh_triton import retrieval_weights
+
+    q, k, v = random_qkv(batch=1, heads=1, kv_heads=1, n=50, d=8, seed=12, peaked=1.5)
+    cfg = kvsieve.method("magicpig", bits=2, tables=5, min_tables=min_tables, sink=0, window=0,
+                         weight_eps=0.0).config
+    e = torch.exp((q[0, 0] @ k[0, 0].T) / math.sqrt(8))
+    est = []
+    for seed in range(800):
+        coll, h, inputs = _magicpig_collisions(dataclasses.replace(cfg, hash_seed=seed), q, k, v)
+        w = retrieval_weights(h.cosines(inputs)[0, 0], 2, 5, min_tables, 0.0)
+        est.append(float((w * e * (coll >= min_tables)).sum()))
+    est = torch.tensor(est, dtype=torch.float64)
+    se = float(est.std()) / math.sqrt(len(est))
+    assert abs(float(est.mean()) - float(e.sum())) <= 4 * se, (float(est.mean()), float(e.sum()), se)
+    assert se < 0.1 * float(e.sum())  # the check has power
+
+
+@pytest.mark.parametrize("transform", ["mips", "center"])
+def test_magicpig_state_is_incremental(transform):
+    """Codes extended call by call equal every key hashed at once: for ``mips`` a fresh state gives the same
+    output; for ``center`` the mean stays the first call's (the prefill's middle keys), so the kept codes
+    equal all keys hashed with that mean, and a fresh state (another mean) differs."""
+    from kvsieve.methods.magicpig import _codes
+
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=300, d=16, seed=11)
-    m = kvsieve.method("magicpig", sink=4, window=4, bits=4, tables=8)
-    state = m.new_state()
+    m = kvsieve.method("magicpig", sink=4, window=4, bits=4, tables=8, transform=transform)
+    cfg = m.config
+    state = {}
     for n in (200, 201, 250):
         got, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, seed=0)
-        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], seed=0)
-        torch.testing.assert_close(got, fresh, atol=1e-6, rtol=1e-6)
+        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state={}, seed=0)
+        if transform == "mips":
+            torch.testing.assert_close(got, fresh, atol=1e-6, rtol=1e-6)
+            continue
+        (cached,) = state.values()
+        torch.testing.assert_close(cached.mean, k[:, :, 4:196].float().mean(2), rtol=1e-6, atol=1e-7)
+        kt = _KeyHashes.transform(cfg, cached, k[:, :, :n].float())
+        assert torch.equal(cached.codes, _codes(kt, cached.proj, cfg.bits, cfg.tables))
+        assert n == 200 or not torch.allclose(got, fresh, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -247,6 +354,10 @@ def test_magicpig_state_is_incremental():
         ("streaming:sink=-1", "sink"),
         ("magicpig:bits=70", "bits"),
         ("magicpig:transform=xyz", "transform"),
+        ("magicpig:min_tables=0", r"min_tables: expected an integer in \[1, tables\] = \[1, 75\], got 0"),
+        ("magicpig:tables=10,min_tables=11", r"min_tables: .*\[1, 10\], got 11"),
+        ("magicpig:min_tables=1.5", "min_tables"),
+        ("magicpig:weight_eps=-0.1", "weight_eps"),
     ],
 )
 def test_bad_config_is_a_clear_error(spec, match):

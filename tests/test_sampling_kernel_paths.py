@@ -32,11 +32,15 @@ SPECS = [
     "oracle-topp:sink=4,window=4,top_p=0.8",
     "oracle-topp:sink=2,window=6,top_p=0.6,mass=residual,share_kv_group=True",
     "magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
-    "magicpig:bits=3,tables=6,sink=2,window=4,transform=center",
+    "magicpig:bits=3,tables=6,sink=2,window=4,transform=mips,min_tables=1,weight_eps=0",
+    "magicpig:bits=2,tables=9,sink=3,window=5,min_tables=3",
     "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
     "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
     "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
     "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
+    # every hub flag: the torch selection (de-duplicated sample) handed to the kernel
+    "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,bound=denominator,quantile=one-sided,replacement=True,"
+    "residual=includes-topk,budget_floor=base,rounding=down,duplicates=collapse",
     # the fused Quest path (kernel_stages): per-query-head pages, bound=full; Hoeffding with budget_floor=base
     "vattention:sink=4,window=4,top_k=0.05,epsilon=0.2,delta=0.1,predictor=quest,page_size=16",
     "vattention:sink=4,window=4,top_k=0.05,epsilon=0.3,delta=0.3,predictor=quest,page_size=8,bound=denominator,"
@@ -261,7 +265,7 @@ k = torch.randn(2, 2, 140, 64, generator=g)
 proj = torch.randn(65, 4 * 8, generator=g)
 for transform in ("mips", "center"):
     cfg = MagicPigConfig(bits=4, tables=8, transform=transform)
-    codes = LshCodes(proj if transform == "mips" else proj[:64], 4, 8, transform)
+    codes = LshCodes(proj if transform == "mips" else proj[:64], 4, 8, transform, sink=3, window=5)
     kk = k.clone()
     for step in range(5):
         lens = torch.tensor([100 + step, 60 + 3 * step])
@@ -280,6 +284,9 @@ for transform in ("mips", "center"):
                 assert grew.tolist() == ([[False, False], [step == 3, False]]), (step, codes.lo)
         else:
             const = {{"mean": codes.mean}}
+            # the first call's middle keys: neither the 3 sink nor the 5 window keys of each row
+            first = torch.stack([kk[0, :, 3:95].mean(1), kk[1, :, 3:55].mean(1)])
+            torch.testing.assert_close(codes.mean, first, rtol=1e-6, atol=1e-6)
         want = _codes(_KeyHashes.transform(cfg, const, kk[:, :, :110 + step]), codes.proj, 4, 8)
         for b in range(2):
             n = int(lens[b])
@@ -471,9 +478,9 @@ from kvsieve.kernels.sparse.lsh_triton import LshCodes, key_dots_triton, retriev
 from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(3)
-for (b, hq, hkv, n, d, bits, tables, transform, dtype) in [
-        (2, 8, 2, 300, 64, 4, 8, "mips", torch.float32), (1, 4, 4, 1000, 32, 3, 5, "center", torch.bfloat16),
-        (2, 4, 1, 77, 64, 8, 16, "mips", torch.bfloat16)]:
+for (b, hq, hkv, n, d, bits, tables, transform, dtype, t) in [
+        (2, 8, 2, 300, 64, 4, 8, "mips", torch.float32, 1), (1, 4, 4, 1000, 32, 3, 5, "center", torch.bfloat16, 2),
+        (2, 4, 1, 77, 64, 2, 16, "mips", torch.bfloat16, 3)]:
     q = torch.randn(b, hq, d, generator=g).to(dtype)
     k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
     lens = torch.tensor([n, n - 13][:b])
@@ -484,7 +491,7 @@ for (b, hq, hkv, n, d, bits, tables, transform, dtype) in [
     sink, window = 3, 5
     ref = None
     for target in (1, 7, 64, 528):
-        excl, cnt = retrieve_triton(q, codes, lens, sink, window, n, target_programs=target)
+        excl, cnt = retrieve_triton(q, codes, lens, sink, window, n, t, target_programs=target)
         lo = torch.clamp(lens, max=sink); hi = torch.maximum(lens - window, lo)
         m = (torch.arange(n)[None, :] >= lo[:, None]) & (torch.arange(n)[None, :] < hi[:, None])
         e = excl & m[:, None, :]
@@ -496,7 +503,10 @@ for (b, hq, hkv, n, d, bits, tables, transform, dtype) in [
             qt = torch.cat([qf / qf.norm(dim=-1, keepdim=True), torch.zeros_like(qf[..., :1])], -1) if mips else qf
             qc = _codes(qt, codes.proj, bits, tables)
             kc = codes.codes[:, :, :n].long()
-            hit = (kc[:, :, None] == qc.view(b, hkv, hq // hkv, 1, tables)).any(-1).view(b, hq, n) & m[:, None, :]
+            coll = (kc[:, :, None] == qc.view(b, hkv, hq // hkv, 1, tables)).sum(-1).view(b, hq, n)
+            hit = (coll >= t) & m[:, None, :]
+            if t > 1:  # keys colliding in fewer than t tables exist: the threshold matters
+                assert bool(((coll > 0) & (coll < t) & m[:, None, :]).any())
             assert torch.equal(e, ~hit & m[:, None, :]), "excl vs torch"
             assert torch.equal(cnt.long(), hit.sum(-1)), "count vs torch"
         else:
@@ -718,7 +728,7 @@ def test_device_topp_selection_equals_the_reference_set_on_the_gpu():
 def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter():
     pytest.importorskip("triton")
     out = run_script(CASES, "cpu", True)
-    assert "OK" in out and "CALLS 72" in out, out[-2000:]
+    assert "OK" in out and "CALLS 84" in out, out[-2000:]
 
 
 @pytest.mark.triton
@@ -796,7 +806,7 @@ def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
 def test_kernel_paths_match_their_references_on_the_gpu():
     """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32)."""
     out = run_script(CASES, "cuda", False)
-    assert "OK" in out and "CALLS 72" in out, out[-2000:]
+    assert "OK" in out and "CALLS 84" in out, out[-2000:]
 
 
 GPU_SPECS = ["random:budget=0.05", "random:budget=0.05,replacement=True,share_kv_group=True",

@@ -179,7 +179,7 @@ def test_stats_report_the_budget_per_head_and_reads():
 
 def test_gqa_shared_budget_is_the_group_max():
     q, k, v = random_qkv(batch=1, heads=6, kv_heads=2, n=2000, d=16, seed=7, peaked=1.0)
-    m = kvsieve.method("vattention", epsilon=0.2, delta=0.2, sink=16, window=16, top_k=0.02, share_kv_group=True)
+    m = kvsieve.method("vattention", epsilon=0.05, delta=0.2, sink=16, window=16, top_k=0.02, share_kv_group=True)
     _, st = m.decode(q, k, v, seed=0)
     assert st.budget_per_head.shape == (1, 2)
     assert st.density == pytest.approx(st.kv_density)
@@ -278,6 +278,8 @@ def test_lemma_4_2_deterministic_form():
         ({"concentration": "hoeffding", "bound": "full"}, "hoeffding"),
         ({"predictor": "hat"}, "predictor"),
         ({"grid": 0}, "grid"),
+        ({"rounding": "nearest"}, "rounding: expected one of up, down"),
+        ({"duplicates": "drop", "replacement": True}, "duplicates: expected one of keep, collapse"),
     ],
 )
 def test_bad_parameters_are_clear_errors(kwargs, match):
@@ -290,3 +292,95 @@ def test_spec_string_round_trip():
     assert m.config.top_k == 64 and isinstance(m.config.top_k, int)
     assert kvsieve.method(m.spec).config == m.config
     assert kvsieve.method("vattention:top_k=0.05").config.top_k == 0.05
+
+
+@pytest.mark.parametrize("hub_rules", [False, True])
+def test_hub_budget_rounding_and_duplicates(hub_rules):
+    """sparse-attention-hub's AdaptiveSamplingMasker truncates the budget (``.long()``) and builds its base
+    mask by ``scatter_`` into a dense mask, so D̂ holds a key drawn twice once, while σ̂ (``torch.std``)
+    uses every draw. Replaying the method's base sample with the other hub flags on: with
+    ``rounding=down,duplicates=collapse`` the budget is the hub's formula re-stated on the same sample,
+    exactly; by default ours is the ceiling of the formula over every draw, which differs from the hub's
+    by the rounding (rows without duplicates: one key more) and by D̂ (rows with duplicates: the hub's
+    D̂ is lower, its budget larger)."""
+    from kvsieve.core.rng import RandomKey, RowStreams
+    from kvsieve.methods.shared.selection import available_after, sink_and_window, union
+
+    q, k, v = random_qkv(batch=1, heads=8, kv_heads=8, n=400, d=16, seed=13, peaked=1.0)
+    flags = ",rounding=down,duplicates=collapse" if hub_rules else ""
+    m = kvsieve.method("vattention:epsilon=0.05,delta=0.2,sink=16,window=16,top_k=8,base_rate=0.2,bound=denominator,"
+                       "quantile=one-sided,replacement=true,residual=includes-topk,budget_floor=base" + flags)
+    _, st = m.decode(q, k, v, seed=0)
+    inputs = check_decode_inputs(q, k, v)
+    fixed = sink_and_window(inputs, 16, 16, 8)
+    residual = available_after(inputs, fixed)  # includes-topk: all but sink and window (the hub's range)
+    static = union(fixed, m.predicted_top(inputs, residual, {}))
+    n_s = residual.sum(-1)
+    n_base = torch.clamp(torch.floor(0.2 * n_s.double()).long(), min=2)
+    base = uniform_sample(residual, n_base, RowStreams(RandomKey(0), inputs.batch_row(), inputs.n_valid),
+                          replacement=True, size_bound=max(2, int(0.2 * inputs.n_keys)))
+    raw = m.budget(inputs, static, base, n_s, n_base)
+    rounded = torch.floor(raw) if hub_rules else torch.ceil(raw)
+    torch.testing.assert_close(st.budget_per_head, torch.minimum(torch.maximum(rounded.long(), n_base), n_s).double())
+
+    # the hub (adaptive_sampling.py): D̂ = static sum + (range/|base|)·Σ over distinct base keys,
+    # σ̂ = torch.std over all draws, b = clamp((z σ̂ range / (ε D̂))², 1, range).long(), then [|base|, range]
+    s = inputs.scores(torch.float64)  # [1, 8, N]
+    e = torch.exp(s - s.amax(-1, keepdim=True))
+    z = float(normal_quantile(0.2, False))
+    dups = 0
+    for h in range(8):
+        draws = base.indices[0, h, : int(base.counts[0, h])]
+        distinct = torch.unique(draws)
+        static_idx = static.indices[0, h, : int(static.counts[0, h])]
+        sigma, n_sh = e[0, h, draws].std(), float(n_s[0, h])
+        d_all, d_hub = (e[0, h, static_idx].sum() + n_sh / len(draws) * e[0, h, keys].sum()
+                        for keys in (draws, distinct))
+        raw_all, raw_hub = ((z * sigma * n_sh / (0.05 * d)) ** 2 for d in (d_all, d_hub))
+        hub = int(torch.clamp(torch.clamp(raw_hub, min=1.0, max=n_sh).long(), min=int(n_base[0, h]), max=int(n_sh)))
+        got = int(st.budget_per_head[0, h])
+        if hub_rules:
+            torch.testing.assert_close(raw_hub, raw[0, h], rtol=1e-9, atol=0)
+            assert got == hub, h
+            continue
+        torch.testing.assert_close(raw_all, raw[0, h], rtol=1e-9, atol=0)  # only de-duplication and rounding differ
+        if float(raw[0, h]) >= n_sh:
+            continue
+        dups += len(distinct) < len(draws)
+        if len(distinct) == len(draws):  # truncated where we round up
+            assert hub == got - (float(raw[0, h]) % 1 > 0), h
+        else:  # D̂ lower: a larger budget
+            assert raw_hub > raw[0, h] and hub > got, h
+    assert hub_rules or dups >= 4  # most rows below the cap have duplicates in their base sample
+
+
+def test_collapsed_sample_holds_each_drawn_key_once():
+    """``duplicates=collapse``: the residual sample is the same draws as ``keep`` with each key once, at the
+    draws' weight n_s/b (the hub's dense mask), and b = n_s is not the whole residual; ``keep`` holds every
+    draw. Without replacement it is a clear error."""
+    from kvsieve.methods.shared.selection import available_after, sink_and_window
+
+    q, k, v = random_qkv(batch=1, heads=4, kv_heads=4, n=200, d=8, seed=14)
+    keep = kvsieve.method("vattention", sink=4, window=4, replacement=True)
+    collapse = kvsieve.method("vattention", sink=4, window=4, replacement=True, duplicates="collapse")
+    inputs = check_decode_inputs(q, k, v)
+    residual = available_after(inputs, sink_and_window(inputs, 4, 4, 4))
+    n_s = residual.sum(-1)
+    repeats = 0
+    for b in (torch.tensor([[60, 120, 90, 30]]), torch.full((1, 4), 192)):  # n_s = 192
+        kept = keep.sample_residual(residual, b, n_s, torch.Generator().manual_seed(0))
+        one = collapse.sample_residual(residual, b, n_s, torch.Generator().manual_seed(0))
+        for h in range(4):
+            draws = one.indices[0, h, : int(one.counts[0, h])]
+            assert len(torch.unique(draws)) == len(draws)
+            torch.testing.assert_close(one.weights[0, h, : len(draws)],
+                                       torch.full((len(draws),), 192 / float(b[0, h]), dtype=torch.float64))
+            every = kept.indices[0, h, : int(kept.counts[0, h])]
+            if int(b[0, h]) < 192:  # keep holds the same draws with their repeats
+                assert len(every) == int(b[0, h]) and set(every.tolist()) == set(draws.tolist())
+                repeats += len(every) - len(draws)
+            else:  # b = n_s: keep takes the whole residual, collapse its distinct draws
+                assert len(every) == 192 and len(draws) < 192
+    assert repeats > 0
+    with pytest.raises(ValueError, match="duplicates: 'collapse' needs replacement=true"):
+        kvsieve.method("vattention", duplicates="collapse")

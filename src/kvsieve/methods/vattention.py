@@ -17,10 +17,12 @@ plug-in statistics (D̂, σ̂ of ``e^{s}``; for ``bound=full`` also ‖N̂‖ an
   with ``R̂`` the range of ``e^{s}`` in the base sample (our reconstruction: the paper gives no formula);
 
 ``z = Φ⁻¹(1 − δ/2)`` (the paper; ``quantile=one-sided`` gives the hub's ``Φ⁻¹(1 − δ)``). ``b`` is
-rounded up and clamped to ``[1, n_s]`` (``budget_floor=base``: the hub's ``[|base|, n_s]``); a
+rounded up (``rounding=down``: the hub's truncation) and clamped to ``[1, n_s]`` (``budget_floor=base``:
+the hub's ``[|base|, n_s]``); a
 budget of ``n_s`` takes the whole residual at weight 1 (exact). Flags reproduce the
 sparse-attention-hub code where it differs from the paper: ``replacement``, ``residual``,
-``quantile``, ``budget_floor``. See ``docs/methods/vattention.md``.
+``quantile``, ``budget_floor``, ``rounding``, ``duplicates`` (all of them: the hub's selection and
+budget; its 1e-6 in inverse weights and 1e-8 floors are not). See ``docs/methods/vattention.md``.
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the same selection
 (predictor, base sample, budget, residual sample: device launches on the same counter-based draws, no
@@ -87,6 +89,11 @@ class VAttentionConfig(SinkWindowConfig):
                           "'includes-topk' (hub: everything but sink and window; sampled top-k keys keep weight 1)")
     budget_floor: Literal["one", "base"] = param(
         "one", "smallest budget: 'one' (paper: no clamp given) or 'base' (hub: the base-sample size)")
+    rounding: Literal["up", "down"] = param(
+        "up", "budget rounding: 'up' (ceil; the paper gives none) or 'down' (hub: truncation)")
+    duplicates: Literal["keep", "collapse"] = param(
+        "keep", "keys drawn twice (replacement=true): 'keep' (every draw counts: unbiased) or 'collapse' (hub: "
+                "counted once in D̂, N̂ and the sample, at the draws' weight; σ̂ still over every draw)")
     grid: int = param(19, "grid points per axis for the (ε', δ') split of bound=full")
     share_kv_group: bool = param(False, "one selection per KV head for its query heads (budget = max over the group)")
     backend: Literal["auto", "reference", "triton"] = param(
@@ -109,6 +116,11 @@ class VAttentionConfig(SinkWindowConfig):
         require_choice("quantile", self.quantile, ("two-sided", "one-sided"))
         require_choice("residual", self.residual, ("excludes-topk", "includes-topk"))
         require_choice("budget_floor", self.budget_floor, ("one", "base"))
+        require_choice("rounding", self.rounding, ("up", "down"))
+        require_choice("duplicates", self.duplicates, ("keep", "collapse"))
+        if self.duplicates == "collapse" and not self.replacement:
+            raise ValueError("duplicates: 'collapse' needs replacement=true (a sample without replacement "
+                             "draws no key twice)")
         require_int("grid", self.grid, minimum=1)
         require_choice("backend", self.backend, BACKENDS)
 
@@ -184,6 +196,15 @@ def _rows(inputs: DecodeInputs, t: torch.Tensor, idx: torch.Tensor) -> torch.Ten
     return gather_rows(t, idx, torch.arange(idx.shape[1], device=idx.device) // inputs.group)
 
 
+def _repeated(s: IndexSet) -> torch.Tensor:
+    """``[B, Hs, M]`` bool: used entries whose position an earlier entry of the row already holds."""
+    used = s.used()
+    vals, perm = torch.sort(torch.where(used, s.indices, -1), dim=-1, stable=True)
+    again = torch.zeros_like(used)
+    again[..., 1:] = (vals[..., 1:] == vals[..., :-1]) & (vals[..., 1:] >= 0)
+    return torch.zeros_like(used).scatter_(-1, perm, again)
+
+
 def _logits(inputs: DecodeInputs, s: IndexSet) -> torch.Tensor:
     """Scaled float64 logits ``[B, Hq, M]`` of a query-head index set, -inf on padding."""
     kr = _rows(inputs, inputs.k, s.indices).double()
@@ -230,8 +251,10 @@ class VAttention(StagedSelection):
         e_f = torch.exp(s_f - shift)  # 0 on padding
         e_b = torch.exp(s_b - shift)
         used_b = base_q.used()
+        # the hub's dense base mask holds a key drawn twice once: D̂ and N̂ over distinct keys
+        once_b = used_b & ~_repeated(base_q) if cfg.duplicates == "collapse" else used_b
         ratio = n_s_q / nb_q.clamp(min=1)
-        d_hat = e_f.sum(-1) + ratio * e_b.sum(-1)
+        d_hat = e_f.sum(-1) + ratio * (e_b * once_b).sum(-1)
         safe_nb = nb_q.clamp(min=2)
         mean_b = e_b.sum(-1) / nb_q.clamp(min=1)
         var_b = ((e_b - mean_b[..., None]) ** 2 * used_b).sum(-1) / (safe_nb - 1)
@@ -248,7 +271,7 @@ class VAttention(StagedSelection):
             v_f = _rows(inputs, inputs.v, fixed_q.indices).double()
             v_b = _rows(inputs, inputs.v, base_q.indices).double()
             r_b = e_b[..., None] * v_b  # [B, Hq, Mb, dv]
-            n_hat = (e_f[..., None] * v_f).sum(2) + ratio[..., None] * r_b.sum(2)
+            n_hat = (e_f[..., None] * v_f).sum(2) + ratio[..., None] * (r_b * once_b[..., None]).sum(2)
             mean_r = r_b.sum(2) / nb_q.clamp(min=1)[..., None]
             tr = (((r_b - mean_r[:, :, None]) ** 2) * used_b[..., None]).sum((2, 3)) / (safe_nb - 1)
             b = full_budget(cfg, n_s_q, sigma, d_hat, tr, n_hat.norm(dim=-1))
@@ -271,7 +294,8 @@ class VAttention(StagedSelection):
         if heads != inputs.heads:
             b = b.view(inputs.batch, heads, inputs.group).amax(-1)
         floor = torch.ones_like(n_s) if cfg.budget_floor == "one" else n_base
-        b_int = torch.ceil(torch.clamp(b, max=float(inputs.n_keys))).long()
+        b_cap = torch.clamp(b, max=float(inputs.n_keys))
+        b_int = (torch.ceil(b_cap) if cfg.rounding == "up" else torch.floor(b_cap)).long()
         b_int = torch.minimum(torch.maximum(b_int, floor), n_s)
         dyn = self.sample_residual(residual, b_int, n_s, gen)
         if cfg.residual == "includes-topk" and top.width:
@@ -307,14 +331,16 @@ class VAttention(StagedSelection):
           (:func:`~kvsieve.kernels.sparse.budget_triton.budget_triton`);
         - the residual sample, written after the top-k.
 
-        Other settings (``replacement``, ``residual=includes-topk``, pages not a power of two) run
+        Other settings (``replacement``, ``residual=includes-topk``, ``rounding=down``, pages not a power of
+        two) run
         :meth:`stages`."""
         from ..kernels.sparse import budget_triton, sample_triton
 
         cfg = self.config
         oracle = cfg.predictor == "oracle"
         # Quest's page kernels take power-of-two pages
-        if (cfg.replacement or cfg.residual != "excludes-topk" or (not oracle and cfg.page_size & (cfg.page_size - 1))
+        if (cfg.replacement or cfg.residual != "excludes-topk" or cfg.rounding != "up"
+                or (not oracle and cfg.page_size & (cfg.page_size - 1))
                 or not isinstance(gen, RowStreams) or inputs.lengths is None or not sample_triton.usable(inputs.q)
                 or not budget_triton.usable(inputs.q)):
             return self.stages(inputs, gen, state)
@@ -400,9 +426,13 @@ class VAttention(StagedSelection):
 
     def sample_residual(self, residual: torch.Tensor, b: torch.Tensor, n_s: torch.Tensor,
                         gen: torch.Generator) -> IndexSet:
-        """``b`` residual keys at weight ``n_s / b``; ``b = n_s`` takes the whole residual (exact)."""
+        """``b`` residual keys at weight ``n_s / b``; ``b = n_s`` takes the whole residual (exact), except
+        with ``duplicates=collapse`` (the hub: ``b`` draws with replacement, a key drawn twice one entry)."""
         if not self.config.replacement:
             return uniform_sample(residual, b, gen, stream=STREAM_SUBSET2)
+        if self.config.duplicates == "collapse":
+            sample = uniform_sample(residual, b, gen, replacement=True, stream=STREAM_SUBSET2)
+            return compact(sample.indices, sample.used() & ~_repeated(sample), sample.weights)
         full = b >= n_s
         sample = uniform_sample(residual, torch.where(full, 0, b), gen, replacement=True, stream=STREAM_SUBSET2)
         everything = uniform_sample(residual & full[..., None], torch.where(full, n_s, 0), gen,

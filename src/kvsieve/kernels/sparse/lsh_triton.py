@@ -12,7 +12,7 @@ Here:
   block of a row whose ``M`` grew (all its codes change). No host read.
 - :func:`retrieve_triton`: one program per (row, query head) hashes the query, then chunks of
   ``[sink_end, window_start)`` over ~528 programs (each reading a KV head's codes once for its query
-  heads) mark the keys colliding in at least one table; they write the complement
+  heads) mark the keys colliding in at least ``min_tables`` tables; they write the complement
   (what :func:`~kvsieve.kernels.sparse.sample_triton.sample_rows_triton` takes as excluded keys) and add
   up the retrieved counts (integer atomics).
 - :func:`key_dots_triton`: ``q·k`` (and, for the ``center`` transform, ``‖k − μ‖``) of the kept keys only,
@@ -43,12 +43,14 @@ class LshCodes:
     """Per-(request, layer) SimHash codes of the keys, updated as the cache grows (one or two launches).
 
     ``proj [d', L·K]`` float32 are the hyperplanes (``d' = d + 1`` for ``mips``); ``center`` takes the
-    mean of the first call's valid keys (as the reference: the prefill keys). A cache that changed its
-    batch, heads, head dim or device is hashed from scratch.
+    mean of the first call's middle keys (:func:`middle_mean` with ``sink`` and ``window``, as the
+    reference: the prefill keys). A cache that changed its batch, heads, head dim or device is hashed
+    from scratch.
     """
 
-    def __init__(self, proj: torch.Tensor, bits: int, tables: int, transform: str):
+    def __init__(self, proj: torch.Tensor, bits: int, tables: int, transform: str, sink: int = 0, window: int = 0):
         self.proj, self.bits, self.tables, self.transform = proj.float().contiguous(), bits, tables, transform
+        self.sink, self.window = sink, window
         self.codes: torch.Tensor | None = None
 
     def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -61,9 +63,9 @@ class LshCodes:
         self.norm_max = torch.zeros(b, hkv, device=k.device, dtype=torch.float32)
         self.mean = torch.zeros(b, hkv, d, device=k.device, dtype=torch.float32)
         if self.transform == "center":
-            valid = torch.arange(n, device=k.device)[None, :] < lengths.long()[:, None]
-            kf = k.float() * valid[:, None, :, None]
-            self.mean = kf.sum(2) / lengths.float().clamp(min=1)[:, None, None]
+            pos = torch.arange(n, device=k.device)[None, :]
+            valid = pos < lengths.long()[:, None]
+            self.mean = middle_mean(k.float(), valid, pos, lengths.long(), self.sink, self.window)
         self.shape = (b, hkv, d, k.device)
 
     def update(self, k: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -187,11 +189,12 @@ if triton is not None:
 
     @triton.jit
     def _retrieve_kernel(qc_ptr, codes_ptr, len_ptr, excl_ptr, count_ptr, hq, sink, window, chunk,
-                         s_c_b, s_c_h, s_c_n, s_x_b, s_x_h, tables,
+                         s_c_b, s_c_h, s_c_n, s_x_b, s_x_h, tables, min_tables,
                          G: tl.constexpr, BLOCK: tl.constexpr, LP: tl.constexpr):
         """One chunk ``[s·chunk, (s+1)·chunk) ∩ [sink_end, window_start)`` of (row, KV head): each block
-        of key codes is read once for the group's ``G`` query heads; their collision marks are written
-        and their counts added atomically (integers: the order does not matter)."""
+        of key codes is read once for the group's ``G`` query heads; a key is retrieved where it collides
+        in at least ``min_tables`` tables; the marks are written and the counts added atomically
+        (integers: the order does not matter)."""
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -211,7 +214,7 @@ if triton is not None:
                 ok = pos < c_hi
                 c = tl.load(cbase + pos.to(tl.int64)[:, None] * s_c_n + tl_idx[None, :],
                             mask=ok[:, None] & (tl_idx < tables)[None, :], other=-1).to(tl.int64)
-                hit = tl.max((c == qc[None, :]).to(tl.int32), 1) > 0
+                hit = tl.sum((c == qc[None, :]).to(tl.int32), 1) >= min_tables
                 tl.store(xbase + pos, (~hit).to(tl.int8), mask=ok)
                 count += tl.sum((hit & ok).to(tl.int32), 0)
             if c_hi > c_lo:
@@ -256,12 +259,13 @@ def _chunk(n: int, splits: int, block: int) -> int:
 
 
 def retrieve_triton(q: torch.Tensor, codes: LshCodes, lengths: torch.Tensor, sink: int, window: int,
-                    n_keys: int, target_programs: int = SPLIT_PROGRAMS) -> tuple[torch.Tensor, torch.Tensor]:
+                    n_keys: int, min_tables: int, target_programs: int = SPLIT_PROGRAMS
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(excluded [B, Hq, N] bool, retrieved [B, Hq] int32)``: in ``[sink_end, window_start)`` of each
-    row, the keys whose code differs from the query's in every table (entries outside that range are not
-    written), and how many collide. Two launches: the query codes (one program per query head), then the
-    collisions in ``splits x Hkv x B`` programs (about ``target_programs``), each reading a chunk of a KV
-    head's codes once for its query heads."""
+    row, the keys whose code equals the query's in fewer than ``min_tables`` tables (entries outside that
+    range are not written), and how many are retrieved. Two launches: the query codes (one program per
+    query head), then the collisions in ``splits x Hkv x B`` programs (about ``target_programs``), each
+    reading a chunk of a KV head's codes once for its query heads."""
     b, hq, d = q.shape
     hkv = codes.codes.shape[1]
     excl = torch.empty(b, hq, n_keys, device=q.device, dtype=torch.bool)
@@ -277,7 +281,7 @@ def retrieve_triton(q: torch.Tensor, codes: LshCodes, lengths: torch.Tensor, sin
     chunk = _chunk(n_keys, splits, block)
     launch(_retrieve_kernel, (-(-n_keys // chunk), hkv, b), qc, c, lengths.to(torch.int32), excl.view(torch.int8),
            count, hq, sink, window, chunk, c.stride(0), c.stride(1), c.stride(2), excl.stride(0), excl.stride(1),
-           codes.tables, G=hq // hkv, BLOCK=block, LP=lp, num_warps=4, num_stages=1)
+           codes.tables, min_tables, G=hq // hkv, BLOCK=block, LP=lp, num_warps=4, num_stages=1)
     return excl, count
 
 
@@ -305,10 +309,38 @@ def key_dots_triton(q: torch.Tensor, k: torch.Tensor, codes: LshCodes, idx: torc
     return dots, (knorm if center else None)
 
 
-def retrieval_probability(cos: torch.Tensor, bits: int, tables: int) -> torch.Tensor:
-    """``1 − (1 − (1 − θ/π)^K)^L`` for ``θ = arccos(cos)``, float64 (the reference's formula)."""
+def middle_mean(k: torch.Tensor, valid: torch.Tensor, rank: torch.Tensor, n_valid: torch.Tensor, sink: int,
+                window: int) -> torch.Tensor:
+    """``[B, Hkv, d]`` float32 mean of the keys ``k [B, Hkv, N, d]`` whose rank among the valid keys
+    (``valid``, ``rank [B, N]``) lies in ``[sink, n_valid − window)``: neither sink nor window, the keys
+    MagicPIG's code centres by; a row without such keys takes the mean of its valid keys. Summed in
+    float64 (one KV head at a time, to bound the copy) so that padding, which moves the keys within the
+    reduction, does not change the float32 result. Torch ops, no host read."""
+    middle = valid & (rank >= sink) & (rank < (n_valid.long() - window)[:, None])
+    use = torch.where(middle.any(-1, keepdim=True), middle, valid)
+    total = torch.stack([(k[:, h].double() * use[..., None]).sum(1) for h in range(k.shape[1])], 1)
+    return (total / use.sum(-1).clamp(min=1).double()[:, None, None]).float()
+
+
+def retrieval_probability(cos: torch.Tensor, bits: int, tables: int, min_tables: int) -> torch.Tensor:
+    """``P[Binomial(L, p) ≥ t] = 1 − Σ_{j<t} C(L, j) p^j (1 − p)^{L−j}`` with ``p = (1 − θ/π)^K`` the
+    probability that one table collides, ``θ = arccos(cos)``, ``t = min_tables``; float64. ``t = 1``
+    is ``1 − (1 − p)^L``, ``t = 2`` MagicPIG's ``1 − (1 − p)^{L−1}(Lp + 1 − p)``."""
     theta = torch.arccos(torch.clamp(cos.double(), -1.0, 1.0))
-    return 1 - (1 - (1 - theta / math.pi) ** bits) ** tables
+    p = (1 - theta / math.pi) ** bits
+    miss = 1 - p
+    below = torch.zeros_like(p)
+    for j in range(min_tables):
+        below = below + float(math.comb(tables, j)) * p**j * miss ** (tables - j)
+    return torch.clamp(1 - below, min=0.0, max=1.0)
 
 
-__all__ = ["SPLIT_PROGRAMS", "LshCodes", "key_dots_triton", "retrieval_probability", "retrieve_triton", "usable"]
+def retrieval_weights(cos: torch.Tensor, bits: int, tables: int, min_tables: int, eps: float) -> torch.Tensor:
+    """Importance weights ``1 / (P + eps)`` of retrieved keys (:func:`retrieval_probability`), float64;
+    ``eps = 0`` is the exact inverse (``P`` floored at 1e-300)."""
+    p = retrieval_probability(cos, bits, tables, min_tables)
+    return 1.0 / (p + eps) if eps > 0 else 1.0 / p.clamp(min=1e-300)
+
+
+__all__ = ["SPLIT_PROGRAMS", "LshCodes", "key_dots_triton", "middle_mean", "retrieval_probability", "retrieval_weights",
+           "retrieve_triton", "usable"]
