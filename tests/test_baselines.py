@@ -327,14 +327,14 @@ def test_magicpig_state_is_incremental(transform):
     q, k, v = random_qkv(batch=1, heads=3, kv_heads=1, n=300, d=16, seed=11)
     m = kvsieve.method("magicpig", sink=4, window=4, bits=4, tables=8, transform=transform)
     cfg = m.config
-    state = {}
+    state = m.new_state()
     for n in (200, 201, 250):
         got, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, seed=0)
-        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], state={}, seed=0)
+        fresh, _ = m.decode(q, k[:, :, :n], v[:, :, :n], seed=0)
         if transform == "mips":
             torch.testing.assert_close(got, fresh, atol=1e-6, rtol=1e-6)
             continue
-        (cached,) = state.values()
+        cached = state.reference
         torch.testing.assert_close(cached.mean, k[:, :, 4:196].float().mean(2), rtol=1e-6, atol=1e-7)
         kt = _KeyHashes.transform(cfg, cached, k[:, :, :n].float())
         assert torch.equal(cached.codes, _codes(kt, cached.proj, cfg.bits, cfg.tables))
