@@ -34,6 +34,9 @@ import torch.nn.functional as F
 
 import kvsieve
 from kvsieve import CallContext
+
+#: How the decode runtime calls a captured step: no per-key read counts for the stats.
+NO_READS = CallContext(count_reads=False)
 from kvsieve.bench.timing import ColdL2Timer
 from kvsieve.core.rng import RandomKey
 
@@ -100,7 +103,7 @@ def main() -> None:
             def api(m=m, q=q, k=k, v=v, lens=lens, key=key):
                 return m.decode(q, k, v, lengths=lens, seed=key, check_finite=False)
 
-            def api_runtime(m=m, q=q, k=k, v=v, lens=lens, key=key, context=CallContext(count_reads=False)):
+            def api_runtime(m=m, q=q, k=k, v=v, lens=lens, key=key, context=NO_READS):
                 # as the decode runtime's captured step calls it: no per-key read counts for the stats
                 return m.decode(q, k, v, lengths=lens, seed=key, check_finite=False, context=context)
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 import kvsieve
+from kvsieve import CallContext
 from kvsieve.fit.saap import _save_layer, _write_json
 from kvsieve.kernels.sparse import buckets as bucket_kernels
 from kvsieve.kernels.sparse import weighted
@@ -102,13 +103,13 @@ def method_rows(case, probes: int, window: int, hq: int, timer, iters: int) -> d
         spec = f"saap:artifacts={folder},probes={probes},window={window},window_scale=1.0"
         m = kvsieve.method(spec)
         ref = kvsieve.method(spec + ",backend=reference")
-        state = {"layer": 1, "min_length": n}
-        out, stats = m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # builds the index
-        ref_out, _ = ref.decode(q, k, v, lengths=lengths, state={"layer": 1}, check_finite=False)
+        state, ctx = m.new_state(), CallContext(layer=1, min_length=n)
+        out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)  # the index
+        ref_out, _ = ref.decode(q, k, v, lengths=lengths, context=CallContext(layer=1), check_finite=False)
         row = {"method_backend": stats.backend,
                "method_selectivity": float(stats["selectivity"]),
                "method_max_abs_err_vs_reference": float((out.float() - ref_out.float()).abs().max())}
-        call = lambda: m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)  # noqa: E731
+        call = lambda: m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)  # noqa: E731
         if timer is not None:
             row["method-graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
             row["method-eager_us"] = timer.time_us(call, iters=iters)["median_us"]

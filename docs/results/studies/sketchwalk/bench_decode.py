@@ -37,20 +37,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "src"))
 
 import kvsieve  # noqa: E402
+from kvsieve import CallContext  # noqa: E402
 from kvsieve.bench.timing import ColdL2Timer, count_launches  # noqa: E402
-from kvsieve.core.prefill import FORWARD_STATE  # noqa: E402
 from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton  # noqa: E402
-from kvsieve.methods.sketchwalk import HOPS_KEY, STATE_KEY, WALK_KEY  # noqa: E402
+from kvsieve.methods.sketchwalk import WalkState  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
 
-def seen_prompt_state(m, q, k, v, lens, gen) -> tuple[dict, torch.Tensor]:
+def seen_prompt_state(m, q, k, v, lens, gen):
     """A layer state as after a prompt (history, random causal Ã rows) and a previous layer's walk
     (``[B, n_blocks]``, a row per batch row of ``q``)."""
-    state = {}
+    state = m.new_state()
     m.decode(q, k, v, lengths=lens, state=state, check_finite=False)  # allocates the state from the cache
-    sk = state[STATE_KEY]
+    sk = state.sketch
     sk.a_tilde.copy_(torch.rand(sk.a_tilde.shape, device=q.device, generator=gen).tril() ** 8)
     if sk.a_hat is not None:
         sk.a_hat.copy_(torch.rand(sk.a_hat.shape, device=q.device, generator=gen).tril())
@@ -59,13 +59,13 @@ def seen_prompt_state(m, q, k, v, lens, gen) -> tuple[dict, torch.Tensor]:
     return state, torch.rand(q.shape[0], n_blocks, device=q.device, generator=gen)
 
 
-def walk_call(m, q, k, v, lens, state, w_prev):
+def walk_call(m, q, k, v, lens, state, w_prev, forward=None):
+    """A decode call from ``w_prev`` (None: the first walk layer); ``forward`` receives the walk."""
+    forward = WalkState() if forward is None else forward
+
     def call():
-        if w_prev is None:
-            state[FORWARD_STATE] = {}
-        else:
-            state[FORWARD_STATE] = {WALK_KEY: w_prev, HOPS_KEY: 1}  # as after one sparse layer
-        return m.decode(q, k, v, lengths=lens, state=state, check_finite=False)
+        forward.walk, forward.hops = (None, 0) if w_prev is None else (w_prev, 1)  # as after one sparse layer
+        return m.decode(q, k, v, lengths=lens, state=state, context=CallContext(forward=forward), check_finite=False)
     return call
 
 
@@ -74,9 +74,9 @@ def check_against_reference(spec, q, k, v, lens, state, w_prev) -> dict:
     res = {}
     for backend in ("triton", "reference"):
         m = kvsieve.method(f"{spec},backend={backend}")
-        st = copy.deepcopy(state)
-        out, stats = walk_call(m, q, k, v, lens, st, w_prev)()
-        res[backend] = (out.float(), st[FORWARD_STATE][WALK_KEY], stats.kv_rows_read, stats.blocks_kept,
+        st, forward = copy.deepcopy(state), WalkState()
+        out, stats = walk_call(m, q, k, v, lens, st, w_prev, forward)()
+        res[backend] = (out.float(), forward.walk, stats.kv_rows_read, stats.blocks_kept,
                         stats.extra.get("selection"))
     (out, w, reads, kept, sel), (ref, ref_w, ref_reads, ref_kept, _) = res["triton"], res["reference"]
     check = {"spec": spec, "n": k.shape[2], "selection": sel, "same_reads": reads == ref_reads and kept == ref_kept,

@@ -187,16 +187,17 @@ def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
             q, k, v, all_idx, all_cnt, block_size=bs, block_mask=dmask), block_size=bs)
     time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra)
     if args.decode and bs == 64:
-        state, fwd = {}, {}
-        m.prefill(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], scale=None, state=state, forward={}, sparse=False)
+        state = m.new_state()
+        m.prefill(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], scale=None, state=state, sparse=False)
         qt = q[:, :, -1]
         lengths_t = torch.tensor([n], device=dev)
 
         def step():
             # a repeated call at the same length does not add the token again (see SketchWalk._decode)
-            state["forward"] = fwd
-            fwd.clear()
-            return m.decode(qt, k, v, lengths=lengths_t, state=state, check_finite=False)
+            from kvsieve import CallContext
+
+            ctx = CallContext(forward=m.new_forward_state())
+            return m.decode(qt, k, v, lengths=lengths_t, state=state, context=ctx, check_finite=False)
 
         timed("decode_step", n, step, iters=5, **extra)
         if flashinfer is not None:

@@ -53,7 +53,7 @@ class SelectionProbe:
         def wrapped(method, inputs, sk, phi, dtype, logit_scale, previous, kmax, state):
             out = probe._orig(method, inputs, sk, phi, dtype, logit_scale, previous, kmax, state)
             if probe.active:
-                probe.record(method, inputs, state["layer"], out)
+                probe.record(method, inputs, inputs.context.layer, out)
             return out
 
         sw.SketchWalk._select_reference_rows = wrapped

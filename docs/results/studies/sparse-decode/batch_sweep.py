@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 import kvsieve
+from kvsieve import CallContext
 from kvsieve.bench.decode import library_version, timing_setup
 
 HERE = Path(__file__).resolve().parent
@@ -130,7 +131,7 @@ def sketchwalk_row(row: dict, q, k, v, lens, gen, time) -> None:
     call = sw_bench.walk_call(m, q, k, v, lens, state, w_prev)
     _, stats = call()
     nb = w_prev.shape[1]
-    a_tilde = q.shape[0] * nb * (nb + 1) // 2 * state[sw_bench.STATE_KEY].a_tilde.element_size()  # the GEMV's
+    a_tilde = q.shape[0] * nb * (nb + 1) // 2 * state.sketch.a_tilde.element_size()  # the GEMV's
     row.update(sw_blocks_kept=stats.blocks_kept, sw_backend=stats.backend, sw_selection=stats.extra.get("selection"),
                sw_kv_bytes=stats.bytes_read, sw_a_tilde_bytes=a_tilde,
                sw_floor_us=time.floor_us(stats.bytes_read + a_tilde), sw_us=time(call)["median_us"])
@@ -140,13 +141,14 @@ def saap_row(row: dict, q, k, v, lens, spec: str, time) -> None:
     """The first m.decode builds the index, the captured call reads it (saap/bench_decode.py's method rows)."""
     n = k.shape[2]
     m, ref = kvsieve.method(spec), kvsieve.method(spec + ",backend=reference")
-    state = {"layer": 1, "min_length": n}
-    out, stats = m.decode(q, k, v, lengths=lens, state=state, check_finite=False)
-    ref_out, _ = ref.decode(q, k, v, lengths=lens, state={"layer": 1}, check_finite=False)
+    state, ctx = m.new_state(), CallContext(layer=1, min_length=n)
+    out, stats = m.decode(q, k, v, lengths=lens, state=state, context=ctx, check_finite=False)
+    ref_out, _ = ref.decode(q, k, v, lengths=lens, context=CallContext(layer=1), check_finite=False)
     row.update(saap_err_vs_reference=max_err(out, ref_out), saap_backend=stats.backend,
                saap_selectivity=float(stats["selectivity"]), saap_kv_bytes=stats.bytes_read,
                saap_floor_us=time.floor_us(stats.bytes_read))
-    row["saap_us"] = time(lambda: m.decode(q, k, v, lengths=lens, state=state, check_finite=False))["median_us"]
+    row["saap_us"] = time(lambda: m.decode(q, k, v, lengths=lens, state=state, context=ctx,
+                                           check_finite=False))["median_us"]
 
 
 def sweep_context(n: int, batches: list[int], smoke: bool, fi, time: Timing, dev) -> list[dict]:
