@@ -34,11 +34,11 @@ import torch.nn.functional as F
 
 import kvsieve
 from kvsieve import CallContext
+from kvsieve.bench.timing import ColdL2Timer
+from kvsieve.core.rng import RandomKey
 
 #: How the decode runtime calls a captured step: no per-key read counts for the stats.
 NO_READS = CallContext(count_reads=False)
-from kvsieve.bench.timing import ColdL2Timer
-from kvsieve.core.rng import RandomKey
 
 HEADS, KV_HEADS, D = 32, 8, 128
 SPECS = {"santa-prop": "santa-prop:budget=128", "santa-flash": "santa-flash:budget=2048",
