@@ -469,13 +469,18 @@ def test_e2e_bench_rows_on_a_tiny_shape(monkeypatch, tmp_path):
     monkeypatch.setitem(e2e.MODEL_SHAPES, "tiny", dict(
         model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
-    res = e2e.run_e2e_bench(shapes=("tiny",), cases=[(2, 40), (1, 600)], methods=("streaming:sink=4,window=8",),
+    sketchwalk = "sketchwalk:density=0.3,block_size=8,sketch_dim=8,dense_layers=0"
+    res = e2e.run_e2e_bench(shapes=("tiny",), cases=[(2, 40), (1, 600)],
+                            methods=("streaming:sink=4,window=8", sketchwalk),
                             steps=3, method_steps=2, hf_steps=2, warmup=1, device="cpu", dtype=torch.float32,
                             log=lambda s: None, checkpoint=lambda partial: seen.append(len(partial["rows"])))
-    assert seen == [3, 4]  # the results so far, after each case
+    assert seen == [4, 5]  # the results so far, after each case
     rows = res["rows"]
     done = [r for r in rows if "ms" in r]
-    assert {r["variant"] for r in done} == {"runtime", "hf-eager", "streaming:sink=4,window=8"}
+    assert {r["variant"] for r in done} == {"runtime", "hf-eager", "streaming:sink=4,window=8", sketchwalk}
+    # a method that decodes from its record of the prompts (two rows of one batch) is timed like the others
+    sw_row = next(r for r in done if r["variant"] == sketchwalk)
+    assert sw_row["kv_bytes_source"] == "method stats" and 0 < sw_row["density"] < 1
     assert all(r["batch"] == 2 and r["n"] == 40 for r in done)
     assert [r for r in rows if r["n"] == 600][0]["skipped"].startswith("context 600")
     method_row = next(r for r in done if r["variant"].startswith("streaming"))
