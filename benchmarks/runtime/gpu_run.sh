@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: the runtime's gpu-marked tests, then `kvsieve bench e2e` for the README's results
 # table (Llama-3.1-8B shape, random weights; batch 1 at 32k and 128k, batch 8 at 32k; runtime dense,
-# transformers' eager decode, and every method the runtime captures in its graph, at about 5 % density where
-# it takes a size), all under $OUT. CASES=1x128k (etc.) runs a subset.
+# transformers' eager decode, and the methods at about 5 % density where they take a size; MagicPIG also under
+# its previous rule (one table, the hub's weight); Sketch&Walk decodes eagerly), all under $OUT. CASES=1x128k (etc.) runs a subset.
 #
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
 #   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
@@ -32,6 +32,7 @@ CASES=${CASES:-1x32k,1x128k,8x32k}
 METHODS="santa-prop:budget=128;quest:top_k=0.05,share_kv_group=true;streaming:sink=128,window=1536"
 METHODS+=";santa-flash:budget=2048;oracle-topk:top_k=0.05,share_kv_group=true;oracle-topp:top_p=0.9"
 METHODS+=";random:budget=0.05;magicpig:bits=8,tables=16,budget=0.05;vattention;vattention:predictor=quest"
+METHODS+=";magicpig:bits=8,tables=16,budget=0.05,min_tables=1,weight_eps=0,transform=mips;sketchwalk:density=0.1"
 timeout ${BENCH_TIMEOUT:-560} python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases "$CASES" \
     --methods "$METHODS" --baselines runtime,hf-eager --out "$OUT" --name "e2e-${CASES//,/-}" \
     --record-command "CASES=$CASES bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
