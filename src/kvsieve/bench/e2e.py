@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .report import fmt
+
 # Shapes only (the decode cost does not depend on RoPE scaling or the weights' values).
 MODEL_SHAPES: dict[str, dict] = {
     "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
@@ -604,9 +606,9 @@ def ttft_markdown(results: dict, command: str) -> str:
             same = r.get("first_token_as_dense")
             lines.append(
                 f"| {r['n']:,} | {r['variant']} | {r['ttft_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} "
-                f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
-                f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x | {r.get('prefill')} "
-                f"| {len(layers) if layers else '—'} | {_fmt(r.get('block_density'), '.3f')} "
+                f"| {fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                f"| {fmt(r.get('speedup_vs_hf_eager'), '.2f')}x | {r.get('prefill')} "
+                f"| {len(layers) if layers else '—'} | {fmt(r.get('block_density'), '.3f')} "
                 f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
                 f"| {r['warmup_s']:.1f} |")
         lines.append("")
@@ -641,7 +643,7 @@ def _line(r: dict) -> str:
 
 
 def _host_cell(r: dict) -> str:
-    cell = _fmt(r.get("host_ms"), ".3f")
+    cell = fmt(r.get("host_ms"), ".3f")
     cell = f"{cell} ({r['host_min_ms']:.3f})" if "host_min_ms" in r else cell
     return cell + "†" if r.get("host_after_profiler") else cell
 
@@ -651,10 +653,6 @@ def _version(module: str) -> str | None:
         return __import__(module).__version__
     except Exception:  # noqa: BLE001
         return None
-
-
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
 
 
 def markdown(results: dict, command: str) -> str:
@@ -682,11 +680,11 @@ def markdown(results: dict, command: str) -> str:
                 continue
             lines.append(
                 f"| {r['n']:,} | {r['variant']} | {r['ms']:.2f} | {r['tokens_per_s']:.1f} "
-                f"| {_fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
-                f"| {_fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
-                f"| {_fmt(r.get('floor_ms'), '.2f')} | {_fmt(r.get('fraction_of_floor'), '.0%')} "
+                f"| {fmt(r.get('speedup_vs_runtime_dense'), '.2f')}x "
+                f"| {fmt(r.get('speedup_vs_hf_eager'), '.2f')}x "
+                f"| {fmt(r.get('floor_ms'), '.2f')} | {fmt(r.get('fraction_of_floor'), '.0%')} "
                 f"| {_host_cell(r)} | {'yes' if r.get('graph') else 'no'} "
-                f"| {r.get('attention_backend')} | {_fmt(r.get('density'), '.3f')} |")
+                f"| {r.get('attention_backend')} | {fmt(r.get('density'), '.3f')} |")
         lines.append("")
     broken = [r for r in rows if r.get("breakdown")]
     if broken:
@@ -728,15 +726,7 @@ def plot(results: dict, path) -> bool:
 
 
 def write_results(results: dict, out_dir, stem: str, command: str) -> list:
-    import json
-    from pathlib import Path
+    """``<stem>.json``, ``.md`` and ``.png`` (where matplotlib is installed) of an e2e or TTFT run."""
+    from .report import write_results as write
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    results = dict(results, command=command)
-    paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
-    paths[0].write_text(json.dumps(results, indent=1, default=str))
-    paths[1].write_text(markdown(results, command))
-    if not plot(results, paths[2]):
-        paths.pop()
-    return paths
+    return write(results, out_dir, stem, command, markdown, plot)

@@ -1,12 +1,15 @@
-"""Results of ``kvsieve bench decode``: JSON, a markdown table and a latency-vs-context PNG."""
+"""Results of ``kvsieve bench decode``: JSON, a markdown table and a latency-vs-context PNG; the file
+writing and the per-context plot that ``kvsieve bench e2e`` uses too."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 
-def _fmt(value, spec: str) -> str:
+def fmt(value, spec: str) -> str:
+    """``value`` formatted by ``spec``, or a dash for a missing value."""
     return "—" if value is None else format(value, spec)
 
 
@@ -40,10 +43,10 @@ def markdown(results: dict, command: str) -> str:
                 lines.append(f"| {r['n']:,} | {r['variant']} | error: {r['error'][:80]} | | | | | | | | | |")
                 continue
             lines.append(
-                f"| {r['n']:,} | {r['variant']} | {r['median_us']:.1f} | {_fmt(r.get('speedup_vs_flashinfer'), '.2f')}x"
-                f" | {_fmt(r.get('graph_us'), '.1f')} | {_fmt(r.get('graph_speedup_vs_flashinfer'), '.2f')}x"
+                f"| {r['n']:,} | {r['variant']} | {r['median_us']:.1f} | {fmt(r.get('speedup_vs_flashinfer'), '.2f')}x"
+                f" | {fmt(r.get('graph_us'), '.1f')} | {fmt(r.get('graph_speedup_vs_flashinfer'), '.2f')}x"
                 f" | {r['gb_per_s']:.0f} | {r['floor_us']:.1f} | {r['fraction_of_floor']:.0%} "
-                f"| {r['v_row_fraction']:.2%} | {_fmt(r.get('launches'), 'd')} | {r['rel_error_vs_sdpa']:.1e} |"
+                f"| {r['v_row_fraction']:.2%} | {fmt(r.get('launches'), 'd')} | {r['rel_error_vs_sdpa']:.1e} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -81,11 +84,16 @@ def plot_by_context(results: dict, path: Path, value: str, xlabel: str, ylabel: 
     plt.close(fig)
 
 
-def write_results(results: dict, out_dir: Path, stem: str, command: str) -> list[Path]:
+def write_results(results: dict, out_dir: Path | str, stem: str, command: str,
+                  to_markdown: Callable[[dict, str], str] = markdown,
+                  to_plot: Callable[[dict, Path], object] = plot) -> list[Path]:
+    """``<stem>.json``, ``.md`` (``to_markdown``) and ``.png`` (``to_plot``; left out when it returns False)."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = dict(results, command=command)
     paths = [out_dir / f"{stem}.json", out_dir / f"{stem}.md", out_dir / f"{stem}.png"]
-    paths[0].write_text(json.dumps(results, indent=1))
-    paths[1].write_text(markdown(results, command))
-    plot(results, paths[2])
+    paths[0].write_text(json.dumps(results, indent=1, default=str))
+    paths[1].write_text(to_markdown(results, command))
+    if to_plot(results, paths[2]) is False:
+        paths.pop()
     return paths
