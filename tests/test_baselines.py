@@ -8,7 +8,7 @@ from conftest import random_qkv
 
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
 from kvsieve.methods.magicpig import _KeyHashes
 from kvsieve.methods.shared.pages import page_bounds, page_summaries
 from kvsieve.methods.shared.selection import sink_and_window, uniform_sample

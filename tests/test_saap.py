@@ -17,14 +17,14 @@ from kvsieve.fit.saap import (
     spherical_kmeans,
     text_prompts,
 )
-from kvsieve.kernels.sparse.buckets import (
+from kvsieve.kernels.saap.buckets import (
     bucket_lists,
     bucket_sparse_decode_reference,
     build_csr,
     list_width,
     merge_partials,
 )
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode
 from kvsieve.methods.saap import (
     ARTIFACT_FORMAT,
     MANIFEST,
@@ -436,7 +436,7 @@ def test_bad_input(arts, tmp_path):
     q8, k8, v8 = qkv(1, 8, 2, 100)
     with pytest.raises(ValueError, match="query heads"):
         run(f"saap:artifacts={arts}", q8, k8, v8)
-    from kvsieve.kernels.triton_utils import kernels_interpreted
+    from kvsieve.kernels.shared.triton_utils import kernels_interpreted
 
     if not kernels_interpreted():
         with pytest.raises(ValueError, match="backend: the triton kernel cannot serve"):
@@ -547,7 +547,7 @@ def test_cli_checks_arguments_before_loading_the_model(tmp_path, capsys):
 
 TRITON_CASES = r"""
 import torch, kvsieve
-from kvsieve.kernels.sparse.buckets import (build_csr, list_width, bucket_sparse_decode_reference,
+from kvsieve.kernels.saap.buckets import (build_csr, list_width, bucket_sparse_decode_reference,
                                             bucket_sparse_decode_triton)
 g = torch.Generator().manual_seed(0)
 worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
@@ -600,7 +600,7 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
         assert torch.equal(ref[2], got[2])
         worst[torch.float32] = max(worst[torch.float32], float((ref[0] - got[0]).abs().max()),
                                    float((ref[1] - got[1]).abs().max()))
-from kvsieve.kernels.triton_utils import _WORKSPACE
+from kvsieve.kernels.shared.triton_utils import _WORKSPACE
 tickets = [t for key, t in _WORKSPACE.items() if key[0] == "bucket_ticket"]
 assert tickets and all(not t.any() for t in tickets)  # the fused merge leaves its counters at 0
 print("worst", worst[torch.float32], worst[torch.bfloat16])
@@ -639,7 +639,7 @@ def test_bucket_decode_on_cuda_matches_the_float64_reference():
     width = list_width(offsets, 7)
     ref, lse_ref, _ = bucket_sparse_decode_reference(q, k, v, dense, torch.full((2, 4), 300), offsets, ids, buckets,
                                                      width)
-    from kvsieve.kernels.sparse.buckets import bucket_sparse_decode, bucket_sparse_decode_triton
+    from kvsieve.kernels.saap.buckets import bucket_sparse_decode, bucket_sparse_decode_triton
 
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         cuda = [t.cuda() for t in (q.to(dtype), k.to(dtype), v.to(dtype), dense, torch.full((2, 4), 300), offsets,
@@ -655,7 +655,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvsieve.kernels.saap import probe
-from kvsieve.kernels.sparse import buckets
+from kvsieve.kernels.saap import buckets
 
 
 def compile_(kernel, pointers, meta, floats=()):
@@ -691,7 +691,7 @@ compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "
 
 def test_bucket_kernel_refuses_bad_splits():
     pytest.importorskip("triton")
-    from kvsieve.kernels.sparse.buckets import bucket_sparse_decode_triton
+    from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton
 
     q, k, v = qkv(1, 4, 2, 50, dtype=torch.float32)
     offsets, ids = build_csr(torch.zeros(1, 2, 50, dtype=torch.long), 4)

@@ -51,8 +51,8 @@ import torch
 
 import kvsieve
 from kvsieve.fit.saap import _save_layer, _write_json
-from kvsieve.kernels.sparse import buckets as bucket_kernels
-from kvsieve.kernels.sparse import weighted
+from kvsieve.kernels.saap import buckets as bucket_kernels
+from kvsieve.kernels.shared import weighted
 from kvsieve.methods.saap import ARTIFACT_FORMAT, MANIFEST, QueryClassifier, Rope
 
 

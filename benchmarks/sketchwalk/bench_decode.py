@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 import kvsieve  # noqa: E402
 from kvsieve.bench.timing import ColdL2Timer, count_launches  # noqa: E402
 from kvsieve.core.prefill import FORWARD_STATE  # noqa: E402
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton  # noqa: E402
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton  # noqa: E402
 from kvsieve.methods.sketchwalk import HOPS_KEY, STATE_KEY, WALK_KEY  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

@@ -2,7 +2,7 @@
 ``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run (issue 15 §3).
 
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
-one select launch, ``kernels/sparse/select_triton.py``: the register select for rows of at most
+one select launch, ``kernels/shared/select_triton.py``: the register select for rows of at most
 ``REGISTER_SELECT_MAX`` units, Quest's pages); at batch 1 the same selections also run as
 ``…@torch-select`` (partials-based group sum + ``torch.topk``; the path before 2026-11-25, ``logsumexp`` +
 a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``)
@@ -40,8 +40,10 @@ import torch
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing_setup
 from kvsieve.bench.timing import count_launches
-from kvsieve.kernels.sparse import quest_pages, select_triton, topk
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
+from kvsieve.kernels.oracle_topk import topk
+from kvsieve.kernels.quest import quest_pages
+from kvsieve.kernels.shared import select_triton
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK = WINDOW = 128  # the methods' default sink + window around quest and oracle-topk

@@ -193,9 +193,10 @@ class MagicPig(StagedSelection):
         """The kernel path's retrieval: codes kept in ``state`` and hashed only for new keys (all of a row's
         keys where the MIPS bound grew), the collision test in one launch, the budget's uniform cap from
         the one-launch sampler (the same counter-based draws as :meth:`stages`), the cosines of the kept
-        keys only (:mod:`~kvsieve.kernels.sparse.lsh_triton`). The same keys as :meth:`stages` up to
+        keys only (:mod:`~kvsieve.kernels.magicpig.lsh_triton`). The same keys as :meth:`stages` up to
         hyperplane projections within float32 rounding of 0 and ties of the 24-bit draws at the cap."""
-        from ..kernels.sparse import lsh_triton, sample_triton
+        from ..kernels.magicpig import lsh_triton
+        from ..kernels.shared import sample_triton
 
         cfg = self.config
         if (not isinstance(gen, RowStreams) or inputs.lengths is None or inputs.q_len != 1

@@ -29,7 +29,7 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
-from ..triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
+from ..shared.triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
 from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
@@ -39,7 +39,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..santa.common import fold_scores
-    from ..triton_utils import _mix32, gdc_launch_dependents, hash_uniform
+    from ..shared.triton_utils import _mix32, gdc_launch_dependents, hash_uniform
     from .feature_major import feature_scores
 
     @triton.jit

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import group_block, is_interpreted, launch, triton_available
+from ..shared.triton_utils import group_block, is_interpreted, launch, triton_available
 
 if triton_available():
     import triton

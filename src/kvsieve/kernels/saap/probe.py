@@ -246,7 +246,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     first; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
     Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
-    from ..triton_utils import kernels_interpreted, next_pow2
+    from ..shared.triton_utils import kernels_interpreted, next_pow2
 
     if triton is None:
         raise RuntimeError("probe_scores_triton needs triton")

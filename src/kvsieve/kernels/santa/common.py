@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton_utils import (
+from ..shared.triton_utils import (
     STREAM_BUDGET,
     STREAM_TILE,
     dot_precision,
@@ -27,7 +27,7 @@ from ..triton_utils import (
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import row_uniform
+    from ..shared.triton_utils import row_uniform
 
     # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
     # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)

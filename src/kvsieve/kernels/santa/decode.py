@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import pdl_available
+from ..shared.triton_utils import pdl_available
 from .common import all_tiles, check_rounding, check_tile, tile_count
 from .fused import santa_flash_fused
 from .overlap import santa_flash_overlap, santa_prop_overlap

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import dot_precision, group_block, launch, merge_partials, seed_words, triton, workspace
+from ..shared.triton_utils import dot_precision, group_block, launch, merge_partials, seed_words, triton, workspace
 from .common import TILE_KEY, check_tile, fixed_point, split_at, stats_buffers, tile_count
 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import row_uniform
+    from ..shared.triton_utils import row_uniform
     from .common import budget_jit, count_dot, fold_scores, load_group_q, score_block
 
     @triton.jit

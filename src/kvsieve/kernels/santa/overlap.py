@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import (
+from ..shared.triton_utils import (
     dot_precision,
     group_block,
     is_interpreted,
@@ -55,7 +55,7 @@ from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import gdc_launch_dependents
+    from ..shared.triton_utils import gdc_launch_dependents
     from .common import budget_jit, group_budgets, sample_fold
 
     @triton.jit

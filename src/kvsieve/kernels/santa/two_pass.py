@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
+from ..shared.triton_utils import dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
 from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import gdc_launch_dependents, gdc_wait
+    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait
     from .common import (
         budget_jit,
         fold_scores,

@@ -24,7 +24,7 @@ with) launches about a hundred small kernels:
    the reference), and the best ``k − 2`` of the ranking by a radix select (``select_triton``'s; ties to
    the lower block): in registers for rows of up to 2048 blocks, over a workspace row beyond. Block 0,
    those ascending (the select emits them in block order) and block c are written as the page lists of
-   :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` for every KV head.
+   :func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` for every KV head.
 
 Sizes come from host-known shapes and the rows' positions from ``lengths`` in device memory: nothing is
 read on the host, every buffer is allocated per call from host-known sizes or is a cached workspace
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton, workspace
+from ..shared.triton_utils import launch, next_pow2, triton, workspace
 from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
@@ -45,7 +45,7 @@ MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 if triton is not None:
     import triton.language as tl
 
-    from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
+    from ..shared.select_triton import _emit, _ordered, _radix, _range, chosen_regs
     from .common import FLOAT32_TINY, block_budget
 
     @triton.jit

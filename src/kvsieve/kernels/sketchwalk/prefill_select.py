@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
+from ..shared.triton_utils import launch, next_pow2, triton
 from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
@@ -41,7 +41,7 @@ MAX_BLOCKS = 4096
 if triton is not None:
     import triton.language as tl
 
-    from ..sparse.select_triton import _ordered, chosen_regs
+    from ..shared.select_triton import _ordered, chosen_regs
     from .common import FLOAT32_TINY, block_budget
 
     @triton.jit

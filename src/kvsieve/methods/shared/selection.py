@@ -4,7 +4,7 @@ The composition idea of sparse-attention-hub's maskers (sink + window + top-k + 
 each adding indices with an inclusion probability), executed sparse: every stage returns an
 :class:`IndexSet` — per (batch row, selection head) a list of key positions, its length and the
 weights ``1/p`` — and stages are joined with :func:`union`. The result feeds
-:func:`kvsieve.kernels.sparse.weighted.weighted_sparse_decode` directly.
+:func:`kvsieve.kernels.shared.weighted.weighted_sparse_decode` directly.
 
 Selection heads are either the KV heads (``Hs = Hkv``: one set shared by a GQA group, read once) or
 the query heads (``Hs = Hq``). Stages that must avoid positions already chosen take an

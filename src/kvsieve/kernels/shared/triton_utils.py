@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from ..core import rng as _rng
+from ...core import rng as _rng
 
 try:  # triton is an optional dependency at run time (CPU-only installs run the references)
     import triton

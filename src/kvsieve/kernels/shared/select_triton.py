@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton, workspace
+from .triton_utils import launch, next_pow2, triton, workspace
 
 
 def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,7 +63,7 @@ def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> t
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
+    from .triton_utils import dense_range
 
     @triton.jit
     def store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, blk, s_p_b, s_p_h, s):

@@ -13,7 +13,7 @@ Contract
   list per KV head (``[B, Hkv, width]`` + counts), the operand of the weighted sparse decode.
 - :func:`bucket_sparse_decode_reference`: exact softmax attention of the ``G`` query heads of each
   KV head over (dense list) ∪ (keys of the chosen buckets), computed as two partial attentions
-  (:func:`kvsieve.kernels.sparse.weighted.weighted_sparse_decode`) merged by
+  (:func:`kvsieve.kernels.shared.weighted.weighted_sparse_decode`) merged by
   :func:`merge_partials`. An empty part (``L = 0``, or only empty buckets chosen) has
   ``lse = -inf`` and is the identity of the merge.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .weighted import weighted_sparse_decode
+from ..shared.weighted import weighted_sparse_decode
 
 
 def build_csr(assign: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,7 +172,7 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 # group at once (q is a [G, d] block: K and V rows are read once per group) and writes an unnormalised
 # partial (acc, m, l); the last program of the (row, KV head) to finish (a ticket counter it resets)
 # merges the partials in split order, skipping empty ones (l = 0) — or, with fused_merge=False, the shared
-# split-KV merge of kernels/triton_utils.py does. Split 0 also writes the bucket key count (the step's stats).
+# split-KV merge of kernels/shared/triton_utils.py does. Split 0 also writes the bucket key count (the step's stats).
 
 try:
     import triton
@@ -343,7 +343,7 @@ def bucket_sparse_decode_triton(
     of each (row, KV head) merges its partials (a ticket counter in a zeroed workspace that the kernel
     leaves at 0; one launch per call); False runs the separate merge kernel. Calls on different streams
     of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers)."""
-    from ..triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
+    from ..shared.triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
 
     if triton is None:
         raise RuntimeError("bucket_sparse_decode_triton needs triton")

@@ -1,18 +1,18 @@
 """Top-p selection on the device (``oracle-topp``): per row, the fewest keys of highest probability whose
 attention mass reaches a target, as a token list for
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` — by a threshold, not a sort.
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` — by a threshold, not a sort.
 
 The set is ``{available keys with p ≥ τ}``, ``τ`` the largest value such that the mass of the available
 keys at or above it reaches the target: all keys tied at ``τ`` are taken, as the torch reference
 (:func:`kvsieve.methods.shared.selection.top_p`, whose bisection stops within ``max p · 2^-48`` below
 ``τ``) takes them. ``τ`` is found by a radix select on the bits of the float32 probabilities
 (non-negative, so their int32 images order as the values) that accumulates MASS per bin where
-:mod:`~kvsieve.kernels.sparse.select_triton` counts: ``BITS`` bits per pass from bit 29 down (bit 30 and
+:mod:`~kvsieve.kernels.shared.select_triton` counts: ``BITS`` bits per pass from bit 29 down (bit 30 and
 the sign are 0 for values in [0, 1]).
 
 Launches (grid ``(segments, Hs, B)`` each, static; no host read, so graph-capturable):
 
-1. :func:`~kvsieve.kernels.sparse.topk.scores_triton`: every scaled logit (−inf only past the length)
+1. :func:`~kvsieve.kernels.oracle_topk.topk.scores_triton`: every scaled logit (−inf only past the length)
    and per-block softmax partials;
 2. the first pass: each head's log-sum-exp from the partials, ``p`` (group-summed and divided by the
    group for ``share_kv_group``, 0 off ``[sink_end, window_start)``) written to a workspace row, the
@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
-from .select_triton import _scratch, _segments, check_score_rows
+from ..shared.select_triton import _scratch, _segments, check_score_rows
+from ..shared.triton_utils import launch, next_pow2, triton
 
 BITS = 4  # digit bits per pass: BINS = 16 bins (a mass histogram costs one select + add per bin and key)
 VALUE_BITS = 30  # bits 0..29 vary for float32 values in [0, 1]
@@ -58,8 +58,8 @@ def n_passes(bits: int = BITS) -> int:
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-    from .select_triton import _group_lse, _group_sum_tile
+    from ..shared.select_triton import _group_lse, _group_sum_tile
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def _row_target(sum_ptr, row, n_seg, top_p, RESIDUAL: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -191,7 +191,7 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
 
     ``scores [B, Hq, N]`` float32 scaled logits, −inf only past each row's length (``lengths`` int32
     ``[B]``), with ``parts = (max, sum_exp) [B, Hq, n_blocks]`` their block softmax partials (what
-    :func:`~kvsieve.kernels.sparse.topk.scores_triton` writes with ``mask_dense=False``). A row's
+    :func:`~kvsieve.kernels.oracle_topk.topk.scores_triton` writes with ``mask_dense=False``). A row's
     probabilities are the softmax over all its valid keys (``group > 1``: summed over the group's heads
     and divided by ``group``); keys in ``[sink_end, window_start)`` are available, and the target is
     ``top_p − (mass off them)`` (``mass="total"``) or ``top_p ×`` their mass (``"residual"``).
@@ -240,9 +240,9 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
                 segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``oracle-topp``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
     ``(indices [B, Hs, N] int32, counts [B, Hs] int32)``, ``Hs = Hkv`` when ``share_kv_group`` else
-    ``Hq``; the scores launch (:func:`~kvsieve.kernels.sparse.topk.scores_triton`) then
+    ``Hq``; the scores launch (:func:`~kvsieve.kernels.oracle_topk.topk.scores_triton`) then
     :func:`topp_rows_triton`. ``lengths`` int32 ``[B]``."""
-    from .topk import score_block, scores_triton
+    from ..oracle_topk.topk import score_block, scores_triton
 
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]

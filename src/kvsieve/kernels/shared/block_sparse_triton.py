@@ -1,7 +1,7 @@
 """Block-sparse causal prefill in Triton: the kernel of ``block_sparse.py``'s contract, one K/V read per
 selected block per KV-head group.
 
-Contract: :func:`kvsieve.kernels.sparse.block_sparse.block_sparse_prefill_reference` (its module docstring);
+Contract: :func:`kvsieve.kernels.shared.block_sparse.block_sparse_prefill_reference` (its module docstring);
 the tests compare the two. ``q [B, Hq, N, d]``, ``k, v [B, Hkv, N, d]`` (float16, bfloat16 or float32,
 ``d`` 64 or 128, any strides with a contiguous last dim), ``block_idx [B, n, K]`` / ``block_counts [B, n]``
 shared by every head, the diagonal block last. Output ``out`` in q's dtype, ``lse [B, Hq, N]`` float32
@@ -36,9 +36,9 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton
-from ..triton_utils import unsupported_reason as _triton_unsupported_reason
 from .block_sparse import check_block_sparse_inputs
+from .triton_utils import is_interpreted, launch, next_pow2, triton
+from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)

@@ -1,6 +1,6 @@
 """Exact top-k selection on the device (``oracle-topk``): every score in one Triton pass over K, then the
-exact top keys in one more launch (:mod:`kvsieve.kernels.sparse.select_triton`), as a token list for
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`.
+exact top keys in one more launch (:mod:`kvsieve.kernels.shared.select_triton`), as a token list for
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton`.
 
 The scores pass reads all of K once (a GQA group's query rows share each K tile) and writes float32
 scaled logits ``[B, Hq, N]``, −inf outside each row's candidates ``[sink_end, window_start)`` (the keys
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton
-from .quest_pages import (
+from ..quest.quest_pages import (
     candidate_mask,
     group_summed,
     score_launch_args,
     selection_counts_reference,
 )
+from ..shared.triton_utils import is_interpreted, launch, next_pow2, triton
 
 # Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
 # per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
@@ -45,8 +45,8 @@ def scores_reference(q, k, lengths, sink: int = 0, window: int = 0, scale: float
 if triton is not None:
     import triton.language as tl
 
-    from .quest_pages import load_group_queries, score_program
-    from .select_triton import store_maxima, store_softmax_part
+    from ..quest.quest_pages import load_group_queries, score_program
+    from ..shared.select_triton import store_maxima, store_softmax_part
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
     def _scores_kernel(
@@ -91,8 +91,8 @@ def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | 
     length; with ``counts [B]`` (int64) it also writes the keys each row takes (``size``, ``max_k``); with
     ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(N / score_block(d))]`` each block's softmax
     partials; with ``maxima`` float32 ``[B, Hq, ceil(N / GROUP_MAX)]`` the max of every ``GROUP_MAX``
-    scores (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`)."""
-    from .select_triton import GROUP_MAX
+    scores (both for :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`)."""
+    from ..shared.select_triton import GROUP_MAX
 
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
@@ -130,7 +130,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
 
     ``select="triton"`` (default): the scores pass over K (writing the maxima of every 8 scores, or for
     group-summed rows per-block softmax partials and then one parallel group-sum launch) and
-    :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
+    :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
     in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
     rows over ~20k keys). ``scores="reference"`` runs every step
@@ -150,7 +150,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     elif scores != "triton":
         raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
     else:
-        from .select_triton import select_rows
+        from ..shared.select_triton import select_rows
 
         def score(**kw):
             return scores_triton(q, k, lengths, sink, window, scale, size=size, max_k=kk, **kw)

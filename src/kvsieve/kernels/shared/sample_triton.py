@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix32, seed_words
-from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+from .triton_utils import is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
@@ -59,7 +59,7 @@ def sample_rows_reference(lo: torch.Tensor, hi: torch.Tensor, stream: int, start
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import _mix32
+    from .triton_utils import _mix32
 
     @triton.jit
     def _mix32u(x):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton, workspace
+from ..shared.triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
@@ -30,7 +30,7 @@ SPLIT_PROGRAMS = 528
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def _segment_positions(lst, seg_lo, j, ok, IS_LIST: tl.constexpr):

@@ -1,7 +1,7 @@
 """Quest's page selection on the device: page min/max kept as keys are appended, the page bound
 ``Σ_j max(q_j·min_j, q_j·max_j)`` in one Triton launch, and the top pages (one more launch,
-:mod:`kvsieve.kernels.sparse.select_triton`) as an index list for
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
+:mod:`kvsieve.kernels.shared.select_triton`) as an index list for
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
 
 Everything here takes plain tensors and runs without a host sync: lengths, counts and budgets stay on
 the device; the shapes (the number of pages ``P = ceil(N / page)`` and the most pages a row may take)
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
+from ..shared.triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
@@ -181,8 +181,8 @@ def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, boo
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-    from .select_triton import store_maxima, store_softmax_part
+    from ..shared.select_triton import store_maxima, store_softmax_part
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
@@ -314,7 +314,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     normalises over them). With ``counts [B]`` (int64) it also writes :func:`selection_counts_reference`
     for ``size`` and ``max_pages``; with ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(P / block_p)]``
     each block of ``block_p`` pages' softmax partials; with ``maxima`` float32 ``[B, Hq, ceil(P / GROUP_MAX)]``
-    the max of every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`).
+    the max of every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`).
 
     Launch overrides (for tuning; defaults: the settings so far): ``block_p`` pages per tile (a power of
     two, 16 to 1024: ``tl.dot``'s least width, and whole groups of ``GROUP_MAX`` for the maxima), ``tiles``
@@ -322,7 +322,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     ``num_warps`` (a power of two up to 32), ``num_stages`` (1 to 8; software pipelining over the tiles of a
     program, so it matters only with ``tiles > 1``). The bounds do not depend on them; the partials' blocks
     follow ``block_p``."""
-    from .select_triton import GROUP_MAX, check_launch_value
+    from ..shared.select_triton import GROUP_MAX, check_launch_value
 
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
@@ -378,14 +378,14 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
 
     ``select="triton"`` (default): two launches — the bounds (group-summed rows also write per-block
     softmax partials, the others the maxima of every 8 bounds) and
-    :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
+    :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
     select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
     any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first).
 
     ``launch_opts`` (device paths; for tuning, ``benchmarks/sparse_decode/tune_quest.py``): launch overrides
     by launch — ``"bounds"``: :func:`page_bounds_triton`'s ``block_p``, ``tiles``, ``num_warps``,
     ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``: as
-    :func:`~kvsieve.kernels.sparse.select_triton.select_rows` takes them. The pages chosen do not depend
+    :func:`~kvsieve.kernels.shared.select_triton.select_rows` takes them. The pages chosen do not depend
     on them (up to near-ties of the group-summed ranking, whose float32 sums may run in another order)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
@@ -398,7 +398,7 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
     else:
-        from .select_triton import SELECT_LAUNCHES, check_launch_opts, select_rows
+        from ..shared.select_triton import SELECT_LAUNCHES, check_launch_opts, select_rows
 
         opts = check_launch_opts(launch_opts, ("bounds", *SELECT_LAUNCHES))
         bounds_opts = opts.pop("bounds", {})

@@ -1,4 +1,4 @@
-"""Weighted sparse decode in Triton: the kernel of ``kernels/sparse/weighted.py``'s contract, with pages
+"""Weighted sparse decode in Triton: the kernel of ``kernels/shared/weighted.py``'s contract, with pages
 and a fused sink + window part.
 
 Contract (a superset of ``weighted_sparse_decode``; :func:`sparse_decode_reference` is its torch
@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, merge_partials, next_pow2, triton, workspace
-from ..triton_utils import unsupported_reason as _triton_unsupported_reason
+from .triton_utils import is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -52,7 +52,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import attend_tile, dense_range
+    from .triton_utils import attend_tile, dense_range
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
