@@ -203,9 +203,9 @@ def check(out: torch.Tensor, refs, anchor: torch.Tensor | None, args) -> dict:
 
 def triton_resources(compiled_before: set) -> dict:
     """Registers and spills of the kernel that the last call compiled (launch's cache), where Triton says."""
-    from kvsieve.kernels.shared.triton_utils import _COMPILED
+    from kvsieve.kernels.shared.triton_utils import compiled_launches
 
-    new = [v[0] for key, v in _COMPILED.items() if key not in compiled_before]
+    new = [v[0] for key, v in compiled_launches().items() if key not in compiled_before]
     if not new:
         return {}
     return {k: getattr(new[-1], k) for k in ("n_regs", "n_spills") if getattr(new[-1], k, None) is not None}
@@ -263,9 +263,9 @@ class Sweep:
         if skip is not None:
             return self.add({**row, "skipped": skip})
         fn = self.call(ctx, backend, cfg)
-        from kvsieve.kernels.shared.triton_utils import _COMPILED
+        from kvsieve.kernels.shared.triton_utils import compiled_launches
 
-        before = set(_COMPILED)
+        before = set(compiled_launches())
         t0 = time.perf_counter()
         try:
             out = fn()

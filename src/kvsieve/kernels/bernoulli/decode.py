@@ -39,7 +39,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..santa.common import fold_scores
-    from ..shared.triton_utils import _mix32, gdc_launch_dependents, hash_uniform
+    from ..shared.triton_utils import gdc_launch_dependents, hash_mix32, hash_uniform
     from .feature_major import feature_scores
 
     @triton.jit
@@ -68,9 +68,9 @@ if triton is not None:
         else:  # core.rng.row_words of the call's words, the batch row and the position (valid length)
             position = tl.load(lens_ptr + r).to(tl.int64)
             brow = (r // rows_per_batch).to(tl.int64)
-            lo = _mix32((key_lo ^ brow ^ 0x243F6A88) & 0xFFFFFFFF)
-            hi = _mix32((key_hi ^ lo ^ position ^ 0x85A308D3) & 0xFFFFFFFF)
-            lo = _mix32(lo ^ hi)
+            lo = hash_mix32((key_lo ^ brow ^ 0x243F6A88) & 0xFFFFFFFF)
+            hi = hash_mix32((key_hi ^ lo ^ position ^ 0x85A308D3) & 0xFFFFFFFF)
+            lo = hash_mix32(lo ^ hi)
         u = hash_uniform(lo, hi, STREAM, ((kvh * draws + stratum) << 22) + offs_d)
         c = whole + (u < frac).to(tl.float32)
         m_hat = (norm / draws) * c

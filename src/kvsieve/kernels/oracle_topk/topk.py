@@ -46,7 +46,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..quest.quest_pages import load_group_queries, score_program
-    from ..shared.select_triton import store_maxima, store_softmax_part
+    from ..shared.select_common import store_maxima, store_softmax_part
 
     @triton.jit(do_not_specialize=["sink", "window", "n_keys", "size", "max_units"])
     def _scores_kernel(

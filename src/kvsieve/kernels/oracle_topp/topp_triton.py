@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.select_triton import _scratch, _segments, check_score_rows
+from ..shared.select_common import check_score_rows, row_segments, scratch
 from ..shared.triton_utils import launch, next_pow2, triton
 
 BITS = 4  # digit bits per pass: BINS = 16 bins (a mass histogram costs one select + add per bin and key)
@@ -58,7 +58,7 @@ def n_passes(bits: int = BITS) -> int:
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_triton import _group_lse, _group_sum_tile
+    from ..shared.select_common import group_lse, group_sum_tile
     from ..shared.triton_utils import dense_range
 
     @triton.jit
@@ -112,14 +112,14 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = hs * G + offs_g
-            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+            lse, live_h = group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
                                      BLOCK_PART)
             hist = tl.zeros([BINS], dtype=tl.float32)
             total = tl.zeros([BLOCK_X], dtype=tl.float32)
             for x0 in range(x_lo, x_hi, BLOCK_X):
                 offs = x0 + tl.arange(0, BLOCK_X)
                 ok = offs < x_hi
-                val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs, ok, s_s_h,
+                val = group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs, ok, s_s_h,
                                       sink_end, win_start, 1)
                 p = tl.exp(val) / G  # 0 off the candidates (val = −inf)
                 tl.store(p_row + offs, p, mask=ok)
@@ -207,16 +207,16 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
     hs = hq // group
     rows = b * hs
     pm, pl = parts
-    n_seg = segments or _segments(rows, n, scores.device, segment=SEGMENT_MIN, waves=WAVES)
+    n_seg = segments or row_segments(rows, n, scores.device, segment=SEGMENT_MIN, waves=WAVES)
     seg_len = -(-n // n_seg)
     passes = n_passes(bits)
     bins = 1 << bits
-    probs = _scratch("topp_p", scores, (rows, n), torch.float32)
-    sums = _scratch("topp_sum", scores, (rows, n_seg), torch.float32)
-    hist = _scratch("topp_hist", scores, (passes, rows, n_seg, bins), torch.float32)
-    prefix = _scratch("topp_prefix", scores, (passes + 1, rows), torch.int32)
-    goal = _scratch("topp_goal", scores, (passes + 1, rows), torch.float32)
-    seg_cnt = _scratch("topp_cnt", scores, (rows, n_seg), torch.int32)
+    probs = scratch("topp_p", scores, (rows, n), torch.float32)
+    sums = scratch("topp_sum", scores, (rows, n_seg), torch.float32)
+    hist = scratch("topp_hist", scores, (passes, rows, n_seg, bins), torch.float32)
+    prefix = scratch("topp_prefix", scores, (passes + 1, rows), torch.int32)
+    goal = scratch("topp_goal", scores, (passes + 1, rows), torch.float32)
+    seg_cnt = scratch("topp_cnt", scores, (rows, n_seg), torch.int32)
     # fresh outputs: the stats read them after the call, when the workspaces may hold another call's
     idx = torch.empty(b, hs, n, device=scores.device, dtype=torch.int32)
     counts = torch.empty(b, hs, device=scores.device, dtype=torch.int32)
@@ -248,9 +248,9 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv if share_kv_group else 1
     n_blocks = -(-n // score_block(d))
-    parts = (_scratch("topp_pm", q, (b, hq, n_blocks), torch.float32),
-             _scratch("topp_pl", q, (b, hq, n_blocks), torch.float32))
-    s = scores_triton(q, k, lengths, sink, window, scale, out=_scratch("topp_scores", q, (b, hq, n), torch.float32),
+    parts = (scratch("topp_pm", q, (b, hq, n_blocks), torch.float32),
+             scratch("topp_pl", q, (b, hq, n_blocks), torch.float32))
+    s = scores_triton(q, k, lengths, sink, window, scale, out=scratch("topp_scores", q, (b, hq, n), torch.float32),
                       mask_dense=False, parts=parts)
     return topp_rows_triton(s, parts, lengths, group=group, top_p=top_p, mass=mass, sink=sink, window=window,
                             bits=bits, segments=segments)

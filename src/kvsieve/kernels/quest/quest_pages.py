@@ -181,7 +181,7 @@ def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, boo
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_triton import store_maxima, store_softmax_part
+    from ..shared.select_common import store_maxima, store_softmax_part
     from ..shared.triton_utils import dense_range
 
     @triton.jit
@@ -322,7 +322,8 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     ``num_warps`` (a power of two up to 32), ``num_stages`` (1 to 8; software pipelining over the tiles of a
     program, so it matters only with ``tiles > 1``). The bounds do not depend on them; the partials' blocks
     follow ``block_p``."""
-    from ..shared.select_triton import GROUP_MAX, check_launch_value
+    from ..shared.select_common import check_launch_value
+    from ..shared.select_triton import GROUP_MAX
 
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]

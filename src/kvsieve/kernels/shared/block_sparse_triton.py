@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from .block_sparse import check_block_sparse_inputs
+from .block_sparse_checks import check_block_sparse_inputs
 from .triton_utils import is_interpreted, launch, next_pow2, triton
 from .triton_utils import unsupported_reason as _triton_unsupported_reason
 

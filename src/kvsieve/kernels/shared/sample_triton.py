@@ -59,7 +59,7 @@ def sample_rows_reference(lo: torch.Tensor, hi: torch.Tensor, stream: int, start
 if triton is not None:
     import triton.language as tl
 
-    from .triton_utils import _mix32
+    from .triton_utils import hash_mix32
 
     @triton.jit
     def _mix32u(x):
@@ -264,8 +264,8 @@ if triton is not None:
             w = tl.load(ptr).to(tl.int64) & 0xFFFFFFFF
         else:
             w = tl.zeros([], tl.int64) + value
-        lo = _mix32(lo ^ w ^ k1)
-        hi = _mix32(hi ^ lo ^ k2)
+        lo = hash_mix32(lo ^ w ^ k1)
+        hi = hash_mix32(hi ^ lo ^ k2)
         return lo, hi
 
     @triton.jit
@@ -294,9 +294,9 @@ if triton is not None:
                 lo, hi = _absorb_counter(lo, hi, c2_ptr, v2, k12, k22, T2)
             if NC > 3:
                 lo, hi = _absorb_counter(lo, hi, c3_ptr, v3, k13, k23, T3)
-        lo = _mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
-        hi = _mix32(hi ^ lo ^ p ^ 0x85A308D3)
-        lo = _mix32(lo ^ hi)
+        lo = hash_mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
+        hi = hash_mix32(hi ^ lo ^ p ^ 0x85A308D3)
+        lo = hash_mix32(lo ^ hi)
         tl.store(out_ptr + r, lo, mask=ok)
         tl.store(out_ptr + rows + r, hi, mask=ok)
 

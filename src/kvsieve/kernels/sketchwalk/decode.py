@@ -45,7 +45,7 @@ MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_triton import _emit, _ordered, _radix, _range, chosen_regs
+    from ..shared.select_common import chosen_regs, emit_selected, ordered, radix_select, value_range
     from .common import FLOAT32_TINY, block_budget
 
     @triton.jit
@@ -213,7 +213,7 @@ if triton is not None:
             w = w / tl.maximum(tl.max(w, axis=0), FLOAT32_TINY)  # as normalize_rows
             tl.store(w_ptr + b * n + j, w, mask=j < n)
             middle = (j >= 1) & (j < c)
-            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), FLOAT32_TINY)),
+            u = ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), FLOAT32_TINY)),
                                   float("-inf")))
             if need > 0:  # ties to the lower block; pos ascends with the block, as the list wants
                 sel, pos = chosen_regs(u, middle, middle, need)
@@ -243,10 +243,10 @@ if triton is not None:
                 tl.store(row + j, tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf")), mask=ok)
             tl.debug_barrier()  # the select reads the ranking row back
             if need > 0:
-                hi, lo, _ = _range(row, n, BJ)
-                thr, ties = _radix(row, n, need, hi, lo, 32, BJ)
+                hi, lo, _ = value_range(row, n, BJ)
+                thr, ties = radix_select(row, n, need, hi, lo, 32, BJ)
                 # the chosen blocks in block order into head 0's list (ties to the lower block), then copied
-                _emit(row, row, n, thr, ties, first, False, BJ)
+                emit_selected(row, row, n, thr, ties, first, False, BJ)
                 tl.debug_barrier()  # the copy reads what other threads stored
                 offs_k = tl.arange(0, BK)
                 chosen = tl.load(first + offs_k, mask=offs_k < need)
