@@ -314,14 +314,6 @@ def exact_row_count(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
     return exact_heads(inputs, chosen).all(-1).sum()
 
 
-def ceil_pages(tokens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return torch.div(tokens + page_size - 1, page_size, rounding_mode="floor")
-
-
-def n_pages(n_keys: int, page_size: int) -> int:
-    return math.ceil(n_keys / page_size)
-
-
 def require_size(name: str, value: object, *, allow_zero: bool = True) -> None:
     """A size is an int count (>= 0, or >= 1) or a float fraction of the context in (0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
