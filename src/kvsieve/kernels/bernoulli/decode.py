@@ -29,7 +29,7 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
-from ..shared.triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
+from ..shared.triton_utils import budget_uniforms, cdiv, group_block, launch, tile_uniforms, triton, workspace
 from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
@@ -187,7 +187,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     # (σ = 0.75), against 190-266 for 128/512-key blocks, 32 features, 8 warps, or 264-1,056 programs
     # (H100, 2026-11-25, benchmarks/results/2026-11-25-h100-bernoulli-decode.md).
     per_program = max(1, round(t * hkv * r / stats_programs))
-    launch(_feature_major_stats_kernel, (-(-t // per_program), hkv, r),
+    launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import group_block, is_interpreted, launch, triton_available
+from ..shared.triton_utils import cdiv, group_block, is_interpreted, launch, triton_available
 
 if triton_available():
     import triton
@@ -192,7 +192,7 @@ class FeatureMajorKeys:
         if not same or n > self.kt.shape[3]:
             # a multiple of 256 keys: every feature row starts 16-byte aligned, so its runs load as vectors
             # (an odd capacity made the stats kernel 1.5x slower at 128k, 2026-11-25)
-            cap = -(-(n + n // 8 + 1) // 256) * 256
+            cap = cdiv(n + n // 8 + 1, 256) * 256
             kt = torch.zeros(b, hkv, d, cap, device=k.device, dtype=k.dtype)
             if same:  # grown: the copied keys move over
                 kt[..., :self.kt.shape[3]] = self.kt

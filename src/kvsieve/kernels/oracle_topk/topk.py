@@ -19,7 +19,7 @@ from ..quest.quest_pages import (
     score_launch_args,
     selection_counts_reference,
 )
-from ..shared.triton_utils import is_interpreted, launch, next_pow2, triton
+from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 
 # Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
 # per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
@@ -101,7 +101,7 @@ def scores_triton(q, k, lengths, sink: int = 0, window: int = 0, scale: float | 
     block_n = score_block(d)
     pm, pl = (out, out) if parts is None else parts
     mx = out if maxima is None else maxima
-    launch(_scores_kernel, (-(-n // block_n), hkv, b),
+    launch(_scores_kernel, (cdiv(n, block_n), hkv, b),
            q, k, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl, mx,
            scale, sink, window, n, count, max_k,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),

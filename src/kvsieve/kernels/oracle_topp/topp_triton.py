@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.select_common import check_score_rows, row_segments, scratch
-from ..shared.triton_utils import launch, next_pow2, triton
+from ..shared.triton_utils import cdiv, launch, next_pow2, triton
 
 BITS = 4  # digit bits per pass: BINS = 16 bins (a mass histogram costs one select + add per bin and key)
 VALUE_BITS = 30  # bits 0..29 vary for float32 values in [0, 1]
@@ -52,7 +52,7 @@ WAVES = 4
 
 
 def n_passes(bits: int = BITS) -> int:
-    return -(-VALUE_BITS // bits)
+    return cdiv(VALUE_BITS, bits)
 
 
 if triton is not None:
@@ -208,7 +208,7 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
     rows = b * hs
     pm, pl = parts
     n_seg = segments or row_segments(rows, n, scores.device, segment=SEGMENT_MIN, waves=WAVES)
-    seg_len = -(-n // n_seg)
+    seg_len = cdiv(n, n_seg)
     passes = n_passes(bits)
     bins = 1 << bits
     probs = scratch("topp_p", scores, (rows, n), torch.float32)
@@ -247,7 +247,7 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv if share_kv_group else 1
-    n_blocks = -(-n // score_block(d))
+    n_blocks = cdiv(n, score_block(d))
     parts = (scratch("topp_pm", q, (b, hq, n_blocks), torch.float32),
              scratch("topp_pl", q, (b, hq, n_blocks), torch.float32))
     s = scores_triton(q, k, lengths, sink, window, scale, out=scratch("topp_scores", q, (b, hq, n), torch.float32),

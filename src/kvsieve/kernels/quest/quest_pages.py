@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
+from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
@@ -27,7 +27,7 @@ def page_minmax_reference(k: torch.Tensor, lengths: torch.Tensor, page_size: int
     """``(kmin, kmax) [B, Hkv, ceil(N/page), d]`` in k's dtype over each page's keys below the row's
     length; pages with no such key hold 0 (never candidates: past the length)."""
     b, hkv, n, d = k.shape
-    p = -(-n // page_size)
+    p = cdiv(n, page_size)
     pad = p * page_size - n
     valid = (torch.arange(p * page_size, device=k.device)[None, :] < lengths.long()[:, None])  # [B, P*page]
     kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
@@ -61,7 +61,7 @@ class PageSummaries:
 
     def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
         b, hkv, n, d = k.shape
-        p = -(-n // self.page_size)
+        p = cdiv(n, self.page_size)
         cap = p + p // 8 + 1
         kmin, kmax = page_minmax_reference(k, lengths, self.page_size)
         self.kmin = torch.zeros(b, hkv, cap, d, device=k.device, dtype=k.dtype)
@@ -74,7 +74,7 @@ class PageSummaries:
         """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``."""
         b, hkv, n, d = k.shape
         page = self.page_size
-        p = -(-n // page)
+        p = cdiv(n, page)
         same = (self.kmin is not None and self.kmin.shape[:2] == (b, hkv) and self.kmin.shape[3] == d
                 and self.kmin.dtype == k.dtype and self.kmin.device == k.device)
         if not same:
@@ -332,14 +332,14 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     check_launch_value("tiles", tiles)
     check_launch_value("num_warps", num_warps, high=32, pow2=True)
     check_launch_value("num_stages", num_stages, high=8)
-    n_tiles = -(-p // block_p)
+    n_tiles = cdiv(p, block_p)
     if parts is not None and any(t.shape != (b, hq, n_tiles) for t in parts):
         raise ValueError(f"parts: expected two [{b}, {hq}, {n_tiles}] tensors (one column per {block_p} pages), "
                          f"got {[tuple(t.shape) for t in parts]}")
     scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     pm, pl = (out, out) if parts is None else parts
     mx = out if maxima is None else maxima
-    launch(_page_bounds_kernel, (-(-n_tiles // tiles), hkv, b),
+    launch(_page_bounds_kernel, (cdiv(n_tiles, tiles), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
            mx, scale, sink, window, p, count, max_pages,
            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ..shared.triton_utils import cdiv
 from ..shared.weighted import weighted_sparse_decode
 
 
@@ -313,7 +314,7 @@ def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
     """Programs per (batch row, KV head): about 384 in all, one wave on an H100 (132 SMs, three programs
     each: the kernel compiles to 168 registers a thread at 4 warps for sm_90), no more than the chunks of
     the longest possible list."""
-    return max(1, min(384 // max(rows, 1), -(-max_keys // block_n)))
+    return max(1, min(384 // max(rows, 1), cdiv(max_keys, block_n)))
 
 
 def bucket_sparse_decode_triton(

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.triton_utils import (
+    cdiv,
     dot_precision,
     group_block,
     is_interpreted,
@@ -243,7 +244,7 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
     launch(_ordered_stats_kernel, (programs, 1, 1),
-           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, -(-units * t // programs),
+           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=threads,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .block_sparse_checks import check_block_sparse_inputs
+from .triton_utils import cdiv
 
 # Elements of the [rows, keys] logit tile one reference chunk may hold (about 256 MB in float32).
 _REFERENCE_CHUNK_ELEMENTS = 1 << 26
@@ -58,7 +59,7 @@ def block_sparse_prefill_reference(
     hkv, dv = k.shape[1], v.shape[-1]
     group = hq // hkv
     bs = block_size
-    n = -(-n_tok // bs)
+    n = cdiv(n_tok, bs)
     pad = n * bs - n_tok
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if scale is None:
@@ -196,7 +197,7 @@ def block_sparse_prefill_flex(
         check_block_sparse_inputs(q, k, v, block_idx, block_counts, block_size)
     b, hq, n_tok, d = q.shape
     hkv = k.shape[1]
-    n = -(-n_tok // block_size)
+    n = cdiv(n_tok, block_size)
     pad = n * block_size - n_tok
     if pad:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))

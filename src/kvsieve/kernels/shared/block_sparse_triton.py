@@ -37,7 +37,7 @@ import math
 import torch
 
 from .block_sparse_checks import check_block_sparse_inputs
-from .triton_utils import is_interpreted, launch, next_pow2, triton
+from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -203,7 +203,7 @@ def block_sparse_prefill_triton(
         raise ValueError(f"q, k, v: expected [B, G·Hkv, N, d] and [B, Hkv, N, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     group = hq // hkv
-    n = -(-n_tok // block_size)
+    n = cdiv(n_tok, block_size)
     if block_idx.shape[:2] != (b, n) or block_counts.shape != (b, n):
         raise ValueError(f"block_idx, block_counts: expected [B={b}, n={n}, K] and [{b}, {n}], got "
                          f"{tuple(block_idx.shape)}, {tuple(block_counts.shape)}")
@@ -214,7 +214,7 @@ def block_sparse_prefill_triton(
         raise ValueError(f"block_m: expected a power of two ≥ 16, got {block_m}")
     if block_n & (block_n - 1) or not 16 <= block_n <= block_size:
         raise ValueError(f"block_n: expected a power of two in [16, block_size={block_size}], got {block_n}")
-    n_sub = -(-(group * block_size) // block_m)
+    n_sub = cdiv(group * block_size, block_m)
     out = torch.empty(b, hq, n_tok, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, n_tok, device=q.device, dtype=torch.float32)
     scale = d ** -0.5 if scale is None else scale

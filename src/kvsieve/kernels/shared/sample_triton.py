@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix32, seed_words
-from .triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
@@ -368,12 +368,12 @@ def sample_splits(n_keys: int, rows: int, block: int, target_programs: int = SPL
     """``(splits, chunk)``: the row's positions cut into ``splits`` chunks of ``chunk`` keys (a multiple
     of ``block``) so that ``splits · rows`` programs scan them, about ``target_programs`` in all; one
     split (the single-launch scan) when the row holds at most two blocks or the rows alone fill the GPU."""
-    want = min(-(-target_programs // max(rows, 1)), -(-n_keys // (2 * block)))
+    want = min(cdiv(target_programs, max(rows, 1)), cdiv(n_keys, 2 * block))
     if want <= 1:
         return 1, max(n_keys, 1)
-    per = -(-n_keys // want)
-    chunk = -(-per // block) * block
-    return -(-n_keys // chunk), chunk
+    per = cdiv(n_keys, want)
+    chunk = cdiv(per, block) * block
+    return cdiv(n_keys, chunk), chunk
 
 
 def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:

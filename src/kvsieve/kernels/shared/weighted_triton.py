@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from .triton_utils import is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+from .triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
 from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -252,7 +252,7 @@ def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, le
     if lengths is not None:
         _check_lengths(lengths, n)
     used = torch.arange(m, device=indices.device) < counts[..., None]
-    n_units = -(-n // page_size)
+    n_units = cdiv(n, page_size)
     if bool(used.any()):
         u = indices[used]
         if int(u.min()) < 0 or int(u.max()) >= n_units:
@@ -347,12 +347,12 @@ def split_plan(batch: int, heads: int, entries: int, page_size: int, dense_keys:
     """``(n_sel_parts, sel_chunk entries, n_dense_parts, dense_chunk keys)`` for about
     ``target_programs`` programs, each a whole number of ``block_n``-key blocks."""
     keys = entries * page_size + dense_keys
-    want = max(1, -(-target_programs // (batch * heads)))
-    chunk = -(-keys // want)
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    want = max(1, cdiv(target_programs, batch * heads))
+    chunk = cdiv(keys, want)
+    chunk = max(block_n, cdiv(chunk, block_n) * block_n)
     sel_chunk = chunk // page_size
-    n_sel = -(-entries // sel_chunk) if entries else 0
-    n_dense = -(-dense_keys // chunk) if dense_keys else 0
+    n_sel = cdiv(entries, sel_chunk) if entries else 0
+    n_dense = cdiv(dense_keys, chunk) if dense_keys else 0
     return n_sel, sel_chunk, n_dense, chunk
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..shared.triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton, workspace
+from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
@@ -357,7 +357,7 @@ def usable(t: torch.Tensor) -> bool:
 def budget_splits(rows: int, entries: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> int:
     """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all, at
     most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64."""
-    return max(1, min(-(-target_programs // max(rows, 1)), -(-entries // (2 * block)), 64))
+    return max(1, min(cdiv(target_programs, max(rows, 1)), cdiv(entries, 2 * block), 64))
 
 
 @dataclass(frozen=True)
