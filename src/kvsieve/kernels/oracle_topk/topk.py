@@ -21,9 +21,9 @@ from ..quest.quest_pages import (
 )
 from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 
-# Measured on the H100 (benchmarks/results/2026-11-25-h100-sparse-decode-select.md, Llama heads, 5 %):
-# per query head, the select launch takes 426 µs at 128k keys against torch.topk's 303 µs (121 vs
-# 123 µs at 32k); per KV head (a quarter of the rows) it wins at 128k, 243 vs 277 µs.
+# Per-query-head rows above this many keys take torch.topk: there it beat the select launch on the H100, which
+# wins per KV head (a quarter of the rows) and at 32k
+# (benchmarks/results/2026-11-25-h100-sparse-decode-select.md).
 TORCH_SELECT_ABOVE = 65536
 
 

@@ -168,8 +168,8 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 # ``s·BLOCK_N, (s + SPLITS)·BLOCK_N, ...`` of that virtual list: each chunk of BLOCK_N positions finds
 # its keys in registers (the bucket of a position is the one whose running end first exceeds it, over
 # the ≤ ℓ chosen buckets), so no list is materialised and every program gets the same number of keys
-# give or take one chunk, whatever the bucket sizes (the earlier split of each part over a fixed number
-# of programs waited on the largest bucket). Each program scores its keys for the G query heads of the
+# give or take one chunk, whatever the bucket sizes (a split of each part over a fixed number of programs
+# would wait on the largest bucket). Each program scores its keys for the G query heads of the
 # group at once (q is a [G, d] block: K and V rows are read once per group) and writes an unnormalised
 # partial (acc, m, l); the last program of the (row, KV head) to finish (a ticket counter it resets)
 # merges the partials in split order, skipping empty ones (l = 0) — or, with fused_merge=False, the shared

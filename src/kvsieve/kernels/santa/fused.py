@@ -2,7 +2,7 @@
 
 The default path of santa-flash up to ``decode.FLASH_FUSED_MAX_TILES`` tiles per head (8k keys at tile
 256), where its one program per tile beats the two-pass form (``two_pass.py``), whose sampling pass draws
-most of V at that size (2026-11-22-h100-decode-v8: 27.6 µs against 30.0 at 8k, 32/8/128). Each program
+most of V at that size (measured: docs/methods/santa-kernels.md). Each program
 scores its tile in pipelined sub-blocks into an L2-resident stash, keeps the online (m, l), draws
 ``S_tile = max(1, S // T_b)`` systematic samples walking the tile in sub-blocks, and writes ``l Σ c V /
 S_tile`` as its part; ``triton_utils.merge_partials`` weighs the parts by ``e^{m} l``.

@@ -1,5 +1,5 @@
-"""A uniform sample without replacement on the device in one Triton launch (issue 15: ``random`` and
-vAttention's samples).
+"""A uniform sample without replacement on the device in one Triton launch (``random``'s, vAttention's and
+MagicPIG's samples).
 
 The references (``methods/shared/selection.uniform_sample``) give every available key ``j`` of a row the
 uniform ``u = hash(row key, stream, h·2^22 + j) / 2^24`` (``core.rng.RowStreams``) and take the ``size``

@@ -26,7 +26,7 @@ counter it resets) runs steps 3–4 on all their candidates:
 Why not ``torch.topk``: at these sizes it is a radix select of its own — one launch for rows shorter
 than ~20k but 20–50 launches (multi-block passes, then a sort for ``sorted=True``) for oracle-topk's
 32k/128k-key rows, and Quest's group-summed ranking needed a ``logsumexp`` (several elementwise
-launches) and a group-sum launch before it (issue 15 §2: 16 launches for Quest, 35–60 for oracle-topk).
+launches) and a group-sum launch before it (16 launches for Quest, 35–60 for oracle-topk).
 Here Quest's selection is the bounds launch plus this one, oracle-topk's the scores pass plus this one
 (plus :func:`group_sum_rows_triton` for group-summed rows longer than ``ROW_GROUP_SUM_MAX``). Ties at
 ``T`` go to the lowest indices, where ``torch.topk`` picks any of them: selections are equal as sets up
@@ -387,12 +387,10 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
 
 # Rows of at most this many units are selected by _select_regs_kernel: the row whole in one program's
 # registers (XT = next_pow2(units) values; 32 per thread at 8192 units with 8 warps, 16 warps beyond), the
-# radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context.
-# Measured on the H100 (Llama shapes, 5 %, cold L2; select launch alone): per query head 8.7 µs at 2048
-# pages and 19.4 µs at 8192 (topk_rows_triton: 12.4 / 21.0); group-summed 13.2 / 25.7 µs against 12.9 and
-# 4.6 + 15.2 for the rows select with its group-sum launch (with 128 chunk programs: 10.7 µs at 2048 pages,
-# 22.7 at 8192) — each radix pass costs ~60 instructions per unit of the whole row (tl.histogram's
-# ballots): group-summed rows take it up to REGISTER_SELECT_GROUPED_MAX units only.
+# radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context. Each
+# radix pass costs ~60 instructions per unit of the whole row (tl.histogram's ballots), so group-summed
+# rows take it up to REGISTER_SELECT_GROUPED_MAX units only, where it beat topk_rows_triton with its
+# group-sum launch on the H100 (benchmarks/results/2026-11-25-h100-quest-register-select.md).
 REGISTER_SELECT_MAX = 16384
 REGISTER_SELECT_GROUPED_MAX = 4096
 # group-summed rows: about this many programs in all group-sum the rows (in chunks of at least
@@ -492,7 +490,7 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # Group-summed rows longer than this get group_sum_rows_triton's parallel launch: in the select launch one
 # program reads the group's G rows (~30 ops per unit and head, ~7 µs for 8192 pages × 4 heads by a cost
 # model, vs ~2 µs of launch for the split); at Quest's 32k context (2048 pages) the fold wins, at 128k
-# not. To be tuned on the GPU: the benchmark times both (quest-kv@group-sum-in-select / @split-group-sum).
+# not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
 
 SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for

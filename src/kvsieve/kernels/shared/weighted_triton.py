@@ -328,10 +328,8 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     return out.reshape(b, hq, d), lse.reshape(b, hq).float()
 
 
-# About four programs per SM of an H100/H200 (132 SMs). Swept on an H200 (2026-11-27,
-# benchmarks/results/2026-11-27-h200-sparse-launch-tune.md: block_n 32/64/128 × warps 4/8 × stages 1–4 ×
-# 132–1056 programs): at 128k, 528 programs took a 5 % page-16 list from 21.1 to 19.7 µs and streaming from
-# 20.0 to 18.5; at 32k every setting was within 0.5 µs of the others (fixed costs dominate there).
+# About four programs per SM of an H100/H200 (132 SMs): the best of a sweep over block_n, warps, stages and
+# programs at 128k; at 32k fixed costs dominate (H200: benchmarks/results/2026-11-27-h200-sparse-launch-tune.md).
 TARGET_PROGRAMS = 528
 
 

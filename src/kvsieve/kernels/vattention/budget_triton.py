@@ -1,11 +1,11 @@
-"""vAttention's budget statistics in one Triton launch (issue 15).
+"""vAttention's budget statistics in one Triton launch.
 
 ``methods/vattention.VAttention.budget`` (the reference) gathers the K rows of the deterministic set
 (sink, window, predicted top-k) and of the base sample, computes their float64 logits, shifts by the
 largest, and sums ``e^s`` (``D̂``), the base sample's spread (``σ̂``) and, for ``bound=full``, the
 numerator's plug-in ``N̂ = Σ_f e^s v + (n_s/n_b) Σ_b e^s v`` and ``Tr Σ̂`` of ``e^s v`` over the base
 sample: ~40 torch launches. Here two launches do the same in float64: ``splits`` programs per (row,
-query head) (~528 in all, issue 15: one program per head looped over every key at 32 programs) each
+query head) (~528 in all: one program per head would loop over every key at 32 programs) each
 take a share of the sink range, the window range, the top-k list and the base list, write their logits
 once to a workspace, and store sums around their own max and spreads around their own mean (two
 passes, not ``Σx² − (Σx)²/n``); one program per (row, query head) rescales them to the row's max and
