@@ -10,12 +10,12 @@ import torch
 import kvsieve
 from kvsieve.fit.saap import (
     FitConfig,
-    _save_layer,
-    _write_json,
     bucket_mass,
     fit_saap,
+    save_layer,
     spherical_kmeans,
     text_prompts,
+    write_json,
 )
 from kvsieve.kernels.saap.buckets import (
     bucket_lists,
@@ -72,11 +72,11 @@ def write_artifacts(folder, *, heads, kv_heads, head_dim=16, layers=3, clusters=
             net.norm.running_mean.copy_(torch.randn(net.norm.running_mean.shape, generator=gen))
         tensors = {"centroids": cent, "centroids_roped": cent.flip(1).contiguous()}
         tensors.update({f"classifier.{n}": v.detach().clone() for n, v in net.state_dict().items()})
-        _save_layer(folder, layer, tensors)
+        save_layer(folder, layer, tensors)
     identity = {"name": "synthetic", "config_hash": "-", "weights_fingerprint": "-", "shape": shape}
     if model is not None:
         identity.update(config_hash=config_hash(model.config), weights_fingerprint=weights_fingerprint(model))
-    _write_json(folder / MANIFEST, {
+    write_json(folder / MANIFEST, {
         "format": ARTIFACT_FORMAT, "complete": True, "model": identity,
         "rope": {"inv_freq": rope.inv_freq.tolist(), "attention_scaling": 1.0},
         "hyperparameters": {"clusters": clusters, "hidden": 16, "per": per}, "layers_done": list(range(1, layers)),
