@@ -22,6 +22,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvsieve.kernels.quest import quest_pages  # noqa: E402
+from kvsieve.kernels.shared import scores as score_kernels  # noqa: E402
 from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
 
@@ -365,15 +366,13 @@ def test_quest_launch_tuner_runs_a_tiny_case(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_kernel_matches_reference(dtype):
-    from kvsieve.kernels.oracle_topk import topk
-
     g = torch.Generator().manual_seed(15)
     q = torch.randn(2, 8, 64, generator=g).to(dtype)
     k = torch.randn(2, 2, 300, 64, generator=g).to(dtype)
     lens = torch.tensor([300, 90], dtype=torch.int32)
     for sink, window in ((0, 0), (5, 30)):
-        ref = topk.scores_reference(q, k, lens, sink, window)
-        out = topk.scores_triton(q, k, lens, sink, window)
+        ref = score_kernels.scores_reference(q, k, lens, sink, window)
+        out = score_kernels.scores_triton(q, k, lens, sink, window)
         live = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(out), live)
         assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)

@@ -1,7 +1,8 @@
 """The package's layering (docs/architecture.md), checked on the source: every import, lazy ones too.
 
 core ← kernels ← methods ← integrations ← runtime ← eval, bench, fit ← cli. A module imports only
-from its own layer or below; method modules use each other only through ``methods.shared``; the
+from its own layer or below; method modules use each other only through ``methods.shared``, and a
+method's kernels (``kernels/<method>/``) another method's only through ``kernels/shared``; the
 shared Triton helpers import no other kernel module; nothing below the command line imports the
 ``kvsieve`` facade itself. Besides: no import cycle among the modules, no source file over ``MAX_LINES``
 lines, and no module (nor a benchmark) imports another module's private names.
@@ -18,6 +19,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvsieve"
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 MAX_LINES = 800
+# Method kernel packages that build on another method's kernels: bernoulli-qk runs S²ANTA's sampling passes.
+KERNELS_BUILT_ON = {("bernoulli", "santa")}
+
 # Files allowed over MAX_LINES, relative to src/kvsieve. The lead's driver work splits runtime/engine.py,
 # then its entry goes.
 LONG_FILES_ALLOWED = {"runtime/engine.py"}
@@ -103,6 +107,13 @@ def violations(path: Path) -> list[str]:
                 out.append(f"{where}: methods.shared must not depend on a method module")
         if me == "kvsieve.kernels.shared.triton_utils" and their_layer == "kernels" and target != me:
             out.append(f"{where}: the shared Triton helpers import no other kernel module")
+        if my_layer == "kernels" and their_layer == "kernels":
+            mine, theirs = me.split(".")[2:3], target.split(".")[2:3]
+            if mine and theirs and mine != theirs and theirs != ["shared"] and mine != ["shared"] \
+                    and (mine[0], theirs[0]) not in KERNELS_BUILT_ON:
+                out.append(f"{where}: a method's kernels use another method's (shared pieces go to kernels/shared)")
+            if mine == ["shared"] and theirs and theirs != ["shared"]:
+                out.append(f"{where}: kernels/shared depends on no method's kernels")
     return out
 
 
@@ -119,9 +130,14 @@ def test_the_checker_catches_an_upward_import(tmp_path, monkeypatch):
     bad.write_text("def f():\n    from ..methods import quest\n")
     cross = fake / "methods" / "a.py"
     cross.write_text("from .b import thing\n")
+    (fake / "kernels" / "oracle_topk").mkdir(parents=True)
+    kernel_cross = fake / "kernels" / "oracle_topk" / "topk.py"
+    kernel_cross.write_text("from ..quest.quest_pages import candidate_mask\nfrom ..shared.scores import score_block\n")
     monkeypatch.setattr(__import__(__name__), "SRC", fake)
     assert any("upward (core → methods)" in v for v in violations(bad))
     assert any("another method's module" in v for v in violations(cross))
+    assert [v.split(" imports ")[1].split(":")[0] for v in violations(kernel_cross)] == [
+        "kvsieve.kernels.quest.quest_pages", "kvsieve.kernels.quest.quest_pages.candidate_mask"]
 
 
 def import_graph() -> dict[str, set[str]]:

@@ -665,8 +665,7 @@ for i, ((n, segs), (hq, hkv, share), dtype, p, mass) in enumerate(cases):
     ref = topp_reference(q, k, lens, **kw)
     if not torch.equal(got, ref):
         # the reference's float64 probabilities and target, to tell a near-tie from a wrong set
-        from kvsieve.kernels.quest.quest_pages import candidate_mask
-        from kvsieve.kernels.oracle_topk.topk import scores_reference
+        from kvsieve.kernels.shared.scores import candidate_mask, scores_reference
         pr = torch.softmax(scores_reference(q, k, lens).double(), -1)
         if share:
             pr = pr.view(2, hkv, hq // hkv, n).sum(2) / (hq // hkv)

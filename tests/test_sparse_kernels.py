@@ -19,6 +19,7 @@ import torch
 from interpreted import run_interpreter_cases
 
 from kvsieve.kernels.quest import quest_pages
+from kvsieve.kernels.shared import scores as score_kernels
 from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference
 
@@ -432,14 +433,14 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
     lens = torch.tensor([n, n // 2 + 3], device="cuda", dtype=torch.int32)
     sink = window = 128
     kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
-    cand_pages = quest_pages.candidate_mask(lens, kmin.shape[2], 16, sink, window)[:, None, :]
+    cand_pages = score_kernels.candidate_mask(lens, kmin.shape[2], 16, sink, window)[:, None, :]
     for share in (False, True):
         if kind == "quest":
             kw = dict(page_size=16, sink=sink, window=window, size=0.05, max_pages=-(-int(0.05 * n) // 16),
                       share_kv_group=share)
             ref = quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw)
             if share:
-                s = quest_pages.group_summed(quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16), 4)
+                s = score_kernels.group_summed(quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16), 4)
                 s = s.masked_fill(~cand_pages, float("-inf"))
             else:
                 s = quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16, sink, window)
@@ -447,10 +448,10 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
             kw = dict(sink=sink, window=window, size=0.05, max_k=int(0.05 * n), share_kv_group=share)
             ref = topk.topk_select(q, k, lens, scores="reference", **kw)
             if share:
-                s = quest_pages.group_summed(topk.scores_reference(q, k, lens), 4)
-                s = s.masked_fill(~quest_pages.candidate_mask(lens, n, 1, sink, window)[:, None, :], float("-inf"))
+                s = score_kernels.group_summed(score_kernels.scores_reference(q, k, lens), 4)
+                s = s.masked_fill(~score_kernels.candidate_mask(lens, n, 1, sink, window)[:, None, :], float("-inf"))
             else:
-                s = topk.scores_reference(q, k, lens, sink, window)
+                s = score_kernels.scores_reference(q, k, lens, sink, window)
         for select in ("triton", "torch"):
             if kind == "quest":
                 got = quest_pages.quest_select(q, kmin, kmax, lens, select=select, **kw)

@@ -42,6 +42,7 @@ from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing
 from kvsieve.bench.timing import count_launches
 from kvsieve.kernels.oracle_topk import topk
 from kvsieve.kernels.quest import quest_pages
+from kvsieve.kernels.shared import scores as score_kernels
 from kvsieve.kernels.shared import select_triton
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
@@ -117,7 +118,7 @@ def unique_rows(n, pages, counts, page, kv_heads, lengths, sink=0, window=0):
     dev = pages.device
     pos = (pages[..., None] * page + torch.arange(page, device=dev)).view(b, hs, -1)
     used = (torch.arange(m, device=dev) < counts[..., None]).repeat_interleave(page, -1)
-    sink_end, win_start = quest_pages.dense_bounds(lengths, sink, window)
+    sink_end, win_start = score_kernels.dense_bounds(lengths, sink, window)
     used &= (pos >= sink_end[:, None, None]) & (pos < win_start[:, None, None])
     mark = torch.zeros(b, hs, n + 1, dtype=torch.bool, device=dev)
     mark.scatter_(2, torch.where(used, pos, n), True)

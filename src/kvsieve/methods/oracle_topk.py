@@ -1,7 +1,7 @@
 """``oracle-topk``: sink + window + the exact top-k keys by q·k (an oracle: it scores every key).
 
 ``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, no host sync: every
-score in one Triton pass over K (:func:`kvsieve.kernels.oracle_topk.topk.scores_triton`, also writing the
+score in one Triton pass over K (:func:`kvsieve.kernels.shared.scores.scores_triton`, also writing the
 maxima of every 8 scores, or with ``share_kv_group`` each block's softmax partials and then one
 parallel group-sum launch), one select launch
 (:func:`kvsieve.kernels.shared.select_triton.topk_rows_triton`: a prefilter from those maxima, then the

@@ -92,8 +92,7 @@ def topp_reference(q, k, lengths, *, sink: int, window: int, top_p: float, mass:
     """``[B, Hs, N]`` bool: the keys :func:`topp_select` lists — the torch reference's set
     (:func:`kvsieve.methods.shared.selection.top_p` on float64 probabilities, as ``OracleTopP.stages``;
     here, not beside the kernel, because kernels import no method code), without sink and window."""
-    from ..kernels.oracle_topk.topk import scores_reference
-    from ..kernels.quest.quest_pages import candidate_mask
+    from ..kernels.shared.scores import candidate_mask, scores_reference
     from .shared.selection import top_p as top_p_set  # the argument top_p shadows the module's name
 
     hkv, n = k.shape[1], k.shape[2]

@@ -12,7 +12,7 @@ the sign are 0 for values in [0, 1]).
 
 Launches (grid ``(segments, Hs, B)`` each, static; no host read, so graph-capturable):
 
-1. :func:`~kvsieve.kernels.oracle_topk.topk.scores_triton`: every scaled logit (−inf only past the length)
+1. :func:`~kvsieve.kernels.shared.scores.scores_triton`: every scaled logit (−inf only past the length)
    and per-block softmax partials;
 2. the first pass: each head's log-sum-exp from the partials, ``p`` (group-summed and divided by the
    group for ``share_kv_group``, 0 off ``[sink_end, window_start)``) written to a workspace row, the
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from ..shared.scores import score_block, scores_triton
 from ..shared.select_common import check_score_rows, row_segments, scratch
 from ..shared.triton_utils import cdiv, launch, next_pow2, triton
 
@@ -191,7 +192,7 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
 
     ``scores [B, Hq, N]`` float32 scaled logits, −inf only past each row's length (``lengths`` int32
     ``[B]``), with ``parts = (max, sum_exp) [B, Hq, n_blocks]`` their block softmax partials (what
-    :func:`~kvsieve.kernels.oracle_topk.topk.scores_triton` writes with ``mask_dense=False``). A row's
+    :func:`~kvsieve.kernels.shared.scores.scores_triton` writes with ``mask_dense=False``). A row's
     probabilities are the softmax over all its valid keys (``group > 1``: summed over the group's heads
     and divided by ``group``); keys in ``[sink_end, window_start)`` are available, and the target is
     ``top_p − (mass off them)`` (``mass="total"``) or ``top_p ×`` their mass (``"residual"``).
@@ -240,10 +241,8 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
                 segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``oracle-topp``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
     ``(indices [B, Hs, N] int32, counts [B, Hs] int32)``, ``Hs = Hkv`` when ``share_kv_group`` else
-    ``Hq``; the scores launch (:func:`~kvsieve.kernels.oracle_topk.topk.scores_triton`) then
+    ``Hq``; the scores launch (:func:`~kvsieve.kernels.shared.scores.scores_triton`) then
     :func:`topp_rows_triton`. ``lengths`` int32 ``[B]``."""
-    from ..oracle_topk.topk import score_block, scores_triton
-
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv if share_kv_group else 1

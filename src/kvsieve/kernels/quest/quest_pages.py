@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton
+from ..shared.scores import candidate_mask, group_summed, score_launch_args, selection_counts_reference
+from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
@@ -106,39 +107,6 @@ class PageSummaries:
 
 # --- page bounds ----------------------------------------------------------------------------------
 
-def dense_bounds(lengths: torch.Tensor, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sink_end, window_start) [B]`` of the dense part (``weighted_triton``'s contract)."""
-    length = lengths.long()
-    sink_end = torch.clamp(length, max=sink)
-    return sink_end, torch.maximum(length - window, sink_end)
-
-
-def candidate_mask(lengths: torch.Tensor, n_units: int, unit: int, sink: int, window: int) -> torch.Tensor:
-    """``[B, n_units]`` bool: units (pages of ``unit`` keys; tokens for 1) holding a candidate key, i.e. a
-    key of ``[sink_end, window_start)``."""
-    lo, hi = dense_bounds(lengths, sink, window)
-    start = torch.arange(n_units, device=lengths.device) * unit
-    return (start[None, :] < hi[:, None]) & (start[None, :] + unit > lo[:, None])
-
-
-def selection_counts_reference(lengths: torch.Tensor, size: int | float, unit: int, sink: int, window: int,
-                               max_units: int) -> torch.Tensor:
-    """``[B]`` units a row takes: ``ceil(tokens / unit)`` with ``tokens`` = the ``size`` count, or
-    ``max(1, floor(len · size))`` for a fraction (``resolve_size``), capped by ``max_units`` and by the
-    units holding a candidate key."""
-    length = lengths.long()
-    if isinstance(size, float):
-        tokens = torch.clamp(torch.floor(length.to(torch.float64) * size).long(), min=1)
-    else:
-        tokens = torch.full_like(length, int(size))
-    lo, hi = dense_bounds(lengths, sink, window)
-    first = torch.div(lo, unit, rounding_mode="floor")
-    end = torch.div(hi + unit - 1, unit, rounding_mode="floor")
-    cand = torch.where(hi > lo, end - first, 0)
-    wanted = torch.div(tokens + unit - 1, unit, rounding_mode="floor")
-    return torch.minimum(torch.clamp(wanted, max=max_units), cand)
-
-
 def page_bounds_reference(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
                           scale: float | None = None) -> torch.Tensor:
     """``[B, Hq, P]`` float32 ``scale · Σ_j max(q_j·min_j, q_j·max_j)``; −inf on non-candidate pages."""
@@ -151,77 +119,11 @@ def page_bounds_reference(q, kmin, kmax, lengths, page_size: int, sink: int = 0,
     return bound.view(b, hq, p).masked_fill(~cand[:, None, :], float("-inf"))
 
 
-def group_summed(scores: torch.Tensor, group: int) -> torch.Tensor:
-    """``[B, Hq, X] -> [B, Hkv, X]``: log of the per-head softmax summed over the GQA group (the
-    reference's ``group_scores``); rows without a finite score stay −inf instead of NaN."""
-    b, hq, x = scores.shape
-    finite = torch.isfinite(scores).any(-1, keepdim=True)
-    logp = torch.log_softmax(torch.where(finite, scores, 0.0), dim=-1)
-    logp = torch.where(torch.isfinite(scores), logp, float("-inf"))
-    return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
-
-
-def score_launch_args(q: torch.Tensor, n_units: int, scale: float | None, out: torch.Tensor | None,
-                      size: int | float):
-    """What a scoring launch over ``n_units`` keys or pages needs besides its tensors: the scale (1/√d by
-    default), the float32 ``[B, Hq, n_units]`` output and :func:`count_args`."""
-    b, hq, d = q.shape
-    if out is None:
-        out = torch.empty(b, hq, n_units, device=q.device, dtype=torch.float32)
-    return (d ** -0.5 if scale is None else scale), out, *count_args(size, q.device)
-
-
-def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, bool]:
-    """``(fraction tensor or None, count, is_fraction)`` for the kernels that write selection counts."""
-    if isinstance(size, float):
-        return float64_constants((size,), device), 0, True
-    return None, int(size), False
-
-
 if triton is not None:
     import triton.language as tl
 
+    from ..shared.scores import load_group_queries, score_program
     from ..shared.select_common import store_maxima, store_softmax_part
-    from ..shared.triton_utils import dense_range
-
-    @triton.jit
-    def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
-                     UNIT: tl.constexpr, IS_FRAC: tl.constexpr):
-        """``counts[b]`` = :func:`selection_counts_reference` for one row."""
-        if IS_FRAC:
-            tokens = tl.maximum(tl.floor(length.to(tl.float64) * tl.load(frac_ptr)).to(tl.int32), 1)
-        else:
-            tokens = size
-        first = sink_end // UNIT
-        end = (win_start + UNIT - 1) // UNIT
-        cand = tl.where(win_start > sink_end, end - first, 0)
-        wanted = tl.minimum((tokens + UNIT - 1) // UNIT, max_units)
-        tl.store(counts_ptr + b, tl.minimum(wanted, cand).to(tl.int64))
-
-    @triton.jit
-    def score_program(lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, UNIT: tl.constexpr,
-                      WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr):
-        """A scoring program's (block, KV head, batch row) and its row's dense bounds; the first program
-        of the row also writes the row's count of units to take (``write_counts``)."""
-        blk = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
-        if WRITE_COUNTS:
-            if (blk == 0) & (kvh == 0):
-                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, UNIT, IS_FRAC)
-        return blk, kvh, b, b.to(tl.int64), length, sink_end, win_start
-
-    @triton.jit
-    def load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
-        """The query rows of KV head ``kvh``'s group ``[BLOCK_G, D]`` (rows past ``G`` are 0), their head
-        numbers and row mask, and the feature offsets."""
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
-        g_ok = offs_g < G
-        heads = kvh * G + offs_g
-        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        return q, heads, g_ok, offs_d
 
     @triton.jit
     def _page_update_kernel(
@@ -416,6 +318,5 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     return pages, counts[:, None].expand(b, s.shape[1])
 
 
-__all__ = ["PAGE_BLOCK", "PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed",
-           "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
-           "quest_scores_reference", "quest_select", "selection_counts_reference"]
+__all__ = ["PAGE_BLOCK", "PageSummaries", "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
+           "quest_scores_reference", "quest_select"]

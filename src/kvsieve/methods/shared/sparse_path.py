@@ -42,7 +42,7 @@ def choose_sparse_backend(backend: str, inputs: DecodeInputs, page_size: int = 1
 
 def dense_part_mark(inputs: DecodeInputs, sink: int, window: int) -> torch.Tensor:
     """``[B, N]`` bool: the sink and window keys of each row (the kernel's dense part)."""
-    from ...kernels.quest.quest_pages import dense_bounds
+    from ...kernels.shared.scores import dense_bounds
 
     sink_end, win_start = dense_bounds(inputs.n_valid, sink, window)
     pos = torch.arange(inputs.n_keys, device=inputs.q.device)[None, :]
@@ -52,7 +52,7 @@ def dense_part_mark(inputs: DecodeInputs, sink: int, window: int) -> torch.Tenso
 def page_list_mark(inputs: DecodeInputs, pages: torch.Tensor, counts: torch.Tensor, page_size: int, sink: int,
                    window: int) -> torch.Tensor:
     """``[B, Hs, N]`` bool: keys the kernel reads for a page list (outside the dense part) plus the dense part."""
-    from ...kernels.quest.quest_pages import dense_bounds
+    from ...kernels.shared.scores import dense_bounds
 
     b, hs, m = pages.shape
     n = inputs.n_keys
