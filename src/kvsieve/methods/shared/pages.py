@@ -15,6 +15,7 @@ import torch
 
 from ...core.inputs import DecodeInputs
 from ...core.sync import host_reads_allowed, max_or_bound
+from ...kernels.shared.triton_utils import cdiv
 from .selection import IndexSet, compact, empty_set, group_scores
 
 
@@ -27,7 +28,7 @@ def page_summaries(inputs: DecodeInputs, page_size: int, state: dict[str, Any]) 
     again from scratch.
     """
     b, hkv, n, d = inputs.k.shape
-    p_total = -(-n // page_size)
+    p_total = cdiv(n, page_size)
     key = f"quest/page{page_size}"
     cached = state.get(key)
     start_page = 0

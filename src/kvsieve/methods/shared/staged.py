@@ -22,6 +22,7 @@ from typing import Any
 from ...core.inputs import DecodeInputs
 from ...core.rng import RandomKey, RowStreams
 from ...core.stats import StepStats
+from ...kernels.shared.triton_utils import cdiv
 from .backend import choose_path, kernel_operands
 from .base import Selected, SelectionMethod, selection_stats
 from .selection import IndexSet, union
@@ -71,7 +72,7 @@ def kernel_plan(st: Stages) -> dict[str, int]:
     from ...kernels.shared.weighted_triton import sparse_decode_triton
 
     default = inspect.signature(sparse_decode_triton).parameters["target_programs"].default
-    return {"target_programs": default * -(-width // st.plan_entries)}
+    return {"target_programs": default * cdiv(width, st.plan_entries)}
 
 
 class StagedSelection(SelectionMethod):
