@@ -23,8 +23,8 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import kvsieve  # noqa: E402
-from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill, block_sparse_prefill_reference  # noqa: E402
-from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton  # noqa: E402
+from kvsieve.kernels.shared.block_sparse import block_sparse_prefill, block_sparse_prefill_reference  # noqa: E402
+from kvsieve.kernels.shared.block_sparse_triton import block_sparse_prefill_triton  # noqa: E402
 from kvsieve.methods.sketchwalk import block_budget, max_block_budget, select_blocks  # noqa: E402
 
 pytestmark = pytest.mark.triton

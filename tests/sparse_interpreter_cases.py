@@ -21,9 +21,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kvsieve.kernels.sparse import quest_pages  # noqa: E402
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference  # noqa: E402
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
+from kvsieve.kernels.quest import quest_pages  # noqa: E402
+from kvsieve.kernels.shared import scores as score_kernels  # noqa: E402
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference  # noqa: E402
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -231,7 +232,7 @@ def test_page_bounds_launch_overrides_keep_bounds_and_partials(block_p, tiles, w
     and softmax partials of block_p pages each whose log-sum-exp is each head's over its bounds —
     nothing written past them (the partials are NaN-filled first; a stray column would land in the next
     head's row)."""
-    from kvsieve.kernels.sparse.select_triton import GROUP_MAX
+    from kvsieve.kernels.shared.select_triton import GROUP_MAX
 
     g = torch.Generator().manual_seed(21)
     b, hq, hkv, n, d, page = 2, 8, 2, 300, 64, 16
@@ -365,15 +366,13 @@ def test_quest_launch_tuner_runs_a_tiny_case(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scores_kernel_matches_reference(dtype):
-    from kvsieve.kernels.sparse import topk
-
     g = torch.Generator().manual_seed(15)
     q = torch.randn(2, 8, 64, generator=g).to(dtype)
     k = torch.randn(2, 2, 300, 64, generator=g).to(dtype)
     lens = torch.tensor([300, 90], dtype=torch.int32)
     for sink, window in ((0, 0), (5, 30)):
-        ref = topk.scores_reference(q, k, lens, sink, window)
-        out = topk.scores_triton(q, k, lens, sink, window)
+        ref = score_kernels.scores_reference(q, k, lens, sink, window)
+        out = score_kernels.scores_triton(q, k, lens, sink, window)
         live = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(out), live)
         assert torch.allclose(out[live], ref[live], atol=1e-4, rtol=1e-5)
@@ -391,7 +390,7 @@ def test_page_update_kernel_follows_any_appends():
 
 @pytest.mark.parametrize("size", [7, 0.05, 0.3, 1.0])
 def test_selection_kernels_match_their_references(size):
-    from kvsieve.kernels.sparse import topk
+    from kvsieve.kernels.oracle_topk import topk
 
     g = torch.Generator().manual_seed(17)
     b, hq, hkv, n, d = 3, 8, 2, 260, 64
@@ -443,8 +442,8 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     holding −inf, repeated values, one distinct value, count 0, count = every finite value; ``segment``:
     long rows split over several programs (the limit lowered so that these rows count as long), twice
     (the ticket counters must be back at 0 after a call)."""
-    from kvsieve.kernels.sparse import select_triton
-    from kvsieve.kernels.sparse.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+    from kvsieve.kernels.shared import select_triton
+    from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
 
     if segment is not None:
         monkeypatch.setattr(select_triton, "SEGMENT", segment)
@@ -470,7 +469,7 @@ def test_register_select_matches_its_reference_with_ties_and_empty_rows(x, k):
     """topk_rows_registers (a row whole in registers, the radix stopping once the answer's bin is taken
     whole) on the rows of the test above: −inf, repeated values, one distinct value, count 0, count =
     every finite value."""
-    from kvsieve.kernels.sparse.select_triton import topk_rows_reference, topk_rows_registers
+    from kvsieve.kernels.shared.select_triton import topk_rows_reference, topk_rows_registers
 
     g = torch.Generator().manual_seed(x + k)
     s = torch.randn(3, 4, x, generator=g) * 3
@@ -508,7 +507,7 @@ ROW_KINDS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _select_limits(monkeypatch, select, long_rows, segment):
-    from kvsieve.kernels.sparse import select_triton
+    from kvsieve.kernels.shared import select_triton
 
     if select == "triton-rows":
         monkeypatch.setattr(select_triton, "REGISTER_SELECT_MAX", 0)
@@ -554,7 +553,7 @@ def test_quest_launch_overrides_keep_the_selection(path, share, monkeypatch):
     """quest_select with non-default launch settings: the default settings' pages and the reference's
     (as sets), on the launches that run on each path — tiles past the pages, chunks of a few units,
     rows split into segments of 8 units, a program per few units or per row."""
-    from kvsieve.kernels.sparse import select_triton
+    from kvsieve.kernels.shared import select_triton
 
     # the bounds launch (its maxima: the test above) once per path of its outputs: parts or neither
     launches = ["bounds", "registers"] if path == "registers" else ["rows"] + (["group_sum"] if share else [])
@@ -578,7 +577,7 @@ def test_quest_launch_overrides_keep_the_selection(path, share, monkeypatch):
 @pytest.mark.parametrize("share,long_rows", ROW_KINDS)
 def test_topk_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
     """topk_select's device paths against its torch reference, as Quest's above."""
-    from kvsieve.kernels.sparse import topk
+    from kvsieve.kernels.oracle_topk import topk
 
     select = _select_limits(monkeypatch, select, long_rows, 128)
     for seed, b, hq, hkv, n, d, dtype in SELECTION_SHAPES:

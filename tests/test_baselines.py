@@ -8,7 +8,7 @@ from conftest import random_qkv
 
 import kvsieve
 from kvsieve.core.inputs import check_decode_inputs
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
 from kvsieve.methods.magicpig import MagicPigState, _KeyHashes
 from kvsieve.methods.shared.pages import PageState, page_bounds, page_summaries
 from kvsieve.methods.shared.selection import sink_and_window, uniform_sample
@@ -220,7 +220,7 @@ def test_magicpig_retrieval_frequency_matches_its_probability(transform, min_tab
     Pr[Binomial(L, (1 − θ/π)^K) ≥ t], the probability the method inverts."""
     import dataclasses
 
-    from kvsieve.kernels.sparse.lsh_triton import retrieval_probability
+    from kvsieve.kernels.magicpig.lsh_triton import retrieval_probability
 
     q, k, v = random_qkv(batch=1, heads=1, kv_heads=1, n=60, d=8, seed=10, peaked=1.0)
     cfg = kvsieve.method("magicpig", bits=2, tables=4, min_tables=min_tables, transform=transform, sink=0,
@@ -246,7 +246,7 @@ def test_magicpig_retrieval_frequency_matches_its_probability(transform, min_tab
 def test_magicpig_probability_is_the_binomial_tail_and_magicpigs_closed_form():
     """The retrieval probability against a direct computation: the binomial tail summed term by term, and
     for t = 2 MagicPIG's ``1 − (1 − p)^{L−1}(Lp + 1 − p)`` (their sparse_attention.cc), K = 10, L = 150."""
-    from kvsieve.kernels.sparse.lsh_triton import retrieval_probability, retrieval_weights
+    from kvsieve.kernels.magicpig.lsh_triton import retrieval_probability, retrieval_weights
 
     cos = torch.linspace(-0.99, 0.99, 41, dtype=torch.float64)
     p = (1 - torch.arccos(cos) / math.pi) ** 10
@@ -300,7 +300,7 @@ def test_magicpig_inverse_probability_sum_is_unbiased(min_tables):
     spread); the default's 1e-4 lowers each weight, so its mean lies below."""
     import dataclasses
 
-    from kvsieve.kernels.sparse.lsh_triton import retrieval_weights
+    from kvsieve.kernels.magicpig.lsh_triton import retrieval_weights
 
     q, k, v = random_qkv(batch=1, heads=1, kv_heads=1, n=50, d=8, seed=12, peaked=1.5)
     cfg = kvsieve.method("magicpig", bits=2, tables=5, min_tables=min_tables, sink=0, window=0,

@@ -11,7 +11,7 @@ import kvsieve
 from kvsieve.core.registry import method_class
 from kvsieve.core.rng import STREAM_TILE, RandomKey, RowStreams, seed_words
 from kvsieve.core.sync import no_host_reads
-from kvsieve.kernels.triton_utils import uniforms as kernel_uniforms
+from kvsieve.kernels.shared.triton_utils import uniforms as kernel_uniforms
 
 # Every registered method, at the small settings it declares for ~100-300-key contexts (``small_config``);
 # methods built from external artifacts (SAAP) are tested in their own modules (``contract_tested_in``).
@@ -331,8 +331,8 @@ def test_kernel_path_launches_nothing_but_its_kernels(spec, monkeypatch):
     this runs on any machine; ``docs/results/studies/decode-contract/bench_api.py`` times the real thing."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kvsieve.kernels import dense as dense_kernels
     from kvsieve.kernels.santa import decode as santa_kernels
+    from kvsieve.kernels.shared import dense as dense_kernels
     from kvsieve.methods.shared import backend
 
     b, hq, hkv, n, d = 2, 8, 2, 600, 64

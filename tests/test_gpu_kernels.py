@@ -45,7 +45,7 @@ def _rel(a, b):
 
 def _references(inputs, seed, s, tile):
     from kvsieve.kernels.santa.reference import santa_flash_reference, santa_prop_reference
-    from kvsieve.kernels.triton_utils import budget_uniforms, tile_uniforms
+    from kvsieve.kernels.shared.triton_utils import budget_uniforms, tile_uniforms
 
     b, hq, n = inputs.batch, inputs.heads, inputs.n_keys
     tile_u = tile_uniforms(seed, b, hq, -(-n // tile), inputs.lengths, device="cuda")
@@ -59,7 +59,7 @@ def _references(inputs, seed, s, tile):
 
 def _assert_workspace_clean(q):
     """The folded merge and v10's sync words are left as the next call expects them."""
-    from kvsieve.kernels.triton_utils import workspace
+    from kvsieve.kernels.shared.triton_utils import workspace
 
     for tag, dtype in (("fold_acc", torch.float32), ("fold_den", torch.float32), ("fold_done", torch.int32),
                        ("overlap_sync", torch.int32)):
@@ -127,10 +127,10 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize(("index", "dtype"), CASES, ids=[_case_id(c) for c in CASES])
 def test_every_form_matches_the_references(index, dtype):
-    from kvsieve.kernels.dense import dense_decode_triton
     from kvsieve.kernels.santa.fused import santa_flash_fused
     from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap
     from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass
+    from kvsieve.kernels.shared.dense import dense_decode_triton
     from kvsieve.methods.shared.exact import exact_attention
 
     b, hq, hkv, n, d, lens, s, tile = SHAPES[index]

@@ -111,7 +111,7 @@ def test_the_graph_path_with_device_lengths_equals_transformers():
 
 @pytest.mark.triton
 def test_the_dense_kernel_path_under_the_triton_interpreter():
-    """The decode step's own kernel (kernels/dense.py) on rows of different lengths, via the interpreter."""
+    """The decode step's own kernel (kernels/shared/dense.py) on rows of different lengths, via the interpreter."""
     import os
     import subprocess
     import sys
@@ -411,7 +411,7 @@ class _CapturableDense(kvsieve.Method):
     def decode(self, q, k, v, *, lengths=None, key_mask=None, seed=None, scale=None, state=None,
                check_finite=True):
         from kvsieve.core.rng import as_key, hash_uniform, length_words, seed_words
-        from kvsieve.kernels.dense import dense_decode_triton
+        from kvsieve.kernels.shared.dense import dense_decode_triton
 
         out = dense_decode_triton(q, k, v, lengths.to(torch.int32), scale)
         lo, hi = length_words(*seed_words(as_key(seed).host_seed()), lengths)

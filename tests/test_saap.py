@@ -11,21 +11,21 @@ import kvsieve
 from kvsieve import CallContext
 from kvsieve.fit.saap import (
     FitConfig,
-    _save_layer,
-    _write_json,
     bucket_mass,
     fit_saap,
+    save_layer,
     spherical_kmeans,
     text_prompts,
+    write_json,
 )
-from kvsieve.kernels.sparse.buckets import (
+from kvsieve.kernels.saap.buckets import (
     bucket_lists,
     bucket_sparse_decode_reference,
     build_csr,
     list_width,
     merge_partials,
 )
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode
 from kvsieve.methods.saap import (
     ARTIFACT_FORMAT,
     MANIFEST,
@@ -73,11 +73,11 @@ def write_artifacts(folder, *, heads, kv_heads, head_dim=16, layers=3, clusters=
             net.norm.running_mean.copy_(torch.randn(net.norm.running_mean.shape, generator=gen))
         tensors = {"centroids": cent, "centroids_roped": cent.flip(1).contiguous()}
         tensors.update({f"classifier.{n}": v.detach().clone() for n, v in net.state_dict().items()})
-        _save_layer(folder, layer, tensors)
+        save_layer(folder, layer, tensors)
     identity = {"name": "synthetic", "config_hash": "-", "weights_fingerprint": "-", "shape": shape}
     if model is not None:
         identity.update(config_hash=config_hash(model.config), weights_fingerprint=weights_fingerprint(model))
-    _write_json(folder / MANIFEST, {
+    write_json(folder / MANIFEST, {
         "format": ARTIFACT_FORMAT, "complete": True, "model": identity,
         "rope": {"inv_freq": rope.inv_freq.tolist(), "attention_scaling": 1.0},
         "hyperparameters": {"clusters": clusters, "hidden": 16, "per": per}, "layers_done": list(range(1, layers)),
@@ -440,7 +440,7 @@ def test_bad_input(arts, tmp_path):
     q8, k8, v8 = qkv(1, 8, 2, 100)
     with pytest.raises(ValueError, match="query heads"):
         run(f"saap:artifacts={arts}", q8, k8, v8)
-    from kvsieve.kernels.triton_utils import kernels_interpreted
+    from kvsieve.kernels.shared.triton_utils import kernels_interpreted
 
     if not kernels_interpreted():
         with pytest.raises(ValueError, match="backend: the triton kernel cannot serve"):
@@ -551,7 +551,7 @@ def test_cli_checks_arguments_before_loading_the_model(tmp_path, capsys):
 
 TRITON_CASES = r"""
 import torch, kvsieve
-from kvsieve.kernels.sparse.buckets import (build_csr, list_width, bucket_sparse_decode_reference,
+from kvsieve.kernels.saap.buckets import (build_csr, list_width, bucket_sparse_decode_reference,
                                             bucket_sparse_decode_triton)
 g = torch.Generator().manual_seed(0)
 worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
@@ -604,7 +604,7 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
         assert torch.equal(ref[2], got[2])
         worst[torch.float32] = max(worst[torch.float32], float((ref[0] - got[0]).abs().max()),
                                    float((ref[1] - got[1]).abs().max()))
-from kvsieve.kernels.triton_utils import _WORKSPACE
+from kvsieve.kernels.shared.triton_utils import _WORKSPACE
 tickets = [t for key, t in _WORKSPACE.items() if key[0] == "bucket_ticket"]
 assert tickets and all(not t.any() for t in tickets)  # the fused merge leaves its counters at 0
 print("worst", worst[torch.float32], worst[torch.bfloat16])
@@ -643,7 +643,7 @@ def test_bucket_decode_on_cuda_matches_the_float64_reference():
     width = list_width(offsets, 7)
     ref, lse_ref, _ = bucket_sparse_decode_reference(q, k, v, dense, torch.full((2, 4), 300), offsets, ids, buckets,
                                                      width)
-    from kvsieve.kernels.sparse.buckets import bucket_sparse_decode, bucket_sparse_decode_triton
+    from kvsieve.kernels.saap.buckets import bucket_sparse_decode, bucket_sparse_decode_triton
 
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
         cuda = [t.cuda() for t in (q.to(dtype), k.to(dtype), v.to(dtype), dense, torch.full((2, 4), 300), offsets,
@@ -659,7 +659,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvsieve.kernels.saap import probe
-from kvsieve.kernels.sparse import buckets
+from kvsieve.kernels.saap import buckets
 
 
 def compile_(kernel, pointers, meta, floats=()):
@@ -695,7 +695,7 @@ compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "
 
 def test_bucket_kernel_refuses_bad_splits():
     pytest.importorskip("triton")
-    from kvsieve.kernels.sparse.buckets import bucket_sparse_decode_triton
+    from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton
 
     q, k, v = qkv(1, 4, 2, 50, dtype=torch.float32)
     offsets, ids = build_csr(torch.zeros(1, 2, 50, dtype=torch.long), 4)

@@ -174,7 +174,7 @@ print("OK")
 SAMPLE = """
 import torch
 from kvsieve.core.rng import STREAM_SUBSET, RandomKey, RowStreams, row_words
-from kvsieve.kernels.sparse.sample_triton import (row_words_triton, sample_rows_reference, sample_rows_triton,
+from kvsieve.kernels.shared.sample_triton import (row_words_triton, sample_rows_reference, sample_rows_triton,
                                                   sample_splits)
 from kvsieve.methods.shared.selection import uniform_sample
 
@@ -257,7 +257,7 @@ print("OK")
 
 LSH = """
 import torch
-from kvsieve.kernels.sparse.lsh_triton import LshCodes
+from kvsieve.kernels.magicpig.lsh_triton import LshCodes
 from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(0)
@@ -323,7 +323,7 @@ BUDGET = BUDGET_INPUTS + """
 import itertools
 
 import torch
-from kvsieve.kernels.sparse.budget_triton import budget_stats_triton
+from kvsieve.kernels.vattention.budget_triton import budget_stats_triton
 
 def ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, scale, full):
     r, hq, d = q.shape
@@ -392,7 +392,7 @@ BUDGET_RULE = BUDGET_INPUTS + """
 # equals the torch formulas of methods/vattention on the kernel's own statistics; the residual setup
 # launch writes the top-k list, the marks and the sizes the reference computes
 import torch
-from kvsieve.kernels.sparse.budget_triton import (BudgetRule, budget_triton, residual_setup_reference,
+from kvsieve.kernels.vattention.budget_triton import (BudgetRule, budget_triton, residual_setup_reference,
                                                   residual_setup_triton)
 from kvsieve.methods.vattention import (VAttentionConfig, budget_constants, clt_budget, full_budget,
                                         hoeffding_budget, normal_quantile)
@@ -474,7 +474,7 @@ LSH_SPLIT = """
 # MagicPIG's collision launch (query codes, then chunks of a KV head's codes for its query heads) and the
 # key dots, cut over 1..528 programs: the same marks and counts as torch's codes, the same dots per entry
 import torch
-from kvsieve.kernels.sparse.lsh_triton import LshCodes, key_dots_triton, retrieve_triton
+from kvsieve.kernels.magicpig.lsh_triton import LshCodes, key_dots_triton, retrieve_triton
 from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(3)
@@ -539,7 +539,9 @@ COMPILE_FOR_H100 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvsieve.kernels.sparse import budget_triton as bt, lsh_triton as lt, sample_triton as st
+from kvsieve.kernels.vattention import budget_triton as bt
+from kvsieve.kernels.magicpig import lsh_triton as lt
+from kvsieve.kernels.shared import sample_triton as st
 
 
 def compile_(kernel, pointers, meta, ints64=(), floats=(), num_warps=4):
@@ -579,7 +581,7 @@ lp = dict(q_ptr="*bf16", proj_ptr="*fp32", qc_ptr=i64, count_ptr="*i32", codes_p
 compile_(lt._query_codes_kernel, lp, dict(MIPS=True, D=128, KP=16, LP=16))
 compile_(lt._retrieve_kernel, lp, dict(G=4, BLOCK=64, LP=16))
 compile_(lt._key_dots_kernel, lp, dict(CENTER=False, BLOCK=32, D=128))
-from kvsieve.kernels.sparse import topp_triton as tt
+from kvsieve.kernels.oracle_topp import topp_triton as tt
 tp = {{n: "*fp32" for n in ("s_ptr", "pm_ptr", "pl_ptr", "p_ptr", "sum_ptr", "hist_ptr", "goal_ptr")}}
 tp.update(lens_ptr="*i32", pre_ptr="*i32", cnt_ptr="*i32", idx_ptr="*i32", out_cnt_ptr="*i32",
           top_p="fp32")  # a Python float launches as fp32
@@ -629,7 +631,7 @@ def test_sample_kernel_draws_the_references_sample():
 TOPP = """
 import itertools
 import torch
-from kvsieve.kernels.sparse.topp_triton import topp_select
+from kvsieve.kernels.oracle_topp.topp_triton import topp_select
 from kvsieve.methods.oracle_topp import topp_reference
 
 device = "{device}"
@@ -673,8 +675,7 @@ for i, ((n, segs), (hq, hkv, share), dtype, p, mass) in enumerate(cases):
     ref = topp_reference(q, k, lens, **kw)
     if not torch.equal(got, ref):
         # the reference's float64 probabilities and target, to tell a near-tie from a wrong set
-        from kvsieve.kernels.sparse.quest_pages import candidate_mask
-        from kvsieve.kernels.sparse.topk import scores_reference
+        from kvsieve.kernels.shared.scores import candidate_mask, scores_reference
         pr = torch.softmax(scores_reference(q, k, lens).double(), -1)
         if share:
             pr = pr.view(2, hkv, hq // hkv, n).sum(2) / (hq // hkv)
@@ -773,7 +774,7 @@ def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
     """A kernel-path call whose stats nobody reads builds none: the selection and the kernel run, the
     stats' marks and sums only on read (the kernel is stubbed, so this runs on any machine)."""
     import kvsieve
-    from kvsieve.kernels.sparse import weighted_triton
+    from kvsieve.kernels.shared import weighted_triton
     from kvsieve.methods.shared import staged
 
     seen = {}

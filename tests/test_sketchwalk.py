@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 import kvsieve
 from kvsieve import CallContext
-from kvsieve.kernels.sparse.block_sparse import (
+from kvsieve.kernels.shared.block_sparse import (
     block_sparse_prefill_flex,
     block_sparse_prefill_reference,
     selection_token_mask,
@@ -278,7 +278,7 @@ def test_flex_attention_path_matches_the_reference_on_cpu(kernel_options):
 
 
 def test_flex_kernel_options_default_rule_and_tuned_entries(monkeypatch):
-    from kvsieve.kernels.sparse import block_sparse
+    from kvsieve.kernels.shared import block_sparse
 
     monkeypatch.setattr(block_sparse, "FLEX_TUNED_OPTIONS", {})
     assert block_sparse.flex_kernel_options(64) == {"BLOCK_M": 64, "BLOCK_N": 64}  # tiles divide the blocks
@@ -881,7 +881,7 @@ import sys
 import torch
 import kvsieve
 import kvsieve.kernels.sketchwalk.decode as sketch_decode
-import kvsieve.kernels.sparse.weighted_triton as wt
+import kvsieve.kernels.shared.weighted_triton as wt
 from kvsieve import CallContext
 from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 sw = sys.modules["kvsieve.methods.sketchwalk"]  # kvsieve.methods is also a function's name

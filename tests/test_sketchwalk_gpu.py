@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kvsieve
-from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex, block_sparse_prefill_reference
+from kvsieve.kernels.shared.block_sparse import block_sparse_prefill_flex, block_sparse_prefill_reference
 from kvsieve.methods.sketchwalk import block_budget, max_block_budget, select_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -90,7 +90,7 @@ def _decode_steps(spec, layers, n0, steps, monkeypatch):
     then decode ``steps`` tokens; per call the blocks the attention read, the walk and the output."""
     import sys
 
-    import kvsieve.kernels.sparse.weighted_triton as wt
+    import kvsieve.kernels.shared.weighted_triton as wt
     from kvsieve import CallContext
     from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 

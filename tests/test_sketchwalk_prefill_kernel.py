@@ -1,4 +1,4 @@
-"""Sketch&Walk's block-sparse prefill Triton kernel (``kernels/sparse/block_sparse_triton.py``).
+"""Sketch&Walk's block-sparse prefill Triton kernel (``kernels/shared/block_sparse_triton.py``).
 
 CPU: the kernel against the torch reference through Triton's interpreter (``sketchwalk_prefill_interpreter_
 cases.py``, in a subprocess: the interpreter is chosen when triton is imported), and the backend option's
@@ -18,7 +18,7 @@ import torch
 from interpreted import run_interpreter_cases
 
 import kvsieve
-from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill, block_sparse_prefill_reference
+from kvsieve.kernels.shared.block_sparse import block_sparse_prefill, block_sparse_prefill_reference
 from kvsieve.methods.sketchwalk import block_budget, max_block_budget, select_blocks
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +41,7 @@ import os, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvsieve.kernels.sparse import block_sparse_triton as m
+from kvsieve.kernels.shared import block_sparse_triton as m
 
 kernel = m._block_sparse_prefill_kernel
 cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -154,7 +154,7 @@ def _check(out, lse, ref, ref_lse):
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("n_tok,density", [(4096 + 37, 0.1), (4096 + 37, 1.0), (32768, 0.1)])
 def test_gpu_bf16_matches_reference_at_llama_shapes(bs, n_tok, density):
-    from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton
+    from kvsieve.kernels.shared.block_sparse_triton import block_sparse_prefill_triton
 
     q, k, v, idx, cnt = _gpu_case(32, 8, n_tok, 128, bs, density, seed=bs + n_tok)
     out, lse = block_sparse_prefill_triton(q, k, v, idx, cnt, block_size=bs, check=True)
@@ -172,7 +172,7 @@ def test_gpu_bf16_matches_reference_at_llama_shapes(bs, n_tok, density):
 @pytest.mark.parametrize("bs", [64, 128])
 @pytest.mark.parametrize("block_m", [None, 64, 128, 256])
 def test_gpu_tile_sizes_head_dims_and_groups(d, hq, hkv, bs, block_m):
-    from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton
+    from kvsieve.kernels.shared.block_sparse_triton import block_sparse_prefill_triton
 
     q, k, v, idx, cnt = _gpu_case(hq, hkv, 2048 + 5, d, bs, 0.2, seed=d + hq + bs, b=2)
     out, lse = block_sparse_prefill_triton(q, k, v, idx, cnt, block_size=bs, block_m=block_m, check=True)

@@ -1,5 +1,5 @@
-"""The weighted sparse decode kernel (``kernels/sparse/weighted_triton.py``) and Quest's device-side page
-selection (``kernels/sparse/quest_pages.py``).
+"""The weighted sparse decode kernel (``kernels/shared/weighted_triton.py``) and Quest's device-side page
+selection (``kernels/quest/quest_pages.py``).
 
 CPU: the extended contract's torch reference against the contract's own reference, and the Triton
 kernels against their references through the interpreter (in a subprocess, as in
@@ -18,9 +18,10 @@ import pytest
 import torch
 from interpreted import run_interpreter_cases
 
-from kvsieve.kernels.sparse import quest_pages
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference
+from kvsieve.kernels.quest import quest_pages
+from kvsieve.kernels.shared import scores as score_kernels
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference
 
 HERE = Path(__file__).resolve().parent
 
@@ -137,7 +138,7 @@ def test_launch_overrides_are_checked():
     """The selection launches' overrides (tune_quest.py) refuse values their kernels cannot take, by name,
     before anything launches."""
     pytest.importorskip("triton")
-    from kvsieve.kernels.sparse import select_triton
+    from kvsieve.kernels.shared import select_triton
 
     q, k, _ = _qkv(1, 8, 2, 64, 16, 0, torch.float32)
     lens = torch.tensor([64], dtype=torch.int32)
@@ -187,7 +188,7 @@ def test_tuner_selection_check_tells_near_ties_from_wrong_pages():
 def test_topk_select_picks_the_reference_methods_keys():
     import kvsieve
     from kvsieve.core.inputs import check_decode_inputs
-    from kvsieve.kernels.sparse.topk import topk_select
+    from kvsieve.kernels.oracle_topk.topk import topk_select
 
     for seed, share in ((0, False), (1, True)):
         q, k, v = _qkv(2, 8, 2, 200, 16, seed, torch.float32)
@@ -215,7 +216,7 @@ COMPILE_REGISTER_SELECT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvsieve.kernels.sparse import select_triton
+from kvsieve.kernels.shared import select_triton
 
 kernel = select_triton._select_regs_kernel
 pointers = {"s_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "cnt_ptr": "*i64", "lens_ptr": "*i32",
@@ -274,7 +275,7 @@ def _gpu_case(b, n, page, hs, seed, density=0.05):
 @pytest.mark.parametrize("page,hs,n", [(1, 8, 4096), (16, 8, 32768), (32, 32, 16384), (64, 8, 32768),
                                        (16, 32, 8192)])
 def test_gpu_bf16_matches_reference(page, hs, n):
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     for seed in range(2):
         q, k, v, idx, counts, w, lens = _gpu_case(2, n, page, hs, seed)
@@ -292,7 +293,7 @@ def test_gpu_bf16_matches_reference(page, hs, n):
 @cuda
 def test_gpu_fused_merge_matches_reference_over_many_calls():
     """The opt-in one-launch path (ticket counter): a race would show as a wrong row in some call."""
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     for seed in range(20):
         q, k, v, idx, counts, w, lens = _gpu_case(2, 8192, 16, 8, 100 + seed)
@@ -308,7 +309,7 @@ def test_gpu_fused_merge_matches_reference_over_many_calls():
 @cuda
 @pytest.mark.parametrize("d,dtype", [(64, torch.float16), (256, torch.bfloat16), (128, torch.float32)])
 def test_gpu_head_dims_and_dtypes(d, dtype):
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     q, k, v = _qkv(2, 8, 2, 5000, d, 4, dtype, "cuda")
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -325,14 +326,14 @@ def _quest_step(q, k, v, lens, summaries, size, share, select="triton"):
     pages, counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=128, window=128, size=size,
                                              max_pages=-(-int(size * k.shape[2]) // 16), share_kv_group=share,
                                              select=select)
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     return sparse_decode_triton(q, k, v, pages, counts, page_size=16, lengths=lens, sink=128, window=128)
 
 
 def _topk_step(q, k, v, lens, size, share, select="triton"):
-    from kvsieve.kernels.sparse.topk import topk_select
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.oracle_topk.topk import topk_select
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     idx, counts = topk_select(q, k, lens, sink=128, window=128, size=size, max_k=int(size * k.shape[2]),
                               share_kv_group=share, select=select)
@@ -361,7 +362,7 @@ def test_gpu_methods_run_the_kernel_path_by_default(spec):
 @pytest.mark.gpu
 @cuda
 def test_gpu_decode_paths_do_not_sync_and_replay_in_a_graph():
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     q, k, v, idx, counts, w, lens = _gpu_case(2, 16384, 16, 8, 5)
     summaries = quest_pages.PageSummaries(16)
@@ -427,20 +428,20 @@ def _check_near_ties(idx, counts, ref_idx, ref_counts, scores):
 def test_gpu_device_selection_matches_the_reference(kind, n):
     """Llama-3.1-8B shape, bf16, two rows of different lengths, 5% of the keys: every select path (the
     default Triton select, the torch one) against the torch reference, per query head and group-summed."""
-    from kvsieve.kernels.sparse import topk
+    from kvsieve.kernels.oracle_topk import topk
 
     q, k, _ = _qkv(2, 32, 8, n, 128, 7, torch.bfloat16, "cuda")
     lens = torch.tensor([n, n // 2 + 3], device="cuda", dtype=torch.int32)
     sink = window = 128
     kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
-    cand_pages = quest_pages.candidate_mask(lens, kmin.shape[2], 16, sink, window)[:, None, :]
+    cand_pages = score_kernels.candidate_mask(lens, kmin.shape[2], 16, sink, window)[:, None, :]
     for share in (False, True):
         if kind == "quest":
             kw = dict(page_size=16, sink=sink, window=window, size=0.05, max_pages=-(-int(0.05 * n) // 16),
                       share_kv_group=share)
             ref = quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw)
             if share:
-                s = quest_pages.group_summed(quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16), 4)
+                s = score_kernels.group_summed(quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16), 4)
                 s = s.masked_fill(~cand_pages, float("-inf"))
             else:
                 s = quest_pages.page_bounds_reference(q, kmin, kmax, lens, 16, sink, window)
@@ -448,10 +449,10 @@ def test_gpu_device_selection_matches_the_reference(kind, n):
             kw = dict(sink=sink, window=window, size=0.05, max_k=int(0.05 * n), share_kv_group=share)
             ref = topk.topk_select(q, k, lens, scores="reference", **kw)
             if share:
-                s = quest_pages.group_summed(topk.scores_reference(q, k, lens), 4)
-                s = s.masked_fill(~quest_pages.candidate_mask(lens, n, 1, sink, window)[:, None, :], float("-inf"))
+                s = score_kernels.group_summed(score_kernels.scores_reference(q, k, lens), 4)
+                s = s.masked_fill(~score_kernels.candidate_mask(lens, n, 1, sink, window)[:, None, :], float("-inf"))
             else:
-                s = topk.scores_reference(q, k, lens, sink, window)
+                s = score_kernels.scores_reference(q, k, lens, sink, window)
         for select in ("triton", "torch"):
             if kind == "quest":
                 got = quest_pages.quest_select(q, kmin, kmax, lens, select=select, **kw)
@@ -500,7 +501,7 @@ def test_gpu_row_select_matches_its_reference(x, k):
     """The select launch alone on the device, with and without the prefilter, at Quest's (pages) and
     oracle-topk's (keys) row lengths of 32k/128k contexts: exactly the reference's units (ties to the
     lowest index), on rows with −inf, many ties, one value, count 0 and every finite value."""
-    from kvsieve.kernels.sparse.select_triton import (
+    from kvsieve.kernels.shared.select_triton import (
         GROUP_MAX,
         REGISTER_SELECT_MAX,
         topk_rows_reference,
@@ -527,7 +528,7 @@ def test_gpu_row_select_matches_its_reference(x, k):
 def test_oracle_topk_takes_torch_topk_for_long_per_query_head_rows():
     """The measured crossover (topk.TORCH_SELECT_ABOVE): per query head at 128k keys torch.topk
     beats the select launch, per KV head it does not."""
-    from kvsieve.kernels.sparse.topk import TORCH_SELECT_ABOVE, select_path
+    from kvsieve.kernels.oracle_topk.topk import TORCH_SELECT_ABOVE, select_path
 
     assert select_path(False, TORCH_SELECT_ABOVE + 1) == "torch"
     assert select_path(False, TORCH_SELECT_ABOVE) == "triton"

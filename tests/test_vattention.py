@@ -230,7 +230,7 @@ def test_hoeffding_needs_more_samples_than_the_clt():
 def test_residual_sample_is_unbiased_inside_vattention():
     """E over seeds of the sampled part: with the fixed part removed (sink = window = top-k = 0) the
     estimator's denominator exp(lse) is unbiased for Σ e^s, checked through the kernel contract."""
-    from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+    from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
     from kvsieve.methods.shared.selection import available_after, sink_and_window
 
     trials, n = 1500, 600

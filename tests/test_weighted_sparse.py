@@ -1,4 +1,4 @@
-"""The weighted sparse decode contract (kernels/sparse/weighted.py) against a dense brute force."""
+"""The weighted sparse decode contract (kernels/shared/weighted.py) against a dense brute force."""
 
 import itertools
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import random_qkv
 
-from kvsieve.kernels.sparse.weighted import weighted_sparse_decode_reference
+from kvsieve.kernels.shared.weighted import weighted_sparse_decode_reference
 
 
 def brute_force(q, k, v, idx, counts, weights, scale):

@@ -22,12 +22,12 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 from kvsieve import CallContext  # noqa: E402
-from kvsieve.kernels import dense as triton_dense  # noqa: E402
-from kvsieve.kernels import triton_utils  # noqa: E402
 from kvsieve.kernels.santa import decode  # noqa: E402
 from kvsieve.kernels.santa.fused import santa_flash_fused  # noqa: E402
 from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap  # noqa: E402
 from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass  # noqa: E402
+from kvsieve.kernels.shared import dense as triton_dense  # noqa: E402
+from kvsieve.kernels.shared import triton_utils  # noqa: E402
 
 pytestmark = pytest.mark.triton
 

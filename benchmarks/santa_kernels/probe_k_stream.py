@@ -175,7 +175,7 @@ def _ceiling_calls(flashinfer, q, k, v, lens) -> dict:
 
 
 def _grid_calls(q, k, v, lens) -> dict:
-    from kvsieve.kernels.dense import dense_decode_triton
+    from kvsieve.kernels.shared.dense import dense_decode_triton
 
     calls = {"dense": lambda: dense_decode_triton(q, k, v, lens, 128 ** -0.5)}
     for tma in (False, True):

@@ -2,7 +2,7 @@
 ``streaming``, ``quest`` and ``oracle-topk`` against FlashInfer and SDPA in the same run.
 
 ``quest-*`` and ``oracle-topk-*`` run the default selection (``select="triton"``: the scoring launch and
-one select launch, ``kernels/sparse/select_triton.py``: the register select for rows of at most
+one select launch, ``kernels/shared/select_triton.py``: the register select for rows of at most
 ``REGISTER_SELECT_MAX`` units, Quest's pages); at batch 1 the same selections also run as
 ``…@torch-select`` (partials-based group sum + ``torch.topk``; the earlier path, ``logsumexp`` +
 a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``)
@@ -40,8 +40,11 @@ import torch
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing_setup
 from kvsieve.bench.timing import count_launches
-from kvsieve.kernels.sparse import quest_pages, select_triton, topk
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
+from kvsieve.kernels.oracle_topk import topk
+from kvsieve.kernels.quest import quest_pages
+from kvsieve.kernels.shared import scores as score_kernels
+from kvsieve.kernels.shared import select_triton
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 SINK = WINDOW = 128  # the methods' default sink + window around quest and oracle-topk
@@ -115,7 +118,7 @@ def unique_rows(n, pages, counts, page, kv_heads, lengths, sink=0, window=0):
     dev = pages.device
     pos = (pages[..., None] * page + torch.arange(page, device=dev)).view(b, hs, -1)
     used = (torch.arange(m, device=dev) < counts[..., None]).repeat_interleave(page, -1)
-    sink_end, win_start = quest_pages.dense_bounds(lengths, sink, window)
+    sink_end, win_start = score_kernels.dense_bounds(lengths, sink, window)
     used &= (pos >= sink_end[:, None, None]) & (pos < win_start[:, None, None])
     mark = torch.zeros(b, hs, n + 1, dtype=torch.bool, device=dev)
     mark.scatter_(2, torch.where(used, pos, n), True)

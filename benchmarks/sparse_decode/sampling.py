@@ -76,7 +76,7 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
     import kvsieve
     from kvsieve.core.inputs import check_decode_inputs
     from kvsieve.core.rng import RandomKey
-    from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton
+    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
     from kvsieve.methods.shared.staged import kernel_plan
 
     m = kvsieve.method(spec)

@@ -48,7 +48,8 @@ import torch  # noqa: E402
 from run import HEAD_DIM, HEADS, KV_HEADS, QUEST_PAGE, SINK, _select_limits, quest_budget, quest_calls  # noqa: E402
 
 from kvsieve.bench.decode import Case, Inputs, library_version, timing_setup  # noqa: E402
-from kvsieve.kernels.sparse import quest_pages, select_triton  # noqa: E402
+from kvsieve.kernels.quest import quest_pages  # noqa: E402
+from kvsieve.kernels.shared import select_triton  # noqa: E402
 
 LAUNCHES = ("bounds", "group_sum", "rows", "registers")
 KERNELS = {"bounds": "_page_bounds_kernel", "group_sum": "_group_sum_parts_kernel", "rows": "_topk_rows_kernel",

@@ -156,7 +156,7 @@ def _sdpa(x: Inputs, budget, seed):
 
 @register_variant("dense")
 def _dense(x: Inputs, budget, seed):
-    from ..kernels.dense import dense_decode_triton
+    from ..kernels.shared.dense import dense_decode_triton
 
     return (lambda: dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)), None
 

@@ -117,7 +117,7 @@ def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float
 HOST_STEPS = 9
 
 
-def _host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> dict[str, float]:
+def host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> dict[str, float]:
     """Host time of one step with the device idle before it: the replay (or eager launches) plus the
     runtime's bookkeeping, without waiting on earlier steps' work. ``host_ms`` the median, ``host_min_ms``
     the fastest: the minimum beside the median tells a steady cost from interference (such as CUPTI's, see
@@ -303,7 +303,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                     per_step = _kv_bytes_dense(rt, keys)
                     row["kv_bytes_source"] = "all valid keys"
                 if cuda:
-                    row.update(_host_ms(rt.step), host_after_profiler=_PROFILED["done"])
+                    row.update(host_ms(rt.step), host_after_profiler=_PROFILED["done"])
                 row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                            attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
                            fallbacks=list(rt.stats.fallbacks))

@@ -5,7 +5,7 @@ Every random number a method draws is a pure function of a *key* and a *counter*
 the key's two 32-bit words (``lo``, ``hi``), a ``stream`` number naming the purpose (tile offsets,
 base sample, ...) and a 32-bit ``counter`` naming the draw (head, position, ...), and returns the
 top 24 bits as ``k / 2**24`` in [0, 1). It is the function the Triton kernels evaluate
-(``kernels/triton_utils.py``: ``hash_uniform``), computed here with torch integer ops on any device,
+(``kernels/shared/triton_utils.py``: ``hash_uniform``), computed here with torch integer ops on any device,
 so a draw costs no host round trip, no ``torch.Generator`` and nothing a CUDA graph cannot replay.
 
 Keys

@@ -353,7 +353,7 @@ def layer_labels(
     return cat(rows_q), cat(rows_p), [cat(r) for r in rows_y], stats
 
 
-def _model_rows(rows: list[torch.Tensor], per: str, group: int) -> list[torch.Tensor]:
+def model_rows(rows: list[torch.Tensor], per: str, group: int) -> list[torch.Tensor]:
     """Per-query-head rows regrouped per model (per KV head: the group's heads concatenated)."""
     if per == "query":
         return rows
@@ -553,7 +553,7 @@ def fit_saap(
         }
         for f in out.glob("layer_*.safetensors"):
             f.unlink()
-    _write_json(manifest_path, manifest)
+    write_json(manifest_path, manifest)
 
     dumps = Dumps(out / "dumps", shape, n_prompts, cfg.prompt_tokens)
     if not set(layers) <= set(manifest["layers_done"]):
@@ -580,7 +580,7 @@ def fit_saap(
         rows_q, rows_p, (rows_y,), filt = layer_labels(q, k, [assign], cfg, scale, gen, cfg.queries)
         x = [rope.invert(rq, rp) for rq, rp in zip(rows_q, rows_p, strict=True)]
         t_lab = time.perf_counter() - t0 - t_km
-        net, loss = train_classifier(_model_rows(x, cfg.per, group), _model_rows(rows_y, cfg.per, group), cfg, gen)
+        net, loss = train_classifier(model_rows(x, cfg.per, group), model_rows(rows_y, cfg.per, group), cfg, gen)
         t_train = time.perf_counter() - t0 - t_km - t_lab
         metrics: dict[str, Any] = {"train_queries": sum(len(r) for r in x), **filt, "train_kl": round(loss, 4)}
         if cfg.val_prompts:
@@ -588,20 +588,20 @@ def fit_saap(
                                           scale, gen, RECALL_PROBES, max(cfg.queries // 8, 16)))
         tensors = {"centroids": cent.cpu().contiguous(), "centroids_roped": cent_r.cpu().contiguous()}
         tensors.update({f"classifier.{n}": v.detach().cpu().contiguous() for n, v in net.state_dict().items()})
-        _save_layer(out, layer, tensors)
+        save_layer(out, layer, tensors)
         manifest["layers_done"] = sorted(manifest["layers_done"] + [layer])
         manifest["layer_metrics"][str(layer)] = metrics
         manifest["wall_s"]["layers"][str(layer)] = {"kmeans": round(t_km, 2), "labels": round(t_lab, 2),
                                                     "train": round(t_train, 2),
                                                     "total": round(time.perf_counter() - t0, 2),
                                                     "device": str(dev)}
-        _write_json(manifest_path, manifest)
+        write_json(manifest_path, manifest)
         del q_all, k_all, q, k, k_de
     manifest["complete"] = set(layers) <= set(manifest["layers_done"])
     manifest["wall_s"]["this_run"] = round(time.perf_counter() - t_start, 2)
     manifest["wall_s"]["total"] = round(manifest["wall_s"]["collect"]
                                         + sum(v["total"] for v in manifest["wall_s"]["layers"].values()), 2)
-    _write_json(manifest_path, manifest)
+    write_json(manifest_path, manifest)
     if manifest["complete"] and not keep_dumps:
         import shutil
 
@@ -609,7 +609,7 @@ def fit_saap(
     return manifest
 
 
-def _save_layer(out: Path, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+def save_layer(out: Path, layer: int, tensors: dict[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     tmp = out / f"layer_{layer:03d}.safetensors.tmp"
@@ -617,7 +617,7 @@ def _save_layer(out: Path, layer: int, tensors: dict[str, torch.Tensor]) -> None
     tmp.replace(out / f"layer_{layer:03d}.safetensors")
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)

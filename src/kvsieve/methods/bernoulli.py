@@ -253,7 +253,7 @@ class BernoulliQK(Method):
         # budget covers, the exact short-rows launch); the stats are built from the outputs when read.
         from ..kernels.bernoulli.decode import bernoulli_prop_triton
         from ..kernels.bernoulli.feature_major import FeatureMajorKeys
-        from ..kernels.dense import dense_short_rows_triton
+        from ..kernels.shared.dense import dense_short_rows_triton
 
         c = self.config
         q, k, v, lens = kernel_operands(inputs)

@@ -1,7 +1,7 @@
 """``dense``: exact attention, the baseline every method is judged against.
 
 ``backend``: "reference" (default: torch, float32 accumulation — the ground truth other methods are
-compared with), "triton" (the split-KV kernel of ``kernels/dense.py``; a ValueError says why
+compared with), "triton" (the split-KV kernel of ``kernels/shared/dense.py``; a ValueError says why
 when it cannot serve a call) or "auto" (the kernel on CUDA tensors it can serve, else the reference).
 ``stats.backend`` names the path that ran.
 """
@@ -42,7 +42,7 @@ class Dense(Method):
         path, reason = choose_backend(self.config.backend, inputs)
         extra = {}
         if path == "triton":
-            from ..kernels.dense import dense_decode_triton
+            from ..kernels.shared.dense import dense_decode_triton
 
             q, k, v, lens = kernel_operands(inputs)
             out = dense_decode_triton(q, k, v, lens, inputs.scale)  # in q's dtype: decode returns that

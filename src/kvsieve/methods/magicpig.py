@@ -42,7 +42,7 @@ from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import STREAM_CAP, RowStreams, derive_seed
 from ..core.sync import any_or_true
-from ..kernels.sparse.lsh_triton import middle_mean, retrieval_weights
+from ..kernels.magicpig.lsh_triton import middle_mean, retrieval_weights
 from .shared.backend import BACKENDS
 from .shared.base import SinkWindowConfig, fixed_part
 from .shared.selection import IndexSet, compact, require_size, resolve_size, size_bound, uniforms
@@ -107,7 +107,7 @@ class KeyCodes:
 @dataclass
 class MagicPigState(MethodState):
     """Key codes of one request and layer: the reference path's (``reference``) or the kernel path's
-    (``codes``, a ``kernels.sparse.lsh_triton.LshCodes``), each with the hashing setup (``*_key``) it was
+    (``codes``, a ``kernels.magicpig.lsh_triton.LshCodes``), each with the hashing setup (``*_key``) it was
     made under."""
 
     reference: KeyCodes | None = None
@@ -233,10 +233,11 @@ class MagicPig(StagedSelection):
         """The kernel path's retrieval: codes kept in ``state`` and hashed only for new keys (all of a row's
         keys where the MIPS bound grew), the collision test in one launch, the budget's uniform cap from
         the one-launch sampler (the same counter-based draws as :meth:`stages`), the cosines of the kept
-        keys only (:mod:`~kvsieve.kernels.sparse.lsh_triton`), the same probabilities and weights. The
+        keys only (:mod:`~kvsieve.kernels.magicpig.lsh_triton`), the same probabilities and weights. The
         same keys as :meth:`stages` up to hyperplane projections within float32 rounding of 0 and ties
         of the 24-bit draws at the cap."""
-        from ..kernels.sparse import lsh_triton, sample_triton
+        from ..kernels.magicpig import lsh_triton
+        from ..kernels.shared import sample_triton
 
         cfg = self.config
         if (not isinstance(gen, RowStreams) or inputs.lengths is None or inputs.q_len != 1

@@ -1,15 +1,15 @@
 """``oracle-topk``: sink + window + the exact top-k keys by q·k (an oracle: it scores every key).
 
 ``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, no host sync: every
-score in one Triton pass over K (:func:`kvsieve.kernels.sparse.topk.scores_triton`, also writing the
+score in one Triton pass over K (:func:`kvsieve.kernels.shared.scores.scores_triton`, also writing the
 maxima of every 8 scores, or with ``share_kv_group`` each block's softmax partials and then one
 parallel group-sum launch), one select launch
-(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_triton`: a prefilter from those maxima, then the
+(:func:`kvsieve.kernels.shared.select_triton.topk_rows_triton`: a prefilter from those maxima, then the
 exact top keys by a radix select) and the Triton sparse kernel (2 launches) on the chosen tokens with
 sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Per-query-head rows of
 more than ``TORCH_SELECT_ABOVE`` keys take ``torch.topk`` in place of the select launch (see
-:func:`kvsieve.kernels.sparse.topk.select_path`). Elsewhere the torch reference. "reference" and "triton" force a path;
-``stats.backend`` names the path that ran.
+:func:`kvsieve.kernels.oracle_topk.topk.select_path`). Elsewhere the torch reference. "reference" and
+"triton" force a path; ``stats.backend`` names the path that ran.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Literal
 
 from ..core.config import param, require_choice
 from ..core.registry import register_method
-from ..kernels.sparse.topk import select_path
+from ..kernels.oracle_topk.topk import select_path
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.base import Selected, SelectionMethod, SinkWindowConfig, fixed_part, ranking_scores
 from .shared.selection import require_size, resolve_size, size_bound, top_k, union
@@ -66,8 +66,8 @@ class OracleTopK(SelectionMethod):
             if reason is not None:
                 stats.extra["backend_reason"] = reason
             return out, stats
-        from ..kernels.sparse.topk import topk_select
-        from ..kernels.sparse.weighted_triton import sparse_decode_triton
+        from ..kernels.oracle_topk.topk import topk_select
+        from ..kernels.shared.weighted_triton import sparse_decode_triton
 
         n = inputs.n_keys
         top = cfg.top_k if isinstance(cfg.top_k, int) else max(1, int(n * cfg.top_k))  # static bound

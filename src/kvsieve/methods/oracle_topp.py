@@ -1,7 +1,7 @@
 """``oracle-topp``: sink + window + the fewest highest-probability keys reaching attention mass p (an oracle).
 
 ``backend``: "auto" (default) runs the kernel path on CUDA tensors it can serve: the selection on the
-device (:func:`kvsieve.kernels.sparse.topp_triton.topp_select`: one scores launch over K, then a radix
+device (:func:`kvsieve.kernels.oracle_topp.topp_triton.topp_select`: one scores launch over K, then a radix
 select of the probability threshold by mass, split over programs per row — about 11 launches, no host
 read) handed to the Triton weighted sparse kernel (:mod:`kvsieve.methods.shared.staged`) with sink and
 window as key ranges and the chosen keys as an index list at weight 1 (the renormalised estimate);
@@ -74,7 +74,7 @@ class OracleTopP(StagedSelection):
             st = self.stages(inputs, gen, state)
             st.extra = {"select": "torch"}
             return st
-        from ..kernels.sparse.topp_triton import topp_select
+        from ..kernels.oracle_topp.topp_triton import topp_select
 
         q, k, _, lens = kernel_operands(inputs)
         idx, counts = topp_select(q, k, lens, sink=cfg.sink, window=cfg.window, top_p=cfg.top_p, mass=cfg.mass,
@@ -92,8 +92,7 @@ def topp_reference(q, k, lengths, *, sink: int, window: int, top_p: float, mass:
     """``[B, Hs, N]`` bool: the keys :func:`topp_select` lists — the torch reference's set
     (:func:`kvsieve.methods.shared.selection.top_p` on float64 probabilities, as ``OracleTopP.stages``;
     here, not beside the kernel, because kernels import no method code), without sink and window."""
-    from ..kernels.sparse.quest_pages import candidate_mask
-    from ..kernels.sparse.topk import scores_reference
+    from ..kernels.shared.scores import candidate_mask, scores_reference
     from .shared.selection import top_p as top_p_set  # the argument top_p shadows the module's name
 
     hkv, n = k.shape[1], k.shape[2]

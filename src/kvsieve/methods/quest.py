@@ -10,12 +10,12 @@ recomputed.
 
 ``backend``: "auto" (default) runs the device path on CUDA tensors it can serve, five launches per call
 (six for group-summed rows of over 4096 pages) and no host sync: page min/max kept in ``state`` by
-:class:`kvsieve.kernels.sparse.quest_pages.PageSummaries` (one launch refreshes the last pages of each
+:class:`kvsieve.kernels.quest.quest_pages.PageSummaries` (one launch refreshes the last pages of each
 row), the bounds in one Triton launch (with ``share_kv_group`` it also writes each block's softmax
 partials, so that no ``logsumexp`` runs), one select launch
-(:func:`kvsieve.kernels.sparse.select_triton.topk_rows_registers` for rows of up to 16384 pages per query
+(:func:`kvsieve.kernels.shared.select_triton.topk_rows_registers` for rows of up to 16384 pages per query
 head, 4096 group-summed — the group sum in chunks over the GPU, then each row's last chunk program selects
-with the row in registers; else :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`, with a
+with the row in registers; else :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`, with a
 group-sum launch of its own beyond 4096 pages) and the Triton sparse kernel (2 launches) reading the
 chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton"
 force a path; ``stats.backend`` names the path.
@@ -81,8 +81,8 @@ class Quest(SelectionMethod):
             if reason is not None:
                 stats.extra["backend_reason"] = reason
             return out, stats
-        from ..kernels.sparse.quest_pages import PageSummaries, quest_select
-        from ..kernels.sparse.weighted_triton import sparse_decode_triton
+        from ..kernels.quest.quest_pages import PageSummaries, quest_select
+        from ..kernels.shared.weighted_triton import sparse_decode_triton
 
         page, n = cfg.page_size, inputs.n_keys
         # the most tokens any row can ask for, from static sizes (rows have n_valid <= N)

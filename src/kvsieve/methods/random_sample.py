@@ -69,7 +69,7 @@ class RandomSample(StagedSelection):
 
     def kernel_stages(self, inputs, gen, state):
         cfg = self.config
-        from ..kernels.sparse.sample_triton import sample_rows_triton, usable
+        from ..kernels.shared.sample_triton import sample_rows_triton, usable
 
         if cfg.replacement or not isinstance(gen, RowStreams) or inputs.lengths is None or not usable(inputs.q):
             return self.stages(inputs, gen, state)

@@ -4,7 +4,7 @@ Offline (``kvsieve fit saap``, :mod:`kvsieve.fit.saap`), per layer >= 1 and KV h
 k-means of the pre-RoPE keys into ``C`` buckets, and a query classifier (Linear → BatchNorm → ReLU →
 Linear → softmax) trained to predict which buckets hold a query's attention mass. Online, after
 prefill: the keys outside the dense part (sink + recent window) are de-roped, assigned to their
-nearest centroid and listed per bucket (CSR, :mod:`kvsieve.kernels.sparse.buckets`); each decode
+nearest centroid and listed per bucket (CSR, :mod:`kvsieve.kernels.saap.buckets`); each decode
 step de-ropes the queries of a GQA group, sums the classifier's probabilities over the group, and
 attends exactly over every key of the ``probes`` best buckets plus the dense part, the two partial
 attentions merged by log-sum-exp. Layer 0 runs exact attention (the paper's Fig. 3).
@@ -41,7 +41,7 @@ from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..core.sync import host_reads_allowed
-from ..kernels.sparse.buckets import bucket_sparse_decode, bucket_sparse_decode_triton, build_csr, list_width
+from ..kernels.saap.buckets import bucket_sparse_decode, bucket_sparse_decode_triton, build_csr, list_width
 from .shared.exact import compute_dtype, exact_attention
 
 ARTIFACT_FORMAT = "kvsieve-saap/1"
@@ -567,7 +567,7 @@ class Saap(Method):
         choice = self.config.backend
         if choice == "reference":
             return "reference"
-        from ..kernels.triton_utils import kernels_interpreted, triton_available
+        from ..kernels.shared.triton_utils import kernels_interpreted, triton_available
 
         # Interpreted kernels (TRITON_INTERPRET=1 at import) run on CPU tensors only, compiled ones on CUDA only.
         usable = (triton_available() and inputs.q.is_cuda != kernels_interpreted()

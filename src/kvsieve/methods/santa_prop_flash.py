@@ -9,7 +9,7 @@ deferred normalisation; it is unbiased but spends samples on tiles of little mas
 they can serve and the float64 reference otherwise; "triton" insists (a ValueError says why it
 cannot; CPU tensors only under ``TRITON_INTERPRET=1``); "reference" always runs the reference.
 ``stats.backend`` names the path that ran. The kernels draw their uniforms from a counter-based hash
-of the seed (``kernels/triton_utils.py``), the reference from a torch generator: the two paths give
+of the seed (``kernels/shared/triton_utils.py``), the reference from a torch generator: the two paths give
 different samples for one seed, with the same distribution.
 """
 
@@ -105,7 +105,7 @@ class _SantaTiled(Method):
     def _decode_triton(self, inputs, tile, seed, state, extra):
         # The kernels, then (exact_when_covered) one launch that gives the rows the budget covers exact
         # attention, and nothing else: the stats are built from the kernels' outputs when read.
-        from ..kernels.dense import dense_short_rows_triton
+        from ..kernels.shared.dense import dense_short_rows_triton
 
         q, k, v, lens = kernel_operands(inputs)
         # context.count_reads = False (the decode runtime's captured steps, which read no per-step stats)

@@ -12,8 +12,8 @@
 4. query block ``i`` keeps block 0, its own block ``i`` and the top ``k_i − 2`` of ``W_i,1..i−1``,
    ``k_i = max(2, ⌈ρ(i+1)⌉)`` (or a fixed ``k = ⌈ρn⌉``), shared by every head;
 5. exact attention inside the kept blocks: block-sparse causal attention in the prefill
-   (:mod:`kvsieve.kernels.sparse.block_sparse`), the weighted sparse decode with block-granular
-   lists in decode (:mod:`kvsieve.kernels.sparse.weighted`).
+   (:mod:`kvsieve.kernels.shared.block_sparse`), the weighted sparse decode with block-granular
+   lists in decode (:mod:`kvsieve.kernels.shared.weighted`).
 
 Decode keeps, per layer (``state``), running block sums of the head-averaged keys and queries, the
 key sketches and the rows of ``Ã`` of completed blocks (append-only, by causality); the current
@@ -39,9 +39,9 @@ from ..core.inputs import DecodeInputs
 from ..core.method import Method, read_stats, select_rows
 from ..core.registry import register_method
 from ..core.stats import StepStats
-from ..kernels.sparse.block_sparse import BACKENDS as PREFILL_BACKENDS
-from ..kernels.sparse.block_sparse import block_sparse_prefill
-from ..kernels.sparse.weighted import weighted_sparse_decode
+from ..kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
+from ..kernels.shared.block_sparse import block_sparse_prefill
+from ..kernels.shared.weighted import weighted_sparse_decode
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.sparse_path import choose_sparse_backend
 
@@ -439,8 +439,8 @@ class SketchWalk(Method):
             return "reference", None
         if cfg.walk_power == "matrix":
             return "reference", "walk_power=matrix (the kernels compute the element-wise power)"
+        from ..kernels.shared.triton_utils import kernels_interpreted
         from ..kernels.sketchwalk.prefill_select import unsupported_reason
-        from ..kernels.triton_utils import kernels_interpreted
 
         reason = unsupported_reason(n_blocks, x.dtype)
         if reason is None and (x.device.type == "cuda") == kernels_interpreted():
@@ -631,7 +631,7 @@ class SketchWalk(Method):
             return tokens, used & (tokens < length[:, None])
 
         if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
-            from ..kernels.sparse.weighted_triton import sparse_decode_triton
+            from ..kernels.shared.weighted_triton import sparse_decode_triton
 
             q, k, v, lens = kernel_operands(inputs)
             if pages is None:

@@ -2,7 +2,7 @@
 
 ``backend``: "auto" (default) runs the Triton sparse kernel on CUDA tensors it can serve, reading
 sink and window as two key ranges with no index list and no selection pass
-(:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`), and the torch reference
+(:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton`), and the torch reference
 otherwise; "reference" and "triton" force a path. ``stats.backend`` names the path that ran.
 """
 
@@ -54,7 +54,7 @@ class Streaming(SelectionMethod):
         if cfg.sink + cfg.window == 0:
             raise ValueError(f"{self.name}: the configuration selected no key for some head; "
                              "give sink, window or a budget > 0")
-        from ..kernels.sparse.weighted_triton import sparse_decode_triton
+        from ..kernels.shared.weighted_triton import sparse_decode_triton
 
         q, k, v, lens = kernel_operands(inputs)
         out, _ = sparse_decode_triton(q, k, v, lengths=lens, sink=cfg.sink, window=cfg.window, scale=inputs.scale)

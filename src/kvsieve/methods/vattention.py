@@ -47,7 +47,7 @@ from ..core.config import param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.registry import register_method
 from ..core.rng import STREAM_SUBSET, STREAM_SUBSET2, RowStreams
-from ..kernels.sparse.weighted import gather_rows
+from ..kernels.shared.weighted import gather_rows
 from .shared.backend import BACKENDS
 from .shared.base import SinkWindowConfig, ranking_scores
 from .shared.pages import PageState, quest_top_tokens
@@ -320,21 +320,22 @@ class VAttention(StagedSelection):
         of the scores or page bounds, computed in another order, and of the 24-bit hash at a sample's
         cut), in about ten launches whatever the predictor (issue 15):
 
-        - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.sparse.
-          topk.topk_select`: every score in one pass over K, then its select); ``quest`` — Quest's
+        - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.
+          oracle_topk.topk.topk_select`: every score in one pass over K, then its select); ``quest`` — Quest's
           incremental page summaries (in ``state``) and device page selection;
-        - one launch (:func:`~kvsieve.kernels.sparse.budget_triton.residual_setup_triton`) writes the
+        - one launch (:func:`~kvsieve.kernels.vattention.budget_triton.residual_setup_triton`) writes the
           top-k keys as the first entries of the kernel's list, marks them for the samples, and sizes the
           residual and the base sample;
-        - the base sample (:mod:`~kvsieve.kernels.sparse.sample_triton`: no sort over the row);
+        - the base sample (:mod:`~kvsieve.kernels.shared.sample_triton`: no sort over the row);
         - the budget's statistics and the (ε, δ) budget itself, rounded and clamped, in two launches
-          (:func:`~kvsieve.kernels.sparse.budget_triton.budget_triton`);
+          (:func:`~kvsieve.kernels.vattention.budget_triton.budget_triton`);
         - the residual sample, written after the top-k.
 
         Other settings (``replacement``, ``residual=includes-topk``, ``rounding=down``, pages not a power of
         two) run
         :meth:`stages`."""
-        from ..kernels.sparse import budget_triton, sample_triton
+        from ..kernels.shared import sample_triton
+        from ..kernels.vattention import budget_triton
 
         cfg = self.config
         oracle = cfg.predictor == "oracle"
@@ -352,14 +353,14 @@ class VAttention(StagedSelection):
         pages = counts = None
         page, p_total = 1, n  # the oracle's top-k as pages of one key
         if cfg.top_k != 0 and oracle:
-            from ..kernels.sparse.topk import select_path, topk_select
+            from ..kernels.oracle_topk.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
             pages, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
                                         max_k=size_bound(cfg.top_k, n), share_kv_group=share, scale=inputs.scale,
                                         select=select_path(share, n))
         elif cfg.top_k != 0:
-            from ..kernels.sparse.quest_pages import PageSummaries, quest_select
+            from ..kernels.quest.quest_pages import PageSummaries, quest_select
 
             page, p_total = cfg.page_size, -(-n // cfg.page_size)
             if state.device is None:

@@ -293,14 +293,14 @@ class DecodeRuntime:
             return "sdpa-masked", "dense decode through SDPA with a length mask over the whole cache (asked for)"
         if self.device.type != "cuda":
             if wanted == "triton":
-                from ..kernels.triton_utils import kernels_interpreted
+                from ..kernels.shared.triton_utils import kernels_interpreted
 
                 if not kernels_interpreted():
                     raise ValueError("attention_backend: 'triton' needs the model on a CUDA device (or "
                                      "TRITON_INTERPRET=1 for Triton's interpreter on the CPU)")
                 return "triton", "the dense Triton kernel through Triton's interpreter (TRITON_INTERPRET=1)"
             return "sdpa", None
-        from ..kernels.triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_available
+        from ..kernels.shared.triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_available
 
         why = None
         if not triton_available():
@@ -436,7 +436,7 @@ class DecodeRuntime:
 
     def _dense_decode(self, module, query, key, value, scaling):
         if self.attention_backend == "triton":
-            from ..kernels.dense import dense_decode_triton
+            from ..kernels.shared.dense import dense_decode_triton
 
             return dense_decode_triton(query[:, :, 0], key, value, self.lengths32, scaling)[:, None]
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

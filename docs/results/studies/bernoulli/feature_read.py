@@ -53,7 +53,7 @@ from kvsieve.kernels.bernoulli.feature_major import (  # noqa: E402
     to_feature_major,
 )
 from kvsieve.kernels.bernoulli.reference import mean_group_query  # noqa: E402
-from kvsieve.kernels.triton_utils import group_block  # noqa: E402
+from kvsieve.kernels.shared.triton_utils import group_block  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DEVICE = "cuda"

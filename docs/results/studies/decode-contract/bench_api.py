@@ -61,9 +61,9 @@ def wall_us(timer: ColdL2Timer, fn, iters: int) -> float:
 
 
 def kernel_call(name: str, q, k, v, lens, scale: float, n: int):
-    from kvsieve.kernels.dense import dense_decode_triton
     from kvsieve.kernels.santa.decode import santa_flash_triton, santa_prop_triton
     from kvsieve.kernels.santa.reference import auto_tile_size
+    from kvsieve.kernels.shared.dense import dense_decode_triton
 
     tile, seed = auto_tile_size(n), 12345
     if name == "santa-prop":

@@ -24,9 +24,9 @@ import torch
 
 def host_replay_ms(graph, n: int = 30) -> float:
     """Median host time of ``graph.replay()`` with the device idle, as the e2e bench times ``step()``."""
-    from kvsieve.bench.e2e import _host_ms
+    from kvsieve.bench.e2e import host_ms
 
-    return _host_ms(graph.replay, n)["host_ms"]
+    return host_ms(graph.replay, n)["host_ms"]
 
 
 def dot_summary(path: Path) -> dict:
@@ -145,13 +145,13 @@ def main(argv=None) -> int:
         import io
         import pstats
 
-        from kvsieve.bench.e2e import _host_ms
+        from kvsieve.bench.e2e import host_ms
         for method in args.methods.split(";"):
             rt.set_method(method)
             rt.rewind()
             for _ in range(3):
                 rt.step()
-            row = {"variant": method, "plain": True, "host_step_ms": _host_ms(rt.step, 9)}
+            row = {"variant": method, "plain": True, "host_step_ms": host_ms(rt.step, 9)}
             if rt.graph_obj is not None:
                 row["host_replay_ms"] = host_replay_ms(rt.graph_obj, 9)
             prof = cProfile.Profile()

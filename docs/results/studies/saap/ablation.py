@@ -27,9 +27,9 @@ from kvsieve.fit.saap import (
     RECALL_PROBES,
     Dumps,
     FitConfig,
-    _model_rows,
     assign_all,
     layer_labels,
+    model_rows,
     recall_metrics,
     train_classifier,
 )
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             gen = torch.Generator().manual_seed(layer)
             rq, rp, (ry,), filt = layer_labels(q, k, [assign], cfg, d ** -0.5, gen, args.queries)
             x = [rope.invert(a, b) for a, b in zip(rq, rp, strict=True)]
-            net, loss = train_classifier(_model_rows(x, cfg.per, group), _model_rows(ry, cfg.per, group), cfg, gen)
+            net, loss = train_classifier(model_rows(x, cfg.per, group), model_rows(ry, cfg.per, group), cfg, gen)
             m = recall_metrics(net, rope, qv, kv, cent, cent_r, cfg, d ** -0.5, torch.Generator().manual_seed(0),
                                RECALL_PROBES, args.val_queries)
             row = {"layer": layer, "variant": name, "train_kl": round(loss, 4), **filt, **m,

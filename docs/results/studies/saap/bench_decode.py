@@ -51,9 +51,9 @@ import torch
 
 import kvsieve
 from kvsieve import CallContext
-from kvsieve.fit.saap import _save_layer, _write_json
-from kvsieve.kernels.sparse import buckets as bucket_kernels
-from kvsieve.kernels.sparse import weighted
+from kvsieve.fit.saap import save_layer, write_json
+from kvsieve.kernels.saap import buckets as bucket_kernels
+from kvsieve.kernels.shared import weighted
 from kvsieve.methods.saap import ARTIFACT_FORMAT, MANIFEST, QueryClassifier, Rope
 
 
@@ -85,9 +85,9 @@ def write_artifacts(case, folder: Path, hq: int) -> None:
     tensors = {"centroids": cent.contiguous(), "centroids_roped": cent.clone()}
     tensors.update({f"classifier.{n}": t.detach().float().cpu().contiguous()
                     for n, t in case["net"].state_dict().items()})
-    _save_layer(folder, 1, tensors)
+    save_layer(folder, 1, tensors)
     shape = {"layers": 2, "heads": hq, "kv_heads": hkv, "head_dim": d}
-    _write_json(folder / MANIFEST, {
+    write_json(folder / MANIFEST, {
         "format": ARTIFACT_FORMAT, "complete": True,
         "model": {"name": "bench", "config_hash": "-", "weights_fingerprint": "-", "shape": shape},
         "rope": {"inv_freq": case["rope"].inv_freq.tolist(), "attention_scaling": 1.0},

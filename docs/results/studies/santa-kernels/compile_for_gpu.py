@@ -29,8 +29,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kvsieve.kernels import dense, triton_utils  # noqa: E402
 from kvsieve.kernels.santa import common, decode, fused, overlap, two_pass  # noqa: E402
+from kvsieve.kernels.shared import dense, triton_utils  # noqa: E402
 
 TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int32: "i32",
          torch.int64: "i64"}

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "src"))
 import kvsieve  # noqa: E402
 from kvsieve import CallContext  # noqa: E402
 from kvsieve.bench.timing import ColdL2Timer, count_launches  # noqa: E402
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_triton  # noqa: E402
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton  # noqa: E402
 from kvsieve.methods.sketchwalk import WalkState  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128

@@ -131,7 +131,7 @@ def sketchwalk_selection(q: torch.Tensor, k: torch.Tensor, block_size: int, dens
     layer's walk state ``prev`` (so that the selection includes the walk GEMM), and ``selection()``, which
     runs sketch + walk + top-k and returns ``(block_mask, block_idx, block_counts)``."""
     import kvsieve
-    from kvsieve.kernels.sparse.block_sparse import flex_block_mask
+    from kvsieve.kernels.shared.block_sparse import flex_block_mask
 
     m = kvsieve.method(f"sketchwalk:density={density},block_size={block_size}")
     nb = -(-q.shape[2] // block_size)
@@ -158,7 +158,7 @@ def time_dense(timed, n, qkv, flashinfer) -> dict:
 
 
 def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
-    from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex, flex_block_mask
+    from kvsieve.kernels.shared.block_sparse import block_sparse_prefill_flex, flex_block_mask
 
     q, k, v = qkv
     dev = q.device
@@ -208,8 +208,8 @@ def time_sketchwalk(timed, n, qkv, bs, args, sdpa, flashinfer) -> None:
 
 def time_triton(timed, n, qkv, bs, args, sdpa, m, prev, idx, cnt, extra) -> None:
     """``triton_sparse`` per tile setting and ``triton_layer``, each after a check against FlexAttention."""
-    from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex
-    from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton
+    from kvsieve.kernels.shared.block_sparse import block_sparse_prefill_flex
+    from kvsieve.kernels.shared.block_sparse_triton import block_sparse_prefill_triton
 
     q, k, v = qkv
     flex_out = block_sparse_prefill_flex(q, k, v, idx, cnt, block_size=bs)[0]

@@ -105,7 +105,7 @@ def stages(q: torch.Tensor, k: torch.Tensor, block_size: int, density: float) ->
     composite calls. The stages mirror ``SketchWalk.prefill_sketch`` / ``prefill_select`` of the tree under
     test (``block_means`` where it exists, else the division by ``block_token_counts`` it replaced)."""
     import kvsieve
-    from kvsieve.kernels.sparse.block_sparse import flex_block_mask
+    from kvsieve.kernels.shared.block_sparse import flex_block_mask
     from kvsieve.methods import sketchwalk as sw
 
     m, prev, selection = sketchwalk_selection(q, k, block_size, density)

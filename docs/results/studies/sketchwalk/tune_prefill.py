@@ -203,9 +203,9 @@ def check(out: torch.Tensor, refs, anchor: torch.Tensor | None, args) -> dict:
 
 def triton_resources(compiled_before: set) -> dict:
     """Registers and spills of the kernel that the last call compiled (launch's cache), where Triton says."""
-    from kvsieve.kernels.triton_utils import _COMPILED
+    from kvsieve.kernels.shared.triton_utils import compiled_launches
 
-    new = [v[0] for key, v in _COMPILED.items() if key not in compiled_before]
+    new = [v[0] for key, v in compiled_launches().items() if key not in compiled_before]
     if not new:
         return {}
     return {k: getattr(new[-1], k) for k in ("n_regs", "n_spills") if getattr(new[-1], k, None) is not None}
@@ -263,9 +263,9 @@ class Sweep:
         if skip is not None:
             return self.add({**row, "skipped": skip})
         fn = self.call(ctx, backend, cfg)
-        from kvsieve.kernels.triton_utils import _COMPILED
+        from kvsieve.kernels.shared.triton_utils import compiled_launches
 
-        before = set(_COMPILED)
+        before = set(compiled_launches())
         t0 = time.perf_counter()
         try:
             out = fn()
@@ -298,8 +298,8 @@ class Sweep:
 
     @staticmethod
     def call(ctx: dict, backend: str, cfg: dict | None):
-        from kvsieve.kernels.sparse.block_sparse import block_sparse_prefill_flex
-        from kvsieve.kernels.sparse.block_sparse_triton import block_sparse_prefill_triton
+        from kvsieve.kernels.shared.block_sparse import block_sparse_prefill_flex
+        from kvsieve.kernels.shared.block_sparse_triton import block_sparse_prefill_triton
 
         q, k, v = ctx["qkv"]
         idx, cnt, bs = ctx["idx"], ctx["cnt"], ctx["bs"]
@@ -312,12 +312,12 @@ class Sweep:
 def resolved_default(backend: str, bs: int, group: int, d: int, torch_default: dict | None) -> dict:
     """The settings the library's default call runs with (Flex: its kernel_options over torch's config)."""
     if backend == "flex":
-        from kvsieve.kernels.sparse.block_sparse import flex_kernel_options
+        from kvsieve.kernels.shared.block_sparse import flex_kernel_options
 
         # torch's sm_90 bf16 d 128 forward config (torch 2.13's template heuristics) where it cannot be read
         base = torch_default or {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
         return {**base, **(flex_kernel_options(bs) or {})}
-    from kvsieve.kernels.sparse.block_sparse_triton import launch_config
+    from kvsieve.kernels.shared.block_sparse_triton import launch_config
 
     return dict(zip(("block_m", "block_n", "num_warps", "num_stages"), launch_config(group, bs, d), strict=True))
 
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         return 2
     if not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel module is imported, below
-    from kvsieve.kernels.sparse.block_sparse import TRITON_MAX_BLOCK
+    from kvsieve.kernels.shared.block_sparse import TRITON_MAX_BLOCK
 
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda" if cuda else "cpu")
@@ -503,8 +503,8 @@ def markdown(meta: dict, rows: list[dict], args) -> str:
             wins.append(bool(same and dflt and same["median_us"] <= dflt["median_us"] * (1 - args.min_gain)))
         if all(wins):
             said = True
-            where = (f"`FLEX_TUNED_OPTIONS[{bs}] = {cfg}` in kernels/sparse/block_sparse.py" if b == "flex" else
-                     f"`launch_config` (kernels/sparse/block_sparse_triton.py) to return "
+            where = (f"`FLEX_TUNED_OPTIONS[{bs}] = {cfg}` in kernels/shared/block_sparse.py" if b == "flex" else
+                     f"`launch_config` (kernels/shared/block_sparse_triton.py) to return "
                      f"({cfg['block_m']}, {cfg['block_n']}, {cfg['num_warps']}, {cfg['num_stages']}) for "
                      f"{bs}-key blocks at G = {meta['shape']['hq'] // meta['shape']['hkv']}, d = {meta['shape']['d']}")
             lines.append(f"- {b} at {bs}-key blocks: {fmt_cfg(cfg)} beats the default by ≥ "

@@ -1,4 +1,4 @@
-"""Launch settings of the weighted sparse decode kernel (``kernels/sparse/weighted_triton.py``), swept on
+"""Launch settings of the weighted sparse decode kernel (``kernels/shared/weighted_triton.py``), swept on
 the GPU: ``launch_config`` says "not yet tuned on a GPU", and the 5 % page list reads its 27 MB at 128k in
 23.8 µs (≈ 1.1 TB/s) where FlashInfer streams the whole cache at 2.7 TB/s.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks" / "spa
 from run import random_pages  # noqa: E402  benchmarks/sparse_decode/run.py: the same random page lists as its rows
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing_setup
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE = 16

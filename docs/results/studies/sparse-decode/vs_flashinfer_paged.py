@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from kvsieve.bench.decode import library_version, timing_setup
-from kvsieve.kernels.sparse import buckets as bucket_kernels
-from kvsieve.kernels.sparse.weighted_triton import sparse_decode_reference, sparse_decode_triton
-from kvsieve.kernels.triton_utils import triton
+from kvsieve.kernels.saap import buckets as bucket_kernels
+from kvsieve.kernels.shared.triton_utils import triton
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton
 
 HQ, HKV, D = 32, 8, 128
 BLOCK = 64

@@ -29,7 +29,7 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
-from ..triton_utils import budget_uniforms, group_block, launch, tile_uniforms, triton, workspace
+from ..shared.triton_utils import budget_uniforms, cdiv, group_block, launch, tile_uniforms, triton, workspace
 from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
@@ -39,7 +39,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..santa.common import fold_scores
-    from ..triton_utils import _mix32, gdc_launch_dependents, hash_uniform
+    from ..shared.triton_utils import gdc_launch_dependents, hash_mix32, hash_uniform
     from .feature_major import feature_scores
 
     @triton.jit
@@ -68,9 +68,9 @@ if triton is not None:
         else:  # core.rng.row_words of the call's words, the batch row and the position (valid length)
             position = tl.load(lens_ptr + r).to(tl.int64)
             brow = (r // rows_per_batch).to(tl.int64)
-            lo = _mix32((key_lo ^ brow ^ 0x243F6A88) & 0xFFFFFFFF)
-            hi = _mix32((key_hi ^ lo ^ position ^ 0x85A308D3) & 0xFFFFFFFF)
-            lo = _mix32(lo ^ hi)
+            lo = hash_mix32((key_lo ^ brow ^ 0x243F6A88) & 0xFFFFFFFF)
+            hi = hash_mix32((key_hi ^ lo ^ position ^ 0x85A308D3) & 0xFFFFFFFF)
+            lo = hash_mix32(lo ^ hi)
         u = hash_uniform(lo, hi, STREAM, ((kvh * draws + stratum) << 22) + offs_d)
         c = whole + (u < frac).to(tl.float32)
         m_hat = (norm / draws) * c
@@ -183,11 +183,10 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     launch(_mean_group_draw_kernel, (hkv, r), q, lens, words if words is not None else lens, q_est, idx, n_feat,
            key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY, num_warps=4)
-    # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: 175 µs at 128k, B = 8
-    # (σ = 0.75), against 190-266 for 128/512-key blocks, 32 features, 8 warps, or 264-1,056 programs
-    # (H100, 2026-11-25, benchmarks/results/2026-11-25-h100-bernoulli-decode.md).
+    # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: the fastest of the H100
+    # sweep over blocks, features per step, warps and programs (benchmarks/results/2026-11-25-h100-bernoulli-decode.md).
     per_program = max(1, round(t * hkv * r / stats_programs))
-    launch(_feature_major_stats_kernel, (-(-t // per_program), hkv, r),
+    launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import group_block, is_interpreted, launch, triton_available
+from ..shared.triton_utils import cdiv, group_block, is_interpreted, launch, triton_available
 
 if triton_available():
     import triton
@@ -120,7 +120,7 @@ if triton is not None:
             else:
                 # q_est is float32: split into K's 16-bit type, high part plus remainder, two tensor-core
                 # dots with exact products. tf32 (one dot) rounds q_est to 10 bits, enough to move S²ANTA's
-                # sampling boundaries (68 of 131k counts flipped at 4k on the H100, 2026-11-25).
+                # sampling boundaries (counts flipped on the H100).
                 hi = qv.to(k.dtype)
                 lo = (qv - hi.to(tl.float32)).to(k.dtype)
                 acc += tl.dot(hi, k) + tl.dot(lo, k)
@@ -191,8 +191,8 @@ class FeatureMajorKeys:
                 and self.kt.device == k.device)
         if not same or n > self.kt.shape[3]:
             # a multiple of 256 keys: every feature row starts 16-byte aligned, so its runs load as vectors
-            # (an odd capacity made the stats kernel 1.5x slower at 128k, 2026-11-25)
-            cap = -(-(n + n // 8 + 1) // 256) * 256
+            # (an odd capacity made the stats kernel 1.5x slower at 128k on the H100)
+            cap = cdiv(n + n // 8 + 1, 256) * 256
             kt = torch.zeros(b, hkv, d, cap, device=k.device, dtype=k.dtype)
             if same:  # grown: the copied keys move over
                 kt[..., :self.kt.shape[3]] = self.kt

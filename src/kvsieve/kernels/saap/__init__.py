@@ -1,3 +1,3 @@
-"""SAAP's probe on the device (``probe.py``): de-rope, the bucket classifier and the GQA group sum of its
-probabilities in three Triton launches, beside their torch reference. The bucket attention itself is
-the shared ``kernels/sparse/buckets.py``."""
+"""SAAP's kernels: the probe (``probe.py``: de-rope, the bucket classifier and the GQA group sum of its
+probabilities in three Triton launches) and the bucketed sparse decode over inverted lists
+(``buckets.py``), each beside its torch reference."""

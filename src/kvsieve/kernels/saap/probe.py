@@ -42,8 +42,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 
 # The group softmax + top-l runs as Hkv·B·C/RANK_CHUNK programs (256 at Llama-3.1-8B shapes, C = 1024):
 # each recomputes the C group-summed scores from the logits in L2 and ranks its RANK_CHUNK buckets against
-# them (RANK_CHUNK × C comparisons). Before: one program per (row, KV head), 8 in all, latency-bound at
-# 12.8 µs on the H200 whatever its pass count (2026-11-27). Module constants so a sweep can set them.
+# them (RANK_CHUNK × C comparisons), where one program per (row, KV head) would be latency-bound whatever
+# its pass count (benchmarks/results/2026-11-27-h200-saap-decode-r4-main.md). Module constants so a sweep
+# can set them.
 RANK_CHUNK = 32
 RANK_WARPS = 4
 
@@ -246,7 +247,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     first; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
     Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
-    from ..triton_utils import kernels_interpreted, next_pow2
+    from ..shared.triton_utils import kernels_interpreted, next_pow2
 
     if triton is None:
         raise RuntimeError("probe_scores_triton needs triton")
@@ -268,8 +269,8 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     half = d // 2
     # 64 hidden units per program: 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound: 2 MB of
-    # W1). 32 units (256 programs) measured slower: 8.3 against 7.0 µs at 128k (H100, 2026-11-25), 8.0
-    # against 6.8 (H200, 2026-11-27, benchmarks/results/2026-11-27-h200-saap-decode-r4-*.md)
+    # W1); 32 units (256 programs) measured slower on the H100 and the H200
+    # (benchmarks/results/2026-11-27-h200-saap-decode-r4-main.md)
     block_h = 64
     _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),

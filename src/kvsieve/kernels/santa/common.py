@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..triton_utils import (
+from ..shared.triton_utils import (
     STREAM_BUDGET,
     STREAM_TILE,
+    cdiv,
     dot_precision,
     group_block,
     next_pow2,
@@ -27,7 +28,7 @@ from ..triton_utils import (
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import row_uniform
+    from ..shared.triton_utils import row_uniform
 
     # Triton compiles an int argument equal to 1 as a constexpr, on which ``budget.to(...)`` fails: the
     # kernels that take the budget keep it a runtime value (budget = 1 is a valid call)
@@ -276,7 +277,7 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
 
 def tile_count(n_keys: int, tile: int) -> int:
-    return -(-n_keys // tile)
+    return cdiv(n_keys, tile)
 
 
 def all_tiles(k: torch.Tensor, tile: int) -> int:
@@ -309,7 +310,7 @@ def split_at(dtype: torch.dtype) -> int:
 def default_r_max(group: int, budget: int, tiles: int) -> int:
     """Rows gathered per step of the compacted V gather: the group's expected samples in a tile
     (G·S/T, the flash tile budget), as a power of two in [16, 64]; more rows take more steps."""
-    return min(64, max(16, next_pow2(group * max(1, -(-budget // max(1, tiles))))))
+    return min(64, max(16, next_pow2(group * max(1, cdiv(budget, max(1, tiles))))))
 
 
 def stats_buffers(q, b, hq, t, tile):

@@ -22,23 +22,18 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import pdl_available
+from ..shared.triton_utils import pdl_available
 from .common import all_tiles, check_rounding, check_tile, tile_count
 from .fused import santa_flash_fused
 from .overlap import santa_flash_overlap, santa_prop_overlap
 from .two_pass import santa_flash_two_pass, santa_prop_two_pass
 
-# santa-flash: the fused kernel up to this many tiles per head (8k keys at tile 256; 2026-11-22-h100-decode-v8 and
-# -v8-smollm: 32/8/128 27.6 µs against v8's 30.0, 9/3/64 16.8 against 20.1), v8 above (32/8/128 at 16k: 38.9
-# against 42.3; 9/3/64 at 32k: 23.1 against 30.3).
+# santa-flash: the fused kernel up to this many tiles per head (8k keys at tile 256), v8 above; v10 from this
+# many tiles in all where programmatic dependent launch is on: its 528 stats programs finish the (row, KV head)
+# units one after another only when there are several rounds of tiles, and with one or two rounds it only adds
+# waits. Measured on the H100 (graph-timed; docs/methods/santa-kernels.md,
+# benchmarks/results/2026-11-22-h100-decode-v10d.md).
 FLASH_FUSED_MAX_TILES = 32
-# v10 from this many tiles in all where programmatic dependent launch is on: its 528 stats programs finish the
-# (row, KV head) units one after another only when there are several rounds of tiles; with one or two rounds it
-# only adds waits. 2026-11-22-h100-decode-v10c, graph µs, v10 against v8: llama (8 KV heads, tile 256) batch 1:
-# flash 56.7 / 57.4 at 32k (1,024 tiles), 140.4 / 154.6 at 128k; prop 84.9 / 85.8 at 64k (2,048), 136.5 / 145.2
-# at 128k, but 54.2 / 51.7 at 32k (v10b); smollm2 (3 KV heads) batch 1: flash 26.4 / 22.8 at 32k (384), 53.9 /
-# 54.9 at 128k (1,536); prop 39.5 / 33.2 at 64k, 53.5 / 52.6 at 128k; batch 8: flash 88.3 / 95.2 (smollm2, 32k,
-# 3,072), prop 122.0 / 148.8 (smollm2, 64k, 6,144), 475.6 / 532.6 (llama, 64k).
 FLASH_OVERLAP_MIN_TILES = 1024
 PROP_OVERLAP_MIN_TILES = 2048
 

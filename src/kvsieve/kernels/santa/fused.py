@@ -2,7 +2,7 @@
 
 The default path of santa-flash up to ``decode.FLASH_FUSED_MAX_TILES`` tiles per head (8k keys at tile
 256), where its one program per tile beats the two-pass form (``two_pass.py``), whose sampling pass draws
-most of V at that size (2026-11-22-h100-decode-v8: 27.6 µs against 30.0 at 8k, 32/8/128). Each program
+most of V at that size (measured: docs/methods/santa-kernels.md). Each program
 scores its tile in pipelined sub-blocks into an L2-resident stash, keeps the online (m, l), draws
 ``S_tile = max(1, S // T_b)`` systematic samples walking the tile in sub-blocks, and writes ``l Σ c V /
 S_tile`` as its part; ``triton_utils.merge_partials`` weighs the parts by ``e^{m} l``.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import dot_precision, group_block, launch, merge_partials, seed_words, triton, workspace
+from ..shared.triton_utils import dot_precision, group_block, launch, merge_partials, seed_words, triton, workspace
 from .common import TILE_KEY, check_tile, fixed_point, split_at, stats_buffers, tile_count
 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import row_uniform
+    from ..shared.triton_utils import row_uniform
     from .common import budget_jit, count_dot, fold_scores, load_group_q, score_block
 
     @triton.jit

@@ -25,21 +25,17 @@ paths for the same seed. The sync words are left at zero for the next call, by t
 program of each (row, KV head): a call cut short leaves them set, and the next call would then not
 wait. One workspace per device: calls on different streams of one device must not overlap in time.
 
-Measured (H100, llama 32/8/128, bf16, graph µs, ``benchmarks/santa_kernels/results/2026-11-22-h100-decode-v10b.*``),
-v10 against v8: flash S=2048 56.1 / 57.9 at 32k, 85.6 / 91.2 at 64k, 140.0 / 152.8 at 128k, 253.5 / 294.7
-at 256k; prop S=128 54.2 / 51.7 at 32k, 84.2 / 86.3 at 64k, 135.9 / 144.1 at 128k, 245.9 / 263.4 at 256k.
-The default (``decode.py``): flash from 1,024 tiles in all (rows × KV heads × tiles), prop from 2,048,
-since v10 gains only when the stats programs go through several rounds of tiles (``…-decode-v10d``).
-The ordered stats pass alone takes 38.2 µs at 32k and 112.5 at 128k against v8's 37.0 and 110.3
-(``…-v10-timeline-probes.log``). K is read up to each row's length (reading up to the cache's length
-made short rows of a padded batch stream their padding, and v10 lose to v8 there).
+This form gains over ``two_pass.py`` only when the stats programs go through several rounds of tiles,
+hence the thresholds in ``decode.py`` (measured: ``benchmarks/results/2026-11-22-h100-decode-v10d.md``).
+K is read up to each row's length, so the short rows of a padded batch do not stream their padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..triton_utils import (
+from ..shared.triton_utils import (
+    cdiv,
     dot_precision,
     group_block,
     is_interpreted,
@@ -55,7 +51,7 @@ from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import gdc_launch_dependents
+    from ..shared.triton_utils import gdc_launch_dependents
     from .common import budget_jit, group_budgets, sample_fold
 
     @triton.jit
@@ -222,9 +218,8 @@ if triton is not None:
                     tl.atomic_xchg(flags + gi, 0, sem="relaxed")
 
 
-# Launch parameters (H100 sweeps of the v10 rounds, 2026-11-22-h100-v10-sweeps.log and -v10-timeline-probes.log):
-# 528 stats programs, 128-key sub-blocks, 2 stages, 4 warps; 8 sleeps of 100 ns between two polls of a waiting
-# program (2 and 32 within 1.5 µs).
+# Launch parameters, swept on the H100 (docs/methods/santa-kernels.md): 528 stats programs (4 per SM), 128-key
+# sub-blocks, 2 stages, 4 warps; 8 sleeps of 100 ns between two polls of a waiting program.
 STATS_PROGRAMS = 528
 STATS_WARPS = 4
 NAPS = 8
@@ -243,7 +238,7 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
     launch(_ordered_stats_kernel, (programs, 1, 1),
-           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, -(-units * t // programs),
+           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=threads,

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
+from ..shared.triton_utils import cdiv, dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
 from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import gdc_launch_dependents, gdc_wait
+    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait
     from .common import (
         budget_jit,
         fold_scores,
@@ -133,7 +133,7 @@ def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_prog
     hkv, t = k.shape[1], tile_count(k.shape[2], tile)
     g = hq // hkv
     per_program = max(1, round(t * hkv * b / stats_programs))
-    launch(_tile_stats_kernel, (-(-t // per_program), hkv, b),
+    launch(_tile_stats_kernel, (cdiv(t, per_program), hkv, b),
            q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),

@@ -7,7 +7,7 @@ import struct
 
 import torch
 
-from ..triton_utils import triton
+from ..shared.triton_utils import triton
 
 if triton is not None:
     import triton.language as tl

@@ -24,7 +24,7 @@ with) launches about a hundred small kernels:
    the reference), and the best ``k − 2`` of the ranking by a radix select (``select_triton``'s; ties to
    the lower block): in registers for rows of up to 2048 blocks, over a workspace row beyond. Block 0,
    those ascending (the select emits them in block order) and block c are written as the page lists of
-   :func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` for every KV head.
+   :func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` for every KV head.
 
 Sizes come from host-known shapes and the rows' positions from ``lengths`` in device memory: nothing is
 read on the host, every buffer is allocated per call from host-known sizes or is a cached workspace
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton, workspace
+from ..shared.triton_utils import launch, next_pow2, triton, workspace
 from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
@@ -45,7 +45,7 @@ MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
 if triton is not None:
     import triton.language as tl
 
-    from ..sparse.select_triton import _emit, _ordered, _radix, _range, chosen_regs
+    from ..shared.select_common import chosen_regs, emit_selected, ordered, radix_select, value_range
     from .common import FLOAT32_TINY, block_budget
 
     @triton.jit
@@ -213,7 +213,7 @@ if triton is not None:
             w = w / tl.maximum(tl.max(w, axis=0), FLOAT32_TINY)  # as normalize_rows
             tl.store(w_ptr + b * n + j, w, mask=j < n)
             middle = (j >= 1) & (j < c)
-            u = _ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), FLOAT32_TINY)),
+            u = ordered(tl.where(middle, w + tie * (a / tl.maximum(tl.max(a, axis=0), FLOAT32_TINY)),
                                   float("-inf")))
             if need > 0:  # ties to the lower block; pos ascends with the block, as the list wants
                 sel, pos = chosen_regs(u, middle, middle, need)
@@ -243,10 +243,10 @@ if triton is not None:
                 tl.store(row + j, tl.where((j >= 1) & (j < c), w + tie * (a / a_max), float("-inf")), mask=ok)
             tl.debug_barrier()  # the select reads the ranking row back
             if need > 0:
-                hi, lo, _ = _range(row, n, BJ)
-                thr, ties = _radix(row, n, need, hi, lo, 32, BJ)
+                hi, lo, _ = value_range(row, n, BJ)
+                thr, ties = radix_select(row, n, need, hi, lo, 32, BJ)
                 # the chosen blocks in block order into head 0's list (ties to the lower block), then copied
-                _emit(row, row, n, thr, ties, first, False, BJ)
+                emit_selected(row, row, n, thr, ties, first, False, BJ)
                 tl.debug_barrier()  # the copy reads what other threads stored
                 offs_k = tl.arange(0, BK)
                 chosen = tl.load(first + offs_k, mask=offs_k < need)

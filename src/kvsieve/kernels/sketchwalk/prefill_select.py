@@ -16,9 +16,9 @@ Here the same selection is six launches (five without a previous walk):
 5. ``torch.matmul``: the walk ``W_prev · Ã`` (mode ``walk`` with a previous layer only).
 6. ``_select_rows_kernel``, one program per (batch row, query block): ``w / max w`` (the next layer's walk),
    the ranking ``w/max w + tie·ã/max ã``, the row's budget (float64, as ``block_budget``), the best
-   ``k − 2`` of blocks ``1..i−1`` by ``select_triton``'s register radix select (``chosen_regs``: ties at the
-   threshold go to the lower block, as in the decode kernel), and the list: block 0, those ascending, block
-   ``i``, padding 0.
+   ``k − 2`` of blocks ``1..i−1`` by ``shared/select_common``'s register radix select (``chosen_regs``: ties
+   at the threshold go to the lower block, as in the decode kernel), and the list: block 0, those ascending,
+   block ``i``, padding 0.
 
 The matmuls are torch's (TF32 where the caller allows it, as in the reference path), so the sketches, the
 logits and the walk are the reference's products; the kernels' sums run in another order than torch's
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
+from ..shared.triton_utils import launch, next_pow2, triton
 from .common import float_bits
 
 MODES = {"one-hop": 0, "walk": 1, "diagonal": 2}
@@ -41,7 +41,7 @@ MAX_BLOCKS = 4096
 if triton is not None:
     import triton.language as tl
 
-    from ..sparse.select_triton import _ordered, chosen_regs
+    from ..shared.select_common import chosen_regs, ordered
     from .common import FLOAT32_TINY, block_budget
 
     @triton.jit
@@ -116,7 +116,7 @@ if triton is not None:
         extra = (k - 2).to(tl.int32)  # at most i − 1: every block of 1..i−1 can be taken
         if extra > 0:  # ties to the lower block, as the decode kernel; pos ascends with the block
             middle = (j >= 1) & (j < i)
-            sel, pos = chosen_regs(_ordered(w + tie * a_n), middle, middle, extra)
+            sel, pos = chosen_regs(ordered(w + tie * a_n), middle, middle, extra)
             tl.store(out + 1 + pos, j.to(tl.int64), mask=sel)
         tl.store(cnt_ptr + b * n + i, k.to(tl.int64))
 

@@ -19,7 +19,7 @@ BACKENDS = ("auto", "reference", "triton")
 def triton_unsupported(inputs: DecodeInputs, *, tile: int | None = None, budget: int | None = None) -> str | None:
     """Why the Triton kernels cannot serve this call, or None."""
     # imported lazily: decorating the kernels reads TRITON_INTERPRET
-    from ...kernels.triton_utils import MAX_BUDGET, triton_available, unsupported_reason
+    from ...kernels.shared.triton_utils import MAX_BUDGET, triton_available, unsupported_reason
 
     if not triton_available():
         return "triton is not installed"

@@ -2,7 +2,7 @@
 
 A selection method builds one weighted :class:`~kvsieve.methods.shared.selection.IndexSet` per step
 (sink + local window + its own stage) and runs the weighted sparse decode of
-:mod:`kvsieve.kernels.sparse.weighted` on it. ``streaming``, ``oracle-topk``, ``oracle-topp``,
+:mod:`kvsieve.kernels.shared.weighted` on it. ``streaming``, ``oracle-topk``, ``oracle-topp``,
 ``random``, ``quest``, ``magicpig`` and ``vattention`` are built on it.
 """
 
@@ -18,7 +18,7 @@ from ...core.inputs import DecodeInputs
 from ...core.method import Method, read_stats
 from ...core.rng import RandomKey, RowStreams, as_generator
 from ...core.stats import StepStats
-from ...kernels.sparse.weighted import weighted_sparse_decode
+from ...kernels.shared.weighted import weighted_sparse_decode
 from .exact import compute_dtype
 from .selection import (
     Draws,

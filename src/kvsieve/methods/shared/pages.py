@@ -17,6 +17,7 @@ import torch
 from ...core.context import MethodState
 from ...core.inputs import DecodeInputs
 from ...core.sync import host_reads_allowed, max_or_bound
+from ...kernels.shared.triton_utils import cdiv
 from .selection import IndexSet, compact, empty_set, group_scores
 
 
@@ -34,7 +35,7 @@ class PageSummaryCache:
 @dataclass
 class PageState(MethodState):
     """Page summaries of one request and layer: the reference path's (``reference``) or the kernel
-    path's incremental device summaries (``device``, a ``kernels.sparse.quest_pages.PageSummaries``)."""
+    path's incremental device summaries (``device``, a ``kernels.quest.quest_pages.PageSummaries``)."""
 
     reference: PageSummaryCache | None = None
     device: Any = None
@@ -49,7 +50,7 @@ def page_summaries(inputs: DecodeInputs, page_size: int, state: PageState) -> tu
     again from scratch.
     """
     b, hkv, n, d = inputs.k.shape
-    p_total = -(-n // page_size)
+    p_total = cdiv(n, page_size)
     cached = state.reference
     start_page = 0
     if cached is not None:

@@ -4,7 +4,7 @@ The composition idea of sparse-attention-hub's maskers (sink + window + top-k + 
 each adding indices with an inclusion probability), executed sparse: every stage returns an
 :class:`IndexSet` — per (batch row, selection head) a list of key positions, its length and the
 weights ``1/p`` — and stages are joined with :func:`union`. The result feeds
-:func:`kvsieve.kernels.sparse.weighted.weighted_sparse_decode` directly.
+:func:`kvsieve.kernels.shared.weighted.weighted_sparse_decode` directly.
 
 Selection heads are either the KV heads (``Hs = Hkv``: one set shared by a GQA group, read once) or
 the query heads (``Hs = Hq``). Stages that must avoid positions already chosen take an
@@ -312,14 +312,6 @@ def exact_heads(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
 def exact_row_count(inputs: DecodeInputs, chosen: IndexSet) -> torch.Tensor:
     """Query rows whose every head ran exact attention (the documented fallback), a device scalar."""
     return exact_heads(inputs, chosen).all(-1).sum()
-
-
-def ceil_pages(tokens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return torch.div(tokens + page_size - 1, page_size, rounding_mode="floor")
-
-
-def n_pages(n_keys: int, page_size: int) -> int:
-    return math.ceil(n_keys / page_size)
 
 
 def require_size(name: str, value: object, *, allow_zero: bool = True) -> None:

@@ -1,5 +1,5 @@
 """The Triton path of selection methods: which backend runs, and the stats of a call lowered to
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` (sink + window as the kernel's dense
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` (sink + window as the kernel's dense
 part, the method's own stage as an index list of tokens or pages).
 
 ``backend="reference"`` runs the method's torch reference (its ``select`` + the weighted sparse decode
@@ -22,11 +22,11 @@ from .backend import choose_path
 
 def sparse_unsupported(inputs: DecodeInputs, page_size: int = 1) -> str | None:
     """Why the sparse kernel cannot serve this call, or None."""
-    from ...kernels.triton_utils import triton_available
+    from ...kernels.shared.triton_utils import triton_available
 
     if not triton_available():
         return "triton is not installed"
-    from ...kernels.sparse.weighted_triton import unsupported_reason
+    from ...kernels.shared.weighted_triton import unsupported_reason
 
     reason = unsupported_reason(inputs.q, inputs.k, inputs.v, page_size)
     if reason is None and inputs.lengths is None:
@@ -42,7 +42,7 @@ def choose_sparse_backend(backend: str, inputs: DecodeInputs, page_size: int = 1
 
 def dense_part_mark(inputs: DecodeInputs, sink: int, window: int) -> torch.Tensor:
     """``[B, N]`` bool: the sink and window keys of each row (the kernel's dense part)."""
-    from ...kernels.sparse.quest_pages import dense_bounds
+    from ...kernels.shared.scores import dense_bounds
 
     sink_end, win_start = dense_bounds(inputs.n_valid, sink, window)
     pos = torch.arange(inputs.n_keys, device=inputs.q.device)[None, :]
@@ -52,7 +52,7 @@ def dense_part_mark(inputs: DecodeInputs, sink: int, window: int) -> torch.Tenso
 def page_list_mark(inputs: DecodeInputs, pages: torch.Tensor, counts: torch.Tensor, page_size: int, sink: int,
                    window: int) -> torch.Tensor:
     """``[B, Hs, N]`` bool: keys the kernel reads for a page list (outside the dense part) plus the dense part."""
-    from ...kernels.sparse.quest_pages import dense_bounds
+    from ...kernels.shared.scores import dense_bounds
 
     b, hs, m = pages.shape
     n = inputs.n_keys

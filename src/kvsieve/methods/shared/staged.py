@@ -5,7 +5,7 @@ nothing on the host (the decode contract), so their selection already runs on th
 reference adds is the estimate: a gather of the chosen K/V rows and ``Σ w e^s v / Σ w e^s`` in torch.
 Their kernel path keeps the selection — the same code on the same counter-based random numbers, so
 both paths choose the same keys at the same weights — and hands it to
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton`: sink and window as the kernel's
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton`: sink and window as the kernel's
 dense ranges (weight 1, read contiguously, no index list), the method's own keys (top-k, sample,
 retrieved keys) as an index list per (batch row, selection head) with their weights ``1/p``.
 
@@ -22,6 +22,7 @@ from typing import Any
 from ...core.inputs import DecodeInputs
 from ...core.rng import RandomKey, RowStreams
 from ...core.stats import StepStats
+from ...kernels.shared.triton_utils import cdiv
 from .backend import choose_path, kernel_operands
 from .base import Selected, SelectionMethod, selection_stats
 from .selection import IndexSet, union
@@ -68,10 +69,10 @@ def kernel_plan(st: Stages) -> dict[str, int]:
         return {}
     import inspect
 
-    from ...kernels.sparse.weighted_triton import sparse_decode_triton
+    from ...kernels.shared.weighted_triton import sparse_decode_triton
 
     default = inspect.signature(sparse_decode_triton).parameters["target_programs"].default
-    return {"target_programs": default * -(-width // st.plan_entries)}
+    return {"target_programs": default * cdiv(width, st.plan_entries)}
 
 
 class StagedSelection(SelectionMethod):
@@ -93,7 +94,7 @@ class StagedSelection(SelectionMethod):
         """:meth:`row_streams`, with the rows' words from one fused launch where it can (the torch
         words are ~40 elementwise launches on a key with a device step counter)."""
         if self.stochastic and self.random_keys and isinstance(seed, RandomKey):
-            from ...kernels.sparse.sample_triton import row_words_triton
+            from ...kernels.shared.sample_triton import row_words_triton
 
             words = row_words_triton(seed, inputs.n_valid, inputs.q_len)
             if words is not None:
@@ -108,7 +109,7 @@ class StagedSelection(SelectionMethod):
             if reason is not None:
                 stats.extra["backend_reason"] = reason
             return out, stats
-        from ...kernels.sparse.weighted_triton import sparse_decode_triton
+        from ...kernels.shared.weighted_triton import sparse_decode_triton
 
         st = self.kernel_stages(inputs, self.kernel_row_streams(inputs, seed), state)
         rest = st.rest

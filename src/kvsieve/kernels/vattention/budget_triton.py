@@ -1,11 +1,11 @@
-"""vAttention's budget statistics in one Triton launch (issue 15).
+"""vAttention's budget statistics in one Triton launch.
 
 ``methods/vattention.VAttention.budget`` (the reference) gathers the K rows of the deterministic set
 (sink, window, predicted top-k) and of the base sample, computes their float64 logits, shifts by the
 largest, and sums ``e^s`` (``D̂``), the base sample's spread (``σ̂``) and, for ``bound=full``, the
 numerator's plug-in ``N̂ = Σ_f e^s v + (n_s/n_b) Σ_b e^s v`` and ``Tr Σ̂`` of ``e^s v`` over the base
 sample: ~40 torch launches. Here two launches do the same in float64: ``splits`` programs per (row,
-query head) (~528 in all, issue 15: one program per head looped over every key at 32 programs) each
+query head) (~528 in all: one program per head would loop over every key at 32 programs) each
 take a share of the sink range, the window range, the top-k list and the base list, write their logits
 once to a workspace, and store sums around their own max and spreads around their own mean (two
 passes, not ``Σx² − (Σx)²/n``); one program per (row, query head) rescales them to the row's max and
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton, workspace
+from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
@@ -30,7 +30,7 @@ SPLIT_PROGRAMS = 528
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def _segment_positions(lst, seg_lo, j, ok, IS_LIST: tl.constexpr):
@@ -357,7 +357,7 @@ def usable(t: torch.Tensor) -> bool:
 def budget_splits(rows: int, entries: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> int:
     """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all, at
     most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64."""
-    return max(1, min(-(-target_programs // max(rows, 1)), -(-entries // (2 * block)), 64))
+    return max(1, min(cdiv(target_programs, max(rows, 1)), cdiv(entries, 2 * block), 64))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from ..core import rng as _rng
+from ...core import rng as _rng
 
 try:  # triton is an optional dependency at run time (CPU-only installs run the references)
     import triton
@@ -123,6 +123,11 @@ def pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``b > 0``): how many blocks of ``b`` cover ``a``."""
+    return -(-a // b)
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -165,7 +170,7 @@ def budget_uniforms(seed: int, batch: int, heads: int, lengths: torch.Tensor, de
 if triton is not None:
 
     @triton.jit
-    def _mix32(x):
+    def hash_mix32(x):
         # x: int64 holding a 32-bit value; products wrap, the mask keeps the low word.
         x = x ^ (x >> 16)
         x = (x * 0x7FEB352D) & 0xFFFFFFFF
@@ -177,17 +182,17 @@ if triton is not None:
     def hash_uniform(seed_lo, seed_hi, stream_key, counter):
         """Uniform ``k / 2**24`` in [0, 1) (float32) for an int64 ``counter`` tensor."""
         x = counter.to(tl.int64) & 0xFFFFFFFF
-        x = _mix32(x ^ seed_lo)
-        x = _mix32(x ^ seed_hi)
-        x = _mix32(x ^ stream_key)
+        x = hash_mix32(x ^ seed_lo)
+        x = hash_mix32(x ^ seed_hi)
+        x = hash_mix32(x ^ stream_key)
         return (x >> 8).to(tl.float32) * 5.9604644775390625e-08
 
     @triton.jit
     def row_uniform(seed_lo, seed_hi, length, stream_key, counter):
         """``hash_uniform`` under the row's key: the call's words mixed with the row's valid ``length``
         (``core.rng.length_words``), so each decode step of a row draws fresh numbers."""
-        lo = _mix32((seed_lo ^ length.to(tl.int64) ^ 0x243F6A88) & 0xFFFFFFFF)
-        hi = _mix32(seed_hi ^ lo ^ 0x85A308D3)
+        lo = hash_mix32((seed_lo ^ length.to(tl.int64) ^ 0x243F6A88) & 0xFFFFFFFF)
+        hi = hash_mix32(seed_hi ^ lo ^ 0x85A308D3)
         return hash_uniform(lo, hi, stream_key, counter)
 
     @triton.jit
@@ -306,6 +311,11 @@ def merge_partials(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_k
 # that Triton itself would have served with the same binary.
 
 _COMPILED: dict = {}
+
+
+def compiled_launches() -> dict:
+    """A copy of what :func:`launch` keeps: the compiled kernel (and its constexprs) by specialisation key."""
+    return dict(_COMPILED)
 _INT32 = 1 << 31
 
 

@@ -1,18 +1,18 @@
 """Top-p selection on the device (``oracle-topp``): per row, the fewest keys of highest probability whose
 attention mass reaches a target, as a token list for
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` — by a threshold, not a sort.
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` — by a threshold, not a sort.
 
 The set is ``{available keys with p ≥ τ}``, ``τ`` the largest value such that the mass of the available
 keys at or above it reaches the target: all keys tied at ``τ`` are taken, as the torch reference
 (:func:`kvsieve.methods.shared.selection.top_p`, whose bisection stops within ``max p · 2^-48`` below
 ``τ``) takes them. ``τ`` is found by a radix select on the bits of the float32 probabilities
 (non-negative, so their int32 images order as the values) that accumulates MASS per bin where
-:mod:`~kvsieve.kernels.sparse.select_triton` counts: ``BITS`` bits per pass from bit 29 down (bit 30 and
+:mod:`~kvsieve.kernels.shared.select_triton` counts: ``BITS`` bits per pass from bit 29 down (bit 30 and
 the sign are 0 for values in [0, 1]).
 
 Launches (grid ``(segments, Hs, B)`` each, static; no host read, so graph-capturable):
 
-1. :func:`~kvsieve.kernels.sparse.topk.scores_triton`: every scaled logit (−inf only past the length)
+1. :func:`~kvsieve.kernels.shared.scores.scores_triton`: every scaled logit (−inf only past the length)
    and per-block softmax partials;
 2. the first pass: each head's log-sum-exp from the partials, ``p`` (group-summed and divided by the
    group for ``share_kv_group``, 0 off ``[sink_end, window_start)``) written to a workspace row, the
@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton
-from .select_triton import _scratch, _segments, check_score_rows
+from ..shared.scores import score_block, scores_triton
+from ..shared.select_common import check_score_rows, row_segments, scratch
+from ..shared.triton_utils import cdiv, launch, next_pow2, triton
 
 BITS = 4  # digit bits per pass: BINS = 16 bins (a mass histogram costs one select + add per bin and key)
 VALUE_BITS = 30  # bits 0..29 vary for float32 values in [0, 1]
@@ -52,14 +53,14 @@ WAVES = 4
 
 
 def n_passes(bits: int = BITS) -> int:
-    return -(-VALUE_BITS // bits)
+    return cdiv(VALUE_BITS, bits)
 
 
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-    from .select_triton import _group_lse, _group_sum_tile
+    from ..shared.select_common import group_lse, group_sum_tile
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def _row_target(sum_ptr, row, n_seg, top_p, RESIDUAL: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -112,14 +113,14 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = hs * G + offs_g
-            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+            lse, live_h = group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
                                      BLOCK_PART)
             hist = tl.zeros([BINS], dtype=tl.float32)
             total = tl.zeros([BLOCK_X], dtype=tl.float32)
             for x0 in range(x_lo, x_hi, BLOCK_X):
                 offs = x0 + tl.arange(0, BLOCK_X)
                 ok = offs < x_hi
-                val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs, ok, s_s_h,
+                val = group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs, ok, s_s_h,
                                       sink_end, win_start, 1)
                 p = tl.exp(val) / G  # 0 off the candidates (val = −inf)
                 tl.store(p_row + offs, p, mask=ok)
@@ -191,7 +192,7 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
 
     ``scores [B, Hq, N]`` float32 scaled logits, −inf only past each row's length (``lengths`` int32
     ``[B]``), with ``parts = (max, sum_exp) [B, Hq, n_blocks]`` their block softmax partials (what
-    :func:`~kvsieve.kernels.sparse.topk.scores_triton` writes with ``mask_dense=False``). A row's
+    :func:`~kvsieve.kernels.shared.scores.scores_triton` writes with ``mask_dense=False``). A row's
     probabilities are the softmax over all its valid keys (``group > 1``: summed over the group's heads
     and divided by ``group``); keys in ``[sink_end, window_start)`` are available, and the target is
     ``top_p − (mass off them)`` (``mass="total"``) or ``top_p ×`` their mass (``"residual"``).
@@ -207,16 +208,16 @@ def topp_rows_triton(scores: torch.Tensor, parts: tuple[torch.Tensor, torch.Tens
     hs = hq // group
     rows = b * hs
     pm, pl = parts
-    n_seg = segments or _segments(rows, n, scores.device, segment=SEGMENT_MIN, waves=WAVES)
-    seg_len = -(-n // n_seg)
+    n_seg = segments or row_segments(rows, n, scores.device, segment=SEGMENT_MIN, waves=WAVES)
+    seg_len = cdiv(n, n_seg)
     passes = n_passes(bits)
     bins = 1 << bits
-    probs = _scratch("topp_p", scores, (rows, n), torch.float32)
-    sums = _scratch("topp_sum", scores, (rows, n_seg), torch.float32)
-    hist = _scratch("topp_hist", scores, (passes, rows, n_seg, bins), torch.float32)
-    prefix = _scratch("topp_prefix", scores, (passes + 1, rows), torch.int32)
-    goal = _scratch("topp_goal", scores, (passes + 1, rows), torch.float32)
-    seg_cnt = _scratch("topp_cnt", scores, (rows, n_seg), torch.int32)
+    probs = scratch("topp_p", scores, (rows, n), torch.float32)
+    sums = scratch("topp_sum", scores, (rows, n_seg), torch.float32)
+    hist = scratch("topp_hist", scores, (passes, rows, n_seg, bins), torch.float32)
+    prefix = scratch("topp_prefix", scores, (passes + 1, rows), torch.int32)
+    goal = scratch("topp_goal", scores, (passes + 1, rows), torch.float32)
+    seg_cnt = scratch("topp_cnt", scores, (rows, n_seg), torch.int32)
     # fresh outputs: the stats read them after the call, when the workspaces may hold another call's
     idx = torch.empty(b, hs, n, device=scores.device, dtype=torch.int32)
     counts = torch.empty(b, hs, device=scores.device, dtype=torch.int32)
@@ -240,17 +241,15 @@ def topp_select(q, k, lengths, *, sink: int, window: int, top_p: float, mass: st
                 segments: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``oracle-topp``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
     ``(indices [B, Hs, N] int32, counts [B, Hs] int32)``, ``Hs = Hkv`` when ``share_kv_group`` else
-    ``Hq``; the scores launch (:func:`~kvsieve.kernels.sparse.topk.scores_triton`) then
+    ``Hq``; the scores launch (:func:`~kvsieve.kernels.shared.scores.scores_triton`) then
     :func:`topp_rows_triton`. ``lengths`` int32 ``[B]``."""
-    from .topk import score_block, scores_triton
-
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv if share_kv_group else 1
-    n_blocks = -(-n // score_block(d))
-    parts = (_scratch("topp_pm", q, (b, hq, n_blocks), torch.float32),
-             _scratch("topp_pl", q, (b, hq, n_blocks), torch.float32))
-    s = scores_triton(q, k, lengths, sink, window, scale, out=_scratch("topp_scores", q, (b, hq, n), torch.float32),
+    n_blocks = cdiv(n, score_block(d))
+    parts = (scratch("topp_pm", q, (b, hq, n_blocks), torch.float32),
+             scratch("topp_pl", q, (b, hq, n_blocks), torch.float32))
+    s = scores_triton(q, k, lengths, sink, window, scale, out=scratch("topp_scores", q, (b, hq, n), torch.float32),
                       mask_dense=False, parts=parts)
     return topp_rows_triton(s, parts, lengths, group=group, top_p=top_p, mass=mass, sink=sink, window=window,
                             bits=bits, segments=segments)

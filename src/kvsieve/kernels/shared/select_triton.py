@@ -26,7 +26,7 @@ counter it resets) runs steps 3–4 on all their candidates:
 Why not ``torch.topk``: at these sizes it is a radix select of its own — one launch for rows shorter
 than ~20k but 20–50 launches (multi-block passes, then a sort for ``sorted=True``) for oracle-topk's
 32k/128k-key rows, and Quest's group-summed ranking needed a ``logsumexp`` (several elementwise
-launches) and a group-sum launch before it (issue 15 §2: 16 launches for Quest, 35–60 for oracle-topk).
+launches) and a group-sum launch before it (16 launches for Quest, 35–60 for oracle-topk).
 Here Quest's selection is the bounds launch plus this one, oracle-topk's the scores pass plus this one
 (plus :func:`group_sum_rows_triton` for group-summed rows longer than ``ROW_GROUP_SUM_MAX``). Ties at
 ``T`` go to the lowest indices, where ``torch.topk`` picks any of them: selections are equal as sets up
@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import launch, next_pow2, triton, workspace
+from .select_common import SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
 
 def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -63,157 +64,16 @@ def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> t
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-
-    @triton.jit
-    def store_softmax_part(pm_ptr, pl_ptr, b64, heads, g_ok, blk, s_p_b, s_p_h, s):
-        """Block ``blk``'s softmax partial of each head's scores ``s [BLOCK_G, BLOCK_X]``: the max ``m``
-        (−inf when the block has no finite score) and ``Σ exp(s − m)``."""
-        m = tl.max(s, axis=1)
-        ref = tl.where(m > float("-inf"), m, 0.0)
-        l_sum = tl.sum(tl.exp(s - ref[:, None]), axis=1)
-        at = b64 * s_p_b + heads * s_p_h + blk
-        tl.store(pm_ptr + at, m, mask=g_ok)
-        tl.store(pl_ptr + at, l_sum, mask=g_ok)
-
-    @triton.jit
-    def store_maxima(mx_ptr, b64, heads, g_ok, blk, s_x_b, s_x_h, s, n_units, BLOCK_X: tl.constexpr,
-                     BLOCK_G: tl.constexpr, GROUP: tl.constexpr):
-        """The max of every ``GROUP`` units of block ``blk``'s scores ``s [BLOCK_G, BLOCK_X]`` (the select
-        kernel's prefilter subset)."""
-        mx = tl.max(tl.reshape(s, [BLOCK_G, BLOCK_X // GROUP, GROUP]), axis=2)
-        offs_m = blk * (BLOCK_X // GROUP) + tl.arange(0, BLOCK_X // GROUP)
-        tl.store(mx_ptr + b64 * s_x_b + heads[:, None] * s_x_h + offs_m[None, :], mx,
-                 mask=g_ok[:, None] & (offs_m * GROUP < n_units)[None, :])
-
-    @triton.jit
-    def _ordered(v):
-        # float32 -> uint32 with the same order (non-NaN): flip the magnitude bits of negatives, then
-        # the sign bit, so unsigned comparisons and radix digits follow the float order.
-        bits = v.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return key.to(tl.uint32, bitcast=True) ^ 0x80000000
-
-    @triton.jit
-    def _high_bits(u, shift):
-        # u >> shift for a runtime shift in [0, 32] (a shift by 32 is undefined in LLVM: 0 here)
-        return tl.where(shift < 32, u >> tl.minimum(shift, 31).to(tl.uint32), 0)
-
-    @triton.jit
-    def _range(src, n_units, BLOCK_X: tl.constexpr):
-        """The ordered images of the largest and of the smallest finite value of ``src[:n_units]``, and how
-        many values are finite (> −inf)."""
-        # elementwise accumulators: one block-wide reduction each at the end, not one per chunk
-        hi = tl.zeros([BLOCK_X], dtype=tl.uint32)
-        lo = tl.full([BLOCK_X], 0xFFFFFFFF, tl.uint32)
-        n_fin = tl.zeros([BLOCK_X], dtype=tl.int32)
-        for x0 in range(0, n_units, BLOCK_X):
-            offs = x0 + tl.arange(0, BLOCK_X)
-            ok = offs < n_units
-            v = tl.load(src + offs, mask=ok, other=float("-inf"))
-            u = _ordered(v)
-            fin = v > float("-inf")
-            hi = tl.maximum(hi, u)
-            lo = tl.minimum(lo, tl.where(fin, u, 0xFFFFFFFF))
-            n_fin += fin.to(tl.int32)
-        return tl.max(hi, axis=0), tl.min(lo, axis=0), tl.sum(n_fin, axis=0)
-
-    @triton.jit
-    def _radix(src, n_units, count, hi, lo, KEEP: tl.constexpr, BLOCK_X: tl.constexpr):
-        """Radix select of the ``count``-th largest of ``src[:n_units]``, whose ordered image lies in
-        ``[lo, hi]`` (1 ≤ count ≤ the values in that range): returns its image with only the top ``KEEP``
-        bits that differ between lo and hi resolved (the rest 0: a lower bound; KEEP ≥ 32 gives it
-        exactly) and how many values equal to that are among the ``count`` largest (exact case).
-
-        Bits shared by lo and hi are skipped (for the prefilter's candidates, sign and most exponent
-        bits), so no pass sorts nearly every value into one bin; each pass then resolves 6 bits with a
-        64-bin histogram (Triton's histogram costs grow with the bins, per element)."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
-        prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
-        stop = tl.maximum(top - KEEP, 0)
-        need = count
-        bins = tl.arange(0, 64)
-        shift = top
-        while shift > stop:
-            low = tl.maximum(shift - 6, stop)
-            width = shift - low
-            hist = tl.zeros([64], dtype=tl.int32)
-            n_off = tl.zeros([BLOCK_X], dtype=tl.int32)
-            for x0 in range(0, n_units, BLOCK_X):
-                offs = x0 + tl.arange(0, BLOCK_X)
-                ok = offs < n_units
-                u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
-                active = ok & (_high_bits(u, shift) == _high_bits(prefix, shift))
-                digit = tl.where(active, (u >> low.to(tl.uint32)) & ((1 << width) - 1).to(tl.uint32), 0).to(tl.int32)
-                hist += tl.histogram(digit, 64)
-                n_off += (~active).to(tl.int32)
-            # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
-            hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = prefix | (digit.to(tl.uint32) << low.to(tl.uint32))
-            shift = low
-        return prefix, need
-
-    @triton.jit
-    def _emit(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr):
-        # Units above thr and the first `need` equal to it, in src order, to out_row (their index: the
-        # unit's position, or idx_src's entry); returns how many were written.
-        n_taken = tl.full([], 0, tl.int32)
-        ties = tl.full([], 0, tl.int32)
-        for x0 in range(0, n_units, BLOCK_X):
-            offs = x0 + tl.arange(0, BLOCK_X)
-            ok = offs < n_units
-            u = _ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
-            eq = (ok & (u == thr)).to(tl.int32)
-            sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= need))
-            pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            if HAS_IDX:
-                idx = tl.load(idx_src + offs, mask=sel, other=0).to(tl.int64)
-            else:
-                idx = offs.to(tl.int64)
-            tl.store(out_row + pos, idx, mask=sel)
-            n_taken += tl.sum(sel.to(tl.int32), axis=0)
-            ties += tl.sum(eq, axis=0)
-        return n_taken
-
-    @triton.jit
-    def _group_sum_tile(s_ptr, row, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h, sink_end, win_start,
-                        UNIT: tl.constexpr):
-        # log Σ_g softmax_g(s)[x] for the units offs_x, −inf off the candidates [sink_end, win_start)
-        sc = tl.load(s_ptr + row + heads[:, None] * s_s_h + offs_x[None, :],
-                     mask=g_ok[:, None] & x_ok[None, :], other=float("-inf"))
-        live = (sc > float("-inf")) & live_h[:, None]
-        logp = tl.where(live, sc - lse[:, None], float("-inf"))
-        m = tl.max(logp, axis=0)
-        m_ref = tl.where(m > float("-inf"), m, 0.0)
-        total = tl.sum(tl.where(live, tl.exp(logp - m_ref[None, :]), 0.0), axis=0)
-        val = tl.where(total > 0, m_ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
-        start = offs_x * UNIT
-        return tl.where((start < win_start) & (start + UNIT > sink_end), val, float("-inf"))
-
-    @triton.jit
-    def _group_lse(pm_ptr, pl_ptr, prow, heads, g_ok, n_parts, s_p_h, BLOCK_G: tl.constexpr,
-                   BLOCK_PART: tl.constexpr):
-        # each group head's log-sum-exp over all its valid units, from the scoring launch's block partials
-        m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_run = tl.zeros([BLOCK_G], tl.float32)
-        for p0 in range(0, n_parts, BLOCK_PART):
-            offs_p = p0 + tl.arange(0, BLOCK_PART)
-            at = prow + heads[:, None] * s_p_h + offs_p[None, :]
-            ok = g_ok[:, None] & (offs_p < n_parts)[None, :]
-            pm = tl.load(pm_ptr + at, mask=ok, other=float("-inf"))
-            pl = tl.load(pl_ptr + at, mask=ok, other=0.0)
-            m_new = tl.maximum(m_run, tl.max(pm, axis=1))
-            ref = tl.where(m_new > float("-inf"), m_new, 0.0)
-            l_run = l_run * tl.exp(m_run - ref) + tl.sum(pl * tl.exp(pm - ref[:, None]), axis=1)
-            m_run = m_new
-        live_h = l_run > 0
-        return tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0), live_h
+    from .select_common import (
+        chosen_regs,
+        emit_selected,
+        group_lse,
+        group_sum_tile,
+        ordered,
+        radix_select,
+        value_range,
+    )
+    from .triton_utils import dense_range
 
     @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts"])
     def _group_sum_parts_kernel(
@@ -233,11 +93,11 @@ if triton is not None:
         offs_g = tl.arange(0, BLOCK_G)
         g_ok = offs_g < G
         heads = kvh * G + offs_g
-        lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G, BLOCK_PART)
+        lse, live_h = group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G, BLOCK_PART)
         for c0 in range(0, BLOCK_X, CHUNK):
             offs_x = xb * BLOCK_X + c0 + tl.arange(0, CHUNK)
             x_ok = offs_x < n_units
-            val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+            val = group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
                                   sink_end, win_start, UNIT)
             tl.store(out_ptr + b64 * s_o_b + kvh * s_o_h + offs_x, val, mask=x_ok)
             mx = tl.max(tl.reshape(val, [CHUNK // GROUP_MAX, GROUP_MAX]), axis=1)
@@ -273,12 +133,12 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = hs * G + offs_g
-            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+            lse, live_h = group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
                                      BLOCK_PART)
             for x0 in range(0, n_units, BLOCK_XG):
                 offs_x = x0 + tl.arange(0, BLOCK_XG)
                 x_ok = offs_x < n_units
-                val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+                val = group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
                                       sink_end, win_start, UNIT)
                 tl.store(src + offs_x, val, mask=x_ok)
                 mx = tl.max(tl.reshape(val, [BLOCK_XG // GROUP_MAX, GROUP_MAX]), axis=1)
@@ -299,11 +159,11 @@ if triton is not None:
                 # be chosen; copying them out leaves the exact select a list near count long.
                 bound = tl.zeros([], dtype=tl.uint32)
                 m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
-                m_hi, m_lo, m_fin = _range(mx_row, n_max, BLOCK_M)
+                m_hi, m_lo, m_fin = value_range(mx_row, n_max, BLOCK_M)
                 if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
                     # one pass: 6 bits below those the maxima share (the bound is a few % of the
                     # maxima's range low at most: some more candidates, for a pass less per program)
-                    bound, m_need = _radix(mx_row, n_max, count, m_hi, m_lo, 6, BLOCK_M)
+                    bound, m_need = radix_select(mx_row, n_max, count, m_hi, m_lo, 6, BLOCK_M)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
@@ -318,7 +178,7 @@ if triton is not None:
                     offs = x0 + tl.arange(0, BLOCK_X)
                     ok = offs < x_hi
                     v = tl.load(src + offs, mask=ok, other=float("-inf"))
-                    u = _ordered(v)
+                    u = ordered(v)
                     keep = ok & (u >= bound)
                     pos = x_lo + n_cand + tl.cumsum(keep.to(tl.int32), axis=0) - 1  # in the segment's region
                     tl.store(cv + pos, v, mask=keep)
@@ -359,73 +219,28 @@ if triton is not None:
                                                                      cache_modifier=".cg"), mask=ok)
                             total += n_sg
                         tl.debug_barrier()  # the list written above is read back by other threads
-                        thr, need = _radix(cv2, total, count, hi_row, lo_row, 32, BLOCK_C)
-                        n_taken = _emit(cv2, ci2, total, thr, need, out_row, True, BLOCK_C)
+                        thr, need = radix_select(cv2, total, count, hi_row, lo_row, 32, BLOCK_C)
+                        n_taken = emit_selected(cv2, ci2, total, thr, need, out_row, True, BLOCK_C)
                         writer = count > 0
                         tl.atomic_xchg(tk_ptr + b * tl.num_programs(0) + hs, 0)
                 else:
                     tl.debug_barrier()  # the candidates written above are read back by other threads
-                    thr, need = _radix(cv, n_cand, count, hi_row, lo_row, 32, BLOCK_C)
-                    n_taken = _emit(cv, ci, n_cand, thr, need, out_row, True, BLOCK_C)
+                    thr, need = radix_select(cv, n_cand, count, hi_row, lo_row, 32, BLOCK_C)
+                    n_taken = emit_selected(cv, ci, n_cand, thr, need, out_row, True, BLOCK_C)
             else:
-                hi, lo, n_fin = _range(src, n_units, BLOCK_X)
-                thr, need = _radix(src, n_units, count, hi, lo, 32, BLOCK_X)
-                n_taken = _emit(src, src, n_units, thr, need, out_row, False, BLOCK_X)
+                hi, lo, n_fin = value_range(src, n_units, BLOCK_X)
+                thr, need = radix_select(src, n_units, count, hi, lo, 32, BLOCK_X)
+                n_taken = emit_selected(src, src, n_units, thr, need, out_row, False, BLOCK_X)
         if writer:
             for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
                 offs = x0 + tl.arange(0, BLOCK_X)
                 tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
 
     @triton.jit
-    def _radix_regs(u, valid, count, hi, lo):
-        """:func:`_radix` (exact) on a row held in registers: ``u`` the ordered images, ``valid`` which
-        entries count. Stops as soon as the bin holding the answer is taken whole (its count equals what is
-        still needed): the returned threshold is then the bin's low end (its lower bits 0), at most the
-        answer, and ``need`` covers every unit equal to it, so the emit step takes exactly the bin and
-        all above it."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
-        prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
-        need = count
-        bins = tl.arange(0, 64)
-        shift = top
-        while shift > 0:
-            low = tl.maximum(shift - 6, 0)
-            width = shift - low
-            active = valid & (_high_bits(u, shift) == _high_bits(prefix, shift))
-            digit = tl.where(active, (u >> low.to(tl.uint32)) & ((1 << width) - 1).to(tl.uint32), 0).to(tl.int32)
-            hist = tl.histogram(digit, 64)
-            # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
-            n_act = tl.sum(active.to(tl.int32), axis=0)
-            hist -= tl.where(bins == 0, digit.shape[0] - n_act, 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-            prefix = prefix | (d.to(tl.uint32) << low.to(tl.uint32))
-            shift = tl.where(in_bin == need, 0, low)
-        return prefix, need
-
-    @triton.jit
-    def chosen_regs(u, valid, fin, count):
-        """The ``count`` (≥ 1) largest of a row held in registers, ties to the lowest index: ``u`` the ordered
-        images (:func:`_ordered`), ``valid`` the entries that count, ``fin`` those of them that are finite
-        (at least ``count``). Returns ``(sel, pos)``: which entries are chosen, and each one's place in the
-        ascending list of the chosen (a cumulative sum, so in index order)."""
-        hi = tl.max(tl.where(valid, u, 0), axis=0)
-        lo = tl.min(tl.where(fin, u, 0xFFFFFFFF), axis=0)
-        thr, need = _radix_regs(u, valid, count, hi, lo)
-        eq = (valid & (u == thr)).to(tl.int32)
-        sel = (valid & (u > thr)) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= need))
-        return sel, tl.cumsum(sel.to(tl.int32), axis=0) - 1
-
-    @triton.jit
     def _select_row_regs(v, offs, ok, count, out_row, k_out, XT: tl.constexpr):
         # The count best of the row v [XT] (entries with ok), ties to the lowest index, as an ascending
         # list at out_row, then zeros up to k_out.
-        u = _ordered(v)
+        u = ordered(v)
         fin = ok & (v > float("-inf"))
         n_taken = tl.full([], 0, tl.int32)
         if count > 0:
@@ -461,11 +276,11 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = hs * G + offs_g
-            lse, live_h = _group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
+            lse, live_h = group_lse(pm_ptr, pl_ptr, b64 * s_p_b, heads, g_ok, n_parts, s_p_h, BLOCK_G,
                                      BLOCK_PART)
             offs_x = c * CHUNK + tl.arange(0, CHUNK)
             x_ok = offs_x < n_units
-            val = _group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
+            val = group_sum_tile(s_ptr, b64 * s_s_b, heads, g_ok, lse, live_h, offs_x, x_ok, s_s_h,
                                   sink_end, win_start, UNIT)
             tl.store(src + offs_x, val, mask=x_ok)
             # all threads' stores precede the release; the acquire of the last one sees them all
@@ -483,54 +298,8 @@ if triton is not None:
             _select_row_regs(v, offs, ok, count, out_row, k_out, XT)
 
 
-def _scratch(tag: str, like: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A per-device cached buffer viewed as ``shape`` (``triton_utils.workspace``): an eager call allocates
-    nothing but its outputs. Calls on one device must not overlap in time (as the sparse kernel's)."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    return workspace(tag, like, numel, dtype)[:numel].view(shape)
-
-
-def check_score_rows(scores: torch.Tensor, group: int) -> None:
-    """The select launches' input: float32 score rows with a contiguous last dim, ``group`` dividing them."""
-    hq = scores.shape[1]
-    if scores.dtype != torch.float32 or scores.stride(-1) != 1:
-        raise ValueError(f"scores: expected float32 with a contiguous last dim, got {scores.dtype}, "
-                         f"strides {tuple(scores.stride())}")
-    if group < 1 or hq % group:
-        raise ValueError(f"group: expected a divisor of the {hq} score rows, got {group}")
-
-
-SEGMENT = 8192  # rows longer than this split their prefilter pass over programs (oracle-topk's keys)
-_SMS: dict = {}
-
-
-def check_launch_value(name: str, value, *, low: int = 1, high: int | None = None, pow2: bool = False):
-    """A launch override (an int of at least ``low``, at most ``high``, a power of two if ``pow2``) or a
-    ValueError naming it; returns it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high) \
-            or (pow2 and value & (value - 1)):
-        bound = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name}: expected {'a power of two ' if pow2 else 'an int '}in {bound}, got {value!r}")
-    return value
-
-
 def _warps(value, default: int) -> int:
     return default if value is None else check_launch_value("num_warps", value, high=32, pow2=True)
-
-
-def _segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: int = 2) -> int:
-    """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
-    many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
-    program also derives the bound from the row's maxima (that work repeats per program)."""
-    if device.type == "cuda":
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SMS[device]
-    else:
-        sms = 132
-    return max(1, min(-(-x // segment), (waves * sms) // max(rows, 1)))
 
 
 GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
@@ -570,33 +339,33 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     if k < 1:
         raise ValueError(f"k: expected >= 1, got {k}")
     hs = hq // group
-    if maxima is not None and (maxima.shape != (b, hs, -(-x // GROUP_MAX)) or maxima.stride(-1) != 1):
-        raise ValueError(f"maxima: expected [{b}, {hs}, {-(-x // GROUP_MAX)}] with a contiguous last dim, "
+    if maxima is not None and (maxima.shape != (b, hs, cdiv(x, GROUP_MAX)) or maxima.stride(-1) != 1):
+        raise ValueError(f"maxima: expected [{b}, {hs}, {cdiv(x, GROUP_MAX)}] with a contiguous last dim, "
                          f"got {tuple(maxima.shape)}")
     dev = scores.device
     if out is None:
         out = torch.empty(b, hs, k, device=dev, dtype=torch.int64)
     pm, pl = parts if share else (scores, scores)
-    gs = _scratch("select_gs", scores, (b, hs, x), torch.float32) if share else scores
+    gs = scratch("select_gs", scores, (b, hs, x), torch.float32) if share else scores
     prefilter = share or maxima is not None
     if share:  # this launch group-sums the rows and takes their maxima on the way
-        maxima = _scratch("select_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
+        maxima = scratch("select_mx", scores, (b, hs, cdiv(x, GROUP_MAX)), torch.float32)
     mx = scores if maxima is None else maxima
     if prefilter:  # the prefilter's candidates: at most the whole row
-        cv = _scratch("select_cv", scores, (b, hs, x), torch.float32)
-        ci = _scratch("select_ci", scores, (b, hs, x), torch.int32)
+        cv = scratch("select_cv", scores, (b, hs, x), torch.float32)
+        ci = scratch("select_ci", scores, (b, hs, x), torch.int32)
     else:
         cv, ci = scores, scores
     # long rows: several programs per row share the prefilter's pass over it (see the kernel)
-    n_seg = _segments(b * hs, x, scores.device, segment=segment) if prefilter and not share and x > segment else 1
+    n_seg = row_segments(b * hs, x, scores.device, segment=segment) if prefilter and not share and x > segment else 1
     segmented = n_seg > 1
-    seg_len = -(-x // n_seg)
+    seg_len = cdiv(x, n_seg)
     if segmented:
         tickets = workspace("select_tickets", scores, b * hs, torch.int32, zeroed=True)
-        seg_n, seg_hi, seg_lo = (_scratch(f"select_seg_{t}", scores, (b, hs, n_seg), torch.int32)
+        seg_n, seg_hi, seg_lo = (scratch(f"select_seg_{t}", scores, (b, hs, n_seg), torch.int32)
                                  for t in ("n", "hi", "lo"))
-        cv2 = _scratch("select_cv2", scores, (b, hs, x), torch.float32)
-        ci2 = _scratch("select_ci2", scores, (b, hs, x), torch.int32)
+        cv2 = scratch("select_cv2", scores, (b, hs, x), torch.float32)
+        ci2 = scratch("select_ci2", scores, (b, hs, x), torch.int32)
     else:
         tickets = seg_n = seg_hi = seg_lo = counts
         cv2, ci2 = cv, ci
@@ -610,7 +379,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            mx.stride(0), mx.stride(1), cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
-           PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(-(-x // GROUP_MAX)))),
+           PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(cdiv(x, GROUP_MAX)))),
            BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented,
            num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
     return out
@@ -618,12 +387,10 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
 
 # Rows of at most this many units are selected by _select_regs_kernel: the row whole in one program's
 # registers (XT = next_pow2(units) values; 32 per thread at 8192 units with 8 warps, 16 warps beyond), the
-# radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context.
-# Measured on the H100 (Llama shapes, 5 %, cold L2; select launch alone): per query head 8.7 µs at 2048
-# pages and 19.4 µs at 8192 (topk_rows_triton: 12.4 / 21.0); group-summed 13.2 / 25.7 µs against 12.9 and
-# 4.6 + 15.2 for the rows select with its group-sum launch (with 128 chunk programs: 10.7 µs at 2048 pages,
-# 22.7 at 8192) — each radix pass costs ~60 instructions per unit of the whole row (tl.histogram's
-# ballots): group-summed rows take it up to REGISTER_SELECT_GROUPED_MAX units only.
+# radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context. Each
+# radix pass costs ~60 instructions per unit of the whole row (tl.histogram's ballots), so group-summed
+# rows take it up to REGISTER_SELECT_GROUPED_MAX units only, where it beat topk_rows_triton with its
+# group-sum launch on the H100 (benchmarks/results/2026-11-25-h100-quest-register-select.md).
 REGISTER_SELECT_MAX = 16384
 REGISTER_SELECT_GROUPED_MAX = 4096
 # group-summed rows: about this many programs in all group-sum the rows (in chunks of at least
@@ -666,11 +433,11 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     xt = max(64, next_pow2(x))
     pm, pl = parts if share else (scores, scores)
     if share:
-        gs = _scratch("select_regs_gs", scores, (b, hs, x), torch.float32)
+        gs = scratch("select_regs_gs", scores, (b, hs, x), torch.float32)
         tickets = workspace("select_regs_tickets", scores, b * hs, torch.int32, zeroed=True)
         per_row = max(1, programs // (b * hs))
-        chunk = max(REGISTER_CHUNK_MIN, next_pow2(-(-x // per_row)))
-        n_chunks = -(-x // chunk)
+        chunk = max(REGISTER_CHUNK_MIN, next_pow2(cdiv(x, per_row)))
+        n_chunks = cdiv(x, chunk)
     else:
         gs, tickets, chunk, n_chunks = scores, counts, 64, 1
     block_g = max(2, next_pow2(group))
@@ -709,9 +476,9 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     if chunk > block_x:
         raise ValueError(f"block_x: expected at least the chunk of {chunk} units, got {block_x}")
     check_launch_value("num_warps", num_warps, high=32, pow2=True)
-    out = _scratch("select_rows", scores, (b, hs, x), torch.float32)
-    maxima = _scratch("select_rows_mx", scores, (b, hs, -(-x // GROUP_MAX)), torch.float32)
-    launch(_group_sum_parts_kernel, (-(-x // block_x), hs, b),
+    out = scratch("select_rows", scores, (b, hs, x), torch.float32)
+    maxima = scratch("select_rows_mx", scores, (b, hs, cdiv(x, GROUP_MAX)), torch.float32)
+    launch(_group_sum_parts_kernel, (cdiv(x, block_x), hs, b),
            scores, pm, pl, lengths, out, maxima, sink, window, x, pm.shape[-1],
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
            maxima.stride(0), maxima.stride(1),
@@ -723,7 +490,7 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # Group-summed rows longer than this get group_sum_rows_triton's parallel launch: in the select launch one
 # program reads the group's G rows (~30 ops per unit and head, ~7 µs for 8192 pages × 4 heads by a cost
 # model, vs ~2 µs of launch for the split); at Quest's 32k context (2048 pages) the fold wins, at 128k
-# not. To be tuned on the GPU: the benchmark times both (quest-kv@group-sum-in-select / @split-group-sum).
+# not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
 
 SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
@@ -781,13 +548,13 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
     if share_kv_group:
-        n_blocks = -(-n_units // block)
-        parts = (_scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
-                 _scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
+        n_blocks = cdiv(n_units, block)
+        parts = (scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
+                 scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
     elif select == "triton" and not registers:
-        maxima = _scratch("select_scores_mx", counts, (batch, heads, -(-n_units // GROUP_MAX)), torch.float32)
+        maxima = scratch("select_scores_mx", counts, (batch, heads, cdiv(n_units, GROUP_MAX)), torch.float32)
     s = score(counts=counts, parts=parts, maxima=maxima, mask_dense=not share_kv_group,
-              out=_scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
+              out=scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
     if registers:
         idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                   unit=unit, sink=sink, window=window, **opts.get("registers", {}))
@@ -804,5 +571,5 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
 
 
 __all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
-           "check_launch_value", "group_sum_rows_triton", "select_launches", "select_rows",
-           "store_maxima", "store_softmax_part", "topk_rows_reference", "topk_rows_registers", "topk_rows_triton"]
+           "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference", "topk_rows_registers",
+           "topk_rows_triton"]

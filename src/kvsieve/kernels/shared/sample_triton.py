@@ -1,5 +1,5 @@
-"""A uniform sample without replacement on the device in one Triton launch (issue 15: ``random`` and
-vAttention's samples).
+"""A uniform sample without replacement on the device in one Triton launch (``random``'s, vAttention's and
+MagicPIG's samples).
 
 The references (``methods/shared/selection.uniform_sample``) give every available key ``j`` of a row the
 uniform ``u = hash(row key, stream, h·2^22 + j) / 2^24`` (``core.rng.RowStreams``) and take the ``size``
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix32, seed_words
-from ..triton_utils import is_interpreted, launch, next_pow2, triton, workspace
+from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
@@ -59,7 +59,7 @@ def sample_rows_reference(lo: torch.Tensor, hi: torch.Tensor, stream: int, start
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import _mix32
+    from .triton_utils import hash_mix32
 
     @triton.jit
     def _mix32u(x):
@@ -264,8 +264,8 @@ if triton is not None:
             w = tl.load(ptr).to(tl.int64) & 0xFFFFFFFF
         else:
             w = tl.zeros([], tl.int64) + value
-        lo = _mix32(lo ^ w ^ k1)
-        hi = _mix32(hi ^ lo ^ k2)
+        lo = hash_mix32(lo ^ w ^ k1)
+        hi = hash_mix32(hi ^ lo ^ k2)
         return lo, hi
 
     @triton.jit
@@ -294,9 +294,9 @@ if triton is not None:
                 lo, hi = _absorb_counter(lo, hi, c2_ptr, v2, k12, k22, T2)
             if NC > 3:
                 lo, hi = _absorb_counter(lo, hi, c3_ptr, v3, k13, k23, T3)
-        lo = _mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
-        hi = _mix32(hi ^ lo ^ p ^ 0x85A308D3)
-        lo = _mix32(lo ^ hi)
+        lo = hash_mix32(lo ^ (brow & 0xFFFFFFFF) ^ 0x243F6A88)
+        hi = hash_mix32(hi ^ lo ^ p ^ 0x85A308D3)
+        lo = hash_mix32(lo ^ hi)
         tl.store(out_ptr + r, lo, mask=ok)
         tl.store(out_ptr + rows + r, hi, mask=ok)
 
@@ -368,12 +368,12 @@ def sample_splits(n_keys: int, rows: int, block: int, target_programs: int = SPL
     """``(splits, chunk)``: the row's positions cut into ``splits`` chunks of ``chunk`` keys (a multiple
     of ``block``) so that ``splits · rows`` programs scan them, about ``target_programs`` in all; one
     split (the single-launch scan) when the row holds at most two blocks or the rows alone fill the GPU."""
-    want = min(-(-target_programs // max(rows, 1)), -(-n_keys // (2 * block)))
+    want = min(cdiv(target_programs, max(rows, 1)), cdiv(n_keys, 2 * block))
     if want <= 1:
         return 1, max(n_keys, 1)
-    per = -(-n_keys // want)
-    chunk = -(-per // block) * block
-    return -(-n_keys // chunk), chunk
+    per = cdiv(n_keys, want)
+    chunk = cdiv(per, block) * block
+    return cdiv(n_keys, chunk), chunk
 
 
 def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:

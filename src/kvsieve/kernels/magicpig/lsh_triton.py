@@ -13,7 +13,7 @@ Here:
 - :func:`retrieve_triton`: one program per (row, query head) hashes the query, then chunks of
   ``[sink_end, window_start)`` over ~528 programs (each reading a KV head's codes once for its query
   heads) mark the keys colliding in at least ``min_tables`` tables; they write the complement
-  (what :func:`~kvsieve.kernels.sparse.sample_triton.sample_rows_triton` takes as excluded keys) and add
+  (what :func:`~kvsieve.kernels.shared.sample_triton.sample_rows_triton` takes as excluded keys) and add
   up the retrieved counts (integer atomics).
 - :func:`key_dots_triton`: ``q·k`` (and, for the ``center`` transform, ``‖k − μ‖``) of the kept keys only,
   for their cosines, the list cut over ~528 programs.
@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton
+from ..shared.triton_utils import is_interpreted, launch, next_pow2, triton
 
 #: programs of the retrieval and key-dot launches in all (4 per H100 SM)
 SPLIT_PROGRAMS = 528
@@ -93,7 +93,7 @@ class LshCodes:
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
+    from ..shared.triton_utils import dense_range
 
     @triton.jit
     def _norms_kernel(k_ptr, len_ptr, done_ptr, lo_ptr, m_ptr, s_k_b, s_k_h, s_k_n, MIPS: tl.constexpr,

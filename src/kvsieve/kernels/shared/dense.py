@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .triton_utils import dot_precision, group_block, launch, merge_partials, triton, workspace
+from .triton_utils import cdiv, dot_precision, group_block, launch, merge_partials, triton, workspace
 
 if triton is not None:
     import triton.language as tl
@@ -99,10 +99,10 @@ if triton is not None:
 def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, target_programs: int = 264
                      ) -> tuple[int, int]:
     """(keys per split, number of splits): enough programs to fill the GPU, whole blocks each."""
-    want_splits = max(1, -(-target_programs // (batch * kv_heads)))
-    chunk = -(-n_keys // want_splits)
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
-    return chunk, -(-n_keys // chunk)
+    want_splits = max(1, cdiv(target_programs, batch * kv_heads))
+    chunk = cdiv(n_keys, want_splits)
+    chunk = max(block_n, cdiv(chunk, block_n) * block_n)
+    return chunk, cdiv(n_keys, chunk)
 
 
 def launch_config(n_keys: int) -> tuple[int, int, int]:

@@ -1,7 +1,7 @@
 """Quest's page selection on the device: page min/max kept as keys are appended, the page bound
 ``Σ_j max(q_j·min_j, q_j·max_j)`` in one Triton launch, and the top pages (one more launch,
-:mod:`kvsieve.kernels.sparse.select_triton`) as an index list for
-:func:`kvsieve.kernels.sparse.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
+:mod:`kvsieve.kernels.shared.select_triton`) as an index list for
+:func:`kvsieve.kernels.shared.weighted_triton.sparse_decode_triton` (``page_size`` granularity).
 
 Everything here takes plain tensors and runs without a host sync: lengths, counts and budgets stay on
 the device; the shapes (the number of pages ``P = ceil(N / page)`` and the most pages a row may take)
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..triton_utils import float64_constants, is_interpreted, launch, next_pow2, triton
+from ..shared.scores import candidate_mask, group_summed, score_launch_args, selection_counts_reference
+from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
@@ -27,7 +28,7 @@ def page_minmax_reference(k: torch.Tensor, lengths: torch.Tensor, page_size: int
     """``(kmin, kmax) [B, Hkv, ceil(N/page), d]`` in k's dtype over each page's keys below the row's
     length; pages with no such key hold 0 (never candidates: past the length)."""
     b, hkv, n, d = k.shape
-    p = -(-n // page_size)
+    p = cdiv(n, page_size)
     pad = p * page_size - n
     valid = (torch.arange(p * page_size, device=k.device)[None, :] < lengths.long()[:, None])  # [B, P*page]
     kp = torch.nn.functional.pad(k, (0, 0, 0, pad))
@@ -61,7 +62,7 @@ class PageSummaries:
 
     def _fresh(self, k: torch.Tensor, lengths: torch.Tensor) -> None:
         b, hkv, n, d = k.shape
-        p = -(-n // self.page_size)
+        p = cdiv(n, self.page_size)
         cap = p + p // 8 + 1
         kmin, kmax = page_minmax_reference(k, lengths, self.page_size)
         self.kmin = torch.zeros(b, hkv, cap, d, device=k.device, dtype=k.dtype)
@@ -74,7 +75,7 @@ class PageSummaries:
         """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``."""
         b, hkv, n, d = k.shape
         page = self.page_size
-        p = -(-n // page)
+        p = cdiv(n, page)
         same = (self.kmin is not None and self.kmin.shape[:2] == (b, hkv) and self.kmin.shape[3] == d
                 and self.kmin.dtype == k.dtype and self.kmin.device == k.device)
         if not same:
@@ -106,39 +107,6 @@ class PageSummaries:
 
 # --- page bounds ----------------------------------------------------------------------------------
 
-def dense_bounds(lengths: torch.Tensor, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sink_end, window_start) [B]`` of the dense part (``weighted_triton``'s contract)."""
-    length = lengths.long()
-    sink_end = torch.clamp(length, max=sink)
-    return sink_end, torch.maximum(length - window, sink_end)
-
-
-def candidate_mask(lengths: torch.Tensor, n_units: int, unit: int, sink: int, window: int) -> torch.Tensor:
-    """``[B, n_units]`` bool: units (pages of ``unit`` keys; tokens for 1) holding a candidate key, i.e. a
-    key of ``[sink_end, window_start)``."""
-    lo, hi = dense_bounds(lengths, sink, window)
-    start = torch.arange(n_units, device=lengths.device) * unit
-    return (start[None, :] < hi[:, None]) & (start[None, :] + unit > lo[:, None])
-
-
-def selection_counts_reference(lengths: torch.Tensor, size: int | float, unit: int, sink: int, window: int,
-                               max_units: int) -> torch.Tensor:
-    """``[B]`` units a row takes: ``ceil(tokens / unit)`` with ``tokens`` = the ``size`` count, or
-    ``max(1, floor(len · size))`` for a fraction (``resolve_size``), capped by ``max_units`` and by the
-    units holding a candidate key."""
-    length = lengths.long()
-    if isinstance(size, float):
-        tokens = torch.clamp(torch.floor(length.to(torch.float64) * size).long(), min=1)
-    else:
-        tokens = torch.full_like(length, int(size))
-    lo, hi = dense_bounds(lengths, sink, window)
-    first = torch.div(lo, unit, rounding_mode="floor")
-    end = torch.div(hi + unit - 1, unit, rounding_mode="floor")
-    cand = torch.where(hi > lo, end - first, 0)
-    wanted = torch.div(tokens + unit - 1, unit, rounding_mode="floor")
-    return torch.minimum(torch.clamp(wanted, max=max_units), cand)
-
-
 def page_bounds_reference(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
                           scale: float | None = None) -> torch.Tensor:
     """``[B, Hq, P]`` float32 ``scale · Σ_j max(q_j·min_j, q_j·max_j)``; −inf on non-candidate pages."""
@@ -151,77 +119,11 @@ def page_bounds_reference(q, kmin, kmax, lengths, page_size: int, sink: int = 0,
     return bound.view(b, hq, p).masked_fill(~cand[:, None, :], float("-inf"))
 
 
-def group_summed(scores: torch.Tensor, group: int) -> torch.Tensor:
-    """``[B, Hq, X] -> [B, Hkv, X]``: log of the per-head softmax summed over the GQA group (the
-    reference's ``group_scores``); rows without a finite score stay −inf instead of NaN."""
-    b, hq, x = scores.shape
-    finite = torch.isfinite(scores).any(-1, keepdim=True)
-    logp = torch.log_softmax(torch.where(finite, scores, 0.0), dim=-1)
-    logp = torch.where(torch.isfinite(scores), logp, float("-inf"))
-    return torch.logsumexp(logp.view(b, hq // group, group, x), dim=2)
-
-
-def score_launch_args(q: torch.Tensor, n_units: int, scale: float | None, out: torch.Tensor | None,
-                      size: int | float):
-    """What a scoring launch over ``n_units`` keys or pages needs besides its tensors: the scale (1/√d by
-    default), the float32 ``[B, Hq, n_units]`` output and :func:`count_args`."""
-    b, hq, d = q.shape
-    if out is None:
-        out = torch.empty(b, hq, n_units, device=q.device, dtype=torch.float32)
-    return (d ** -0.5 if scale is None else scale), out, *count_args(size, q.device)
-
-
-def count_args(size: int | float, device) -> tuple[torch.Tensor | None, int, bool]:
-    """``(fraction tensor or None, count, is_fraction)`` for the kernels that write selection counts."""
-    if isinstance(size, float):
-        return float64_constants((size,), device), 0, True
-    return None, int(size), False
-
-
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import dense_range
-    from .select_triton import store_maxima, store_softmax_part
-
-    @triton.jit
-    def write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units,
-                     UNIT: tl.constexpr, IS_FRAC: tl.constexpr):
-        """``counts[b]`` = :func:`selection_counts_reference` for one row."""
-        if IS_FRAC:
-            tokens = tl.maximum(tl.floor(length.to(tl.float64) * tl.load(frac_ptr)).to(tl.int32), 1)
-        else:
-            tokens = size
-        first = sink_end // UNIT
-        end = (win_start + UNIT - 1) // UNIT
-        cand = tl.where(win_start > sink_end, end - first, 0)
-        wanted = tl.minimum((tokens + UNIT - 1) // UNIT, max_units)
-        tl.store(counts_ptr + b, tl.minimum(wanted, cand).to(tl.int64))
-
-    @triton.jit
-    def score_program(lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, UNIT: tl.constexpr,
-                      WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr):
-        """A scoring program's (block, KV head, batch row) and its row's dense bounds; the first program
-        of the row also writes the row's count of units to take (``write_counts``)."""
-        blk = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2)
-        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
-        if WRITE_COUNTS:
-            if (blk == 0) & (kvh == 0):
-                write_counts(counts_ptr, b, sink_end, win_start, length, frac_ptr, size, max_units, UNIT, IS_FRAC)
-        return blk, kvh, b, b.to(tl.int64), length, sink_end, win_start
-
-    @triton.jit
-    def load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr):
-        """The query rows of KV head ``kvh``'s group ``[BLOCK_G, D]`` (rows past ``G`` are 0), their head
-        numbers and row mask, and the feature offsets."""
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
-        g_ok = offs_g < G
-        heads = kvh * G + offs_g
-        q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-        return q, heads, g_ok, offs_d
+    from ..shared.scores import load_group_queries, score_program
+    from ..shared.select_common import store_maxima, store_softmax_part
 
     @triton.jit
     def _page_update_kernel(
@@ -314,7 +216,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     normalises over them). With ``counts [B]`` (int64) it also writes :func:`selection_counts_reference`
     for ``size`` and ``max_pages``; with ``parts = (max, sum_exp)`` float32 ``[B, Hq, ceil(P / block_p)]``
     each block of ``block_p`` pages' softmax partials; with ``maxima`` float32 ``[B, Hq, ceil(P / GROUP_MAX)]``
-    the max of every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton`).
+    the max of every ``GROUP_MAX`` bounds (both for :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`).
 
     Launch overrides (for tuning; defaults: the settings so far): ``block_p`` pages per tile (a power of
     two, 16 to 1024: ``tl.dot``'s least width, and whole groups of ``GROUP_MAX`` for the maxima), ``tiles``
@@ -322,7 +224,8 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     ``num_warps`` (a power of two up to 32), ``num_stages`` (1 to 8; software pipelining over the tiles of a
     program, so it matters only with ``tiles > 1``). The bounds do not depend on them; the partials' blocks
     follow ``block_p``."""
-    from .select_triton import GROUP_MAX, check_launch_value
+    from ..shared.select_common import check_launch_value
+    from ..shared.select_triton import GROUP_MAX
 
     b, hq, d = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
@@ -331,14 +234,14 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     check_launch_value("tiles", tiles)
     check_launch_value("num_warps", num_warps, high=32, pow2=True)
     check_launch_value("num_stages", num_stages, high=8)
-    n_tiles = -(-p // block_p)
+    n_tiles = cdiv(p, block_p)
     if parts is not None and any(t.shape != (b, hq, n_tiles) for t in parts):
         raise ValueError(f"parts: expected two [{b}, {hq}, {n_tiles}] tensors (one column per {block_p} pages), "
                          f"got {[tuple(t.shape) for t in parts]}")
     scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     pm, pl = (out, out) if parts is None else parts
     mx = out if maxima is None else maxima
-    launch(_page_bounds_kernel, (-(-n_tiles // tiles), hkv, b),
+    launch(_page_bounds_kernel, (cdiv(n_tiles, tiles), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
            mx, scale, sink, window, p, count, max_pages,
            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
@@ -378,14 +281,14 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
 
     ``select="triton"`` (default): two launches — the bounds (group-summed rows also write per-block
     softmax partials, the others the maxima of every 8 bounds) and
-    :func:`~kvsieve.kernels.sparse.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
+    :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
     select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
     any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first).
 
     ``launch_opts`` (device paths; for tuning, ``benchmarks/sparse_decode/tune_quest.py``): launch overrides
     by launch — ``"bounds"``: :func:`page_bounds_triton`'s ``block_p``, ``tiles``, ``num_warps``,
     ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``: as
-    :func:`~kvsieve.kernels.sparse.select_triton.select_rows` takes them. The pages chosen do not depend
+    :func:`~kvsieve.kernels.shared.select_triton.select_rows` takes them. The pages chosen do not depend
     on them (up to near-ties of the group-summed ranking, whose float32 sums may run in another order)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
@@ -398,7 +301,7 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     elif bounds != "triton":
         raise ValueError(f"bounds: expected 'triton' or 'reference', got {bounds!r}")
     else:
-        from .select_triton import SELECT_LAUNCHES, check_launch_opts, select_rows
+        from ..shared.select_triton import SELECT_LAUNCHES, check_launch_opts, select_rows
 
         opts = check_launch_opts(launch_opts, ("bounds", *SELECT_LAUNCHES))
         bounds_opts = opts.pop("bounds", {})
@@ -415,6 +318,5 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     return pages, counts[:, None].expand(b, s.shape[1])
 
 
-__all__ = ["PAGE_BLOCK", "PageSummaries", "candidate_mask", "count_args", "dense_bounds", "group_summed",
-           "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
-           "quest_scores_reference", "quest_select", "selection_counts_reference"]
+__all__ = ["PAGE_BLOCK", "PageSummaries", "page_bounds_reference", "page_bounds_triton", "page_minmax_reference",
+           "quest_scores_reference", "quest_select"]

@@ -30,49 +30,11 @@ from __future__ import annotations
 
 import torch
 
+from .block_sparse_checks import check_block_sparse_inputs
+from .triton_utils import cdiv
+
 # Elements of the [rows, keys] logit tile one reference chunk may hold (about 256 MB in float32).
 _REFERENCE_CHUNK_ELEMENTS = 1 << 26
-
-
-def check_block_sparse_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_idx: torch.Tensor, block_counts: torch.Tensor,
-    block_size: int,
-) -> None:
-    """Raise ValueError naming the argument when a call breaks the contract (module docstring)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"q, k, v: expected [B, H, N, d] tensors, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    b, hq, n_tok, d = q.shape
-    if k.shape[0] != b or k.shape[2] != n_tok or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k, v: expected [B={b}, Hkv, N={n_tok}, d={d}] (prefill without past keys), got "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if hq % k.shape[1]:
-        raise ValueError(f"q: {hq} query heads is not a multiple of k's {k.shape[1]} KV heads")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: expected a positive integer, got {block_size!r}")
-    n = -(-n_tok // block_size)
-    if block_idx.dim() != 3 or block_idx.shape[:2] != (b, n):
-        raise ValueError(f"block_idx: expected shape [B={b}, n={n}, K], got {tuple(block_idx.shape)}")
-    if block_idx.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_idx: expected an int32 or int64 tensor, got {block_idx.dtype}")
-    if block_counts.shape != (b, n) or block_counts.is_floating_point() or block_counts.dtype == torch.bool:
-        raise ValueError(f"block_counts: expected an integer tensor of shape [{b}, {n}], got "
-                         f"{block_counts.dtype} {tuple(block_counts.shape)}")
-    kmax = block_idx.shape[2]
-    lo, hi = int(block_counts.min()), int(block_counts.max())
-    if lo < 1 or hi > kmax:
-        raise ValueError(f"block_counts: expected values in [1, K={kmax}], got min {lo}, max {hi}")
-    used = torch.arange(kmax, device=block_idx.device) < block_counts[..., None]
-    rows = torch.arange(n, device=block_idx.device)[None, :, None].expand_as(block_idx)
-    last = block_idx.gather(2, (block_counts - 1).long()[..., None]).squeeze(-1)
-    if bool((last != rows[..., 0]).any()):
-        raise ValueError("block_idx: the last used entry of each row must be its diagonal block i")
-    bad = used & ((block_idx < 0) | (block_idx > rows))
-    if bool(bad.any()):
-        raise ValueError("block_idx: used entries must be causal key blocks in [0, i]")
-    ordered = (block_idx[..., 1:] > block_idx[..., :-1]) | ~used[..., 1:]
-    if bool((~ordered).any()):
-        raise ValueError("block_idx: used entries must be strictly ascending (no duplicates)")
 
 
 def block_sparse_prefill_reference(
@@ -97,7 +59,7 @@ def block_sparse_prefill_reference(
     hkv, dv = k.shape[1], v.shape[-1]
     group = hq // hkv
     bs = block_size
-    n = -(-n_tok // bs)
+    n = cdiv(n_tok, bs)
     pad = n * bs - n_tok
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     if scale is None:
@@ -185,10 +147,9 @@ def flex_block_mask(block_idx: torch.Tensor, block_counts: torch.Tensor, *, bloc
 _COMPILED_FLEX = None
 
 # FlexAttention kernel_options per BlockMask block size, where a launch sweep
-# (benchmarks/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule. 64-key blocks: 4 warps,
-# 2 stages, 42.4 ms per layer at 128k against 74.5 with 8 warps, 3 stages (H200, 2026-11-27-h200-sketchwalk-
-# prefill-tune.md). At 128-key blocks the sweep's winner needs USE_TMA (Hopper only) and still loses to the
-# Triton kernel (33.7 vs 31.6 ms), so torch's config stays.
+# (benchmarks/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule: 64-key blocks. At 128-key
+# blocks the sweep's winner needs USE_TMA (Hopper only) and still loses to the Triton kernel, so torch's config
+# stays (measured on the H200: benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md).
 FLEX_TUNED_OPTIONS: dict[int, dict] = {64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
 
 
@@ -235,7 +196,7 @@ def block_sparse_prefill_flex(
         check_block_sparse_inputs(q, k, v, block_idx, block_counts, block_size)
     b, hq, n_tok, d = q.shape
     hkv = k.shape[1]
-    n = -(-n_tok // block_size)
+    n = cdiv(n_tok, block_size)
     pad = n * block_size - n_tok
     if pad:
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -256,10 +217,9 @@ def block_sparse_prefill_flex(
 
 
 BACKENDS = ("auto", "flex", "triton", "reference")
-# auto takes the Triton kernel up to this block size, FlexAttention above it. Measured per layer at 10 %
-# density, Llama-3.1-8B shapes, H200, each backend at its best swept launch settings
-# (benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md): 64-key blocks 29.6 ms (Triton) vs 42.4
-# (Flex) at 128k, 7.5 vs 9.9 at 64k; 128-key blocks 31.6 vs 33.7 (Flex with TMA) and 8.1 vs 8.6.
+# auto takes the Triton kernel up to this block size, FlexAttention above it: each backend at its best swept
+# launch settings, the Triton kernel was faster at 64- and 128-key blocks (10 % density, Llama-3.1-8B shapes,
+# H200: benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md).
 TRITON_MAX_BLOCK = 128
 
 

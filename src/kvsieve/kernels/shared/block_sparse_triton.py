@@ -1,7 +1,7 @@
 """Block-sparse causal prefill in Triton: the kernel of ``block_sparse.py``'s contract, one K/V read per
 selected block per KV-head group.
 
-Contract: :func:`kvsieve.kernels.sparse.block_sparse.block_sparse_prefill_reference` (its module docstring);
+Contract: :func:`kvsieve.kernels.shared.block_sparse.block_sparse_prefill_reference` (its module docstring);
 the tests compare the two. ``q [B, Hq, N, d]``, ``k, v [B, Hkv, N, d]`` (float16, bfloat16 or float32,
 ``d`` 64 or 128, any strides with a contiguous last dim), ``block_idx [B, n, K]`` / ``block_counts [B, n]``
 shared by every head, the diagonal block last. Output ``out`` in q's dtype, ``lse [B, Hq, N]`` float32
@@ -36,9 +36,9 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, next_pow2, triton
-from ..triton_utils import unsupported_reason as _triton_unsupported_reason
-from .block_sparse import check_block_sparse_inputs
+from .block_sparse_checks import check_block_sparse_inputs
+from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
+from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -145,10 +145,8 @@ def launch_config(group: int, block_size: int, d: int) -> tuple[int, int, int, i
     """``(block_m, block_n, num_warps, num_stages)`` from the launch sweep
     (``benchmarks/sketchwalk/tune_prefill.py``; ``benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md``,
     H200, G = 4, d = 128, 10 % density): 64-key blocks take packed tiles of up to 256 rows against whole
-    64-key blocks, 8 warps, 2 stages (29.6 ms per layer at 128k, was 38.6 with 128-row tiles: the group's
-    256 rows share each K/V tile although it spills: 255 registers and a 96-byte stack); 128-key blocks take
-    128-row tiles against whole 128-key blocks, 3 stages (31.6 ms, was 43.4 with 64-key tiles; 253 registers,
-    no spill).
+    64-key blocks, 8 warps, 2 stages (faster than 128-row tiles: the group's 256 rows share each K/V tile,
+    although it spills); 128-key blocks take 128-row tiles against whole 128-key blocks, 3 stages.
     Other block sizes keep tiles of up to 128 rows and 64 keys, 2 stages (not swept)."""
     rows = next_pow2(group * block_size)
     if block_size == 64:
@@ -203,7 +201,7 @@ def block_sparse_prefill_triton(
         raise ValueError(f"q, k, v: expected [B, G·Hkv, N, d] and [B, Hkv, N, d], got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
     group = hq // hkv
-    n = -(-n_tok // block_size)
+    n = cdiv(n_tok, block_size)
     if block_idx.shape[:2] != (b, n) or block_counts.shape != (b, n):
         raise ValueError(f"block_idx, block_counts: expected [B={b}, n={n}, K] and [{b}, {n}], got "
                          f"{tuple(block_idx.shape)}, {tuple(block_counts.shape)}")
@@ -214,7 +212,7 @@ def block_sparse_prefill_triton(
         raise ValueError(f"block_m: expected a power of two ≥ 16, got {block_m}")
     if block_n & (block_n - 1) or not 16 <= block_n <= block_size:
         raise ValueError(f"block_n: expected a power of two in [16, block_size={block_size}], got {block_n}")
-    n_sub = -(-(group * block_size) // block_m)
+    n_sub = cdiv(group * block_size, block_m)
     out = torch.empty(b, hq, n_tok, d, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, n_tok, device=q.device, dtype=torch.float32)
     scale = d ** -0.5 if scale is None else scale

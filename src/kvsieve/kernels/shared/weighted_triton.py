@@ -1,4 +1,4 @@
-"""Weighted sparse decode in Triton: the kernel of ``kernels/sparse/weighted.py``'s contract, with pages
+"""Weighted sparse decode in Triton: the kernel of ``kernels/shared/weighted.py``'s contract, with pages
 and a fused sink + window part.
 
 Contract (a superset of ``weighted_sparse_decode``; :func:`sparse_decode_reference` is its torch
@@ -41,8 +41,8 @@ import math
 
 import torch
 
-from ..triton_utils import is_interpreted, launch, merge_partials, next_pow2, triton, workspace
-from ..triton_utils import unsupported_reason as _triton_unsupported_reason
+from .triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -52,7 +52,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from ..triton_utils import attend_tile, dense_range
+    from .triton_utils import attend_tile, dense_range
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -252,7 +252,7 @@ def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, le
     if lengths is not None:
         _check_lengths(lengths, n)
     used = torch.arange(m, device=indices.device) < counts[..., None]
-    n_units = -(-n // page_size)
+    n_units = cdiv(n, page_size)
     if bool(used.any()):
         u = indices[used]
         if int(u.min()) < 0 or int(u.max()) >= n_units:
@@ -328,10 +328,8 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     return out.reshape(b, hq, d), lse.reshape(b, hq).float()
 
 
-# About four programs per SM of an H100/H200 (132 SMs). Swept on an H200 (2026-11-27,
-# benchmarks/results/2026-11-27-h200-sparse-launch-tune.md: block_n 32/64/128 × warps 4/8 × stages 1–4 ×
-# 132–1056 programs): at 128k, 528 programs took a 5 % page-16 list from 21.1 to 19.7 µs and streaming from
-# 20.0 to 18.5; at 32k every setting was within 0.5 µs of the others (fixed costs dominate there).
+# About four programs per SM of an H100/H200 (132 SMs): the best of a sweep over block_n, warps, stages and
+# programs at 128k; at 32k fixed costs dominate (H200: benchmarks/results/2026-11-27-h200-sparse-launch-tune.md).
 TARGET_PROGRAMS = 528
 
 
@@ -347,12 +345,12 @@ def split_plan(batch: int, heads: int, entries: int, page_size: int, dense_keys:
     """``(n_sel_parts, sel_chunk entries, n_dense_parts, dense_chunk keys)`` for about
     ``target_programs`` programs, each a whole number of ``block_n``-key blocks."""
     keys = entries * page_size + dense_keys
-    want = max(1, -(-target_programs // (batch * heads)))
-    chunk = -(-keys // want)
-    chunk = max(block_n, -(-chunk // block_n) * block_n)
+    want = max(1, cdiv(target_programs, batch * heads))
+    chunk = cdiv(keys, want)
+    chunk = max(block_n, cdiv(chunk, block_n) * block_n)
     sel_chunk = chunk // page_size
-    n_sel = -(-entries // sel_chunk) if entries else 0
-    n_dense = -(-dense_keys // chunk) if dense_keys else 0
+    n_sel = cdiv(entries, sel_chunk) if entries else 0
+    n_dense = cdiv(dense_keys, chunk) if dense_keys else 0
     return n_sel, sel_chunk, n_dense, chunk
 
 

@@ -13,7 +13,7 @@ Contract
   list per KV head (``[B, Hkv, width]`` + counts), the operand of the weighted sparse decode.
 - :func:`bucket_sparse_decode_reference`: exact softmax attention of the ``G`` query heads of each
   KV head over (dense list) ∪ (keys of the chosen buckets), computed as two partial attentions
-  (:func:`kvsieve.kernels.sparse.weighted.weighted_sparse_decode`) merged by
+  (:func:`kvsieve.kernels.shared.weighted.weighted_sparse_decode`) merged by
   :func:`merge_partials`. An empty part (``L = 0``, or only empty buckets chosen) has
   ``lse = -inf`` and is the identity of the merge.
 
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .weighted import weighted_sparse_decode
+from ..shared.triton_utils import cdiv
+from ..shared.weighted import weighted_sparse_decode
 
 
 def build_csr(assign: torch.Tensor, n_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,12 +168,12 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 # ``s·BLOCK_N, (s + SPLITS)·BLOCK_N, ...`` of that virtual list: each chunk of BLOCK_N positions finds
 # its keys in registers (the bucket of a position is the one whose running end first exceeds it, over
 # the ≤ ℓ chosen buckets), so no list is materialised and every program gets the same number of keys
-# give or take one chunk, whatever the bucket sizes (the earlier split of each part over a fixed number
-# of programs waited on the largest bucket). Each program scores its keys for the G query heads of the
+# give or take one chunk, whatever the bucket sizes (a split of each part over a fixed number of programs
+# would wait on the largest bucket). Each program scores its keys for the G query heads of the
 # group at once (q is a [G, d] block: K and V rows are read once per group) and writes an unnormalised
 # partial (acc, m, l); the last program of the (row, KV head) to finish (a ticket counter it resets)
 # merges the partials in split order, skipping empty ones (l = 0) — or, with fused_merge=False, the shared
-# split-KV merge of kernels/triton_utils.py does. Split 0 also writes the bucket key count (the step's stats).
+# split-KV merge of kernels/shared/triton_utils.py does. Split 0 also writes the bucket key count (the step's stats).
 
 try:
     import triton
@@ -313,7 +314,7 @@ def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
     """Programs per (batch row, KV head): about 384 in all, one wave on an H100 (132 SMs, three programs
     each: the kernel compiles to 168 registers a thread at 4 warps for sm_90), no more than the chunks of
     the longest possible list."""
-    return max(1, min(384 // max(rows, 1), -(-max_keys // block_n)))
+    return max(1, min(384 // max(rows, 1), cdiv(max_keys, block_n)))
 
 
 def bucket_sparse_decode_triton(
@@ -343,7 +344,7 @@ def bucket_sparse_decode_triton(
     of each (row, KV head) merges its partials (a ticket counter in a zeroed workspace that the kernel
     leaves at 0; one launch per call); False runs the separate merge kernel. Calls on different streams
     of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers)."""
-    from ..triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
+    from ..shared.triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
 
     if triton is None:
         raise RuntimeError("bucket_sparse_decode_triton needs triton")
