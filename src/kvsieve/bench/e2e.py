@@ -14,10 +14,10 @@ prefilled cache (``DecodeRuntime.rewind`` between variants):
 Reported per (variant, N, batch): ms per decode step (median of per-step CUDA-event times, and the
 mean of one timed loop), tokens/s (batch / step time), speedups vs runtime-dense and vs hf-eager, host
 time per step (``host_ms``: the median time ``step()`` takes to return with the device idle before it —
-the graph replay plus bookkeeping, issue 16's "host time per step"; ``issue_ms``: the mean time to issue
+the graph replay plus bookkeeping; ``issue_ms``: the mean time to issue
 a step inside the timed loop, which also counts the host waiting on a full launch queue), and the
 fraction of the physical floor: (weights read per step + the K/V bytes the method reads) / the
-measured device copy rate (read + write), the floor of issue 16.
+measured device copy rate (read + write), the byte floor.
 
 ``run_ttft_bench`` (``kvsieve bench e2e --ttft``) times the prompt instead: time to first token = one
 prefill of the N-token prompt (every row, one forward each) + the first token, per variant:
@@ -141,7 +141,7 @@ BREAKDOWN_STEPS = 3
 # The torch profiler keeps CUPTI attached after its first use in a process that captures CUDA graphs
 # (torch/profiler/profiler.py sets TEARDOWN_CUPTI=0: teardown crashes with graphs), and every later launch
 # pays CUPTI's callbacks: captured decode steps measured 0.3-0.8 ms of host time after a profiled variant
-# against 13-22 us in a process never profiled (benchmarks/runtime_host/README.md). So each case profiles
+# against 13-22 us in a process never profiled (docs/results/studies/runtime-host/README.md). So each case profiles
 # its variants only after timing all of them, and host times taken after any profiling are flagged.
 _PROFILED = {"done": False}
 

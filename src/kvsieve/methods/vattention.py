@@ -318,7 +318,7 @@ class VAttention(StagedSelection):
     def kernel_stages(self, inputs, gen, state):
         """The kernel path's selection, the same keys as :meth:`stages` given the same draws (up to ties
         of the scores or page bounds, computed in another order, and of the 24-bit hash at a sample's
-        cut), in about ten launches whatever the predictor (issue 15):
+        cut), in about ten launches whatever the predictor:
 
         - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.
           oracle_topk.topk.topk_select`: every score in one pass over K, then its select); ``quest`` — Quest's

@@ -1,4 +1,4 @@
-"""Decode runtime (issue 16): a KV cache kvsieve owns, exact prefill (or a method's sparse prefill), and
+"""Decode runtime: a KV cache kvsieve owns, exact prefill (or a method's sparse prefill), and
 the decode step captured once in a CUDA graph and replayed per token. ``generate`` is the public face;
 ``DecodeRuntime`` the engine."""
 

@@ -3,7 +3,7 @@
 A captured decode step of Llama-3.1-8B in transformers runs about 1,500 kernels, 1,100 of them the
 small elementwise ones of RMSNorm (a cast, a square, a mean, an rsqrt, two products and a cast back),
 RoPE (slices, a negation, a concatenation, products and sums), SiLU·mul and the residual adds; at
-1–2 µs each they cost about 1.9 ms of a 10 ms step (benchmarks/results/2026-11-23-h100-e2e.md).
+1–2 µs each they cost about 1.9 ms of a 10 ms step (docs/results/gpu-bench/2026-11-23-h100-e2e.md).
 Inductor fuses each run of them into one kernel. Nothing of the model is rewritten:
 
 - each decoder layer's own ``forward`` is compiled, with its attention module left out of the graph

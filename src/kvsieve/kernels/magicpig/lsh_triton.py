@@ -1,4 +1,4 @@
-"""MagicPIG's SimHash retrieval on the device (issue 15): key codes kept as the cache grows, the
+"""MagicPIG's SimHash retrieval on the device: key codes kept as the cache grows, the
 collision test in one launch, the retrieved keys' cosines in one launch.
 
 ``methods/magicpig`` (the reference) hashes every key with ``x @ proj`` in torch — on a GPU every call,

@@ -24,7 +24,7 @@ from ..shared.scores import (
 
 # Per-query-head rows above this many keys take torch.topk: there it beat the select launch on the H100, which
 # wins per KV head (a quarter of the rows) and at 32k
-# (benchmarks/results/2026-11-25-h100-sparse-decode-select.md).
+# (docs/results/gpu-bench/2026-11-25-h100-sparse-decode-select.md).
 TORCH_SELECT_ABOVE = 65536
 
 

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 # The group softmax + top-l runs as Hkv·B·C/RANK_CHUNK programs (256 at Llama-3.1-8B shapes, C = 1024):
 # each recomputes the C group-summed scores from the logits in L2 and ranks its RANK_CHUNK buckets against
 # them (RANK_CHUNK × C comparisons), where one program per (row, KV head) would be latency-bound whatever
-# its pass count (benchmarks/results/2026-11-27-h200-saap-decode-r4-main.md). Module constants so a sweep
+# its pass count (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md). Module constants so a sweep
 # can set them.
 RANK_CHUNK = 32
 RANK_WARPS = 4
@@ -270,7 +270,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     half = d // 2
     # 64 hidden units per program: 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound: 2 MB of
     # W1); 32 units (256 programs) measured slower on the H100 and the H200
-    # (benchmarks/results/2026-11-27-h200-saap-decode-r4-main.md)
+    # (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md)
     block_h = 64
     _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),

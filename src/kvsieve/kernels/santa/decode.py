@@ -32,7 +32,7 @@ from .two_pass import santa_flash_two_pass, santa_prop_two_pass
 # many tiles in all where programmatic dependent launch is on: its 528 stats programs finish the (row, KV head)
 # units one after another only when there are several rounds of tiles, and with one or two rounds it only adds
 # waits. Measured on the H100 (graph-timed; docs/methods/santa-kernels.md,
-# benchmarks/results/2026-11-22-h100-decode-v10d.md).
+# docs/results/gpu-bench/2026-11-22-h100-decode-v10d.md).
 FLASH_FUSED_MAX_TILES = 32
 FLASH_OVERLAP_MIN_TILES = 1024
 PROP_OVERLAP_MIN_TILES = 2048

@@ -26,7 +26,7 @@ program of each (row, KV head): a call cut short leaves them set, and the next c
 wait. One workspace per device: calls on different streams of one device must not overlap in time.
 
 This form gains over ``two_pass.py`` only when the stats programs go through several rounds of tiles,
-hence the thresholds in ``decode.py`` (measured: ``benchmarks/results/2026-11-22-h100-decode-v10d.md``).
+hence the thresholds in ``decode.py`` (measured: ``docs/results/gpu-bench/2026-11-22-h100-decode-v10d.md``).
 K is read up to each row's length, so the short rows of a padded batch do not stream their padding.
 """
 

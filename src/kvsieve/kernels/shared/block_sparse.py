@@ -147,9 +147,9 @@ def flex_block_mask(block_idx: torch.Tensor, block_counts: torch.Tensor, *, bloc
 _COMPILED_FLEX = None
 
 # FlexAttention kernel_options per BlockMask block size, where a launch sweep
-# (benchmarks/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule: 64-key blocks. At 128-key
+# (docs/results/studies/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule: 64-key blocks. At 128-key
 # blocks the sweep's winner needs USE_TMA (Hopper only) and still loses to the Triton kernel, so torch's config
-# stays (measured on the H200: benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md).
+# stays (measured on the H200: docs/results/gpu-bench/2026-11-27-h200-sketchwalk-prefill-tune.md).
 FLEX_TUNED_OPTIONS: dict[int, dict] = {64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
 
 
@@ -219,7 +219,7 @@ def block_sparse_prefill_flex(
 BACKENDS = ("auto", "flex", "triton", "reference")
 # auto takes the Triton kernel up to this block size, FlexAttention above it: each backend at its best swept
 # launch settings, the Triton kernel was faster at 64- and 128-key blocks (10 % density, Llama-3.1-8B shapes,
-# H200: benchmarks/results/2026-11-27-h200-sketchwalk-prefill-tune.md).
+# H200: docs/results/gpu-bench/2026-11-27-h200-sketchwalk-prefill-tune.md).
 TRITON_MAX_BLOCK = 128
 
 

@@ -390,7 +390,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
 # radix passes on them without reloading, one pass for the list. Quest's pages up to a 256k context. Each
 # radix pass costs ~60 instructions per unit of the whole row (tl.histogram's ballots), so group-summed
 # rows take it up to REGISTER_SELECT_GROUPED_MAX units only, where it beat topk_rows_triton with its
-# group-sum launch on the H100 (benchmarks/results/2026-11-25-h100-quest-register-select.md).
+# group-sum launch on the H100 (docs/results/gpu-bench/2026-11-25-h100-quest-register-select.md).
 REGISTER_SELECT_MAX = 16384
 REGISTER_SELECT_GROUPED_MAX = 4096
 # group-summed rows: about this many programs in all group-sum the rows (in chunks of at least

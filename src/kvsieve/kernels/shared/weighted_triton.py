@@ -329,7 +329,7 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
 
 
 # About four programs per SM of an H100/H200 (132 SMs): the best of a sweep over block_n, warps, stages and
-# programs at 128k; at 32k fixed costs dominate (H200: benchmarks/results/2026-11-27-h200-sparse-launch-tune.md).
+# programs at 128k; at 32k fixed costs dominate (H200: docs/results/gpu-bench/2026-11-27-h200-sparse-launch-tune.md).
 TARGET_PROGRAMS = 528
 
 
