@@ -184,7 +184,8 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY, num_warps=4)
     # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: the fastest of the H100
-    # sweep over blocks, features per step, warps and programs (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md).
+    # sweep over blocks, features per step, warps and programs
+    # (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md).
     per_program = max(1, round(t * hkv * r / stats_programs))
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
