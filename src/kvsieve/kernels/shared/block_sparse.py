@@ -148,8 +148,8 @@ _COMPILED_FLEX = None
 
 # FlexAttention kernel_options per BlockMask block size, where a launch sweep
 # (docs/results/studies/sketchwalk/tune_prefill.py) found better than flex_kernel_options' rule: 64-key blocks.
-# At 128-key blocks the sweep's winner needs USE_TMA (Hopper only) and still loses to the Triton kernel, so torch's config
-# stays (measured on the H200: docs/results/gpu-bench/2026-11-27-h200-sketchwalk-prefill-tune.md).
+# At 128-key blocks the sweep's winner needs USE_TMA (Hopper only) and still loses to the Triton kernel, so
+# torch's config stays (measured on the H200: docs/results/gpu-bench/2026-11-27-h200-sketchwalk-prefill-tune.md).
 FLEX_TUNED_OPTIONS: dict[int, dict] = {64: {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
 
 
