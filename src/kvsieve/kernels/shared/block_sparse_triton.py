@@ -143,11 +143,12 @@ if triton is not None:
 
 def launch_config(group: int, block_size: int, d: int) -> tuple[int, int, int, int]:
     """``(block_m, block_n, num_warps, num_stages)`` from the launch sweep
-    (``docs/results/studies/sketchwalk/tune_prefill.py``; ``docs/results/gpu-bench/2026-11-27-h200-sketchwalk-
-    prefill-tune.md``, H200, G = 4, d = 128, 10 % density): 64-key blocks take packed tiles of up to 256 rows
-    against whole 64-key blocks, 8 warps, 2 stages (faster than 128-row tiles: the group's 256 rows share each
-    K/V tile, although it spills); 128-key blocks take 128-row tiles against whole 128-key blocks, 3 stages.
-    Other block sizes keep tiles of up to 128 rows and 64 keys, 2 stages (not swept)."""
+    (``docs/results/studies/sketchwalk/tune_prefill.py``;
+    ``docs/results/gpu-bench/2026-11-27-h200-sketchwalk-prefill-tune.md``, H200, G = 4, d = 128, 10 % density):
+    64-key blocks take packed tiles of up to 256 rows against whole 64-key blocks, 8 warps, 2 stages (faster
+    than 128-row tiles: the group's 256 rows share each K/V tile, although it spills); 128-key blocks take
+    128-row tiles against whole 128-key blocks, 3 stages. Other block sizes keep tiles of up to 128 rows and 64
+    keys, 2 stages (not swept)."""
     rows = next_pow2(group * block_size)
     if block_size == 64:
         return min(rows, 256), 64, 8, 2
