@@ -568,7 +568,7 @@ b, hkv, g, n, d = 2, 2, 3, 160, 64
 q_all = (torch.randn(8, b, hkv * g, d, generator=gen) * torch.rand(d, generator=gen) ** 3 * 4).to(device)
 k = torch.randn(b, hkv, n, d, generator=gen).to(device)
 v = torch.randn(b, hkv, n, d, generator=gen).to(device)
-state = {{}}
+state = m_fused.new_state()
 for step in range(8):  # a decode loop: the cache grows by one key per row and step, the state follows it
     lengths = torch.tensor([n - 8 + step + 1, 12 + step], device=device)  # row 1 is covered until 16 keys
     key = RandomKey(3, (0, 4))
