@@ -7,6 +7,8 @@ import copy
 import time
 from pathlib import Path
 
+from ._help import DefaultsHelpFormatter
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -15,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Prefill the prompt (exactly, or with --prefill through a method's sparse prefill), then "
         "generate greedily with dense attention and with the method; print both answers, per-layer density and "
         "wall times.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M) or a transformers id/path")
     p.add_argument("--method", default="santa-sys:budget=64", help="method spec, e.g. santa-sys:budget=64")
@@ -26,13 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depth", type=float, default=0.5, help="demo: where the number sits (0 = start, 1 = end)")
     p.add_argument("--phase", choices=("decode", "question"), default="decode",
                    help="decode: generated tokens are sparse; question (demo only): the question too")
-    p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact")
+    p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact (default: none)")
     p.add_argument("--prefill", default="exact",
                    help="prompt attention of the method's run (runtime engine): exact (SDPA), method (the method's "
                         "own sparse prefill, e.g. sketchwalk) or the spec of a method with a sparse prefill "
                         "(e.g. sketchwalk:density=0.1, then --method decodes); the dense run's prefill is exact")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated greedily by each run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the method's random draws and of the demo's number")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the model and its cache live there)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype")
@@ -40,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="runtime: kvsieve.generate (static cache; the decode step in a CUDA graph on cuda); "
                         "sparsify: transformers' generate with kvsieve.sparsify; auto: runtime for --phase decode")
     p.set_defaults(handler=run)
+
+
+#: The demo's shortest prompt: shorter ones leave too little essay around the number.
+MIN_CONTEXT_TOKENS = 256
 
 
 def _parse_layers(text: str) -> tuple[int, ...]:
@@ -96,16 +103,21 @@ def check_arguments(args: argparse.Namespace):
     if args.demo:
         if not 0 <= args.depth <= 1:
             raise ValueError(f"--depth: expected a value in [0, 1], got {args.depth}")
-        if args.context_tokens < 256:
-            raise ValueError(f"--context-tokens: expected at least 256 tokens, got {args.context_tokens}")
-        from ..eval.runner import check_model_name
-        from ..integrations.models import load_config
+        if args.context_tokens < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"--context-tokens: expected at least {MIN_CONTEXT_TOKENS} tokens, "
+                             f"got {args.context_tokens}")
+    from ..eval.runner import check_model_name
+    from ..integrations.models import load_config
 
-        check_model_name(args.model)
-        limit = getattr(load_config(args.model), "max_position_embeddings", None)
-        if limit and args.context_tokens + args.max_new_tokens > limit:
-            raise ValueError(f"--context-tokens: {args.context_tokens} tokens + {args.max_new_tokens} new "
-                             f"(--max-new-tokens) exceed the model's maximum context of {limit}")
+    check_model_name(args.model)
+    limit = getattr(load_config(args.model), "max_position_embeddings", None)
+    # the smallest prompt each source can have: the demo's minimum, a prompt file's one token
+    if limit and args.max_new_tokens + (MIN_CONTEXT_TOKENS if args.demo else 1) > limit:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} new tokens leave no room for the prompt in the "
+                         f"model's maximum context of {limit}")
+    if limit and args.demo and args.context_tokens + args.max_new_tokens > limit:
+        raise ValueError(f"--context-tokens: {args.context_tokens} tokens + {args.max_new_tokens} new "
+                         f"(--max-new-tokens) exceed the model's maximum context of {limit}")
     return method, dense_layers
 
 
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     import kvsieve
     from kvsieve.demo import needle_prompt
+    from kvsieve.integrations.models import cache_argument
 
     console = Console()
     method, dense_layers = check_arguments(args)
@@ -162,12 +175,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with console.status(f"prefilling {prefix_len} tokens exactly"), torch.no_grad():
         cache = DynamicCache()
-        model(ids[:, :prefix_len], past_key_values=cache, use_cache=True)
+        model(ids[:, :prefix_len], use_cache=True, **{cache_argument(): cache})
     prefill_s = time.perf_counter() - t0
 
     def generate(session_method=None):
-        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
-                      past_key_values=copy.deepcopy(cache), pad_token_id=tok.pad_token_id)
+        kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tok.pad_token_id,
+                  cache_argument(): copy.deepcopy(cache)}
         t = time.perf_counter()
         with torch.no_grad():
             if session_method is None:
@@ -184,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         dense_text, dense_s, _ = generate()
     with console.status(f"generating with {method.spec}"):
         sparse_text, sparse_s, session = generate(method)
+    check_method_ran(session.records, session.layer_paths, args.model, method.spec)
 
     table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}")
     table.add_column("attention")
@@ -263,6 +277,25 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
             console.print(f"{st.method}: {note}")
     _print_layer_summary(console, stats.layer_summary(), dense_layers)
     return 0
+
+
+def check_method_ran(records, layer_paths: dict, model: str, spec: str) -> None:
+    """A run in which the method served no attention call compares nothing: an error, not NaN stats.
+
+    ``records``: the method's calls (``SparseSession.records``); ``layer_paths``: per layer, "method" or why
+    it stayed exact (``SparseSession.layer_paths``).
+    """
+    if records:
+        return
+    if not layer_paths:
+        raise ValueError(f"--model: no attention call of {model!r} reached {spec} (its attention does not go "
+                         "through transformers' attention interface as a causal LM's self-attention does; "
+                         "kvsieve serves causal LMs such as Llama, Qwen2/3, Mistral and Gemma)")
+    by_reason: dict[str, list[int]] = {}
+    for layer, why in sorted(layer_paths.items()):
+        by_reason.setdefault(why, []).append(layer)
+    reasons = "; ".join(f"layers {_ranges(layers)}: {why}" for why, layers in by_reason.items())
+    raise ValueError(f"--method: {spec} served no attention call, every layer stayed exact ({reasons})")
 
 
 def _ranges(layers: list[int]) -> str:

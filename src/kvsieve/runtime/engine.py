@@ -37,6 +37,7 @@ from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import method as build_method
 from ..core.rng import RandomKey, derive_seed
 from ..integrations.hf import attention_modules
+from ..integrations.models import cache_argument
 from .cache import RuntimeCache
 from .compiled import CompiledOps
 from .sampling import SamplingConfig, choose_tokens, mix32
@@ -637,8 +638,8 @@ class DecodeRuntime:
                 self.cache.seen_tokens = start
                 positions = torch.arange(start, start + chunk.shape[1], device=self.device)
                 extra = {"cache_position": positions} if self._pass_cache_position else {}
-                out = self.model(input_ids=chunk, position_ids=positions[None], past_key_values=self.cache,
-                                 use_cache=True, logits_to_keep=1, **extra)
+                out = self.model(input_ids=chunk, position_ids=positions[None], use_cache=True,
+                                 logits_to_keep=1, **extra, **{cache_argument(): self.cache})
             last_logits.append(out.logits[:, -1])
         self.cache.mode = "decode"
         self.cache.seen_tokens = max(lengths)
@@ -717,8 +718,8 @@ class DecodeRuntime:
         self.forward_state = {}
         self._plan_step()
         extra = {"cache_position": self.cache.positions[:1]} if self._pass_cache_position else {}
-        out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1, **extra)
+        out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, use_cache=True,
+                         logits_to_keep=1, **extra, **{cache_argument(): self.cache})
         logits = out.logits[:, -1]
         self.cache.positions.add_(1)
         self._emit(logits)
