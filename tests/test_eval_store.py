@@ -108,7 +108,7 @@ def test_two_processes_writing_at_once_lose_no_cell(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join()
     assert [p.exitcode for p in procs] == [0, 0]
     rows = store.rows()
     assert len(rows) == 2 * n

@@ -40,7 +40,7 @@ def test_backend_triton_on_cpu_without_interpreter_is_a_clear_error():
         print("auto:", stats.backend)
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "ValueError:" in res.stdout, res.stderr[-2000:]
     assert "TRITON_INTERPRET" in res.stdout
     assert "auto: reference" in res.stdout
@@ -61,7 +61,7 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
                             print(name, p.do_not_specialize)
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     lines = res.stdout.split("\n")[:-1]
     assert res.returncode == 0 and len(lines) >= 5, res.stdout + res.stderr[-2000:]
     assert all(line.endswith(" True") for line in lines), res.stdout
@@ -75,6 +75,6 @@ def test_k_stream_probe_matches_the_shipped_stats_pass():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "santa_kernels" / "probe_k_stream.py"),
                           "--check"],
-                         cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
+                         cwd=HERE.parent, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ok True" in res.stdout, res.stdout

@@ -617,7 +617,7 @@ def test_triton_bucket_kernel_matches_the_reference():
     import sys
 
     pytest.importorskip("triton")
-    res = subprocess.run([sys.executable, "-c", TRITON_CASES], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-c", TRITON_CASES], capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     worst32, worst16 = (float(x) for x in res.stdout.split("worst")[-1].split())
@@ -829,7 +829,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
 
     pytest.importorskip("triton")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True,
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")

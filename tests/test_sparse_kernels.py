@@ -240,7 +240,7 @@ def test_register_select_compiles_for_the_h100():
     pytest.importorskip("triton")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE_REGISTER_SELECT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=HERE.parent)
+                         env=env, cwd=HERE.parent)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
     assert res.returncode == 0 and res.stdout.count("compiled") == 2, res.stderr[-3000:]
