@@ -123,15 +123,16 @@ def check_arguments(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
     from transformers import DynamicCache
 
     import kvsieve
     from kvsieve.demo import needle_prompt
     from kvsieve.integrations.models import cache_argument
 
-    console = Console()
+    from ..eval.report import print_text_table
+
+    console = _console()
     method, dense_layers = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -199,22 +200,16 @@ def run(args: argparse.Namespace) -> int:
         sparse_text, sparse_s, session = generate(method)
     check_method_ran(session.records, session.layer_paths, args.model, method.spec)
 
-    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}")
-    table.add_column("attention")
-    table.add_column("answer")
-    if answer is not None:
-        table.add_column("found " + answer)
-    table.add_column("mean density", justify="right")
-    table.add_column("generate s", justify="right")
+    header = ["attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
+              "generate s"]
     density = session.mean("density")
-    rows = [("dense", dense_text, 1.0, dense_s), (method.spec, sparse_text, density, sparse_s)]
-    for name, text, dens, secs in rows:
-        cells = [name, text]
+    body = []
+    for name, text, dens, secs in (("dense", dense_text, 1.0, dense_s), (method.spec, sparse_text, density, sparse_s)):
+        cells = [name, escape(text)]
         if answer is not None:
             cells.append("yes" if answer in text else "[red]no[/red]")
-        cells += [f"{dens:.4f}", f"{secs:.1f}"]
-        table.add_row(*cells)
-    console.print(table)
+        body.append([*cells, f"{dens:.4f}", f"{secs:.1f}"])
+    print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}", left=LEFT)
     console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
 
@@ -226,9 +221,11 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
     """Both answers through kvsieve.generate (the decode runtime); prints the same tables."""
     import time
 
-    from rich.table import Table
+    from rich.markup import escape
 
     import kvsieve
+
+    from ..eval.report import print_text_table
 
     ids = ids.to(args.device)
 
@@ -244,20 +241,19 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         dense_text, dense_s, dense_stats = generate("dense")
     with console.status(f"generating with {method.spec}"):
         sparse_text, sparse_s, stats = generate(method, args.prefill.strip())
-    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}")
-    for col in ("attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
-                "generate s", "ms/token", "graph"):
-        table.add_column(col)
+    header = ["attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
+              "generate s", "ms/token", "graph"]
+    body = []
     runs = (("dense", dense_text, dense_stats, dense_s), (method.spec, sparse_text, stats, sparse_s))
     for name, text, st, secs in runs:
         # captured steps record no stats: their density is not known here (not 1)
         density = "1.0000" if name == "dense" else f"{st.mean('density'):.4f}" if st.records else "– (captured)"
-        cells = [name, text]
+        cells = [name, escape(text)]
         if answer is not None:
             cells.append("yes" if answer in text else "[red]no[/red]")
-        cells += [density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
-        table.add_row(*cells)
-    console.print(table)
+        body.append([*cells, density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"])
+    print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}",
+                     left=LEFT)
     console.print(f"exact prefill of {ids.shape[1]} tokens: {dense_stats.prefill_s:.1f} s (dense run)")
     if stats.prefill == "sparse":
         console.print(f"{stats.method}: sparse prefill by {stats.prefill_method} on layers "
@@ -298,6 +294,18 @@ def check_method_ran(records, layer_paths: dict, model: str, spec: str) -> None:
     raise ValueError(f"--method: {spec} served no attention call, every layer stayed exact ({reasons})")
 
 
+#: Left-aligned columns of the answer tables (text); numbers are right-aligned.
+LEFT = ("attention", "answer")
+
+
+def _console():
+    """The console for progress and notes; piped, its lines are never broken (soft wrap)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(soft_wrap=True)
+
+
 def _ranges(layers: list[int]) -> str:
     """[2, 3, 4, 7] -> '2-4, 7'."""
     parts: list[list[int]] = []
@@ -311,15 +319,12 @@ def _ranges(layers: list[int]) -> str:
 
 def _print_layer_summary(console, summary: dict, dense_layers) -> None:
     """The per-layer table both engines print (sparsify's session, the runtime's stats)."""
-    from rich.table import Table
+    from ..eval.report import print_text_table
 
     if summary:
-        layers = Table(title="per-layer mean over the method's calls", title_justify="left")
-        for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
-            layers.add_column(col, justify="right")
-        for layer, row in summary.items():
-            layers.add_row(str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
-                           f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}")
-        console.print(layers)
+        body = [[str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
+                 f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}"] for layer, row in summary.items()]
+        print_text_table(["layer", "calls", "density", "kv_density", "V rows read", "keys"], body,
+                         "per-layer mean over the method's calls", left=())
     if dense_layers:
         console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")
