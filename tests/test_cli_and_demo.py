@@ -261,3 +261,17 @@ def test_generate_demo_runs_end_to_end():
     assert res.returncode == 0, res.stderr[-2000:]
     assert "santa-sys" in res.stdout and "per-layer" in res.stdout
     assert "Warning" not in res.stderr, res.stderr[-2000:]  # our calls into transformers use its current API
+
+
+def test_sketchwalk_help_states_the_triton_prefills_block_limit(capsys):
+    from kvsieve.kernels.sparse.block_sparse import TRITON_MAX_BLOCK
+
+    assert main(["methods", "sketchwalk"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"for blocks of up to {TRITON_MAX_BLOCK} keys and FlexAttention for larger ones" in out
+
+
+def test_saap_without_artifacts_shows_the_command_line_form(capsys):
+    assert main(["generate", "--demo", "--method", "saap"]) == 2
+    err = capsys.readouterr().err
+    assert "kvsieve fit saap --out DIR" in err and "--method saap:artifacts=DIR" in err
