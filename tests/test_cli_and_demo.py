@@ -108,6 +108,10 @@ def test_generate_help_states_the_defaults(capsys):
                     "default: float32)", "default: exact)", "(default: none)"):
         assert default in out, default
     assert "default: None" not in out and "default: False" not in out
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: dense)" in out and "(default: 4)" in out and "default: None" not in out
 
 
 @pytest.fixture
