@@ -279,3 +279,15 @@ def test_saap_without_artifacts_shows_the_command_line_form(capsys):
     assert main(["generate", "--demo", "--method", "saap"]) == 2
     err = capsys.readouterr().err
     assert "kvsieve fit saap --out DIR" in err and "--method saap:artifacts=DIR" in err
+
+
+def test_an_os_error_of_a_command_is_one_line(capsys, monkeypatch):
+    import kvsieve.cli.methods as methods_command
+
+    def fail(args):
+        raise OSError("owner/model is not a valid model identifier listed on the hub")
+
+    monkeypatch.setattr(methods_command, "run", fail)
+    assert main(["methods"]) == 2
+    assert capsys.readouterr().err == "kvsieve methods: error: owner/model is not a valid model identifier listed " \
+                                      "on the hub\n"
