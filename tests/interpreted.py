@@ -3,6 +3,7 @@ kernel-vs-reference cases under ``TRITON_INTERPRET=1`` (and their GPU twins) run
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -22,13 +23,32 @@ def run_script(script: str, device: str, interpret: bool) -> str:
     return res.stdout
 
 
-def run_interpreter_cases(cases_file: str) -> str:
-    """Run the ``triton``-marked tests of ``tests/<cases_file>`` under ``TRITON_INTERPRET=1`` in a fresh
-    pytest; fails with its output unless they ran and passed with none skipped."""
+def case_groups(cases_file: str, *alone: str) -> list[tuple[str, ...]]:
+    """The test functions of ``tests/<cases_file>`` in groups, each for one :func:`run_interpreter_cases`
+    (one test of the suite): every name in ``alone`` by itself (the slow ones), the rest together. The
+    groups hold every test function of the file, so a new case always runs."""
+    tree = ast.parse((ROOT / "tests" / cases_file).read_text())
+    names = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    unknown = [name for name in alone if name not in names]
+    if unknown:
+        raise ValueError(f"{cases_file} has no test functions {unknown}")
+    rest = tuple(name for name in names if name not in alone)
+    return [(name,) for name in alone] + ([rest] if rest else [])
+
+
+def group_id(group: tuple[str, ...]) -> str:
+    return group[0] if len(group) == 1 else f"{len(group)} others"
+
+
+def run_interpreter_cases(cases_file: str, tests: tuple[str, ...] | None = None) -> str:
+    """Run the ``triton``-marked tests of ``tests/<cases_file>`` (those named in ``tests``, or all) under
+    ``TRITON_INTERPRET=1`` in a fresh pytest; fails with its output unless they ran and passed with none
+    skipped."""
     env = dict(os.environ, TRITON_INTERPRET="1")
+    path = str(ROOT / "tests" / cases_file)
+    targets = [path] if tests is None else [f"{path}::{name}" for name in tests]
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton",
-         str(ROOT / "tests" / cases_file)],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "triton", *targets],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
