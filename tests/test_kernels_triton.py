@@ -96,3 +96,6 @@ def test_case_groups_run_every_case_function_once():
     assert groups[:2] == [("test_kernels_match_references",), ("test_default_path_by_size",)]
     with pytest.raises(ValueError, match="has no test functions"):
         case_groups(CASES, "test_no_such_case")
+    split = case_groups(CASES, "test_kernels_match_references|flash")
+    assert split[:2] == [("test_kernels_match_references|flash",), ("test_kernels_match_references|not (flash)",)]
+    assert "test_kernels_match_references" not in split[2]

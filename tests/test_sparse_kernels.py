@@ -250,8 +250,8 @@ CASES = "sparse_interpreter_cases.py"
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("group", case_groups(CASES, "test_topk_device_selection_matches_the_reference",
-                                              "test_quest_device_selection_matches_the_reference",
+@pytest.mark.parametrize("group", case_groups(CASES, "test_topk_device_selection_matches_the_reference|triton-rows",
+                                              "test_quest_device_selection_matches_the_reference|triton-rows",
                                               "test_methods_triton_path_matches_their_reference",
                                               "test_selection_kernels_match_their_references",
                                               "test_quest_launch_overrides_keep_the_selection",
