@@ -74,3 +74,82 @@ def test_cli_reads_a_results_folder_and_accepts_any_spelling_of_a_spec(tmp_path,
     assert "| niah_single_2 | 512 | 3 | 66.7 | 33.3 | +33.3 [" in out and "-0.1000 [-0.1000, -0.1000] *" in out
     assert main(["compare", str(tmp_path / "run"), A, "dense"]) == 2
     assert "has no cells in this folder" in capsys.readouterr().err
+
+
+def _folder_with(tmp_path, methods, rows):
+    store = ResultStore.open_for_run(tmp_path / "run", {"seed": 0}, {"tasks": ["niah_single_2"], "lengths": [512],
+                                                                     "methods": methods, "samples": 3})
+    store.save_manifest()
+    for r in rows:
+        store.write(r)
+    return str(tmp_path / "run")
+
+
+def _cells(method, scores, **fields):
+    return [{"task": "niah_single_2", "length": 512, "sample": i, "method": method, "score": s, **fields}
+            for i, s in enumerate(scores)]
+
+
+def test_compare_takes_a_method_name_with_one_spec_in_the_folder_and_explains_its_marks(tmp_path, capsys):
+    quest = "quest:top_k=0.1"
+    folder = _folder_with(tmp_path, ["dense", quest, A, "santa-sys:budget=32"],
+                          _cells("dense", [1.0, 1.0, 1.0], kl_mean=0.0) + _cells(quest, [0.0, 0.0, 0.0], kl_mean=0.5)
+                          + _cells(A, [1.0, 0.0, 1.0]) + _cells("santa-sys:budget=32", [1.0, 1.0, 0.0]))
+    assert main(["compare", folder, "quest", "dense", "--metrics", "score,kl_mean"]) == 0
+    out = capsys.readouterr().out
+    assert f"A = {quest}" in out and "B = dense" in out
+    assert "+0.5000 [+0.5000, +0.5000] *" in out  # a constant paired gap: its CI excludes 0
+    assert "* the 95% CI of A − B excludes 0" in out
+    assert main(["compare", folder, "santa-sys", "dense"]) == 2
+    err = capsys.readouterr().err
+    assert "method 'santa-sys' names 2 specs in this folder; give one of:" in err and "santa-sys:budget=32" in err
+
+
+def test_piped_tables_keep_every_row_whole(capsys):
+    from kvsieve.eval.report import print_text_table
+
+    long_answer = "The magic number is 1234567, " + "and then some more words " * 12
+    print_text_table(["attention", "answer", "found 1234567", "density"],
+                     [["dense", long_answer, "yes", "1.0000"], ["santa-sys:budget=64", "[1] no\nnewline",
+                                                                "[red]no[/red]", "0.0312"]],
+                     "a title\nsecond line", left=("attention", "answer"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["a title", "second line"]
+    assert lines[2].split() == ["attention", "answer", "found", "1234567", "density"]
+    assert lines[4].startswith("dense") and long_answer.strip() in lines[4]
+    assert lines[4].split()[-2:] == ["yes", "1.0000"]
+    # markup is dropped, literal brackets kept (escaped by the caller), a line break stays inside its row
+    assert lines[5].split() == ["santa-sys:budget=64", "[1]", "no", "⏎", "newline", "no", "0.0312"]
+    assert len(lines) == 6
+
+
+def test_report_says_which_plots_it_left_out_and_why(tmp_path, capsys):
+    quest = "quest:top_k=0.1"
+    folder = _folder_with(tmp_path, ["dense", quest], _cells("dense", [1.0, 1.0, 0.0], density=1.0, kl_mean=0.0)
+                          + _cells(quest, [1.0, 0.0, 0.0], density=0.1, kl_mean=0.3))
+    assert main(["report", folder]) == 0
+    out = capsys.readouterr().out
+    notes = ["error_vs_budget.png not drawn: no method with a budget parameter has an attention error",
+             "layer_error_heatmap.png not drawn: no cell tracked the per-layer attention error",
+             "kl_vs_budget.png not drawn: no method with a budget parameter has a next-token KL",
+             f"not in the budget plots (no budget parameter): {quest}"]
+    for note in notes:
+        assert note in out, note
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "## Plots not drawn" in report and all(note in report for note in notes)
+    assert "score_vs_density.png not drawn" not in out and (tmp_path / "run" / "score_vs_density.png").is_file()
+
+
+def test_terminal_tables_fold_long_cells_instead_of_cutting_them(capsys, monkeypatch):
+    import re
+    import sys
+
+    from kvsieve.eval.report import print_text_table
+
+    monkeypatch.setenv("COLUMNS", "60")
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    cell = "x" * 150
+    print_text_table(["method", "value"], [["santa-sys:budget=64", cell]], "title")
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # colours and styles
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= 60
+    assert "".join(ch for ch in out if ch == "x") == cell

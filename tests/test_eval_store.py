@@ -110,7 +110,7 @@ def test_two_processes_writing_at_once_lose_no_cell(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=120)
+        p.join()
     assert [p.exitcode for p in procs] == [0, 0]
     rows = store.rows()
     assert len(rows) == 2 * n
@@ -317,3 +317,20 @@ def test_a_read_only_copy_is_readable_unless_a_killed_run_left_its_log(tmp_path,
     (store.root / f"{DATABASE}-wal").write_bytes(b"\0" * 64)
     with pytest.raises(ResultsFolderError, match="read-only here.*a run was killed.*copy the folder"):
         store.rows()
+
+
+def test_written_files_get_the_mode_of_any_new_file(tmp_path):
+    import os
+
+    from kvsieve.eval.store import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a" / "summary.md", "x")
+        os.umask(0o027)
+        atomic_write_text(tmp_path / "a" / "report.md", "y")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a" / "summary.md").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "a" / "report.md").stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["report.md", "summary.md"]  # no temporaries left

@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from interpreted import run_interpreter_cases
+from interpreted import case_groups, group_id, run_interpreter_cases
 
 pytest.importorskip("triton")
 
@@ -24,8 +24,14 @@ pytestmark = pytest.mark.triton
 HERE = Path(__file__).resolve().parent
 
 
-def test_kernels_under_the_triton_interpreter():
-    run_interpreter_cases("triton_interpreter_cases.py")
+CASES = "triton_interpreter_cases.py"
+
+
+@pytest.mark.parametrize("group", case_groups(CASES, "test_kernels_match_references",
+                                              "test_scheduled_paths_match_references",
+                                              "test_kernel_mean_over_seeds_is_exact_attention"), ids=group_id)
+def test_kernels_under_the_triton_interpreter(group):
+    run_interpreter_cases(CASES, group)
 
 
 def test_backend_triton_on_cpu_without_interpreter_is_a_clear_error():
@@ -40,7 +46,7 @@ def test_backend_triton_on_cpu_without_interpreter_is_a_clear_error():
         print("auto:", stats.backend)
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "ValueError:" in res.stdout, res.stderr[-2000:]
     assert "TRITON_INTERPRET" in res.stdout
     assert "auto: reference" in res.stdout
@@ -61,7 +67,7 @@ def test_kernels_that_take_the_budget_keep_it_a_runtime_value():
                             print(name, p.do_not_specialize)
     """)
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     lines = res.stdout.split("\n")[:-1]
     assert res.returncode == 0 and len(lines) >= 5, res.stdout + res.stderr[-2000:]
     assert all(line.endswith(" True") for line in lines), res.stdout
@@ -75,6 +81,21 @@ def test_k_stream_probe_matches_the_shipped_stats_pass():
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, str(HERE.parent / "benchmarks" / "santa_kernels" / "probe_k_stream.py"),
                           "--check"],
-                         cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=600)
+                         cwd=HERE.parent, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "ok True" in res.stdout, res.stdout
+
+
+def test_case_groups_run_every_case_function_once():
+    from interpreted import case_groups
+
+    groups = case_groups(CASES, "test_kernels_match_references", "test_default_path_by_size")
+    names = [name for group in groups for name in group]
+    text = (HERE / CASES).read_text()
+    assert sorted(names) == sorted(set(names)) and len(names) == text.count("\ndef test_")
+    assert groups[:2] == [("test_kernels_match_references",), ("test_default_path_by_size",)]
+    with pytest.raises(ValueError, match="has no test functions"):
+        case_groups(CASES, "test_no_such_case")
+    split = case_groups(CASES, "test_kernels_match_references|flash")
+    assert split[:2] == [("test_kernels_match_references|flash",), ("test_kernels_match_references|not (flash)",)]
+    assert "test_kernels_match_references" not in split[2]

@@ -513,6 +513,34 @@ def test_fit_resumes_by_layer_and_refuses_another_model(tmp_path):
                  texts=TEXTS, log=lambda s: None)
 
 
+def test_fit_dumps_only_the_layers_left_and_deletes_each_once_fitted(tmp_path, monkeypatch):
+    import kvsieve.fit.saap as fit_module
+
+    model = tiny_llama()  # layers 0-2; layer 0 is never fitted
+    on_disk = {}
+    save = fit_module.save_layer
+
+    def spy(out, layer, tensors):
+        on_disk[layer] = sorted(p.name for p in (out / "dumps").glob("*.npy"))
+        save(out, layer, tensors)
+
+    monkeypatch.setattr(fit_module, "save_layer", spy)
+    fit_saap(FitConfig(**FIT), tmp_path / "all", model_and_tokenizer=(model, CharTokenizer()), texts=TEXTS,
+             log=lambda s: None)
+    assert on_disk == {1: ["k_001.npy", "k_002.npy", "q_001.npy", "q_002.npy"], 2: ["k_002.npy", "q_002.npy"]}
+    on_disk.clear()
+    one = fit_saap(FitConfig(**{**FIT, "layers": (2,)}), tmp_path / "one", model_and_tokenizer=(model, CharTokenizer()),
+                   texts=TEXTS, log=lambda s: None, keep_dumps=True)
+    assert on_disk == {2: ["k_002.npy", "q_002.npy"]} and one["layers_done"] == [2]
+    assert sorted(p.name for p in (tmp_path / "one" / "dumps").glob("*.npy")) == ["k_002.npy", "q_002.npy"]
+    # the same folder asked for layer 1 as well: its arrays are collected anew, for the layers left
+    on_disk.clear()
+    both = fit_saap(FitConfig(**{**FIT, "layers": (1, 2)}), tmp_path / "one", overwrite=True,
+                    model_and_tokenizer=(model, CharTokenizer()), texts=TEXTS, log=lambda s: None)
+    assert both["layers_done"] == [1, 2] and on_disk[1] == ["k_001.npy", "k_002.npy", "q_001.npy", "q_002.npy"]
+    assert not (tmp_path / "one" / "dumps").exists()
+
+
 @pytest.mark.gpu
 def test_fit_on_cuda_equals_the_cpu_fit_up_to_rounding(tmp_path):
     """The same random choices (one CPU generator) and the same fit up to float32 rounding."""
@@ -555,6 +583,12 @@ from kvsieve.kernels.saap.buckets import (build_csr, list_width, bucket_sparse_d
                                             bucket_sparse_decode_triton)
 g = torch.Generator().manual_seed(0)
 worst = {torch.float32: 0.0, torch.bfloat16: 0.0}
+# one program per list, the default split, splits that leave programs empty; the merge fused into the
+# kernel (ticket counter), and once as its own launch (the comparison path). Each case's four
+# (dtype, dense range) runs take the next four launch settings in turn: over the twelve cases every
+# (dtype, range, setting) triple runs at least twice, at a fifth of the interpreter time of all of them.
+LAUNCHES = [(1, True), (None, True), (3, True), (40, True), (40, False)]
+case = 0
 for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 200, 6, 0), (1, 4, 1, 16, 150, 8, 8),
                                       (2, 6, 2, 32, 97, 5, 3), (1, 8, 2, 16, 260, 40, 17), (1, 4, 2, 32, 130, 7, 7)]:
     for seed in range(2):
@@ -584,15 +618,14 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
             for rng in (None, (lo, hi)):
                 ref = bucket_sparse_decode_reference(q.float(), k.float(), v.float(), dense, dc, offsets, ids, bk, w,
                                                      dense_range=rng)
-                # one program per list, the default split, splits that leave programs empty; the merge
-                # fused into the kernel (ticket counter), and once as its own launch (the comparison path)
-                for splits, fused in [(1, True), (None, True), (3, True), (40, True), (40, False)]:
-                    got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
-                                                      splits=splits, dense_range=rng, fused_merge=fused)
-                    assert torch.equal(ref[2], got[2]), (ref[2], got[2])
-                    assert got[0].dtype == dtype
-                    worst[dtype] = max(worst[dtype], float((ref[0] - got[0].float()).abs().max()),
-                                       float((ref[1] - got[1]).abs().max()))
+                splits, fused = LAUNCHES[case % len(LAUNCHES)]
+                case += 1
+                got = bucket_sparse_decode_triton(q, k, v, dense, dc, offsets, ids, bk, w, block_n=16,
+                                                  splits=splits, dense_range=rng, fused_merge=fused)
+                assert torch.equal(ref[2], got[2]), (ref[2], got[2])
+                assert got[0].dtype == dtype
+                worst[dtype] = max(worst[dtype], float((ref[0] - got[0].float()).abs().max()),
+                                   float((ref[1] - got[1]).abs().max()))
         # One dense list shared by the KV heads, read through a head stride of 0 (as SAAP passes it).
         q = torch.randn(b, hq, d, generator=g)
         k, v = torch.randn(2, b, hkv, n, d, generator=g)
@@ -607,6 +640,7 @@ for (b, hq, hkv, d, n, c, probes) in [(2, 8, 2, 16, 300, 12, 5), (1, 3, 3, 32, 2
 from kvsieve.kernels.shared.triton_utils import _WORKSPACE
 tickets = [t for key, t in _WORKSPACE.items() if key[0] == "bucket_ticket"]
 assert tickets and all(not t.any() for t in tickets)  # the fused merge leaves its counters at 0
+assert case == 48, case
 print("worst", worst[torch.float32], worst[torch.bfloat16])
 """
 
@@ -621,7 +655,7 @@ def test_triton_bucket_kernel_matches_the_reference():
     import sys
 
     pytest.importorskip("triton")
-    res = subprocess.run([sys.executable, "-c", TRITON_CASES], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-c", TRITON_CASES], capture_output=True, text=True,
                          env=dict(os.environ, TRITON_INTERPRET="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     worst32, worst16 = (float(x) for x in res.stdout.split("worst")[-1].split())
@@ -719,6 +753,16 @@ from tests.test_saap import write_artifacts
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 worst = worst16 = 0.0
+
+
+# (value, rank chunk) pairs: every pair on the GPU; under the interpreter (slow per launch) each value
+# with the next chunk size in turn, so every value and every chunk size still runs.
+def with_chunks(values, chunks):
+    if dev != "cpu":
+        return list(itertools.product(values, chunks))
+    return [(value, chunks[i % len(chunks)]) for i, value in enumerate(values)]
+
+
 # The kernels against their reference and against the unfolded module (one model per KV head or per query
 # head; head dims whose half is below and above tl.dot's 16; hidden and bucket counts off the blocks).
 for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3, 16, 16, 8, False),
@@ -750,20 +794,19 @@ for (b, hq, hkv, d, hidden, c, per_kv) in [(1, 8, 2, 32, 48, 40, True), (2, 6, 3
     got = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv)
     # The in-kernel top-l (each bucket's rank against all C, no sort): torch.topk's set, best first (random
     # weights: no ties), every l up to C; chunks of 4 buckets a program to more than C (one chunk).
-    for probes in sorted(set([1, 2, 3, c // 2, c - 1, c])):
-        for chunk in (4, 32, 1024):
-            probe.RANK_CHUNK = chunk
-            scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv, probes=probes)
-            assert torch.equal(top.sort(-1).values, torch.topk(scores, probes, dim=-1).indices.sort(-1).values)
-            assert torch.equal(top, top_buckets_reference(scores, probes)), (c, probes, chunk)
-            assert torch.equal(scores, got)
-        probe.RANK_CHUNK = 32
+    for probes, chunk in with_chunks(sorted(set([1, 2, 3, c // 2, c - 1, c])), (4, 32, 1024)):
+        probe.RANK_CHUNK = chunk
+        scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *w, kv_heads=hkv, probes=probes)
+        assert torch.equal(top.sort(-1).values, torch.topk(scores, probes, dim=-1).indices.sort(-1).values)
+        assert torch.equal(top, top_buckets_reference(scores, probes)), (c, probes, chunk)
+        assert torch.equal(scores, got)
+    probe.RANK_CHUNK = 32
     # Ties: W2 columns and biases copied from 3 buckets (equal logits, bit-equal scores), and logits
     # scaled up so that most probabilities underflow to 0 (a tie at the threshold 0): the lowest indices.
     src = torch.randint(0, 3, (c,), generator=g).to(dev)
     for gain in (1.0, 300.0):
         wt = (w[0], w[1], (w[2][..., src] * gain).contiguous(), (w[3][..., src] * gain).contiguous())
-        for probes, chunk in itertools.product(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32)):
+        for probes, chunk in with_chunks(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32)):
             probe.RANK_CHUNK = chunk  # tied buckets in one chunk and across chunks
             scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *wt, kv_heads=hkv, probes=probes)
             ties = (scores[..., :, None] == scores[..., None, :]).sum() > scores.numel()
@@ -835,7 +878,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
 
     pytest.importorskip("triton")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True,
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")

@@ -608,7 +608,7 @@ def test_split_sampling_kernels_compile_for_the_h100():
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100.format()], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=ROOT)
+                         env=env, cwd=ROOT)
     assert res.returncode == 0 and "COMPILED" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 

@@ -80,7 +80,7 @@ def test_kernel_compiles_for_the_h100_without_spills():
     pytest.importorskip("triton")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, timeout=600,
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True,
                          env=env, cwd=HERE.parent)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import run_interpreter_cases
+from interpreted import case_groups, group_id, run_interpreter_cases
 
 import kvsieve
 from kvsieve.methods.sketchwalk import TIE_BREAK, normalize_rows
@@ -18,10 +18,15 @@ from kvsieve.methods.sketchwalk import TIE_BREAK, normalize_rows
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+CASES = "sketchwalk_pselect_interpreter_cases.py"
+
+
 @pytest.mark.triton
-def test_kernels_under_the_triton_interpreter():
+@pytest.mark.parametrize("group", case_groups(CASES, "test_select_matches_the_reference",
+                                              "test_forced_ties_in_random_rankings"), ids=group_id)
+def test_kernels_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
-    run_interpreter_cases("sketchwalk_pselect_interpreter_cases.py")
+    run_interpreter_cases(CASES, group)
 
 
 def _llama_qk(n_tok: int, seed: int):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from interpreted import run_interpreter_cases
+from interpreted import case_groups, group_id, run_interpreter_cases
 
 from kvsieve.kernels.quest import quest_pages
 from kvsieve.kernels.shared import scores as score_kernels
@@ -241,16 +241,26 @@ def test_register_select_compiles_for_the_h100():
     pytest.importorskip("triton")
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", COMPILE_REGISTER_SELECT], capture_output=True, text=True,
-                         timeout=600, env=env, cwd=HERE.parent)
+                         env=env, cwd=HERE.parent)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
     assert res.returncode == 0 and res.stdout.count("compiled") == 2, res.stderr[-3000:]
 
 
+CASES = "sparse_interpreter_cases.py"
+
+
 @pytest.mark.triton
-def test_kernels_under_the_triton_interpreter():
+@pytest.mark.parametrize("group", case_groups(CASES, "test_topk_device_selection_matches_the_reference|triton-rows",
+                                              "test_quest_device_selection_matches_the_reference|triton-rows",
+                                              "test_methods_triton_path_matches_their_reference",
+                                              "test_selection_kernels_match_their_references",
+                                              "test_quest_launch_overrides_keep_the_selection",
+                                              "test_row_select_matches_its_reference_with_ties_and_empty_rows"),
+                         ids=group_id)
+def test_kernels_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
-    run_interpreter_cases("sparse_interpreter_cases.py")
+    run_interpreter_cases(CASES, group)
 
 
 # --- GPU --------------------------------------------------------------------------------------------

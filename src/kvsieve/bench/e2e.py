@@ -338,6 +338,8 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
     move into the DynamicCache and the runtime's buffer is freed at once, so peak memory stays one cache."""
     from transformers import DynamicCache
 
+    from ..integrations.models import cache_argument
+
     cache = DynamicCache()
     for i, layer in enumerate(rt.cache.layers):
         cache.update(layer.keys[:, :, :n], layer.values[:, :, :n], i)
@@ -348,7 +350,7 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
     @torch.no_grad()
     def step():
         nonlocal tokens
-        out = model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=tokens, use_cache=True, logits_to_keep=1, **{cache_argument(): cache})
         tokens = out.logits[:, -1].argmax(-1, keepdim=True)
 
     for _ in range(warmup):

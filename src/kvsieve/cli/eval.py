@@ -6,6 +6,8 @@ import argparse
 import shlex
 import sys
 
+from ._help import DefaultsHelpFormatter
+
 
 def _csv(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
@@ -39,6 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "eval", help="evaluate methods on RULER-style long-context tasks (resumable)",
         description="Run the grid model x method x task x length x sample. Re-running the same command "
         "skips finished cells; adding methods, tasks, lengths or samples computes only the new cells.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--model", default="default",
                    help="'default' (offline SmolLM2-135M-Instruct) or a local model folder")

@@ -7,6 +7,8 @@ import copy
 import time
 from pathlib import Path
 
+from ._help import DefaultsHelpFormatter
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -15,6 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Prefill the prompt (exactly, or with --prefill through a method's sparse prefill), then "
         "generate greedily with dense attention and with the method; print both answers, per-layer density and "
         "wall times.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--model", default="default", help="'default' (offline SmolLM2-135M) or a transformers id/path")
     p.add_argument("--method", default="santa-sys:budget=64", help="method spec, e.g. santa-sys:budget=64")
@@ -26,13 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--depth", type=float, default=0.5, help="demo: where the number sits (0 = start, 1 = end)")
     p.add_argument("--phase", choices=("decode", "question"), default="decode",
                    help="decode: generated tokens are sparse; question (demo only): the question too")
-    p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact")
+    p.add_argument("--dense-layers", default="", help="comma-separated layer indices kept exact (default: none)")
     p.add_argument("--prefill", default="exact",
                    help="prompt attention of the method's run (runtime engine): exact (SDPA), method (the method's "
                         "own sparse prefill, e.g. sketchwalk) or the spec of a method with a sparse prefill "
                         "(e.g. sketchwalk:density=0.1, then --method decodes); the dense run's prefill is exact")
-    p.add_argument("--max-new-tokens", type=int, default=24)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated greedily by each run")
+    p.add_argument("--seed", type=int, default=0, help="seed of the method's random draws and of the demo's number")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the model and its cache live there)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="model dtype")
@@ -40,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="runtime: kvsieve.generate (static cache; the decode step in a CUDA graph on cuda); "
                         "sparsify: transformers' generate with kvsieve.sparsify; auto: runtime for --phase decode")
     p.set_defaults(handler=run)
+
+
+#: The demo's shortest prompt: shorter ones leave too little essay around the number.
+MIN_CONTEXT_TOKENS = 256
 
 
 def _parse_layers(text: str) -> tuple[int, ...]:
@@ -95,29 +102,36 @@ def check_arguments(args: argparse.Namespace):
     if args.demo:
         if not 0 <= args.depth <= 1:
             raise ValueError(f"--depth: expected a value in [0, 1], got {args.depth}")
-        if args.context_tokens < 256:
-            raise ValueError(f"--context-tokens: expected at least 256 tokens, got {args.context_tokens}")
-        from ..eval.runner import check_model_name
-        from ..integrations.models import load_config
+        if args.context_tokens < MIN_CONTEXT_TOKENS:
+            raise ValueError(f"--context-tokens: expected at least {MIN_CONTEXT_TOKENS} tokens, "
+                             f"got {args.context_tokens}")
+    from ..eval.runner import check_model_name
+    from ..integrations.models import load_config
 
-        check_model_name(args.model)
-        limit = getattr(load_config(args.model), "max_position_embeddings", None)
-        if limit and args.context_tokens + args.max_new_tokens > limit:
-            raise ValueError(f"--context-tokens: {args.context_tokens} tokens + {args.max_new_tokens} new "
-                             f"(--max-new-tokens) exceed the model's maximum context of {limit}")
+    check_model_name(args.model)
+    limit = getattr(load_config(args.model), "max_position_embeddings", None)
+    # the smallest prompt each source can have: the demo's minimum, a prompt file's one token
+    if limit and args.max_new_tokens + (MIN_CONTEXT_TOKENS if args.demo else 1) > limit:
+        raise ValueError(f"--max-new-tokens: {args.max_new_tokens} new tokens leave no room for the prompt in the "
+                         f"model's maximum context of {limit}")
+    if limit and args.demo and args.context_tokens + args.max_new_tokens > limit:
+        raise ValueError(f"--context-tokens: {args.context_tokens} tokens + {args.max_new_tokens} new "
+                         f"(--max-new-tokens) exceed the model's maximum context of {limit}")
     return method, dense_layers
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
     from transformers import DynamicCache
 
     import kvsieve
     from kvsieve.demo import needle_prompt
+    from kvsieve.integrations.models import cache_argument
 
-    console = Console()
+    from ..eval.report import print_text_table
+
+    console = _console()
     method, dense_layers = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,12 +175,12 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with console.status(f"prefilling {prefix_len} tokens exactly"), torch.no_grad():
         cache = DynamicCache()
-        model(ids[:, :prefix_len], past_key_values=cache, use_cache=True)
+        model(ids[:, :prefix_len], use_cache=True, **{cache_argument(): cache})
     prefill_s = time.perf_counter() - t0
 
     def generate(session_method=None):
-        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False,
-                      past_key_values=copy.deepcopy(cache), pad_token_id=tok.pad_token_id)
+        kwargs = {"max_new_tokens": args.max_new_tokens, "do_sample": False, "pad_token_id": tok.pad_token_id,
+                  cache_argument(): copy.deepcopy(cache)}
         t = time.perf_counter()
         with torch.no_grad():
             if session_method is None:
@@ -183,23 +197,18 @@ def run(args: argparse.Namespace) -> int:
         dense_text, dense_s, _ = generate()
     with console.status(f"generating with {method.spec}"):
         sparse_text, sparse_s, session = generate(method)
+    check_method_ran(session.records, session.layer_paths, args.model, method.spec)
 
-    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}")
-    table.add_column("attention")
-    table.add_column("answer")
-    if answer is not None:
-        table.add_column("found " + answer)
-    table.add_column("mean density", justify="right")
-    table.add_column("generate s", justify="right")
+    header = ["attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
+              "generate s"]
     density = session.mean("density")
-    rows = [("dense", dense_text, 1.0, dense_s), (method.spec, sparse_text, density, sparse_s)]
-    for name, text, dens, secs in rows:
-        cells = [name, text]
+    body = []
+    for name, text, dens, secs in (("dense", dense_text, 1.0, dense_s), (method.spec, sparse_text, density, sparse_s)):
+        cells = [name, escape(text)]
         if answer is not None:
             cells.append("yes" if answer in text else "[red]no[/red]")
-        cells += [f"{dens:.4f}", f"{secs:.1f}"]
-        table.add_row(*cells)
-    console.print(table)
+        body.append([*cells, f"{dens:.4f}", f"{secs:.1f}"])
+    print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}", left=LEFT)
     console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
 
@@ -211,9 +220,11 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
     """Both answers through kvsieve.generate (the decode runtime); prints the same tables."""
     import time
 
-    from rich.table import Table
+    from rich.markup import escape
 
     import kvsieve
+
+    from ..eval.report import print_text_table
 
     ids = ids.to(args.device)
 
@@ -229,20 +240,19 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         dense_text, dense_s, dense_stats = generate("dense")
     with console.status(f"generating with {method.spec}"):
         sparse_text, sparse_s, stats = generate(method, args.prefill.strip())
-    table = Table(title=f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}")
-    for col in ("attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
-                "generate s", "ms/token", "graph"):
-        table.add_column(col)
+    header = ["attention", "answer", *([f"found {answer}"] if answer is not None else []), "mean density",
+              "generate s", "ms/token", "graph"]
+    body = []
     runs = (("dense", dense_text, dense_stats, dense_s), (method.spec, sparse_text, stats, sparse_s))
     for name, text, st, secs in runs:
         # captured steps record no stats: their density is not known here (not 1)
         density = "1.0000" if name == "dense" else f"{st.mean('density'):.4f}" if st.records else "– (captured)"
-        cells = [name, text]
+        cells = [name, escape(text)]
         if answer is not None:
             cells.append("yes" if answer in text else "[red]no[/red]")
-        cells += [density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"]
-        table.add_row(*cells)
-    console.print(table)
+        body.append([*cells, density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"])
+    print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}",
+                     left=LEFT)
     console.print(f"exact prefill of {ids.shape[1]} tokens: {dense_stats.prefill_s:.1f} s (dense run)")
     if stats.prefill == "sparse":
         console.print(f"{stats.method}: sparse prefill by {stats.prefill_method} on layers "
@@ -264,6 +274,37 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
     return 0
 
 
+def check_method_ran(records, layer_paths: dict, model: str, spec: str) -> None:
+    """A run in which the method served no attention call compares nothing: an error, not NaN stats.
+
+    ``records``: the method's calls (``SparseSession.records``); ``layer_paths``: per layer, "method" or why
+    it stayed exact (``SparseSession.layer_paths``).
+    """
+    if records:
+        return
+    if not layer_paths:
+        raise ValueError(f"--model: no attention call of {model!r} reached {spec} (its attention does not go "
+                         "through transformers' attention interface as a causal LM's self-attention does; "
+                         "kvsieve serves causal LMs such as Llama, Qwen2/3, Mistral and Gemma)")
+    by_reason: dict[str, list[int]] = {}
+    for layer, why in sorted(layer_paths.items()):
+        by_reason.setdefault(why, []).append(layer)
+    reasons = "; ".join(f"layers {_ranges(layers)}: {why}" for why, layers in by_reason.items())
+    raise ValueError(f"--method: {spec} served no attention call, every layer stayed exact ({reasons})")
+
+
+#: Left-aligned columns of the answer tables (text); numbers are right-aligned.
+LEFT = ("attention", "answer")
+
+
+def _console():
+    """The console for progress and notes; piped, its lines are never broken (soft wrap)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(soft_wrap=True)
+
+
 def _ranges(layers: list[int]) -> str:
     """[2, 3, 4, 7] -> '2-4, 7'."""
     parts: list[list[int]] = []
@@ -277,15 +318,12 @@ def _ranges(layers: list[int]) -> str:
 
 def _print_layer_summary(console, summary: dict, dense_layers) -> None:
     """The per-layer table both engines print (sparsify's session, the runtime's stats)."""
-    from rich.table import Table
+    from ..eval.report import print_text_table
 
     if summary:
-        layers = Table(title="per-layer mean over the method's calls", title_justify="left")
-        for col in ("layer", "calls", "density", "kv_density", "V rows read", "keys"):
-            layers.add_column(col, justify="right")
-        for layer, row in summary.items():
-            layers.add_row(str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
-                           f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}")
-        console.print(layers)
+        body = [[str(layer), str(row["calls"]), f"{row['density']:.4f}", f"{row['kv_density']:.4f}",
+                 f"{row['v_rows_read']:.1f}", f"{row['n_keys']:.0f}"] for layer, row in summary.items()]
+        print_text_table(["layer", "calls", "density", "kv_density", "V rows read", "keys"], body,
+                         "per-layer mean over the method's calls", left=())
     if dense_layers:
         console.print(f"layers kept exact: {', '.join(map(str, dense_layers))}")

@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
+        # OSError: a missing or unreadable file, or a model the hub cannot serve (transformers raises
+        # OSError for an unknown or unreachable repository): one line, no traceback
         print(f"kvsieve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..eval.report import print_table, summarize, write_report
+    from ..eval.report import print_table, summarize, write_report_with_notes
     from ..eval.store import ResultStore, migrate_folder
 
     if args.migrate:
@@ -24,7 +24,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"migrated {done.cells} cells into {args.results}/cells.sqlite; removed {done.removed} files")
         else:
             print(f"{args.results} already keeps its cells in cells.sqlite; nothing to migrate")
-    path = write_report(args.results)
+    path, notes = write_report_with_notes(args.results)
     print_table(summarize(ResultStore.open_existing(args.results).rows()), title=f"kvsieve report — {args.results}")
     print(f"wrote {path} and its plots")
+    for note in notes:
+        print(note)
     return 0

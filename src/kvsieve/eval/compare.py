@@ -19,12 +19,26 @@ METRICS = {"score": 100.0, "kl_mean": 1.0, "top1_agree": 1.0, "kl_answer": 1.0, 
            "rel_error": 1.0, "density": 1.0, "kv_density": 1.0}
 
 
+#: What a '*' after a difference means (printed under every comparison table).
+STAR_NOTE = "* the 95% CI of A − B excludes 0: a paired difference at the 5% level (per row; not corrected " \
+            "for the number of rows)"
+
+
 def resolve_method(spec: str, present: Sequence[str]) -> str:
-    """The folder's spelling of ``spec`` (exact, or its canonical form); errors list the folder's methods."""
+    """The folder's spelling of ``spec``: exact, its canonical form, or, for a bare method name, the one spec
+    of that method in the folder; errors list the folder's methods."""
     if spec in present:
         return spec
+    from ..core.registry import parse_spec
     from .runner import canonical_methods
 
+    if ":" not in spec:
+        same = [p for p in present if parse_spec(p)[0] == spec.strip()]
+        if len(same) == 1:
+            return same[0]
+        if same:
+            raise ValueError(f"method {spec!r} names {len(same)} specs in this folder; give one of:\n  "
+                             + "\n  ".join(sorted(same)))
     canonical = canonical_methods([spec])[-1]
     if canonical in present:
         return canonical

@@ -5,7 +5,7 @@
   attention error, teacher-forced KL and top-1 agreement.
 - :func:`write_report` writes ``summary.csv``, ``summary.md``, four plots and ``report.md`` (score
   vs density with Pareto fronts per task, attention error vs budget, per-layer error heatmap,
-  next-token KL vs budget).
+  next-token KL vs budget); a plot without data is left out and ``report.md`` says why.
 """
 
 from __future__ import annotations
@@ -122,22 +122,52 @@ def table_rows(summary: Sequence[dict[str, Any]]) -> tuple[list[str], list[list[
 
 
 def print_text_table(header: Sequence[str], body: Sequence[Sequence[str]], title: str,
-                     sections: Sequence[Any] | None = None) -> None:
-    """A terminal table (rich); a new section starts wherever ``sections[i]`` changes."""
+                     sections: Sequence[Any] | None = None, left: Sequence[str] = ("task", "method")) -> None:
+    """A table on stdout: rich on a terminal (a new section wherever ``sections[i]`` changes, cells wrapped
+    to the terminal's width); piped or redirected, plain text with every row whole on one line. Cells may
+    hold rich markup (``[red]no[/red]``); plain text drops it. Columns named in ``left`` are left-aligned,
+    the others right-aligned."""
+    import sys
+
     from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:
+        sys.stdout.write(plain_text_table(header, body, title, sections, left))
+        return
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
     for h in header:
-        table.add_column(h, justify="left" if h in ("task", "method") else "right")
+        # fold, never "…": a cut cell is a value the reader cannot copy
+        table.add_column(h, justify="left" if h in left else "right", overflow="fold")
     for i, row in enumerate(body):
         if sections is not None and i > 0 and sections[i] != sections[i - 1]:
             table.add_section()
         table.add_row(*row)
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)
     console.print(table)
+
+
+def plain_text_table(header: Sequence[str], body: Sequence[Sequence[str]], title: str,
+                     sections: Sequence[Any] | None = None, left: Sequence[str] = ("task", "method")) -> str:
+    """The table as plain text: the title, then the header and one line per row, columns padded to their
+    widest cell (never cut), a blank line between sections, line breaks inside a cell shown as ⏎."""
+    from rich.text import Text
+
+    # a line break inside a cell (a generated answer's) would split its row
+    rows = [[Text.from_markup(str(cell)).plain.replace("\n", " ⏎ ") for cell in row] for row in body]
+    widths = [max([len(h)] + [len(r[j]) for r in rows]) for j, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if h in left else c.rjust(w)
+                         for c, w, h in zip(cells, widths, header, strict=True)).rstrip()
+
+    lines = [*title.splitlines(), line(header), "  ".join("-" * w for w in widths)]
+    for i, row in enumerate(rows):
+        if sections is not None and i > 0 and sections[i] != sections[i - 1]:
+            lines.append("")
+        lines.append(line(row))
+    return "\n".join(lines) + "\n"
 
 
 def markdown_text_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
@@ -302,23 +332,43 @@ def plot_layer_heatmap(rows: Sequence[dict[str, Any]], path: Path) -> bool:
 
 def write_report(results_dir: str | Path) -> Path:
     """Tables, plots and ``report.md`` for a results folder; returns the report's path."""
+    return write_report_with_notes(results_dir)[0]
+
+
+def write_report_with_notes(results_dir: str | Path) -> tuple[Path, list[str]]:
+    """:func:`write_report`, and a note for every plot it did not draw and every method left out of the
+    budget plots (also in ``report.md``)."""
     store = ResultStore.open_existing(results_dir)
     rows = store.rows()
     if not rows:
         raise ValueError(f"results: {store.root} holds no finished cells yet; run kvsieve eval first")
     summary = write_tables(store, rows)
     root = store.root
-    plots = []
+    plots, notes = [], []
+    no_budget = sorted({s["method"] for s in summary
+                        if s["method"] != DENSE and method_family_budget(s["method"])[1] is None})
     if plot_score_vs_density(summary, root / "score_vs_density.png"):
         plots.append(("Score vs density (Pareto front per task)", "score_vs_density.png"))
+    else:
+        notes.append("score_vs_density.png not drawn: no method has both a score and a density")
     if _plot_vs_budget(summary, "rel_error", "mean ‖ô − o‖/‖o‖", root / "error_vs_budget.png",
                        "Attention-output error vs budget"):
         plots.append(("Attention error vs budget", "error_vs_budget.png"))
+    else:
+        notes.append("error_vs_budget.png not drawn: no method with a budget parameter has an attention error "
+                     "(kvsieve eval --track-error)")
     if plot_layer_heatmap(rows, root / "layer_error_heatmap.png"):
         plots.append(("Per-layer attention error", "layer_error_heatmap.png"))
+    else:
+        notes.append("layer_error_heatmap.png not drawn: no cell tracked the per-layer attention error "
+                     "(kvsieve eval --track-error)")
     if _plot_vs_budget(summary, "kl_mean", "mean KL(dense ‖ method), nats", root / "kl_vs_budget.png",
                        "Teacher-forced next-token KL vs budget"):
         plots.append(("Next-token KL vs budget", "kl_vs_budget.png"))
+    else:
+        notes.append("kl_vs_budget.png not drawn: no method with a budget parameter has a next-token KL")
+    if no_budget:
+        notes.append("not in the budget plots (no budget parameter): " + ", ".join(no_budget))
     m = store.manifest
     runs = m.get("runs", [])
     fwd = sum(r.get("forward_s") or 0 for r in runs)
@@ -346,6 +396,8 @@ def write_report(results_dir: str | Path) -> Path:
     ]
     for title, fname in plots:
         lines += [f"## {title}", "", f"![{title}]({fname})", ""]
+    if notes:
+        lines += ["## Plots not drawn", "", *[f"- {note}" for note in notes], ""]
     path = root / "report.md"
     atomic_write_text(path, "\n".join(lines))
-    return path
+    return path, notes

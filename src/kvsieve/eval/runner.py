@@ -205,7 +205,12 @@ class Timer:
     forward_s: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
-    def forward(self, model: Any, **kwargs: Any):
+    def forward(self, model: Any, *, past_key_values: Any = None, **kwargs: Any):
+        """``model(**kwargs)`` with the cache passed under this transformers release's name for it."""
+        from ..integrations.models import cache_argument
+
+        if past_key_values is not None:
+            kwargs[cache_argument()] = past_key_values
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model(**kwargs)

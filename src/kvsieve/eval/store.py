@@ -34,6 +34,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import sqlite3
 import struct
@@ -68,8 +69,11 @@ class ResultsFolderError(ValueError):
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it there. The file gets the mode any
+    new file gets (0666 less the umask), not mkstemp's private 0600: results are meant to be read."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = str(path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -6,10 +6,10 @@ Pipeline (decisions the paper leaves open are argued in ``docs/methods/saap.md``
    (13 essays, about 45k tokens), the other 36 are held out for evaluation
    (:func:`essay_split`). The training essays are joined and cut into prompts of
    ``prompt_tokens``; the last ``val_prompts`` of them validate (recall, KL) and never train.
-2. **Collect** (streamed to disk). One prefill per prompt records every layer's post-RoPE q and k
-   (what attention sees) into per-layer ``.npy`` files under ``DIR/dumps/``; later steps read one layer
-   at a time, so memory holds one layer. Pre-RoPE vectors are recovered exactly with the model's RoPE
-   (:class:`kvsieve.methods.saap.Rope`).
+2. **Collect** (streamed to disk). One prefill per prompt records the post-RoPE q and k (what attention
+   sees) of every layer still to fit into per-layer ``.npy`` files under ``DIR/dumps/``; later steps read
+   one layer at a time, so memory holds one layer, and a fitted layer's files are deleted at once.
+   Pre-RoPE vectors are recovered exactly with the model's RoPE (:class:`kvsieve.methods.saap.Rope`).
 3. **Per layer >= 1**, resumable (a finished layer is a ``layer_XXX.safetensors`` file and an entry in
    the manifest):
    - spherical k-means (FAISS, ``niter`` 10, random init) per KV head on de-roped keys (the sink
@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -230,7 +231,9 @@ def _progress(iterable, **kwargs):
 
 
 class Dumps:
-    """Per-layer post-RoPE ``q [P, Hq, T, d]`` and ``k [P, Hkv, T, d]`` float16 arrays on disk."""
+    """Per-layer post-RoPE ``q [P, Hq, T, d]`` and ``k [P, Hkv, T, d]`` float16 arrays on disk, of the layers
+    still to fit only: :meth:`drop` deletes a layer's arrays once it is fitted, so the folder never holds
+    more than the layers left (about 57 MB per layer for SmolLM2-135M at the defaults)."""
 
     def __init__(self, folder: Path, shape: dict[str, int], prompts: int, tokens: int) -> None:
         self.folder, self.shape, self.prompts, self.tokens = folder, shape, prompts, tokens
@@ -240,38 +243,56 @@ class Dumps:
     def array(self, kind: str, layer: int, mode: str) -> np.ndarray:
         heads = self.shape["heads"] if kind == "q" else self.shape["kv_heads"]
         shape = (self.prompts, heads, self.tokens, self.shape["head_dim"])
-        path = self.folder / f"{kind}_{layer:03d}.npy"
+        path = self._path(kind, layer)
         if mode == "w+" and path.exists():
             mode = "r+"
         return np.lib.format.open_memmap(path, mode=mode, dtype=np.float16, shape=shape if mode == "w+" else None)
 
+    def _path(self, kind: str, layer: int) -> Path:
+        return self.folder / f"{kind}_{layer:03d}.npy"
+
     def _progress(self) -> dict[str, Any]:
         return json.loads(self.progress_file.read_text()) if self.progress_file.exists() else {}
+
+    def _write_progress(self, prompts: int, layers: list[int], wall_s: float) -> None:
+        self.progress_file.write_text(json.dumps({"prompts": prompts, "layers": sorted(layers), "wall_s": wall_s}))
 
     @property
     def done(self) -> int:
         return int(self._progress().get("prompts", 0))
 
     @property
+    def layers(self) -> list[int]:
+        """The layers whose arrays are on disk (every layer for a folder written before layers were listed)."""
+        return list(self._progress().get("layers", range(self.shape["layers"])))
+
+    @property
     def wall_s(self) -> float:
         """Prefill time spent collecting so far, over every run."""
         return float(self._progress().get("wall_s", 0.0))
 
-    def collect(self, model, prompts: list[list[int]], log: Callable[[str], None]) -> None:
-        """One prefill per prompt not yet recorded; post-RoPE q/k of every layer go to disk."""
+    def collect(self, model, prompts: list[list[int]], layers: list[int], log: Callable[[str], None]) -> None:
+        """One prefill per prompt not yet recorded; post-RoPE q/k of ``layers`` go to disk. Arrays that lack
+        one of ``layers`` are collected again from the first prompt, for ``layers`` alone."""
         from ..integrations.hf import capture_attention
 
-        start = self.done
+        start, on_disk = self.done, self.layers
+        if start == 0 or not set(layers) <= set(on_disk):
+            for f in self.folder.glob("[qk]_*.npy"):
+                f.unlink()
+            start = 0
+        else:
+            layers = on_disk  # resume the arrays on disk
         if start >= len(prompts):
             return
         before, t0 = self.wall_s, time.perf_counter()
-        layers = self.shape["layers"]
-        arrays = {(kind, li): self.array(kind, li, "w+") for kind in ("q", "k") for li in range(layers)}
+        self._write_progress(start, layers, before)
+        arrays = {(kind, li): self.array(kind, li, "w+") for kind in ("q", "k") for li in layers}
         device = next(model.parameters()).device
         for p in _progress(range(start, len(prompts)), desc="collect q/k (prefill per prompt)", initial=start,
                            total=len(prompts)):
             ids = torch.tensor([prompts[p]], device=device)
-            with torch.no_grad(), capture_attention(model, only_decode=False) as cap:
+            with torch.no_grad(), capture_attention(model, layers=layers, only_decode=False) as cap:
                 model(ids, use_cache=False)
             for li, q, k, _v in cap.calls:
                 if not (torch.isfinite(q).all() and torch.isfinite(k).all()):
@@ -283,9 +304,14 @@ class Dumps:
             del cap
             for a in arrays.values():
                 a.flush()
-            spent = before + time.perf_counter() - t0
-            self.progress_file.write_text(json.dumps({"prompts": p + 1, "wall_s": spent}))
-        log(f"collected q/k of {len(prompts)} prompts x {self.tokens} tokens")
+            self._write_progress(p + 1, layers, before + time.perf_counter() - t0)
+        log(f"collected q/k of {len(prompts)} prompts x {self.tokens} tokens, layers {layers}")
+
+    def drop(self, layer: int) -> None:
+        """Delete a fitted layer's arrays."""
+        for kind in ("q", "k"):
+            self._path(kind, layer).unlink(missing_ok=True)
+        self._write_progress(self.done, [li for li in self.layers if li != layer], self.wall_s)
 
     def load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.from_numpy(np.array(self.array("q", layer, "r"), dtype=np.float32))
@@ -553,12 +579,14 @@ def fit_saap(
         }
         for f in out.glob("layer_*.safetensors"):
             f.unlink()
+        # dumps of an earlier fit hold other prompts or another model
+        shutil.rmtree(out / "dumps", ignore_errors=True)
     write_json(manifest_path, manifest)
 
     dumps = Dumps(out / "dumps", shape, n_prompts, cfg.prompt_tokens)
     if not set(layers) <= set(manifest["layers_done"]):
         model.eval()
-        dumps.collect(model, prompts, log)
+        dumps.collect(model, prompts, [li for li in layers if li not in manifest["layers_done"]], log)
         manifest["wall_s"]["collect"] = round(dumps.wall_s, 2)
         manifest["wall_s"]["collect_device"] = str(dev)
     scale = d ** -0.5
@@ -597,14 +625,14 @@ def fit_saap(
                                                     "device": str(dev)}
         write_json(manifest_path, manifest)
         del q_all, k_all, q, k, k_de
+        if not keep_dumps:
+            dumps.drop(layer)
     manifest["complete"] = set(layers) <= set(manifest["layers_done"])
     manifest["wall_s"]["this_run"] = round(time.perf_counter() - t_start, 2)
     manifest["wall_s"]["total"] = round(manifest["wall_s"]["collect"]
                                         + sum(v["total"] for v in manifest["wall_s"]["layers"].values()), 2)
     write_json(manifest_path, manifest)
     if manifest["complete"] and not keep_dumps:
-        import shutil
-
         shutil.rmtree(out / "dumps", ignore_errors=True)
     return manifest
 

@@ -10,6 +10,7 @@ later loads read that folder (about 1 s). The folder is ``$KVSIEVE_CACHE_DIR/mod
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -76,7 +77,75 @@ def _pretrained_source(name: str) -> tuple[str, dict[str, Any]]:
             return str(cache), {}
         folder, gguf_file = default_model_file()
         return str(folder), {"gguf_file": gguf_file}
+    check_model_source(name)
     return name, {}
+
+
+def check_model_source(name: str) -> None:
+    """Fail at once, with one clear line, when ``from_pretrained`` could only retry and fail: a hub id that
+    is not in the local hub cache while the hub is off (``HF_HUB_OFFLINE``) or unreachable. A cached hub
+    id with the hub unreachable is read offline (no retries against the network)."""
+    if name == DEFAULT_MODEL or Path(name).is_dir():
+        return
+    cached = _hub_cache_snapshot(name)
+    if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
+        if cached is None:
+            raise ValueError(f"model: {name!r} is neither a local folder nor in the hub cache ({_hub_cache()}), "
+                             "and HF_HUB_OFFLINE is set; download it once with network access or give a folder")
+        return
+    unreachable = _hub_unreachable()
+    if unreachable is None:
+        return
+    if cached is None:
+        raise ValueError(f"model: {name!r} is neither a local folder nor in the hub cache ({_hub_cache()}), and "
+                         f"the hub cannot be reached ({unreachable}); give a local folder or 'default'")
+    _go_offline()
+
+
+def _env_true(variable: str) -> bool:
+    return os.environ.get(variable, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_cache() -> Path:
+    """The hub cache folder, as huggingface_hub resolves it from the environment."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(explicit)).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(os.path.expandvars(str(home))).expanduser() / "hub"
+
+
+def _hub_cache_snapshot(name: str) -> Path | None:
+    """A cached snapshot of hub id ``name`` that holds a config.json, or None."""
+    snapshots = _hub_cache() / ("models--" + name.replace("/", "--")) / "snapshots"
+    found = sorted(snapshots.glob("*/config.json")) if snapshots.is_dir() else []
+    return found[0].parent if found else None
+
+
+def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the hub's host cannot be reached directly (None when it can, or when a proxy decides)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # only the proxy knows; let the download try
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"{host}:{port}: {err}"
+    return None
+
+
+def _go_offline() -> None:
+    """Read hub models from the cache only: huggingface_hub reads HF_HUB_OFFLINE once, when imported."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True
 
 
 _COMPLETE = "kvsieve-converted"
@@ -118,6 +187,15 @@ def _write_cache(model: Any, tokenizer: Any) -> None:
 
         warnings.warn(f"kvsieve: could not cache the converted default model under {target} ({err}); "
                       "set KVSIEVE_CACHE_DIR to a writable folder to load it faster", stacklevel=3)
+
+
+@functools.cache
+def cache_argument() -> str:
+    """The keyword under which this transformers release takes a KV cache in ``forward`` and ``generate``:
+    newer releases renamed ``past_key_values`` to ``cache`` and warn on the old name."""
+    from transformers.generation import utils
+
+    return "cache" if "cache" in getattr(utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
 
 
 def max_context(model: Any) -> int | None:

@@ -364,8 +364,9 @@ class Saap(Method):
     def __init__(self, config: SaapConfig | None = None) -> None:
         super().__init__(config)
         if not self.config.artifacts:
-            raise ValueError(f"{self.name}: artifacts: expected the directory written by `kvsieve fit saap`, "
-                             f"e.g. kvsieve.method('{self.name}:artifacts=DIR')")
+            raise ValueError(f"{self.name}: artifacts: expected the directory written by `kvsieve fit saap --out "
+                             f"DIR`, e.g. --method {self.name}:artifacts=DIR (kvsieve.method('{self.name}:"
+                             "artifacts=DIR') in Python)")
         self.artifacts = load_artifacts(self.config.artifacts)
         c = self.artifacts.buckets
         self.probes = c // 32 if self.config.probes is None else self.config.probes

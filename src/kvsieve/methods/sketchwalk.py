@@ -40,7 +40,7 @@ from ..core.method import Method, read_stats, select_rows
 from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
-from ..kernels.shared.block_sparse import block_sparse_prefill
+from ..kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefill
 from ..kernels.shared.weighted import weighted_sparse_decode
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.sparse_path import choose_sparse_backend
@@ -261,10 +261,10 @@ class SketchWalkConfig(MethodConfig):
                 "selection's path (decode and prefill): the Triton kernels where this asks for them and they can "
                 "serve the call (the stats' selection key), the torch reference otherwise")
     prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
-        "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to 64 "
-                "keys and FlexAttention for larger ones (the faster of the two, measured), the torch reference "
-                "elsewhere; flex; triton (the kernel that shares each K/V block's read among a KV-head group's "
-                "query heads; error if it cannot); reference")
+        "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to "
+                f"{TRITON_MAX_BLOCK} keys and FlexAttention for larger ones (the faster of the two, measured), the "
+                "torch reference elsewhere; flex; triton (the kernel that shares each K/V block's read among a "
+                "KV-head group's query heads; error if it cannot); reference")
 
     def __post_init__(self) -> None:
         d = self.density

@@ -36,6 +36,7 @@ from ..core.registry import method as build_method
 from ..core.rng import derive_seed
 from ..driver import LayerDriver
 from ..integrations.hf import attention_modules
+from ..integrations.models import cache_argument
 from .cache import RuntimeCache
 from .compiled import CompiledOps
 from .sampling import SamplingConfig, choose_tokens, mix32
@@ -514,8 +515,8 @@ class DecodeRuntime:
                 self.cache.seen_tokens = start
                 positions = torch.arange(start, start + chunk.shape[1], device=self.device)
                 extra = {"cache_position": positions} if self._pass_cache_position else {}
-                out = self.model(input_ids=chunk, position_ids=positions[None], past_key_values=self.cache,
-                                 use_cache=True, logits_to_keep=1, **extra)
+                out = self.model(input_ids=chunk, position_ids=positions[None], use_cache=True,
+                                 logits_to_keep=1, **extra, **{cache_argument(): self.cache})
             last_logits.append(out.logits[:, -1])
         self.cache.mode = "decode"
         self.cache.seen_tokens = max(lengths)
@@ -590,8 +591,8 @@ class DecodeRuntime:
         self.driver.begin_forward()
         self._plan_step()
         extra = {"cache_position": self.cache.positions[:1]} if self._pass_cache_position else {}
-        out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, past_key_values=self.cache,
-                         use_cache=True, logits_to_keep=1, **extra)
+        out = self.model(input_ids=self.tokens_in, position_ids=self.position_ids, use_cache=True,
+                         logits_to_keep=1, **extra, **{cache_argument(): self.cache})
         logits = out.logits[:, -1]
         self.cache.positions.add_(1)
         self._emit(logits)
