@@ -408,7 +408,7 @@ class _CapturableDense(kvsieve.Method):
     stochastic = True
 
     def decode(self, q, k, v, *, lengths=None, key_mask=None, seed=None, scale=None, state=None,
-               check_finite=True):
+               context=None, check_finite=True):
         from kvsieve.core.rng import as_key, hash_uniform, length_words, seed_words
         from kvsieve.kernels.shared.dense import dense_decode_triton
 
