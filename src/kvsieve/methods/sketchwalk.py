@@ -26,6 +26,7 @@ Every reconstructed choice is listed in ``docs/methods/sketchwalk.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -33,19 +34,27 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.config import MethodConfig, param, require_choice, require_int
+from ..core.config import MethodConfig, param, require_choice, require_fraction, require_int
 from ..core.inputs import DecodeInputs
 from ..core.method import read_stats, select_rows
 from ..core.prefill import FORWARD_STATE, PrefillMethod
 from ..core.registry import register_method
+from ..core.rng import derive_seed
 from ..core.stats import StepStats
 from ..kernels.sparse.block_sparse import BACKENDS as PREFILL_BACKENDS
 from ..kernels.sparse.block_sparse import block_sparse_prefill
 from ..kernels.sparse.weighted import weighted_sparse_decode
+from . import sketchwalk_authors as authors
 from .shared.backend import BACKENDS, kernel_operands
 from .shared.sparse_path import choose_sparse_backend
 
 WALK_KEY = "sketchwalk/w"
+# Sparse layers seen so far in this forward pass (variant=authors: each layer draws its own sketch).
+LAYER_KEY = "sketchwalk/layer"
+VARIANTS = ("authors", "reconstruction")
+RECONSTRUCTION_ONLY = ("density", "sketch_dim", "alpha", "walk_power", "walk", "fixed_k", "logit_scale")
+AUTHORS_ONLY = ("walk_damping", "degree", "query_window", "sink", "window", "kblocks_frac", "hadamard_dim", "causal",
+                "dense_last_blocks")
 HOPS_KEY = "sketchwalk/hops"
 STATE_KEY = "sketchwalk"
 DEFAULT_SKETCH_DIM = 64  # the paper's m
@@ -242,8 +251,27 @@ def select_blocks(scores: torch.Tensor, rows: torch.Tensor, budget: torch.Tensor
 
 @dataclass(frozen=True)
 class SketchWalkConfig(MethodConfig):
-    density: float = param(0.2, "ρ in (0, 1]: query block i keeps max(2, ⌈ρ(i+1)⌉) of its i+1 causal blocks")
+    variant: Literal["authors", "reconstruction"] = param(
+        "authors", "authors = the algorithm of the authors' released code (default); reconstruction = the earlier "
+                   "reconstruction from the paper's prose (density, sketch_dim, alpha, walk_power, walk, fixed_k, "
+                   "logit_scale are its parameters)")
+    density: float = param(0.2, "ρ in (0, 1]: query block i keeps max(2, ⌈ρ(i+1)⌉) of its i+1 causal blocks "
+                                "(variant=reconstruction)")
     block_size: int = param(64, "B: tokens per block (a power of two)")
+    walk_damping: float = param(0.25, "β in [0, 1] (variant=authors): the walk W ← (1 − β)·A + β·W·A; β = 0 is "
+                                      "the one-hop control")
+    degree: int = param(3, "walk steps per layer, ≥ 1 (variant=authors)")
+    query_window: int = param(32, "decode: the last queries pooled into a step's block row, ≥ 1 (variant=authors)")
+    sink: float = param(0.025, "sink: first max(1, ⌊sink·T⌋) keys of T, as whole blocks, in (0, 1) (variant=authors)")
+    window: float = param(0.05, "window: last max(1, ⌊window·T⌋) keys of T, as whole blocks ending at the query's, "
+                                "in (0, 1) (variant=authors)")
+    kblocks_frac: float = param(0.125, "keep the blocks whose walk score exceeds the 1 − kblocks_frac quantile of the "
+                                       "other causal blocks, in (0, 1) (variant=authors)")
+    hadamard_dim: int = param(128, "m: Hadamard sketch features, at most the head dim rounded up to a power of two "
+                                   "(variant=authors)")
+    causal: bool = param(False, "block scores softmaxed over the causal blocks only; the authors' code softmaxes "
+                                "over every block (variant=authors)")
+    dense_last_blocks: int = param(4, "prefill: the last query blocks that keep every block, ≥ 0 (variant=authors)")
     sketch_dim: int | None = param(
         None, "m: SRHT features per block sketch, at most the head dim (default: 64, or the head dim if smaller)")
     alpha: float = param(8.0, "α > 0: sparsity exponent of Ã = Â^α (an integer for walk_power=matrix)")
@@ -270,6 +298,31 @@ class SketchWalkConfig(MethodConfig):
                 "query heads; error if it cannot); reference")
 
     def __post_init__(self) -> None:
+        require_choice("variant", self.variant, VARIANTS)
+        require_fraction("walk_damping", self.walk_damping, low_open=False, high_open=False)
+        require_int("degree", self.degree, minimum=1)
+        require_int("query_window", self.query_window, minimum=1)
+        for name in ("sink", "window", "kblocks_frac"):
+            require_fraction(name, getattr(self, name))
+        require_int("hadamard_dim", self.hadamard_dim, minimum=1)
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal: expected True or False, got {self.causal!r}")
+        require_int("dense_last_blocks", self.dense_last_blocks, minimum=0)
+        # A parameter of the other variant would be ignored: refuse it rather than run without it.
+        other = RECONSTRUCTION_ONLY if self.variant == "authors" else AUTHORS_ONLY
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in other:
+            if getattr(self, name) != defaults[name]:
+                owner = "reconstruction" if self.variant == "authors" else "authors"
+                raise ValueError(f"{name}: a parameter of variant={owner}, not of variant={self.variant}; set "
+                                 f"variant={owner} or leave {name} out")
+        if self.variant == "authors" and self.backend == "triton":
+            raise ValueError("backend: triton runs the kernels of variant=reconstruction; variant=authors has the "
+                             "torch reference only (use backend=auto or reference)")
+        if self.variant == "authors" and self.prefill_backend in ("flex", "triton"):
+            raise ValueError(f"prefill_backend: {self.prefill_backend} serves block lists (variant=reconstruction); "
+                             "variant=authors keeps token windows too and has the torch reference only "
+                             "(use prefill_backend=auto or reference)")
         d = self.density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 1:
             raise ValueError(f"density: expected a value in (0, 1], got {d!r}")
@@ -345,14 +398,16 @@ class SketchWalk(PrefillMethod):
     name = "sketchwalk"
     config_class = SketchWalkConfig
     # The contract test's contexts are 100-300 keys: 16-key blocks make ρ = 0.3 actually sparse.
-    small_config = {"density": 0.3, "block_size": 16, "dense_layers": (0,)}
-    exact_config = {"density": 1.0}
-    exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
+    small_config = {"block_size": 16, "dense_layers": (0,)}
+    # A window of all but half a key of the longest context covers every block of every row.
+    exact_config = {"window": lambda n_keys: 1 - 1 / (2 * n_keys)}
+    exact_note = "a window fraction that covers the context keeps every block, so decode attends to every valid key"
     prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
     # Q > 1 query rows per batch row (a question chunk) in one call: the torch selection for all rows,
     # each with its own walk (the fused selection serves one row per batch row).
     multi_row = True
-    summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
+    summary = ("Sketch&Walk: Hadamard block sketches, a damped walk over layers, block-sparse prefill and decode "
+               "(the authors' code; variant=reconstruction for the earlier reading of the paper)")
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
@@ -401,6 +456,126 @@ class SketchWalk(PrefillMethod):
         if mode == "walk":
             return normalize_rows(times(previous))
         return normalize_rows(previous * a_tilde)
+
+    # -- variant=authors ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _authors_phi(self, d: int, device: torch.device, dtype: torch.dtype, forward: dict[str, Any] | None
+                     ) -> torch.Tensor:
+        """This layer's sketch: one per sparse layer (the authors draw one per attention module), told apart by
+        the layer's rank among the sparse layers of the forward pass (counted in ``forward``)."""
+        ordinal = 0
+        if forward is not None:
+            ordinal = forward.get(LAYER_KEY, 0)
+            forward[LAYER_KEY] = ordinal + 1
+        return authors.sketch_matrix(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
+                                     device=device, dtype=dtype)
+
+    def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
+        """Why a CUDA call asking for the automatic backend runs the torch reference."""
+        if device.type == "cuda" and backend == "auto":
+            return ("variant=authors: the Triton selection, decode and block-sparse kernels serve "
+                    "variant=reconstruction; the torch reference ran")
+        return None
+
+    def _prefill_authors(self, q, k, v, *, scale, state, forward, sparse):
+        cfg = self.config
+        b, hq, n_tok, d = q.shape
+        dtype = self._compute_dtype(q.dtype)
+        bs = cfg.block_size
+        phi = self._authors_phi(d, q.device, dtype, forward)
+        a = authors.block_matrix(q, k, phi, bs, causal=cfg.causal, dtype=dtype)
+        state[STATE_KEY] = authors.AuthorsLayerState.from_prompt(phi, a, q, cfg.query_window)
+        if not sparse:
+            return None, None
+        n = a.shape[-1]
+        previous = forward.get(WALK_KEY)
+        if previous is not None and (previous.dim() != 3 or previous.shape[0] != b or previous.dtype != a.dtype):
+            previous = None  # another request's walk (a forward dict reused): start anew
+        start = a if previous is None else authors.resized_walk(previous, n)
+        w = authors.damped_walk(a, start, a, cfg.walk_damping, cfg.degree)
+        forward[WALK_KEY] = w
+        hops = forward.get(HOPS_KEY, 0) + 1
+        forward[HOPS_KEY] = hops
+        sel = authors.prefill_selection(w, n_tok, block_size=bs, sink=cfg.sink, window=cfg.window,
+                                        kblocks_frac=cfg.kblocks_frac, dense_last_blocks=cfg.dense_last_blocks)
+        short = n <= cfg.dense_last_blocks
+        out, kept, touched = authors.prefill_attention(q, k, v, None if short else sel, block_size=bs,
+                                                       scale=scale if scale is not None else d ** -0.5, dtype=dtype)
+        extra: dict[str, Any] = {"phase": "prefill", "walk_hops": hops, "variant": "authors", "selection": "reference"}
+        reason = self._authors_backend_reason(q.device, cfg.prefill_backend)
+        if reason is not None:
+            extra["backend_reason"] = reason
+        if short:
+            extra["exact_reason"] = (f"{n} blocks: every query block is among the last dense_last_blocks="
+                                     f"{cfg.dense_last_blocks}, which keep every block")
+        return out.to(q.dtype), self._authors_prefill_stats(k, kept, touched, extra)
+
+    def _authors_prefill_stats(self, k: torch.Tensor, kept: torch.Tensor, touched: torch.Tensor,
+                               extra: dict[str, Any]) -> StepStats:
+        """``kept [B, N]`` keys of each query, ``touched [B, n, n]`` key blocks each query block reads."""
+        bs = self.config.block_size
+        b, hkv, n_tok, d = k.shape
+        n = touched.shape[-1]
+        causal_keys = torch.arange(1, n_tok + 1, device=k.device)
+        pairs = n_tok * (n_tok + 1) / 2
+        per_row = float(kept.to(torch.float64).sum(-1).mean()) / n_tok
+        density = float(kept.to(torch.float64).sum(-1).mean()) / pairs
+        blocks = touched.to(torch.float64).sum(-1)  # [B, n]
+        return StepStats(
+            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
+            density=density, kv_density=density,
+            bytes_read=int(blocks.sum(-1).mean() * bs * hkv * 2 * d * k.element_size()), backend="reference",
+            exact_rows=int((kept == causal_keys).all(-1).sum()),
+            extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
+                   "blocks_kept": float(blocks.mean())})
+
+    def _decode_authors(self, inputs: DecodeInputs, state: dict[str, Any]):
+        """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
+        cfg = self.config
+        r_rows, hq, d = inputs.q.shape
+        dtype = self._compute_dtype(inputs.q.dtype)
+        dev = inputs.q.device
+        forward = state.get(FORWARD_STATE)
+        st = state.get(STATE_KEY)
+        phi = self._authors_phi(d, dev, dtype, forward)
+        if (not isinstance(st, authors.AuthorsLayerState) or st.queries.shape[:3] != (inputs.cache_batch, hq,
+                                                                                   cfg.query_window)
+                or st.phi.shape[1] != d or st.phi.dtype != dtype or st.phi.device != dev):
+            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, dtype)
+        state[STATE_KEY] = st
+        lengths = inputs.lengths.tolist()
+        n_tok = inputs.n_keys
+        scale = inputs.scale
+        outs, short = [], []
+        v_read = torch.zeros(r_rows, n_tok, dtype=torch.bool, device=dev)
+        block_share, blocks_kept = [], []
+        for r, length in enumerate(lengths):
+            res = authors.decode_row(
+                st, r // inputs.q_len, inputs.q[r], inputs.k[r, :, :length], inputs.v[r, :, :length],
+                block_size=cfg.block_size, beta=cfg.walk_damping, degree=cfg.degree, query_window=cfg.query_window,
+                sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, scale=scale, dtype=dtype)
+            outs.append(res.out)
+            v_read[r, :length] = res.kept_tokens
+            short.append(res.short)
+            kept = float(res.kept_blocks.sum())
+            blocks_kept.append(kept)
+            block_share.append(kept / res.kept_blocks.numel())
+        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "reference",
+                                 "block_density": sum(block_share) / r_rows, "blocks_kept": sum(blocks_kept) / r_rows}
+        reason = self._authors_backend_reason(dev, cfg.backend)
+        if reason is not None:
+            extra["backend_reason"] = reason
+        if any(short):
+            extra["exact_reason"] = (f"{sum(short)} of {r_rows} rows: a context whose every block is a sink or "
+                                     "window block keeps every block")
+        exact = int((v_read.sum(-1) == inputs.lengths.to(dev)).sum())
+        stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
+                           exact_rows=exact, extra=extra)
+        return torch.stack(outs).to(dtype), stats
 
     # -- prefill ----------------------------------------------------------------------------------------
 
@@ -471,6 +646,8 @@ class SketchWalk(PrefillMethod):
         if k.shape[2] != n_tok:
             raise ValueError(f"k: sketchwalk's prefill takes a prompt without past keys (N = {k.shape[2]} keys "
                              f"for {n_tok} queries)")
+        if cfg.variant == "authors":
+            return self._prefill_authors(q, k, v, scale=scale, state=state, forward=forward, sparse=sparse)
         sk = self.prefill_sketch(q, k)
         if sparse and cfg.walk == "oracle":
             sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))
@@ -545,6 +722,8 @@ class SketchWalk(PrefillMethod):
         if inputs.lengths is None:
             raise ValueError("key_mask: sketchwalk needs each row's valid keys to be a prefix [0, length) "
                              "(blocks are positions); left padding is not supported")
+        if cfg.variant == "authors":
+            return self._decode_authors(inputs, state)
         b, hq, d = inputs.q.shape  # b: query rows (B·Q)
         chunk = inputs.q_len > 1
         n_tok, bs = inputs.n_keys, cfg.block_size
