@@ -259,7 +259,7 @@ CASES = [
 def test_sketches_scores_walks_kept_blocks_and_outputs_match_theirs(kw, shape, n_layers, seed):
     m, data, ours, theirs = run_both(kw, shape, n_layers, seed)
     d = shape[-1]
-    for layer, (o, t) in enumerate(zip(ours["prefill"], theirs["prefill"])):
+    for layer, (o, t) in enumerate(zip(ours["prefill"], theirs["prefill"], strict=True)):
         signs, rows, _ = authors.sketch_params(d, m.config.hadamard_dim, derive_seed(m.config.seed, layer))
         x = data[layer][0][0, 0, 5]
         torch.testing.assert_close(o["phi"] @ x, project(x, signs, rows), atol=1e-10, rtol=1e-10)
@@ -267,7 +267,7 @@ def test_sketches_scores_walks_kept_blocks_and_outputs_match_theirs(kw, shape, n
         torch.testing.assert_close(o["w"], t["w"], atol=1e-12, rtol=1e-10)
         assert jaccard(o["kept"], t["kept"]) == 1.0, f"layer {layer}"
         torch.testing.assert_close(o["out"], t["out"], atol=1e-10, rtol=1e-10)
-    for o, t in zip(ours["decode"], theirs["decode"]):
+    for o, t in zip(ours["decode"], theirs["decode"], strict=True):
         torch.testing.assert_close(o["a"], t["a"], atol=1e-12, rtol=1e-10)
         torch.testing.assert_close(o["out"], t["out"], atol=1e-10, rtol=1e-10)
 
@@ -305,7 +305,7 @@ def test_planted_needle_per_layer_is_kept_in_prefill_and_decode():
         assert jaccard(ours["prefill"][layer]["kept"], theirs["prefill"][layer]["kept"]) == 1.0
     for t in theirs["decode"]:
         assert t["kept"][0][needles[t["layer"]]], f"layer {t['layer']}: decode drops the needle"
-    for o, t in zip(ours["decode"], theirs["decode"]):
+    for o, t in zip(ours["decode"], theirs["decode"], strict=True):
         torch.testing.assert_close(o["out"], t["out"], atol=1e-10, rtol=1e-10)
 
 
@@ -377,7 +377,7 @@ def test_decode_steps_must_come_in_order_and_restart_after_the_prompt():
     with pytest.raises(ValueError, match="lengths: variant=authors keeps running averages"):
         m.decode(q[:, :, 94], k[:, :, :95], v[:, :, :95], state=state)
     again = [m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=state)[0] for t in (91, 92, 93)]
-    for a, b in zip(first, again):
+    for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
 
 
