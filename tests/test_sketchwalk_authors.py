@@ -385,3 +385,33 @@ def test_beta_zero_is_the_one_hop_walk():
     a = torch.softmax(torch.randn(1, 6, 6, dtype=F64), -1)
     w = authors.damped_walk(a, torch.eye(6, dtype=F64)[None], a, 0.0, 3)
     torch.testing.assert_close(w, a)
+
+
+def test_cuda_calls_name_why_the_reference_runs():
+    m = kvsieve.method("sketchwalk")
+    reason = m._authors_backend_reason(torch.device("cuda"), "auto")
+    assert "variant=reconstruction" in reason and "torch reference" in reason
+    assert m._authors_backend_reason(torch.device("cpu"), "auto") is None
+    assert m._authors_backend_reason(torch.device("cuda"), "reference") is None
+
+
+def test_batch_rows_equal_rows_alone_across_steps():
+    """Two requests prefilled and decoded together give each what it gets alone, step after step (rows of
+    different lengths in one decode call: the method contract test)."""
+    m = kvsieve.method("sketchwalk:block_size=16")
+    q, k, v = layer_data(1, 2, 4, 2, 120, 16, 5)[0]
+    prompt = 100
+    state = {}
+    m.prefill(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], scale=None, state=state, forward={},
+              sparse=False)
+    alone = []
+    for b in range(2):
+        st = {}
+        m.prefill(q[b:b + 1, :, :prompt], k[b:b + 1, :, :prompt], v[b:b + 1, :, :prompt], scale=None, state=st,
+                  forward={}, sparse=False)
+        alone.append([m.decode(q[b:b + 1, :, t - 1], k[b:b + 1, :, :t], v[b:b + 1, :, :t], state=st)[0]
+                      for t in range(prompt + 1, prompt + 4)])
+    for i, t in enumerate(range(prompt + 1, prompt + 4)):
+        out, _ = m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=state)
+        for b in range(2):
+            torch.testing.assert_close(out[b:b + 1], alone[b][i], atol=1e-12, rtol=1e-12)

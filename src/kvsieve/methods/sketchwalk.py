@@ -1,7 +1,16 @@
 """``sketchwalk``: Sketch&Walk sparse attention (sketched block scores + a walk across layers).
 
 "Scout Before You Attend: Sketch-and-Walk Sparse Attention for Efficient LLM Inference" (arXiv
-2602.07397). Per sparse layer, with B-token blocks and one SRHT ``Φ = √(d/m)·P·H·D`` (m × d):
+2602.07397). Two variants:
+
+- ``variant=authors`` (the default): the algorithm of the authors' released code — per-head Hadamard
+  block sketches, a damped multi-step walk, quantile selection with sink and window fractions — in
+  :mod:`kvsieve.methods.sketchwalk_authors` (math, per-layer state and the decode step; this class
+  routes ``prefill`` and ``_decode`` there). Torch reference only.
+- ``variant=reconstruction``: the earlier reconstruction from the paper's prose, described below, with
+  its Triton kernels.
+
+The reconstruction, per sparse layer, with B-token blocks and one SRHT ``Φ = √(d/m)·P·H·D`` (m × d):
 
 1. head-averaged, post-RoPE q and k are mean-pooled per block and sketched: ``q̃_i = Φ q̄_i``,
    ``k̃_j = Φ k̄_j``;
@@ -21,7 +30,7 @@ token's row of ``Â`` comes from its own query, and the walk runs over the token
 layers (the forward pass's shared dict, see :mod:`kvsieve.core.prefill`). A call with ``Q > 1`` query
 rows per batch row (a question chunk, setup B) leaves the state as ``Q`` single-token steps would and
 gives each row its own walk across the layers of the forward (``[B·Q, n]`` in the forward's dict).
-Every reconstructed choice is listed in ``docs/methods/sketchwalk.md``.
+Every choice of both variants is listed in ``docs/methods/sketchwalk.md``.
 """
 
 from __future__ import annotations
