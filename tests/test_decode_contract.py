@@ -26,6 +26,10 @@ SPECS = {
     "santa-prop": "santa-prop:budget=32,tile_size=32",
     "santa-strat": "santa-strat:budget=16",
     "santa-sys": "santa-sys:budget=16",
+    # The reconstruction is sketchwalk's sync-free decode (its Triton path). The default, variant=authors, is a
+    # torch reference that decodes row by row with host-known lengths and keeps running averages over steps
+    # (docs/methods/sketchwalk.md): contract-tested in test_method_contract.py and test_sketchwalk_authors.py.
+    "sketchwalk": "sketchwalk:variant=reconstruction",
     "streaming": "streaming:sink=4,window=16",
     "vattention": "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
 }

@@ -415,3 +415,19 @@ def test_batch_rows_equal_rows_alone_across_steps():
         out, _ = m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=state)
         for b in range(2):
             torch.testing.assert_close(out[b:b + 1], alone[b][i], atol=1e-12, rtol=1e-12)
+
+
+def test_a_chunk_of_rows_equals_single_token_steps():
+    """q [B, Hq, Q, d] (a question chunk): the rows of a batch row run as Q single-token steps, in order."""
+    m = kvsieve.method("sketchwalk:block_size=16")
+    q, k, v = layer_data(1, 2, 4, 2, 130, 16, 6)[0]
+    prompt, q_len = 120, 4
+    states = [{}, {}]
+    for st in states:
+        m.prefill(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], scale=None, state=st, forward={},
+                  sparse=False)
+    end = prompt + q_len
+    chunk, _ = m.decode(q[:, :, prompt:end], k[:, :, :end], v[:, :, :end], state=states[0])
+    rows = [m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=states[1])[0] for t in range(prompt + 1, end + 1)]
+    torch.testing.assert_close(chunk, torch.stack(rows, dim=2), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(states[0][STATE_KEY].blocks, states[1][STATE_KEY].blocks, atol=1e-12, rtol=1e-12)
