@@ -29,6 +29,7 @@ STAT_FIELDS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "densit
 #: under which today's code restates the recorded rule.
 RECORDED_RULE = {
     "magicpig": {"transform": "mips", "min_tables": 1, "weight_eps": 0.0},
+    "sketchwalk": {"variant": "reconstruction", "density": 0.3},
 }
 
 

@@ -171,7 +171,7 @@ def test_sketchwalk_prefill_backend_triton_equals_reference():
     q, k, v = qkv(1, 4, 2, 200, 64, seed=13)
     outs = {}
     for backend in ("reference", "triton"):
-        m = kvsieve.method(f"sketchwalk:density=0.3,block_size=16,prefill_backend={backend}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,density=0.3,block_size=16,prefill_backend={backend}")
         out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
         outs[backend] = (out, stats)
     assert outs["triton"][1].backend == "triton" and outs["reference"][1].backend == "reference"
@@ -187,7 +187,7 @@ def test_runtime_sparse_prefill_takes_the_backend_from_the_method():
     ids = random_ids(1, 120, seed=4)
     logits = {}
     for backend in ("reference", "triton"):
-        spec = f"sketchwalk:density=0.3,block_size=16,sketch_dim=16,prefill_backend={backend}"
+        spec = f"sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16,prefill_backend={backend}"
         with DecodeRuntime(model, "dense", batch_size=1, capacity=124, max_new_tokens=2, prefill=spec) as rt:
             rt.prefill([ids[0]])
             logits[backend] = rt.last_logits.clone()

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.triton
 
 
 def method(spec: str, backend: str):
-    return kvsieve.method(f"sketchwalk:{spec},backend={backend}" if spec else f"sketchwalk:backend={backend}")
+    base = "sketchwalk:variant=reconstruction"
+    return kvsieve.method(f"{base},{spec},backend={backend}" if spec else f"{base},backend={backend}")
 
 
 def qk(b, hq, hkv, n_tok, d, seed, dtype=torch.float32):

@@ -18,9 +18,15 @@ from kvsieve.kernels.shared.triton_utils import uniforms as kernel_uniforms
 ALL = sorted(n for n in kvsieve.methods() if not method_class(n).contract_tested_in)
 
 
+# sketchwalk's sync-free decode (its Triton path) is variant=reconstruction's; its default, variant=authors, is
+# a torch reference that decodes row by row with host-known lengths and keeps running averages over steps
+# (docs/methods/sketchwalk.md): contract-tested in test_method_contract.py and test_sketchwalk_authors.py.
+CONTRACT_SETTINGS = {"sketchwalk": {"variant": "reconstruction"}}
+
+
 def spec_of(name):
-    """The method at its declared ``small_config``, as a spec string."""
-    return kvsieve.method(name, **method_class(name).small_config).spec
+    """The method at its declared ``small_config`` (and its contract settings), as a spec string."""
+    return kvsieve.method(name, **method_class(name).small_config, **CONTRACT_SETTINGS.get(name, {})).spec
 
 
 @contextmanager

@@ -137,7 +137,8 @@ def test_sketchwalk_cells_run_their_prompt_inside_the_session(default_model, tmp
     import kvsieve
 
     model, tok = default_model
-    spec, sparse_spec = (kvsieve.method(f"sketchwalk:density={d},block_size=16").spec for d in (1.0, 0.2))
+    spec, sparse_spec = (kvsieve.method(f"sketchwalk:variant=reconstruction,density={d},block_size=16").spec
+                         for d in (1.0, 0.2))
     cfg = tiny(tmp_path, phase="decode", stop_when_solved=False, max_new_tokens=3,
                methods=("dense", spec, sparse_spec))
     res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
@@ -159,7 +160,7 @@ def test_sketchwalk_cells_in_setup_b_take_the_question_as_one_chunk(default_mode
     import kvsieve
 
     model, tok = default_model
-    spec = kvsieve.method("sketchwalk:density=1.0,block_size=16").spec
+    spec = kvsieve.method("sketchwalk:variant=reconstruction,density=1.0,block_size=16").spec
     cfg = tiny(tmp_path, phase="question", stop_when_solved=False, max_new_tokens=3, methods=("dense", spec))
     res = run_eval(cfg, model=model, tokenizer=tok, progress=False)
     assert res.computed == 2
@@ -181,7 +182,8 @@ def test_sketchwalk_cells_with_a_sparse_prefill_of_the_context(default_model, tm
     import kvsieve
 
     model, tok = default_model
-    spec, sparse_spec = (kvsieve.method(f"sketchwalk:density={d},block_size=16").spec for d in (1.0, 0.2))
+    spec, sparse_spec = (kvsieve.method(f"sketchwalk:variant=reconstruction,density={d},block_size=16").spec
+                         for d in (1.0, 0.2))
     cfg = tiny(tmp_path, phase=phase, stop_when_solved=False, max_new_tokens=3, methods=("dense", spec, sparse_spec))
 
     def interrupt_after_first(row):

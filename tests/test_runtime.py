@@ -468,7 +468,7 @@ def test_e2e_bench_rows_on_a_tiny_shape(monkeypatch, tmp_path):
     monkeypatch.setitem(e2e.MODEL_SHAPES, "tiny", dict(
         model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
-    sketchwalk = "sketchwalk:density=0.3,block_size=8,sketch_dim=8,dense_layers=0"
+    sketchwalk = "sketchwalk:variant=reconstruction,density=0.3,block_size=8,sketch_dim=8,dense_layers=0"
     res = e2e.run_e2e_bench(shapes=("tiny",), cases=[(2, 40), (1, 600)],
                             methods=("streaming:sink=4,window=8", sketchwalk),
                             steps=3, method_steps=2, hf_steps=2, warmup=1, device="cpu", dtype=torch.float32,

@@ -13,7 +13,8 @@ import kvsieve
 from kvsieve.runtime import DecodeRuntime, generate
 from tests.test_runtime import random_ids, tiny_model
 
-SPEC = "sketchwalk:density=0.3,block_size=16,sketch_dim=16"  # layers 0 and 1 stay exact (the default)
+# layers 0 and 1 stay exact (the default)
+SPEC = "sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16"
 
 
 def sparsify_prefill(model, ids, spec=SPEC, **kw):
@@ -82,7 +83,8 @@ def test_density_one_sparse_prefill_is_exact():
     ids = random_ids(1, 90, seed=5)
     with torch.no_grad():
         exact = model(ids).logits[:, -1]
-    with runtime_prefill(model, [ids[0]], prefill="sketchwalk:density=1.0,block_size=16,dense_layers=0") as rt:
+    spec = "sketchwalk:variant=reconstruction,density=1.0,block_size=16,dense_layers=0"
+    with runtime_prefill(model, [ids[0]], prefill=spec) as rt:
         torch.testing.assert_close(rt.last_logits, exact, atol=1e-4, rtol=1e-4)
         assert rt.stats.prefill_sparse_layers == [1, 2] and rt.stats.prefill_block_density == 1.0
 
@@ -223,7 +225,7 @@ def test_cli_generate_with_a_sparse_prefill(capsys):
     from kvsieve.cli.main import main
 
     assert main(["generate", "--demo", "--context-tokens", "256", "--max-new-tokens", "2",
-                 "--method", "sketchwalk:density=0.2,block_size=32", "--prefill", "method"]) == 0
+                 "--method", "sketchwalk:variant=reconstruction,density=0.2,block_size=32", "--prefill", "method"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert "sparse prefill by sketchwalk:block_size=32 on layers 2-29 (the others exact)" in out
+    assert "sparse prefill by sketchwalk:variant=reconstruction,block_size=32 on layers 2-29 (the others exact)" in out
     assert "block density 0." in out and re.search(r"exact prefill of \d+ tokens: [\d.]+ s \(dense run\)", out)

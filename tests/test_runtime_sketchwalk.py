@@ -12,7 +12,7 @@ from kvsieve.runtime import DecodeRuntime, generate
 from tests.test_runtime import random_ids, tiny_model
 
 # 5 layers: 0 and 1 are sketchwalk's dense layers (default), the walk crosses 2, 3 and 4
-SPEC = "sketchwalk:density=0.3,block_size=16,sketch_dim=16"
+SPEC = "sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16"
 NEW = 6
 PHASE = {"exact": "decode", "method": "all"}
 
@@ -104,7 +104,7 @@ def test_rewind_after_an_exact_prefill_repeats_the_decode(model):
 
 def test_a_separate_prefill_method_leaves_the_decode_its_own_sketches(model):
     ids = random_ids(1, 120, seed=14)
-    other = "sketchwalk:density=0.5,block_size=32,sketch_dim=16,dense_layers=0"
+    other = "sketchwalk:variant=reconstruction,density=0.5,block_size=32,sketch_dim=16,dense_layers=0"
     result = generate(model, ids, SPEC, max_new_tokens=NEW, prefill=other)
     st = result.stats
     assert st.prefill == "sparse" and st.prefill_sparse_layers == [1, 2, 3, 4]

@@ -146,7 +146,7 @@ def layer_walk_inputs(n=9, layers=3, seed=0, m=8):
 
 
 def test_block_scores_rows_sum_to_one_and_walk_stays_lower_triangular():
-    method = kvsieve.method("sketchwalk")
+    method = kvsieve.method("sketchwalk:variant=reconstruction")
     w = None
     for log_a in layer_walk_inputs():
         a = torch.exp(log_a)
@@ -206,11 +206,12 @@ def test_selection_invariants(density, fixed_k):
 
 def test_first_walk_layer_selects_the_one_hop_top_k():
     q, k, v = prompt_qkv(n=640, d=32, seed=7, coherent=1.0)
-    m = kvsieve.method("sketchwalk:density=0.3,block_size=16,sketch_dim=16,alpha=8")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16,alpha=8")
     forward = WalkState()
     m.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=forward), sparse=True)
     walk = forward.walk
-    one_hop = kvsieve.method("sketchwalk:density=0.3,block_size=16,sketch_dim=16,alpha=1,walk=one-hop")
+    one_hop = kvsieve.method("sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16,alpha=1,"
+                             "walk=one-hop")
     f2 = WalkState()
     one_hop.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=f2), sparse=True)
     n = walk.shape[-1]
@@ -353,7 +354,7 @@ def test_multi_hop_toy_walk_finds_the_block_one_hop_misses(alpha):
     budget = torch.full((1, 8), 3)  # block 0, the diagonal and one middle block
     picks = {}
     for mode in ("walk", "one-hop"):
-        m = kvsieve.method(f"sketchwalk:alpha={alpha},walk={mode}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,alpha={alpha},walk={mode}")
         w = None
         for log_a in layers:
             a = m.transition(log_a)
@@ -366,7 +367,7 @@ def test_multi_hop_toy_walk_finds_the_block_one_hop_misses(alpha):
 def test_multi_hop_margin_grows_with_alpha():
     margins = []
     for alpha in (1.0, 2.0, 4.0, 8.0):
-        m = kvsieve.method(f"sketchwalk:alpha={alpha}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,alpha={alpha}")
         w = None
         for log_a in multi_hop_layers(0.2):
             a = m.transition(log_a)
@@ -377,7 +378,7 @@ def test_multi_hop_margin_grows_with_alpha():
 
 def test_matrix_power_walk_is_the_alpha_step_walk():
     log_a = layer_walk_inputs(n=6, layers=1)[0]
-    m = kvsieve.method("sketchwalk:walk_power=matrix,alpha=3")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,walk_power=matrix,alpha=3")
     a = torch.exp(log_a)
     torch.testing.assert_close(m.transition(log_a), a @ a @ a)
 
@@ -412,7 +413,8 @@ def three_layers(n, seed=12, b=2, d=32):
 def test_decode_state_after_a_block_of_tokens_equals_the_prefill_state(walk_power):
     bs = 16
     qs, ks, vs = three_layers(5 * bs + 7)
-    m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,walk_power={walk_power},alpha=3")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,block_size={bs},sketch_dim=16,walk_power={walk_power},"
+                       "alpha=3")
     n_total = 5 * bs + 7
     decoded, _, _ = run_layers(m, qs, ks, vs, n_total - bs, bs)
     prefilled, _, _ = run_layers(m, qs, ks, vs, n_total, 0)
@@ -435,7 +437,7 @@ def test_decode_walk_at_a_block_boundary_equals_the_prefill_walk_row():
     qs = [q.clone() for q in qs]
     for q in qs:
         q[:, :, c * bs:] = q[:, :, c * bs:].mean(2, keepdim=True)
-    m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,density=0.3")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,block_size={bs},sketch_dim=16,density=0.3")
     _, prefill_forward, _ = run_layers(m, qs, ks, vs, n_total, 0)
     _, decode_forward, _ = run_layers(m, qs, ks, vs, n_total - 1, 1)
     torch.testing.assert_close(decode_forward.walk, prefill_forward.walk[:, c], atol=1e-9, rtol=1e-7)
@@ -454,7 +456,7 @@ def chunk_and_steps(spec, *, b=2, hq=4, hkv=2, d=32, n0=90, q_len=28, short=(0, 
     n_total = n0 + q_len
     data = [[torch.randn(b, h, n_total, d, generator=g, dtype=F64).to(dtype) for h in (hq, hkv, hkv)]
             for _ in range(layers)]
-    m = kvsieve.method(f"sketchwalk:{spec}")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,{spec}")
 
     def prompt():
         states, forward = [SketchWalkState() for _ in data], WalkState()
@@ -540,7 +542,7 @@ def test_a_chunk_row_at_a_block_boundary_equals_the_prefill_walk_row():
     qs = [q.clone() for q in qs]
     for q in qs:
         q[:, :, c * bs:] = q[:, :, c * bs:].mean(2, keepdim=True)
-    m = kvsieve.method(f"sketchwalk:block_size={bs},sketch_dim=16,density=0.3")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,block_size={bs},sketch_dim=16,density=0.3")
     _, prefill_forward, _ = run_layers(m, qs, ks, vs, n_total, 0)
     states, forward = [SketchWalkState() for _ in qs], WalkState()
     for q, k, v, st in zip(qs, ks, vs, states, strict=True):
@@ -560,7 +562,7 @@ def test_a_chunk_row_at_a_block_boundary_equals_the_prefill_walk_row():
 
 def test_decode_with_density_one_is_exact_and_selects_block_lists():
     qs, ks, vs = three_layers(150, seed=30)
-    m = kvsieve.method("sketchwalk:block_size=16,sketch_dim=16,density=1.0")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,block_size=16,sketch_dim=16,density=1.0")
     _, _, outs = run_layers(m, qs, ks, vs, 140, 3)
     dense = kvsieve.method("dense")
     t = 140
@@ -574,7 +576,7 @@ def test_decode_with_density_one_is_exact_and_selects_block_lists():
 
 def test_decode_reads_whole_blocks_at_the_requested_density():
     qs, ks, vs = three_layers(64 * 10 + 5, seed=31, d=64)
-    m = kvsieve.method("sketchwalk:density=0.3")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.3")
     _, _, outs = run_layers(m, qs, ks, vs, 64 * 10 + 4, 1)
     c = 10
     k_blocks = max(2, math.ceil(0.3 * (c + 1)))
@@ -588,7 +590,7 @@ def test_standalone_decode_runs_as_the_first_walk_layer():
     q, k, v = kvsieve_inputs = (torch.randn(2, 4, 32, dtype=F64), torch.randn(2, 2, 300, 32, dtype=F64),
                                 torch.randn(2, 2, 300, 32, dtype=F64))
     del kvsieve_inputs
-    m = kvsieve.method("sketchwalk:block_size=16,sketch_dim=16")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,block_size=16,sketch_dim=16")
     out, stats = m.decode(q, k, v, lengths=torch.tensor([300, 250]))
     assert out.shape == (2, 4, 32) and torch.isfinite(out).all()
     assert stats.walk_hops == 1 and 0 < stats.density < 1
@@ -596,7 +598,8 @@ def test_standalone_decode_runs_as_the_first_walk_layer():
 
 def test_short_context_runs_exact_and_says_so():
     q, k, v = prompt_qkv(b=1, n=100, seed=40)
-    m = kvsieve.method("sketchwalk:density=0.1,sketch_dim=16")  # 100 tokens = 2 blocks of 64: nothing to drop
+    # 100 tokens = 2 blocks of 64: nothing to drop
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.1,sketch_dim=16")
     out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
     torch.testing.assert_close(out, dense_causal(q, k, v), atol=1e-10, rtol=1e-10)
     assert stats.exact_rows == 1 and stats.density == 1.0
@@ -606,19 +609,19 @@ def test_short_context_runs_exact_and_says_so():
 
 
 @pytest.mark.parametrize("spec,argument", [
-    ("sketchwalk:density=0", "density"), ("sketchwalk:density=1.5", "density"),
-    ("sketchwalk:block_size=48", "block_size"), ("sketchwalk:alpha=0", "alpha"), ("sketchwalk:alpha=-1", "alpha"),
-    ("sketchwalk:walk_power=matrix,alpha=2.5", "alpha"), ("sketchwalk:walk=two-hop", "walk"),
+    ("density=0", "density"), ("density=1.5", "density"), ("block_size=48", "block_size"), ("alpha=0", "alpha"),
+    ("alpha=-1", "alpha"), ("walk_power=matrix,alpha=2.5", "alpha"), ("walk=two-hop", "walk"),
 ])
 def test_bad_config_names_the_argument(spec, argument):
     with pytest.raises(ValueError, match=argument):
-        kvsieve.method(spec)
+        kvsieve.method(f"sketchwalk:variant=reconstruction,{spec}")
 
 
 def test_sketch_dim_larger_than_head_dim_is_rejected():
     q, k, v = prompt_qkv(n=64, d=32)
     with pytest.raises(ValueError, match="sketch_dim"):
-        kvsieve.method("sketchwalk:sketch_dim=64").prefill(q, k, v, scale=None, state=None, sparse=True)
+        kvsieve.method("sketchwalk:variant=reconstruction,sketch_dim=64").prefill(q, k, v, scale=None, state={},
+                                                                                  sparse=True)
 
 
 # -- integration ------------------------------------------------------------------------------------------
@@ -645,7 +648,8 @@ def test_integration_density_one_reproduces_the_model_in_every_phase():
         ref = model(x).logits
         for phase in ("prefill", "decode", "all"):
             cache = DynamicCache()
-            with kvsieve.sparsify(model, "sketchwalk:density=1.0,block_size=16,sketch_dim=16", phase=phase) as s:
+            spec = "sketchwalk:variant=reconstruction,density=1.0,block_size=16,sketch_dim=16"
+            with kvsieve.sparsify(model, spec, phase=phase) as s:
                 out = model(x[:, :298], past_key_values=cache).logits
                 step = model(x[:, 298:299], past_key_values=cache).logits
             torch.testing.assert_close(out, ref[:, :298], atol=1e-4, rtol=1e-4)
@@ -662,7 +666,8 @@ def test_integration_sparse_prefill_walks_over_layers_and_keeps_no_state_on_modu
     before = {id(mod): set(vars(mod)) for mod in model.modules()}
     with torch.no_grad():
         ref = model(x).logits
-        with kvsieve.sparsify(model, "sketchwalk:density=0.2,block_size=16,sketch_dim=16", phase="all") as s:
+        spec = "sketchwalk:variant=reconstruction,density=0.2,block_size=16,sketch_dim=16"
+        with kvsieve.sparsify(model, spec, phase="all") as s:
             out = model.generate(x, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == 403
     pre = [r for r in s.records if r["phase"] == "prefill"]
@@ -677,10 +682,10 @@ def test_integration_sparse_prefill_walks_over_layers_and_keeps_no_state_on_modu
 def test_integration_bad_input():
     model = tiny_llama()
     with pytest.raises(ValueError, match="dense_layers"):
-        with kvsieve.sparsify(model, "sketchwalk:dense_layers=0/9"):
+        with kvsieve.sparsify(model, "sketchwalk:variant=reconstruction,dense_layers=0/9"):
             pass
     with pytest.raises(ValueError, match="block_size"):
-        with kvsieve.sparsify(model, "sketchwalk:block_size=2048"):
+        with kvsieve.sparsify(model, "sketchwalk:variant=reconstruction,block_size=2048"):
             pass
     with pytest.raises(ValueError, match="prefill"):
         with kvsieve.sparsify(model, "oracle-topk", phase="all"):
@@ -702,7 +707,7 @@ def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_o
     with torch.no_grad():
         ref = model(x).logits
         for density in (1.0, 0.2):
-            spec = f"sketchwalk:density={density},block_size=16,sketch_dim=16"
+            spec = f"sketchwalk:variant=reconstruction,density={density},block_size=16,sketch_dim=16"
             logits = {}
             for mode in ("chunk", "steps"):
                 cache = DynamicCache()
@@ -727,7 +732,7 @@ def test_integration_question_chunk_equals_token_steps_and_is_exact_at_density_o
 def test_integration_question_phase_refuses_what_its_state_cannot_follow():
     model = tiny_llama()
     x = ids(120, seed=3)
-    spec = "sketchwalk:density=0.3,block_size=16,sketch_dim=16"
+    spec = "sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=16"
     with torch.no_grad():
         # the context in two chunks: the second would be exact and unrecorded
         with pytest.raises(ValueError, match="context in one forward pass"):
@@ -753,7 +758,7 @@ def test_oracle_selection_keeps_the_most_attention_mass_per_block_row():
         ~torch.ones(320, 320, dtype=torch.bool).tril(), -math.inf), -1).mean(1)[0]  # [N, N], head-averaged
     kept = {}
     for mode in ("oracle", "walk", "one-hop"):
-        m = kvsieve.method(f"sketchwalk:density=0.25,block_size={bs},sketch_dim=16,walk={mode}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,density=0.25,block_size={bs},sketch_dim=16,walk={mode}")
         forward = WalkState()
         m.prefill(q, k, v, scale=None, state=None, context=CallContext(forward=forward), sparse=True)
         rows = torch.arange(n)[None]
@@ -778,7 +783,8 @@ b, hq, hkv, d, bs, n0, steps = 2, 6, 2, 64, 16, 150, 5
 layers = [[torch.randn(b, h, n0 + steps, d, generator=gen).to(device) for h in (hq, hkv, hkv)] for _ in range(3)]
 outs = {{}}
 for backend in ("triton", "reference"):
-    m = kvsieve.method(f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0,backend={{backend}}")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,block_size={{bs}},sketch_dim=32,density=0.3,"
+                       f"dense_layers=0,backend={{backend}}")
     states = [SketchWalkState() for _ in layers]
     forward = WalkState()
     for (q, k, v), st in zip(layers, states):
@@ -833,7 +839,7 @@ b, hq, hkv, d, bs, n0, q_len = 2, 6, 2, 64, 16, 150, 12
 layers = [[torch.randn(b, h, n0 + q_len, d, generator=gen).to(device) for h in (hq, hkv, hkv)] for _ in range(2)]
 outs = {{}}
 for backend in ("triton", "reference"):
-    spec = f"sketchwalk:block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0"
+    spec = f"sketchwalk:variant=reconstruction,block_size={{bs}},sketch_dim=32,density=0.3,dense_layers=0"
     m = kvsieve.method(f"{{spec}},backend={{backend}}")
     # the context through the torch selection for both (the kernels' prefill state equals it to rounding only,
     # and this compares the chunk's walks bit for bit)
@@ -936,7 +942,7 @@ def run(case, backend):
     b, hq, hkv, d, n0, steps = (case[x] for x in ("b", "hq", "hkv", "d", "n0", "steps"))
     layers = [[torch.randn(b, h, n0 + steps, d, generator=gen).to(device, case["dtype"]) for h in (hq, hkv, hkv)]
               for _ in range(case["layers"])]
-    m = kvsieve.method(f"sketchwalk:{{case['spec']}},backend={{backend}}")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,{{case['spec']}},backend={{backend}}")
     cols, rows, row_tile = case.get("tiles", (None, None, None))
     sketch_decode.sketch_walk_select = lambda *a, **kw: select(*a, tile_cols=cols, split_rows=rows, row_tile=row_tile,
                                                                **kw)
@@ -1022,7 +1028,8 @@ model = tf.LlamaForCausalLM(cfg).eval().to(device)
 x = torch.randint(3, 97, (1, 300), generator=torch.Generator().manual_seed(1)).to(device)
 res = {{}}
 for backend in ("triton", "reference"):
-    spec = f"sketchwalk:density=0.3,block_size=16,sketch_dim=32,dense_layers=0/2,backend={{backend}}"
+    spec = (f"sketchwalk:variant=reconstruction,density=0.3,block_size=16,sketch_dim=32,dense_layers=0/2,"
+            f"backend={{backend}}")
     with torch.no_grad(), kvsieve.sparsify(model, spec, phase="all") as s:
         out = model.generate(x, max_new_tokens=20, do_sample=False, output_scores=True, return_dict_in_generate=True)
     dec = [r for r in s.records if r["phase"] == "decode"]
@@ -1138,7 +1145,7 @@ from kvsieve.methods.sketchwalk import SketchWalkState, WalkState
 gen = torch.Generator().manual_seed(0)
 b, n0 = 2, 400
 layers = [[torch.randn(b, h, n0 + 1, 64, generator=gen).bfloat16() for h in (8, 2, 2)] for _ in range(2)]
-m = kvsieve.method("sketchwalk:block_size=16,density=0.2,backend=triton")
+m = kvsieve.method("sketchwalk:variant=reconstruction,block_size=16,density=0.2,backend=triton")
 states = [SketchWalkState() for _ in layers]
 forward = WalkState()
 for (q, k, v), st in zip(layers, states):

@@ -59,7 +59,7 @@ def test_method_prefill_and_decode_on_cuda_match_cpu():
     q = torch.randn(1, 8, 2048 + 5, 64, generator=g)
     k = torch.randn(1, 2, 2048 + 5, 64, generator=g)
     v = torch.randn(1, 2, 2048 + 5, 64, generator=g)
-    m = kvsieve.method("sketchwalk:density=0.2")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.2")
     results = {}
     for dev in ("cpu", "cuda"):
         state = m.new_state()
@@ -134,7 +134,7 @@ def test_fused_selection_matches_the_reference_at_long_context(walk, monkeypatch
     completing mid-run, three walk layers: the same blocks, walks and outputs as the torch path."""
     n0, steps = 64 * 300 + 10, 60
     layers = _llama_layers(n0 + steps, 3)
-    spec = f"sketchwalk:density=0.1,dense_layers=0,walk={walk}"
+    spec = f"sketchwalk:variant=reconstruction,density=0.1,dense_layers=0,walk={walk}"
     fused, fused_states = _decode_steps(spec + ",backend=triton", layers, n0, steps, monkeypatch)
     ref, ref_states = _decode_steps(spec + ",backend=reference", layers, n0, steps, monkeypatch)
     for i, ((blocks, w, out), (ref_blocks, ref_w, ref_out)) in enumerate(zip(fused, ref, strict=True)):
@@ -156,9 +156,9 @@ def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
 
     n0 = 64 * 100 + 61
     (q, k, v), = _llama_layers(n0 + 3, 1, seed=1)
-    m = kvsieve.method("sketchwalk:density=0.1")
-    state = m.new_state()
-    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state, sparse=True)
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.1")
+    state = {}
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state,  sparse=True)
     n = -(-(n0 + 3) // 64)
     g = torch.Generator(device="cuda").manual_seed(2)
     w_prev = torch.rand(1, n, device="cuda", generator=g)

@@ -106,7 +106,8 @@ def test_backend_choices_are_checked_by_name():
         block_sparse_prefill(q, k, v, idx, cnt, block_size=16, backend="cuda")
     with pytest.raises(ValueError, match="prefill_backend"):
         kvsieve.method("sketchwalk:prefill_backend=fast")
-    assert kvsieve.method("sketchwalk:prefill_backend=triton").config.prefill_backend == "triton"
+    spec = "sketchwalk:variant=reconstruction,prefill_backend=triton"
+    assert kvsieve.method(spec).config.prefill_backend == "triton"
     assert kvsieve.method("sketchwalk").config.prefill_backend == "auto"
 
 
@@ -202,7 +203,7 @@ def test_gpu_method_prefill_backends_agree():
     k, v = (torch.randn(1, 8, 8192, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
     res = {}
     for backend in ("auto", "triton", "reference"):
-        m = kvsieve.method(f"sketchwalk:density=0.1,prefill_backend={backend}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,density=0.1,prefill_backend={backend}")
         out, stats = m.prefill(q, k, v, scale=None, state=None, sparse=True)
         res[backend] = (out.float(), stats.backend)
     # auto: the kernel for the default 64-key blocks (measured 2x Flex there, H200 2026-11-27)

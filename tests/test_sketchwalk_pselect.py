@@ -61,7 +61,7 @@ def _assert_same_selection(got, ref, rank, rtol=1e-4, max_rows=0.01):
 def test_gpu_paths_agree_at_llama_shapes(n_tok, walk):
     q, k = _llama_qk(n_tok, seed=n_tok)
     q2, k2 = _llama_qk(n_tok, seed=n_tok + 1)
-    spec = f"sketchwalk:density=0.1,walk={walk}"
+    spec = f"sketchwalk:variant=reconstruction,density=0.1,walk={walk}"
     res = {}
     for backend in ("auto", "reference"):
         m = kvsieve.method(f"{spec},backend={backend}")
@@ -82,7 +82,7 @@ def test_gpu_paths_agree_at_llama_shapes(n_tok, walk):
 @cuda
 def test_gpu_selection_does_not_sync_and_replays_in_a_graph():
     q, k = _llama_qk(16384, seed=1)
-    m = kvsieve.method("sketchwalk:density=0.1")
+    m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.1")
     prev = _selection(m, q, k, None)[1][0]
 
     def call():
@@ -117,7 +117,7 @@ def test_gpu_selection_is_a_handful_of_launches():
     q, k = _llama_qk(32768, seed=2)
     counts = {}
     for backend in ("auto", "reference"):
-        m = kvsieve.method(f"sketchwalk:density=0.1,backend={backend}")
+        m = kvsieve.method(f"sketchwalk:variant=reconstruction,density=0.1,backend={backend}")
         prev = _selection(m, q, k, None)[1][0]
         counts[backend] = count_launches(lambda m=m, prev=prev: _selection(m, q, k, prev))
     # block means, SRHT matmul, logits matmul, softmax power, walk matmul, select: 6 (a cuBLAS split-K

@@ -32,7 +32,7 @@ CASES=${CASES:-1x32k,1x128k,8x32k}
 METHODS="santa-prop:budget=128;quest:top_k=0.05,share_kv_group=true;streaming:sink=128,window=1536"
 METHODS+=";santa-flash:budget=2048;oracle-topk:top_k=0.05,share_kv_group=true;oracle-topp:top_p=0.9"
 METHODS+=";random:budget=0.05;magicpig:bits=8,tables=16,budget=0.05;vattention;vattention:predictor=quest"
-METHODS+=";magicpig:bits=8,tables=16,budget=0.05,min_tables=1,weight_eps=0,transform=mips;sketchwalk:density=0.1"
+METHODS+=";magicpig:bits=8,tables=16,budget=0.05,min_tables=1,weight_eps=0,transform=mips;sketchwalk:variant=reconstruction,density=0.1"
 timeout ${BENCH_TIMEOUT:-560} python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases "$CASES" \
     --methods "$METHODS" --baselines runtime,hf-eager --out "$OUT" --name "e2e-${CASES//,/-}" \
     --record-command "CASES=$CASES bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60

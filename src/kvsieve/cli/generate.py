@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", default="exact",
                    help="prompt attention of the method's run (runtime engine): exact (SDPA), method (the method's "
                         "own sparse prefill, e.g. sketchwalk) or the spec of a method with a sparse prefill "
-                        "(e.g. sketchwalk:density=0.1, then --method decodes); the dense run's prefill is exact")
+                        "(e.g. sketchwalk:variant=reconstruction,density=0.1, then --method decodes); the dense "
+                        "run's prefill is exact")
     p.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated greedily by each run")
     p.add_argument("--seed", type=int, default=0, help="seed of the method's random draws and of the demo's number")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
@@ -70,7 +71,7 @@ def _check_prefill(args: argparse.Namespace, method) -> None:
     if choice == "method":
         if not method.sparse_prefill:
             raise ValueError(f"--prefill method: {method.name} (--method) has no sparse prefill; use --prefill exact "
-                             "or the spec of a method with one (sketchwalk:density=0.1)")
+                             "or the spec of a method with one (sketchwalk:variant=reconstruction,density=0.1)")
         return
     try:
         other = kvsieve.method(choice)

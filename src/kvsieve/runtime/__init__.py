@@ -60,9 +60,9 @@ def generate(model: torch.nn.Module, input_ids: torch.Tensor | Sequence[torch.Te
     captured) runs the decoder layers' norms, residual adds, MLP and RoPE through ``torch.compile`` in
     decode steps (``kvsieve.runtime.compiled``). ``prefill``: ``"exact"`` (SDPA), ``"method"`` (the
     method's own sparse prefill, e.g. sketchwalk's block-sparse prefill; one row) or the spec of a method
-    with a sparse prefill (``"sketchwalk:density=0.1"``: its prefill, then ``method`` decodes); layers in
-    ``dense_layers`` or kept exact by the method stay exact, and ``stats.prefill`` / ``prefill_method`` /
-    ``prefill_sparse_layers`` / ``prefill_block_density`` say what ran. Not with ``prefill_chunk``.
+    with a sparse prefill (``"sketchwalk:variant=reconstruction,density=0.1"``: its prefill, then ``method``
+    decodes); layers in ``dense_layers`` or kept exact by the method stay exact, and ``stats.prefill`` /
+    ``prefill_method`` / ``prefill_sparse_layers`` / ``prefill_block_density`` say what ran. Not with ``prefill_chunk``.
     Returns the new tokens and the run's stats.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

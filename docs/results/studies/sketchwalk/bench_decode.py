@@ -5,9 +5,9 @@ Llama-3.1-8B heads (32/8/128), bf16, batch 1, at 32k and 128k, CUDA graphs, cold
 layer's state is that of a request whose prompt was seen (block sums, sketches, the cached Ã rows of every
 completed block: random causal rows, since their values do not change the work):
 
-- ``method-walk``: ``kvsieve.method("sketchwalk:density=ρ").decode`` captured as a walk layer (the previous
-  sparse layer's walk in the forward dict, as from layer 3 on): the fused sketch update, Ã row and walk GEMV
-  over Ã's causal half, the top-k and the weighted sparse kernel over the chosen blocks;
+- ``method-walk``: ``kvsieve.method("sketchwalk:variant=reconstruction,density=ρ").decode`` captured as a walk
+  layer (the previous sparse layer's walk in the forward dict, as from layer 3 on): the fused sketch update, Ã row
+  and walk GEMV over Ã's causal half, the top-k and the weighted sparse kernel over the chosen blocks;
 - ``method-one-hop``: the same call as the first sparse layer of a pass (no previous walk: no GEMV);
 - ``method-torch-sel``: the torch selection before the same kernel (``walk_power=matrix,alpha=1``: the
   pre-fusion path's ops, which ``matrix`` keeps) as a walk layer, for comparison;
@@ -110,7 +110,7 @@ def bench_context(n: int, args, timer, flashinfer, gen, checks: list) -> list[di
         record("flashinfer", lambda: flashinfer.single_decode_with_kv_cache(q[0], kn, vn, kv_layout="NHD"))
     record("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True))
     for density in (float(x) for x in args.densities.split(",")):
-        spec = f"sketchwalk:density={density},block_size={args.block_size}"
+        spec = f"sketchwalk:variant=reconstruction,density={density},block_size={args.block_size}"
         m = kvsieve.method(spec)
         state, w_prev = seen_prompt_state(m, q, k, v, lens, gen)
         if not checks:

@@ -133,7 +133,7 @@ def sketchwalk_selection(q: torch.Tensor, k: torch.Tensor, block_size: int, dens
     import kvsieve
     from kvsieve.kernels.shared.block_sparse import flex_block_mask
 
-    m = kvsieve.method(f"sketchwalk:density={density},block_size={block_size}")
+    m = kvsieve.method(f"sketchwalk:variant=reconstruction,density={density},block_size={block_size}")
     nb = -(-q.shape[2] // block_size)
     prev = m.prefill_select(m.prefill_sketch(q, k)["a_tilde"], None)[0]
 

@@ -84,7 +84,7 @@ def main() -> None:
             for density in (float(x) for x in args.densities.split(",")):
                 for sel in args.selections.split(";" if ";" in args.selections else ","):
                     walk, *extra = sel.split("+")
-                    spec = ",".join([f"sketchwalk:density={density}", f"walk={walk}", *extra])
+                    spec = ",".join([f"sketchwalk:variant=reconstruction,density={density}", f"walk={walk}", *extra])
                     t0 = time.perf_counter()
                     with torch.no_grad(), kvsieve.sparsify(model, spec, phase=mode, track_error=1) as s:
                         if mode == "prefill":

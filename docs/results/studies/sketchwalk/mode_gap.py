@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--task", default="fwe")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--samples", default="0,1,2")
-    ap.add_argument("--method", default="sketchwalk:density=0.1")
+    ap.add_argument("--method", default="sketchwalk:variant=reconstruction,density=0.1")
     ap.add_argument("--model", default="default")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)

@@ -111,7 +111,8 @@ def stages(q: torch.Tensor, k: torch.Tensor, block_size: int, density: float) ->
     m, prev, selection = sketchwalk_selection(q, k, block_size, density)
     # the torch path beside whichever path the tree's method takes (its prefill selection kernels on CUDA where
     # the tree has them), on the same previous walk
-    ref = kvsieve.method(f"sketchwalk:density={density},block_size={block_size},backend=reference")
+    ref = kvsieve.method(f"sketchwalk:variant=reconstruction,density={density},block_size={block_size},"
+                         "backend=reference")
     b, _, n_tok, d = q.shape
     n = -(-n_tok // block_size)
     dtype, logit_scale = m._dims(d, q.dtype)

@@ -1,7 +1,16 @@
 """``sketchwalk``: Sketch&Walk sparse attention (sketched block scores + a walk across layers).
 
 "Scout Before You Attend: Sketch-and-Walk Sparse Attention for Efficient LLM Inference" (arXiv
-2602.07397). Per sparse layer, with B-token blocks and one SRHT ``Φ = √(d/m)·P·H·D`` (m × d):
+2602.07397). Two variants:
+
+- ``variant=authors`` (the default): the algorithm of the authors' released code — per-head Hadamard
+  block sketches, a damped multi-step walk, quantile selection with sink and window fractions — in
+  :mod:`kvsieve.methods.sketchwalk.authors` (math, per-layer state and the decode step; this class
+  routes ``prefill`` and ``_decode`` there). Torch reference only.
+- ``variant=reconstruction``: the earlier reconstruction from the paper's prose, described below, with
+  its Triton kernels.
+
+The reconstruction, per sparse layer, with B-token blocks and one SRHT ``Φ = √(d/m)·P·H·D`` (m × d):
 
 1. head-averaged, post-RoPE q and k are mean-pooled per block and sketched: ``q̃_i = Φ q̄_i``,
    ``k̃_j = Φ k̄_j``;
@@ -21,226 +30,81 @@ token's row of ``Â`` comes from its own query, and the walk runs over the token
 layers (the forward pass's :class:`WalkState`, ``context.forward``). A call with ``Q > 1`` query
 rows per batch row (a question chunk, setup B) leaves the state as ``Q`` single-token steps would and
 gives each row its own walk across the layers of the forward (``[B·Q, n]`` in the walk state).
-Every reconstructed choice is listed in ``docs/methods/sketchwalk.md``.
+Every choice of both variants is listed in ``docs/methods/sketchwalk.md``.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from ..core.config import MethodConfig, param, require_choice, require_int
-from ..core.context import NO_CONTEXT, ForwardState, MethodState
-from ..core.inputs import DecodeInputs
-from ..core.method import Method, read_stats, select_rows
-from ..core.registry import register_method
-from ..core.stats import StepStats
-from ..kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
-from ..kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefill
-from ..kernels.shared.weighted import weighted_sparse_decode
-from .shared.backend import BACKENDS, kernel_operands
-from .shared.sparse_path import choose_sparse_backend
+from ...core.config import MethodConfig, param, require_choice, require_fraction, require_int
+from ...core.context import NO_CONTEXT, ForwardState, MethodState
+from ...core.inputs import DecodeInputs
+from ...core.method import Method, read_stats, select_rows
+from ...core.registry import register_method
+from ...core.rng import derive_seed
+from ...core.stats import StepStats
+from ...kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
+from ...kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefill
+from ...kernels.shared.weighted import weighted_sparse_decode
+from ..shared.backend import BACKENDS, kernel_operands
+from ..shared.sparse_path import choose_sparse_backend
+from . import authors
+from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
+    DEFAULT_SKETCH_DIM,
+    TIE_BREAK,
+    LayerSketch,
+    block_budget,
+    block_means,
+    block_sums,
+    block_token_counts,
+    causal_log_scores,
+    hadamard_power,
+    head_mean,
+    max_block_budget,
+    normalize_rows,
+    oracle_block_mass,
+    select_blocks,
+    srht_matrix,
+    times_with_row,
+    times_with_rows,
+)
 
-DEFAULT_SKETCH_DIM = 64  # the paper's m
-# Weight of the one-hop score added to the walk score for ranking only: breaks ties and ranks rows
-# whose walk entries underflowed to zero, without reordering distinct walk scores.
-TIE_BREAK = 1e-6
-
-
-# -- the math, as plain functions on tensors --------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=16)
-def _srht_cpu(d: int, m: int, seed: int) -> torch.Tensor:
-    try:
-        from scipy.linalg import hadamard  # the field's own Walsh–Hadamard matrix (Sylvester order)
-    except ImportError:
-        raise ImportError("sketchwalk needs scipy for its Hadamard transform: "
-                          "pip install 'kvsieve[sketchwalk]'") from None
-
-    d_pad = 1 << (d - 1).bit_length()
-    gen = torch.Generator().manual_seed(seed)
-    signs = (torch.randint(0, 2, (d_pad,), generator=gen) * 2 - 1).to(torch.float64)  # D
-    rows = torch.randperm(d_pad, generator=gen)[:m].sort().values  # P: m rows without replacement
-    h = torch.from_numpy(hadamard(d_pad)).to(torch.float64) / math.sqrt(d_pad)  # normalized H
-    phi = math.sqrt(d_pad / m) * h[rows] * signs[None, :]
-    # Zero-padding d up to a power of two keeps every inner product; only the first d columns act.
-    return phi[:, :d].contiguous()
-
-
-def srht_matrix(d: int, m: int, seed: int, *, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``Φ [m, d] = √(d'/m)·P·H·D`` (``d'`` = d rounded up to a power of two): ⟨Φu, Φv⟩ is unbiased
-    for ⟨u, v⟩ and exact at ``m = d'``. Reproducible from ``seed``."""
-    require_int("sketch_dim", m, minimum=1)
-    if m > d:
-        raise ValueError(f"sketch_dim: m = {m} exceeds the head dim d = {d}; expected m <= d")
-    return _srht_on(int(d), int(m), int(seed), torch.device(device), dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _srht_on(d: int, m: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    # Kept per device: a host-to-device copy on every layer would wait for the device's queue.
-    return _srht_cpu(d, m, seed).to(device=device, dtype=dtype)
-
-
-def head_mean(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, T, d]`` -> ``[B, T, d]``: the mean over heads (under GQA, that of the KV heads equals
-    that of their repeats)."""
-    # mean(dtype=) reads bf16/fp16 as it is on CUDA and accumulates in float32 (the same sums); x.to(dtype)
-    # first wrote an fp32 copy of every head and read it back: 5 GiB of traffic for a 128k-token Llama
-    # layer's queries against 1 GiB.
-    return x.mean(1, dtype=dtype)
-
-
-def block_sums(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[B, T, d]`` -> ``[B, ⌈T/bs⌉, d]``: per-block sums (the last block may be partial)."""
-    b, t, d = x.shape
-    n = -(-t // block_size)
-    if t % block_size:  # pad copies x even when it adds nothing
-        x = torch.nn.functional.pad(x, (0, 0, 0, n * block_size - t))
-    return x.reshape(b, n, block_size, d).sum(2)
-
-
-def block_means(sums: torch.Tensor, n_tokens: int, block_size: int) -> torch.Tensor:
-    """``sums [B, n, d]`` of an ``n_tokens`` prefix divided by the tokens of each block: the same floats
-    as dividing by :func:`block_token_counts`, in one division (plus one when the last block is partial)."""
-    means = sums / block_size
-    tail = n_tokens - (sums.shape[1] - 1) * block_size
-    if tail != block_size:
-        means[:, -1] = sums[:, -1] / tail
-    return means
-
-
-def block_token_counts(n_tokens: int, block_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``[n]`` tokens per block of an ``n_tokens`` prefix."""
-    n = -(-n_tokens // block_size)
-    start = torch.arange(n, device=device) * block_size
-    return torch.clamp(n_tokens - start, max=block_size)
-
-
-def causal_log_scores(q_sketch: torch.Tensor, k_sketch: torch.Tensor, logit_scale: float,
-                      rows: torch.Tensor) -> torch.Tensor:
-    """``log Â [B, R, n]``: log-softmax over key blocks ``j ≤ rows[b, r]`` of the sketched logits,
-    ``-inf`` above. ``q_sketch [B, R, m]``, ``k_sketch [B, n, m]``, ``rows [B, R]`` (block index of each
-    query row)."""
-    logits = torch.matmul(q_sketch, k_sketch.transpose(-1, -2)) * logit_scale
-    cols = torch.arange(k_sketch.shape[1], device=k_sketch.device)
-    logits = logits.masked_fill(cols > rows[..., None], float("-inf"))
-    return torch.log_softmax(logits, dim=-1)
-
-
-def oracle_block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:
-    """``A* [B, n, n]``: the exact causal attention mass of query block ``i`` on key block ``j``,
-    averaged over the block's query rows and over heads (the spec's Definition 2.1 (b)). Chunked
-    over query blocks; costs dense attention."""
-    b, hq, n_tok, d = q.shape
-    group = hq // k.shape[1]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n = -(-n_tok // block_size)
-    kk = k.to(dtype).repeat_interleave(group, 1)
-    out = q.new_zeros(b, n, n, dtype=dtype)
-    cols = torch.arange(n_tok, device=q.device)
-    step = max(1, (1 << 24) // max(1, hq * block_size * n_tok))
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        rows = torch.arange(lo * block_size, min(hi * block_size, n_tok), device=q.device)
-        logits = torch.matmul(q[:, :, rows].to(dtype), kk.transpose(-1, -2)) * scale
-        probs = torch.softmax(logits.masked_fill(cols[None, :] > rows[:, None], float("-inf")), -1).mean(1)
-        mass = block_sums(probs.transpose(1, 2), block_size).transpose(1, 2)  # [B, rows, n]
-        per_block = block_sums(mass, block_size)[:, : hi - lo]
-        out[:, lo:hi] = per_block / block_token_counts(n_tok, block_size, q.device)[lo:hi, None].to(dtype)
-    return out
-
-
-def hadamard_power(log_a: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``Â^α`` element-wise, from ``log Â`` (so that small entries lose no precision before ``exp``)."""
-    return torch.exp(alpha * log_a)
-
-
-def times_with_row(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Tensor,
-                   last: torch.Tensor) -> torch.Tensor:
-    """``x · M`` where ``M`` holds ``rows_cache[b, j]`` for ``j < last[b]`` and ``last_row[b]`` as row
-    ``last[b]`` (rows beyond it are never reached, by causality). ``x [B, n]``, ``rows_cache
-    [B, n, n]``, ``last_row [B, n]``, ``last [B]``."""
-    return times_with_rows(x[:, None], rows_cache, last_row[:, None], last[:, None])[:, 0]
-
-
-def times_with_rows(x: torch.Tensor, rows_cache: torch.Tensor, last_row: torch.Tensor,
-                    last: torch.Tensor) -> torch.Tensor:
-    """:func:`times_with_row` for ``Q`` rows per batch row, each with its own last row: ``x [B, Q, n]``,
-    ``rows_cache [B, n, n]``, ``last_row [B, Q, n]``, ``last [B, Q]``; row ``(b, j)`` is ``x[b, j] · M``
-    with ``M`` holding ``rows_cache[b]`` above row ``last[b, j]`` and ``last_row[b, j]`` as that row."""
-    cols = torch.arange(x.shape[-1], device=x.device)
-    before = torch.where(cols < last[..., None], x, 0.0)
-    at_last = x.gather(-1, last[..., None])
-    return torch.matmul(before, rows_cache) + at_last * last_row
-
-
-def normalize_rows(w: torch.Tensor) -> torch.Tensor:
-    """Each row divided by its maximum: exact for row-wise top-k (``D·W`` then ``·Ã`` ranks as ``W·Ã``)."""
-    return w / w.amax(-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
-
-
-def block_budget(rows: torch.Tensor, density: float, *, fixed_k: bool, n_blocks: int | torch.Tensor) -> torch.Tensor:
-    """Blocks kept by query block ``rows`` (any int tensor): ``max(2, ⌈ρ(i+1)⌉)`` or, with ``fixed_k``,
-    ``max(2, ⌈ρ·n_blocks⌉)``, never more than its ``i + 1`` causal blocks. ``n_blocks``: an int, or a
-    tensor shaped like ``rows`` (one context per row)."""
-    causal = rows.to(torch.float64) + 1
-    if not fixed_k:
-        base = causal
-    elif isinstance(n_blocks, torch.Tensor):
-        base = n_blocks.to(torch.float64).expand_as(causal)
-    else:
-        base = torch.full_like(causal, float(n_blocks))
-    # The 1e-9 keeps ρ·(i+1) that is an integer in exact arithmetic (0.7·10) from rounding up.
-    k = torch.clamp(torch.ceil(density * base - 1e-9), min=2)
-    return torch.minimum(k, causal).long()
-
-
-def max_block_budget(n_blocks: int, density: float, *, fixed_k: bool) -> int:
-    """The largest :func:`block_budget` over query blocks ``0..n_blocks-1`` (a host integer)."""
-    # block_budget's arithmetic on host floats (the same IEEE doubles), for the last query block
-    k = max(2.0, math.ceil(density * float(n_blocks) - 1e-9))
-    return int(min(k, float(n_blocks)))
-
-
-def select_blocks(scores: torch.Tensor, rows: torch.Tensor, budget: torch.Tensor,
-                  kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block 0, block ``rows`` and the top ``budget − 2`` of ``scores`` over blocks ``1..rows−1``.
-
-    ``scores [B, R, n]``, ``rows [B, R]``, ``budget [B, R]`` (≤ rows + 1), ``kmax`` ≥ every budget.
-    Returns ``(block_idx [B, R, kmax], counts [B, R])``: used entries ascending (so the diagonal is
-    last), padding entries 0.
-    """
-    b, r, n = scores.shape
-    cols = torch.arange(n, device=scores.device)
-    middle = (cols >= 1) & (cols < rows[..., None])
-    parts = [torch.zeros(b, r, 1, dtype=torch.long, device=scores.device)]
-    extra = min(kmax - 2, n)
-    if extra > 0:
-        top = torch.topk(torch.where(middle, scores, float("-inf")), extra, dim=-1).indices
-        used = torch.arange(extra, device=scores.device) < (budget - 2)[..., None]
-        parts.append(torch.where(used, top, n))
-    parts.append(torch.where(rows > 0, rows, n)[..., None])
-    chosen = torch.cat(parts, dim=-1).sort(dim=-1).values
-    if chosen.shape[-1] < kmax:
-        chosen = torch.nn.functional.pad(chosen, (0, kmax - chosen.shape[-1]), value=n)
-    valid = chosen < n
-    return torch.where(valid, chosen, 0)[..., :kmax], valid.sum(-1)
-
-
+VARIANTS = ("authors", "reconstruction")
+RECONSTRUCTION_ONLY = ("density", "sketch_dim", "alpha", "walk_power", "walk", "fixed_k", "logit_scale")
+AUTHORS_ONLY = ("walk_damping", "degree", "query_window", "sink", "window", "kblocks_frac", "hadamard_dim", "causal",
+                "dense_last_blocks")
 # -- config --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SketchWalkConfig(MethodConfig):
-    density: float = param(0.2, "ρ in (0, 1]: query block i keeps max(2, ⌈ρ(i+1)⌉) of its i+1 causal blocks")
+    variant: Literal["authors", "reconstruction"] = param(
+        "authors", "authors = the algorithm of the authors' released code (default); reconstruction = the earlier "
+                   "reconstruction from the paper's prose (density, sketch_dim, alpha, walk_power, walk, fixed_k, "
+                   "logit_scale are its parameters)")
+    density: float = param(0.2, "ρ in (0, 1]: query block i keeps max(2, ⌈ρ(i+1)⌉) of its i+1 causal blocks "
+                                "(variant=reconstruction)")
     block_size: int = param(64, "B: tokens per block (a power of two)")
+    walk_damping: float = param(0.25, "β in [0, 1] (variant=authors): the walk W ← (1 − β)·A + β·W·A; β = 0 is "
+                                      "the one-hop control")
+    degree: int = param(3, "walk steps per layer, ≥ 1 (variant=authors)")
+    query_window: int = param(32, "decode: the last queries pooled into a step's block row, ≥ 1 (variant=authors)")
+    sink: float = param(0.025, "sink: first max(1, ⌊sink·T⌋) keys of T, as whole blocks, in (0, 1) (variant=authors)")
+    window: float = param(0.05, "window: last max(1, ⌊window·T⌋) keys of T, as whole blocks ending at the query's, "
+                                "in (0, 1) (variant=authors)")
+    kblocks_frac: float = param(0.125, "keep the blocks whose walk score exceeds the 1 − kblocks_frac quantile of the "
+                                       "other causal blocks, in (0, 1) (variant=authors)")
+    hadamard_dim: int = param(128, "m: Hadamard sketch features, at most the head dim rounded up to a power of two "
+                                   "(variant=authors)")
+    causal: bool = param(False, "block scores softmaxed over the causal blocks only; the authors' code softmaxes "
+                                "over every block (variant=authors)")
+    dense_last_blocks: int = param(4, "prefill: the last query blocks that keep every block, ≥ 0 (variant=authors)")
     sketch_dim: int | None = param(
         None, "m: SRHT features per block sketch, at most the head dim (default: 64, or the head dim if smaller)")
     alpha: float = param(8.0, "α > 0: sparsity exponent of Ã = Â^α (an integer for walk_power=matrix)")
@@ -267,6 +131,31 @@ class SketchWalkConfig(MethodConfig):
                 "KV-head group's query heads; error if it cannot); reference")
 
     def __post_init__(self) -> None:
+        require_choice("variant", self.variant, VARIANTS)
+        require_fraction("walk_damping", self.walk_damping, low_open=False, high_open=False)
+        require_int("degree", self.degree, minimum=1)
+        require_int("query_window", self.query_window, minimum=1)
+        for name in ("sink", "window", "kblocks_frac"):
+            require_fraction(name, getattr(self, name))
+        require_int("hadamard_dim", self.hadamard_dim, minimum=1)
+        if not isinstance(self.causal, bool):
+            raise ValueError(f"causal: expected True or False, got {self.causal!r}")
+        require_int("dense_last_blocks", self.dense_last_blocks, minimum=0)
+        # A parameter of the other variant would be ignored: refuse it rather than run without it.
+        other = RECONSTRUCTION_ONLY if self.variant == "authors" else AUTHORS_ONLY
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in other:
+            if getattr(self, name) != defaults[name]:
+                owner = "reconstruction" if self.variant == "authors" else "authors"
+                raise ValueError(f"{name}: a parameter of variant={owner}, not of variant={self.variant}; set "
+                                 f"variant={owner} or leave {name} out")
+        if self.variant == "authors" and self.backend == "triton":
+            raise ValueError("backend: triton runs the kernels of variant=reconstruction; variant=authors has the "
+                             "torch reference only (use backend=auto or reference)")
+        if self.variant == "authors" and self.prefill_backend in ("flex", "triton"):
+            raise ValueError(f"prefill_backend: {self.prefill_backend} serves block lists (variant=reconstruction); "
+                             "variant=authors keeps token windows too and has the torch reference only "
+                             "(use prefill_backend=auto or reference)")
         d = self.density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 1:
             raise ValueError(f"density: expected a value in (0, 1], got {d!r}")
@@ -292,54 +181,14 @@ class SketchWalkConfig(MethodConfig):
         require_choice("prefill_backend", self.prefill_backend, PREFILL_BACKENDS)
 
 
-# -- per-layer decode state ------------------------------------------------------------------------------
-
-
-@dataclass
-class LayerSketch(MethodState):
-    """What one layer keeps for decode (one request): the head-averaged query of every token seen, sums
-    over blocks of head-averaged keys and queries, key sketches, and ``Â``/``Ã`` rows of completed blocks;
-    capacities in tokens and blocks.
-
-    A decode call recomputes its token's block (sums and sketch) from ``q_tok`` and the cache's keys
-    rather than adding to running sums: a repeated call, a rewound cache or a replayed CUDA graph
-    gives the same state as the first call, with nothing for the host to check. Blocks before the
-    token's are final (append-only cache); rows of ``Ã`` are written when their block completes."""
-
-    q_tok: torch.Tensor  # [B, cap_tokens, d] head-averaged queries (zero where not seen)
-    k_sum: torch.Tensor  # [B, cap, d]
-    q_sum: torch.Tensor  # [B, cap, d]
-    k_sketch: torch.Tensor  # [B, cap, m]
-    a_hat: torch.Tensor | None  # [B, cap, cap] rows of Â (walk_power=matrix only)
-    a_tilde: torch.Tensor  # [B, cap, cap] rows of Ã
-    has_history: bool  # True when the queries of every token since position 0 were seen
-
-    @property
-    def capacity(self) -> int:
-        return self.k_sum.shape[1]
-
-    def grow(self, n_blocks: int, n_tokens: int) -> None:
-        """Room for ``n_blocks`` blocks and ``n_tokens`` tokens (doubling: a decode loop grows rarely)."""
-        pad = torch.nn.functional.pad
-        if n_tokens > self.q_tok.shape[1]:
-            self.q_tok = pad(self.q_tok, (0, 0, 0, max(n_tokens, 2 * self.q_tok.shape[1]) - self.q_tok.shape[1]))
-        if n_blocks <= self.capacity:
-            return
-        extra = max(n_blocks, 2 * self.capacity) - self.capacity
-        self.k_sum = pad(self.k_sum, (0, 0, 0, extra))
-        self.q_sum = pad(self.q_sum, (0, 0, 0, extra))
-        self.k_sketch = pad(self.k_sketch, (0, 0, 0, extra))
-        self.a_tilde = pad(self.a_tilde, (0, extra, 0, extra))
-        if self.a_hat is not None:
-            self.a_hat = pad(self.a_hat, (0, extra, 0, extra))
-
-
 @dataclass
 class SketchWalkState(MethodState):
     """One layer's state for one request: its block sketches (None until a prompt or a decode step made
     them)."""
 
     sketch: LayerSketch | None = None
+    #: variant=authors: its running block matrix and query window (an ``AuthorsLayerState``)
+    authors: authors.AuthorsLayerState | None = None
 
 
 @dataclass
@@ -349,6 +198,8 @@ class WalkState(ForwardState):
 
     walk: torch.Tensor | None = None
     hops: int = 0
+    #: variant=authors: the sparse layers seen so far in this forward (each layer draws its own sketch)
+    layer: int = 0
 
 
 # -- the method -------------------------------------------------------------------------------------------
@@ -359,9 +210,10 @@ class SketchWalk(Method):
     name = "sketchwalk"
     config_class = SketchWalkConfig
     # The contract test's contexts are 100-300 keys: 16-key blocks make ρ = 0.3 actually sparse.
-    small_config = {"density": 0.3, "block_size": 16, "dense_layers": (0,)}
-    exact_config = {"density": 1.0}
-    exact_note = "density 1 keeps every causal block, so decode attends to every valid key"
+    small_config = {"block_size": 16, "dense_layers": (0,)}
+    # A window of all but half a key of the longest context covers every block of every row.
+    exact_config = {"window": lambda n_keys: 1 - 1 / (2 * n_keys)}
+    exact_note = "a window fraction that covers the context keeps every block, so decode attends to every valid key"
     prefix_only_note = "blocks are cache positions: left padding would shift every block boundary"
     # Q > 1 query rows per batch row (a question chunk) in one call: the torch selection for all rows,
     # each with its own walk (the fused selection serves one row per batch row).
@@ -371,7 +223,8 @@ class SketchWalk(Method):
     sparse_prefill = True
     observes_prefill = True
     cross_layer = True
-    summary = "Sketch&Walk: SRHT block sketches, a walk over layers, block-sparse prefill and decode"
+    summary = ("Sketch&Walk: Hadamard block sketches, a damped walk over layers, block-sparse prefill and decode "
+               "(the authors' code; variant=reconstruction for the earlier reading of the paper)")
 
     # -- shared pieces ----------------------------------------------------------------------------------
 
@@ -427,6 +280,127 @@ class SketchWalk(Method):
             return normalize_rows(times(previous))
         return normalize_rows(previous * a_tilde)
 
+    # -- variant=authors ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def _authors_phi(self, d: int, device: torch.device, dtype: torch.dtype, forward: WalkState | None
+                     ) -> torch.Tensor:
+        """This layer's sketch: one per sparse layer (the authors draw one per attention module), told apart by
+        the layer's rank among the sparse layers of the forward pass (counted in ``forward``)."""
+        ordinal = 0
+        if forward is not None:
+            ordinal = forward.layer
+            forward.layer = ordinal + 1
+        return authors.sketch_matrix(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
+                                     device=device, dtype=dtype)
+
+    def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
+        """Why a CUDA call asking for the automatic backend runs the torch reference."""
+        if device.type == "cuda" and backend == "auto":
+            return ("variant=authors: the Triton selection, decode and block-sparse kernels serve "
+                    "variant=reconstruction; the torch reference ran")
+        return None
+
+    def _prefill_authors(self, q, k, v, *, scale, state, context, sparse):
+        cfg = self.config
+        forward = context.forward if context.forward is not None else WalkState()
+        b, hq, n_tok, d = q.shape
+        dtype = self._compute_dtype(q.dtype)
+        bs = cfg.block_size
+        phi = self._authors_phi(d, q.device, dtype, forward)
+        a = authors.block_matrix(q, k, phi, bs, causal=cfg.causal, dtype=dtype)
+        state.authors = authors.AuthorsLayerState.from_prompt(phi, a, q, cfg.query_window)
+        if not sparse:
+            return None, None
+        n = a.shape[-1]
+        previous = forward.walk
+        if previous is not None and (previous.dim() != 3 or previous.shape[0] != b or previous.dtype != a.dtype):
+            previous = None  # another request's walk (a forward state reused): start anew
+        start = a if previous is None else authors.resized_walk(previous, n)
+        w = authors.damped_walk(a, start, a, cfg.walk_damping, cfg.degree)
+        forward.walk = w
+        forward.hops += 1
+        hops = forward.hops
+        sel = authors.prefill_selection(w, n_tok, block_size=bs, sink=cfg.sink, window=cfg.window,
+                                        kblocks_frac=cfg.kblocks_frac, dense_last_blocks=cfg.dense_last_blocks)
+        short = n <= cfg.dense_last_blocks
+        out, kept, touched = authors.prefill_attention(q, k, v, None if short else sel, block_size=bs,
+                                                       scale=scale if scale is not None else d ** -0.5, dtype=dtype)
+        extra: dict[str, Any] = {"phase": "prefill", "walk_hops": hops, "variant": "authors", "selection": "reference"}
+        reason = self._authors_backend_reason(q.device, cfg.prefill_backend)
+        if reason is not None:
+            extra["backend_reason"] = reason
+        if short:
+            extra["exact_reason"] = (f"{n} blocks: every query block is among the last dense_last_blocks="
+                                     f"{cfg.dense_last_blocks}, which keep every block")
+        return out.to(q.dtype), self._authors_prefill_stats(k, kept, touched, extra)
+
+    def _authors_prefill_stats(self, k: torch.Tensor, kept: torch.Tensor, touched: torch.Tensor,
+                               extra: dict[str, Any]) -> StepStats:
+        """``kept [B, N]`` keys of each query, ``touched [B, n, n]`` key blocks each query block reads."""
+        bs = self.config.block_size
+        b, hkv, n_tok, d = k.shape
+        n = touched.shape[-1]
+        causal_keys = torch.arange(1, n_tok + 1, device=k.device)
+        pairs = n_tok * (n_tok + 1) / 2
+        per_row = float(kept.to(torch.float64).sum(-1).mean()) / n_tok
+        density = float(kept.to(torch.float64).sum(-1).mean()) / pairs
+        blocks = touched.to(torch.float64).sum(-1)  # [B, n]
+        return StepStats(
+            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
+            density=density, kv_density=density,
+            bytes_read=int(blocks.sum(-1).mean() * bs * hkv * 2 * d * k.element_size()), backend="reference",
+            exact_rows=int((kept == causal_keys).all(-1).sum()),
+            extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
+                   "blocks_kept": float(blocks.mean())})
+
+    def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
+        """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
+        cfg = self.config
+        r_rows, hq, d = inputs.q.shape
+        dtype = self._compute_dtype(inputs.q.dtype)
+        dev = inputs.q.device
+        forward = inputs.context.forward
+        st = state.authors
+        phi = self._authors_phi(d, dev, dtype, forward)
+        if (not isinstance(st, authors.AuthorsLayerState) or st.queries.shape[:3] != (inputs.cache_batch, hq,
+                                                                                   cfg.query_window)
+                or st.phi.shape[1] != d or st.phi.dtype != dtype or st.phi.device != dev):
+            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, dtype)
+        state.authors = st
+        lengths = inputs.lengths.tolist()
+        n_tok = inputs.n_keys
+        scale = inputs.scale
+        outs, short = [], []
+        v_read = torch.zeros(r_rows, n_tok, dtype=torch.bool, device=dev)
+        block_share, blocks_kept = [], []
+        for r, length in enumerate(lengths):
+            res = authors.decode_row(
+                st, r // inputs.q_len, inputs.q[r], inputs.k[r, :, :length], inputs.v[r, :, :length],
+                block_size=cfg.block_size, beta=cfg.walk_damping, degree=cfg.degree, query_window=cfg.query_window,
+                sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, scale=scale, dtype=dtype)
+            outs.append(res.out)
+            v_read[r, :length] = res.kept_tokens
+            short.append(res.short)
+            kept = float(res.kept_blocks.sum())
+            blocks_kept.append(kept)
+            block_share.append(kept / res.kept_blocks.numel())
+        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "reference",
+                                 "block_density": sum(block_share) / r_rows, "blocks_kept": sum(blocks_kept) / r_rows}
+        reason = self._authors_backend_reason(dev, cfg.backend)
+        if reason is not None:
+            extra["backend_reason"] = reason
+        if any(short):
+            extra["exact_reason"] = (f"{sum(short)} of {r_rows} rows: a context whose every block is a sink or "
+                                     "window block keeps every block")
+        exact = int((v_read.sum(-1) == inputs.lengths.to(dev)).sum())
+        stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
+                           exact_rows=exact, extra=extra)
+        return torch.stack(outs).to(dtype), stats
+
     # -- prefill ----------------------------------------------------------------------------------------
 
     def prefill_selection_path(self, x: torch.Tensor, n_blocks: int) -> tuple[str, str | None]:
@@ -439,8 +413,8 @@ class SketchWalk(Method):
             return "reference", None
         if cfg.walk_power == "matrix":
             return "reference", "walk_power=matrix (the kernels compute the element-wise power)"
-        from ..kernels.shared.triton_utils import kernels_interpreted
-        from ..kernels.sketchwalk.prefill_select import unsupported_reason
+        from ...kernels.shared.triton_utils import kernels_interpreted
+        from ...kernels.sketchwalk.prefill_select import unsupported_reason
 
         reason = unsupported_reason(n_blocks, x.dtype)
         if reason is None and (x.device.type == "cuda") == kernels_interpreted():
@@ -457,7 +431,7 @@ class SketchWalk(Method):
         n = -(-n_tok // bs)
         phi = self._phi(d, q.device, dtype)
         if self.prefill_selection_path(q, n)[0] == "triton":
-            from ..kernels.sketchwalk import prefill_select as kernels
+            from ...kernels.sketchwalk import prefill_select as kernels
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
             return kernels.prefill_sketch(q, k, phi, block_size=bs, logit_scale=logit_scale, alpha=cfg.alpha)
@@ -478,7 +452,7 @@ class SketchWalk(Method):
         b, n, _ = a_tilde.shape
         kmax = max_block_budget(n, cfg.density, fixed_k=cfg.fixed_k)
         if self.prefill_selection_path(a_tilde, n)[0] == "triton" and a_tilde.dtype == torch.float32:
-            from ..kernels.sketchwalk import prefill_select as kernels
+            from ...kernels.sketchwalk import prefill_select as kernels
 
             mode = "one-hop" if cfg.walk == "oracle" else cfg.walk
             return kernels.prefill_select(a_tilde, previous, mode=mode, density=cfg.density, fixed_k=cfg.fixed_k,
@@ -497,6 +471,8 @@ class SketchWalk(Method):
             raise ValueError(f"k: sketchwalk's prefill takes a prompt without past keys (N = {k.shape[2]} keys "
                              f"for {n_tok} queries)")
         state = self.checked_state(state)
+        if cfg.variant == "authors":
+            return self._prefill_authors(q, k, v, scale=scale, state=state, context=context, sparse=sparse)
         sk = self.prefill_sketch(q, k)
         if sparse and cfg.walk == "oracle":
             sk = dict(sk, a_tilde_select=oracle_block_mass(q, k, scale or d ** -0.5, cfg.block_size))
@@ -571,6 +547,8 @@ class SketchWalk(Method):
         if inputs.lengths is None:
             raise ValueError("key_mask: sketchwalk needs each row's valid keys to be a prefix [0, length) "
                              "(blocks are positions); left padding is not supported")
+        if cfg.variant == "authors":
+            return self._decode_authors(inputs, state)
         b, hq, d = inputs.q.shape  # b: query rows (B·Q)
         chunk = inputs.q_len > 1
         n_tok, bs = inputs.n_keys, cfg.block_size
@@ -596,7 +574,7 @@ class SketchWalk(Method):
         # (matrix power) or dense attention (oracle) keep the torch selection before the kernel.
         fused = path == "triton" and cfg.walk_power == "hadamard" and cfg.walk != "oracle" and not chunk
         if fused:
-            from ..kernels.sketchwalk.decode import sketch_walk_select
+            from ...kernels.sketchwalk.decode import sketch_walk_select
 
             state.sketch = sk
             self._check_walk_history(previous, sk)
@@ -631,7 +609,7 @@ class SketchWalk(Method):
             return tokens, used & (tokens < length[:, None])
 
         if path == "triton":  # the blocks are pages of the weighted sparse kernel; lengths mask the partial one
-            from ..kernels.shared.weighted_triton import sparse_decode_triton
+            from ...kernels.shared.weighted_triton import sparse_decode_triton
 
             q, k, v, lens = kernel_operands(inputs)
             if pages is None:
