@@ -124,7 +124,7 @@ for spec in ("magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
     fast = kvsieve.method(spec) if on_gpu else kvsieve.method(spec + ",backend=triton")
     slow = kvsieve.method(spec + ",backend=reference")
     q_all, k, v = tensors(11, torch.bfloat16, q_len=6, n=212)
-    fs, ss = {{}}, {{}}
+    fs, ss = fast.new_state(), slow.new_state()
     for step in range(6):
         lens = torch.tensor([200 + step, 64 + step], device=device)
         n = 200 + step + 1

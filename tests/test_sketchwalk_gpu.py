@@ -157,8 +157,8 @@ def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
     n0 = 64 * 100 + 61
     (q, k, v), = _llama_layers(n0 + 3, 1, seed=1)
     m = kvsieve.method("sketchwalk:variant=reconstruction,density=0.1")
-    state = {}
-    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state,  sparse=True)
+    state = m.new_state()
+    m.prefill(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale=None, state=state, sparse=True)
     n = -(-(n0 + 3) // 64)
     g = torch.Generator(device="cuda").manual_seed(2)
     w_prev = torch.rand(1, n, device="cuda", generator=g)
