@@ -620,7 +620,7 @@ def test_bad_config_names_the_argument(spec, argument):
 def test_sketch_dim_larger_than_head_dim_is_rejected():
     q, k, v = prompt_qkv(n=64, d=32)
     with pytest.raises(ValueError, match="sketch_dim"):
-        kvsieve.method("sketchwalk:variant=reconstruction,sketch_dim=64").prefill(q, k, v, scale=None, state={},
+        kvsieve.method("sketchwalk:variant=reconstruction,sketch_dim=64").prefill(q, k, v, scale=None, state=None,
                                                                                   sparse=True)
 
 

@@ -6,7 +6,7 @@ import argparse
 import shlex
 import sys
 
-from ._help import DefaultsHelpFormatter
+from .help_format import DefaultsHelpFormatter
 
 
 def _csv(text: str) -> list[str]:

@@ -7,7 +7,7 @@ import copy
 import time
 from pathlib import Path
 
-from ._help import DefaultsHelpFormatter
+from .help_format import DefaultsHelpFormatter
 
 
 def register(sub: argparse._SubParsersAction) -> None:
