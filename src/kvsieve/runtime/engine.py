@@ -95,8 +95,8 @@ class DecodeRuntime:
     method's own sparse prefill, for a method that declares ``sparse_prefill``; its state from the
     prompt — Sketch&Walk's block sketches — is the state its decode steps start from), or the spec of
     a method with a sparse prefill (its prefill, then ``method`` in the decode steps, e.g.
-    ``DecodeRuntime(model, "dense", prefill="sketchwalk:variant=reconstruction,density=0.1", ...)``). The sparse prefill runs
-    on every layer except ``dense_layers`` and the layers the method keeps exact (sketchwalk's
+    ``DecodeRuntime(model, "dense", prefill="sketchwalk:variant=reconstruction,density=0.1", ...)``). The
+    sparse prefill runs on every layer except ``dense_layers`` and the layers the method keeps exact (sketchwalk's
     ``dense_layers``), one forward per row; chunked prefill stays exact-only.
 
     Both are served through a :class:`~kvsieve.driver.LayerDriver`, as ``kvsieve.sparsify`` serves them:
