@@ -258,7 +258,7 @@ print("OK")
 LSH = """
 import torch
 from kvsieve.kernels.magicpig.lsh_triton import LshCodes
-from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
+from kvsieve.methods.magicpig import KeyCodes, MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(0)
 k = torch.randn(2, 2, 140, 64, generator=g)
@@ -278,12 +278,12 @@ for transform in ("mips", "center"):
         if transform == "mips":
             m = kv.norm(dim=-1).amax(-1)
             torch.testing.assert_close(codes.norm_max, m)
-            const = {{"norm_max": m}}
+            const = KeyCodes(n=0, proj=codes.proj, codes=codes.proj, norm_max=m)
             if step:
                 grew = (codes.lo == 0) & (done > 0)
                 assert grew.tolist() == ([[False, False], [step == 3, False]]), (step, codes.lo)
         else:
-            const = {{"mean": codes.mean}}
+            const = KeyCodes(n=0, proj=codes.proj, codes=codes.proj, mean=codes.mean)
             # the first call's middle keys: neither the 3 sink nor the 5 window keys of each row
             first = torch.stack([kk[0, :, 3:95].mean(1), kk[1, :, 3:55].mean(1)])
             torch.testing.assert_close(codes.mean, first, rtol=1e-6, atol=1e-6)
@@ -475,7 +475,7 @@ LSH_SPLIT = """
 # key dots, cut over 1..528 programs: the same marks and counts as torch's codes, the same dots per entry
 import torch
 from kvsieve.kernels.magicpig.lsh_triton import LshCodes, key_dots_triton, retrieve_triton
-from kvsieve.methods.magicpig import MagicPigConfig, _codes, _KeyHashes
+from kvsieve.methods.magicpig import KeyCodes, MagicPigConfig, _codes, _KeyHashes
 
 g = torch.Generator().manual_seed(3)
 for (b, hq, hkv, n, d, bits, tables, transform, dtype, t) in [

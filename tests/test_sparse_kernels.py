@@ -112,7 +112,7 @@ def test_quest_select_picks_the_reference_methods_pages():
         lens = torch.tensor([300, 170])
         m = kvsieve.method(f"quest:top_k=40,page_size=16,sink=8,window=24,share_kv_group={share}")
         inputs = check_decode_inputs(q, k, v, lengths=lens)
-        chosen = m.select(inputs, None, {}).chosen
+        chosen = m.select(inputs, None, m.new_state()).chosen
         want = chosen.to_heads(8).mark(300)
         kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)
         pages, counts = quest_pages.quest_select(q, kmin, kmax, lens, page_size=16, sink=8, window=24,
@@ -194,7 +194,7 @@ def test_topk_select_picks_the_reference_methods_keys():
         q, k, v = _qkv(2, 8, 2, 200, 16, seed, torch.float32)
         lens = torch.tensor([200, 90])
         m = kvsieve.method(f"oracle-topk:top_k=30,sink=4,window=16,share_kv_group={share}")
-        want = m.select(check_decode_inputs(q, k, v, lengths=lens), None, {}).chosen.to_heads(8).mark(200)
+        want = m.select(check_decode_inputs(q, k, v, lengths=lens), None, m.new_state()).chosen.to_heads(8).mark(200)
         idx, counts = topk_select(q, k, lens, sink=4, window=16, size=30, max_k=30,
                                   share_kv_group=share, scores="reference")
         got = torch.zeros(2, idx.shape[1], 200, dtype=torch.bool)

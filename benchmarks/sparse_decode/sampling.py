@@ -92,7 +92,7 @@ def method_calls(spec: str, x, step: torch.Tensor) -> dict:
         return m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), sel_state).rest.indices
 
     inputs = check_decode_inputs(x.q, x.k, x.v, lengths=x.lens, check_finite=False)
-    st = m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), {})
+    st = m.kernel_stages(inputs, m.kernel_row_streams(inputs, key), m.new_state())
     rest = st.rest
     cfg = m.config
     plan = kernel_plan(st)  # the split the kernel path asks for
