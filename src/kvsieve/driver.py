@@ -136,8 +136,6 @@ class LayerDriver:
         bad = sorted(i for i in dense if not 0 <= i < n_layers)
         if bad:
             raise ValueError(f"dense_layers: layers {bad} do not exist; the model has layers 0..{n_layers - 1}")
-        self.n_layers = n_layers
-        self.dense_layers = dense
         self.exact_layers = dense | self.method.exact_layers(n_layers, max_positions)
         self.seed, self.capacity = seed, capacity
         self.request = 0
@@ -158,10 +156,6 @@ class LayerDriver:
     def records_prompt(self) -> bool:
         """The method's decode starts from what it recorded of the prompt's forward."""
         return self.method.observes_prefill
-
-    @property
-    def graph_capturable(self) -> bool:
-        return self.method.graph_capturable
 
     def serves(self, layer: int) -> bool:
         """Whether the method runs on ``layer`` (it is not kept exact)."""
