@@ -1,7 +1,8 @@
 """The layer driver: how one method is served in the attention layers of one model, whoever runs the model.
 
 ``kvsieve.sparsify`` (transformers' own forward and cache), the decode runtime (a cache kvsieve owns,
-the step captured in a CUDA graph) and the evaluation harness (through ``sparsify``) plumb the model;
+the step captured in a CUDA graph) and the evaluation harness (through ``sparsify``, or the runtime for
+setup A on CUDA) plumb the model;
 this module is the one place that knows how a method is served there. Per request and layer it owns
 
 - the method's typed state (``Method.new_state()``), made on first use, dropped when a request ends

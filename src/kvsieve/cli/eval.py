@@ -69,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu",
                    help="where the model runs: 'cpu' (default), 'cuda' or 'cuda:<index>'. Part of the folder's "
                    "settings: CPU and CUDA samplers draw different random streams")
+    p.add_argument("--engine", default="auto", choices=("auto", "sparsify", "runtime"),
+                   help="what generates the answers: sparsify (transformers' forward with the method attached), "
+                   "runtime (kvsieve.generate: serves --phase decode) or auto (the runtime on CUDA under --phase "
+                   "decode, sparsify otherwise). Part of the folder's settings")
     p.add_argument("--workers", type=int, default=1,
                    help="processes evaluating prompts in parallel, each with its own model copy (default 1; "
                    "with several GPUs and --device cuda, worker i uses GPU i mod count)")
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         samples=args.samples, output=args.output, model=args.model, phase=args.phase, seed=args.seed,
         dense_layers=tuple(_ints("dense-layers", args.dense_layers)), track_error=args.track_error,
         max_new_tokens=args.max_new_tokens, teacher_forced=not args.no_teacher_forced,
-        stop_when_solved=not args.no_stop_when_solved, device=args.device,
+        stop_when_solved=not args.no_stop_when_solved, device=args.device, engine=args.engine,
     ))
     from ..eval.runner import check_lengths, check_model_name
     from ..integrations.models import load_config

@@ -53,7 +53,7 @@ DATABASE = "cells.sqlite"
 ARCHIVE = DATABASE + ".gz"  # a finished folder's database, compressed: read-only
 CELL_FILES = "cells"  # the per-cell JSON files of format version 1
 # Settings added after folders had been written, with the value those folders implicitly used.
-SETTINGS_ADDED_LATER = {"device": "cpu"}
+SETTINGS_ADDED_LATER = {"device": "cpu", "engine": "sparsify"}
 KEY_FIELDS = ("task", "length", "sample", "method")
 NULL_FIELDS = "null_fields"
 # Parallel workers wait for each other's (millisecond) commits; a minute means something is stuck.
