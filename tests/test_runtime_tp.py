@@ -46,6 +46,15 @@ def _rank(rank, size, path, ids, out):
         rt.prefill(list(ids))
         res["keys"] = [layer.keys.clone() for layer in rt.cache.layers]
         res["cache_bytes"] = rt.stats.cache_bytes
+    # the benchmark's builder: random shards made on each rank from transformers' plan, no checkpoint
+    from kvsieve.bench.e2e_tp import build_sharded_model, collectives
+
+    built = build_sharded_model("tiny-llama", size, device="cpu", dtype=torch.float32, seed=5)
+    res["built_state"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                          for k, v in built.state_dict().items()}
+    res["built_local_k"] = tuple(built.model.layers[0].self_attn.k_proj.weight.to_local().shape)
+    res["built_tokens"] = generate(built, ids, "dense", max_new_tokens=NEW).tokens
+    res["collectives"] = collectives(built, 2, iters=3)
     try:  # a rank that asks for another seed: every rank gets the error, none waits forever
         generate(model, ids, "dense", max_new_tokens=2, seed=rank)
         res["disagree"] = None
@@ -82,6 +91,23 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         for layer, keys in enumerate(res["keys"]):
             assert keys.shape == (2, 1, 42, 16)
             torch.testing.assert_close(keys[:, :, :40], full[layer][:, r:r + 1, :40], rtol=1e-5, atol=1e-5)
+
+    # the sharded random build is one consistent model: its gathered weights give the same tokens in one process
+    from kvsieve.bench.e2e_tp import shape_config
+
+    assert ranks[0]["built_local_k"] == (16 * 1, 64)  # tiny-llama: 2 KV heads of 16 over 2 ranks
+    for k, v in ranks[0]["built_state"].items():
+        torch.testing.assert_close(v, ranks[1]["built_state"][k])
+    import transformers as tf
+
+    whole = tf.LlamaForCausalLM(shape_config("tiny-llama")).eval()
+    whole.load_state_dict(ranks[0]["built_state"], strict=False)
+    missing = {n for n, _ in whole.named_parameters()} - set(ranks[0]["built_state"])
+    assert not missing
+    assert ranks[0]["built_tokens"].tolist() == ranks[1]["built_tokens"].tolist()
+    assert generate(whole, ids, "dense", max_new_tokens=NEW).tokens.tolist() == ranks[0]["built_tokens"].tolist()
+    comm = ranks[0]["collectives"]
+    assert comm["all_reduces"] == 5 and comm["collective_ms"] > 0 and len(comm["collective_ms_by_rank"]) == 2
 
     for res in ranks:
         assert res["disagree"] is not None and "the tensor-parallel ranks disagree" in res["disagree"]
@@ -126,3 +152,38 @@ def test_methods_that_cannot_run_on_local_heads_are_refused():
     with pytest.raises(ValueError, match="compile_ops: True is not served on a tensor-parallel model"):
         tp.compile_ops(True, torch.device("cpu"))
     assert spec_of(" dense ") == "dense" and spec_of(method("quest")) == method("quest").spec and spec_of(None) is None
+
+
+def test_bench_e2e_tp_runs_every_variant_on_two_cpu_ranks():
+    from kvsieve.bench.e2e_tp import markdown, run_tp_bench
+
+    results = run_tp_bench(shape="tiny-llama", tp=2, cases=[(1, 48)], methods=("streaming:sink=4,window=8",),
+                           device="cpu", steps=2, method_steps=2, warmup=1, hf_steps=2, dtype=torch.float32)
+    rows = {r["variant"]: r for r in results["rows"]}
+    assert set(rows) == {"runtime", "streaming:sink=4,window=8", "hf-eager"}
+    for r in rows.values():
+        assert r["ms"] > 0 and len(r["ms_by_rank"]) == 2 and r["collective_ms"] > 0 and r["tp"] == 2
+    # each rank reads its own shard: 2 layers of (4 + 2 + 2 + 4) heads × 16 × 64 attention + 3 × 64 × 128 MLP floats
+    # over 2 ranks, and half the lm_head, plus the replicated norms
+    per_rank = (2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) // 2 + 256 * 64 // 2 + 5 * 64) * 4
+    assert rows["runtime"]["weights_bytes"] == per_rank
+    assert rows["runtime"]["tp_stats"]["kv_heads"] == 1 and rows["runtime"]["graph"] is False
+    assert rows["streaming:sink=4,window=8"]["density"] < 1
+    assert "| tiny-llama | 2 | 1 | 48 | runtime |" in markdown(results, "kvsieve bench e2e --tp 2")
+
+
+def test_bench_e2e_tp_bad_input(capsys):
+    from kvsieve.bench.e2e_tp import run_tp_bench
+    from kvsieve.cli.main import main
+
+    with pytest.raises(ValueError, match="tp: llama-3.1-8b has 32 attention heads, not a multiple of --tp 3"):
+        run_tp_bench(shape="llama-3.1-8b", tp=3, device="cpu")
+    with pytest.raises(ValueError, match="tp: llama-3.1-70b has 8 key value heads, not a multiple of --tp 16"):
+        run_tp_bench(shape="llama-3.1-70b", tp=16, device="cpu")
+    with pytest.raises(ValueError, match="tp: expected an integer >= 2"):
+        run_tp_bench(shape="tiny-llama", tp=1, device="cpu")
+    assert main(["bench", "e2e", "--tp", "2", "--shapes", "smollm2-135m"]) == 2
+    assert "--shapes: --tp runs one shape of" in capsys.readouterr().err
+    if torch.cuda.device_count() < 8:
+        assert main(["bench", "e2e", "--tp", "8", "--shapes", "llama-3.1-70b"]) == 2
+        assert "--tp: 8 ranks need 8 GPUs (one each)" in capsys.readouterr().err
