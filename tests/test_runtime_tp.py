@@ -16,12 +16,13 @@ SPECS = ("dense", "streaming:sink=4,window=8", "quest:top_k=16,sink=4,window=8,p
 NEW = 6
 
 
-def tiny_llama(seed=0):
+def tiny_llama(seed=0, **overrides):
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+    cfg = tf.LlamaConfig(**{**kw, **overrides})
     torch.manual_seed(seed)
     return tf.LlamaForCausalLM(cfg).eval()
 
@@ -187,3 +188,46 @@ def test_bench_e2e_tp_bad_input(capsys):
     if torch.cuda.device_count() < 8:
         assert main(["bench", "e2e", "--tp", "8", "--shapes", "llama-3.1-70b"]) == 2
         assert "--tp: 8 ranks need 8 GPUs (one each)" in capsys.readouterr().err
+
+
+# -- GPU: NCCL, the step captured in a CUDA graph per rank --------------------------------------------
+
+GPU_SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+GPU_SPECS = ("dense", "quest:top_k=0.05,sink=16,window=64", "streaming:sink=16,window=256")
+
+
+def _rank_gpu(rank, size, path, rows, out):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=size),
+                                                 dtype=torch.float32).eval()
+    rows = [r.to(f"cuda:{rank}") for r in rows]
+    res = {}
+    for spec in GPU_SPECS:
+        r = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
+        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp)
+    res["sampled"] = generate(model, rows, "dense", max_new_tokens=24, graph=True, do_sample=True, seed=3,
+                              eos_token_id=None).tokens
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.gpu
+def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model = tiny_llama(**GPU_SHAPE)  # float32: no argmax tie between a sharded and a whole matmul
+    model.save_pretrained(tmp_path / "model")
+    rows = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in (1500, 700)]
+    launch(_rank_gpu, 2, str(tmp_path / "model"), rows, str(tmp_path), backend="nccl")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = model.to("cuda:0")
+    rows = [r.to("cuda:0") for r in rows]
+    for spec in GPU_SPECS:
+        ref = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
+        for r, res in enumerate(ranks):
+            tokens, graph, backend, tp = res[spec]
+            assert graph and backend == ref.stats.attention_backend and tp["backend"] == "nccl", (spec, r)
+            assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
+    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
