@@ -162,9 +162,9 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
-    mine = torch.tensor([times[len(times) // 2]], dtype=torch.float64)
+    mine = torch.tensor([times[len(times) // 2]], dtype=torch.float64, device=device)  # NCCL gathers device tensors
     everyone = [torch.zeros_like(mine) for _ in range(size)]
-    dist.all_gather(everyone, mine.to(device) if cuda else mine, group=group)
+    dist.all_gather(everyone, mine, group=group)
     per_rank = [float(t) for t in everyone]
     return {"collective_ms": max(per_rank), "collective_ms_by_rank": per_rank, "all_reduces": n_reduce,
             "all_gathers": 1, "collective_graph": graph, "collective_bytes": n_reduce * hidden.nbytes + gathered.nbytes}
@@ -254,7 +254,8 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
               dtype=dtype, device=device, graph=graph)
     with mp.Manager() as manager:
         out = manager.dict()
-        launch(_rank_bench, tp, kw, out, backend="nccl" if device == "cuda" else "gloo")
+        # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
+        launch(_rank_bench, tp, kw, out, backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
         got = dict(out)
     return {
         "kind": "e2e-tp",

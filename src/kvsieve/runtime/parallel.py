@@ -203,8 +203,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, size: int, port: int, backend: str, fn, args: tuple) -> None:
+def _rank_main(rank: int, size: int, port: int, backend: str, timeout_s: float, fn, args: tuple) -> None:
     import os
+    from datetime import timedelta
 
     import torch.distributed as dist
 
@@ -213,7 +214,7 @@ def _rank_main(rank: int, size: int, port: int, backend: str, fn, args: tuple) -
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend=backend, rank=rank, world_size=size,
+    dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
                             device_id=torch.device("cuda", rank) if backend == "nccl" else None)
     try:
         fn(rank, size, *args)
@@ -221,11 +222,12 @@ def _rank_main(rank: int, size: int, port: int, backend: str, fn, args: tuple) -
         dist.destroy_process_group()
 
 
-def launch(fn, size: int, *args: Any, backend: str = "gloo") -> None:
+def launch(fn, size: int, *args: Any, backend: str = "gloo", timeout_s: float = 600.0) -> None:
     """Run ``fn(rank, size, *args)`` in ``size`` new processes on this host, each a rank of one
     ``torch.distributed`` group (``backend``: gloo on the CPU, nccl with one GPU per rank), as ``torchrun
     --nproc-per-node size`` would. ``fn`` must be importable by name (spawned processes import it).
-    An exception in any rank is raised here once every rank has ended."""
+    An exception in any rank is raised here (``torch.multiprocessing.spawn`` then ends the others); a
+    collective waits at most ``timeout_s`` seconds for the other ranks."""
     import torch.multiprocessing as mp
 
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -234,4 +236,4 @@ def launch(fn, size: int, *args: Any, backend: str = "gloo") -> None:
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     if backend == "nccl" and size > torch.cuda.device_count():
         raise ValueError(f"tp: {size} ranks need {size} GPUs, {torch.cuda.device_count()} visible")
-    mp.spawn(_rank_main, args=(size, free_port(), backend, fn, args), nprocs=size, join=True)
+    mp.spawn(_rank_main, args=(size, free_port(), backend, timeout_s, fn, args), nprocs=size, join=True)
