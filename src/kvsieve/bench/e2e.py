@@ -79,14 +79,17 @@ def build_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch
 def weights_read_per_step(model) -> int:
     """Bytes of weights a decode step reads: every parameter once, except an untied input embedding
     (a step reads B of its rows)."""
+    def local(p):  # a tensor-parallel rank reads its own shard
+        return p.to_local() if hasattr(p, "to_local") else p
+
     seen, total = set(), 0
     inp = model.get_input_embeddings().weight
-    tied = inp.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    tied = local(inp).data_ptr() == local(model.get_output_embeddings().weight).data_ptr()
     for p in model.parameters():
-        if p.data_ptr() in seen or (p is inp and not tied):
+        if local(p).data_ptr() in seen or (p is inp and not tied):
             continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+        seen.add(local(p).data_ptr())
+        total += local(p).numel() * local(p).element_size()
     return total
 
 
@@ -176,7 +179,8 @@ def _kv_bytes_dense(rt, keys: float) -> float:
     """K and V bytes of ``keys`` valid keys (summed over rows) in every layer."""
     s = rt.shape
     elt = torch.finfo(rt.dtype).bits // 8
-    return keys * s.kv_heads * 2 * s.head_dim * elt * s.layers
+    kv_heads = rt.tp.kv_heads if rt.tp is not None else s.kv_heads  # a tensor-parallel rank's own heads
+    return keys * kv_heads * 2 * s.head_dim * elt * s.layers
 
 
 def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequence[int] = (32768, 131072),
@@ -244,11 +248,11 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
     return results
 
 
-def _start_variant(rt, variant: str, warmup: int, prompts) -> None:
+def _start_variant(rt, variant: str, warmup: int, prompts, graph: bool | str = "auto") -> None:
     """The runtime set to ``variant`` (``runtime`` = dense), back to just after prefill, ``warmup`` steps run
     (the first captures the step). A method whose decode starts from its record of the prompt (Sketch&Walk's
     sketches) sees the prompts again: an exact prefill with it in place, not timed here."""
-    rt.set_method("dense" if variant == "runtime" else variant)
+    rt.set_method("dense" if variant == "runtime" else variant, graph=graph)
     if rt.records_prompt:
         rt.prefill(prompts)
     rt.rewind()
@@ -257,8 +261,9 @@ def _start_variant(rt, variant: str, warmup: int, prompts) -> None:
 
 
 def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict, prefill_chunk, cuda: bool,
-              log) -> list[dict]:
-    """The rows of one (shape, batch, N): one prefill, every runtime variant, then hf-eager."""
+              log, graph: bool | str = "auto") -> list[dict]:
+    """The rows of one (shape, batch, N): one prefill, every runtime variant, then hf-eager. On a
+    tensor-parallel model (``bench/e2e_tp.py``) every rank runs it, with its own heads' cache."""
     from ..runtime import DecodeRuntime
 
     batch, n, cfg = base["batch"], base["n"], model.config
@@ -266,7 +271,8 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
     new = 1 + warmup + max(steps, method_steps, hf_steps) + HOST_STEPS + BREAKDOWN_STEPS + 1
     if n + new > cfg.max_position_embeddings:
         return [{**base, "variant": "*", "skipped": f"context {n} + {new} > the shape's {cfg.max_position_embeddings}"}]
-    kv_per_key = cfg.num_key_value_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 2 * cfg.num_hidden_layers
+    kv_heads = cfg.num_key_value_heads // (getattr(model, "_tp_size", None) or 1)  # this rank's
+    kv_per_key = kv_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 2 * cfg.num_hidden_layers
     if cuda:
         free, _ = torch.cuda.mem_get_info()
         kv = batch * (n + new) * kv_per_key
@@ -279,7 +285,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
     case_rows = []
     rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + new, max_new_tokens=new,
-                       eos_token_id=[], graph="auto", prefill_chunk=prefill_chunk)
+                       eos_token_id=[], graph=graph, prefill_chunk=prefill_chunk)
     with rt:
         rt.prefill(prompts)
         log(f"{base}: prefill {rt.stats.prefill_s:.1f} s")
@@ -287,7 +293,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
         for variant in variants:
             row = {**base, "variant": variant}
             try:
-                _start_variant(rt, variant, warmup, prompts)
+                _start_variant(rt, variant, warmup, prompts, graph)
                 n_steps = steps if rt.use_graph else method_steps
                 rt.stats.log.clear()
                 # valid keys summed over rows, averaged over the timed steps
@@ -306,7 +312,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                     row.update(host_ms(rt.step), host_after_profiler=_PROFILED["done"])
                 row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                            attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
-                           fallbacks=list(rt.stats.fallbacks))
+                           fallbacks=list(rt.stats.fallbacks), **({"tp_stats": rt.stats.tp} if rt.stats.tp else {}))
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             case_rows.append(row)
@@ -316,7 +322,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 if "error" in row:
                     continue
                 try:
-                    _start_variant(rt, row["variant"], warmup, prompts)
+                    _start_variant(rt, row["variant"], warmup, prompts, graph)
                     row["breakdown"] = kernel_breakdown(rt.step)
                 except Exception as exc:  # noqa: BLE001 - the breakdown is optional
                     row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]

@@ -63,6 +63,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--ttft-repeats", type=int, default=3, help="--ttft: timed prefills per variant (the median)")
     e.add_argument("--ttft-warmup", type=int, default=1,
                    help="--ttft: untimed prefills per variant first (they compile FlexAttention for the shape)")
+    e.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: the command launches one process per GPU (NCCL), each building its "
+                        "shard of the shape with random weights (bench/e2e_tp.py); one shape, also llama-3.1-70b")
+    e.add_argument("--graph", default="auto", choices=("auto", "off"),
+                   help="--tp: capture the decode step in a CUDA graph where the method allows (auto) or run eagerly")
     e.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
     e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e, or -ttft with --ttft)")
     e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
@@ -122,6 +127,8 @@ def run_e2e(args: argparse.Namespace) -> int:
     from ..bench import e2e
     from ..bench.e2e import BASELINES, MODEL_SHAPES, markdown, write_results
 
+    if args.tp != 1:
+        return run_e2e_tp(args)
     shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
     for s in shapes:
         if s not in MODEL_SHAPES:
@@ -167,6 +174,46 @@ def run_e2e(args: argparse.Namespace) -> int:
                                     checkpoint=save, **sizes)
     paths = write_results(results, Path(args.out), stem, command)
     print(markdown(results, command))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def run_e2e_tp(args: argparse.Namespace) -> int:
+    """``kvsieve bench e2e --tp N``: one shape sharded over N GPUs (bench/e2e_tp.py)."""
+    import torch
+
+    from ..bench import e2e_tp
+
+    if args.tp < 2:
+        raise ValueError(f"--tp: expected an integer >= 2 (1 = one GPU, without --tp), got {args.tp}")
+    if args.ttft:
+        raise ValueError("--ttft: not with --tp (the tensor-parallel bench times decode steps)")
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    if len(shapes) != 1 or shapes[0] not in e2e_tp.TP_SHAPES:
+        raise ValueError(f"--shapes: --tp runs one shape of {', '.join(e2e_tp.TP_SHAPES)}, got {args.shapes!r}")
+    methods = ("quest:top_k=0.05",) if args.methods is None else tuple(
+        m.strip() for m in args.methods.split(";") if m.strip())
+    import kvsieve
+
+    for m in methods:
+        kvsieve.method(m)  # a bad spec fails before any rank starts
+    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    cases = parse_cases(args.cases) if args.cases else tuple(
+        (b, n) for b in parse_sizes(args.batches) for n in parse_sizes(args.contexts))
+    if torch.cuda.device_count() < args.tp:
+        print(f"--tp: {args.tp} ranks need {args.tp} GPUs (one each), {torch.cuda.device_count()} visible",
+              file=sys.stderr)
+        return 2
+    results = e2e_tp.run_tp_bench(shape=shapes[0], tp=args.tp, cases=cases, methods=methods, baselines=baselines,
+                                  steps=args.steps, method_steps=args.method_steps, hf_steps=args.hf_steps,
+                                  warmup=args.warmup, graph="auto" if args.graph == "auto" else False)
+    device = (results["device"] or "").lower()
+    tag = "h100" if "h100" in device else "h200" if "h200" in device else (device.split() or ["gpu"])[-1]
+    stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-e2e-tp{args.tp}"
+    command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    paths = e2e_tp.write_results(results, Path(args.out), stem, command)
+    print(e2e_tp.markdown(results, command))
     for path in paths:
         print(f"wrote {path}")
     return 0

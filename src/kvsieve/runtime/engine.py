@@ -39,6 +39,7 @@ from ..integrations.hf import attention_modules
 from ..integrations.models import cache_argument
 from .cache import RuntimeCache
 from .compiled import CompiledOps
+from .parallel import TensorParallel, spec_of, tensor_parallel
 from .sampling import SamplingConfig, choose_tokens, mix32
 from .stats import GenerateResult, RuntimeStats
 from .support import ModelShape, check_model, text_config
@@ -126,6 +127,14 @@ class DecodeRuntime:
         self.model = model
         self.sampling = sampling or SamplingConfig()
         self.shape: ModelShape = check_model(model, capacity)
+        # a model sharded by transformers' tensor-parallel plan: this rank's heads (runtime/parallel.py)
+        self.tp: TensorParallel | None = tensor_parallel(model, self.shape)
+        if self.tp is not None:  # before anything a rank could refuse alone: a disagreement must not hang
+            self.tp.agree(method=spec_of(method), prefill=spec_of(prefill), seed=seed, sampling=self.sampling,
+                          batch=batch_size, capacity=capacity, max_new_tokens=max_new_tokens, graph=graph,
+                          dense_layers=sorted(int(i) for i in dense_layers), attention_backend=attention_backend,
+                          compile_ops=compile_ops, prefill_chunk=prefill_chunk)
+            compile_ops = self.tp.compile_ops(compile_ops, next(model.parameters()).device)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.batch, self.capacity, self.max_new = batch_size, capacity, max_new_tokens
@@ -149,8 +158,9 @@ class DecodeRuntime:
 
         dev, b = self.device, batch_size
         head_dim = self.shape.head_dim
+        kv_heads = self.tp.kv_heads if self.tp else self.shape.kv_heads  # a tensor-parallel rank caches its own
         self.cache = RuntimeCache(text_config(model), batch=b, capacity=capacity, dtype=self.dtype, device=dev,
-                                  kv_heads=self.shape.kv_heads, k_dim=head_dim, v_dim=head_dim, n_layers=n_layers)
+                                  kv_heads=kv_heads, k_dim=head_dim, v_dim=head_dim, n_layers=n_layers)
         # static buffers of the decode step (their addresses are what a captured graph reads)
         self.position_ids = self.cache.positions.view(b, 1)
         self.lengths64 = torch.ones(b, dtype=torch.int64, device=dev)
@@ -190,6 +200,8 @@ class DecodeRuntime:
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks,
                                   dense_decode_layers=sorted(self.decode_dense_layers), log=self.driver.log)
+        if self.tp is not None:
+            self.stats.tp = self.tp.as_dict(*self._method_specs())
 
     @property
     def method(self) -> Method:
@@ -211,14 +223,19 @@ class DecodeRuntime:
 
     def _new_driver(self, method: str | Method) -> LayerDriver:
         max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
-        return LayerDriver(method, n_layers=len(self.modules), dense_layers=self.dense_layers, seed=self.seed,
-                           max_positions=max_positions, capacity=self.capacity, model=self.model)
+        driver = LayerDriver(method, n_layers=len(self.modules), dense_layers=self.dense_layers, seed=self.seed,
+                             max_positions=max_positions, capacity=self.capacity, model=self.model)
+        if self.tp is not None:
+            self.tp.check_method(driver.method)
+        return driver
 
     def set_method(self, method: str | Method, graph: bool | str = "auto", prefill: str | Method | None = None) -> None:
         """Serve later decode steps with another method (the prefilled cache stays; benchmarks use this
         with ``rewind``): drops the captured graph and every layer's method state (the new method has
         not seen the prompt: a prefill records it again). ``prefill`` (default: keep the current choice,
         checked against the new method) is the next ``prefill()``'s mode."""
+        if self.tp is not None:
+            self.tp.agree(method=spec_of(method), prefill=spec_of(prefill), graph=graph)
         previous, previous_prefill = self.driver, self.prefill_choice
         self.driver = self._new_driver(method)
         try:
@@ -235,6 +252,11 @@ class DecodeRuntime:
         self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
         self.stats.dense_decode_layers = sorted(self.decode_dense_layers)
         self.stats.log = self.driver.log
+        if self.tp is not None:
+            self.stats.tp = self.tp.as_dict(*self._method_specs())
+
+    def _method_specs(self) -> list[str]:
+        return [self.method.spec] + ([self.prefill_driver.method.spec] if self.prefill_driver else [])
 
     def _set_prefill(self, prefill: str | Method) -> None:
         """Check and record the prefill choice (see the class docstring); every refusal names ``prefill``."""

@@ -41,6 +41,8 @@ class RuntimeStats:
     # layers the decode steps serve with the runtime's dense decode: the runtime's dense_layers and the
     # layers the method keeps exact (sketchwalk's dense_layers); the method runs (and records) on the others
     dense_decode_layers: list[int] = field(default_factory=list)
+    # a tensor-parallel run (runtime/parallel.py): ranks, this rank's heads, the plan, what sharding changed
+    tp: dict[str, Any] | None = None
     log: StatsLog = field(default_factory=StatsLog, repr=False, compare=False)
 
     @property

@@ -1,0 +1,239 @@
+"""The runtime on a model sharded by transformers' tensor-parallel plan.
+
+transformers shards a model across the ranks of a ``torch.distributed`` group when it is loaded with
+``from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))`` (the older ``tp_plan="auto"``
+argument maps to the same): the parameters become DTensors holding each rank's shard, and each
+sharded module's ``forward`` is wrapped so that it runs on local tensors under ``no_grad``. For the
+Llama-family plan (``base_model_tp_plan``):
+
+- ``q_proj``/``k_proj``/``v_proj`` are column-parallel: each rank computes its own ``Hq / N`` query and
+  ``Hkv / N`` KV heads, so the attention function (ours) sees local heads only, and nothing of attention
+  needs communication as long as each GQA group is whole on one rank (``Hkv`` a multiple of ``N``);
+- ``o_proj`` and ``down_proj`` are row-parallel (an all-reduce each), the input embedding is
+  vocabulary-parallel (an all-reduce), and ``lm_head`` is column-parallel with its output gathered
+  (``colwise_gather_output``), so every rank holds the same full logits.
+
+The runtime therefore keeps, per rank, a cache of the local KV heads only and a method state built
+from local tensors (the methods run unchanged on whatever heads they are given); the next token is
+chosen from the gathered logits on every rank by the same rule (greedy, or counter-based sampling
+from the same seed), so the ranks agree on every token without exchanging it. What must agree
+across ranks (method, seed, sampling, batch, capacity) is checked once, with one collective when
+the runtime is built, and a disagreement raises the same ValueError on every rank.
+
+:func:`tensor_parallel` inspects a model and returns ``None`` for an unsharded one, so the runtime's
+single-process path is untouched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .support import ModelShape
+
+# the plan entries the runtime relies on, by module-name suffix: heads split by rank, logits replicated
+ATTENTION_STYLES = {"q_proj": ("colwise",), "k_proj": ("colwise",), "v_proj": ("colwise",), "o_proj": ("rowwise",)}
+REPLICATED_LOGITS = ("colwise_gather_output", "colwise_rep")
+
+
+@dataclass
+class TensorParallel:
+    """One rank's view of a tensor-parallel model: its place in the group and its share of the heads."""
+
+    rank: int
+    size: int
+    group: Any  # the tensor-parallel process group (None: the default group)
+    heads: int  # query heads on this rank
+    kv_heads: int  # KV heads on this rank (whole GQA groups)
+    plan: dict[str, str]
+    backend: str
+    notes: list[str] = field(default_factory=list)  # paths the runtime took because of the sharding
+    method_notes: dict[str, list[str]] = field(default_factory=dict)  # what sharding changes, per method
+
+    @property
+    def kv_head_offset(self) -> int:
+        """The global index of this rank's first KV head (its heads are ``[offset, offset + kv_heads)``)."""
+        return self.rank * self.kv_heads
+
+    def check_method(self, method) -> list[str]:
+        """A ValueError for a method that cannot run on local heads; notes on what sharding changes."""
+        notes = []
+        if method.needs_fit:
+            raise ValueError(f"method: {method.name} runs on artifacts fitted per global head of the whole model; "
+                             f"slicing them per tensor-parallel rank is not implemented (tp size {self.size}); "
+                             "run it on one GPU")
+        if method.stochastic:
+            notes.append(f"{method.name}: random draws are keyed by the local head index, so rank r's head h draws "
+                         "what rank 0's head h draws: each head's estimate keeps its distribution, but the draws "
+                         "differ from the single-process run with the same seed")
+        if method.name == "sketchwalk":
+            notes.append("sketchwalk: sketches and the walk are averaged over this rank's heads only, so each rank "
+                         "selects its own blocks (a different selection from the single-process one)")
+        self.method_notes[method.spec] = notes
+        return notes
+
+    def agree(self, **values: Any) -> None:
+        """Raise the same ValueError on every rank unless every rank passed the same ``values``.
+
+        One ``all_gather_object`` of a digest: a call every rank makes, so a disagreement never hangs."""
+        import torch.distributed as dist
+
+        text = repr(sorted(values.items()))
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, (digest, text), group=self.group)
+        if len({d for d, _ in gathered}) > 1:
+            by_rank = "; ".join(f"rank {r}: {t}" for r, (_, t) in enumerate(gathered))
+            names = ", ".join(sorted(values))
+            raise ValueError(f"{names}: the tensor-parallel ranks disagree ({by_rank}); every rank must run the "
+                             "same request with the same method and seed")
+
+    def compile_ops(self, wanted: bool | str, device: torch.device) -> bool:
+        """``compile_ops`` on a sharded model: off. The compiled decoder layers would trace transformers'
+        tensor-parallel forward hooks and their in-place collectives, a path not run here; the layers run
+        as transformers shards them (recorded when the step would have compiled them)."""
+        if wanted is True:
+            raise ValueError("compile_ops: True is not served on a tensor-parallel model (torch.compile over "
+                             "transformers' sharded forward hooks and their collectives); use 'auto' or False")
+        if wanted == "auto" and device.type == "cuda":
+            self.notes.append("compile_ops: off on a tensor-parallel model; the decoder layers' norms, MLP and RoPE "
+                              "run uncompiled, as transformers shards them")
+        return False
+
+    def as_dict(self, *specs: str) -> dict[str, Any]:
+        """The stats of a run with the methods ``specs`` (decode, prefill)."""
+        notes = [n for spec in dict.fromkeys(specs) for n in self.method_notes.get(spec, [])]
+        return {"ranks": self.size, "rank": self.rank, "backend": self.backend, "heads": self.heads,
+                "kv_heads": self.kv_heads, "kv_head_offset": self.kv_head_offset,
+                "plan": dict(sorted(self.plan.items())),
+                "fallbacks": list(self.notes) + notes}
+
+
+def spec_of(method: Any) -> str | None:
+    """What ranks compare of a method argument: its spec (a string as given, stripped)."""
+    if method is None or isinstance(method, str):
+        return None if method is None else method.strip()
+    return getattr(method, "spec", repr(method))
+
+
+def model_tp_size(model: torch.nn.Module) -> int:
+    """The tensor-parallel size transformers sharded ``model`` with (1: not sharded)."""
+    size = getattr(model, "_tp_size", None)
+    return int(size) if size else 1
+
+
+def tp_group(model: torch.nn.Module):
+    """The process group of the model's tensor-parallel mesh dimension."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    return mesh["tp"].get_group() if "tp" in names and mesh.ndim > 1 else mesh.get_group()
+
+
+def generic_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan with layer numbers as ``*`` (what the rules say, not every module)."""
+    plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
+    import re
+
+    return {re.sub(r"\.\d+\.", ".*.", k): v for k, v in plan.items()}
+
+
+def _style_of(plan: dict[str, str], suffix: str) -> set[str]:
+    return {style for name, style in plan.items() if name.rsplit(".", 1)[-1] == suffix}
+
+
+def tensor_parallel(model: torch.nn.Module, shape: ModelShape) -> TensorParallel | None:
+    """This rank's :class:`TensorParallel` for a model sharded by transformers (None if not sharded), or a
+    ValueError naming what the runtime cannot serve."""
+    size = model_tp_size(model)
+    if size == 1:
+        return None
+    if shape.heads % size:
+        raise ValueError(f"model: {shape.heads} query heads do not divide by the tensor-parallel size {size}; "
+                         "expected a head count that is a multiple of it")
+    if shape.kv_heads % size:
+        raise ValueError(f"model: {shape.kv_heads} KV heads do not divide by the tensor-parallel size {size}: GQA "
+                         "groups would split across ranks (or KV heads be replicated); expected a KV head count "
+                         "that is a multiple of the tp size")
+    plan = generic_plan(model)
+    for suffix, wanted in ATTENTION_STYLES.items():
+        got = _style_of(plan, suffix)
+        if got and not got <= set(wanted):
+            raise ValueError(f"model: the tensor-parallel plan shards {suffix} as {sorted(got)}; the runtime expects "
+                             f"{wanted[0]!r} (heads split by rank, attention local)")
+    if not _style_of(plan, "k_proj"):
+        raise ValueError("model: the tensor-parallel plan does not shard k_proj by heads; the runtime serves the "
+                         "plan that splits attention heads across ranks")
+    head_style = _style_of(plan, "lm_head")
+    if head_style and not head_style <= set(REPLICATED_LOGITS):
+        raise ValueError(f"model: the tensor-parallel plan leaves lm_head's logits sharded ({sorted(head_style)}); "
+                         f"the runtime chooses tokens from full logits on every rank ({REPLICATED_LOGITS})")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(f"model: sharded for tensor parallelism (tp size {size}) but torch.distributed is not "
+                         "initialised in this process")
+    group = tp_group(model)
+    rank = dist.get_rank(group)
+    heads, kv_heads = shape.heads // size, shape.kv_heads // size
+    for module in model.modules():  # what the shards hold, not only what the plan says
+        proj = getattr(module, "k_proj", None)
+        if proj is None or not hasattr(module, "q_proj"):
+            continue
+        weight = proj.weight
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        if local.shape[0] != kv_heads * shape.head_dim:
+            raise ValueError(f"model: k_proj holds {local.shape[0]} output features on rank {rank}; expected "
+                             f"{kv_heads} KV heads × head_dim {shape.head_dim} = {kv_heads * shape.head_dim}")
+        break
+    return TensorParallel(rank=rank, size=size, group=group, heads=heads, kv_heads=kv_heads, plan=plan,
+                          backend=dist.get_backend(group))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for ``MASTER_PORT`` of ranks launched here)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, size: int, port: int, backend: str, timeout_s: float, fn, args: tuple) -> None:
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # the variables torchrun sets, which transformers' tensor-parallel loading reads
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s),
+                            device_id=torch.device("cuda", rank) if backend == "nccl" else None)
+    try:
+        fn(rank, size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, size: int, *args: Any, backend: str = "gloo", timeout_s: float = 600.0) -> None:
+    """Run ``fn(rank, size, *args)`` in ``size`` new processes on this host, each a rank of one
+    ``torch.distributed`` group (``backend``: gloo on the CPU, nccl with one GPU per rank), as ``torchrun
+    --nproc-per-node size`` would. ``fn`` must be importable by name (spawned processes import it).
+    An exception in any rank is raised here (``torch.multiprocessing.spawn`` then ends the others); a
+    collective waits at most ``timeout_s`` seconds for the other ranks."""
+    import torch.multiprocessing as mp
+
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"size: expected an integer >= 1, got {size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl" and size > torch.cuda.device_count():
+        raise ValueError(f"tp: {size} ranks need {size} GPUs, {torch.cuda.device_count()} visible")
+    mp.spawn(_rank_main, args=(size, free_port(), backend, timeout_s, fn, args), nprocs=size, join=True)

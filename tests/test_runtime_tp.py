@@ -1,0 +1,233 @@
+"""The runtime on a model sharded by transformers' tensor-parallel plan: 2 CPU processes, gloo.
+
+One launch (loading is the slow part) checks everything that needs ranks: the same greedy tokens as the
+single-process runtime for dense and for deterministic methods, the same sampled tokens on every rank,
+each rank's cache holding its own KV heads only, the tp stats, and ranks that disagree on the seed
+getting the same error without a hang."""
+
+import pytest
+import torch
+
+from kvsieve.runtime import DecodeRuntime, generate
+from kvsieve.runtime.parallel import TensorParallel, launch, spec_of, tensor_parallel
+from kvsieve.runtime.support import ModelShape
+
+SPECS = ("dense", "streaming:sink=4,window=8", "quest:top_k=16,sink=4,window=8,page_size=4")
+NEW = 6
+
+
+def tiny_llama(seed=0, **overrides):
+    import transformers as tf
+
+    kw = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
+              pad_token_id=None)
+    cfg = tf.LlamaConfig(**{**kw, **overrides})
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def _rank(rank, size, path, ids, out):
+    """One rank: load the checkpoint sharded, run every check, save what the parent compares."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=size),
+                                                 dtype=torch.float32).eval()
+    res = {"tokens": {}, "stats": {}, "density": {}}
+    for spec in SPECS:
+        result = generate(model, ids, spec, max_new_tokens=NEW, seed=3)
+        res["tokens"][spec] = result.tokens
+        res["stats"][spec] = result.stats.tp
+        res["density"][spec] = result.stats.mean("density")
+    res["sampled"] = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0,
+                              seed=11).tokens
+    with DecodeRuntime(model, "dense", batch_size=ids.shape[0], capacity=ids.shape[1] + 2, max_new_tokens=2) as rt:
+        rt.prefill(list(ids))
+        res["keys"] = [layer.keys.clone() for layer in rt.cache.layers]
+        res["cache_bytes"] = rt.stats.cache_bytes
+    # the benchmark's builder: random shards made on each rank from transformers' plan, no checkpoint
+    from kvsieve.bench.e2e_tp import build_sharded_model, collectives
+
+    built = build_sharded_model("tiny-llama", size, device="cpu", dtype=torch.float32, seed=5)
+    res["built_state"] = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                          for k, v in built.state_dict().items()}
+    res["built_local_k"] = tuple(built.model.layers[0].self_attn.k_proj.weight.to_local().shape)
+    res["built_tokens"] = generate(built, ids, "dense", max_new_tokens=NEW).tokens
+    res["collectives"] = collectives(built, 2, iters=3)
+    try:  # a rank that asks for another seed: every rank gets the error, none waits forever
+        generate(model, ids, "dense", max_new_tokens=2, seed=rank)
+        res["disagree"] = None
+    except ValueError as exc:
+        res["disagree"] = str(exc)
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "model")
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    launch(_rank, 2, str(tmp_path / "model"), ids, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+
+    for spec in SPECS:
+        ref = generate(model, ids, spec, max_new_tokens=NEW, seed=3).tokens
+        for r, res in enumerate(ranks):
+            assert res["tokens"][spec].tolist() == ref.tolist(), (spec, r)
+            tp = res["stats"][spec]
+            assert (tp["ranks"], tp["rank"], tp["heads"], tp["kv_heads"], tp["kv_head_offset"]) == (2, r, 2, 1, r)
+            assert spec == "dense" or res["density"][spec] < 0.9  # the method ran, and sparsely
+            assert tp["backend"] == "gloo" and tp["plan"]["model.layers.*.self_attn.k_proj"] == "colwise"
+    sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
+    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()
+
+    # each rank's cache: its own KV head (rank r holds global head r of 2), the prompt's keys as one process has them
+    with DecodeRuntime(model, "dense", batch_size=2, capacity=42, max_new_tokens=2) as rt:
+        rt.prefill(list(ids))
+        full = [layer.keys.clone() for layer in rt.cache.layers]
+        full_bytes = rt.stats.cache_bytes
+    for r, res in enumerate(ranks):
+        assert res["cache_bytes"] * 2 == full_bytes
+        for layer, keys in enumerate(res["keys"]):
+            assert keys.shape == (2, 1, 42, 16)
+            torch.testing.assert_close(keys[:, :, :40], full[layer][:, r:r + 1, :40], rtol=1e-5, atol=1e-5)
+
+    # the sharded random build is one consistent model: its gathered weights give the same tokens in one process
+    from kvsieve.bench.e2e_tp import shape_config
+
+    assert ranks[0]["built_local_k"] == (16 * 1, 64)  # tiny-llama: 2 KV heads of 16 over 2 ranks
+    for k, v in ranks[0]["built_state"].items():
+        torch.testing.assert_close(v, ranks[1]["built_state"][k])
+    import transformers as tf
+
+    whole = tf.LlamaForCausalLM(shape_config("tiny-llama")).eval()
+    whole.load_state_dict(ranks[0]["built_state"], strict=False)
+    missing = {n for n, _ in whole.named_parameters()} - set(ranks[0]["built_state"])
+    assert not missing
+    assert ranks[0]["built_tokens"].tolist() == ranks[1]["built_tokens"].tolist()
+    assert generate(whole, ids, "dense", max_new_tokens=NEW).tokens.tolist() == ranks[0]["built_tokens"].tolist()
+    comm = ranks[0]["collectives"]
+    assert comm["all_reduces"] == 5 and comm["collective_ms"] > 0 and len(comm["collective_ms_by_rank"]) == 2
+
+    for res in ranks:
+        assert res["disagree"] is not None and "the tensor-parallel ranks disagree" in res["disagree"]
+        assert "'seed', 0" in res["disagree"] and "'seed', 1" in res["disagree"]
+
+
+class _Sharded(torch.nn.Module):
+    def __init__(self, size, **plan):
+        super().__init__()
+        self._tp_size = size
+        self._tp_plan = {f"model.layers.*.{k}": v for k, v in plan.items()}
+
+
+def test_head_counts_that_do_not_shard_are_refused():
+    shape = ModelShape("llama", 2, heads=8, kv_heads=2, head_dim=16, max_context=None)
+    with pytest.raises(ValueError, match="2 KV heads do not divide by the tensor-parallel size 4: GQA groups"):
+        tensor_parallel(_Sharded(4), shape)
+    with pytest.raises(ValueError, match="6 query heads do not divide by the tensor-parallel size 4"):
+        tensor_parallel(_Sharded(4), ModelShape("llama", 2, heads=6, kv_heads=2, head_dim=16, max_context=None))
+    assert tensor_parallel(_Sharded(1), shape) is None
+    with pytest.raises(ValueError, match="the tensor-parallel plan does not shard k_proj by heads"):
+        tensor_parallel(_Sharded(2), shape)
+    with pytest.raises(ValueError, match="shards k_proj as \\['rowwise'\\]; the runtime expects 'colwise'"):
+        tensor_parallel(_Sharded(2, k_proj="rowwise"), shape)
+    with pytest.raises(ValueError, match="leaves lm_head's logits sharded"):
+        tensor_parallel(_Sharded(2, k_proj="colwise", **{"lm_head": "colwise"}), shape)
+    with pytest.raises(ValueError, match="torch.distributed is not initialised"):
+        tensor_parallel(_Sharded(2, k_proj="colwise"), shape)
+
+
+def test_methods_that_cannot_run_on_local_heads_are_refused():
+    from kvsieve.core.registry import method
+
+    tp = TensorParallel(rank=0, size=2, group=None, heads=2, kv_heads=1, plan={}, backend="gloo")
+    fitted = type("Fitted", (), {"name": "saap", "needs_fit": True, "stochastic": False, "spec": "saap"})()
+    with pytest.raises(ValueError, match="method: saap runs on artifacts fitted per global head"):
+        tp.check_method(fitted)
+    assert tp.check_method(method("quest")) == []
+    notes = tp.check_method(method("random"))
+    assert len(notes) == 1 and "local head index" in notes[0]
+    assert tp.as_dict("quest")["fallbacks"] == [] and tp.as_dict("quest", method("random").spec)["fallbacks"] == notes
+    with pytest.raises(ValueError, match="compile_ops: True is not served on a tensor-parallel model"):
+        tp.compile_ops(True, torch.device("cpu"))
+    assert spec_of(" dense ") == "dense" and spec_of(method("quest")) == method("quest").spec and spec_of(None) is None
+
+
+def test_bench_e2e_tp_runs_every_variant_on_two_cpu_ranks():
+    from kvsieve.bench.e2e_tp import markdown, run_tp_bench
+
+    results = run_tp_bench(shape="tiny-llama", tp=2, cases=[(1, 48)], methods=("streaming:sink=4,window=8",),
+                           device="cpu", steps=2, method_steps=2, warmup=1, hf_steps=2, dtype=torch.float32)
+    rows = {r["variant"]: r for r in results["rows"]}
+    assert set(rows) == {"runtime", "streaming:sink=4,window=8", "hf-eager"}
+    for r in rows.values():
+        assert r["ms"] > 0 and len(r["ms_by_rank"]) == 2 and r["collective_ms"] > 0 and r["tp"] == 2
+    # each rank reads its own shard: 2 layers of (4 + 2 + 2 + 4) heads × 16 × 64 attention + 3 × 64 × 128 MLP floats
+    # over 2 ranks, and half the lm_head, plus the replicated norms
+    per_rank = (2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) // 2 + 256 * 64 // 2 + 5 * 64) * 4
+    assert rows["runtime"]["weights_bytes"] == per_rank
+    assert rows["runtime"]["tp_stats"]["kv_heads"] == 1 and rows["runtime"]["graph"] is False
+    assert rows["streaming:sink=4,window=8"]["density"] < 1
+    assert "| tiny-llama | 2 | 1 | 48 | runtime |" in markdown(results, "kvsieve bench e2e --tp 2")
+
+
+def test_bench_e2e_tp_bad_input(capsys):
+    from kvsieve.bench.e2e_tp import run_tp_bench
+    from kvsieve.cli.main import main
+
+    with pytest.raises(ValueError, match="tp: llama-3.1-8b has 32 attention heads, not a multiple of --tp 3"):
+        run_tp_bench(shape="llama-3.1-8b", tp=3, device="cpu")
+    with pytest.raises(ValueError, match="tp: llama-3.1-70b has 8 key value heads, not a multiple of --tp 16"):
+        run_tp_bench(shape="llama-3.1-70b", tp=16, device="cpu")
+    with pytest.raises(ValueError, match="tp: expected an integer >= 2"):
+        run_tp_bench(shape="tiny-llama", tp=1, device="cpu")
+    assert main(["bench", "e2e", "--tp", "2", "--shapes", "smollm2-135m"]) == 2
+    assert "--shapes: --tp runs one shape of" in capsys.readouterr().err
+    if torch.cuda.device_count() < 8:
+        assert main(["bench", "e2e", "--tp", "8", "--shapes", "llama-3.1-70b"]) == 2
+        assert "--tp: 8 ranks need 8 GPUs (one each)" in capsys.readouterr().err
+
+
+# -- GPU: NCCL, the step captured in a CUDA graph per rank --------------------------------------------
+
+GPU_SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+GPU_SPECS = ("dense", "quest:top_k=0.05,sink=16,window=64", "streaming:sink=16,window=256")
+
+
+def _rank_gpu(rank, size, path, rows, out):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=size),
+                                                 dtype=torch.float32).eval()
+    rows = [r.to(f"cuda:{rank}") for r in rows]
+    res = {}
+    for spec in GPU_SPECS:
+        r = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
+        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp)
+    res["sampled"] = generate(model, rows, "dense", max_new_tokens=24, graph=True, do_sample=True, seed=3,
+                              eos_token_id=None).tokens
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+@pytest.mark.gpu
+def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model = tiny_llama(**GPU_SHAPE)  # float32: no argmax tie between a sharded and a whole matmul
+    model.save_pretrained(tmp_path / "model")
+    rows = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in (1500, 700)]
+    launch(_rank_gpu, 2, str(tmp_path / "model"), rows, str(tmp_path), backend="nccl")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    model = model.to("cuda:0")
+    rows = [r.to("cuda:0") for r in rows]
+    for spec in GPU_SPECS:
+        ref = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
+        for r, res in enumerate(ranks):
+            tokens, graph, backend, tp = res[spec]
+            assert graph and backend == ref.stats.attention_backend and tp["backend"] == "nccl", (spec, r)
+            assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
+    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
