@@ -1,0 +1,176 @@
+"""Sketch&Walk's prefill as its authors keep keys (``variant=authors``): the block lists, the closed-form
+counts, FlexAttention and the Triton kernel (``kernels/sketchwalk/authors_prefill.py``) against the
+method's token-mask reference (``authors.prefill_token_mask`` / ``authors.prefill_attention``), on the CPU.
+The kernel runs under Triton's interpreter in a subprocess (``sketchwalk_authors_prefill_interpreter_cases.py``);
+the GPU twins are in ``test_sketchwalk_authors_prefill_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import run_interpreter_cases
+
+import kvsieve
+from kvsieve import CallContext
+from kvsieve.kernels.sketchwalk.authors_prefill import (
+    PARTIAL_SLOTS,
+    authors_block_lists,
+    authors_prefill_flex,
+    authors_prefill_reference,
+    kept_keys,
+)
+from kvsieve.methods.sketchwalk import SketchWalkState, WalkState, authors
+from kvsieve.methods.sketchwalk import authors_prefill as fast
+
+F64 = torch.float64
+
+
+def random_selection(b, n_tok, bs, window_tokens, share, seed):
+    n = -(-n_tok // bs)
+    g = torch.Generator().manual_seed(seed)
+    blocks = (torch.rand(b, n, n, generator=g) < share) & torch.ones(n, n, dtype=torch.bool).tril()
+    return authors.PrefillSelection(blocks=blocks, window_tokens=window_tokens, sink_blocks=1, window_blocks=1)
+
+
+def walk_selection(b, n_tok, bs, seed, **kw):
+    n = -(-n_tok // bs)
+    g = torch.Generator().manual_seed(seed)
+    w = torch.softmax(torch.randn(b, n, n, generator=g, dtype=F64) * 3, -1)
+    return authors.prefill_selection(w, n_tok, block_size=bs, **{**dict(sink=0.025, window=0.05, kblocks_frac=0.125,
+                                                                       dense_last_blocks=4), **kw})
+
+
+SELECTIONS = [  # (n_tok, block size, window tokens, share of selected blocks)
+    (200, 16, 1, 0.3), (200, 16, 5, 0.3), (203, 16, 16, 0.2), (203, 16, 23, 0.5), (256, 16, 40, 0.0),
+    (97, 16, 60, 0.3), (300, 32, 7, 0.4), (129, 64, 3, 0.5), (64, 16, 200, 0.1), (17, 16, 2, 1.0),
+]
+
+
+def block_grid(mask, bs):
+    """``[B, R, T]`` token mask -> (any, all) per (query block, key block), padding counted as kept."""
+    b, r, t = mask.shape
+    n_q, n_k = -(-r // bs), -(-t // bs)
+    pad_all = torch.nn.functional.pad(mask, (0, n_k * bs - t, 0, n_q * bs - r), value=True)
+    pad_any = torch.nn.functional.pad(mask, (0, n_k * bs - t, 0, n_q * bs - r), value=False)
+    view = (b, n_q, bs, n_k, bs)
+    return pad_any.view(view).any(4).any(2), pad_all.view(view).all(4).all(2)
+
+
+@pytest.mark.parametrize("n_tok,bs,w,share", SELECTIONS)
+def test_block_lists_classify_every_block_as_the_token_mask_does(n_tok, bs, w, share):
+    sel = random_selection(2, n_tok, bs, w, share, seed=n_tok + w)
+    lists = authors_block_lists(sel.blocks, w, n_tokens=n_tok, block_size=bs)
+    rows = torch.arange(n_tok)
+    mask = authors.prefill_token_mask(sel, rows, n_tok, bs)
+    any_kept, all_kept = block_grid(mask, bs)
+    # padded rows and keys of the last block count as kept for "all": a causal key of a real row is real
+    n = any_kept.shape[1]
+    used = torch.arange(n) < lists.full_counts[..., None]
+    full = torch.zeros(2, n, n + 1, dtype=torch.bool).scatter_(2, torch.where(used, lists.full_idx.long(), n),
+                                                               True)[..., :n]
+    part = torch.zeros(2, n, n + 1, dtype=torch.bool).scatter_(2, torch.where(lists.part_idx >= 0,
+                                                                              lists.part_idx.long(), n), True)[..., :n]
+    assert not (full & part).any()
+    assert torch.equal(full | part, any_kept), "a block read that holds no kept key, or one with a kept key skipped"
+    assert torch.equal(lists.touched, any_kept)
+    assert all_kept[full].all(), "a full block with a key the rule drops"
+    off_diag = ~torch.eye(n, dtype=torch.bool)
+    assert not (all_kept & off_diag & ~full).any(), "a whole kept block off the diagonal left partial"
+    assert int((lists.part_idx >= 0).sum(-1).max()) <= PARTIAL_SLOTS
+    # the full lists are ascending
+    for bb in range(2):
+        for i in range(n):
+            idx = lists.full_idx[bb, i, : int(lists.full_counts[bb, i])]
+            assert torch.equal(idx, torch.sort(idx).values)
+
+
+@pytest.mark.parametrize("n_tok,bs,w,share", SELECTIONS)
+def test_kept_keys_in_closed_form_equal_the_token_mask(n_tok, bs, w, share):
+    sel = random_selection(2, n_tok, bs, w, share, seed=3 * n_tok + w)
+    mask = authors.prefill_token_mask(sel, torch.arange(n_tok), n_tok, bs)
+    assert torch.equal(kept_keys(sel.blocks, w, n_tokens=n_tok, block_size=bs), mask.sum(-1))
+
+
+def qkv(b, hq, hkv, n_tok, d, seed, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n_tok, d, generator=g, dtype=F64) * 2
+    k = torch.randn(b, hkv, n_tok, d, generator=g, dtype=F64)
+    v = torch.randn(b, hkv, n_tok, d, generator=g, dtype=F64) + 0.5
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("n_tok,bs,w,share", SELECTIONS[:6] + SELECTIONS[7:])
+def test_reference_and_flex_from_the_lists_equal_the_token_mask_attention(n_tok, bs, w, share):
+    sel = random_selection(2, n_tok, bs, w, share, seed=n_tok)
+    q, k, v = qkv(2, 4, 2, n_tok, 16, seed=w)
+    ref, _, _ = authors.prefill_attention(q, k, v, sel, block_size=bs, scale=0.3, dtype=F64)
+    lists = authors_block_lists(sel.blocks, w, n_tokens=n_tok, block_size=bs)
+    torch.testing.assert_close(authors_prefill_reference(q, k, v, lists, scale=0.3), ref, atol=1e-12, rtol=1e-12)
+    flex = authors_prefill_flex(q.float(), k.float(), v.float(), lists, scale=0.3)
+    torch.testing.assert_close(flex.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_lists_of_the_rule_itself_and_bad_input():
+    sel = walk_selection(1, 1000, 16, seed=1)
+    lists = authors_block_lists(sel.blocks, sel.window_tokens, n_tokens=1000, block_size=16)
+    mask = authors.prefill_token_mask(sel, torch.arange(1000), 1000, 16)
+    assert torch.equal(lists.touched, block_grid(mask, 16)[0])
+    with pytest.raises(ValueError, match="blocks: expected n"):
+        authors_block_lists(sel.blocks, 50, n_tokens=2000, block_size=16)
+    with pytest.raises(ValueError, match="window_tokens: expected an integer >= 1"):
+        authors_block_lists(sel.blocks, 0, n_tokens=1000, block_size=16)
+    with pytest.raises(ValueError, match="blocks: expected a"):
+        authors_block_lists(sel.blocks.float(), 5, n_tokens=1000, block_size=16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_device_block_matrix_equals_the_reference(causal):
+    q, k, _ = qkv(2, 8, 2, 1000, 64, seed=4, dtype=torch.float32)
+    phi = authors.sketch_matrix(64, 128, 3)
+    ref = authors.block_matrix(q, k, phi, 16, causal=causal, dtype=torch.float32)
+    got = fast.block_matrix(q, k, phi, 16, causal=causal, dtype=torch.float32, head_chunk=3)
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_tok", [1000, 61])
+def test_method_prefill_with_flex_equals_the_reference(n_tok):
+    """``prefill_backend=flex`` (eager FlexAttention on the CPU) gives the reference's output and stats."""
+    q, k, v = qkv(1, 8, 2, n_tok, 64, seed=7, dtype=torch.float32)
+    outs, stats = [], []
+    for backend in ("reference", "flex"):
+        m = kvsieve.method(f"sketchwalk:block_size=16,prefill_backend={backend}")
+        forward = WalkState()
+        layer_outs = []
+        for _ in range(2):  # two sparse layers: the walk crosses them
+            out, st = m.prefill(q, k, v, scale=None, state=SketchWalkState(), context=CallContext(forward=forward),
+                                sparse=True)
+            layer_outs.append(out)
+            stats.append(st)
+        outs.append(layer_outs)
+    for ref, got in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    for ref, got in zip(stats[:2], stats[2:], strict=True):
+        for key in ("density", "kv_density", "v_rows_read", "bytes_read", "exact_rows"):
+            assert got.raw(key) == pytest.approx(ref.raw(key)), key
+        for key in ("block_density", "blocks_kept", "walk_hops"):
+            assert got[key] == pytest.approx(ref[key]), key
+        assert got.backend == "flex" and ref.backend == "reference"
+        assert got.extra["selection"] == "device" and ref.extra["selection"] == "reference"
+        assert ("exact_reason" in got.extra) == ("exact_reason" in ref.extra) == (n_tok == 61)
+
+
+def test_prefill_backend_choices_for_variant_authors():
+    m = kvsieve.method("sketchwalk")
+    q = torch.zeros(1, 8, 256, 64)
+    assert fast.prefill_path(m.config.prefill_backend, q, q[:, :2], q[:, :2], 64) == ("reference", None)
+    assert fast.prefill_path("flex", q, q[:, :2], q[:, :2], 64) == ("flex", None)
+    with pytest.raises(ValueError, match="prefill_backend: triton"):
+        fast.prefill_path("triton", q.double(), q[:, :2].double(), q[:, :2].double(), 64)
+    for backend in ("flex", "triton", "reference", "auto"):
+        assert kvsieve.method(f"sketchwalk:prefill_backend={backend}").config.prefill_backend == backend
+
+
+@pytest.mark.triton
+def test_kernel_under_the_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreter_cases("sketchwalk_authors_prefill_interpreter_cases.py")
