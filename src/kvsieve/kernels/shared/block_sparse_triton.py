@@ -50,8 +50,8 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _attend_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, scale_log2, key_ok, ok, MASKED: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    def attend_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, scale_log2, key_ok, ok, MASKED: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step of the ``[M, D]`` query tile over one K/V block (log2 units); with
         MASKED, only the keys ``key_ok [BS]`` are read and only the pairs ``ok [M, BS]`` count."""
         if MASKED:
@@ -122,16 +122,16 @@ if triton is not None:
         # Off-diagonal blocks: whole blocks before the query block, no mask; BS // BLOCK_N key tiles each.
         for t in range(0, (count - 1) * (BS // BLOCK_N)):
             start = tl.load(idx_row + t // (BS // BLOCK_N)).to(tl.int64) * BS + (t % (BS // BLOCK_N)) * BLOCK_N
-            m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                          m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
+            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
+                                         m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
         # The diagonal block: keys at or before the row's token, and before N.
         for j in tl.static_range(BS // BLOCK_N):
             key_pos = blk * BS + j * BLOCK_N + offs_n
             key_ok = key_pos < n_tok
             ok = (key_pos[None, :] <= tok[:, None]) & key_ok[None, :]
             start = blk.to(tl.int64) * BS + j * BLOCK_N
-            m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                          m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
+            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
+                                         m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
 
         safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe[:, None]

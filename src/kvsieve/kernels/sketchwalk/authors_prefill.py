@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..shared.block_sparse import _flex_attention, flex_kernel_options
-from ..shared.block_sparse_triton import _attend_block, launch_config
+from ..shared.block_sparse import compiled_flex_attention, flex_kernel_options
+from ..shared.block_sparse_triton import attend_block, launch_config
 from ..shared.block_sparse_triton import unsupported_reason as _block_sparse_unsupported
 from ..shared.triton_utils import cdiv, is_interpreted, launch, triton
 
@@ -216,7 +216,7 @@ def authors_prefill_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, list
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     if kernel_options is None and q.is_cuda:
         kernel_options = flex_kernel_options(lists.block_size)
-    out = _flex_attention()(q, k, v, block_mask=authors_block_mask(lists), scale=scale if scale is not None
+    out = compiled_flex_attention()(q, k, v, block_mask=authors_block_mask(lists), scale=scale if scale is not None
                             else d ** -0.5, enable_gqa=hq != k.shape[1], kernel_options=kernel_options)
     return out[:, :, :n_tok]
 
@@ -272,8 +272,8 @@ if triton is not None:
         full_row = full_ptr + b * s_fb + blk * s_fn
         for t in range(0, count * (BS // BLOCK_N)):
             start = tl.load(full_row + t // (BS // BLOCK_N)).to(tl.int64) * BS + (t % (BS // BLOCK_N)) * BLOCK_N
-            m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                          m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
+            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
+                                         m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
         # Partial blocks: the token rule (selected block, the row's window, the sink), causal.
         part_row = part_ptr + b * s_pb + blk * s_pn
         sel_row = sel_ptr + b * s_sb + blk * s_sn
@@ -287,9 +287,8 @@ if triton is not None:
                     ok = ((key_pos[None, :] <= tok[:, None]) & key_ok[None, :]
                           & (kept | (key_pos[None, :] > tok[:, None] - window) | (key_pos[None, :] < window)))
                     start = j.to(tl.int64) * BS + c * BLOCK_N
-                    m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                                  m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION,
-                                                  DOT_F32)
+                    m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
+                                                 m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
 
         safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe[:, None]

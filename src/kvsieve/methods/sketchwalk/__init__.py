@@ -340,7 +340,7 @@ class SketchWalk(Method):
         if path == "reference":
             out, kept, touched = authors.prefill_attention(q, k, v, None if short else sel, block_size=bs,
                                                            scale=scale, dtype=dtype)
-            return out.to(q.dtype), self._authors_prefill_stats(k, kept, touched, extra)
+            return out.to(q.dtype), authors_prefill.prefill_stats(k, kept, touched, extra, block_size=bs)
         blocks = torch.ones(b, n, n, dtype=torch.bool, device=q.device).tril() if short else sel.blocks
         out, lists = authors_prefill.sparse_attention(q, k, v, blocks, sel.window_tokens, block_size=bs, scale=scale,
                                                       path=path)
@@ -349,28 +349,9 @@ class SketchWalk(Method):
             from ...kernels.sketchwalk.authors_prefill import kept_keys
 
             kept = kept_keys(lists.blocks, lists.window_tokens, n_tokens=n_tok, block_size=bs)
-            return self._authors_prefill_stats(k, kept, lists.touched, {}, backend=path)
+            return authors_prefill.prefill_stats(k, kept, lists.touched, {}, block_size=bs, backend=path)
 
         return out, StepStats.deferred(stats, path, extra)
-
-    def _authors_prefill_stats(self, k: torch.Tensor, kept: torch.Tensor, touched: torch.Tensor,
-                               extra: dict[str, Any], backend: str = "reference") -> StepStats:
-        """``kept [B, N]`` keys of each query, ``touched [B, n, n]`` key blocks each query block reads."""
-        bs = self.config.block_size
-        b, hkv, n_tok, d = k.shape
-        n = touched.shape[-1]
-        causal_keys = torch.arange(1, n_tok + 1, device=k.device)
-        pairs = n_tok * (n_tok + 1) / 2
-        per_row = float(kept.to(torch.float64).sum(-1).mean()) / n_tok
-        density = float(kept.to(torch.float64).sum(-1).mean()) / pairs
-        blocks = touched.to(torch.float64).sum(-1)  # [B, n]
-        return StepStats(
-            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
-            density=density, kv_density=density,
-            bytes_read=int(blocks.sum(-1).mean() * bs * hkv * 2 * d * k.element_size()), backend=backend,
-            exact_rows=int((kept == causal_keys).all(-1).sum()),
-            extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
-                   "blocks_kept": float(blocks.mean())})
 
     def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
         """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""

@@ -11,10 +11,11 @@ at a time (``head_chunk``), so its memory is ``O(head_chunk · n²)``, not ``O(H
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ...core.stats import StepStats
 from .authors import LOGIT_DIVISOR, normalized
 
 if TYPE_CHECKING:
@@ -92,3 +93,23 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: 
     if path == "flex":
         return kernels.authors_prefill_flex(q, k, v, lists, scale=scale), lists
     raise ValueError(f"path: expected triton or flex, got {path!r}")
+
+
+def prefill_stats(k: torch.Tensor, kept: torch.Tensor, touched: torch.Tensor, extra: dict[str, Any], *,
+                  block_size: int, backend: str = "reference") -> StepStats:
+    """The prefill's stats from ``kept [B, N]`` (keys of each query) and ``touched [B, n, n]`` (key blocks each
+    query block reads); reads them on the host."""
+    b, hkv, n_tok, d = k.shape
+    n = touched.shape[-1]
+    causal_keys = torch.arange(1, n_tok + 1, device=k.device)
+    pairs = n_tok * (n_tok + 1) / 2
+    per_row = float(kept.to(torch.float64).sum(-1).mean()) / n_tok
+    density = float(kept.to(torch.float64).sum(-1).mean()) / pairs
+    blocks = touched.to(torch.float64).sum(-1)  # [B, n]
+    return StepStats(
+        n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
+        density=density, kv_density=density,
+        bytes_read=int(blocks.sum(-1).mean() * block_size * hkv * 2 * d * k.element_size()), backend=backend,
+        exact_rows=int((kept == causal_keys).all(-1).sum()),
+        extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
+               "blocks_kept": float(blocks.mean())})
