@@ -292,8 +292,8 @@ class SketchWalk(Method):
         if forward is not None:
             ordinal = forward.layer
             forward.layer = ordinal + 1
-        return authors.sketch_matrix(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
-                                     device=device, dtype=dtype)
+        return authors_prefill.device_sketch(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
+                                             torch.device(device), dtype)
 
     def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
         """Why a CUDA call asking for the automatic backend runs the torch reference."""

@@ -11,12 +11,13 @@ at a time (``head_chunk``), so its memory is ``O(head_chunk · n²)``, not ``O(H
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...core.stats import StepStats
-from .authors import LOGIT_DIVISOR, normalized
+from .authors import LOGIT_DIVISOR, normalized, sketch_matrix
 
 if TYPE_CHECKING:
     from ...kernels.sketchwalk.authors_prefill import AuthorsBlockLists
@@ -49,15 +50,24 @@ def block_matrix(q: torch.Tensor, k: torch.Tensor, phi: torch.Tensor, block_size
     if causal:
         rows = torch.arange(n, device=q.device)
         future = rows[None, :] > rows[:, None]
+    b = q_sketch.shape[0]
+    k_sketch = k_sketch[:, :, None].expand(b, hkv, group, n, m).reshape(b, hq, n, m)  # query head h: KV head h // G
     total = None
     for lo in range(0, hq, head_chunk):
-        heads = torch.arange(lo, min(hq, lo + head_chunk), device=q.device)
-        logits = torch.matmul(q_sketch[:, lo:lo + len(heads)], k_sketch[:, heads // group].transpose(-1, -2)) * scale
+        heads = slice(lo, lo + head_chunk)
+        logits = torch.matmul(q_sketch[:, heads], k_sketch[:, heads].transpose(-1, -2)) * scale
         if future is not None:
             logits = logits.masked_fill(future, float("-inf"))
         part = torch.softmax(logits, dim=-1).sum(1)
         total = part if total is None else total + part
     return normalized(total)
+
+
+@functools.lru_cache(maxsize=512)
+def device_sketch(d: int, hadamard_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`.authors.sketch_matrix` kept on its device: a copy from host memory per layer and call would make
+    the host wait for the device each time. Callers must not write into it."""
+    return sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
 
 
 def prefill_path(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
