@@ -174,3 +174,24 @@ def test_prefill_backend_choices_for_variant_authors():
 def test_kernel_under_the_triton_interpreter():
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_prefill_interpreter_cases.py")
+
+
+@pytest.mark.triton
+def test_the_gpu_benchmark_runs_and_checks_its_kernels_on_tiny_shapes(tmp_path):
+    """``benchmarks/sketchwalk_prefill/authors.py`` off CUDA: every step once, the kernel (interpreted) and
+    FlexAttention (eager) checked against the token-mask reference."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"), CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, str(root / "benchmarks/sketchwalk_prefill/authors.py"), str(tmp_path),
+                          "--contexts", "700", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                          "--backends", "triton", "flex"], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    row = json.loads((tmp_path / "authors_prefill.json").read_text())["rows"][0]
+    assert 0 < row["density"] < 1 and set(row["selection_ms"]) == {"sketch+scores", "walk", "quantile", "lists"}
