@@ -195,3 +195,21 @@ def test_the_gpu_benchmark_runs_and_checks_its_kernels_on_tiny_shapes(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     row = json.loads((tmp_path / "authors_prefill.json").read_text())["rows"][0]
     assert 0 < row["density"] < 1 and set(row["selection_ms"]) == {"sketch+scores", "walk", "quantile", "lists"}
+
+
+def test_the_ttft_bench_runs_the_authors_prefill_in_the_runtime(monkeypatch):
+    """``kvsieve bench e2e --ttft``'s default methods start with Sketch&Walk's default (the authors' variant);
+    on a tiny model its prefill runs through the runtime on the device path (FlexAttention, eager off CUDA)."""
+    from kvsieve.bench import e2e
+
+    assert kvsieve.method(e2e.TTFT_METHODS[0]).config.variant == "authors"
+    monkeypatch.setitem(e2e.MODEL_SHAPES, "tiny", dict(
+        model_type="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False))
+    spec = "sketchwalk:block_size=16,prefill_backend=flex"
+    res = e2e.run_ttft_bench(shapes=("tiny",), cases=[(1, 300)], methods=(spec,), baselines=("runtime",), repeats=1,
+                             warmup=0, device="cpu", dtype=torch.float32, log=lambda s: None)
+    row = {r["variant"]: r for r in res["rows"]}[spec]
+    assert "error" not in row, row.get("error")
+    assert row["prefill"] == "sparse" and row["prefill_sparse_layers"] == [2, 3]
+    assert row["prefill_backends"] == ["flex"] and 0 < row["block_density"] < 1 and 0 < row["density"] < 1
