@@ -9,8 +9,9 @@ bf16, i.i.d. Gaussian q/k/v, one layer, 64-key blocks, the authors' parameters (
 - the selection's steps, as the method runs them on the device: ``sketch+scores`` (block sums, the Hadamard
   sketch, the per-head block softmaxes summed: the block matrix A), ``walk`` (W ← (1 − β)A + βWA, ``degree``
   times), ``quantile`` (the thresholds and kept blocks), ``lists`` (full and partial key blocks per query block);
-- the attention over the kept keys with each backend (``--backends``: ``triton``, the default on CUDA, and
-  ``flex``, FlexAttention, compiled per shape: about 20-40 s more per context);
+- the attention over the kept keys with each backend (``--backends``: ``triton``, the default on CUDA, at its
+  default launch settings and at each other ``--tiles`` entry, ``triton@<tiles>``; and ``flex``, FlexAttention,
+  compiled per shape: about 20-40 s more per context);
 - ``method``: the whole ``SketchWalk.prefill`` of one sparse layer (selection, attention, state for decode).
 
 Reported: median ms of ``--iters`` calls after warm-up (CUDA events), speedups vs SDPA (attention alone, and
@@ -20,13 +21,14 @@ speedup an attention as efficient per key as SDPA's would reach. Writes ``author
 
     python benchmarks/sketchwalk_prefill/authors.py OUT_DIR [--contexts 65536 131072] [--backends triton flex]
 
-About 40 s on an H100 with the Triton kernel alone. Off CUDA (tests: tiny shapes under ``TRITON_INTERPRET=1``)
+About 60 s on an H100 with the Triton kernel alone (two launch settings, each compiled once). Off CUDA (tests: tiny shapes under ``TRITON_INTERPRET=1``)
 it runs every step once and checks the kernel's output against the token-mask reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -37,6 +39,7 @@ import torch
 
 import kvsieve
 from kvsieve import CallContext
+from kvsieve.kernels.shared.block_sparse_triton import launch_config
 from kvsieve.kernels.sketchwalk.authors_prefill import (
     authors_block_lists,
     authors_prefill_flex,
@@ -111,9 +114,13 @@ def run_context(n_tok: int, args, device: str, log) -> dict:
     row["selection_ms"] = steps
     selection = sum(steps.values())
     row["selection_total_ms"] = selection
-    kernels = {"triton": authors_prefill_triton, "flex": authors_prefill_flex}
+    kernels = {"flex": authors_prefill_flex}
+    for tiles in args.tiles:  # the first: the kernel's default launch settings
+        name = "triton" if tiles == args.tiles[0] else f"triton@{tiles}"
+        kernels[name] = functools.partial(authors_prefill_triton, tiles=tuple(int(x) for x in tiles.split("x")))
+    names = [b for b in kernels if b.split("@")[0] in args.backends]
     outs = {}
-    for backend in args.backends:
+    for backend in names:
         t0 = time.perf_counter()
         kernels[backend](q, k, v, lists, scale=scale)  # compiles
         if cuda:
@@ -139,7 +146,7 @@ def run_context(n_tok: int, args, device: str, log) -> dict:
                ideal_speedup=1 / stats.density)
     if cuda:
         row["method_vs_sdpa"] = row["sdpa_ms"] / row["method_ms"]
-    log(line(row, args.backends))
+    log(line(row, names))
     return row
 
 
@@ -166,11 +173,18 @@ def main(argv=None) -> int:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--contexts", type=int, nargs="+", default=[65536, 131072])
     p.add_argument("--backends", nargs="+", choices=["triton", "flex"], default=["triton"])
+    p.add_argument("--tiles", nargs="+", default=None,
+                   help="Triton launch settings block_m x block_n x warps x stages, the first as 'triton' (default: "
+                        "the kernel's launch_config, then 128x64x8x2, which does not spill)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=5)
     args = p.parse_args(argv)
+    if args.tiles is None:
+        m, n, warps, stages = launch_config(args.heads // args.kv_heads, kvsieve.method("sketchwalk").config.block_size,
+                                            args.head_dim)
+        args.tiles = [f"{m}x{n}x{warps}x{stages}"] + (["128x64x8x2"] if m != 128 else [])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -303,8 +303,11 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_
 
 
 def authors_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lists: AuthorsBlockLists, *,
-                           scale: float | None = None) -> torch.Tensor:
-    """``out [B, Hq, N, d]`` in q's dtype (module docstring); a ValueError where the kernel cannot serve."""
+                           scale: float | None = None, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """``out [B, Hq, N, d]`` in q's dtype (module docstring); a ValueError where the kernel cannot serve.
+    ``tiles`` = ``(block_m, block_n, num_warps, num_stages)`` replaces the block-sparse kernel's
+    ``launch_config`` (packed query rows per program, a power of two ≥ 16; keys per K/V tile, a power of two
+    in ``[16, block_size]``)."""
     reason = unsupported_reason(q, k, v, lists.block_size)
     if reason is not None:
         raise ValueError(f"authors_prefill_triton cannot serve this call: {reason}")
@@ -318,7 +321,10 @@ def authors_prefill_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li
         raise ValueError(f"lists: expected the lists of {b} rows and {n} blocks, got {tuple(lists.full_idx.shape)}")
     group = hq // hkv
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    block_m, block_n, num_warps, num_stages = launch_config(group, bs, d)
+    block_m, block_n, num_warps, num_stages = tiles or launch_config(group, bs, d)
+    if block_m & (block_m - 1) or block_m < 16 or block_n & (block_n - 1) or not 16 <= block_n <= bs:
+        raise ValueError(f"tiles: expected block_m a power of two >= 16 and block_n a power of two in [16, {bs}], "
+                         f"got {block_m}, {block_n}")
     n_sub = cdiv(group * bs, block_m)
     out = torch.empty(b, hq, n_tok, d, device=q.device, dtype=q.dtype)
     sel = lists.blocks.view(torch.uint8)
