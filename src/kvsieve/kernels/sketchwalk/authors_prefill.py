@@ -112,9 +112,13 @@ def authors_block_lists(blocks: torch.Tensor, window_tokens: int, *, n_tokens: i
     for s in range(1, PARTIAL_SLOTS):
         ok[..., s] &= (cand[:, s:s + 1] != cand[:, :s]).all(-1)
     part_idx = torch.where(ok, cand, -1).to(torch.int32)
-    full_idx = torch.argsort((~full).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-    return AuthorsBlockLists(full_idx=full_idx, full_counts=full.sum(-1, dtype=torch.int32), part_idx=part_idx,
-                             touched=touched, blocks=sel, window_tokens=w, block_size=bs, n_tokens=n_tokens)
+    # each full block at its rank among the row's full blocks (ascending); the others to a spare column
+    rank = torch.where(full, full.cumsum(-1) - 1, n)
+    full_idx = torch.zeros(blocks.shape[0], n, n + 1, dtype=torch.int32, device=dev)
+    full_idx.scatter_(2, rank, ar.to(torch.int32).expand(blocks.shape[0], n, n))
+    return AuthorsBlockLists(full_idx=full_idx[..., :n].contiguous(), full_counts=full.sum(-1, dtype=torch.int32),
+                             part_idx=part_idx, touched=touched, blocks=sel, window_tokens=w, block_size=bs,
+                             n_tokens=n_tokens)
 
 
 def kept_keys(blocks: torch.Tensor, window_tokens: int, *, n_tokens: int, block_size: int) -> torch.Tensor:
