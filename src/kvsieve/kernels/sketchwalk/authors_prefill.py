@@ -45,7 +45,13 @@ from dataclasses import dataclass
 import torch
 
 from ..shared.block_sparse import compiled_flex_attention, flex_kernel_options
-from ..shared.block_sparse_triton import attend_block, launch_config
+from ..shared.block_sparse_triton import (
+    attend_block,
+    attend_whole_blocks,
+    launch_config,
+    packed_program,
+    store_packed_rows,
+)
 from ..shared.block_sparse_triton import unsupported_reason as _block_sparse_unsupported
 from ..shared.triton_utils import cdiv, is_interpreted, launch, triton
 
@@ -245,39 +251,17 @@ if triton is not None:
         G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         SLOTS: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        blk = n_blocks - 1 - pid // n_sub  # the longest lists first
-        sub = pid % n_sub
-
-        r = sub * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows of the group
-        head = kvh * G + r // BS
-        tok = blk * BS + r % BS
-        row_ok = (r < G * BS) & (tok < n_tok)
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
-
-        q_rows = b * s_qb + head.to(tl.int64) * s_qh + tok.to(tl.int64) * s_qn
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        k_base = k_ptr + b * s_kb + kvh.to(tl.int64) * s_kh
-        v_base = v_ptr + b * s_vb + kvh.to(tl.int64) * s_vh
-        k_tile = offs_n[:, None] * s_kn + offs_d[None, :]
-        v_tile = offs_n[:, None] * s_vn + offs_d[None, :]
-
+        b, blk, q, head, tok, row_ok, k_base, v_base, k_tile, v_tile = packed_program(
+            q_ptr, k_ptr, v_ptr, n_tok, n_blocks, n_sub, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+            G, BS, BLOCK_M, BLOCK_N, D, DOT_F32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-
-        # Full blocks: whole blocks before the query block, every pair kept; BS // BLOCK_N key tiles each.
+        # Full blocks: whole blocks before the query block, every pair kept.
         count = tl.load(cnt_ptr + b * s_cb + blk * s_cn).to(tl.int32)
-        full_row = full_ptr + b * s_fb + blk * s_fn
-        for t in range(0, count * (BS // BLOCK_N)):
-            start = tl.load(full_row + t // (BS // BLOCK_N)).to(tl.int64) * BS + (t % (BS // BLOCK_N)) * BLOCK_N
-            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                         m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
+        m_i, l_i, acc = attend_whole_blocks(q, full_ptr + b * s_fb + blk * s_fn, count, k_base, v_base, k_tile,
+                                            v_tile, s_kn, s_vn, m_i, l_i, acc, scale_log2, BS, BLOCK_N, DOT_PRECISION,
+                                            DOT_F32)
         # Partial blocks: the token rule (selected block, the row's window, the sink), causal.
         part_row = part_ptr + b * s_pb + blk * s_pn
         sel_row = sel_ptr + b * s_sb + blk * s_sn
@@ -286,7 +270,7 @@ if triton is not None:
             if j >= 0:
                 kept = tl.load(sel_row + j) != 0
                 for c in tl.static_range(BS // BLOCK_N):
-                    key_pos = j * BS + c * BLOCK_N + offs_n
+                    key_pos = j * BS + c * BLOCK_N + tl.arange(0, BLOCK_N)
                     key_ok = key_pos < n_tok
                     ok = ((key_pos[None, :] <= tok[:, None]) & key_ok[None, :]
                           & (kept | (key_pos[None, :] > tok[:, None] - window) | (key_pos[None, :] < window)))
@@ -294,10 +278,7 @@ if triton is not None:
                     m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
                                                  m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
 
-        safe = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe[:, None]
-        o_rows = b * s_ob + head.to(tl.int64) * s_oh + tok.to(tl.int64) * s_on
-        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        store_packed_rows(out_ptr, acc, l_i, b, head, tok, row_ok, s_ob, s_oh, s_on, D)
 
 
 def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int) -> str | None:
