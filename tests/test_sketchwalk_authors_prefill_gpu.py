@@ -40,8 +40,9 @@ def test_triton_and_flex_match_the_reference_bf16(n_tok, d, hq, hkv):
     lists = authors_block_lists(sel.blocks, sel.window_tokens, n_tokens=n_tok, block_size=64)
     out = authors_prefill_triton(q, k, v, lists)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    flex = authors_prefill_flex(q, k, v, lists)
-    torch.testing.assert_close(flex.float(), ref, atol=2e-2, rtol=2e-2)
+    if hq == 32:  # FlexAttention compiles per shape: the Llama heads only
+        flex = authors_prefill_flex(q, k, v, lists)
+        torch.testing.assert_close(flex.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_device_block_matrix_matches_the_reference():
