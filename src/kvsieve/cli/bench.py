@@ -50,8 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="explicit batch×context cases instead of the full grid, e.g. '1x32k,1x128k,8x32k'")
     e.add_argument("--methods", default=None,
                    help="semicolon list of method specs run in the runtime (empty: none; default "
-                        "santa-prop:budget=128, with --ttft sketchwalk:variant=reconstruction,density=0.1: methods "
-                        "with a sparse prefill)")
+                        "santa-prop:budget=128, with --ttft sketchwalk;sketchwalk:variant=reconstruction,density=0.1: "
+                        "methods with a sparse prefill)")
     e.add_argument("--baselines", default="runtime,hf-eager", help="comma list of runtime, hf-eager")
     e.add_argument("--steps", type=int, default=30, help="timed decode steps (graph-captured variants)")
     e.add_argument("--method-steps", type=int, default=8, help="timed decode steps of eagerly run methods")

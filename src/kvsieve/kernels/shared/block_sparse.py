@@ -162,7 +162,8 @@ def flex_kernel_options(block_size: int) -> dict | None:
     return {"BLOCK_M": block_size, "BLOCK_N": block_size} if block_size < 128 else None
 
 
-def _flex_attention():
+def compiled_flex_attention():
+    """FlexAttention as the block-sparse prefills call it: compiled once on CUDA, eager elsewhere."""
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -209,9 +210,9 @@ def block_sparse_prefill_flex(
     try:
         from torch.nn.attention.flex_attention import AuxRequest
     except ImportError:  # torch < 2.9
-        out, lse = _flex_attention()(q, k, v, return_lse=True, **kwargs)
+        out, lse = compiled_flex_attention()(q, k, v, return_lse=True, **kwargs)
     else:
-        out, aux = _flex_attention()(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        out, aux = compiled_flex_attention()(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
         lse = aux.lse
     return out[:, :, :n_tok], lse[:, :, :n_tok]
 

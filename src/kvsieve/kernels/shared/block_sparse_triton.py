@@ -50,8 +50,8 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _attend_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, scale_log2, key_ok, ok, MASKED: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    def attend_block(q, k_ptrs, v_ptrs, m_i, l_i, acc, scale_log2, key_ok, ok, MASKED: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
         """One online-softmax step of the ``[M, D]`` query tile over one K/V block (log2 units); with
         MASKED, only the keys ``key_ok [BS]`` are read and only the pairs ``ok [M, BS]`` count."""
         if MASKED:
@@ -77,6 +77,56 @@ if triton is not None:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         return m_new, l_i, acc
 
+    @triton.jit
+    def packed_program(q_ptr, k_ptr, v_ptr, n_tok, n_blocks, n_sub, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh,
+                       s_vn, G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       D: tl.constexpr, DOT_F32: tl.constexpr):
+        """This program's share of grid ``(n · n_sub, Hkv, B)``: query block ``blk`` (the longest lists first),
+        KV head ``kvh``, batch row ``b``, and its sub-tile of the packed rows of the KV head's query heads
+        (packed row ``r``: head ``kvh·G + r // BS``, token ``blk·BS + r % BS``). Returns ``(b, blk, q
+        [BLOCK_M, D], head, tok, row_ok, k_base, v_base, k_tile, v_tile)``: rows past the group or past N masked
+        (q zero); the KV head's keys/values at ``k_base``/``v_base``, and the offsets of a ``[BLOCK_N, D]`` tile
+        (kept as 32-bit offsets beside a scalar pointer: a tile of 64-bit pointers would take registers)."""
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2).to(tl.int64)
+        blk = n_blocks - 1 - pid // n_sub
+        r = (pid % n_sub) * BLOCK_M + tl.arange(0, BLOCK_M)
+        head = kvh * G + r // BS
+        tok = blk * BS + r % BS
+        row_ok = (r < G * BS) & (tok < n_tok)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        q_rows = b * s_qb + head.to(tl.int64) * s_qh + tok.to(tl.int64) * s_qn
+        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        k_base = k_ptr + b * s_kb + kvh.to(tl.int64) * s_kh
+        v_base = v_ptr + b * s_vb + kvh.to(tl.int64) * s_vh
+        k_tile = offs_n[:, None] * s_kn + offs_d[None, :]
+        v_tile = offs_n[:, None] * s_vn + offs_d[None, :]
+        return b, blk, q, head, tok, row_ok, k_base, v_base, k_tile, v_tile
+
+    @triton.jit
+    def attend_whole_blocks(q, idx_row, count, k_base, v_base, k_tile, v_tile, s_kn, s_vn, m_i, l_i, acc, scale_log2,
+                            BS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                            DOT_F32: tl.constexpr):
+        """The online softmax over the first ``count`` key blocks listed at ``idx_row``, every pair kept (no
+        mask); ``BS // BLOCK_N`` key tiles each."""
+        for t in range(0, count * (BS // BLOCK_N)):
+            start = tl.load(idx_row + t // (BS // BLOCK_N)).to(tl.int64) * BS + (t % (BS // BLOCK_N)) * BLOCK_N
+            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile, m_i, l_i,
+                                         acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def store_packed_rows(out_ptr, acc, l_i, b, head, tok, row_ok, s_ob, s_oh, s_on, D: tl.constexpr):
+        """The packed rows' outputs ``acc / l`` (zero where ``l = 0``) into ``out [B, Hq, N, D]``."""
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_rows = b * s_ob + head.to(tl.int64) * s_oh + tok.to(tl.int64) * s_on
+        tl.store(out_ptr + o_rows[:, None] + tl.arange(0, D)[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
     @triton.jit(do_not_specialize=["n_tok", "n_blocks", "n_sub"])
     def _block_sparse_prefill_kernel(
         q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, out_ptr, lse_ptr,
@@ -91,52 +141,28 @@ if triton is not None:
         G: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        b = tl.program_id(2).to(tl.int64)
-        blk = n_blocks - 1 - pid // n_sub  # the longest lists first
-        sub = pid % n_sub
-
-        r = sub * BLOCK_M + tl.arange(0, BLOCK_M)  # packed rows of the group
-        head = kvh * G + r // BS
-        tok = blk * BS + r % BS
-        row_ok = (r < G * BS) & (tok < n_tok)
-        offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
-
-        q_rows = b * s_qb + head.to(tl.int64) * s_qh + tok.to(tl.int64) * s_qn
-        q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-        k_base = k_ptr + b * s_kb + kvh.to(tl.int64) * s_kh
-        v_base = v_ptr + b * s_vb + kvh.to(tl.int64) * s_vh
-        k_tile = offs_n[:, None] * s_kn + offs_d[None, :]
-        v_tile = offs_n[:, None] * s_vn + offs_d[None, :]
-
+        b, blk, q, head, tok, row_ok, k_base, v_base, k_tile, v_tile = packed_program(
+            q_ptr, k_ptr, v_ptr, n_tok, n_blocks, n_sub, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+            G, BS, BLOCK_M, BLOCK_N, D, DOT_F32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-
+        # Off-diagonal blocks: whole blocks before the query block, no mask.
         count = tl.load(cnt_ptr + b * s_cb + blk * s_cn).to(tl.int32)
-        idx_row = idx_ptr + b * s_ib + blk * s_in
-        # Off-diagonal blocks: whole blocks before the query block, no mask; BS // BLOCK_N key tiles each.
-        for t in range(0, (count - 1) * (BS // BLOCK_N)):
-            start = tl.load(idx_row + t // (BS // BLOCK_N)).to(tl.int64) * BS + (t % (BS // BLOCK_N)) * BLOCK_N
-            m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                          m_i, l_i, acc, scale_log2, None, None, False, DOT_PRECISION, DOT_F32)
+        m_i, l_i, acc = attend_whole_blocks(q, idx_ptr + b * s_ib + blk * s_in, count - 1, k_base, v_base, k_tile,
+                                            v_tile, s_kn, s_vn, m_i, l_i, acc, scale_log2, BS, BLOCK_N, DOT_PRECISION,
+                                            DOT_F32)
         # The diagonal block: keys at or before the row's token, and before N.
         for j in tl.static_range(BS // BLOCK_N):
-            key_pos = blk * BS + j * BLOCK_N + offs_n
+            key_pos = blk * BS + j * BLOCK_N + tl.arange(0, BLOCK_N)
             key_ok = key_pos < n_tok
             ok = (key_pos[None, :] <= tok[:, None]) & key_ok[None, :]
             start = blk.to(tl.int64) * BS + j * BLOCK_N
-            m_i, l_i, acc = _attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile,
-                                          m_i, l_i, acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
+            m_i, l_i, acc = attend_block(q, k_base + start * s_kn + k_tile, v_base + start * s_vn + v_tile, m_i, l_i,
+                                         acc, scale_log2, key_ok, ok, True, DOT_PRECISION, DOT_F32)
 
+        store_packed_rows(out_ptr, acc, l_i, b, head, tok, row_ok, s_ob, s_oh, s_on, D)
         safe = tl.where(l_i > 0, l_i, 1.0)
-        o = acc / safe[:, None]
-        o_rows = b * s_ob + head.to(tl.int64) * s_oh + tok.to(tl.int64) * s_on
-        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
         lse = tl.where(l_i > 0, (m_i + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + b * s_lb + head.to(tl.int64) * s_lh + tok, lse, mask=row_ok)
 

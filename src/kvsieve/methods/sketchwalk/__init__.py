@@ -54,7 +54,7 @@ from ...kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefil
 from ...kernels.shared.weighted import weighted_sparse_decode
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
-from . import authors
+from . import authors, authors_prefill
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -128,7 +128,9 @@ class SketchWalkConfig(MethodConfig):
         "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to "
                 f"{TRITON_MAX_BLOCK} keys and FlexAttention for larger ones (the faster of the two, measured), the "
                 "torch reference elsewhere; flex; triton (the kernel that shares each K/V block's read among a "
-                "KV-head group's query heads; error if it cannot); reference")
+                "KV-head group's query heads; error if it cannot); reference. variant=authors: auto = on CUDA its "
+                "Triton kernel (full and partial key blocks, the token windows inside the partial ones; "
+                "FlexAttention where the kernel cannot serve), the torch reference elsewhere")
 
     def __post_init__(self) -> None:
         require_choice("variant", self.variant, VARIANTS)
@@ -152,10 +154,6 @@ class SketchWalkConfig(MethodConfig):
         if self.variant == "authors" and self.backend == "triton":
             raise ValueError("backend: triton runs the kernels of variant=reconstruction; variant=authors has the "
                              "torch reference only (use backend=auto or reference)")
-        if self.variant == "authors" and self.prefill_backend in ("flex", "triton"):
-            raise ValueError(f"prefill_backend: {self.prefill_backend} serves block lists (variant=reconstruction); "
-                             "variant=authors keeps token windows too and has the torch reference only "
-                             "(use prefill_backend=auto or reference)")
         d = self.density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 1:
             raise ValueError(f"density: expected a value in (0, 1], got {d!r}")
@@ -294,8 +292,8 @@ class SketchWalk(Method):
         if forward is not None:
             ordinal = forward.layer
             forward.layer = ordinal + 1
-        return authors.sketch_matrix(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
-                                     device=device, dtype=dtype)
+        return authors_prefill.device_sketch(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
+                                             torch.device(device), dtype)
 
     def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
         """Why a CUDA call asking for the automatic backend runs the torch reference."""
@@ -310,8 +308,12 @@ class SketchWalk(Method):
         b, hq, n_tok, d = q.shape
         dtype = self._compute_dtype(q.dtype)
         bs = cfg.block_size
+        path, reason = authors_prefill.prefill_path(cfg.prefill_backend, q, k, v, bs)
         phi = self._authors_phi(d, q.device, dtype, forward)
-        a = authors.block_matrix(q, k, phi, bs, causal=cfg.causal, dtype=dtype)
+        if path == "reference":
+            a = authors.block_matrix(q, k, phi, bs, causal=cfg.causal, dtype=dtype)
+        else:
+            a = authors_prefill.block_matrix(q, k, phi, bs, causal=cfg.causal, dtype=dtype)
         state.authors = authors.AuthorsLayerState.from_prompt(phi, a, q, cfg.query_window)
         if not sparse:
             return None, None
@@ -327,35 +329,29 @@ class SketchWalk(Method):
         sel = authors.prefill_selection(w, n_tok, block_size=bs, sink=cfg.sink, window=cfg.window,
                                         kblocks_frac=cfg.kblocks_frac, dense_last_blocks=cfg.dense_last_blocks)
         short = n <= cfg.dense_last_blocks
-        out, kept, touched = authors.prefill_attention(q, k, v, None if short else sel, block_size=bs,
-                                                       scale=scale if scale is not None else d ** -0.5, dtype=dtype)
-        extra: dict[str, Any] = {"phase": "prefill", "walk_hops": hops, "variant": "authors", "selection": "reference"}
-        reason = self._authors_backend_reason(q.device, cfg.prefill_backend)
+        scale = scale if scale is not None else d ** -0.5
+        extra: dict[str, Any] = {"phase": "prefill", "walk_hops": hops, "variant": "authors",
+                                 "selection": "reference" if path == "reference" else "device"}
         if reason is not None:
             extra["backend_reason"] = reason
         if short:
             extra["exact_reason"] = (f"{n} blocks: every query block is among the last dense_last_blocks="
                                      f"{cfg.dense_last_blocks}, which keep every block")
-        return out.to(q.dtype), self._authors_prefill_stats(k, kept, touched, extra)
+        if path == "reference":
+            out, kept, touched = authors.prefill_attention(q, k, v, None if short else sel, block_size=bs,
+                                                           scale=scale, dtype=dtype)
+            return out.to(q.dtype), authors_prefill.prefill_stats(k, kept, touched, extra, block_size=bs)
+        blocks = torch.ones(b, n, n, dtype=torch.bool, device=q.device).tril() if short else sel.blocks
+        out, lists = authors_prefill.sparse_attention(q, k, v, blocks, sel.window_tokens, block_size=bs, scale=scale,
+                                                      path=path)
 
-    def _authors_prefill_stats(self, k: torch.Tensor, kept: torch.Tensor, touched: torch.Tensor,
-                               extra: dict[str, Any]) -> StepStats:
-        """``kept [B, N]`` keys of each query, ``touched [B, n, n]`` key blocks each query block reads."""
-        bs = self.config.block_size
-        b, hkv, n_tok, d = k.shape
-        n = touched.shape[-1]
-        causal_keys = torch.arange(1, n_tok + 1, device=k.device)
-        pairs = n_tok * (n_tok + 1) / 2
-        per_row = float(kept.to(torch.float64).sum(-1).mean()) / n_tok
-        density = float(kept.to(torch.float64).sum(-1).mean()) / pairs
-        blocks = touched.to(torch.float64).sum(-1)  # [B, n]
-        return StepStats(
-            n_keys=float(n_tok), k_rows_scored=float(n_tok), v_rows_read=per_row, kv_rows_read=per_row,
-            density=density, kv_density=density,
-            bytes_read=int(blocks.sum(-1).mean() * bs * hkv * 2 * d * k.element_size()), backend="reference",
-            exact_rows=int((kept == causal_keys).all(-1).sum()),
-            extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
-                   "blocks_kept": float(blocks.mean())})
+        def stats() -> StepStats:  # built when read: its host reads would stall the next layers' launches
+            from ...kernels.sketchwalk.authors_prefill import kept_keys
+
+            kept = kept_keys(lists.blocks, lists.window_tokens, n_tokens=n_tok, block_size=bs)
+            return authors_prefill.prefill_stats(k, kept, lists.touched, {}, block_size=bs, backend=path)
+
+        return out, StepStats.deferred(stats, path, extra)
 
     def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
         """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
