@@ -281,8 +281,8 @@ def test_all_buckets_is_exact_and_no_bucket_is_streaming(arts, name):
     assert torch.allclose(out.double(), exact(q, k, v, lengths), atol=1e-10)
     assert stats.selectivity == pytest.approx(1.0) and stats.selectivity_indexed == pytest.approx(1.0)
     out0, stats0 = run(f"{name}:artifacts={arts},probes=0", q, k, v, lengths=lengths)
-    window = stats0.window
-    assert window == 63  # max(window_min, 500 // 16)
+    window = int(stats0.window)
+    assert stats0.window == 63  # max(window_min, 500 // 16) and max(window_min, 380 // 16)
     ref, _ = kvsieve.method(f"streaming:sink=1,window={window}").decode(q, k, v, lengths=lengths)
     assert torch.allclose(out0.double(), ref.double(), atol=1e-10)
     assert stats0.selectivity_indexed == 0
@@ -290,21 +290,19 @@ def test_all_buckets_is_exact_and_no_bucket_is_streaming(arts, name):
 
 def test_dense_and_indexed_sets_are_disjoint_and_complete(arts):
     q, k, v = qkv(2, 4, 2, 300, seed=6)
-    mask = torch.ones(2, 300, dtype=torch.bool)
-    mask[1, :40] = False  # left padding
+    lengths = torch.tensor([300, 260])
     spec = f"saap:artifacts={arts},probes=3"
     state = kvsieve.method(spec).new_state()
-    run(spec, q, k, v, layer=2, state=state, key_mask=mask)
+    run(spec, q, k, v, layer=2, state=state, lengths=lengths)
     idx = state.index
     for b in range(2):
-        dense = set(idx.dense_ids[b, : int(idx.dense_counts[b])].tolist())
+        n, window = int(lengths[b]), int(idx.window[b])
+        dense = {0} | set(range(n - window, n))  # the sink and the window
         for h in range(2):
             n_idx = int(idx.offsets[b, h, -1])
             indexed = set(idx.ids[b, h, :n_idx].tolist())
             assert not dense & indexed
-            assert dense | indexed == set(mask[b].nonzero().squeeze(1).tolist())
-        first = int(mask[b].nonzero()[0])
-        assert first in dense  # the sink is the first valid key, padding or not
+            assert dense | indexed == set(range(n))
 
 
 def test_selectivity_is_monotone_in_probes(arts):
@@ -341,29 +339,31 @@ def test_batched_probing_ranks_the_summed_group_probabilities(arts):
     assign = idx.assign  # [1, Hkv, N]
     chosen = torch.stack([torch.isin(assign[0, h], top[0, h]) for h in range(2)])[None]
     dense = torch.zeros(1, 600, dtype=torch.bool)
-    dense[0, idx.dense_ids[0, : int(idx.dense_counts[0])]] = True
+    dense[0, 0] = True
+    dense[0, 600 - int(idx.window[0]):] = True
     for h in range(4):
         keep = (chosen[0, h // 2] | dense[0]).nonzero().squeeze(1)
         ref = exact(q[:, h:h + 1], k[:, h // 2:h // 2 + 1, keep], v[:, h // 2:h // 2 + 1, keep])
         assert torch.allclose(out[:, h:h + 1].double(), ref, atol=1e-10)
 
 
-def test_new_tokens_join_the_dense_part_and_the_index_is_rebuilt(arts):
+def test_keys_leaving_the_window_join_their_buckets(arts):
     q, k, v = qkv(1, 4, 2, 700, seed=10)
     m = kvsieve.method(f"saap:artifacts={arts},probes=8")  # all buckets: exact at every step
     state = m.new_state()
     for n in (600, 601, 650, 664, 665, 700):
         out, stats = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, context=CallContext(layer=1))
         assert torch.allclose(out.double(), exact(q, k[:, :, :n], v[:, :, :n]), atol=1e-10)
-        built = state.index.n_keys
-        assert n - built <= state.index.window
-    assert state.index.n_keys > 600  # rebuilt once the new keys outnumbered the window
+        assert stats.dense_keys == 1 + 63  # the window slides: sink + 63 keys whatever the length
+        assert stats.bucket_keys == n - 64
+    idx = state.index
+    assert int(idx.done[0]) == 700 - 63 and (idx.assign[0, :, 600 - 63:700 - 63] < 8).all()
 
 
 def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     """The decode contract for SAAP (tested here: it needs artifacts): under ``no_host_reads()`` (what a GPU
-    gets) a decode loop reads nothing on the host — index build and rebuilds included — and gives the
-    CPU path's outputs; host-known bounds replace the two values the CPU path reads at each build."""
+    gets) a decode loop reads nothing on the host — the index build and its updates included — and gives
+    the CPU path's outputs."""
     import test_decode_contract as contract
 
     from kvsieve.core.sync import no_host_reads
@@ -373,16 +373,15 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     m = kvsieve.method(spec)
     cpu_state, gpu_state = m.new_state(), m.new_state()
     layer1, hinted = CallContext(layer=1), CallContext(layer=1, min_length=600)
-    for n in (600, 601, 640, 664, 665, 700):  # the last two steps rebuild the index
+    for n in (600, 601, 640, 664, 665, 700):  # K grows by up to 39 keys: as many join their buckets
         a, sa = m.decode(q, k[:, :, :n], v[:, :, :n], state=cpu_state, context=layer1, check_finite=False)
         with contract.host_reads_raise():
             b, sb = m.decode(q, k[:, :, :n], v[:, :, :n], state=gpu_state, context=hinted, check_finite=False)
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert sb.selectivity == pytest.approx(sa.selectivity)
-        assert cpu_state.index.n_keys == gpu_state.index.n_keys
-    assert gpu_state.index.n_keys > 600
+        assert torch.equal(cpu_state.index.assign, gpu_state.index.assign)
     layer2 = CallContext(layer=2)
-    with no_host_reads():  # a ragged batch: the scan for new keys starts at 0 without the hint
+    with no_host_reads():  # a ragged batch
         q2, k2, v2 = qkv(2, 4, 2, 500, seed=22)
         out, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
     ref, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
