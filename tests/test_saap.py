@@ -390,35 +390,71 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 @pytest.mark.gpu
 def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+    """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache:
+    no host synchronisation, captured once, replayed at later lengths (keys leaving the window join their
+    buckets inside the graph) with the eager step's outputs and index; close to the torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
-    q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(1, 8, 2, 3000, d=64, seed=23))
-    lengths = torch.tensor([3000], device="cuda")
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
+    lengths = torch.tensor([2900, 1700], device="cuda")
     m = kvsieve.method(f"saap:artifacts={folder},probes=4")
-    state, ctx = m.new_state(), CallContext(layer=1, min_length=2990)
-    m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)  # builds the index
+    ctx = CallContext(layer=1, capacity=3000, count_reads=False)
+    state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
+    ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
+    for st in (state, eager_state):
+        m.decode(q, k, v, lengths=lengths, state=st, context=ctx, check_finite=False)  # builds the index
+    ref_m.decode(q, k, v, lengths=lengths, state=ref_state, context=ctx, check_finite=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert stats.backend == "triton" and torch.isfinite(out.float()).all()
-    graph = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(graph):
-        captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
-    for step in range(3):  # the next decode steps: the graph reads the new lengths from device memory
-        lengths.fill_(2997 + step)
+    assert stats.backend == "triton" and stats.saap_path == "device index" and torch.isfinite(out.float()).all()
+    for step in range(1, 40):  # one key a step leaves each row's window and joins its bucket
+        lengths.copy_(torch.tensor([2900 + step, 1700 + step]))
         graph.replay()
-        eager, _ = m.decode(q, k, v, lengths=torch.full_like(lengths, 2997 + step), state=state, context=ctx,
-                            check_finite=False)
+        now = lengths.clone()
+        eager, _ = m.decode(q, k, v, lengths=now, state=eager_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+        torch.testing.assert_close(state.index.assign, eager_state.index.assign, rtol=0, atol=0)
+        ref, _ = ref_m.decode(q, k, v, lengths=now, state=ref_state, context=ctx, check_finite=False)
+        torch.testing.assert_close(captured.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    assert torch.equal(state.index.assign, ref_state.index.assign)  # the Triton update = the torch update
+    assert int(state.index.done[0]) == 2939 - int(state.index.window[0])
+
+
+@pytest.mark.gpu
+def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
+    """``kvsieve.generate`` on CUDA captures the SAAP step (rows of different lengths, more new tokens than
+    the window so keys join their buckets in the graph) and gives the eager run's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).eval().cuda()
+    folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, model=model)
+    spec = f"saap:artifacts={folder},probes=4,window=64"
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 1000, (n,), generator=g).cuda() for n in (1500, 700)]
+    runs = {graph: kvsieve.generate(model, rows, spec, max_new_tokens=96, graph=graph, eos_token_id=None)
+            for graph in (True, False)}
+    assert runs[True].stats.graph and runs[True].stats.graph_reason is None
+    assert not runs[False].stats.graph
+    assert {r["backend"] for r in runs[False].stats.records if r["saap_path"] == "device index"} == {"triton"}
+    assert torch.equal(runs[True].tokens, runs[False].tokens)
 
 
 # ---- bad input -------------------------------------------------------------------------------------
