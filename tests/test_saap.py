@@ -430,7 +430,8 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
         ref, _ = ref_m.decode(q, k, v, lengths=now, state=ref_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured.float(), ref.float(), rtol=3e-2, atol=3e-2)
     assert torch.equal(state.index.assign, ref_state.index.assign)  # the Triton update = the torch update
-    assert int(state.index.done[0]) == 2939 - int(state.index.window[0])
+    w = state.index.window.cpu()
+    assert (state.index.assign[0, :, 2900 - w[0]:2939 - w[0]] < 16).all()  # joined their buckets
 
 
 @pytest.mark.gpu
@@ -746,10 +747,23 @@ compile_(buckets._bucket_parts_kernel,
          {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
           "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
           "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-          "sem_ptr": "*i32"},
+          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
          {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
-          "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True, "GROUP_P": 4,
-          "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+          "HAS_RANGE": True, "HAS_TAIL": False, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
+          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+# SAAP's sliding window and the keys that joined their buckets after the build (the runtime's path)
+compile_(buckets._bucket_parts_kernel,
+         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+          "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
+          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
+         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
+          "HAS_RANGE": False, "HAS_TAIL": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
+          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+from kvsieve.kernels.saap import index
+compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
+                                     "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
+         {"D": 128, "HALF": 64, "BLOCK_U": 16, "BLOCK_C": 64, "DEROPE": True}, floats=("scaling",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
 # parts, the top-l of 1024 scores by rank, 32 buckets a program
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
@@ -917,7 +931,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and res.stdout.count("shared") == 4, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("shared") == 6, res.stderr[-3000:]
 
 
 # What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
@@ -939,13 +953,14 @@ k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
 m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
 state, ref_state = m.new_state(), ref.new_state()
-ctx, ref_ctx = CallContext(layer=1, min_length=n - 20), CallContext(layer=1)
+from kvsieve.core.sync import no_host_reads
+ctx, ref_ctx = CallContext(layer=1, capacity=n + 2), CallContext(layer=1)  # buffers sized once, as the runtime's
 worst = 0.0
-for step in range(3):  # the build, then two generated tokens (the dense range grows; no rebuild)
+for step in range(3):  # the build, then two generated tokens: a key leaves each row's window per step
     lengths = torch.tensor([n + step, n - 20 + step])
     kk, vv = k[:, :, : n + step], v[:, :, : n + step]
     log.clear()
-    with Ops():
+    with Ops(), no_host_reads():  # what a GPU gets
         out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, context=ctx, check_finite=False)
     print("CALL", " ".join(log))
     ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, context=ref_ctx, check_finite=False)
@@ -958,10 +973,10 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-def test_captured_decode_launches_four_kernels_and_no_torch_op():
-    """Per call, after the build and while generated tokens join the dense part (a range in the kernel,
-    not a list rebuilt per step): the probe's three kernels and the bucket kernel (which merges its partials
-    itself), nothing else
+def test_captured_decode_launches_five_kernels_and_no_torch_op():
+    """Per call, after the build, while keys leave the window and join their buckets: the index update,
+    the probe's three kernels and the bucket kernel (the window's bounds computed from the lengths in the
+    kernels; it merges its partials itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
     branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
     reference path's (bfloat16 rounding of the output aside)."""
@@ -971,8 +986,8 @@ def test_captured_decode_launches_four_kernels_and_no_torch_op():
     out = run_script(SAAP_LAUNCHES, "cpu", True)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
-    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
-               "triton:_bucket_parts_kernel"]
+    kernels = ["triton:_assign_tail_kernel", "triton:_hidden_kernel", "triton:_logits_kernel",
+               "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
     assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

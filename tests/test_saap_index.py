@@ -72,10 +72,10 @@ def test_update_is_idempotent_and_a_build_lists_every_indexed_key(arts):
         listed = set(ids[0, h, : int(offsets[0, h, -1])].tolist())
         assert listed == set(range(1, 300 - 63))
     before = assign.clone()
-    for t_hi in (240, 241, 241, 245, 243):
-        assign_tail_reference(assign, k, t_lo, torch.tensor([t_hi]), 4, cent, freq, 1.0)
+    for t_hi in (240, 241, 241, 245, 243):  # lengths t_hi + 63
+        assign_tail_reference(assign, k, t_lo, torch.tensor([t_hi + 63]), window, 4, cent, freq, 1.0)
     once = assign.clone()
-    assign_tail_reference(assign, k, t_lo, torch.tensor([245]), 4, cent, freq, 1.0)
+    assign_tail_reference(assign, k, t_lo, torch.tensor([245 + 63]), window, 4, cent, freq, 1.0)
     assert torch.equal(assign, once)
     assert torch.equal(assign[..., :237], before[..., :237]) and (assign[..., 237:245] < 8).all()
     assert (assign[..., 245:] == 8).all()
@@ -152,35 +152,30 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
     k, v = (t.to(dev) for t in torch.randn(2, b, hkv, n, d, generator=g))
     start = torch.tensor([n - 60, n - 100, 40][:b], device=dev)  # row 2: shorter than its window at first
     window = torch.tensor([30, 50, 45][:b], device=dev)
+    sink_ids = torch.arange(max(sink, 1), device=dev).expand(b, hkv, -1)  # shared by the heads: stride 0
+    sink_counts = torch.full((b, hkv), sink, device=dev)
     for inv in (freq, None):  # de-roped keys, and keys compared as stored (the roped baseline)
         assign, t_lo = build_assign(k, start, window, sink, cent, inv, 1.3, n)
         offsets, ids = build_csr(assign, c)
         ref_assign = assign.clone()
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
-            lengths = start + step
-            t_hi = torch.maximum(t_lo, lengths - window)
+            lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
-            assign_tail_reference(ref_assign, k, t_lo, t_hi, span, cent, inv, 1.3)
-            assign_tail_triton(assign, k, t_lo, t_hi, span, cent, inv, 1.3)
+            assign_tail_reference(ref_assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
+            assign_tail_triton(assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assert torch.equal(assign, ref_assign), (assign != ref_assign).nonzero()[:5]
             bk = torch.stack([torch.randperm(c, generator=g)[:probes] for _ in range(b * hkv)]).view(b, hkv, probes)
             bk = bk.to(dev)
-            lo = (lengths - window).clamp(min=sink)
             ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
-            sink_ids = torch.arange(max(sink, 1), device=dev)
-            out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids.expand(b, hkv, -1),
-                                                    lengths.clamp(max=sink)[:, None].expand(-1, hkv), offsets, ids,
-                                                    bk, 0, dense_range=(lo, lengths), tail=(t_lo, t_hi, assign),
-                                                    block_n=16, splits=3 if step % 2 else None)
+            out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids, sink_counts, offsets, ids, bk, 0,
+                                                    sliding=(lengths, window, t_lo, assign), block_n=16,
+                                                    splits=3 if step % 2 else None)
             worst = max(worst, float((out - ref).abs().max()))
     # a row rewound below its build length: bucket keys the window now holds are read once
     lengths = start - 7
-    lo = (lengths - window).clamp(min=sink)
-    t_hi = torch.maximum(t_lo, lengths - window)
     ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
-    out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids.expand(b, hkv, -1),
-                                            lengths.clamp(max=sink)[:, None].expand(-1, hkv), offsets, ids, bk, 0,
-                                            dense_range=(lo, lengths), tail=(t_lo, t_hi, assign), block_n=16)
+    out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids, sink_counts, offsets, ids, bk, 0,
+                                            sliding=(lengths, window, t_lo, assign), block_n=16)
     worst = max(worst, float((out - ref).abs().max()))
 print("worst", worst)
 """
@@ -206,3 +201,32 @@ def test_index_kernels_on_cuda_match_their_references():
 
     worst = float(run_script(INDEX_KERNEL_CASES, "cuda", interpret=False).split("worst")[-1])
     assert worst < 1e-4
+
+
+def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path):
+    """``kvsieve bench e2e --methods saap:probes=2``: the bench fits its own model (random ids for text) into
+    its cache folder, loads it on the next run, and hands the method the folder; bad specs fail first."""
+    from kvsieve.bench.saap_fit import check_spec, needs_bench_fit, resolve_methods
+
+    model = tiny_llama(heads=4, kv_heads=2, layers=3, seed=2)
+    logs = []
+    small = dict(clusters=8, prompt_tokens=300, hidden=16, steps=3, queries=32, kmeans_iters=2)
+    import kvsieve.bench.saap_fit as saap_fit
+
+    saap_fit.BENCH_FIT, saved = {**saap_fit.BENCH_FIT, **small}, saap_fit.BENCH_FIT
+    try:
+        specs, fit = resolve_methods(["saap:probes=2", "quest"], model, "tiny", tmp_path, logs.append)
+        again, fit2 = resolve_methods(["saap-kmeans:probes=3"], model, "tiny", tmp_path, logs.append)
+    finally:
+        saap_fit.BENCH_FIT = saved
+    assert not fit["cached"] and fit["fit_s"] > 0 and fit["settings"]["clusters"] == 8
+    assert fit2["cached"] and fit2["artifacts"] == fit["artifacts"]
+    assert specs["quest"] == "quest" and specs["saap:probes=2"] == f"saap:artifacts={fit['artifacts']},probes=2"
+    m = kvsieve.method(specs["saap:probes=2"])
+    m.check_model(model)  # fitted on this very model
+    with pytest.raises(ValueError, match="weights"):
+        m.check_model(tiny_llama(heads=4, kv_heads=2, layers=3, seed=5))
+    assert needs_bench_fit("saap") and not needs_bench_fit(f"saap:artifacts={tmp_path}")
+    check_spec("saap:probes=32")
+    with pytest.raises(ValueError, match="probes"):
+        check_spec("saap:probes=-1")

@@ -49,6 +49,7 @@ from ..kernels.saap.index import (
     build_assign,
     index_decode_reference,
     index_read_mask,
+    tail_end,
 )
 from .shared.exact import compute_dtype, exact_attention
 
@@ -328,7 +329,9 @@ class SaapIndex:
     ``assign [B, Hkv, A]`` the bucket of each position (``C``: not indexed; ``A`` the cache capacity when
     the caller owns one), the build's CSR lists (``offsets``/``ids``) of the positions ``[sink, tail_lo_b)``,
     each row's window ``window [B]`` (fixed at the build) and ``done [B]``, the end of the positions
-    assigned so far. ``n_keys``: K's length at the last call (host), which bounds the next step's update."""
+    assigned so far (kept where the host may read it, to refuse a jump the update would not cover); ``sink``
+    the sink's positions and ``sink_counts`` its size per (row, KV head), read by the kernel. ``n_keys``: K's
+    length at the last call (host), which bounds the next step's update."""
 
     batch: int
     n_keys: int
@@ -339,6 +342,7 @@ class SaapIndex:
     ids: torch.Tensor
     assign: torch.Tensor
     sink_ids: torch.Tensor
+    sink_counts: torch.Tensor
 
 
 @dataclass
@@ -439,7 +443,9 @@ class Saap(Method):
         offsets, ids = build_csr(assign[..., :inputs.n_keys], self.artifacts.buckets)
         return SaapIndex(batch=inputs.batch, n_keys=inputs.n_keys, window=window, tail_lo=tail_lo, done=tail_lo.clone(),
                          offsets=offsets, ids=ids, assign=assign,
-                         sink_ids=torch.arange(max(cfg.sink, 1), device=inputs.q.device))
+                         sink_ids=torch.arange(max(cfg.sink, 1), device=inputs.q.device).expand(inputs.batch,
+                                                                                                inputs.kv_heads, -1),
+                         sink_counts=torch.full((inputs.batch, inputs.kv_heads), cfg.sink, device=inputs.q.device))
 
     def _index(self, inputs: DecodeInputs, layer: int, state: SaapState, triton_path: bool) -> SaapIndex:
         """The request's index for this layer, built on the first call, then brought up to date: the keys
@@ -454,17 +460,20 @@ class Saap(Method):
             idx.assign = torch.nn.functional.pad(idx.assign, (0, n - idx.assign.shape[-1]), value=c)
         span = max(UPDATE_SPAN, n - idx.n_keys)
         idx.n_keys = n
-        t_hi = torch.maximum(idx.tail_lo, inputs.n_valid - idx.window)
-        if host_reads_allowed(t_hi) and bool((t_hi - idx.done > span).any()):
-            raise ValueError(f"lengths: a row advanced by more than {span} keys since the last call with K's shape "
-                             f"unchanged; {self.name} assigns at most that many keys leaving the window per call")
-        args = (idx.assign, inputs.k, idx.tail_lo, t_hi, span, self._centroids(layer, inputs.q.device),
+        lengths = inputs.lengths
+        if host_reads_allowed(lengths):  # the host may look: refuse a jump the update would not cover
+            t_hi = tail_end(idx.tail_lo, lengths, idx.window)
+            if bool((t_hi - idx.done > span).any()):
+                raise ValueError(f"lengths: a row advanced by more than {span} keys since the last call with K's "
+                                 f"shape unchanged; {self.name} assigns at most that many keys leaving the window "
+                                 "per call")
+            torch.maximum(idx.done, t_hi, out=idx.done)
+        args = (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span, self._centroids(layer, inputs.q.device),
                 self._derope_freq(inputs.q.device), self.artifacts.rope.attention_scaling)
         if triton_path and span <= 16:
             assign_tail_triton(*args)
         else:
             assign_tail_reference(*args)
-        torch.maximum(idx.done, t_hi, out=idx.done)
         return idx
 
     # -- scoring ----------------------------------------------------------------------------------
@@ -534,14 +543,11 @@ class Saap(Method):
         assign = idx.assign if probing_heads == hkv else idx.assign.repeat_interleave(group, dim=1)
         extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets}
         if backend == "triton":
-            sink = lengths.long().clamp(max=self.config.sink)
-            lo = (lengths.long() - idx.window).clamp(min=self.config.sink)
-            t_hi = torch.maximum(idx.tail_lo, lengths.long() - idx.window)
-            # the sink list and its count are shared by the KV heads: head stride 0
+            # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
+            # from the lengths in the kernel
             out, _, _ = bucket_sparse_decode_triton(
-                inputs.q, inputs.k, inputs.v, idx.sink_ids.expand(inputs.batch, hkv, -1),
-                sink[:, None].expand(-1, hkv), idx.offsets, idx.ids, buckets, 0, scale=inputs.scale,
-                dense_range=(lo, lengths), tail=(idx.tail_lo, t_hi, idx.assign))
+                inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign))
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)

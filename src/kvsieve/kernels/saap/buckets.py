@@ -186,7 +186,7 @@ if triton is not None:
     @triton.jit
     def _bucket_parts_kernel(
         q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
-        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, tail_hi_ptr, assign_ptr,
+        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
         scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
@@ -212,7 +212,15 @@ if triton is not None:
         shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
         n_bucket_keys = tl.sum(sizes, axis=0)
         n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
-        if HAS_RANGE:
+        if HAS_TAIL:
+            # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
+            # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
+            length = tl.load(hi_ptr + b).to(tl.int32)
+            start = length - tl.load(lo_ptr + b).to(tl.int32)
+            lo = tl.maximum(start, n_list)
+            n_range = tl.maximum(length - lo, 0)
+            n_list = tl.minimum(n_list, length)
+        elif HAS_RANGE:
             lo = tl.load(lo_ptr + b).to(tl.int32)
             n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
         else:
@@ -222,7 +230,7 @@ if triton is not None:
         total = n_dense + n_bucket_keys
         if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
             t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
-            total += tl.maximum(tl.load(tail_hi_ptr + b).to(tl.int32) - t_lo, 0)
+            total += tl.maximum(start - t_lo, 0)
             assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
         if split == 0:
             tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
@@ -348,7 +356,7 @@ def bucket_sparse_decode_triton(
     *,
     scale: float | None = None,
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
-    tail: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sliding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
@@ -364,9 +372,11 @@ def bucket_sparse_decode_triton(
     leaves at 0; one launch per call); False runs the separate merge kernel. Calls on different streams
     of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers).
 
-    ``tail = (t_lo [B], t_hi [B], assign [B, Hkv, A])`` (with ``dense_range``): SAAP's keys that joined their
-    buckets after the CSR build, the positions ``[t_lo_b, t_hi_b)`` whose ``assign`` is a chosen bucket, are
-    scanned after the buckets; CSR keys at or past the range's ``lo`` are skipped (the range holds them).
+    ``sliding = (lengths [B], window [B], t_lo [B], assign [B, Hkv, A])`` (instead of ``dense_range``; the
+    dense list is the sink, ``dense_counts`` its size): SAAP's sliding window and tail
+    (:mod:`kvsieve.kernels.saap.index`), bounds computed in the kernel: the range ``[lo_b, L_b)`` with
+    ``lo_b = max(sink, L_b − W_b)``, then after the buckets the positions ``[t_lo_b, max(t_lo_b, L_b − W_b))``
+    whose ``assign`` is a chosen bucket; CSR keys at or past ``lo_b`` are skipped (the range holds them).
     :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
     CSR keys of the chosen buckets, the tail not included."""
     from ..shared.triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
@@ -383,7 +393,7 @@ def bucket_sparse_decode_triton(
     n_probe = buckets.shape[-1]
     if splits is None:
         bound = dense_indices.shape[-1] + (n_keys if dense_range is not None else 0) + (width or n_keys)
-        bound += n_keys if tail is not None else 0
+        bound += 2 * n_keys if sliding is not None else 0
         splits = default_splits(b * hkv, min(bound, n_keys), block_n)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise ValueError(f"splits: expected an integer >= 1, got {splits!r}")
@@ -401,9 +411,12 @@ def bucket_sparse_decode_triton(
     if v.stride(-1) != 1:
         v_ = v.contiguous()
     lo, hi = dense_range if dense_range is not None else (dense_counts, dense_counts)
-    if tail is not None and dense_range is None:
-        raise ValueError("tail: the keys that joined their buckets come with the dense range (dense_range)")
-    t_lo, t_hi, assign = tail if tail is not None else (lo, hi, ids)
+    if sliding is not None and dense_range is not None:
+        raise ValueError("sliding: SAAP's window is the dense range; give one of sliding and dense_range")
+    if sliding is not None:
+        hi, lo, t_lo, assign = sliding
+    else:
+        t_lo, assign = lo, ids
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
@@ -411,13 +424,13 @@ def bucket_sparse_decode_triton(
     group_p = max(2, next_pow2(group))
     _bucket_parts_kernel[(hkv, b, splits)](
         q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts, out, lse, sem,
-        t_lo, t_hi, assign,
+        t_lo, assign,
         float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
         dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1], assign.stride(0), assign.stride(1),
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
-        SPLITS=splits, HAS_RANGE=dense_range is not None, HAS_TAIL=tail is not None,
+        SPLITS=splits, HAS_RANGE=dense_range is not None, HAS_TAIL=sliding is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,

@@ -8,8 +8,9 @@ Contract (prefix rows: the valid keys of row ``b`` are ``[0, L_b)``)
   positions not indexed). The build fills ``[sink, t_lo_b)`` (``t_lo_b = max(sink, L0_b − W_b)``) and lists
   them by bucket (CSR, :func:`kvsieve.kernels.saap.buckets.build_csr`); each later step assigns the keys
   that have left the window since, the positions ``[t_lo_b, t_hi_b)`` with ``t_hi_b = max(t_lo_b, L_b − W_b)``
-  (:func:`assign_tail_reference`, :func:`assign_tail_triton`), writing only ``assign``: fixed shapes, no
-  host read, and the same values whenever a step is repeated (a position's bucket depends on its key only);
+  (:func:`assign_tail_reference`, :func:`assign_tail_triton`; bounds computed from the lengths), writing
+  only ``assign``: fixed shapes, no host read, and the same values whenever a step is repeated (a
+  position's bucket depends on its key only);
 - a decode step attends exactly over the dense part and every indexed key whose bucket was chosen
   (:func:`index_decode_reference`; the Triton path is
   :func:`kvsieve.kernels.saap.buckets.bucket_sparse_decode_triton` with ``dense_range`` and ``tail``).
@@ -70,6 +71,11 @@ def build_assign(k: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor, s
     return assign, t_lo
 
 
+def tail_end(t_lo: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """``[B]`` ``t_hi = max(t_lo, L − W)``: the end of the keys that have left the window."""
+    return torch.maximum(t_lo, lengths.long() - window)
+
+
 def tail_positions(t_lo: torch.Tensor, t_hi: torch.Tensor, span: int) -> torch.Tensor:
     """``[B, span]``: the last ``span`` positions before ``t_hi``, those before ``t_lo`` moved to ``t_lo``
     (a duplicate writes the same value: a position's bucket depends on its key only)."""
@@ -77,10 +83,12 @@ def tail_positions(t_lo: torch.Tensor, t_hi: torch.Tensor, span: int) -> torch.T
     return torch.maximum(t_hi[:, None] - 1 - rel[None, :], t_lo[:, None])
 
 
-def assign_tail_reference(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, t_hi: torch.Tensor, span: int,
-                          centroids: torch.Tensor, inv_freq: torch.Tensor | None, scaling: float) -> None:
-    """Assign, in place, the keys at :func:`tail_positions` (the last ``span`` to have left the window)."""
-    pos = tail_positions(t_lo, t_hi, span)  # [B, U]
+def assign_tail_reference(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                          window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                          scaling: float) -> None:
+    """Assign, in place, the keys at :func:`tail_positions` (the last ``span`` to have left the window of
+    rows of ``lengths``)."""
+    pos = tail_positions(t_lo, tail_end(t_lo, lengths, window), span)  # [B, U]
     b, h = assign.shape[:2]
     idx = pos[:, None, :].expand(b, h, span)
     rows = k.gather(2, idx[..., None].expand(b, h, span, k.shape[-1]))
@@ -132,7 +140,8 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 if triton is not None:
 
     @triton.jit
-    def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, t_hi_ptr, scaling, kv_heads, n_buckets,
+    def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
+                            n_buckets,
                             span, s_kb, s_kh, s_kn, s_ab, s_ah,
                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_C: tl.constexpr,
                             DEROPE: tl.constexpr):
@@ -142,7 +151,7 @@ if triton is not None:
         b = bh // kv_heads
         h = bh % kv_heads
         t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
-        t_hi = tl.maximum(tl.load(t_hi_ptr + b).to(tl.int32), t_lo)
+        t_hi = tl.maximum(tl.load(len_ptr + b).to(tl.int32) - tl.load(win_ptr + b).to(tl.int32), t_lo)
         offs_u = tl.arange(0, BLOCK_U)
         u_ok = offs_u < span
         pos = tl.maximum(t_hi - span + offs_u, t_lo)
@@ -179,8 +188,9 @@ if triton is not None:
                  mask=u_ok)
 
 
-def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, t_hi: torch.Tensor, span: int,
-                       centroids: torch.Tensor, inv_freq: torch.Tensor | None, scaling: float) -> None:
+def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                       window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                       scaling: float) -> None:
     """:func:`assign_tail_reference` in one launch (one program per row and KV head). Centroids float32
     ``[Hkv, C, d]`` contiguous; ``assign`` contiguous in its last dimension."""
     if triton is None:
@@ -195,7 +205,7 @@ def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor
         k = k.contiguous()
     freq = centroids if inv_freq is None else inv_freq
     _assign_tail_kernel[(b * h,)](
-        k, centroids, freq, assign, t_lo, t_hi, float(scaling), h, centroids.shape[1], span,
+        k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
         k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
         D=d, HALF=d // 2, BLOCK_U=16, BLOCK_C=min(64, max(16, next_pow2(centroids.shape[1]))),
         DEROPE=inv_freq is not None, num_warps=4)
