@@ -230,3 +230,23 @@ def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path):
     check_spec("saap:probes=32")
     with pytest.raises(ValueError, match="probes"):
         check_spec("saap:probes=-1")
+
+
+def test_torch_kmeans_is_lloyds_fixed_point_and_checks_its_input():
+    from kvsieve.fit.saap import FitConfig, spherical_kmeans_torch
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1000, 16, generator=g) + 0.5
+    one = spherical_kmeans_torch(x, 1, niter=3, seed=0)  # one bucket: the normalised mean
+    torch.testing.assert_close(one[0], torch.nn.functional.normalize(x.mean(0), dim=0))
+    cent = spherical_kmeans_torch(x, 5, niter=30, seed=0)
+    torch.testing.assert_close(cent.norm(dim=-1), torch.ones(5))
+    assign = (x @ cent.T).argmax(-1)  # converged: a further round moves nothing
+    again = torch.stack([torch.nn.functional.normalize(x[assign == c].sum(0), dim=0) for c in range(5)])
+    torch.testing.assert_close(again, cent)
+    with pytest.raises(ValueError, match="larger than the 3 keys"):
+        spherical_kmeans_torch(torch.randn(3, 4), 5, niter=2, seed=0)
+    with pytest.raises(ValueError, match="kmeans_backend"):
+        FitConfig(kmeans_backend="cuda").validate()
+    assert FitConfig().fingerprint() == FitConfig(kmeans_backend="faiss").fingerprint()
+    assert FitConfig().fingerprint() != FitConfig(kmeans_backend="torch").fingerprint()
