@@ -409,20 +409,25 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
-        graph = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(graph):
-            captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(graph):
+        captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     assert stats.backend == "triton" and stats.saap_path == "device index" and torch.isfinite(out.float()).all()
+    steps = torch.tensor([[2900 + step, 1700 + step] for step in range(40)], device="cuda")
     for step in range(1, 40):  # one key a step leaves each row's window and joins its bucket
-        lengths.copy_(torch.tensor([2900 + step, 1700 + step]))
-        graph.replay()
+        lengths.copy_(steps[step])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
         now = lengths.clone()
         eager, _ = m.decode(q, k, v, lengths=now, state=eager_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
