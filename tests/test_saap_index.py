@@ -250,3 +250,14 @@ def test_torch_kmeans_is_lloyds_fixed_point_and_checks_its_input():
         FitConfig(kmeans_backend="cuda").validate()
     assert FitConfig().fingerprint() == FitConfig(kmeans_backend="faiss").fingerprint()
     assert FitConfig().fingerprint() != FitConfig(kmeans_backend="torch").fingerprint()
+
+
+def test_bench_cli_takes_saap_without_artifacts_and_checks_the_rest(capsys):
+    from kvsieve.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU machine's answer: the spec passes, then no GPU")
+    assert main(["bench", "e2e", "--methods", "saap:probes=32", "--baselines", "runtime"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err  # past the spec check: the bench fits the shape
+    assert main(["bench", "e2e", "--methods", "saap:probes=-1"]) == 2
+    assert "probes" in capsys.readouterr().err
