@@ -470,7 +470,7 @@ class Saap(Method):
             torch.maximum(idx.done, t_hi, out=idx.done)
         args = (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span, self._centroids(layer, inputs.q.device),
                 self._derope_freq(inputs.q.device), self.artifacts.rope.attention_scaling)
-        if triton_path and span <= 16:
+        if triton_path:
             assign_tail_triton(*args)
         else:
             assign_tail_reference(*args)

@@ -141,57 +141,51 @@ if triton is not None:
 
     @triton.jit
     def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
-                            n_buckets,
-                            span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                            D: tl.constexpr, HALF: tl.constexpr, BLOCK_U: tl.constexpr, BLOCK_C: tl.constexpr,
-                            DEROPE: tl.constexpr):
-        """Program (row·Hkv + KV head): the ``span`` tail positions of :func:`tail_positions` de-roped and
-        scored against every centroid (``BLOCK_C`` at a time, IEEE float32 dots), the first best kept."""
+                            n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
+                            D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row·Hkv + KV head, u): tail position ``u`` of :func:`tail_positions` de-roped and scored
+        against every centroid (``BLOCK_C`` at a time, float32 products summed over ``d``), the first best
+        kept. One key a program: a ``[16, d]`` dot tile would be three quarters padding at the default span,
+        and these programs are latency-bound (the centroids stream from L2)."""
         bh = tl.program_id(0)
+        u = tl.program_id(1)
         b = bh // kv_heads
         h = bh % kv_heads
         t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
         t_hi = tl.maximum(tl.load(len_ptr + b).to(tl.int32) - tl.load(win_ptr + b).to(tl.int32), t_lo)
-        offs_u = tl.arange(0, BLOCK_U)
-        u_ok = offs_u < span
-        pos = tl.maximum(t_hi - span + offs_u, t_lo)
+        pos = tl.maximum(t_hi - span + u, t_lo)
         offs_d = tl.arange(0, D)
-        base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64)[:, None] * s_kn
-        x = tl.load(base + offs_d[None, :], mask=u_ok[:, None], other=0.0).to(tl.float32)
+        base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
+        x = tl.load(base + offs_d).to(tl.float32)
         if DEROPE:
-            # rotate_half: the partner of dimension i is i ± d/2 with sign -1 for the first half
+            # rotate_half: the partner of dimension i is i ± d/2, negated in the first half
             partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-            xr = tl.load(base + partner[None, :], mask=u_ok[:, None], other=0.0).to(tl.float32)
-            xr = tl.where((offs_d < HALF)[None, :], -xr, xr)
-            f = tl.load(freq_ptr + offs_d % HALF)
-            ang = pos.to(tl.float32)[:, None] * f[None, :]
-            cos = tl.cos(ang) * scaling
-            sin = tl.sin(ang) * scaling
-            x = (x * cos - xr * sin) / (scaling * scaling)
-        best = tl.full([BLOCK_U], float("-inf"), dtype=tl.float32)
-        best_i = tl.zeros([BLOCK_U], dtype=tl.int32)
+            xr = tl.load(base + partner).to(tl.float32)
+            xr = tl.where(offs_d < HALF, -xr, xr)
+            ang = pos.to(tl.float32) * tl.load(freq_ptr + offs_d % HALF)
+            x = (x * (tl.cos(ang) * scaling) - xr * (tl.sin(ang) * scaling)) / (scaling * scaling)
+        best = float("-inf")
+        best_i = n_buckets * 0
         offs_c = tl.arange(0, BLOCK_C)
         cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
         for c0 in range(0, n_buckets, BLOCK_C):
             cc = c0 + offs_c
             c_ok = cc < n_buckets
             cb = tl.load(cent_row + cc[:, None] * D + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            s = tl.dot(x, tl.trans(cb), input_precision="ieee")
-            s = tl.where(c_ok[None, :], s, float("-inf"))
-            blk = tl.max(s, axis=1)
+            sc = tl.where(c_ok, tl.sum(cb * x[None, :], axis=1), float("-inf"))
+            blk = tl.max(sc, axis=0)
             # the first index of the block's maximum (torch.argmax takes the first too)
-            blk_i = tl.min(tl.where(s == blk[:, None], cc[None, :], n_buckets), axis=1)
+            blk_i = tl.min(tl.where(sc == blk, cc, n_buckets), axis=0)
             better = blk > best
             best_i = tl.where(better, blk_i, best_i)
             best = tl.where(better, blk, best)
-        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty),
-                 mask=u_ok)
+        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
 
 def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
                        window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
                        scaling: float) -> None:
-    """:func:`assign_tail_reference` in one launch (one program per row and KV head). Centroids float32
+    """:func:`assign_tail_reference` in one launch (one program per row, KV head and position). Centroids float32
     ``[Hkv, C, d]`` contiguous; ``assign`` contiguous in its last dimension."""
     if triton is None:
         raise RuntimeError("assign_tail_triton needs triton")
@@ -199,13 +193,13 @@ def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor
     if assign.stride(-1) != 1 or centroids.dtype != torch.float32 or not centroids.is_contiguous():
         raise ValueError("assign, centroids: expected a last-dimension-contiguous assign and contiguous float32 "
                          "centroids")
-    if not 1 <= span <= 16:
-        raise ValueError(f"span: expected 1..16 positions per step, got {span}")
+    if span < 1:
+        raise ValueError(f"span: expected at least 1 position per step, got {span}")
     if k.stride(-1) != 1:
         k = k.contiguous()
     freq = centroids if inv_freq is None else inv_freq
-    _assign_tail_kernel[(b * h,)](
+    _assign_tail_kernel[(b * h, span)](
         k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
         k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
-        D=d, HALF=d // 2, BLOCK_U=16, BLOCK_C=min(64, max(16, next_pow2(centroids.shape[1]))),
-        DEROPE=inv_freq is not None, num_warps=4)
+        D=d, HALF=d // 2, BLOCK_C=min(32, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None,
+        num_warps=4)
