@@ -203,7 +203,7 @@ def test_index_kernels_on_cuda_match_their_references():
     assert worst < 1e-4
 
 
-def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path):
+def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path, monkeypatch):
     """``kvsieve bench e2e --methods saap:probes=2``: the bench fits its own model (random ids for text) into
     its cache folder, loads it on the next run, and hands the method the folder; bad specs fail first."""
     from kvsieve.bench.saap_fit import check_spec, needs_bench_fit, resolve_methods
@@ -213,12 +213,9 @@ def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path):
     small = dict(clusters=8, prompt_tokens=300, hidden=16, steps=3, queries=32, kmeans_iters=2)
     import kvsieve.bench.saap_fit as saap_fit
 
-    saap_fit.BENCH_FIT, saved = {**saap_fit.BENCH_FIT, **small}, saap_fit.BENCH_FIT
-    try:
-        specs, fit = resolve_methods(["saap:probes=2", "quest"], model, "tiny", tmp_path, logs.append)
-        again, fit2 = resolve_methods(["saap-kmeans:probes=3"], model, "tiny", tmp_path, logs.append)
-    finally:
-        saap_fit.BENCH_FIT = saved
+    monkeypatch.setattr(saap_fit, "BENCH_FIT", {**saap_fit.BENCH_FIT, **small})
+    specs, fit = resolve_methods(["saap:probes=2", "quest"], model, "tiny", tmp_path, logs.append)
+    again, fit2 = resolve_methods(["saap-kmeans:probes=3"], model, "tiny", tmp_path, logs.append)
     assert not fit["cached"] and fit["fit_s"] > 0 and fit["settings"]["clusters"] == 8
     assert fit2["cached"] and fit2["artifacts"] == fit["artifacts"]
     assert specs["quest"] == "quest" and specs["saap:probes=2"] == f"saap:artifacts={fit['artifacts']},probes=2"
