@@ -768,7 +768,7 @@ compile_(buckets._bucket_parts_kernel,
 from kvsieve.kernels.saap import index
 compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
-         {"D": 128, "HALF": 64, "BLOCK_C": 32, "DEROPE": True}, floats=("scaling",))
+         {"D": 128, "HALF": 64, "BLOCK_C": 128, "DEROPE": True}, floats=("scaling",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
 # parts, the top-l of 1024 scores by rank, 32 buckets a program
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",

@@ -201,5 +201,6 @@ def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor
     _assign_tail_kernel[(b * h, span)](
         k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
         k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
-        D=d, HALF=d // 2, BLOCK_C=min(32, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None,
-        num_warps=4)
+        # 128 centroids (64 KB at d = 128) per iteration: few serial iterations, many loads in flight
+        D=d, HALF=d // 2, BLOCK_C=min(128, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None,
+        num_warps=8)
