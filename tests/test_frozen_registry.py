@@ -31,6 +31,13 @@ def test_every_registered_method_was_recorded():
     assert set(RECORDED) == set(kvsieve.methods())
 
 
+#: Methods whose chunk case changed on purpose since the recording, and why. Their row case stays checked.
+CHANGED_CHUNK = {name: "SAAP's window slides since its index lives on the device: the chunk's rows, shorter than "
+                       "the row the index was built at, see a full window (tests/test_saap_index.py checks it); "
+                       "the row case reads the same keys (float64 rounding: a masked softmax, not two merged parts)"
+                 for name in ("saap", "saap-kmeans", "saap-kmeans-roped")}
+
+
 @pytest.mark.parametrize("name", sorted(RECORDED))
 def test_outputs_and_stats_are_unchanged(name, saap_folder):
     spec = frozen.specs(saap_folder, recorded_rule=True)[name]
@@ -39,8 +46,8 @@ def test_outputs_and_stats_are_unchanged(name, saap_folder):
         assert spec == want["spec"]
     got = frozen.decode_case(spec, decode_now)
     # a restated rule computes the same formula in another order: equal to float64 rounding
-    rtol = 1e-12 if name in frozen.RECORDED_RULE else 0.0
-    for tag in ("row", "chunk"):
+    rtol = 1e-12 if name in frozen.RECORDED_RULE or name in CHANGED_CHUNK else 0.0
+    for tag in ("row",) if name in CHANGED_CHUNK else ("row", "chunk"):
         torch.testing.assert_close(got[tag], want[tag], rtol=rtol, atol=rtol, msg=f"{name} {tag}")
         torch.testing.assert_close(got[tag + "_stats"], want[tag + "_stats"], rtol=1e-12, atol=0,
                                    msg=f"{name} {tag} stats {frozen.STAT_FIELDS}")

@@ -281,8 +281,8 @@ def test_all_buckets_is_exact_and_no_bucket_is_streaming(arts, name):
     assert torch.allclose(out.double(), exact(q, k, v, lengths), atol=1e-10)
     assert stats.selectivity == pytest.approx(1.0) and stats.selectivity_indexed == pytest.approx(1.0)
     out0, stats0 = run(f"{name}:artifacts={arts},probes=0", q, k, v, lengths=lengths)
-    window = stats0.window
-    assert window == 63  # max(window_min, 500 // 16)
+    window = int(stats0.window)
+    assert stats0.window == 63  # max(window_min, 500 // 16) and max(window_min, 380 // 16)
     ref, _ = kvsieve.method(f"streaming:sink=1,window={window}").decode(q, k, v, lengths=lengths)
     assert torch.allclose(out0.double(), ref.double(), atol=1e-10)
     assert stats0.selectivity_indexed == 0
@@ -290,21 +290,19 @@ def test_all_buckets_is_exact_and_no_bucket_is_streaming(arts, name):
 
 def test_dense_and_indexed_sets_are_disjoint_and_complete(arts):
     q, k, v = qkv(2, 4, 2, 300, seed=6)
-    mask = torch.ones(2, 300, dtype=torch.bool)
-    mask[1, :40] = False  # left padding
+    lengths = torch.tensor([300, 260])
     spec = f"saap:artifacts={arts},probes=3"
     state = kvsieve.method(spec).new_state()
-    run(spec, q, k, v, layer=2, state=state, key_mask=mask)
+    run(spec, q, k, v, layer=2, state=state, lengths=lengths)
     idx = state.index
     for b in range(2):
-        dense = set(idx.dense_ids[b, : int(idx.dense_counts[b])].tolist())
+        n, window = int(lengths[b]), int(idx.window[b])
+        dense = {0} | set(range(n - window, n))  # the sink and the window
         for h in range(2):
             n_idx = int(idx.offsets[b, h, -1])
             indexed = set(idx.ids[b, h, :n_idx].tolist())
             assert not dense & indexed
-            assert dense | indexed == set(mask[b].nonzero().squeeze(1).tolist())
-        first = int(mask[b].nonzero()[0])
-        assert first in dense  # the sink is the first valid key, padding or not
+            assert dense | indexed == set(range(n))
 
 
 def test_selectivity_is_monotone_in_probes(arts):
@@ -341,29 +339,31 @@ def test_batched_probing_ranks_the_summed_group_probabilities(arts):
     assign = idx.assign  # [1, Hkv, N]
     chosen = torch.stack([torch.isin(assign[0, h], top[0, h]) for h in range(2)])[None]
     dense = torch.zeros(1, 600, dtype=torch.bool)
-    dense[0, idx.dense_ids[0, : int(idx.dense_counts[0])]] = True
+    dense[0, 0] = True
+    dense[0, 600 - int(idx.window[0]):] = True
     for h in range(4):
         keep = (chosen[0, h // 2] | dense[0]).nonzero().squeeze(1)
         ref = exact(q[:, h:h + 1], k[:, h // 2:h // 2 + 1, keep], v[:, h // 2:h // 2 + 1, keep])
         assert torch.allclose(out[:, h:h + 1].double(), ref, atol=1e-10)
 
 
-def test_new_tokens_join_the_dense_part_and_the_index_is_rebuilt(arts):
+def test_keys_leaving_the_window_join_their_buckets(arts):
     q, k, v = qkv(1, 4, 2, 700, seed=10)
     m = kvsieve.method(f"saap:artifacts={arts},probes=8")  # all buckets: exact at every step
     state = m.new_state()
     for n in (600, 601, 650, 664, 665, 700):
         out, stats = m.decode(q, k[:, :, :n], v[:, :, :n], state=state, context=CallContext(layer=1))
         assert torch.allclose(out.double(), exact(q, k[:, :, :n], v[:, :, :n]), atol=1e-10)
-        built = state.index.n_keys
-        assert n - built <= state.index.window
-    assert state.index.n_keys > 600  # rebuilt once the new keys outnumbered the window
+        assert stats.dense_keys == 1 + 63  # the window slides: sink + 63 keys whatever the length
+        assert stats.bucket_keys == n - 64
+    idx = state.index
+    assert int(idx.done[0]) == 700 - 63 and (idx.assign[0, :, 600 - 63:700 - 63] < 8).all()
 
 
 def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     """The decode contract for SAAP (tested here: it needs artifacts): under ``no_host_reads()`` (what a GPU
-    gets) a decode loop reads nothing on the host — index build and rebuilds included — and gives the
-    CPU path's outputs; host-known bounds replace the two values the CPU path reads at each build."""
+    gets) a decode loop reads nothing on the host — the index build and its updates included — and gives
+    the CPU path's outputs."""
     import test_decode_contract as contract
 
     from kvsieve.core.sync import no_host_reads
@@ -373,16 +373,15 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
     m = kvsieve.method(spec)
     cpu_state, gpu_state = m.new_state(), m.new_state()
     layer1, hinted = CallContext(layer=1), CallContext(layer=1, min_length=600)
-    for n in (600, 601, 640, 664, 665, 700):  # the last two steps rebuild the index
+    for n in (600, 601, 640, 664, 665, 700):  # K grows by up to 39 keys: as many join their buckets
         a, sa = m.decode(q, k[:, :, :n], v[:, :, :n], state=cpu_state, context=layer1, check_finite=False)
         with contract.host_reads_raise():
             b, sb = m.decode(q, k[:, :, :n], v[:, :, :n], state=gpu_state, context=hinted, check_finite=False)
         torch.testing.assert_close(b, a, rtol=0, atol=0)
         assert sb.selectivity == pytest.approx(sa.selectivity)
-        assert cpu_state.index.n_keys == gpu_state.index.n_keys
-    assert gpu_state.index.n_keys > 600
+        assert torch.equal(cpu_state.index.assign, gpu_state.index.assign)
     layer2 = CallContext(layer=2)
-    with no_host_reads():  # a ragged batch: the scan for new keys starts at 0 without the hint
+    with no_host_reads():  # a ragged batch
         q2, k2, v2 = qkv(2, 4, 2, 500, seed=22)
         out, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
     ref, _ = m.decode(q2, k2, v2, lengths=torch.tensor([500, 420]), context=layer2, check_finite=False)
@@ -391,21 +390,27 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 @pytest.mark.gpu
 def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+    """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache:
+    no host synchronisation, captured once, replayed at later lengths (keys leaving the window join their
+    buckets inside the graph) with the eager step's outputs and index; close to the torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
-    q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(1, 8, 2, 3000, d=64, seed=23))
-    lengths = torch.tensor([3000], device="cuda")
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
+    lengths = torch.tensor([2900, 1700], device="cuda")
     m = kvsieve.method(f"saap:artifacts={folder},probes=4")
-    state, ctx = m.new_state(), CallContext(layer=1, min_length=2990)
-    m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)  # builds the index
+    ctx = CallContext(layer=1, capacity=3000, count_reads=False)
+    state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
+    ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
+    for st in (state, eager_state):
+        m.decode(q, k, v, lengths=lengths, state=st, context=ctx, check_finite=False)  # builds the index
+    ref_m.decode(q, k, v, lengths=lengths, state=ref_state, context=ctx, check_finite=False)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert stats.backend == "triton" and torch.isfinite(out.float()).all()
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -414,12 +419,48 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     torch.cuda.current_stream().wait_stream(s)
     with torch.cuda.graph(graph):
         captured, _ = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
-    for step in range(3):  # the next decode steps: the graph reads the new lengths from device memory
-        lengths.fill_(2997 + step)
-        graph.replay()
-        eager, _ = m.decode(q, k, v, lengths=torch.full_like(lengths, 2997 + step), state=state, context=ctx,
-                            check_finite=False)
+    assert stats.backend == "triton" and stats.saap_path == "device index" and torch.isfinite(out.float()).all()
+    steps = torch.tensor([[2900 + step, 1700 + step] for step in range(40)], device="cuda")
+    for step in range(1, 40):  # one key a step leaves each row's window and joins its bucket
+        lengths.copy_(steps[step])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        now = lengths.clone()
+        eager, _ = m.decode(q, k, v, lengths=now, state=eager_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured, eager, rtol=0, atol=0)
+        torch.testing.assert_close(state.index.assign, eager_state.index.assign, rtol=0, atol=0)
+        ref, _ = ref_m.decode(q, k, v, lengths=now, state=ref_state, context=ctx, check_finite=False)
+        torch.testing.assert_close(captured.float(), ref.float(), rtol=3e-2, atol=3e-2)
+    assert torch.equal(state.index.assign, ref_state.index.assign)  # the Triton update = the torch update
+    w = state.index.window.cpu()
+    assert (state.index.assign[0, :, 2900 - w[0]:2939 - w[0]] < 16).all()  # joined their buckets
+
+
+@pytest.mark.gpu
+def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
+    """``kvsieve.generate`` on CUDA captures the SAAP step (rows of different lengths, more new tokens than
+    the window so keys join their buckets in the graph) and gives the eager run's tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+    model = LlamaForCausalLM(cfg).eval().cuda()
+    folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, model=model)
+    spec = f"saap:artifacts={folder},probes=4,window=64"
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 1000, (n,), generator=g).cuda() for n in (1500, 700)]
+    runs = {graph: kvsieve.generate(model, rows, spec, max_new_tokens=96, graph=graph, eos_token_id=None)
+            for graph in (True, False)}
+    assert runs[True].stats.graph and runs[True].stats.graph_reason is None
+    assert not runs[False].stats.graph
+    assert {r["backend"] for r in runs[False].stats.records if r["saap_path"] == "device index"} == {"triton"}
+    assert torch.equal(runs[True].tokens, runs[False].tokens)
 
 
 # ---- bad input -------------------------------------------------------------------------------------
@@ -711,10 +752,23 @@ compile_(buckets._bucket_parts_kernel,
          {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
           "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
           "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-          "sem_ptr": "*i32"},
+          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
          {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
-          "HAS_RANGE": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True, "GROUP_P": 4,
-          "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+          "HAS_RANGE": True, "HAS_TAIL": False, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
+          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+# SAAP's sliding window and the keys that joined their buckets after the build (the runtime's path)
+compile_(buckets._bucket_parts_kernel,
+         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+          "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
+          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
+          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
+         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
+          "HAS_RANGE": False, "HAS_TAIL": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
+          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+from kvsieve.kernels.saap import index
+compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
+                                     "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
+         {"D": 128, "HALF": 64, "BLOCK_C": 128, "DEROPE": True}, floats=("scaling",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
 # parts, the top-l of 1024 scores by rank, 32 buckets a program
 compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
@@ -882,7 +936,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and res.stdout.count("shared") == 4, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("shared") == 6, res.stderr[-3000:]
 
 
 # What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
@@ -904,13 +958,14 @@ k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
 m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
 state, ref_state = m.new_state(), ref.new_state()
-ctx, ref_ctx = CallContext(layer=1, min_length=n - 20), CallContext(layer=1)
+from kvsieve.core.sync import no_host_reads
+ctx, ref_ctx = CallContext(layer=1, capacity=n + 2), CallContext(layer=1)  # buffers sized once, as the runtime's
 worst = 0.0
-for step in range(3):  # the build, then two generated tokens (the dense range grows; no rebuild)
+for step in range(3):  # the build, then two generated tokens: a key leaves each row's window per step
     lengths = torch.tensor([n + step, n - 20 + step])
     kk, vv = k[:, :, : n + step], v[:, :, : n + step]
     log.clear()
-    with Ops():
+    with Ops(), no_host_reads():  # what a GPU gets
         out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, context=ctx, check_finite=False)
     print("CALL", " ".join(log))
     ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, context=ref_ctx, check_finite=False)
@@ -923,10 +978,10 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-def test_captured_decode_launches_four_kernels_and_no_torch_op():
-    """Per call, after the build and while generated tokens join the dense part (a range in the kernel,
-    not a list rebuilt per step): the probe's three kernels and the bucket kernel (which merges its partials
-    itself), nothing else
+def test_captured_decode_launches_five_kernels_and_no_torch_op():
+    """Per call, after the build, while keys leave the window and join their buckets: the index update,
+    the probe's three kernels and the bucket kernel (the window's bounds computed from the lengths in the
+    kernels; it merges its partials itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
     branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
     reference path's (bfloat16 rounding of the output aside)."""
@@ -936,8 +991,8 @@ def test_captured_decode_launches_four_kernels_and_no_torch_op():
     out = run_script(SAAP_LAUNCHES, "cpu", True)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
-    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
-               "triton:_bucket_parts_kernel"]
+    kernels = ["triton:_assign_tail_kernel", "triton:_hidden_kernel", "triton:_logits_kernel",
+               "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
     assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

@@ -190,9 +190,12 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                   baselines: Sequence[str] = BASELINES, steps: int = 30, method_steps: int = 8, warmup: int = 3,
                   hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int | None = None,
                   cases: Sequence[tuple[int, int]] | None = None, device: str = "cuda",
-                  log: Callable[[str], None] = print, checkpoint: Callable[[dict], None] | None = None) -> dict:
+                  log: Callable[[str], None] = print, checkpoint: Callable[[dict], None] | None = None,
+                  saap_fits: str | None = None) -> dict:
     """Rows of ms/step per (shape, batch, context, variant); see the module docstring. ``checkpoint``
-    is called with the results so far after every case (the CLI writes its files there)."""
+    is called with the results so far after every case (the CLI writes its files there). A method that
+    needs a fit and gives no ``artifacts`` (``saap:probes=32``) gets the shape's bench fit, made or loaded
+    in ``saap_fits`` (:mod:`kvsieve.bench.saap_fit`; ``results["saap_fits"]`` says how and how long)."""
     from .timing import copy_bandwidth
 
     cuda = torch.device(device).type == "cuda"
@@ -229,10 +232,12 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         weights = weights_read_per_step(model)
         log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
             f"{weights / 1e9:.2f} GB of weights read per step")
+        specs = _fitted_specs(methods, model, shape, saap_fits, results, log)
         for batch, n in todo:
             base = {"shape": shape, "batch": batch, "n": n}
             try:
-                case_rows = _run_case(model, base, weights, methods, baselines, timing, prefill_chunk, cuda, log)
+                case_rows = _run_case(model, base, weights, methods, baselines, timing, prefill_chunk, cuda, log,
+                                      specs)
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory in prefill: keep the other cases
                 case_rows = [{**base, "variant": "*", "error": f"{type(exc).__name__}: {exc}"[:300]}]
                 log(_line(case_rows[0]))
@@ -250,11 +255,27 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
     return results
 
 
-def _start_variant(rt, variant: str, warmup: int, prompts, graph: bool | str = "auto") -> None:
+def _fitted_specs(methods, model, shape: str, cache: str | None, results: dict, log) -> dict[str, str]:
+    """Each method's spec, with the bench fit's artifacts where it needs a fit and names none."""
+    from .saap_fit import needs_bench_fit, resolve_methods
+
+    if not any(needs_bench_fit(m) for m in methods):
+        return {}
+    try:
+        specs, fit = resolve_methods(methods, model, shape, cache, log)
+    except Exception as exc:  # noqa: BLE001 - the fit failing fails its variants only (their rows say why)
+        results.setdefault("saap_fits", {})[shape] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {}
+    results.setdefault("saap_fits", {})[shape] = fit
+    return specs
+
+
+def _start_variant(rt, variant: str, warmup: int, prompts, specs: dict[str, str] | None = None,
+                   graph: bool | str = "auto") -> None:
     """The runtime set to ``variant`` (``runtime`` = dense), back to just after prefill, ``warmup`` steps run
     (the first captures the step). A method whose decode starts from its record of the prompt (Sketch&Walk's
     sketches) sees the prompts again: an exact prefill with it in place, not timed here."""
-    rt.set_method("dense" if variant == "runtime" else variant, graph=graph)
+    rt.set_method("dense" if variant == "runtime" else (specs or {}).get(variant, variant), graph=graph)
     if rt.records_prompt:
         rt.prefill(prompts)
     rt.rewind()
@@ -263,7 +284,7 @@ def _start_variant(rt, variant: str, warmup: int, prompts, graph: bool | str = "
 
 
 def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict, prefill_chunk, cuda: bool,
-              log, graph: bool | str = "auto") -> list[dict]:
+              log, specs: dict[str, str] | None = None, graph: bool | str = "auto") -> list[dict]:
     """The rows of one (shape, batch, N): one prefill, every runtime variant, then hf-eager. On a
     tensor-parallel model (``bench/e2e_tp.py``) every rank runs it, with its own heads' cache."""
     from ..runtime import DecodeRuntime
@@ -295,7 +316,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
         for variant in variants:
             row = {**base, "variant": variant}
             try:
-                _start_variant(rt, variant, warmup, prompts, graph)
+                _start_variant(rt, variant, warmup, prompts, specs, graph)
                 n_steps = steps if rt.use_graph else method_steps
                 rt.stats.log.clear()
                 # valid keys summed over rows, averaged over the timed steps
@@ -324,7 +345,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 if "error" in row:
                     continue
                 try:
-                    _start_variant(rt, row["variant"], warmup, prompts, graph)
+                    _start_variant(rt, row["variant"], warmup, prompts, specs, graph)
                     row["breakdown"] = kernel_breakdown(rt.step)
                 except Exception as exc:  # noqa: BLE001 - the breakdown is optional
                     row["breakdown_error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -583,7 +604,15 @@ def _header(title: str, results: dict, command: str) -> list[str]:
         f"triton {results['triton']}; {results['dtype']}",
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
-    ]
+    ] + [f"- SAAP fit for {shape}: {_fit_line(fit)}" for shape, fit in results.get("saap_fits", {}).items()]
+
+
+def _fit_line(fit: dict) -> str:
+    if "error" in fit:
+        return f"failed ({fit['error']})"
+    made = "loaded from the cache" if fit["cached"] else f"made in {fit['fit_s']:.1f} s"
+    settings = ", ".join(f"{k}={v}" for k, v in fit["settings"].items())
+    return f"{fit['command']}, {made}; {settings}"
 
 
 def _groups(rows: list[dict]):

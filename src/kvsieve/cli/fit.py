@@ -27,6 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="C, buckets per KV head (default 256: the paper's 1024 is for 100k-500k tokens; at "
                         "2k-8k, 256 keeps about 8-30 keys per bucket and ℓ = 4..64 spans 1.6-25%%)")
     s.add_argument("--kmeans-iters", type=int, default=None, help="k-means iterations (the paper: 10)")
+    s.add_argument("--kmeans-backend", choices=("faiss", "torch"), default=None,
+                   help="faiss (default: FAISS's CPU k-means, with its sampling) or torch (on --device, every key)")
     s.add_argument("--prompt-tokens", type=int, default=None, help="tokens per training prompt")
     s.add_argument("--prompts", type=int, default=None, help="training prompts")
     s.add_argument("--val-prompts", type=int, default=None, help="validation prompts (recall metrics)")
@@ -62,9 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # FitConfig fields set from flags of the same name; unset flags keep FitConfig's defaults (shown by
 # `kvsieve fit saap --help` through the help texts, without importing torch to build the parser).
-_FIELDS = ("model", "clusters", "kmeans_iters", "prompt_tokens", "prompts", "val_prompts", "queries", "long_range",
-           "long_range_keep",
-           "per", "hidden", "steps", "batch", "lr", "seed")
+_FIELDS = ("model", "clusters", "kmeans_iters", "kmeans_backend", "prompt_tokens", "prompts", "val_prompts", "queries",
+           "long_range", "long_range_keep", "per", "hidden", "steps", "batch", "lr", "seed")
 
 
 def run_saap(args: argparse.Namespace) -> int:

@@ -41,7 +41,16 @@ from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..core.sync import host_reads_allowed
-from ..kernels.saap.buckets import bucket_sparse_decode, bucket_sparse_decode_triton, build_csr, list_width
+from ..kernels.saap.buckets import bucket_sparse_decode_triton, build_csr
+from ..kernels.saap.index import (
+    UPDATE_SPAN,
+    assign_tail_reference,
+    assign_tail_triton,
+    build_assign,
+    index_decode_reference,
+    index_read_mask,
+    tail_end,
+)
 from .shared.exact import compute_dtype, exact_attention
 
 ARTIFACT_FORMAT = "kvsieve-saap/1"
@@ -316,29 +325,30 @@ class SaapConfig(MethodConfig):
 
 @dataclass
 class SaapIndex:
-    """One layer's key index for a request: the valid keys outside sink + window in their buckets (CSR
-    ``offsets``/``ids`` per KV head, ``assign`` per key), the dense part's positions, and what the build
-    saw (``n_keys`` positions of ``batch`` rows; ``seen_*``: each row's last valid position then)."""
+    """One layer's key index for a request, in buffers sized once (:mod:`kvsieve.kernels.saap.index`):
+    ``assign [B, Hkv, A]`` the bucket of each position (``C``: not indexed; ``A`` the cache capacity when
+    the caller owns one), the build's CSR lists (``offsets``/``ids``) of the positions ``[sink, tail_lo_b)``,
+    each row's window ``window [B]`` (fixed at the build) and ``done [B]``, the end of the positions
+    assigned so far (kept where the host may read it, to refuse a jump the update would not cover); ``sink``
+    the sink's positions and ``sink_counts`` its size per (row, KV head), read by the kernel. ``n_keys``: K's
+    length at the last call (host), which bounds the next step's update."""
 
-    n_keys: int
     batch: int
-    window: int
-    seen_end: int
-    seen_last: torch.Tensor
-    seen_next: torch.Tensor
+    n_keys: int
+    window: torch.Tensor
+    tail_lo: torch.Tensor
+    done: torch.Tensor
     offsets: torch.Tensor
     ids: torch.Tensor
     assign: torch.Tensor
-    dense_ids: torch.Tensor
-    dense_counts: torch.Tensor
-    indexed: torch.Tensor
-    width: int
+    sink_ids: torch.Tensor
+    sink_counts: torch.Tensor
 
 
 @dataclass
 class SaapState(MethodState):
-    """SAAP's per-(request, layer) state: the key index, built after prefill, rebuilt as keys leave the
-    window."""
+    """SAAP's per-(request, layer) state: the key index, built at the first decode call after prefill; keys
+    join their buckets as they leave the window."""
 
     index: SaapIndex | None = None
 
@@ -357,6 +367,10 @@ class Saap(Method):
     #: Whether keys and queries are compared after RoPE (the roped k-means baseline).
     roped: bool = False
     needs_fit = True
+    #: The step updates the index in place with fixed shapes and reads nothing on the host (the Triton path
+    #: on CUDA; the torch path too): the runtime captures it.
+    graph_capturable = True
+    prefix_only_note = "the window and the buckets' positions are cache positions"
 
     def new_state(self) -> SaapState:
         return SaapState()
@@ -379,6 +393,11 @@ class Saap(Method):
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise ValueError unless ``model`` is the model the artifacts were fitted on."""
         want = self.artifacts.manifest["model"]
+        got_shape = model_shape(model)
+        if got_shape != want["shape"]:
+            raise ValueError(f"artifacts: {self.config.artifacts} were fitted for the model shape {want['shape']} "
+                             f"({want['name']!r}); this model's shape is {got_shape}. Fit SAAP for this model with "
+                             "`kvsieve fit saap --model ...`")
         got_hash, got_fp = config_hash(model.config), weights_fingerprint(model)
         if got_hash != want["config_hash"] or got_fp != want["weights_fingerprint"]:
             raise ValueError(
@@ -398,70 +417,64 @@ class Saap(Method):
 
     # -- index ----------------------------------------------------------------------------------
 
-    def _key_vectors(self, inputs: DecodeInputs, positions: torch.Tensor) -> torch.Tensor:
-        """Keys as the partition sees them: de-roped (float32), or as stored for the roped baseline."""
-        k = inputs.k.float()
-        return k if self.roped else self.artifacts.rope.invert(k, positions[:, None, :])
-
     def _centroids(self, layer: int, device: torch.device) -> torch.Tensor:
         return self.artifacts.on_device(layer, "centroids_roped" if self.roped else "centroids", device)
 
-    def _build(self, inputs: DecodeInputs, layer: int) -> SaapIndex:
-        """Index the valid keys outside sink + window: assignment, CSR, dense list. Where the host may
-        read the device (CPU tensors) the list width and the first position not yet seen are read; on
-        a GPU (``core.sync``) host-known bounds stand in: the width is the key count (only the reference
-        path uses it; the kernel reads the CSR lists directly) and the scan for keys added after the
-        build starts at ``context.min_length`` (the runtime's bound on every row's length) or 0."""
+    def _derope_freq(self, device: torch.device) -> torch.Tensor | None:
+        return None if self.roped else self.artifacts.rope.inv_freq_on(device)
+
+    def windows(self, lengths: torch.Tensor) -> torch.Tensor:
+        """``[B]`` each row's window for its length (:func:`effective_window`, on the device)."""
         cfg = self.config
-        n = inputs.n_keys
-        window = effective_window(n, cfg.window, cfg.window_scale, cfg.window_min)
-        mask = inputs.key_mask
-        rank = torch.cumsum(mask, dim=-1) - 1  # position ids (left padding starts at 0)
-        n_valid = inputs.n_valid[:, None]
-        dense = mask & ((rank < cfg.sink) | (rank >= n_valid - window))
-        indexed = mask & ~dense
-        c = self.artifacts.buckets
-        cent = self._centroids(layer, inputs.q.device)  # [Hkv, C, d]
-        keys = self._key_vectors(inputs, rank.clamp(min=0))  # [B, Hkv, N, d]
-        assign = torch.einsum("bhnd,hcd->bhnc", keys, cent).argmax(-1)  # spherical: largest inner product
-        assign = torch.where(indexed[:, None, :], assign, torch.full_like(assign, c))
-        offsets, ids = build_csr(assign, c)
-        # Positions seen so far: keys past them (this chunk's later rows, generated tokens) join the
-        # dense part when they become visible.
-        last = torch.where(mask, torch.arange(n, device=mask.device), -1).amax(-1)
-        dense_width = min(n, cfg.sink + window)
-        dense_ids = torch.argsort((~dense).to(torch.int8), dim=-1, stable=True)[:, :dense_width]
-        if host_reads_allowed(last):
-            seen_end, width = int(last.min()) + 1, list_width(offsets, self.probes)
-        else:
-            seen_end, width = min(n, inputs.context.min_length), n
-        return SaapIndex(n_keys=n, batch=inputs.batch, window=window, seen_end=seen_end, seen_last=last,
-                         seen_next=last + 1, offsets=offsets, ids=ids, assign=assign, dense_ids=dense_ids,
-                         dense_counts=dense.sum(-1), indexed=indexed.sum(-1), width=width)
+        scaled = torch.floor(lengths.double() * cfg.window_scale).long()
+        return scaled.clamp(min=cfg.window_min).clamp(max=cfg.window)
 
-    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState) -> SaapIndex:
-        """The request's index for this layer, built after prefill and rebuilt once the keys added since
-        outnumber the window (so that keys leaving the window join their buckets)."""
+    def _build(self, inputs: DecodeInputs, layer: int) -> SaapIndex:
+        """Index the keys outside sink + window: each row's window from its length now, every key of
+        ``[sink, L_b − W_b)`` assigned and listed by bucket, in buffers of the capacity's width (or K's
+        length). No host read."""
+        cfg = self.config
+        lengths = inputs.n_valid
+        window = self.windows(lengths)
+        width = max(inputs.n_keys, inputs.context.capacity or 0)
+        cent = self._centroids(layer, inputs.q.device)
+        assign, tail_lo = build_assign(inputs.k, lengths, window, cfg.sink, cent, self._derope_freq(inputs.q.device),
+                                       self.artifacts.rope.attention_scaling, width)
+        offsets, ids = build_csr(assign[..., :inputs.n_keys], self.artifacts.buckets)
+        return SaapIndex(batch=inputs.batch, n_keys=inputs.n_keys, window=window, tail_lo=tail_lo, done=tail_lo.clone(),
+                         offsets=offsets, ids=ids, assign=assign,
+                         sink_ids=torch.arange(max(cfg.sink, 1), device=inputs.q.device).expand(inputs.batch,
+                                                                                                inputs.kv_heads, -1),
+                         sink_counts=torch.full((inputs.batch, inputs.kv_heads), cfg.sink, device=inputs.q.device))
+
+    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState, triton_path: bool) -> SaapIndex:
+        """The request's index for this layer, built on the first call, then brought up to date: the keys
+        that left the window since the last call join their buckets (:data:`UPDATE_SPAN` positions a step,
+        or K's growth since the last call if larger)."""
         idx = state.index
-        n = inputs.n_keys
-        if idx is None or idx.batch != inputs.batch or n < idx.n_keys or n - idx.n_keys > idx.window:
+        if idx is None or idx.batch != inputs.batch or inputs.n_keys < idx.n_keys:
             idx = state.index = self._build(inputs, layer)
+        n = inputs.n_keys
+        if n > idx.assign.shape[-1]:  # K grew past the buffers (no capacity given): host-known, eager only
+            c = self.artifacts.buckets
+            idx.assign = torch.nn.functional.pad(idx.assign, (0, n - idx.assign.shape[-1]), value=c)
+        span = max(UPDATE_SPAN, n - idx.n_keys)
+        idx.n_keys = n
+        lengths = inputs.lengths
+        if host_reads_allowed(lengths):  # the host may look: refuse a jump the update would not cover
+            t_hi = tail_end(idx.tail_lo, lengths, idx.window)
+            if bool((t_hi - idx.done > span).any()):
+                raise ValueError(f"lengths: a row advanced by more than {span} keys since the last call with K's "
+                                 f"shape unchanged; {self.name} assigns at most that many keys leaving the window "
+                                 "per call")
+            torch.maximum(idx.done, t_hi, out=idx.done)
+        args = (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span, self._centroids(layer, inputs.q.device),
+                self._derope_freq(inputs.q.device), self.artifacts.rope.attention_scaling)
+        if triton_path:
+            assign_tail_triton(*args)
+        else:
+            assign_tail_reference(*args)
         return idx
-
-    def _dense_list(self, inputs: DecodeInputs, idx: SaapIndex) -> tuple[torch.Tensor, torch.Tensor]:
-        """Build-time dense positions followed by the visible positions added since, compacted."""
-        ids, counts = idx.dense_ids, idx.dense_counts
-        lo = idx.seen_end
-        new = torch.arange(lo, inputs.n_keys, device=ids.device).expand(inputs.batch, -1)
-        if new.shape[-1] == 0:
-            return ids, counts
-        visible = inputs.key_mask[:, lo:] & (new > idx.seen_last[:, None])
-        width = ids.shape[-1] + new.shape[-1]
-        dest = torch.where(visible, counts[:, None] + torch.cumsum(visible, dim=-1) - 1, width)
-        out = torch.zeros(inputs.batch, width + 1, dtype=ids.dtype, device=ids.device)
-        out[:, : ids.shape[-1]] = ids
-        out.scatter_(1, dest, new)
-        return out[:, :width], counts + visible.sum(-1)
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -501,32 +514,21 @@ class Saap(Method):
             raise ValueError(f"{self.name}: the artifacts have no layer {layer} (fitted: "
                              f"{sorted(self.artifacts.layers)}); fit it or keep it exact with "
                              f"sparsify(..., dense_layers=[{layer}])")
-        idx = self._index(inputs, layer, state)
+        if inputs.lengths is None:
+            raise ValueError(f"key_mask: {self.name} needs each row's valid keys to be a prefix [0, length) "
+                             f"({self.prefix_only_note}); give lengths (the model drivers serve left-padded rows "
+                             "one at a time)")
+        backend = self._backend(inputs)
+        idx = self._index(inputs, layer, state, backend == "triton")
         hkv, group = inputs.kv_heads, inputs.group
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
-        backend = self._backend(inputs)
-        copy = backend != "triton"
-        dense_range = None
-        if backend == "triton" and inputs.lengths is not None:
-            # Prefix rows: the keys added since the build are [last seen + 1, length) of each row, passed to
-            # the kernel as a range (no per-step list: _dense_list would launch about ten ops per step).
-            dense_ids, dense_counts = idx.dense_ids, idx.dense_counts
-            dense_range = (idx.seen_next, inputs.lengths)
-        else:
-            dense_ids, dense_counts = self._dense_list(inputs, idx)
-
-        def per_head(t: torch.Tensor) -> torch.Tensor:
-            # The kernel reads the shared dense list through a head stride of 0; the reference wants copies.
-            e = t[:, None].expand(t.shape[0], probing_heads, *t.shape[1:])
-            return e.contiguous() if copy else e
-        offsets, ids = idx.offsets, idx.ids
+        lengths = inputs.lengths
         fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped
         if self.probes > 0:
             if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
-                # the query sits at the last visible position: n_valid - 1, the - 1 added in the kernel
-                lengths = inputs.lengths if inputs.lengths is not None else inputs.n_valid
+                # the query sits at the last visible position: length - 1, the - 1 added in the kernel
                 _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
                     *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
@@ -535,33 +537,28 @@ class Saap(Method):
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
                     scores = scores.view(inputs.batch, hkv, group, -1).sum(2)
-                else:
-                    offsets, ids = (t.repeat_interleave(group, dim=1) for t in (offsets, ids))
                 buckets = torch.topk(scores, self.probes, dim=-1).indices
         else:
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
+        assign = idx.assign if probing_heads == hkv else idx.assign.repeat_interleave(group, dim=1)
+        extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets}
         if backend == "triton":
-            out, _, bucket_counts = bucket_sparse_decode_triton(
-                inputs.q, inputs.k, inputs.v, per_head(dense_ids), per_head(dense_counts), offsets, ids, buckets,
-                idx.width, scale=inputs.scale, dense_range=dense_range)
+            # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
+            # from the lengths in the kernel
+            out, _, _ = bucket_sparse_decode_triton(
+                inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign))
 
-            def deferred():  # the dense list is materialised only when the stats are read
-                d_ids, d_counts = self._dense_list(inputs, idx)
-                return self._stats(inputs, idx, d_ids, d_counts, buckets, bucket_counts, backend)
+            def deferred():  # the keys read, listed only when the stats are read
+                read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)
+                return self._stats(inputs, idx, read, backend, extra)
 
             # built on first read: the read mask is O(N) work that a captured step nobody reads would repeat
-            stats = StepStats.deferred(
-                deferred, backend,
-                {"saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets,
-                 "probe": "fused" if fused_probe and self.probes > 0 else "torch"})
-            # the kernel's output in q's dtype as it is (decode returns q's dtype: a float32 copy here and
-            # the copy back were two launches per step)
+            stats = StepStats.deferred(deferred, backend, {**extra, "probe": "fused" if fused_probe else "torch"})
             return out, stats
-        out, _, bucket_counts = bucket_sparse_decode(inputs.q, inputs.k, inputs.v, per_head(dense_ids),
-                                                     per_head(dense_counts), offsets, ids, buckets, idx.width,
-                                                     scale=inputs.scale)
-        stats = self._stats(inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend)
-        return out.to(compute_dtype(inputs)), stats
+        out, read = index_decode_reference(inputs.q, inputs.k, inputs.v, lengths, idx.window, self.config.sink,
+                                           assign, buckets, scale=inputs.scale)
+        return out.to(compute_dtype(inputs)), self._stats(inputs, idx, read, backend, extra)
 
     def _backend(self, inputs: DecodeInputs) -> str:
         """Which path runs: a method policy, named in ``stats.backend``."""
@@ -588,36 +585,26 @@ class Saap(Method):
                            extra={"saap_path": why, "selectivity": 1.0, "selectivity_indexed": 1.0})
         return exact_attention(inputs), stats
 
-    def _stats(self, inputs, idx, dense_ids, dense_counts, buckets, bucket_counts, backend):
+    def _stats(self, inputs, idx, read, backend, extra):
+        """Stats from the keys each probing head read (``read [B, P, N]``)."""
         b, n = inputs.batch, inputs.n_keys
-        heads = buckets.shape[1]
-        # V rows read per probing head: the dense list and every key of the chosen buckets.
-        read = torch.zeros(b, heads, n + 1, dtype=torch.bool, device=inputs.q.device)
-        used_d = torch.arange(dense_ids.shape[-1], device=read.device) < dense_counts[:, None]
-        read.scatter_(2, torch.where(used_d, dense_ids, n)[:, None, :].expand(b, heads, -1), True)
-        if buckets.shape[-1]:
-            c = self.artifacts.buckets
-            chosen = torch.zeros(b, heads, c + 1, dtype=torch.bool, device=read.device)
-            chosen.scatter_(2, buckets, True)
-            chosen[..., c] = False  # "not indexed"
-            assign = idx.assign
-            if heads != assign.shape[1]:
-                assign = assign.repeat_interleave(inputs.group, dim=1)
-            read[..., : assign.shape[-1]] |= chosen.gather(2, assign)
-        read = read[..., :n]
-        v_read = read if heads == inputs.heads else read.repeat_interleave(inputs.group, dim=1)
+        v_read = read if read.shape[1] == inputs.heads else read.repeat_interleave(inputs.group, dim=1)
         k_scored = v_read.view(b, inputs.kv_heads, inputs.group, n).any(2).sum(-1)
-        rows = bucket_counts.float() + dense_counts[:, None].float()  # [B, heads]
-        indexed = idx.indexed[:, None].float()
-        sel_indexed = torch.where(indexed > 0, bucket_counts.float() / indexed.clamp(min=1), torch.zeros_like(rows))
+        lengths = inputs.n_valid
+        lo = (lengths - idx.window).clamp(min=self.config.sink)
+        indexed = (lo - self.config.sink).clamp(min=0).float()[:, None]  # [B, 1]
+        dense = lengths.clamp(max=self.config.sink) + (lengths - lo).clamp(min=0)
+        rows = read.sum(-1).float()  # [B, P]
+        bucket_keys = rows - dense[:, None].float()
         extra = {  # device tensors: StepStats turns them into numbers when read
-            "saap_path": "index", "probes": self.probes, "buckets": self.artifacts.buckets, "window": idx.window,
-            "selectivity": (rows / inputs.n_valid[:, None].float()).mean(),
-            "selectivity_indexed": sel_indexed.mean(),
-            "dense_keys": dense_counts.float().mean(), "bucket_keys": bucket_counts.float().mean(),
+            **extra, "window": idx.window.float().mean(),
+            "selectivity": (rows / lengths[:, None].float()).mean(),
+            "selectivity_indexed": torch.where(indexed > 0, bucket_keys / indexed.clamp(min=1),
+                                               torch.zeros_like(rows)).mean(),
+            "dense_keys": dense.float().mean(), "bucket_keys": bucket_keys.mean(),
         }
         # Rows whose context is no longer than the dense part have nothing indexed: they ran exact.
-        exact_rows = (idx.indexed == 0).sum()
+        exact_rows = (indexed[:, 0] == 0).sum()
         return read_stats(inputs, v_read, k_scored=k_scored, backend=backend, exact_rows=exact_rows, extra=extra)
 
 

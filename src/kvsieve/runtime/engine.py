@@ -575,10 +575,13 @@ class DecodeRuntime:
         Every layer's method state is dropped, except the state a method recorded of the prompt
         (``observes_prefill``: its sparse prefill with ``prefill="method"``, or its observation of another
         prefill): it holds the prompt (Sketch&Walk's sketches), and a decode step recomputes what it writes
-        there, so repeating the steps gives the same state."""
+        there, so repeating the steps gives the same state. With a captured step every state stays: the graph
+        holds its buffers (freed, they would be handed out again while the replays write into them), and the
+        methods it captures bring their state up to date from the rewound device lengths."""
         self._restore(self._after_prefill)
         self.emitted = 1
-        self.driver.rewind()
+        if self.graph_obj is None:
+            self.driver.rewind()
         self.driver.log.clear()
         self.stats.decode_steps = self.stats.host_checks = 0
         self.stats.decode_s = self.stats.capture_s = 0.0

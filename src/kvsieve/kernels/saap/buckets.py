@@ -186,12 +186,12 @@ if triton is not None:
     @triton.jit
     def _bucket_parts_kernel(
         q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
-        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr,
-        scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids,
+        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
+        scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr,
+        BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
     ):
@@ -212,7 +212,15 @@ if triton is not None:
         shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
         n_bucket_keys = tl.sum(sizes, axis=0)
         n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
-        if HAS_RANGE:
+        if HAS_TAIL:
+            # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
+            # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
+            length = tl.load(hi_ptr + b).to(tl.int32)
+            start = length - tl.load(lo_ptr + b).to(tl.int32)
+            lo = tl.maximum(start, n_list)
+            n_range = tl.maximum(length - lo, 0)
+            n_list = tl.minimum(n_list, length)
+        elif HAS_RANGE:
             lo = tl.load(lo_ptr + b).to(tl.int32)
             n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
         else:
@@ -220,6 +228,10 @@ if triton is not None:
             n_range = n_list * 0
         n_dense = n_list + n_range
         total = n_dense + n_bucket_keys
+        if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
+            t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
+            total += tl.maximum(start - t_lo, 0)
+            assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
         if split == 0:
             tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
         offs_g = tl.arange(0, BLOCK_G)
@@ -247,17 +259,31 @@ if triton is not None:
             hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
             slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
             from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+            if HAS_TAIL:
+                in_tail = in_bucket & (rel >= n_bucket_keys)
+                in_bucket = in_bucket & (rel < n_bucket_keys)
             from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
             idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
+            if HAS_TAIL:
+                tail_pos = t_lo + rel - n_bucket_keys
+                idx = tl.where(in_tail, tail_pos, idx)
+                a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
+                hit = tl.sum(((a[:, None] == c[None, :]) & l_ok[None, :]).to(tl.int32), axis=1) > 0
+                # a bucket key the dense range now holds (a row shorter than at the build) is read there
+                ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
             idx = tl.where(ok, idx, 0).to(tl.int64)
             kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
             if DOT_F32:
                 kb = kb.to(tl.float32)
             s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
             s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: the chunk holds at least one key
-            alpha = tl.exp(m - m_new)
-            pexp = tl.exp(s - m_new[:, None])
+            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite unless the chunk's keys were all masked
+            if HAS_TAIL:
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            alpha = tl.exp(m - m_ref)
+            pexp = tl.exp(s - m_ref[:, None])
             l = l * alpha + tl.sum(pexp, axis=1)
             vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
             if DOT_F32:
@@ -330,6 +356,7 @@ def bucket_sparse_decode_triton(
     *,
     scale: float | None = None,
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sliding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
@@ -343,7 +370,15 @@ def bucket_sparse_decode_triton(
     bucket key counts come from the kernel (no torch launch). ``fused_merge`` (default): the last program
     of each (row, KV head) merges its partials (a ticket counter in a zeroed workspace that the kernel
     leaves at 0; one launch per call); False runs the separate merge kernel. Calls on different streams
-    of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers)."""
+    of one device must not overlap in time (the counter is shared, as :func:`workspace`'s buffers).
+
+    ``sliding = (lengths [B], window [B], t_lo [B], assign [B, Hkv, A])`` (instead of ``dense_range``; the
+    dense list is the sink, ``dense_counts`` its size): SAAP's sliding window and tail
+    (:mod:`kvsieve.kernels.saap.index`), bounds computed in the kernel: the range ``[lo_b, L_b)`` with
+    ``lo_b = max(sink, L_b − W_b)``, then after the buckets the positions ``[t_lo_b, max(t_lo_b, L_b − W_b))``
+    whose ``assign`` is a chosen bucket; CSR keys at or past ``lo_b`` are skipped (the range holds them).
+    :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
+    CSR keys of the chosen buckets, the tail not included."""
     from ..shared.triton_utils import dot_precision, is_interpreted, merge_partials, next_pow2, workspace
 
     if triton is None:
@@ -358,6 +393,7 @@ def bucket_sparse_decode_triton(
     n_probe = buckets.shape[-1]
     if splits is None:
         bound = dense_indices.shape[-1] + (n_keys if dense_range is not None else 0) + (width or n_keys)
+        bound += 2 * n_keys if sliding is not None else 0
         splits = default_splits(b * hkv, min(bound, n_keys), block_n)
     if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
         raise ValueError(f"splits: expected an integer >= 1, got {splits!r}")
@@ -375,6 +411,12 @@ def bucket_sparse_decode_triton(
     if v.stride(-1) != 1:
         v_ = v.contiguous()
     lo, hi = dense_range if dense_range is not None else (dense_counts, dense_counts)
+    if sliding is not None and dense_range is not None:
+        raise ValueError("sliding: SAAP's window is the dense range; give one of sliding and dense_range")
+    if sliding is not None:
+        hi, lo, t_lo, assign = sliding
+    else:
+        t_lo, assign = lo, ids
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
@@ -382,12 +424,13 @@ def bucket_sparse_decode_triton(
     group_p = max(2, next_pow2(group))
     _bucket_parts_kernel[(hkv, b, splits)](
         q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts, out, lse, sem,
+        t_lo, assign,
         float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
-        dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1],
+        dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1], assign.stride(0), assign.stride(1),
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
-        SPLITS=splits, HAS_RANGE=dense_range is not None,
+        SPLITS=splits, HAS_RANGE=dense_range is not None, HAS_TAIL=sliding is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,

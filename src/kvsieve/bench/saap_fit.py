@@ -1,0 +1,103 @@
+"""SAAP fits for the benchmarks' random-weight model shapes.
+
+A method that needs fitted artifacts (``needs_fit``: SAAP and its k-means baselines) given to ``kvsieve bench
+e2e`` without ``artifacts=`` gets a fit of the bench's own random-weight model of the shape: ``kvsieve fit
+saap`` (:func:`kvsieve.fit.saap.fit_saap`) on prompts of random token ids, with :data:`BENCH_FIT`'s reduced
+settings (one prompt, few steps: the fit sets which keys a step reads and the probe's cost, which the speed
+tables measure; the random weights' attention gives it no fidelity to measure). The fit lands in
+``<cache>/<shape>-<config hash>-<weights fingerprint>-<settings hash>`` and is reused while the model and the
+settings are the same; the results record the settings and the time the fit took.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.registry import method_class, parse_spec
+from ..fit.saap import FitConfig, fit_saap
+from ..methods.saap import MANIFEST, config_hash, weights_fingerprint
+
+#: The bench's fit: the paper's C = 1024 buckets and hidden width 1024 (what a decode step reads), from one
+#: 4096-token prompt of random ids, spherical k-means of 4 rounds in torch on the model's device (FAISS's
+#: CPU path takes about 0.35 s a call, 16 calls a layer), 64 candidate queries per head, 20 Adam steps.
+BENCH_FIT = dict(clusters=1024, kmeans_iters=4, kmeans_backend="torch", prompt_tokens=4096, prompts=1, val_prompts=0,
+                 queries=64, hidden=1024, steps=20, batch=256, seed=0)
+DEFAULT_CACHE = "~/.cache/kvsieve/saap-bench-fits"
+
+
+class RandomTokens:
+    """A tokenizer stand-in for a random-weight model: every call gives the same seeded random ids, as
+    many as the text has characters (the fit cuts its prompts from them)."""
+
+    def __init__(self, vocab: int, seed: int = 0) -> None:
+        self.vocab, self.seed = vocab, seed
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        g = torch.Generator().manual_seed(self.seed)
+        return {"input_ids": torch.randint(0, self.vocab, (len(text),), generator=g).tolist()}
+
+
+def needs_bench_fit(spec: str) -> bool:
+    """Whether ``spec`` names a method that needs fitted artifacts and gives none."""
+    name, values = parse_spec(spec)
+    return method_class(name).needs_fit and "artifacts" not in values
+
+
+def check_spec(spec: str) -> None:
+    """ValueError for a bad spec; one that will get a bench fit has its config checked (no folder yet)."""
+    if needs_bench_fit(spec):
+        name, values = parse_spec(spec)
+        method_class(name).config_class.from_strings(name, values)  # every field but the artifacts
+        return
+    from ..core.registry import method
+
+    method(spec)
+
+
+def bench_fit(model: torch.nn.Module, shape: str, cache: str | Path = DEFAULT_CACHE,
+              log: Callable[[str], None] = print, **overrides: Any) -> dict[str, Any]:
+    """The folder of a SAAP fit of ``model`` (the bench's random-weight ``shape``), made there unless it
+    holds one; returns ``{"artifacts", "settings", "fit_s" (None when loaded), "cached"}``."""
+    settings = {**BENCH_FIT, **overrides}
+    cfg = FitConfig(model=f"random-weights {shape}", **settings)
+    folder = Path(cache).expanduser() / f"{shape}-{config_hash(model.config)}-{weights_fingerprint(model)}-" \
+                                        f"{cfg.fingerprint()}"
+    info = {"artifacts": str(folder), "settings": settings, "command": "kvsieve.fit.saap.fit_saap on random ids"}
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        import json
+
+        if json.loads(manifest.read_text()).get("complete"):
+            log(f"{shape}: SAAP fit loaded from {folder}")
+            return {**info, "fit_s": None, "cached": True}
+    vocab = model.get_input_embeddings().weight.shape[0]
+    texts = ["x" * (cfg.prompt_tokens * (cfg.prompts + cfg.val_prompts))]
+    t0 = time.perf_counter()
+    fit_saap(cfg, folder, overwrite=True, log=log, model_and_tokenizer=(model, RandomTokens(vocab)), texts=texts)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    fit_s = time.perf_counter() - t0
+    log(f"{shape}: SAAP fit made in {fit_s:.1f} s ({folder})")
+    return {**info, "fit_s": round(fit_s, 2), "cached": False}
+
+
+def resolve_methods(methods: Sequence[str], model: torch.nn.Module, shape: str, cache: str | Path | None,
+                    log: Callable[[str], None] = print) -> tuple[dict[str, str], dict[str, Any] | None]:
+    """``(spec per variant label, fit info or None)``: methods that need a fit and give no artifacts get
+    the bench fit's folder (one fit per model, shared by them)."""
+    specs, fit = {}, None
+    for spec in methods:
+        if needs_bench_fit(spec):
+            if fit is None:
+                fit = bench_fit(model, shape, DEFAULT_CACHE if cache is None else cache, log)
+            name, values = parse_spec(spec)
+            specs[spec] = f"{name}:" + ",".join([f"artifacts={fit['artifacts']}"]
+                                                 + [f"{k}={v}" for k, v in values.items()])
+        else:
+            specs[spec] = spec
+    return specs, fit
