@@ -41,6 +41,11 @@ class RuntimeStats:
     # layers the decode steps serve with the runtime's dense decode: the runtime's dense_layers and the
     # layers the method keeps exact (sketchwalk's dense_layers); the method runs (and records) on the others
     dense_decode_layers: list[int] = field(default_factory=list)
+    # the layers the decode method served (none for dense); sliding-window layers whose window binds
+    # (window_layers, sliding_window keys) run exact window attention and are never among them
+    method_decode_layers: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    window_layers: list[int] = field(default_factory=list)
     log: StatsLog = field(default_factory=StatsLog, repr=False, compare=False)
 
     @property
