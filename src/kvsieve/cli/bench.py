@@ -68,6 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
     e.set_defaults(handler=run_e2e)
 
+    from .bench_real import add_parser
+
+    add_parser(bench_sub)
+
 
 def run(args: argparse.Namespace) -> int:
     import torch
