@@ -131,7 +131,8 @@ def _run_model(model, tokenizer, info: dict, methods, task, prompts, new_tokens,
 def _run_variant(rt, spec: str, prompt_rows, graph) -> dict:
     """One method on the prefilled cache: an eager run (tokens, stats), then a captured run (tokens, timing)
     where the method's decode can be captured."""
-    rt.set_method(spec, graph=False)
+    cuda = rt.device.type == "cuda"
+    rt.set_method(spec, graph=False if cuda else graph)  # on the CPU the runtime says why it runs eagerly
     _restart(rt, prompt_rows)
     rt.decode()
     eager = rt.tokens()[0].tolist()
@@ -142,7 +143,7 @@ def _run_variant(rt, spec: str, prompt_rows, graph) -> dict:
            "fallbacks": list(rt.stats.fallbacks),
            "density": _mean([r["density"] for r in records]) if records else (None if spec != "dense" else 1.0),
            "kv_density": _mean([r["kv_density"] for r in records]) if records else None}
-    if graph is False or rt.device.type != "cuda":
+    if graph is False or not cuda:
         return out
     rt.set_method(spec, graph=graph)
     if not rt.use_graph:
