@@ -90,3 +90,28 @@ def test_cli_refuses_bad_arguments_before_loading_a_model(capsys):
     assert "--contexts: expected one context per model (2), got 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="prompts: expected an integer >= 1"):
         real.run_real_bench(models=(), prompts=0, device="cpu")
+
+
+def test_a_spent_time_budget_is_reported_not_hidden():
+    def load(*a, **k):
+        raise AssertionError("no model is loaded once the budget is spent")
+
+    saved = []
+    results = real.run_real_bench(models=("a",), load=load, budget_s=0.0, device="cpu", checkpoint=saved.append)
+    assert [r["method"] for r in results["rows"]] == ["*"] and "time budget" in results["rows"][0]["skipped"]
+    assert saved == [] and "## a: not run (the time budget of 0 s" in real.markdown(results, "cmd")
+
+
+@pytest.mark.gpu
+@pytest.mark.model
+def test_captured_methods_on_the_gpu_report_graph_timing_and_eager_density(default_model):
+    _, tokenizer = default_model
+    model = tiny_model("gemma3", device="cuda", num_hidden_layers=3, sliding_window=64, head_dim=64,
+                       query_pre_attn_scalar=64, vocab_size=len(tokenizer), max_position_embeddings=2048,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    results = real.run_real_bench(models=("tiny",), contexts={"tiny": 1200}, load=lambda *a, **k: (model, tokenizer),
+                                  methods=("quest", "streaming"), prompts=1, new_tokens=8, device="cuda",
+                                  dtype=torch.float32, log=lambda line: None)
+    for r in results["rows"]:
+        assert r["graph"] is True and r["ms"] > 0 and len(r["tokens"]) == 8, r
+        assert r["method"] == "dense" or (r["method_layers"] == [1] and 0 < r["density"] < 1), r

@@ -15,7 +15,8 @@ prefilled once (exact); then dense and every method at its defaults (every regis
   it, the one-time capture and compilation left out), from a run with the step captured in a CUDA graph
   where the method's decode can be (``graph``), else from its eager run;
 - ``density`` / ``kv_density``: the method's mean over its (layer, step) calls, from an eager run (a
-  captured step records no stats), and the layers it served (``method_layers``);
+  captured step records no stats: for a captured method, its first ``stats_steps`` steps), and the layers
+  it served (``method_layers``);
 - ``same_as_dense``: its greedy tokens equal dense's; ``found``: the eval's score of its answer (1 when
   every asked value is in it), beside dense's, so "equal to dense where the method keeps the needle"
   reads off one row.
@@ -56,28 +57,37 @@ def default_context(name: str, model: Any) -> int:
 
 def run_real_bench(*, models: Sequence[str] = tuple(REAL_MODELS), contexts: dict[str, int] | None = None,
                    methods: Sequence[str] | None = None, task: str = DEFAULT_TASK, prompts: int = 2,
-                   new_tokens: int = 24, seed: int = 0, device: str | torch.device = "cuda",
-                   dtype: torch.dtype = torch.bfloat16, graph: bool | str = "auto",
-                   load: Callable[..., tuple[Any, Any]] | None = None,
+                   new_tokens: int = 16, seed: int = 0, device: str | torch.device = "cuda",
+                   dtype: torch.dtype = torch.bfloat16, graph: bool | str = "auto", stats_steps: int = 4,
+                   load: Callable[..., tuple[Any, Any]] | None = None, budget_s: float | None = None,
+                   checkpoint: Callable[[dict], object] | None = None,
                    log: Callable[[str], None] = print) -> dict:
     """Rows of (model, method, prompt) and the environment; see the module doc. ``load(name, dtype=, device=)``
-    gives ``(model, tokenizer)`` (default: ``kvsieve.integrations.models.load_model``)."""
+    gives ``(model, tokenizer)`` (default: ``kvsieve.integrations.models.load_model``). Once ``budget_s``
+    seconds have passed, the variants not yet run are reported as skipped for it; ``checkpoint(results)`` is
+    called after each model."""
     from ..eval.tasks import check_task
 
     check_task(task)
-    for name, value, low in (("prompts", prompts, 1), ("new_tokens", new_tokens, 2)):
+    for name, value, low in (("prompts", prompts, 1), ("new_tokens", new_tokens, 2), ("stats_steps", stats_steps, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
     methods = default_methods() if methods is None else tuple(methods)
     if load is None:
         from ..integrations.models import load_model as load
     device = torch.device(device)
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
     results = {"kind": "real", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "transformers": _version("transformers"), "triton": _version("triton"),
                "dtype": str(dtype).removeprefix("torch."), "task": task, "prompts": prompts, "new_tokens": new_tokens,
-               "seed": seed, "methods": list(methods), "models": [], "rows": []}
+               "seed": seed, "stats_steps": stats_steps, "budget_s": budget_s, "methods": list(methods), "models": [],
+               "rows": []}
     for name in models:
+        if deadline is not None and time.perf_counter() > deadline:
+            results["rows"].append({"model": name, "context": None, "prompt": 0, "method": "*",
+                                    "skipped": f"the time budget of {budget_s:.0f} s was spent before this model"})
+            continue
         t0 = time.perf_counter()
         model, tokenizer = load(name, dtype=dtype, device=device)
         context = (contexts or {}).get(name) or default_context(name, model)
@@ -85,15 +95,19 @@ def run_real_bench(*, models: Sequence[str] = tuple(REAL_MODELS), contexts: dict
                 "model_type": getattr(model.config, "model_type", None), "layers": model.config.num_hidden_layers}
         log(f"{name}: loaded in {info['load_s']:.1f} s, context {context}")
         results["models"].append(info)
-        results["rows"] += _run_model(model, tokenizer, info, methods, task, prompts, new_tokens, seed, graph, log)
+        results["rows"] += _run_model(model, tokenizer, info, methods, task, prompts, new_tokens, seed, graph,
+                                      min(stats_steps, new_tokens - 1), deadline, log)
         del model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(results)
     return results
 
 
-def _run_model(model, tokenizer, info: dict, methods, task, prompts, new_tokens, seed, graph, log) -> list[dict]:
+def _run_model(model, tokenizer, info: dict, methods, task, prompts, new_tokens, seed, graph, stats_steps,
+               deadline, log) -> list[dict]:
     from ..eval.tasks import make_sample
     from ..runtime import DecodeRuntime
 
@@ -113,8 +127,12 @@ def _run_model(model, tokenizer, info: dict, methods, task, prompts, new_tokens,
             for spec in ("dense", *methods):
                 row = {**base, "method": spec}
                 t0 = time.perf_counter()
+                if deadline is not None and t0 > deadline:
+                    row["skipped"] = "the time budget (budget_s) was spent before this variant"
+                    rows.append(row)
+                    continue
                 try:
-                    row.update(_run_variant(rt, spec, [ids], graph))
+                    row.update(_run_variant(rt, spec, [ids], graph, stats_steps))
                 except Exception as exc:  # noqa: BLE001 - a method that cannot run is reported, the others go on
                     row["skipped"] = f"{type(exc).__name__}: {exc}"[:300]
                 row["wall_s"] = time.perf_counter() - t0
@@ -128,32 +146,27 @@ def _run_model(model, tokenizer, info: dict, methods, task, prompts, new_tokens,
     return rows
 
 
-def _run_variant(rt, spec: str, prompt_rows, graph) -> dict:
-    """One method on the prefilled cache: an eager run (tokens, stats), then a captured run (tokens, timing)
-    where the method's decode can be captured."""
+def _run_variant(rt, spec: str, prompt_rows, graph, stats_steps: int) -> dict:
+    """One method on the prefilled cache. Where its decode can be captured: a captured run (tokens, timing),
+    then ``stats_steps`` eager steps for its stats (a captured step records none); else one eager run."""
     cuda = rt.device.type == "cuda"
-    rt.set_method(spec, graph=False if cuda else graph)  # on the CPU the runtime says why it runs eagerly
+    rt.set_method(spec, graph=graph)  # the runtime says why a step runs eagerly (CPU, a method's host reads)
+    out = {"graph": rt.use_graph, "graph_reason": rt.stats.graph_reason}
+    if rt.use_graph:
+        _restart(rt, prompt_rows)
+        rt.decode()
+        out.update(tokens=rt.tokens()[0].tolist(), ms=rt.stats.ms_per_step, capture_s=rt.stats.capture_s)
+        rt.set_method(spec, graph=False)
     _restart(rt, prompt_rows)
-    rt.decode()
-    eager = rt.tokens()[0].tolist()
+    rt.decode(stats_steps if out["graph"] else None)
+    if not out["graph"]:
+        out.update(tokens=rt.tokens()[0].tolist(), ms=rt.stats.ms_per_step)
     records = rt.stats.records
-    out = {"tokens": eager, "graph": False, "ms": rt.stats.ms_per_step, "graph_reason": rt.stats.graph_reason,
-           "method_layers": list(rt.stats.method_decode_layers), "window_layers": list(rt.stats.window_layers),
-           "attention_backend": rt.attention_backend, "backends": sorted(rt.stats.backends),
-           "fallbacks": list(rt.stats.fallbacks),
-           "density": _mean([r["density"] for r in records]) if records else (None if spec != "dense" else 1.0),
-           "kv_density": _mean([r["kv_density"] for r in records]) if records else None}
-    if graph is False or not cuda:
-        return out
-    rt.set_method(spec, graph=graph)
-    if not rt.use_graph:
-        out["graph_reason"] = rt.stats.graph_reason
-        return out
-    _restart(rt, prompt_rows)
-    rt.decode()
-    captured = rt.tokens()[0].tolist()
-    out.update(tokens=captured, graph=True, ms=rt.stats.ms_per_step, capture_s=rt.stats.capture_s,
-               graph_reason=None, eager_ms=out["ms"], graph_equals_eager=captured == eager)
+    out.update(method_layers=list(rt.stats.method_decode_layers), window_layers=list(rt.stats.window_layers),
+               attention_backend=rt.attention_backend, backends=sorted(rt.stats.backends),
+               fallbacks=list(rt.stats.fallbacks), cuda=cuda,
+               density=_mean([r["density"] for r in records]) if records else (1.0 if spec == "dense" else None),
+               kv_density=_mean([r["kv_density"] for r in records]) if records else None)
     return out
 
 
@@ -179,7 +192,7 @@ def _version(module: str) -> str | None:
 
 
 def _line(r: dict) -> str:
-    head = f"{r['model']} {r['context']} #{r['prompt']} {r['method']}"
+    head = f"{r['model']} {r['context']} #{r['prompt']} {r['method']} ({r.get('wall_s', 0):.1f} s)"
     if "skipped" in r:
         return f"{head}: cannot run: {r['skipped']}"
     return (f"{head}: {fmt(r['ms'], '.2f')} ms/token ({'graph' if r['graph'] else 'eager'}), density "
@@ -228,7 +241,8 @@ def markdown(results: dict, command: str) -> str:
              f"{results['new_tokens']} greedy new tokens each; context = prompt + new tokens",
              "- ms/token: decode loop time per token (capture and compilation left out), captured in a CUDA graph "
              "where `graph` says yes, else eager; density: the method's mean fraction of keys read per query head "
-             "over its layers and steps (eager run); = dense: prompts whose greedy tokens equal dense's; "
+             "over its layers and steps (an eager run: its first steps where the method is captured); "
+             "= dense: prompts whose greedy tokens equal dense's; "
              "needle: prompts whose answer holds the needle (dense's in its own row)", ""]
     for info in results["models"]:
         name = info["model"]
@@ -251,6 +265,7 @@ def markdown(results: dict, command: str) -> str:
                          f"| {fmt(s['density'], '.3f')} | {graph} | {s['same_as_dense']}/{n} "
                          f"| {s['same_where_dense_found']}/{nd} | {s['found']}/{n} |")
         lines.append("")
+    lines += [f"## {r['model']}: not run ({r['skipped']})\n" for r in results["rows"] if r["method"] == "*"]
     return "\n".join(lines)
 
 

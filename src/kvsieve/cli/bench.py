@@ -186,11 +186,15 @@ def add_real_parser(bench_sub: argparse._SubParsersAction) -> None:
                    help="semicolon list of method specs (default: every registered method at its defaults)")
     r.add_argument("--task", default="niah_single_2", help="the eval task the prompts come from")
     r.add_argument("--prompts", type=int, default=2, help="prompts per model (the task's samples 0, 1, ...)")
-    r.add_argument("--new-tokens", type=int, default=24, help="greedy new tokens per prompt")
+    r.add_argument("--new-tokens", type=int, default=16, help="greedy new tokens per prompt")
+    r.add_argument("--stats-steps", type=int, default=4,
+                   help="eager steps a captured method runs for its density (a captured step records no stats)")
     r.add_argument("--device", default="cuda")
     r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     r.add_argument("--graph", default="auto", choices=("auto", "off"),
                    help="auto: time a captured run where the method's decode can be captured; off: eager runs only")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="after this many seconds, the variants not yet run are reported as skipped for it")
     r.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown results")
     r.add_argument("--name", default=None, help="file stem (default: <date>-<device>-real)")
     r.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
@@ -220,13 +224,15 @@ def run_real(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("kvsieve bench real: --device cuda but no CUDA GPU is visible (use --device cpu)", file=sys.stderr)
         return 2
-    results = real.run_real_bench(models=models, contexts=contexts, methods=methods, task=args.task,
-                                  prompts=args.prompts, new_tokens=args.new_tokens, device=args.device,
-                                  dtype=getattr(torch, args.dtype), graph="auto" if args.graph == "auto" else False)
-    device = results["device"].lower()
+    device = torch.cuda.get_device_name(args.device).lower() if args.device.startswith("cuda") else "cpu"
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-real"
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = real.run_real_bench(models=models, contexts=contexts, methods=methods, task=args.task,
+                                  prompts=args.prompts, new_tokens=args.new_tokens, stats_steps=args.stats_steps,
+                                  device=args.device, dtype=getattr(torch, args.dtype), budget_s=args.budget_s,
+                                  graph="auto" if args.graph == "auto" else False,
+                                  checkpoint=lambda partial: real.write_results(partial, Path(args.out), stem, command))
     paths = real.write_results(results, Path(args.out), stem, command)
     print(real.markdown(results, command))
     for path in paths:
