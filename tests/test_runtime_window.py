@@ -4,7 +4,7 @@ layers only; checked against transformers' own greedy decoding and ``kvsieve.spa
 
 import pytest
 import torch
-from test_runtime import hf_greedy, random_ids, tiny_model
+from test_runtime import hf_greedy, random_ids, run_under_interpreter, tiny_model
 
 import kvsieve
 from kvsieve.kernels.shared.dense import dense_decode_reference
@@ -108,13 +108,7 @@ def test_window_decode_equals_the_float64_reference_on_ragged_rows():
 def test_the_window_kernel_path_under_the_triton_interpreter():
     """The captured step's path: the dense Triton kernel with a window (through Triton's interpreter), on
     rows of different lengths, gives transformers' tokens."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    pytest.importorskip("triton")
-    code = textwrap.dedent("""
+    run_under_interpreter("""
         from tests.test_runtime import tiny_model, random_ids, hf_greedy
         from kvsieve.runtime import generate
         model = tiny_model("gemma3", num_hidden_layers=3, sliding_window=6, head_dim=64, query_pre_attn_scalar=64,
@@ -127,11 +121,6 @@ def test_the_window_kernel_path_under_the_triton_interpreter():
             assert r.tokens[b].tolist() == ref, (b, r.tokens[b].tolist(), ref)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
 
 
 @pytest.mark.gpu
