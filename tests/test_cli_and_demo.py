@@ -215,7 +215,7 @@ def test_default_model_cache_holds_exactly_the_gguf_model(tmp_path, monkeypatch)
     from_gguf = {}
     write = models._write_cache
     monkeypatch.setattr(models, "_write_cache",
-                        lambda model, tok: (from_gguf.update(model=model, tok=tok), write(model, tok)))
+                        lambda model, tok, *name: (from_gguf.update(model=model, tok=tok), write(model, tok, *name)))
     model, tok = models.load_model("default")
     assert from_gguf, "the first load must convert the GGUF"
     folder = models._cache_folder()

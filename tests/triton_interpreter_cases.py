@@ -383,3 +383,20 @@ def test_short_rows_get_exact_attention_and_long_rows_are_left_alone(dtype):
     assert torch.equal(out[[0, 3]], before[[0, 3]])
     assert _rel(out[[1, 2]], ref[[1, 2]]) < TOL[dtype]
     assert _rel(out[[1, 2]], triton_dense.dense_decode_reference(q, k, v, lens32, d ** -0.5)[[1, 2]]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("window", [1, 7, 40, 500])
+def test_dense_window_reads_only_each_rows_last_keys(window):
+    """A sliding-window layer's decode: the kernel over ``[len - window, len)`` of ragged rows (shorter than
+    the window, longer, one key) equals the float64 reference, which equals exact attention over the slice."""
+    b, hq, hkv, n, d = 3, 6, 2, 300, 64
+    q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [300, 33, 1], torch.float32, 77 + window)
+    out = _poisoned(b, hq, d, torch.float32)
+    triton_dense.dense_decode_triton(q, k, v, lens32, d ** -0.5, block_n=16, window=window, out=out)
+    ref = triton_dense.dense_decode_reference(q, k, v, lens32, d ** -0.5, window=window)
+    assert torch.isfinite(out).all() and _rel(out, ref) < TOL[torch.float32]
+    for row, length in enumerate(lens32.tolist()):
+        lo = max(0, length - window)
+        alone = triton_dense.dense_decode_reference(q[row:row + 1], k[row:row + 1, :, lo:length],
+                                                    v[row:row + 1, :, lo:length], lens32[row:row + 1] - lo, d ** -0.5)
+        assert _rel(ref[row:row + 1], alone) < 1e-12

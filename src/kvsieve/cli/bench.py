@@ -1,4 +1,5 @@
-"""``kvsieve bench decode``: decode-step kernel latency against FlashInfer and SDPA (needs a CUDA GPU)."""
+"""``kvsieve bench decode``: decode-step kernel latency against FlashInfer and SDPA (needs a CUDA GPU); ``bench e2e``;
+``bench real``: every method end to end on the offline real models."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e, or -ttft with --ttft)")
     e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
     e.set_defaults(handler=run_e2e)
+    add_real_parser(bench_sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,6 +219,72 @@ def run_e2e_tp(args: argparse.Namespace) -> int:
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     paths = e2e_tp.write_results(results, Path(args.out), stem, command)
     print(e2e_tp.markdown(results, command))
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
+
+
+def add_real_parser(bench_sub: argparse._SubParsersAction) -> None:
+    """``kvsieve bench real``: every method end to end on the offline real models (bench/real.py)."""
+    r = bench_sub.add_parser("real", help="every method end to end on the offline real models, on needle prompts")
+    r.add_argument("--models", default="smollm2-135m,gemma3-270m",
+                   help="comma list of offline model names (smollm2-135m, gemma3-270m) or local folders")
+    r.add_argument("--contexts", default=None,
+                   help="comma list of contexts (prompt + new tokens), one per model (default: 8k for smollm2-135m, "
+                        "32k for gemma3-270m, else the model's maximum up to 32k)")
+    r.add_argument("--methods", default=None,
+                   help="semicolon list of method specs (default: every registered method at its defaults)")
+    r.add_argument("--task", default="niah_single_2", help="the eval task the prompts come from")
+    r.add_argument("--prompts", type=int, default=2, help="prompts per model (the task's samples 0, 1, ...)")
+    r.add_argument("--new-tokens", type=int, default=16, help="greedy new tokens per prompt")
+    r.add_argument("--stats-steps", type=int, default=4,
+                   help="eager steps a captured method runs for its density (a captured step records no stats)")
+    r.add_argument("--device", default="cuda")
+    r.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    r.add_argument("--graph", default="auto", choices=("auto", "off"),
+                   help="auto: time a captured run where the method's decode can be captured; off: eager runs only")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="after this many seconds, the variants not yet run are reported as skipped for it")
+    r.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown results")
+    r.add_argument("--name", default=None, help="file stem (default: <date>-<device>-real)")
+    r.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
+    r.set_defaults(handler=run_real)
+
+
+def run_real(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..bench import real
+    from ..core.registry import method_class, parse_spec
+
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    if not models:
+        raise ValueError("--models: expected at least one model name")
+    contexts = None
+    if args.contexts:
+        sizes = parse_sizes(args.contexts)
+        if len(sizes) != len(models):
+            raise ValueError(f"--contexts: expected one context per model ({len(models)}), got {len(sizes)}")
+        contexts = dict(zip(models, sizes, strict=True))
+    methods = None
+    if args.methods is not None:
+        methods = tuple(m.strip() for m in args.methods.split(";") if m.strip())
+        for m in methods:  # a misspelt spec fails before a model is loaded; one that cannot run is reported
+            method_class(parse_spec(m)[0])
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("kvsieve bench real: --device cuda but no CUDA GPU is visible (use --device cpu)", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name(args.device).lower() if args.device.startswith("cuda") else "cpu"
+    tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
+    stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-real"
+    command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    results = real.run_real_bench(models=models, contexts=contexts, methods=methods, task=args.task,
+                                  prompts=args.prompts, new_tokens=args.new_tokens, stats_steps=args.stats_steps,
+                                  device=args.device, dtype=getattr(torch, args.dtype), budget_s=args.budget_s,
+                                  graph="auto" if args.graph == "auto" else False,
+                                  checkpoint=lambda partial: real.write_results(partial, Path(args.out), stem, command))
+    paths = real.write_results(results, Path(args.out), stem, command)
+    print(real.markdown(results, command))
     for path in paths:
         print(f"wrote {path}")
     return 0

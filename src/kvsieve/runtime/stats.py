@@ -43,6 +43,11 @@ class RuntimeStats:
     dense_decode_layers: list[int] = field(default_factory=list)
     # a tensor-parallel run (runtime/parallel.py): ranks, this rank's heads, the plan, what sharding changed
     tp: dict[str, Any] | None = None
+    # the layers the decode method served (none for dense); sliding-window layers whose window binds
+    # (window_layers, sliding_window keys) run exact window attention and are never among them
+    method_decode_layers: list[int] = field(default_factory=list)
+    sliding_window: int | None = None
+    window_layers: list[int] = field(default_factory=list)
     log: StatsLog = field(default_factory=StatsLog, repr=False, compare=False)
 
     @property

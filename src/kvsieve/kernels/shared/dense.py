@@ -1,7 +1,7 @@
 """Dense split-KV decode (FlashDecoding-style) in Triton: our baseline and the others' building block.
 
 Torch reference: :func:`dense_decode_reference` below, ``softmax(q·K · scale) V`` over each row's
-valid prefix.
+valid prefix, or over its last ``window`` keys (a sliding-window layer: keys ``[len - window, len)``).
 
 One program per (split, KV head, batch row) scores its chunk of keys for the G query heads of the
 group at once (one K load shared by G heads), keeps an online softmax, and writes partials that
@@ -30,7 +30,7 @@ if triton is not None:
         s_v_b, s_v_h, s_v_n,
         s_acc_b, s_acc_h, s_acc_p,
         s_ml_b, s_ml_h,
-        chunk,
+        chunk, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
@@ -38,7 +38,8 @@ if triton is not None:
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         length = tl.load(lens_ptr + b)
-        lo = split * chunk
+        # a row's splits start at its first key in the window (window >= every length: key 0)
+        lo = tl.maximum(length - window, 0) + split * chunk
         if lo < length:
             hi = tl.minimum(lo + chunk, length)
             offs_g = tl.arange(0, BLOCK_G)
@@ -112,16 +113,21 @@ def launch_config(n_keys: int) -> tuple[int, int, int]:
 
 
 def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None = None,
-                        block_n: int | None = None) -> torch.Tensor:
+                        block_n: int | None = None, window: int | None = None) -> torch.Tensor:
     """Exact decode attention. q ``[B, Hq, d]``; k, v ``[B, Hkv, N, d]`` (last dim contiguous);
     ``lens [B]`` int32 valid prefix lengths (1 ≤ len ≤ N). Returns ``[B, Hq, d]`` in q's dtype.
+    ``window`` (a sliding-window layer) reads only each row's last ``window`` keys, ``[len - window, len)``;
+    the splits then cover ``min(N, window)`` keys from the row's own start.
     ``block_n`` (keys per step of a program's loop; default by length) changes only the sum order."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
-    default_block, num_warps, num_stages = launch_config(n)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected an integer >= 1 or None, got {window!r}")
+    span = n if window is None else min(n, window)  # keys one row reads at most
+    default_block, num_warps, num_stages = launch_config(span)
     block_n = block_n or default_block
     g = hq // hkv
-    chunk, splits = dense_split_plan(b, hkv, n, block_n)
+    chunk, splits = dense_split_plan(b, hkv, span, block_n)
     acc = workspace("acc", q, b * hq * splits * d, torch.float32)
     m = workspace("pm", q, b * hq * splits, torch.float32)
     l = workspace("pl", q, b * hq * splits, torch.float32)
@@ -133,11 +139,13 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
            v.stride(0), v.stride(1), v.stride(2),
            hq * splits * d, splits * d, d,
            hq * splits, splits,
-           chunk,
+           chunk, n if window is None else window,
            G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
            num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    if window is not None and window < n:
+        lens = lens.clamp_max(window)  # the merge reads a row's first ceil(keys read / chunk) splits
     return merge_partials(acc, m, l, lens, out, b, hq, splits, d, chunk, (hq * splits * d, splits * d, d),
                           (hq * splits, splits))
 
@@ -168,13 +176,16 @@ def dense_short_rows_reference(q, k, v, lens, scale: float, out: torch.Tensor, m
 
 
 def dense_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """What :func:`dense_decode_triton` computes, in float64: ``softmax(q·K · scale) V`` over ``[0, lens)``."""
+                           scale: float, window: int | None = None) -> torch.Tensor:
+    """What :func:`dense_decode_triton` computes, in float64: ``softmax(q·K · scale) V`` over ``[0, lens)``,
+    or over ``[lens - window, lens)`` with a ``window``."""
     b, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     qg = q.double().view(b, hkv, hq // hkv, d)
     s = torch.matmul(qg, k.double().transpose(-1, -2)) * scale  # [B, Hkv, G, N]
-    valid = torch.arange(n, device=q.device)[None, :] < lens.to(q.device).long()[:, None]
+    index = torch.arange(n, device=q.device)[None, :]
+    length = lens.to(q.device).long()[:, None]
+    valid = (index < length) if window is None else (index < length) & (index >= length - window)
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     return torch.matmul(torch.softmax(s, dim=-1), v.double()).view(b, hq, -1)
 
