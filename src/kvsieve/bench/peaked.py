@@ -394,8 +394,8 @@ def fit(entry: dict, lay: Layout, heads: int, kv_heads: int, *, seed: int = 0,
                                     for s in STATS},
             "target_mean": {s: summary[s]["mean"] for s in FIT_STATS}, "tolerance": tol, "n": n,
             # met: the synthetic mean lies inside the tolerance by more than 3 standard errors over the seeds
-            "within": {s: abs(float(means[s].mean()) - summary[s]["mean"]) + 3 * float(means[s].std()) / len(check) ** 0.5
-                       <= tol[s] for s in FIT_STATS},
+            "within": {s: abs(float(means[s].mean()) - summary[s]["mean"])
+                       + 3 * float(means[s].std()) / len(check) ** 0.5 <= tol[s] for s in FIT_STATS},
             "heads_profiled": fit_layers(heads) * heads, "queries": FIT_QUERIES, "head_dim": lay.head_dim,
             "rope_theta": lay.theta, "heads": heads, "kv_heads": kv_heads}
 
