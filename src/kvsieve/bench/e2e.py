@@ -84,6 +84,8 @@ def _bench_model(shape, attention, peaked, device, dtype, results: dict, todo, l
 
     model = build_bench_model(build_model, shape, attention, peaked, device=device, dtype=dtype)
     measured = run_profile(model, [n for _, n in todo], log=log)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the profile's prefill cache: the cases' memory checks read the free memory
     results["calibration"][shape] = calibration_record(shape, getattr(model, "peaked_attention", None), measured)
     return model
 

@@ -438,7 +438,12 @@ def build_bench_model(build, shape: str, attention: str, peaked: PeakedAttention
         return build(shape, **kw)
     params = peaked if peaked is not None else fitted(shape)[0]
     extra = {"rope_theta": ROPE_THETA[shape]} if shape in ROPE_THETA else {}
-    return peak_model(build(shape, **kw, **extra), params)
+    model = build(shape, **kw, **extra)
+    if extra and model_layout(model.config).theta != extra["rope_theta"]:
+        # the sink pair must barely rotate over the context: the real base, not the config's default
+        raise ValueError(f"model: this transformers release ignored rope_theta={extra['rope_theta']} for {shape} "
+                         f"(the config has {model_layout(model.config).theta})")
+    return peak_model(model, params)
 
 
 def peaked_decode_qk(shape: str, batch: int, heads: int, kv_heads: int, head_dim: int, n: int, seed: int,
