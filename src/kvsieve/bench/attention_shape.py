@@ -238,6 +238,15 @@ def load_calibration(path: str | Path = CALIBRATION_FILE) -> dict:
     return json.loads(path.read_text())
 
 
+def write_calibration(data: dict, path: str | Path) -> None:
+    """The calibration JSON, every list of numbers on one line (the per-head tables stay readable)."""
+    import re
+
+    text = json.dumps(data, indent=1)
+    text = re.sub(r"\[\s*([-0-9.eE+,\s]+?)\s*\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
+    Path(path).write_text(text + "\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvsieve.bench.attention_shape",
                                 description="measure real models' attention profile (CPU is fine) into a JSON entry")
@@ -261,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                                   __import__("sys").argv[1:]))
         entry["date"] = time.strftime("%Y-%m-%d", time.gmtime())
         data["entries"][f"{args.model}@{n}"] = entry
-        out.write_text(json.dumps(data, indent=1) + "\n")
+        write_calibration(data, out)
         print(f"wrote {out} entry {args.model}@{n} ({entry['seconds']} s)")
     return 0
 

@@ -38,7 +38,14 @@ from pathlib import Path
 
 import torch
 
-from .attention_shape import CALIBRATION_FILE, STATS, attention_profile, load_calibration, summarize
+from .attention_shape import (
+    CALIBRATION_FILE,
+    STATS,
+    attention_profile,
+    load_calibration,
+    summarize,
+    write_calibration,
+)
 
 ATTENTION_MODES = ("peaked", "uniform")
 ATTENTION_LABELS = {
@@ -577,7 +584,7 @@ def main(argv=None) -> int:
         start = PeakedAttention(**rec["params"])
         rec["command"] = "python -m kvsieve.bench.peaked " + " ".join(argv if argv is not None else sys.argv[1:])
         data.setdefault("fits", {})[shape] = rec
-        path.write_text(json.dumps(data, indent=1) + "\n")
+        write_calibration(data, path)
         print(f"{shape}: " + ", ".join(f"{s} {rec['synthetic_mean'][s]:.3f} (real {rec['target_mean'][s]:.3f} "
                                        f"± {rec['tolerance'][s]:.3f})" for s in FIT_STATS))
     return 0
