@@ -38,13 +38,25 @@ class Case:
 class Inputs:
     """Random bf16 decode inputs of one case, in our layout (and FlashInfer's NHD copy on demand)."""
 
-    def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0, device: str = "cuda"):
+    def __init__(self, case: Case, dtype: torch.dtype, seed: int, q_scale: float = 1.0, device: str = "cuda",
+                 attention: str = "uniform", peaked=None):
         g = torch.Generator(device=device).manual_seed(seed)
         b, h, hkv, d, n = case.batch, case.heads, case.kv_heads, case.head_dim, case.n
         self.case = case
-        # q_scale > 1 sharpens attention (Gaussian q, K: scores have standard deviation q_scale)
-        self.q = (torch.randn(b, h, d, device=device, generator=g) * q_scale).to(dtype)
-        self.k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
+        if attention == "peaked":
+            # q and K as one layer of the shape's peaked model makes them (bench.peaked), V Gaussian
+            from .peaked import peaked_decode_qk
+
+            if q_scale != 1.0:
+                raise ValueError(f"q_scale: only with attention='uniform', got {q_scale}")
+            self.q, self.k = peaked_decode_qk(case.shape, b, h, hkv, d, n, seed, dtype, device, peaked)
+        else:
+            from .peaked import check_attention
+
+            check_attention(attention, peaked)
+            # q_scale > 1 sharpens attention (Gaussian q, K: scores have standard deviation q_scale)
+            self.q = (torch.randn(b, h, d, device=device, generator=g) * q_scale).to(dtype)
+            self.k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
         self.v = torch.randn(b, hkv, n, d, device=device, dtype=dtype, generator=g)
         self.lens = torch.full((b,), n, device=device, dtype=torch.int32)
         self.scale = d ** -0.5
@@ -198,12 +210,17 @@ def bytes_touched(v_rows: Callable[[], torch.Tensor] | None, x: Inputs) -> dict[
 def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAULT_CONTEXTS, batches=(1, 8),
                      variants=DEFAULT_VARIANTS, warmup: int = 10, iters: int = 40, seed: int = 0,
                      dtype: torch.dtype = torch.bfloat16, max_kv_bytes: float = 24e9, q_scale: float = 1.0,
-                     log: Callable[[str], None] = print) -> dict:
+                     attention: str = "uniform", log: Callable[[str], None] = print) -> dict:
+    """Rows per (shape, batch, n, variant); ``attention``: ``uniform`` (Gaussian q, K) or ``peaked``
+    (``bench.peaked``, the shape's committed fit); the results carry each case's attention profile."""
+    from .peaked import calibration_record, check_attention, decode_profile, fitted
+
+    check_attention(attention)
     if not torch.cuda.is_available():
         raise RuntimeError("kvsieve bench decode needs a CUDA GPU")
     parsed = [(spec, *parse_variant(spec)) for spec in variants]
     flashinfer, peak, timer = timing_setup(flashinfer=any(p[1] == "flashinfer" for p in parsed), log=log)
-    rows = []
+    rows, profiles = [], {}
     cases = [Case(s, *SHAPES[s], n, b) for s in shapes for b in batches for n in contexts]
     try:
         from tqdm import tqdm
@@ -217,7 +234,8 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
             log(f"skip {case}: K+V {kv_bytes / 1e9:.1f} GB > {max_kv_bytes / 1e9:.0f} GB")
             continue
         try:
-            x = Inputs(case, dtype, seed, q_scale)
+            x = Inputs(case, dtype, seed, q_scale, attention=attention)
+            profiles[f"{case.shape} n={case.n} b={case.batch}"] = decode_profile(x.q, x.k, x.scale)
             # float32 reference one batch row at a time (the GQA expansion of a whole batch can exceed memory)
             reference = torch.cat([
                 F.scaled_dot_product_attention(x.q[i:i + 1, :, None, :].float(), x.k[i:i + 1].float(),
@@ -275,7 +293,13 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         "flashinfer": (None if isinstance(flashinfer, Exception) or flashinfer is None
                        else library_version("flashinfer")),
         "dtype": str(dtype).replace("torch.", ""),
-        "inputs": f"i.i.d. Gaussian q (times {q_scale}), K, V; all keys valid",
+        "inputs": (f"i.i.d. Gaussian q (times {q_scale}), K, V; all keys valid" if attention == "uniform" else
+                   "peaked: q and K as one layer of the shape's peaked random-weight model makes them (bench.peaked: "
+                   "sink, local window, strong matches, fitted to real models' attention), V Gaussian; all keys valid"),
+        "attention": attention,
+        "calibration": {s: calibration_record(s, fitted(s)[0] if attention == "peaked" else None, None)
+                        for s in shapes},
+        "attention_profiles": profiles,
         "protocol": f"512 MB L2 flush before every call, CUDA events, {warmup} warm-up + {iters} timed, median; "
                     "'graph' = the same with the call captured in a CUDA graph and replayed",
         "copy_bandwidth_bytes_per_s": peak,

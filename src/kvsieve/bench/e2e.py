@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .peaked import ATTENTION_LABELS, bench_prompts, calibration_markdown
 from .report import fmt
 
 # Shapes only (the decode cost does not depend on RoPE scaling or the weights' values).
@@ -76,6 +77,19 @@ def build_model(shape: str, *, device: str | torch.device = "cuda", dtype: torch
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
+
+
+def _bench_model(shape, attention, peaked, device, dtype, results: dict, todo, log):
+    """The shape's random-weight model for ``attention`` (``bench.peaked``), its attention profile recorded
+    in ``results["calibration"][shape]``."""
+    from .peaked import build_bench_model, calibration_record, run_profile
+
+    model = build_bench_model(build_model, shape, attention, peaked, device=device, dtype=dtype)
+    measured = run_profile(model, [n for _, n in todo], log=log)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the profile's prefill cache: the cases' memory checks read the free memory
+    results["calibration"][shape] = calibration_record(shape, getattr(model, "peaked_attention", None), measured)
+    return model
 
 
 def weights_read_per_step(model) -> int:
@@ -191,12 +205,17 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                   hf_steps: int = 4, dtype: torch.dtype = torch.bfloat16, prefill_chunk: int | None = None,
                   cases: Sequence[tuple[int, int]] | None = None, device: str = "cuda",
                   log: Callable[[str], None] = print, checkpoint: Callable[[dict], None] | None = None,
-                  saap_fits: str | None = None) -> dict:
+                  saap_fits: str | None = None, attention: str = "uniform", peaked=None) -> dict:
     """Rows of ms/step per (shape, batch, context, variant); see the module docstring. ``checkpoint``
     is called with the results so far after every case (the CLI writes its files there). A method that
     needs a fit and gives no ``artifacts`` (``saap:probes=32``) gets the shape's bench fit, made or loaded
-    in ``saap_fits`` (:mod:`kvsieve.bench.saap_fit`; ``results["saap_fits"]`` says how and how long)."""
+    in ``saap_fits`` (:mod:`kvsieve.bench.saap_fit`; ``results["saap_fits"]`` says how and how long).
+    ``attention``: ``uniform`` (random weights, flat attention) or ``peaked`` (``bench.peaked``: ``peaked``
+    or the shape's committed fit); the results carry the attention profile measured on the model."""
+    from .peaked import check_attention
     from .timing import copy_bandwidth
+
+    check_attention(attention, peaked)
 
     cuda = torch.device(device).type == "cuda"
     for b in baselines:
@@ -222,13 +241,15 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
                      f" step() takes to return with the device idle ({HOST_STEPS} steps, the fastest in brackets;"
                      f" hf-eager: its issue time in the timed loop); greedy"),
         "copy_bandwidth_bytes_per_s": peak,
+        "attention": attention,
+        "calibration": {},
         "rows": rows,
     }
     todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
     timing = dict(steps=steps, method_steps=method_steps, hf_steps=hf_steps, warmup=warmup)
     for shape in shapes:
         t0 = time.perf_counter()
-        model = build_model(shape, device=device, dtype=dtype)
+        model = _bench_model(shape, attention, peaked, device, dtype, results, todo, log)
         weights = weights_read_per_step(model)
         log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
             f"{weights / 1e9:.2f} GB of weights read per step")
@@ -304,8 +325,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
             return [{**base, "variant": "*",
                      "skipped": f"K/V cache {kv / 1e9:.1f} GB does not fit in {free / 1e9:.1f} GB free"}]
     g = torch.Generator().manual_seed(n + batch)
-    device = next(model.parameters()).device
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
+    prompts = bench_prompts(model, n, batch, g)
     case_rows = []
     rt = DecodeRuntime(model, "dense", batch_size=batch, capacity=n + new, max_new_tokens=new,
                        eos_token_id=[], graph=graph, prefill_chunk=prefill_chunk)
@@ -439,8 +459,13 @@ def run_ttft_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Seque
                    baselines: Sequence[str] = BASELINES, repeats: int = 3, warmup: int = 1,
                    dtype: torch.dtype = torch.bfloat16, cases: Sequence[tuple[int, int]] | None = None,
                    device: str = "cuda", log: Callable[[str], None] = print,
-                   checkpoint: Callable[[dict], None] | None = None) -> dict:
-    """Time-to-first-token rows per (shape, batch, context, variant); see the module docstring."""
+                   checkpoint: Callable[[dict], None] | None = None, attention: str = "uniform",
+                   peaked=None) -> dict:
+    """Time-to-first-token rows per (shape, batch, context, variant); see the module docstring and
+    ``run_e2e_bench`` for ``attention``."""
+    from .peaked import check_attention
+
+    check_attention(attention, peaked)
     for b in baselines:
         if b not in BASELINES:
             raise ValueError(f"baselines: expected names from {', '.join(BASELINES)}, got {b!r}")
@@ -464,12 +489,14 @@ def run_ttft_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Seque
                      f"per row; the last position's logits only) + the first token (greedy); {warmup} untimed "
                      f"call(s), then the median of {repeats} ({'CUDA-event' if cuda else 'wall-clock'} time "
                      "around the whole call)"),
+        "attention": attention,
+        "calibration": {},
         "rows": rows,
     }
     todo = list(cases) if cases is not None else [(b, n) for b in batches for n in contexts]
     for shape in shapes:
         t0 = time.perf_counter()
-        model = build_model(shape, device=device, dtype=dtype)
+        model = _bench_model(shape, attention, peaked, device, dtype, results, todo, log)
         log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s")
         for batch, n in todo:
             base = {"shape": shape, "batch": batch, "n": n}
@@ -513,8 +540,7 @@ def _run_ttft_case(model, base: dict, methods, baselines, repeats: int, warmup: 
             return [{**base, "variant": "*", "skipped": f"K/V cache {kv / 1e9:.1f} GB + prefill activations "
                                                          f"{act / 1e9:.1f} GB do not fit in {free / 1e9:.1f} GB free"}]
     g = torch.Generator().manual_seed(n + batch)
-    device = next(model.parameters()).device
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).to(device) for _ in range(batch)]
+    prompts = bench_prompts(model, n, batch, g)
     case_rows = []
     variants = (["runtime"] if "runtime" in baselines else []) + list(methods)
     if variants:
@@ -604,6 +630,7 @@ def _header(title: str, results: dict, command: str) -> list[str]:
         f"triton {results['triton']}; {results['dtype']}",
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
+        f"- attention: {ATTENTION_LABELS.get(results.get('attention'), results.get('attention', 'uniform'))}",
     ] + [f"- SAAP fit for {shape}: {_fit_line(fit)}" for shape, fit in results.get("saap_fits", {}).items()]
 
 
@@ -613,6 +640,10 @@ def _fit_line(fit: dict) -> str:
     made = "loaded from the cache" if fit["cached"] else f"made in {fit['fit_s']:.1f} s"
     settings = ", ".join(f"{k}={v}" for k, v in fit["settings"].items())
     return f"{fit['command']}, {made}; {settings}"
+
+
+def _calibration_lines(results: dict) -> list[str]:
+    return [line for shape, cal in results.get("calibration", {}).items() for line in calibration_markdown(cal, shape)]
 
 
 def _groups(rows: list[dict]):
@@ -651,7 +682,7 @@ def ttft_markdown(results: dict, command: str) -> str:
                 f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
                 f"| {r['warmup_s']:.1f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _calibration_lines(results))
 
 
 def _derive(rows: list[dict], peak: float) -> None:
@@ -743,7 +774,7 @@ def markdown(results: dict, command: str) -> str:
     reasons = sorted({r["graph_reason"] for r in rows if r.get("graph_reason") and not r.get("graph")})
     if reasons:
         lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
-    return "\n".join(lines)
+    return "\n".join(lines + _calibration_lines(results))
 
 
 def plot(results: dict, path) -> bool:

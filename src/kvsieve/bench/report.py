@@ -22,6 +22,8 @@ def markdown(results: dict, command: str) -> str:
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
         f"- inputs: {results.get('inputs', 'i.i.d. Gaussian')}",
+        f"- attention: {results.get('attention', 'uniform')} (calibration and each case's profile below; V rows = "
+        "the fraction of V rows a sampling method read, its density)",
         f"- bandwidth ceiling (device-to-device copy, read + write): "
         f"{results['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floor = bytes the method must touch / ceiling",
         "- bytes: dense = all of K and V; S²ANTA = all of K + the V rows sampled by any head of a GQA group "
@@ -49,7 +51,23 @@ def markdown(results: dict, command: str) -> str:
                 f"| {r['v_row_fraction']:.2%} | {fmt(r.get('launches'), 'd')} | {r['rel_error_vs_sdpa']:.1e} |"
             )
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + attention_lines(results))
+
+
+def attention_lines(results: dict) -> list[str]:
+    """The decode bench's attention: calibration per shape and the profile measured on each case's inputs."""
+    from .peaked import calibration_markdown
+
+    lines = [line for shape, cal in results.get("calibration", {}).items() for line in calibration_markdown(cal, shape)]
+    profiles = results.get("attention_profiles") or {}
+    if profiles:
+        cols = ("entropy", "top1", "top5", "sink", "window64", "window256", "keys90")
+        lines += [f"Attention profile of each case's inputs ({results.get('attention', 'uniform')}; the query at the "
+                  "last position, mean over rows and heads):", "", "| case | " + " | ".join(cols) + " |",
+                  "|---|" + "---:|" * len(cols)]
+        lines += [f"| {case} | " + " | ".join(f"{prof[c]:.3f}" for c in cols) + " |" for case, prof in profiles.items()]
+        lines.append("")
+    return lines
 
 
 def plot(results: dict, path: Path) -> None:

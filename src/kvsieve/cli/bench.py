@@ -11,6 +11,10 @@ from pathlib import Path
 
 from ..bench.decode import DEFAULT_VARIANTS, VARIANTS
 
+ATTENTION_HELP = ("peaked (default): attention calibrated to the offline real models' (sink tokens, a local window, "
+                  "strong matches; bench/peaked.py, the committed fit per shape); uniform: random, flat attention "
+                  "(the flat worst case, where adaptive methods keep nearly every key)")
+
 
 def parse_sizes(text: str) -> tuple[int, ...]:
     """A comma list of sizes, "k" for 1024: "8k,32768" -> (8192, 32768)."""
@@ -37,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--iters", type=int, default=40)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--q-scale", type=float, default=1.0,
-                   help="multiply the Gaussian queries (1 = the protocol's flat attention; 4 = peaked)")
+                   help="with --attention uniform: multiply the Gaussian queries (1 = flat attention)")
+    d.add_argument("--attention", choices=("peaked", "uniform"), default="peaked", help=ATTENTION_HELP)
     d.add_argument("--out", default="benchmarks/results", help="folder of the JSON/markdown/PNG results")
     d.add_argument("--name", default=None, help="file stem (default: <date>-<device>-decode)")
     d.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
@@ -58,6 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--method-steps", type=int, default=8, help="timed decode steps of eagerly run methods")
     e.add_argument("--hf-steps", type=int, default=4, help="timed decode steps of transformers' eager decode")
     e.add_argument("--warmup", type=int, default=3)
+    e.add_argument("--attention", choices=("peaked", "uniform"), default="peaked", help=ATTENTION_HELP)
     e.add_argument("--ttft", action="store_true",
                    help="time to first token instead of decode steps: prefill of N tokens + the first token, for the "
                         "runtime's exact prefill, transformers' (hf-eager) and each method's sparse prefill")
@@ -92,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
     variants = tuple(v.strip() for v in args.variants.split(","))
     for v in variants:
         parse_variant(v)
+    if args.attention == "peaked" and args.q_scale != 1.0:
+        raise ValueError(f"--q-scale: only with --attention uniform (peaked inputs follow the fit), got {args.q_scale}")
     if not torch.cuda.is_available():
         print("kvsieve bench decode needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
     results = run_decode_bench(shapes=shapes, contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches),
                                variants=variants, warmup=args.warmup, iters=args.iters, seed=args.seed,
-                               q_scale=args.q_scale)
+                               q_scale=args.q_scale, attention=args.attention)
     device = results["device"].lower()
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-decode"
@@ -172,11 +180,11 @@ def run_e2e(args: argparse.Namespace) -> int:
     sizes = dict(contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches), cases=cases)
     if args.ttft:
         results = e2e.run_ttft_bench(shapes=shapes, methods=methods, baselines=baselines, repeats=args.ttft_repeats,
-                                     warmup=args.ttft_warmup, checkpoint=save, **sizes)
+                                     warmup=args.ttft_warmup, checkpoint=save, attention=args.attention, **sizes)
     else:
         results = e2e.run_e2e_bench(shapes=shapes, methods=methods, baselines=baselines, steps=args.steps,
                                     method_steps=args.method_steps, hf_steps=args.hf_steps, warmup=args.warmup,
-                                    checkpoint=save, saap_fits=args.saap_fits, **sizes)
+                                    checkpoint=save, saap_fits=args.saap_fits, attention=args.attention, **sizes)
     paths = write_results(results, Path(args.out), stem, command)
     print(markdown(results, command))
     for path in paths:
