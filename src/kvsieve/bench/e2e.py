@@ -45,6 +45,7 @@ import torch
 
 from .peaked import ATTENTION_LABELS, bench_prompts, calibration_markdown
 from .report import fmt
+from .saap_fit import fit_line, fitted_specs
 
 # Shapes only (the decode cost does not depend on RoPE scaling or the weights' values).
 MODEL_SHAPES: dict[str, dict] = {
@@ -253,7 +254,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         weights = weights_read_per_step(model)
         log(f"{shape}: built with random weights in {time.perf_counter() - t0:.1f} s; "
             f"{weights / 1e9:.2f} GB of weights read per step")
-        specs = _fitted_specs(methods, model, shape, saap_fits, results, log)
+        specs = fitted_specs(methods, model, shape, saap_fits, results, log)
         for batch, n in todo:
             base = {"shape": shape, "batch": batch, "n": n}
             try:
@@ -274,21 +275,6 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         if cuda:
             torch.cuda.empty_cache()
     return results
-
-
-def _fitted_specs(methods, model, shape: str, cache: str | None, results: dict, log) -> dict[str, str]:
-    """Each method's spec, with the bench fit's artifacts where it needs a fit and names none."""
-    from .saap_fit import needs_bench_fit, resolve_methods
-
-    if not any(needs_bench_fit(m) for m in methods):
-        return {}
-    try:
-        specs, fit = resolve_methods(methods, model, shape, cache, log)
-    except Exception as exc:  # noqa: BLE001 - the fit failing fails its variants only (their rows say why)
-        results.setdefault("saap_fits", {})[shape] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        return {}
-    results.setdefault("saap_fits", {})[shape] = fit
-    return specs
 
 
 def _start_variant(rt, variant: str, warmup: int, prompts, specs: dict[str, str] | None = None,
@@ -631,15 +617,7 @@ def _header(title: str, results: dict, command: str) -> list[str]:
         f"- command: `{command}`",
         f"- protocol: {results['protocol']}",
         f"- attention: {ATTENTION_LABELS.get(results.get('attention'), results.get('attention', 'uniform'))}",
-    ] + [f"- SAAP fit for {shape}: {_fit_line(fit)}" for shape, fit in results.get("saap_fits", {}).items()]
-
-
-def _fit_line(fit: dict) -> str:
-    if "error" in fit:
-        return f"failed ({fit['error']})"
-    made = "loaded from the cache" if fit["cached"] else f"made in {fit['fit_s']:.1f} s"
-    settings = ", ".join(f"{k}={v}" for k, v in fit["settings"].items())
-    return f"{fit['command']}, {made}; {settings}"
+    ] + [f"- SAAP fit for {shape}: {fit_line(fit)}" for shape, fit in results.get("saap_fits", {}).items()]
 
 
 def _calibration_lines(results: dict) -> list[str]:

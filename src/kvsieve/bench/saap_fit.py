@@ -101,3 +101,25 @@ def resolve_methods(methods: Sequence[str], model: torch.nn.Module, shape: str, 
         else:
             specs[spec] = spec
     return specs, fit
+
+
+def fitted_specs(methods, model, shape: str, cache: str | None, results: dict, log) -> dict[str, str]:
+    """Each method's spec, with the bench fit's artifacts where it needs a fit and names none."""
+    if not any(needs_bench_fit(m) for m in methods):
+        return {}
+    try:
+        specs, fit = resolve_methods(methods, model, shape, cache, log)
+    except Exception as exc:  # noqa: BLE001 - the fit failing fails its variants only (their rows say why)
+        results.setdefault("saap_fits", {})[shape] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        return {}
+    results.setdefault("saap_fits", {})[shape] = fit
+    return specs
+
+
+def fit_line(fit: dict) -> str:
+    """One line for a report's header: how the shape's bench fit was made (or why it failed)."""
+    if "error" in fit:
+        return f"failed ({fit['error']})"
+    made = "loaded from the cache" if fit["cached"] else f"made in {fit['fit_s']:.1f} s"
+    settings = ", ".join(f"{k}={v}" for k, v in fit["settings"].items())
+    return f"{fit['command']}, {made}; {settings}"
