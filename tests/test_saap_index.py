@@ -214,6 +214,13 @@ def test_the_bench_fits_a_random_weight_shape_once_and_reuses_it(tmp_path, monke
     import kvsieve.bench.saap_fit as saap_fit
 
     monkeypatch.setattr(saap_fit, "BENCH_FIT", {**saap_fit.BENCH_FIT, **small})
+
+    def no_essays():
+        raise FileNotFoundError("the bench fit must not need the essays (the GPU machine has none)")
+
+    import kvsieve.fit.saap as fit_module
+    monkeypatch.setattr(fit_module, "essay_split", no_essays)
+    monkeypatch.setattr(fit_module, "essay_texts", no_essays)
     specs, fit = resolve_methods(["saap:probes=2", "quest"], model, "tiny", tmp_path, logs.append)
     again, fit2 = resolve_methods(["saap-kmeans:probes=3"], model, "tiny", tmp_path, logs.append)
     assert not fit["cached"] and fit["fit_s"] > 0 and fit["settings"]["clusters"] == 8

