@@ -418,7 +418,10 @@ class _CapturableDense(kvsieve.Method):
         out = dense_decode_triton(q, k, v, lengths.to(torch.int32), scale)
         lo, hi = length_words(*seed_words(as_key(seed).host_seed()), lengths)
         u = hash_uniform(lo, hi, 7, torch.zeros_like(lengths))
-        return out + (u.to(out.dtype) * 2e-3)[:, None, None], None
+        n = lengths.to(torch.float64).mean()
+        stats = kvsieve.StepStats(n_keys=n, k_rows_scored=n, v_rows_read=n, kv_rows_read=n, density=1.0,
+                                  kv_density=1.0, bytes_read=0, backend="triton")
+        return out + (u.to(out.dtype) * 2e-3)[:, None, None], stats
 
 
 @pytest.mark.gpu
