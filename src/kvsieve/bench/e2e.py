@@ -158,6 +158,8 @@ _ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "s
                       "sdpa", "topk", "sort")
 _GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
 BREAKDOWN_STEPS = 3
+# eager steps a captured variant runs after its timing, for its density and bytes (captured steps record none)
+STATS_STEPS = 2
 # The torch profiler keeps CUPTI attached after its first use in a process that captures CUDA graphs
 # (torch/profiler/profiler.py sets TEARDOWN_CUPTI=0: teardown crashes with graphs), and every later launch
 # pays CUPTI's callbacks: captured decode steps measured 0.3-0.8 ms of host time after a profiled variant
@@ -328,10 +330,18 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 # valid keys summed over rows, averaged over the timed steps
                 keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
                 row.update(_time_steps(rt.step, n_steps, cuda))
-                recs = rt.stats.records
+                recs, stat_steps, source = rt.stats.records, n_steps, "method stats"
+                if not recs and variant != "runtime":
+                    # a captured step records no stats: the density comes from a few eager steps from the same point
+                    _start_variant(rt, variant, 0, prompts, specs, False)
+                    rt.stats.log.clear()
+                    for _ in range(STATS_STEPS):
+                        rt.step()
+                    recs, stat_steps = rt.stats.records, STATS_STEPS
+                    source = f"method stats of {STATS_STEPS} eager steps"
                 if recs:
-                    per_step = sum(r["bytes_read"] for r in recs) / n_steps
-                    row["kv_bytes_source"] = "method stats"
+                    per_step = sum(r["bytes_read"] for r in recs) / stat_steps
+                    row["kv_bytes_source"] = source
                     row["density"] = sum(r["kv_density"] for r in recs) / len(recs)
                     row["method_backends"] = sorted({r["backend"] for r in recs})
                 else:
