@@ -55,6 +55,7 @@ from ...kernels.shared.weighted import weighted_sparse_decode
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors
+from .authors_device import AuthorsDeviceState, device_step, kept_token_mask, max_kept_pages, page_list
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -149,9 +150,6 @@ class SketchWalkConfig(MethodConfig):
                 owner = "reconstruction" if self.variant == "authors" else "authors"
                 raise ValueError(f"{name}: a parameter of variant={owner}, not of variant={self.variant}; set "
                                  f"variant={owner} or leave {name} out")
-        if self.variant == "authors" and self.backend == "triton":
-            raise ValueError("backend: triton runs the kernels of variant=reconstruction; variant=authors has the "
-                             "torch reference only (use backend=auto or reference)")
         if self.variant == "authors" and self.prefill_backend in ("flex", "triton"):
             raise ValueError(f"prefill_backend: {self.prefill_backend} serves block lists (variant=reconstruction); "
                              "variant=authors keeps token windows too and has the torch reference only "
@@ -189,6 +187,8 @@ class SketchWalkState(MethodState):
     sketch: LayerSketch | None = None
     #: variant=authors: its running block matrix and query window (an ``AuthorsLayerState``)
     authors: authors.AuthorsLayerState | None = None
+    #: variant=authors' batched decode: the same at capacity on the device (made from ``authors``)
+    authors_device: AuthorsDeviceState | None = None
 
 
 @dataclass
@@ -357,7 +357,117 @@ class SketchWalk(Method):
             extra={**extra, "block_density": float(blocks.sum(-1).mean()) / (n * (n + 1) / 2),
                    "blocks_kept": float(blocks.mean())})
 
+    @property
+    def graph_capturable(self) -> bool:  # type: ignore[override]
+        """variant=authors' batched decode reads nothing on the host (:meth:`_decode_authors_device`); the
+        per-row reference (backend=reference) and variant=reconstruction are not declared capturable."""
+        return self.config.variant == "authors" and self.config.backend != "reference"
+
     def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
+        """Their decode step: every row at once on the device (one token per batch row), or the per-row
+        reference (backend=reference, or Q > 1 query rows per batch row: single-token steps in order)."""
+        if self.config.backend != "reference" and inputs.q_len == 1:
+            return self._decode_authors_device(inputs, state)
+        return self._decode_authors_rows(inputs, state)
+
+    def _authors_layer_state(self, inputs: DecodeInputs, state: SketchWalkState, phi: torch.Tensor
+                             ) -> authors.AuthorsLayerState:
+        cfg = self.config
+        hq, d = inputs.q.shape[1:]
+        st = state.authors
+        if (not isinstance(st, authors.AuthorsLayerState) or st.queries.shape[:3] != (inputs.cache_batch, hq,
+                                                                                   cfg.query_window)
+                or st.phi.shape[1] != d or st.phi.dtype != phi.dtype or st.phi.device != phi.device):
+            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, phi.dtype)
+        state.authors = st
+        return st
+
+    def _decode_authors_device(self, inputs: DecodeInputs, state: SketchWalkState):
+        """Their decode step for every row in one go (:mod:`.authors_device`): the state at capacity, torch
+        ops for the selection, the Triton sparse kernel for the attention on CUDA; no host read."""
+        cfg = self.config
+        b, hq, d = inputs.q.shape
+        dtype = self._compute_dtype(inputs.q.dtype)
+        dev = inputs.q.device
+        phi = self._authors_phi(d, dev, dtype, inputs.context.forward)
+        st = self._authors_layer_state(inputs, state, phi)
+        n_tok, bs = inputs.n_keys, cfg.block_size
+        lengths = inputs.lengths
+        dst = state.authors_device
+        capacity = max(inputs.context.capacity or 0, n_tok)
+        if (dst is None or dst.source is not st or dst.qs.shape[0] != b or dst.ks.shape[1] != inputs.kv_heads
+                or dst.capacity_blocks * bs < n_tok):
+            if dst is not None and dst.source is st and dst.qs.shape[0] == b and dst.ks.shape[1] == inputs.kv_heads:
+                dst.grow(-(-max(n_tok, 2 * dst.capacity_blocks * bs) // bs))  # a growing cache (no capacity given)
+            else:
+                dst = AuthorsDeviceState.from_layer_state(st, inputs.k, lengths, block_size=bs, capacity=capacity)
+                dst.source = st
+            state.authors_device = dst
+        step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
+                           sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
+        dst.last_step = step
+        if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
+            row = int(dst.order_error.nonzero()[0, 0])
+            dst.order_error[row] = False
+            raise ValueError(f"lengths: variant=authors keeps running averages over the decode steps; row {row} "
+                             "steps out of order (steps must come one token at a time, or start again right "
+                             "after the prompt)")
+        keep = kept_token_mask(step, n_tok, bs, lengths)
+        path, reason = self._authors_attention_path(inputs)
+        if path == "triton":  # kept blocks as pages, the first window_tokens keys as the per-row dense prefix
+            from ...kernels.shared.weighted_triton import sparse_decode_triton
+
+            n = -(-n_tok // bs)
+            prefix = authors.reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
+            pages, counts = page_list(step, bs, max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window,
+                                                               kblocks_frac=cfg.kblocks_frac))
+            q, k, v, lens = kernel_operands(inputs)
+            hkv = inputs.kv_heads
+            out, _ = sparse_decode_triton(q, k, v, pages[:, None].expand(b, hkv, -1), counts[:, None].expand(b, hkv),
+                                          page_size=bs, lengths=lens, sink=prefix,
+                                          sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
+        else:
+            out = authors.masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
+                                           dtype)[:, :, 0]
+        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "device"}
+        if reason is not None:
+            extra["backend_reason"] = reason
+
+        def stats():  # built when read: a captured step launches none of it
+            kept = step.kept_blocks.to(torch.float64).sum(-1)
+            more = {"block_density": (kept / step.n.to(torch.float64)).mean(), "blocks_kept": kept.mean(),
+                    "short_rows": step.short.sum(), "order_errors": dst.order_error.sum()}
+            exact = (keep.sum(-1) == lengths.long()).sum()
+            short = int(step.short.sum())  # read with the stats only
+            if short:
+                more["exact_reason"] = (f"{short} of {b} rows: a context whose every block is a sink or window "
+                                        "block keeps every block")
+            return read_stats(inputs, keep[:, None, :].expand(b, hq, n_tok), backend=path, exact_rows=exact,
+                              extra=more)
+
+        return out, StepStats.deferred(stats, path, extra)
+
+    def _authors_attention_path(self, inputs: DecodeInputs) -> tuple[str, str | None]:
+        """``(path, reason)`` of the batched decode's attention: ``"triton"`` (the weighted sparse kernel, the
+        blocks as pages) where backend asks for it and it can serve the call, the torch reference otherwise;
+        ``reason`` says why the kernel did not run on CUDA under backend=auto."""
+        from ...kernels.shared.triton_utils import kernels_interpreted
+        from ...kernels.shared.weighted_triton import unsupported_reason
+
+        cfg = self.config
+        dev = inputs.q.device
+        if cfg.backend == "auto" and dev.type != "cuda":
+            return "reference", None
+        reason = unsupported_reason(inputs.q, inputs.k, inputs.v, cfg.block_size)
+        if reason is None and (dev.type == "cuda") == kernels_interpreted():
+            reason = f"{dev.type} tensors with TRITON_INTERPRET={int(kernels_interpreted())}"
+        if reason is None:
+            return "triton", None
+        if cfg.backend == "triton":
+            raise ValueError(f"backend: triton cannot serve this call ({reason})")
+        return "reference", f"the sparse decode kernel cannot serve this call ({reason}); the torch attention ran"
+
+    def _decode_authors_rows(self, inputs: DecodeInputs, state: SketchWalkState):
         """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
         cfg = self.config
         r_rows, hq, d = inputs.q.shape

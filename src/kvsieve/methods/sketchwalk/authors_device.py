@@ -1,0 +1,336 @@
+"""variant=authors' decode on the device: every row of a batch in one step, no host read, capturable.
+
+The same math as :func:`kvsieve.methods.sketchwalk.authors.decode_row` (the per-row reference), on a
+state made once per request at capacity (:class:`AuthorsDeviceState`):
+
+- the running block matrix as ``A = diag(σ)·U``: ``U [B, C, C]`` unnormalised, ``σ [B, C]`` per-row
+  scales and ``S [B, C]`` the row sums of ``U``. A step rewrites row ``c`` and column ``c`` of ``U`` and
+  renormalises every row through ``σ`` alone, so it costs O(C) instead of the reference's O(C²), and the
+  walk folds ``σ`` into its vector (``w·A = (w⊙σ)·U``);
+- per KV head the pooled key-block sums and their sketches: a step adds the new key to its block's sum
+  and re-sketches that block alone (K is read once, when the state is made);
+- the sketches of the last ``query_window`` queries in a ring (slot = position mod the window);
+- the prompt's copies of what a step changes (row and column of the prompt's last block, the row sums,
+  the query ring, the partial last block's key sum), so that a step at the first position after a row's
+  prompt (a rewind) restarts from the prompt in O(C).
+
+A step out of order (neither the next position nor the first after the prompt) cannot raise without a
+host read: it sets the row's ``order_error`` flag, which the step's stats report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.context import MethodState
+from . import authors
+
+
+@dataclass
+class AuthorsDeviceState(MethodState):
+    """One layer's variant=authors decode state for one request, at capacity (``C`` blocks)."""
+
+    phi: torch.Tensor  # [m, d]
+    u: torch.Tensor  # [B, C, C] unnormalised running block matrix
+    sigma: torch.Tensor  # [B, C] row scales: A = sigma[:, :, None] * u
+    rsum: torch.Tensor  # [B, C] row sums of u over the row's blocks
+    n_blocks: torch.Tensor  # [B] int64
+    qs: torch.Tensor  # [B, Hq, W, m] query sketches, slot = position % W
+    n_queries: torch.Tensor  # [B] int64
+    ksum: torch.Tensor  # [B, Hkv, C, d] key sums per block
+    ks: torch.Tensor  # [B, Hkv, C, m] key-block sketches (ksum / block_size @ phi.T)
+    last_pos: torch.Tensor  # [B] int64, -1: no token seen
+    order_error: torch.Tensor  # [B] bool, sticky
+    prompt_len: torch.Tensor  # [B] int64, -1: no prompt (no restart point)
+    p_nblocks: torch.Tensor  # [B] int64
+    p_row: torch.Tensor  # [B, C] the prompt's row n0 - 1
+    p_col: torch.Tensor  # [B, C] the prompt's column n0 - 1
+    p_rsum: torch.Tensor  # [B, C]
+    p_qs: torch.Tensor  # [B, Hq, W, m]
+    p_nq: torch.Tensor  # [B] int64
+    p_kpart: torch.Tensor  # [B, Hkv, d] key sum of the prompt's partial last block
+    fresh_rows: bool  # host: the next step is the first of rows that saw no prompt (rows [n_prev, n) appear)
+    block_size: int
+    source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
+    last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.u.shape[-1]
+
+    def grow(self, n_blocks: int) -> None:
+        """Room for ``n_blocks`` blocks (a caller whose cache grows and gives no capacity; not captured)."""
+        extra = n_blocks - self.capacity_blocks
+        if extra <= 0:
+            return
+        pad = torch.nn.functional.pad
+        self.u = pad(self.u, (0, extra, 0, extra))
+        self.sigma = pad(self.sigma, (0, extra), value=1.0)
+        for name in ("rsum", "p_row", "p_col", "p_rsum"):
+            setattr(self, name, pad(getattr(self, name), (0, extra)))
+        self.ksum = pad(self.ksum, (0, 0, 0, extra))
+        self.ks = pad(self.ks, (0, 0, 0, extra))
+
+    @classmethod
+    def from_layer_state(cls, st: authors.AuthorsLayerState, k: torch.Tensor, lengths: torch.Tensor, *,
+                         block_size: int, capacity: int) -> AuthorsDeviceState:
+        """The device state of ``st`` (the prompt's record, or a fresh one) at ``capacity`` tokens a row;
+        ``k [B, Hkv, N, d]`` the first call's keys (its key sums are made from them once)."""
+        phi = st.phi
+        dtype, dev = phi.dtype, phi.device
+        b, hq, w, d = st.queries.shape
+        hkv = k.shape[1]
+        bs = block_size
+        cap_blocks = -(-capacity // bs)
+        n_st = st.blocks.shape[-1]
+        if n_st > cap_blocks:
+            raise ValueError(f"context.capacity: {capacity} tokens ({cap_blocks} blocks) is less than the "
+                             f"{n_st} blocks the prompt already holds")
+        u = torch.zeros(b, cap_blocks, cap_blocks, dtype=dtype, device=dev)
+        u[:, :n_st, :n_st] = st.blocks.to(dtype)
+        rsum = u.sum(-1)
+        sigma = torch.ones(b, cap_blocks, dtype=dtype, device=dev)
+        prompt_lens, p_nblocks = prompt_rows(st, b, dev)
+        has_prompt = prompt_lens >= 0
+        n0 = p_nblocks.clamp(min=1)
+        pb = torch.zeros(b, cap_blocks, cap_blocks, dtype=dtype, device=dev)
+        n_p = st.prompt_blocks.shape[-1]
+        pb[:, :n_p, :n_p] = st.prompt_blocks.to(dtype)
+        rows = torch.arange(b, device=dev)
+        p_row = pb[rows, n0 - 1]
+        p_col = pb[rows, :, n0 - 1]
+        p_rsum = pb.sum(-1)
+        # key sums of the keys each row has seen before its next token
+        seen = st.last_pos + 1 if st.has_history else lengths.long().to(dev) - 1
+        n_tok = k.shape[2]
+        keys = torch.arange(n_tok, device=dev)
+        kf = k.to(dtype) * (keys[None, :] < seen[:, None])[:, None, :, None]
+        ksum = torch.zeros(b, hkv, cap_blocks, d, dtype=dtype, device=dev)
+        pooled = authors.pooled_blocks(kf, bs) * bs  # block sums
+        ksum[:, :, :pooled.shape[2]] = pooled[:, :, :cap_blocks]
+        ks = (ksum / bs) @ phi.T
+        part = (keys[None, :] >= (prompt_lens // bs * bs)[:, None]) & (keys[None, :] < prompt_lens[:, None])
+        p_kpart = (k.to(dtype) * part[:, None, :, None]).sum(2)
+        qs = ring_sketches(st.queries, st.n_queries, st.last_pos, phi)
+        p_last = torch.where(has_prompt, prompt_lens - 1, -1)
+        p_qs = ring_sketches(st.prompt_queries, st.prompt_n_queries, p_last, phi)
+        return cls(phi=phi, u=u, sigma=sigma, rsum=rsum, n_blocks=st.n_blocks.clone(), qs=qs,
+                   n_queries=st.n_queries.clone(), ksum=ksum, ks=ks, last_pos=st.last_pos.clone(),
+                   order_error=torch.zeros(b, dtype=torch.bool, device=dev), prompt_len=prompt_lens,
+                   p_nblocks=p_nblocks, p_row=p_row, p_col=p_col, p_rsum=p_rsum, p_qs=p_qs,
+                   p_nq=st.prompt_n_queries.clone(), p_kpart=p_kpart, fresh_rows=not st.has_history,
+                   block_size=bs)
+
+
+def prompt_rows(st: authors.AuthorsLayerState, b: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_len [B], prompt blocks [B])`` of each row (-1 and 0 without a prompt)."""
+    if not st.has_history:
+        return torch.full((b,), -1, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
+    if st.prompt_lens is not None:
+        lens = st.prompt_lens.to(dev).long()
+    else:
+        lens = torch.full((b,), st.prompt_len, dtype=torch.long, device=dev)
+    n_p = st.prompt_blocks.shape[-1]
+    if st.prompt_n_blocks is not None:
+        return lens, st.prompt_n_blocks.to(dev).long()
+    return lens, torch.full((b,), n_p, dtype=torch.long, device=dev)
+
+
+def ring_sketches(queries: torch.Tensor, n_queries: torch.Tensor, last_pos: torch.Tensor,
+                  phi: torch.Tensor) -> torch.Tensor:
+    """Right-aligned queries ``[B, Hq, W, d]`` (the last ``n_queries`` valid, the newest at position
+    ``last_pos``) as sketches in ring slots ``position % W``."""
+    b, hq, w, _ = queries.shape
+    dev = queries.device
+    i = torch.arange(w, device=dev)  # i-th newest
+    src = w - 1 - i
+    slot = torch.remainder(last_pos[:, None] - i[None, :], w)  # [B, W]
+    sk = queries.to(phi.dtype) @ phi.T  # [B, Hq, W, m]
+    gathered = sk[:, :, src]  # newest first
+    valid = (i[None, :] < n_queries[:, None])[:, None, :, None]
+    out = torch.zeros_like(sk)
+    out.scatter_(2, slot[:, None, :, None].expand_as(sk), torch.where(valid, gathered, torch.zeros_like(gathered)))
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceStep:
+    """One batched step's results: walk ``[B, C]``, kept blocks ``[B, C]``, first-keys bound
+    ``window_tokens [B]``, block counts ``n [B]``, and ``short [B]`` (every block a sink or window block)."""
+
+    walk: torch.Tensor
+    kept_blocks: torch.Tensor
+    window_tokens: torch.Tensor
+    n: torch.Tensor
+    short: torch.Tensor
+
+
+def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_blocks: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`authors.reserved` per row: ``max(1, ⌊f·T⌋)`` tokens (in float64, as Python computes it) and
+    ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
+    tokens = torch.floor(n_tokens.to(torch.float64) * fraction).long().clamp(min=1)
+    blocks = torch.minimum(n_blocks, torch.div(tokens + block_size - 1, block_size, rounding_mode="floor").clamp(min=1))
+    return tokens, blocks
+
+
+def quantile_rows(w: torch.Tensor, candidate: torch.Tensor, q: float) -> torch.Tensor:
+    """``[B]``: ``torch.nanquantile``'s linear quantile ``q`` of ``w`` over each row's candidates (NaN
+    where none), with a sort and two gathers (no host read)."""
+    vals = torch.where(candidate, w, torch.full_like(w, float("inf")))
+    srt = torch.sort(vals, dim=-1).values
+    m = candidate.sum(-1)
+    qt = torch.tensor(q, dtype=w.dtype, device=w.device)
+    ranks = qt * (m - 1).clamp(min=0).to(w.dtype)
+    lo = ranks.long()
+    hi = torch.ceil(ranks).long()
+    v_lo = srt.gather(1, lo[:, None])[:, 0]
+    v_hi = srt.gather(1, hi[:, None])[:, 0]
+    th = torch.lerp(v_lo, v_hi, ranks - lo.to(w.dtype))
+    return torch.where(m > 0, th, torch.full_like(th, float("nan")))
+
+
+def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, beta: float,
+                degree: int, sink: float, window: float, kblocks_frac: float) -> DeviceStep:
+    """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
+    cache (the new key at ``lengths − 1``). Updates ``st`` in place; torch ops only, no host read."""
+    dtype, dev = st.phi.dtype, st.phi.device
+    b, hq, d = q.shape
+    hkv = st.ks.shape[1]
+    g = hq // hkv
+    w_len = st.qs.shape[2]
+    m = st.phi.shape[0]
+    bs = st.block_size
+    cap = st.capacity_blocks
+    rows = torch.arange(b, device=dev)
+    cols = torch.arange(cap, device=dev)
+    pos = lengths.to(dev).long() - 1
+    n = torch.div(pos, bs, rounding_mode="floor") + 1
+    c = n - 1
+    s = pos - c * bs
+    alpha = (1.0 / (s + 1).to(torch.float64)).to(dtype)[:, None]
+    one_minus = (1.0 - 1.0 / (s + 1).to(torch.float64)).to(dtype)[:, None]
+
+    # -- order and restart ---------------------------------------------------------------------------
+    restart = (st.prompt_len >= 0) & (pos == st.prompt_len)
+    st.order_error |= ~restart & (st.last_pos >= 0) & (pos != st.last_pos + 1)
+    n0 = st.p_nblocks
+    n0i = (n0 - 1).clamp(min=0)
+    in_prompt = cols[None, :] < n0[:, None]
+    r0 = restart[:, None]
+    st.u[rows, n0i] = torch.where(r0, st.p_row, st.u[rows, n0i])
+    st.u[rows, :, n0i] = torch.where(r0 & in_prompt, st.p_col, st.u[rows, :, n0i])
+    st.sigma.copy_(torch.where(r0 & in_prompt, torch.ones_like(st.sigma), st.sigma))
+    st.rsum.copy_(torch.where(r0, st.p_rsum, st.rsum))
+    st.n_blocks.copy_(torch.where(restart, n0, st.n_blocks))
+    st.n_queries.copy_(torch.where(restart, st.p_nq, st.n_queries))
+    st.qs.copy_(torch.where(restart[:, None, None, None], st.p_qs, st.qs))
+    st.last_pos.copy_(pos)
+
+    # -- the query ring and the key sketch of block c -------------------------------------------------
+    slot = torch.remainder(pos, w_len)
+    st.qs[rows, :, slot] = q.to(dtype) @ st.phi.T
+    st.n_queries.copy_(torch.clamp(st.n_queries + 1, max=w_len))
+    k_new = k[rows, :, pos].to(dtype)  # [B, Hkv, d]
+    old = st.ksum[rows, :, c]
+    base = torch.where(restart[:, None, None], st.p_kpart, torch.where((s == 0)[:, None, None], 0.0, old))
+    st.ksum[rows, :, c] = base + k_new
+    st.ks[rows, :, c] = (st.ksum[rows, :, c] / bs) @ st.phi.T
+
+    # -- this step's block row ------------------------------------------------------------------------
+    age = torch.remainder(pos[:, None] - torch.arange(w_len, device=dev)[None, :], w_len)  # slot's age
+    slot_ok = age < st.n_queries[:, None]  # [B, W]
+    logits = torch.matmul(st.qs.view(b, hkv, g * w_len, m), st.ks.transpose(-1, -2)) * m ** -0.5 / authors.LOGIT_DIVISOR
+    live = cols[None, :] < n[:, None]  # [B, C]
+    logits = logits.masked_fill(~live[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(b, hkv, g, w_len, cap)
+    probs = probs * slot_ok[:, None, None, :, None].to(dtype)
+    r = authors.normalized(probs.sum((1, 2, 3)))  # [B, C], zero past n
+
+    # -- the running block matrix ---------------------------------------------------------------------
+    n_prev = st.n_blocks.clone()
+    if st.fresh_rows:  # rows [n_prev, n) start as this row (a fresh state's first step)
+        new_rows = (cols[None, :] >= n_prev[:, None]) & live
+        st.u.copy_(torch.where(new_rows[:, :, None], r[:, None, :], st.u))
+        st.sigma.copy_(torch.where(new_rows, torch.ones_like(st.sigma), st.sigma))
+        st.rsum.copy_(torch.where(new_rows, r.sum(-1, keepdim=True).expand_as(st.rsum), st.rsum))
+        st.fresh_rows = False
+    else:
+        new = (c >= n_prev)[:, None]
+        st.u[rows, c] = torch.where(new, r, st.u[rows, c])
+        st.sigma[rows, c] = torch.where(new[:, 0], 1.0, st.sigma[rows, c])
+        st.rsum[rows, c] = torch.where(new[:, 0], r.sum(-1), st.rsum[rows, c])
+        # an older row's entry in a block that just appeared is zero (not what a rewound step left there)
+        st.u[rows, :, c] = torch.where(new & (cols[None, :] < n_prev[:, None]), 0.0, st.u[rows, :, c])
+    st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
+    # row c: running average with this row, normalised
+    a_c = st.sigma[rows, c][:, None] * st.u[rows, c]
+    x = torch.where(live, one_minus * a_c + alpha * r, 0.0)
+    x = x / x.sum(-1, keepdim=True).clamp(min=authors.ROW_EPS)
+    st.u[rows, c] = x
+    st.sigma[rows, c] = 1.0
+    st.rsum[rows, c] = x.sum(-1)
+    # column c: running average with this row
+    u_col = st.u[rows, :, c]
+    y = one_minus * (st.sigma * u_col) + alpha * r
+    u_new = torch.where(live, y / st.sigma, u_col)
+    st.rsum.add_(torch.where(live, u_new - u_col, 0.0))
+    st.u[rows, :, c] = u_new
+    # every row renormalised (through its scale)
+    total = (st.sigma * st.rsum).clamp(min=authors.ROW_EPS)
+    st.sigma.copy_(torch.where(live, st.sigma / total, st.sigma))
+
+    # -- the walk over the running matrix ------------------------------------------------------------
+    walk = r
+    for _ in range(degree):
+        step = torch.matmul((walk * st.sigma)[:, None, :], st.u)[:, 0]
+        walk = torch.where(live, (1.0 - beta) * r + beta * step, 0.0)
+
+    # -- selection ------------------------------------------------------------------------------------
+    n_tok = pos + 1
+    window_tokens, window_blocks = reserved_device(window, n_tok, bs, n)
+    _, sink_blocks = reserved_device(sink, n_tok, bs, n)
+    qb = c[:, None]
+    candidate = live & (cols[None, :] >= sink_blocks[:, None]) & (cols[None, :] < qb - window_blocks[:, None] + 1)
+    th = quantile_rows(walk, candidate, 1.0 - kblocks_frac)
+    kept = live & ((walk > th[:, None]) | (cols[None, :] < sink_blocks[:, None])
+                   | ((cols[None, :] >= qb - window_blocks[:, None] + 1) & (cols[None, :] <= qb)))
+    short = n <= sink_blocks + window_blocks
+    return DeviceStep(walk=walk, kept_blocks=kept, window_tokens=window_tokens, n=n, short=short)
+
+
+def kept_token_mask(step: DeviceStep, n_keys: int, block_size: int, lengths: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` the keys a step keeps: its blocks' keys and the first ``window_tokens``, below the length."""
+    keys = torch.arange(n_keys, device=lengths.device)
+    blk = torch.div(keys, block_size, rounding_mode="floor").clamp(max=step.kept_blocks.shape[1] - 1)
+    return ((step.kept_blocks[:, blk] | (keys[None, :] < step.window_tokens[:, None]))
+            & (keys[None, :] < lengths.long()[:, None]))
+
+
+def page_list(step: DeviceStep, block_size: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages [B, max_pages] int32, counts [B] int32)``: the kept blocks that reach past the first
+    ``window_tokens`` keys (those are read as the dense prefix), ascending; entries past a row's count
+    are 0."""
+    kept = step.kept_blocks & ((torch.arange(step.kept_blocks.shape[1], device=step.n.device)[None, :] + 1)
+                               * block_size > step.window_tokens[:, None])
+    counts = kept.sum(-1)
+    order = torch.cumsum(kept.to(torch.int32), -1) - 1
+    target = torch.where(kept & (order < max_pages), order.long(), max_pages)
+    pages = torch.zeros(kept.shape[0], max_pages + 1, dtype=torch.int32, device=kept.device)
+    src = torch.arange(kept.shape[1], device=kept.device, dtype=torch.int32)[None, :].expand_as(target)
+    pages.scatter_(1, target, src)
+    return pages[:, :max_pages].contiguous(), counts.clamp(max=max_pages).to(torch.int32)
+
+
+def max_kept_pages(n_keys: int, block_size: int, *, sink: float, window: float, kblocks_frac: float) -> int:
+    """A host bound on :func:`page_list`'s count for rows of at most ``n_keys`` keys: the sink and window
+    blocks and the candidates above the quantile (at most ``⌈f·M⌉ + 1`` of M), plus a block of slack
+    for the rounding of shorter rows."""
+    n = -(-n_keys // block_size)
+    _, wb = authors.reserved(window, n_keys, block_size, n)
+    _, sb = authors.reserved(sink, n_keys, block_size, n)
+    cand = max(0, n - sb - wb)
+    return max(1, min(n, sb + wb + math.ceil(kblocks_frac * cand) + 2))
