@@ -10,7 +10,7 @@ from interpreted import case_groups, group_id, run_interpreter_cases
 
 import kvsieve
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
-from kvsieve.methods.sketchwalk.authors_device import page_list, quantile_rows
+from kvsieve.methods.sketchwalk.authors_device import max_kept_pages, page_list, quantile_rows
 
 
 def data(b, hq, hkv, n, d, seed, dtype=torch.float32):
@@ -61,6 +61,10 @@ def batched(spec, q, k, v, prompts, steps, capacity=None):
         assert stats.extra["selection"] == "device"
         outs.append(out)
         dst = state.authors_device
+        # the kernel path's page list never needs more than its host bound
+        cfg = m.config
+        bound = max_kept_pages(cap, cfg.block_size, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
+        assert int(page_list(dst.last_step, cfg.block_size, dst.capacity_blocks)[1].max()) <= bound
         kept.append(dst.last_step.kept_blocks)
         walks.append(dst.last_step.walk)
     return outs, kept, walks, state

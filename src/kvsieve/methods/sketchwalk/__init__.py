@@ -55,7 +55,7 @@ from ...kernels.shared.weighted import weighted_sparse_decode
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors
-from .authors_device import AuthorsDeviceState, device_step, kept_token_mask, max_kept_pages, page_list
+from .authors_device import AuthorsDeviceState, device_sketch, device_step, kept_token_mask, max_kept_pages, page_list
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -294,8 +294,7 @@ class SketchWalk(Method):
         if forward is not None:
             ordinal = forward.layer
             forward.layer = ordinal + 1
-        return authors.sketch_matrix(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
-                                     device=device, dtype=dtype)
+        return device_sketch(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal), device, dtype)
 
     def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
         """Why a CUDA call asking for the automatic backend runs the torch reference."""
@@ -412,7 +411,6 @@ class SketchWalk(Method):
             raise ValueError(f"lengths: variant=authors keeps running averages over the decode steps; row {row} "
                              "steps out of order (steps must come one token at a time, or start again right "
                              "after the prompt)")
-        keep = kept_token_mask(step, n_tok, bs, lengths)
         path, reason = self._authors_attention_path(inputs)
         if path == "triton":  # kept blocks as pages, the first window_tokens keys as the per-row dense prefix
             from ...kernels.shared.weighted_triton import sparse_decode_triton
@@ -427,6 +425,7 @@ class SketchWalk(Method):
                                           page_size=bs, lengths=lens, sink=prefix,
                                           sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
         else:
+            keep = kept_token_mask(step, n_tok, bs, lengths)
             out = authors.masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
                                            dtype)[:, :, 0]
         extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "device"}
@@ -434,6 +433,7 @@ class SketchWalk(Method):
             extra["backend_reason"] = reason
 
         def stats():  # built when read: a captured step launches none of it
+            keep = kept_token_mask(step, n_tok, bs, lengths)
             kept = step.kept_blocks.to(torch.float64).sum(-1)
             more = {"block_density": (kept / step.n.to(torch.float64)).mean(), "blocks_kept": kept.mean(),
                     "short_rows": step.short.sum(), "order_errors": dst.order_error.sum()}

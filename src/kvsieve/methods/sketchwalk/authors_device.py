@@ -20,6 +20,7 @@ host read: it sets the row's ``order_error`` flag, which the step's stats report
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -125,6 +126,12 @@ class AuthorsDeviceState(MethodState):
                    block_size=bs)
 
 
+@functools.lru_cache(maxsize=256)
+def device_sketch(d: int, hadamard_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`authors.sketch_matrix` kept on its device: a captured step reads it, never copies it again."""
+    return authors.sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
+
+
 def prompt_rows(st: authors.AuthorsLayerState, b: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_len [B], prompt blocks [B])`` of each row (-1 and 0 without a prompt)."""
     if not st.has_history:
@@ -183,8 +190,7 @@ def quantile_rows(w: torch.Tensor, candidate: torch.Tensor, q: float) -> torch.T
     vals = torch.where(candidate, w, torch.full_like(w, float("inf")))
     srt = torch.sort(vals, dim=-1).values
     m = candidate.sum(-1)
-    qt = torch.tensor(q, dtype=w.dtype, device=w.device)
-    ranks = qt * (m - 1).clamp(min=0).to(w.dtype)
+    ranks = (m - 1).clamp(min=0).to(w.dtype) * q  # q rounded to w's dtype, as nanquantile's q tensor
     lo = ranks.long()
     hi = torch.ceil(ranks).long()
     v_lo = srt.gather(1, lo[:, None])[:, 0]
@@ -261,7 +267,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     else:
         new = (c >= n_prev)[:, None]
         st.u[rows, c] = torch.where(new, r, st.u[rows, c])
-        st.sigma[rows, c] = torch.where(new[:, 0], 1.0, st.sigma[rows, c])
+        st.sigma[rows, c] = torch.where(new[:, 0], torch.ones_like(alpha[:, 0]), st.sigma[rows, c])
         st.rsum[rows, c] = torch.where(new[:, 0], r.sum(-1), st.rsum[rows, c])
         # an older row's entry in a block that just appeared is zero (not what a rewound step left there)
         st.u[rows, :, c] = torch.where(new & (cols[None, :] < n_prev[:, None]), 0.0, st.u[rows, :, c])
@@ -271,7 +277,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     x = torch.where(live, one_minus * a_c + alpha * r, 0.0)
     x = x / x.sum(-1, keepdim=True).clamp(min=authors.ROW_EPS)
     st.u[rows, c] = x
-    st.sigma[rows, c] = 1.0
+    st.sigma[rows, c] = torch.ones_like(alpha[:, 0])  # tensors, not Python scalars, as the values of index writes
     st.rsum[rows, c] = x.sum(-1)
     # column c: running average with this row
     u_col = st.u[rows, :, c]
