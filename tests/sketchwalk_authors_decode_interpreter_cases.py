@@ -75,3 +75,48 @@ def test_batched_decode_kernel_matches_torch_attention(seed, dtype):
         outs[backend] = torch.stack(got)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs["triton"], outs["reference-attention"], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_selection_kernel_matches_its_reference(seed):
+    from kvsieve.kernels.sketchwalk.authors_decode import select_pages_reference, select_pages_triton
+
+    g = torch.Generator().manual_seed(seed)
+    b, c = 5, 100
+    w = torch.rand(b, c, generator=g) ** 4  # entries over decades
+    w[1] = w[1].round(decimals=1)  # exact ties
+    n = torch.tensor([100, 57, 3, 80, 9])
+    sb, wb = torch.tensor([3, 2, 1, 5, 4]), torch.tensor([6, 4, 2, 9, 5])  # row 4: no candidate
+    wt = torch.tensor([150, 40, 1, 600, 30])
+    for q in (0.875, 0.5, 0.01):
+        want = select_pages_reference(w, n, sb, wb, wt, q=q, block_size=16, max_pages=40)
+        got = select_pages_triton(w, n, sb, wb, wt, q=q, block_size=16, max_pages=40)
+        for name, x, y in zip(("kept", "pages", "counts"), want, got, strict=True):
+            assert torch.equal(x, y), (name, q)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matrix_update_kernel_matches_its_reference(seed):
+    """Rows that restart (prompt ending mid-block or on a block boundary), start a block, or continue one."""
+    from kvsieve.kernels.sketchwalk.authors_decode import update_matrix_reference, update_matrix_triton
+
+    g = torch.Generator().manual_seed(seed)
+    b, cap, bs = 5, 40, 8
+    u = torch.rand(b, cap, cap, generator=g) ** 3
+    sigma = 1 / u.sum(-1) * (1 + 0.1 * torch.rand(b, cap, generator=g))
+    rsum = u.sum(-1)
+    n_blocks = torch.tensor([12, 20, 9, 30, 13])
+    pos = torch.tensor([90, 160, 71, 237, 96])  # block 11 (restart mid-block), 20 (new), 8, 29, 12 (restart, new)
+    restart = torch.tensor([True, False, False, False, True])
+    p_nblocks = torch.tensor([12, 0, 0, 0, 12])
+    p_row, p_col = torch.rand(b, cap, generator=g), torch.rand(b, cap, generator=g)
+    p_rsum = torch.rand(b, cap, generator=g) + 0.5
+    r = torch.rand(b, cap, generator=g) * (torch.arange(cap) <= pos[:, None] // bs)
+    r = r / r.sum(-1, keepdim=True)
+    args = [t.clone() for t in (u, sigma, rsum, n_blocks)]
+    want = [t.clone() for t in (u, sigma, rsum, n_blocks)]
+    update_matrix_reference(*want, r, pos, restart, p_nblocks, p_row, p_col, p_rsum, block_size=bs, eps=1e-12)
+    update_matrix_triton(*args, r, pos, restart, p_nblocks, p_row, p_col, p_rsum, block_size=bs, eps=1e-12)
+    assert torch.equal(args[3], want[3])
+    for got, ref in zip(args[:3], want[:3], strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)

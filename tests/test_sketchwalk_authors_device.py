@@ -9,8 +9,9 @@ import torch
 from interpreted import case_groups, group_id, run_interpreter_cases
 
 import kvsieve
+from kvsieve.kernels.sketchwalk.authors_decode import page_list, quantile_rows
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
-from kvsieve.methods.sketchwalk.authors_device import max_kept_pages, page_list, quantile_rows
+from kvsieve.methods.sketchwalk.authors_device import max_kept_pages
 
 
 def data(b, hq, hkv, n, d, seed, dtype=torch.float32):
@@ -64,7 +65,10 @@ def batched(spec, q, k, v, prompts, steps, capacity=None):
         # the kernel path's page list never needs more than its host bound
         cfg = m.config
         bound = max_kept_pages(cap, cfg.block_size, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
-        assert int(page_list(dst.last_step, cfg.block_size, dst.capacity_blocks)[1].max()) <= bound
+        step = dst.last_step
+        full = page_list(step.kept_blocks, step.window_tokens, cfg.block_size, dst.capacity_blocks)
+        assert int(full[1].max()) <= bound
+        assert torch.equal(step.pages, page_list(step.kept_blocks, step.window_tokens, cfg.block_size, bound)[0])
         kept.append(dst.last_step.kept_blocks)
         walks.append(dst.last_step.walk)
     return outs, kept, walks, state
@@ -165,14 +169,10 @@ def test_quantile_rows_is_torch_nanquantile():
 
 
 def test_page_list_leaves_the_prefix_to_the_dense_part():
-    from kvsieve.methods.sketchwalk.authors_device import DeviceStep
-
     kept = torch.zeros(2, 10, dtype=torch.bool)
     kept[0, [0, 1, 2, 5, 9]] = True
     kept[1, [3, 4]] = True
-    step = DeviceStep(walk=None, kept_blocks=kept, window_tokens=torch.tensor([20, 1]), n=torch.tensor([10, 5]),
-                      short=None)
-    pages, counts = page_list(step, 8, 6)
+    pages, counts = page_list(kept, torch.tensor([20, 1]), 8, 6)
     assert counts.tolist() == [3, 2]  # row 0: blocks 0, 1 lie inside the first 20 keys; block 2 reaches past
     assert pages[0, :3].tolist() == [2, 5, 9] and pages[1, :2].tolist() == [3, 4]
 

@@ -52,10 +52,11 @@ from ...core.stats import StepStats
 from ...kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
 from ...kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefill
 from ...kernels.shared.weighted import weighted_sparse_decode
+from ...kernels.sketchwalk.authors_decode import select_pages_reference, update_matrix_reference
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors
-from .authors_device import AuthorsDeviceState, device_sketch, device_step, kept_token_mask, max_kept_pages, page_list
+from .authors_device import AuthorsDeviceState, device_sketch, device_step, kept_token_mask, max_kept_pages
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -402,8 +403,15 @@ class SketchWalk(Method):
                 dst = AuthorsDeviceState.from_layer_state(st, inputs.k, lengths, block_size=bs, capacity=capacity)
                 dst.source = st
             state.authors_device = dst
+        path, reason = self._authors_attention_path(inputs)
+        select, update = select_pages_reference, update_matrix_reference
+        if path == "triton" and dtype == torch.float32:  # the selection kernels where the attention kernel runs
+            from ...kernels.sketchwalk.authors_decode import select_pages_triton as select
+            from ...kernels.sketchwalk.authors_decode import update_matrix_triton as update
+        max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
         step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
-                           sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
+                           sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, max_pages=max_pages,
+                           select=select, update=update)
         dst.last_step = step
         if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
             row = int(dst.order_error.nonzero()[0, 0])
@@ -411,24 +419,23 @@ class SketchWalk(Method):
             raise ValueError(f"lengths: variant=authors keeps running averages over the decode steps; row {row} "
                              "steps out of order (steps must come one token at a time, or start again right "
                              "after the prompt)")
-        path, reason = self._authors_attention_path(inputs)
         if path == "triton":  # kept blocks as pages, the first window_tokens keys as the per-row dense prefix
             from ...kernels.shared.weighted_triton import sparse_decode_triton
 
             n = -(-n_tok // bs)
             prefix = authors.reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
-            pages, counts = page_list(step, bs, max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window,
-                                                               kblocks_frac=cfg.kblocks_frac))
             q, k, v, lens = kernel_operands(inputs)
             hkv = inputs.kv_heads
-            out, _ = sparse_decode_triton(q, k, v, pages[:, None].expand(b, hkv, -1), counts[:, None].expand(b, hkv),
+            pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
+            out, _ = sparse_decode_triton(q, k, v, pages, counts,
                                           page_size=bs, lengths=lens, sink=prefix,
                                           sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
         else:
             keep = kept_token_mask(step, n_tok, bs, lengths)
             out = authors.masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
                                            dtype)[:, :, 0]
-        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "device"}
+        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors",
+                                 "selection": "device-triton" if select is not select_pages_reference else "device"}
         if reason is not None:
             extra["backend_reason"] = reason
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.context import MethodState
+from ...kernels.sketchwalk.authors_decode import select_pages_reference, update_matrix_reference
 from . import authors
 
 
@@ -166,13 +167,16 @@ def ring_sketches(queries: torch.Tensor, n_queries: torch.Tensor, last_pos: torc
 @dataclass(frozen=True)
 class DeviceStep:
     """One batched step's results: walk ``[B, C]``, kept blocks ``[B, C]``, first-keys bound
-    ``window_tokens [B]``, block counts ``n [B]``, and ``short [B]`` (every block a sink or window block)."""
+    ``window_tokens [B]``, block counts ``n [B]``, ``short [B]`` (every block a sink or window block), and the
+    kept blocks past the first keys as pages ``[B, P]`` with their ``counts [B]`` (the sparse kernel's list)."""
 
     walk: torch.Tensor
     kept_blocks: torch.Tensor
     window_tokens: torch.Tensor
     n: torch.Tensor
     short: torch.Tensor
+    pages: torch.Tensor
+    counts: torch.Tensor
 
 
 def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_blocks: torch.Tensor
@@ -184,25 +188,13 @@ def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_
     return tokens, blocks
 
 
-def quantile_rows(w: torch.Tensor, candidate: torch.Tensor, q: float) -> torch.Tensor:
-    """``[B]``: ``torch.nanquantile``'s linear quantile ``q`` of ``w`` over each row's candidates (NaN
-    where none), with a sort and two gathers (no host read)."""
-    vals = torch.where(candidate, w, torch.full_like(w, float("inf")))
-    srt = torch.sort(vals, dim=-1).values
-    m = candidate.sum(-1)
-    ranks = (m - 1).clamp(min=0).to(w.dtype) * q  # q rounded to w's dtype, as nanquantile's q tensor
-    lo = ranks.long()
-    hi = torch.ceil(ranks).long()
-    v_lo = srt.gather(1, lo[:, None])[:, 0]
-    v_hi = srt.gather(1, hi[:, None])[:, 0]
-    th = torch.lerp(v_lo, v_hi, ranks - lo.to(w.dtype))
-    return torch.where(m > 0, th, torch.full_like(th, float("nan")))
-
-
 def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, beta: float,
-                degree: int, sink: float, window: float, kblocks_frac: float) -> DeviceStep:
+                degree: int, sink: float, window: float, kblocks_frac: float, max_pages: int,
+                select=select_pages_reference, update=update_matrix_reference) -> DeviceStep:
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
-    cache (the new key at ``lengths − 1``). Updates ``st`` in place; torch ops only, no host read."""
+    cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``select``: the selection
+    (:mod:`kvsieve.kernels.sketchwalk.authors_decode`'s reference or kernel), ``max_pages`` its list's bound;
+    ``update``: the running matrix's step (the same module's reference or kernel)."""
     dtype, dev = st.phi.dtype, st.phi.device
     b, hq, d = q.shape
     hkv = st.ks.shape[1]
@@ -217,21 +209,10 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     n = torch.div(pos, bs, rounding_mode="floor") + 1
     c = n - 1
     s = pos - c * bs
-    alpha = (1.0 / (s + 1).to(torch.float64)).to(dtype)[:, None]
-    one_minus = (1.0 - 1.0 / (s + 1).to(torch.float64)).to(dtype)[:, None]
 
     # -- order and restart ---------------------------------------------------------------------------
     restart = (st.prompt_len >= 0) & (pos == st.prompt_len)
     st.order_error |= ~restart & (st.last_pos >= 0) & (pos != st.last_pos + 1)
-    n0 = st.p_nblocks
-    n0i = (n0 - 1).clamp(min=0)
-    in_prompt = cols[None, :] < n0[:, None]
-    r0 = restart[:, None]
-    st.u[rows, n0i] = torch.where(r0, st.p_row, st.u[rows, n0i])
-    st.u[rows, :, n0i] = torch.where(r0 & in_prompt, st.p_col, st.u[rows, :, n0i])
-    st.sigma.copy_(torch.where(r0 & in_prompt, torch.ones_like(st.sigma), st.sigma))
-    st.rsum.copy_(torch.where(r0, st.p_rsum, st.rsum))
-    st.n_blocks.copy_(torch.where(restart, n0, st.n_blocks))
     st.n_queries.copy_(torch.where(restart, st.p_nq, st.n_queries))
     st.qs.copy_(torch.where(restart[:, None, None, None], st.p_qs, st.qs))
     st.last_pos.copy_(pos)
@@ -256,38 +237,16 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     probs = probs * slot_ok[:, None, None, :, None].to(dtype)
     r = authors.normalized(probs.sum((1, 2, 3)))  # [B, C], zero past n
 
-    # -- the running block matrix ---------------------------------------------------------------------
-    n_prev = st.n_blocks.clone()
+    # -- the running block matrix (the restart's part of it too) ----------------------------------------
     if st.fresh_rows:  # rows [n_prev, n) start as this row (a fresh state's first step)
-        new_rows = (cols[None, :] >= n_prev[:, None]) & live
+        new_rows = (cols[None, :] >= st.n_blocks[:, None]) & live
         st.u.copy_(torch.where(new_rows[:, :, None], r[:, None, :], st.u))
         st.sigma.copy_(torch.where(new_rows, torch.ones_like(st.sigma), st.sigma))
         st.rsum.copy_(torch.where(new_rows, r.sum(-1, keepdim=True).expand_as(st.rsum), st.rsum))
+        st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
         st.fresh_rows = False
-    else:
-        new = (c >= n_prev)[:, None]
-        st.u[rows, c] = torch.where(new, r, st.u[rows, c])
-        st.sigma[rows, c] = torch.where(new[:, 0], torch.ones_like(alpha[:, 0]), st.sigma[rows, c])
-        st.rsum[rows, c] = torch.where(new[:, 0], r.sum(-1), st.rsum[rows, c])
-        # an older row's entry in a block that just appeared is zero (not what a rewound step left there)
-        st.u[rows, :, c] = torch.where(new & (cols[None, :] < n_prev[:, None]), 0.0, st.u[rows, :, c])
-    st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
-    # row c: running average with this row, normalised
-    a_c = st.sigma[rows, c][:, None] * st.u[rows, c]
-    x = torch.where(live, one_minus * a_c + alpha * r, 0.0)
-    x = x / x.sum(-1, keepdim=True).clamp(min=authors.ROW_EPS)
-    st.u[rows, c] = x
-    st.sigma[rows, c] = torch.ones_like(alpha[:, 0])  # tensors, not Python scalars, as the values of index writes
-    st.rsum[rows, c] = x.sum(-1)
-    # column c: running average with this row
-    u_col = st.u[rows, :, c]
-    y = one_minus * (st.sigma * u_col) + alpha * r
-    u_new = torch.where(live, y / st.sigma, u_col)
-    st.rsum.add_(torch.where(live, u_new - u_col, 0.0))
-    st.u[rows, :, c] = u_new
-    # every row renormalised (through its scale)
-    total = (st.sigma * st.rsum).clamp(min=authors.ROW_EPS)
-    st.sigma.copy_(torch.where(live, st.sigma / total, st.sigma))
+    update(st.u, st.sigma, st.rsum, st.n_blocks, r, pos, restart, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
+           block_size=bs, eps=authors.ROW_EPS)
 
     # -- the walk over the running matrix ------------------------------------------------------------
     walk = r
@@ -299,13 +258,11 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     n_tok = pos + 1
     window_tokens, window_blocks = reserved_device(window, n_tok, bs, n)
     _, sink_blocks = reserved_device(sink, n_tok, bs, n)
-    qb = c[:, None]
-    candidate = live & (cols[None, :] >= sink_blocks[:, None]) & (cols[None, :] < qb - window_blocks[:, None] + 1)
-    th = quantile_rows(walk, candidate, 1.0 - kblocks_frac)
-    kept = live & ((walk > th[:, None]) | (cols[None, :] < sink_blocks[:, None])
-                   | ((cols[None, :] >= qb - window_blocks[:, None] + 1) & (cols[None, :] <= qb)))
+    kept, pages, counts = select(walk, n, sink_blocks, window_blocks, window_tokens, q=1.0 - kblocks_frac,
+                                 block_size=bs, max_pages=max_pages)
     short = n <= sink_blocks + window_blocks
-    return DeviceStep(walk=walk, kept_blocks=kept, window_tokens=window_tokens, n=n, short=short)
+    return DeviceStep(walk=walk, kept_blocks=kept, window_tokens=window_tokens, n=n, short=short, pages=pages,
+                      counts=counts)
 
 
 def kept_token_mask(step: DeviceStep, n_keys: int, block_size: int, lengths: torch.Tensor) -> torch.Tensor:
@@ -314,21 +271,6 @@ def kept_token_mask(step: DeviceStep, n_keys: int, block_size: int, lengths: tor
     blk = torch.div(keys, block_size, rounding_mode="floor").clamp(max=step.kept_blocks.shape[1] - 1)
     return ((step.kept_blocks[:, blk] | (keys[None, :] < step.window_tokens[:, None]))
             & (keys[None, :] < lengths.long()[:, None]))
-
-
-def page_list(step: DeviceStep, block_size: int, max_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(pages [B, max_pages] int32, counts [B] int32)``: the kept blocks that reach past the first
-    ``window_tokens`` keys (those are read as the dense prefix), ascending; entries past a row's count
-    are 0."""
-    kept = step.kept_blocks & ((torch.arange(step.kept_blocks.shape[1], device=step.n.device)[None, :] + 1)
-                               * block_size > step.window_tokens[:, None])
-    counts = kept.sum(-1)
-    order = torch.cumsum(kept.to(torch.int32), -1) - 1
-    target = torch.where(kept & (order < max_pages), order.long(), max_pages)
-    pages = torch.zeros(kept.shape[0], max_pages + 1, dtype=torch.int32, device=kept.device)
-    src = torch.arange(kept.shape[1], device=kept.device, dtype=torch.int32)[None, :].expand_as(target)
-    pages.scatter_(1, target, src)
-    return pages[:, :max_pages].contiguous(), counts.clamp(max=max_pages).to(torch.int32)
 
 
 def max_kept_pages(n_keys: int, block_size: int, *, sink: float, window: float, kblocks_frac: float) -> int:
