@@ -120,3 +120,21 @@ def test_matrix_update_kernel_matches_its_reference(seed):
     assert torch.equal(args[3], want[3])
     for got, ref in zip(args[:3], want[:3], strict=True):
         torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_block_row_kernel_matches_its_reference(seed):
+    """GQA groups, ragged block counts, a ring with invalid slots, a sketch dim that is no power of two."""
+    from kvsieve.kernels.sketchwalk.authors_decode import block_row_reference, block_row_triton
+
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, w_len, m, cap = 3, 4, 2, 5, 12, 40
+    qs = torch.randn(b, hq, w_len, m, generator=g) * 4
+    ks = torch.randn(b, hkv, cap, m, generator=g) * 4
+    n = torch.tensor([40, 17, 1])
+    slot_ok = torch.rand(b, w_len, generator=g) < 0.7
+    slot_ok[:, 0] = True
+    want = block_row_reference(qs, ks, n, slot_ok, 0.3)
+    got = block_row_triton(qs, ks, n, slot_ok, 0.3, block_n=16)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert not got[1, 17:].any() and not got[2, 1:].any()

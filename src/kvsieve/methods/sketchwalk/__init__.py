@@ -5,8 +5,9 @@
 
 - ``variant=authors`` (the default): the algorithm of the authors' released code — per-head Hadamard
   block sketches, a damped multi-step walk, quantile selection with sink and window fractions — in
-  :mod:`kvsieve.methods.sketchwalk.authors` (math, per-layer state and the decode step; this class
-  routes ``prefill`` and ``_decode`` there). Torch reference only.
+  :mod:`kvsieve.methods.sketchwalk.authors` (math, per-layer state and the per-row decode step; this class
+  routes ``prefill`` and ``_decode`` there); its decode batched on the device, capturable, in
+  :mod:`kvsieve.methods.sketchwalk.authors_device` (kernels: ``kernels/sketchwalk/authors_decode.py``).
 - ``variant=reconstruction``: the earlier reconstruction from the paper's prose, described below, with
   its Triton kernels.
 
@@ -52,7 +53,6 @@ from ...core.stats import StepStats
 from ...kernels.shared.block_sparse import BACKENDS as PREFILL_BACKENDS
 from ...kernels.shared.block_sparse import TRITON_MAX_BLOCK, block_sparse_prefill
 from ...kernels.shared.weighted import weighted_sparse_decode
-from ...kernels.sketchwalk.authors_decode import select_pages_reference, update_matrix_reference
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors
@@ -125,7 +125,9 @@ class SketchWalkConfig(MethodConfig):
         "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
                 "the torch reference elsewhere; reference; triton (error if it cannot). Also picks the "
                 "selection's path (decode and prefill): the Triton kernels where this asks for them and they can "
-                "serve the call (the stats' selection key), the torch reference otherwise")
+                "serve the call (the stats' selection key), the torch reference otherwise. variant=authors: "
+                "reference = the per-row decode loop (not capturable); auto and triton = the batched decode "
+                "on the device")
     prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
         "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to "
                 f"{TRITON_MAX_BLOCK} keys and FlexAttention for larger ones (the faster of the two, measured), the "
@@ -404,14 +406,16 @@ class SketchWalk(Method):
                 dst.source = st
             state.authors_device = dst
         path, reason = self._authors_attention_path(inputs)
-        select, update = select_pages_reference, update_matrix_reference
+        kernels = {}
         if path == "triton" and dtype == torch.float32:  # the selection kernels where the attention kernel runs
-            from ...kernels.sketchwalk.authors_decode import select_pages_triton as select
-            from ...kernels.sketchwalk.authors_decode import update_matrix_triton as update
+            from ...kernels.sketchwalk import authors_decode as kd
+
+            kernels = {"select": kd.select_pages_triton, "update": kd.update_matrix_triton,
+                       "block_row": kd.block_row_triton}
         max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
         step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
                            sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, max_pages=max_pages,
-                           select=select, update=update)
+                           **kernels)
         dst.last_step = step
         if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
             row = int(dst.order_error.nonzero()[0, 0])
@@ -435,7 +439,7 @@ class SketchWalk(Method):
             out = authors.masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
                                            dtype)[:, :, 0]
         extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors",
-                                 "selection": "device-triton" if select is not select_pages_reference else "device"}
+                                 "selection": "device-triton" if kernels else "device"}
         if reason is not None:
             extra["backend_reason"] = reason
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.context import MethodState
-from ...kernels.sketchwalk.authors_decode import select_pages_reference, update_matrix_reference
+from ...kernels.sketchwalk.authors_decode import block_row_reference, select_pages_reference, update_matrix_reference
 from . import authors
 
 
@@ -190,15 +190,15 @@ def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_
 
 def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, beta: float,
                 degree: int, sink: float, window: float, kblocks_frac: float, max_pages: int,
-                select=select_pages_reference, update=update_matrix_reference) -> DeviceStep:
+                select=select_pages_reference, update=update_matrix_reference,
+                block_row=block_row_reference) -> DeviceStep:
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
     cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``select``: the selection
     (:mod:`kvsieve.kernels.sketchwalk.authors_decode`'s reference or kernel), ``max_pages`` its list's bound;
-    ``update``: the running matrix's step (the same module's reference or kernel)."""
+    ``update``: the running matrix's step, ``block_row``: the step's block row (the same module's reference or
+    kernels)."""
     dtype, dev = st.phi.dtype, st.phi.device
     b, hq, d = q.shape
-    hkv = st.ks.shape[1]
-    g = hq // hkv
     w_len = st.qs.shape[2]
     m = st.phi.shape[0]
     bs = st.block_size
@@ -230,12 +230,8 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     # -- this step's block row ------------------------------------------------------------------------
     age = torch.remainder(pos[:, None] - torch.arange(w_len, device=dev)[None, :], w_len)  # slot's age
     slot_ok = age < st.n_queries[:, None]  # [B, W]
-    logits = torch.matmul(st.qs.view(b, hkv, g * w_len, m), st.ks.transpose(-1, -2)) * m ** -0.5 / authors.LOGIT_DIVISOR
     live = cols[None, :] < n[:, None]  # [B, C]
-    logits = logits.masked_fill(~live[:, None, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1).view(b, hkv, g, w_len, cap)
-    probs = probs * slot_ok[:, None, None, :, None].to(dtype)
-    r = authors.normalized(probs.sum((1, 2, 3)))  # [B, C], zero past n
+    r = block_row(st.qs, st.ks, n, slot_ok, m ** -0.5 / authors.LOGIT_DIVISOR)  # [B, C], zero past n
 
     # -- the running block matrix (the restart's part of it too) ----------------------------------------
     if st.fresh_rows:  # rows [n_prev, n) start as this row (a fresh state's first step)
