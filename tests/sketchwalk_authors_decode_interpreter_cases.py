@@ -17,9 +17,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from test_sketchwalk_authors_device import stacked_state  # noqa: E402
+
 import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
-from kvsieve.methods.sketchwalk import SketchWalkState  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -59,12 +60,7 @@ def test_batched_decode_kernel_matches_torch_attention(seed, dtype):
     outs = {}
     for backend in ("triton", "reference-attention"):
         m = kvsieve.method(spec + (",backend=triton" if backend == "triton" else ""))
-        rows = []
-        for r, p in enumerate(prompts):
-            st = m.new_state()
-            m.prefill(q[r:r + 1, :, :p], k[r:r + 1, :, :p], v[r:r + 1, :, :p], scale=None, state=st, sparse=False)
-            rows.append(st.authors)
-        state = SketchWalkState(authors=type(rows[0]).stack_rows(rows))
+        state = stacked_state(m, q, k, v, prompts)
         got = []
         for i in range(steps):
             lengths = torch.tensor(prompts) + 1 + i

@@ -41,16 +41,21 @@ def reference_rows(spec, q, k, v, prompts, steps):
     return res
 
 
-def batched(spec, q, k, v, prompts, steps, capacity=None):
-    """Rows prefilled one at a time and stacked (as the runtime does), then decoded together with ragged
-    lengths over a cache of ``capacity`` keys (the runtime's static cache)."""
-    m = kvsieve.method(spec)
+def stacked_state(m, q, k, v, prompts) -> SketchWalkState:
+    """Each row's prompt recorded alone (``prefill(sparse=False)``), the rows stacked, as the runtime does."""
     rows = []
     for b, p in enumerate(prompts):
         st = m.new_state()
         m.prefill(q[b:b + 1, :, :p], k[b:b + 1, :, :p], v[b:b + 1, :, :p], scale=None, state=st, sparse=False)
         rows.append(st.authors)
-    state = SketchWalkState(authors=type(rows[0]).stack_rows(rows))
+    return SketchWalkState(authors=type(rows[0]).stack_rows(rows))
+
+
+def batched(spec, q, k, v, prompts, steps, capacity=None):
+    """Rows prefilled one at a time and stacked (as the runtime does), then decoded together with ragged
+    lengths over a cache of ``capacity`` keys (the runtime's static cache)."""
+    m = kvsieve.method(spec)
+    state = stacked_state(m, q, k, v, prompts)
     cap = capacity or k.shape[2]
     outs, kept, walks = [], [], []
     lens = torch.tensor(prompts)
@@ -121,12 +126,7 @@ def test_a_rewind_restarts_from_the_prompt_in_every_row():
     prompts, steps = [90, 64], 30
     q, k, v = data(2, 4, 2, 130, 16, seed=9)
     m = kvsieve.method(spec)
-    rows = []
-    for b, p in enumerate(prompts):
-        st = m.new_state()
-        m.prefill(q[b:b + 1, :, :p], k[b:b + 1, :, :p], v[b:b + 1, :, :p], scale=None, state=st, sparse=False)
-        rows.append(st.authors)
-    state = SketchWalkState(authors=type(rows[0]).stack_rows(rows))
+    state = stacked_state(m, q, k, v, prompts)
     lens = torch.tensor(prompts)
     runs = []
     for _ in range(3):  # the whole decode, rewound twice (the cache keeps the prompt's keys)

@@ -207,8 +207,10 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
     (sync debug mode "error"), graph replays over 70 steps (blocks complete, the ring wraps) equal eager calls
     bit for bit, a replay at the first position after the prompts restarts, and every step keeps the blocks
     the per-row reference keeps (up to a flip at a near tie) with outputs within bf16 rounding."""
+    from test_sketchwalk_authors_device import stacked_state
+
     from kvsieve import CallContext
-    from kvsieve.methods.sketchwalk import SketchWalkState, authors
+    from kvsieve.methods.sketchwalk import authors
 
     cap, prompts, steps = 16384, [64 * 150 + 37, 64 * 120], 70
     (q, k, v), = _llama_layers(cap, 1, seed=3)
@@ -216,13 +218,8 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
     q = torch.cat([q, q.roll(1, dims=2)])
     m = kvsieve.method("sketchwalk")
     cfg = m.config
-    rows = []
-    for b, p in enumerate(prompts):
-        st = m.new_state()
-        m.prefill(q[b:b + 1, :, :p], k[b:b + 1, :, :p], v[b:b + 1, :, :p], scale=None, state=st, sparse=False)
-        rows.append(st.authors)
-    state = SketchWalkState(authors=type(rows[0]).stack_rows(rows))
-    ref_states = [SketchWalkState(authors=r) for r in rows]
+    state = stacked_state(m, q, k, v, prompts)
+    ref_states = [stacked_state(m, q[b:b + 1], k[b:b + 1], v[b:b + 1], [p]) for b, p in enumerate(prompts)]
     lengths = torch.tensor(prompts, device="cuda", dtype=torch.int32) + 1
     q_in = torch.empty(2, 32, 128, device="cuda", dtype=torch.bfloat16)
 
@@ -237,7 +234,7 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
         for _ in range(2):  # the state is made here; both calls are the first step (a restart the second time)
             _, stats = call()
     torch.cuda.current_stream().wait_stream(s)
-    assert stats.extra["selection"] == "device" and stats.backend == "triton"
+    assert stats.extra["selection"] == "device-triton" and stats.backend == "triton"
     assert m.graph_capturable
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

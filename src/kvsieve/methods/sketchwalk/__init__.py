@@ -56,7 +56,7 @@ from ...kernels.shared.weighted import weighted_sparse_decode
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors
-from .authors_device import AuthorsDeviceState, device_sketch, device_step, kept_token_mask, max_kept_pages
+from .authors_device import AuthorsDeviceState, decode_batched, decode_rows, device_sketch
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -385,142 +385,17 @@ class SketchWalk(Method):
         return st
 
     def _decode_authors_device(self, inputs: DecodeInputs, state: SketchWalkState):
-        """Their decode step for every row in one go (:mod:`.authors_device`): the state at capacity, torch
-        ops for the selection, the Triton sparse kernel for the attention on CUDA; no host read."""
-        cfg = self.config
-        b, hq, d = inputs.q.shape
-        dtype = self._compute_dtype(inputs.q.dtype)
-        dev = inputs.q.device
-        phi = self._authors_phi(d, dev, dtype, inputs.context.forward)
-        st = self._authors_layer_state(inputs, state, phi)
-        n_tok, bs = inputs.n_keys, cfg.block_size
-        lengths = inputs.lengths
-        dst = state.authors_device
-        capacity = max(inputs.context.capacity or 0, n_tok)
-        if (dst is None or dst.source is not st or dst.qs.shape[0] != b or dst.ks.shape[1] != inputs.kv_heads
-                or dst.capacity_blocks * bs < n_tok):
-            if dst is not None and dst.source is st and dst.qs.shape[0] == b and dst.ks.shape[1] == inputs.kv_heads:
-                dst.grow(-(-max(n_tok, 2 * dst.capacity_blocks * bs) // bs))  # a growing cache (no capacity given)
-            else:
-                dst = AuthorsDeviceState.from_layer_state(st, inputs.k, lengths, block_size=bs, capacity=capacity)
-                dst.source = st
-            state.authors_device = dst
-        path, reason = self._authors_attention_path(inputs)
-        kernels = {}
-        if path == "triton" and dtype == torch.float32:  # the selection kernels where the attention kernel runs
-            from ...kernels.sketchwalk import authors_decode as kd
-
-            kernels = {"select": kd.select_pages_triton, "update": kd.update_matrix_triton,
-                       "block_row": kd.block_row_triton}
-        max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
-        step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
-                           sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, max_pages=max_pages,
-                           **kernels)
-        dst.last_step = step
-        if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
-            row = int(dst.order_error.nonzero()[0, 0])
-            dst.order_error[row] = False
-            raise ValueError(f"lengths: variant=authors keeps running averages over the decode steps; row {row} "
-                             "steps out of order (steps must come one token at a time, or start again right "
-                             "after the prompt)")
-        if path == "triton":  # kept blocks as pages, the first window_tokens keys as the per-row dense prefix
-            from ...kernels.shared.weighted_triton import sparse_decode_triton
-
-            n = -(-n_tok // bs)
-            prefix = authors.reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
-            q, k, v, lens = kernel_operands(inputs)
-            hkv = inputs.kv_heads
-            pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
-            out, _ = sparse_decode_triton(q, k, v, pages, counts,
-                                          page_size=bs, lengths=lens, sink=prefix,
-                                          sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
-        else:
-            keep = kept_token_mask(step, n_tok, bs, lengths)
-            out = authors.masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
-                                           dtype)[:, :, 0]
-        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors",
-                                 "selection": "device-triton" if kernels else "device"}
-        if reason is not None:
-            extra["backend_reason"] = reason
-
-        def stats():  # built when read: a captured step launches none of it
-            keep = kept_token_mask(step, n_tok, bs, lengths)
-            kept = step.kept_blocks.to(torch.float64).sum(-1)
-            more = {"block_density": (kept / step.n.to(torch.float64)).mean(), "blocks_kept": kept.mean(),
-                    "short_rows": step.short.sum(), "order_errors": dst.order_error.sum()}
-            exact = (keep.sum(-1) == lengths.long()).sum()
-            short = int(step.short.sum())  # read with the stats only
-            if short:
-                more["exact_reason"] = (f"{short} of {b} rows: a context whose every block is a sink or window "
-                                        "block keeps every block")
-            return read_stats(inputs, keep[:, None, :].expand(b, hq, n_tok), backend=path, exact_rows=exact,
-                              extra=more)
-
-        return out, StepStats.deferred(stats, path, extra)
-
-    def _authors_attention_path(self, inputs: DecodeInputs) -> tuple[str, str | None]:
-        """``(path, reason)`` of the batched decode's attention: ``"triton"`` (the weighted sparse kernel, the
-        blocks as pages) where backend asks for it and it can serve the call, the torch reference otherwise;
-        ``reason`` says why the kernel did not run on CUDA under backend=auto."""
-        from ...kernels.shared.triton_utils import kernels_interpreted
-        from ...kernels.shared.weighted_triton import unsupported_reason
-
-        cfg = self.config
-        dev = inputs.q.device
-        if cfg.backend == "auto" and dev.type != "cuda":
-            return "reference", None
-        reason = unsupported_reason(inputs.q, inputs.k, inputs.v, cfg.block_size)
-        if reason is None and (dev.type == "cuda") == kernels_interpreted():
-            reason = f"{dev.type} tensors with TRITON_INTERPRET={int(kernels_interpreted())}"
-        if reason is None:
-            return "triton", None
-        if cfg.backend == "triton":
-            raise ValueError(f"backend: triton cannot serve this call ({reason})")
-        return "reference", f"the sparse decode kernel cannot serve this call ({reason}); the torch attention ran"
+        """Their decode step for every row in one go (:func:`.authors_device.decode_batched`)."""
+        phi = self._authors_phi(inputs.q.shape[2], inputs.q.device, self._compute_dtype(inputs.q.dtype),
+                                inputs.context.forward)
+        return decode_batched(self.config, inputs, state, self._authors_layer_state(inputs, state, phi))
 
     def _decode_authors_rows(self, inputs: DecodeInputs, state: SketchWalkState):
-        """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
-        cfg = self.config
-        r_rows, hq, d = inputs.q.shape
-        dtype = self._compute_dtype(inputs.q.dtype)
-        dev = inputs.q.device
-        forward = inputs.context.forward
-        st = state.authors
-        phi = self._authors_phi(d, dev, dtype, forward)
-        if (not isinstance(st, authors.AuthorsLayerState) or st.queries.shape[:3] != (inputs.cache_batch, hq,
-                                                                                   cfg.query_window)
-                or st.phi.shape[1] != d or st.phi.dtype != dtype or st.phi.device != dev):
-            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, dtype)
-        state.authors = st
-        lengths = inputs.lengths.tolist()
-        n_tok = inputs.n_keys
-        scale = inputs.scale
-        outs, short = [], []
-        v_read = torch.zeros(r_rows, n_tok, dtype=torch.bool, device=dev)
-        block_share, blocks_kept = [], []
-        for r, length in enumerate(lengths):
-            res = authors.decode_row(
-                st, r // inputs.q_len, inputs.q[r], inputs.k[r, :, :length], inputs.v[r, :, :length],
-                block_size=cfg.block_size, beta=cfg.walk_damping, degree=cfg.degree, query_window=cfg.query_window,
-                sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, scale=scale, dtype=dtype)
-            outs.append(res.out)
-            v_read[r, :length] = res.kept_tokens
-            short.append(res.short)
-            kept = float(res.kept_blocks.sum())
-            blocks_kept.append(kept)
-            block_share.append(kept / res.kept_blocks.numel())
-        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "reference",
-                                 "block_density": sum(block_share) / r_rows, "blocks_kept": sum(blocks_kept) / r_rows}
-        reason = self._authors_backend_reason(dev, cfg.backend)
-        if reason is not None:
-            extra["backend_reason"] = reason
-        if any(short):
-            extra["exact_reason"] = (f"{sum(short)} of {r_rows} rows: a context whose every block is a sink or "
-                                     "window block keeps every block")
-        exact = int((v_read.sum(-1) == inputs.lengths.to(dev)).sum())
-        stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
-                           exact_rows=exact, extra=extra)
-        return torch.stack(outs).to(dtype), stats
+        """Their decode step, one query row at a time (:func:`.authors_device.decode_rows`)."""
+        phi = self._authors_phi(inputs.q.shape[2], inputs.q.device, self._compute_dtype(inputs.q.dtype),
+                                inputs.context.forward)
+        st = self._authors_layer_state(inputs, state, phi)
+        return decode_rows(self.config, inputs, st, self._authors_backend_reason(inputs.q.device, self.config.backend))
 
     # -- prefill ----------------------------------------------------------------------------------------
 

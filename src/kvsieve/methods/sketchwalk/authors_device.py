@@ -1,6 +1,6 @@
 """variant=authors' decode on the device: every row of a batch in one step, no host read, capturable.
 
-The same math as :func:`kvsieve.methods.sketchwalk.authors.decode_row` (the per-row reference), on a
+The same math as ``kvsieve.methods.sketchwalk.authors.decode_row`` (the per-row reference), on a
 state made once per request at capacity (:class:`AuthorsDeviceState`):
 
 - the running block matrix as ``A = diag(σ)·U``: ``U [B, C, C]`` unnormalised, ``σ [B, C]`` per-row
@@ -23,12 +23,26 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ...core.context import MethodState
+from ...core.inputs import DecodeInputs
+from ...core.method import read_stats
+from ...core.stats import StepStats
 from ...kernels.sketchwalk.authors_decode import block_row_reference, select_pages_reference, update_matrix_reference
-from . import authors
+from ..shared.backend import kernel_operands
+from .authors import (
+    LOGIT_DIVISOR,
+    ROW_EPS,
+    AuthorsLayerState,
+    decode_row,
+    masked_attention,
+    pooled_blocks,
+    reserved,
+    sketch_matrix,
+)
 
 
 @dataclass
@@ -77,7 +91,7 @@ class AuthorsDeviceState(MethodState):
         self.ks = pad(self.ks, (0, 0, 0, extra))
 
     @classmethod
-    def from_layer_state(cls, st: authors.AuthorsLayerState, k: torch.Tensor, lengths: torch.Tensor, *,
+    def from_layer_state(cls, st: AuthorsLayerState, k: torch.Tensor, lengths: torch.Tensor, *,
                          block_size: int, capacity: int) -> AuthorsDeviceState:
         """The device state of ``st`` (the prompt's record, or a fresh one) at ``capacity`` tokens a row;
         ``k [B, Hkv, N, d]`` the first call's keys (its key sums are made from them once)."""
@@ -111,7 +125,7 @@ class AuthorsDeviceState(MethodState):
         keys = torch.arange(n_tok, device=dev)
         kf = k.to(dtype) * (keys[None, :] < seen[:, None])[:, None, :, None]
         ksum = torch.zeros(b, hkv, cap_blocks, d, dtype=dtype, device=dev)
-        pooled = authors.pooled_blocks(kf, bs) * bs  # block sums
+        pooled = pooled_blocks(kf, bs) * bs  # block sums
         ksum[:, :, :pooled.shape[2]] = pooled[:, :, :cap_blocks]
         ks = (ksum / bs) @ phi.T
         part = (keys[None, :] >= (prompt_lens // bs * bs)[:, None]) & (keys[None, :] < prompt_lens[:, None])
@@ -129,11 +143,11 @@ class AuthorsDeviceState(MethodState):
 
 @functools.lru_cache(maxsize=256)
 def device_sketch(d: int, hadamard_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`authors.sketch_matrix` kept on its device: a captured step reads it, never copies it again."""
-    return authors.sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
+    """:func:`sketch_matrix` kept on its device: a captured step reads it, never copies it again."""
+    return sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
 
 
-def prompt_rows(st: authors.AuthorsLayerState, b: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_rows(st: AuthorsLayerState, b: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_len [B], prompt blocks [B])`` of each row (-1 and 0 without a prompt)."""
     if not st.has_history:
         return torch.full((b,), -1, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev)
@@ -181,7 +195,7 @@ class DeviceStep:
 
 def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_blocks: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`authors.reserved` per row: ``max(1, ⌊f·T⌋)`` tokens (in float64, as Python computes it) and
+    """:func:`reserved` per row: ``max(1, ⌊f·T⌋)`` tokens (in float64, as Python computes it) and
     ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
     tokens = torch.floor(n_tokens.to(torch.float64) * fraction).long().clamp(min=1)
     blocks = torch.minimum(n_blocks, torch.div(tokens + block_size - 1, block_size, rounding_mode="floor").clamp(min=1))
@@ -231,7 +245,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     age = torch.remainder(pos[:, None] - torch.arange(w_len, device=dev)[None, :], w_len)  # slot's age
     slot_ok = age < st.n_queries[:, None]  # [B, W]
     live = cols[None, :] < n[:, None]  # [B, C]
-    r = block_row(st.qs, st.ks, n, slot_ok, m ** -0.5 / authors.LOGIT_DIVISOR)  # [B, C], zero past n
+    r = block_row(st.qs, st.ks, n, slot_ok, m ** -0.5 / LOGIT_DIVISOR)  # [B, C], zero past n
 
     # -- the running block matrix (the restart's part of it too) ----------------------------------------
     if st.fresh_rows:  # rows [n_prev, n) start as this row (a fresh state's first step)
@@ -242,7 +256,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
         st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
         st.fresh_rows = False
     update(st.u, st.sigma, st.rsum, st.n_blocks, r, pos, restart, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
-           block_size=bs, eps=authors.ROW_EPS)
+           block_size=bs, eps=ROW_EPS)
 
     # -- the walk over the running matrix ------------------------------------------------------------
     walk = r
@@ -274,7 +288,136 @@ def max_kept_pages(n_keys: int, block_size: int, *, sink: float, window: float, 
     blocks and the candidates above the quantile (at most ``⌈f·M⌉ + 1`` of M), plus a block of slack
     for the rounding of shorter rows."""
     n = -(-n_keys // block_size)
-    _, wb = authors.reserved(window, n_keys, block_size, n)
-    _, sb = authors.reserved(sink, n_keys, block_size, n)
+    _, wb = reserved(window, n_keys, block_size, n)
+    _, sb = reserved(sink, n_keys, block_size, n)
     cand = max(0, n - sb - wb)
     return max(1, min(n, sb + wb + math.ceil(kblocks_frac * cand) + 2))
+
+
+def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> tuple[torch.Tensor, StepStats]:
+    """variant=authors' decode step for every row in one go: ``state`` the method's layer state (its
+    ``authors_device`` made here from ``st``, the prompt's record, at the call's capacity), the Triton
+    kernels for the selection and the attention on CUDA; no host read."""
+    b, hq, d = inputs.q.shape
+    dtype = st.phi.dtype
+    dev = inputs.q.device
+    n_tok, bs = inputs.n_keys, cfg.block_size
+    lengths = inputs.lengths
+    dst = state.authors_device
+    capacity = max(inputs.context.capacity or 0, n_tok)
+    if (dst is None or dst.source is not st or dst.qs.shape[0] != b or dst.ks.shape[1] != inputs.kv_heads
+            or dst.capacity_blocks * bs < n_tok):
+        if dst is not None and dst.source is st and dst.qs.shape[0] == b and dst.ks.shape[1] == inputs.kv_heads:
+            dst.grow(-(-max(n_tok, 2 * dst.capacity_blocks * bs) // bs))  # a growing cache (no capacity given)
+        else:
+            dst = AuthorsDeviceState.from_layer_state(st, inputs.k, lengths, block_size=bs, capacity=capacity)
+            dst.source = st
+        state.authors_device = dst
+    path, reason = attention_path(cfg, inputs)
+    kernels = {}
+    if path == "triton" and dtype == torch.float32:  # the selection kernels where the attention kernel runs
+        from ...kernels.sketchwalk import authors_decode as kd
+
+        kernels = {"select": kd.select_pages_triton, "update": kd.update_matrix_triton,
+                   "block_row": kd.block_row_triton}
+    max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
+    step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
+                       sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, max_pages=max_pages,
+                       **kernels)
+    dst.last_step = step
+    if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
+        row = int(dst.order_error.nonzero()[0, 0])
+        dst.order_error[row] = False
+        raise ValueError(f"lengths: variant=authors keeps running averages over the decode steps; row {row} "
+                         "steps out of order (steps must come one token at a time, or start again right "
+                         "after the prompt)")
+    if path == "triton":  # kept blocks as pages, the first window_tokens keys as the per-row dense prefix
+        from ...kernels.shared.weighted_triton import sparse_decode_triton
+
+        n = -(-n_tok // bs)
+        prefix = reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
+        q, k, v, lens = kernel_operands(inputs)
+        hkv = inputs.kv_heads
+        pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
+        out, _ = sparse_decode_triton(q, k, v, pages, counts,
+                                      page_size=bs, lengths=lens, sink=prefix,
+                                      sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
+    else:
+        keep = kept_token_mask(step, n_tok, bs, lengths)
+        out = masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
+                                       dtype)[:, :, 0]
+    extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors",
+                             "selection": "device-triton" if kernels else "device"}
+    if reason is not None:
+        extra["backend_reason"] = reason
+
+    def stats():  # built when read: a captured step launches none of it
+        keep = kept_token_mask(step, n_tok, bs, lengths)
+        kept = step.kept_blocks.to(torch.float64).sum(-1)
+        more = {"block_density": (kept / step.n.to(torch.float64)).mean(), "blocks_kept": kept.mean(),
+                "short_rows": step.short.sum(), "order_errors": dst.order_error.sum()}
+        exact = (keep.sum(-1) == lengths.long()).sum()
+        short = int(step.short.sum())  # read with the stats only
+        if short:
+            more["exact_reason"] = (f"{short} of {b} rows: a context whose every block is a sink or window "
+                                    "block keeps every block")
+        return read_stats(inputs, keep[:, None, :].expand(b, hq, n_tok), backend=path, exact_rows=exact,
+                          extra=more)
+
+    return out, StepStats.deferred(stats, path, extra)
+
+def attention_path(cfg, inputs: DecodeInputs) -> tuple[str, str | None]:
+    """``(path, reason)`` of the batched decode's attention: ``"triton"`` (the weighted sparse kernel, the
+    blocks as pages) where backend asks for it and it can serve the call, the torch reference otherwise;
+    ``reason`` says why the kernel did not run on CUDA under backend=auto."""
+    from ...kernels.shared.triton_utils import kernels_interpreted
+    from ...kernels.shared.weighted_triton import unsupported_reason
+
+    dev = inputs.q.device
+    if cfg.backend == "auto" and dev.type != "cuda":
+        return "reference", None
+    reason = unsupported_reason(inputs.q, inputs.k, inputs.v, cfg.block_size)
+    if reason is None and (dev.type == "cuda") == kernels_interpreted():
+        reason = f"{dev.type} tensors with TRITON_INTERPRET={int(kernels_interpreted())}"
+    if reason is None:
+        return "triton", None
+    if cfg.backend == "triton":
+        raise ValueError(f"backend: triton cannot serve this call ({reason})")
+    return "reference", f"the sparse decode kernel cannot serve this call ({reason}); the torch attention ran"
+
+
+def decode_rows(cfg, inputs: DecodeInputs, st: AuthorsLayerState, reason: str | None
+                ) -> tuple[torch.Tensor, StepStats]:
+    """variant=authors' decode step one query row at a time through ``decode_row`` (rows of a batch row in
+    order, as single-token steps), host-indexed: the reference the batched step is tested against."""
+    r_rows, hq, d = inputs.q.shape
+    dtype = st.phi.dtype
+    dev = inputs.q.device
+    lengths = inputs.lengths.tolist()
+    n_tok = inputs.n_keys
+    scale = inputs.scale
+    outs, short = [], []
+    v_read = torch.zeros(r_rows, n_tok, dtype=torch.bool, device=dev)
+    block_share, blocks_kept = [], []
+    for r, length in enumerate(lengths):
+        res = decode_row(
+            st, r // inputs.q_len, inputs.q[r], inputs.k[r, :, :length], inputs.v[r, :, :length],
+            block_size=cfg.block_size, beta=cfg.walk_damping, degree=cfg.degree, query_window=cfg.query_window,
+            sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, scale=scale, dtype=dtype)
+        outs.append(res.out)
+        v_read[r, :length] = res.kept_tokens
+        short.append(res.short)
+        kept = float(res.kept_blocks.sum())
+        blocks_kept.append(kept)
+        block_share.append(kept / res.kept_blocks.numel())
+    extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "reference",
+                             "block_density": sum(block_share) / r_rows, "blocks_kept": sum(blocks_kept) / r_rows}
+    if reason is not None:
+        extra["backend_reason"] = reason
+    if any(short):
+        extra["exact_reason"] = (f"{sum(short)} of {r_rows} rows: a context whose every block is a sink or "
+                                 "window block keeps every block")
+    exact = int((v_read.sum(-1) == inputs.lengths.to(dev)).sum())
+    stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
+                       exact_rows=exact, extra=extra)
+    return torch.stack(outs).to(dtype), stats
