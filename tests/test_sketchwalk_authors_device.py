@@ -200,3 +200,10 @@ def test_generate_on_a_tiny_llama_equals_the_reference_path():
 def test_the_sparse_kernel_path_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_decode_interpreter_cases.py", group)
+
+
+def test_the_batched_path_is_declared_capturable_and_the_per_row_loop_is_not():
+    assert kvsieve.method("sketchwalk").graph_capturable
+    assert kvsieve.method("sketchwalk:backend=triton").graph_capturable
+    assert not kvsieve.method("sketchwalk:backend=reference").graph_capturable
+    assert not kvsieve.method("sketchwalk:variant=reconstruction").graph_capturable

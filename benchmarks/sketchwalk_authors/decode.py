@@ -25,7 +25,6 @@ from kvsieve.bench.timing import ColdL2Timer, count_launches
 from kvsieve.kernels.shared.dense import dense_decode_triton
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
-from kvsieve.methods.sketchwalk.authors_device import max_kept_pages, page_list
 
 
 def main() -> None:
@@ -61,8 +60,7 @@ def main() -> None:
     _, stats = m.decode(qd, k, v, lengths=lengths, state=state, context=CallContext(capacity=n))
     dst = state.authors_device
     sel = dst.last_step
-    pages, counts = page_list(sel, cfg.block_size, max_kept_pages(n, cfg.block_size, sink=cfg.sink,
-                                                                  window=cfg.window, kblocks_frac=cfg.kblocks_frac))
+    pages, counts = sel.pages, sel.counts
     prefix = authors.reserved(cfg.window, n, cfg.block_size, -(-n // cfg.block_size))[0]
     window_tokens = sel.window_tokens.to(torch.int32)
 
