@@ -15,7 +15,8 @@ reference and the tests compare the two)
 - ``lengths [B]`` (int32, optional, default ``N``): keys at or past a row's length are never read, so
   the last, partial page of a ragged row is clipped.
 - ``sink, window`` (ints, default 0): the dense part. Row ``b`` attends to ``[0, sink_end)`` and
-  ``[window_start, len_b)`` at weight 1, with ``sink_end = min(sink, len_b)`` and
+  ``[window_start, len_b)`` at weight 1, with ``sink_end = min(sink, sink_b, len_b)`` (``sink_lengths [B]``,
+  optional: a per-row sink under the host bound ``sink``, which sizes the launch) and
   ``window_start = max(len_b − window, sink_end)``, read as ranges (no index list); listed keys outside
   ``[sink_end, window_start)`` are skipped, so a key is never counted by both parts. Without a dense
   part (sink = window = 0) that interval is the whole row ``[0, len_b)``.
@@ -58,7 +59,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
                                    "rows_per_batch"])
     def _sparse_split_kernel(
-        q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, w_ptr, lens_ptr,
+        q_ptr, k_ptr, v_ptr, idx_ptr, cnt_ptr, w_ptr, lens_ptr, sink_lens_ptr,
         acc_ptr, m_ptr, l_ptr, sem_ptr, out_ptr, lse_ptr,
         scale_log2, n_keys, sink, window, rows_per_batch,
         s_q_b, s_q_h,
@@ -72,13 +73,16 @@ if triton is not None:
         HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         HAS_LENS: tl.constexpr, HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        FUSED_MERGE: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, HAS_SINK_LENS: tl.constexpr = False,
     ):
         part = tl.program_id(0)
         hs = tl.program_id(1)
         b = tl.program_id(2)
         b64 = b.to(tl.int64)
         length, sink_end, win_start = dense_range(lens_ptr, b, sink, window, n_keys, HAS_LENS)
+        if HAS_SINK_LENS:
+            sink_end = tl.minimum(tl.load(sink_lens_ptr + b).to(tl.int32), sink_end)
+            win_start = tl.maximum(length - window, sink_end)
 
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
@@ -177,7 +181,7 @@ def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_s
 
 
 def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, lengths, sink: int, window: int,
-                        values: bool, rows_per_batch: int = 1) -> None:
+                        values: bool, rows_per_batch: int = 1, sink_lengths=None) -> None:
     """ValueError naming the argument when a call breaks the contract. Shapes, dtypes and devices are
     always checked (no sync); ``values=True`` also checks the data (indices in range, counts, weights,
     lengths), which synchronises."""
@@ -207,6 +211,10 @@ def check_sparse_inputs(q, k, v, indices, counts, weights, *, page_size: int, le
         raise ValueError(f"sink, window: expected ints >= 0, got {sink!r}, {window!r}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: expected an int >= 1, got {page_size!r}")
+    if sink_lengths is not None and (sink_lengths.shape != (b,) or sink_lengths.is_floating_point()
+                                     or sink_lengths.dtype == torch.bool or sink_lengths.device != q.device):
+        raise ValueError(f"sink_lengths: expected an integer tensor of shape [{b}] on {q.device}, got "
+                         f"{sink_lengths.dtype} {tuple(sink_lengths.shape)} on {sink_lengths.device}")
     if lengths is not None:
         if lengths.shape != (b,) or lengths.is_floating_point() or lengths.dtype == torch.bool:
             raise ValueError(f"lengths: expected an integer tensor of shape [{b}], got {lengths.dtype} "
@@ -273,7 +281,8 @@ def _check_lengths(lengths: torch.Tensor, n: int) -> None:
 
 def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *, page_size: int = 1,
                             lengths=None, sink: int = 0, window: int = 0, scale: float | None = None,
-                            check: bool = True, rows_per_batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                            check: bool = True, rows_per_batch: int = 1,
+                            sink_lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [B, Hq, d], lse [B, Hq])`` of the contract in the module docstring, in torch.
 
     Every key the kernel would read is listed explicitly (dense part, then each entry's page), so
@@ -282,7 +291,7 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     from .weighted import gather_rows
 
     check_sparse_inputs(q, k, v, indices, counts, weights, page_size=page_size, lengths=lengths, sink=sink,
-                        window=window, values=check, rows_per_batch=rows_per_batch)
+                        window=window, values=check, rows_per_batch=rows_per_batch, sink_lengths=sink_lengths)
     if rows_per_batch > 1:  # one cache row per query row
         k, v = k.repeat_interleave(rows_per_batch, dim=0), v.repeat_interleave(rows_per_batch, dim=0)
     b, hq, d = q.shape
@@ -294,6 +303,8 @@ def sparse_decode_reference(q, k, v, indices=None, counts=None, weights=None, *,
     hs = hkv if indices is None else indices.shape[1]
     length = torch.full((b,), n, device=dev, dtype=torch.long) if lengths is None else lengths.long()
     sink_end = torch.clamp(length, max=sink)
+    if sink_lengths is not None:
+        sink_end = torch.minimum(sink_end, sink_lengths.long())
     win_start = torch.maximum(length - window, sink_end)
     # dense part: t < sink_end -> t; else win_start + (t - sink_end); used while t < its total
     t = torch.arange(min(sink + window, n), device=dev)
@@ -360,7 +371,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
                          lse: torch.Tensor | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          target_programs: int = TARGET_PROGRAMS, fused_merge: bool = False,
-                         rows_per_batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows_per_batch: int = 1, sink_lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
     ``check=True`` adds the value checks (host sync). Workspaces are cached per device and reused.
@@ -368,9 +379,9 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
     on a GPU: it relies on a per-row ticket counter, so calls on one device must not overlap in time).
     ``rows_per_batch = Q``: q holds ``B·Q`` query rows (row ``r = b·Q + j``) against a cache ``k, v`` of
     ``B`` rows — the multi-row form (a question chunk's rows, each with its own length and lists) without
-    a copy of the cache per row."""
+    a copy of the cache per row. ``sink_lengths [B]``: each row's sink, at most ``sink`` (int32 preferred)."""
     check_sparse_inputs(q, k, v, indices, counts, weights, page_size=page_size, lengths=lengths, sink=sink,
-                        window=window, values=check, rows_per_batch=rows_per_batch)
+                        window=window, values=check, rows_per_batch=rows_per_batch, sink_lengths=sink_lengths)
     reason = unsupported_reason(q, k, v, page_size)
     if reason is not None:
         raise ValueError(f"sparse_decode_triton cannot serve this call: {reason}")
@@ -402,13 +413,15 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
         indices = counts = pl
     if lengths is not None and lengths.dtype != torch.int32:
         lengths = lengths.to(torch.int32)
+    if sink_lengths is not None and sink_lengths.dtype != torch.int32:
+        sink_lengths = sink_lengths.to(torch.int32)
     wt = weights if weights is not None else indices
     scale = d ** -0.5 if scale is None else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot_f32 = q.dtype == torch.bfloat16 and is_interpreted(_sparse_split_kernel)
     launch(_sparse_split_kernel, (parts, hs, b),
            q, k, v, indices, counts, wt, lengths if lengths is not None else pl,
-           acc, pm, pl, sem, out, lse,
+           sink_lengths if sink_lengths is not None else pl, acc, pm, pl, sem, out, lse,
            scale * _LOG2E, n, sink, window, rows_per_batch,
            q.stride(0), q.stride(1),
            k.stride(0), k.stride(1), k.stride(2),
@@ -420,7 +433,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
            out.stride(0), out.stride(1),
            HEADS=heads_per_list, G=g, BLOCK_G=max(16, next_pow2(heads_per_list)), D=d, BLOCK_N=block_n,
            PAGE=page_size, HAS_LENS=lengths is not None, HAS_W=weights is not None, DOT_PRECISION=precision,
-           DOT_F32=dot_f32, FUSED_MERGE=fused_merge,
+           DOT_F32=dot_f32, FUSED_MERGE=fused_merge, HAS_SINK_LENS=sink_lengths is not None,
            num_warps=num_warps, num_stages=num_stages)
     if fused_merge:
         return out, lse

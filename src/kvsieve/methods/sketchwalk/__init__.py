@@ -5,8 +5,9 @@
 
 - ``variant=authors`` (the default): the algorithm of the authors' released code — per-head Hadamard
   block sketches, a damped multi-step walk, quantile selection with sink and window fractions — in
-  :mod:`kvsieve.methods.sketchwalk.authors` (math, per-layer state and the decode step; this class
-  routes ``prefill`` and ``_decode`` there). Torch reference only.
+  :mod:`kvsieve.methods.sketchwalk.authors` (math, per-layer state and the per-row decode step; this class
+  routes ``prefill`` and ``_decode`` there); its decode batched on the device, capturable, in
+  :mod:`kvsieve.methods.sketchwalk.authors_device` (kernels: ``kernels/sketchwalk/authors_decode.py``).
 - ``variant=reconstruction``: the earlier reconstruction from the paper's prose, described below, with
   its Triton kernels.
 
@@ -55,6 +56,8 @@ from ...kernels.shared.weighted import weighted_sparse_decode
 from ..shared.backend import BACKENDS, kernel_operands
 from ..shared.sparse_path import choose_sparse_backend
 from . import authors, authors_prefill
+from .authors import device_sketch
+from .authors_device import AuthorsDeviceState, decode_batched, decode_rows
 from .reconstruction import (  # noqa: F401 - the reconstruction's math, re-exported for its users
     DEFAULT_SKETCH_DIM,
     TIE_BREAK,
@@ -123,7 +126,9 @@ class SketchWalkConfig(MethodConfig):
         "auto", "decode attention: auto = the weighted sparse Triton kernel with the blocks as pages on CUDA, "
                 "the torch reference elsewhere; reference; triton (error if it cannot). Also picks the "
                 "selection's path (decode and prefill): the Triton kernels where this asks for them and they can "
-                "serve the call (the stats' selection key), the torch reference otherwise")
+                "serve the call (the stats' selection key), the torch reference otherwise. variant=authors: "
+                "reference = the per-row decode loop (not capturable); auto and triton = the batched decode "
+                "on the device")
     prefill_backend: Literal["auto", "flex", "triton", "reference"] = param(
         "auto", "sparse prefill attention: auto = on CUDA the block-sparse Triton kernel for blocks of up to "
                 f"{TRITON_MAX_BLOCK} keys and FlexAttention for larger ones (the faster of the two, measured), the "
@@ -151,9 +156,6 @@ class SketchWalkConfig(MethodConfig):
                 owner = "reconstruction" if self.variant == "authors" else "authors"
                 raise ValueError(f"{name}: a parameter of variant={owner}, not of variant={self.variant}; set "
                                  f"variant={owner} or leave {name} out")
-        if self.variant == "authors" and self.backend == "triton":
-            raise ValueError("backend: triton runs the kernels of variant=reconstruction; variant=authors has the "
-                             "torch reference only (use backend=auto or reference)")
         d = self.density
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0 < d <= 1:
             raise ValueError(f"density: expected a value in (0, 1], got {d!r}")
@@ -187,6 +189,8 @@ class SketchWalkState(MethodState):
     sketch: LayerSketch | None = None
     #: variant=authors: its running block matrix and query window (an ``AuthorsLayerState``)
     authors: authors.AuthorsLayerState | None = None
+    #: variant=authors' batched decode: the same at capacity on the device (made from ``authors``)
+    authors_device: AuthorsDeviceState | None = None
 
 
 @dataclass
@@ -292,8 +296,8 @@ class SketchWalk(Method):
         if forward is not None:
             ordinal = forward.layer
             forward.layer = ordinal + 1
-        return authors_prefill.device_sketch(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal),
-                                             torch.device(device), dtype)
+        return device_sketch(d, self.config.hadamard_dim, derive_seed(self.config.seed, ordinal), torch.device(device),
+                             dtype)
 
     def _authors_backend_reason(self, device: torch.device, backend: str) -> str | None:
         """Why a CUDA call asking for the automatic backend runs the torch reference."""
@@ -353,49 +357,43 @@ class SketchWalk(Method):
 
         return out, StepStats.deferred(stats, path, extra)
 
+    @property
+    def graph_capturable(self) -> bool:  # type: ignore[override]
+        """variant=authors' batched decode reads nothing on the host (:meth:`_decode_authors_device`); the
+        per-row reference (backend=reference) and variant=reconstruction are not declared capturable."""
+        return self.config.variant == "authors" and self.config.backend != "reference"
+
     def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
-        """Their decode step, one query row at a time (rows of a batch row in order, as single-token steps)."""
+        """Their decode step: every row at once on the device (one token per batch row), or the per-row
+        reference (backend=reference, or Q > 1 query rows per batch row: single-token steps in order)."""
+        if self.config.backend != "reference" and inputs.q_len == 1:
+            return self._decode_authors_device(inputs, state)
+        return self._decode_authors_rows(inputs, state)
+
+    def _authors_layer_state(self, inputs: DecodeInputs, state: SketchWalkState, phi: torch.Tensor
+                             ) -> authors.AuthorsLayerState:
         cfg = self.config
-        r_rows, hq, d = inputs.q.shape
-        dtype = self._compute_dtype(inputs.q.dtype)
-        dev = inputs.q.device
-        forward = inputs.context.forward
+        hq, d = inputs.q.shape[1:]
         st = state.authors
-        phi = self._authors_phi(d, dev, dtype, forward)
         if (not isinstance(st, authors.AuthorsLayerState) or st.queries.shape[:3] != (inputs.cache_batch, hq,
                                                                                    cfg.query_window)
-                or st.phi.shape[1] != d or st.phi.dtype != dtype or st.phi.device != dev):
-            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, dtype)
+                or st.phi.shape[1] != d or st.phi.dtype != phi.dtype or st.phi.device != phi.device):
+            st = authors.AuthorsLayerState.fresh(phi, inputs.cache_batch, hq, cfg.query_window, phi.dtype)
         state.authors = st
-        lengths = inputs.lengths.tolist()
-        n_tok = inputs.n_keys
-        scale = inputs.scale
-        outs, short = [], []
-        v_read = torch.zeros(r_rows, n_tok, dtype=torch.bool, device=dev)
-        block_share, blocks_kept = [], []
-        for r, length in enumerate(lengths):
-            res = authors.decode_row(
-                st, r // inputs.q_len, inputs.q[r], inputs.k[r, :, :length], inputs.v[r, :, :length],
-                block_size=cfg.block_size, beta=cfg.walk_damping, degree=cfg.degree, query_window=cfg.query_window,
-                sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, scale=scale, dtype=dtype)
-            outs.append(res.out)
-            v_read[r, :length] = res.kept_tokens
-            short.append(res.short)
-            kept = float(res.kept_blocks.sum())
-            blocks_kept.append(kept)
-            block_share.append(kept / res.kept_blocks.numel())
-        extra: dict[str, Any] = {"phase": "decode", "walk_hops": 1, "variant": "authors", "selection": "reference",
-                                 "block_density": sum(block_share) / r_rows, "blocks_kept": sum(blocks_kept) / r_rows}
-        reason = self._authors_backend_reason(dev, cfg.backend)
-        if reason is not None:
-            extra["backend_reason"] = reason
-        if any(short):
-            extra["exact_reason"] = (f"{sum(short)} of {r_rows} rows: a context whose every block is a sink or "
-                                     "window block keeps every block")
-        exact = int((v_read.sum(-1) == inputs.lengths.to(dev)).sum())
-        stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
-                           exact_rows=exact, extra=extra)
-        return torch.stack(outs).to(dtype), stats
+        return st
+
+    def _decode_authors_device(self, inputs: DecodeInputs, state: SketchWalkState):
+        """Their decode step for every row in one go (:func:`.authors_device.decode_batched`)."""
+        phi = self._authors_phi(inputs.q.shape[2], inputs.q.device, self._compute_dtype(inputs.q.dtype),
+                                inputs.context.forward)
+        return decode_batched(self.config, inputs, state, self._authors_layer_state(inputs, state, phi))
+
+    def _decode_authors_rows(self, inputs: DecodeInputs, state: SketchWalkState):
+        """Their decode step, one query row at a time (:func:`.authors_device.decode_rows`)."""
+        phi = self._authors_phi(inputs.q.shape[2], inputs.q.device, self._compute_dtype(inputs.q.dtype),
+                                inputs.context.forward)
+        st = self._authors_layer_state(inputs, state, phi)
+        return decode_rows(self.config, inputs, st, self._authors_backend_reason(inputs.q.device, self.config.backend))
 
     # -- prefill ----------------------------------------------------------------------------------------
 

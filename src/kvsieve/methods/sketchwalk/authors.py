@@ -88,6 +88,14 @@ def sketch_matrix(d: int, hadamard_dim: int, seed: int, *, device: torch.device 
     return _sketch_cpu(int(d), int(hadamard_dim), int(seed)).to(device=device, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=512)
+def device_sketch(d: int, hadamard_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`sketch_matrix` kept on its device, one tensor per (layer seed, device, dtype): a copy from host
+    memory per layer and call would make the host wait for the device, and a captured step must read the
+    same tensor on every replay. Callers must not write into it."""
+    return sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
+
+
 def pooled_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``[B, H, T, d]`` -> ``[B, H, ⌈T/bs⌉, d]``: block sums divided by the block size (a partial last
     block too, as the mean of the zero-padded block)."""
@@ -270,20 +278,20 @@ class AuthorsLayerState(MethodState):
     prompt_blocks: torch.Tensor  # [B, n0, n0] (n0 = 0 without a prompt)
     prompt_queries: torch.Tensor  # [B, Hq, W, d]
     prompt_n_queries: torch.Tensor  # [B] int64
-    prompt_len: int  # the prompt's tokens (0 without one)
+    prompt_len: int  # the prompt's tokens (0 without one; -1: the rows' prompts differ, see prompt_lens)
     has_history: bool  # True when a prompt was recorded
+    prompt_lens: torch.Tensor | None = None  # [B] int64: each row's prompt tokens
+    prompt_n_blocks: torch.Tensor | None = None  # [B] int64: each row's prompt blocks
 
     @classmethod
     def stack_rows(cls, rows: list[MethodState]) -> AuthorsLayerState:
-        """One batch state from the rows' (each prefilled alone): their sketch is the layer's, shared; the
-        running-average restart point is one prompt length, so the rows' prompts must be equally long."""
-        lengths = sorted({r.prompt_len for r in rows})
-        if len(lengths) > 1:
-            raise ValueError(f"input_ids: sketchwalk variant=authors restarts every row's running averages at one "
-                             f"prompt length; these rows have prompts of {lengths} tokens (give rows of one "
-                             "length, or use variant=reconstruction)")
+        """One batch state from the rows' (each prefilled alone): their sketch is the layer's, shared; each
+        row keeps its own restart point (``prompt_lens``), so rows of different prompt lengths stack."""
+        lengths = {r.prompt_len for r in rows}
         head = rows[0]
-        stacked = MethodState.stack_rows.__func__(cls, [dataclasses.replace(r, phi=head.phi[None]) for r in rows])
+        common = lengths.pop() if len(lengths) == 1 else -1
+        parts = [dataclasses.replace(r, phi=head.phi[None], prompt_len=common) for r in rows]
+        stacked = MethodState.stack_rows.__func__(cls, parts)
         stacked.phi = head.phi
         return stacked
 
@@ -300,7 +308,8 @@ class AuthorsLayerState(MethodState):
                    queries=queries.clone(), n_queries=n_queries.clone(),
                    last_pos=torch.full((b,), n_tok - 1, dtype=torch.long, device=a.device),
                    prompt_blocks=a, prompt_queries=queries, prompt_n_queries=n_queries, prompt_len=n_tok,
-                   has_history=True)
+                   has_history=True, prompt_lens=torch.full((b,), n_tok, dtype=torch.long, device=a.device),
+                   prompt_n_blocks=torch.full((b,), a.shape[-1], dtype=torch.long, device=a.device))
 
     @classmethod
     def fresh(cls, phi: torch.Tensor, batch: int, heads: int, query_window: int,
@@ -323,10 +332,12 @@ class AuthorsLayerState(MethodState):
 
     def begin_step(self, row: int, pos: int) -> None:
         """Check the order of row ``row``'s steps; at the first position after the prompt, restart from it."""
-        if self.has_history and pos == self.prompt_len:
-            n0 = self.prompt_blocks.shape[-1]
+        prompt_len, n0 = self.prompt_len, self.prompt_blocks.shape[-1]
+        if self.prompt_lens is not None:
+            prompt_len, n0 = int(self.prompt_lens[row]), int(self.prompt_n_blocks[row])
+        if self.has_history and pos == prompt_len:
             self.blocks[row] = 0
-            self.blocks[row, :n0, :n0] = self.prompt_blocks[row]
+            self.blocks[row, :n0, :n0] = self.prompt_blocks[row, :n0, :n0]
             self.n_blocks[row] = n0
             self.queries[row] = self.prompt_queries[row]
             self.n_queries[row] = self.prompt_n_queries[row]

@@ -11,13 +11,12 @@ at a time (``head_chunk``), so its memory is ``O(head_chunk · n²)``, not ``O(H
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...core.stats import StepStats
-from .authors import LOGIT_DIVISOR, normalized, sketch_matrix
+from .authors import LOGIT_DIVISOR, normalized
 
 if TYPE_CHECKING:
     from ...kernels.sketchwalk.authors_prefill import AuthorsBlockLists
@@ -61,13 +60,6 @@ def block_matrix(q: torch.Tensor, k: torch.Tensor, phi: torch.Tensor, block_size
         part = torch.softmax(logits, dim=-1).sum(1)
         total = part if total is None else total + part
     return normalized(total)
-
-
-@functools.lru_cache(maxsize=512)
-def device_sketch(d: int, hadamard_dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`.authors.sketch_matrix` kept on its device: a copy from host memory per layer and call would make
-    the host wait for the device each time. Callers must not write into it."""
-    return sketch_matrix(d, hadamard_dim, seed, device=device, dtype=dtype)
 
 
 def prefill_path(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_size: int
