@@ -282,6 +282,7 @@ def summary(args) -> None:
                      "n": {k: len(v) for k, v in by.items()},
                      "score": {k: 100 * statistics.fmean(r["score"] for r in v) for k, v in by.items() if v},
                      "density": {k: statistics.fmean(r["density"] for r in v) for k, v in by.items() if v},
+                     "kl_mean": {k: statistics.fmean(r["kl_mean"] for r in v) for k, v in by.items() if v},
                      "walk_vs": {k: paired(rows, task, specs["walk"], s) for k, s in specs.items() if k != "walk"},
                      "old": old_pairs(args.old, phase, length, task)}
             table.append(entry)
@@ -293,22 +294,27 @@ def summary(args) -> None:
 
 def markdown(table: list[dict]) -> str:
     lines = ["| phase | length | task | n | dense | walk | one-hop | oracle | quest | density walk / oracle / quest | "
-             "walk − one-hop: score | KL | walk − oracle: score | KL | walk − quest: score | KL | "
+             "KL walk / one-hop / oracle / quest | walk − one-hop: score | KL | walk − oracle: score | KL | "
+             "walk − quest: score | KL | old walk KL | "
              "old (reconstruction) walk − one-hop: score | KL | old walk − oracle: score | KL |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         s, d, vs, old = e["score"], e["density"], e["walk_vs"], e["old"]
         sc = {k: f"{s[k]:.1f}" if k in s else "–" for k in ("walk", "one_hop", "oracle", "quest")}
         dens = " / ".join(f"{d[k]:.3f}" if k in d else "–" for k in ("walk", "oracle", "quest"))
+        kls = " / ".join(f"{e['kl_mean'][k]:.3f}" if k in e["kl_mean"] else "–"
+                         for k in ("walk", "one_hop", "oracle", "quest"))
         old_hop, old_or = old.get("one_hop"), old.get("oracle")
         oh = f" (ρ={old_hop['rho']}, n={old_hop['n']})" if old_hop else ""
+        old_kl = f"{old_hop['kl_mean']['a']:.3f} (ρ={old_hop['rho']})" if old_hop and old_hop.get("kl_mean") else "–"
         oo = f" (ρ={old_or['rho']}, n={old_or['n']})" if old_or else ""
         lines.append(
             f"| {PHASES[e['phase']]} | {e['length']} | {e['task']} | {e['n']['walk']} | "
-            f"{e['dense_score']:.1f} | {sc['walk']} | {sc['one_hop']} | {sc['oracle']} | {sc['quest']} | {dens} | "
+            f"{e['dense_score']:.1f} | {sc['walk']} | {sc['one_hop']} | {sc['oracle']} | {sc['quest']} | "
+            f"{dens} | {kls} | "
             f"{fmt(vs.get('one_hop'), 'score')} | {fmt(vs.get('one_hop'), 'kl_mean')} | "
             f"{fmt(vs.get('oracle'), 'score')} | {fmt(vs.get('oracle'), 'kl_mean')} | "
-            f"{fmt(vs.get('quest'), 'score')} | {fmt(vs.get('quest'), 'kl_mean')} | "
+            f"{fmt(vs.get('quest'), 'score')} | {fmt(vs.get('quest'), 'kl_mean')} | {old_kl} | "
             f"{fmt(old_hop, 'score')}{oh} | {fmt(old_hop, 'kl_mean')} | {fmt(old_or, 'score')}{oo} | "
             f"{fmt(old_or, 'kl_mean')} |")
     return "\n".join(lines) + "\n"
