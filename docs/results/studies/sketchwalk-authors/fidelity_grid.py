@@ -309,7 +309,8 @@ def markdown(table: list[dict]) -> str:
         old_kl = f"{old_hop['kl_mean']['a']:.3f} (ρ={old_hop['rho']})" if old_hop and old_hop.get("kl_mean") else "–"
         oo = f" (ρ={old_or['rho']}, n={old_or['n']})" if old_or else ""
         lines.append(
-            f"| {PHASES[e['phase']]} | {e['length']} | {e['task']} | {e['n']['walk']} | "
+            f"| {PHASES[e['phase']]} ({e['folder'].rsplit('-', 1)[-1]}) | {e['length']} | {e['task']} | "
+            f"{e['n']['walk']} | "
             f"{e['dense_score']:.1f} | {sc['walk']} | {sc['one_hop']} | {sc['oracle']} | {sc['quest']} | "
             f"{dens} | {kls} | "
             f"{fmt(vs.get('one_hop'), 'score')} | {fmt(vs.get('one_hop'), 'kl_mean')} | "
