@@ -154,3 +154,18 @@ def test_gemma3_270m_dense_equals_transformers_greedy_at_two_thousand_tokens():
     result = generate(model, ids, max_new_tokens=10)
     assert result.tokens.tolist() == hf_greedy(model, ids, 10).tolist()
     assert result.stats.window_layers == [i for i in range(18) if i % 6 != 5] and result.stats.sliding_window == 512
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_sparsify_keeps_sliding_layers_out_of_a_prefill_method(phase):
+    """Sketch&Walk's sparse prefill and its prompt record serve the full-attention layers only: a sliding
+    layer's prompt goes through transformers' windowed SDPA, as its decode does."""
+    model = gemma3(window=32)
+    ids = random_ids(1, 300, seed=3, vocab=model.config.vocab_size)
+    with torch.no_grad(), kvsieve.sparsify(model, "sketchwalk:block_size=16,dense_layers=0", phase=phase) as session:
+        model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert {r["layer"] for r in session.records} == {1}
+    assert {r["phase"] for r in session.records} == ({"prefill"} if phase == "prefill" else {"decode"})
+    if phase == "decode":
+        sliding = {layer for layer, path in session.layer_paths.items() if path.startswith("exact: sliding")}
+        assert sliding == {2}  # layer 0 is a dense layer

@@ -233,7 +233,10 @@ class SparseSession:
         n_keys = key.shape[2]
         self._begin_forward(layer, q_len, n_keys)
         method = self.method
-        hooked = (method.sparse_prefill or method.observes_prefill) and self.driver.serves(layer)
+        # A sliding-window layer stays exact in every phase (see _exact_reason): its prompt is neither
+        # sparse-prefilled nor recorded.
+        sliding = not self.sparse_everywhere and kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        hooked = (method.sparse_prefill or method.observes_prefill) and self.driver.serves(layer) and not sliding
         # Setup B: a chunk after the observed context (the question) goes through the method's decode;
         # under "all" so does any chunk after the sparse prefill.
         question_chunk = hooked and self.phase in ("question", "all") and n_keys > q_len
