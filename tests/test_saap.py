@@ -748,23 +748,37 @@ def compile_(kernel, pointers, meta, floats=()):
     print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
 
 
-compile_(buckets._bucket_parts_kernel,
-         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-          "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
-          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
-         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
-          "HAS_RANGE": True, "HAS_TAIL": False, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
-          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
-# SAAP's sliding window and the keys that joined their buckets after the build (the runtime's path)
-compile_(buckets._bucket_parts_kernel,
-         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-          "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i32", "off_ptr": "*i64",
-          "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32",
-          "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64"},
-         {"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": 64, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 48,
-          "HAS_RANGE": False, "HAS_TAIL": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
-          "GROUP_P": 4, "BLOCK_S": 64, "MERGE_S": 8}, floats=("scale",))
+# Every constexpr combination the launcher makes, as it makes them: SAAP's sliding window and the keys that
+# joined their buckets after the build (HAS_TAIL, the runtime's path) and the plain and ranged modes, the fused
+# and the separate merge, each dtype (float32 takes IEEE dots), head dims 64 and 128, groups of 1 to 8 query heads
+# and up to 64 probes. Triton 3.6's layout pass rejected the tail scan while 3.9 compiled it.
+from kvsieve.kernels.shared.triton_utils import dot_precision, next_pow2
+import torch
+dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
+    group_p = max(2, next_pow2(group))
+    pointers = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "out_ptr": "*" + dtype,
+                "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32",
+                "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "off_ptr": "*i64",
+                "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "sem_ptr": "*i32" if fused else "*i64",
+                "tail_lo_ptr": "*i64", "assign_ptr": "*i64"}
+    meta = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 64, "D": d, "DV": d,
+            "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
+            "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
+            "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
+    compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
+
+
+shapes = {("bf16", 128): (4, 32), ("fp16", 128): (8, 64), ("fp32", 128): (1, 7),
+          ("bf16", 64): (2, 16), ("fp16", 64): (4, 20), ("fp32", 64): (8, 32)}
+for mode in ("tail", "range", "none"):
+    for fused in (True, False):
+        for (dtype, d), (group, n_probe) in shapes.items():
+            if mode == "tail" or (dtype, d) in (("bf16", 128), ("fp32", 64)):
+                bucket_case(mode, fused, dtype, d, group, n_probe)
 from kvsieve.kernels.saap import index
 compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
@@ -924,8 +938,9 @@ def test_fused_probe_on_cuda_matches_the_reference():
 
 @pytest.mark.triton
 def test_triton_bucket_kernel_compiles_for_the_h100():
-    """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does: the
-    bucket kernel and the probe's kernels (bfloat16 weights, the top-l by rank over 1024 scores)."""
+    """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does, under the
+    installed Triton: the bucket kernel in every constexpr combination its launcher makes, the index update
+    and the probe's kernels (bfloat16 weights, the top-l by rank over 1024 scores)."""
     import os
     import subprocess
     import sys
@@ -936,7 +951,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and res.stdout.count("shared") == 6, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("shared") == 24, res.stderr[-3000:]
 
 
 # What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket

@@ -268,7 +268,11 @@ if triton is not None:
                 tail_pos = t_lo + rel - n_bucket_keys
                 idx = tl.where(in_tail, tail_pos, idx)
                 a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
-                hit = tl.sum(((a[:, None] == c[None, :]) & l_ok[None, :]).to(tl.int32), axis=1) > 0
+                # one compare per chosen bucket, not a [BLOCK_N, BLOCK_L] tile reduced to a mask: Triton 3.6's
+                # layout pass breaks a select whose condition comes out of such a reduction
+                hit = tl.zeros([BLOCK_N], dtype=tl.int1)
+                for j in range(n_probe):
+                    hit = hit | (a == tl.load(bkt_ptr + row * n_probe + j))
                 # a bucket key the dense range now holds (a row shorter than at the build) is read there
                 ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
             idx = tl.where(ok, idx, 0).to(tl.int64)
