@@ -33,3 +33,16 @@ def test_needs_a_folder():
 
     with pytest.raises(SystemExit):
         load().main([])
+
+
+def test_cases_and_outlier_queries():
+    import pytest
+
+    mod = load()
+    assert mod.parse_cases("1:gaussian,4,2:outliers") == [(1.0, "gaussian"), (4.0, "gaussian"), (2.0, "outliers")]
+    with pytest.raises(ValueError, match="features 'flat'"):
+        mod.parse_cases("1:flat")
+    s = mod.outlier_scales(128, "cpu")
+    assert abs(float(s.pow(2).mean()) - 1) < 1e-5
+    top = s.pow(2).sort(descending=True).values
+    assert float(top[:16].sum() / top.sum()) > 0.5  # a few features carry most of |q|²
