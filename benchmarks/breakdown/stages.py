@@ -56,6 +56,69 @@ def variant_specs() -> dict[str, str | None]:
         "santa-prop:128": "santa-prop:budget=128",
         "bernoulli-qk+santa-prop:128": "bernoulli-qk:query=mean-group,values=santa-prop,budget=128",
         "vattention": "vattention",
+        "vattention@triton-select": "vattention",
+    }
+
+
+#: variant -> (module, limit, value) set while it runs: the oracle predictor's top-k by the Triton select launch
+#: rather than torch.topk at every length
+LIMITS = {"vattention@triton-select": ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40)}
+
+
+def with_limit(name: str, fn):
+    """``fn`` run with ``LIMITS[name]`` set (the limits are read at call time; graph capture calls ``fn``)."""
+    if name not in LIMITS:
+        return fn
+    import importlib
+
+    module, attr, value = LIMITS[name]
+    mod = importlib.import_module(module)
+
+    def call():
+        before = getattr(mod, attr)
+        setattr(mod, attr, value)
+        try:
+            return fn()
+        finally:
+            setattr(mod, attr, before)
+
+    return call
+
+
+def grouped_topk(scores: torch.Tensor, maxima: torch.Tensor, k: int, group: int) -> torch.Tensor:
+    """The ``k`` largest of each row of ``scores [B, H, N]`` (positions, highest first) found in two smaller
+    selections: the row's top k lie in the k groups of ``group`` consecutive scores with the largest maxima
+    (``maxima [B, H, ceil(N / group)]``; a key x of the top k: fewer than k keys, so fewer than k groups'
+    maxima, exceed its group's max), so the top k of those k·group scores. Exact up to ties."""
+    n = scores.shape[-1]
+    g_idx = torch.topk(maxima, k, dim=-1, sorted=False).indices
+    pos = (g_idx[..., None] * group + torch.arange(group, device=scores.device)).flatten(-2)
+    vals = scores.gather(-1, pos.clamp(max=n - 1)).masked_fill(pos >= n, float("-inf"))
+    return pos.gather(-1, torch.topk(vals, k, dim=-1, sorted=True).indices)
+
+
+def topk_calls(x, top_k: float = 0.025) -> dict:
+    """vAttention's oracle top-k at its default size on ``x``'s scores, each way: the scores launch alone, then
+    torch.topk of the whole rows (the default above 64k keys), the Triton select (prefilter + radix select),
+    and :func:`grouped_topk` (torch.topk of the maxima, then of the chosen groups' scores)."""
+    from kvsieve.kernels.shared.scores import scores_triton
+    from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_triton
+
+    b, hq, _ = x.q.shape
+    n = x.k.shape[2]
+    kk = max(1, int(top_k * n))
+    counts = torch.empty(b, device=x.q.device, dtype=torch.int64)
+    maxima = torch.empty(b, hq, -(-n // GROUP_MAX), device=x.q.device, dtype=torch.float32)
+
+    def scores(with_max: bool = False):
+        return scores_triton(x.q, x.k, x.lens, 128, 128, x.scale, counts=counts, size=top_k, max_k=kk,
+                             maxima=maxima if with_max else None)
+
+    return {
+        "scores only": lambda: scores(),
+        "scores + torch.topk": lambda: torch.topk(scores(), kk, dim=-1, sorted=True).indices,
+        "scores + triton select": lambda: topk_rows_triton(scores(True), counts, kk, maxima=maxima),
+        "scores + grouped torch.topk": lambda: grouped_topk(scores(True), maxima, kk, GROUP_MAX),
     }
 
 
@@ -146,6 +209,7 @@ def run(args) -> list[dict]:
                  "spec": spec}
             try:
                 call, stats = make_call(spec, x.q, x.k, x.v, x.lens, step)
+                call, stats = with_limit(name, call), with_limit(name, stats)
                 r["graph_us"] = timer.time_graph_us(call, warmup=3, iters=args.iters)["median_us"]
                 r["stats"] = stats()
                 try:
@@ -161,6 +225,16 @@ def run(args) -> list[dict]:
             r["seconds"] = round(time.time() - t0, 1)
             rows.append(r)
             print(f"q_scale={qs} {features} {name}: {r.get('graph_us', r.get('error'))} ({r['seconds']} s)", flush=True)
+        if args.topk and features == "gaussian":
+            for name, fn in topk_calls(x).items():
+                r = {"q_scale": qs, "q_features": features, "n": args.n, "batch": args.batch,
+                     "variant": "top-k: " + name}
+                try:
+                    r["graph_us"] = timer.time_graph_us(fn, warmup=3, iters=args.iters)["median_us"]
+                except Exception as exc:  # noqa: BLE001
+                    r["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows.append(r)
+                print(f"q_scale={qs} top-k {name}: {r.get('graph_us', r.get('error'))}", flush=True)
         del x
         torch.cuda.empty_cache()
     return rows
@@ -220,6 +294,14 @@ def check() -> None:
         out = call()
         assert out.shape == q.shape and torch.isfinite(out).all(), name
         assert stats()["backend"] == "reference", name
+    s = torch.randn(2, 3, 1001, generator=g)
+    s[0, 0, 500:540] = 5.0 + torch.rand(40, generator=g)  # a cluster of top keys in few groups
+    s[1, 2, :100] = float("-inf")
+    mx = torch.nn.functional.pad(s, (0, 7), value=float("-inf")).view(2, 3, -1, 8).amax(-1)
+    got = grouped_topk(s, mx, 50, 8)
+    want = torch.topk(s, 50, dim=-1).indices
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert torch.equal(s.gather(-1, got), s.gather(-1, want))  # highest first, as torch.topk's sorted output
     assert stage_of("_budget_parts_kernel") == "vattention budget statistics"
     assert stage_of("void at::native::sbtopk::gatherTopK<float>") == "top-k select (torch)"
     assert stage_of("elementwise_kernel") == "other: elementwise_kernel"
@@ -236,6 +318,8 @@ def main(argv=None) -> int:
                         "outliers (a few query features carry most of |q|, as in real models)")
     p.add_argument("--iters", type=int, default=10, help="timed graph replays")
     p.add_argument("--profile-iters", type=int, default=3, help="profiled eager calls")
+    p.add_argument("--no-topk", dest="topk", action="store_false",
+                   help="skip the oracle top-k's alternatives (timed on the gaussian cases)")
     p.add_argument("--check", action="store_true", help="run the variants on tiny CPU inputs, no timing")
     args = p.parse_args(argv)
     if args.check:
