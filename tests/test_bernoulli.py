@@ -630,23 +630,7 @@ def test_method_kernel_path_keeps_its_feature_major_copy_through_a_decode_loop()
 
 
 COMPILE_FOR_H100 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from kvsieve.kernels.bernoulli import decode as bd
-
-
-def compile_(kernel, pointers, meta, floats=()):
-    signature, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in meta:
-            signature[name], constexprs[(i,)] = "constexpr", meta[name]
-        else:
-            signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    print(kernel.fn.__name__, meta.get("APPEND", meta.get("SPLIT")))
-
 
 ptrs = dict(q_ptr="*bf16", lens_ptr="*i32", words_ptr="*i64", qest_ptr="*fp32", idx_ptr="*i32", nfeat_ptr="*i32",
             kc_ptr="*bf16", done_ptr="*i32", kt_ptr="*bf16", k_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
@@ -654,9 +638,11 @@ ptrs = dict(q_ptr="*bf16", lens_ptr="*i32", words_ptr="*i64", qest_ptr="*fp32", 
 for append in (False, True):
     compile_(bd._mean_group_draw_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, ROW_WORDS=True, STREAM=5, APPEND=append),
              floats=("norm_factor",))
+    print("draw", append)
 for split in (False, True):
     compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, ROW_N=64,
                                                         FB=16, SPLIT=split, PDL=False), floats=("scale",))
+    print("stats", split)
 print("COMPILED")
 """
 
@@ -665,14 +651,7 @@ print("COMPILED")
 def test_fused_decode_kernels_compile_for_the_h100():
     """The interpreter neither type-checks branches nor runs the 16-bit tensor-core dots: compiling for sm_90 (no
     GPU needed) does, for the draw launch with and without the append and the stats launch with both K layouts."""
-    import os
-    import subprocess
-    import sys
-
     pytest.importorskip("triton")
-    from interpreted import ROOT
+    from interpreted import compile_for_sm90
 
-    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert res.returncode == 0 and "COMPILED" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    compile_for_sm90(COMPILE_FOR_H100)
