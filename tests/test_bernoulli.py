@@ -565,7 +565,7 @@ def test_fused_decode_path_matches_its_reference_under_the_interpreter():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_decode_path_matches_its_reference_on_the_gpu():
     flips, worst = _run_decode_cases("cuda", False)
-    assert flips <= 2, flips  # float32 scores against float64 may move a floor boundary
+    assert flips <= 4, flips  # float32 scores against float64 may move a floor boundary (4 runs per case)
     assert worst["torch.float32"] < 1e-4 and worst["torch.float16"] < 3e-3, worst
 
 
