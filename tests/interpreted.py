@@ -68,3 +68,36 @@ def run_interpreter_cases(cases_file: str, tests: tuple[str, ...] | None = None)
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-2000:]
     assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]
     return res.stdout
+
+
+#: What a compile-only check of Triton kernels for the H100 (sm_90, no GPU needed) starts with: ``compile_(kernel,
+#: pointers, meta, floats=(), ints64=(), num_warps=4)`` compiles ``kernel`` with the pointer types
+#: ``pointers`` (name -> "*bf16", ...), the constexprs ``meta``, fp32 ``floats``, i64 ``ints64`` and i32 for the rest.
+SM90_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4):
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+        else:
+            signature[name] = pointers.get(name, "fp32" if name in floats else ("i64" if name in ints64 else "i32"))
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).metadata
+"""
+
+
+def compile_for_sm90(body: str) -> str:
+    """Run :data:`SM90_COMPILE` then ``body`` (not formatted) without Triton's interpreter: the interpreter neither
+    type-checks untaken branches nor runs 16-bit tensor-core dots, compiling does. Fails unless it prints
+    COMPILED; returns its stdout."""
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", SM90_COMPILE + body], capture_output=True, text=True, env=env,
+                         cwd=ROOT)
+    assert res.returncode == 0 and "COMPILED" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+    return res.stdout

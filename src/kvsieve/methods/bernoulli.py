@@ -20,7 +20,10 @@ the score stage is biased, more so at small B and peaked attention.
 
 On CUDA, ``query=mean-group,values=santa-prop`` (stratified, per-feature strata) runs the fused kernels of
 ``kernels/bernoulli/decode.py`` over a feature-major copy of K kept in the state; the draws are the
-reference path's (counter-based, ``STREAM_BERNOULLI``), so both paths read the same features.
+reference path's (counter-based, ``STREAM_BERNOULLI``), so both paths read the same features. A KV head
+whose draws kept nearly every feature is scored from the cache's rows instead (the same sum, fewer bytes
+at the layouts' speeds); ``stats.extra["k_row_layout"]`` is the fraction of (row, KV head) units that did,
+and ``bytes_read`` counts their whole K rows.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ class BernoulliQK(Method):
         # The feature-major copy of K lives in the state (per request and layer) and takes one launch per
         # call to bring up to date; then the draw, stats, budget and sampling launches (and, for rows the
         # budget covers, the exact short-rows launch); the stats are built from the outputs when read.
-        from ..kernels.bernoulli.decode import bernoulli_prop_triton
+        from ..kernels.bernoulli.decode import bernoulli_prop_triton, row_layout_features
         from ..kernels.bernoulli.feature_major import FeatureMajorKeys
         from ..kernels.shared.dense import dense_short_rows_triton
 
@@ -262,29 +265,36 @@ class BernoulliQK(Method):
         keys = state.keys
         # kT follows the cache [B, ...]; without one (a hand-built DecodeInputs) the per-row keys stand in
         cache_k, rows = (inputs.cache_k, inputs.q_len) if inputs.cache_k is not None else (inputs.k, 1)
-        kt = keys.update(cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous(), lens, rows)
+        cache_k = cache_k if cache_k.stride(-1) == 1 else cache_k.contiguous()
+        kt = keys.reserve(cache_k)  # the draw launch copies the new keys in
         v_seed = seed_int(seed, inputs.q.device)
         key = seed if isinstance(seed, RandomKey) else RandomKey(v_seed)
         tile = self.tile_for(inputs.n_keys)
         count_reads = inputs.context.count_reads
         out, counts, budgets, n_feat = bernoulli_prop_triton(
             q, kt, v, lens, inputs.scale, c.draws, c.budget, tile, key, v_seed, norm_factor=c.norm_factor,
-            rounding=c.rounding, rows_per_batch=rows, write_counts=count_reads)
+            rounding=c.rounding, rows_per_batch=rows, write_counts=count_reads, k=k,
+            append=(cache_k, keys.done))
         if c.exact_when_covered and inputs.context.min_length <= c.budget:
             dense_short_rows_triton(q, k, v, lens, inputs.scale, out, c.budget)
 
         def stats():
             drawn = budgets.sum(-1).to(torch.float64)  # [R, Hq]
             v_read, exact_rows, more = sampled_v_read(inputs, counts, drawn, c.budget, c.exact_when_covered)
-            more.update(draws=c.draws, samples=drawn.mean(), tile_size=tile)
+            rows_layout = n_feat > row_layout_features(q.shape[-1])  # [R, Hkv]: these read whole K rows
+            more.update(draws=c.draws, samples=drawn.mean(), tile_size=tile,
+                        k_row_layout=rows_layout.to(torch.float64).mean())
             read_group = torch.arange(q.shape[-1], device=q.device) < n_feat[..., None]  # counts matter, not which
             read_head = read_group.repeat_interleave(inputs.group, 1)
-            return self._stats(inputs, v_read, read_head, read_group, exact_rows, more, "triton")
+            return self._stats(inputs, v_read, read_head, read_group, exact_rows, more, "triton",
+                               k_read_group=torch.where(rows_layout[..., None], True, read_group))
 
         return out, StepStats.deferred(stats, "triton", {"draws": c.draws, "tile_size": tile})
 
     @staticmethod
-    def _stats(inputs, v_read, read_head, read_group, exact_rows, extra, backend):
+    def _stats(inputs, v_read, read_head, read_group, exact_rows, extra, backend, k_read_group=None):
+        """``read_*``: the features the draws kept (the estimator's access); ``k_read_group``: the features
+        the K read touched per KV head where a unit read whole rows (default: the kept ones)."""
         d = inputs.q.shape[-1]
         feats_head = read_head.sum(-1).to(torch.float64)  # [B, Hq]
         feats_group = read_group.sum(-1).to(torch.float64)  # [B, Hkv]
@@ -296,7 +306,8 @@ class BernoulliQK(Method):
         )
         stats = read_stats(inputs, v_read, backend=backend, exact_rows=exact_rows, extra=extra)
         # Every valid key of a KV head is scored, but only on the group's read features.
-        k_bytes = (inputs.n_valid[:, None].to(torch.float64) * feats_group).sum() * inputs.k.element_size()
+        touched = feats_group if k_read_group is None else k_read_group.sum(-1).to(torch.float64)
+        k_bytes = (inputs.n_valid[:, None].to(torch.float64) * touched).sum() * inputs.k.element_size()
         v_rows = v_read.view(inputs.batch, inputs.kv_heads, inputs.group, -1).any(2).sum()
         stats.bytes_read = k_bytes + v_rows * (inputs.v.element_size() * inputs.v.shape[-1])
         return stats

@@ -3,7 +3,9 @@
 
 Four launches per call:
 
-1. ``_mean_group_draw_kernel``, one program per (row, KV head): ``m = mean_g |q_g|``, ``f = m / norm``
+1. ``_mean_group_draw_kernel``, one program per (row, KV head): with ``append``, first the new keys of the
+   cache copied into the feature-major copy (``feature_major.append_new_keys``; no launch of its own), then
+   ``m = mean_g |q_g|``, ``f = m / norm``
    (``norm = norm_factor · max m``), the stratified counts ``c_i = ⌊B f_i⌋ + 1{u_i < frac(B f_i)}``
    with ``u_i`` the uniform of stratum ``⌊B f_i⌋`` (the only one a stratified draw reads), the
    effective queries ``q_est_g = (norm/B) c ⊙ q_g / m`` and the kept features listed first
@@ -12,7 +14,11 @@ Four launches per call:
    stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
 2. ``_feature_major_stats_kernel``: S²ANTA's stats pass (per-tile max m, Σ e^{s−m} and the float32 score
    stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read over the listed features
-   only: the K bytes read are the kept fraction of K's.
+   only: the K bytes read are the kept fraction of K's. A (row, KV head) whose draws kept more than
+   ``ROW_LAYOUT_ABOVE`` of the features reads whole rows of the cache instead (given ``k``): the feature
+   rows cost more per byte, and near every feature kept they cost more in all. Queries without outlier
+   features (Gaussian ones: ~97 % kept at B = 4) take that path; real models' (~55 % at B = 4 on SmolLM2,
+   ``docs/results/bernoulli/study.md``) the feature-major one.
 3.–4. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
 
 The V stage takes its seed by value and keys each row by its length, as ``santa-prop``'s kernels do;
@@ -40,15 +46,21 @@ if triton is not None:
 
     from ..santa.common import fold_scores
     from ..shared.triton_utils import gdc_launch_dependents, hash_mix32, hash_uniform
-    from .feature_major import feature_scores
+    from .feature_major import append_new_keys, feature_scores, row_scores
 
     @triton.jit
     def _mean_group_draw_kernel(q_ptr, lens_ptr, words_ptr, qest_ptr, idx_ptr, nfeat_ptr,
+                                kc_ptr, done_ptr, kt_ptr,
                                 key_lo, key_hi, draws, norm_factor, rows_per_batch, kv_heads, s_q_r, s_q_h,
+                                s_kc_b, s_kc_h, s_kc_n, s_kt_b, s_kt_h, s_kt_f,
                                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                                ROW_WORDS: tl.constexpr, STREAM: tl.constexpr):
+                                ROW_WORDS: tl.constexpr, STREAM: tl.constexpr, APPEND: tl.constexpr):
         kvh = tl.program_id(0)
         r = tl.program_id(1)
+        if APPEND:  # the batch row's last query row brings its KV head's kT up to the cache (one launch less)
+            if r % rows_per_batch == rows_per_batch - 1:
+                append_new_keys(kc_ptr, lens_ptr, done_ptr, kt_ptr, r // rows_per_batch, kvh, rows_per_batch,
+                                kv_heads, s_kc_b, s_kc_h, s_kc_n, s_kt_b, s_kt_h, s_kt_f, D, 64)
         offs_g = tl.arange(0, BLOCK_G)
         g_ok = offs_g < G
         offs_d = tl.arange(0, D)
@@ -85,12 +97,16 @@ if triton is not None:
         tl.store(nfeat_ptr + row, nf)
 
     @triton.jit
-    def _feature_major_stats_kernel(qest_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
-                                    scale, tiles_per_program, hq, kv_heads, rows_per_batch,
-                                    s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
+    def _feature_major_stats_kernel(qest_ptr, kt_ptr, k_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
+                                    scale, tiles_per_program, hq, kv_heads, rows_per_batch, row_above,
+                                    s_kt_b, s_kt_h, s_kt_f, s_k_r, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
-        """two_pass's stats pass with feature-major scores: tiles t0..t1-1 of (row r, KV head kvh)."""
+                                    BLOCK_N: tl.constexpr, ROW_N: tl.constexpr, FB: tl.constexpr,
+                                    SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
+        listed features of the feature-major copy, or — where the draws kept more than ``row_above``
+        features — over whole rows of the cache layout ``k`` (the same sum: ``q_est`` is zero off the
+        kept features), whichever reads fewer bytes at the streams' measured speeds."""
         if PDL:  # the budget kernel may launch now: it waits (gdc_wait) until this one is done
             gdc_launch_dependents()
         pid = tl.program_id(0)
@@ -105,21 +121,32 @@ if triton is not None:
             heads = kvh * G + offs_g
             row = r * kv_heads + kvh
             nf = tl.load(nfeat_ptr + row)
+            rows_layout = nf > row_above
             q_rows = qest_ptr + (r * hq + heads) * D
             kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
+            k_base = k_ptr + r.to(tl.int64) * s_k_r + kvh * s_k_h
             u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
             ml_base = r * s_ml_b + heads * s_ml_h
             for t in range(t0, t1):
                 m = tl.full([BLOCK_G], float("-inf"), tl.float32)
                 l = tl.zeros([BLOCK_G], tl.float32)
-                for j in range(0, TILE // BLOCK_N):
-                    offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_ok = offs_n < length
-                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
-                                       BLOCK_G, BLOCK_N, SPLIT)
-                    s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-                    tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                    m, l = fold_scores(m, l, s)
+                if rows_layout:
+                    for j in range(0, TILE // ROW_N):
+                        offs_n = t * TILE + j * ROW_N + tl.arange(0, ROW_N)
+                        n_ok = offs_n < length
+                        s = row_scores(q_rows, k_base, offs_n, n_ok, g_ok, s_k_n, D, SPLIT)
+                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                        m, l = fold_scores(m, l, s)
+                else:
+                    for j in range(0, TILE // BLOCK_N):
+                        offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_ok = offs_n < length
+                        s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
+                                           BLOCK_G, BLOCK_N, SPLIT)
+                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                        m, l = fold_scores(m, l, s)
                 tl.store(m_ptr + ml_base + t, m, mask=g_ok)
                 tl.store(l_ptr + ml_base + t, l, mask=g_ok)
 
@@ -158,40 +185,74 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
     return 0, 0, torch.stack([streams.lo, streams.hi], 1).contiguous()
 
 
+#: A (row, KV head) whose draws kept more than this fraction of the d features is scored from the cache
+#: layout: on the H100 the feature-major read of a fraction ρ of K took as long as the row read of all of it
+#: near ρ = 0.85 at 128k keys and ρ = 0.7 at 32k (docs/results/gpu-bench/2026-11-23-h100-bernoulli-feature-read.md)
+ROW_LAYOUT_ABOVE = 0.8
+
+
+def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
+    """Units whose draws kept more than this many of the ``d`` features read the cache layout."""
+    if not 0.0 <= row_above <= 1.0:
+        raise ValueError(f"row_above: expected a fraction in [0, 1], got {row_above!r}")
+    return int(row_above * d)
+
+
 def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int, tile: int, key: RandomKey,
                           v_seed: int, *, norm_factor: float = 1.0, rounding: str = "largest-remainder",
                           rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
                           block_n: int = 256, stats_programs: int = 4224, feature_block: int = FEATURE_BLOCK,
-                          stats_warps: int = 4, r_max: int | None = None):
+                          stats_warps: int = 4, r_max: int | None = None, k: torch.Tensor | None = None,
+                          row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None):
     """Mean-group Bernoulli scores over ``kt`` and S²ANTA-prop over them (module docstring).
 
     q ``[R, Hq, d]``; kt ``[B, Hkv, d, ≥N]`` (``feature_major.FeatureMajorKeys``) with query row r on batch
     row ``r // rows_per_batch``; v ``[R, Hkv, N, d]``; lens ``[R]`` int32. ``key``: the score draws'
-    key (the method's); ``v_seed``: the V stage's seed by value. Returns ``(out [R, Hq, d], counts
-    [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
+    key (the method's); ``v_seed``: the V stage's seed by value. ``k`` (optional, V's layout): the cache
+    rows, read instead of ``kt`` by a (row, KV head) whose draws kept more than ``row_above`` of the
+    features (:data:`ROW_LAYOUT_ABOVE`). ``append = (k_cache [B, Hkv, N, d], done [B, Hkv] int32)``: the
+    draw launch first copies each batch row's keys ``[done, length)`` into ``kt`` (``FeatureMajorKeys.
+    reserve`` made room; the separate ``update`` launch is then not needed). Returns ``(out [R, Hq, d],
+    counts [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
     if triton is None:
         raise ValueError("bernoulli_prop_triton: triton is not installed")
     check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
     r, hq, d = q.shape
     hkv = kt.shape[1]
     g = hq // hkv
+    if k is not None and (k.shape != v.shape[:3] + (d,) or k.stride(-1) != 1 or k.dtype != kt.dtype):
+        raise ValueError(f"k: expected {kt.dtype} [{v.shape[0]}, {v.shape[1]}, {v.shape[2]}, {d}] with a contiguous "
+                         f"last dim, got {k.dtype} {tuple(k.shape)}")
+    row_feats = row_layout_features(d, row_above) if k is not None else d  # d: never (nf <= d)
+    if append is not None:
+        kc, done = append
+        if kc.shape[:2] != kt.shape[:2] or kc.shape[-1] != d or kc.shape[2] > kt.shape[3] or kc.stride(-1) != 1:
+            raise ValueError(f"append: cache {tuple(kc.shape)} does not fit kt {tuple(kt.shape)}")
+        if done.shape != kt.shape[:2] or done.dtype != torch.int32:
+            raise ValueError(f"append: done must be int32 {tuple(kt.shape[:2])}, got {done.dtype} {tuple(done.shape)}")
+    else:  # placeholders: the draw kernel reads them only with APPEND
+        kc, done = kt, lens
     t, pdl, buf = begin_call(q, v, v, tile, flash=False, rounding=rounding, write_counts=write_counts, out=out)
     q_est = workspace("bernoulli_qest", q, r * hq * d, torch.float32)
     idx = workspace("bernoulli_feat_idx", q, r * hkv * d, torch.int32)
     n_feat = torch.empty(r, hkv, device=q.device, dtype=torch.int32)  # returned: the stats read it later
     key_lo, key_hi, words = _key_words(key, q, lens, rows_per_batch)
     launch(_mean_group_draw_kernel, (hkv, r), q, lens, words if words is not None else lens, q_est, idx, n_feat,
-           key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
-           G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY, num_warps=4)
+           kc, done, kt, key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
+           kc.stride(0), kc.stride(1), kc.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
+           G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY,
+           APPEND=append is not None, num_warps=4)
     # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: the fastest of the H100
     # sweep over blocks, features per step, warps and programs
     # (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md).
     per_program = max(1, round(t * hkv * r / stats_programs))
+    kr = k if k is not None else v
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
-           q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
-           kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
-           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block,
-           SPLIT=split_dots(kt), PDL=pdl, num_warps=stats_warps, num_stages=3)
+           q_est, kt, kr, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
+           row_feats, kt.stride(0), kt.stride(1), kt.stride(2), kr.stride(0), kr.stride(1), kr.stride(2),
+           hq * t, t, hq * t * tile, t * tile,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), ROW_N=min(64, tile),
+           FB=feature_block, SPLIT=split_dots(kt), PDL=pdl, num_warps=stats_warps, num_stages=3)
     prop_sampling_passes(v, lens, buf, budget, tile, v_seed, r, hq, t, rounding=rounding,
                          write_counts=write_counts, pdl=pdl, r_max=r_max)
     return buf.out, buf.counts, buf.budgets, n_feat
@@ -218,4 +279,5 @@ def bernoulli_prop_reference(q, k, v, lens, scale: float, draws: int, budget: in
     return sample, read
 
 
-__all__ = ["bernoulli_prop_reference", "bernoulli_prop_triton", "check_bernoulli_prop_inputs"]
+__all__ = ["ROW_LAYOUT_ABOVE", "bernoulli_prop_reference", "bernoulli_prop_triton", "check_bernoulli_prop_inputs",
+           "row_layout_features"]

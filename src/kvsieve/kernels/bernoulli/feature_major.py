@@ -148,13 +148,11 @@ if triton is not None:
                  mask=head_ok[:, None] & (offs_n[None, :] < n_keys))
 
     @triton.jit
-    def _transpose_new_keys_kernel(k_ptr, lens_ptr, done_ptr, kt_ptr, rows_per_batch, kv_heads,
-                                   s_k_b, s_k_h, s_k_n, s_kt_b, s_kt_h, s_kt_f,
-                                   D: tl.constexpr, BLOCK: tl.constexpr):
-        """Copy keys ``[min(done, length), length)`` of one (batch row, KV head) into kT; done = length."""
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        length = tl.load(lens_ptr + b * rows_per_batch + rows_per_batch - 1)  # the batch row's last query row
+    def append_new_keys(k_ptr, lens_ptr, done_ptr, kt_ptr, b, kvh, rows_per_batch, kv_heads,
+                        s_k_b, s_k_h, s_k_n, s_kt_b, s_kt_h, s_kt_f, D: tl.constexpr, BLOCK: tl.constexpr):
+        """Copy keys ``[min(done, length), length)`` of (batch row b, KV head kvh) into kT; done = length
+        (length: the batch row's last query row's)."""
+        length = tl.load(lens_ptr + b * rows_per_batch + rows_per_batch - 1)
         done = tl.load(done_ptr + b * kv_heads + kvh)
         offs_d = tl.arange(0, D)
         k_base = k_ptr + b.to(tl.int64) * s_k_b + kvh * s_k_h
@@ -165,6 +163,32 @@ if triton is not None:
             k = tl.load(k_base + offs_n[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
             tl.store(kt_base + offs_d[None, :] * s_kt_f + offs_n[:, None], k, mask=ok[:, None])
         tl.store(done_ptr + b * kv_heads + kvh, length)
+
+    @triton.jit
+    def _transpose_new_keys_kernel(k_ptr, lens_ptr, done_ptr, kt_ptr, rows_per_batch, kv_heads,
+                                   s_k_b, s_k_h, s_k_n, s_kt_b, s_kt_h, s_kt_f,
+                                   D: tl.constexpr, BLOCK: tl.constexpr):
+        """:func:`append_new_keys` of one (KV head, batch row)."""
+        append_new_keys(k_ptr, lens_ptr, done_ptr, kt_ptr, tl.program_id(1), tl.program_id(0), rows_per_batch,
+                        kv_heads, s_k_b, s_k_h, s_k_n, s_kt_b, s_kt_h, s_kt_f, D, BLOCK)
+
+    @triton.jit
+    def row_scores(q_rows, k_base, offs_n, n_ok, g_ok, s_k_n, D: tl.constexpr, SPLIT: tl.constexpr):
+        """``Σ_i q_est[g, i] · k[n, i]`` ``[G_BLOCK, BLOCK_N]`` (float32, unscaled) over every feature, from
+        the cache layout (``k_base``: the KV head's ``[N, d]`` rows): what :func:`feature_scores` computes
+        when every feature is listed (``q_est`` is zero off the kept ones), for a unit whose draws kept so
+        many features that reading whole rows costs less than reading feature rows. ``SPLIT`` as there."""
+        offs_d = tl.arange(0, D)
+        qv = tl.load(q_rows[:, None] + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_k_n + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        if not SPLIT:
+            acc = tl.dot(qv.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            hi = qv.to(k.dtype)
+            lo = (qv - hi.to(tl.float32)).to(k.dtype)
+            kt = tl.trans(k)
+            acc = tl.dot(hi, kt) + tl.dot(lo, kt)
+        return acc
 
 
 class FeatureMajorKeys:
@@ -185,7 +209,19 @@ class FeatureMajorKeys:
 
     def update(self, k: torch.Tensor, lengths: torch.Tensor, rows_per_batch: int = 1) -> torch.Tensor:
         """The current ``kT [B, Hkv, d, capacity]`` for ``k [B, Hkv, N, d]``; ``lengths [B·rows_per_batch]``
-        int32 are the query rows' lengths (the last row of each batch row has the cache's length)."""
+        int32 are the query rows' lengths (the last row of each batch row has the cache's length).
+        :meth:`reserve` and the copy launch; ``decode.bernoulli_prop_triton`` takes the copy into its draw
+        launch instead (``append=``)."""
+        kt = self.reserve(k)
+        b, hkv, _, d = k.shape
+        launch(_transpose_new_keys_kernel, (hkv, b), k, lengths, self.done, kt, rows_per_batch, hkv,
+               k.stride(0), k.stride(1), k.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
+               D=d, BLOCK=64, num_warps=4)
+        return kt
+
+    def reserve(self, k: torch.Tensor) -> torch.Tensor:
+        """``kT`` with room for ``k [B, Hkv, N, d]``'s keys (grown or made anew as the class says), not yet
+        brought up to date: the keys from ``done`` on are still to copy."""
         b, hkv, n, d = k.shape
         same = (self.kt is not None and self.kt.shape[:3] == (b, hkv, d) and self.kt.dtype == k.dtype
                 and self.kt.device == k.device)
@@ -199,9 +235,6 @@ class FeatureMajorKeys:
             else:
                 self.done = torch.zeros(b, hkv, device=k.device, dtype=torch.int32)
             self.kt = kt
-        launch(_transpose_new_keys_kernel, (hkv, b), k, lengths, self.done, self.kt, rows_per_batch, hkv,
-               k.stride(0), k.stride(1), k.stride(2), self.kt.stride(0), self.kt.stride(1), self.kt.stride(2),
-               D=d, BLOCK=64, num_warps=4)
         return self.kt
 
 

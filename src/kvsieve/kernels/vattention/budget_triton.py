@@ -8,7 +8,8 @@ sample: ~40 torch launches. Here two launches do the same in float64: ``splits``
 query head) (~528 in all: one program per head would loop over every key at 32 programs) each
 take a share of the sink range, the window range, the top-k list and the base list, write their logits
 once to a workspace, and store sums around their own max and spreads around their own mean (two
-passes, not ``Σx² − (Σx)²/n``); one program per (row, query head) rescales them to the row's max and
+passes, not ``Σx² − (Σx)²/n``; the base rows' ``e^s v`` in one gather of their V rows, block by block
+merged by Chan's update); one program per (row, query head) rescales them to the row's max and
 merges the spreads (Chan et al.). Float64 sums in another order than the reference's: equal to ~1e-15
 relative (the tests hold the budgets to 1e-12 and their integer ceilings to equality).
 Its torch twin is the method's ``budget`` (the tests compare the kernel path's budgets with the
@@ -172,19 +173,31 @@ if triton is not None:
             acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
             acc_f = _weighted_v_segment(ws, o_w, v_base, s_v_n, top, end, w0, w1, shift, acc_f, False, BLOCK, D)
             acc_f = _weighted_v_segment(ws, o_t, v_base, s_v_n, top, 0, t0, t1, shift, acc_f, True, BLOCK, D)
+            # the base rows' Σ e v and Σ ‖e v − mean‖² in one gather of their V rows: each block's sum and
+            # spread around its own mean, merged into the running ones (Chan et al.; two-pass accuracy)
             acc_b = tl.zeros([D], tl.float64)
-            acc_b = _weighted_v_segment(ws, n_f, v_base, s_v_n, base, 0, b0, b1, shift, acc_b, True, BLOCK, D)
-            mean_r = acc_b / tl.maximum(nb, 1.0)
+            mean_r = tl.zeros([D], tl.float64)
+            n_run = tl.zeros([], tl.float64)
             tr = tl.zeros([], tl.float64)
             for j0 in range(b0, b1, BLOCK):
                 j = j0 + offs
                 ok = j < b1
                 pos = tl.load(base + j, mask=ok, other=0)
-                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+                e = tl.where(ok, tl.exp(tl.load(ws + n_f + j, mask=ok, other=0.0) - shift), 0.0)
                 vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
                              other=0.0).to(tl.float64)
-                dev = tl.where(ok[:, None], e[:, None] * vr - mean_r[None, :], 0.0)
-                tr += tl.sum(tl.sum(dev * dev, 1), 0)
+                rv = e[:, None] * vr
+                s_blk = tl.sum(rv, 0)
+                acc_b += s_blk
+                n_blk = tl.sum(ok.to(tl.float64), 0)
+                mu_blk = s_blk / tl.maximum(n_blk, 1.0)
+                dev = tl.where(ok[:, None], rv - mu_blk[None, :], 0.0)
+                n_new = n_run + n_blk
+                delta = mu_blk - mean_r
+                merge = n_run * n_blk / tl.maximum(n_new, 1.0)
+                tr += tl.sum(tl.sum(dev * dev, 1), 0) + tl.sum(delta * delta, 0) * merge
+                mean_r += delta * (n_blk / tl.maximum(n_new, 1.0))
+                n_run = n_new
             tl.store(o + 7, tr)
             tl.store(o + 8 + offs_d, acc_f)
             tl.store(o + 8 + D + offs_d, acc_b)

@@ -1,0 +1,48 @@
+"""``benchmarks/breakdown/stages.py``: its variants run on tiny CPU inputs and its kernels land in their stages."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "breakdown" / "stages.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("breakdown_stages", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_check_runs_every_variant():
+    assert load().main(["--check"]) == 0
+
+
+def test_stage_filing():
+    mod = load()
+    assert mod.stage_of("_feature_major_stats_kernel") == "K stream: scores/stats"
+    assert mod.stage_of("_mean_group_draw_kernel") == "bernoulli draw"
+    assert mod.stage_of("_split_candidates_kernel") == "uniform samples (base + residual)"
+    stages = mod.by_stage({"_budget_parts_kernel": (3.0, 1.0), "_budget_combine_kernel": (1.0, 1.0),
+                           "memset": (0.5, 2.0)})
+    assert stages["vattention budget statistics"] == {"us": 4.0, "launches": 2.0}
+    assert stages["other: memset"] == {"us": 0.5, "launches": 2.0}
+
+
+def test_needs_a_folder():
+    import pytest
+
+    with pytest.raises(SystemExit):
+        load().main([])
+
+
+def test_cases_and_outlier_queries():
+    import pytest
+
+    mod = load()
+    assert mod.parse_cases("1:gaussian,4,2:outliers") == [(1.0, "gaussian"), (4.0, "gaussian"), (2.0, "outliers")]
+    with pytest.raises(ValueError, match="features 'flat'"):
+        mod.parse_cases("1:flat")
+    s = mod.outlier_scales(128, "cpu")
+    assert abs(float(s.pow(2).mean()) - 1) < 1e-5
+    top = s.pow(2).sort(descending=True).values
+    assert float(top[:16].sum() / top.sum()) > 0.5  # a few features carry most of |q|²
