@@ -330,6 +330,12 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 # valid keys summed over rows, averaged over the timed steps
                 keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
                 row.update(_time_steps(rt.step, n_steps, cuda))
+                if cuda:
+                    row.update(host_ms(rt.step), host_after_profiler=_PROFILED["done"])
+                # what was timed: read before the eager stats steps below change the runtime's choice
+                row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
+                           attention_backend=rt.attention_backend, weights_bytes=weights,
+                           fallbacks=list(rt.stats.fallbacks), **({"tp_stats": rt.stats.tp} if rt.stats.tp else {}))
                 recs, stat_steps, source = rt.stats.records, n_steps, "method stats"
                 if not recs and variant != "runtime":
                     # a captured step records no stats: the density comes from a few eager steps from the same point
@@ -347,11 +353,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 else:
                     per_step = _kv_bytes_dense(rt, keys)
                     row["kv_bytes_source"] = "all valid keys"
-                if cuda:
-                    row.update(host_ms(rt.step), host_after_profiler=_PROFILED["done"])
-                row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
-                           attention_backend=rt.attention_backend, kv_bytes=per_step, weights_bytes=weights,
-                           fallbacks=list(rt.stats.fallbacks), **({"tp_stats": rt.stats.tp} if rt.stats.tp else {}))
+                row.update(kv_bytes=per_step, timed_steps=n_steps)
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             case_rows.append(row)
