@@ -5,7 +5,7 @@
 # its previous rule (one table, the hub's weight); Sketch&Walk decodes eagerly), all under $OUT. CASES=1x128k (etc.) runs a subset.
 #
 #   bash benchmarks/runtime/gpu_run.sh            # carry .device_data/wheels (pytest) if the image lacks it
-#   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone
+#   bash benchmarks/runtime/gpu_run.sh --no-tests # the benchmark alone (ATTENTION=peaked: calibrated attention)
 #
 # Expected time on an H100: tests ~1.5 min (Triton compiles), benchmark ~4 min for the three cases (10 methods;
 # CASES=1x128k runs one case).
@@ -33,6 +33,6 @@ METHODS="santa-prop:budget=128;quest:top_k=0.05,share_kv_group=true;streaming:si
 METHODS+=";santa-flash:budget=2048;oracle-topk:top_k=0.05,share_kv_group=true;oracle-topp:top_p=0.9"
 METHODS+=";random:budget=0.05;magicpig:bits=8,tables=16,budget=0.05;vattention;vattention:predictor=quest"
 METHODS+=";magicpig:bits=8,tables=16,budget=0.05,min_tables=1,weight_eps=0,transform=mips;sketchwalk:variant=reconstruction,density=0.1"
-timeout ${BENCH_TIMEOUT:-560} python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases "$CASES" \
+timeout ${BENCH_TIMEOUT:-560} python3 -m kvsieve.cli.main bench e2e --shapes llama-3.1-8b --cases "$CASES" --attention "${ATTENTION:-uniform}" \
     --methods "$METHODS" --baselines runtime,hf-eager --out "$OUT" --name "e2e-${CASES//,/-}" \
     --record-command "CASES=$CASES bash benchmarks/runtime/gpu_run.sh" 2>&1 | tee "$OUT/bench.txt" | tail -60
