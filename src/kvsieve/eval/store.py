@@ -163,10 +163,12 @@ class ResultStore:
             raise ResultsFolderError(f"output: {root} exists and is not a folder")
         if root.is_dir() and (root / MANIFEST).exists():
             manifest = _read_manifest(root)
+            # a setting added later takes its old implicit value on whichever side does not name it
             old = {**SETTINGS_ADDED_LATER, **manifest["settings"]}
-            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
+            new = {**SETTINGS_ADDED_LATER, **settings}
+            diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
             if diff:
-                details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {settings.get(k)!r}" for k in diff)
+                details = "; ".join(f"{k}: folder has {old.get(k)!r}, this run {new.get(k)!r}" for k in diff)
                 raise ResultsFolderError(
                     f"output: {root} holds results made with other settings ({details}). Results made "
                     "with different settings are not mixed: use another output folder"
