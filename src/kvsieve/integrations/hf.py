@@ -176,7 +176,7 @@ class SparseSession:
             return "exact: dense_layers"
         if self.sparse_everywhere:
             return None
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        window = _sliding_window(module, kwargs)
         if window:
             return f"exact: sliding window of {window} keys"
         if n_keys <= self.method.exact_below():
@@ -235,7 +235,7 @@ class SparseSession:
         method = self.method
         # A sliding-window layer stays exact in every phase (see _exact_reason): its prompt is neither
         # sparse-prefilled nor recorded.
-        sliding = not self.sparse_everywhere and kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        sliding = not self.sparse_everywhere and _sliding_window(module, kwargs)
         hooked = (method.sparse_prefill or method.observes_prefill) and self.driver.serves(layer) and not sliding
         # Setup B: a chunk after the observed context (the question) goes through the method's decode;
         # under "all" so does any chunk after the sparse prefill.
@@ -362,6 +362,11 @@ class SparseSession:
     @property
     def backends(self) -> set[str]:
         return self.driver.log.backends
+
+
+def _sliding_window(module, kwargs) -> int | None:
+    """The layer's sliding window in keys (transformers passes it per call; older modules carry it), or None."""
+    return kwargs.get("sliding_window", getattr(module, "sliding_window", None))
 
 
 def _left_padding(attention_mask: torch.Tensor, q_len: int, name: str) -> list[int] | None:
