@@ -486,12 +486,13 @@ if triton is not None:
         base = (b * hkv + g) * n_tiles * BLOCK_R + rows
         big = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for tt in range(0, n_tiles):
-            big = tl.maximum(big, tl.load(mx_ptr + base + tt * BLOCK_R))
+            big = tl.maximum(big, tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf")))
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = tl.zeros([BLOCK_R], tl.float32)
         for tt in range(0, n_tiles):
-            mt = tl.load(mx_ptr + base + tt * BLOCK_R)
-            total += tl.where(mt == float("-inf"), 0.0, tl.load(se_ptr + base + tt * BLOCK_R) * tl.exp(mt - safe))
+            mt = tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf"))
+            se = tl.load(se_ptr + base + tt * BLOCK_R, mask=row_ok, other=0.0)
+            total += tl.where(mt == float("-inf"), 0.0, se * tl.exp(mt - safe))
         lse = safe + tl.log(tl.where(total > 0, total, 1.0))
         # the tile's probabilities summed over the valid ring rows (the slot's age below the ring's count)
         feats = tl.arange(0, BLOCK_M)
@@ -535,10 +536,11 @@ if triton is not None:
             part = tl.load(p_ptr + (b * n_splits + sp[:, None]) * cap + j[None, :],
                            mask=(sp < n_splits)[:, None] & live[None, :], other=0.0, cache_modifier=".cg")
             rj = tl.load(r_ptr + vec + j, mask=live, other=0.0)
-            tl.store(walk_ptr + vec + j, tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0), mask=j < cap)
+            w = tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0)
+            tl.store(walk_ptr + vec + j, w, mask=j < cap)
         tl.debug_barrier()
         wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
-        _, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
+        sink_tokens, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
         first_window = n - wb
         n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
         th = tl.full([], 0.0, tl.float32)
@@ -547,8 +549,8 @@ if triton is not None:
             lo = ranks.to(tl.int32)
             hi = tl.ceil(ranks).to(tl.int32)
             src = walk_ptr + vec + sb
-            img_hi, img_lo, _ = value_range(src, n_cand, BLOCK_X)
-            img, _ = radix_select(src, n_cand, n_cand - lo, img_hi, img_lo, 32, BLOCK_X)  # the lo-th smallest
+            img_hi, img_lo, n_fin = value_range(src, n_cand, BLOCK_X)
+            img, n_eq = radix_select(src, n_cand, n_cand - lo, img_hi, img_lo, 32, BLOCK_X)  # the lo-th smallest
             v_lo = tl.full([], float("-inf"), tl.float32)
             v_next = tl.full([], float("inf"), tl.float32)
             n_le = tl.full([], 0, tl.int32)
