@@ -74,7 +74,7 @@ def main() -> None:
     dispatched = count_dispatched(step)
     res["step_dispatch"] = {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads", "ops")}
     if not check:
-        time_on_gpu(res, m, cfg, state, step, qd, k, v, lengths, n, b)
+        time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,8 @@ def main() -> None:
     print(json.dumps(res, indent=2))
 
 
-def time_on_gpu(res, m, cfg, state, step, qd, k, v, lengths, n, b) -> None:
+def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
+    """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
     from kvsieve.kernels.shared.dense import dense_decode_triton
