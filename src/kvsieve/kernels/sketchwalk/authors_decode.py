@@ -40,7 +40,18 @@ from __future__ import annotations
 import torch
 
 from ..shared.select_common import row_segments
-from ..shared.triton_utils import cdiv, float64_constants, launch, next_pow2, triton, workspace
+from ..shared.triton_utils import (
+    cdiv,
+    float64_constants,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch,
+    next_pow2,
+    pdl_available,
+    pdl_launch,
+    triton,
+    workspace,
+)
 
 #: Added to a row's sum before dividing by it (the authors').
 ROW_EPS = 1e-12
@@ -302,7 +313,9 @@ if triton is not None:
                           ks_ptr, pkp_ptr, mx_ptr, se_ptr, cap, w_len, m, d, n_tiles, hq, scale, s_qb, s_qh, s_kb,
                           s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
+            gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         t = tl.program_id(2)
@@ -472,7 +485,10 @@ if triton is not None:
                           r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr,
                           last_ptr, err_ptr, cap, w_len, m, n_tiles, hq, fresh, scale, eps, GROUP: tl.constexpr,
                           BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_X: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         t = tl.program_id(2)
@@ -590,7 +606,10 @@ if triton is not None:
                          pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, cap, n_splits, split_rows, max_pages, q,
                          beta, one_minus_beta, FIRST: tl.constexpr, LAST: tl.constexpr, BS: tl.constexpr,
                          SPLITS_P: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                         BLOCK_X: tl.constexpr):
+                         BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         jt = tl.program_id(1)
         sp = tl.program_id(2)
@@ -652,8 +671,9 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
     r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
     tickets = workspace("sw_authors_row_ticket", q, b, torch.int32, zeroed=True)
+    pdl = pdl_available()
     meta = dict(GROUP=group, BS=st.block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)),
-                PRECISION=precision, num_warps=8, num_stages=1)
+                PRECISION=precision, PDL=pdl, num_warps=8, num_stages=1)
     launch(_row_stats_kernel, (b, hkv, n_tiles), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries, st.p_nq,
            st.prompt_len, st.ksum, st.ks, st.p_kpart, mx, se, cap, w_len, m, d, n_tiles, hq, float(scale),
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
@@ -661,7 +681,7 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     launch(_row_probs_kernel, (b, hkv, n_tiles), lengths, st.qs, st.ks, st.n_queries, st.p_nq, st.prompt_len, mx, se,
            part, tickets, r, st.u, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
            st.last_pos, st.order_error, cap, w_len, m, n_tiles, hq, int(st.fresh_rows), float(scale), ROW_EPS,
-           BLOCK_X=min(1024, max(16, next_pow2(cap))), **meta)
+           BLOCK_X=min(1024, max(16, next_pow2(cap))), **meta, **pdl_launch(pdl))
     st.fresh_rows = False
     return r
 
@@ -699,13 +719,14 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
            "n": torch.empty(b, device=dev, dtype=torch.int32),
            "short": torch.empty(b, device=dev, dtype=torch.int8)}
     frac = float64_constants((sink, window), dev)
+    pdl = pdl_available()  # each hop launches while the kernel before it runs (its programs wait for it first)
     for hop in range(degree):
         launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.u, st.sigma, r, hops[(hop + 1) % 2],
                hops[hop % 2], tickets, frac, out["walk"], out["kept"], out["pages"], out["counts"],
                out["window_tokens"], out["n"], out["short"], cap, n_splits, split_rows, max_pages, float(q),
                float(beta), float(1.0 - beta), FIRST=hop == 0, LAST=hop == degree - 1, BS=st.block_size,
                SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
-               BLOCK_X=min(1024, max(16, next_pow2(cap))), num_warps=4, num_stages=2)
+               BLOCK_X=min(1024, max(16, next_pow2(cap))), PDL=pdl, num_warps=4, num_stages=2, **pdl_launch(pdl))
     out["kept"] = out["kept"].view(torch.bool)
     out["short"] = out["short"].view(torch.bool)
     return out
