@@ -120,12 +120,13 @@ def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadama
         p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed,block_x", [(0, None), (1, 4)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_row_update_kernels_match_their_reference(seed, fresh):
+def test_row_update_kernels_match_their_reference(seed, fresh, block_x):
     """Row 0 restarts mid-block, row 1 restarts on a block boundary, row 2 continues its block, row 3 starts a
     new block (its order flag already set), row 4 jumps (sets it); ``fresh``: rows past the block count start as
-    the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys."""
+    the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the tail over the whole row
+    at once or in chunks (``block_x``)."""
     st = crafted_state(seed)
     st.fresh_rows = fresh
     if fresh:
@@ -136,7 +137,7 @@ def test_row_update_kernels_match_their_reference(seed, fresh):
     lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
     want, got = copy.deepcopy(st), copy.deepcopy(st)
     r_want = kd.row_update_reference(want, q, k, lengths, scale=0.05)
-    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
     assert not r_got[0, 8:].any() and not r_got[4, 6:].any()
     assert not got.fresh_rows
@@ -149,8 +150,9 @@ def test_row_update_kernels_match_their_reference(seed, fresh):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_walk_select_kernels_match_their_reference(seed):
-    """The walk's hops over several row splits and the selection: rows with ties at the quantile (β = 0: the walk
-    is the block row) and a row too short for any candidate block; walks within rounding, the rest exactly."""
+    """The walk's hops over several row splits and the selection, the row at once or in chunks: rows with ties at the
+    quantile (β = 0: the walk is the block row) and a row too short for any candidate block; walks within rounding,
+    the rest exactly."""
     st = crafted_state(seed, b=5, cap=40)
     g = torch.Generator().manual_seed(seed + 3)
     lengths = torch.tensor([317, 200, 9, 160, 41], dtype=torch.int32)  # 40, 25, 2, 20, 6 blocks of 8
@@ -160,10 +162,11 @@ def test_walk_select_kernels_match_their_reference(seed):
     r[3] = (r[3] * 4).floor() / 4
     r = torch.where(torch.arange(40) < n[:, None], r, 0.0)
     r = r / r.sum(-1, keepdim=True)
-    for beta, degree, splits in ((0.0, 3, 3), (0.25, 3, 2), (0.6, 1, 4), (0.3, 2, None)):
+    for beta, degree, splits, block_x in ((0.0, 3, 3, None), (0.0, 1, 1, 16), (0.25, 3, 2, 16), (0.6, 1, 4, None),
+                                          (0.3, 2, None, 8)):
         kw = dict(beta=beta, degree=degree, sink=0.04, window=0.1, q=0.8, max_pages=30)
         want = kd.walk_select_reference(st, r, lengths, **kw)
-        got = kd.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, **kw)
+        got = kd.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=block_x, **kw)
         torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
         for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):
             assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, beta)

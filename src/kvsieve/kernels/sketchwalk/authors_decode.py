@@ -644,6 +644,12 @@ if triton is not None:
                             BLOCK_X)
 
 
+def tail_chunk(cap: int) -> int:
+    """Columns a row's serial tail (the matrix step, the selection) handles at once: the whole row up to 4,096
+    blocks (256k tokens of 64), so that each of its passes is one round trip to memory."""
+    return min(4096, max(16, next_pow2(cap)))
+
+
 def _check_state(st) -> None:
     for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi"):
         t = getattr(st, name)
@@ -652,11 +658,12 @@ def _check_state(st) -> None:
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = 64, precision: str = "tf32x3") -> torch.Tensor:
+                      block_n: int = 64, precision: str = "tf32x3", block_x: int | None = None) -> torch.Tensor:
     """:func:`row_update_reference` in two launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred). Returns ``r [B, C]`` (a workspace: valid until the next call).
     ``precision``: ``tl.dot``'s for the sketched logits (tf32x3 keeps about float32's accuracy on tensor cores;
-    the interpreter computes in float32 whatever it is)."""
+    the interpreter computes in float32 whatever it is); ``block_x``: the tail's chunk (default
+    :func:`tail_chunk`)."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
@@ -681,7 +688,7 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     launch(_row_probs_kernel, (b, hkv, n_tiles), lengths, st.qs, st.ks, st.n_queries, st.p_nq, st.prompt_len, mx, se,
            part, tickets, r, st.u, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
            st.last_pos, st.order_error, cap, w_len, m, n_tiles, hq, int(st.fresh_rows), float(scale), ROW_EPS,
-           BLOCK_X=min(1024, max(16, next_pow2(cap))), **meta, **pdl_launch(pdl))
+           BLOCK_X=block_x or tail_chunk(cap), **meta, **pdl_launch(pdl))
     st.fresh_rows = False
     return r
 
@@ -693,9 +700,9 @@ def walk_splits(batch: int, cap: int, device: torch.device, *, block_j: int, blo
 
 def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
                        window: float, q: float, max_pages: int, splits: int | None = None, block_j: int = 128,
-                       block_i: int = 32) -> dict[str, torch.Tensor]:
+                       block_i: int = 32, block_x: int | None = None) -> dict[str, torch.Tensor]:
     """:func:`walk_select_reference` in ``degree`` launches (float32). ``splits``: the GEMV's row splits
-    (default :func:`walk_splits`)."""
+    (default :func:`walk_splits`); ``block_x``: the selection's chunk (default :func:`tail_chunk`)."""
     _check_state(st)
     if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
         raise ValueError(f"r: expected a contiguous float32 {tuple(st.sigma.shape)}, got {r.dtype} {tuple(r.shape)}")
@@ -726,7 +733,8 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
                out["window_tokens"], out["n"], out["short"], cap, n_splits, split_rows, max_pages, float(q),
                float(beta), float(1.0 - beta), FIRST=hop == 0, LAST=hop == degree - 1, BS=st.block_size,
                SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
-               BLOCK_X=min(1024, max(16, next_pow2(cap))), PDL=pdl, num_warps=4, num_stages=2, **pdl_launch(pdl))
+               BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8 if hop == degree - 1 else 4, num_stages=2,
+               **pdl_launch(pdl))
     out["kept"] = out["kept"].view(torch.bool)
     out["short"] = out["short"].view(torch.bool)
     return out
