@@ -1,7 +1,9 @@
-"""variant=authors' batched decode with the Triton sparse kernel (the kept blocks as pages, the first
-``window_tokens`` keys as a per-row dense prefix: ``sink_lengths``) against the same step with the torch
-attention, on the CPU through Triton's interpreter. Not collected on its own:
-``tests/test_sketchwalk_authors_device.py`` runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
+"""variant=authors' batched decode on its Triton path, on the CPU through Triton's interpreter: the step's kernels
+(``kernels/sketchwalk/authors_decode.py``) against their torch references on crafted states (restarts, new
+blocks, a fresh state, an out-of-order row, ties at the quantile), the whole step against the per-row reference
+``decode_row`` (the same kept blocks, ragged rows, bf16), and the sparse kernel's per-row dense prefix
+(``sink_lengths``). Not collected on its own: ``tests/test_sketchwalk_authors_device.py`` runs this file in a
+subprocess with ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from test_sketchwalk_authors_device import stacked_state  # noqa: E402
+import copy  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from test_sketchwalk_authors_device import data as rows_data  # noqa: E402
+from test_sketchwalk_authors_device import reference_rows, stacked_state  # noqa: E402
 
 import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
+from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
+from kvsieve.methods.sketchwalk.authors import sketch_matrix  # noqa: E402
+from kvsieve.methods.sketchwalk.authors_device import max_kept_pages  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
@@ -50,87 +59,137 @@ def test_sink_lengths_match_the_reference(seed, dtype):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batched_decode_kernel_matches_torch_attention(seed, dtype):
-    spec = "sketchwalk:block_size=16,window=0.1,sink=0.05,kblocks_frac=0.2,query_window=8"
-    b, hq, hkv, d = 2, 4, 2, 64
-    prompts, steps = [150, 101], 20
-    q, k, v = data(b, hq, hkv, 180, d, seed, dtype)
-    outs = {}
-    for backend in ("triton", "reference-attention"):
-        m = kvsieve.method(spec + (",backend=triton" if backend == "triton" else ""))
-        state = stacked_state(m, q, k, v, prompts)
-        got = []
-        for i in range(steps):
-            lengths = torch.tensor(prompts) + 1 + i
-            out, stats = m.decode(q[torch.arange(b), :, lengths - 1], k, v, lengths=lengths, state=state,
-                                  context=kvsieve.CallContext(capacity=k.shape[2]))
-            assert stats.backend == ("triton" if backend == "triton" else "reference")
-            got.append(out.float())
-        outs[backend] = torch.stack(got)
+
+@pytest.mark.parametrize("spec,shape,prompts,steps,dtype", [
+    ("sketchwalk:block_size=16", (4, 2, 64), [150, 97, 128], 12, torch.float32),
+    ("sketchwalk:block_size=16,query_window=5,window=0.1,sink=0.05,kblocks_frac=0.3,walk_damping=0.4", (8, 2, 64),
+     [64, 81], 14, torch.bfloat16),
+    ("sketchwalk:block_size=8,degree=1,query_window=3", (2, 1, 64), [40, 33, 8], 10, torch.float16),
+])
+def test_the_triton_step_keeps_the_blocks_of_decode_row(spec, shape, prompts, steps, dtype):
+    """Ragged rows decoded together through the Triton step and the sparse kernel keep, step by step, exactly the
+    blocks each row keeps alone through ``decode_row`` (blocks complete, the ring wraps), with its walk and output
+    within rounding; the state ends where the torch step's does, and the page list is the host bound's."""
+    hq, hkv, d = shape
+    n = max(prompts) + steps + 5
+    q, k, v = rows_data(len(prompts), hq, hkv, n, d, seed=len(prompts), dtype=dtype)
+    ref = reference_rows(spec, q, k, v, prompts, steps)
+    m, m_torch = kvsieve.method(spec + ",backend=triton"), kvsieve.method(spec)
+    state, state_torch = stacked_state(m, q, k, v, prompts), stacked_state(m_torch, q, k, v, prompts)
+    cfg = m.config
+    bound = max_kept_pages(n, cfg.block_size, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs["triton"], outs["reference-attention"], atol=tol, rtol=tol)
+    for i in range(steps):
+        lengths = torch.tensor(prompts) + 1 + i
+        qi = q[torch.arange(len(prompts)), :, lengths - 1]
+        out, stats = m.decode(qi, k, v, lengths=lengths, state=state, context=kvsieve.CallContext(capacity=n))
+        m_torch.decode(qi, k, v, lengths=lengths, state=state_torch, context=kvsieve.CallContext(capacity=n))
+        assert stats.extra["selection"] == "device-triton" and stats.backend == "triton"
+        step = state.authors_device.last_step
+        assert torch.equal(step.pages, kd.page_list(step.kept_blocks, step.window_tokens, cfg.block_size, bound)[0])
+        for b, rows in enumerate(ref):
+            r = rows[i]
+            nb = r.kept_blocks.shape[0]
+            assert torch.equal(step.kept_blocks[b, :nb], r.kept_blocks), (i, b)
+            assert not step.kept_blocks[b, nb:].any()
+            torch.testing.assert_close(step.walk[b, :nb], r.walk, atol=1e-6, rtol=1e-4)
+            torch.testing.assert_close(out[b].float(), r.out.float(), atol=tol, rtol=tol)
+    got, want = state.authors_device, state_torch.authors_device
+    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-6, rtol=1e-4, msg=name)
+    for name in ("n_blocks", "n_queries", "last_pos", "order_error"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadamard_dim=12):
+    """A state of random contents (not one a decode would reach; the kernels' arithmetic does not care)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g)
+
+    u = rand(b, cap, cap) ** 3
+    return SimpleNamespace(
+        phi=sketch_matrix(d, hadamard_dim, seed), u=u, sigma=1 / u.sum(-1) * (1 + 0.1 * rand(b, cap)), rsum=u.sum(-1),
+        n_blocks=torch.tensor([8, 9, 6, 10, 7]), qs=torch.randn(b, hq, w_len, 12, generator=g),
+        n_queries=torch.tensor([5, 3, 5, 2, 5]), ksum=torch.randn(b, hkv, cap, d, generator=g),
+        ks=torch.randn(b, hkv, cap, 12, generator=g), last_pos=torch.tensor([60, 64, 46, 79, 40]),
+        order_error=torch.tensor([False, False, False, True, False]), prompt_len=torch.tensor([58, 64, 45, -1, 48]),
+        p_nblocks=torch.tensor([8, 8, 6, 0, 6]), p_row=rand(b, cap), p_col=rand(b, cap), p_rsum=rand(b, cap) + 0.5,
+        p_qs=torch.randn(b, hq, w_len, 12, generator=g), p_nq=torch.tensor([4, 5, 1, 0, 5]),
+        p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs)
+
+
+@pytest.mark.parametrize("seed,block_x", [(0, None), (1, 4)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_row_update_kernels_match_their_reference(seed, fresh, block_x):
+    """Row 0 restarts mid-block, row 1 restarts on a block boundary, row 2 continues its block, row 3 starts a
+    new block (its order flag already set), row 4 jumps (sets it); ``fresh``: rows past the block count start as
+    the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the tail over the whole row
+    at once or in chunks (``block_x``)."""
+    st = crafted_state(seed)
+    st.fresh_rows = fresh
+    if fresh:
+        st.n_blocks = torch.tensor([3, 0, 6, 10, 2])
+    g = torch.Generator().manual_seed(seed + 7)
+    q = torch.randn(5, 4, 64, generator=g).bfloat16()
+    k = torch.randn(5, 2, 90, 64, generator=g).bfloat16()
+    lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
+    want, got = copy.deepcopy(st), copy.deepcopy(st)
+    r_want = kd.row_update_reference(want, q, k, lengths, scale=0.05)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x)
+    torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
+    assert not r_got[0, 8:].any() and not r_got[4, 6:].any()
+    assert not got.fresh_rows
+    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-6, rtol=1e-5, msg=name)
+    for name in ("n_blocks", "n_queries", "last_pos", "order_error"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.order_error.tolist() == [False, False, False, True, True]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_selection_kernel_matches_its_reference(seed):
-    from kvsieve.kernels.sketchwalk.authors_decode import select_pages_reference, select_pages_triton
-
-    g = torch.Generator().manual_seed(seed)
-    b, c = 5, 100
-    w = torch.rand(b, c, generator=g) ** 4  # entries over decades
-    w[1] = w[1].round(decimals=1)  # exact ties
-    n = torch.tensor([100, 57, 3, 80, 9])
-    sb, wb = torch.tensor([3, 2, 1, 5, 4]), torch.tensor([6, 4, 2, 9, 5])  # row 4: no candidate
-    wt = torch.tensor([150, 40, 1, 600, 30])
-    for q in (0.875, 0.5, 0.01):
-        want = select_pages_reference(w, n, sb, wb, wt, q=q, block_size=16, max_pages=40)
-        got = select_pages_triton(w, n, sb, wb, wt, q=q, block_size=16, max_pages=40)
-        for name, x, y in zip(("kept", "pages", "counts"), want, got, strict=True):
-            assert torch.equal(x, y), (name, q)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_matrix_update_kernel_matches_its_reference(seed):
-    """Rows that restart (prompt ending mid-block or on a block boundary), start a block, or continue one."""
-    from kvsieve.kernels.sketchwalk.authors_decode import update_matrix_reference, update_matrix_triton
-
-    g = torch.Generator().manual_seed(seed)
-    b, cap, bs = 5, 40, 8
-    u = torch.rand(b, cap, cap, generator=g) ** 3
-    sigma = 1 / u.sum(-1) * (1 + 0.1 * torch.rand(b, cap, generator=g))
-    rsum = u.sum(-1)
-    n_blocks = torch.tensor([12, 20, 9, 30, 13])
-    pos = torch.tensor([90, 160, 71, 237, 96])  # block 11 (restart mid-block), 20 (new), 8, 29, 12 (restart, new)
-    restart = torch.tensor([True, False, False, False, True])
-    p_nblocks = torch.tensor([12, 0, 0, 0, 12])
-    p_row, p_col = torch.rand(b, cap, generator=g), torch.rand(b, cap, generator=g)
-    p_rsum = torch.rand(b, cap, generator=g) + 0.5
-    r = torch.rand(b, cap, generator=g) * (torch.arange(cap) <= pos[:, None] // bs)
+def test_walk_select_kernels_match_their_reference(seed):
+    """The walk's hops over several row splits and the selection, the row at once or in chunks: rows with ties at the
+    quantile (β = 0: the walk is the block row) and a row too short for any candidate block; walks within rounding,
+    the rest exactly."""
+    st = crafted_state(seed, b=5, cap=40)
+    g = torch.Generator().manual_seed(seed + 3)
+    lengths = torch.tensor([317, 200, 9, 160, 41], dtype=torch.int32)  # 40, 25, 2, 20, 6 blocks of 8
+    n = (lengths.long() - 1) // 8 + 1
+    r = torch.rand(5, 40, generator=g) ** 4
+    r[1] = r[1].round(decimals=1)  # exact ties
+    r[3] = (r[3] * 4).floor() / 4
+    r = torch.where(torch.arange(40) < n[:, None], r, 0.0)
     r = r / r.sum(-1, keepdim=True)
-    args = [t.clone() for t in (u, sigma, rsum, n_blocks)]
-    want = [t.clone() for t in (u, sigma, rsum, n_blocks)]
-    update_matrix_reference(*want, r, pos, restart, p_nblocks, p_row, p_col, p_rsum, block_size=bs, eps=1e-12)
-    update_matrix_triton(*args, r, pos, restart, p_nblocks, p_row, p_col, p_rsum, block_size=bs, eps=1e-12)
-    assert torch.equal(args[3], want[3])
-    for got, ref in zip(args[:3], want[:3], strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-5)
+    for beta, degree, splits, block_x in ((0.0, 3, 3, None), (0.0, 1, 1, 16), (0.25, 3, 2, 16), (0.6, 1, 4, None),
+                                          (0.3, 2, None, 8)):
+        kw = dict(beta=beta, degree=degree, sink=0.04, window=0.1, q=0.8, max_pages=30)
+        want = kd.walk_select_reference(st, r, lengths, **kw)
+        got = kd.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=block_x, **kw)
+        torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
+        for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):
+            assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, beta)
+        assert want["short"][2] and not want["short"][0]
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_block_row_kernel_matches_its_reference(seed):
-    """GQA groups, ragged block counts, a ring with invalid slots, a sketch dim that is no power of two."""
-    from kvsieve.kernels.sketchwalk.authors_decode import block_row_reference, block_row_triton
+def test_a_layer_step_is_six_launches():
+    """The step up to the attention is 2 + degree Triton launches and the attention one (its fused merge); no torch
+    op runs on the device path but the CPU's order check (``any`` and its host read; on CUDA it is not made)."""
+    from kvsieve.bench.timing import count_dispatched
 
-    g = torch.Generator().manual_seed(seed)
-    b, hq, hkv, w_len, m, cap = 3, 4, 2, 5, 12, 40
-    qs = torch.randn(b, hq, w_len, m, generator=g) * 4
-    ks = torch.randn(b, hkv, cap, m, generator=g) * 4
-    n = torch.tensor([40, 17, 1])
-    slot_ok = torch.rand(b, w_len, generator=g) < 0.7
-    slot_ok[:, 0] = True
-    want = block_row_reference(qs, ks, n, slot_ok, 0.3)
-    got = block_row_triton(qs, ks, n, slot_ok, 0.3, block_n=16)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    assert not got[1, 17:].any() and not got[2, 1:].any()
+    prompts = [150, 97]
+    q, k, v = rows_data(2, 8, 2, 200, 64, seed=5, dtype=torch.bfloat16)
+    m = kvsieve.method("sketchwalk:block_size=16,sink=0.01,window=0.02,kblocks_frac=0.0625,backend=triton")
+    state = stacked_state(m, q, k, v, prompts)
+    ctx = kvsieve.CallContext(capacity=200, count_reads=False)
+    calls = []
+    for i in (1, 2):  # the first call makes the state
+        lengths = torch.tensor(prompts, dtype=torch.int32) + i
+        q_i = q[torch.arange(2), :, lengths.long() - 1].contiguous()
+        calls.append(lambda q_i=q_i, lengths=lengths: m.decode(q_i, k, v, lengths=lengths, state=state, context=ctx,
+                                                               check_finite=False))
+    calls[0]()
+    got = count_dispatched(calls[1])
+    assert got["triton_launches"] == 2 + m.config.degree + 1, got
+    assert set(got["ops"]) <= {"any.default"} and got["host_reads"] <= 1, got

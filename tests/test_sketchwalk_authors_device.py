@@ -196,10 +196,43 @@ def test_generate_on_a_tiny_llama_equals_the_reference_path():
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py"), ids=group_id)
-def test_the_sparse_kernel_path_under_the_triton_interpreter(group):
+@pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py",
+                                              "test_the_triton_step_keeps_the_blocks_of_decode_row"), ids=group_id)
+def test_the_kernel_path_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_decode_interpreter_cases.py", group)
+
+
+COMPILE_FOR_H100 = """
+from kvsieve.kernels.sketchwalk import authors_decode as ad
+
+f32 = "*fp32"
+ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f32, pqs_ptr=f32, nq_ptr="*i64",
+            pnq_ptr="*i64", plen_ptr="*i64", ksum_ptr=f32, ks_ptr=f32, pkp_ptr=f32, mx_ptr=f32, se_ptr=f32,
+            part_ptr=f32, tk_ptr="*i32", r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
+            p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
+            pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
+            counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
+meta = dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_N=64, BLOCK_M=128, PRECISION="tf32x3", PDL=True)
+compile_(ad._row_stats_kernel, ptrs, dict(meta, BLOCK_G=16, BLOCK_D=128), floats=("scale",), num_warps=8)
+compile_(ad._row_probs_kernel, ptrs, dict(meta, BLOCK_X=4096), floats=("scale", "eps"), num_warps=8)
+for first, last in ((True, False), (False, False), (False, True), (True, True)):
+    compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, LAST=last, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128,
+                                             BLOCK_X=4096, PDL=True), floats=("q", "beta", "one_minus_beta"),
+             num_warps=8 if last else 4)
+print("COMPILED")
+"""
+
+
+@pytest.mark.triton
+def test_the_step_kernels_compile_for_the_h100():
+    """The interpreter neither type-checks untaken branches nor runs tensor-core dots: compiling for sm_90 (no GPU
+    needed) does, at Llama-3.1-8B heads, for every hop kind (first, middle, last with the selection, and both), with
+    programmatic dependent launch as on the H100."""
+    pytest.importorskip("triton")
+    from interpreted import compile_for_sm90
+
+    compile_for_sm90(COMPILE_FOR_H100)
 
 
 def test_the_batched_path_is_declared_capturable_and_the_per_row_loop_is_not():

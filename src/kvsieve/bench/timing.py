@@ -127,3 +127,56 @@ def count_launches(fn: Callable[[], object]) -> int | None:
         return len(kernels)
     except Exception:  # noqa: BLE001 - the profiler is optional, the count is reported as unknown
         return None
+
+
+# aten ops that launch no kernel on a GPU (allocation, aliasing); views are told by their schema
+_NO_KERNEL = {"empty.memory_format", "empty_strided.default", "empty_like.default", "lift_fresh.default",
+              "detach.default", "_local_scalar_dense.default"}
+
+
+def count_dispatched(fn: Callable[[], object]) -> dict:
+    """What one call would launch, counted without a GPU (the CPU proxy of :func:`count_launches`): the torch ops
+    that run a kernel (a dispatch-mode counter; views and allocations excluded), the Triton launches (under
+    ``TRITON_INTERPRET=1``, where every launch goes through the interpreter) and the host reads of a device value
+    (``.item()``-like: a sync on a GPU). Returns ``{"torch_ops", "triton_launches", "host_reads", "ops"}``, ``ops``
+    the torch ops by name."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops: Counter = Counter()
+    counts = {"triton": 0, "reads": 0, "inside": 0}
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = f"{func._overloadpacket.__name__}.{func._overloadname}"
+            if name == "_local_scalar_dense.default":
+                counts["reads"] += 1
+            elif not counts["inside"] and not func.is_view and name not in _NO_KERNEL:
+                ops[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover - triton is an optional dependency
+        InterpretedFunction = None
+    run = InterpretedFunction.run if InterpretedFunction is not None else None
+
+    def counted_run(self, *args, **kwargs):
+        counts["triton"] += 1
+        counts["inside"] += 1
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            counts["inside"] -= 1
+
+    if run is not None:
+        InterpretedFunction.run = counted_run
+    try:
+        with _Mode():
+            fn()
+    finally:
+        if run is not None:
+            InterpretedFunction.run = run
+    return {"torch_ops": sum(ops.values()), "triton_launches": counts["triton"], "host_reads": counts["reads"],
+            "ops": dict(ops)}

@@ -1,21 +1,68 @@
-"""variant=authors' decode selection on the device: the quantile threshold of a step's walk row over the
-candidate blocks, the kept blocks and the page list the weighted sparse kernel reads.
+"""variant=authors' decode step up to the attention on the device, for every row of a batch at once.
 
-- :func:`select_pages_reference`: torch (a sort, two gathers, ``torch.lerp`` — ``torch.nanquantile``'s linear
-  quantile; then the kept blocks and their compaction), a dozen launches;
-- :func:`select_pages_triton`: one launch, one program per row (the row sorted in registers with ``tl.sort``).
+One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks, ``s = p mod B``):
 
-Per row: ``n`` blocks, candidates ``[sink_blocks, n − window_blocks)``, the threshold their ``q`` quantile
-(NaN without a candidate), kept = above it, or a sink block, or one of the last ``window_blocks``; the pages
-are the kept blocks reaching past the first ``window_tokens`` keys (those are read as the dense prefix),
-ascending, at most ``max_pages`` (the caller's host bound).
+1. **State.** Restart (``p`` is the first position after the row's prompt: the query ring, its count and the
+   partial block's key sum back to the prompt's), the order flag, the new query's sketches into the ring
+   (slot ``p mod W``), the new key into block ``c``'s key sum and that block's sketch.
+2. **Block row** ``r`` (:func:`block_row_reference`) from the ring and the key-block sketches.
+3. **Running matrix** ``A = diag(σ)·U`` (:func:`update_matrix_reference`): O(C) per row.
+4. **Walk** ``w ← (1 − β)·r + β·(w ⊙ σ)·U``, ``degree`` times from ``r``, zero past ``n``.
+5. **Selection** (:func:`select_pages_reference`): the ``q`` quantile of the walk over the candidate blocks
+   ``[sink_blocks, n − window_blocks)`` (NaN without a candidate), kept = above it, or a sink block, or one
+   of the last ``window_blocks``; the pages are the kept blocks reaching past the first ``window_tokens``
+   keys (those are read as the dense prefix), ascending, at most ``max_pages`` (the caller's host bound).
+   The sink and window sizes per row are :func:`reserved_device`'s.
+
+Torch: :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5), about a hundred small
+launches per step. Triton: :func:`row_update_triton` (1–3, two launches) and :func:`walk_select_triton`
+(4–5, ``degree`` launches):
+
+- ``_row_stats_kernel``, a program per (row, KV head, tile of key blocks): the state's step (the ring slot by
+  the tile-0 program of each KV head, block ``c``'s key sum and sketch by the program whose tile holds it;
+  every program computes the new sketches it needs itself, so none reads what another writes), then each
+  ring row's max and Σ exp of its logits over the tile;
+- ``_row_probs_kernel``, the same grid: the tile's probabilities summed over the KV head's ring rows; the
+  last program of a row to finish (a ticket counter it resets) sums the KV heads, normalises ``r`` and runs
+  the running matrix's step, the ring's count and the order flag;
+- ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
+  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them; after the last hop the last
+  program of a row writes the walk, takes the quantile by an exact radix select (``select_common``'s) and
+  writes the kept blocks and the page list.
+
+Nothing is read on the host; buffers are cached workspaces or outputs allocated from host-known sizes
+(capturable); the only atomics are the tickets, so nothing is summed in arrival order and a replay equals an
+eager call bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import launch, next_pow2, triton
+from ..shared.select_common import row_segments
+from ..shared.triton_utils import (
+    cdiv,
+    float64_constants,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch,
+    next_pow2,
+    pdl_available,
+    pdl_launch,
+    triton,
+    workspace,
+)
+
+#: Added to a row's sum before dividing by it (the authors').
+ROW_EPS = 1e-12
+
+def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_blocks: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The method's ``reserved`` per row: ``max(1, ⌊f·T⌋)`` tokens (in float64, as Python computes it) and
+    ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
+    tokens = torch.floor(n_tokens.to(torch.float64) * fraction).long().clamp(min=1)
+    blocks = torch.minimum(n_blocks, torch.div(tokens + block_size - 1, block_size, rounding_mode="floor").clamp(min=1))
+    return tokens, blocks
 
 
 def quantile_rows(w: torch.Tensor, candidate: torch.Tensor, q: float) -> torch.Tensor:
@@ -63,58 +110,6 @@ def select_pages_reference(walk, n, sink_blocks, window_blocks, window_tokens, *
     kept = kept_blocks_reference(walk, n, sink_blocks, window_blocks, q)
     pages, counts = page_list(kept, window_tokens, block_size, max_pages)
     return kept, pages, counts
-
-
-if triton is not None:
-    import triton.language as tl
-
-    @triton.jit(do_not_specialize=["n_cols", "max_pages"])
-    def _select_kernel(walk_ptr, n_ptr, sb_ptr, wb_ptr, wt_ptr, kept_ptr, pages_ptr, counts_ptr,
-                       n_cols, max_pages, q, BLOCK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_C)
-        n = tl.load(n_ptr + b).to(tl.int32)
-        sb = tl.load(sb_ptr + b).to(tl.int32)
-        first_window = n - tl.load(wb_ptr + b).to(tl.int32)
-        wt = tl.load(wt_ptr + b).to(tl.int32)
-        w = tl.load(walk_ptr + b * n_cols + cols, mask=cols < n_cols, other=0.0)
-        live = cols < n
-        cand = live & (cols >= sb) & (cols < first_window)
-        srt = tl.sort(tl.where(cand, w, float("inf")))
-        m = tl.sum(cand.to(tl.int32), 0)
-        ranks = tl.maximum(m - 1, 0).to(tl.float32) * q
-        lo = ranks.to(tl.int32)
-        hi = tl.ceil(ranks).to(tl.int32)
-        v_lo = tl.sum(tl.where(cols == lo, srt, 0.0), 0)
-        v_hi = tl.sum(tl.where(cols == hi, srt, 0.0), 0)
-        weight = ranks - lo.to(tl.float32)
-        # torch.lerp's two forms (exact at both ends)
-        th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
-        above = (w > th) & (m > 0)
-        kept = live & (above | (cols < sb) | (cols >= first_window))
-        tl.store(kept_ptr + b * n_cols + cols, kept.to(tl.int8), mask=cols < n_cols)
-        listed = kept & ((cols + 1) * BLOCK_SIZE > wt)
-        order = tl.cumsum(listed.to(tl.int32), 0) - 1
-        ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0
-        tl.store(pages_ptr + b * max_pages + order, cols, mask=ok)
-        tl.store(counts_ptr + b, tl.minimum(tl.sum(listed.to(tl.int32), 0), max_pages))
-
-
-def select_pages_triton(walk, n, sink_blocks, window_blocks, window_tokens, *, q: float, block_size: int,
-                        max_pages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`select_pages_reference` in one launch (``walk [B, C]`` float32, the rest ``[B]`` integers)."""
-    if walk.dtype != torch.float32 or walk.stride(-1) != 1 or walk.dim() != 2:
-        raise ValueError(f"walk: expected a contiguous float32 [B, C], got {walk.dtype} {tuple(walk.shape)}")
-    b, c = walk.shape
-    walk = walk.contiguous()
-    kept = torch.empty(b, c, dtype=torch.int8, device=walk.device)
-    pages = torch.zeros(b, max_pages, dtype=torch.int32, device=walk.device)
-    counts = torch.empty(b, dtype=torch.int32, device=walk.device)
-    block_c = max(16, next_pow2(c))
-    launch(_select_kernel, (b,), walk, n, sink_blocks, window_blocks, window_tokens, kept, pages, counts, c,
-           max_pages, float(q), BLOCK_SIZE=block_size, BLOCK_C=block_c, num_warps=4 if block_c <= 1024 else 8,
-           num_stages=1)
-    return kept.bool(), pages, counts
 
 
 # -- the running block matrix's step ---------------------------------------------------------------------------
@@ -178,85 +173,10 @@ def update_matrix_reference(u, sigma, rsum, n_blocks, r, pos, restart, p_nblocks
     sigma.copy_(torch.where(live, sigma / total, sigma))
 
 
-if triton is not None:
-
-    @triton.jit(do_not_specialize=["cap"])
-    def _update_kernel(u_ptr, sigma_ptr, rsum_ptr, nb_ptr, r_ptr, pos_ptr, restart_ptr, p_nb_ptr, p_row_ptr,
-                       p_col_ptr, p_rsum_ptr, cap, eps, BLOCK_SIZE: tl.constexpr, BLOCK_C: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK_C)
-        in_cap = cols < cap
-        pos = tl.load(pos_ptr + b).to(tl.int32)
-        c = pos // BLOCK_SIZE
-        s = (pos - c * BLOCK_SIZE).to(tl.float32)
-        alpha = 1.0 / (s + 1.0)
-        one_minus = s / (s + 1.0)
-        live = cols <= c
-        vec = b * cap + cols
-        u_row = u_ptr + b * cap * cap
-        n_prev = tl.load(nb_ptr + b).to(tl.int32)
-        if tl.load(restart_ptr + b) != 0:
-            n0 = tl.load(p_nb_ptr + b).to(tl.int32)
-            n0i = tl.maximum(n0 - 1, 0)
-            tl.store(u_row + n0i * cap + cols, tl.load(p_row_ptr + vec, mask=in_cap), mask=in_cap)
-            tl.debug_barrier()
-            tl.store(u_row + cols * cap + n0i, tl.load(p_col_ptr + vec, mask=in_cap), mask=cols < n0)
-            tl.store(sigma_ptr + vec, 1.0, mask=cols < n0)
-            tl.store(rsum_ptr + vec, tl.load(p_rsum_ptr + vec, mask=in_cap), mask=in_cap)
-            n_prev = n0
-        tl.debug_barrier()
-        r = tl.load(r_ptr + vec, mask=in_cap, other=0.0)
-        r_sum = tl.sum(r, 0)
-        if c >= n_prev:
-            tl.store(u_row + c * cap + cols, r, mask=in_cap)
-            tl.store(sigma_ptr + b * cap + c, 1.0)
-            tl.store(rsum_ptr + b * cap + c, r_sum)
-            tl.debug_barrier()
-            tl.store(u_row + cols * cap + c, tl.zeros([BLOCK_C], tl.float32), mask=cols < n_prev)
-        tl.store(nb_ptr + b, tl.maximum(n_prev, c + 1).to(tl.int64))
-        tl.debug_barrier()
-        # row c
-        sig_c = tl.load(sigma_ptr + b * cap + c)
-        a_c = sig_c * tl.load(u_row + c * cap + cols, mask=in_cap, other=0.0)
-        x = tl.where(live, one_minus * a_c + alpha * r, 0.0)
-        x = x / tl.maximum(tl.sum(x, 0), eps)
-        tl.store(u_row + c * cap + cols, x, mask=in_cap)
-        tl.store(sigma_ptr + b * cap + c, 1.0)
-        tl.store(rsum_ptr + b * cap + c, tl.sum(x, 0))
-        tl.debug_barrier()
-        # column c, then every row's scale
-        sig = tl.load(sigma_ptr + vec, mask=in_cap, other=1.0)
-        rs = tl.load(rsum_ptr + vec, mask=in_cap, other=0.0)
-        u_col = tl.load(u_row + cols * cap + c, mask=in_cap, other=0.0)
-        y = one_minus * (sig * u_col) + alpha * r
-        u_new = tl.where(live, y / sig, u_col)
-        rs = rs + tl.where(live, u_new - u_col, 0.0)
-        tl.store(u_row + cols * cap + c, u_new, mask=in_cap)
-        total = tl.maximum(sig * rs, eps)
-        tl.store(sigma_ptr + vec, tl.where(live, sig / total, sig), mask=in_cap)
-        tl.store(rsum_ptr + vec, rs, mask=in_cap)
-
-
-def update_matrix_triton(u, sigma, rsum, n_blocks, r, pos, restart, p_nblocks, p_row, p_col, p_rsum, *,
-                         block_size: int, eps: float) -> None:
-    """:func:`update_matrix_reference` in one launch (float32, contiguous; one program per row)."""
-    for name, t in (("u", u), ("sigma", sigma), ("rsum", rsum), ("r", r), ("p_row", p_row), ("p_col", p_col),
-                    ("p_rsum", p_rsum)):
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous float32 tensor, got {t.dtype}")
-    b, cap = sigma.shape
-    block_c = max(16, next_pow2(cap))
-    launch(_update_kernel, (b,), u, sigma, rsum, n_blocks, r, pos, restart.to(torch.int8), p_nblocks, p_row, p_col,
-           p_rsum, cap, float(eps), BLOCK_SIZE=block_size, BLOCK_C=block_c, num_warps=4 if block_c <= 1024 else 8,
-           num_stages=1)
-
-
 # -- the step's block row ------------------------------------------------------------------------------------
 #
 # r_j ∝ Σ_{kv head g} Σ_{query head h of g} Σ_{valid slot w} softmax_{j < n}(⟨qs[h, w], ks[g, j]⟩ · scale),
-# normalised to sum 1 (+1e-12). Two launches over (row, KV head, tile of key blocks): the first writes each
-# query row's max and sum of exponentials per tile, the second merges them into the row's log-sum-exp and
-# sums the probabilities over the rows of the tile (every KV head's partial, summed in torch).
+# normalised to sum 1 (+1e-12).
 
 
 def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slot_ok: torch.Tensor,
@@ -272,87 +192,549 @@ def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slo
     probs = torch.softmax(logits, dim=-1).view(b, hkv, g, w_len, cap)
     probs = probs * slot_ok[:, None, None, :, None].to(probs.dtype)
     s = probs.sum((1, 2, 3))
-    return s / (s.sum(-1, keepdim=True) + 1e-12)
+    return s / (s.sum(-1, keepdim=True) + ROW_EPS)
 
+
+
+
+# -- the step in torch -----------------------------------------------------------------------------------------
+#
+# ``st``: the layer's device state (the method's ``AuthorsDeviceState``: ``phi [m, d]``, ``u [B, C, C]``,
+# ``sigma, rsum [B, C]``, ``n_blocks [B]``, the ring ``qs [B, Hq, W, m]`` and ``n_queries [B]``, the key sums and
+# sketches ``ksum [B, Hkv, C, d]``, ``ks [B, Hkv, C, m]``, ``last_pos``, ``order_error``, ``prompt_len [B]``, the
+# prompt's copies ``p_*``, ``fresh_rows`` and ``block_size``), updated in place.
+
+
+def row_update_reference(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """Steps 1–3 (module docstring) in torch: ``q [B, Hq, d]`` the new queries, ``k [B, Hkv, N, d]`` the cache
+    (the new key at ``lengths − 1``). Returns the block row ``r [B, C]``."""
+    dtype, dev = st.phi.dtype, st.phi.device
+    b = q.shape[0]
+    w_len = st.qs.shape[2]
+    bs = st.block_size
+    cap = st.u.shape[-1]
+    rows = torch.arange(b, device=dev)
+    cols = torch.arange(cap, device=dev)
+    pos = lengths.to(dev).long() - 1
+    n = torch.div(pos, bs, rounding_mode="floor") + 1
+    c = n - 1
+    s = pos - c * bs
+    # order and restart
+    restart = (st.prompt_len >= 0) & (pos == st.prompt_len)
+    st.order_error |= ~restart & (st.last_pos >= 0) & (pos != st.last_pos + 1)
+    st.n_queries.copy_(torch.where(restart, st.p_nq, st.n_queries))
+    st.qs.copy_(torch.where(restart[:, None, None, None], st.p_qs, st.qs))
+    st.last_pos.copy_(pos)
+    # the query ring and the key sketch of block c
+    slot = torch.remainder(pos, w_len)
+    st.qs[rows, :, slot] = q.to(dtype) @ st.phi.T
+    st.n_queries.copy_(torch.clamp(st.n_queries + 1, max=w_len))
+    k_new = k[rows, :, pos].to(dtype)  # [B, Hkv, d]
+    old = st.ksum[rows, :, c]
+    base = torch.where(restart[:, None, None], st.p_kpart, torch.where((s == 0)[:, None, None], 0.0, old))
+    st.ksum[rows, :, c] = base + k_new
+    st.ks[rows, :, c] = (st.ksum[rows, :, c] / bs) @ st.phi.T
+    # this step's block row
+    age = torch.remainder(pos[:, None] - torch.arange(w_len, device=dev)[None, :], w_len)  # slot's age
+    slot_ok = age < st.n_queries[:, None]  # [B, W]
+    live = cols[None, :] < n[:, None]  # [B, C]
+    r = block_row_reference(st.qs, st.ks, n, slot_ok, scale)  # [B, C], zero past n
+    # the running block matrix (rows [n_prev, n) of a fresh state start as this row)
+    if st.fresh_rows:
+        new_rows = (cols[None, :] >= st.n_blocks[:, None]) & live
+        st.u.copy_(torch.where(new_rows[:, :, None], r[:, None, :], st.u))
+        st.sigma.copy_(torch.where(new_rows, torch.ones_like(st.sigma), st.sigma))
+        st.rsum.copy_(torch.where(new_rows, r.sum(-1, keepdim=True).expand_as(st.rsum), st.rsum))
+        st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
+        st.fresh_rows = False
+    update_matrix_reference(st.u, st.sigma, st.rsum, st.n_blocks, r, pos, restart, st.p_nblocks, st.p_row, st.p_col,
+                            st.p_rsum, block_size=bs, eps=ROW_EPS)
+    return r
+
+
+def walk_select_reference(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
+                          window: float, q: float, max_pages: int) -> dict[str, torch.Tensor]:
+    """Steps 4–5 in torch from the block row ``r [B, C]``: ``walk [B, C]``, ``kept [B, C]`` bool, ``pages
+    [B, max_pages]`` and ``counts [B]`` int32, ``window_tokens [B]``, ``n [B]``, ``short [B]`` (every block a sink
+    or window block)."""
+    bs = st.block_size
+    cols = torch.arange(r.shape[1], device=r.device)
+    pos = lengths.to(r.device).long() - 1
+    n = torch.div(pos, bs, rounding_mode="floor") + 1
+    live = cols[None, :] < n[:, None]
+    walk = r
+    for _ in range(degree):
+        step = torch.matmul((walk * st.sigma)[:, None, :], st.u)[:, 0]
+        walk = torch.where(live, (1.0 - beta) * r + beta * step, 0.0)
+    window_tokens, window_blocks = reserved_device(window, pos + 1, bs, n)
+    _, sink_blocks = reserved_device(sink, pos + 1, bs, n)
+    kept, pages, counts = select_pages_reference(walk, n, sink_blocks, window_blocks, window_tokens, q=q,
+                                                 block_size=bs, max_pages=max_pages)
+    return {"walk": walk, "kept": kept, "pages": pages, "counts": counts, "window_tokens": window_tokens, "n": n,
+            "short": n <= sink_blocks + window_blocks}
+
+
+# -- the step in Triton ----------------------------------------------------------------------------------------
 
 if triton is not None:
+    import triton.language as tl
+
+    from ..shared.select_common import ordered, radix_select, value_range
 
     @triton.jit
-    def _row_logits(qs_ptr, ks_ptr, b, g, t, n, cap, n_rows, m, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
-        rows = tl.arange(0, BLOCK_R)
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        feats = tl.arange(0, BLOCK_M)
-        n_kv = tl.num_programs(1)
-        q = tl.load(qs_ptr + ((b * n_kv + g) * n_rows + rows[:, None]) * m + feats[None, :],
-                    mask=(rows[:, None] < n_rows) & (feats[None, :] < m), other=0.0)
-        k = tl.load(ks_ptr + ((b * n_kv + g) * cap + cols[:, None]) * m + feats[None, :],
-                    mask=(cols[:, None] < cap) & (feats[None, :] < m), other=0.0)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        return tl.where(cols[None, :] < n, logits, float("-inf")), rows, cols
+    def _position(lens_ptr, b, BS: tl.constexpr):
+        """``(pos, c, s)``: the row's new token, its block and its place in the block."""
+        pos = tl.load(lens_ptr + b).to(tl.int64) - 1
+        c = pos // BS
+        return pos, c, pos - c * BS
 
-    @triton.jit(do_not_specialize=["cap", "n_rows", "m", "n_tiles"])
-    def _row_stats_kernel(qs_ptr, ks_ptr, n_ptr, mx_ptr, se_ptr, cap, n_rows, m, n_tiles, scale,
-                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          PRECISION: tl.constexpr):
-        b = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        t = tl.program_id(2)
-        n = tl.load(n_ptr + b).to(tl.int32)
-        logits, rows, _ = _row_logits(qs_ptr, ks_ptr, b, g, t, n, cap, n_rows, m, scale, BLOCK_R, BLOCK_N, BLOCK_M,
-                                      PRECISION)
-        mx = tl.max(logits, 1)
+    @triton.jit
+    def _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len):
+        """``(restart, ring count after the step, slot)`` of row b."""
+        plen = tl.load(plen_ptr + b)
+        restart = (plen >= 0) & (pos == plen)
+        nq = tl.where(restart, tl.load(pnq_ptr + b), tl.load(nq_ptr + b))
+        return restart, tl.minimum(nq + 1, w_len), pos % w_len
+
+    @triton.jit
+    def _tile_logits(qrows, ks_tile, scale, cols, n, PRECISION: tl.constexpr):
+        lg = tl.dot(qrows, tl.trans(ks_tile), input_precision=PRECISION) * scale
+        return tl.where(cols[None, :] < n, lg, float("-inf"))
+
+    @triton.jit
+    def _store_stats(mx_ptr, se_ptr, at, lg, ok):
+        mx = tl.max(lg, 1)
         safe = tl.where(mx == float("-inf"), 0.0, mx)
-        se = tl.sum(tl.exp(logits - safe[:, None]), 1)
-        out = ((b * tl.num_programs(1) + g) * n_tiles + t) * BLOCK_R + rows
-        tl.store(mx_ptr + out, mx)
-        tl.store(se_ptr + out, se)
+        tl.store(mx_ptr + at, mx, mask=ok)
+        tl.store(se_ptr + at, tl.sum(tl.exp(lg - safe[:, None]), 1), mask=ok)
 
-    @triton.jit(do_not_specialize=["cap", "n_rows", "m", "n_tiles", "w_len"])
-    def _row_probs_kernel(qs_ptr, ks_ptr, n_ptr, ok_ptr, mx_ptr, se_ptr, part_ptr, cap, n_rows, m, n_tiles, w_len,
-                          scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          PRECISION: tl.constexpr):
+    @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "n_tiles", "hq"])
+    def _row_stats_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
+                          ks_ptr, pkp_ptr, mx_ptr, se_ptr, cap, w_len, m, d, n_tiles, hq, scale, s_qb, s_qh, s_kb,
+                          s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
+            gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         t = tl.program_id(2)
-        n = tl.load(n_ptr + b).to(tl.int32)
+        hkv = tl.num_programs(1)
+        pos, c, s = _position(lens_ptr, b, BS)
+        n = c + 1
+        restart, _, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        rows = tl.arange(0, BLOCK_R)  # ring row (query head h of the group, slot w) = h·W + w
+        row_ok = rows < GROUP * w_len
+        feats = tl.arange(0, BLOCK_M)
+        f_ok = feats < m
+        dd = tl.arange(0, BLOCK_D)
+        d_ok = dd < d
+        gh = tl.arange(0, BLOCK_G)
+        g_ok = gh < GROUP
+        phi_t = tl.load(phi_ptr + feats[None, :] * d + dd[:, None], mask=d_ok[:, None] & f_ok[None, :], other=0.0)
+        # the new query's sketches, one per query head of the group
+        qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dd[None, :],
+                     mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q_new = tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
+        ring_at = (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :]
+        ring_mask = row_ok[:, None] & f_ok[None, :]
+        if restart:
+            ring = tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0)
+        else:
+            ring = tl.load(qs_ptr + ring_at, mask=ring_mask, other=0.0)
+        new_at = (b * hq + g * GROUP) * w_len * m + (gh * w_len + slot)[:, None] * m + feats[None, :]
+        if t == 0:  # the ring's step for the group (the other programs read the prompt's copy or other slots)
+            if restart:
+                tl.store(qs_ptr + ring_at, ring, mask=ring_mask & ((rows % w_len) != slot)[:, None])
+            tl.store(qs_ptr + new_at, q_new, mask=g_ok[:, None] & f_ok[None, :])
+        # the tile's key-block sketches; block c's from the new key (written by the program whose tile holds it)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks_at = ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :]
+        ks_tile = tl.load(ks_ptr + ks_at, mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
+        if (c >= t * BLOCK_N) & (c < t * BLOCK_N + BLOCK_N):
+            k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dd, mask=d_ok, other=0.0).to(tl.float32)
+            sum_at = ((b * hkv + g) * cap + c) * d + dd
+            if restart:
+                base = tl.load(pkp_ptr + (b * hkv + g) * d + dd, mask=d_ok, other=0.0)
+            elif s == 0:
+                base = tl.zeros([BLOCK_D], tl.float32)
+            else:
+                base = tl.load(ksum_ptr + sum_at, mask=d_ok, other=0.0)
+            k_sum = base + k_new
+            tl.store(ksum_ptr + sum_at, k_sum, mask=d_ok)
+            ks_c = tl.sum((k_sum / BS)[:, None] * phi_t, axis=0)
+            tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
+            ks_tile = tl.where((cols == c)[:, None], ks_c[None, :], ks_tile)
+        # each ring row's max and Σ exp over the tile (slot rows: the new sketches)
+        stat_at = ((b * hkv + g) * n_tiles + t) * BLOCK_R
+        lg = _tile_logits(ring, ks_tile, scale, cols, n, PRECISION)
+        _store_stats(mx_ptr, se_ptr, stat_at + rows, lg, row_ok & ((rows % w_len) != slot))
+        lg_new = _tile_logits(q_new, ks_tile, scale, cols, n, PRECISION)
+        _store_stats(mx_ptr, se_ptr, stat_at + gh * w_len + slot, lg_new, g_ok)
+
+    @triton.jit
+    def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
+                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps,
+                    BLOCK_X: tl.constexpr):
+        """Row b's block row (the KV heads' partials summed, normalised) and the running matrix's step
+        (``update_matrix_reference``, the fresh rows first when ``fresh``), chunked over the columns; then the
+        ring count, the order flag and the last position."""
+        n = (c + 1).to(tl.int32)
+        vec = b * cap
+        u_row = u_ptr + b * cap * cap
+        # the block row
+        total = tl.zeros([BLOCK_X], tl.float32)
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            sj = tl.zeros([BLOCK_X], tl.float32)
+            for gg in range(0, hkv):
+                sj += tl.load(part_ptr + (b * hkv + gg) * cap + j, mask=j < cap, other=0.0, cache_modifier=".cg")
+            total += sj
+            tl.store(r_ptr + vec + j, sj, mask=j < cap)
+        denom = tl.sum(total, axis=0) + eps
+        r_sum = tl.zeros([BLOCK_X], tl.float32)
+        tl.debug_barrier()
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            rj = tl.load(r_ptr + vec + j, mask=j < cap, other=0.0) / denom
+            r_sum += rj
+            tl.store(r_ptr + vec + j, rj, mask=j < cap)
+        r_total = tl.sum(r_sum, axis=0)
+        tl.debug_barrier()
+        n_prev = tl.load(nb_ptr + b).to(tl.int32)
+        if fresh != 0:  # rows [n_prev, n) start as r
+            for i in range(n_prev, n):
+                for x0 in range(0, cap, BLOCK_X):
+                    j = x0 + tl.arange(0, BLOCK_X)
+                    tl.store(u_row + i * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
+                tl.store(sigma_ptr + vec + i, 1.0)
+                tl.store(rsum_ptr + vec + i, r_total)
+            n_prev = tl.maximum(n_prev, n)
+        # restart: row and column n0 − 1, σ and the row sums back to the prompt's
+        if restart:
+            n0 = tl.load(p_nb_ptr + b).to(tl.int32)
+            n0i = tl.maximum(n0 - 1, 0)
+            for x0 in range(0, cap, BLOCK_X):
+                j = x0 + tl.arange(0, BLOCK_X)
+                tl.store(u_row + n0i * cap + j, tl.load(p_row_ptr + vec + j, mask=j < cap), mask=j < cap)
+            tl.debug_barrier()
+            for x0 in range(0, cap, BLOCK_X):
+                j = x0 + tl.arange(0, BLOCK_X)
+                tl.store(u_row + j * cap + n0i, tl.load(p_col_ptr + vec + j, mask=j < n0), mask=j < n0)
+                tl.store(sigma_ptr + vec + j, tl.full([BLOCK_X], 1.0, tl.float32), mask=j < n0)
+                tl.store(rsum_ptr + vec + j, tl.load(p_rsum_ptr + vec + j, mask=j < cap), mask=j < cap)
+            n_prev = n0
+        tl.debug_barrier()
+        # a block that appears: row c = r, older rows' column c = 0
+        if c >= n_prev:
+            for x0 in range(0, cap, BLOCK_X):
+                j = x0 + tl.arange(0, BLOCK_X)
+                tl.store(u_row + c * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
+                tl.store(u_row + j * cap + c, tl.zeros([BLOCK_X], tl.float32), mask=j < n_prev)
+            tl.store(sigma_ptr + vec + c, 1.0)
+            tl.store(rsum_ptr + vec + c, r_total)
+        tl.store(nb_ptr + b, tl.maximum(n_prev, n).to(tl.int64))
+        tl.debug_barrier()
+        # α = 1/(s + 1) and 1 − α in float64, rounded once (the reference's)
+        alpha = (1.0 / (s + 1).to(tl.float64)).to(tl.float32)
+        one_minus = (1.0 - 1.0 / (s + 1).to(tl.float64)).to(tl.float32)
+        # row c ← (1 − α)·A_c + α·r, normalised
+        sig_c = tl.load(sigma_ptr + vec + c)
+        x_sum = tl.zeros([BLOCK_X], tl.float32)
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
+            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
+            x_sum += x
+        x_total = tl.maximum(tl.sum(x_sum, axis=0), eps)
+        xn_sum = tl.zeros([BLOCK_X], tl.float32)
+        tl.debug_barrier()
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
+            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
+            x = x / x_total
+            xn_sum += x
+            tl.store(u_row + c * cap + j, x, mask=j < cap)
+        tl.store(sigma_ptr + vec + c, 1.0)
+        tl.store(rsum_ptr + vec + c, tl.sum(xn_sum, axis=0))
+        tl.debug_barrier()
+        # column c, then every live row's scale
+        for x0 in range(0, cap, BLOCK_X):
+            i = x0 + tl.arange(0, BLOCK_X)
+            i_ok = i < cap
+            live = i < n
+            sig = tl.load(sigma_ptr + vec + i, mask=i_ok, other=1.0)
+            rs = tl.load(rsum_ptr + vec + i, mask=i_ok, other=0.0)
+            u_col = tl.load(u_row + i * cap + c, mask=i_ok, other=0.0)
+            y = one_minus * (sig * u_col) + alpha * tl.load(r_ptr + vec + i, mask=i_ok, other=0.0)
+            u_new = tl.where(live, y / sig, u_col)
+            rs = rs + tl.where(live, u_new - u_col, 0.0)
+            tl.store(u_row + i * cap + c, u_new, mask=i_ok)
+            tl.store(sigma_ptr + vec + i, tl.where(live, sig / tl.maximum(sig * rs, eps), sig), mask=i_ok)
+            tl.store(rsum_ptr + vec + i, rs, mask=i_ok)
+        # the ring's count, the order flag, the last position
+        last = tl.load(last_ptr + b)
+        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
+        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
+        tl.store(last_ptr + b, pos)
+        tl.store(nq_ptr + b, nq_new.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["cap", "w_len", "m", "n_tiles", "hq", "fresh"])
+    def _row_probs_kernel(lens_ptr, qs_ptr, ks_ptr, nq_ptr, pnq_ptr, plen_ptr, mx_ptr, se_ptr, part_ptr, tk_ptr,
+                          r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr,
+                          last_ptr, err_ptr, cap, w_len, m, n_tiles, hq, fresh, scale, eps, GROUP: tl.constexpr,
+                          BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(2)
+        hkv = tl.num_programs(1)
+        pos, c, s = _position(lens_ptr, b, BS)
+        n = c + 1
+        restart, nq_new, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
         rows = tl.arange(0, BLOCK_R)
-        base = (b * tl.num_programs(1) + g) * n_tiles * BLOCK_R + rows
+        row_ok = rows < GROUP * w_len
+        # each ring row's log-sum-exp over every tile
+        base = (b * hkv + g) * n_tiles * BLOCK_R + rows
         big = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for tt in range(0, n_tiles):
-            big = tl.maximum(big, tl.load(mx_ptr + base + tt * BLOCK_R))
+            big = tl.maximum(big, tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf")))
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = tl.zeros([BLOCK_R], tl.float32)
         for tt in range(0, n_tiles):
-            mt = tl.load(mx_ptr + base + tt * BLOCK_R)
-            total += tl.where(mt == float("-inf"), 0.0, tl.load(se_ptr + base + tt * BLOCK_R) * tl.exp(mt - safe))
+            mt = tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf"))
+            se = tl.load(se_ptr + base + tt * BLOCK_R, mask=row_ok, other=0.0)
+            total += tl.where(mt == float("-inf"), 0.0, se * tl.exp(mt - safe))
         lse = safe + tl.log(tl.where(total > 0, total, 1.0))
-        ok = tl.load(ok_ptr + b * w_len + rows % w_len, mask=rows < n_rows, other=0) != 0
-        logits, _, cols = _row_logits(qs_ptr, ks_ptr, b, g, t, n, cap, n_rows, m, scale, BLOCK_R, BLOCK_N, BLOCK_M,
-                                      PRECISION)
-        p = tl.where(ok[:, None] & (cols[None, :] < n), tl.exp(logits - lse[:, None]), 0.0)
-        tl.store(part_ptr + (b * tl.num_programs(1) + g) * cap + cols, tl.sum(p, 0), mask=cols < cap)
+        # the tile's probabilities summed over the valid ring rows (the slot's age below the ring's count)
+        feats = tl.arange(0, BLOCK_M)
+        f_ok = feats < m
+        ring = tl.load(qs_ptr + (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :],
+                       mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks_tile = tl.load(ks_ptr + ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :],
+                          mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
+        lg = _tile_logits(ring, ks_tile, scale, cols, n, PRECISION)
+        age = (slot - rows % w_len + w_len) % w_len
+        ok = row_ok & (age < nq_new)
+        p = tl.where(ok[:, None] & (cols < n)[None, :], tl.exp(lg - lse[:, None]), 0.0)
+        tl.store(part_ptr + (b * hkv + g) * cap + cols, tl.sum(p, 0), mask=cols < cap)
+        # every thread's stores precede the release; the acquire of the last program sees them all
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if ticket == hkv * n_tiles - 1:
+            tl.atomic_xchg(tk_ptr + b, 0)
+            _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
+                        p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
+
+    @triton.jit
+    def _reserved(n_tok, frac, n, BS: tl.constexpr):
+        """``reserved_device``: ``max(1, ⌊f·T⌋)`` tokens (float64) and ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
+        tokens = tl.maximum((n_tok.to(tl.float64) * frac).to(tl.int64), 1)
+        return tokens, tl.minimum(n, tl.maximum((tokens + BS - 1) // BS, 1))
+
+    @triton.jit
+    def _select_row(b, pos, c, r_ptr, p_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
+                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
+                    SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr):
+        """Row b after the last hop: the walk (the hop's splits summed), the quantile threshold over the
+        candidates, the kept blocks and the page list (module docstring, step 5)."""
+        n = c + 1
+        vec = b * cap
+        sp = tl.arange(0, SPLITS_P)
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            live = j < n
+            part = tl.load(p_ptr + (b * n_splits + sp[:, None]) * cap + j[None, :],
+                           mask=(sp < n_splits)[:, None] & live[None, :], other=0.0, cache_modifier=".cg")
+            rj = tl.load(r_ptr + vec + j, mask=live, other=0.0)
+            w = tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0)
+            tl.store(walk_ptr + vec + j, w, mask=j < cap)
+        tl.debug_barrier()
+        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
+        sink_tokens, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
+        first_window = n - wb
+        n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
+        th = tl.full([], 0.0, tl.float32)
+        if n_cand > 0:  # torch.nanquantile's linear quantile over [sb, first_window)
+            ranks = (n_cand - 1).to(tl.float32) * q
+            lo = ranks.to(tl.int32)
+            hi = tl.ceil(ranks).to(tl.int32)
+            src = walk_ptr + vec + sb
+            img_hi, img_lo, n_fin = value_range(src, n_cand, BLOCK_X)
+            img, n_eq = radix_select(src, n_cand, n_cand - lo, img_hi, img_lo, 32, BLOCK_X)  # the lo-th smallest
+            v_lo = tl.full([], float("-inf"), tl.float32)
+            v_next = tl.full([], float("inf"), tl.float32)
+            n_le = tl.full([], 0, tl.int32)
+            for x0 in range(0, n_cand, BLOCK_X):
+                offs = x0 + tl.arange(0, BLOCK_X)
+                w = tl.load(src + offs, mask=offs < n_cand, other=float("inf"))
+                u = ordered(w)
+                v_lo = tl.maximum(v_lo, tl.max(tl.where((offs < n_cand) & (u == img), w, float("-inf")), 0))
+                v_next = tl.minimum(v_next, tl.min(tl.where((offs < n_cand) & (u > img), w, float("inf")), 0))
+                n_le += tl.sum(((offs < n_cand) & (u <= img)).to(tl.int32), 0)
+            v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
+            weight = ranks - lo.to(tl.float32)
+            # torch.lerp's two forms (exact at both ends)
+            th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
+        listed_n = tl.full([], 0, tl.int32)
+        for x0 in range(0, cap, BLOCK_X):
+            j = x0 + tl.arange(0, BLOCK_X)
+            w = tl.load(walk_ptr + vec + j, mask=j < cap, other=0.0)
+            kept = (j < n) & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
+            tl.store(kept_ptr + vec + j, kept.to(tl.int8), mask=j < cap)
+            listed = kept & ((j + 1) * BS > wt)
+            order = listed_n + tl.cumsum(listed.to(tl.int32), 0) - 1
+            ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
+            tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
+            listed_n += tl.sum(listed.to(tl.int32), 0)
+        count = tl.minimum(listed_n, max_pages)
+        for e0 in range(0, max_pages, BLOCK_X):
+            e = e0 + tl.arange(0, BLOCK_X)
+            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK_X], tl.int32), mask=(e >= count) & (e < max_pages))
+        tl.store(counts_ptr + b, count)
+        tl.store(wt_ptr + b, wt.to(tl.int32))
+        tl.store(n_ptr + b, n.to(tl.int32))
+        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
+
+    @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows", "max_pages"])
+    def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, tk_ptr, frac_ptr, walk_ptr, kept_ptr,
+                         pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, cap, n_splits, split_rows, max_pages, q,
+                         beta, one_minus_beta, FIRST: tl.constexpr, LAST: tl.constexpr, BS: tl.constexpr,
+                         SPLITS_P: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
+                         BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        jt = tl.program_id(1)
+        sp = tl.program_id(2)
+        pos, c, _ = _position(lens_ptr, b, BS)
+        n = (c + 1).to(tl.int32)
+        j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
+        j_ok = j < cap
+        i0 = sp * split_rows
+        i1 = tl.minimum(i0 + split_rows, n)
+        spl = tl.arange(0, SPLITS_P)
+        acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+        for x0 in range(i0, i1, BLOCK_I):
+            i = x0 + tl.arange(0, BLOCK_I)
+            i_ok = i < i1
+            w = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
+            if not FIRST:  # the previous hop's walk over these rows (all live: i < n)
+                prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
+                               mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
+                w = one_minus_beta * w + beta * tl.sum(prev, 0)
+            v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
+            a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
+                        other=0.0)
+            acc += v[:, None] * a
+        tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
+        if LAST:
+            tl.debug_barrier()
+            ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
+            if ticket == tl.num_programs(1) * tl.num_programs(2) - 1:
+                tl.atomic_xchg(tk_ptr + b, 0)
+                _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr,
+                            n_ptr, short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P,
+                            BLOCK_X)
 
 
-def block_row_triton(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slot_ok: torch.Tensor, scale: float,
-                     *, block_n: int = 64, precision: str = "tf32x3") -> torch.Tensor:
-    """:func:`block_row_reference` in two launches (float32). ``precision``: ``tl.dot``'s (tf32x3 keeps about
-    float32's accuracy on tensor cores; the interpreter computes in float32 whatever it is)."""
-    if qs.dtype != torch.float32 or ks.dtype != torch.float32 or not qs.is_contiguous() or not ks.is_contiguous():
-        raise ValueError(f"qs, ks: expected contiguous float32 tensors, got {qs.dtype}, {ks.dtype}")
-    b, hq, w_len, m = qs.shape
-    hkv, cap = ks.shape[1], ks.shape[2]
-    n_rows = (hq // hkv) * w_len
-    block_r = max(16, next_pow2(n_rows))
-    block_m = max(16, next_pow2(m))
-    n_tiles = -(-cap // block_n)
-    mx = torch.empty(b, hkv, n_tiles, block_r, dtype=torch.float32, device=qs.device)
-    se = torch.empty_like(mx)
-    part = torch.empty(b, hkv, cap, dtype=torch.float32, device=qs.device)
-    ok = slot_ok.to(torch.int8).contiguous()
-    meta = dict(BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=block_m, PRECISION=precision, num_warps=8, num_stages=1)
-    launch(_row_stats_kernel, (b, hkv, n_tiles), qs, ks, n, mx, se, cap, n_rows, m, n_tiles, float(scale), **meta)
-    launch(_row_probs_kernel, (b, hkv, n_tiles), qs, ks, n, ok, mx, se, part, cap, n_rows, m, n_tiles, w_len,
-           float(scale), **meta)
-    s = part.sum(1)
-    return s / (s.sum(-1, keepdim=True) + 1e-12)
+def tail_chunk(cap: int) -> int:
+    """Columns a row's serial tail (the matrix step, the selection) handles at once: the whole row up to 4,096
+    blocks (256k tokens of 64), so that each of its passes is one round trip to memory."""
+    return min(4096, max(16, next_pow2(cap)))
+
+
+def _check_state(st) -> None:
+    for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi"):
+        t = getattr(st, name)
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
+
+
+def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
+                      block_n: int = 64, precision: str = "tf32x3", block_x: int | None = None) -> torch.Tensor:
+    """:func:`row_update_reference` in two launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
+    last dim; ``lengths`` int32 preferred). Returns ``r [B, C]`` (a workspace: valid until the next call).
+    ``precision``: ``tl.dot``'s for the sketched logits (tf32x3 keeps about float32's accuracy on tensor cores;
+    the interpreter computes in float32 whatever it is); ``block_x``: the tail's chunk (default
+    :func:`tail_chunk`)."""
+    _check_state(st)
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q, k: expected a contiguous last dim")
+    b, hq, d = q.shape
+    hkv, cap = st.ks.shape[1], st.ks.shape[2]
+    w_len, m = st.qs.shape[2], st.qs.shape[3]
+    group = hq // hkv
+    n_tiles = cdiv(cap, block_n)
+    block_r = max(16, next_pow2(group * w_len))
+    mx = workspace("sw_authors_mx", q, b * hkv * n_tiles * block_r, torch.float32)
+    se = workspace("sw_authors_se", q, b * hkv * n_tiles * block_r, torch.float32)
+    part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
+    r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
+    tickets = workspace("sw_authors_row_ticket", q, b, torch.int32, zeroed=True)
+    pdl = pdl_available()
+    meta = dict(GROUP=group, BS=st.block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)),
+                PRECISION=precision, PDL=pdl, num_warps=8, num_stages=1)
+    launch(_row_stats_kernel, (b, hkv, n_tiles), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries, st.p_nq,
+           st.prompt_len, st.ksum, st.ks, st.p_kpart, mx, se, cap, w_len, m, d, n_tiles, hq, float(scale),
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+           BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(d)), **meta)
+    launch(_row_probs_kernel, (b, hkv, n_tiles), lengths, st.qs, st.ks, st.n_queries, st.p_nq, st.prompt_len, mx, se,
+           part, tickets, r, st.u, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
+           st.last_pos, st.order_error, cap, w_len, m, n_tiles, hq, int(st.fresh_rows), float(scale), ROW_EPS,
+           BLOCK_X=block_x or tail_chunk(cap), **meta, **pdl_launch(pdl))
+    st.fresh_rows = False
+    return r
+
+
+def walk_splits(batch: int, cap: int, device: torch.device, *, block_j: int, block_i: int) -> int:
+    """Row splits of each hop's GEMV: about two programs per SM in all, at least ``block_i`` rows each."""
+    return row_segments(batch * cdiv(cap, block_j), cap, device, segment=block_i)
+
+
+def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
+                       window: float, q: float, max_pages: int, splits: int | None = None, block_j: int = 128,
+                       block_i: int = 32, block_x: int | None = None) -> dict[str, torch.Tensor]:
+    """:func:`walk_select_reference` in ``degree`` launches (float32). ``splits``: the GEMV's row splits
+    (default :func:`walk_splits`); ``block_x``: the selection's chunk (default :func:`tail_chunk`)."""
+    _check_state(st)
+    if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
+        raise ValueError(f"r: expected a contiguous float32 {tuple(st.sigma.shape)}, got {r.dtype} {tuple(r.shape)}")
+    if degree < 1:
+        raise ValueError(f"degree: expected at least 1, got {degree}")
+    b, cap = r.shape
+    dev = r.device
+    block_j = min(block_j, max(16, next_pow2(cap)))
+    col_tiles = cdiv(cap, block_j)
+    splits = splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
+    split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
+    n_splits = cdiv(cap, split_rows)
+    hops = workspace("sw_authors_hops", r, 2 * b * n_splits * cap, torch.float32)[:2 * b * n_splits * cap]
+    hops = hops.view(2, b * n_splits * cap)
+    tickets = workspace("sw_authors_walk_ticket", r, b, torch.int32, zeroed=True)
+    out = {"walk": torch.empty(b, cap, device=dev, dtype=torch.float32),
+           "kept": torch.empty(b, cap, device=dev, dtype=torch.int8),
+           "pages": torch.empty(b, max_pages, device=dev, dtype=torch.int32),
+           "counts": torch.empty(b, device=dev, dtype=torch.int32),
+           "window_tokens": torch.empty(b, device=dev, dtype=torch.int32),
+           "n": torch.empty(b, device=dev, dtype=torch.int32),
+           "short": torch.empty(b, device=dev, dtype=torch.int8)}
+    frac = float64_constants((sink, window), dev)
+    pdl = pdl_available()  # each hop launches while the kernel before it runs (its programs wait for it first)
+    for hop in range(degree):
+        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.u, st.sigma, r, hops[(hop + 1) % 2],
+               hops[hop % 2], tickets, frac, out["walk"], out["kept"], out["pages"], out["counts"],
+               out["window_tokens"], out["n"], out["short"], cap, n_splits, split_rows, max_pages, float(q),
+               float(beta), float(1.0 - beta), FIRST=hop == 0, LAST=hop == degree - 1, BS=st.block_size,
+               SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
+               BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8 if hop == degree - 1 else 4, num_stages=2,
+               **pdl_launch(pdl))
+    out["kept"] = out["kept"].view(torch.bool)
+    out["short"] = out["short"].view(torch.bool)
+    return out

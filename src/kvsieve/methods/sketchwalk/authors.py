@@ -39,11 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from ...core.context import MethodState
+from ...kernels.sketchwalk.authors_decode import ROW_EPS
 
 #: Their sketched logits are divided by √m and then by this constant before the softmax.
 LOGIT_DIVISOR = 100.0
-#: Added to a row's sum before dividing by it (theirs).
-ROW_EPS = 1e-12
 # Query rows times keys scored at once by the reference attention (bounds its memory).
 _CHUNK_ELEMENTS = 1 << 24
 

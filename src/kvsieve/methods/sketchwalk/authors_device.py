@@ -30,11 +30,10 @@ from ...core.context import MethodState
 from ...core.inputs import DecodeInputs
 from ...core.method import read_stats
 from ...core.stats import StepStats
-from ...kernels.sketchwalk.authors_decode import block_row_reference, select_pages_reference, update_matrix_reference
+from ...kernels.sketchwalk import authors_decode as kd
 from ..shared.backend import kernel_operands
 from .authors import (
     LOGIT_DIVISOR,
-    ROW_EPS,
     AuthorsLayerState,
     decode_row,
     masked_attention,
@@ -185,86 +184,25 @@ class DeviceStep:
     counts: torch.Tensor
 
 
-def reserved_device(fraction: float, n_tokens: torch.Tensor, block_size: int, n_blocks: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`reserved` per row: ``max(1, ⌊f·T⌋)`` tokens (in float64, as Python computes it) and
-    ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
-    tokens = torch.floor(n_tokens.to(torch.float64) * fraction).long().clamp(min=1)
-    blocks = torch.minimum(n_blocks, torch.div(tokens + block_size - 1, block_size, rounding_mode="floor").clamp(min=1))
-    return tokens, blocks
-
-
 def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, beta: float,
                 degree: int, sink: float, window: float, kblocks_frac: float, max_pages: int,
-                select=select_pages_reference, update=update_matrix_reference,
-                block_row=block_row_reference) -> DeviceStep:
+                kernels: bool = False) -> DeviceStep:
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
-    cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``select``: the selection
-    (:mod:`kvsieve.kernels.sketchwalk.authors_decode`'s reference or kernel), ``max_pages`` its list's bound;
-    ``update``: the running matrix's step, ``block_row``: the step's block row (the same module's reference or
-    kernels)."""
-    dtype, dev = st.phi.dtype, st.phi.device
-    b, hq, d = q.shape
-    w_len = st.qs.shape[2]
+    cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``max_pages``: the page
+    list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 2 + ``degree``
+    launches), or its torch reference (about a hundred launches)."""
     m = st.phi.shape[0]
-    bs = st.block_size
-    cap = st.capacity_blocks
-    rows = torch.arange(b, device=dev)
-    cols = torch.arange(cap, device=dev)
-    pos = lengths.to(dev).long() - 1
-    n = torch.div(pos, bs, rounding_mode="floor") + 1
-    c = n - 1
-    s = pos - c * bs
-
-    # -- order and restart ---------------------------------------------------------------------------
-    restart = (st.prompt_len >= 0) & (pos == st.prompt_len)
-    st.order_error |= ~restart & (st.last_pos >= 0) & (pos != st.last_pos + 1)
-    st.n_queries.copy_(torch.where(restart, st.p_nq, st.n_queries))
-    st.qs.copy_(torch.where(restart[:, None, None, None], st.p_qs, st.qs))
-    st.last_pos.copy_(pos)
-
-    # -- the query ring and the key sketch of block c -------------------------------------------------
-    slot = torch.remainder(pos, w_len)
-    st.qs[rows, :, slot] = q.to(dtype) @ st.phi.T
-    st.n_queries.copy_(torch.clamp(st.n_queries + 1, max=w_len))
-    k_new = k[rows, :, pos].to(dtype)  # [B, Hkv, d]
-    old = st.ksum[rows, :, c]
-    base = torch.where(restart[:, None, None], st.p_kpart, torch.where((s == 0)[:, None, None], 0.0, old))
-    st.ksum[rows, :, c] = base + k_new
-    st.ks[rows, :, c] = (st.ksum[rows, :, c] / bs) @ st.phi.T
-
-    # -- this step's block row ------------------------------------------------------------------------
-    age = torch.remainder(pos[:, None] - torch.arange(w_len, device=dev)[None, :], w_len)  # slot's age
-    slot_ok = age < st.n_queries[:, None]  # [B, W]
-    live = cols[None, :] < n[:, None]  # [B, C]
-    r = block_row(st.qs, st.ks, n, slot_ok, m ** -0.5 / LOGIT_DIVISOR)  # [B, C], zero past n
-
-    # -- the running block matrix (the restart's part of it too) ----------------------------------------
-    if st.fresh_rows:  # rows [n_prev, n) start as this row (a fresh state's first step)
-        new_rows = (cols[None, :] >= st.n_blocks[:, None]) & live
-        st.u.copy_(torch.where(new_rows[:, :, None], r[:, None, :], st.u))
-        st.sigma.copy_(torch.where(new_rows, torch.ones_like(st.sigma), st.sigma))
-        st.rsum.copy_(torch.where(new_rows, r.sum(-1, keepdim=True).expand_as(st.rsum), st.rsum))
-        st.n_blocks.copy_(torch.maximum(st.n_blocks, n))
-        st.fresh_rows = False
-    update(st.u, st.sigma, st.rsum, st.n_blocks, r, pos, restart, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
-           block_size=bs, eps=ROW_EPS)
-
-    # -- the walk over the running matrix ------------------------------------------------------------
-    walk = r
-    for _ in range(degree):
-        step = torch.matmul((walk * st.sigma)[:, None, :], st.u)[:, 0]
-        walk = torch.where(live, (1.0 - beta) * r + beta * step, 0.0)
-
-    # -- selection ------------------------------------------------------------------------------------
-    n_tok = pos + 1
-    window_tokens, window_blocks = reserved_device(window, n_tok, bs, n)
-    _, sink_blocks = reserved_device(sink, n_tok, bs, n)
-    kept, pages, counts = select(walk, n, sink_blocks, window_blocks, window_tokens, q=1.0 - kblocks_frac,
-                                 block_size=bs, max_pages=max_pages)
-    short = n <= sink_blocks + window_blocks
-    return DeviceStep(walk=walk, kept_blocks=kept, window_tokens=window_tokens, n=n, short=short, pages=pages,
-                      counts=counts)
+    scale = m ** -0.5 / LOGIT_DIVISOR
+    if kernels:
+        r = kd.row_update_triton(st, q, k, lengths, scale=scale)
+        sel = kd.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
+                                    q=1.0 - kblocks_frac, max_pages=max_pages)
+    else:
+        r = kd.row_update_reference(st, q, k, lengths, scale=scale)
+        sel = kd.walk_select_reference(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
+                                       q=1.0 - kblocks_frac, max_pages=max_pages)
+    return DeviceStep(walk=sel["walk"], kept_blocks=sel["kept"], window_tokens=sel["window_tokens"], n=sel["n"],
+                      short=sel["short"], pages=sel["pages"], counts=sel["counts"])
 
 
 def kept_token_mask(step: DeviceStep, n_keys: int, block_size: int, lengths: torch.Tensor) -> torch.Tensor:
@@ -306,16 +244,13 @@ def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> t
             dst.source = st
         state.authors_device = dst
     path, reason = attention_path(cfg, inputs)
-    kernels = {}
-    if path == "triton" and dtype == torch.float32:  # the selection kernels where the attention kernel runs
-        from ...kernels.sketchwalk import authors_decode as kd
-
-        kernels = {"select": kd.select_pages_triton, "update": kd.update_matrix_triton,
-                   "block_row": kd.block_row_triton}
+    # the Triton step where the attention kernel runs (it serves float32, float16 and bfloat16 calls; the
+    # state is float32 for all three)
+    kernels = path == "triton"
     max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
-    step = device_step(dst, inputs.q, inputs.k, lengths, beta=cfg.walk_damping, degree=cfg.degree,
-                       sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac, max_pages=max_pages,
-                       **kernels)
+    q, k, v, lens = kernel_operands(inputs) if kernels else (inputs.q, inputs.k, inputs.v, lengths)
+    step = device_step(dst, q, k, lens, beta=cfg.walk_damping, degree=cfg.degree, sink=cfg.sink, window=cfg.window,
+                       kblocks_frac=cfg.kblocks_frac, max_pages=max_pages, kernels=kernels)
     dst.last_step = step
     if dev.type == "cpu" and bool(dst.order_error.any()):  # a host check only where it costs no sync
         row = int(dst.order_error.nonzero()[0, 0])
@@ -328,12 +263,10 @@ def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> t
 
         n = -(-n_tok // bs)
         prefix = reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
-        q, k, v, lens = kernel_operands(inputs)
         hkv = inputs.kv_heads
         pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
-        out, _ = sparse_decode_triton(q, k, v, pages, counts,
-                                      page_size=bs, lengths=lens, sink=prefix,
-                                      sink_lengths=step.window_tokens.to(torch.int32), scale=inputs.scale)
+        out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=bs, lengths=lens, sink=prefix,
+                                      sink_lengths=step.window_tokens, scale=inputs.scale, fused_merge=True)
     else:
         keep = kept_token_mask(step, n_tok, bs, lengths)
         out = masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
