@@ -11,7 +11,16 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   kernels and may run a method, none of which should be traced), so the compiled graphs hold the
   norms, the residual adds and the MLP;
 - the modeling module's ``apply_rotary_pos_emb`` (the function the attention module calls) is
-  replaced by its compiled self while the runtime is attached, and put back after.
+  replaced by its compiled self while the runtime is attached, and put back after;
+- on a model sharded by transformers' tensor-parallel plan, the sharded modules inside each layer
+  (the MLP's column- and row-parallel projections: DTensor weights, and a ``forward`` that transformers
+  wrapped with layout changes and, for the row-parallel ones, an ``all_reduce``) are left out of the
+  graphs the same way as attention (``runtime/parallel.py``, :func:`~.parallel.sharded_modules`). The
+  compiled graphs then run between them on local tensors only and trace no collective: dynamo breaks
+  the graph at each left-out call, and each run of elementwise work between two of them is one kernel
+  (a layer's first norm, the residual add with the second norm, SiLU, the product, the last add, and
+  RoPE inside attention). The break at ``up_proj``, between SiLU and the product, costs one kernel per
+  layer more than the unsharded model's fused SiLU·mul.
 
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
@@ -28,7 +37,11 @@ from typing import Any
 
 import torch
 
+from .parallel import model_tp_size, sharded_modules
+
 ROPE_FUNCTION = "apply_rotary_pos_emb"
+# torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
+BACKEND: str | Callable = "inductor"
 
 
 def decoder_layers(model: torch.nn.Module, attention: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -46,6 +59,15 @@ class CompiledOps:
         if len(self.layers) != len(attention):
             raise ValueError(f"model: found {len(self.layers)} decoder layers with a self_attn for "
                              f"{len(attention)} attention modules; compile_ops serves transformers' decoder layers")
+        # the sharded modules of each layer, outside its attention (which is left out whole)
+        self.excluded: list[torch.nn.Module] = []
+        for layer in self.layers if model_tp_size(model) > 1 else ():
+            inside = [m for _, m in sharded_modules(layer, skip=(layer.self_attn,))]
+            if any(m is layer for m in inside):
+                raise ValueError(f"model: the tensor-parallel plan shards the decoder layer {type(layer).__name__} "
+                                 "itself; compile_ops compiles its forward and serves plans that shard modules "
+                                 "inside it")
+            self.excluded += inside
         self._saved: list[tuple[Any, str, Any, bool]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -56,19 +78,21 @@ class CompiledOps:
     def attach(self) -> None:
         if self._saved:
             return
+        # left out of the graphs: each layer's attention, and on a sharded model the sharded modules
+        for module in [layer.self_attn for layer in self.layers] + self.excluded:
+            self._set(module, "forward", torch.compiler.disable(module.forward, recursive=True))
         compiled: dict[type, Callable] = {}
         for layer in self.layers:
             cls = type(layer)
             if cls not in compiled:  # one compiled forward per class: the layers share it
-                compiled[cls] = torch.compile(cls.forward, fullgraph=False, dynamic=False)
-            self._set(layer.self_attn, "forward", torch.compiler.disable(layer.self_attn.forward, recursive=True))
+                compiled[cls] = torch.compile(cls.forward, fullgraph=False, dynamic=False, backend=BACKEND)
             self._set(layer, "forward", self._switch(compiled[cls], layer, layer.forward))
         for module_name in {type(m).__module__ for m in self.attention}:
             modeling = sys.modules.get(module_name)
             rope = getattr(modeling, ROPE_FUNCTION, None)
             if rope is not None:
-                self._set(modeling, ROPE_FUNCTION, self._switch(torch.compile(rope, fullgraph=True, dynamic=False),
-                                                                None, rope))
+                fused = torch.compile(rope, fullgraph=True, dynamic=False, backend=BACKEND)
+                self._set(modeling, ROPE_FUNCTION, self._switch(fused, None, rope))
 
     def _switch(self, compiled: Callable, owner: Any, eager: Callable) -> Callable:
         active = self.active

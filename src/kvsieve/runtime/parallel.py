@@ -52,6 +52,9 @@ class TensorParallel:
     backend: str
     notes: list[str] = field(default_factory=list)  # paths the runtime took because of the sharding
     method_notes: dict[str, list[str]] = field(default_factory=dict)  # what sharding changes, per method
+    # the sharded modules inside a decoder layer, by name within the layer ("mlp.down_proj", ...)
+    layer_sharded: list[str] = field(default_factory=list)
+    compile_blocker: str | None = None  # why compile_ops cannot run on this model's layers (None: it can)
 
     @property
     def kv_head_offset(self) -> int:
@@ -91,17 +94,25 @@ class TensorParallel:
             raise ValueError(f"{names}: the tensor-parallel ranks disagree ({by_rank}); every rank must run the "
                              "same request with the same method and seed")
 
-    def compile_ops(self, wanted: bool | str, device: torch.device) -> bool:
-        """``compile_ops`` on a sharded model: off. The compiled decoder layers would trace transformers'
-        tensor-parallel forward hooks and their in-place collectives, a path not run here; the layers run
-        as transformers shards them (recorded when the step would have compiled them)."""
-        if wanted is True:
-            raise ValueError("compile_ops: True is not served on a tensor-parallel model (torch.compile over "
-                             "transformers' sharded forward hooks and their collectives); use 'auto' or False")
-        if wanted == "auto" and device.type == "cuda":
-            self.notes.append("compile_ops: off on a tensor-parallel model; the decoder layers' norms, MLP and RoPE "
-                              "run uncompiled, as transformers shards them")
-        return False
+    def compile_ops(self, wanted: bool | str, device: torch.device) -> bool | str:
+        """``compile_ops`` on a sharded model: each decoder layer compiled with its sharded modules left out
+        (runtime/compiled.py), so the compiled graphs hold local tensors only and trace none of transformers'
+        layout changes and collectives; off where the plan shards a decoder layer itself (recorded, and
+        ``True`` refused). The path is recorded when the step compiles."""
+        if self.compile_blocker is not None:
+            if wanted is True:
+                raise ValueError(f"compile_ops: True is not served on this tensor-parallel model "
+                                 f"({self.compile_blocker}); use 'auto' or False")
+            if wanted == "auto" and device.type == "cuda":
+                self.notes.append(f"compile_ops: off: {self.compile_blocker}; the decoder layers run uncompiled, as "
+                                  "transformers shards them")
+            return False
+        if wanted is True or (wanted == "auto" and device.type == "cuda"):
+            left_out = ", ".join(self.layer_sharded) or "none"
+            self.notes.append(f"compile_ops: each decoder layer compiled with its sharded modules ({left_out}) and "
+                              "its attention left out of the graphs: the norms, residual adds, SiLU·mul and RoPE "
+                              "fused on local tensors, the collectives run by transformers between the graphs")
+        return wanted
 
     def as_dict(self, *specs: str) -> dict[str, Any]:
         """The stats of a run with the methods ``specs`` (decode, prefill)."""
@@ -140,6 +151,45 @@ def generic_plan(model: torch.nn.Module) -> dict[str, str]:
     import re
 
     return {re.sub(r"\.\d+\.", ".*.", k): v for k, v in plan.items()}
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether transformers' plan sharded ``module`` itself: it holds DTensor parameters or buffers of its own,
+    or its ``forward`` was replaced on the instance (the plan's styles wrap it with layout changes and, for
+    row-parallel and embedding styles, a collective)."""
+    own = list(module._parameters.values()) + list(module._buffers.values())
+    return "forward" in vars(module) or any(hasattr(t, "to_local") and hasattr(t, "placements") for t in own)
+
+
+def sharded_modules(root: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost sharded modules (:func:`is_sharded`) of ``root``, itself included, as (name under
+    ``root``, module), not looking inside the modules ``skip``."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def walk(name: str, module: torch.nn.Module) -> None:
+        if any(module is s for s in skip):
+            return
+        if is_sharded(module):
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            walk(f"{name}.{child_name}" if name else child_name, child)
+
+    walk("", root)
+    return found
+
+
+def _layer_sharding(model: torch.nn.Module) -> tuple[list[str], str | None]:
+    """What compile_ops leaves out of each decoder layer (the sharded modules outside attention, by name in the
+    layer) and why it could not compile the layers at all (None: it can)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "self_attn", None), torch.nn.Module)]
+    names: set[str] = set()
+    for layer in layers:
+        for name, _ in sharded_modules(layer, skip=(layer.self_attn,)):
+            if not name:
+                return [], f"the plan shards the decoder layer {type(layer).__name__} itself"
+            names.add(name)
+    return sorted(names), None
 
 
 def _style_of(plan: dict[str, str], suffix: str) -> set[str]:
@@ -190,8 +240,10 @@ def tensor_parallel(model: torch.nn.Module, shape: ModelShape) -> TensorParallel
             raise ValueError(f"model: k_proj holds {local.shape[0]} output features on rank {rank}; expected "
                              f"{kv_heads} KV heads × head_dim {shape.head_dim} = {kv_heads * shape.head_dim}")
         break
+    layer_sharded, compile_blocker = _layer_sharding(model)
     return TensorParallel(rank=rank, size=size, group=group, heads=heads, kv_heads=kv_heads, plan=plan,
-                          backend=dist.get_backend(group))
+                          backend=dist.get_backend(group), layer_sharded=layer_sharded,
+                          compile_blocker=compile_blocker)
 
 
 def free_port() -> int:
