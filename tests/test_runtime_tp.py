@@ -316,9 +316,11 @@ def _rank_gpu(rank, size, path, rows, out):
     res = {}
     for spec in GPU_SPECS:
         r = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
-        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp)
+        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp, r.stats.compiled_ops)
     res["sampled"] = generate(model, rows, "dense", max_new_tokens=24, graph=True, do_sample=True, seed=3,
                               eos_token_id=None).tokens
+    r = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False)
+    res["uncompiled"] = (r.tokens, r.stats.compiled_ops)
     torch.save(res, f"{out}/rank{rank}.pt")
 
 
@@ -336,7 +338,13 @@ def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_
     for spec in GPU_SPECS:
         ref = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
         for r, res in enumerate(ranks):
-            tokens, graph, backend, tp = res[spec]
+            tokens, graph, backend, tp, compiled = res[spec]
             assert graph and backend == ref.stats.attention_backend and tp["backend"] == "nccl", (spec, r)
+            # the decoder layers compiled around transformers' sharded modules, captured with the collectives
+            assert compiled and ref.stats.compiled_ops, (spec, r, tp["fallbacks"])
+            assert any(n.startswith("compile_ops: each decoder layer compiled") for n in tp["fallbacks"])
             assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
+    dense = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False).tokens
+    for res in ranks:  # the captured step without compile_ops, as before it served sharded models
+        assert res["uncompiled"][0].tolist() == dense.tolist() and not res["uncompiled"][1]
