@@ -18,7 +18,9 @@ from local tensors (the methods run unchanged on whatever heads they are given);
 chosen from the gathered logits on every rank by the same rule (greedy, or counter-based sampling
 from the same seed), so the ranks agree on every token without exchanging it. What must agree
 across ranks (method, seed, sampling, batch, capacity) is checked once, with one collective when
-the runtime is built, and a disagreement raises the same ValueError on every rank.
+the runtime is built, and a disagreement raises the same ValueError on every rank. ``compile_ops``
+compiles each decoder layer with the modules the plan sharded left out (:func:`sharded_modules`), so
+no compiled graph sees a DTensor or traces a collective.
 
 :func:`tensor_parallel` inspects a model and returns ``None`` for an unsharded one, so the runtime's
 single-process path is untouched.
@@ -110,8 +112,9 @@ class TensorParallel:
         if wanted is True or (wanted == "auto" and device.type == "cuda"):
             left_out = ", ".join(self.layer_sharded) or "none"
             self.notes.append(f"compile_ops: each decoder layer compiled with its sharded modules ({left_out}) and "
-                              "its attention left out of the graphs: the norms, residual adds, SiLU·mul and RoPE "
-                              "fused on local tensors, the collectives run by transformers between the graphs")
+                              "its attention left out of the graphs: the norms, residual adds, SiLU, the product and "
+                              "RoPE compiled on local tensors, the matmuls and collectives run by transformers "
+                              "between the graphs")
         return wanted
 
     def as_dict(self, *specs: str) -> dict[str, Any]:
