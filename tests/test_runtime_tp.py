@@ -144,17 +144,23 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         for r, res in enumerate(ranks):
             tokens, compiled, tp_notes, fallbacks = res["compiled"][spec]
             assert tokens.tolist() == ref.tolist() and compiled and not fallbacks, (spec, r)
-            assert any("mlp.down_proj, mlp.gate_proj, mlp.up_proj" in n for n in tp_notes), tp_notes
+            assert any("sharded modules mlp.down_proj left out" in n and "Linears mlp.gate_proj, mlp.up_proj traced"
+                       in n for n in tp_notes), tp_notes
     for res in ranks:
-        # every traced graph is local: no collective, no DTensor; together they hold the norms and the MLP's SiLU
+        # every traced graph is local: no collective, no DTensor; together they hold the norms, the MLP's local
+        # column-parallel matmuls and its SiLU
         traced = [op for graph in res["graphs"] for op in graph]
         assert res["graphs"] and not [op for op in traced if "c10d" in op or "DTensor" in op or "reduce" in op]
-        assert any("rsqrt" in op for op in traced) and any("silu" in op for op in traced)
+        assert {"rsqrt", "silu", "linear"} <= {name for name in ("rsqrt", "silu", "linear") for op in traced
+                                                if name in op}
         plain, fused = res["ops"][False], res["ops"][True]
         # the same collectives (transformers runs them, eagerly, between the graphs) and fewer ops per step
         assert plain["c10d::allreduce_"] == fused["c10d::allreduce_"] == 5
         assert fused["inductor kernel"] > 0 and plain["inductor kernel"] == 0
         assert fused["aten::rsqrt"] == 1 and plain["aten::rsqrt"] == 5  # only the final norm left uncompiled
+        # per layer 5 kernels, as in one process: norm; RoPE; add and norm; SiLU·mul; add
+        assert fused["inductor kernel"] == 2 * 5 and fused["aten::silu"] == plain["aten::mm"] == 0
+        assert fused["aten::mm"] == 2 * 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2
         assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)
     sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()
@@ -217,11 +223,15 @@ def test_head_counts_that_do_not_shard_are_refused():
 
 
 def test_sharded_modules_are_the_outermost_ones_the_plan_wrapped_or_gave_dtensors():
-    from kvsieve.runtime.parallel import _layer_sharding, sharded_modules
+    from kvsieve.runtime.parallel import layer_sharding, sharded_modules
+
+    def split(model):
+        sharding = layer_sharding(model)
+        return sharding.left_out_names, sharding.local_names, sharding.blocker
 
     model = tiny_llama()
     layer = model.model.layers[0]
-    assert sharded_modules(layer) == [] and _layer_sharding(model) == ([], None)
+    assert sharded_modules(layer) == [] and split(model) == ([], [], None)
     layer.mlp.down_proj.forward = layer.mlp.down_proj.forward  # a forward replaced on the instance, as the plan does
     layer.self_attn.q_proj.forward = layer.self_attn.q_proj.forward
     class Shard(torch.Tensor):  # what a DTensor parameter shows: its local tensor and placements
@@ -235,11 +245,12 @@ def test_sharded_modules_are_the_outermost_ones_the_plan_wrapped_or_gave_dtensor
     names = [n for n, _ in sharded_modules(layer, skip=(layer.self_attn,))]
     assert names == ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     assert [n for n, _ in sharded_modules(layer)][0] == "self_attn.q_proj"
-    assert _layer_sharding(model) == (["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"], None)
+    # gate_proj is "colwise" in the plan but its weight is no column-sharded DTensor: left out, as the others
+    assert split(model) == (["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"], [], None)
     layer.mlp.forward = layer.mlp.forward  # the whole MLP wrapped: it is left out whole, not its projections
-    assert _layer_sharding(model) == (["mlp"], None)
+    assert split(model) == (["mlp"], [], None)
     model.model.layers[1].forward = model.model.layers[1].forward
-    assert _layer_sharding(model) == ([], "the plan shards the decoder layer LlamaDecoderLayer itself")
+    assert split(model)[2] == "the plan shards the decoder layer LlamaDecoderLayer itself"
 
 
 def test_methods_that_cannot_run_on_local_heads_are_refused():

@@ -12,15 +12,14 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   norms, the residual adds and the MLP;
 - the modeling module's ``apply_rotary_pos_emb`` (the function the attention module calls) is
   replaced by its compiled self while the runtime is attached, and put back after;
-- on a model sharded by transformers' tensor-parallel plan, the sharded modules inside each layer
-  (the MLP's column- and row-parallel projections: DTensor weights, and a ``forward`` that transformers
-  wrapped with layout changes and, for the row-parallel ones, an ``all_reduce``) are left out of the
-  graphs the same way as attention (``runtime/parallel.py``, :func:`~.parallel.sharded_modules`). The
-  compiled graphs then run between them on local tensors only and trace no collective: dynamo breaks
-  the graph at each left-out call, and each run of elementwise work between two of them is one kernel
-  (a layer's first norm, the residual add with the second norm, SiLU, the product, the last add, and
-  RoPE inside attention). The break at ``up_proj``, between SiLU and the product, costs one kernel per
-  layer more than the unsharded model's fused SiLU·mul.
+- on a model sharded by transformers' tensor-parallel plan, each layer's sharded modules outside attention
+  (DTensor weights, and a ``forward`` that transformers wrapped with layout changes and, for the
+  row-parallel ones, an ``all_reduce``) are either left out of the graphs the same way as attention (the
+  row-parallel ``down_proj``: dynamo breaks the graph there and transformers runs it, collective included)
+  or, for the column-parallel Linears whose output stays local (``gate_proj``, ``up_proj``), traced as
+  the very path transformers takes on a local input without autograd: this rank's matmul on the local
+  shards (``runtime/parallel.py``: :func:`~.parallel.layer_sharding`). The compiled graphs thus see local
+  tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
 
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .parallel import model_tp_size, sharded_modules
+from .parallel import layer_sharding, model_tp_size
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 # torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
@@ -59,15 +58,18 @@ class CompiledOps:
         if len(self.layers) != len(attention):
             raise ValueError(f"model: found {len(self.layers)} decoder layers with a self_attn for "
                              f"{len(attention)} attention modules; compile_ops serves transformers' decoder layers")
-        # the sharded modules of each layer, outside its attention (which is left out whole)
+        # on a sharded model: each layer's sharded modules outside its attention, left out of the graphs or
+        # (column-parallel Linears) traced as their local matmul
         self.excluded: list[torch.nn.Module] = []
-        for layer in self.layers if model_tp_size(model) > 1 else ():
-            inside = [m for _, m in sharded_modules(layer, skip=(layer.self_attn,))]
-            if any(m is layer for m in inside):
-                raise ValueError(f"model: the tensor-parallel plan shards the decoder layer {type(layer).__name__} "
-                                 "itself; compile_ops compiles its forward and serves plans that shard modules "
-                                 "inside it")
-            self.excluded += inside
+        self.local: list[tuple[torch.nn.Module, Callable]] = []
+        if model_tp_size(model) > 1:
+            sharding = layer_sharding(model)
+            if sharding.blocker is not None:
+                raise ValueError(f"model: {sharding.blocker}; compile_ops compiles each decoder layer's forward and "
+                                 "serves plans that shard modules inside the layers")
+            for layer in self.layers:
+                self.excluded += sharding.left_out[id(layer)]
+                self.local += sharding.local[id(layer)]
         self._saved: list[tuple[Any, str, Any, bool]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -81,6 +83,8 @@ class CompiledOps:
         # left out of the graphs: each layer's attention, and on a sharded model the sharded modules
         for module in [layer.self_attn for layer in self.layers] + self.excluded:
             self._set(module, "forward", torch.compiler.disable(module.forward, recursive=True))
+        for module, forward in self.local:
+            self._set(module, "forward", forward)
         compiled: dict[type, Callable] = {}
         for layer in self.layers:
             cls = type(layer)
