@@ -18,8 +18,9 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   row-parallel ``down_proj``: dynamo breaks the graph there and transformers runs it, collective included)
   or, for the column-parallel Linears whose output stays local (``gate_proj``, ``up_proj``), traced as
   the very path transformers takes on a local input without autograd: this rank's matmul on the local
-  shards (``runtime/parallel.py``: :func:`~.parallel.layer_sharding`). The compiled graphs thus see local
-  tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
+  shards (``runtime/parallel.py``: :func:`~.parallel.layer_sharding`; installed while the runtime is
+  attached, prefill included, where it computes what transformers' wrapper would). The compiled graphs
+  thus see local tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
 
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
