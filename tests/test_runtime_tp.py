@@ -13,7 +13,14 @@ from kvsieve.runtime.parallel import TensorParallel, launch, spec_of, tensor_par
 from kvsieve.runtime.support import ModelShape
 
 SPECS = ("dense", "streaming:sink=4,window=8", "quest:top_k=16,sink=4,window=8,page_size=4")
+COMPILED_SPECS = ("dense", SPECS[2])
 NEW = 6
+# profiler names of work done per decode step: an op not inside another, no view; inductor's CPU kernels
+VIEW_OPS = {"aten::view", "aten::reshape", "aten::transpose", "aten::unsqueeze", "aten::expand", "aten::slice",
+            "aten::select", "aten::as_strided", "aten::t", "aten::permute", "aten::_unsafe_view", "aten::squeeze",
+            "aten::detach", "aten::alias", "aten::split", "aten::chunk", "aten::contiguous", "aten::empty",
+            "aten::empty_strided", "aten::lift_fresh", "aten::_reshape_alias", "aten::view_as", "aten::narrow",
+            "aten::unbind", "aten::empty_like", "aten::item", "aten::_local_scalar_dense"}
 
 
 def tiny_llama(seed=0, **overrides):
@@ -25,6 +32,58 @@ def tiny_llama(seed=0, **overrides):
     cfg = tf.LlamaConfig(**{**kw, **overrides})
     torch.manual_seed(seed)
     return tf.LlamaForCausalLM(cfg).eval()
+
+
+def step_ops(model, ids, compile_ops):
+    """What one decode step runs, by name (see VIEW_OPS), as the CPU profiler records it."""
+    import collections
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with DecodeRuntime(model, "dense", batch_size=ids.shape[0], capacity=ids.shape[1] + 3, max_new_tokens=3,
+                       compile_ops=compile_ops) as rt:
+        rt.prefill(list(ids))  # the first new token
+        rt.step()  # compiles
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            rt.step()
+    ops = collections.Counter()
+    for event in prof.events():
+        if "cpp_fused" in event.name:
+            ops["inductor kernel"] += 1
+            continue
+        parent, nested = event.cpu_parent, False
+        while parent is not None and not nested:
+            nested, parent = parent.name.startswith(("aten::", "c10d::")), parent.cpu_parent
+        if event.name.startswith(("aten::", "c10d::")) and not nested and event.name not in VIEW_OPS:
+            ops[event.name] += 1
+    return ops
+
+
+def _compiled_checks(model, ids, res):
+    """compile_ops=True on the sharded model: tokens and stats per spec, what the compiled graphs hold, and
+    the ops of one step with and without it."""
+    import torch._inductor.config
+    from torch._inductor.compile_fx import compile_fx
+
+    import kvsieve.runtime.compiled as compiled
+
+    torch._inductor.config.cpp.enable_kernel_profile = True  # inductor's kernels appear as profiler events
+    graphs = []
+
+    def recording(gm, example_inputs):  # inductor, keeping each graph it is given
+        graphs.append(sorted({str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+        return compile_fx(gm, example_inputs)
+
+    compiled.BACKEND = recording
+    try:
+        res["compiled"] = {}
+        for spec in COMPILED_SPECS:
+            r = generate(model, ids, spec, max_new_tokens=NEW, seed=3, compile_ops=True)
+            res["compiled"][spec] = (r.tokens, r.stats.compiled_ops, r.stats.tp["fallbacks"], r.stats.fallbacks)
+        res["graphs"] = graphs
+        res["ops"] = {co: step_ops(model, ids, co) for co in (False, True)}
+    finally:
+        compiled.BACKEND = "inductor"
 
 
 def _rank(rank, size, path, ids, out):
@@ -41,6 +100,7 @@ def _rank(rank, size, path, ids, out):
         res["tokens"][spec] = result.tokens
         res["stats"][spec] = result.stats.tp
         res["density"][spec] = result.stats.mean("density")
+    _compiled_checks(model, ids, res)
     res["sampled"] = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0,
                               seed=11).tokens
     with DecodeRuntime(model, "dense", batch_size=ids.shape[0], capacity=ids.shape[1] + 2, max_new_tokens=2) as rt:
@@ -79,6 +139,29 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
             assert (tp["ranks"], tp["rank"], tp["heads"], tp["kv_heads"], tp["kv_head_offset"]) == (2, r, 2, 1, r)
             assert spec == "dense" or res["density"][spec] < 0.9  # the method ran, and sparsely
             assert tp["backend"] == "gloo" and tp["plan"]["model.layers.*.self_attn.k_proj"] == "colwise"
+    for spec in COMPILED_SPECS:  # the compiled pieces on local tensors: the same tokens as one process
+        ref = generate(model, ids, spec, max_new_tokens=NEW, seed=3).tokens
+        for r, res in enumerate(ranks):
+            tokens, compiled, tp_notes, fallbacks = res["compiled"][spec]
+            assert tokens.tolist() == ref.tolist() and compiled and not fallbacks, (spec, r)
+            assert any("sharded modules mlp.down_proj left out" in n and "Linears mlp.gate_proj, mlp.up_proj traced"
+                       in n for n in tp_notes), tp_notes
+    for res in ranks:
+        # every traced graph is local: no collective, no DTensor; together they hold the norms, the MLP's local
+        # column-parallel matmuls and its SiLU
+        traced = [op for graph in res["graphs"] for op in graph]
+        assert res["graphs"] and not [op for op in traced if "c10d" in op or "DTensor" in op or "reduce" in op]
+        assert {"rsqrt", "silu", "linear"} <= {name for name in ("rsqrt", "silu", "linear") for op in traced
+                                                if name in op}
+        plain, fused = res["ops"][False], res["ops"][True]
+        # the same collectives (transformers runs them, eagerly, between the graphs) and fewer ops per step
+        assert plain["c10d::allreduce_"] == fused["c10d::allreduce_"] == 5
+        assert fused["inductor kernel"] > 0 and plain["inductor kernel"] == 0
+        assert fused["aten::rsqrt"] == 1 and plain["aten::rsqrt"] == 5  # only the final norm left uncompiled
+        # per layer 5 kernels, as in one process: norm; RoPE; add and norm; SiLU·mul; add
+        assert fused["inductor kernel"] == 2 * 5 and fused["aten::silu"] == plain["aten::mm"] == 0
+        assert fused["aten::mm"] == 2 * 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2
+        assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)
     sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()
 
@@ -139,6 +222,37 @@ def test_head_counts_that_do_not_shard_are_refused():
         tensor_parallel(_Sharded(2, k_proj="colwise"), shape)
 
 
+def test_sharded_modules_are_the_outermost_ones_the_plan_wrapped_or_gave_dtensors():
+    from kvsieve.runtime.parallel import layer_sharding, sharded_modules
+
+    def split(model):
+        sharding = layer_sharding(model)
+        return sharding.left_out_names, sharding.local_names, sharding.blocker
+
+    model = tiny_llama()
+    layer = model.model.layers[0]
+    assert sharded_modules(layer) == [] and split(model) == ([], [], None)
+    layer.mlp.down_proj.forward = layer.mlp.down_proj.forward  # a forward replaced on the instance, as the plan does
+    layer.self_attn.q_proj.forward = layer.self_attn.q_proj.forward
+    class Shard(torch.Tensor):  # what a DTensor parameter shows: its local tensor and placements
+        placements = ()
+
+        def to_local(self):
+            return self
+
+    layer.mlp.up_proj._parameters["weight"] = torch.zeros(2).as_subclass(Shard)
+    layer.mlp.gate_proj.forward = layer.mlp.gate_proj.forward
+    names = [n for n, _ in sharded_modules(layer, skip=(layer.self_attn,))]
+    assert names == ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert [n for n, _ in sharded_modules(layer)][0] == "self_attn.q_proj"
+    # gate_proj is "colwise" in the plan but its weight is no column-sharded DTensor: left out, as the others
+    assert split(model) == (["mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"], [], None)
+    layer.mlp.forward = layer.mlp.forward  # the whole MLP wrapped: it is left out whole, not its projections
+    assert split(model) == (["mlp"], [], None)
+    model.model.layers[1].forward = model.model.layers[1].forward
+    assert split(model)[2] == "the plan shards the decoder layer LlamaDecoderLayer itself"
+
+
 def test_methods_that_cannot_run_on_local_heads_are_refused():
     from kvsieve.core.registry import method
 
@@ -150,8 +264,14 @@ def test_methods_that_cannot_run_on_local_heads_are_refused():
     notes = tp.check_method(method("random"))
     assert len(notes) == 1 and "local head index" in notes[0]
     assert tp.as_dict("quest")["fallbacks"] == [] and tp.as_dict("quest", method("random").spec)["fallbacks"] == notes
-    with pytest.raises(ValueError, match="compile_ops: True is not served on a tensor-parallel model"):
-        tp.compile_ops(True, torch.device("cpu"))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert tp.compile_ops(False, cuda) is False and tp.compile_ops("auto", cpu) == "auto"
+    assert tp.notes == []  # nothing compiles there
+    assert tp.compile_ops(True, cpu) is True and "each decoder layer compiled" in tp.notes[0]
+    tp.compile_blocker, tp.notes = "the plan shards the decoder layer Layer itself", []
+    with pytest.raises(ValueError, match=r"compile_ops: True is not served on this tensor-parallel model \(the plan"):
+        tp.compile_ops(True, cpu)
+    assert tp.compile_ops("auto", cuda) is False and tp.notes[0].startswith("compile_ops: off: the plan")
     assert spec_of(" dense ") == "dense" and spec_of(method("quest")) == method("quest").spec and spec_of(None) is None
 
 
@@ -207,9 +327,11 @@ def _rank_gpu(rank, size, path, rows, out):
     res = {}
     for spec in GPU_SPECS:
         r = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
-        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp)
+        res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp, r.stats.compiled_ops)
     res["sampled"] = generate(model, rows, "dense", max_new_tokens=24, graph=True, do_sample=True, seed=3,
                               eos_token_id=None).tokens
+    r = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False)
+    res["uncompiled"] = (r.tokens, r.stats.compiled_ops)
     torch.save(res, f"{out}/rank{rank}.pt")
 
 
@@ -227,7 +349,13 @@ def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_
     for spec in GPU_SPECS:
         ref = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
         for r, res in enumerate(ranks):
-            tokens, graph, backend, tp = res[spec]
+            tokens, graph, backend, tp, compiled = res[spec]
             assert graph and backend == ref.stats.attention_backend and tp["backend"] == "nccl", (spec, r)
+            # the decoder layers compiled around transformers' sharded modules, captured with the collectives
+            assert compiled and ref.stats.compiled_ops, (spec, r, tp["fallbacks"])
+            assert any(n.startswith("compile_ops: each decoder layer compiled") for n in tp["fallbacks"])
             assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
+    dense = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False).tokens
+    for res in ranks:  # the captured step without compile_ops, as before it served sharded models
+        assert res["uncompiled"][0].tolist() == dense.tolist() and not res["uncompiled"][1]

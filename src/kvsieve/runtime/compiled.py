@@ -11,7 +11,16 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   kernels and may run a method, none of which should be traced), so the compiled graphs hold the
   norms, the residual adds and the MLP;
 - the modeling module's ``apply_rotary_pos_emb`` (the function the attention module calls) is
-  replaced by its compiled self while the runtime is attached, and put back after.
+  replaced by its compiled self while the runtime is attached, and put back after;
+- on a model sharded by transformers' tensor-parallel plan, each layer's sharded modules outside attention
+  (DTensor weights, and a ``forward`` that transformers wrapped with layout changes and, for the
+  row-parallel ones, an ``all_reduce``) are either left out of the graphs the same way as attention (the
+  row-parallel ``down_proj``: dynamo breaks the graph there and transformers runs it, collective included)
+  or, for the column-parallel Linears whose output stays local (``gate_proj``, ``up_proj``), traced as
+  the very path transformers takes on a local input without autograd: this rank's matmul on the local
+  shards (``runtime/parallel.py``: :func:`~.parallel.layer_sharding`; installed while the runtime is
+  attached, prefill included, where it computes what transformers' wrapper would). The compiled graphs
+  thus see local tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
 
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
@@ -28,7 +37,11 @@ from typing import Any
 
 import torch
 
+from .parallel import layer_sharding, model_tp_size
+
 ROPE_FUNCTION = "apply_rotary_pos_emb"
+# torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
+BACKEND: str | Callable = "inductor"
 
 
 def decoder_layers(model: torch.nn.Module, attention: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -46,6 +59,18 @@ class CompiledOps:
         if len(self.layers) != len(attention):
             raise ValueError(f"model: found {len(self.layers)} decoder layers with a self_attn for "
                              f"{len(attention)} attention modules; compile_ops serves transformers' decoder layers")
+        # on a sharded model: each layer's sharded modules outside its attention, left out of the graphs or
+        # (column-parallel Linears) traced as their local matmul
+        self.excluded: list[torch.nn.Module] = []
+        self.local: list[tuple[torch.nn.Module, Callable]] = []
+        if model_tp_size(model) > 1:
+            sharding = layer_sharding(model)
+            if sharding.blocker is not None:
+                raise ValueError(f"model: {sharding.blocker}; compile_ops compiles each decoder layer's forward and "
+                                 "serves plans that shard modules inside the layers")
+            for layer in self.layers:
+                self.excluded += sharding.left_out[id(layer)]
+                self.local += sharding.local[id(layer)]
         self._saved: list[tuple[Any, str, Any, bool]] = []
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
@@ -56,19 +81,23 @@ class CompiledOps:
     def attach(self) -> None:
         if self._saved:
             return
+        # left out of the graphs: each layer's attention, and on a sharded model the sharded modules
+        for module in [layer.self_attn for layer in self.layers] + self.excluded:
+            self._set(module, "forward", torch.compiler.disable(module.forward, recursive=True))
+        for module, forward in self.local:
+            self._set(module, "forward", forward)
         compiled: dict[type, Callable] = {}
         for layer in self.layers:
             cls = type(layer)
             if cls not in compiled:  # one compiled forward per class: the layers share it
-                compiled[cls] = torch.compile(cls.forward, fullgraph=False, dynamic=False)
-            self._set(layer.self_attn, "forward", torch.compiler.disable(layer.self_attn.forward, recursive=True))
+                compiled[cls] = torch.compile(cls.forward, fullgraph=False, dynamic=False, backend=BACKEND)
             self._set(layer, "forward", self._switch(compiled[cls], layer, layer.forward))
         for module_name in {type(m).__module__ for m in self.attention}:
             modeling = sys.modules.get(module_name)
             rope = getattr(modeling, ROPE_FUNCTION, None)
             if rope is not None:
-                self._set(modeling, ROPE_FUNCTION, self._switch(torch.compile(rope, fullgraph=True, dynamic=False),
-                                                                None, rope))
+                fused = torch.compile(rope, fullgraph=True, dynamic=False, backend=BACKEND)
+                self._set(modeling, ROPE_FUNCTION, self._switch(fused, None, rope))
 
     def _switch(self, compiled: Callable, owner: Any, eager: Callable) -> Callable:
         active = self.active

@@ -18,7 +18,10 @@ from local tensors (the methods run unchanged on whatever heads they are given);
 chosen from the gathered logits on every rank by the same rule (greedy, or counter-based sampling
 from the same seed), so the ranks agree on every token without exchanging it. What must agree
 across ranks (method, seed, sampling, batch, capacity) is checked once, with one collective when
-the runtime is built, and a disagreement raises the same ValueError on every rank.
+the runtime is built, and a disagreement raises the same ValueError on every rank. ``compile_ops``
+compiles each decoder layer with the modules the plan sharded left out (:func:`sharded_modules`) except
+the column-parallel Linears, traced as this rank's matmul on its local shards (:func:`local_column_forward`),
+so no compiled graph sees a DTensor or traces a collective.
 
 :func:`tensor_parallel` inspects a model and returns ``None`` for an unsharded one, so the runtime's
 single-process path is untouched.
@@ -27,6 +30,8 @@ single-process path is untouched.
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +57,11 @@ class TensorParallel:
     backend: str
     notes: list[str] = field(default_factory=list)  # paths the runtime took because of the sharding
     method_notes: dict[str, list[str]] = field(default_factory=dict)  # what sharding changes, per method
+    # compile_ops on the decoder layers: the sharded modules it leaves out, those it traces locally (by name in
+    # the layer: "mlp.down_proj", ...), and why it cannot compile the layers at all (None: it can)
+    layer_left_out: list[str] = field(default_factory=list)
+    layer_local: list[str] = field(default_factory=list)
+    compile_blocker: str | None = None
 
     @property
     def kv_head_offset(self) -> int:
@@ -91,17 +101,26 @@ class TensorParallel:
             raise ValueError(f"{names}: the tensor-parallel ranks disagree ({by_rank}); every rank must run the "
                              "same request with the same method and seed")
 
-    def compile_ops(self, wanted: bool | str, device: torch.device) -> bool:
-        """``compile_ops`` on a sharded model: off. The compiled decoder layers would trace transformers'
-        tensor-parallel forward hooks and their in-place collectives, a path not run here; the layers run
-        as transformers shards them (recorded when the step would have compiled them)."""
-        if wanted is True:
-            raise ValueError("compile_ops: True is not served on a tensor-parallel model (torch.compile over "
-                             "transformers' sharded forward hooks and their collectives); use 'auto' or False")
-        if wanted == "auto" and device.type == "cuda":
-            self.notes.append("compile_ops: off on a tensor-parallel model; the decoder layers' norms, MLP and RoPE "
-                              "run uncompiled, as transformers shards them")
-        return False
+    def compile_ops(self, wanted: bool | str, device: torch.device) -> bool | str:
+        """``compile_ops`` on a sharded model: each decoder layer compiled with its sharded modules left out
+        (runtime/compiled.py), so the compiled graphs hold local tensors only and trace none of transformers'
+        layout changes and collectives; off where the plan shards a decoder layer itself (recorded, and
+        ``True`` refused). The path is recorded when the step compiles."""
+        if self.compile_blocker is not None:
+            if wanted is True:
+                raise ValueError(f"compile_ops: True is not served on this tensor-parallel model "
+                                 f"({self.compile_blocker}); use 'auto' or False")
+            if wanted == "auto" and device.type == "cuda":
+                self.notes.append(f"compile_ops: off: {self.compile_blocker}; the decoder layers run uncompiled, as "
+                                  "transformers shards them")
+            return False
+        if wanted is True or (wanted == "auto" and device.type == "cuda"):
+            left_out, local = ", ".join(self.layer_left_out) or "none", ", ".join(self.layer_local) or "none"
+            self.notes.append(f"compile_ops: each decoder layer compiled with its attention and its sharded modules "
+                              f"{left_out} left out of the graphs (transformers runs them and their all-reduces "
+                              f"between the graphs) and its column-parallel Linears {local} traced as this rank's "
+                              "matmul: the norms, residual adds, SiLU·mul and RoPE fused on local tensors")
+        return wanted
 
     def as_dict(self, *specs: str) -> dict[str, Any]:
         """The stats of a run with the methods ``specs`` (decode, prefill)."""
@@ -137,9 +156,104 @@ def tp_group(model: torch.nn.Module):
 def generic_plan(model: torch.nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan with layer numbers as ``*`` (what the rules say, not every module)."""
     plan = getattr(model, "tp_plan", None) or getattr(model, "_tp_plan", None) or {}
-    import re
+    return {generic_name(k): v for k, v in plan.items()}
 
-    return {re.sub(r"\.\d+\.", ".*.", k): v for k, v in plan.items()}
+
+def generic_name(name: str) -> str:
+    """A module's name with its layer numbers as ``*`` ("model.layers.*.mlp.up_proj"), as the plan names it."""
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether transformers' plan sharded ``module`` itself: it holds DTensor parameters or buffers of its own,
+    or its ``forward`` was replaced on the instance (the plan's styles wrap it with layout changes and, for
+    row-parallel and embedding styles, a collective)."""
+    own = list(module._parameters.values()) + list(module._buffers.values())
+    return "forward" in vars(module) or any(hasattr(t, "to_local") and hasattr(t, "placements") for t in own)
+
+
+def sharded_modules(root: torch.nn.Module, skip: tuple[torch.nn.Module, ...] = ()) -> list[tuple[str, torch.nn.Module]]:
+    """The outermost sharded modules (:func:`is_sharded`) of ``root``, itself included, as (name under
+    ``root``, module), not looking inside the modules ``skip``."""
+    found: list[tuple[str, torch.nn.Module]] = []
+
+    def walk(name: str, module: torch.nn.Module) -> None:
+        if any(module is s for s in skip):
+            return
+        if is_sharded(module):
+            found.append((name, module))
+            return
+        for child_name, child in module.named_children():
+            walk(f"{name}.{child_name}" if name else child_name, child)
+
+    walk("", root)
+    return found
+
+
+def local_column_forward(module: torch.nn.Module, style: str | None) -> Callable | None:
+    """For a ``torch.nn.Linear`` the plan shards by output features with the output kept local (``"colwise"``:
+    weight and bias ``Shard(0)``, a replicated input), the path transformers' style takes on a local input
+    without autograd: this rank's matmul on the local shards, no communication. Returned so that compile_ops
+    traces it (the matmul and what follows it in one graph); None for any other module. On a DTensor input or
+    with autograd on it calls the module's own (transformers') forward."""
+    shards = [t for t in (module._parameters.get("weight"), module._parameters.get("bias")) if t is not None]
+    if (style != "colwise" or not isinstance(module, torch.nn.Linear) or type(module).forward is not
+            torch.nn.Linear.forward or getattr(module, "_hf_quantized_needs_local_tp", False) or not shards):
+        return None
+    for t in shards:
+        placements = getattr(t, "placements", None)
+        if (not hasattr(t, "to_local") or placements is None or len(placements) != 1
+                or type(placements[0]).__name__ != "Shard" or placements[0].dim not in (0, -t.ndim)):
+            return None
+    from torch.distributed.tensor import DTensor
+
+    weight = module.weight.to_local()
+    bias = None if module.bias is None else module.bias.to_local()
+    sharded_forward = module.forward
+
+    def forward(x, *args, **kwargs):
+        if args or kwargs or isinstance(x, DTensor) or torch.is_grad_enabled():
+            return sharded_forward(x, *args, **kwargs)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    return forward
+
+
+@dataclass
+class LayerSharding:
+    """How compile_ops treats the sharded modules inside a model's decoder layers (outside attention)."""
+
+    left_out: dict[int, list[torch.nn.Module]]  # per layer (by id): run by transformers, outside the graphs
+    local: dict[int, list[tuple[torch.nn.Module, Callable]]]  # per layer: column-parallel Linears, traced locally
+    left_out_names: list[str]  # by name in the layer
+    local_names: list[str]
+    blocker: str | None  # why the layers cannot be compiled at all (None: they can)
+
+
+def layer_sharding(model: torch.nn.Module) -> LayerSharding:
+    """The sharded modules of each decoder layer outside its attention (:func:`sharded_modules`): the
+    column-parallel Linears traced as their local matmul (:func:`local_column_forward`), every other one left
+    out of the compiled graphs; a blocker where the plan shards a decoder layer itself."""
+    plan = generic_plan(model)
+    out = LayerSharding({}, {}, [], [], None)
+    left_names, local_names = set(), set()
+    for layer_name, layer in model.named_modules():
+        if not isinstance(getattr(layer, "self_attn", None), torch.nn.Module):
+            continue
+        left, local = out.left_out.setdefault(id(layer), []), out.local.setdefault(id(layer), [])
+        for name, module in sharded_modules(layer, skip=(layer.self_attn,)):
+            if not name:
+                out.blocker = f"the plan shards the decoder layer {type(layer).__name__} itself"
+                return out
+            forward = local_column_forward(module, plan.get(generic_name(f"{layer_name}.{name}")))
+            if forward is None:
+                left.append(module)
+                left_names.add(name)
+            else:
+                local.append((module, forward))
+                local_names.add(name)
+    out.left_out_names, out.local_names = sorted(left_names), sorted(local_names)
+    return out
 
 
 def _style_of(plan: dict[str, str], suffix: str) -> set[str]:
@@ -190,8 +304,10 @@ def tensor_parallel(model: torch.nn.Module, shape: ModelShape) -> TensorParallel
             raise ValueError(f"model: k_proj holds {local.shape[0]} output features on rank {rank}; expected "
                              f"{kv_heads} KV heads × head_dim {shape.head_dim} = {kv_heads * shape.head_dim}")
         break
+    sharding = layer_sharding(model)
     return TensorParallel(rank=rank, size=size, group=group, heads=heads, kv_heads=kv_heads, plan=plan,
-                          backend=dist.get_backend(group))
+                          backend=dist.get_backend(group), layer_left_out=sharding.left_out_names,
+                          layer_local=sharding.local_names, compile_blocker=sharding.blocker)
 
 
 def free_port() -> int:
