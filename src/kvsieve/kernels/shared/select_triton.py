@@ -493,7 +493,8 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
 
-SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
+SELECT_LAUNCHES = ("group_sum", "rows", "registers", "chunked")  # the launches select_rows takes overrides for
+SELECTS = ("triton", "torch", "chunked")
 
 
 def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
@@ -511,7 +512,10 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
     """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
     groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
     or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
-    Read from the module limits at call time (the benchmarks change them)."""
+    With ``select="chunked"``: ``("chunked",)``. Read from the module limits at call time (the benchmarks
+    change them)."""
+    if select == "chunked":
+        return ("chunked",)
     share = share_kv_group and group > 1
     limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
     if select == "triton" and n_units <= limit:
@@ -522,7 +526,8 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
-                device, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                device, launch_opts: dict[str, dict] | None = None,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -531,19 +536,34 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     ``select="triton"``: :func:`topk_rows_triton` (ascending order) — 2 launches with the scoring one,
     3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="torch"``: the group sum (if any)
     from the partials in one parallel launch, then ``torch.topk`` (sorted, highest first: rows whose count
-    is below ``k`` read the first ``count`` entries) — kept to compare.
+    is below ``k`` read the first ``count`` entries) — kept to compare. ``select="chunked"``:
+    :func:`~kvsieve.kernels.shared.select_chunked.topk_rows_chunked` (several programs per row, one launch,
+    ascending order), the scoring launch writing softmax partials for every row; ``pdl``: it is launched
+    with programmatic dependent launch (the scoring launch's ``pdl`` is the caller's).
 
     ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
     ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``); each applies where its
     launch runs. The selection does not depend on them."""
-    if select not in ("triton", "torch"):
-        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select: expected one of {SELECTS}, got {select!r}")
     opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
     launches = select_launches(n_units, group, share_kv_group, select)
+    if select == "chunked":
+        from .select_chunked import topk_rows_chunked
+
+        counts = torch.empty(batch, device=device, dtype=torch.int64)
+        n_blocks = cdiv(n_units, block)
+        parts = (scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
+                 scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
+        s = score(counts=counts, parts=parts, maxima=None, mask_dense=not share_kv_group,
+                  out=scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
+        idx = topk_rows_chunked(s, counts, k, parts=parts, group=group if share_kv_group else 1, lengths=lengths,
+                                unit=unit, sink=sink, window=window, pdl=pdl, **opts.get("chunked", {}))
+        return idx, counts[:, None].expand(batch, idx.shape[1])
     registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
@@ -570,6 +590,6 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     return idx, counts[:, None].expand(batch, idx.shape[1])
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECTS", "SELECT_LAUNCHES", "check_launch_opts",
            "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference", "topk_rows_registers",
            "topk_rows_triton"]
