@@ -163,7 +163,8 @@ def markdown(res: dict) -> str:
         out += ["", "FlashInfer µs: " + ", ".join(f"{n // 1024}k b{b} {a}: {v:.1f}" for (n, b, a), v in fi.items())]
     for r in res["rows"]:
         if r.get("kernels_us"):
-            out += ["", f"Kernels at {r['n'] // 1024}k b{r['batch']}, {r['method']} {r['variant']} (device µs, eager):", ""]
+            where = f"{r['n'] // 1024}k b{r['batch']}, {r['method']} {r['variant']}"
+            out += ["", f"Kernels at {where} (device µs, eager):", ""]
             out += [f"- {name}: {us:.1f}" for name, us in r["kernels_us"].items()]
     return "\n".join(out) + "\n"
 

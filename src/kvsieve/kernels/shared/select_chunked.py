@@ -100,15 +100,16 @@ if triton is not None:
         ticket = tl.atomic_add(tk_ptr + row, 1, sem="acq_rel", scope="gpu")
         if ticket == n_chunks - 1:
             tl.atomic_xchg(tk_ptr + row, 0)
-            count = tl.load(cnt_ptr + b).to(tl.int32)
             out_row = out_ptr + b64 * s_o_b + hs * s_o_h
+            # other programs wrote the histograms and the row: read them through L2 (.cg)
+            total = tl.zeros([BINS], tl.int32)
+            for cc in range(0, n_chunks):
+                total += tl.load(hist_row + cc * BINS + bins, cache_modifier=".cg")
+            total = tl.where(bins < BINS - 1, total, 0)
+            # at most the row's finite values (the callers' counts are): the list never outgrows them
+            count = tl.minimum(tl.load(cnt_ptr + b).to(tl.int32), tl.sum(total, axis=0))
             n_taken = tl.full([], 0, tl.int32)
             if count > 0:
-                # other programs wrote the histograms and the row: read them through L2 (.cg)
-                total = tl.zeros([BINS], tl.int32)
-                for cc in range(0, n_chunks):
-                    total += tl.load(hist_row + cc * BINS + bins, cache_modifier=".cg")
-                total = tl.where(bins < BINS - 1, total, 0)
                 at = tl.min(tl.where(tl.cumsum(total, axis=0) >= count, bins, BINS), axis=0)
                 above = tl.sum(tl.where(bins < at, total, 0), axis=0)
                 # the count-th largest is in bin `at`: its values out of the row, then the exact select there

@@ -374,7 +374,8 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
                          lse: torch.Tensor | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          target_programs: int = TARGET_PROGRAMS, fused_merge: bool = False,
-                         rows_per_batch: int = 1, sink_lengths=None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows_per_batch: int = 1, sink_lengths=None,
+                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
     ``check=True`` adds the value checks (host sync). Workspaces are cached per device and reused.

@@ -1,0 +1,178 @@
+"""Quest's chunked page select (``kernels/shared/select_chunked.py``) and the method's device path with it,
+against their torch references on the CPU through Triton's interpreter. Not collected on its own:
+``tests/test_quest_fused.py`` runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through tests/test_quest_fused.py (needs TRITON_INTERPRET=1 before triton is imported)",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kvsieve.kernels.quest import quest_pages  # noqa: E402
+from kvsieve.kernels.shared import select_chunked  # noqa: E402
+from kvsieve.kernels.shared.scores import candidate_mask, group_summed  # noqa: E402
+from kvsieve.kernels.shared.select_triton import topk_rows_reference  # noqa: E402
+
+pytestmark = pytest.mark.triton
+
+
+def _same_sets(idx, counts, ref_idx, ref_counts):
+    """Equal counts; each row's first ``count`` entries ascending, distinct, the reference's set; zeros after."""
+    assert torch.equal(counts, ref_counts)
+    for row in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            c = int(counts[row, h])
+            got = idx[row, h, :c].tolist()
+            assert got == sorted(set(got)) and len(got) == c, (row, h, got)
+            assert set(got) == set(ref_idx[row, h, :c].tolist()), (row, h)
+            assert not idx[row, h, c:].any(), (row, h)
+
+
+def _case(seed, b, hq, hkv, n, d, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
+    lens = torch.randint(1, n + 1, (b,), generator=g).to(torch.int32)
+    lens[0] = n
+    if b > 2:
+        lens[2] = 20  # shorter than sink + window: no candidate, count 0
+    return q, k, lens
+
+
+# (seed, batch, Hq, Hkv, N, d, dtype): GQA groups 4 and 1, ragged rows, fp32/fp16/bf16
+SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, torch.float16),
+          (2, 2, 8, 2, 600, 128, torch.bfloat16), (3, 1, 8, 2, 2100, 32, torch.float32)]
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("programs", [None, 3, 1000])
+def test_chunked_select_matches_the_reference(share, programs):
+    """quest_select(select="chunked") against its torch reference (the same bounds in torch): pages 16/32,
+    sizes as counts and fractions, with and without a dense part; one chunk per row, a few, or chunks of
+    the least size; twice per setting (the ticket counters are back at 0 after a call)."""
+    opts = None if programs is None else {"chunked": {"programs": programs}}
+    for seed, b, hq, hkv, n, d, dtype in SHAPES:
+        q, k, lens = _case(seed, b, hq, hkv, n, d, dtype)
+        for page, size, (sink, window) in ((16, 40, (0, 0)), (32, 0.1, (4, 40)), (16, 1.0, (4, 40))):
+            kmin, kmax = quest_pages.page_minmax_reference(k, lens, page)
+            mp = -(-(size if isinstance(size, int) else int(n * size)) // page)
+            kw = dict(page_size=page, sink=sink, window=window, size=size, max_pages=mp, share_kv_group=share)
+            want = quest_pages.quest_select(q, kmin, kmax, lens, bounds="reference", **kw)
+            for _ in range(2):
+                _same_sets(*quest_pages.quest_select(q, kmin, kmax, lens, select="chunked", launch_opts=opts, **kw),
+                           *want)
+
+
+def _parts(s: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scoring launches' per-block softmax partials of ``s [B, H, X]``: max (−inf for none) and Σ e^(s − max)."""
+    b, h, x = s.shape
+    blocks = -(-x // block)
+    sp = torch.nn.functional.pad(s, (0, blocks * block - x), value=float("-inf")).view(b, h, blocks, block)
+    m = sp.amax(-1)
+    ref = torch.where(m > float("-inf"), m, 0.0)
+    return m.contiguous(), torch.exp(sp - ref[..., None]).sum(-1).contiguous()
+
+
+@pytest.mark.parametrize("spread", [1.0, 1e-4, 3e4])
+def test_chunked_rows_equal_the_reference_lists_with_ties_and_empty_rows(spread):
+    """topk_rows_chunked on rows of one query head each: the reference's list exactly (ascending, ties at
+    the threshold to the lowest index), on integer scores full of ties, −inf units, a row with no finite
+    score (count 0), counts of 1 and of every finite unit; values spread over 1e-4 (every unit in the first
+    bin) to 3e4 (most beyond the last finite bin)."""
+    g = torch.Generator().manual_seed(5)
+    b, h, x, k = 3, 4, 1500, 300
+    s = torch.randint(-20, 20, (b, h, x), generator=g).float() * spread
+    s[torch.rand(b, h, x, generator=g) < 0.2] = float("-inf")
+    s[1, 2] = float("-inf")
+    counts = torch.tensor([k, 1, 0])
+    s[1] = torch.where(torch.arange(x) < 40, s[1], float("-inf"))  # row 1: count 1 of at most 40 finite
+    finite = torch.isfinite(s).sum(-1)
+    s[2, :, :] = torch.where(torch.arange(x) < 30, s[2], float("-inf"))
+    assert int(finite[0].min()) >= k
+    parts = _parts(s, 64)
+    for programs in (None, 7):
+        out = select_chunked.topk_rows_chunked(s, counts, k, parts=parts, programs=programs)
+        want = topk_rows_reference(s, counts, k)
+        for r in range(b):
+            for hh in range(h):
+                if int(counts[r]) <= int(torch.isfinite(s[r, hh]).sum()):
+                    assert torch.equal(out[r, hh], want[r, hh]), (r, hh)
+                else:  # a count beyond the row's finite units (never from the scoring launches): those only
+                    assert not out[r, hh].any(), (r, hh)
+    # every finite unit of the row
+    s2 = s[:1, :1].clone()
+    c = int(torch.isfinite(s2).sum())
+    out = select_chunked.topk_rows_chunked(s2, torch.tensor([c]), c, parts=_parts(s2, 64))
+    assert torch.equal(out, topk_rows_reference(s2, torch.tensor([c]), c))
+
+
+def test_chunked_group_summed_rows_match_the_reference():
+    """group > 1: rows ranked by the group-summed softmax, units off [sink_end, window_start) never chosen."""
+    g = torch.Generator().manual_seed(9)
+    b, hq, group, x, unit, sink, window = 2, 8, 4, 900, 8, 20, 100
+    lens = torch.tensor([x * unit, 5000], dtype=torch.int32)
+    s = torch.randn(b, hq, x, generator=g) * 3
+    s = s.masked_fill(torch.arange(x)[None, None, :] * unit >= lens.long()[:, None, None], float("-inf"))
+    ranked = group_summed(s, group).masked_fill(~candidate_mask(lens, x, unit, sink, window)[:, None, :],
+                                                float("-inf"))
+    counts = torch.tensor([50, 120])
+    out = select_chunked.topk_rows_chunked(s, counts, 120, parts=_parts(s, 64), group=group, lengths=lens,
+                                           unit=unit, sink=sink, window=window, programs=16)
+    _same_sets(out, counts[:, None].expand(b, hq // group), topk_rows_reference(ranked, counts, 120),
+               counts[:, None].expand(b, hq // group))
+
+
+@pytest.mark.parametrize("spec", ["quest:top_k=24,page_size=8,sink=4,window=8,device_select=chunked",
+                                  "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True,"
+                                  "device_select=chunked,pdl=True"])
+def test_method_with_the_chunked_select_matches_its_reference(spec):
+    """The method's device path with the chunked select on a growing cache (state kept across steps) equals
+    its torch reference; the stats say which select ran (PDL: never under the interpreter)."""
+    import kvsieve
+
+    fast = kvsieve.method(spec + ",backend=triton")
+    slow = kvsieve.method(spec + ",backend=reference")
+    g = torch.Generator().manual_seed(13)
+    b, hq, hkv, n, d = 2, 8, 2, 100, 64
+    k = torch.randn(b, hkv, n + 6, d, generator=g)
+    v = torch.randn(b, hkv, n + 6, d, generator=g)
+    fast_state, slow_state = fast.new_state(), slow.new_state()
+    lens = torch.tensor([n, 41])
+    for step in range(6):
+        q = torch.randn(b, hq, d, generator=g) * 2
+        kk, vv = k[:, :, : n + step], v[:, :, : n + step]
+        out, stats = fast.decode(q, kk, vv, lengths=lens + step, state=fast_state)
+        ref, _ = slow.decode(q, kk, vv, lengths=lens + step, state=slow_state)
+        assert stats.backend == "triton" and stats.extra["select"] == "chunked" and stats.extra["pdl"] is False
+        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (step, float((out - ref).abs().max()))
+
+
+def test_gpu_script_check_mode_runs_a_tiny_case():
+    """benchmarks/sparse_decode/quest_fused.py's --check path on one tiny case: every variant's pages equal
+    the reference's and its rows are complete."""
+    import argparse
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_decode"
+    sys.path.insert(0, str(bench))
+    try:
+        import quest_fused
+        from tune_quest import WallTimer
+    finally:
+        sys.path.remove(str(bench))
+    args = argparse.Namespace(check=True, density=0.2, warmup=0, iters=1, flashinfer=None, pdl_ok=False)
+    rows = quest_fused.run_case(1024, 1, "uniform", args, WallTimer(), lambda r: None)
+    assert {r["variant"] for r in rows} == {"main", "main+pdl", "chunked", "chunked+pdl"}
+    assert all(r.get("ok") and "call_us" in r and "selection_us" in r for r in rows), rows
+    assert "| quest-kv | chunked |" in quest_fused.markdown(
+        {"device": "cpu", "date": "-", "command": "-", "torch": "-", "triton": "-", "protocol": "-",
+         "pdl_available": False, "seconds": 0.0, "rows": rows})
