@@ -130,12 +130,44 @@ def test_chunked_group_summed_rows_match_the_reference():
                counts[:, None].expand(b, hq // group))
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_bounds_launch_refreshes_the_summaries_after_any_appends(share):
+    """quest_select(refresh=PageSummaries.pending(...)): after appends of 1, 2, 17 and 40 keys, shrunk rows
+    and a call with nothing appended, the buffers equal page_minmax_reference below each row's length and
+    the pages the reference's (page sizes 4 and 16: many and one page per program tile)."""
+    g = torch.Generator().manual_seed(21)
+    b, hq, hkv, d, n_max = 2, 8, 2, 32, 600
+    k = torch.randn(b, hkv, n_max, d, generator=g)
+    for page in (4, 16):
+        summaries = quest_pages.PageSummaries(page)
+        lens = torch.tensor([300, 170], dtype=torch.int32)
+        n = 300
+        for step, grow in enumerate((0, 1, 2, 17, 40, 0, -30, 1)):
+            n += max(grow, 0)
+            lens = torch.clamp(lens + grow, min=1).to(torch.int32)
+            kk = k[:, :, :n]
+            q = torch.randn(b, hq, d, generator=g) * 2
+            kmin, kmax, refresh = summaries.pending(kk, lens)
+            assert (refresh is None) == (step == 0)
+            kw = dict(page_size=page, sink=4, window=20, size=0.1, max_pages=8, share_kv_group=share)
+            got = quest_pages.quest_select(q, kmin, kmax, lens, select="chunked", refresh=refresh, **kw)
+            want_min, want_max = quest_pages.page_minmax_reference(kk, lens, page)
+            # pages past a row's length are never read (a shrunk row leaves them as they were)
+            live = (torch.arange(kmin.shape[2]) * page < lens[:, None])[:, None, :, None]
+            for got_t, want_t in ((kmin, want_min), (kmax, want_max)):
+                assert torch.equal(torch.where(live, got_t, 0), want_t), (page, step)
+            assert torch.equal(summaries.done, lens[:, None].expand(b, hkv)), (page, step)
+            _same_sets(*got, *quest_pages.quest_select(q, want_min, want_max, lens, bounds="reference", **kw))
+
+
 @pytest.mark.parametrize("spec", ["quest:top_k=24,page_size=8,sink=4,window=8,device_select=chunked",
                                   "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True,"
-                                  "device_select=chunked,pdl=True"])
+                                  "device_select=chunked,pdl=True,fused_update=True",
+                                  "quest:top_k=24,page_size=8,sink=4,window=8,fused_update=True"])
 def test_method_with_the_chunked_select_matches_its_reference(spec):
-    """The method's device path with the chunked select on a growing cache (state kept across steps) equals
-    its torch reference; the stats say which select ran (PDL: never under the interpreter)."""
+    """The method's device path with the chunked select or the update folded into the bounds launch, on a
+    growing cache (state kept across steps), equals its torch reference; the stats say which path ran (PDL:
+    never under the interpreter)."""
     import kvsieve
 
     fast = kvsieve.method(spec + ",backend=triton")
@@ -151,7 +183,9 @@ def test_method_with_the_chunked_select_matches_its_reference(spec):
         kk, vv = k[:, :, : n + step], v[:, :, : n + step]
         out, stats = fast.decode(q, kk, vv, lengths=lens + step, state=fast_state)
         ref, _ = slow.decode(q, kk, vv, lengths=lens + step, state=slow_state)
-        assert stats.backend == "triton" and stats.extra["select"] == "chunked" and stats.extra["pdl"] is False
+        assert stats.backend == "triton" and stats.extra["pdl"] is False
+        assert stats.extra["select"] == ("chunked" if "chunked" in spec else "triton")
+        assert stats.extra["fused_update"] == ("fused_update" in spec and step > 0)
         assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (step, float((out - ref).abs().max()))
 
 
@@ -171,7 +205,8 @@ def test_gpu_script_check_mode_runs_a_tiny_case():
         sys.path.remove(str(bench))
     args = argparse.Namespace(check=True, density=0.2, warmup=0, iters=1, flashinfer=None, pdl_ok=False)
     rows = quest_fused.run_case(1024, 1, "uniform", args, WallTimer(), lambda r: None)
-    assert {r["variant"] for r in rows} == {"main", "main+pdl", "chunked", "chunked+pdl"}
+    assert {r["variant"] for r in rows} == {"main", "main+pdl", "main+fused-update", "chunked", "chunked+pdl",
+                                            "chunked+fused-update", "chunked+fused-update+pdl"}
     assert all(r.get("ok") and "call_us" in r and "selection_us" in r for r in rows), rows
     assert "| quest-kv | chunked |" in quest_fused.markdown(
         {"device": "cpu", "date": "-", "command": "-", "torch": "-", "triton": "-", "protocol": "-",

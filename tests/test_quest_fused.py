@@ -64,10 +64,12 @@ for share in (True, False):
                     BLOCK_PART=512, BINS=sc.BINS, MANT=sc.MANT, E_MIN=sc.E_MIN, BLOCK_X=2048, BLOCK_C=256, PDL=pdl)
         compile_(sc._chunked_select_kernel, ptr, meta, num_warps=8)
 ptr = {"q_ptr": "*bf16", "kmin_ptr": "*bf16", "kmax_ptr": "*bf16", "lens_ptr": "*i32", "out_ptr": "*fp32",
-       "counts_ptr": "*i64", "frac_ptr": "*fp64", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "mx_ptr": "*fp32"}
-compile_(qp._page_bounds_kernel, ptr, dict(G=4, BLOCK_G=16, D=128, BLOCK_P=64, PAGE=16, MASK_DENSE=False,
-         WRITE_COUNTS=True, IS_FRAC=False, DOT_PRECISION="tf32", DOT_F32=False, WRITE_PARTS=True, WRITE_MAX=False,
-         GROUP_MAX=8, TILES=1, PDL=True), floats=("scale",))
+       "counts_ptr": "*i64", "frac_ptr": "*fp64", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "mx_ptr": "*fp32",
+       "k_ptr": "*bf16", "done_ptr": "*i32", "tk_ptr": "*i32"}
+for refresh in (False, True):
+    compile_(qp._page_bounds_kernel, ptr, dict(G=4, BLOCK_G=16, D=128, BLOCK_P=64, PAGE=16, MASK_DENSE=False,
+             WRITE_COUNTS=True, IS_FRAC=False, DOT_PRECISION="tf32", DOT_F32=False, WRITE_PARTS=True,
+             WRITE_MAX=False, GROUP_MAX=8, TILES=1, REFRESH=refresh, BLOCK_K=16, PDL=True), floats=("scale",))
 compile_(qp._page_update_kernel, {"k_ptr": "*bf16", "lens_ptr": "*i32", "done_ptr": "*i32", "kmin_ptr": "*bf16",
          "kmax_ptr": "*bf16"}, dict(PAGE=16, BLOCK=16, D=128, PDL=True))
 ptr = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
@@ -79,6 +81,18 @@ compile_(wt._sparse_split_kernel, ptr, dict(HEADS=4, G=4, BLOCK_G=16, D=128, BLO
 compile_(tu._merge_partials_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*bf16",
          "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=32, CHUNK_P=64, HAS_LENS=False, HAS_LSE=True, PDL=True),
          num_warps=1)
+from kvsieve.kernels.shared import select_triton as st
+
+ptr = {"s_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "cnt_ptr": "*i64", "lens_ptr": "*i32",
+       "gs_ptr": "*fp32", "tk_ptr": "*i32", "out_ptr": "*i64", "mx_ptr": "*fp32", "cv_ptr": "*fp32", "ci_ptr": "*i32",
+       "sn_ptr": "*i32", "sh_ptr": "*i32", "sl_ptr": "*i32", "cv2_ptr": "*fp32", "ci2_ptr": "*i32"}
+compile_(st._select_regs_kernel, ptr, dict(G=4, BLOCK_G=4, SHARE=True, UNIT=16, XT=4096, CHUNK=512, BLOCK_PART=512,
+         PDL=True), num_warps=8)
+compile_(st._group_sum_parts_kernel, {**ptr, "out_ptr": "*fp32"}, dict(G=4, BLOCK_G=4, UNIT=16, BLOCK_X=1024, CHUNK=512, BLOCK_PART=512,
+         GROUP_MAX=8, PDL=True))
+compile_(st._topk_rows_kernel, ptr, dict(G=1, BLOCK_G=2, SHARE=False, UNIT=16, BLOCK_X=2048, BLOCK_XG=2048,
+         BLOCK_PART=1024, PREFILTER=True, GROUP_MAX=8, BLOCK_M=1024, BLOCK_C=512, SEGMENTED=False, PDL=True),
+         num_warps=8)
 print("COMPILED")
 """
 

@@ -11,11 +11,13 @@ Variants (``quest_select``'s ``select`` and ``pdl``; the same pages, up to near-
   within one bin): one select launch;
 - ``+pdl``: every launch of the layer after the page update with programmatic dependent launch (each
   program waits on the device for the launch before: the next launch's start overlaps this one's tail);
+- ``+fused-update``: the page summaries' update folded into the bounds launch (one launch fewer);
 - ``chunked@programs=N``: the chunked select with about N programs in all (default 128).
 
 Cases: Llama-3.1-8B heads 32/8/128, bf16, page 16, 5 % of the context (sink + window 128 each), per KV head
 (``share_kv_group``; the end-to-end table's quest) and, at batch 1, per query head: 32k and 128k at batch 1,
 32k at batch 8, and 128k batch 1 on the peaked attention of ``kvsieve bench e2e --attention peaked``.
+Rows are 5 keys short of the cache, so that each call refreshes the last, partial page as a decode step does.
 Timed: the whole layer call and its selection alone (page update + selection), captured in a CUDA graph,
 512 MB L2 flush before each replay, median (``kvsieve.bench.timing``); at 128k batch 1 also the device µs
 per kernel (torch profiler, eager). Checked per variant: the pages against the torch reference selection
@@ -51,25 +53,33 @@ from kvsieve.kernels.shared.triton_utils import pdl_available  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
 
 PAGE = 16
-# name -> (select, pdl, launch_opts)
+# name -> (select, pdl, fused update, launch_opts)
 VARIANT_OPTS = {
-    "main": ("triton", False, None),
-    "main+pdl": ("triton", True, None),
-    "chunked": ("chunked", False, None),
-    "chunked+pdl": ("chunked", True, None),
-    "chunked@programs=64": ("chunked", False, {"chunked": {"programs": 64}}),
-    "chunked@programs=256": ("chunked", False, {"chunked": {"programs": 256}}),
+    "main": ("triton", False, False, None),
+    "main+pdl": ("triton", True, False, None),
+    "main+fused-update": ("triton", False, True, None),
+    "chunked": ("chunked", False, False, None),
+    "chunked+pdl": ("chunked", True, False, None),
+    "chunked+fused-update": ("chunked", False, True, None),
+    "chunked+fused-update+pdl": ("chunked", True, True, None),
+    "chunked@programs=64": ("chunked", False, False, {"chunked": {"programs": 64}}),
+    "chunked@programs=256": ("chunked", False, False, {"chunked": {"programs": 256}}),
 }
 BATCH1_ONLY = ("chunked@programs=64", "chunked@programs=256")
 
 
-def layer_calls(x, summaries, share, tokens, max_pages, sink, window, select, pdl, launch_opts):
-    """``(selection call, whole layer call)``: the page summaries refreshed, the pages, the attention."""
+def layer_calls(x, summaries, share, tokens, max_pages, sink, window, select, pdl, fused, launch_opts):
+    """``(selection call, whole layer call)``: the page summaries refreshed (by their own launch, or with
+    ``fused`` by the bounds launch), the pages, the attention."""
     def select_pages():
-        kmin, kmax = summaries.update(x.k, x.lens, pdl=pdl)
+        refresh = None
+        if fused:
+            kmin, kmax, refresh = summaries.pending(x.k, x.lens)
+        else:
+            kmin, kmax = summaries.update(x.k, x.lens, pdl=pdl)
         return quest_pages.quest_select(x.q, kmin, kmax, x.lens, page_size=PAGE, sink=sink, window=window,
                                         size=tokens, max_pages=max_pages, share_kv_group=share, select=select,
-                                        launch_opts=launch_opts, pdl=pdl)
+                                        launch_opts=launch_opts, pdl=pdl, refresh=refresh)
 
     def call():
         p, c = select_pages()
@@ -86,8 +96,10 @@ def run_case(n, batch, attention, args, timer, log) -> list[dict]:
     x = Inputs(Case("llama-3.1-8b", heads, kv_heads, d, n, batch), dtype, seed=0, device=dev, attention=attention)
     sink = window = 16 if args.check else 128
     tokens, max_pages = quest_budget(n, args.density, sink, window, PAGE)
+    # rows 5 keys short of the cache: every call refreshes the last, partial page, as a decode step does
+    x.lens.fill_(n - 5)
     summaries = quest_pages.PageSummaries(PAGE)
-    summaries.update(x.k, x.lens)  # the prefill's summary; each timed call refreshes the last page
+    summaries.update(x.k, x.lens)  # the prefill's summary
     base = {"n": n, "batch": batch, "attention": attention}
     rows = []
     if not args.check and not isinstance(args.flashinfer, Exception) and args.flashinfer is not None:
@@ -106,13 +118,13 @@ def run_case(n, batch, attention, args, timer, log) -> list[dict]:
                                         size=tokens, max_pages=max_pages, share_kv_group=share, bounds="reference")
         ref_out = sparse_decode_reference(x.q, x.k, x.v, *want, page_size=PAGE, lengths=x.lens, sink=sink,
                                           window=window, check=False)[0].float()
-        for name, (select, pdl, opts) in VARIANT_OPTS.items():
+        for name, (select, pdl, fused, opts) in VARIANT_OPTS.items():
             if name in BATCH1_ONLY and (batch != 1 or n < 65536):
                 continue
             r = {**base, "method": method, "variant": name, "pdl": pdl and args.pdl_ok}
             try:
                 sel, call = layer_calls(x, summaries, share, tokens, max_pages, sink, window, select,
-                                        pdl and args.pdl_ok, opts)
+                                        pdl and args.pdl_ok, fused, opts)
                 got = tuple(t.clone() for t in sel())
                 r.update(selection_check(got, want, scores))
                 out = call().float()

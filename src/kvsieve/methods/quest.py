@@ -20,8 +20,9 @@ group-sum launch of its own beyond 4096 pages) and the Triton sparse kernel (2 l
 chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton"
 force a path; ``stats.backend`` names the path. ``device_select="chunked"`` replaces the select launches by
 :func:`kvsieve.kernels.shared.select_chunked.topk_rows_chunked` (one launch of several programs per row, the same
-pages); ``pdl=True`` launches the device path with programmatic dependent launch where the GPU has it
-(``stats.extra["select"]`` and ``["pdl"]`` say what ran).
+pages); ``pdl=True`` launches the device path with programmatic dependent launch where the GPU has it;
+``fused_update=True`` folds the summaries' update into the bounds launch (``stats.extra["select"]``, ``["pdl"]``
+and ``["fused_update"]`` say what ran).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class QuestConfig(SinkWindowConfig):
                 "or chunked (one launch, several programs per row); the same pages")
     pdl: bool = param(False, "the device path's launches with programmatic dependent launch where the GPU has it "
                              "(each waits on the device for the one before)")
+    fused_update: bool = param(False, "the device path's page summary update folded into the bounds launch "
+                                      "(one launch fewer)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,8 +62,9 @@ class QuestConfig(SinkWindowConfig):
         require_int("page_size", self.page_size, minimum=1)
         require_choice("backend", self.backend, BACKENDS)
         require_choice("device_select", self.device_select, ("rows", "chunked"))
-        if not isinstance(self.pdl, bool):
-            raise ValueError(f"pdl: expected a bool, got {self.pdl!r}")
+        for name in ("pdl", "fused_update"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 @register_method
@@ -109,13 +113,17 @@ class Quest(SelectionMethod):
         summaries = state.device
         pdl = cfg.pdl and q.is_cuda and pdl_available()
         select = "chunked" if cfg.device_select == "chunked" else "triton"
-        kmin, kmax = summaries.update(k, lens, pdl=pdl)
+        refresh = None
+        if cfg.fused_update and max_pages > 0:  # the bounds launch refreshes the summaries first
+            kmin, kmax, refresh = summaries.pending(k, lens)
+        else:
+            kmin, kmax = summaries.update(k, lens, pdl=pdl)
         pages = counts = None
         if max_pages > 0:
             pages, counts = quest_select(q, kmin, kmax, lens, page_size=page, sink=cfg.sink, window=cfg.window,
                                          size=cfg.top_k, max_pages=max_pages,
                                          share_kv_group=cfg.share_kv_group, scale=inputs.scale, select=select,
-                                         pdl=pdl)
+                                         pdl=pdl, refresh=refresh)
         out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=page, lengths=lens, sink=cfg.sink,
                                       window=cfg.window, scale=inputs.scale, pdl=pdl)
         if pages is None:
@@ -123,4 +131,4 @@ class Quest(SelectionMethod):
             counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
         return out, sparse_stats(inputs, lambda: page_list_mark(inputs, pages, counts, page, cfg.sink, cfg.window),
                                  extra={"page_size": page, "pages_scored": -(-n // page), "select": select,
-                                        "pdl": pdl})
+                                        "pdl": pdl, "fused_update": refresh is not None})
