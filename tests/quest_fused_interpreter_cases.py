@@ -16,6 +16,9 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from sparse_interpreter_cases import SELECTION_SHAPES, _selection_case  # noqa: E402
+from sparse_interpreter_cases import _same_sets as same_sets  # noqa: E402
+
 from kvsieve.kernels.quest import quest_pages  # noqa: E402
 from kvsieve.kernels.shared import select_chunked  # noqa: E402
 from kvsieve.kernels.shared.scores import candidate_mask, group_summed  # noqa: E402
@@ -25,31 +28,16 @@ pytestmark = pytest.mark.triton
 
 
 def _same_sets(idx, counts, ref_idx, ref_counts):
-    """Equal counts; each row's first ``count`` entries ascending, distinct, the reference's set; zeros after."""
-    assert torch.equal(counts, ref_counts)
-    for row in range(idx.shape[0]):
-        for h in range(idx.shape[1]):
-            c = int(counts[row, h])
-            got = idx[row, h, :c].tolist()
-            assert got == sorted(set(got)) and len(got) == c, (row, h, got)
-            assert set(got) == set(ref_idx[row, h, :c].tolist()), (row, h)
-            assert not idx[row, h, c:].any(), (row, h)
+    """The selection tests' check (equal counts, each row's first ``count`` entries distinct and the
+    reference's set), and the list ascending, zeros after the count."""
+    same_sets(idx, counts, ref_idx, ref_counts)
+    take = torch.arange(idx.shape[-1]) < counts[..., None]
+    assert (torch.where(take[..., 1:], idx.diff(dim=-1), 1) > 0).all()
+    assert not torch.where(take, 0, idx).any()
 
 
-def _case(seed, b, hq, hkv, n, d, dtype):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(b, hq, d, generator=g) * 2).to(dtype)
-    k = torch.randn(b, hkv, n, d, generator=g).to(dtype)
-    lens = torch.randint(1, n + 1, (b,), generator=g).to(torch.int32)
-    lens[0] = n
-    if b > 2:
-        lens[2] = 20  # shorter than sink + window: no candidate, count 0
-    return q, k, lens
-
-
-# (seed, batch, Hq, Hkv, N, d, dtype): GQA groups 4 and 1, ragged rows, fp32/fp16/bf16
-SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, torch.float16),
-          (2, 2, 8, 2, 600, 128, torch.bfloat16), (3, 1, 8, 2, 2100, 32, torch.float32)]
+# the selection tests' shapes (GQA groups 4 and 1, ragged rows, fp32/fp16/bf16) and a longer row of many chunks
+SHAPES = [*SELECTION_SHAPES, (3, 1, 8, 2, 2100, 32, torch.float32)]
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -60,7 +48,7 @@ def test_chunked_select_matches_the_reference(share, programs):
     the least size; twice per setting (the ticket counters are back at 0 after a call)."""
     opts = None if programs is None else {"chunked": {"programs": programs}}
     for seed, b, hq, hkv, n, d, dtype in SHAPES:
-        q, k, lens = _case(seed, b, hq, hkv, n, d, dtype)
+        q, k, lens = _selection_case(seed, b, hq, hkv, n, d, dtype)
         for page, size, (sink, window) in ((16, 40, (0, 0)), (32, 0.1, (4, 40)), (16, 1.0, (4, 40))):
             kmin, kmax = quest_pages.page_minmax_reference(k, lens, page)
             mp = -(-(size if isinstance(size, int) else int(n * size)) // page)
@@ -160,33 +148,22 @@ def test_bounds_launch_refreshes_the_summaries_after_any_appends(share):
             _same_sets(*got, *quest_pages.quest_select(q, want_min, want_max, lens, bounds="reference", **kw))
 
 
-@pytest.mark.parametrize("spec", ["quest:top_k=24,page_size=8,sink=4,window=8,device_select=chunked",
-                                  "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True,"
-                                  "device_select=chunked,pdl=True,fused_update=True",
-                                  "quest:top_k=24,page_size=8,sink=4,window=8,fused_update=True"])
-def test_method_with_the_chunked_select_matches_its_reference(spec):
-    """The method's device path with the chunked select or the update folded into the bounds launch, on a
-    growing cache (state kept across steps), equals its torch reference; the stats say which path ran (PDL:
-    never under the interpreter)."""
+@pytest.mark.parametrize("spec,select,fused", [("quest:top_k=24,device_select=chunked", "chunked", False),
+                                               ("quest:top_k=24,fused_update=True,pdl=True", "triton", True)])
+def test_method_stats_say_which_device_path_ran(spec, select, fused):
+    """stats.extra names the select, whether the update ran in the bounds launch (from the second call: the
+    first builds the summaries whole) and whether PDL ran (never under the interpreter). The outputs against
+    the reference: sparse_interpreter_cases.py's test_methods_triton_path_matches_their_reference."""
     import kvsieve
 
-    fast = kvsieve.method(spec + ",backend=triton")
-    slow = kvsieve.method(spec + ",backend=reference")
-    g = torch.Generator().manual_seed(13)
-    b, hq, hkv, n, d = 2, 8, 2, 100, 64
-    k = torch.randn(b, hkv, n + 6, d, generator=g)
-    v = torch.randn(b, hkv, n + 6, d, generator=g)
-    fast_state, slow_state = fast.new_state(), slow.new_state()
-    lens = torch.tensor([n, 41])
-    for step in range(6):
-        q = torch.randn(b, hq, d, generator=g) * 2
-        kk, vv = k[:, :, : n + step], v[:, :, : n + step]
-        out, stats = fast.decode(q, kk, vv, lengths=lens + step, state=fast_state)
-        ref, _ = slow.decode(q, kk, vv, lengths=lens + step, state=slow_state)
-        assert stats.backend == "triton" and stats.extra["pdl"] is False
-        assert stats.extra["select"] == ("chunked" if "chunked" in spec else "triton")
-        assert stats.extra["fused_update"] == ("fused_update" in spec and step > 0)
-        assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (step, float((out - ref).abs().max()))
+    m = kvsieve.method(spec + ",page_size=8,backend=triton")
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(1, 8, 64, generator=g), torch.randn(1, 2, 90, 64, generator=g)
+    state = m.new_state()
+    for step in range(2):
+        _, stats = m.decode(q, k[:, :, :80 + step], k[:, :, :80 + step], state=state)
+        assert (stats.extra["select"], stats.extra["fused_update"], stats.extra["pdl"]) == \
+            (select, fused and step == 1, False)
 
 
 def test_gpu_script_check_mode_runs_a_tiny_case():

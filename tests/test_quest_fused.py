@@ -88,8 +88,8 @@ ptr = {"s_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "cnt_ptr": "*i64"
        "sn_ptr": "*i32", "sh_ptr": "*i32", "sl_ptr": "*i32", "cv2_ptr": "*fp32", "ci2_ptr": "*i32"}
 compile_(st._select_regs_kernel, ptr, dict(G=4, BLOCK_G=4, SHARE=True, UNIT=16, XT=4096, CHUNK=512, BLOCK_PART=512,
          PDL=True), num_warps=8)
-compile_(st._group_sum_parts_kernel, {**ptr, "out_ptr": "*fp32"}, dict(G=4, BLOCK_G=4, UNIT=16, BLOCK_X=1024, CHUNK=512, BLOCK_PART=512,
-         GROUP_MAX=8, PDL=True))
+compile_(st._group_sum_parts_kernel, {**ptr, "out_ptr": "*fp32"}, dict(G=4, BLOCK_G=4, UNIT=16, BLOCK_X=1024,
+         CHUNK=512, BLOCK_PART=512, GROUP_MAX=8, PDL=True))
 compile_(st._topk_rows_kernel, ptr, dict(G=1, BLOCK_G=2, SHARE=False, UNIT=16, BLOCK_X=2048, BLOCK_XG=2048,
          BLOCK_PART=1024, PREFILTER=True, GROUP_MAX=8, BLOCK_M=1024, BLOCK_C=512, SEGMENTED=False, PDL=True),
          num_warps=8)

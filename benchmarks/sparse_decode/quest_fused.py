@@ -45,7 +45,7 @@ if __name__ == "__main__" and "--check" in sys.argv:
 
 import torch  # noqa: E402
 from run import quest_budget  # noqa: E402
-from tune_quest import WallTimer, selection_check  # noqa: E402
+from tune_quest import WallTimer, interpreter_set, selection_check  # noqa: E402
 
 from kvsieve.bench.decode import VARIANTS, Case, Inputs, library_version, timing_setup  # noqa: E402
 from kvsieve.kernels.quest import quest_pages  # noqa: E402
@@ -190,9 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="CPU run: tiny shapes through the Triton interpreter")
     args = ap.parse_args(argv)
     if args.check:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            print("--check needs TRITON_INTERPRET=1 before triton is imported (run this file as a script)",
-                  file=sys.stderr)
+        if not interpreter_set("--check"):
             return 2
         args.warmup, args.iters, args.density = 0, 1, 0.2
         cases = [(1024, 1, "uniform"), (2048, 2, "uniform")]
