@@ -71,15 +71,16 @@ def run_interpreter_cases(cases_file: str, tests: tuple[str, ...] | None = None)
 
 
 #: What a compile-only check of Triton kernels for the H100 (sm_90, no GPU needed) starts with: ``compile_(kernel,
-#: pointers, meta, floats=(), ints64=(), num_warps=4)`` compiles ``kernel`` with the pointer types
+#: pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3)`` compiles ``kernel`` with the pointer types
 #: ``pointers`` (name -> "*bf16", ...), the constexprs ``meta``, fp32 ``floats``, i64 ``ints64`` and i32 for the rest.
 SM90_COMPILE = """
 import triton
+H100_SHARED_BYTES = 232448  # the opt-in limit per block on sm_90
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4):
+def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3):
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
@@ -87,7 +88,11 @@ def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4):
         else:
             signature[name] = pointers.get(name, "fp32" if name in floats else ("i64" if name in ints64 else "i32"))
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).metadata
+    md = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": num_warps, "num_stages": num_stages}).metadata
+    # a kernel that compiles but asks for more shared memory than an H100/H200 block can have fails at launch
+    assert md.shared <= H100_SHARED_BYTES, f"{kernel.__name__}: {md.shared} bytes of shared memory"
+    return md
 """
 
 

@@ -151,27 +151,32 @@ def test_gpu_method_paths_do_not_sync_and_replay_in_a_graph(spec):
     q = torch.randn(1, 32, 128, device="cuda", generator=g).bfloat16()
     k = torch.randn(1, 8, n, 128, device="cuda", generator=g).bfloat16()
     v = torch.randn(1, 8, n, 128, device="cuda", generator=g).bfloat16()
+    lengths = torch.full((1,), n, device="cuda", dtype=torch.int64)
     state = m.new_state()
-    out, stats = m.decode(q, k, v, state=state)
+
+    def step():  # as the runtime calls it: device lengths, no finiteness check (that check reads the device)
+        return m.decode(q, k, v, lengths=lengths, state=state, check_finite=False)
+
+    out, stats = step()
     assert stats.backend == "triton" and stats.extra["select"] == ("chunked" if "chunked" in spec else "triton")
     ref, _ = kvsieve.method(spec + ",backend=reference").decode(q, k, v)
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        m.decode(q, k, v, state=state)
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            m.decode(q, k, v, state=state)
+            step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured, _ = m.decode(q, k, v, state=state)
+        captured, _ = step()
     graph.replay()
-    eager, _ = m.decode(q, k, v, state=state)
+    eager, _ = step()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)

@@ -657,8 +657,13 @@ def _check_state(st) -> None:
             raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
+#: key blocks per program of the row launches: with the ring's 128 rows × 128 features and tf32x3 dots, 64 asks
+#: for 256 KiB of shared memory (over sm_90's 227 KiB), 32 for 192 KiB
+ROW_TILE = 32
+
+
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = 64, precision: str = "tf32x3", block_x: int | None = None) -> torch.Tensor:
+                      block_n: int = ROW_TILE, precision: str = "tf32x3", block_x: int | None = None) -> torch.Tensor:
     """:func:`row_update_reference` in two launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred). Returns ``r [B, C]`` (a workspace: valid until the next call).
     ``precision``: ``tl.dot``'s for the sketched logits (tf32x3 keeps about float32's accuracy on tensor cores;
