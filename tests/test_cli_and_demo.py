@@ -208,6 +208,18 @@ def test_a_run_in_which_the_method_served_no_call_is_an_error():
                               5: "exact: dense_layers"}, "m", "santa-sys:budget=64")
 
 
+def test_the_demo_says_why_a_method_lost_the_number_dense_found():
+    from kvsieve.cli.generate import miss_note
+
+    note = miss_note("1234567", "The number is 1234567.", "The number is 1234.", "quest:top_k=0.05", 0.0712)
+    assert note.startswith("note: quest:top_k=0.05 lost the number that dense attention found: reading 7.1% of")
+    assert "kvsieve methods quest lists its parameters" in note and "--dense-layers" in note
+    assert "with its selection" in miss_note("1234567", "1234567", "", "sketchwalk", None)
+    assert miss_note("1234567", "1234567", "it is 1234567", "quest", 0.07) is None  # found
+    assert miss_note("1234567", "no idea", "no idea", "quest", 0.07) is None  # dense missed it too
+    assert miss_note(None, "a", "b", "quest", 0.07) is None  # a prompt file: no known answer
+
+
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
 

@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}", left=LEFT)
     console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
+    _print_miss_note(console, answer, dense_text, sparse_text, method.spec, density)
 
     _print_layer_summary(console, session.layer_summary(), dense_layers)
     return 0
@@ -263,6 +264,8 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         body.append([*cells, density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"])
     print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}",
                      left=LEFT)
+    _print_miss_note(console, answer, dense_text, sparse_text, method.spec,
+                     stats.mean("density") if stats.records else None)
     console.print(f"exact prefill of {ids.shape[1]} tokens: {dense_stats.prefill_s:.1f} s (dense run)")
     if stats.prefill == "sparse":
         console.print(f"{stats.method}: sparse prefill by {stats.prefill_method} on layers "
@@ -301,6 +304,26 @@ def check_method_ran(records, layer_paths: dict, model: str, spec: str) -> None:
         by_reason.setdefault(why, []).append(layer)
     reasons = "; ".join(f"layers {_ranges(layers)}: {why}" for why, layers in by_reason.items())
     raise ValueError(f"--method: {spec} served no attention call, every layer stayed exact ({reasons})")
+
+
+def miss_note(answer: str | None, dense_text: str, sparse_text: str, spec: str, density: float | None) -> str | None:
+    """Why the method's demo answer lacks the number dense attention found, and what to try (None otherwise)."""
+    if answer is None or answer not in dense_text or answer in sparse_text:
+        return None
+    name = spec.partition(":")[0]
+    read = f"reading {density:.1%} of the keys per step" if density is not None else "with its selection"
+    return (f"note: {spec} lost the number that dense attention found: {read}, it left out keys that carry it "
+            f"in some layer and step, and greedy decoding then continues differently (a sparse method trades "
+            f"accuracy for reading less). Try a larger budget (kvsieve methods {name} lists its parameters), "
+            "--dense-layers to keep some layers exact, or a shorter --context-tokens.")
+
+
+def _print_miss_note(console, *args) -> None:
+    note = miss_note(*args)
+    if note is not None:
+        from rich.markup import escape
+
+        console.print(escape(note))
 
 
 #: Left-aligned columns of the answer tables (text); numbers are right-aligned.
