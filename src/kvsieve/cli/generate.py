@@ -312,10 +312,10 @@ def miss_note(answer: str | None, dense_text: str, sparse_text: str, spec: str, 
         return None
     name = spec.partition(":")[0]
     read = f"reading {density:.1%} of the keys per step" if density is not None else "with its selection"
-    return (f"note: {spec} lost the number that dense attention found: {read}, it left out keys that carry it "
-            f"in some layer and step, and greedy decoding then continues differently (a sparse method trades "
-            f"accuracy for reading less). Try a larger budget (kvsieve methods {name} lists its parameters), "
-            "--dense-layers to keep some layers exact, or a shorter --context-tokens.")
+    return (f"note: {spec} lost the number that dense attention found: {read}, its selection most likely "
+            "left out keys that carry it in some layer and step, and greedy decoding then continues differently "
+            f"(a sparse method trades accuracy for reading less). Try a larger budget (kvsieve methods {name} "
+            "lists its parameters), --dense-layers to keep some layers exact, or a shorter --context-tokens.")
 
 
 def _print_miss_note(console, *args) -> None:
