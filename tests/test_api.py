@@ -23,6 +23,39 @@ def test_methods_lists_the_builtin_methods_sorted():
     assert {"dense", *SANTA_FAMILY} <= set(names)
 
 
+def test_each_builtin_module_registers_the_names_the_methods_package_declares():
+    import pkgutil
+    import sys
+
+    from kvsieve.core.registry import _REGISTRY
+
+    builtin = sys.modules["kvsieve.methods"]  # the subpackage (the attribute kvsieve.methods is the function)
+    modules = {info.name for info in pkgutil.iter_modules(builtin.__path__) if info.name != "shared"}
+    assert modules == set(builtin.BUILTIN)
+    builtin.load_all()
+    by_module: dict[str, set[str]] = {}
+    for name, cls in _REGISTRY.items():
+        module = cls.__module__.removeprefix("kvsieve.methods.").split(".")[0]
+        if cls.__module__.startswith("kvsieve.methods."):
+            by_module.setdefault(module, set()).add(name)
+    assert by_module == {module: set(names) for module, names in builtin.BUILTIN.items()}
+    assert {name for names in builtin.BUILTIN.values() for name in names} <= set(kvsieve.methods())
+
+
+def test_an_unknown_name_is_refused_without_importing_a_method_or_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, kvsieve\n"
+            "from kvsieve.core.registry import check_method_name\n"
+            "try:\n    kvsieve.method('santa-sis:budget=3')\nexcept ValueError as e:\n    print(e)\n"
+            "check_method_name('quest')\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvsieve.methods.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "unknown method 'santa-sis'. Did you mean 'santa-sys'" in out
+    assert out.splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize("name", ["dense", *SANTA_FAMILY])
 def test_every_method_builds_with_defaults_and_has_a_summary(name):
     m = kvsieve.method(name)

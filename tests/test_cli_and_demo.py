@@ -175,6 +175,26 @@ def test_generate_with_an_unreachable_hub_id_is_one_line(hub, tmp_path):
         "local folder or 'default'"]
 
 
+def test_generate_refuses_a_bad_name_number_file_or_hub_id_before_importing_torch(hub):
+    import os
+
+    code = ("import sys\nfrom kvsieve.cli.main import main\n"
+            "for argv in sys.argv[1:]:\n    print(main(argv.split()))\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    argvs = ["generate --demo --method nosuch", "generate --demo --model bert-base-uncased",
+             "generate --demo --model owner/model", "generate --demo --depth 2",
+             "generate --prompt-file no/such.txt", "generate --demo --max-new-tokens 0"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
+    res = subprocess.run([sys.executable, "-c", code, *argvs], capture_output=True, text=True, env=env)
+    assert res.stdout.splitlines() == ["2"] * len(argvs) + ["[]"], res.stderr
+    errors = res.stderr.splitlines()
+    assert len(errors) == len(argvs)  # one line each, no traceback
+    for line, needle in zip(errors, ("unknown method 'nosuch'", "unknown model 'bert-base-uncased'",
+                                     "HF_HUB_OFFLINE is set", "--depth", "--prompt-file", "--max-new-tokens"),
+                            strict=True):
+        assert line.startswith("kvsieve generate: error:") and needle in line, line
+
+
 def test_a_run_in_which_the_method_served_no_call_is_an_error():
     from kvsieve.cli.generate import check_method_ran
 
@@ -186,6 +206,18 @@ def test_a_run_in_which_the_method_served_no_call_is_an_error():
         check_method_ran([], {0: "exact: dense_layers", 1: "exact: dense_layers", 2: "exact: dense_layers",
                               3: "exact: sliding window of 512 keys", 4: "exact: sliding window of 512 keys",
                               5: "exact: dense_layers"}, "m", "santa-sys:budget=64")
+
+
+def test_the_demo_says_why_a_method_lost_the_number_dense_found():
+    from kvsieve.cli.generate import miss_note
+
+    note = miss_note("1234567", "The number is 1234567.", "The number is 1234.", "quest:top_k=0.05", 0.0712)
+    assert note.startswith("note: quest:top_k=0.05 lost the number that dense attention found: reading 7.1% of")
+    assert "kvsieve methods quest lists its parameters" in note and "--dense-layers" in note
+    assert "with its selection" in miss_note("1234567", "1234567", "", "sketchwalk", None)
+    assert miss_note("1234567", "1234567", "it is 1234567", "quest", 0.07) is None  # found
+    assert miss_note("1234567", "no idea", "no idea", "quest", 0.07) is None  # dense missed it too
+    assert miss_note(None, "a", "b", "quest", 0.07) is None  # a prompt file: no known answer
 
 
 def test_no_command_prints_help(capsys):

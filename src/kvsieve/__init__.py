@@ -15,21 +15,37 @@ core ← kernels ← methods ← integrations ← runtime ← eval, bench, fit �
 
 from __future__ import annotations
 
-from typing import Any
-
-from .core.context import CallContext
-from .core.method import Method
+from typing import TYPE_CHECKING, Any
 
 # Import the built-in methods first: importing a subpackage binds its name on this package, and the
-# public function `kvsieve.methods()` below must be what that name means afterwards.
-from . import methods as _builtin_methods  # noqa: E402,F401,I001
+# public function `kvsieve.methods()` below must be what that name means afterwards. The subpackage
+# only declares the method names; nothing here imports torch, so that the command line checks its
+# arguments before paying for torch (CallContext, Method and StepStats are imported when first used).
+from . import methods as _builtin_methods  # noqa: F401,I001
 from .core.registry import method, methods, parse_spec  # noqa: E402
-from .core.stats import StepStats
+
+if TYPE_CHECKING:
+    from .core.context import CallContext
+    from .core.method import Method
+    from .core.stats import StepStats
 
 __version__ = "0.1.0"
 
 __all__ = ["CallContext", "Method", "StepStats", "generate", "load_model", "method", "methods", "parse_spec",
            "sparsify", "__version__"]
+
+
+_LAZY = {"CallContext": ".core.context", "Method": ".core.method", "StepStats": ".core.stats"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def sparsify(model: Any, method: Any, **kwargs: Any):

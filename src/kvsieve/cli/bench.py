@@ -111,12 +111,13 @@ def run(args: argparse.Namespace) -> int:
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-decode"
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     paths = write_results(results, Path(args.out), stem, command)
-    try:
-        from rich.console import Console
-        from rich.markdown import Markdown
+    from rich.console import Console
+    from rich.markdown import Markdown
 
-        Console().print(Markdown(markdown(results, command)))
-    except ImportError:  # pragma: no cover
+    console = Console()
+    if console.is_terminal:
+        console.print(Markdown(markdown(results, command)))
+    else:  # piped: the markdown itself, every table row whole (rich would cut it at 80 columns)
         print(markdown(results, command))
     for path in paths:
         print(f"wrote {path}")

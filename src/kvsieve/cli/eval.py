@@ -99,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, teacher_forced=not args.no_teacher_forced,
         stop_when_solved=not args.no_stop_when_solved, device=args.device, engine=args.engine,
     ))
-    from ..eval.runner import check_lengths, check_model_name
-    from ..integrations.models import load_config
+    from ..eval.runner import check_lengths
+    from ..integrations.models import check_model_name, load_config
 
     check_model_name(cfg.model)
     check_lengths(cfg.lengths, load_config(cfg.model))  # before a model is loaded or a folder made

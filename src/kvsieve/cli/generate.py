@@ -83,21 +83,22 @@ def _check_prefill(args: argparse.Namespace, method) -> None:
 
 
 def check_arguments(args: argparse.Namespace):
-    """Everything that can be checked before the model is loaded; returns (method, dense layers)."""
-    import kvsieve
+    """Everything that can be checked before the model is loaded; returns (method, dense layers).
 
-    method = kvsieve.method(args.method)
+    The checks that import neither torch nor transformers come first (the method's name, numbers, files, the
+    model's name and whether a hub id can be served), so that such a bad argument fails in about a second.
+    """
+    from ..core.registry import check_method_name, parse_spec
+    from ..integrations.models import check_model_name, check_model_source
+
+    check_method_name(parse_spec(args.method)[0])
     dense_layers = _parse_layers(args.dense_layers)
-    _check_prefill(args, method)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
     if args.threads < 0:
         raise ValueError(f"--threads: expected >= 0 (0 = torch's default), got {args.threads}")
     if args.phase == "question" and not args.demo:
         raise ValueError("--phase question needs --demo (a prompt file has no marked question)")
-    from ..eval.runner import check_device
-
-    check_device(args.device)
     if args.prompt_file is not None and not args.prompt_file.is_file():
         raise ValueError(f"--prompt-file: {str(args.prompt_file)!r} is not a file")
     if args.demo:
@@ -106,10 +107,17 @@ def check_arguments(args: argparse.Namespace):
         if args.context_tokens < MIN_CONTEXT_TOKENS:
             raise ValueError(f"--context-tokens: expected at least {MIN_CONTEXT_TOKENS} tokens, "
                              f"got {args.context_tokens}")
-    from ..eval.runner import check_model_name
+    check_model_name(args.model)
+    check_model_source(args.model)
+
+    import kvsieve
+
+    from ..eval.runner import check_device
     from ..integrations.models import load_config
 
-    check_model_name(args.model)
+    method = kvsieve.method(args.method)
+    _check_prefill(args, method)
+    check_device(args.device)
     limit = getattr(load_config(args.model), "max_position_embeddings", None)
     # the smallest prompt each source can have: the demo's minimum, a prompt file's one token
     if limit and args.max_new_tokens + (MIN_CONTEXT_TOKENS if args.demo else 1) > limit:
@@ -122,6 +130,8 @@ def check_arguments(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    method, dense_layers = check_arguments(args)  # before the heavy imports below
+
     import torch
     from rich.markup import escape
     from transformers import DynamicCache
@@ -133,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
     from ..eval.report import print_text_table
 
     console = _console()
-    method, dense_layers = check_arguments(args)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -212,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · phase={args.phase}", left=LEFT)
     console.print(f"shared exact prefill: {prefix_len} tokens in {prefill_s:.1f} s; "
                   f"backends that ran: {', '.join(sorted(session.backends)) or 'none'}")
+    _print_miss_note(console, answer, dense_text, sparse_text, method.spec, density)
 
     _print_layer_summary(console, session.layer_summary(), dense_layers)
     return 0
@@ -254,6 +264,8 @@ def _run_runtime(args, console, model, tok, ids, answer, method, dense_layers) -
         body.append([*cells, density, f"{secs:.1f}", f"{st.ms_per_step:.1f}", "yes" if st.graph else "no"])
     print_text_table(header, body, f"{args.model} · {ids.shape[1]} prompt tokens · runtime on {args.device}",
                      left=LEFT)
+    _print_miss_note(console, answer, dense_text, sparse_text, method.spec,
+                     stats.mean("density") if stats.records else None)
     console.print(f"exact prefill of {ids.shape[1]} tokens: {dense_stats.prefill_s:.1f} s (dense run)")
     if stats.prefill == "sparse":
         console.print(f"{stats.method}: sparse prefill by {stats.prefill_method} on layers "
@@ -292,6 +304,26 @@ def check_method_ran(records, layer_paths: dict, model: str, spec: str) -> None:
         by_reason.setdefault(why, []).append(layer)
     reasons = "; ".join(f"layers {_ranges(layers)}: {why}" for why, layers in by_reason.items())
     raise ValueError(f"--method: {spec} served no attention call, every layer stayed exact ({reasons})")
+
+
+def miss_note(answer: str | None, dense_text: str, sparse_text: str, spec: str, density: float | None) -> str | None:
+    """Why the method's demo answer lacks the number dense attention found, and what to try (None otherwise)."""
+    if answer is None or answer not in dense_text or answer in sparse_text:
+        return None
+    name = spec.partition(":")[0]
+    read = f"reading {density:.1%} of the keys per step" if density is not None else "with its selection"
+    return (f"note: {spec} lost the number that dense attention found: {read}, its selection most likely "
+            "left out keys that carry it in some layer and step, and greedy decoding then continues differently "
+            f"(a sparse method trades accuracy for reading less). Try a larger budget (kvsieve methods {name} "
+            "lists its parameters), --dense-layers to keep some layers exact, or a shorter --context-tokens.")
+
+
+def _print_miss_note(console, *args) -> None:
+    note = miss_note(*args)
+    if note is not None:
+        from rich.markup import escape
+
+        console.print(escape(note))
 
 
 #: Left-aligned columns of the answer tables (text); numbers are right-aligned.

