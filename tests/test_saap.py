@@ -988,6 +988,16 @@ for step in range(3):  # the build, then two generated tokens: a key leaves each
     assert stats["bucket_keys"] == ref_stats["bucket_keys"] and stats["dense_keys"] == ref_stats["dense_keys"]
     assert stats["selectivity"] == ref_stats["selectivity"], (stats["selectivity"], ref_stats["selectivity"])
     worst = max(worst, float((out.float() - ref_out.float()).abs().max()))
+# layer 0 (exact attention): the dense split-KV kernel and its merge, as the runtime's dense layers
+# (float32: the interpreter's bfloat16 tl.dot is wrong and this kernel has no upcast switch)
+lengths32, q, kk, vv = lengths.int(), q.float(), kk.float(), vv.float()  # the runtime's int32 lengths
+log.clear()
+with Ops(), no_host_reads():
+    out, stats = m.decode(q, kk, vv, lengths=lengths32, context=CallContext(layer=0), check_finite=False)
+print("LAYER0", " ".join(log))
+ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, context=CallContext(layer=0), check_finite=False)
+assert stats.backend == "triton" and ref_stats.backend == "reference" and stats["density"] == ref_stats["density"] == 1
+worst = max(worst, float((out.float() - ref_out.float()).abs().max()))
 print("worst", worst)
 """
 
@@ -999,7 +1009,8 @@ def test_captured_decode_launches_five_kernels_and_no_torch_op():
     kernels; it merges its partials itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
     branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
-    reference path's (bfloat16 rounding of the output aside)."""
+    reference path's (bfloat16 rounding of the output aside). Layer 0 (exact) runs the dense split-KV kernel and
+    its merge, the runtime's dense layers' two launches."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -1010,4 +1021,6 @@ def test_captured_decode_launches_five_kernels_and_no_torch_op():
                "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
+    layer0 = [line.split()[1:] for line in out.splitlines() if line.startswith("LAYER0")]
+    assert layer0 == [["triton:_dense_split_kernel", "triton:_merge_partials_kernel"]], layer0
     assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

@@ -580,10 +580,21 @@ class Saap(Method):
         return "triton" if usable and inputs.q.is_cuda else "reference"
 
     def _exact(self, inputs: DecodeInputs, why: str):
-        v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
-        stats = read_stats(inputs, v_read, exact_rows=inputs.batch,
-                           extra={"saap_path": why, "selectivity": 1.0, "selectivity_indexed": 1.0})
-        return exact_attention(inputs), stats
+        """Exact attention over every valid key. On the Triton backend the dense split-KV kernel that serves the
+        runtime's dense layers (two launches, stats built when read): the torch path upcasts all of K and V to
+        float32 and multiplies them in batched GEMVs, milliseconds at 128k keys."""
+        extra = {"saap_path": why, "selectivity": 1.0, "selectivity_indexed": 1.0}
+
+        def stats(backend: str) -> StepStats:
+            v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
+            return read_stats(inputs, v_read, exact_rows=inputs.batch, backend=backend, extra=extra)
+
+        if inputs.lengths is not None and self._backend(inputs) == "triton":
+            from ..kernels.shared.dense import dense_decode_triton
+
+            out = dense_decode_triton(inputs.q, inputs.k, inputs.v, inputs.kernel_lengths, inputs.scale)
+            return out, StepStats.deferred(lambda: stats("triton"), "triton", {**extra, "exact": "dense kernel"})
+        return exact_attention(inputs), stats("reference")
 
     def _stats(self, inputs, idx, read, backend, extra):
         """Stats from the keys each probing head read (``read [B, P, N]``)."""
