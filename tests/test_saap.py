@@ -785,9 +785,14 @@ compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "fre
          {"D": 128, "HALF": 64, "BLOCK_C": 128, "DEROPE": True}, floats=("scaling",))
 # the probe at Llama-3.1-8B shapes: bfloat16 weights (three-term tensor-core products), the logits in four
 # parts, the top-l of 1024 scores by rank, 32 buckets a program
-compile_(probe._hidden_kernel, {"q_ptr": "*bf16", "pos_ptr": "*i64", "freq_ptr": "*fp32", "w1_ptr": "*bf16",
-                                "b1_ptr": "*fp32", "h_ptr": "*fp32"},
-         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 32}, floats=("scaling",))
+# the hidden layer alone, and with the index update's work items in the same launch (the method's path)
+hidden_pointers = {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1_ptr": "*bf16", "b1_ptr": "*fp32",
+                   "h_ptr": "*fp32", "tk_ptr": "*bf16", "tc_ptr": "*fp32", "tf_ptr": "*fp32", "ta_ptr": "*i64",
+                   "tlo_ptr": "*i64", "tlen_ptr": "*i32", "twin_ptr": "*i64"}
+for tail in (False, True):
+    compile_(probe._hidden_kernel, hidden_pointers,
+             {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "TAIL": tail, "T_D": 128, "T_HALF": 64,
+              "T_BLOCK_C": 64, "T_DEROPE": True}, floats=("scaling", "t_scaling"))
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
@@ -951,7 +956,7 @@ def test_triton_bucket_kernel_compiles_for_the_h100():
                          env=env)
     if "ptxas" in res.stderr and "not found" in res.stderr:
         pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and res.stdout.count("shared") == 24, res.stderr[-3000:]
+    assert res.returncode == 0 and res.stdout.count("shared") == 25, res.stderr[-3000:]
 
 
 # What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
@@ -1003,22 +1008,22 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-def test_captured_decode_launches_five_kernels_and_no_torch_op():
-    """Per call, after the build, while keys leave the window and join their buckets: the index update,
-    the probe's three kernels and the bucket kernel (the window's bounds computed from the lengths in the
-    kernels; it merges its partials itself), nothing else
+def test_captured_decode_launches_four_kernels_and_no_torch_op():
+    """Per call, after the build, while keys leave the window and join their buckets: the probe's three
+    kernels (the first also runs the index update) and the bucket kernel (the window's bounds computed from the
+    lengths in the kernels; it merges its partials itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
-    branch, the bucket counts' sub/gather/sum and two dtype copies of the output). The output equals the
-    reference path's (bfloat16 rounding of the output aside). Layer 0 (exact) runs the dense split-KV kernel and
-    its merge, the runtime's dense layers' two launches."""
+    branch, the bucket counts' sub/gather/sum and two dtype copies of the output; then 5, the update apart). The
+    output equals the reference path's (bfloat16 rounding of the output aside). Layer 0 (exact) runs the dense
+    split-KV kernel and its merge, the runtime's dense layers' two launches."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
     out = run_script(SAAP_LAUNCHES, "cpu", True)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
-    kernels = ["triton:_assign_tail_kernel", "triton:_hidden_kernel", "triton:_logits_kernel",
-               "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]
+    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
+               "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
     layer0 = [line.split()[1:] for line in out.splitlines() if line.startswith("LAYER0")]
