@@ -390,9 +390,10 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 @pytest.mark.gpu
 def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
-    """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache:
-    no host synchronisation, captured once, replayed at later lengths (keys leaving the window join their
-    buckets inside the graph) with the eager step's outputs and index; close to the torch path."""
+    """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache, and
+    layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
+    (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
+    to the torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
@@ -409,8 +410,13 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
     torch.cuda.set_sync_debug_mode("error")
     try:
         out, stats = m.decode(q, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)
+        exact0, stats0 = m.decode(q, k, v, lengths=lengths.int(), context=CallContext(layer=0, count_reads=False),
+                                  check_finite=False)  # layer 0: the dense kernel
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    ref0, _ = ref_m.decode(q, k, v, lengths=lengths, context=CallContext(layer=0), check_finite=False)
+    assert stats0.backend == "triton" and "layer 0" in stats0.saap_path
+    torch.testing.assert_close(exact0.float(), ref0.float(), rtol=2e-2, atol=2e-2)
     graph = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -460,6 +466,7 @@ def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
     assert runs[True].stats.graph and runs[True].stats.graph_reason is None
     assert not runs[False].stats.graph
     assert {r["backend"] for r in runs[False].stats.records if r["saap_path"] == "device index"} == {"triton"}
+    assert {r["backend"] for r in runs[False].stats.records if r["layer"] == 0} == {"triton"}  # the dense kernel
     assert torch.equal(runs[True].tokens, runs[False].tokens)
 
 

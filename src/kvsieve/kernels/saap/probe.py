@@ -19,7 +19,9 @@ hidden layer, and the softmax needs a whole row of logits. One program per (mode
 computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
 block, slice of the hidden units) the logits, one per (batch row, KV head, chunk of buckets) the
 softmaxes, their group sum and the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32:
-TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+TF32 rounding moved near-tied buckets in and out of the top-ℓ. The first launch can also carry SAAP's index
+update (``tail``: :func:`kvsieve.kernels.saap.index.assign_tail_program` as extra programs), work the
+probe does not depend on, so that a decode step costs no launch of its own for it.
 
 Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
 (``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
