@@ -141,6 +141,7 @@ import torch
 from kvsieve.kernels.saap.buckets import build_csr, bucket_sparse_decode_triton
 from kvsieve.kernels.saap.index import (assign_tail_reference, assign_tail_triton, build_assign,
                                         index_decode_reference)
+from kvsieve.kernels.saap.probe import probe_scores_triton
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 worst = 0.0
@@ -154,16 +155,22 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
     window = torch.tensor([30, 50, 45][:b], device=dev)
     sink_ids = torch.arange(max(sink, 1), device=dev).expand(b, hkv, -1)  # shared by the heads: stride 0
     sink_counts = torch.full((b, hkv), sink, device=dev)
+    probe_weights = [(torch.randn(*shape, generator=g) * 0.3).to(dev)
+                     for shape in ((hkv, d, 24), (hkv, 24), (hkv, 24, c), (hkv, c))]
     for inv in (freq, None):  # de-roped keys, and keys compared as stored (the roped baseline)
         assign, t_lo = build_assign(k, start, window, sink, cent, inv, 1.3, n)
         offsets, ids = build_csr(assign, c)
-        ref_assign = assign.clone()
+        ref_assign, probe_assign = assign.clone(), assign.clone()
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
             lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
             assign_tail_reference(ref_assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assign_tail_triton(assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assert torch.equal(assign, ref_assign), (assign != ref_assign).nonzero()[:5]
+            # the same update as extra programs of the probe's first launch (the method's path)
+            probe_scores_triton(q, lengths, freq, 1.3, *probe_weights, kv_heads=hkv, probes=probes,
+                                tail=(probe_assign, k, t_lo, lengths, window, span, cent, inv, 1.3))
+            assert torch.equal(probe_assign, ref_assign), (probe_assign != ref_assign).nonzero()[:5]
             bk = torch.stack([torch.randperm(c, generator=g)[:probes] for _ in range(b * hkv)]).view(b, hkv, probes)
             bk = bk.to(dev)
             ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
@@ -183,9 +190,10 @@ print("worst", worst)
 
 @pytest.mark.triton
 def test_index_kernels_match_their_references():
-    """The Triton update equals the torch update bit for bit (de-roped and as stored, spans 4 and 16); the
-    bucket kernel's tail scan (chosen buckets among the keys that joined after the build, CSR keys the
-    window holds skipped, a row shorter than its window) equals attention over the reference's keys."""
+    """The Triton update, alone and in the probe's first launch, equals the torch update bit for bit (de-roped and
+    as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys that joined after the
+    build, CSR keys the window holds skipped, a row shorter than its window) equals attention over the reference's
+    keys."""
     pytest.importorskip("triton")
     from interpreted import run_script
 

@@ -22,11 +22,13 @@ from ..core.registry import method_class, parse_spec
 from ..fit.saap import FitConfig, fit_saap
 from ..methods.saap import MANIFEST, config_hash, weights_fingerprint
 
-#: The bench's fit: the paper's C = 1024 buckets and hidden width 1024 (what a decode step reads), from one
-#: 4096-token prompt of random ids, spherical k-means of 4 rounds in torch on the model's device (FAISS's
-#: CPU path takes about 0.35 s a call, 16 calls a layer), 64 candidate queries per head, 20 Adam steps.
+#: The bench's fit: the paper's C = 1024 buckets, a classifier of hidden width 256 (the paper's is 1024: a
+#: quarter of the weights a decode step reads, at the recall the 1024-wide one has on SmolLM2's fit,
+#: docs/methods/saap.md "Classifier width"), from one 4096-token prompt of random ids, spherical k-means of 4
+#: rounds in torch on the model's device (FAISS's CPU path takes about 0.35 s a call, 16 calls a layer), 64
+#: candidate queries per head, 20 Adam steps.
 BENCH_FIT = dict(clusters=1024, kmeans_iters=4, kmeans_backend="torch", prompt_tokens=4096, prompts=1, val_prompts=0,
-                 queries=64, hidden=1024, steps=20, batch=256, seed=0)
+                 queries=64, hidden=256, steps=20, batch=256, seed=0)
 DEFAULT_CACHE = "~/.cache/kvsieve/saap-bench-fits"
 
 

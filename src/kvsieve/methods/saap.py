@@ -447,10 +447,11 @@ class Saap(Method):
                                                                                                 inputs.kv_heads, -1),
                          sink_counts=torch.full((inputs.batch, inputs.kv_heads), cfg.sink, device=inputs.q.device))
 
-    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState, triton_path: bool) -> SaapIndex:
-        """The request's index for this layer, built on the first call, then brought up to date: the keys
-        that left the window since the last call join their buckets (:data:`UPDATE_SPAN` positions a step,
-        or K's growth since the last call if larger)."""
+    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState) -> tuple[SaapIndex, tuple]:
+        """The request's index for this layer, built on the first call, and the arguments of the update that
+        brings it up to date (:func:`~kvsieve.kernels.saap.index.assign_tail_reference`'s): the keys that left
+        the window since the last call join their buckets (:data:`UPDATE_SPAN` positions a step, or K's growth
+        since the last call if larger). The caller runs the update before the step reads ``assign``."""
         idx = state.index
         if idx is None or idx.batch != inputs.batch or inputs.n_keys < idx.n_keys:
             idx = state.index = self._build(inputs, layer)
@@ -468,13 +469,9 @@ class Saap(Method):
                                  f"shape unchanged; {self.name} assigns at most that many keys leaving the window "
                                  "per call")
             torch.maximum(idx.done, t_hi, out=idx.done)
-        args = (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span, self._centroids(layer, inputs.q.device),
-                self._derope_freq(inputs.q.device), self.artifacts.rope.attention_scaling)
-        if triton_path:
-            assign_tail_triton(*args)
-        else:
-            assign_tail_reference(*args)
-        return idx
+        return idx, (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span,
+                     self._centroids(layer, inputs.q.device), self._derope_freq(inputs.q.device),
+                     self.artifacts.rope.attention_scaling)
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -519,20 +516,23 @@ class Saap(Method):
                              f"({self.prefix_only_note}); give lengths (the model drivers serve left-padded rows "
                              "one at a time)")
         backend = self._backend(inputs)
-        idx = self._index(inputs, layer, state, backend == "triton")
+        idx, update = self._index(inputs, layer, state)
         hkv, group = inputs.kv_heads, inputs.group
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
         lengths = inputs.lengths
-        fused_probe = backend == "triton" and self.query_scoring == "classifier" and not self.roped
+        fused_probe = (backend == "triton" and self.query_scoring == "classifier" and not self.roped
+                       and self.probes > 0)
+        if not fused_probe:  # else the update runs in the probe's first launch
+            (assign_tail_triton if backend == "triton" else assign_tail_reference)(*update)
         if self.probes > 0:
-            if fused_probe:  # de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
+            if fused_probe:  # index update + de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
                 # the query sits at the last visible position: length - 1, the - 1 added in the kernel
                 _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
                     *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
-                    position_offset=-1)
+                    position_offset=-1, tail=update)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
@@ -580,10 +580,21 @@ class Saap(Method):
         return "triton" if usable and inputs.q.is_cuda else "reference"
 
     def _exact(self, inputs: DecodeInputs, why: str):
-        v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
-        stats = read_stats(inputs, v_read, exact_rows=inputs.batch,
-                           extra={"saap_path": why, "selectivity": 1.0, "selectivity_indexed": 1.0})
-        return exact_attention(inputs), stats
+        """Exact attention over every valid key. On the Triton backend the dense split-KV kernel that serves the
+        runtime's dense layers (two launches, stats built when read): the torch path upcasts all of K and V to
+        float32 and multiplies them in batched GEMVs, milliseconds at 128k keys."""
+        extra = {"saap_path": why, "selectivity": 1.0, "selectivity_indexed": 1.0}
+
+        def stats(backend: str) -> StepStats:
+            v_read = inputs.key_mask[:, None, :].expand(inputs.batch, inputs.heads, inputs.n_keys)
+            return read_stats(inputs, v_read, exact_rows=inputs.batch, backend=backend, extra=extra)
+
+        if inputs.lengths is not None and self._backend(inputs) == "triton":
+            from ..kernels.shared.dense import dense_decode_triton
+
+            out = dense_decode_triton(inputs.q, inputs.k, inputs.v, inputs.kernel_lengths, inputs.scale)
+            return out, StepStats.deferred(lambda: stats("triton"), "triton", {**extra, "exact": "dense kernel"})
+        return exact_attention(inputs), stats("reference")
 
     def _stats(self, inputs, idx, read, backend, extra):
         """Stats from the keys each probing head read (``read [B, P, N]``)."""

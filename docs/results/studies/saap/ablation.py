@@ -41,9 +41,13 @@ VARIANTS = {
     "non-causal labels": {"causal_labels": False},
     "no long-range filter": {"long_range_keep": 1.0},
     "4x steps": {"steps_scale": 4},
+    # the classifier's width: what a decode step reads (H·(d + C) weights per model) against what it recalls
+    "hidden 64": {"hidden": 64},
+    "hidden 256": {"hidden": 256},
+    "hidden 512": {"hidden": 512},
+    "hidden 1024": {"hidden": 1024},
 }
-# A wider classifier is left out: the paper found a larger Q-model no better (Sec. 6.5), and it costs
-# the CPU most. `--variants` picks a subset by name.
+# `--variants` picks a subset by name (the widths cost the CPU most: training time grows with the width).
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,8 @@ Usage (H100, about 1-2 minutes)::
 
     python docs/results/studies/saap/bench_decode.py --out docs/results/gpu-bench/saap-h100
 
+``--hidden 1024,256`` times each classifier width in turn (default: C).
+
 ``--smoke`` runs tiny shapes on any device (CPU included) to check the script.
 """
 
@@ -58,7 +60,7 @@ from kvsieve.methods.saap import ARTIFACT_FORMAT, MANIFEST, QueryClassifier, Rop
 
 
 def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, device, dtype, seed: int,
-              batch: int = 1):
+              batch: int = 1, hidden: int | None = None):
     """``batch`` rows of keys drawn from one mixture (the artifacts' centroids serve every row); each row's
     draws in turn, so that row 0 is the batch-1 case at any batch."""
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -73,7 +75,7 @@ def make_case(n: int, hq: int, hkv: int, d: int, clusters: int, window: int, dev
         rows.append((rope.apply(k_pre, pos[None]).to(dtype), torch.randn(hkv, n, d, generator=g).to(dtype),
                      torch.randn(hq, d, generator=g).to(dtype)))
     k, v, q = (torch.stack(t).to(device) for t in zip(*rows, strict=True))
-    net = QueryClassifier(hkv, d, clusters, clusters).eval().to(device=device, dtype=dtype)
+    net = QueryClassifier(hkv, d, hidden or clusters, clusters).eval().to(device=device, dtype=dtype)
     return {"q": q, "k": k, "v": v, "rope": rope, "centroids": centres.to(device=device, dtype=torch.float32),
             "net": net, "n": n, "window": window}
 
@@ -146,13 +148,13 @@ def saap_step(case, index, probes: int, attend=bucket_kernels.bucket_sparse_deco
 
 
 def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer, timer=None,
-            iters: int = 40) -> dict:
+            iters: int = 40, hidden: int | None = None) -> dict:
     """One context length: index build, correctness check, then the timed calls."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    case = make_case(n, hq, hkv, d, clusters, window, device, dtype, seed=n)
+    case = make_case(n, hq, hkv, d, clusters, window, device, dtype, seed=n, hidden=hidden)
     builds = []  # once per request and layer after prefill; median of 5
     for _ in range(5):
         sync()
@@ -186,6 +188,7 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
     ref = torch.softmax(s.masked_fill(~keep[:, None], float("-inf")), -1) @ v[0].float()
     err = float((out[0].float().view(hkv, group, d) - ref).abs().max())
     row = {"n_keys": n, "heads": hq, "kv_heads": hkv, "head_dim": d, "dtype": str(dtype), "clusters": clusters,
+           "hidden": case["net"].w1.shape[-1],
            "probes": probes, "dense": int(dense.numel()), "bucket_keys_mean": float(counts.float().mean()),
            "selectivity_indexed": float(counts.float().mean() / max(n - dense.numel(), 1)),
            "selectivity": float((counts.float().mean() + dense.numel()) / n),
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probes", type=int, default=32)
     p.add_argument("--clusters", type=int, default=1024)
     p.add_argument("--window", type=int, default=2047)
+    p.add_argument("--hidden", default="", help="comma-separated classifier widths, one row each per length "
+                                                "(default: C, the paper's 1024 at C = 1024)")
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any device, to check the script")
     p.add_argument("--tag", default="", help="names the variant (e.g. a branch) in results.json and the table's title, "
@@ -235,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         hq, hkv, d, dtype = 8, 2, 32, torch.float32
         lengths, clusters, probes, window = [3000], 64, 4, 127
+        hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [None]
     else:
         hq, hkv, d, dtype = 32, 8, 128, torch.bfloat16
         lengths = [int(x) for x in args.lengths.split(",")]
         clusters, probes, window = args.clusters, args.probes, args.window
+        hiddens = [int(x) for x in args.hidden.split(",")] if args.hidden else [None]
     try:
         import flashinfer
     except Exception as e:  # noqa: BLE001 - optional
@@ -264,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with torch.inference_mode():
         for n in lengths:
-            row = measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer, timer,
-                          args.iters)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for hidden in hiddens:
+                row = measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flashinfer, timer,
+                              args.iters, hidden)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "flashinfer": fi_note, "command": " ".join(sys.argv), "smoke": args.smoke,
@@ -275,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             "keys": "Gaussian mixture, C unit centres x4 + N(0, I) noise, Dirichlet(1) weights, roped (theta 5e5)"}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cols = ["n_keys", "selectivity", "bucket_size_max", "index_build_ms", "saap-probe_us", "saap-attention_us",
-            "saap-attention-reference_us", "saap-step_us", "method-eager_us", "method-graph_us", "sdpa_us",
-            "flashinfer_us", "speedup_step_vs_flashinfer", "speedup_attention_vs_flashinfer",
+    cols = ["n_keys", "hidden", "selectivity", "bucket_size_max", "index_build_ms", "saap-probe_us",
+            "saap-attention_us", "saap-attention-reference_us", "saap-step_us", "method-eager_us", "method-graph_us",
+            "sdpa_us", "flashinfer_us", "speedup_step_vs_flashinfer", "speedup_attention_vs_flashinfer",
             "speedup_method_graph_vs_flashinfer", "max_abs_err_vs_masked_fp32", "method_max_abs_err_vs_reference"]
     tag = f" [{args.tag}]" if args.tag else ""
     lines = [f"# SAAP decode step vs FlashInfer{tag} ({meta['device']}, {meta['date']})", "",
@@ -290,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         kernels = r.get("method_kernels_us") or {}
         if kernels:
-            lines += ["", f"Device time of one m.decode call at N = {r['n_keys']} by kernel (torch profiler, µs):", "",
+            lines += ["", f"Device time of one m.decode call at N = {r['n_keys']}, hidden {r['hidden']}, by kernel "
+                          "(torch profiler, µs):", "",
                       "| kernel | µs |", "|---|---:|"]
             lines += [f"| `{name}` | {us:.1f} |" for name, us in sorted(kernels.items(), key=lambda x: -x[1])]
     (args.out / "results.md").write_text("\n".join(lines) + "\n")

@@ -140,15 +140,15 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 if triton is not None:
 
     @triton.jit
-    def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
-                            n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
+    def assign_tail_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
+                            n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, bh, u,
                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
-        """Program (row·Hkv + KV head, u): tail position ``u`` of :func:`tail_positions` de-roped and scored
-        against every centroid (``BLOCK_C`` at a time, float32 products summed over ``d``), the first best
-        kept. One key a program: a ``[16, d]`` dot tile would be three quarters padding at the default span,
-        and these programs are latency-bound (the centroids stream from L2)."""
-        bh = tl.program_id(0)
-        u = tl.program_id(1)
+        """Work item (row·Hkv + KV head ``bh``, ``u``): tail position ``u`` of :func:`tail_positions` de-roped and
+        scored against every centroid (``BLOCK_C`` at a time, float32 products summed over ``d``), the first best
+        kept. One key an item: a ``[16, d]`` dot tile would be three quarters padding at the default span, and
+        these items are latency-bound (the centroids stream from L2). Its own launch
+        (:func:`assign_tail_triton`) or extra programs of the probe's first launch
+        (:func:`kvsieve.kernels.saap.probe.probe_scores_triton` with ``tail``)."""
         b = bh // kv_heads
         h = bh % kv_heads
         t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
@@ -181,14 +181,22 @@ if triton is not None:
             best = tl.where(better, blk, best)
         tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
+    @triton.jit
+    def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
+                            n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
+                            D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row·Hkv + KV head, u): :func:`assign_tail_program`."""
+        assign_tail_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
+                            n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
+                            D, HALF, BLOCK_C, DEROPE)
 
-def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
-                       window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                       scaling: float) -> None:
-    """:func:`assign_tail_reference` in one launch (one program per row, KV head and position). Centroids float32
-    ``[Hkv, C, d]`` contiguous; ``assign`` contiguous in its last dimension."""
-    if triton is None:
-        raise RuntimeError("assign_tail_triton needs triton")
+
+def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                     window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                     scaling: float, block_c: int = 128) -> tuple[tuple, dict, int]:
+    """``(args, constexprs, items)`` of :func:`assign_tail_program` for :func:`assign_tail_reference`'s update:
+    ``items = B·Hkv·span`` work items. Centroids float32 ``[Hkv, C, d]`` contiguous; ``assign`` contiguous in
+    its last dimension. ``block_c``: centroids scored per iteration (at most; fewer when C is smaller)."""
     b, h, _, d = k.shape
     if assign.stride(-1) != 1 or centroids.dtype != torch.float32 or not centroids.is_contiguous():
         raise ValueError("assign, centroids: expected a last-dimension-contiguous assign and contiguous float32 "
@@ -198,9 +206,20 @@ def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor
     if k.stride(-1) != 1:
         k = k.contiguous()
     freq = centroids if inv_freq is None else inv_freq
-    _assign_tail_kernel[(b * h, span)](
-        k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
-        k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
-        # 128 centroids (64 KB at d = 128) per iteration: few serial iterations, many loads in flight
-        D=d, HALF=d // 2, BLOCK_C=min(128, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None,
-        num_warps=8)
+    args = (k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
+            k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1))
+    meta = dict(D=d, HALF=d // 2, BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))),
+                DEROPE=inv_freq is not None)
+    return args, meta, b * h * span
+
+
+def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                       window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                       scaling: float) -> None:
+    """:func:`assign_tail_reference` in one launch (one program per row, KV head and position); arguments as
+    :func:`tail_launch_args`."""
+    if triton is None:
+        raise RuntimeError("assign_tail_triton needs triton")
+    # 128 centroids (64 KB at d = 128) per iteration: few serial iterations, many loads in flight
+    args, meta, _ = tail_launch_args(assign, k, t_lo, lengths, window, span, centroids, inv_freq, scaling)
+    _assign_tail_kernel[(k.shape[0] * k.shape[1], span)](*args, **meta, num_warps=8)

@@ -19,7 +19,9 @@ hidden layer, and the softmax needs a whole row of logits. One program per (mode
 computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
 block, slice of the hidden units) the logits, one per (batch row, KV head, chunk of buckets) the
 softmaxes, their group sum and the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32:
-TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+TF32 rounding moved near-tied buckets in and out of the top-ℓ. The first launch can also carry SAAP's index
+update (``tail``: :func:`kvsieve.kernels.saap.index.assign_tail_program` as extra programs), work the
+probe does not depend on, so that a decode step costs no launch of its own for it.
 
 Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
 (``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
@@ -37,6 +39,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from .index import assign_tail_program
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -104,13 +108,12 @@ def probe_scores_reference(q, positions, inv_freq, scaling: float, w1, b1, w2, b
 if triton is not None:
 
     @triton.jit
-    def _hidden_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
-                       pos_offset,
-                       HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """``h[m, r, :] = relu(derope(q_r)·W1'[m] + b1'[m])`` for every row ``r`` of model ``m``; row ``r``'s
-        query sits at ``positions[r // per] + pos_offset``."""
-        m = tl.program_id(0)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    def _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                      pos_offset, m, h_block,
+                      HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        """``h[m, r, block] = relu(derope(q_r)·W1'[m, :, block] + b1'[m, block])`` for every row ``r`` of model
+        ``m``; row ``r``'s query sits at ``positions[r // per] + pos_offset``."""
+        offs_h = h_block * BLOCK_H + tl.arange(0, BLOCK_H)
         offs_r = tl.arange(0, BLOCK_R)
         offs_d = tl.arange(0, HALF_P)
         r_ok = offs_r < rows
@@ -136,6 +139,32 @@ if triton is not None:
         acc = tl.maximum(acc, 0.0)
         tl.store(h_ptr + (m * rows + offs_r[:, None]) * hidden + offs_h[None, :], acc,
                  mask=r_ok[:, None] & h_ok[None, :])
+
+    @triton.jit
+    def _hidden_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                       pos_offset, h_blocks, hidden_programs,
+                       tk_ptr, tc_ptr, tf_ptr, ta_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling, t_kv_heads, t_buckets,
+                       t_span, t_skb, t_skh, t_skn, t_sab, t_sah,
+                       HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                       TAIL: tl.constexpr, T_D: tl.constexpr, T_HALF: tl.constexpr, T_BLOCK_C: tl.constexpr,
+                       T_DEROPE: tl.constexpr):
+        """Programs ``[0, hidden_programs)``: :func:`_hidden_block` of model ``pid // h_blocks`` and hidden block
+        ``pid % h_blocks``. With ``TAIL`` the programs after them are the index update's work items
+        (:func:`kvsieve.kernels.saap.index.assign_tail_program`, the ``t*`` arguments): the keys leaving the
+        window join their buckets in this launch, one launch fewer per step."""
+        pid = tl.program_id(0)
+        if TAIL:
+            if pid >= hidden_programs:
+                item = pid - hidden_programs
+                assign_tail_program(tk_ptr, tc_ptr, tf_ptr, ta_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling,
+                                    t_kv_heads, t_buckets, t_span, t_skb, t_skh, t_skn, t_sab, t_sah,
+                                    item // t_span, item % t_span, T_D, T_HALF, T_BLOCK_C, T_DEROPE)
+            else:
+                _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb,
+                              s_qh, pos_offset, pid // h_blocks, pid % h_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
+        else:
+            _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                          pos_offset, pid // h_blocks, pid % h_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
 
     @triton.jit
     def _split3(x):
@@ -240,14 +269,18 @@ def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
 
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
-                        probes: int = 0, position_offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        probes: int = 0, position_offset: int = 0,
+                        tail: tuple | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
     first; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
-    Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32."""
+    Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32. ``tail``: the arguments of
+    :func:`kvsieve.kernels.saap.index.assign_tail_triton` (``assign, k, t_lo, lengths, window, span, centroids,
+    inv_freq, scaling``), whose update then runs as extra programs of the first launch (before the others)."""
     from ..shared.triton_utils import kernels_interpreted, next_pow2
+    from .index import tail_launch_args
 
     if triton is None:
         raise RuntimeError("probe_scores_triton needs triton")
@@ -272,9 +305,18 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     # W1); 32 units (256 programs) measured slower on the H100 and the H200
     # (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md)
     block_h = 64
-    _hidden_kernel[(models, triton.cdiv(hidden, block_h))](
+    h_blocks = triton.cdiv(hidden, block_h)
+    hidden_programs = models * h_blocks
+    if tail is None:
+        t_args, t_meta, items = (q,) * 7 + (1.0,) + (1,) * 8, dict(D=16, HALF=8, BLOCK_C=16, DEROPE=False), 0
+    else:
+        # 64 centroids an iteration: the launch's 4 warps hold a [64, d] float32 tile without spilling
+        t_args, t_meta, items = tail_launch_args(*tail, block_c=64)
+    _hidden_kernel[(hidden_programs + items,)](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
-        int(position_offset), HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4)
+        int(position_offset), h_blocks, hidden_programs, *t_args, HALF=half, HALF_P=max(16, next_pow2(half)),
+        BLOCK_R=block_r, BLOCK_H=block_h, TAIL=tail is not None, **{f"T_{k}": v for k, v in t_meta.items()},
+        num_warps=4)
     # The logits GEMV reads all of W2 (16.8 MB in bfloat16 at Llama-3.1-8B shapes): its speed is the bytes in
     # flight. 64 buckets (128 bytes of a bfloat16 W2 row) per program and the hidden units cut in `parts`
     # slices: 8 × 16 × 4 = 512 programs at C = 1024, four per H100 SM, each streaming a 256 × 64 slice of
