@@ -152,7 +152,8 @@ def host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> dict[str, float]:
     return {"host_ms": statistics.median(t), "host_min_ms": min(t)}
 
 
-# kvsieve's Triton kernels (kernels/), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
+# kvsieve's Triton kernels (kernels/: every one is named ``_..._kernel``; a method's selection, index and state
+# update included), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
 _ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "sample", "budget", "group_sum",
                       "ordered_stats", "page_", "scores_kernel", "sparse_split", "flash", "fmha", "attention",
                       "sdpa", "topk", "sort")
@@ -185,7 +186,8 @@ def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict
             if e.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             name = e.name.lower()
-            kind = ("attention" if any(k in name for k in _ATTENTION_KERNELS)
+            ours = name.startswith("_") and name.endswith("_kernel")  # not inductor's triton_* nor at::native
+            kind = ("attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
                     else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
             out[f"{kind}_ms"] += e.time_range.elapsed_us() / 1e3 / n
             out["kernels"] += 1 / n

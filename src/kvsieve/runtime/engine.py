@@ -649,7 +649,7 @@ class DecodeRuntime:
         """What every layer of this step shares, computed once: valid lengths and the methods' seeds."""
         torch.add(self.cache.positions, 1, out=self.lengths64)
         self.lengths32.copy_(self.lengths64)
-        if self.capturable:
+        if self.capturable and (self.method.stochastic or self.method.random_keys):  # a deterministic one draws none
             rows = self.sample_rows.view(1, -1)
             lo = mix32(self.layer_seed_words[:, :1] ^ mix32(self.step_counter.view(1, 1) ^ mix32(rows)))
             hi = mix32(self.layer_seed_words[:, 1:] ^ lo) & 0x7FFFFFFF
