@@ -265,10 +265,6 @@ def test_page_bounds_launch_overrides_keep_bounds_and_partials(block_p, tiles, w
                                   "quest:top_k=24,page_size=8,sink=4,window=8",
                                   "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True",
                                   "quest:top_k=0,page_size=16,sink=3,window=5",
-                                  "quest:top_k=24,page_size=8,sink=4,window=8,device_select=chunked",
-                                  "quest:top_k=0.2,page_size=16,sink=2,window=5,share_kv_group=True,"
-                                  "device_select=chunked,pdl=True,fused_update=True",
-                                  "quest:top_k=24,page_size=8,sink=4,window=8,fused_update=True",
                                   "oracle-topk:top_k=10,sink=3,window=6",
                                   "oracle-topk:top_k=0.1,sink=0,window=4,share_kv_group=True"])
 def test_methods_triton_path_matches_their_reference(spec):

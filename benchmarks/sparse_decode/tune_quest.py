@@ -238,15 +238,6 @@ def proposals(rows: list[dict], min_gain: float) -> dict:
     return out
 
 
-def interpreter_set(flag: str) -> bool:
-    """Whether Triton's interpreter was chosen before triton was imported (a CPU run's ``flag`` needs it);
-    says so on stderr when not."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    print(f"{flag} needs TRITON_INTERPRET=1 before triton is imported (run this file as a script)", file=sys.stderr)
-    return False
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
@@ -259,7 +250,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the Triton interpreter")
     args = ap.parse_args(argv)
     if args.quick:
-        if not interpreter_set("--quick"):
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("--quick needs TRITON_INTERPRET=1 before triton is imported (run this file as a script)",
+                  file=sys.stderr)
             return 2
         args.warmup, args.iters, args.density = 0, 1, 0.2
         cases = [TuneCase(1024, 1), TuneCase(1024, 1, (8, 0, 0)), TuneCase(1024, 2)]

@@ -18,11 +18,7 @@ head, 4096 group-summed — the group sum in chunks over the GPU, then each row'
 with the row in registers; else :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`, with a
 group-sum launch of its own beyond 4096 pages) and the Triton sparse kernel (2 launches) reading the
 chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton"
-force a path; ``stats.backend`` names the path. ``device_select="chunked"`` replaces the select launches by
-:func:`kvsieve.kernels.shared.select_chunked.topk_rows_chunked` (one launch of several programs per row, the same
-pages); ``pdl=True`` launches the device path with programmatic dependent launch where the GPU has it;
-``fused_update=True`` folds the summaries' update into the bounds launch (``stats.extra["select"]``, ``["pdl"]``
-and ``["fused_update"]`` say what ran).
+force a path; ``stats.backend`` names the path.
 """
 
 from __future__ import annotations
@@ -48,23 +44,12 @@ class QuestConfig(SinkWindowConfig):
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "auto: the device path (Triton page bounds + sparse kernel) on CUDA, else the torch reference; "
                 "reference; triton (error if it cannot)")
-    device_select: Literal["rows", "chunked"] = param(
-        "rows", "the device path's page select: rows (select_triton's launches: one program selects each row) "
-                "or chunked (one launch, several programs per row); the same pages")
-    pdl: bool = param(False, "the device path's launches with programmatic dependent launch where the GPU has it "
-                             "(each waits on the device for the one before)")
-    fused_update: bool = param(False, "the device path's page summary update folded into the bounds launch "
-                                      "(one launch fewer)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require_size("top_k", self.top_k)
         require_int("page_size", self.page_size, minimum=1)
         require_choice("backend", self.backend, BACKENDS)
-        require_choice("device_select", self.device_select, ("rows", "chunked"))
-        for name in ("pdl", "fused_update"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
 
 
 @register_method
@@ -97,7 +82,6 @@ class Quest(SelectionMethod):
                 stats.extra["backend_reason"] = reason
             return out, stats
         from ..kernels.quest.quest_pages import PageSummaries, quest_select
-        from ..kernels.shared.triton_utils import pdl_available
         from ..kernels.shared.weighted_triton import sparse_decode_triton
 
         page, n = cfg.page_size, inputs.n_keys
@@ -111,24 +95,16 @@ class Quest(SelectionMethod):
         if state.device is None:
             state.device = PageSummaries(page)
         summaries = state.device
-        pdl = cfg.pdl and q.is_cuda and pdl_available()
-        select = "chunked" if cfg.device_select == "chunked" else "triton"
-        refresh = None
-        if cfg.fused_update and max_pages > 0:  # the bounds launch refreshes the summaries first
-            kmin, kmax, refresh = summaries.pending(k, lens)
-        else:
-            kmin, kmax = summaries.update(k, lens, pdl=pdl)
+        kmin, kmax = summaries.update(k, lens)
         pages = counts = None
         if max_pages > 0:
             pages, counts = quest_select(q, kmin, kmax, lens, page_size=page, sink=cfg.sink, window=cfg.window,
                                          size=cfg.top_k, max_pages=max_pages,
-                                         share_kv_group=cfg.share_kv_group, scale=inputs.scale, select=select,
-                                         pdl=pdl, refresh=refresh)
+                                         share_kv_group=cfg.share_kv_group, scale=inputs.scale)
         out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=page, lengths=lens, sink=cfg.sink,
-                                      window=cfg.window, scale=inputs.scale, pdl=pdl)
+                                      window=cfg.window, scale=inputs.scale)
         if pages is None:
             pages = lens.new_zeros(inputs.batch, inputs.kv_heads, 1)
             counts = lens.new_zeros(inputs.batch, inputs.kv_heads)
         return out, sparse_stats(inputs, lambda: page_list_mark(inputs, pages, counts, page, cfg.sink, cfg.window),
-                                 extra={"page_size": page, "pages_scored": -(-n // page), "select": select,
-                                        "pdl": pdl, "fused_update": refresh is not None})
+                                 extra={"page_size": page, "pages_scored": -(-n // page)})

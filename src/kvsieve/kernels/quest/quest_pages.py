@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.scores import candidate_mask, group_summed, score_launch_args, selection_counts_reference
-from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, pdl_launch, triton, workspace
+from ..shared.triton_utils import cdiv, is_interpreted, launch, next_pow2, triton
 
 PAGE_BLOCK = 64  # pages per tile of the bounds launch (and per softmax partial)
 
@@ -71,40 +71,27 @@ class PageSummaries:
         self.kmax[:, :, :p] = kmax
         self.done = lengths.to(torch.int32)[:, None].repeat(1, hkv).contiguous()
 
-    def pending(self, k: torch.Tensor, lengths: torch.Tensor):
-        """:meth:`update`'s buffer work without its launch: ``(kmin, kmax, refresh)`` with ``refresh = (k, done)``
-        for :func:`page_bounds_triton`, which then brings the views up to date in the bounds launch; ``refresh``
-        is None when the summaries were just built whole (a fresh or reshaped cache)."""
+    def update(self, k: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``."""
         b, hkv, n, d = k.shape
-        p = cdiv(n, self.page_size)
+        page = self.page_size
+        p = cdiv(n, page)
         same = (self.kmin is not None and self.kmin.shape[:2] == (b, hkv) and self.kmin.shape[3] == d
                 and self.kmin.dtype == k.dtype and self.kmin.device == k.device)
         if not same:
             self._fresh(k, lengths)
-            return self.kmin[:, :, :p], self.kmax[:, :, :p], None
+            return self.kmin[:, :, :p], self.kmax[:, :, :p]
         if p > self.kmin.shape[2]:
             cap = p + p // 8 + 1
             grow = torch.zeros(b, hkv, cap - self.kmin.shape[2], d, device=k.device, dtype=k.dtype)
             self.kmin = torch.cat([self.kmin, grow], 2)
             self.kmax = torch.cat([self.kmax, grow], 2)
-        return self.kmin[:, :, :p], self.kmax[:, :, :p], (k, self.done)
-
-    def update(self, k: torch.Tensor, lengths: torch.Tensor, *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kmin, kmax)`` views ``[B, Hkv, ceil(N/page), d]`` current for ``k`` and ``lengths [B]``. ``pdl``:
-        the next launch (the bounds launch, with programmatic dependent launch) may start while this one runs."""
-        b, hkv, n, d = k.shape
-        page = self.page_size
-        p = cdiv(n, page)
-        _, _, refresh = self.pending(k, lengths)
-        if refresh is None:
-            return self.kmin[:, :, :p], self.kmax[:, :, :p]
         if triton is not None and (k.is_cuda or is_interpreted(_page_update_kernel)):
             launch(_page_update_kernel, (hkv, b),
                    k, lengths, self.done, self.kmin, self.kmax,
                    k.stride(0), k.stride(1), k.stride(2),
                    self.kmin.stride(0), self.kmin.stride(1), self.kmin.stride(2),
-                   PAGE=page, BLOCK=max(2, page), D=d, PDL=pdl, num_warps=4 if d * page >= 2048 else 1,
-                   num_stages=1)
+                   PAGE=page, BLOCK=max(2, page), D=d, num_warps=4 if d * page >= 2048 else 1, num_stages=1)
         else:  # CPU without the interpreter: the same pages in torch (host syncs are free here)
             length = lengths.long()
             first = torch.minimum(self.done.long().amin(1), length) // page
@@ -137,16 +124,24 @@ if triton is not None:
 
     from ..shared.scores import load_group_queries, score_program
     from ..shared.select_common import store_maxima, store_softmax_part
-    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def refresh_pages(k_ptr, kmin_ptr, kmax_ptr, b64, kvh, first, end, length, s_k_b, s_k_h, s_k_n, s_m_b, s_m_h,
-                      s_m_p, PAGE: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
-        """Pages ``[first, end)`` of row ``b``, KV head ``kvh``: min/max over their keys below ``length`` (0 for
-        a page with none) into kmin/kmax."""
+    def _page_update_kernel(
+        k_ptr, lens_ptr, done_ptr, kmin_ptr, kmax_ptr,
+        s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p,
+        PAGE: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+    ):
+        # Pages from the first key not yet summarised (or past a shrunk length) to the row's last key:
+        # min/max over their keys below the length (0 for a page with none). done[b, kvh] = length after.
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        b64 = b.to(tl.int64)
+        length = tl.load(lens_ptr + b).to(tl.int32)
+        done_at = done_ptr + b * tl.num_programs(0) + kvh
+        first = tl.minimum(tl.load(done_at), length) // PAGE
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
-        for page in range(first, end):
+        for page in range(first, (length - 1) // PAGE + 1):
             pos = page * PAGE + offs
             ok = (offs < PAGE) & (pos < length)
             rows = tl.load(k_ptr + b64 * s_k_b + kvh * s_k_h + pos[:, None] * s_k_n + offs_d[None, :],
@@ -157,59 +152,24 @@ if triton is not None:
             dst = b64 * s_m_b + kvh * s_m_h + page * s_m_p + offs_d
             tl.store(kmin_ptr + dst, tl.where(any_ok, lo, 0.0).to(kmin_ptr.dtype.element_ty))
             tl.store(kmax_ptr + dst, tl.where(any_ok, hi, 0.0).to(kmax_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _page_update_kernel(
-        k_ptr, lens_ptr, done_ptr, kmin_ptr, kmax_ptr,
-        s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p,
-        PAGE: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr = False,
-    ):
-        # Pages from the first key not yet summarised (or past a shrunk length) to the row's last key:
-        # min/max over their keys below the length (0 for a page with none). done[b, kvh] = length after.
-        if PDL:  # the first launch of the chain (not launched early itself): the bounds launch may launch now
-            gdc_launch_dependents()
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        length = tl.load(lens_ptr + b).to(tl.int32)
-        done_at = done_ptr + b * tl.num_programs(0) + kvh
-        first = tl.minimum(tl.load(done_at), length) // PAGE
-        refresh_pages(k_ptr, kmin_ptr, kmax_ptr, b.to(tl.int64), kvh, first, (length - 1) // PAGE + 1, length,
-                      s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p, PAGE, BLOCK, D)
         tl.store(done_at, length)
 
     @triton.jit(do_not_specialize=["sink", "window", "n_pages", "size", "max_units"])
     def _page_bounds_kernel(
         q_ptr, kmin_ptr, kmax_ptr, lens_ptr, out_ptr, counts_ptr, frac_ptr, pm_ptr, pl_ptr, mx_ptr,
-        k_ptr, done_ptr, tk_ptr,
         scale, sink, window, n_pages, size, max_units,
-        s_q_b, s_q_h, s_m_b, s_m_h, s_m_p, s_o_b, s_o_h, s_p_b, s_p_h, s_x_b, s_x_h, s_k_b, s_k_h, s_k_n,
+        s_q_b, s_q_h, s_m_b, s_m_h, s_m_p, s_o_b, s_o_h, s_p_b, s_p_h, s_x_b, s_x_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr,
         MASK_DENSE: tl.constexpr, WRITE_COUNTS: tl.constexpr, IS_FRAC: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, WRITE_PARTS: tl.constexpr,
-        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr, TILES: tl.constexpr, REFRESH: tl.constexpr = False,
-        BLOCK_K: tl.constexpr = 16, PDL: tl.constexpr = False,
+        WRITE_MAX: tl.constexpr, GROUP_MAX: tl.constexpr, TILES: tl.constexpr,
     ):
         # max(q·lo, q·hi) per channel = q⁺·hi + q⁻·lo (lo ≤ hi): two dots per page tile. A program takes
         # TILES consecutive tiles of BLOCK_P pages (the query rows loaded once; with num_stages > 1 the
         # next tiles' loads overlap this one's dots); outputs stay per tile, so the consumers see one
         # layout whatever TILES is.
-        if PDL:  # launched early: wait for the launch before; the select launch may launch now
-            gdc_wait()
-            gdc_launch_dependents()
         pid, kvh, b, b64, length, sink_end, win_start = score_program(
             lens_ptr, counts_ptr, frac_ptr, sink, window, size, max_units, PAGE, WRITE_COUNTS, IS_FRAC)
-        if REFRESH:
-            # the page summaries' update folded in: each program first refreshes the pages of its tiles
-            # from the first key not yet summarised (PageSummaries.update), and the row's last program to
-            # finish (a ticket counter it resets) records the length as summarised; every program read
-            # `done` before it took its ticket
-            done_at = done_ptr + b * tl.num_programs(1) + kvh
-            first = tl.minimum(tl.load(done_at), length) // PAGE
-            tile_lo = pid * TILES * BLOCK_P
-            refresh_pages(k_ptr, kmin_ptr, kmax_ptr, b64, kvh, tl.maximum(first, tile_lo),
-                          tl.minimum((length - 1) // PAGE + 1, tl.minimum(tile_lo + TILES * BLOCK_P, n_pages)), length,
-                          s_k_b, s_k_h, s_k_n, s_m_b, s_m_h, s_m_p, PAGE, BLOCK_K, D)
-            tl.debug_barrier()  # the pages written above are read back by other threads of this program
         q, heads, g_ok, offs_d = load_group_queries(q_ptr, b64, kvh, s_q_b, s_q_h, G, BLOCK_G, D)
         if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
             q = q.to(tl.float32)
@@ -242,12 +202,6 @@ if triton is not None:
                 store_softmax_part(pm_ptr, pl_ptr, b64, heads, tile_ok, pb, s_p_b, s_p_h, bound)
             if WRITE_MAX:  # the select launch's prefilter subset
                 store_maxima(mx_ptr, b64, heads, g_ok, pb, s_x_b, s_x_h, bound, n_pages, BLOCK_P, BLOCK_G, GROUP_MAX)
-        if REFRESH:
-            tl.debug_barrier()
-            ticket = tl.atomic_add(tk_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(0) - 1:
-                tl.store(done_at, length)
-                tl.atomic_xchg(tk_ptr + b * tl.num_programs(1) + kvh, 0)
 
 
 def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, window: int = 0,
@@ -255,8 +209,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
                        counts: torch.Tensor | None = None, size: int | float = 0,
                        max_pages: int = 0, parts: tuple[torch.Tensor, torch.Tensor] | None = None,
                        maxima: torch.Tensor | None = None, block_p: int = PAGE_BLOCK, tiles: int = 1,
-                       num_warps: int = 4, num_stages: int = 1, pdl: bool = False,
-                       refresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """:func:`page_bounds_reference` in one launch (``lengths`` int32 ``[B]``; kmin/kmax in q's dtype
     with a contiguous last dim). Products of bf16/fp16 values are exact in the fp32 accumulator; fp32
     inputs use IEEE dots. ``mask_dense=False`` masks only pages past the length (the group-summed ranking
@@ -270,11 +223,7 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     consecutive tiles per program (the grid: ``ceil(P / (block_p · tiles))`` programs per KV head and row),
     ``num_warps`` (a power of two up to 32), ``num_stages`` (1 to 8; software pipelining over the tiles of a
     program, so it matters only with ``tiles > 1``). The bounds do not depend on them; the partials' blocks
-    follow ``block_p``. ``pdl``: launched with programmatic dependent launch (its programs wait on the device
-    for the launch before; ``triton_utils.pdl_available``). ``refresh = (k, done)``: the launch first does
-    :meth:`PageSummaries.update`'s work on the buffers ``kmin``/``kmax`` view — each program refreshes the pages
-    of its tiles from ``min(done, length)`` on from ``k [B, Hkv, N, d]``, and ``done [B, Hkv]`` (int32) is
-    set to the lengths — so the update takes no launch of its own."""
+    follow ``block_p``."""
     from ..shared.select_common import check_launch_value
     from ..shared.select_triton import GROUP_MAX
 
@@ -292,27 +241,17 @@ def page_bounds_triton(q, kmin, kmax, lengths, page_size: int, sink: int = 0, wi
     scale, out, frac, count, is_frac = score_launch_args(q, p, scale, out, size)
     pm, pl = (out, out) if parts is None else parts
     mx = out if maxima is None else maxima
-    if refresh is not None:
-        k, done = refresh
-        if k.shape[:2] != kmin.shape[:2] or k.shape[3] != d or k.stride(-1) != 1 or done.shape != (b, hkv) \
-                or done.dtype != torch.int32 or not done.is_contiguous() or kmax.stride() != kmin.stride():
-            raise ValueError(f"refresh: expected k [{b}, {hkv}, N, {d}] with a contiguous last dim and a contiguous "
-                             f"int32 done [{b}, {hkv}] (and kmin, kmax of one layout), got k {tuple(k.shape)}, "
-                             f"done {done.dtype} {tuple(done.shape)}")
-        tickets = workspace("quest_refresh_tickets", q, b * hkv, torch.int32, zeroed=True)
-    else:
-        k, done, tickets = kmin, lengths, lengths
     launch(_page_bounds_kernel, (cdiv(n_tiles, tiles), hkv, b),
            q, kmin, kmax, lengths, out, out if counts is None else counts, lengths if frac is None else frac, pm, pl,
-           mx, k, done, tickets, scale, sink, window, p, count, max_pages,
+           mx, scale, sink, window, p, count, max_pages,
            q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), kmin.stride(2), out.stride(0), out.stride(1),
-           pm.stride(0), pm.stride(1), mx.stride(0), mx.stride(1), k.stride(0), k.stride(1), k.stride(2),
+           pm.stride(0), pm.stride(1), mx.stride(0), mx.stride(1),
            G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_P=block_p, PAGE=page_size,
            MASK_DENSE=mask_dense, WRITE_COUNTS=counts is not None, IS_FRAC=is_frac,
            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
            DOT_F32=q.dtype == torch.bfloat16 and is_interpreted(_page_bounds_kernel), WRITE_PARTS=parts is not None,
-           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, TILES=tiles, REFRESH=refresh is not None,
-           BLOCK_K=max(2, page_size), PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
+           WRITE_MAX=maxima is not None, GROUP_MAX=GROUP_MAX, TILES=tiles, num_warps=num_warps,
+           num_stages=num_stages)
     return out
 
 
@@ -332,8 +271,7 @@ def quest_scores_reference(q, kmin, kmax, lengths, page_size: int, sink: int, wi
 def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: int, size: int | float,
                  max_pages: int, share_kv_group: bool, scale: float | None = None,
                  bounds: str = "triton", select: str = "triton",
-                 launch_opts: dict[str, dict] | None = None, pdl: bool = False,
-                 refresh: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quest's page list for :func:`sparse_decode_triton` (``page_size`` granularity, with the same
     ``sink``/``window`` dense part): ``(pages [B, Hs, K], counts [B, Hs])`` with ``K = max(1,
     max_pages)``, ``Hs = Hkv`` when ``share_kv_group`` (pages ranked by the group-summed softmax of the
@@ -345,28 +283,18 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     softmax partials, the others the maxima of every 8 bounds) and
     :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
     select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
-    any) and ``torch.topk`` (highest first). ``select="chunked"``: the bounds (with softmax partials) and
-    :func:`~kvsieve.kernels.shared.select_chunked.topk_rows_chunked` (several programs per row, one launch),
-    pages in ascending order. ``bounds="reference"`` runs every step in torch (highest bound first).
-    ``pdl``: the device launches start with programmatic dependent launch (``triton_utils.pdl_available``).
-    ``refresh = (k, done)`` (:meth:`PageSummaries.pending`): the bounds launch brings ``kmin``/``kmax`` up to
-    date first (no update launch of its own; device bounds only).
+    any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first).
 
     ``launch_opts`` (device paths; for tuning, ``benchmarks/sparse_decode/tune_quest.py``): launch overrides
     by launch — ``"bounds"``: :func:`page_bounds_triton`'s ``block_p``, ``tiles``, ``num_warps``,
-    ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``, ``"chunked"``: as
+    ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``: as
     :func:`~kvsieve.kernels.shared.select_triton.select_rows` takes them. The pages chosen do not depend
     on them (up to near-ties of the group-summed ranking, whose float32 sums may run in another order)."""
     b, hq, _ = q.shape
     hkv, p = kmin.shape[1], kmin.shape[2]
     k = max(1, min(max_pages, p))
-    from ..shared.select_triton import SELECTS
-
-    if select not in SELECTS:
-        raise ValueError(f"select: expected one of {SELECTS}, got {select!r}")
-    if refresh is not None and bounds != "triton":
-        raise ValueError("refresh: the page summaries' update folds into the device bounds launch only "
-                         f"(bounds='triton'), got bounds={bounds!r}")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if bounds == "reference":
         s = quest_scores_reference(q, kmin, kmax, lengths, page_size, sink, window, share_kv_group, scale)
         counts = selection_counts_reference(lengths, size, page_size, sink, window, k)
@@ -380,12 +308,12 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
 
         def score(**kw):
             return page_bounds_triton(q, kmin, kmax, lengths, page_size, sink, window, scale, size=size,
-                                      max_pages=k, pdl=pdl, refresh=refresh, **bounds_opts, **kw)
+                                      max_pages=k, **bounds_opts, **kw)
 
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k,
                            block=bounds_opts.get("block_p", PAGE_BLOCK), share_kv_group=share_kv_group,
                            lengths=lengths, unit=page_size, sink=sink, window=window, select=select,
-                           device=q.device, launch_opts=opts, pdl=pdl)
+                           device=q.device, launch_opts=opts)
     pages = torch.topk(s, k, dim=-1, sorted=True).indices
     return pages, counts[:, None].expand(b, s.shape[1])
 

@@ -108,20 +108,15 @@ if triton is not None:
         return prefix, need
 
     @triton.jit
-    def emit_selected(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr,
-                      CG: tl.constexpr = False):
+    def emit_selected(src, idx_src, n_units, thr, need, out_row, HAS_IDX: tl.constexpr, BLOCK_X: tl.constexpr):
         # Units above thr and the first `need` equal to it, in src order, to out_row (their index: the
-        # unit's position, or idx_src's entry); returns how many were written. CG: src was written by other
-        # programs of this launch, read it through L2 (.cg), not this SM's L1.
+        # unit's position, or idx_src's entry); returns how many were written.
         n_taken = tl.full([], 0, tl.int32)
         ties = tl.full([], 0, tl.int32)
         for x0 in range(0, n_units, BLOCK_X):
             offs = x0 + tl.arange(0, BLOCK_X)
             ok = offs < n_units
-            if CG:
-                u = ordered(tl.load(src + offs, mask=ok, other=float("-inf"), cache_modifier=".cg"))
-            else:
-                u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
+            u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
             eq = (ok & (u == thr)).to(tl.int32)
             sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= need))
             pos = n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
@@ -153,13 +148,6 @@ if triton is not None:
     def group_lse(pm_ptr, pl_ptr, prow, heads, g_ok, n_parts, s_p_h, BLOCK_G: tl.constexpr,
                    BLOCK_PART: tl.constexpr):
         # each group head's log-sum-exp over all its valid units, from the scoring launch's block partials
-        lse, live_h, _ = group_lse_max(pm_ptr, pl_ptr, prow, heads, g_ok, n_parts, s_p_h, BLOCK_G, BLOCK_PART)
-        return lse, live_h
-
-    @triton.jit
-    def group_lse_max(pm_ptr, pl_ptr, prow, heads, g_ok, n_parts, s_p_h, BLOCK_G: tl.constexpr,
-                      BLOCK_PART: tl.constexpr):
-        """:func:`group_lse` and each head's largest score (−inf for a head with none), from the block partials."""
         m_run = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_run = tl.zeros([BLOCK_G], tl.float32)
         for p0 in range(0, n_parts, BLOCK_PART):
@@ -173,7 +161,7 @@ if triton is not None:
             l_run = l_run * tl.exp(m_run - ref) + tl.sum(pl * tl.exp(pm - ref[:, None]), axis=1)
             m_run = m_new
         live_h = l_run > 0
-        return tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0), live_h, m_run
+        return tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0), live_h
 
     @triton.jit
     def radix_select_regs(u, valid, count, hi, lo):

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from .select_common import SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
-from .triton_utils import cdiv, launch, next_pow2, pdl_launch, triton, workspace
+from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
 
 def topk_rows_reference(values: torch.Tensor, counts: torch.Tensor, k: int) -> torch.Tensor:
@@ -73,7 +73,7 @@ if triton is not None:
         radix_select,
         value_range,
     )
-    from .triton_utils import dense_range, gdc_launch_dependents, gdc_wait
+    from .triton_utils import dense_range
 
     @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts"])
     def _group_sum_parts_kernel(
@@ -81,11 +81,8 @@ if triton is not None:
         sink, window, n_units, n_parts,
         s_s_b, s_s_h, s_p_b, s_p_h, s_o_b, s_o_h, s_x_b, s_x_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, UNIT: tl.constexpr, BLOCK_X: tl.constexpr, CHUNK: tl.constexpr,
-        BLOCK_PART: tl.constexpr, GROUP_MAX: tl.constexpr, PDL: tl.constexpr = False,
+        BLOCK_PART: tl.constexpr, GROUP_MAX: tl.constexpr,
     ):
-        if PDL:  # launched early: wait for the launch before; the next launch may launch now
-            gdc_wait()
-            gdc_launch_dependents()
         # Rows too long for one program to group-sum (oracle-topk's keys): each program takes BLOCK_X
         # units, and also writes the max of every GROUP_MAX units (the select kernel's prefilter).
         xb = tl.program_id(0)
@@ -116,11 +113,7 @@ if triton is not None:
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
         GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEGMENTED: tl.constexpr,
-        PDL: tl.constexpr = False,
     ):
-        if PDL:  # launched early: wait for the launch before; the next launch may launch now
-            gdc_wait()
-            gdc_launch_dependents()
         # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
         # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked.
         # SEGMENTED (long rows): n_seg programs per row, each prefilters seg_len units of it; the last to
@@ -264,11 +257,8 @@ if triton is not None:
         sink, window, n_units, n_parts, k_out, n_chunks,
         s_s_b, s_s_h, s_p_b, s_p_h, s_g_b, s_g_h, s_o_b, s_o_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr, XT: tl.constexpr,
-        CHUNK: tl.constexpr, BLOCK_PART: tl.constexpr, PDL: tl.constexpr = False,
+        CHUNK: tl.constexpr, BLOCK_PART: tl.constexpr,
     ):
-        if PDL:  # launched early: wait for the launch before; the next launch may launch now
-            gdc_wait()
-            gdc_launch_dependents()
         # One row per (selection head, batch row), held whole in registers (XT >= its units) by the
         # program that selects on it. SHARE (group-summed rows): n_chunks programs per row each group-sum
         # CHUNK units into a workspace row, and the last of them to finish (a ticket counter it resets)
@@ -319,7 +309,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
                      parts: tuple[torch.Tensor, torch.Tensor] | None = None, lengths: torch.Tensor | None = None,
                      unit: int = 1, sink: int = 0, window: int = 0, maxima: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, num_warps: int | None = None,
-                     segment: int | None = None, pdl: bool = False) -> torch.Tensor:
+                     segment: int | None = None) -> torch.Tensor:
     """The ``counts[b]`` best units of each row as ``[B, Hs, k]`` int64, ascending, zero-padded (one
     launch). ``scores [B, Hq, X]`` float32 with a contiguous last dim; ``counts [B]`` with every
     ``counts[b] ≤ min(k, X)`` and at most the row's finite scores (what the scoring launches write).
@@ -337,8 +327,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     default 8 for chunks of 2048 units or more, else 4); ``segment`` (default ``SEGMENT``): rows with
     ``maxima`` longer than this split their prefilter pass over up to one program per ``segment`` units
     (about two waves of programs at most); no effect on other rows. The selection does not depend on
-    them. ``pdl``: launched with
-    programmatic dependent launch (``triton_utils.pdl_available``)."""
+    them."""
     b, hq, x = scores.shape
     segment = SEGMENT if segment is None else check_launch_value("segment", segment)
     check_score_rows(scores, group)
@@ -392,7 +381,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(cdiv(x, GROUP_MAX)))),
            BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented,
-           PDL=pdl, num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1, **pdl_launch(pdl))
+           num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
     return out
 
 
@@ -414,7 +403,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
                         parts: tuple[torch.Tensor, torch.Tensor] | None = None,
                         lengths: torch.Tensor | None = None, unit: int = 1, sink: int = 0, window: int = 0,
                         out: torch.Tensor | None = None, num_warps: int | None = None,
-                        programs: int | None = None, pdl: bool = False) -> torch.Tensor:
+                        programs: int | None = None) -> torch.Tensor:
     """:func:`topk_rows_triton` (same arguments, less ``maxima``; same output: ascending, zero-padded,
     ties to the lowest index) for rows of at most ``REGISTER_SELECT_MAX`` units, in one launch.
 
@@ -427,8 +416,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
     Launch overrides (for tuning; None: the defaults): ``num_warps`` (a power of two up to 32; default 4
     below 2048 units, 8 up to 8192, 16 beyond); ``programs`` (group-summed rows; default
     ``REGISTER_PROGRAMS``): about this many programs in all group-sum the rows, in chunks of a power of
-    two of at least ``REGISTER_CHUNK_MIN`` units. The selection does not depend on them. ``pdl``: launched with
-    programmatic dependent launch (``triton_utils.pdl_available``)."""
+    two of at least ``REGISTER_CHUNK_MIN`` units. The selection does not depend on them."""
     b, hq, x = scores.shape
     programs = REGISTER_PROGRAMS if programs is None else check_launch_value("programs", programs)
     check_score_rows(scores, group)
@@ -460,15 +448,13 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
            out.stride(0), out.stride(1),
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, XT=xt, CHUNK=chunk,
            BLOCK_PART=max(64, 2048 // block_g),
-           PDL=pdl, num_warps=_warps(num_warps, 16 if xt > 8192 else (8 if xt >= 2048 else 4)), num_stages=1,
-           **pdl_launch(pdl))
+           num_warps=_warps(num_warps, 16 if xt > 8192 else (8 if xt >= 2048 else 4)), num_stages=1)
     return out
 
 
 def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.Tensor, torch.Tensor],
                           lengths: torch.Tensor, unit: int, sink: int, window: int, *, block_x: int | None = None,
-                          chunk: int | None = None, num_warps: int = 4,
-                          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log Σ_g softmax_g(s) [B, Hq/group, X], its maxima [B, Hq/group, ceil(X / GROUP_MAX)])`` in one
     launch spread over the row (for rows too long for :func:`topk_rows_triton` to group-sum in its one
     program per row): each head's log-sum-exp from ``parts`` (as there), units off ``[sink_end,
@@ -477,8 +463,7 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     Launch overrides (for tuning; None: the defaults): ``block_x`` units per program (default 1024, 4096
     for rows of 64k units or more), taken ``chunk`` at a time (default ``2048 / group`` rounded up to a
     power of two, at least ``GROUP_MAX``): both powers of two, ``GROUP_MAX ≤ chunk ≤ block_x`` (each
-    chunk's maxima cover whole groups; the chunks tile the block); ``num_warps`` a power of two up to 32.
-    ``pdl``: launched with programmatic dependent launch (``triton_utils.pdl_available``)."""
+    chunk's maxima cover whole groups; the chunks tile the block); ``num_warps`` a power of two up to 32."""
     b, hq, x = scores.shape
     pm, pl = parts
     hs = hq // group
@@ -498,7 +483,7 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
            scores.stride(0), scores.stride(1), pm.stride(0), pm.stride(1), out.stride(0), out.stride(1),
            maxima.stride(0), maxima.stride(1),
            G=group, BLOCK_G=block_g, UNIT=unit, BLOCK_X=block_x, CHUNK=chunk, BLOCK_PART=max(64, 2048 // block_g),
-           GROUP_MAX=GROUP_MAX, PDL=pdl, num_warps=num_warps, num_stages=1, **pdl_launch(pdl))
+           GROUP_MAX=GROUP_MAX, num_warps=num_warps, num_stages=1)
     return out, maxima
 
 
@@ -508,8 +493,7 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
 
-SELECT_LAUNCHES = ("group_sum", "rows", "registers", "chunked")  # the launches select_rows takes overrides for
-SELECTS = ("triton", "torch", "chunked")
+SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
 
 
 def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
@@ -527,10 +511,7 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
     """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
     groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
     or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
-    With ``select="chunked"``: ``("chunked",)``. Read from the module limits at call time (the benchmarks
-    change them)."""
-    if select == "chunked":
-        return ("chunked",)
+    Read from the module limits at call time (the benchmarks change them)."""
     share = share_kv_group and group > 1
     limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
     if select == "triton" and n_units <= limit:
@@ -541,8 +522,7 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
-                device, launch_opts: dict[str, dict] | None = None,
-                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                device, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -551,35 +531,19 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     ``select="triton"``: :func:`topk_rows_triton` (ascending order) — 2 launches with the scoring one,
     3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="torch"``: the group sum (if any)
     from the partials in one parallel launch, then ``torch.topk`` (sorted, highest first: rows whose count
-    is below ``k`` read the first ``count`` entries) — kept to compare. ``select="chunked"``:
-    :func:`~kvsieve.kernels.shared.select_chunked.topk_rows_chunked` (several programs per row, one launch,
-    ascending order), the scoring launch writing softmax partials for every row. ``pdl``: the select
-    launches start with programmatic dependent launch (the scoring launch's ``pdl`` is the caller's; with
-    ``select="torch"`` only the group-sum launch).
+    is below ``k`` read the first ``count`` entries) — kept to compare.
 
     ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
     ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``); each applies where its
     launch runs. The selection does not depend on them."""
-    if select not in SELECTS:
-        raise ValueError(f"select: expected one of {SELECTS}, got {select!r}")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
     launches = select_launches(n_units, group, share_kv_group, select)
-    if select == "chunked":
-        from .select_chunked import topk_rows_chunked
-
-        counts = torch.empty(batch, device=device, dtype=torch.int64)
-        n_blocks = cdiv(n_units, block)
-        parts = (scratch("select_pm", counts, (batch, heads, n_blocks), torch.float32),
-                 scratch("select_pl", counts, (batch, heads, n_blocks), torch.float32))
-        s = score(counts=counts, parts=parts, maxima=None, mask_dense=not share_kv_group,
-                  out=scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
-        idx = topk_rows_chunked(s, counts, k, parts=parts, group=group if share_kv_group else 1, lengths=lengths,
-                                unit=unit, sink=sink, window=window, pdl=pdl, **opts.get("chunked", {}))
-        return idx, counts[:, None].expand(batch, idx.shape[1])
     registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
@@ -593,20 +557,19 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
               out=scratch("select_scores", counts, (batch, heads, n_units), torch.float32))
     if registers:
         idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
-                                  unit=unit, sink=sink, window=window, pdl=pdl, **opts.get("registers", {}))
+                                  unit=unit, sink=sink, window=window, **opts.get("registers", {}))
         return idx, counts[:, None].expand(batch, idx.shape[1])
     if "group_sum" in launches:
-        s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window, pdl=pdl,
-                                          **opts.get("group_sum", {}))
+        s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window, **opts.get("group_sum", {}))
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
         idx = torch.topk(s, k, dim=-1, sorted=True).indices
     else:
         idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
-                               unit=unit, sink=sink, window=window, maxima=maxima, pdl=pdl, **opts.get("rows", {}))
+                               unit=unit, sink=sink, window=window, maxima=maxima, **opts.get("rows", {}))
     return idx, counts[:, None].expand(batch, idx.shape[1])
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECTS", "SELECT_LAUNCHES", "check_launch_opts",
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
            "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference", "topk_rows_registers",
            "topk_rows_triton"]

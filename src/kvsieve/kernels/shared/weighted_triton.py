@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from .triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, pdl_launch, triton, workspace
+from .triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
 from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,7 +53,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from .triton_utils import attend_tile, dense_range, gdc_launch_dependents, gdc_wait
+    from .triton_utils import attend_tile, dense_range
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -73,11 +73,8 @@ if triton is not None:
         HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         HAS_LENS: tl.constexpr, HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, HAS_SINK_LENS: tl.constexpr = False, PDL: tl.constexpr = False,
+        FUSED_MERGE: tl.constexpr, HAS_SINK_LENS: tl.constexpr = False,
     ):
-        if PDL:  # launched early: wait for the launch that wrote the lists; the merge may launch now
-            gdc_wait()
-            gdc_launch_dependents()
         part = tl.program_id(0)
         hs = tl.program_id(1)
         b = tl.program_id(2)
@@ -374,8 +371,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
                          lse: torch.Tensor | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          target_programs: int = TARGET_PROGRAMS, fused_merge: bool = False,
-                         rows_per_batch: int = 1, sink_lengths=None,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         rows_per_batch: int = 1, sink_lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
     ``check=True`` adds the value checks (host sync). Workspaces are cached per device and reused.
@@ -383,9 +379,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
     on a GPU: it relies on a per-row ticket counter, so calls on one device must not overlap in time).
     ``rows_per_batch = Q``: q holds ``B·Q`` query rows (row ``r = b·Q + j``) against a cache ``k, v`` of
     ``B`` rows — the multi-row form (a question chunk's rows, each with its own length and lists) without
-    a copy of the cache per row. ``sink_lengths [B]``: each row's sink, at most ``sink`` (int32 preferred).
-    ``pdl``: both launches start with programmatic dependent launch, their programs waiting on the device
-    for the launch before (``triton_utils.pdl_available``)."""
+    a copy of the cache per row. ``sink_lengths [B]``: each row's sink, at most ``sink`` (int32 preferred)."""
     check_sparse_inputs(q, k, v, indices, counts, weights, page_size=page_size, lengths=lengths, sink=sink,
                         window=window, values=check, rows_per_batch=rows_per_batch, sink_lengths=sink_lengths)
     reason = unsupported_reason(q, k, v, page_size)
@@ -439,12 +433,12 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
            out.stride(0), out.stride(1),
            HEADS=heads_per_list, G=g, BLOCK_G=max(16, next_pow2(heads_per_list)), D=d, BLOCK_N=block_n,
            PAGE=page_size, HAS_LENS=lengths is not None, HAS_W=weights is not None, DOT_PRECISION=precision,
-           DOT_F32=dot_f32, FUSED_MERGE=fused_merge, HAS_SINK_LENS=sink_lengths is not None, PDL=pdl,
-           num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
+           DOT_F32=dot_f32, FUSED_MERGE=fused_merge, HAS_SINK_LENS=sink_lengths is not None,
+           num_warps=num_warps, num_stages=num_stages)
     if fused_merge:
         return out, lse
     merge_partials(acc, pm, pl, None, out, b, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
-                   lse=lse, d_chunk=32, num_warps=1, num_stages=2, pdl=pdl)
+                   lse=lse, d_chunk=32, num_warps=1, num_stages=2)
     return out, lse
 
 
