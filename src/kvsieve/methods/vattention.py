@@ -168,6 +168,12 @@ def full_budget(cfg: VAttentionConfig, n_s: torch.Tensor, sigma: torch.Tensor, d
 
 _CONSTANTS: dict = {}
 
+#: The oracle predictor's per-query-head path tests its keys in the attention pass
+#: (:mod:`kvsieve.kernels.vattention.attend_triton`). False lists them for the weighted sparse kernel as the
+#: other settings do: kept to time the two against each other (``benchmarks/breakdown/stages.py``); the
+#: stats' ``kernel`` names the pass that ran.
+TESTED_ATTENTION = True
+
 
 def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
     """The float64 constants of the kernel path's budget (``budget_triton.BudgetRule``): ``[z, ln(2/δ),
@@ -359,7 +365,7 @@ class VAttention(StagedSelection):
             pages, counts, *kept = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
                                                max_k=size_bound(cfg.top_k, n), share_kv_group=share,
                                                scale=inputs.scale, select=select_path(share, n),
-                                               keep_scores=not share and attend_triton.usable(q))
+                                               keep_scores=TESTED_ATTENTION and not share and attend_triton.usable(q))
             scores = kept[0] if kept else None
         elif cfg.top_k != 0:
             from ..kernels.quest.quest_pages import PageSummaries, quest_select
