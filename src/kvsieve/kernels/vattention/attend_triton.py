@@ -81,7 +81,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..shared.sample_triton import _hash24
-    from ..shared.triton_utils import attend_tile, dense_range
+    from ..shared.triton_utils import attend_dense_split, dense_range, store_partials
 
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_mid_parts", "mid_chunk", "dense_chunk",
                                    "n_parts"])
@@ -151,19 +151,11 @@ if triton is not None:
                         other=0.0)
             if DOT_F32:
                 q = q.to(tl.float32)
-            n_dense = sink_end + (length - win_start)
-            lo = (part - n_mid_parts) * dense_chunk
-            hi = tl.minimum(lo + dense_chunk, n_dense)
-            for t0 in range(lo, hi, BLOCK_N):
-                t = t0 + offs_n
-                ok = t < hi
-                pos = tl.where(t < sink_end, t, win_start + (t - sink_end))
-                m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
-                                             offs_d, scale_log2, False, DOT_PRECISION, DOT_F32)
-        ml = (b64 * (G * tl.num_programs(1)) + heads) * n_parts + part
-        tl.store(m_ptr + ml, m_i * 0.6931471805599453, mask=g_ok)  # natural-log units
-        tl.store(l_ptr + ml, l_i, mask=g_ok)
-        tl.store(acc_ptr + ml[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+            m_i, l_i, acc = attend_dense_split(q, k_base, v_base, part - n_mid_parts, dense_chunk, sink_end, win_start,
+                                               length, m_i, l_i, acc, s_k_n, s_v_n, offs_n, offs_d, scale_log2,
+                                               BLOCK_N, DOT_PRECISION, DOT_F32)
+        store_partials(m_ptr, l_ptr, acc_ptr, b64 * (G * tl.num_programs(1)) + heads, g_ok, n_parts, part, m_i, l_i,
+                       acc, offs_d, D)
 
 
 def usable(t: torch.Tensor) -> bool:
