@@ -71,7 +71,7 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _hash24(lo, hi, stream_key, counter):
+    def hash24(lo, hi, stream_key, counter):
         """``core.rng.hash_bits(lo, hi, stream, counter) >> 8`` as int64 (``stream_key`` = stream·golden)."""
         x = counter.to(tl.uint32)
         x = _mix32u(x ^ lo.to(tl.uint32))
@@ -105,7 +105,7 @@ if triton is not None:
                     ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages),
                                  other=0)
                     ok = ok & (ex == 0)
-                hv = _hash24(lo, hi, stream_key, base_c + pos)
+                hv = hash24(lo, hi, stream_key, base_c + pos)
                 keep = ok & (hv < thr)
                 ki = keep.to(tl.int32)
                 if WRITE:

@@ -80,7 +80,7 @@ def attend_reference(q, k, v, lengths, sink: int, window: int, scale: float, sco
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.sample_triton import _hash24
+    from ..shared.sample_triton import hash24
     from ..shared.triton_utils import attend_dense_split, dense_range, store_partials
 
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_mid_parts", "mid_chunk", "dense_chunk",
@@ -129,7 +129,7 @@ if triton is not None:
                     pos = p0 + offs_n
                     okg = g_ok[:, None] & (pos < hi)[None, :]
                     top = tl.load(x_row + pos[None, :], mask=okg, other=0) != 0
-                    hv = _hash24(w_lo, w_hi, stream_key, counter + pos[None, :])
+                    hv = hash24(w_lo, w_hi, stream_key, counter + pos[None, :])
                     samp = ~top & ((hv < cut[:, None]) | ((hv == cut[:, None]) & (pos[None, :] <= tie[:, None])))
                     sel = okg & (top | samp)
                     s = tl.load(s_row + pos[None, :], mask=sel, other=0.0) * 1.4426950408889634
