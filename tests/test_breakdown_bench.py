@@ -22,6 +22,7 @@ def test_stage_filing():
     assert mod.stage_of("_feature_major_stats_kernel") == "K stream: scores/stats"
     assert mod.stage_of("_mean_group_draw_kernel") == "bernoulli draw"
     assert mod.stage_of("_split_candidates_kernel") == "uniform samples (base + residual)"
+    assert mod.stage_of("_attend_kernel") == "vattention tested-key attention"
     stages = mod.by_stage({"_budget_parts_kernel": (3.0, 1.0), "_budget_combine_kernel": (1.0, 1.0),
                            "memset": (0.5, 2.0)})
     assert stages["vattention budget statistics"] == {"us": 4.0, "launches": 2.0}

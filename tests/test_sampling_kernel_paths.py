@@ -544,13 +544,14 @@ from kvsieve.kernels.magicpig import lsh_triton as lt
 from kvsieve.kernels.shared import sample_triton as st
 
 
-def compile_(kernel, pointers, meta, ints64=(), floats=(), num_warps=4):
+def compile_(kernel, pointers, meta, ints64=(), floats=(), num_warps=4, fp32=()):
     signature, constexprs = {{}}, {{}}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
             signature[name], constexprs[(i,)] = "constexpr", meta[name]
         else:
-            signature[name] = pointers.get(name, "fp64" if name in floats else ("i64" if name in ints64 else "i32"))
+            signature[name] = pointers.get(name, "fp64" if name in floats else "fp32" if name in fp32 else
+                                           ("i64" if name in ints64 else "i32"))
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={{}})
     md = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={{"num_warps": num_warps}}).metadata
     print(kernel.fn.__name__, meta.get("FULL", meta.get("WRITE", "")), "shared", md.shared)
@@ -562,8 +563,19 @@ sp.update(excl_ptr="*i8", cnt_ptr="*i32", w_ptr="*fp64")
 for write in (False, True):
     compile_(st._split_candidates_kernel, sp, dict(PAGE=16, HAS_EXCL=True, WRITE=write, SPLITS=16, SP=16, BLOCK=1024),
              ints64=("stream_key",), num_warps=8)
+sp.update(cut_ptr=i64)
 compile_(st._sample_rows_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, HAS_W=True, FILL=False, BLOCK=1024,
-                                          CBLOCK=8192, SPLITS=16, SP=16), ints64=("stream_key",), num_warps=8)
+                                          CBLOCK=8192, SPLITS=16, SP=16, LIST=True, CUT=False), ints64=("stream_key",),
+         num_warps=8)
+compile_(st._sample_rows_kernel, sp, dict(PAGE=1, HAS_EXCL=True, HAS_OFF=False, HAS_W=False, FILL=False, BLOCK=1024,
+                                          CBLOCK=8192, SPLITS=16, SP=16, LIST=False, CUT=True), ints64=("stream_key",),
+         num_warps=8)
+from kvsieve.kernels.vattention import attend_triton as at
+ap = {{n: i64 for n in ("lo_ptr", "hi_ptr", "cut_ptr", "tie_ptr", "ns_ptr", "bs_ptr")}}
+ap.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", sc_ptr="*fp32", x_ptr="*i8", lens_ptr="*i32", acc_ptr="*fp32",
+          m_ptr="*fp32", l_ptr="*fp32")
+compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False),
+         ints64=("stream_key",), fp32=("scale_log2",))
 bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", "base_ptr", "bc_ptr", "ns_ptr",
                        "bi_ptr", "cnt_ptr", "pages_ptr", "pcnt_ptr", "idx_ptr", "nb_ptr")}}
 bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr="*fp64", out_ptr="*fp64",
@@ -596,8 +608,8 @@ print("COMPILED")
 @pytest.mark.triton
 def test_split_sampling_kernels_compile_for_the_h100():
     """The interpreter does not type-check branches; compiling for sm_90 (no GPU needed) does: the split
-    sample scan, the budget statistics' two launches (both bounds), MagicPIG's retrieval and dots, and
-    oracle-topp's select passes (every stage)."""
+    sample scan and its cut, the budget statistics' two launches (both bounds), vAttention's attention pass,
+    MagicPIG's retrieval and dots, and oracle-topp's select passes (every stage)."""
     import os
     import subprocess
     import sys

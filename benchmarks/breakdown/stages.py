@@ -38,6 +38,8 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("uniform samples (base + residual)", ("_split_candidates_kernel", "_sample_rows_kernel")),
     ("vattention budget statistics", ("_budget_parts_kernel", "_budget_combine_kernel")),
     ("sparse attention", ("_sparse_split_kernel", "sparse_merge")),
+    ("vattention tested-key attention", ("_attend_kernel",)),
+    ("split-K merge", ("_merge_partials_kernel",)),
 )
 
 
@@ -55,6 +57,7 @@ def variant_specs() -> dict[str, str | None]:
         "dense": None,
         "santa-prop:128": "santa-prop:budget=128",
         "bernoulli-qk+santa-prop:128": "bernoulli-qk:query=mean-group,values=santa-prop,budget=128",
+        "vattention@list": "vattention",
         "vattention": "vattention",
         "vattention@triton-select": "vattention",
     }
@@ -62,7 +65,9 @@ def variant_specs() -> dict[str, str | None]:
 
 #: variant -> (module, limit, value) set while it runs: the oracle predictor's top-k by the Triton select launch
 #: rather than torch.topk at every length
-LIMITS = {"vattention@triton-select": ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40)}
+LIMITS = {"vattention@triton-select": ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40),
+          # the per-query-head lists and the weighted sparse kernel in place of the tested-key attention pass
+          "vattention@list": ("kvsieve.methods.vattention", "TESTED_ATTENTION", False)}
 
 
 def with_limit(name: str, fn):
@@ -148,7 +153,8 @@ def make_call(spec: str | None, q, k, v, lens, step: torch.Tensor, backend: str 
 
     def stats():
         st = call()[1]
-        out = {"density": st["density"], "kv_density": st["kv_density"], "backend": st["backend"]}
+        out = {"density": st["density"], "kv_density": st["kv_density"], "backend": st["backend"],
+               "kernel": st.extra.get("kernel", "")}
         for name in ("budget", "fixed_keys", "sampled_fraction", "k_access_group", "samples"):
             if name in st:
                 out[name] = st[name]
@@ -204,6 +210,8 @@ def run(args) -> list[dict]:
         if features == "outliers":
             x.q = (x.q.float() * outlier_scales(x.q.shape[-1], x.q.device)).to(x.q.dtype)
         for name, spec in variant_specs().items():
+            if args.variants and name not in args.variants:
+                continue
             t0 = time.time()
             r = {"q_scale": qs, "q_features": features, "n": args.n, "batch": args.batch, "variant": name,
                  "spec": spec}
@@ -320,8 +328,14 @@ def main(argv=None) -> int:
     p.add_argument("--profile-iters", type=int, default=3, help="profiled eager calls")
     p.add_argument("--no-topk", dest="topk", action="store_false",
                    help="skip the oracle top-k's alternatives (timed on the gaussian cases)")
+    p.add_argument("--variants", default="", help=f"comma list of variants to run (default all: "
+                                                  f"{', '.join(variant_specs())})")
     p.add_argument("--check", action="store_true", help="run the variants on tiny CPU inputs, no timing")
     args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(variant_specs()))
+    if unknown:
+        p.error(f"--variants: unknown {unknown} (expected some of {list(variant_specs())})")
     if args.check:
         check()
         return 0
@@ -331,6 +345,7 @@ def main(argv=None) -> int:
         print("stages.py needs a CUDA GPU (use --check on a CPU)", file=sys.stderr)
         return 2
     args.cases = parse_cases(args.cases)
+
     t0 = time.time()
     rows = run(args)
     device = torch.cuda.get_device_name()

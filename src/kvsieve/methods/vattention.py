@@ -168,6 +168,12 @@ def full_budget(cfg: VAttentionConfig, n_s: torch.Tensor, sigma: torch.Tensor, d
 
 _CONSTANTS: dict = {}
 
+#: The oracle predictor's per-query-head path tests its keys in the attention pass
+#: (:mod:`kvsieve.kernels.vattention.attend_triton`). False lists them for the weighted sparse kernel as the
+#: other settings do: kept to time the two against each other (``benchmarks/breakdown/stages.py``); the
+#: stats' ``kernel`` names the pass that ran.
+TESTED_ATTENTION = True
+
 
 def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
     """The float64 constants of the kernel path's budget (``budget_triton.BudgetRule``): ``[z, ln(2/δ),
@@ -335,7 +341,7 @@ class VAttention(StagedSelection):
         two) run
         :meth:`stages`."""
         from ..kernels.shared import sample_triton
-        from ..kernels.vattention import budget_triton
+        from ..kernels.vattention import attend_triton, budget_triton
 
         cfg = self.config
         oracle = cfg.predictor == "oracle"
@@ -350,15 +356,17 @@ class VAttention(StagedSelection):
         r, n, dev = inputs.batch, inputs.n_keys, inputs.q.device
         nv, lens = inputs.n_valid, inputs.kernel_lengths
         share = heads != inputs.heads
-        pages = counts = None
+        pages = counts = scores = None
         page, p_total = 1, n  # the oracle's top-k as pages of one key
         if cfg.top_k != 0 and oracle:
             from ..kernels.oracle_topk.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
-            pages, counts = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
-                                        max_k=size_bound(cfg.top_k, n), share_kv_group=share, scale=inputs.scale,
-                                        select=select_path(share, n))
+            pages, counts, *kept = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
+                                               max_k=size_bound(cfg.top_k, n), share_kv_group=share,
+                                               scale=inputs.scale, select=select_path(share, n),
+                                               keep_scores=TESTED_ATTENTION and not share and attend_triton.usable(q))
+            scores = kept[0] if kept else None
         elif cfg.top_k != 0:
             from ..kernels.quest.quest_pages import PageSummaries, quest_select
 
@@ -372,8 +380,11 @@ class VAttention(StagedSelection):
                                          window=cfg.window, size=cfg.top_k, max_pages=max_pages,
                                          share_kv_group=share, scale=inputs.scale)
         kt = 0 if pages is None else pages.shape[-1] * page
-        idx = torch.empty(r, heads, kt + n, dtype=torch.long, device=dev)
-        w = torch.empty(r, heads, kt + n, dtype=torch.float64, device=dev)
+        # the oracle's per-query-head top-k: the attention pass tests its keys (no list as wide as the context)
+        tested = scores is not None
+        width = kt if tested else kt + n
+        idx = torch.empty(r, heads, width, dtype=torch.long, device=dev)
+        w = torch.empty(r, heads, width, dtype=torch.float64, device=dev)
         setup = budget_triton.residual_setup_triton(lens, cfg.sink, cfg.window, cfg.base_rate, heads, pages, counts,
                                                     page, p_total, idx, w)
         start, end, n_s, n_base = setup.start, setup.end, setup.n_s, setup.n_base
@@ -389,15 +400,24 @@ class VAttention(StagedSelection):
                                              cfg.bound == "full" and cfg.concentration == "clt",
                                              min(cfg.sink + cfg.window, n), rule=rule)
         b_int = budget.size
-        # the list is N wide and the kernel reads its first counts entries only: its padding stays unwritten
-        sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
-                                         excluded=setup.excluded, page=page, offset=setup.top_counts, out=idx,
-                                         weights=w, fill=False)
-        rest = IndexSet(idx, budget.counts, w)
+
+        def residual_list(out_idx, out_w):
+            # the list is N wide and the kernel reads its first counts entries only: its padding stays unwritten
+            sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, kt + n, n,
+                                             excluded=setup.excluded, page=page, offset=setup.top_counts,
+                                             out=out_idx, weights=out_w, fill=False)
+            return IndexSet(out_idx, budget.counts, out_w)
 
         def stats_rest():
-            used = rest.used()
-            return IndexSet(torch.where(used, idx, 0), rest.counts, torch.where(used, w, 1.0))
+            if tested:  # the same draws listed, for the stats only
+                full_idx = torch.cat([idx, torch.empty(r, heads, n, dtype=torch.long, device=dev)], -1)
+                full_w = torch.cat([w, torch.empty(r, heads, n, dtype=torch.float64, device=dev)], -1)
+                listed = residual_list(full_idx, full_w)
+            else:
+                listed = rest
+            used = listed.used()
+            return IndexSet(torch.where(used, listed.indices, 0), listed.counts,
+                            torch.where(used, listed.weights, 1.0))
 
         def fixed():  # the stats' index set of the kernel's ranges, built only when the stats are read
             return sink_and_window(inputs, cfg.sink, cfg.window, heads)
@@ -405,8 +425,21 @@ class VAttention(StagedSelection):
         def extra():
             return self.extras(b_int, budget.raw, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
 
+        v_extra = [base] if cfg.bound == "full" else []
+        if tested:
+            cut = sample_triton.sample_cut_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, n,
+                                                  excluded=setup.excluded)
+
+            def attend(q, k, v, lengths):
+                return attend_triton.attend_triton(q, k, v, lengths, cfg.sink, cfg.window, inputs.scale, scores,
+                                                   setup.excluded, gen.lo, gen.hi, STREAM_SUBSET2, cut[0], cut[1],
+                                                   n_s, b_int)
+
+            return Stages(fixed, top, scored=None, v_extra=v_extra, extra=extra, stats_rest=stats_rest,
+                          attend=attend, attend_counts=budget.counts, attend_kernel="vattention attend_triton")
+        rest = residual_list(idx, w)
         # the sample's list is N wide; its size is typically of the order of the base sample's
-        return Stages(fixed, rest, scored=None if oracle else [base], v_extra=[base] if cfg.bound == "full" else [],
+        return Stages(fixed, rest, scored=None if oracle else [base], v_extra=v_extra,
                       extra=extra, plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
 
     def extras(self, b_int, b, n_base, n_s, fixed_keys, n_keys: int) -> dict:

@@ -35,8 +35,8 @@ def select_path(share_kv_group: bool, n_keys: int) -> str:
 
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
-                scale: float | None = None, scores: str = "triton",
-                select: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float | None = None, scores: str = "triton", select: str = "triton",
+                keep_scores: bool = False) -> tuple[torch.Tensor, ...]:
     """``oracle-topk``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
     ``(indices [B, Hs, K], counts [B, Hs])`` with ``K = max(1, max_k)``; ``Hs = Hkv`` when
     ``share_kv_group`` (ranked by the group-summed softmax, each head's softmax over every valid key as in
@@ -49,9 +49,13 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
     rows over ~20k keys). ``scores="reference"`` runs every step
-    in torch (highest first)."""
+    in torch (highest first). ``keep_scores=True`` (per-query-head rows only) also returns the scores pass's
+    ``[B, Hq, N]`` float32 logits (−inf outside the candidates), valid until the next selection on the
+    device (a cached buffer)."""
     b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
+    if keep_scores and share_kv_group and hq > hkv:
+        raise ValueError("keep_scores: the per-head logits are kept for per-query-head rows only")
     kk = max(1, min(max_k, n))
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
@@ -72,9 +76,10 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
 
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=n, k=kk, block=score_block(q.shape[-1]),
                            share_kv_group=share_kv_group, lengths=lengths, unit=1, sink=sink, window=window,
-                           select=select, device=q.device)
+                           select=select, device=q.device, keep_scores=keep_scores)
     idx = torch.topk(s, kk, dim=-1, sorted=True).indices
-    return idx, counts[:, None].expand(b, s.shape[1])
+    counts = counts[:, None].expand(b, s.shape[1])
+    return (idx, counts, s) if keep_scores else (idx, counts)
 
 
 __all__ = ["TORCH_SELECT_ABOVE", "select_path", "topk_select"]

@@ -71,7 +71,7 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _hash24(lo, hi, stream_key, counter):
+    def hash24(lo, hi, stream_key, counter):
         """``core.rng.hash_bits(lo, hi, stream, counter) >> 8`` as int64 (``stream_key`` = stream·golden)."""
         x = counter.to(tl.uint32)
         x = _mix32u(x ^ lo.to(tl.uint32))
@@ -105,7 +105,7 @@ if triton is not None:
                     ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages),
                                  other=0)
                     ok = ok & (ex == 0)
-                hv = _hash24(lo, hi, stream_key, base_c + pos)
+                hv = hash24(lo, hi, stream_key, base_c + pos)
                 keep = ok & (hv < thr)
                 ki = keep.to(tl.int32)
                 if WRITE:
@@ -128,6 +128,32 @@ if triton is not None:
         n_av = tl.load(nav_ptr + r.to(tl.int64) * s_nav_r + h * s_nav_h).to(tl.int32)
         size = tl.maximum(tl.minimum(size, n_av), 0)
         return rh, lo, hi, start, end, size, n_av
+
+    @triton.jit
+    def _radix_smallest24(cand, cnt, size, BLOCK: tl.constexpr):
+        """The ``size``-th smallest (1 ≤ size ≤ cnt) 24-bit hash of the ``cnt`` candidates at ``cand``
+        (``hash << 22 | position``): four passes, each a 64-bin histogram of the next 6 bits of the values
+        that match the bits found so far (in place of 24 bisection passes over a long list)."""
+        PAD: tl.constexpr = 1 << 46
+        bins = tl.arange(0, 64)
+        prefix = tl.zeros([], tl.int64)
+        need = size
+        for p in tl.static_range(4):
+            shift = 18 - 6 * p
+            hist = tl.zeros([64], tl.int32)
+            n_off = tl.zeros([], tl.int32)
+            for c0 in range(0, cnt, BLOCK):
+                co = c0 + tl.arange(0, BLOCK)
+                hv = tl.load(cand + co, mask=co < cnt, other=PAD) >> 22
+                active = (co < cnt) & ((hv >> (shift + 6)) == (prefix >> (shift + 6)))
+                hist += tl.histogram(tl.where(active, (hv >> shift) & 63, 0).to(tl.int32), 64)
+                n_off += tl.sum((~active).to(tl.int32), 0)
+            hist -= tl.where(bins == 0, n_off, 0)  # inactive values were counted in bin 0
+            below = tl.cumsum(hist, 0) - hist
+            d = tl.max(tl.where(below < need, bins, 0), 0)
+            need -= tl.sum(tl.where(bins < d, hist, 0), 0)
+            prefix = prefix | (d.to(tl.int64) << shift)
+        return prefix.to(tl.int32)
 
     @triton.jit
     def _split_candidates_kernel(
@@ -163,11 +189,11 @@ if triton is not None:
     @triton.jit
     def _sample_rows_kernel(
         lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, out_ptr, w_ptr, cand_ptr,
-        cnt_ptr, stream_key, hs, n_keys, width, n_pages,
+        cnt_ptr, cut_ptr, stream_key, hs, n_keys, width, n_pages,
         s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
         FILL: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SPLITS: tl.constexpr = 1,
-        SP: tl.constexpr = 1,
+        SP: tl.constexpr = 1, LIST: tl.constexpr = True, CUT: tl.constexpr = False,
     ):
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
@@ -208,17 +234,8 @@ if triton is not None:
                 go_lo = c >= size
                 t_hi = tl.where(go_lo, mid, t_hi)
                 t_lo = tl.where(go_lo, t_lo, mid)
-        else:
-            for _ in range(24):
-                mid = (t_lo + t_hi) // 2
-                c = tl.zeros([], tl.int32)
-                for c0 in range(0, cnt, BLOCK):
-                    co = c0 + tl.arange(0, BLOCK)
-                    kk = (tl.load(cand + co, mask=co < cnt, other=PAD) >> 22).to(tl.int32)
-                    c += tl.sum((kk < mid).to(tl.int32), 0)
-                go_lo = c >= size
-                t_hi = tl.where(go_lo, mid, t_hi)
-                t_lo = tl.where(go_lo, t_lo, mid)
+        else:  # a long list (a sample of a large share of the row): four 64-bin radix passes over it
+            t_lo = _radix_smallest24(cand, cnt, size, BLOCK)
         # the size-th smallest is t_lo: take every key below it and the first `need` equal to it
         below = tl.zeros([], tl.int32)
         if size < cnt:
@@ -235,19 +252,33 @@ if triton is not None:
         wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
         written = tl.zeros([], tl.int32)
         ties = tl.zeros([], tl.int32)
-        for c0 in range(0, cnt, BLOCK):
+        last_tie = tl.full([], -1, tl.int32)
+        # the cut alone needs this pass only for the ties it takes
+        n_pass = cnt
+        if not LIST:
+            n_pass = tl.where(size < cnt, cnt, 0)
+        for c0 in range(0, n_pass, BLOCK):
             co = c0 + tl.arange(0, BLOCK)
             packed = tl.load(cand + co, mask=co < cnt, other=PAD)
             kk = packed >> 22
             eq = (kk == t_lo) & (co < cnt)
             tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0)
             take = (co < cnt) & ((kk < t_lo) | (eq & (tie_rank <= need)))
-            dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out + dest, packed & 0x3FFFFF, mask=take)
-            if HAS_W:
-                tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
+            if LIST:
+                dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
+                tl.store(out + dest, packed & 0x3FFFFF, mask=take)
+                if HAS_W:
+                    tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
+            last_tie = tl.maximum(last_tie, tl.max(tl.where(take & eq, (packed & 0x3FFFFF).to(tl.int32), -1), 0))
             written += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
+        if CUT:
+            # the sample as a test: hash < cut, or hash == cut at a position <= last_tie. Taking every
+            # candidate means every key below the prefilter's threshold; an empty sample, none
+            cut = tl.where(size < cnt, t_lo.to(tl.int64), thr)
+            cut = tl.where(size > 0, cut, 0)
+            tl.store(cut_ptr + rh, cut)
+            tl.store(cut_ptr + tl.num_programs(0) * tl.num_programs(1) + rh, last_tie.to(tl.int64))
         if FILL:
             for z0 in range(off + size, width, BLOCK):
                 zo = z0 + offs
@@ -332,6 +363,33 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
         raise ValueError("sample_rows_triton: out and weights must share a layout with a contiguous last dim")
     if width == 0 or r * hs == 0:
         return out, weights
+    _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                   target_programs, block, None)
+    return out, weights
+
+
+def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
+                      size: torch.Tensor, n_avail: torch.Tensor, n_keys: int, *, excluded: torch.Tensor | None = None,
+                      page: int = 1, target_programs: int = SPLIT_PROGRAMS,
+                      block: int | None = None) -> torch.Tensor:
+    """The sample of :func:`sample_rows_triton` (same arguments, same draws) as a test instead of a list:
+    ``[2, R, Hs]`` int64 ``(cut, tie)``, a position ``p`` of the range, not excluded, being in the sample
+    of ``(r, h)`` iff its 24-bit hash is below ``cut`` or equal to it with ``p ≤ tie`` (ties go to the lowest
+    positions, as in the list). A reader that tests every key (vAttention's attention pass) needs nothing
+    wider than this; the list's pass over the candidates runs only where ties at the cut are taken."""
+    r, hs = size.shape
+    cut = torch.empty(2, r, hs, device=size.device, dtype=torch.int64)
+    if r * hs:
+        _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, cut, None, False,
+                       target_programs, block, cut)
+    return cut
+
+
+def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                   target_programs, block, cut) -> None:
+    """The launches of :func:`sample_rows_triton` (``cut`` None: the list to ``out``) or of
+    :func:`sample_cut_triton` (the cut to ``cut``)."""
+    r, hs = size.shape
     cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
     excl = excluded if excluded is not None else size
     stream_key = (stream * GOLDEN) & MASK32
@@ -349,19 +407,20 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
                    size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1),
                    PAGE=page, HAS_EXCL=excluded is not None, WRITE=write, SPLITS=splits, SP=next_pow2(splits),
                    BLOCK=block, num_warps=8, num_stages=1)
+    listed = cut is None
     launch(_sample_rows_kernel, (hs, r),
            lo, hi, start, end, size, n_avail, excl,
            offset if offset is not None else size, out,
-           weights if weights is not None else out, cand, cnt,
-           stream_key, hs, n_keys, width, excluded.shape[-1] if excluded is not None else 1,
-           out.stride(0), out.stride(1), excl.stride(0) if excluded is not None else 0,
+           weights if weights is not None else out, cand, cnt, out if listed else cut,
+           stream_key, hs, n_keys, out.shape[-1] if listed else 0, excluded.shape[-1] if excluded is not None else 1,
+           out.stride(0) if listed else 0, out.stride(1) if listed else 0,
+           excl.stride(0) if excluded is not None else 0,
            excl.stride(1) if excluded is not None else 0, size.stride(0), size.stride(1), n_avail.stride(0),
            n_avail.stride(1),
            PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
            FILL=fill,
-           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, SPLITS=splits, SP=next_pow2(splits), num_warps=8,
-           num_stages=1)
-    return out, weights
+           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, SPLITS=splits, SP=next_pow2(splits), LIST=listed,
+           CUT=not listed, num_warps=8, num_stages=1)
 
 
 def sample_splits(n_keys: int, rows: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> tuple[int, int]:
@@ -412,5 +471,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "row_words_triton", "sample_rows_reference", "sample_rows_triton",
-           "sample_splits", "usable"]
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "row_words_triton", "sample_cut_triton", "sample_rows_reference",
+           "sample_rows_triton", "sample_splits", "usable"]

@@ -522,7 +522,8 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
-                device, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                device, launch_opts: dict[str, dict] | None = None,
+                keep_scores: bool = False) -> tuple[torch.Tensor, ...]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -558,7 +559,8 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     if registers:
         idx = topk_rows_registers(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                   unit=unit, sink=sink, window=window, **opts.get("registers", {}))
-        return idx, counts[:, None].expand(batch, idx.shape[1])
+        return (idx, counts[:, None].expand(batch, idx.shape[1])) + ((s,) if keep_scores else ())
+    scored = s
     if "group_sum" in launches:
         s, maxima = group_sum_rows_triton(s, group, parts, lengths, unit, sink, window, **opts.get("group_sum", {}))
         share_kv_group = False
@@ -567,7 +569,7 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     else:
         idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                unit=unit, sink=sink, window=window, maxima=maxima, **opts.get("rows", {}))
-    return idx, counts[:, None].expand(batch, idx.shape[1])
+    return (idx, counts[:, None].expand(batch, idx.shape[1])) + ((scored,) if keep_scores else ())
 
 
 __all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",

@@ -220,6 +220,32 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def attend_dense_split(q, k_base, v_base, split, chunk, sink_end, win_start, length, m_i, l_i, acc, s_k_n, s_v_n,
+                           offs_n, offs_d, scale_log2, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           DOT_F32: tl.constexpr):
+        """Split ``split`` (``chunk`` keys) of a row's dense part, the concatenation ``[0, sink_end) ++
+        [win_start, length)`` read at weight 1, through :func:`attend_tile`."""
+        n_dense = sink_end + (length - win_start)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_dense)
+        for t0 in range(lo, hi, BLOCK_N):
+            t = t0 + offs_n
+            ok = t < hi
+            pos = tl.where(t < sink_end, t, win_start + (t - sink_end))
+            m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
+                                         offs_d, scale_log2, False, DOT_PRECISION, DOT_F32)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def store_partials(m_ptr, l_ptr, acc_ptr, rows, row_ok, n_parts, part, m_i, l_i, acc, offs_d, D: tl.constexpr):
+        """Part ``part``'s partials of the query rows ``rows`` (``b·Hq + h``), laid out ``[B, Hq, parts(, D)]``
+        for :func:`merge_partials`: ``m`` in natural-log units (``m_i`` is log2), ``l`` and ``acc``."""
+        ml = rows * n_parts + part
+        tl.store(m_ptr + ml, m_i * 0.6931471805599453, mask=row_ok)
+        tl.store(l_ptr + ml, l_i, mask=row_ok)
+        tl.store(acc_ptr + ml[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
+
+    @triton.jit
     def dense_range(lens_ptr, b, sink, window, n_keys=0, HAS_LENS: tl.constexpr = True):
         """Row ``b``'s length (``lens_ptr[b]``, or ``n_keys`` without lengths) and the bounds of its dense
         part: sink ``[0, sink_end)`` and window ``[win_start, length)``; the selectable keys are

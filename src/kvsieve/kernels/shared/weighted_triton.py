@@ -53,7 +53,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from .triton_utils import attend_tile, dense_range
+    from .triton_utils import attend_dense_split, attend_tile, dense_range, store_partials
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -120,22 +120,13 @@ if triton is not None:
                 m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, log2_w, m_i, l_i, acc, s_k_n, s_v_n,
                                              offs_d, scale_log2, HAS_W, DOT_PRECISION, DOT_F32)
         else:
-            # Dense part: position t of the concatenation [0, sink_end) ++ [win_start, length).
-            n_dense = sink_end + (length - win_start)
-            lo = (part - n_sel_parts) * range_chunk
-            hi = tl.minimum(lo + range_chunk, n_dense)
-            for t0 in range(lo, hi, BLOCK_N):
-                t = t0 + offs_n
-                ok = t < hi
-                pos = tl.where(t < sink_end, t, win_start + (t - sink_end))
-                m_i, l_i, acc = attend_tile(q, k_base, v_base, pos, ok, 0.0, m_i, l_i, acc, s_k_n, s_v_n,
-                                             offs_d, scale_log2, False, DOT_PRECISION, DOT_F32)
+            m_i, l_i, acc = attend_dense_split(q, k_base, v_base, part - n_sel_parts, range_chunk, sink_end, win_start,
+                                               length, m_i, l_i, acc, s_k_n, s_v_n, offs_n, offs_d, scale_log2,
+                                               BLOCK_N, DOT_PRECISION, DOT_F32)
 
-        # Partials are laid out [B, Hq, parts(, D)]; every program writes its own, empty or not.
-        ml = (b64 * (HEADS * tl.num_programs(1)) + heads) * n_parts + part
-        tl.store(m_ptr + ml, m_i * 0.6931471805599453, mask=g_ok)  # natural-log units
-        tl.store(l_ptr + ml, l_i, mask=g_ok)
-        tl.store(acc_ptr + ml[:, None] * D + offs_d[None, :], acc, mask=g_ok[:, None])
+        # every program writes its partials, empty or not
+        store_partials(m_ptr, l_ptr, acc_ptr, b64 * (HEADS * tl.num_programs(1)) + heads, g_ok, n_parts, part, m_i,
+                       l_i, acc, offs_d, D)
         if FUSED_MERGE:
             # The last program of (b, hs) to finish merges the row's partials (a ticket counter that it
             # resets): one launch per call instead of two. All threads' stores precede the release.

@@ -53,6 +53,13 @@ class Stages:
     #: ``rest`` with the padding convention of :class:`IndexSet` (position 0, weight 1), for the stats,
     #: where the kernel's list leaves its padding unwritten (it reads the first ``counts`` entries only).
     stats_rest: Callable[[], IndexSet] | None = None
+    #: The method's own attention launch in place of the list kernel's, when it tests its keys instead of
+    #: listing them (vAttention's oracle path): ``attend(q, k, v, lengths) -> out``; ``rest`` then holds
+    #: only what the stats need besides ``stats_rest``, and ``attend_counts [B, Hs]`` the keys each
+    #: selection head takes besides sink and window. ``attend_kernel`` names it in the stats.
+    attend: Callable[..., Any] | None = None
+    attend_counts: Any = None
+    attend_kernel: str = ""
 
     def selected(self) -> Selected:
         extra = self.extra() if callable(self.extra) else self.extra
@@ -113,19 +120,25 @@ class StagedSelection(SelectionMethod):
 
         st = self.kernel_stages(inputs, self.kernel_row_streams(inputs, seed), state)
         rest = st.rest
-        if cfg.sink + cfg.window == 0 and (rest.width == 0 or (inputs.checked and int(rest.counts.min()) < 1)):
+        counts = rest.counts if st.attend is None else st.attend_counts
+        width = rest.width if st.attend is None else 1
+        if cfg.sink + cfg.window == 0 and (width == 0 or (inputs.checked and int(counts.min()) < 1)):
             # The reference raises the same error (it reads the counts only when the call is checked;
             # unchecked, the kernel gives such a head out = 0 instead of NaN).
             raise ValueError(f"{self.name}: the configuration selected no key for some head; "
                              "give sink, window or a budget > 0")
         q, k, v, lens = kernel_operands(inputs)
-        idx = counts = weights = None
-        if rest.width > 0:
-            idx, counts, weights = rest.indices, rest.counts, rest.weights
-        out, _ = sparse_decode_triton(q, k, v, idx, counts, weights, lengths=lens, sink=cfg.sink,
-                                      window=cfg.window, scale=inputs.scale, **kernel_plan(st))
+        if st.attend is not None:
+            out, kernel = st.attend(q, k, v, lens), st.attend_kernel
+        else:
+            idx = counts = weights = None
+            if rest.width > 0:
+                idx, counts, weights = rest.indices, rest.counts, rest.weights
+            out, _ = sparse_decode_triton(q, k, v, idx, counts, weights, lengths=lens, sink=cfg.sink,
+                                          window=cfg.window, scale=inputs.scale, **kernel_plan(st))
+            kernel = "sparse_decode_triton"
         return out, StepStats.deferred(lambda: selection_stats(inputs, st.selected(), backend="triton"), "triton",
-                                       {"kernel": "sparse_decode_triton"})
+                                       {"kernel": kernel})
 
 
 __all__ = ["Stages", "StagedSelection", "kernel_plan"]

@@ -1,0 +1,219 @@
+"""vAttention's estimate with the oracle predictor in one pass per KV head, without an index list.
+
+The list path (``kernels/shared/weighted_triton.py``) reads one weighted index list per query head: a key
+that two heads of a GQA group keep is gathered twice, and the residual sample's list is as wide as the
+context (its size is known on the device only). Here the selection is not listed but tested, key by key,
+in the attention pass itself, and one program serves the ``G`` query heads of a KV head:
+
+- the predicted top-k: the excluded-key marks ``excluded [R, Hq, N]`` that
+  :func:`~kvsieve.kernels.vattention.budget_triton.residual_setup_triton` writes for the samples;
+- the residual sample of head ``h``: the ``b_h`` residual keys with the smallest 24-bit hash
+  (``sample_triton``'s draws), i.e. the keys whose hash is below the head's cut ``t_h``, or equal to it at a
+  position ``≤ p_h`` (ties to the lowest positions): ``sample_rows_triton(..., cut=...)`` writes
+  ``(t_h, p_h)`` instead of the list, and this kernel recomputes each key's hash (a few integer ops);
+- weights 1 (top-k) and ``n_s / b`` (sample), sink and window read as ranges at weight 1.
+
+The logits of the selectable keys are not recomputed from K: the predictor's scores pass already wrote
+every one of them (float32 ``scale · q·k``, ``[R, Hq, N]``); the pass reads those (16 bytes per key for a
+group of four heads instead of K's 256) and the V row of a key only when some head of the group keeps it
+(a masked load: no memory traffic for a key no head keeps). Sink and window take their logits from K.
+So the pass reads V at the group's union density, never more than V once, and the selection's bytes
+(scores, marks) are small; with the scores pass over K the step reads at most K + V + O(N·Hq) bytes.
+
+Same estimator as the list path (``Σ w e^s v / Σ w e^s`` over the same keys at the same weights);
+:func:`attend_reference` is its torch twin. Split-K partials as the list kernel's, merged by
+``triton_utils.merge_partials``. No host sync; the grid depends on static shapes only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...core.rng import GOLDEN, MASK32, POSITION_BITS, hash_bits
+from ..shared.triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+
+#: programs of the pass in all (about four per H100/H200 SM, as the list kernel's)
+TARGET_PROGRAMS = 528
+_LOG2E = math.log2(math.e)
+
+
+def in_sample_reference(lo, hi, stream: int, start, end, excluded, cut, tie, n_keys: int) -> torch.Tensor:
+    """``[R, Hs, N]`` bool: the residual sample as its cut describes it — positions of ``[start, end)``
+    not ``excluded`` whose hash (``sample_rows_reference``'s) is below ``cut [R, Hs]`` or equal to it at a
+    position ``≤ tie [R, Hs]``."""
+    r, hs = cut.shape
+    pos = torch.arange(n_keys, device=cut.device)
+    c = (torch.arange(hs, device=cut.device)[:, None] << POSITION_BITS) + pos[None, :]
+    h = hash_bits(lo.view(r, 1, 1), hi.view(r, 1, 1), stream, c[None]) >> 8
+    ok = (pos >= start.view(r, 1, 1)) & (pos < end.view(r, 1, 1)) & ~excluded
+    return ok & ((h < cut[..., None]) | ((h == cut[..., None]) & (pos <= tie[..., None])))
+
+
+def attend_reference(q, k, v, lengths, sink: int, window: int, scale: float, scores, excluded, in_sample,
+                     n_s, size) -> torch.Tensor:
+    """``out [R, Hq, d]`` (q's dtype): :func:`attend_triton`'s estimate in torch (float32) from the same
+    operands, with the sample given as ``in_sample [R, Hq, N]`` (:func:`in_sample_reference`)."""
+    r, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    pos = torch.arange(n, device=q.device)
+    length = lengths.long()[:, None, None]
+    sink_end = torch.clamp(length, max=sink)
+    win_start = torch.maximum(length - window, sink_end)
+    dense = ((pos < sink_end) | (pos >= win_start)) & (pos < length)
+    mid = (pos >= sink_end) & (pos < win_start)
+    dense_logit = torch.einsum("rhd,rhnd->rhn", q.float(), k.float().repeat_interleave(g, 1)) * scale
+    w = n_s.double() / size.clamp(min=1).double()
+    logw = torch.log(w.float())[..., None]
+    top = excluded & mid
+    samp = in_sample & mid & ~excluded
+    logit = torch.where(dense, dense_logit, scores.float())
+    logit = logit + torch.where(samp, logw, 0.0)
+    logit = logit.masked_fill(~(dense | top | samp), float("-inf"))
+    p = torch.softmax(logit, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)
+    return torch.einsum("rhn,rhnd->rhd", p, v.float().repeat_interleave(g, 1)).to(q.dtype)
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from ..shared.sample_triton import hash24
+    from ..shared.triton_utils import attend_dense_split, dense_range, store_partials
+
+    @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_mid_parts", "mid_chunk", "dense_chunk",
+                                   "n_parts"])
+    def _attend_kernel(
+        q_ptr, k_ptr, v_ptr, sc_ptr, x_ptr, lens_ptr, lo_ptr, hi_ptr, cut_ptr, tie_ptr, ns_ptr, bs_ptr,
+        acc_ptr, m_ptr, l_ptr,
+        scale_log2, stream_key, n_keys, sink, window, n_mid_parts, mid_chunk, dense_chunk, n_parts,
+        s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_s_b, s_s_h, s_x_b, s_x_h, s_c_b, s_c_h,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        part = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        length, sink_end, win_start = dense_range(lens_ptr, b, sink, window)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kvh * G + offs_g
+        g_ok = offs_g < G
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        k_base = k_ptr + b64 * s_k_b + kvh * s_k_h
+        v_base = v_ptr + b64 * s_v_b + kvh * s_v_h
+        if part < n_mid_parts:
+            # selectable keys [sink_end, win_start): tested per head, logits from the scores pass
+            lo = sink_end + part * mid_chunk
+            hi = tl.minimum(lo + mid_chunk, win_start)
+            if lo < hi:
+                w_lo = tl.load(lo_ptr + b)
+                w_hi = tl.load(hi_ptr + b)
+                cs = b64 * s_c_b + heads * s_c_h
+                cut = tl.load(cut_ptr + cs, mask=g_ok, other=0)
+                tie = tl.load(tie_ptr + cs, mask=g_ok, other=-1)
+                n_s = tl.load(ns_ptr + cs, mask=g_ok, other=1).to(tl.float64)
+                size = tl.load(bs_ptr + cs, mask=g_ok, other=1).to(tl.float64)
+                # the list path's log2 of the float64 weight n_s / b, taken in float32
+                log2_w = tl.log2((n_s / tl.maximum(size, 1.0)).to(tl.float32))
+                s_row = sc_ptr + b64 * s_s_b + heads[:, None] * s_s_h
+                x_row = x_ptr + b64 * s_x_b + heads[:, None] * s_x_h
+                counter = heads.to(tl.int64)[:, None] << 22
+                for p0 in range(lo, hi, BLOCK_N):
+                    pos = p0 + offs_n
+                    okg = g_ok[:, None] & (pos < hi)[None, :]
+                    top = tl.load(x_row + pos[None, :], mask=okg, other=0) != 0
+                    hv = hash24(w_lo, w_hi, stream_key, counter + pos[None, :])
+                    samp = ~top & ((hv < cut[:, None]) | ((hv == cut[:, None]) & (pos[None, :] <= tie[:, None])))
+                    sel = okg & (top | samp)
+                    s = tl.load(s_row + pos[None, :], mask=sel, other=0.0) * 1.4426950408889634
+                    s = tl.where(sel, s + tl.where(top, 0.0, log2_w[:, None]), float("-inf"))
+                    row = tl.max(sel.to(tl.int32), axis=0) > 0  # a key some head of the group keeps
+                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_ref)
+                    p = tl.exp2(s - m_ref[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    vt = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=row[:, None], other=0.0)
+                    if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
+                        vt = vt.to(tl.float32)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+                    m_i = m_new
+        else:
+            # sink and window: position t of [0, sink_end) ++ [win_start, length), logits from K
+            q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
+                        other=0.0)
+            if DOT_F32:
+                q = q.to(tl.float32)
+            m_i, l_i, acc = attend_dense_split(q, k_base, v_base, part - n_mid_parts, dense_chunk, sink_end, win_start,
+                                               length, m_i, l_i, acc, s_k_n, s_v_n, offs_n, offs_d, scale_log2,
+                                               BLOCK_N, DOT_PRECISION, DOT_F32)
+        store_partials(m_ptr, l_ptr, acc_ptr, b64 * (G * tl.num_programs(1)) + heads, g_ok, n_parts, part, m_i, l_i,
+                       acc, offs_d, D)
+
+
+def usable(t: torch.Tensor) -> bool:
+    return triton is not None and (t.is_cuda or is_interpreted(_attend_kernel))
+
+
+def attend_plan(batch: int, kv_heads: int, n_keys: int, dense_keys: int, block_n: int,
+                target_programs: int = TARGET_PROGRAMS) -> tuple[int, int, int, int]:
+    """``(n_mid_parts, mid_chunk, n_dense_parts, dense_chunk)``: the selectable range and the dense part
+    cut into chunks of whole ``block_n`` blocks, about ``target_programs`` programs in all."""
+    want = max(1, cdiv(target_programs, batch * kv_heads))
+    chunk = max(block_n, cdiv(cdiv(n_keys, want), block_n) * block_n)
+    n_mid = cdiv(max(n_keys - dense_keys, 0), chunk)
+    n_dense = cdiv(dense_keys, chunk) if dense_keys else 0
+    return n_mid, chunk, n_dense, chunk
+
+
+def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores, excluded, lo, hi, stream: int,
+                  cut, tie, n_s, size, out: torch.Tensor | None = None) -> torch.Tensor:
+    """vAttention's estimate (module docstring): ``q [R, Hq, d]``, ``k, v [R, Hkv, N, d]`` (last dim
+    contiguous), ``lengths [R]`` int32, ``scores [R, Hq, N]`` float32 (the predictor's scaled logits of
+    ``[sink_end, window_start)``), ``excluded [R, Hq, N]`` bool (the top-k), the sample's row words
+    ``lo, hi [R]`` and ``stream``, its cut ``cut, tie [R, Hq]``, the residual's size ``n_s [R, Hq]`` and the
+    sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge)."""
+    r, hq, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    g = hq // hkv
+    for name, t, shape in (("scores", scores, (r, hq, n)), ("excluded", excluded, (r, hq, n)),
+                           ("cut", cut, (r, hq)), ("tie", tie, (r, hq)), ("n_s", n_s, (r, hq)),
+                           ("size", size, (r, hq))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"attend_triton: {name} must be {list(shape)}, got {list(t.shape)}")
+    if scores.dtype != torch.float32 or scores.stride(-1) != 1 or excluded.stride(-1) != 1:
+        raise ValueError("attend_triton: scores must be float32, scores and excluded with a contiguous last dim")
+    if not (cut.stride() == tie.stride() == n_s.stride() == size.stride()):
+        raise ValueError("attend_triton: cut, tie, n_s and size must share a layout")
+    block_n = 64
+    dense_keys = min(sink + window, n)
+    n_mid, mid_chunk, n_dense, dense_chunk = attend_plan(r, hkv, n, dense_keys, block_n)
+    parts = max(1, n_mid + n_dense)
+    acc = workspace("vattention_attend_acc", q, r * hq * parts * d, torch.float32)
+    pm = workspace("vattention_attend_m", q, r * hq * parts, torch.float32)
+    pl = workspace("vattention_attend_l", q, r * hq * parts, torch.float32)
+    if out is None:
+        out = torch.empty(r, hq, d, device=q.device, dtype=q.dtype)
+    lens = lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    dot_f32 = q.dtype == torch.bfloat16 and is_interpreted(_attend_kernel)
+    launch(_attend_kernel, (parts, hkv, r),
+           q, k, v, scores, excluded.view(torch.int8), lens, lo, hi, cut, tie, n_s, size, acc, pm, pl,
+           scale * _LOG2E, (stream * GOLDEN) & MASK32, n, sink, window, n_mid, mid_chunk, dense_chunk, parts,
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+           scores.stride(0), scores.stride(1), excluded.stride(0), excluded.stride(1), cut.stride(0), cut.stride(1),
+           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_PRECISION=precision, DOT_F32=dot_f32,
+           num_warps=4, num_stages=2)
+    merge_partials(acc, pm, pl, None, out, r, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
+                   d_chunk=32, num_warps=1, num_stages=2)
+    return out
+
+
+__all__ = ["TARGET_PROGRAMS", "attend_plan", "attend_reference", "attend_triton", "in_sample_reference", "usable"]

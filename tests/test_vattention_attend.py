@@ -1,0 +1,112 @@
+"""vAttention's tested-key attention pass (``kernels/vattention/attend_triton.py``) and the sample's cut
+(``sample_triton.sample_cut_triton``), on the CPU through Triton's interpreter (a subprocess: the
+interpreter is chosen when triton is imported). The method's kernel path through them is compared with
+the reference in ``tests/test_sampling_kernel_paths.py`` (same keys, same budgets, same estimate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import run_script
+
+CUT = """
+import torch
+from kvsieve.core.rng import STREAM_SUBSET2, RandomKey, RowStreams
+from kvsieve.kernels.shared.sample_triton import sample_cut_triton, sample_rows_reference, sample_rows_triton
+from kvsieve.kernels.vattention.attend_triton import in_sample_reference
+
+g = torch.Generator().manual_seed(0)
+# sizes: small, 0, the whole range, more than available, a long list (the radix passes: the interpreter keeps
+# 256 candidates in registers), and the split scan (block 64)
+for r, hs, n, sizes, block in [(2, 3, 300, [30, 5, 0], None), (1, 2, 3000, [600, 2999], None),
+                               (3, 2, 700, [1000, 1], None), (1, 1, 5000, [4000], None),
+                               (1, 2, 3000, [1500, 200], 64)]:
+    rs = RowStreams(RandomKey(3, (1, 2)), torch.arange(r), torch.full((r,), n))
+    start = torch.tensor([4, 10, 0][:r])
+    end = torch.tensor([n - 8, n - 100, 5][:r])
+    excl = torch.rand(r, hs, n, generator=g) < 0.1
+    p = torch.arange(n)
+    nav = (((p >= start[:, None]) & (p < end[:, None]))[:, None] & ~excl).sum(-1)
+    size = torch.minimum(torch.tensor(sizes).repeat(r, 1)[:, :hs], nav)
+    kw = {{}} if block is None else {{"block": block}}
+    cut = sample_cut_triton(rs.lo, rs.hi, STREAM_SUBSET2, start, end, size, nav, n, excluded=excl, **kw)
+    got = in_sample_reference(rs.lo, rs.hi, STREAM_SUBSET2, start, end, excl, cut[0], cut[1], n)
+    ref = sample_rows_reference(rs.lo, rs.hi, STREAM_SUBSET2, start, end, size, n, n, excluded=excl)
+    used = torch.arange(n) < size[..., None]
+    mark = torch.zeros(r, hs, n + 1, dtype=torch.bool).scatter_(2, torch.where(used, ref, n), True)[..., :n]
+    assert torch.equal(got, mark), (r, hs, n, sizes, int((got != mark).sum()))
+    assert torch.equal(got.sum(-1), size)
+    listed, _ = sample_rows_triton(rs.lo, rs.hi, STREAM_SUBSET2, start, end, size, nav, n, n, excluded=excl, **kw)
+    assert torch.equal(torch.where(used, listed, 0), torch.where(used, ref, 0)), (r, hs, n, sizes)
+print("OK")
+"""
+
+ATTEND = """
+import torch
+from kvsieve.core.rng import STREAM_SUBSET2, RandomKey, RowStreams
+from kvsieve.kernels.shared.sample_triton import sample_cut_triton
+from kvsieve.kernels.shared.scores import scores_reference
+from kvsieve.kernels.vattention.attend_triton import attend_reference, attend_triton, in_sample_reference
+
+g = torch.Generator().manual_seed(1)
+worst = 0.0
+for r, hq, hkv, n, d, sink, window, dtype in [(2, 8, 2, 300, 64, 4, 8, torch.float32),
+                                              (1, 4, 1, 700, 128, 16, 32, torch.bfloat16),
+                                              (2, 4, 4, 200, 64, 0, 0, torch.float32)]:
+    q = (torch.randn(r, hq, d, generator=g) * 2).to(dtype)
+    k = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    v = torch.randn(r, hkv, n, d, generator=g).to(dtype)
+    lens = torch.tensor([n, n // 2 + 7][:r], dtype=torch.int32)
+    scale = d ** -0.5
+    scores = scores_reference(q, k, lens, sink, window, scale)
+    sink_end = torch.clamp(lens.long(), max=sink)
+    win = torch.maximum(lens.long() - window, sink_end)
+    p = torch.arange(n)
+    mid = (p >= sink_end[:, None]) & (p < win[:, None])
+    excl = (torch.rand(r, hq, n, generator=g) < 0.05) & mid[:, None]
+    n_s = (mid[:, None] & ~excl).sum(-1)
+    size = torch.minimum(torch.randint(0, n, (r, hq), generator=g), n_s)
+    size[0, 0] = n_s[0, 0]  # the whole residual, weight 1
+    rs = RowStreams(RandomKey(5, (2,)), torch.arange(r), lens.long())
+    cut = sample_cut_triton(rs.lo, rs.hi, STREAM_SUBSET2, sink_end, win, size, n_s, n, excluded=excl)
+    out = attend_triton(q, k, v, lens, sink, window, scale, scores, excl, rs.lo, rs.hi, STREAM_SUBSET2, cut[0],
+                        cut[1], n_s, size)
+    samp = in_sample_reference(rs.lo, rs.hi, STREAM_SUBSET2, sink_end, win, excl, cut[0], cut[1], n)
+    ref = attend_reference(q, k, v, lens, sink, window, scale, scores, excl, samp, n_s, size)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    worst = max(worst, err)
+    assert err < (2e-5 if dtype == torch.float32 else 1.2e-2), (r, hq, hkv, n, dtype, err)
+print("OK", worst)
+"""
+
+
+def test_sample_cut_is_the_listed_sample():
+    """The residual sample as a cut (hash below ``cut``, ties to the lowest positions up to ``tie``) holds
+    exactly the keys the list and its torch reference hold: small, empty, whole and long samples (the
+    radix passes), one program per row or a split scan."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(CUT, "cpu", True)
+
+
+def test_attention_pass_equals_its_reference():
+    """The tested-key pass (top-k from the marks, sample from the cut, logits from the scores pass, one
+    program per KV head for its query heads) equals the torch estimate on random data: GQA groups of 4 and
+    1, ragged rows, float32 and bfloat16, with and without sink and window, a head taking its whole residual."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(ATTEND, "cpu", True)
+
+
+def test_reference_estimate_is_the_weighted_softmax():
+    """The twin itself: with every selectable key kept at weight 1 it is exact attention."""
+    from kvsieve.kernels.vattention.attend_triton import attend_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16,
+                                                                                                     generator=g)
+    lens = torch.tensor([50])
+    scores = torch.einsum("rhd,rhnd->rhn", q, k.repeat_interleave(2, 1)) * 0.25
+    everything = torch.ones(1, 4, 50, dtype=torch.bool)
+    ones = torch.full((1, 4), 40)
+    out = attend_reference(q, k, v, lens, 4, 6, 0.25, scores, ~everything, everything, ones, ones)
+    want = torch.einsum("rhn,rhnd->rhd", torch.softmax(scores, -1), v.repeat_interleave(2, 1))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
