@@ -30,8 +30,8 @@ def data(b, hq, hkv, n, d, seed, dtype):
     return tuple(torch.randn(b, h, n, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# each dtype once, on its own seed (the interpreter runs every program of every launch in turn)
+@pytest.mark.parametrize("seed,dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_sink_lengths_match_the_reference(seed, dtype):
     b, hq, hkv, n, d, page = 3, 4, 2, 200, 64, 16
     q, k, v = (t[:, :, 0] if i == 0 else t for i, t in enumerate(data(b, hq, hkv, n, d, seed, dtype)))
@@ -50,12 +50,11 @@ def test_sink_lengths_match_the_reference(seed, dtype):
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed,dtype", [(0, torch.float32), (1, torch.bfloat16)])
 def test_batched_decode_kernel_matches_torch_attention(seed, dtype):
     spec = "sketchwalk:block_size=16,window=0.1,sink=0.05,kblocks_frac=0.2,query_window=8"
     b, hq, hkv, d = 2, 4, 2, 64
-    prompts, steps = [150, 101], 20
+    prompts, steps = [150, 101], 12  # each row completes a block (at 160 and 112 keys)
     q, k, v = data(b, hq, hkv, 180, d, seed, dtype)
     outs = {}
     for backend in ("triton", "reference-attention"):

@@ -196,7 +196,8 @@ def test_generate_on_a_tiny_llama_equals_the_reference_path():
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py"), ids=group_id)
+@pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py",
+                                               "test_batched_decode_kernel_matches_torch_attention"), ids=group_id)
 def test_the_sparse_kernel_path_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_decode_interpreter_cases.py", group)
