@@ -12,12 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, device: str, interpret: bool) -> str:
-    """Run ``script`` formatted with ``device`` (``{{``/``}}`` for literal braces); returns its stdout and
-    fails the test with its output when it fails."""
+def run_script(script: str, device: str, interpret: bool, **fields) -> str:
+    """Run ``script`` formatted with ``device`` and ``fields`` (``{{``/``}}`` for literal braces); returns its
+    stdout and fails the test with its output when it fails."""
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, "-c", script.format(device=device)], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", script.format(device=device, **fields)], capture_output=True, text=True,
                          env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res.stdout

@@ -26,26 +26,8 @@ from kvsieve.core.rng import RandomKey
 
 device = "{device}"
 on_gpu = device == "cuda"
-SPECS = [
-    "random:sink=4,window=8,budget=30",
-    "random:sink=0,window=0,budget=0.1,replacement=True,share_kv_group=True",
-    "oracle-topp:sink=4,window=4,top_p=0.8",
-    "oracle-topp:sink=2,window=6,top_p=0.6,mass=residual,share_kv_group=True",
-    "magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
-    "magicpig:bits=3,tables=6,sink=2,window=4,transform=mips,min_tables=1,weight_eps=0",
-    "magicpig:bits=2,tables=9,sink=3,window=5,min_tables=3",
-    "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
-    "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
-    "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
-    "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
-    # every hub flag: the torch selection (de-duplicated sample) handed to the kernel
-    "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,bound=denominator,quantile=one-sided,replacement=True,"
-    "residual=includes-topk,budget_floor=base,rounding=down,duplicates=collapse",
-    # the fused Quest path (kernel_stages): per-query-head pages, bound=full; Hoeffding with budget_floor=base
-    "vattention:sink=4,window=4,top_k=0.05,epsilon=0.2,delta=0.1,predictor=quest,page_size=16",
-    "vattention:sink=4,window=4,top_k=0.05,epsilon=0.3,delta=0.3,predictor=quest,page_size=8,bound=denominator,"
-    "concentration=hoeffding,budget_floor=base",
-]
+SPECS = {specs}
+LOOPS = {loops}
 STATS = ("n_keys", "k_rows_scored", "v_rows_read", "kv_rows_read", "density", "kv_density", "bytes_read",
          "exact_rows")
 TOL = {{torch.float32: 2e-5 if not on_gpu else 2e-3, torch.bfloat16: 1.2e-2}}  # relative, per output
@@ -74,7 +56,7 @@ def close(out, ref, where):
     assert err < TOL[out.dtype], (where, err)
 
 
-def tensors(seed, dtype, b=2, hq=8, hkv=2, n=300, d=64, q_len=None):
+def tensors(seed, dtype, b=2, hq=4, hkv=2, n=300, d=64, q_len=None):
     g = torch.Generator().manual_seed(seed)
     shape = (b, hq, d) if q_len is None else (b, hq, q_len, d)
     q = (torch.randn(shape, generator=g) * 2).to(device, dtype)
@@ -87,17 +69,16 @@ calls = 0
 for spec in SPECS:
     fast = kvsieve.method(spec) if on_gpu else kvsieve.method(spec + ",backend=triton")  # auto picks it on CUDA
     slow = kvsieve.method(spec + ",backend=reference")
-    for dtype in (torch.float32, torch.bfloat16):
-        for seed in range(3):
-            q, k, v = tensors(seed, dtype)
-            lens = torch.tensor([300, 97 + 61 * seed], device=device)  # ragged rows
-            key = RandomKey(seed, (1, 2))
-            out, st = fast.decode(q, k, v, lengths=lens, seed=key)
-            ref, rst = slow.decode(q, k, v, lengths=lens, seed=key)
-            where = (spec, str(dtype), seed)
-            same_selection(st, rst, where)
-            close(out, ref, where)
-            calls += 1
+    for dtype, seed in ((torch.float32, 0), (torch.float32, 1), (torch.bfloat16, 2)):
+        q, k, v = tensors(seed, dtype)
+        lens = torch.tensor([300, 97 + 61 * seed], device=device)  # ragged rows
+        key = RandomKey(seed, (1, 2))
+        out, st = fast.decode(q, k, v, lengths=lens, seed=key)
+        ref, rst = slow.decode(q, k, v, lengths=lens, seed=key)
+        where = (spec, str(dtype), seed)
+        same_selection(st, rst, where)
+        close(out, ref, where)
+        calls += 1
     # rows no longer than sink + window: no key is left to select (an empty list on the CPU), exact
     q, k, v = tensors(5, torch.float32)
     lens = torch.tensor([3, 6], device=device)
@@ -118,14 +99,13 @@ for spec in SPECS:
     close(out, ref, (spec, "chunk"))
 
 # A decode loop: the cache grows by one key per row and step, state is kept per path across steps, and
-# the step counter gives fresh draws; the paths stay equal at every step.
-for spec in ("magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
-             "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16"):
+# the step counter gives fresh draws; the paths stay equal at every step (row 1 starts a new page at step 1).
+for spec in LOOPS:
     fast = kvsieve.method(spec) if on_gpu else kvsieve.method(spec + ",backend=triton")
     slow = kvsieve.method(spec + ",backend=reference")
-    q_all, k, v = tensors(11, torch.bfloat16, q_len=6, n=212)
+    q_all, k, v = tensors(11, torch.bfloat16, q_len=4, n=212)
     fs, ss = fast.new_state(), slow.new_state()
-    for step in range(6):
+    for step in range(4):
         lens = torch.tensor([200 + step, 64 + step], device=device)
         n = 200 + step + 1
         key = RandomKey(5, (0, step))
@@ -137,6 +117,38 @@ for spec in ("magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
 print("CALLS", calls, "WORST", {{str(k): v for k, v in worst.items()}})
 print("OK")
 """
+
+# The cases' specs, in groups of one interpreter run each (so no single test runs them all); LOOPS are also
+# run as a decode loop whose per-request state grows with the cache.
+SPEC_GROUPS = {
+    "random-topp": dict(specs=[
+        "random:sink=4,window=8,budget=30",
+        "random:sink=0,window=0,budget=0.1,replacement=True,share_kv_group=True",
+        "oracle-topp:sink=4,window=4,top_p=0.8",
+        "oracle-topp:sink=2,window=6,top_p=0.6,mass=residual,share_kv_group=True",
+    ], loops=[]),
+    "magicpig": dict(specs=[
+        "magicpig:bits=4,tables=8,sink=4,window=4,budget=40",
+        "magicpig:bits=3,tables=6,sink=2,window=4,transform=mips,min_tables=1,weight_eps=0",
+        "magicpig:bits=2,tables=9,sink=3,window=5,min_tables=3",
+    ], loops=["magicpig:bits=4,tables=8,sink=4,window=4,budget=40"]),
+    "vattention": dict(specs=[
+        "vattention:sink=4,window=4,top_k=8,epsilon=0.1,delta=0.1",
+        "vattention:sink=4,window=8,top_k=0.05,epsilon=0.2,delta=0.2,bound=denominator,residual=includes-topk",
+        "vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16,share_kv_group=True",
+        "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,replacement=True,budget_floor=base",
+        # every hub flag: the torch selection (de-duplicated sample) handed to the kernel
+        "vattention:sink=4,window=4,top_k=8,epsilon=0.2,delta=0.2,bound=denominator,quantile=one-sided,"
+        "replacement=True,residual=includes-topk,budget_floor=base,rounding=down,duplicates=collapse",
+    ], loops=[]),
+    # the fused Quest path (kernel_stages): per-query-head pages, bound=full; Hoeffding with budget_floor=base
+    "vattention-fused": dict(specs=[
+        "vattention:sink=4,window=4,top_k=0.05,epsilon=0.2,delta=0.1,predictor=quest,page_size=16",
+        "vattention:sink=4,window=4,top_k=0.05,epsilon=0.3,delta=0.3,predictor=quest,page_size=8,bound=denominator,"
+        "concentration=hoeffding,budget_floor=base",
+    ], loops=["vattention:sink=4,window=4,top_k=16,epsilon=0.3,delta=0.3,predictor=quest,page_size=16"]),
+}
+
 
 ERRORS = """
 import pytest
@@ -320,8 +332,6 @@ def budget_inputs(g, r, hq, hkv, hs, n, d, dtype, kt, kb):
 BUDGET = BUDGET_INPUTS + """
 # vAttention's budget statistics (split launch + combine) against a direct float64 reference, for every
 # number of splits: GQA 1/4/2 with per-query-head or per-KV-head lists, ragged counts, fp32 and bf16
-import itertools
-
 import torch
 from kvsieve.kernels.vattention.budget_triton import budget_stats_triton
 
@@ -356,9 +366,13 @@ def ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, scale, full):
 
 g = torch.Generator().manual_seed(1)
 worst = 0.0
-for (r, hq, hkv, hs_kind, n, d), dtype, full in itertools.product(
-        [(2, 4, 1, "q", 300, 64), (1, 8, 2, "kv", 157, 128), (2, 4, 4, "q", 90, 32)],
-        (torch.float32, torch.bfloat16), (False, True)):
+# each shape in both dtypes and with both bounds, not their product (the interpreter runs every program in
+# turn): 1 split (no merge), 2, 13 (more splits than sink or window keys: empty parts) and, once, 64
+f32, bf16, few = torch.float32, torch.bfloat16, (1, 2, 13)
+for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
+        ((2, 4, 1, "q", 300, 64), f32, False, few), ((2, 4, 1, "q", 300, 64), bf16, True, few),
+        ((1, 8, 2, "kv", 157, 128), bf16, False, few), ((1, 8, 2, "kv", 157, 128), f32, True, few),
+        ((2, 4, 4, "q", 90, 32), f32, True, (1, 13, 64)), ((2, 4, 4, "q", 90, 32), bf16, False, few)]:
     hs = hq if hs_kind == "q" else hkv
     kt, kb = 40, 23
     q, k, v, length, start, end, top, tc, base, bc = budget_inputs(g, r, hq, hkv, hs, n, d, dtype, kt, kb)
@@ -369,7 +383,7 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full in itertools.product(
     want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full)
     if not full:
         want[..., 2:4] = 0
-    for splits in (1, 2, 5, 13, 64):
+    for splits in split_counts:
         got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
                                   splits=splits)
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
@@ -671,8 +685,11 @@ checked = ties = 0
 # of the 512-key chunks) with programs per row; Hq, Hkv, share_kv_group (groups of 4, and of 1 head)
 shapes = [((300, 1), (8, 2, False)), ((1000, 3), (8, 2, True)), ((2500, 5), (4, 1, True)), ((700, 2), (8, 2, False))]
 settings = list(itertools.product([torch.float32, torch.bfloat16], [0.5, 0.9, 0.99, 1.0], ["total", "residual"]))
+# two settings per shape: over the eight cases each dtype, top_p, mass mode and sink/window choice runs
 cases = [(shape, hs, *settings[(3 * j + 5 * r) % len(settings)])
-         for j, (shape, hs) in enumerate(shapes) for r in range(4)]
+         for j, (shape, hs) in enumerate(shapes) for r in range(2)]
+for axis in range(3):
+    assert {{c[2 + axis] for c in cases}} == {{s[axis] for s in settings}}, axis
 for i, ((n, segs), (hq, hkv, share), dtype, p, mass) in enumerate(cases):
     g = torch.Generator().manual_seed(i)
     q = (torch.randn(2, hq, 64, generator=g) * (3 if i % 2 else 1)).to(device, dtype)
@@ -738,10 +755,12 @@ def test_device_topp_selection_equals_the_reference_set_on_the_gpu():
 
 
 @pytest.mark.triton
-def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter():
+@pytest.mark.parametrize("group", SPEC_GROUPS)
+def test_kernel_paths_select_and_estimate_as_their_references_under_the_interpreter(group):
     pytest.importorskip("triton")
-    out = run_script(CASES, "cpu", True)
-    assert "OK" in out and "CALLS 84" in out, out[-2000:]
+    specs, loops = SPEC_GROUPS[group]["specs"], SPEC_GROUPS[group]["loops"]
+    out = run_script(CASES, "cpu", True, specs=specs, loops=loops)
+    assert "OK" in out and f"CALLS {3 * len(specs)} " in out, out[-2000:]
 
 
 @pytest.mark.triton
@@ -818,8 +837,10 @@ def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_paths_match_their_references_on_the_gpu():
     """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32)."""
-    out = run_script(CASES, "cuda", False)
-    assert "OK" in out and "CALLS 84" in out, out[-2000:]
+    specs = [spec for group in SPEC_GROUPS.values() for spec in group["specs"]]
+    loops = [spec for group in SPEC_GROUPS.values() for spec in group["loops"]]
+    out = run_script(CASES, "cuda", False, specs=specs, loops=loops)
+    assert "OK" in out and f"CALLS {3 * len(specs)} " in out, out[-2000:]
 
 
 GPU_SPECS = ["random:budget=0.05", "random:budget=0.05,replacement=True,share_kv_group=True",
