@@ -12,6 +12,8 @@ end-to-end table measures) and flat attention:
 - ``prop:*``: the whole santa-prop call, the default (``decode.santa_prop_triton``) and each form (v10
   ``overlap``, v8 ``two-pass``) over its launch parameters.
 
+- ``method:*``: santa-prop and Bernoulli + santa-prop through ``m.decode`` as the runtime calls them (state,
+  device step counter, no per-step stats): the kernels plus what the method adds;
 - ``bern:*``: Bernoulli qKᵀ (mean-group, B = 4) + santa-prop (``kernels/bernoulli/decode.py``) with every unit
   on the feature-major copy (``fm``), every unit on whole cache rows (``rows``, the row stats launch at its
   default shape and at the dense kernel's), and the default rule (``ROW_LAYOUT_ABOVE``), with the fraction of
@@ -79,6 +81,10 @@ PROP_GRID = (("overlap", 128, 528, 4, 2, LR), ("overlap", 128, 264, 8, 2, LR), (
              ("two-pass", 64, 264, 4, 3, LR), ("two-pass", 128, 264, 8, 2, LR), ("two-pass", 128, 528, 4, 2, LR),
              ("two-pass", 256, 264, 8, 2, LR),
              ("overlap", 128, 528, 4, 2, SYS), ("two-pass", 128, 264, 8, 2, SYS))
+# the tile size (a method parameter, ``tile_size``; the kernels' rule gives 256 at these lengths): fewer tiles make
+# a shorter budget sort and fewer sampling programs; (form, tile, block_n, programs, warps, stages)
+TILE_GRID = (("overlap", 512, 128, 528, 4, 2), ("overlap", 1024, 128, 528, 4, 2), ("two-pass", 1024, 128, 264, 8, 2))
+CHECK_TILE_GRID = (("overlap", 128, 16, 3, 4, 2),)
 # the ordered (v10) stats kernel alone: (block_n, programs, warps, stages)
 ORDERED_GRID = ((128, 528, 4, 2), (128, 264, 8, 2), (128, 1056, 4, 2))
 CHECK_STATS_GRID = ((16, 3, 4, 2), (32, 5, 4, 2))
@@ -189,6 +195,23 @@ def _bern_check(fn, ref, read) -> dict:
     return checked
 
 
+METHOD_SPECS = {"method:santa-prop": "santa-prop:budget=128",
+                "method:bernoulli+santa-prop": "bernoulli-qk:query=mean-group,values=santa-prop,budget=128"}
+
+
+def _method_call(x: Inputs, spec: str):
+    """``m.decode`` as the runtime's captured step calls it: a state kept across calls, a key with a device step
+    counter, no per-step stats (``count_reads=False``), the lengths' lower bound known on the host."""
+    import kvsieve
+    from kvsieve.core.context import CallContext
+
+    m = kvsieve.method(spec)
+    state = m.new_state()
+    key = RandomKey(SEED, (0, torch.zeros((), dtype=torch.int64, device=x.q.device)))
+    ctx = CallContext(count_reads=False, min_length=int(x.k.shape[2]))
+    return lambda: m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, context=ctx, check_finite=False)[0]
+
+
 def _reference_calls(x: Inputs, flashinfer) -> dict:
     from kvsieve.bench.decode import VARIANTS
 
@@ -208,7 +231,7 @@ def _bytes(name: str, kb: int) -> int:
     rows are few), none for the tail."""
     if name in ("ref:dense", "ref:flashinfer"):
         return 2 * kb
-    return 0 if name.startswith(("tail:", "bern:")) else kb
+    return 0 if name.startswith(("tail:", "bern:", "method:bern")) else kb
 
 
 def run_case(label: str, n: int, batch: int, attention: str, timer, flashinfer, *, check_mode: bool,
@@ -235,11 +258,17 @@ def run_case(label: str, n: int, batch: int, attention: str, timer, flashinfer, 
         jobs.append((f"bern:{tag}", _bern_call(x, kt, tile, row_above, row_launch, bern_opts),
                      lambda ra=row_above, rl=row_launch: _bern_check(
                          _bern_call(x, kt, tile, ra, rl, bern_opts, write_counts=True), bern_ref, bern_read)))
+    if not check_mode:
+        jobs += [(name, _method_call(x, spec), None) for name, spec in METHOD_SPECS.items()]
     for form, bn, p, w, st, rounding in prop_grid:
         jobs.append((f"prop:{form}-b{bn}-p{p}-w{w}-s{st}" + ("-systematic" if rounding == SYS else ""),
                      _prop_call(x, tile, form, bn, p, w, st, rounding),
                      lambda a=(form, bn, p, w, st, rounding): _check(_prop_call(x, tile, *a, write_counts=True),
                                                                      refs[a[-1]])))
+    for form, tl_, bn, p, w, st in (CHECK_TILE_GRID if check_mode else TILE_GRID):
+        jobs.append((f"prop:{form}-tile{tl_}-b{bn}-p{p}-w{w}-s{st}", _prop_call(x, tl_, form, bn, p, w, st, LR),
+                     lambda a=(tl_, form, bn, p, w, st): _check(_prop_call(x, *a, LR, write_counts=True),
+                                                                _reference(x, a[0], LR))))
     if attention == "peaked" or check_mode:  # the stream alone does not depend on the attention
         jobs += [(f"stats:b{bn}-p{p}-w{w}-s{st}", _stats_call(x, tile, bn, p, w, st), None)
                  for bn, p, w, st in stats_grid]
@@ -343,7 +372,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--check", action="store_true", help="tiny CPU cases under the Triton interpreter, no timing")
     ap.add_argument("--attention", default="peaked,uniform", help="comma list of peaked, uniform")
-    ap.add_argument("--time-limit", type=float, default=165.0, help="seconds; later variants are skipped")
+    ap.add_argument("--time-limit", type=float, default=150.0, help="seconds; later variants are skipped")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
