@@ -20,7 +20,8 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    (long pipelined streams, several tiles per program): the feature rows cost more per byte, and with most
    features kept they cost more in all. Each unit is served by exactly one of the two launches (the other's
    programs for it return at once), so a call whose draws keep most features streams K as santa-prop's
-   stats pass does, plus the draw launch and a near-empty one. Gaussian queries keep ~98 % at B = 4, the
+   stats pass does, plus the draw launch and a near-empty one; with programmatic dependent launch the two
+   stats launches run side by side. Gaussian queries keep ~98 % at B = 4, the
    real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 %
    (``benchmarks/breakdown/bernoulli_kept.py``).
 4.–5. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
@@ -39,7 +40,16 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
-from ..shared.triton_utils import budget_uniforms, cdiv, group_block, launch, tile_uniforms, triton, workspace
+from ..shared.triton_utils import (
+    budget_uniforms,
+    cdiv,
+    group_block,
+    launch,
+    pdl_launch,
+    tile_uniforms,
+    triton,
+    workspace,
+)
 from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
@@ -49,7 +59,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..santa.common import fold_scores
-    from ..shared.triton_utils import gdc_launch_dependents, hash_mix32, hash_uniform
+    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait, hash_mix32, hash_uniform
     from .feature_major import append_new_keys, feature_scores, row_scores
 
     @triton.jit
@@ -110,7 +120,7 @@ if triton is not None:
         """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
         listed features of the feature-major copy; a unit whose draws kept more than ``row_above`` features
         is left to ``_row_stats_kernel``."""
-        if PDL:  # the budget kernel may launch now (no row kernel follows): it waits until this one is done
+        if PDL:  # the next launch (row stats or budgets) may start now: it waits (gdc_wait) for this one
             gdc_launch_dependents()
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -151,7 +161,11 @@ if triton is not None:
         """The units whose draws kept more than ``row_above`` features, from whole rows of the cache layout
         ``k`` (the same sum: ``q_est`` is zero off the kept features): santa-prop's stats loop
         (``santa/two_pass.py``: several tiles per program in one pipelined loop over sub-blocks, (m, l)
-        reset at each tile start), so that such a unit streams K as fast as santa-prop does."""
+        reset at each tile start), so that such a unit streams K as fast as santa-prop does.
+
+        With programmatic dependent launch it runs beside the feature-major launch before it (the units are
+        disjoint, and both read only what the draw launch, finished before either started, wrote), and waits
+        for it before finishing, so that the budget launch's wait covers both."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         if PDL:  # the budget kernel may launch now: it waits (gdc_wait) until this one is done
             gdc_launch_dependents()
@@ -183,6 +197,8 @@ if triton is not None:
                 done = (j % SUBS) == SUBS - 1
                 tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
                 tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
+        if PDL:  # finish only after the feature-major launch: completions chain
+            gdc_wait()
 
 
 def check_bernoulli_prop_inputs(q, kt, v, lens, draws: int, norm_factor: float) -> None:
@@ -289,17 +305,15 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            row_feats, kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block, SPLIT=split,
-           PDL=pdl and k is None, num_warps=stats_warps, num_stages=3)
+           PDL=pdl, num_warps=stats_warps, num_stages=3)
     if k is not None:
-        # launched after the feature-major one (stream order, no early launch): the budget launch's wait then
-        # covers both
         row_block, row_programs, row_warps, row_stages = row_launch
         per_row_program = max(1, round(t * hkv * r / row_programs))
         launch(_row_stats_kernel, (cdiv(t, per_row_program), hkv, r),
                q_est, k, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_row_program, hq, hkv, row_feats,
                k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
                G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(row_block, tile), SPLIT=split, PDL=pdl,
-               num_warps=row_warps, num_stages=row_stages)
+               num_warps=row_warps, num_stages=row_stages, **pdl_launch(pdl))
     prop_sampling_passes(v, lens, buf, budget, tile, v_seed, r, hq, t, rounding=rounding,
                          write_counts=write_counts, pdl=pdl, r_max=r_max)
     return buf.out, buf.counts, buf.budgets, n_feat
