@@ -200,14 +200,16 @@ METHOD_SPECS = {"method:santa-prop": "santa-prop:budget=128",
 
 
 def _method_call(x: Inputs, spec: str):
-    """``m.decode`` as the runtime's captured step calls it: a state kept across calls, a key with a device step
-    counter, no per-step stats (``count_reads=False``), the lengths' lower bound known on the host."""
+    """``m.decode`` as the runtime's captured step calls it: a state kept across calls, the driver's host key
+    (request, layer) — the rows' positions, read from device memory, make each step's draws — no per-step stats
+    (``count_reads=False``), the lengths' lower bound known on the host. (A key with a device counter, as
+    ``breakdown/stages.py`` uses, costs Bernoulli's path about 60 small torch launches of row words per call.)"""
     import kvsieve
     from kvsieve.core.context import CallContext
 
     m = kvsieve.method(spec)
     state = m.new_state()
-    key = RandomKey(SEED, (0, torch.zeros((), dtype=torch.int64, device=x.q.device)))
+    key = RandomKey(SEED, (0, 0))
     ctx = CallContext(count_reads=False, min_length=int(x.k.shape[2]))
     return lambda: m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, context=ctx, check_finite=False)[0]
 
