@@ -40,6 +40,7 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
+from ..shared.sample_triton import row_words_triton
 from ..shared.triton_utils import (
     budget_uniforms,
     cdiv,
@@ -230,9 +231,12 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
     if key.host() and key.row_seeds is None:
         lo, hi = key.words()
         return lo, hi, None
-    batch_row = torch.arange(q.shape[0], device=q.device) // rows_per_batch
-    streams = RowStreams(key, batch_row, lens)
-    return 0, 0, torch.stack([streams.lo, streams.hi], 1).contiguous()
+    words = row_words_triton(key, lens, rows_per_batch)  # one launch, where the torch form takes dozens
+    if words is None:
+        batch_row = torch.arange(q.shape[0], device=q.device) // rows_per_batch
+        streams = RowStreams(key, batch_row, lens)
+        words = streams.lo, streams.hi
+    return 0, 0, torch.stack(words, 1).contiguous()
 
 
 #: A (row, KV head) whose draws kept more than this fraction of the d features is scored from the cache
