@@ -392,8 +392,8 @@ def main(argv=None) -> int:
     deadline = started + args.time_limit
     rows = []
     report = {}
-    for label, n, batch in (CHECK_CASES if args.check else GPU_CASES):
-        for attention in args.attention.split(","):
+    for attention in args.attention.split(","):  # both cases on the first attention before the second
+        for label, n, batch in (CHECK_CASES if args.check else GPU_CASES):
             rows += run_case(label, n, batch, attention, timer, flashinfer, check_mode=args.check, deadline=deadline)
             if not args.check:  # the case's inputs and references are gone with run_case's frame
                 torch.cuda.empty_cache()
