@@ -113,29 +113,20 @@ def _default_call(x: Inputs, tile: int, write_counts: bool = False):
 def _stats_call(x: Inputs, tile: int, block_n: int, programs: int, warps: int, stages: int):
     _, pdl, buf = begin_call(x.q, x.k, x.v, tile, flash=False, rounding="largest-remainder", write_counts=False,
                              out=None)
-    return lambda: two_pass._stats_pass(x.q, x.k, x.lens, buf, x.scale, tile, flash=False, pdl=pdl,
+    return lambda: two_pass.stats_pass(x.q, x.k, x.lens, buf, x.scale, tile, flash=False, pdl=pdl,
                                         block_n=block_n, stats_programs=programs, num_warps=warps,
                                         num_stages=stages)
 
 
 def _ordered_stats_call(x: Inputs, tile: int, block_n: int, programs: int, warps: int, stages: int):
-    """The ordered stats kernel alone (it leaves its tile counters raised: ``_reset_sync`` clears them)."""
-    b, hq, d = x.q.shape
-    hkv = x.k.shape[1]
-    t, pdl, buf = begin_call(x.q, x.k, x.v, tile, flash=False, rounding="largest-remainder", write_counts=False,
+    """The ordered stats launch alone, on a sync buffer of its own (it leaves its tile counters raised)."""
+    units = x.k.shape[0] * x.k.shape[1]
+    _, pdl, buf = begin_call(x.q, x.k, x.v, tile, flash=False, rounding="largest-remainder", write_counts=False,
                              out=None)
-    units = b * hkv
-    threads = 32 * warps
-    sync = triton_utils.workspace("tune_ordered_sync", x.q, units * threads, torch.int32, zeroed=True)
-    programs = max(1, min(programs, units * t))
-    kernel = overlap._ordered_stats_kernel
-    return lambda: triton_utils.launch(
-        kernel, (programs, 1, 1), x.q, x.k, x.lens, buf.m, buf.l, buf.stash, buf.mstar, sync, x.scale, t, hq, hkv,
-        units, triton_utils.cdiv(units * t, programs), x.q.stride(0), x.q.stride(1), x.k.stride(0), x.k.stride(1),
-        x.k.stride(2), hq * t, t, hq * t * tile, t * tile, G=hq // hkv, BLOCK_G=triton_utils.group_block(hq // hkv),
-        D=d, TILE=tile, BLOCK_N=min(block_n, tile), DOT_PRECISION=triton_utils.dot_precision(x.q.dtype),
-        TRACK_MAX=False, PDL=pdl, THREADS=threads, BLOCK_B=max(2, triton_utils.next_pow2(b)), num_warps=warps,
-        num_stages=stages)
+    sync = torch.zeros(units * 32 * warps, device=x.q.device, dtype=torch.int32)
+    return lambda: overlap.ordered_stats_pass(x.q, x.k, x.lens, buf, sync, x.scale, tile, flash=False, pdl=pdl,
+                                              block_n=block_n, stats_programs=programs, stats_warps=warps,
+                                              stats_stages=stages)
 
 
 def _tail_call(x: Inputs, tile: int):
@@ -143,7 +134,7 @@ def _tail_call(x: Inputs, tile: int):
     b, hq, _ = x.q.shape
     t, pdl, buf = begin_call(x.q, x.k, x.v, tile, flash=False, rounding="largest-remainder", write_counts=False,
                              out=None)
-    two_pass._stats_pass(x.q, x.k, x.lens, buf, x.scale, tile, flash=False, pdl=pdl, block_n=64,
+    two_pass.stats_pass(x.q, x.k, x.lens, buf, x.scale, tile, flash=False, pdl=pdl, block_n=64,
                          stats_programs=264)
     return lambda: two_pass.prop_sampling_passes(x.v, x.lens, buf, BUDGET, tile, SEED, b, hq, t,
                                                  rounding="largest-remainder", write_counts=False, pdl=pdl)

@@ -127,7 +127,7 @@ if triton is not None:
                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
 
-def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3):
+def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3):
     """The stats pass into ``buf.m``, ``buf.l``, ``buf.stash`` (and, for flash, ``buf.mstar``)."""
     b, hq, d = q.shape
     hkv, t = k.shape[1], tile_count(k.shape[2], tile)
@@ -157,7 +157,7 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
               stats_stages: int = 3):
     b, hq, _ = q.shape
     t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
-    _stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
+    stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
                 num_warps=stats_warps, num_stages=stats_stages)
     if flash:
         _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=True, write_counts=write_counts, pdl=pdl,
@@ -208,4 +208,4 @@ def santa_flash_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, se
     return buf.out, buf.counts
 
 
-__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass"]
+__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass", "stats_pass"]
