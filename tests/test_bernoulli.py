@@ -640,8 +640,10 @@ for append in (False, True):
              floats=("norm_factor",))
     print("draw", append)
 for split in (False, True):
-    compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, ROW_N=64,
-                                                        FB=16, SPLIT=split, PDL=False), floats=("scale",))
+    compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16,
+                                                        SPLIT=split, PDL=True), floats=("scale",))
+    compile_(bd._row_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=64, SPLIT=split, PDL=True),
+             floats=("scale",))
     print("stats", split)
 print("COMPILED")
 """

@@ -21,9 +21,10 @@ the score stage is biased, more so at small B and peaked attention.
 On CUDA, ``query=mean-group,values=santa-prop`` (stratified, per-feature strata) runs the fused kernels of
 ``kernels/bernoulli/decode.py`` over a feature-major copy of K kept in the state; the draws are the
 reference path's (counter-based, ``STREAM_BERNOULLI``), so both paths read the same features. A KV head
-whose draws kept nearly every feature is scored from the cache's rows instead (the same sum, fewer bytes
-at the layouts' speeds); ``stats.extra["k_row_layout"]`` is the fraction of (row, KV head) units that did,
-and ``bytes_read`` counts their whole K rows.
+whose draws kept most features (more than ``k_row_layout_above`` of them, in the stats) is scored from the
+cache's rows instead, in santa-prop's stats loop (the same sum, less time at the layouts' speeds);
+``stats.extra["k_row_layout"]`` is the fraction of (row, KV head) units that did, and ``bytes_read`` counts
+their whole K rows.
 """
 
 from __future__ import annotations
@@ -254,7 +255,7 @@ class BernoulliQK(Method):
         # The feature-major copy of K lives in the state (per request and layer) and takes one launch per
         # call to bring up to date; then the draw, stats, budget and sampling launches (and, for rows the
         # budget covers, the exact short-rows launch); the stats are built from the outputs when read.
-        from ..kernels.bernoulli.decode import bernoulli_prop_triton, row_layout_features
+        from ..kernels.bernoulli.decode import ROW_LAYOUT_ABOVE, bernoulli_prop_triton, row_layout_features
         from ..kernels.bernoulli.feature_major import FeatureMajorKeys
         from ..kernels.shared.dense import dense_short_rows_triton
 
@@ -283,7 +284,7 @@ class BernoulliQK(Method):
             v_read, exact_rows, more = sampled_v_read(inputs, counts, drawn, c.budget, c.exact_when_covered)
             rows_layout = n_feat > row_layout_features(q.shape[-1])  # [R, Hkv]: these read whole K rows
             more.update(draws=c.draws, samples=drawn.mean(), tile_size=tile,
-                        k_row_layout=rows_layout.to(torch.float64).mean())
+                        k_row_layout=rows_layout.to(torch.float64).mean(), k_row_layout_above=ROW_LAYOUT_ABOVE)
             read_group = torch.arange(q.shape[-1], device=q.device) < n_feat[..., None]  # counts matter, not which
             read_head = read_group.repeat_interleave(inputs.group, 1)
             return self._stats(inputs, v_read, read_head, read_group, exact_rows, more, "triton",

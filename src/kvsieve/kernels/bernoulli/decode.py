@@ -1,7 +1,7 @@
 """Bernoulli qKᵀ with S²ANTA-prop's V sampling, over a feature-major copy of K: the GPU decode path of
 ``bernoulli-qk:query=mean-group,values=santa-prop`` (stratified, per-feature strata), and its reference.
 
-Four launches per call:
+Four launches per call, five where the cache rows ``k`` are given (the method's path):
 
 1. ``_mean_group_draw_kernel``, one program per (row, KV head): with ``append``, first the new keys of the
    cache copied into the feature-major copy (``feature_major.append_new_keys``; no launch of its own), then
@@ -14,12 +14,17 @@ Four launches per call:
    stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
 2. ``_feature_major_stats_kernel``: S²ANTA's stats pass (per-tile max m, Σ e^{s−m} and the float32 score
    stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read over the listed features
-   only: the K bytes read are the kept fraction of K's. A (row, KV head) whose draws kept more than
-   ``ROW_LAYOUT_ABOVE`` of the features reads whole rows of the cache instead (given ``k``): the feature
-   rows cost more per byte, and near every feature kept they cost more in all. Queries without outlier
-   features (Gaussian ones: ~97 % kept at B = 4) take that path; real models' (~55 % at B = 4 on SmolLM2,
-   ``docs/results/bernoulli/study.md``) the feature-major one.
-3.–4. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
+   only: the K bytes read are the kept fraction of K's.
+3. ``_row_stats_kernel`` (given ``k``): the same statistics for each (row, KV head) whose draws kept more
+   than ``ROW_LAYOUT_ABOVE`` of the features, from whole rows of the cache, in santa-prop's stats loop
+   (long pipelined streams, several tiles per program): the feature rows cost more per byte, and with most
+   features kept they cost more in all. Each unit is served by exactly one of the two launches (the other's
+   programs for it return at once), so a call whose draws keep most features streams K as santa-prop's
+   stats pass does, plus the draw launch and a near-empty one; with programmatic dependent launch the two
+   stats launches run side by side. Gaussian queries keep ~98 % at B = 4, the
+   real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 %
+   (``benchmarks/breakdown/bernoulli_kept.py``).
+4.–5. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
 
 The V stage takes its seed by value and keys each row by its length, as ``santa-prop``'s kernels do;
 the score stage draws the reference path's numbers. ``bernoulli_prop_reference`` is the float64 twin
@@ -35,7 +40,17 @@ from ...core.rng import GOLDEN, MASK32, STREAM_BERNOULLI, RandomKey, RowStreams
 from ..santa.common import begin_call
 from ..santa.reference import n_tiles, santa_prop_reference
 from ..santa.two_pass import prop_sampling_passes
-from ..shared.triton_utils import budget_uniforms, cdiv, group_block, launch, tile_uniforms, triton, workspace
+from ..shared.sample_triton import row_words_triton
+from ..shared.triton_utils import (
+    budget_uniforms,
+    cdiv,
+    group_block,
+    launch,
+    pdl_launch,
+    tile_uniforms,
+    triton,
+    workspace,
+)
 from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
@@ -45,7 +60,7 @@ if triton is not None:
     import triton.language as tl
 
     from ..santa.common import fold_scores
-    from ..shared.triton_utils import gdc_launch_dependents, hash_mix32, hash_uniform
+    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait, hash_mix32, hash_uniform
     from .feature_major import append_new_keys, feature_scores, row_scores
 
     @triton.jit
@@ -97,58 +112,94 @@ if triton is not None:
         tl.store(nfeat_ptr + row, nf)
 
     @triton.jit
-    def _feature_major_stats_kernel(qest_ptr, kt_ptr, k_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
+    def _feature_major_stats_kernel(qest_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
                                     scale, tiles_per_program, hq, kv_heads, rows_per_batch, row_above,
-                                    s_kt_b, s_kt_h, s_kt_f, s_k_r, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
+                                    s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, ROW_N: tl.constexpr, FB: tl.constexpr,
-                                    SPLIT: tl.constexpr, PDL: tl.constexpr):
+                                    BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr,
+                                    PDL: tl.constexpr):
         """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
-        listed features of the feature-major copy, or — where the draws kept more than ``row_above``
-        features — over whole rows of the cache layout ``k`` (the same sum: ``q_est`` is zero off the
-        kept features), whichever reads fewer bytes at the streams' measured speeds."""
+        listed features of the feature-major copy; a unit whose draws kept more than ``row_above`` features
+        is left to ``_row_stats_kernel``."""
+        if PDL:  # the next launch (row stats or budgets) may start now: it waits (gdc_wait) for this one
+            gdc_launch_dependents()
+        pid = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.program_id(2)
+        length = tl.load(lens_ptr + r)
+        row = r * kv_heads + kvh
+        nf = tl.load(nfeat_ptr + row)
+        t0 = pid * tiles_per_program
+        t1 = tl.minimum(t0 + tiles_per_program, (length + TILE - 1) // TILE)
+        if (t0 < t1) & (nf <= row_above):
+            offs_g = tl.arange(0, BLOCK_G)
+            g_ok = offs_g < G
+            heads = kvh * G + offs_g
+            q_rows = qest_ptr + (r * hq + heads) * D
+            kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
+            u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
+            ml_base = r * s_ml_b + heads * s_ml_h
+            for t in range(t0, t1):
+                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                l = tl.zeros([BLOCK_G], tl.float32)
+                for j in range(0, TILE // BLOCK_N):
+                    offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
+                    n_ok = offs_n < length
+                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
+                                       BLOCK_G, BLOCK_N, SPLIT)
+                    s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                    tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                    m, l = fold_scores(m, l, s)
+                tl.store(m_ptr + ml_base + t, m, mask=g_ok)
+                tl.store(l_ptr + ml_base + t, l, mask=g_ok)
+
+    @triton.jit
+    def _row_stats_kernel(qest_ptr, k_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
+                          scale, tiles_per_program, hq, kv_heads, row_above,
+                          s_k_r, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
+                          G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                          BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        """The units whose draws kept more than ``row_above`` features, from whole rows of the cache layout
+        ``k`` (the same sum: ``q_est`` is zero off the kept features): santa-prop's stats loop
+        (``santa/two_pass.py``: several tiles per program in one pipelined loop over sub-blocks, (m, l)
+        reset at each tile start), so that such a unit streams K as fast as santa-prop does.
+
+        With programmatic dependent launch it runs beside the feature-major launch before it (the units are
+        disjoint, and both read only what the draw launch, finished before either started, wrote), and waits
+        for it before finishing, so that the budget launch's wait covers both."""
+        SUBS: tl.constexpr = TILE // BLOCK_N
         if PDL:  # the budget kernel may launch now: it waits (gdc_wait) until this one is done
             gdc_launch_dependents()
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         r = tl.program_id(2)
         length = tl.load(lens_ptr + r)
+        nf = tl.load(nfeat_ptr + r * kv_heads + kvh)
         t0 = pid * tiles_per_program
         t1 = tl.minimum(t0 + tiles_per_program, (length + TILE - 1) // TILE)
-        if t0 < t1:
+        if (t0 < t1) & (nf > row_above):
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = kvh * G + offs_g
-            row = r * kv_heads + kvh
-            nf = tl.load(nfeat_ptr + row)
-            rows_layout = nf > row_above
             q_rows = qest_ptr + (r * hq + heads) * D
-            kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
             k_base = k_ptr + r.to(tl.int64) * s_k_r + kvh * s_k_h
             u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
             ml_base = r * s_ml_b + heads * s_ml_h
-            for t in range(t0, t1):
-                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                l = tl.zeros([BLOCK_G], tl.float32)
-                if rows_layout:
-                    for j in range(0, TILE // ROW_N):
-                        offs_n = t * TILE + j * ROW_N + tl.arange(0, ROW_N)
-                        n_ok = offs_n < length
-                        s = row_scores(q_rows, k_base, offs_n, n_ok, g_ok, s_k_n, D, SPLIT)
-                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                        m, l = fold_scores(m, l, s)
-                else:
-                    for j in range(0, TILE // BLOCK_N):
-                        offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                        n_ok = offs_n < length
-                        s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
-                                           BLOCK_G, BLOCK_N, SPLIT)
-                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                        m, l = fold_scores(m, l, s)
-                tl.store(m_ptr + ml_base + t, m, mask=g_ok)
-                tl.store(l_ptr + ml_base + t, l, mask=g_ok)
+            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_G], tl.float32)
+            for j in range(t0 * SUBS, t1 * SUBS):
+                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < length
+                s = row_scores(q_rows, k_base, offs_n, n_ok, g_ok, s_k_n, D, SPLIT)
+                s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                first = (j % SUBS) == 0
+                m, l = fold_scores(tl.where(first, float("-inf"), m), tl.where(first, 0.0, l), s)
+                done = (j % SUBS) == SUBS - 1
+                tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok & done)
+                tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok & done)
+        if PDL:  # finish only after the feature-major launch: completions chain
+            gdc_wait()
 
 
 def check_bernoulli_prop_inputs(q, kt, v, lens, draws: int, norm_factor: float) -> None:
@@ -180,9 +231,12 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
     if key.host() and key.row_seeds is None:
         lo, hi = key.words()
         return lo, hi, None
-    batch_row = torch.arange(q.shape[0], device=q.device) // rows_per_batch
-    streams = RowStreams(key, batch_row, lens)
-    return 0, 0, torch.stack([streams.lo, streams.hi], 1).contiguous()
+    words = row_words_triton(key, lens, rows_per_batch)  # one launch, where the torch form takes dozens
+    if words is None:
+        batch_row = torch.arange(q.shape[0], device=q.device) // rows_per_batch
+        streams = RowStreams(key, batch_row, lens)
+        words = streams.lo, streams.hi
+    return 0, 0, torch.stack(words, 1).contiguous()
 
 
 #: A (row, KV head) whose draws kept more than this fraction of the d features is scored from the cache
@@ -203,17 +257,21 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
                           rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
                           block_n: int = 256, stats_programs: int = 4224, feature_block: int = FEATURE_BLOCK,
                           stats_warps: int = 4, r_max: int | None = None, k: torch.Tensor | None = None,
-                          row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None):
+                          row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None,
+                          row_launch: tuple[int, int, int, int] = (64, 264, 4, 3)):
     """Mean-group Bernoulli scores over ``kt`` and S²ANTA-prop over them (module docstring).
 
     q ``[R, Hq, d]``; kt ``[B, Hkv, d, ≥N]`` (``feature_major.FeatureMajorKeys``) with query row r on batch
     row ``r // rows_per_batch``; v ``[R, Hkv, N, d]``; lens ``[R]`` int32. ``key``: the score draws'
     key (the method's); ``v_seed``: the V stage's seed by value. ``k`` (optional, V's layout): the cache
     rows, read instead of ``kt`` by a (row, KV head) whose draws kept more than ``row_above`` of the
-    features (:data:`ROW_LAYOUT_ABOVE`). ``append = (k_cache [B, Hkv, N, d], done [B, Hkv] int32)``: the
+    features (:data:`ROW_LAYOUT_ABOVE`), in a launch of their own shaped like santa-prop's stats pass.
+    ``append = (k_cache [B, Hkv, N, d], done [B, Hkv] int32)``: the
     draw launch first copies each batch row's keys ``[done, length)`` into ``kt`` (``FeatureMajorKeys.
-    reserve`` made room; the separate ``update`` launch is then not needed). Returns ``(out [R, Hq, d],
-    counts [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
+    reserve`` made room; the separate ``update`` launch is then not needed). ``block_n``, ``stats_programs``,
+    ``feature_block``, ``stats_warps`` (the feature-major stats launch) and ``row_launch`` (the row launch's
+    keys per sub-block, programs, warps, stages) are launch parameters; they change no count. Returns ``(out
+    [R, Hq, d], counts [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
     if triton is None:
         raise ValueError("bernoulli_prop_triton: triton is not installed")
     check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
@@ -246,13 +304,20 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     # sweep over blocks, features per step, warps and programs
     # (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md).
     per_program = max(1, round(t * hkv * r / stats_programs))
-    kr = k if k is not None else v
+    split = split_dots(kt)
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
-           q_est, kt, kr, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
-           row_feats, kt.stride(0), kt.stride(1), kt.stride(2), kr.stride(0), kr.stride(1), kr.stride(2),
-           hq * t, t, hq * t * tile, t * tile,
-           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), ROW_N=min(64, tile),
-           FB=feature_block, SPLIT=split_dots(kt), PDL=pdl, num_warps=stats_warps, num_stages=3)
+           q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
+           row_feats, kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block, SPLIT=split,
+           PDL=pdl, num_warps=stats_warps, num_stages=3)
+    if k is not None:
+        row_block, row_programs, row_warps, row_stages = row_launch
+        per_row_program = max(1, round(t * hkv * r / row_programs))
+        launch(_row_stats_kernel, (cdiv(t, per_row_program), hkv, r),
+               q_est, k, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_row_program, hq, hkv, row_feats,
+               k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
+               G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(row_block, tile), SPLIT=split, PDL=pdl,
+               num_warps=row_warps, num_stages=row_stages, **pdl_launch(pdl))
     prop_sampling_passes(v, lens, buf, budget, tile, v_seed, r, hq, t, rounding=rounding,
                          write_counts=write_counts, pdl=pdl, r_max=r_max)
     return buf.out, buf.counts, buf.budgets, n_feat

@@ -46,7 +46,7 @@ from ..shared.triton_utils import (
     triton,
     workspace,
 )
-from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides
+from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
@@ -225,24 +225,38 @@ STATS_WARPS = 4
 NAPS = 8
 
 
+def ordered_stats_pass(q, k, lens, buf, sync, scale: float, tile: int, *, flash: bool, pdl: bool, block_n: int,
+                       stats_programs: int, stats_warps: int, stats_stages: int) -> None:
+    """The ordered stats launch into ``buf`` (``common.PassBuffers``), raising the tile counters in ``sync``
+    (``B·Hkv·32·stats_warps`` int32, zero before; the sampling kernel clears them)."""
+    b, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    t = tile_count(k.shape[2], tile)
+    units = b * hkv
+    programs = max(1, min(stats_programs, units * t))
+    launch(_ordered_stats_kernel, (programs, 1, 1),
+           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
+           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
+           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=32 * stats_warps,
+           BLOCK_B=max(2, next_pow2(b)), num_warps=stats_warps, num_stages=stats_stages)
+
+
 def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
-             write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None):
+             write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None,
+             stats_warps: int = STATS_WARPS, stats_stages: int = 2):
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
     units = b * hkv
-    programs = max(1, min(stats_programs, units * t))
-    threads = 32 * STATS_WARPS
+    threads = 32 * stats_warps
     sleep = not is_interpreted(_overlap_sample_kernel)
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
-    launch(_ordered_stats_kernel, (programs, 1, 1),
-           q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
-           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
-           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=threads,
-           BLOCK_B=max(2, next_pow2(b)), num_warps=STATS_WARPS, num_stages=2)
+    ordered_stats_pass(q, k, lens, buf, sync, scale, tile, flash=flash, pdl=pdl, block_n=block_n,
+                       stats_programs=stats_programs, stats_warps=stats_warps, stats_stages=stats_stages)
     lo, hi = seed_words(seed)
     if not flash:
         launch(_unit_budget_kernel, (hq, b, 1),
@@ -261,13 +275,15 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
 def santa_prop_overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                        rounding: str = "largest-remainder", write_counts: bool = False,
                        out: torch.Tensor | None = None, block_n: int = 128, stats_programs: int = STATS_PROGRAMS,
-                       r_max: int | None = None):
+                       r_max: int | None = None, stats_warps: int = STATS_WARPS, stats_stages: int = 2):
     """S²ANTA-prop with the budgets and the sampling overlapping the K stream (3 launches). Returns ``(out
     [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T] int32)``: the
     counts and budgets of ``two_pass.santa_prop_two_pass`` for the same seed. ``block_n``,
-    ``stats_programs`` and ``r_max`` are launch parameters; they change no count."""
+    ``stats_programs``, ``stats_warps``, ``stats_stages`` and ``r_max`` are launch parameters; they change
+    no count."""
     buf = _overlap(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
-                   write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max)
+                   write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max,
+                   stats_warps=stats_warps, stats_stages=stats_stages)
     return buf.out, buf.counts, buf.budgets
 
 
@@ -281,4 +297,4 @@ def santa_flash_overlap(q, k, v, lens, scale: float, budget: int, tile: int, see
     return buf.out, buf.counts
 
 
-__all__ = ["santa_flash_overlap", "santa_prop_overlap"]
+__all__ = ["ordered_stats_pass", "santa_flash_overlap", "santa_prop_overlap"]

@@ -127,7 +127,7 @@ if triton is not None:
                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
 
-def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs):
+def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3):
     """The stats pass into ``buf.m``, ``buf.l``, ``buf.stash`` (and, for flash, ``buf.mstar``)."""
     b, hq, d = q.shape
     hkv, t = k.shape[1], tile_count(k.shape[2], tile)
@@ -137,7 +137,7 @@ def _stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_prog
            q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, num_warps=4, num_stages=3)
+           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, num_warps=num_warps, num_stages=num_stages)
 
 
 def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max):
@@ -153,10 +153,12 @@ def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_cou
 
 
 def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
-              write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None):
+              write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None, stats_warps: int = 4,
+              stats_stages: int = 3):
     b, hq, _ = q.shape
     t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
-    _stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs)
+    stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
+                num_warps=stats_warps, num_stages=stats_stages)
     if flash:
         _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=True, write_counts=write_counts, pdl=pdl,
                      r_max=r_max)
@@ -183,13 +185,15 @@ def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int
 def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                         rounding: str = "largest-remainder", write_counts: bool = False,
                         out: torch.Tensor | None = None, block_n: int = 64, stats_programs: int = 264,
-                        r_max: int | None = None):
+                        r_max: int | None = None, stats_warps: int = 4, stats_stages: int = 3):
     """S²ANTA-prop in 3 launches: stats, tile budgets, sampling with the merge folded in. Returns
     ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T] int32)``.
-    ``block_n`` (keys per sub-block of the stats loop), ``stats_programs`` and ``r_max`` (rows per V
-    gather step) are launch parameters; they change no count."""
+    ``block_n`` (keys per sub-block of the stats loop), ``stats_programs``, ``stats_warps``, ``stats_stages``
+    (the stats kernel's warps and pipeline depth) and ``r_max`` (rows per V gather step) are launch
+    parameters; they change no count."""
     buf = _two_pass(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
-                    write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max)
+                    write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max,
+                    stats_warps=stats_warps, stats_stages=stats_stages)
     return buf.out, buf.counts, buf.budgets
 
 
@@ -204,4 +208,4 @@ def santa_flash_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, se
     return buf.out, buf.counts
 
 
-__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass"]
+__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass", "stats_pass"]
