@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# Keep CPU tests reproducible and within the 2-core CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep CPU tests reproducible and within the 2-core CI machine: one thread per pytest-xdist worker (the
+# README's command runs one worker per core), two without workers.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):
