@@ -297,6 +297,19 @@ if triton is not None:
         return restart, tl.minimum(nq + 1, w_len), pos % w_len
 
     @triton.jit
+    def _row_program(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_R: tl.constexpr):
+        """What a program of the two row launches (grid: row, KV head, key tile) starts from: its ids, the row's
+        position and ring step, and the ring rows (query head h of the group, slot w) = h·W + w."""
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(2)
+        pos, c, s = _position(lens_ptr, b, BS)
+        restart, nq_new, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        rows = tl.arange(0, BLOCK_R)
+        return b, g, t, tl.num_programs(1), pos, c, s, c + 1, restart, nq_new, slot, rows, rows < GROUP * w_len
+
+    @triton.jit
     def _tile_logits(qrows, ks_tile, scale, cols, n, PRECISION: tl.constexpr):
         lg = tl.dot(qrows, tl.trans(ks_tile), input_precision=PRECISION) * scale
         return tl.where(cols[None, :] < n, lg, float("-inf"))
@@ -316,15 +329,8 @@ if triton is not None:
                           PRECISION: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
             gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        t = tl.program_id(2)
-        hkv = tl.num_programs(1)
-        pos, c, s = _position(lens_ptr, b, BS)
-        n = c + 1
-        restart, _, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
-        rows = tl.arange(0, BLOCK_R)  # ring row (query head h of the group, slot w) = h·W + w
-        row_ok = rows < GROUP * w_len
+        b, g, t, hkv, pos, c, s, n, restart, _, slot, rows, row_ok = _row_program(
+            lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
         feats = tl.arange(0, BLOCK_M)
         f_ok = feats < m
         dd = tl.arange(0, BLOCK_D)
@@ -489,15 +495,8 @@ if triton is not None:
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
             gdc_wait()
             gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1).to(tl.int64)
-        t = tl.program_id(2)
-        hkv = tl.num_programs(1)
-        pos, c, s = _position(lens_ptr, b, BS)
-        n = c + 1
-        restart, nq_new, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
-        rows = tl.arange(0, BLOCK_R)
-        row_ok = rows < GROUP * w_len
+        b, g, t, hkv, pos, c, s, n, restart, nq_new, slot, rows, row_ok = _row_program(
+            lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
         # each ring row's log-sum-exp over every tile
         base = (b * hkv + g) * n_tiles * BLOCK_R + rows
         big = tl.full([BLOCK_R], float("-inf"), tl.float32)
