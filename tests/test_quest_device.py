@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_capture import warm_check_and_capture
 from interpreted import compile_for_sm90
 
 import kvsieve
@@ -80,21 +81,7 @@ def test_gpu_method_paths_do_not_sync_and_replay_in_a_graph(spec):
     assert stats.backend == "triton"
     ref, _ = kvsieve.method(spec + ",backend=reference").decode(q, k, v)
     assert float((out.float() - ref.float()).norm() / ref.float().norm()) < 2e-2
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured, _ = step()
+    _, graph, (captured, _) = warm_check_and_capture(step)
     graph.replay()
     eager, _ = step()
     torch.cuda.synchronize()

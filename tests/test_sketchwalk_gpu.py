@@ -3,6 +3,7 @@ prefill on CUDA (skipped without CUDA)."""
 
 import pytest
 import torch
+from cuda_capture import warm_check_and_capture
 
 import kvsieve
 from kvsieve.kernels.shared.block_sparse import block_sparse_prefill_flex, block_sparse_prefill_reference
@@ -148,27 +149,6 @@ def test_fused_selection_matches_the_reference_at_long_context(walk, monkeypatch
         torch.testing.assert_close(sa.a_tilde[:, :n, :n], sr.a_tilde[:, :n, :n], atol=1e-30, rtol=1e-3)
 
 
-def _warm_check_and_capture(call):
-    """Two warm-up calls on a side stream (their last stats returned), one call that must not synchronise with
-    the host, then ``call`` captured: ``(stats, graph, captured output)``."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            _, stats = call()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        call()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = call()
-    return stats, graph, out
-
-
 def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
     """The fused path with a previous layer's walk: no host read (sync debug mode "error"), and graph replays
     at three lengths (one completes a block) equal eager calls bit for bit."""
@@ -191,7 +171,7 @@ def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
         return m.decode(q[:, :, n0 + 2], k, v, lengths=lengths, state=state, context=CallContext(forward=forward),
                         check_finite=False)
 
-    stats, graph, out = _warm_check_and_capture(call)
+    (_, stats), graph, (out, _) = warm_check_and_capture(call)
     assert stats.extra.get("selection") == "fused" and stats.walk_hops == 2
     outs, walks = [], []
     for i in range(3):  # 6462..6464 keys: the last one completes block 100
@@ -237,7 +217,7 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
                         check_finite=False)
 
     # the state is made in the warm-up; both warm-up calls are the first step (a restart the second time)
-    stats, graph, out = _warm_check_and_capture(call)
+    (_, stats), graph, (out, _) = warm_check_and_capture(call)
     assert stats.extra["selection"] == "device-triton" and stats.backend == "triton"
     assert m.graph_capturable
     replayed, kept = [], []
