@@ -268,7 +268,7 @@ def test_methods_that_cannot_run_on_local_heads_are_refused():
     assert tp.compile_ops(False, cuda) is False and tp.compile_ops("auto", cpu) == "auto"
     assert tp.notes == []  # nothing compiles there
     assert tp.compile_ops(True, cpu) is True and "each decoder layer compiled" in tp.notes[0]
-    tp.compile_blocker, tp.notes = "the plan shards the decoder layer Layer itself", []
+    tp.sharding.blocker, tp.notes = "the plan shards the decoder layer Layer itself", []
     with pytest.raises(ValueError, match=r"compile_ops: True is not served on this tensor-parallel model \(the plan"):
         tp.compile_ops(True, cpu)
     assert tp.compile_ops("auto", cuda) is False and tp.notes[0].startswith("compile_ops: off: the plan")

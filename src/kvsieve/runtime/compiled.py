@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from .parallel import layer_sharding, model_tp_size
+from .parallel import LayerSharding
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 # torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
@@ -53,18 +53,18 @@ def decoder_layers(model: torch.nn.Module, attention: list[torch.nn.Module]) -> 
 class CompiledOps:
     """Install (``attach``) and remove (``detach``) the compiled decode-step pieces of one model."""
 
-    def __init__(self, model: torch.nn.Module, attention: list[torch.nn.Module], active: Callable[[], bool]):
+    def __init__(self, model: torch.nn.Module, attention: list[torch.nn.Module], active: Callable[[], bool],
+                 sharding: LayerSharding | None = None):
         self.model, self.attention, self.active = model, attention, active
         self.layers = decoder_layers(model, attention)
         if len(self.layers) != len(attention):
             raise ValueError(f"model: found {len(self.layers)} decoder layers with a self_attn for "
                              f"{len(attention)} attention modules; compile_ops serves transformers' decoder layers")
-        # on a sharded model: each layer's sharded modules outside its attention, left out of the graphs or
-        # (column-parallel Linears) traced as their local matmul
+        # on a sharded model (``sharding``: its TensorParallel's): each layer's sharded modules outside its
+        # attention, left out of the graphs or (column-parallel Linears) traced as their local matmul
         self.excluded: list[torch.nn.Module] = []
         self.local: list[tuple[torch.nn.Module, Callable]] = []
-        if model_tp_size(model) > 1:
-            sharding = layer_sharding(model)
+        if sharding is not None:
             if sharding.blocker is not None:
                 raise ValueError(f"model: {sharding.blocker}; compile_ops compiles each decoder layer's forward and "
                                  "serves plans that shard modules inside the layers")

@@ -390,7 +390,8 @@ class DecodeRuntime:
         if self.compile_ops is True or (self.compile_ops == "auto" and self.use_graph):
             self._compiled = CompiledOps(self.model, self.modules,
                                          lambda: self.cache.mode != "prefill" and (self.use_graph
-                                                                                    or self.compile_ops is True))
+                                                                                    or self.compile_ops is True),
+                                         sharding=None if self.tp is None else self.tp.sharding)
             self._compiled.attach()
             self.stats.compiled_ops = True
         self._attached = True

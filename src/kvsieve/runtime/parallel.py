@@ -57,11 +57,8 @@ class TensorParallel:
     backend: str
     notes: list[str] = field(default_factory=list)  # paths the runtime took because of the sharding
     method_notes: dict[str, list[str]] = field(default_factory=dict)  # what sharding changes, per method
-    # compile_ops on the decoder layers: the sharded modules it leaves out, those it traces locally (by name in
-    # the layer: "mlp.down_proj", ...), and why it cannot compile the layers at all (None: it can)
-    layer_left_out: list[str] = field(default_factory=list)
-    layer_local: list[str] = field(default_factory=list)
-    compile_blocker: str | None = None
+    # what compile_ops does with the sharded modules inside the decoder layers (compiled.py uses the same)
+    sharding: LayerSharding = field(default_factory=lambda: LayerSharding({}, {}, [], [], None), repr=False)
 
     @property
     def kv_head_offset(self) -> int:
@@ -106,16 +103,18 @@ class TensorParallel:
         (runtime/compiled.py), so the compiled graphs hold local tensors only and trace none of transformers'
         layout changes and collectives; off where the plan shards a decoder layer itself (recorded, and
         ``True`` refused). The path is recorded when the step compiles."""
-        if self.compile_blocker is not None:
+        blocker = self.sharding.blocker
+        if blocker is not None:
             if wanted is True:
                 raise ValueError(f"compile_ops: True is not served on this tensor-parallel model "
-                                 f"({self.compile_blocker}); use 'auto' or False")
+                                 f"({blocker}); use 'auto' or False")
             if wanted == "auto" and device.type == "cuda":
-                self.notes.append(f"compile_ops: off: {self.compile_blocker}; the decoder layers run uncompiled, as "
+                self.notes.append(f"compile_ops: off: {blocker}; the decoder layers run uncompiled, as "
                                   "transformers shards them")
             return False
         if wanted is True or (wanted == "auto" and device.type == "cuda"):
-            left_out, local = ", ".join(self.layer_left_out) or "none", ", ".join(self.layer_local) or "none"
+            left_out = ", ".join(self.sharding.left_out_names) or "none"
+            local = ", ".join(self.sharding.local_names) or "none"
             self.notes.append(f"compile_ops: each decoder layer compiled with its attention and its sharded modules "
                               f"{left_out} left out of the graphs (transformers runs them and their all-reduces "
                               f"between the graphs) and its column-parallel Linears {local} traced as this rank's "
@@ -304,10 +303,8 @@ def tensor_parallel(model: torch.nn.Module, shape: ModelShape) -> TensorParallel
             raise ValueError(f"model: k_proj holds {local.shape[0]} output features on rank {rank}; expected "
                              f"{kv_heads} KV heads × head_dim {shape.head_dim} = {kv_heads * shape.head_dim}")
         break
-    sharding = layer_sharding(model)
     return TensorParallel(rank=rank, size=size, group=group, heads=heads, kv_heads=kv_heads, plan=plan,
-                          backend=dist.get_backend(group), layer_left_out=sharding.left_out_names,
-                          layer_local=sharding.local_names, compile_blocker=sharding.blocker)
+                          backend=dist.get_backend(group), sharding=layer_sharding(model))
 
 
 def free_port() -> int:
