@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_capture import warm_check_and_capture
 from interpreted import case_groups, group_id, run_interpreter_cases
 
 from kvsieve.kernels.quest import quest_pages
@@ -393,20 +394,7 @@ def test_gpu_decode_paths_do_not_sync_and_replay_in_a_graph():
     }
     for name, fn in calls.items():
         eager = fn()  # compiles, allocates workspaces and page summaries
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = fn()
+        _, graph, captured = warm_check_and_capture(fn)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
