@@ -8,8 +8,10 @@ The prompt state comes from the method's own prefill record (``prefill(sparse=Fa
 of ``n − 1`` random tokens; every timed replay is the first step after the prompt (a restart, the same work as
 any step). Rows: the whole step (selection + attention), the attention alone on the step's pages (so the
 selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
-kernels of one layer's step (torch profiler). ``--check`` runs one step on the CPU through Triton's interpreter
-(tiny shapes, no timing) and reports what it would launch (``count_dispatched``: Triton launches and torch ops).
+kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold
+L2; a kernel launched with programmatic dependent launch counts its wait). ``--check`` runs one step on the CPU
+through Triton's interpreter (tiny shapes, no timing) and reports what it would launch (``count_dispatched``:
+Triton launches and torch ops).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
 
     timer = ColdL2Timer()
     rows = res["rows"]
-    rows["sketchwalk_step"] = {**timer.time_graph_us(step), "launches": count_launches(step)}
+    rows["sketchwalk_step"] = {**timer.time_graph_us(step), "launches": count_launches(step),
+                               "kernels_us": timer.kernel_breakdown(step)}
     rows["sketchwalk_attention_only"] = {**timer.time_graph_us(attention), "launches": count_launches(attention)}
     rows["dense_triton"] = timer.time_graph_us(lambda: dense_decode_triton(qd, k, v, lengths, qd.shape[-1] ** -0.5))
     fi = load_flashinfer()

@@ -46,6 +46,7 @@ import torch
 from .peaked import ATTENTION_LABELS, bench_prompts, calibration_markdown
 from .report import fmt
 from .saap_fit import fit_line, fitted_specs
+from .timing import step_kernel_kinds
 
 # Shapes only (the decode cost does not depend on RoPE scaling or the weights' values).
 MODEL_SHAPES: dict[str, dict] = {
@@ -152,12 +153,6 @@ def host_ms(step: Callable[[], None], n: int = HOST_STEPS) -> dict[str, float]:
     return {"host_ms": statistics.median(t), "host_min_ms": min(t)}
 
 
-# kvsieve's Triton kernels (kernels/: every one is named ``_..._kernel``; a method's selection, index and state
-# update included), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
-_ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "sample", "budget", "group_sum",
-                      "ordered_stats", "page_", "scores_kernel", "sparse_split", "flash", "fmha", "attention",
-                      "sdpa", "topk", "sort")
-_GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
 BREAKDOWN_STEPS = 3
 # eager steps a captured variant runs after its timing, for its density and bytes (captured steps record none)
 STATS_STEPS = 2
@@ -169,31 +164,11 @@ STATS_STEPS = 2
 _PROFILED = {"done": False}
 
 
-def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict[str, float] | None:
-    """Device ms per step by kernel kind (attention, gemm = weights, other: norms, RoPE, sampling, ...) and
-    kernels per step, from the torch profiler over ``n`` steps; None where the profiler sees no kernels."""
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        _PROFILED["done"] = True
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                step()
-            torch.cuda.synchronize()
-        out = {"attention_ms": 0.0, "gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
-        for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            name = e.name.lower()
-            ours = name.startswith("_") and name.endswith("_kernel")  # not inductor's triton_* nor at::native
-            kind = ("attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
-                    else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
-            out[f"{kind}_ms"] += e.time_range.elapsed_us() / 1e3 / n
-            out["kernels"] += 1 / n
-        return out if out["kernels"] else None
-    except Exception:  # noqa: BLE001 - the profiler is optional
-        return None
+def kernel_breakdown(step: Callable[[], None], n: int = BREAKDOWN_STEPS) -> dict | None:
+    """``timing.step_kernel_kinds`` over ``n`` steps, the process marked as profiled (see ``_PROFILED``)."""
+    torch.cuda.synchronize()
+    _PROFILED["done"] = True
+    return step_kernel_kinds(step, n)
 
 
 def _kv_bytes_dense(rt, keys: float) -> float:

@@ -180,3 +180,43 @@ def count_dispatched(fn: Callable[[], object]) -> dict:
             InterpretedFunction.run = run
     return {"torch_ops": sum(ops.values()), "triton_launches": counts["triton"], "host_reads": counts["reads"],
             "ops": dict(ops)}
+
+
+# kvsieve's Triton kernels (kernels/: every one is named ``_..._kernel``; a method's selection, index and state
+# update included), FlashAttention/SDPA kernels, and selection (topk/sort) count as attention
+_ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "sample", "budget", "group_sum",
+                      "ordered_stats", "page_", "scores_kernel", "sparse_split", "flash", "fmha", "attention",
+                      "sdpa", "topk", "sort")
+_GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
+TOP_KERNELS = 16
+
+
+def step_kernel_kinds(step: Callable[[], object], n: int) -> dict | None:
+    """Device ms per step by kernel kind (attention, gemm = weights, other: norms, RoPE, sampling, ...), kernels
+    per step, and the ``TOP_KERNELS`` costliest kernel names with their ms per step (``top``), from the torch
+    profiler over ``n`` steps; None where the profiler sees no kernels. Kernels launched with programmatic
+    dependent launch count the time their programs wait for the previous kernel."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+        out: dict = {"attention_ms": 0.0, "gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
+        by_name: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            name = e.name.lower()
+            ours = name.startswith("_") and name.endswith("_kernel")  # not inductor's triton_* nor at::native
+            kind = ("attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
+                    else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
+            ms = e.time_range.elapsed_us() / 1e3 / n
+            out[f"{kind}_ms"] += ms
+            out["kernels"] += 1 / n
+            by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + ms
+        out["top"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
+        return out if out["kernels"] else None
+    except Exception:  # noqa: BLE001 - the profiler is optional
+        return None
