@@ -101,7 +101,7 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
     def attention():
         return sparse_decode_triton(qd, k, v, pages[:, None].expand(b, hkv, -1), counts[:, None].expand(b, hkv),
                                     page_size=cfg.block_size, lengths=lengths, sink=prefix,
-                                    sink_lengths=window_tokens, fused_merge=True)[0]
+                                    sink_lengths=window_tokens)[0]
 
     timer = ColdL2Timer()
     rows = res["rows"]

@@ -366,8 +366,10 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
     """The Triton kernel of the contract (module docstring): ``(out [B, Hq, d] in q's dtype, lse [B, Hq]
     float32)``. ``lengths``: int32 preferred (other integer types are converted, one small copy).
     ``check=True`` adds the value checks (host sync). Workspaces are cached per device and reused.
-    ``fused_merge=True``: the last program of each list row merges it (one launch; opt-in until measured
-    on a GPU: it relies on a per-row ticket counter, so calls on one device must not overlap in time).
+    ``fused_merge=True``: the last program of each list row merges it (one launch; it relies on a per-row
+    ticket counter, so calls on one device must not overlap in time). Measured slower than the two launches at
+    batch 1 (H200, 128k: 56 against 30 µs on 64-key pages, 44 against 20 on Quest's; equal at 32k batch 8;
+    ``benchmarks/sparse_decode/tune_gather.py``): every program's acquire-release atomic on its row's counter.
     ``rows_per_batch = Q``: q holds ``B·Q`` query rows (row ``r = b·Q + j``) against a cache ``k, v`` of
     ``B`` rows — the multi-row form (a question chunk's rows, each with its own length and lists) without
     a copy of the cache per row. ``sink_lengths [B]``: each row's sink, at most ``sink`` (int32 preferred)."""

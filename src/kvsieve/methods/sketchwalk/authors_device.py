@@ -265,8 +265,10 @@ def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> t
         prefix = reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
         hkv = inputs.kv_heads
         pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
+        # two launches: the one-launch merge's per-program ticket made this call 56 µs instead of 30 at 128k
+        # batch 1 on an H200 (benchmarks/sparse_decode/tune_gather.py)
         out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=bs, lengths=lens, sink=prefix,
-                                      sink_lengths=step.window_tokens, scale=inputs.scale, fused_merge=True)
+                                      sink_lengths=step.window_tokens, scale=inputs.scale)
     else:
         keep = kept_token_mask(step, n_tok, bs, lengths)
         out = masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
