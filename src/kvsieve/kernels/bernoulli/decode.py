@@ -12,9 +12,9 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    (``feature_major.compact_features``'s order). ``u_i`` is the number the reference path draws:
    ``hash_uniform`` of the row's words (``core.rng.row_words``: the call's key, batch row, position),
    stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
-2. ``_feature_major_stats_kernel``: S²ANTA's stats pass (per-tile max m, Σ e^{s−m} and the float32 score
-   stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read over the listed features
-   only: the K bytes read are the kept fraction of K's.
+2. ``_feature_major_stats_kernel`` (launched under the draw launch, PDL): S²ANTA's stats pass (per-tile max m,
+   Σ e^{s−m} and the float32 score stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read
+   over the listed features only: the K bytes read are the kept fraction of K's.
 3. ``_row_stats_kernel`` (given ``k``): the same statistics for each (row, KV head) whose draws kept more
    than ``ROW_LAYOUT_ABOVE`` of the features, from whole rows of the cache, in santa-prop's stats loop
    (long pipelined streams, several tiles per program): the feature rows cost more per byte, and with most
@@ -22,7 +22,7 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    programs for it return at once), so a call whose draws keep most features streams K as santa-prop's
    stats pass does, plus the draw launch and a near-empty one; with programmatic dependent launch the two
    stats launches run side by side. Gaussian queries keep ~98 % at B = 4, the
-   real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 %
+   real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 % (~52 % at B = 8)
    (``benchmarks/breakdown/bernoulli_kept.py``).
 4.–5. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
 
