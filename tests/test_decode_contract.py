@@ -206,7 +206,9 @@ def test_random_method_stays_unbiased_with_counter_streams():
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # Methods with a GPU (Triton) path, and the reference methods that must still run sync-free there.
-GPU_PATHS = ["dense:backend=triton", "santa-prop:budget=128", "santa-flash:budget=256"]
+# the fused Bernoulli path (its small_config takes the reference path): PDL launches, the kT copy in the state
+GPU_PATHS = ["dense:backend=triton", "santa-prop:budget=128", "santa-flash:budget=256",
+             "bernoulli-qk:query=mean-group,values=santa-prop,budget=128,draws=8,backend=triton"]
 
 
 GPU_SPECS = [spec_of(n) for n in ALL]

@@ -12,9 +12,9 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    (``feature_major.compact_features``'s order). ``u_i`` is the number the reference path draws:
    ``hash_uniform`` of the row's words (``core.rng.row_words``: the call's key, batch row, position),
    stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
-2. ``_feature_major_stats_kernel``: S²ANTA's stats pass (per-tile max m, Σ e^{s−m} and the float32 score
-   stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read over the listed features
-   only: the K bytes read are the kept fraction of K's.
+2. ``_feature_major_stats_kernel`` (launched under the draw launch, PDL): S²ANTA's stats pass (per-tile max m,
+   Σ e^{s−m} and the float32 score stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read
+   over the listed features only: the K bytes read are the kept fraction of K's.
 3. ``_row_stats_kernel`` (given ``k``): the same statistics for each (row, KV head) whose draws kept more
    than ``ROW_LAYOUT_ABOVE`` of the features, from whole rows of the cache, in santa-prop's stats loop
    (long pipelined streams, several tiles per program): the feature rows cost more per byte, and with most
@@ -22,7 +22,7 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    programs for it return at once), so a call whose draws keep most features streams K as santa-prop's
    stats pass does, plus the draw launch and a near-empty one; with programmatic dependent launch the two
    stats launches run side by side. Gaussian queries keep ~98 % at B = 4, the
-   real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 %
+   real SmolLM2-135M's ~52 % (39–69 % over units), the bench's peaked model's ~29 % (~52 % at B = 8)
    (``benchmarks/breakdown/bernoulli_kept.py``).
 4.–5. S²ANTA-prop's budget and compacted sampling passes, unchanged (``two_pass.prop_sampling_passes``).
 
@@ -69,7 +69,10 @@ if triton is not None:
                                 key_lo, key_hi, draws, norm_factor, rows_per_batch, kv_heads, s_q_r, s_q_h,
                                 s_kc_b, s_kc_h, s_kc_n, s_kt_b, s_kt_h, s_kt_f,
                                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                                ROW_WORDS: tl.constexpr, STREAM: tl.constexpr, APPEND: tl.constexpr):
+                                ROW_WORDS: tl.constexpr, STREAM: tl.constexpr, APPEND: tl.constexpr,
+                                PDL: tl.constexpr):
+        if PDL:  # the stats launch may start now: it waits (gdc_wait) for this one before reading anything
+            gdc_launch_dependents()
         kvh = tl.program_id(0)
         r = tl.program_id(1)
         if APPEND:  # the batch row's last query row brings its KV head's kT up to the cache (one launch less)
@@ -113,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _feature_major_stats_kernel(qest_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
-                                    scale, tiles_per_program, hq, kv_heads, rows_per_batch, row_above,
+                                    scale, tiles_per_program, hq, kv_heads, rows_per_batch, row_above, capacity,
                                     s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                                     BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr,
@@ -121,7 +124,9 @@ if triton is not None:
         """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
         listed features of the feature-major copy; a unit whose draws kept more than ``row_above`` features
         is left to ``_row_stats_kernel``."""
-        if PDL:  # the next launch (row stats or budgets) may start now: it waits (gdc_wait) for this one
+        if PDL:  # launched early: wait for the draw launch (q_est, the feature lists, kT's new keys), then let the
+            # next launch (row stats or budgets) start: it reads the draw launch's outputs too
+            gdc_wait()
             gdc_launch_dependents()
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -145,8 +150,8 @@ if triton is not None:
                 for j in range(0, TILE // BLOCK_N):
                     offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
                     n_ok = offs_n < length
-                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, n_ok, g_ok, s_kt_f, FB,
-                                       BLOCK_G, BLOCK_N, SPLIT)
+                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, offs_n < capacity, g_ok,
+                                       s_kt_f, FB, BLOCK_G, BLOCK_N, SPLIT)
                     s = tl.where(n_ok[None, :], s * scale, float("-inf"))
                     tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
                     m, l = fold_scores(m, l, s)
@@ -299,7 +304,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            kc, done, kt, key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
            kc.stride(0), kc.stride(1), kc.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY,
-           APPEND=append is not None, num_warps=4)
+           APPEND=append is not None, PDL=pdl, num_warps=4)
     # About one tile per program, 256-key sub-blocks, 16 features per step, 4 warps: the fastest of the H100
     # sweep over blocks, features per step, warps and programs
     # (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md).
@@ -307,9 +312,9 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     split = split_dots(kt)
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_est, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
-           row_feats, kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
+           row_feats, kt.shape[3], kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block, SPLIT=split,
-           PDL=pdl, num_warps=stats_warps, num_stages=3)
+           PDL=pdl, num_warps=stats_warps, num_stages=3, **pdl_launch(pdl))
     if k is not None:
         row_block, row_programs, row_warps, row_stages = row_launch
         per_row_program = max(1, round(t * hkv * r / row_programs))

@@ -99,12 +99,15 @@ def feature_major_scores_reference(q_est, kt, feat_idx, n_feat, lengths, scale: 
 if triton is not None:
 
     @triton.jit
-    def feature_scores(q_rows, kt_base, idx_base, nf, offs_n, n_ok, g_ok, s_kt_f, FB: tl.constexpr,
+    def feature_scores(q_rows, kt_base, idx_base, nf, offs_n, n_in, g_ok, s_kt_f, FB: tl.constexpr,
                        G_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
         """``Σ_j q_est[g, f_j] · kT[f_j, n]`` ``[G_BLOCK, BLOCK_N]`` (float32, unscaled) over the
         ``nf`` listed features ``idx_base[0:nf]``: FB feature rows (each a contiguous run of the keys
         ``offs_n``) at a time against the group's effective queries at ``q_rows [G_BLOCK]`` (pointers
-        to float32 rows of D). ``SPLIT`` (16-bit K, compiled): on tensor cores, the float32 query split
+        to float32 rows of D). ``n_in``: the keys inside kT's key axis (``offs_n < capacity``), not the
+        row's valid keys: a bound with 16 | capacity keeps the feature-row loads 16-byte vectors, where a
+        row length (any integer) splits them into 2-byte loads; keys past the length are read and the
+        caller masks their scores. ``SPLIT`` (16-bit K, compiled): on tensor cores, the float32 query split
         in two parts of K's type; else (float32 K, or the interpreter, whose 16-bit ``tl.dot`` is wrong)
         IEEE float32 dots."""
         acc = tl.zeros([G_BLOCK, BLOCK_N], tl.float32)
@@ -113,7 +116,7 @@ if triton is not None:
             f_ok = offs_f < nf
             feat = tl.load(idx_base + offs_f, mask=f_ok, other=0)
             k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
-                        mask=f_ok[:, None] & n_ok[None, :], other=0.0)  # [FB, BLOCK_N]
+                        mask=f_ok[:, None] & n_in[None, :], other=0.0)  # [FB, BLOCK_N]
             qv = tl.load(q_rows[:, None] + feat[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
             if not SPLIT:
                 acc += tl.dot(qv.to(tl.float32), k.to(tl.float32), input_precision="ieee")
@@ -141,7 +144,8 @@ if triton is not None:
         acc = tl.zeros([G_BLOCK, BLOCK_N], tl.float32)
         if nb * BLOCK_N < length:
             acc = feature_scores(q_ptr + (row * G + offs_g) * D, kt_ptr + row.to(tl.int64) * D * n_keys,
-                                 idx_ptr + row * D, tl.load(nfeat_ptr + row), offs_n, key_ok, head_ok, n_keys, FB,
+                                 idx_ptr + row * D, tl.load(nfeat_ptr + row), offs_n, offs_n < n_keys, head_ok,
+                                 n_keys, FB,
                                  G_BLOCK, BLOCK_N, SPLIT)
         out = tl.where(key_ok[None, :], acc * scale, float("-inf"))
         tl.store(out_ptr + (row * G + offs_g[:, None]) * n_keys + offs_n[None, :], out,
