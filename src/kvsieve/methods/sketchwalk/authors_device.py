@@ -189,7 +189,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
                 kernels: bool = False) -> DeviceStep:
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
     cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``max_pages``: the page
-    list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 2 + ``degree``
+    list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 4 + ``degree``
     launches), or its torch reference (about a hundred launches)."""
     m = st.phi.shape[0]
     scale = m ** -0.5 / LOGIT_DIVISOR
@@ -265,8 +265,10 @@ def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> t
         prefix = reserved(cfg.window, n_tok, bs, n)[0]  # the longest row's (host bound)
         hkv = inputs.kv_heads
         pages, counts = step.pages[:, None].expand(b, hkv, -1), step.counts[:, None].expand(b, hkv)
+        # the merge as its own launch: the fused form's ticket per program serialises on the row's counter and was
+        # measured slower at batch 1 (about equal at batch 8), see docs/methods/sketchwalk.md
         out, _ = sparse_decode_triton(q, k, v, pages, counts, page_size=bs, lengths=lens, sink=prefix,
-                                      sink_lengths=step.window_tokens, scale=inputs.scale, fused_merge=True)
+                                      sink_lengths=step.window_tokens, scale=inputs.scale, fused_merge=False)
     else:
         keep = kept_token_mask(step, n_tok, bs, lengths)
         out = masked_attention(inputs.q[:, :, None], inputs.k, inputs.v, keep[:, None], inputs.scale,
