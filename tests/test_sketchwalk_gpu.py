@@ -194,7 +194,7 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
     (sync debug mode "error"), graph replays over 70 steps (blocks complete, the ring wraps) equal eager calls
     bit for bit, a replay at the first position after the prompts restarts, every step keeps the blocks
     the per-row reference keeps (up to a flip at a near tie) with outputs within bf16 rounding, and a step is
-    six launches."""
+    nine launches at degree 3."""
     from test_sketchwalk_authors_device import stacked_state
 
     from kvsieve import CallContext
