@@ -111,23 +111,24 @@ def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadama
     u = rand(b, cap, cap) ** 3
     return SimpleNamespace(
         phi=sketch_matrix(d, hadamard_dim, seed), u=u, sigma=1 / u.sum(-1) * (1 + 0.1 * rand(b, cap)), rsum=u.sum(-1),
-        n_blocks=torch.tensor([8, 9, 6, 10, 7]), qs=torch.randn(b, hq, w_len, 12, generator=g),
+        n_blocks=torch.tensor([8, 9, 6, 10, 7]), qs=torch.randn(b, hq, w_len, hadamard_dim, generator=g),
         n_queries=torch.tensor([5, 3, 5, 2, 5]), ksum=torch.randn(b, hkv, cap, d, generator=g),
-        ks=torch.randn(b, hkv, cap, 12, generator=g), last_pos=torch.tensor([60, 64, 46, 79, 40]),
+        ks=torch.randn(b, hkv, cap, hadamard_dim, generator=g), last_pos=torch.tensor([60, 64, 46, 79, 40]),
         order_error=torch.tensor([False, False, False, True, False]), prompt_len=torch.tensor([58, 64, 45, -1, 48]),
         p_nblocks=torch.tensor([8, 8, 6, 0, 6]), p_row=rand(b, cap), p_col=rand(b, cap), p_rsum=rand(b, cap) + 0.5,
-        p_qs=torch.randn(b, hq, w_len, 12, generator=g), p_nq=torch.tensor([4, 5, 1, 0, 5]),
+        p_qs=torch.randn(b, hq, w_len, hadamard_dim, generator=g), p_nq=torch.tensor([4, 5, 1, 0, 5]),
         p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs)
 
 
-@pytest.mark.parametrize("seed,block_x", [(0, None), (1, 4)])
+@pytest.mark.parametrize("seed,block_x,sketch_dim,block_m", [(0, None, 12, None), (1, 4, 12, None), (2, None, 40, 16)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_row_update_kernels_match_their_reference(seed, fresh, block_x):
+def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_dim, block_m):
     """Row 0 restarts mid-block, row 1 restarts on a block boundary, row 2 continues its block, row 3 starts a
     new block (its order flag already set), row 4 jumps (sets it); ``fresh``: rows past the block count start as
     the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the tail over the whole row
-    at once or in chunks (``block_x``)."""
-    st = crafted_state(seed)
+    at once or in chunks (``block_x``); the logits' dots over the sketch at once or in chunks of features
+    (``block_m``, the last one partial)."""
+    st = crafted_state(seed, hadamard_dim=sketch_dim)
     st.fresh_rows = fresh
     if fresh:
         st.n_blocks = torch.tensor([3, 0, 6, 10, 2])
@@ -137,7 +138,7 @@ def test_row_update_kernels_match_their_reference(seed, fresh, block_x):
     lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
     want, got = copy.deepcopy(st), copy.deepcopy(st)
     r_want = kd.row_update_reference(want, q, k, lengths, scale=0.05)
-    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x, block_m=block_m)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
     assert not r_got[0, 8:].any() and not r_got[4, 6:].any()
     assert not got.fresh_rows
@@ -173,8 +174,9 @@ def test_walk_select_kernels_match_their_reference(seed):
         assert want["short"][2] and not want["short"][0]
 
 
-def test_a_layer_step_is_six_launches():
-    """The step up to the attention is 2 + degree Triton launches and the attention one (its fused merge); no torch
+def test_a_layer_step_is_four_launches_plus_the_hops_plus_the_attention():
+    """The step up to the attention is 4 + degree Triton launches (the row's two tile passes and its tail, the hops,
+    the selection) and the attention two (its splits, then their merge); no torch
     op runs on the device path but the CPU's order check (``any`` and its host read; on CUDA it is not made)."""
     from kvsieve.bench.timing import count_dispatched
 
@@ -191,5 +193,5 @@ def test_a_layer_step_is_six_launches():
                                                                check_finite=False))
     calls[0]()
     got = count_dispatched(calls[1])
-    assert got["triton_launches"] == 2 + m.config.degree + 1, got
+    assert got["triton_launches"] == 4 + m.config.degree + 2, got
     assert set(got["ops"]) <= {"any.default"} and got["host_reads"] <= 1, got

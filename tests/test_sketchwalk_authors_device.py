@@ -213,14 +213,16 @@ ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
             pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
             counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
-meta = dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_N=ad.ROW_TILE, BLOCK_M=128, PRECISION="tf32x3", PDL=True)
-compile_(ad._row_stats_kernel, ptrs, dict(meta, BLOCK_G=16, BLOCK_D=128), floats=("scale",), num_warps=8,
+meta = dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_N=ad.ROW_TILE, BLOCK_M=32, PRECISION="tf32x3", PDL=True)
+compile_(ad._row_stats_kernel, ptrs, dict(meta, BLOCK_G=16, BLOCK_D=32), floats=("scale",), num_warps=8,
          num_stages=1)
-compile_(ad._row_probs_kernel, ptrs, dict(meta, BLOCK_X=4096), floats=("scale", "eps"), num_warps=8, num_stages=1)
-for first, last in ((True, False), (False, False), (False, True), (True, True)):
-    compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, LAST=last, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128,
-                                             BLOCK_X=4096, PDL=True), floats=("q", "beta", "one_minus_beta"),
-             num_warps=8 if last else 4)
+compile_(ad._row_probs_kernel, ptrs, dict(meta, TILE_CH=32), floats=("scale",), num_warps=8, num_stages=1)
+compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, PDL=True), floats=("eps",), num_warps=8)
+for first in (True, False):
+    compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
+             floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)
+compile_(ad._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
+         floats=("q", "beta", "one_minus_beta"), num_warps=8)
 print("COMPILED")
 """
 
@@ -228,7 +230,7 @@ print("COMPILED")
 @pytest.mark.triton
 def test_the_step_kernels_compile_for_the_h100():
     """The interpreter neither type-checks untaken branches nor runs tensor-core dots: compiling for sm_90 (no GPU
-    needed) does, at Llama-3.1-8B heads, for every hop kind (first, middle, last with the selection, and both), with
+    needed) does, at Llama-3.1-8B heads, for both hop kinds (first, later) and the per-row tails, with
     programmatic dependent launch as on the H100."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90

@@ -15,24 +15,26 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch: :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5), about a hundred small
-launches per step. Triton: :func:`row_update_triton` (1–3, two launches) and :func:`walk_select_triton`
-(4–5, ``degree`` launches):
+launches per step. Triton: :func:`row_update_triton` (1–3, three launches) and :func:`walk_select_triton`
+(4–5, ``degree`` + 1 launches):
 
 - ``_row_stats_kernel``, a program per (row, KV head, tile of key blocks): the state's step (the ring slot by
   the tile-0 program of each KV head, block ``c``'s key sum and sketch by the program whose tile holds it;
   every program computes the new sketches it needs itself, so none reads what another writes), then each
   ring row's max and Σ exp of its logits over the tile;
-- ``_row_probs_kernel``, the same grid: the tile's probabilities summed over the KV head's ring rows; the
-  last program of a row to finish (a ticket counter it resets) sums the KV heads, normalises ``r`` and runs
-  the running matrix's step, the ring's count and the order flag;
+- ``_row_probs_kernel``, the same grid: the tile's probabilities summed over the KV head's ring rows;
+- ``_row_tail_kernel``, a program per row: sums the KV heads, normalises ``r`` and runs the running matrix's step,
+  the ring's count and the order flag;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
-  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them; after the last hop the last
-  program of a row writes the walk, takes the quantile by an exact radix select (``select_common``'s) and
-  writes the kept blocks and the page list.
+  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them;
+- ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
+  the kept blocks and the page list.
 
-Nothing is read on the host; buffers are cached workspaces or outputs allocated from host-known sizes
-(capturable); the only atomics are the tickets, so nothing is summed in arrival order and a replay equals an
-eager call bit for bit.
+The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
+acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
+programmatic dependent launch hides. Nothing is read on the host; buffers are cached workspaces or outputs
+allocated from host-known sizes (capturable); there are no atomics, so nothing is summed in arrival order and a
+replay equals an eager call bit for bit.
 """
 
 from __future__ import annotations
@@ -310,9 +312,9 @@ if triton is not None:
         return b, g, t, tl.num_programs(1), pos, c, s, c + 1, restart, nq_new, slot, rows, rows < GROUP * w_len
 
     @triton.jit
-    def _tile_logits(qrows, ks_tile, scale, cols, n, PRECISION: tl.constexpr):
-        lg = tl.dot(qrows, tl.trans(ks_tile), input_precision=PRECISION) * scale
-        return tl.where(cols[None, :] < n, lg, float("-inf"))
+    def _scaled(acc, scale, cols, n):
+        """The logits from their dot ``acc``: scaled, ``-inf`` past the row's blocks."""
+        return tl.where(cols[None, :] < n, acc * scale, float("-inf"))
 
     @triton.jit
     def _store_stats(mx_ptr, se_ptr, at, lg, ok):
@@ -331,52 +333,70 @@ if triton is not None:
             gdc_launch_dependents()
         b, g, t, hkv, pos, c, s, n, restart, _, slot, rows, row_ok = _row_program(
             lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
-        feats = tl.arange(0, BLOCK_M)
-        f_ok = feats < m
         dd = tl.arange(0, BLOCK_D)
-        d_ok = dd < d
         gh = tl.arange(0, BLOCK_G)
         g_ok = gh < GROUP
-        phi_t = tl.load(phi_ptr + feats[None, :] * d + dd[:, None], mask=d_ok[:, None] & f_ok[None, :], other=0.0)
-        # the new query's sketches, one per query head of the group
-        qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dd[None, :],
-                     mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        q_new = tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
-        ring_at = (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :]
-        ring_mask = row_ok[:, None] & f_ok[None, :]
-        if restart:
-            ring = tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0)
-        else:
-            ring = tl.load(qs_ptr + ring_at, mask=ring_mask, other=0.0)
-        new_at = (b * hq + g * GROUP) * w_len * m + (gh * w_len + slot)[:, None] * m + feats[None, :]
-        if t == 0:  # the ring's step for the group (the other programs read the prompt's copy or other slots)
-            if restart:
-                tl.store(qs_ptr + ring_at, ring, mask=ring_mask & ((rows % w_len) != slot)[:, None])
-            tl.store(qs_ptr + new_at, q_new, mask=g_ok[:, None] & f_ok[None, :])
-        # the tile's key-block sketches; block c's from the new key (written by the program whose tile holds it)
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks_at = ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :]
-        ks_tile = tl.load(ks_ptr + ks_at, mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
-        if (c >= t * BLOCK_N) & (c < t * BLOCK_N + BLOCK_N):
-            k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dd, mask=d_ok, other=0.0).to(tl.float32)
-            sum_at = ((b * hkv + g) * cap + c) * d + dd
+        # block c's key sum from the new key (by the program whose tile holds it), its sketch below per chunk
+        holds_c = (c >= t * BLOCK_N) & (c < t * BLOCK_N + BLOCK_N)
+        if holds_c:
+            for d0 in range(0, d, BLOCK_D):
+                dc = d0 + dd
+                dc_ok = dc < d
+                k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
+                sum_at = ((b * hkv + g) * cap + c) * d + dc
+                if restart:
+                    base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
+                elif s == 0:
+                    base = tl.zeros([BLOCK_D], tl.float32)
+                else:
+                    base = tl.load(ksum_ptr + sum_at, mask=dc_ok, other=0.0)
+                tl.store(ksum_ptr + sum_at, base + k_new, mask=dc_ok)
+        tl.debug_barrier()  # the key sum's stores precede the chunked reads below (other threads' elements)
+        # the logits accumulated over chunks of BLOCK_M sketch features: a chunk of the ring, of Φ and of the key
+        # sketches at a time keeps registers and shared memory small enough for several programs per SM
+        acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+        acc_new = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for f0 in range(0, m, BLOCK_M):
+            feats = f0 + tl.arange(0, BLOCK_M)
+            f_ok = feats < m
+            # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D
+            # dims (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
+            q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
+            ks_c = tl.zeros([BLOCK_M], tl.float32)
+            for d0 in range(0, d, BLOCK_D):
+                dc = d0 + dd
+                dc_ok = dc < d
+                phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
+                                other=0.0)
+                qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
+                             mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+                q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
+                if holds_c:
+                    k_mean = tl.load(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, mask=dc_ok, other=0.0) / BS
+                    ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
+            ring_at = (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :]
+            ring_mask = row_ok[:, None] & f_ok[None, :]
             if restart:
-                base = tl.load(pkp_ptr + (b * hkv + g) * d + dd, mask=d_ok, other=0.0)
-            elif s == 0:
-                base = tl.zeros([BLOCK_D], tl.float32)
+                ring = tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0)
             else:
-                base = tl.load(ksum_ptr + sum_at, mask=d_ok, other=0.0)
-            k_sum = base + k_new
-            tl.store(ksum_ptr + sum_at, k_sum, mask=d_ok)
-            ks_c = tl.sum((k_sum / BS)[:, None] * phi_t, axis=0)
-            tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
-            ks_tile = tl.where((cols == c)[:, None], ks_c[None, :], ks_tile)
+                ring = tl.load(qs_ptr + ring_at, mask=ring_mask, other=0.0)
+            if t == 0:  # the ring's step for the group (the other programs read the prompt's copy or other slots)
+                if restart:
+                    tl.store(qs_ptr + ring_at, ring, mask=ring_mask & ((rows % w_len) != slot)[:, None])
+                new_at = (b * hq + g * GROUP) * w_len * m + (gh * w_len + slot)[:, None] * m + feats[None, :]
+                tl.store(qs_ptr + new_at, q_new, mask=g_ok[:, None] & f_ok[None, :])
+            ks_at = ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :]
+            ks_tile = tl.load(ks_ptr + ks_at, mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
+            if holds_c:
+                tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
+                ks_tile = tl.where((cols == c)[:, None], ks_c[None, :], ks_tile)
+            acc += tl.dot(ring, tl.trans(ks_tile), input_precision=PRECISION)
+            acc_new += tl.dot(q_new, tl.trans(ks_tile), input_precision=PRECISION)
         # each ring row's max and Σ exp over the tile (slot rows: the new sketches)
         stat_at = ((b * hkv + g) * n_tiles + t) * BLOCK_R
-        lg = _tile_logits(ring, ks_tile, scale, cols, n, PRECISION)
-        _store_stats(mx_ptr, se_ptr, stat_at + rows, lg, row_ok & ((rows % w_len) != slot))
-        lg_new = _tile_logits(q_new, ks_tile, scale, cols, n, PRECISION)
-        _store_stats(mx_ptr, se_ptr, stat_at + gh * w_len + slot, lg_new, g_ok)
+        _store_stats(mx_ptr, se_ptr, stat_at + rows, _scaled(acc, scale, cols, n), row_ok & ((rows % w_len) != slot))
+        _store_stats(mx_ptr, se_ptr, stat_at + gh * w_len + slot, _scaled(acc_new, scale, cols, n), g_ok)
 
     @triton.jit
     def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
@@ -486,49 +506,65 @@ if triton is not None:
         tl.store(last_ptr + b, pos)
         tl.store(nq_ptr + b, nq_new.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["cap", "w_len", "m", "n_tiles", "hq", "fresh"])
-    def _row_probs_kernel(lens_ptr, qs_ptr, ks_ptr, nq_ptr, pnq_ptr, plen_ptr, mx_ptr, se_ptr, part_ptr, tk_ptr,
-                          r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr,
-                          last_ptr, err_ptr, cap, w_len, m, n_tiles, hq, fresh, scale, eps, GROUP: tl.constexpr,
-                          BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_X: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["cap", "w_len", "m", "n_tiles", "hq"])
+    def _row_probs_kernel(lens_ptr, qs_ptr, ks_ptr, nq_ptr, pnq_ptr, plen_ptr, mx_ptr, se_ptr, part_ptr, cap, w_len,
+                          m, n_tiles, hq, scale, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILE_CH: tl.constexpr,
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
             gdc_wait()
             gdc_launch_dependents()
         b, g, t, hkv, pos, c, s, n, restart, nq_new, slot, rows, row_ok = _row_program(
             lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
-        # each ring row's log-sum-exp over every tile
+        # each ring row's log-sum-exp over every tile, TILE_CH tiles per load (one round trip per chunk, not per tile)
         base = (b * hkv + g) * n_tiles * BLOCK_R + rows
+        tch = tl.arange(0, TILE_CH)
         big = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for tt in range(0, n_tiles):
-            big = tl.maximum(big, tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf")))
+        for t0 in range(0, n_tiles, TILE_CH):
+            at = base[None, :] + (t0 + tch)[:, None] * BLOCK_R
+            ok2 = (t0 + tch < n_tiles)[:, None] & row_ok[None, :]
+            big = tl.maximum(big, tl.max(tl.load(mx_ptr + at, mask=ok2, other=float("-inf")), 0))
         safe = tl.where(big == float("-inf"), 0.0, big)
         total = tl.zeros([BLOCK_R], tl.float32)
-        for tt in range(0, n_tiles):
-            mt = tl.load(mx_ptr + base + tt * BLOCK_R, mask=row_ok, other=float("-inf"))
-            se = tl.load(se_ptr + base + tt * BLOCK_R, mask=row_ok, other=0.0)
-            total += tl.where(mt == float("-inf"), 0.0, se * tl.exp(mt - safe))
+        for t0 in range(0, n_tiles, TILE_CH):
+            at = base[None, :] + (t0 + tch)[:, None] * BLOCK_R
+            ok2 = (t0 + tch < n_tiles)[:, None] & row_ok[None, :]
+            mt = tl.load(mx_ptr + at, mask=ok2, other=float("-inf"))
+            se = tl.load(se_ptr + at, mask=ok2, other=0.0)
+            total += tl.sum(tl.where(mt == float("-inf"), 0.0, se * tl.exp(mt - safe[None, :])), 0)
         lse = safe + tl.log(tl.where(total > 0, total, 1.0))
         # the tile's probabilities summed over the valid ring rows (the slot's age below the ring's count)
-        feats = tl.arange(0, BLOCK_M)
-        f_ok = feats < m
-        ring = tl.load(qs_ptr + (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :],
-                       mask=row_ok[:, None] & f_ok[None, :], other=0.0)
         cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks_tile = tl.load(ks_ptr + ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :],
-                          mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
-        lg = _tile_logits(ring, ks_tile, scale, cols, n, PRECISION)
+        acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+        for f0 in range(0, m, BLOCK_M):  # the same chunks as the stats' (the same sums)
+            feats = f0 + tl.arange(0, BLOCK_M)
+            f_ok = feats < m
+            ring = tl.load(qs_ptr + (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :],
+                           mask=row_ok[:, None] & f_ok[None, :], other=0.0)
+            ks_tile = tl.load(ks_ptr + ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :],
+                              mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
+            acc += tl.dot(ring, tl.trans(ks_tile), input_precision=PRECISION)
+        lg = _scaled(acc, scale, cols, n)
         age = (slot - rows % w_len + w_len) % w_len
         ok = row_ok & (age < nq_new)
         p = tl.where(ok[:, None] & (cols < n)[None, :], tl.exp(lg - lse[:, None]), 0.0)
         tl.store(part_ptr + (b * hkv + g) * cap + cols, tl.sum(p, 0), mask=cols < cap)
-        # every thread's stores precede the release; the acquire of the last program sees them all
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
-        if ticket == hkv * n_tiles - 1:
-            tl.atomic_xchg(tk_ptr + b, 0)
-            _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
-                        p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
+
+    @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
+    def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
+                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, cap, w_len, hkv, fresh, eps,
+                         BS: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+        """A program per row, after every tile's partials: the block row and the running matrix's step. Its own
+        launch rather than the last of the tile programs (a ticket): the tiles' acquire-release atomics on one
+        counter serialise, which costs more than a launch whose start PDL hides."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        pos, c, s = _position(lens_ptr, b, BS)
+        restart, nq_new, _ = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
+                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
 
     @triton.jit
     def _reserved(n_tok, frac, n, BS: tl.constexpr):
@@ -600,12 +636,10 @@ if triton is not None:
         tl.store(n_ptr + b, n.to(tl.int32))
         tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
 
-    @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows", "max_pages"])
-    def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, tk_ptr, frac_ptr, walk_ptr, kept_ptr,
-                         pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, cap, n_splits, split_rows, max_pages, q,
-                         beta, one_minus_beta, FIRST: tl.constexpr, LAST: tl.constexpr, BS: tl.constexpr,
-                         SPLITS_P: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-                         BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
+    def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap, n_splits, split_rows, beta,
+                         one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr, SPLITS_P: tl.constexpr,
+                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
             gdc_wait()
             gdc_launch_dependents()
@@ -633,14 +667,19 @@ if triton is not None:
                         other=0.0)
             acc += v[:, None] * a
         tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
-        if LAST:
-            tl.debug_barrier()
-            ticket = tl.atomic_add(tk_ptr + b, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.num_programs(1) * tl.num_programs(2) - 1:
-                tl.atomic_xchg(tk_ptr + b, 0)
-                _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr,
-                            n_ptr, short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P,
-                            BLOCK_X)
+
+    @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
+    def _select_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
+                       short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
+                       SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
+        """A program per row after the last hop (its own launch, not a ticket: see ``_row_tail_kernel``)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        pos, c, _ = _position(lens_ptr, b, BS)
+        _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
+                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P, BLOCK_X)
 
 
 def tail_chunk(cap: int) -> int:
@@ -656,18 +695,25 @@ def _check_state(st) -> None:
             raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
+def feature_chunk(m: int) -> int:
+    """Sketch features per chunk of the row launches' dots: 32 (a [128, 32] slice of the ring at a time)."""
+    return min(32, max(16, next_pow2(m)))
+
+
 #: key blocks per program of the row launches: with the ring's 128 rows × 128 features and tf32x3 dots, 64 asks
 #: for 256 KiB of shared memory (over sm_90's 227 KiB), 32 for 192 KiB
 ROW_TILE = 32
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = ROW_TILE, precision: str = "tf32x3", block_x: int | None = None) -> torch.Tensor:
+                      block_n: int = ROW_TILE, precision: str = "tf32x3", block_x: int | None = None,
+                      block_m: int | None = None) -> torch.Tensor:
     """:func:`row_update_reference` in two launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred). Returns ``r [B, C]`` (a workspace: valid until the next call).
     ``precision``: ``tl.dot``'s for the sketched logits (tf32x3 keeps about float32's accuracy on tensor cores;
     the interpreter computes in float32 whatever it is); ``block_x``: the tail's chunk (default
-    :func:`tail_chunk`)."""
+    :func:`tail_chunk`); ``block_m``: the sketch features per chunk of the logits' dots (default
+    :func:`feature_chunk`)."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
@@ -681,18 +727,20 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     se = workspace("sw_authors_se", q, b * hkv * n_tiles * block_r, torch.float32)
     part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
     r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
-    tickets = workspace("sw_authors_row_ticket", q, b, torch.int32, zeroed=True)
     pdl = pdl_available()
-    meta = dict(GROUP=group, BS=st.block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)),
+    meta = dict(GROUP=group, BS=st.block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=block_m or feature_chunk(m),
                 PRECISION=precision, PDL=pdl, num_warps=8, num_stages=1)
     launch(_row_stats_kernel, (b, hkv, n_tiles), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries, st.p_nq,
            st.prompt_len, st.ksum, st.ks, st.p_kpart, mx, se, cap, w_len, m, d, n_tiles, hq, float(scale),
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-           BLOCK_G=max(16, next_pow2(group)), BLOCK_D=max(16, next_pow2(d)), **meta)
+           BLOCK_G=max(16, next_pow2(group)), BLOCK_D=min(32, max(16, next_pow2(d))), **meta)
     launch(_row_probs_kernel, (b, hkv, n_tiles), lengths, st.qs, st.ks, st.n_queries, st.p_nq, st.prompt_len, mx, se,
-           part, tickets, r, st.u, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum,
-           st.last_pos, st.order_error, cap, w_len, m, n_tiles, hq, int(st.fresh_rows), float(scale), ROW_EPS,
-           BLOCK_X=block_x or tail_chunk(cap), **meta, **pdl_launch(pdl))
+           part, cap, w_len, m, n_tiles, hq, float(scale), TILE_CH=min(32, max(2, next_pow2(n_tiles))), **meta,
+           **pdl_launch(pdl))
+    launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
+           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, cap, w_len, hkv,
+           int(st.fresh_rows), ROW_EPS, BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8,
+           **pdl_launch(pdl))
     st.fresh_rows = False
     return r
 
@@ -721,7 +769,6 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     n_splits = cdiv(cap, split_rows)
     hops = workspace("sw_authors_hops", r, 2 * b * n_splits * cap, torch.float32)[:2 * b * n_splits * cap]
     hops = hops.view(2, b * n_splits * cap)
-    tickets = workspace("sw_authors_walk_ticket", r, b, torch.int32, zeroed=True)
     out = {"walk": torch.empty(b, cap, device=dev, dtype=torch.float32),
            "kept": torch.empty(b, cap, device=dev, dtype=torch.int8),
            "pages": torch.empty(b, max_pages, device=dev, dtype=torch.int32),
@@ -730,15 +777,16 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
            "n": torch.empty(b, device=dev, dtype=torch.int32),
            "short": torch.empty(b, device=dev, dtype=torch.int8)}
     frac = float64_constants((sink, window), dev)
-    pdl = pdl_available()  # each hop launches while the kernel before it runs (its programs wait for it first)
+    pdl = pdl_available()  # each launch starts while the kernel before it runs (its programs wait for it first)
     for hop in range(degree):
         launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.u, st.sigma, r, hops[(hop + 1) % 2],
-               hops[hop % 2], tickets, frac, out["walk"], out["kept"], out["pages"], out["counts"],
-               out["window_tokens"], out["n"], out["short"], cap, n_splits, split_rows, max_pages, float(q),
-               float(beta), float(1.0 - beta), FIRST=hop == 0, LAST=hop == degree - 1, BS=st.block_size,
-               SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
-               BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8 if hop == degree - 1 else 4, num_stages=2,
-               **pdl_launch(pdl))
+               hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
+               BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j, PDL=pdl,
+               num_warps=4, num_stages=2, **pdl_launch(pdl))
+    launch(_select_kernel, (b,), lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"],
+           out["counts"], out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
+           float(1.0 - beta), BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)),
+           BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8, **pdl_launch(pdl))
     out["kept"] = out["kept"].view(torch.bool)
     out["short"] = out["short"].view(torch.bool)
     return out
