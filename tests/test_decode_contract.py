@@ -249,12 +249,14 @@ def test_gpu_graph_replays_match_eager_calls(spec):
     """Capture one call; each replay, with new lengths (the next decode step) and a new device step
     counter, equals an eager call with them, and draws fresh numbers.
 
-    The Triton santa kernels take their seed by value (host counters only) and key each row by its
-    length, which the graph reads from device memory: a replayed step draws new numbers all the same."""
+    The Triton santa kernels (Bernoulli's V stage among them) take their seed by value (host counters
+    only) and key each row by its length, which the graph reads from device memory: a replayed step draws
+    new numbers all the same."""
     q, k, v, lengths = _gpu_inputs()
     n = k.shape[2]
     m = kvsieve.method(spec)
-    triton_seed_by_value = spec.startswith(("santa-prop", "santa-flash"))
+    triton_seed_by_value = spec.startswith(("santa-prop", "santa-flash")) or (
+        spec.startswith("bernoulli-qk") and "values=santa-prop" in spec and "backend=triton" in spec)
     step = torch.zeros((), dtype=torch.int64, device="cuda")
     key = RandomKey(3, (0,)) if triton_seed_by_value else RandomKey(3, (0, step))
     state = m.new_state()
