@@ -150,7 +150,8 @@ def test_every_form_matches_the_references(index, dtype):
 
 @pytest.mark.parametrize("n", [32768, 131072], ids=["32k", "128k"])
 def test_entry_points_at_the_llama_shape(n):
-    """The path a caller gets (v10 on Hopper from 32k for flash and 64k for prop), twice in a row."""
+    """The path a caller gets (flash: v10 on Hopper from 32k; prop: v8, its wide stats launch from 64k), twice
+    in a row."""
     from kvsieve.kernels.santa.decode import flash_path, prop_path, santa_flash_triton, santa_prop_triton
 
     q, k, v, lens32, inputs = _case(1, 32, 8, n, 128, [n], torch.bfloat16, 7, peaked=1.0)
@@ -158,7 +159,7 @@ def test_entry_points_at_the_llama_shape(n):
     flash_refs = _references(inputs, 3, 2048, 256)["flash"]
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert flash_path(k, 256) == ("overlap" if hopper else "two-pass")
-    assert prop_path(k, 256) == ("overlap" if hopper and n >= 65536 else "two-pass")
+    assert prop_path(k, 256) == ("two-pass-wide" if n >= 65536 else "two-pass")
     for _ in range(2):
         _check_flash(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 3, flash_refs, torch.bfloat16)
         for rounding in ("largest-remainder", "systematic"):

@@ -171,29 +171,34 @@ def test_scheduled_paths_match_references(flash):
 
 @pytest.mark.parametrize("flash", [False, True], ids=["prop", "flash"])
 def test_default_path_by_size(flash, monkeypatch):
-    """v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch is on
-    (faked here; the path itself then runs without it); below the count, or without it, v8, and for
-    flash the fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. The entry point runs the path named."""
+    """flash: v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch
+    is on (faked here; the path itself then runs without it); below the count, or without it, v8, and the
+    fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. prop: v8 always, with the wide stats launch from
+    its count of tiles in all, with or without it. The entry point runs the path named."""
     kind = "flash" if flash else "prop"
     functions = {"overlap": f"santa_{kind}_overlap", "two-pass": f"santa_{kind}_two_pass"}
     if flash:
         functions["fused"] = "santa_flash_fused"
+    else:
+        del functions["overlap"]
     calls = []
     for path, name in functions.items():
         real = getattr(decode, name)
 
         def spy(*args, _real=real, _path=path, **kwargs):
-            calls.append(_path)
+            wide = not flash and all(kwargs.get(key) == value for key, value in decode.PROP_WIDE_STATS.items())
+            calls.append(_path + ("-wide" if wide else ""))
             return _real(*args, **kwargs)
         monkeypatch.setattr(decode, name, spy)
     monkeypatch.setattr(decode, "FLASH_OVERLAP_MIN_TILES", 8)
-    monkeypatch.setattr(decode, "PROP_OVERLAP_MIN_TILES", 8)
+    monkeypatch.setattr(decode, "PROP_WIDE_MIN_TILES", 8)
     monkeypatch.setattr(decode, "FLASH_FUSED_MAX_TILES", 2)
     hq, hkv, d, tile = 4, 2, 64, 16
     small = "fused" if flash else "two-pass"
+    above = ("overlap", "two-pass") if flash else ("two-pass-wide", "two-pass-wide")  # with, without PDL
     # (rows, keys, PDL, path): 2 KV heads × 4 tiles = 8 tiles in all; 6 below the count; batch 2 above it again
-    for b, n, pdl, expected in ((1, 64, True, "overlap"), (1, 48, True, "two-pass"), (2, 48, True, "overlap"),
-                                (1, 64, False, "two-pass"), (1, 32, False, small), (1, 32, True, small)):
+    for b, n, pdl, expected in ((1, 64, True, above[0]), (1, 48, True, "two-pass"), (2, 48, True, above[0]),
+                                (1, 64, False, above[1]), (1, 32, False, small), (1, 32, True, small)):
         monkeypatch.setattr(decode, "pdl_available", lambda pdl=pdl: pdl)
         q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n] * b, torch.float32, 3)
         calls.clear()
