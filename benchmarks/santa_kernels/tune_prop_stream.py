@@ -10,7 +10,7 @@ end-to-end table measures) and flat attention:
   (keys per sub-block, programs, warps, stages), the dense kernel's shape among them: the K stream's bytes/s;
 - ``tail:two-pass``: the budget and sampling launches alone (after one stats call): what follows the stream;
 - ``prop:*``: the whole santa-prop call, the default (``decode.santa_prop_triton``) and each form (v10
-  ``overlap``, v8 ``two-pass``) over its launch parameters.
+  ``overlap``, v8 ``two-pass``, v8 with the merge launch ``split``) over its launch parameters.
 
 - ``method:*``: santa-prop and Bernoulli + santa-prop through ``m.decode`` as the runtime calls them (state,
   device step counter, no per-step stats): the kernels plus what the method adds;
@@ -26,9 +26,9 @@ budgets and counts equal up to rare float32 floor flips, output error; Bernoulli
 fastest correct santa-prop call per case is named in ``best``. Writes ``tune_prop_stream.json`` and ``.md`` under
 ``--out`` after each case; variants left when ``--time-limit`` seconds have passed are recorded as skipped.
 ``--check`` runs a reduced sweep on tiny CPU inputs under the Triton interpreter (correctness only, no timing).
-``--quick`` runs only the default against the former one (v10 at its launch shape), the v8 forms, the method
-call, the stats kernels at the wide launch, the tail and the byte floor (``QUICK``), and records per case the
-default's time over the former default's (``versus_former``).
+``--quick`` runs only the default against the former one (v10 at its launch shape), the v8 forms (merge folded
+or launched), the method call, the stats kernels at the wide launch, the tail and the byte floor (``QUICK``), and
+records per case the default's time over the former default's (``versus_former``).
 
     python benchmarks/santa_kernels/tune_prop_stream.py --out $OUT          # GPU, well under 3 min
     python benchmarks/santa_kernels/tune_prop_stream.py --quick --out $OUT  # GPU, under 2 min
@@ -64,6 +64,7 @@ from kvsieve.kernels.santa import overlap, two_pass  # noqa: E402
 from kvsieve.kernels.santa.common import begin_call  # noqa: E402
 from kvsieve.kernels.santa.decode import prop_path, santa_prop_triton  # noqa: E402
 from kvsieve.kernels.santa.reference import auto_tile_size, santa_prop_reference  # noqa: E402
+from kvsieve.kernels.santa.split_merge import santa_prop_split  # noqa: E402
 from kvsieve.kernels.shared import triton_utils  # noqa: E402
 
 BUDGET = 128
@@ -84,7 +85,8 @@ PROP_GRID = (("overlap", 128, 528, 4, 2, LR), ("overlap", 128, 264, 8, 2, LR), (
              ("overlap", 128, 528, 8, 2, LR), ("overlap", 64, 528, 4, 3, LR),
              ("two-pass", 64, 264, 4, 3, LR), ("two-pass", 128, 264, 8, 2, LR), ("two-pass", 128, 528, 4, 2, LR),
              ("two-pass", 256, 264, 8, 2, LR),
-             ("overlap", 128, 528, 4, 2, SYS), ("two-pass", 128, 264, 8, 2, SYS))
+             ("overlap", 128, 528, 4, 2, SYS), ("two-pass", 128, 264, 8, 2, SYS),
+             ("split", 128, 528, 4, 2, LR), ("split", 128, 528, 4, 2, SYS))
 # the tile size (a method parameter, ``tile_size``; the kernels' rule gives 256 at these lengths): fewer tiles make
 # a shorter budget sort and fewer sampling programs; (form, tile, block_n, programs, warps, stages)
 TILE_GRID = (("overlap", 512, 128, 528, 4, 2), ("overlap", 1024, 128, 528, 4, 2), ("two-pass", 1024, 128, 264, 8, 2))
@@ -93,7 +95,7 @@ CHECK_TILE_GRID = (("overlap", 128, 16, 3, 4, 2),)
 ORDERED_GRID = ((128, 528, 4, 2), (128, 264, 8, 2), (128, 1056, 4, 2))
 CHECK_STATS_GRID = ((16, 3, 4, 2), (32, 5, 4, 2))
 CHECK_PROP_GRID = (("overlap", 16, 3, 4, 2, LR), ("overlap", 32, 7, 8, 2, LR), ("two-pass", 16, 3, 4, 3, LR),
-                   ("two-pass", 32, 5, 8, 2, SYS))
+                   ("two-pass", 32, 5, 8, 2, SYS), ("split", 16, 3, 4, 2, LR))
 CHECK_ORDERED_GRID = ((16, 3, 4, 2),)
 # Bernoulli: (label, row_above, row launch (block_n, programs, warps, stages))
 BERN_GRID = (("fm", 1.0, (64, 264, 4, 3)), ("rows", 0.0, (64, 264, 4, 3)), ("rows-b128-w8-s2", 0.0, (128, 264, 8, 2)),
@@ -101,15 +103,16 @@ BERN_GRID = (("fm", 1.0, (64, 264, 4, 3)), ("rows", 0.0, (64, 264, 4, 3)), ("row
                                                                 (64, 264, 4, 3)))
 # --quick: the variants kept (name prefixes); under --check the prop calls only
 FORMER_DEFAULT = "prop:overlap-b128-p528-w4-s2"
-QUICK = ("prop:default", FORMER_DEFAULT, "prop:two-pass-b128-p528-w4-s2", "prop:two-pass-b64-p264-w4-s3",
-         "method:santa-prop", "ref:dense", "ref:k-read-p528", "stats:b128-p528-w4-s2", "stats:ordered-b128-p528-w4-s2",
-         "tail:two-pass")
+QUICK = ("prop:default", FORMER_DEFAULT, "prop:two-pass-b128-p528-w4-s2", "prop:split-b128-p528-w4-s2",
+         "prop:two-pass-b64-p264-w4-s3", "method:santa-prop", "ref:dense", "ref:k-read-p528",
+         "stats:b128-p528-w4-s2", "stats:ordered-b128-p528-w4-s2", "tail:two-pass")
 CHECK_BERN_GRID = (("fm", 1.0, (16, 3, 4, 3)), ("rows", 0.0, (16, 3, 4, 3)), ("rows-b32-w8", 0.0, (32, 5, 8, 2)))
 
 
 def _prop_call(x: Inputs, tile: int, form: str, block_n: int, programs: int, warps: int, stages: int,
                rounding: str, write_counts: bool = False):
-    run = overlap.santa_prop_overlap if form == "overlap" else two_pass.santa_prop_two_pass
+    run = {"overlap": overlap.santa_prop_overlap, "two-pass": two_pass.santa_prop_two_pass,
+           "split": santa_prop_split}[form]
     return lambda: run(x.q, x.k, x.v, x.lens, x.scale, BUDGET, tile, SEED, rounding=rounding,
                        write_counts=write_counts, block_n=block_n, stats_programs=programs, stats_warps=warps,
                        stats_stages=stages)
