@@ -107,10 +107,10 @@ from kvsieve.kernels.santa import split_merge as sm
 for counts in (False, True):
     ptrs = dict(v_ptr="*bf16", lens_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", stash_ptr="*fp32", budgets_ptr="*i32",
                 counts_ptr="*i32" if counts else "*fp32", scr_ptr="*i32", oacc_ptr="*fp32")
-    compile_(sm._sample_kernel, ptrs, dict(G=4, GP=4, BLOCK_G=16, D=128, TILE=256, R_MAX=16, FLASH=False,
+    compile_(sm._prop_sample_kernel, ptrs, dict(G=4, GP=4, BLOCK_G=16, D=128, TILE=256, R_MAX=16, FLASH=False,
                                            SPLIT_AT=256, DOT_PRECISION="tf32", WRITE_COUNTS=counts, FIX_BITS=22,
                                            WIDE=False, PDL=True))
-compile_(sm._merge_kernel, dict(oacc_ptr="*fp32", out_ptr="*bf16"), dict(D=128, PDL=True), num_warps=1)
+compile_(sm._prop_merge_kernel, dict(oacc_ptr="*fp32", out_ptr="*bf16"), dict(D=128, PDL=True), num_warps=1)
 print("COMPILED")
 """
 

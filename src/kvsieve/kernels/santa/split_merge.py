@@ -26,7 +26,7 @@ if triton is not None:
     from .two_pass import _prop_budget_kernel
 
     @budget_jit
-    def _sample_kernel(
+    def _prop_sample_kernel(
         v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, scr_ptr, oacc_ptr,
         budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
@@ -45,7 +45,7 @@ if triton is not None:
                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
     @budget_jit
-    def _merge_kernel(oacc_ptr, out_ptr, budget, hq, s_o_b, s_o_h, D: tl.constexpr, PDL: tl.constexpr):
+    def _prop_merge_kernel(oacc_ptr, out_ptr, budget, hq, s_o_b, s_o_h, D: tl.constexpr, PDL: tl.constexpr):
         """One program per (head, row): ``out = oacc / S`` in out's dtype, the accumulator row back to zero."""
         if PDL:  # launched early: nothing of the sampling grid is read before it is done
             gdc_wait()
@@ -76,12 +76,12 @@ def santa_prop_split(q, k, v, lens, scale: float, budget: int, tile: int, seed: 
            buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
            TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
            **pdl_launch(pdl))
-    launch(_sample_kernel, (t, v.shape[1], b),
+    launch(_prop_sample_kernel, (t, v.shape[1], b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets, buf.counts if write_counts else buf.m, buf.scr, buf.oacc,
            budget, lo, hi, TILE_KEY, t, hq, v.shape[1], *sample_strides(v, buf, hq, t, tile, write_counts),
            **sample_constexprs(v, hq, budget, t, tile, flash=False, write_counts=write_counts, r_max=r_max),
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    launch(_merge_kernel, (hq, b, 1), buf.oacc, buf.out, budget, hq, buf.out.stride(0), buf.out.stride(1),
+    launch(_prop_merge_kernel, (hq, b, 1), buf.oacc, buf.out, budget, hq, buf.out.stride(0), buf.out.stride(1),
            D=d, PDL=pdl, num_warps=1, **pdl_launch(pdl))
     return buf.out, buf.counts, buf.budgets
 
