@@ -129,6 +129,7 @@ def _case_id(case) -> str:
 def test_every_form_matches_the_references(index, dtype):
     from kvsieve.kernels.santa.fused import santa_flash_fused
     from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap
+    from kvsieve.kernels.santa.split_merge import santa_prop_split
     from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass
     from kvsieve.kernels.shared.dense import dense_decode_triton
     from kvsieve.methods.shared.exact import exact_attention
@@ -144,13 +145,14 @@ def test_every_form_matches_the_references(index, dtype):
     for run in (santa_flash_two_pass, santa_flash_fused, santa_flash_overlap):
         _check_flash(run, q, k, v, lens32, scale, s, tile, seed, refs["flash"], dtype)
     for rounding in ("largest-remainder", "systematic"):
-        for run in (santa_prop_two_pass, santa_prop_overlap):
+        for run in (santa_prop_two_pass, santa_prop_overlap, santa_prop_split):
             _check_prop(run, q, k, v, lens32, scale, s, tile, seed, refs[rounding], rounding, dtype)
 
 
 @pytest.mark.parametrize("n", [32768, 131072], ids=["32k", "128k"])
 def test_entry_points_at_the_llama_shape(n):
-    """The path a caller gets (v10 on Hopper from 32k for flash and 64k for prop), twice in a row."""
+    """The path a caller gets (flash: v10 on Hopper from 32k; prop: v8 with the merge launch from 64k), twice
+    in a row."""
     from kvsieve.kernels.santa.decode import flash_path, prop_path, santa_flash_triton, santa_prop_triton
 
     q, k, v, lens32, inputs = _case(1, 32, 8, n, 128, [n], torch.bfloat16, 7, peaked=1.0)
@@ -158,7 +160,7 @@ def test_entry_points_at_the_llama_shape(n):
     flash_refs = _references(inputs, 3, 2048, 256)["flash"]
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert flash_path(k, 256) == ("overlap" if hopper else "two-pass")
-    assert prop_path(k, 256) == ("overlap" if hopper and n >= 65536 else "two-pass")
+    assert prop_path(k, 256) == ("split" if n >= 65536 else "two-pass")
     for _ in range(2):
         _check_flash(santa_flash_triton, q, k, v, lens32, 128 ** -0.5, 2048, 256, 3, flash_refs, torch.bfloat16)
         for rounding in ("largest-remainder", "systematic"):
@@ -170,10 +172,11 @@ def test_budget_one():
     """Triton compiles an int argument equal to 1 as a constant; the kernels keep the budget a runtime value."""
     from kvsieve.kernels.santa.fused import santa_flash_fused
     from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap
+    from kvsieve.kernels.santa.split_merge import santa_prop_split
     from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass
 
     q, k, v, lens32, _ = _case(2, 32, 8, 32768, 128, [32768, 20000], torch.bfloat16, 5)
-    for run in (santa_prop_two_pass, santa_prop_overlap):
+    for run in (santa_prop_two_pass, santa_prop_overlap, santa_prop_split):
         out, counts, budgets = run(q, k, v, lens32, 128 ** -0.5, 1, 256, 0, write_counts=True)
         assert torch.isfinite(out).all() and (counts.sum(-1) == 1).all() and (budgets.sum(-1) == 1).all()
     for run in (santa_flash_two_pass, santa_flash_fused, santa_flash_overlap):

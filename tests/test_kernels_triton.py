@@ -99,3 +99,25 @@ def test_case_groups_run_every_case_function_once():
     split = case_groups(CASES, "test_kernels_match_references|flash")
     assert split[:2] == [("test_kernels_match_references|flash",), ("test_kernels_match_references|not (flash)",)]
     assert "test_kernels_match_references" not in split[2]
+
+
+SPLIT_MERGE_FOR_H100 = """
+from kvsieve.kernels.santa import split_merge as sm
+
+for counts in (False, True):
+    ptrs = dict(v_ptr="*bf16", lens_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32", stash_ptr="*fp32", budgets_ptr="*i32",
+                counts_ptr="*i32" if counts else "*fp32", scr_ptr="*i32", oacc_ptr="*fp32")
+    compile_(sm._prop_sample_kernel, ptrs, dict(G=4, GP=4, BLOCK_G=16, D=128, TILE=256, R_MAX=16, FLASH=False,
+                                           SPLIT_AT=256, DOT_PRECISION="tf32", WRITE_COUNTS=counts, FIX_BITS=22,
+                                           WIDE=False, PDL=True))
+compile_(sm._prop_merge_kernel, dict(oacc_ptr="*fp32", out_ptr="*bf16"), dict(D=128, PDL=True), num_warps=1)
+print("COMPILED")
+"""
+
+
+def test_split_merge_kernels_compile_for_the_h100():
+    """The interpreter neither type-checks untaken branches nor runs the 16-bit dots nor programmatic dependent
+    launch: compiling santa-prop's sampling and merge launches for sm_90 (no GPU needed) does."""
+    from interpreted import compile_for_sm90
+
+    compile_for_sm90(SPLIT_MERGE_FOR_H100)

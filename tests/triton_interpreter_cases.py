@@ -25,6 +25,7 @@ from kvsieve import CallContext  # noqa: E402
 from kvsieve.kernels.santa import decode  # noqa: E402
 from kvsieve.kernels.santa.fused import santa_flash_fused  # noqa: E402
 from kvsieve.kernels.santa.overlap import santa_flash_overlap, santa_prop_overlap  # noqa: E402
+from kvsieve.kernels.santa.split_merge import santa_prop_split  # noqa: E402
 from kvsieve.kernels.santa.two_pass import santa_flash_two_pass, santa_prop_two_pass  # noqa: E402
 from kvsieve.kernels.shared import dense as triton_dense  # noqa: E402
 from kvsieve.kernels.shared import triton_utils  # noqa: E402
@@ -107,9 +108,9 @@ def test_kernels_match_references(case):
     for rounding in ("largest-remainder", "systematic"):
         ref = santa_prop_reference(inputs.scores(torch.float64), inputs.v, s, tile, rounding=rounding,
                                    budget_offset=triton_utils.budget_uniforms(seed, b, hq, lens32), tile_offsets=tile_u)
-        # v8 (one or several gather steps) and v10
+        # v8 (one or several gather steps), v8 with the merge launch, v10
         for run, opts in ((santa_prop_two_pass, two_pass), (santa_prop_two_pass, {**two_pass, "r_max": 16}),
-                          (santa_prop_overlap, two_pass)):
+                          (santa_prop_split, two_pass), (santa_prop_overlap, two_pass)):
             out = _poisoned(b, hq, d, dtype)
             _, counts, budgets = run(q, k, v, lens32, scale, s, tile, seed, rounding=rounding, write_counts=True,
                                      out=out, **opts)
@@ -171,29 +172,33 @@ def test_scheduled_paths_match_references(flash):
 
 @pytest.mark.parametrize("flash", [False, True], ids=["prop", "flash"])
 def test_default_path_by_size(flash, monkeypatch):
-    """v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch is on
-    (faked here; the path itself then runs without it); below the count, or without it, v8, and for
-    flash the fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. The entry point runs the path named."""
+    """flash: v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch
+    is on (faked here; the path itself then runs without it); below the count, or without it, v8, and the
+    fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. prop: v8 with the merge launch and the wide stats
+    launch from its count of tiles in all, with or without it; v8 below. The entry point runs the path named."""
     kind = "flash" if flash else "prop"
-    functions = {"overlap": f"santa_{kind}_overlap", "two-pass": f"santa_{kind}_two_pass"}
-    if flash:
-        functions["fused"] = "santa_flash_fused"
+    functions = {"two-pass": f"santa_{kind}_two_pass"}
+    functions.update({"overlap": "santa_flash_overlap", "fused": "santa_flash_fused"} if flash
+                     else {"split": "santa_prop_split"})
     calls = []
     for path, name in functions.items():
         real = getattr(decode, name)
 
         def spy(*args, _real=real, _path=path, **kwargs):
+            if _path == "split":
+                assert all(kwargs.get(key) == value for key, value in decode.PROP_WIDE_STATS.items()), kwargs
             calls.append(_path)
             return _real(*args, **kwargs)
         monkeypatch.setattr(decode, name, spy)
     monkeypatch.setattr(decode, "FLASH_OVERLAP_MIN_TILES", 8)
-    monkeypatch.setattr(decode, "PROP_OVERLAP_MIN_TILES", 8)
+    monkeypatch.setattr(decode, "PROP_WIDE_MIN_TILES", 8)
     monkeypatch.setattr(decode, "FLASH_FUSED_MAX_TILES", 2)
     hq, hkv, d, tile = 4, 2, 64, 16
     small = "fused" if flash else "two-pass"
+    above = ("overlap", "two-pass") if flash else ("split", "split")  # with, without PDL
     # (rows, keys, PDL, path): 2 KV heads × 4 tiles = 8 tiles in all; 6 below the count; batch 2 above it again
-    for b, n, pdl, expected in ((1, 64, True, "overlap"), (1, 48, True, "two-pass"), (2, 48, True, "overlap"),
-                                (1, 64, False, "two-pass"), (1, 32, False, small), (1, 32, True, small)):
+    for b, n, pdl, expected in ((1, 64, True, above[0]), (1, 48, True, "two-pass"), (2, 48, True, above[0]),
+                                (1, 64, False, above[1]), (1, 32, False, small), (1, 32, True, small)):
         monkeypatch.setattr(decode, "pdl_available", lambda pdl=pdl: pdl)
         q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n] * b, torch.float32, 3)
         calls.clear()

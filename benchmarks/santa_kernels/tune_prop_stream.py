@@ -10,7 +10,7 @@ end-to-end table measures) and flat attention:
   (keys per sub-block, programs, warps, stages), the dense kernel's shape among them: the K stream's bytes/s;
 - ``tail:two-pass``: the budget and sampling launches alone (after one stats call): what follows the stream;
 - ``prop:*``: the whole santa-prop call, the default (``decode.santa_prop_triton``) and each form (v10
-  ``overlap``, v8 ``two-pass``) over its launch parameters.
+  ``overlap``, v8 ``two-pass``, v8 with the merge launch ``split``) over its launch parameters.
 
 - ``method:*``: santa-prop and Bernoulli + santa-prop through ``m.decode`` as the runtime calls them (state,
   device step counter, no per-step stats): the kernels plus what the method adds;
@@ -26,8 +26,12 @@ budgets and counts equal up to rare float32 floor flips, output error; Bernoulli
 fastest correct santa-prop call per case is named in ``best``. Writes ``tune_prop_stream.json`` and ``.md`` under
 ``--out`` after each case; variants left when ``--time-limit`` seconds have passed are recorded as skipped.
 ``--check`` runs a reduced sweep on tiny CPU inputs under the Triton interpreter (correctness only, no timing).
+``--quick`` runs only the default against the former one (v10 at its launch shape), the v8 forms (merge folded
+or launched), the method call, the stats kernels at the wide launch, the tail and the byte floor (``QUICK``), and
+records per case the default's time over the former default's (``versus_former``).
 
     python benchmarks/santa_kernels/tune_prop_stream.py --out $OUT          # GPU, well under 3 min
+    python benchmarks/santa_kernels/tune_prop_stream.py --quick --out $OUT  # GPU, under 2 min
     python benchmarks/santa_kernels/tune_prop_stream.py --check --out /tmp/x  # CPU
 """
 
@@ -60,6 +64,7 @@ from kvsieve.kernels.santa import overlap, two_pass  # noqa: E402
 from kvsieve.kernels.santa.common import begin_call  # noqa: E402
 from kvsieve.kernels.santa.decode import prop_path, santa_prop_triton  # noqa: E402
 from kvsieve.kernels.santa.reference import auto_tile_size, santa_prop_reference  # noqa: E402
+from kvsieve.kernels.santa.split_merge import santa_prop_split  # noqa: E402
 from kvsieve.kernels.shared import triton_utils  # noqa: E402
 
 BUDGET = 128
@@ -80,7 +85,8 @@ PROP_GRID = (("overlap", 128, 528, 4, 2, LR), ("overlap", 128, 264, 8, 2, LR), (
              ("overlap", 128, 528, 8, 2, LR), ("overlap", 64, 528, 4, 3, LR),
              ("two-pass", 64, 264, 4, 3, LR), ("two-pass", 128, 264, 8, 2, LR), ("two-pass", 128, 528, 4, 2, LR),
              ("two-pass", 256, 264, 8, 2, LR),
-             ("overlap", 128, 528, 4, 2, SYS), ("two-pass", 128, 264, 8, 2, SYS))
+             ("overlap", 128, 528, 4, 2, SYS), ("two-pass", 128, 264, 8, 2, SYS),
+             ("split", 128, 528, 4, 2, LR), ("split", 128, 528, 4, 2, SYS))
 # the tile size (a method parameter, ``tile_size``; the kernels' rule gives 256 at these lengths): fewer tiles make
 # a shorter budget sort and fewer sampling programs; (form, tile, block_n, programs, warps, stages)
 TILE_GRID = (("overlap", 512, 128, 528, 4, 2), ("overlap", 1024, 128, 528, 4, 2), ("two-pass", 1024, 128, 264, 8, 2))
@@ -89,18 +95,24 @@ CHECK_TILE_GRID = (("overlap", 128, 16, 3, 4, 2),)
 ORDERED_GRID = ((128, 528, 4, 2), (128, 264, 8, 2), (128, 1056, 4, 2))
 CHECK_STATS_GRID = ((16, 3, 4, 2), (32, 5, 4, 2))
 CHECK_PROP_GRID = (("overlap", 16, 3, 4, 2, LR), ("overlap", 32, 7, 8, 2, LR), ("two-pass", 16, 3, 4, 3, LR),
-                   ("two-pass", 32, 5, 8, 2, SYS))
+                   ("two-pass", 32, 5, 8, 2, SYS), ("split", 16, 3, 4, 2, LR))
 CHECK_ORDERED_GRID = ((16, 3, 4, 2),)
 # Bernoulli: (label, row_above, row launch (block_n, programs, warps, stages))
 BERN_GRID = (("fm", 1.0, (64, 264, 4, 3)), ("rows", 0.0, (64, 264, 4, 3)), ("rows-b128-w8-s2", 0.0, (128, 264, 8, 2)),
              ("rows-b128-p528-w4-s2", 0.0, (128, 528, 4, 2)), (f"default({ROW_LAYOUT_ABOVE})", ROW_LAYOUT_ABOVE,
                                                                 (64, 264, 4, 3)))
+# --quick: the variants kept (name prefixes); under --check the prop calls only
+FORMER_DEFAULT = "prop:overlap-b128-p528-w4-s2"
+QUICK = ("prop:default", FORMER_DEFAULT, "prop:two-pass-b128-p528-w4-s2", "prop:split-b128-p528-w4-s2",
+         "prop:two-pass-b64-p264-w4-s3", "method:santa-prop", "ref:dense", "ref:k-read-p528",
+         "stats:b128-p528-w4-s2", "stats:ordered-b128-p528-w4-s2", "tail:two-pass")
 CHECK_BERN_GRID = (("fm", 1.0, (16, 3, 4, 3)), ("rows", 0.0, (16, 3, 4, 3)), ("rows-b32-w8", 0.0, (32, 5, 8, 2)))
 
 
 def _prop_call(x: Inputs, tile: int, form: str, block_n: int, programs: int, warps: int, stages: int,
                rounding: str, write_counts: bool = False):
-    run = overlap.santa_prop_overlap if form == "overlap" else two_pass.santa_prop_two_pass
+    run = {"overlap": overlap.santa_prop_overlap, "two-pass": two_pass.santa_prop_two_pass,
+           "split": santa_prop_split}[form]
     return lambda: run(x.q, x.k, x.v, x.lens, x.scale, BUDGET, tile, SEED, rounding=rounding,
                        write_counts=write_counts, block_n=block_n, stats_programs=programs, stats_warps=warps,
                        stats_stages=stages)
@@ -228,16 +240,17 @@ def _bytes(name: str, kb: int) -> int:
 
 
 def run_case(label: str, n: int, batch: int, attention: str, timer, flashinfer, *, check_mode: bool,
-             deadline: float, log=print) -> list[dict]:
+             deadline: float, log=print, quick: bool = False) -> list[dict]:
     device = "cpu" if check_mode else "cuda"
     dtype = torch.float16 if check_mode else torch.bfloat16  # the interpreter's dot mishandles bf16
     heads, kv_heads, d = (8, 2, 64) if check_mode else (32, 8, 128)
     x = Inputs(Case("llama-3.1-8b", heads, kv_heads, d, n, batch), dtype, SEED, device=device, attention=attention)
     tile = 64 if check_mode else auto_tile_size(n)
     refs = {r: _reference(x, tile, r) for r in (LR, SYS)}
-    kt, bern_opts = _bern_setup(x, check_mode)
-    bern_ref, bern_read = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile,
-                                                   RandomKey(SEED), SEED)
+    if not quick:
+        kt, bern_opts = _bern_setup(x, check_mode)
+        bern_ref, bern_read = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile,
+                                                       RandomKey(SEED), SEED)
     k_bytes = x.k.numel() * x.k.element_size()
     grids = ((CHECK_STATS_GRID, CHECK_PROP_GRID, CHECK_ORDERED_GRID, CHECK_BERN_GRID) if check_mode
              else (STATS_GRID, PROP_GRID, ORDERED_GRID, BERN_GRID))
@@ -247,7 +260,7 @@ def run_case(label: str, n: int, batch: int, attention: str, timer, flashinfer, 
              lambda: _check(_default_call(x, tile, write_counts=True), refs[LR]))]
     refs_calls = _reference_calls(x, flashinfer) if not check_mode and attention == "peaked" else {}
     jobs += [(name, fn, None) for name, fn in refs_calls.items() if name != "ref:flashinfer"]
-    for tag, row_above, row_launch in bern_grid:
+    for tag, row_above, row_launch in () if quick else bern_grid:
         jobs.append((f"bern:{tag}", _bern_call(x, kt, tile, row_above, row_launch, bern_opts),
                      lambda ra=row_above, rl=row_launch: _bern_check(
                          _bern_call(x, kt, tile, ra, rl, bern_opts, write_counts=True), bern_ref, bern_read)))
@@ -270,6 +283,11 @@ def run_case(label: str, n: int, batch: int, attention: str, timer, flashinfer, 
         jobs.append(("tail:two-pass", _tail_call(x, tile), None))
     if "ref:flashinfer" in refs_calls:  # last: it may compile its kernels at first use
         jobs.append(("ref:flashinfer", refs_calls["ref:flashinfer"], None))
+    if quick:  # in QUICK's order: the default and the former default first
+        keep = ("prop:",) if check_mode else QUICK
+        rank = {name: min([i for i, prefix in enumerate(keep) if name.startswith(prefix)], default=-1)
+                for name, _, _ in jobs}
+        jobs = sorted((job for job in jobs if rank[job[0]] >= 0), key=lambda job: rank[job[0]])
     rows = []
     for name, fn, check in jobs:
         row = {"case": label, "attention": attention, "variant": name}
@@ -310,6 +328,23 @@ def best_rows(rows: list[dict]) -> dict:
         if row["variant"].startswith("prop:default") and key in best and "median_us" in row:
             best[key]["default_us"] = row["median_us"]
     return best
+
+
+def versus_former(rows: list[dict]) -> dict:
+    """Per (case, attention): the default's and the former default's (v10 at its launch shape) graph µs and
+    their ratio (former / default: above 1 where the default is faster), with both checks."""
+    out = {}
+    for row in rows:
+        key = f"{row['case']}/{row['attention']}"
+        if row["variant"].startswith("prop:default"):
+            out.setdefault(key, {}).update(default=row["variant"], default_us=row.get("median_us"),
+                                           default_ok=row.get("ok"))
+        elif row["variant"] == FORMER_DEFAULT:
+            out.setdefault(key, {}).update(former_us=row.get("median_us"), former_ok=row.get("ok"))
+    for v in out.values():
+        if v.get("default_us") and v.get("former_us"):
+            v["speedup"] = round(v["former_us"] / v["default_us"], 3)
+    return out
 
 
 def bernoulli_crossover(rows: list[dict]) -> dict:
@@ -354,6 +389,9 @@ def write_markdown(report: dict, path: Path) -> None:
     for key, b in report["best"].items():
         default = b.get("default_us", float("nan"))
         lines.append(f"- {key}: {b['variant']} {b['median_us']:.1f} µs (default {default:.1f})")
+    lines += ["", "The default against the former default (v10, `" + FORMER_DEFAULT + "`):", ""]
+    for key, v in report.get("versus_former", {}).items():
+        lines.append(f"- {key}: {json.dumps(v)}")
     lines += ["", "Bernoulli: kept fraction where whole cache rows start to win (estimate; the rule's bound):", ""]
     for case, c in report.get("bernoulli_crossover", {}).items():
         lines.append(f"- {case}: {json.dumps(c)}")
@@ -365,7 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--check", action="store_true", help="tiny CPU cases under the Triton interpreter, no timing")
     ap.add_argument("--attention", default="peaked,uniform", help="comma list of peaked, uniform")
-    ap.add_argument("--time-limit", type=float, default=150.0, help="seconds; later variants are skipped")
+    ap.add_argument("--quick", action="store_true", help="the default against the former default and a few more")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds; later variants are skipped (default 150, 100 with --quick)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -380,20 +420,25 @@ def main(argv=None) -> int:
 
         flashinfer, copy, timer = timing_setup()
 
-    deadline = started + args.time_limit
+    deadline = started + (args.time_limit or (100.0 if args.quick else 150.0))
     rows = []
     report = {}
-    for attention in args.attention.split(","):  # both cases on the first attention before the second
-        for label, n, batch in (CHECK_CASES if args.check else GPU_CASES):
-            rows += run_case(label, n, batch, attention, timer, flashinfer, check_mode=args.check, deadline=deadline)
-            if not args.check:  # the case's inputs and references are gone with run_case's frame
-                torch.cuda.empty_cache()
-            report = {"device": "cpu (interpreter)" if args.check else torch.cuda.get_device_name(),
-                      "triton": triton.__version__, "torch": torch.__version__,
-                      "copy_tb_s": round(copy / 1e12, 3) if copy else None, "rows": rows, "best": best_rows(rows),
-                      "bernoulli_crossover": bernoulli_crossover(rows), "seconds": round(time.time() - started, 1)}
-            (out / "tune_prop_stream.json").write_text(json.dumps(report, indent=1))
-            write_markdown(report, out / "tune_prop_stream.md")
+    cases = [(attention, case) for attention in args.attention.split(",")  # both cases on the first attention
+             for case in (CHECK_CASES if args.check else GPU_CASES)]
+    for i, (attention, (label, n, batch)) in enumerate(cases):
+        # each case gets an equal share of the time left, so that a slow first case leaves the others theirs
+        share = time.time() + (deadline - time.time()) / (len(cases) - i)
+        rows += run_case(label, n, batch, attention, timer, flashinfer, check_mode=args.check, deadline=share,
+                         quick=args.quick)
+        if not args.check:  # the case's inputs and references are gone with run_case's frame
+            torch.cuda.empty_cache()
+        report = {"device": "cpu (interpreter)" if args.check else torch.cuda.get_device_name(),
+                  "triton": triton.__version__, "torch": torch.__version__,
+                  "copy_tb_s": round(copy / 1e12, 3) if copy else None, "rows": rows, "best": best_rows(rows),
+                  "versus_former": versus_former(rows),
+                  "bernoulli_crossover": bernoulli_crossover(rows), "seconds": round(time.time() - started, 1)}
+        (out / "tune_prop_stream.json").write_text(json.dumps(report, indent=1))
+        write_markdown(report, out / "tune_prop_stream.md")
     bad = [r["variant"] for r in rows if r.get("ok") is False]
     print(f"done in {report['seconds']} s; best: {json.dumps(report['best'])}; failed checks: {bad}")
     return 1 if bad else 0

@@ -192,24 +192,21 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
-                    oacc_ptr, oden_ptr, done_ptr, out_ptr, t, kvh, b,
+    def sample_tile(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                    oacc_ptr, oden_ptr, t, kvh, b,
                     budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
-                    s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+                    s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                     R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                     WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
-        """Tile t of (row b, KV head kvh): sampling, the V gather and the folded merge (v8).
+        """Tile t of (row b, KV head kvh): sampling and the V gather, the tile's share added to the
+        accumulators (relaxed atomics).
 
-        - prop: the tile budgets are read from ``budgets_ptr``; each program adds ``Σ c V`` to ``oacc``
-          and the last one writes ``out = oacc / S``.
+        - prop: the tile budgets are read from ``budgets_ptr``; the program adds ``Σ c V`` to ``oacc``.
         - flash: every tile draws ``max(1, S // T_b)``; the stats pass left each head's global max in
-          ``mstar``, so each program adds ``e^{m_t - m*} l_t Σ c V / S_tile`` to ``oacc`` and
-          ``e^{m_t - m*} l_t`` to ``oden``, and the last one writes ``out = oacc / oden``.
+          ``mstar``, so the program adds ``e^{m_t - m*} l_t Σ c V / S_tile`` to ``oacc`` and
+          ``e^{m_t - m*} l_t`` to ``oden``.
 
-        The last of the ``n_tiles`` programs of a (row, KV head) (an acq_rel counter) reads the
-        accumulators through atomics (L2, no stale L1 line), writes ``out`` and leaves the accumulators,
-        ``mstar`` and the counter as the next call expects them (zero, -inf, zero); it returns True.
         ``LOAD_CACHE``: the cache modifier of the loads of what the stats pass wrote (".cg" when that pass
         ran in the same launch)."""
         offs_g = tl.arange(0, GP)
@@ -227,7 +224,6 @@ if triton is not None:
         if not FLASH:
             tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0, cache_modifier=LOAD_CACHE)
         tiles_b = (length + TILE - 1) // TILE
-        o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
         # the G heads on the 16 rows of the dots (the gathered sums come out in that layout)
         offs_r = tl.arange(0, BLOCK_G)
         r_ok = offs_r < G
@@ -254,6 +250,29 @@ if triton is not None:
                     acc = acc * (mass / s_tile.to(tl.float32))[:, None]
                     tl.atomic_add(oden_ptr + b * hq + heads_r, mass, mask=r_ok, sem="relaxed")
                 tl.atomic_add(oacc_ptr + r_rows, acc, mask=r_ok[:, None], sem="relaxed")
+
+    @triton.jit
+    def sample_fold(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                    oacc_ptr, oden_ptr, done_ptr, out_ptr, t, kvh, b,
+                    budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
+                    s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
+                    G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
+                    R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
+        """``sample_tile`` with the merge folded in (v8): the last of the ``n_tiles`` programs of a (row, KV
+        head) (an acq_rel counter) reads the accumulators through atomics (L2, no stale L1 line), writes
+        ``out`` (prop ``oacc / S``, flash ``oacc / oden``) and leaves the accumulators, ``mstar`` and the
+        counter as the next call expects them (zero, -inf, zero); it returns True."""
+        sample_tile(v_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, budgets_ptr, counts_ptr, mstar_ptr, scr_ptr,
+                    oacc_ptr, oden_ptr, t, kvh, b, budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
+                    s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h,
+                    G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE,
+                    LOAD_CACHE)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, D)
+        g_ok = offs_g < G
+        heads = kvh * G + offs_g
+        o_rows = (b * hq + heads)[:, None] * D + offs_d[None, :]
         tl.debug_barrier()  # every thread's atomics are issued before the release below
         done = tl.atomic_add(done_ptr + b * hkv + kvh, 1, sem="acq_rel")
         if done == n_tiles - 1:
