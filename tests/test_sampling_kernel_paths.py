@@ -835,10 +835,11 @@ def test_stats_of_the_kernel_path_are_deferred(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_kernel_paths_match_their_references_on_the_gpu():
-    """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32)."""
-    specs = [spec for group in SPEC_GROUPS.values() for spec in group["specs"]]
-    loops = [spec for group in SPEC_GROUPS.values() for spec in group["loops"]]
+@pytest.mark.parametrize("group", SPEC_GROUPS)
+def test_kernel_paths_match_their_references_on_the_gpu(group):
+    """auto picks the kernel on CUDA; same cases as the interpreter test (fp32 dots may run as tf32); one
+    process per group, so that ``-k`` runs one method's cases only."""
+    specs, loops = SPEC_GROUPS[group]["specs"], SPEC_GROUPS[group]["loops"]
     out = run_script(CASES, "cuda", False, specs=specs, loops=loops)
     assert "OK" in out and f"CALLS {3 * len(specs)} " in out, out[-2000:]
 

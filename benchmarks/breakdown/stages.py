@@ -10,6 +10,9 @@ folder given. ``--check`` runs every variant once on tiny CPU inputs (the method
 stage filing, without timing: what its test runs.
 
     python benchmarks/breakdown/stages.py OUT [--n 131072] [--batch 1] [--cases 1:gaussian,4:gaussian,1:outliers]
+        [--variants dense,vattention] [--reference]
+
+``--reference`` adds each method variant's error against its torch reference on the same draws.
 """
 
 from __future__ import annotations
@@ -163,6 +166,13 @@ def make_call(spec: str | None, q, k, v, lens, step: torch.Tensor, backend: str 
     return (lambda: call()[0]), stats
 
 
+def reference_error(spec: str, call, q, k, v, lens, step: torch.Tensor) -> float:
+    """Relative error (Frobenius) of the variant's output against its torch reference on the same draws: the
+    same keys up to near-ties, so a bf16-level error; a wrong selection or estimate shows as far more."""
+    ref = make_call(spec, q, k, v, lens, step, backend="reference")[0]().float()
+    return float((call().float() - ref).norm() / ref.norm())
+
+
 def kernel_times(fn, flush, iters: int) -> dict[str, tuple[float, float]]:
     """``kernel name -> (mean µs per call, launches per call)`` over ``iters`` cold-L2 eager calls."""
     from torch.profiler import ProfilerActivity, profile
@@ -220,6 +230,8 @@ def run(args) -> list[dict]:
                 call, stats = with_limit(name, call), with_limit(name, stats)
                 r["graph_us"] = timer.time_graph_us(call, warmup=3, iters=args.iters)["median_us"]
                 r["stats"] = stats()
+                if args.reference and spec is not None:
+                    r["ref_rel_err"] = reference_error(spec, call, x.q, x.k, x.v, x.lens, step)
                 try:
                     kernels = kernel_times(call, timer.flush, args.profile_iters)
                 except Exception as exc:  # noqa: BLE001 - the profiler is optional: the graph time stays
@@ -276,7 +288,8 @@ def markdown(rows: list[dict], device: str) -> str:
         d = dense.get(case(r))
         ratio = f"{d / g:.2f}" if g and d else "—"
         extras = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in r.get("stats", {}).items())
+                           for k, v in {**r.get("stats", {}), **({"ref_rel_err": r["ref_rel_err"]}
+                                                                  if "ref_rel_err" in r else {})}.items())
         lines.append(f"| {case(r)} | {r['variant']} | {g:.1f} | {ratio} | {r.get('launches', 0):.0f} | "
                      f"{extras or r.get('error', '')} |" if g else f"| {case(r)} | {r['variant']} | — | — | — | "
                      f"{r.get('error', '')} |")
@@ -302,6 +315,7 @@ def check() -> None:
         out = call()
         assert out.shape == q.shape and torch.isfinite(out).all(), name
         assert stats()["backend"] == "reference", name
+        assert reference_error(spec, call, q, k, v, lens, step) == 0, name  # the same path on the CPU
     s = torch.randn(2, 3, 1001, generator=g)
     s[0, 0, 500:540] = 5.0 + torch.rand(40, generator=g)  # a cluster of top keys in few groups
     s[1, 2, :100] = float("-inf")
@@ -330,6 +344,8 @@ def main(argv=None) -> int:
                    help="skip the oracle top-k's alternatives (timed on the gaussian cases)")
     p.add_argument("--variants", default="", help=f"comma list of variants to run (default all: "
                                                   f"{', '.join(variant_specs())})")
+    p.add_argument("--reference", action="store_true",
+                   help="also run each method variant's torch reference on the same draws and record ref_rel_err")
     p.add_argument("--check", action="store_true", help="run the variants on tiny CPU inputs, no timing")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]
