@@ -216,7 +216,9 @@ def run(args) -> list[dict]:
     step = torch.zeros((), dtype=torch.int64, device="cuda")
     rows = []
     for qs, features in args.cases:
-        x = Inputs(Case("llama-3.1-8b", 32, 8, 128, args.n, args.batch), torch.bfloat16, seed=0, q_scale=qs)
+        peaked = features == "peaked"
+        x = Inputs(Case("llama-3.1-8b", 32, 8, 128, args.n, args.batch), torch.bfloat16, seed=0, q_scale=qs,
+                   attention="peaked" if peaked else "uniform")
         if features == "outliers":
             x.q = (x.q.float() * outlier_scales(x.q.shape[-1], x.q.device)).to(x.q.dtype)
         for name, spec in variant_specs().items():
@@ -265,13 +267,16 @@ def case(r: dict) -> str:
 
 
 def parse_cases(text: str) -> list[tuple[float, str]]:
-    """``"1:gaussian,4:gaussian,1:outliers"`` -> ``[(1.0, "gaussian"), ...]``."""
+    """``"1:gaussian,4:gaussian,1:outliers,1:peaked"`` -> ``[(1.0, "gaussian"), ...]``; ``peaked``: the bench's
+    peaked attention (``bench.peaked``, the shape's fit to real models), q scale 1 only."""
     out = []
     for item in text.split(","):
         scale, _, features = item.partition(":")
         features = features or "gaussian"
-        if features not in ("gaussian", "outliers"):
-            raise ValueError(f"--cases: features {features!r} (expected gaussian or outliers)")
+        if features not in ("gaussian", "outliers", "peaked"):
+            raise ValueError(f"--cases: features {features!r} (expected gaussian, outliers or peaked)")
+        if features == "peaked" and float(scale) != 1.0:
+            raise ValueError(f"--cases: peaked attention takes q scale 1, got {scale}")
         out.append((float(scale), features))
     return out
 
@@ -336,8 +341,9 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=131072, help="context length")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cases", default="1:gaussian,4:gaussian,1:outliers",
-                   help="comma list of QSCALE:FEATURES; q scale 1 = flat attention, 4 = peaked; features gaussian or "
-                        "outliers (a few query features carry most of |q|, as in real models)")
+                   help="comma list of QSCALE:FEATURES; q scale 1 = flat attention, 4 = sharpened; features gaussian, "
+                        "outliers (a few query features carry most of |q|, as in real models) or peaked (the "
+                        "bench's peaked attention fitted to real models; scale 1)")
     p.add_argument("--iters", type=int, default=10, help="timed graph replays")
     p.add_argument("--profile-iters", type=int, default=3, help="profiled eager calls")
     p.add_argument("--no-topk", dest="topk", action="store_false",
