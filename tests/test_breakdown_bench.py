@@ -43,6 +43,9 @@ def test_cases_and_outlier_queries():
     assert mod.parse_cases("1:gaussian,4,2:outliers") == [(1.0, "gaussian"), (4.0, "gaussian"), (2.0, "outliers")]
     with pytest.raises(ValueError, match="features 'flat'"):
         mod.parse_cases("1:flat")
+    assert mod.parse_cases("1:peaked") == [(1.0, "peaked")]
+    with pytest.raises(ValueError, match="q scale 1"):
+        mod.parse_cases("4:peaked")
     s = mod.outlier_scales(128, "cpu")
     assert abs(float(s.pow(2).mean()) - 1) < 1e-5
     top = s.pow(2).sort(descending=True).values

@@ -10,6 +10,9 @@ folder given. ``--check`` runs every variant once on tiny CPU inputs (the method
 stage filing, without timing: what its test runs.
 
     python benchmarks/breakdown/stages.py OUT [--n 131072] [--batch 1] [--cases 1:gaussian,4:gaussian,1:outliers]
+        [--variants dense,vattention] [--reference]
+
+``--reference`` adds each method variant's error against its torch reference on the same draws.
 """
 
 from __future__ import annotations
@@ -164,6 +167,13 @@ def make_call(spec: str | None, q, k, v, lens, step: torch.Tensor, backend: str 
     return (lambda: call()[0]), stats
 
 
+def reference_error(spec: str, call, q, k, v, lens, step: torch.Tensor) -> float:
+    """Relative error (Frobenius) of the variant's output against its torch reference on the same draws: the
+    same keys up to near-ties, so a bf16-level error; a wrong selection or estimate shows as far more."""
+    ref = make_call(spec, q, k, v, lens, step, backend="reference")[0]().float()
+    return float((call().float() - ref).norm() / ref.norm())
+
+
 def kernel_times(fn, flush, iters: int) -> dict[str, tuple[float, float]]:
     """``kernel name -> (mean µs per call, launches per call)`` over ``iters`` cold-L2 eager calls."""
     from torch.profiler import ProfilerActivity, profile
@@ -207,7 +217,9 @@ def run(args) -> list[dict]:
     step = torch.zeros((), dtype=torch.int64, device="cuda")
     rows = []
     for qs, features in args.cases:
-        x = Inputs(Case("llama-3.1-8b", 32, 8, 128, args.n, args.batch), torch.bfloat16, seed=0, q_scale=qs)
+        peaked = features == "peaked"
+        x = Inputs(Case("llama-3.1-8b", 32, 8, 128, args.n, args.batch), torch.bfloat16, seed=0, q_scale=qs,
+                   attention="peaked" if peaked else "uniform")
         if features == "outliers":
             x.q = (x.q.float() * outlier_scales(x.q.shape[-1], x.q.device)).to(x.q.dtype)
         for name, spec in variant_specs().items():
@@ -221,6 +233,8 @@ def run(args) -> list[dict]:
                 call, stats = with_limit(name, call), with_limit(name, stats)
                 r["graph_us"] = timer.time_graph_us(call, warmup=3, iters=args.iters)["median_us"]
                 r["stats"] = stats()
+                if args.reference and spec is not None:
+                    r["ref_rel_err"] = reference_error(spec, call, x.q, x.k, x.v, x.lens, step)
                 try:
                     kernels = kernel_times(call, timer.flush, args.profile_iters)
                 except Exception as exc:  # noqa: BLE001 - the profiler is optional: the graph time stays
@@ -254,13 +268,16 @@ def case(r: dict) -> str:
 
 
 def parse_cases(text: str) -> list[tuple[float, str]]:
-    """``"1:gaussian,4:gaussian,1:outliers"`` -> ``[(1.0, "gaussian"), ...]``."""
+    """``"1:gaussian,4:gaussian,1:outliers,1:peaked"`` -> ``[(1.0, "gaussian"), ...]``; ``peaked``: the bench's
+    peaked attention (``bench.peaked``, the shape's fit to real models), q scale 1 only."""
     out = []
     for item in text.split(","):
         scale, _, features = item.partition(":")
         features = features or "gaussian"
-        if features not in ("gaussian", "outliers"):
-            raise ValueError(f"--cases: features {features!r} (expected gaussian or outliers)")
+        if features not in ("gaussian", "outliers", "peaked"):
+            raise ValueError(f"--cases: features {features!r} (expected gaussian, outliers or peaked)")
+        if features == "peaked" and float(scale) != 1.0:
+            raise ValueError(f"--cases: peaked attention takes q scale 1, got {scale}")
         out.append((float(scale), features))
     return out
 
@@ -277,7 +294,8 @@ def markdown(rows: list[dict], device: str) -> str:
         d = dense.get(case(r))
         ratio = f"{d / g:.2f}" if g and d else "—"
         extras = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in r.get("stats", {}).items())
+                           for k, v in {**r.get("stats", {}), **({"ref_rel_err": r["ref_rel_err"]}
+                                                                  if "ref_rel_err" in r else {})}.items())
         lines.append(f"| {case(r)} | {r['variant']} | {g:.1f} | {ratio} | {r.get('launches', 0):.0f} | "
                      f"{extras or r.get('error', '')} |" if g else f"| {case(r)} | {r['variant']} | — | — | — | "
                      f"{r.get('error', '')} |")
@@ -303,6 +321,7 @@ def check() -> None:
         out = call()
         assert out.shape == q.shape and torch.isfinite(out).all(), name
         assert stats()["backend"] == "reference", name
+        assert reference_error(spec, call, q, k, v, lens, step) == 0, name  # the same path on the CPU
     s = torch.randn(2, 3, 1001, generator=g)
     s[0, 0, 500:540] = 5.0 + torch.rand(40, generator=g)  # a cluster of top keys in few groups
     s[1, 2, :100] = float("-inf")
@@ -323,14 +342,17 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=131072, help="context length")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cases", default="1:gaussian,4:gaussian,1:outliers",
-                   help="comma list of QSCALE:FEATURES; q scale 1 = flat attention, 4 = peaked; features gaussian or "
-                        "outliers (a few query features carry most of |q|, as in real models)")
+                   help="comma list of QSCALE:FEATURES; q scale 1 = flat attention, 4 = sharpened; features gaussian, "
+                        "outliers (a few query features carry most of |q|, as in real models) or peaked (the "
+                        "bench's peaked attention fitted to real models; scale 1)")
     p.add_argument("--iters", type=int, default=10, help="timed graph replays")
     p.add_argument("--profile-iters", type=int, default=3, help="profiled eager calls")
     p.add_argument("--no-topk", dest="topk", action="store_false",
                    help="skip the oracle top-k's alternatives (timed on the gaussian cases)")
     p.add_argument("--variants", default="", help=f"comma list of variants to run (default all: "
                                                   f"{', '.join(variant_specs())})")
+    p.add_argument("--reference", action="store_true",
+                   help="also run each method variant's torch reference on the same draws and record ref_rel_err")
     p.add_argument("--check", action="store_true", help="run the variants on tiny CPU inputs, no timing")
     args = p.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v]

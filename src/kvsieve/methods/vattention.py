@@ -334,7 +334,8 @@ class VAttention(StagedSelection):
           residual and the base sample;
         - the base sample (:mod:`~kvsieve.kernels.shared.sample_triton`: no sort over the row);
         - the budget's statistics and the (ε, δ) budget itself, rounded and clamped, in two launches
-          (:func:`~kvsieve.kernels.vattention.budget_triton.budget_triton`);
+          (:func:`~kvsieve.kernels.vattention.budget_triton.budget_triton`); with the oracle's kept scores
+          the top-k and base keys' logits are read from them (float32) rather than from K rows again;
         - the residual sample, written after the top-k.
 
         Other settings (``replacement``, ``residual=includes-topk``, ``rounding=down``, pages not a power of
@@ -398,7 +399,7 @@ class VAttention(StagedSelection):
         budget = budget_triton.budget_triton(inputs.q, inputs.k, inputs.v, start, end, nv, top.indices,
                                              setup.top_counts, b_idx, n_base, n_s, inputs.scale,
                                              cfg.bound == "full" and cfg.concentration == "clt",
-                                             min(cfg.sink + cfg.window, n), rule=rule)
+                                             min(cfg.sink + cfg.window, n), rule=rule, logits=scores)
         b_int = budget.size
 
         def residual_list(out_idx, out_w):

@@ -50,18 +50,23 @@ if triton is not None:
         return lo, tl.minimum(lo + c, n_seg)
 
     @triton.jit
-    def _logits_segment(ws, wo, q, k_base, s_k_n, lst, seg_lo, j_lo, j_hi, scale, m, IS_LIST: tl.constexpr,
-                        BLOCK: tl.constexpr, D: tl.constexpr):
+    def _logits_segment(ws, wo, q, k_base, s_k_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, IS_LIST: tl.constexpr,
+                        KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
         """Logits of entries ``[j_lo, j_hi)`` of one segment (positions ``seg_lo + j`` of a range, or list
-        ``lst``'s entries ``j``) written to workspace slots ``wo + j``; returns the running max."""
+        ``lst``'s entries ``j``) written to workspace slots ``wo + j``; returns the running max. ``KEPT``:
+        read from the kept scores ``l_base`` (4 bytes a key) instead of computed from K's row."""
         offs = tl.arange(0, BLOCK)
         offs_d = tl.arange(0, D)
         for j0 in range(j_lo, j_hi, BLOCK):
             j = j0 + offs
             ok = j < j_hi
             pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
-            kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-            s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
+            if KEPT:
+                s = tl.load(l_base + pos.to(tl.int64), mask=ok, other=0.0).to(tl.float64)
+            else:
+                kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0)
+                s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
             s = tl.where(ok, s, float("-inf"))
             tl.store(ws + wo + j, s, mask=ok)
             m = tl.maximum(m, tl.max(s, 0))
@@ -95,10 +100,11 @@ if triton is not None:
 
     @triton.jit
     def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
-                             part_ptr, ws_ptr, scale_ptr, hq, group, hs_div, ws_width, splits,
+                             part_ptr, ws_ptr, scale_ptr, l_ptr, hq, group, hs_div, ws_width, splits,
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
-                             s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h,
-                             FULL: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, W: tl.constexpr):
+                             s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_l_r, s_l_h,
+                             FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                             W: tl.constexpr):
         """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base
         list). It writes its logits, shifts by its own max ``m_s`` and stores ``m_s``, ``Σ_f e``, ``Σ_b e``,
         its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
@@ -113,6 +119,7 @@ if triton is not None:
         scale = tl.load(scale_ptr)  # float64: a Python float argument would be float32
         k_base = k_ptr + r * s_k_r + kvh * s_k_h
         v_base = v_ptr + r * s_v_r + kvh * s_v_h
+        l_base = l_ptr + r * s_l_r + h * s_l_h
         start = tl.load(start_ptr + r).to(tl.int32)
         end = tl.load(end_ptr + r).to(tl.int32)
         length = tl.load(len_ptr + r).to(tl.int32)
@@ -130,10 +137,11 @@ if triton is not None:
         t0, t1 = _split_range(tc, s, splits)
         b0, b1 = _split_range(bc, s, splits)
         m = tl.full([], float("-inf"), tl.float64)
-        m = _logits_segment(ws, 0, q, k_base, s_k_n, top, 0, a0, a1, scale, m, False, BLOCK, D)
-        m = _logits_segment(ws, o_w, q, k_base, s_k_n, top, end, w0, w1, scale, m, False, BLOCK, D)
-        m = _logits_segment(ws, o_t, q, k_base, s_k_n, top, 0, t0, t1, scale, m, True, BLOCK, D)
-        m = _logits_segment(ws, n_f, q, k_base, s_k_n, base, 0, b0, b1, scale, m, True, BLOCK, D)
+        # sink and window from K (the kept scores hold the selectable keys only), the lists' from the kept scores
+        m = _logits_segment(ws, 0, q, k_base, s_k_n, l_base, top, 0, a0, a1, scale, m, False, False, BLOCK, D)
+        m = _logits_segment(ws, o_w, q, k_base, s_k_n, l_base, top, end, w0, w1, scale, m, False, False, BLOCK, D)
+        m = _logits_segment(ws, o_t, q, k_base, s_k_n, l_base, top, 0, t0, t1, scale, m, True, KEPT, BLOCK, D)
+        m = _logits_segment(ws, n_f, q, k_base, s_k_n, l_base, base, 0, b0, b1, scale, m, True, KEPT, BLOCK, D)
         tl.debug_barrier()  # the logits were written by other threads of this program
         shift = tl.where(m > float("-inf"), m, 0.0)
         zero = tl.zeros([], tl.float64)
@@ -401,16 +409,17 @@ class Budget:
 
 
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
-                        full: bool, dense_width: int, splits: int | None = None) -> torch.Tensor:
+                        full: bool, dense_width: int, splits: int | None = None,
+                        logits: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits).stats
+                         dense_width, splits=splits, logits=logits).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
-                  splits: int | None = None) -> Budget:
+                  splits: int | None = None, logits: torch.Tensor | None = None) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -420,12 +429,20 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     Two launches: ``splits`` programs per (row, query head) (default :func:`budget_splits`) each take
     ``1/splits`` of every segment and write partial sums around their own max; one program per (row,
     selection head) merges them for its query heads (float64; the same sums as a single pass up to
-    rounding, ~1e-15 relative) and applies the rule."""
+    rounding, ~1e-15 relative) and applies the rule.
+
+    ``logits [R, Hq, N]`` (float32 ``scale · q·k``, the oracle predictor's kept scores): the list entries'
+    logits are read from it instead of computed from K (4 bytes a key instead of a K row; float32 rather
+    than float64 logits, as the tested-key attention pass uses); sink and window stay computed from K."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
     if hq % hs or hq % hkv:
         raise ValueError(f"budget_triton: {hq} query heads are not a multiple of {hs} selection and {hkv} KV heads")
+    if logits is not None and (logits.dtype != torch.float32 or tuple(logits.shape) != (r, hq, k.shape[2])
+                               or logits.stride(-1) != 1):
+        raise ValueError(f"budget_triton: logits must be float32 [{r}, {hq}, {k.shape[2]}] with a contiguous last "
+                         f"dim, got {logits.dtype} {list(logits.shape)} strides {logits.stride()}")
     width = dense_width + top.shape[2] + base.shape[2]
     block = 32 if d <= 128 else 16
     dp = next_pow2(d)
@@ -437,11 +454,11 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     out = torch.empty(r, hq, 5, device=dev, dtype=torch.float64)
     launch(_budget_parts_kernel, (splits, hq, r),
            q, k, v, start, end, length, top, top_counts, base, base_counts, parts, ws,
-           float64_constants((scale,), dev), hq, hq // hkv, hq // hs, width, splits,
+           float64_constants((scale,), dev), q if logits is None else logits, hq, hq // hkv, hq // hs, width, splits,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
-           base_counts.stride(0), base_counts.stride(1),
-           FULL=full, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
+           base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
