@@ -175,11 +175,13 @@ def test_default_path_by_size(flash, monkeypatch):
     """flash: v10 from a count of tiles in all (rows × KV heads × tiles) where programmatic dependent launch
     is on (faked here; the path itself then runs without it); below the count, or without it, v8, and the
     fused kernel up to FLASH_FUSED_MAX_TILES tiles per head. prop: v8 with the merge launch and the wide stats
-    launch from its count of tiles in all, with or without it; v8 below. The entry point runs the path named."""
+    launch from its count of tiles in all and PROP_SPLIT_MIN_HEAD_TILES per head, v10 above the count with fewer
+    per head where PDL is on (the merge-launch path without it); v8 below the count. The entry point runs the
+    path named."""
     kind = "flash" if flash else "prop"
     functions = {"two-pass": f"santa_{kind}_two_pass"}
     functions.update({"overlap": "santa_flash_overlap", "fused": "santa_flash_fused"} if flash
-                     else {"split": "santa_prop_split"})
+                     else {"split": "santa_prop_split", "overlap": "santa_prop_overlap"})
     calls = []
     for path, name in functions.items():
         real = getattr(decode, name)
@@ -192,12 +194,16 @@ def test_default_path_by_size(flash, monkeypatch):
         monkeypatch.setattr(decode, name, spy)
     monkeypatch.setattr(decode, "FLASH_OVERLAP_MIN_TILES", 8)
     monkeypatch.setattr(decode, "PROP_WIDE_MIN_TILES", 8)
+    monkeypatch.setattr(decode, "PROP_SPLIT_MIN_HEAD_TILES", 4)
     monkeypatch.setattr(decode, "FLASH_FUSED_MAX_TILES", 2)
     hq, hkv, d, tile = 4, 2, 64, 16
     small = "fused" if flash else "two-pass"
     above = ("overlap", "two-pass") if flash else ("split", "split")  # with, without PDL
+    # prop below PROP_SPLIT_MIN_HEAD_TILES tiles per head but above the count in all: v10 with PDL
+    few_per_head = "overlap"
     # (rows, keys, PDL, path): 2 KV heads × 4 tiles = 8 tiles in all; 6 below the count; batch 2 above it again
-    for b, n, pdl, expected in ((1, 64, True, above[0]), (1, 48, True, "two-pass"), (2, 48, True, above[0]),
+    # with 3 tiles per head
+    for b, n, pdl, expected in ((1, 64, True, above[0]), (1, 48, True, "two-pass"), (2, 48, True, few_per_head),
                                 (1, 64, False, above[1]), (1, 32, False, small), (1, 32, True, small)):
         monkeypatch.setattr(decode, "pdl_available", lambda pdl=pdl: pdl)
         q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [n] * b, torch.float32, 3)

@@ -29,7 +29,7 @@ import torch
 from ..shared.triton_utils import pdl_available
 from .common import all_tiles, check_rounding, check_tile, tile_count
 from .fused import santa_flash_fused
-from .overlap import santa_flash_overlap
+from .overlap import santa_flash_overlap, santa_prop_overlap
 from .split_merge import santa_prop_split
 from .two_pass import santa_flash_two_pass, santa_prop_two_pass
 
@@ -48,6 +48,10 @@ FLASH_OVERLAP_MIN_TILES = 1024
 # one follows the sparse gather kernel's measurement (split_merge.py); the santa-prop call itself is timed by
 # benchmarks/santa_kernels/tune_prop_stream.py --quick. Launch parameters: no count changes.
 PROP_WIDE_MIN_TILES = 2048
+# ... and from this many tiles per head; below it, where programmatic dependent launch is on, v10: at 32k batch 8
+# (128 tiles per head, 8 rows) v10 took 178.8 µs against 187.6 for the merge-launch path, which took 99.6 against
+# 108.1 at 128k batch 1 (512 tiles per head; H200, peaked, same run, tune_prop_stream.py --quick).
+PROP_SPLIT_MIN_HEAD_TILES = 512
 PROP_WIDE_STATS = {"block_n": 128, "stats_programs": 528, "stats_warps": 4, "stats_stages": 2}
 
 
@@ -59,9 +63,13 @@ def flash_path(k: torch.Tensor, tile: int) -> str:
 
 
 def prop_path(k: torch.Tensor, tile: int) -> str:
-    """"split" (``split_merge.py`` with ``PROP_WIDE_STATS``) or "two-pass" (v8 at its own launch defaults): the
-    path ``santa_prop_triton`` takes for this cache."""
-    return "split" if all_tiles(k, tile) >= PROP_WIDE_MIN_TILES else "two-pass"
+    """"split" (``split_merge.py`` with ``PROP_WIDE_STATS``), "overlap" (v10) or "two-pass" (v8 at its own
+    launch defaults): the path ``santa_prop_triton`` takes for this cache."""
+    if all_tiles(k, tile) < PROP_WIDE_MIN_TILES:
+        return "two-pass"
+    if tile_count(k.shape[2], tile) < PROP_SPLIT_MIN_HEAD_TILES and pdl_available():
+        return "overlap"
+    return "split"
 
 
 def santa_flash_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
@@ -81,11 +89,12 @@ def santa_prop_triton(q, k, v, lens, scale: float, budget: int, tile: int, seed:
     systematic samples in each tile. Returns ``(out, counts or None, tile budgets [B, Hq, T] int32)``."""
     check_tile(tile)
     check_rounding(rounding)
-    if prop_path(k, tile) == "split":
+    path = prop_path(k, tile)
+    if path == "split":
         return santa_prop_split(q, k, v, lens, scale, budget, tile, seed, rounding=rounding,
                                 write_counts=write_counts, out=out, **PROP_WIDE_STATS)
-    return santa_prop_two_pass(q, k, v, lens, scale, budget, tile, seed, rounding=rounding,
-                               write_counts=write_counts, out=out)
+    run = santa_prop_overlap if path == "overlap" else santa_prop_two_pass
+    return run(q, k, v, lens, scale, budget, tile, seed, rounding=rounding, write_counts=write_counts, out=out)
 
 
 __all__ = ["flash_path", "prop_path", "santa_flash_triton", "santa_prop_triton"]
