@@ -747,7 +747,7 @@ from kvsieve.kernels.saap import probe
 from kvsieve.kernels.saap import buckets
 
 
-def compile_(kernel, pointers, meta, floats=()):
+def compile_(kernel, pointers, meta, floats=(), warps=4):
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
@@ -755,7 +755,7 @@ def compile_(kernel, pointers, meta, floats=()):
         else:
             signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
+    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).metadata.shared)
 
 
 # Every constexpr combination the launcher makes, as it makes them: SAAP's sliding window and the keys that
@@ -807,7 +807,8 @@ hidden_pointers = {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1
 for tail in (False, True):
     compile_(probe._hidden_kernel, hidden_pointers,
              {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "TAIL": tail, "T_D": 128, "T_HALF": 64,
-              "T_BLOCK_C": 64, "T_DEROPE": True}, floats=("scaling", "t_scaling"))
+              "T_BLOCK_C": probe.TAIL_BLOCK_C, "T_DEROPE": True}, floats=("scaling", "t_scaling"),
+             warps=probe.TAIL_WARPS if tail else 4)
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
