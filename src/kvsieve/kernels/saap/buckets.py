@@ -343,7 +343,7 @@ if triton is not None:
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
 #: merges) is the method's choice: every program's acq_rel increment of the row's one counter serialises (about
 #: 0.3 us each on the H200), so at batch 1 (48 programs a row) a separate merge launch is faster, and at batch 8
-#: (6 a row) the two measured about equal (docs/results/gpu-bench tune_gather, sparse decode kernels).
+#: (6 a row) the two measured about equal (the shared sparse decode kernel with either merge, on the H200).
 FUSED_MERGE_MAX_SPLITS = 8
 
 
