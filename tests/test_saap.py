@@ -747,7 +747,7 @@ from kvsieve.kernels.saap import probe
 from kvsieve.kernels.saap import buckets
 
 
-def compile_(kernel, pointers, meta, floats=()):
+def compile_(kernel, pointers, meta, floats=(), warps=4):
     signature, constexprs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
@@ -755,7 +755,7 @@ def compile_(kernel, pointers, meta, floats=()):
         else:
             signature[name] = pointers.get(name, "fp32" if name in floats else "i32")
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).metadata.shared)
+    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).metadata.shared)
 
 
 # Every constexpr combination the launcher makes, as it makes them: SAAP's sliding window and the keys that
@@ -789,7 +789,8 @@ for mode in ("tail", "range", "none"):
     for fused in (True, False):
         for (dtype, d), (group, n_probe) in shapes.items():
             if mode == "tail" or (dtype, d) in (("bf16", 128), ("fp32", 64)):
-                if ((mode, fused, dtype, d) == ("tail", True, "bf16", 128)) == (PART == "runtime"):
+                # the runtime's: both merges (the fused one at batch 8, the separate launch at batch 1)
+                if ((mode, dtype, d) == ("tail", "bf16", 128)) == (PART == "runtime"):
                     bucket_case(mode, fused, dtype, d, group, n_probe)
 if PART != "runtime":
     raise SystemExit(0)
@@ -806,7 +807,8 @@ hidden_pointers = {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1
 for tail in (False, True):
     compile_(probe._hidden_kernel, hidden_pointers,
              {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "TAIL": tail, "T_D": 128, "T_HALF": 64,
-              "T_BLOCK_C": 64, "T_DEROPE": True}, floats=("scaling", "t_scaling"))
+              "T_BLOCK_C": probe.TAIL_BLOCK_C, "T_DEROPE": True}, floats=("scaling", "t_scaling"),
+             warps=probe.TAIL_WARPS if tail else 4)
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
@@ -931,16 +933,19 @@ from kvsieve import CallContext
 for per in ("kv", "query"):
     folder = Path(tempfile.mkdtemp())
     write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16, per=per)
-    q = torch.randn(2, 8, 32, generator=g).to(dev)
-    k, v = torch.randn(2, 2, 2, 300, 32, generator=g).to(dev)
-    lengths = torch.tensor([300, 250], device=dev)
-    spec = f"saap:artifacts={{folder}},probes=4"
-    ctx = CallContext(layer=1)
-    out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, context=ctx)
-    out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, context=ctx)
-    assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
-    assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
-    worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
+    # (2 rows, 300 keys): 5 programs a row, the fused merge; (1 row, 600 keys): 10, the separate merge launch
+    for b, n, merge in ((2, 300, "fused"), (1, 600, "separate launch")):
+        q = torch.randn(b, 8, 32, generator=g).to(dev)
+        k, v = torch.randn(2, b, 2, n, 32, generator=g).to(dev)
+        lengths = torch.tensor([n, n - 50][:b], device=dev)
+        spec = f"saap:artifacts={{folder}},probes=4"
+        ctx = CallContext(layer=1)
+        out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, context=ctx)
+        out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, context=ctx)
+        assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
+        assert st_t["merge"] == merge, st_t["merge"]
+        assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
+        worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
 print("worst16", worst16)
 print("worst", worst)
 """
@@ -967,14 +972,14 @@ def test_fused_probe_on_cuda_matches_the_reference():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("part,compiled", [
-    ("runtime", 6),
-    # the other 19 combinations, one sm_90 compile each
-    pytest.param("rest", 19, marks=pytest.mark.slow),
+    ("runtime", 7),
+    # the other 18 combinations, one sm_90 compile each
+    pytest.param("rest", 18, marks=pytest.mark.slow),
 ])
 def test_triton_bucket_kernel_compiles_for_the_h100(part, compiled):
     """The interpreter does not type-check branches; compiling for sm_90 here (no GPU needed) does, under the
     installed Triton: the bucket kernel in every constexpr combination its launcher makes (the runtime's, with
-    keys that joined their buckets, the fused merge, bfloat16 and head dim 128, by default; the rest under
+    keys that joined their buckets, either merge, bfloat16 and head dim 128, by default; the rest under
     ``slow``), the index update and the probe's kernels (bfloat16 weights, the top-l by rank over 1024 scores)."""
     import os
     import subprocess

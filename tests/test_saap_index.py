@@ -273,3 +273,22 @@ def test_bench_cli_takes_saap_without_artifacts_and_checks_the_rest(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err  # past the spec check: the bench fits the shape
     assert main(["bench", "e2e", "--methods", "saap:probes=-1"]) == 2
     assert "probes" in capsys.readouterr().err
+
+
+def test_the_bench_fit_draws_a_peaked_models_prompts_as_the_bench_does():
+    """A peaked model's bench fit clusters the keys of the tokens the bench serves: each prompt its first
+    token then ids of the prompt vocabulary; other models' ids span the whole vocabulary."""
+    from kvsieve.bench.peaked import BOS, PeakedAttention
+    from kvsieve.bench.saap_fit import RandomTokens
+
+    p = PeakedAttention(vocab=50)
+    tok = RandomTokens(1000, peaked=p, prompt_tokens=64)
+    ids = torch.tensor(tok("x" * 256)["input_ids"]).view(4, 64)
+    assert (ids[:, 0] == BOS).all() and ids[:, 1:].min() >= 1 and ids[:, 1:].max() <= 50
+    assert ids[:, 1:].unique().numel() > 40 and tok.source == "peaked-vocab50"
+    flat = RandomTokens(1000)
+    assert torch.tensor(flat("x" * 4000)["input_ids"]).max() > 50 and flat.source == "all-ids"
+    with pytest.raises(ValueError, match="whole prompts"):
+        tok("x" * 100)
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        RandomTokens(1000, peaked=p)

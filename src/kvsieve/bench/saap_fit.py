@@ -2,11 +2,14 @@
 
 A method that needs fitted artifacts (``needs_fit``: SAAP and its k-means baselines) given to ``kvsieve bench
 e2e`` without ``artifacts=`` gets a fit of the bench's own random-weight model of the shape: ``kvsieve fit
-saap`` (:func:`kvsieve.fit.saap.fit_saap`) on prompts of random token ids, with :data:`BENCH_FIT`'s reduced
-settings (one prompt, few steps: the fit sets which keys a step reads and the probe's cost, which the speed
-tables measure; the random weights' attention gives it no fidelity to measure). The fit lands in
-``<cache>/<shape>-<config hash>-<weights fingerprint>-<settings hash>`` and is reused while the model and the
-settings are the same; the results record the settings and the time the fit took.
+saap`` (:func:`kvsieve.fit.saap.fit_saap`) on prompts of random token ids drawn as the bench draws its own
+prompts (:func:`kvsieve.bench.peaked.bench_prompts`: the whole vocabulary, or a peaked model's first token then
+ids of its prompt vocabulary), with :data:`BENCH_FIT`'s reduced settings (few training steps: the fit sets which
+keys a step reads and the probe's cost, which the speed tables measure). The keys the fit clusters must come from
+the tokens the bench serves: a peaked model's keys are its tokens' codes, and centroids fitted on other tokens'
+codes cut the served ones into uneven buckets, so a step reads several times the ℓ/C share of the keys. The fit
+lands in ``<cache>/<shape>-<config hash>-<weights fingerprint>-<settings hash>-<token source>`` and is reused
+while the model and the settings are the same; the results record the settings and the time the fit took.
 """
 
 from __future__ import annotations
@@ -24,24 +27,42 @@ from ..methods.saap import MANIFEST, config_hash, weights_fingerprint
 
 #: The bench's fit: the paper's C = 1024 buckets, a classifier of hidden width 256 (the paper's is 1024: a
 #: quarter of the weights a decode step reads, at the recall the 1024-wide one has on SmolLM2's fit,
-#: docs/methods/saap.md "Classifier width"), from one 4096-token prompt of random ids, spherical k-means of 4
-#: rounds in torch on the model's device (FAISS's CPU path takes about 0.35 s a call, 16 calls a layer), 64
-#: candidate queries per head, 20 Adam steps.
-BENCH_FIT = dict(clusters=1024, kmeans_iters=4, kmeans_backend="torch", prompt_tokens=4096, prompts=1, val_prompts=0,
-                 queries=64, hidden=256, steps=20, batch=256, seed=0)
+#: docs/methods/saap.md "Classifier width"), from four 4096-token prompts of random ids (16 keys a bucket: one
+#: prompt left buckets of 4 keys, fitted to single keys), spherical k-means of the paper's 10 rounds in torch on
+#: the model's device (FAISS's CPU path takes about 0.35 s a call, 16 calls a layer), 64 candidate queries per
+#: head and prompt, 20 Adam steps.
+BENCH_FIT = dict(clusters=1024, kmeans_iters=10, kmeans_backend="torch", prompt_tokens=4096, prompts=4,
+                 val_prompts=0, queries=64, hidden=256, steps=20, batch=256, seed=0)
 DEFAULT_CACHE = "~/.cache/kvsieve/saap-bench-fits"
 
 
 class RandomTokens:
     """A tokenizer stand-in for a random-weight model: every call gives the same seeded random ids, as
-    many as the text has characters (the fit cuts its prompts from them)."""
+    many as the text has characters (the fit cuts its prompts from them). With ``peaked`` (a peaked model's
+    :class:`kvsieve.bench.peaked.PeakedAttention`) each ``prompt_tokens`` of them are one prompt as the bench
+    draws it (its first token, then ids of the prompt vocabulary); else ids over the whole ``vocab``."""
 
-    def __init__(self, vocab: int, seed: int = 0) -> None:
-        self.vocab, self.seed = vocab, seed
+    def __init__(self, vocab: int, seed: int = 0, *, peaked=None, prompt_tokens: int = 0) -> None:
+        if peaked is not None and (isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+                                   or prompt_tokens < 1):
+            raise ValueError(f"prompt_tokens: expected a positive integer with peaked, got {prompt_tokens!r}")
+        self.vocab, self.seed, self.peaked, self.prompt_tokens = vocab, seed, peaked, prompt_tokens
+
+    @property
+    def source(self) -> str:
+        """What the ids are drawn from, for the fit's record and its cache folder."""
+        return "all-ids" if self.peaked is None else f"peaked-vocab{self.peaked.vocab}"
 
     def __call__(self, text: str, add_special_tokens: bool = False) -> dict[str, list[int]]:
+        from .peaked import prompt_tokens
+
         g = torch.Generator().manual_seed(self.seed)
-        return {"input_ids": torch.randint(0, self.vocab, (len(text),), generator=g).tolist()}
+        if self.peaked is None:
+            return {"input_ids": torch.randint(0, self.vocab, (len(text),), generator=g).tolist()}
+        if len(text) % self.prompt_tokens:
+            raise ValueError(f"text: {len(text)} characters are not whole prompts of {self.prompt_tokens}")
+        return {"input_ids": prompt_tokens(self.peaked, self.prompt_tokens, len(text) // self.prompt_tokens,
+                                           g).flatten().tolist()}
 
 
 def needs_bench_fit(spec: str) -> bool:
@@ -67,9 +88,12 @@ def bench_fit(model: torch.nn.Module, shape: str, cache: str | Path = DEFAULT_CA
     holds one; returns ``{"artifacts", "settings", "fit_s" (None when loaded), "cached"}``."""
     settings = {**BENCH_FIT, **overrides}
     cfg = FitConfig(model=f"random-weights {shape}", **settings)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    tokens = RandomTokens(vocab, peaked=getattr(model, "peaked_attention", None), prompt_tokens=cfg.prompt_tokens)
     folder = Path(cache).expanduser() / f"{shape}-{config_hash(model.config)}-{weights_fingerprint(model)}-" \
-                                        f"{cfg.fingerprint()}"
-    info = {"artifacts": str(folder), "settings": settings, "command": "kvsieve.fit.saap.fit_saap on random ids"}
+                                        f"{cfg.fingerprint()}-{tokens.source}"
+    info = {"artifacts": str(folder), "settings": settings,
+            "command": f"kvsieve.fit.saap.fit_saap on random ids ({tokens.source}: as the bench's prompts)"}
     manifest = folder / MANIFEST
     if manifest.is_file():
         import json
@@ -77,10 +101,9 @@ def bench_fit(model: torch.nn.Module, shape: str, cache: str | Path = DEFAULT_CA
         if json.loads(manifest.read_text()).get("complete"):
             log(f"{shape}: SAAP fit loaded from {folder}")
             return {**info, "fit_s": None, "cached": True}
-    vocab = model.get_input_embeddings().weight.shape[0]
     texts = ["x" * (cfg.prompt_tokens * (cfg.prompts + cfg.val_prompts))]
     t0 = time.perf_counter()
-    fit_saap(cfg, folder, overwrite=True, log=log, model_and_tokenizer=(model, RandomTokens(vocab)), texts=texts)
+    fit_saap(cfg, folder, overwrite=True, log=log, model_and_tokenizer=(model, tokens), texts=texts)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     fit_s = time.perf_counter() - t0

@@ -41,7 +41,7 @@ from ..core.method import Method, read_stats
 from ..core.registry import register_method
 from ..core.stats import StepStats
 from ..core.sync import host_reads_allowed
-from ..kernels.saap.buckets import bucket_sparse_decode_triton, build_csr
+from ..kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from ..kernels.saap.index import (
     UPDATE_SPAN,
     assign_tail_reference,
@@ -544,10 +544,13 @@ class Saap(Method):
         extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets}
         if backend == "triton":
             # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
-            # from the lengths in the kernel
+            # from the lengths in the kernel. The kernel's default splits are those of the cache's keys (width 0);
+            # many programs a row make the fused merge's counter slow (batch 1), few make its launch saved worth it.
+            fused = fused_merge_default(inputs.batch * hkv, inputs.k.shape[2])
+            extra["merge"] = "fused" if fused else "separate launch"
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
-                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign))
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused)
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)

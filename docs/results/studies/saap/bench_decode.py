@@ -10,7 +10,8 @@ dense part 1 + 2047. Timed with CUDA events on a cold L2 (kvsieve.bench.timing),
   top-ℓ, the bucket lists, the sparse attention (dense part + buckets) and the log-sum-exp merge;
 - ``saap-attention``: the sparse attention (dense part + the visited buckets) and the merge only, the
   paper's timing: the Triton kernel of ``ℓ + 1`` programs per KV head reading the CSR lists, then the
-  split-KV merge; ``saap-attention-reference``: the same through the torch reference (bucket lists +
+  split-KV merge (``saap-attention-separate-merge``: the merge as its own launch, the method's choice at batch
+  1, where the default fuses it); ``saap-attention-reference``: the same through the torch reference (bucket lists +
   the weighted sparse decode twice + LSE merge);
 - ``saap-probe``: de-rope + classifier + top-ℓ only;
 - ``method-graph`` / ``method-eager``: what a user gets: ``kvsieve.method("saap:...").decode(...)`` on
@@ -202,6 +203,9 @@ def measure(n, hq, hkv, d, clusters, probes, window, device, dtype, timed, flash
         for splits in (16, 32, 48, 64, 128):
             row[f"saap-attention@{splits}_us"] = timed(lambda splits=splits: kernel(
                 q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, splits=splits))
+        # the merge in its own launch (the method's choice at batch 1) against the fused ticket-counter merge
+        row["saap-attention-separate-merge_us"] = timed(lambda: kernel(
+            q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width, fused_merge=False))
     row["saap-attention-reference_us"] = timed(lambda: bucket_kernels.bucket_sparse_decode(
         q, k, v, dense_ids, dense_counts, offsets, ids, buckets, width))
     row["saap-probe_us"] = timed(probe)

@@ -340,6 +340,19 @@ if triton is not None:
                 tl.atomic_xchg(sem_ptr + row, 0)
 
 
+#: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
+#: merges) is the method's choice: every program's acq_rel increment of the row's one counter serialises (about
+#: 0.3 us each on the H200), so at batch 1 (48 programs a row) a separate merge launch is faster, and at batch 8
+#: (6 a row) the two measured about equal (the shared sparse decode kernel with either merge, on the H200).
+FUSED_MERGE_MAX_SPLITS = 8
+
+
+def fused_merge_default(rows: int, max_keys: int, block_n: int = 64) -> bool:
+    """Whether SAAP's decode fuses the split merge into the bucket kernel: with :func:`default_splits` at most
+    :data:`FUSED_MERGE_MAX_SPLITS` programs contend for each row's counter."""
+    return default_splits(rows, max_keys, block_n) <= FUSED_MERGE_MAX_SPLITS
+
+
 def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
     """Programs per (batch row, KV head): about 384 in all, one wave on an H100 (132 SMs, three programs
     each: the kernel compiles to 168 registers a thread at 4 warps for sm_90), no more than the chunks of

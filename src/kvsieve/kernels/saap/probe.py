@@ -51,6 +51,13 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 # can set them.
 RANK_CHUNK = 32
 RANK_WARPS = 4
+# With the index update in the first launch, that launch lasts as long as its update items: each scans the C
+# centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
+# about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
+# iterations; the launch then runs 8 warps so that the [128, d] float32 tile takes as many registers a thread
+# as the [64, d] one at 4 warps.
+TAIL_BLOCK_C = 128
+TAIL_WARPS = 8
 
 
 def fold_batchnorm(w1, b1, w2, b2, running_mean, running_var, gamma, beta, eps: float):
@@ -310,13 +317,12 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     if tail is None:
         t_args, t_meta, items = (q,) * 7 + (1.0,) + (1,) * 8, dict(D=16, HALF=8, BLOCK_C=16, DEROPE=False), 0
     else:
-        # 64 centroids an iteration: the launch's 4 warps hold a [64, d] float32 tile without spilling
-        t_args, t_meta, items = tail_launch_args(*tail, block_c=64)
+        t_args, t_meta, items = tail_launch_args(*tail, block_c=TAIL_BLOCK_C)
     _hidden_kernel[(hidden_programs + items,)](
         q, positions, inv_freq, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
         int(position_offset), h_blocks, hidden_programs, *t_args, HALF=half, HALF_P=max(16, next_pow2(half)),
         BLOCK_R=block_r, BLOCK_H=block_h, TAIL=tail is not None, **{f"T_{k}": v for k, v in t_meta.items()},
-        num_warps=4)
+        num_warps=4 if tail is None else TAIL_WARPS)
     # The logits GEMV reads all of W2 (16.8 MB in bfloat16 at Llama-3.1-8B shapes): its speed is the bytes in
     # flight. 64 buckets (128 bytes of a bfloat16 W2 row) per program and the hidden units cut in `parts`
     # slices: 8 × 16 × 4 = 512 programs at C = 1024, four per H100 SM, each streaming a 256 × 64 slice of
