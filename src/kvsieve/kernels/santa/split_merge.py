@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import launch, next_pow2, pdl_launch, seed_words, triton
-from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides
-from .two_pass import stats_pass
+from ..shared.triton_utils import launch, pdl_launch, seed_words, triton
+from .common import TILE_KEY, begin_call, sample_constexprs, sample_strides
+from .two_pass import prop_budgets, stats_pass
 
 if triton is not None:
     import triton.language as tl
 
     from ..shared.triton_utils import gdc_launch_dependents, gdc_wait
     from .common import budget_jit, sample_tile
-    from .two_pass import _prop_budget_kernel
 
     @budget_jit
     def _prop_sample_kernel(
@@ -71,11 +70,8 @@ def santa_prop_split(q, k, v, lens, scale: float, budget: int, tile: int, seed: 
     t, pdl, buf = begin_call(q, k, v, tile, flash=False, rounding=rounding, write_counts=write_counts, out=out)
     stats_pass(q, k, lens, buf, scale, tile, flash=False, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
                num_warps=stats_warps, num_stages=stats_stages)
+    prop_budgets(lens, buf, budget, tile, seed, b, hq, t, rounding=rounding, pdl=pdl)
     lo, hi = seed_words(seed)
-    launch(_prop_budget_kernel, (hq, b, 1),
-           buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
-           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
-           **pdl_launch(pdl))
     launch(_prop_sample_kernel, (t, v.shape[1], b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets, buf.counts if write_counts else buf.m, buf.scr, buf.oacc,
            budget, lo, hi, TILE_KEY, t, hq, v.shape[1], *sample_strides(v, buf, hq, t, tile, write_counts),

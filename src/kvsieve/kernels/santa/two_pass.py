@@ -168,16 +168,23 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
     return buf
 
 
-def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
-                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None) -> None:
-    """S²ANTA-prop after its stats pass: the tile budgets, then the compacted sampling pass with the merge
-    folded in, from whatever wrote ``buf.m``, ``buf.l`` and the score stash (the stats pass above, or
-    ``kernels/bernoulli/decode.py``'s feature-major one)."""
+def prop_budgets(lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *, rounding: str,
+                 pdl: bool) -> None:
+    """S²ANTA-prop's tile budgets into ``buf.budgets`` from the stats in ``buf.m``, ``buf.l`` (one launch, a
+    program per (head, row))."""
     lo, hi = seed_words(seed)
     launch(_prop_budget_kernel, (hq, b, 1),
            buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
            TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
            **pdl_launch(pdl))
+
+
+def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
+                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None) -> None:
+    """S²ANTA-prop after its stats pass: the tile budgets, then the compacted sampling pass with the merge
+    folded in, from whatever wrote ``buf.m``, ``buf.l`` and the score stash (the stats pass above, or
+    ``kernels/bernoulli/decode.py``'s feature-major one)."""
+    prop_budgets(lens, buf, budget, tile, seed, b, hq, t, rounding=rounding, pdl=pdl)
     _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
                  r_max=r_max)
 
@@ -208,4 +215,4 @@ def santa_flash_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, se
     return buf.out, buf.counts
 
 
-__all__ = ["prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass", "stats_pass"]
+__all__ = ["prop_budgets", "prop_sampling_passes", "santa_flash_two_pass", "santa_prop_two_pass", "stats_pass"]
