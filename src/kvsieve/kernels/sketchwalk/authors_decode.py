@@ -18,16 +18,16 @@ Torch: :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4
 launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches and a cuBLAS GEMM) and
 :func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 
-- ``_row_state_kernel``, a program per (row, KV head): the state's step (the group's ring rows on a restart, the
-  new query's sketches into its slot, block ``c``'s key sum and sketch);
+- ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
+  the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
 - :func:`sketch_logits`, one batched float32 GEMM: every ring row against every key-block sketch up to the
   capacity, per (row, KV head), into a workspace (the rows' different block counts are masked after it);
 - ``_row_lse_kernel``, a program per (row, KV head, a few ring rows): each ring row's max and Σ exp of its logits
   over the row's blocks;
 - ``_row_probs_kernel``, a program per (row, KV head, tile of key blocks): the tile's probabilities summed over the
   KV head's valid ring rows;
-- ``_row_tail_kernel``, a program per row: sums the KV heads, normalises ``r`` and runs the running matrix's step,
-  the ring's count and the order flag;
+- ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads, normalises ``r`` and
+  runs the running matrix's step, the ring's count and the order flag;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
   ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them;
 - ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
@@ -306,14 +306,29 @@ if triton is not None:
         nq = tl.where(restart, tl.load(pnq_ptr + b), tl.load(nq_ptr + b))
         return restart, tl.minimum(nq + 1, w_len), pos % w_len
 
+    @triton.jit
+    def _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh, s_kn):
+        """Block c's key sum after the step over the dims ``dc`` (KV head g of row b): the new key added to the
+        prompt's partial sum on a restart, to nothing at a block's first key, else to the stored sum."""
+        k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
+        if restart:
+            base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
+        elif s == 0:
+            base = tl.zeros_like(k_new)
+        else:
+            base = tl.load(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, mask=dc_ok, other=0.0)
+        return base + k_new
+
     @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "hq"])
     def _row_state_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
                           ks_ptr, pkp_ptr, cap, w_len, m, d, hq, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr,
                           BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_D: tl.constexpr):
-        """A program per (row, KV head): the state's step (module docstring, step 1) before the logits' GEMM reads
-        the ring and the key-block sketches: on a restart the group's ring rows back to the prompt's, the new
-        query's sketches into slot ``p mod W``, the new key into block c's key sum and that block's sketch."""
+        """A program per (row, KV head, chunk of BLOCK_M sketch features): the state's step on the ring and the
+        key-block sketches (module docstring, step 1) before the logits' GEMM reads them: on a restart the group's
+        ring rows back to the prompt's, the new query's sketches into slot ``p mod W``, block c's sketch from its
+        key sum after the step (which every chunk computes itself and the tail stores, so that no program reads
+        what another writes)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
         hkv = tl.num_programs(1)
@@ -324,44 +339,31 @@ if triton is not None:
         dd = tl.arange(0, BLOCK_D)
         gh = tl.arange(0, BLOCK_G)
         g_ok = gh < GROUP
-        sum_base = ((b * hkv + g) * cap + c) * d
+        feats = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        f_ok = feats < m
+        # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D dims
+        # (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
+        q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
+        ks_c = tl.zeros([BLOCK_M], tl.float32)
         for d0 in range(0, d, BLOCK_D):
             dc = d0 + dd
             dc_ok = dc < d
-            k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
-            if restart:
-                base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
-            elif s == 0:
-                base = tl.zeros([BLOCK_D], tl.float32)
-            else:
-                base = tl.load(ksum_ptr + sum_base + dc, mask=dc_ok, other=0.0)
-            tl.store(ksum_ptr + sum_base + dc, base + k_new, mask=dc_ok)
-        tl.debug_barrier()  # the key sum's stores precede the chunked reads below (other threads' elements)
+            phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
+                            other=0.0)
+            qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
+                         mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+            q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
+            k_mean = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh,
+                              s_kn) / BS
+            ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
         ring_base = (b * hq + g * GROUP) * w_len * m
-        for f0 in range(0, m, BLOCK_M):
-            feats = f0 + tl.arange(0, BLOCK_M)
-            f_ok = feats < m
-            # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D dims
-            # (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
-            q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
-            ks_c = tl.zeros([BLOCK_M], tl.float32)
-            for d0 in range(0, d, BLOCK_D):
-                dc = d0 + dd
-                dc_ok = dc < d
-                phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
-                                other=0.0)
-                qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
-                             mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
-                q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
-                k_mean = tl.load(ksum_ptr + sum_base + dc, mask=dc_ok, other=0.0) / BS
-                ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
-            if restart:
-                ring_at = ring_base + rows[:, None] * m + feats[None, :]
-                ring_mask = row_ok[:, None] & f_ok[None, :] & ((rows % w_len) != slot)[:, None]
-                tl.store(qs_ptr + ring_at, tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0), mask=ring_mask)
-            tl.store(qs_ptr + ring_base + (gh * w_len + slot)[:, None] * m + feats[None, :], q_new,
-                     mask=g_ok[:, None] & f_ok[None, :])
-            tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
+        if restart:
+            ring_at = ring_base + rows[:, None] * m + feats[None, :]
+            ring_mask = row_ok[:, None] & f_ok[None, :] & ((rows % w_len) != slot)[:, None]
+            tl.store(qs_ptr + ring_at, tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0), mask=ring_mask)
+        tl.store(qs_ptr + ring_base + (gh * w_len + slot)[:, None] * m + feats[None, :], q_new,
+                 mask=g_ok[:, None] & f_ok[None, :])
+        tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
 
     @triton.jit(do_not_specialize=["cap", "n_rows"])
     def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cap, n_rows, scale, BS: tl.constexpr,
@@ -528,17 +530,25 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
     def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
-                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, cap, w_len, hkv, fresh, eps,
-                         BS: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
-        """A program per row, after every tile's partials: the block row and the running matrix's step. Its own
-        launch rather than the last of the tile programs (a ticket): the tiles' acquire-release atomics on one
-        counter serialise, which costs more than a launch whose start PDL hides."""
+                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr, pkp_ptr, ksum_ptr, cap,
+                         w_len, hkv, fresh, eps, d, s_kb, s_kh, s_kn, BS: tl.constexpr, BLOCK_X: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        """A program per row, after every tile's partials: block c's key sums, the block row and the running
+        matrix's step. Its own launch rather than the last of the tile programs (a ticket): the tiles'
+        acquire-release atomics on one counter serialise, which costs more than a launch whose start PDL hides."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         pos, c, s = _position(lens_ptr, b, BS)
         restart, nq_new, _ = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        for g in range(0, hkv):
+            for d0 in range(0, d, BLOCK_D):
+                dc = d0 + tl.arange(0, BLOCK_D)
+                dc_ok = dc < d
+                new_sum = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb,
+                                   s_kh, s_kn)
+                tl.store(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, new_sum, mask=dc_ok)
         _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
                     p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
 
@@ -728,11 +738,12 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
     r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
     pdl = pdl_available()
-    launch(_row_state_kernel, (b, hkv), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries, st.p_nq, st.prompt_len,
-           st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-           k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
-           BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m or feature_chunk(m),
-           BLOCK_D=min(32, max(16, next_pow2(d))), num_warps=4)
+    block_m = block_m or feature_chunk(m)
+    block_d = min(32, max(16, next_pow2(d)))
+    launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
+           st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
+           k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
+           BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     sketch_logits(st.qs, st.ks, logits.view(b * hkv, n_rows, cap))
     launch(_row_lse_kernel, (b, hkv, cdiv(n_rows, lse_rows)), lengths, logits, mx, se, cap, n_rows, float(scale),
            BS=st.block_size, BLOCK_R=lse_rows, BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
@@ -740,8 +751,9 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
            se, part, cap, w_len, n_rows, float(scale), BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
            BLOCK_N=block_n, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
-           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, cap, w_len, hkv,
-           int(st.fresh_rows), ROW_EPS, BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8,
+           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
+           st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
+           BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), BLOCK_D=block_d, PDL=pdl, num_warps=8,
            **pdl_launch(pdl))
     st.fresh_rows = False
     return r
