@@ -120,14 +120,16 @@ def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadama
         p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs)
 
 
-@pytest.mark.parametrize("seed,block_x,sketch_dim,block_m", [(0, None, 12, None), (1, 4, 12, None), (2, None, 40, 16)])
+@pytest.mark.parametrize("seed,block_x,sketch_dim,block_m,lse_chunk", [(0, None, 12, None, 256), (1, 4, 12, None, 4),
+                                                                       (2, None, 40, 16, 16)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_dim, block_m):
+def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_dim, block_m, lse_chunk):
     """Row 0 restarts mid-block, row 1 restarts on a block boundary, row 2 continues its block, row 3 starts a
     new block (its order flag already set), row 4 jumps (sets it); ``fresh``: rows past the block count start as
     the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the tail over the whole row
     at once or in chunks (``block_x``); the logits' dots over the sketch at once or in chunks of features
-    (``block_m``, the last one partial)."""
+    (``block_m``, the last one partial); each ring row's log-sum-exp over its blocks at once or in chunks
+    (``lse_chunk``: the running max grows between chunks)."""
     st = crafted_state(seed, hadamard_dim=sketch_dim)
     st.fresh_rows = fresh
     if fresh:
@@ -138,7 +140,8 @@ def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_d
     lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
     want, got = copy.deepcopy(st), copy.deepcopy(st)
     r_want = kd.row_update_reference(want, q, k, lengths, scale=0.05)
-    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x, block_m=block_m)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x, block_m=block_m,
+                                lse_chunk=lse_chunk)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
     assert not r_got[0, 8:].any() and not r_got[4, 6:].any()
     assert not got.fresh_rows
@@ -174,10 +177,11 @@ def test_walk_select_kernels_match_their_reference(seed):
         assert want["short"][2] and not want["short"][0]
 
 
-def test_a_layer_step_is_four_launches_plus_the_hops_plus_the_attention():
-    """The step up to the attention is 4 + degree Triton launches (the row's two tile passes and its tail, the hops,
-    the selection) and the attention two (its splits, then their merge); no torch
-    op runs on the device path but the CPU's order check (``any`` and its host read; on CUDA it is not made)."""
+def test_a_layer_step_is_five_launches_and_a_gemm_plus_the_hops_plus_the_attention():
+    """The step up to the attention is 5 + degree Triton launches (the state's step, the ring rows' log-sum-exp,
+    the probabilities' tiles and the row's tail, the hops, the selection) and one torch op, the logits' batched
+    GEMM; the attention two (its splits, then their merge); no other torch op runs on the device path but the
+    CPU's order check (``any`` and its host read; on CUDA it is not made)."""
     from kvsieve.bench.timing import count_dispatched
 
     prompts = [150, 97]
@@ -193,5 +197,6 @@ def test_a_layer_step_is_four_launches_plus_the_hops_plus_the_attention():
                                                                check_finite=False))
     calls[0]()
     got = count_dispatched(calls[1])
-    assert got["triton_launches"] == 4 + m.config.degree + 2, got
-    assert set(got["ops"]) <= {"any.default"} and got["host_reads"] <= 1, got
+    assert got["triton_launches"] == 5 + m.config.degree + 2, got
+    assert got["ops"]["bmm.out"] == 1 and set(got["ops"]) <= {"any.default", "bmm.out"}, got
+    assert got["host_reads"] <= 1, got

@@ -208,16 +208,18 @@ from kvsieve.kernels.sketchwalk import authors_decode as ad
 
 f32 = "*fp32"
 ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f32, pqs_ptr=f32, nq_ptr="*i64",
-            pnq_ptr="*i64", plen_ptr="*i64", ksum_ptr=f32, ks_ptr=f32, pkp_ptr=f32, mx_ptr=f32, se_ptr=f32,
-            part_ptr=f32, tk_ptr="*i32", r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
+            pnq_ptr="*i64", plen_ptr="*i64", ksum_ptr=f32, ks_ptr=f32, pkp_ptr=f32, lg_ptr=f32, mx_ptr=f32,
+            se_ptr=f32, part_ptr=f32, r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
             pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
             counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
-meta = dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_N=ad.ROW_TILE, BLOCK_M=32, PRECISION="tf32x3", PDL=True)
-compile_(ad._row_stats_kernel, ptrs, dict(meta, BLOCK_G=16, BLOCK_D=32), floats=("scale",), num_warps=8,
-         num_stages=1)
-compile_(ad._row_probs_kernel, ptrs, dict(meta, TILE_CH=32), floats=("scale",), num_warps=8, num_stages=1)
-compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, PDL=True), floats=("eps",), num_warps=8)
+compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
+         num_warps=4)
+compile_(ad._row_lse_kernel, ptrs, dict(BS=64, BLOCK_R=ad.LSE_ROWS, BLOCK_N=ad.LSE_CHUNK, PDL=True),
+         floats=("scale",), num_warps=4)
+compile_(ad._row_probs_kernel, ptrs, dict(BS=64, BLOCK_R=64, BLOCK_N=ad.ROW_TILE, PDL=True), floats=("scale",),
+         num_warps=4)
+compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
     compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
              floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)

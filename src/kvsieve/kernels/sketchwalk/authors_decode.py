@@ -15,20 +15,28 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch: :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5), about a hundred small
-launches per step. Triton: :func:`row_update_triton` (1–3, three launches) and :func:`walk_select_triton`
-(4–5, ``degree`` + 1 launches):
+launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches and a cuBLAS GEMM) and
+:func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 
-- ``_row_stats_kernel``, a program per (row, KV head, tile of key blocks): the state's step (the ring slot by
-  the tile-0 program of each KV head, block ``c``'s key sum and sketch by the program whose tile holds it;
-  every program computes the new sketches it needs itself, so none reads what another writes), then each
-  ring row's max and Σ exp of its logits over the tile;
-- ``_row_probs_kernel``, the same grid: the tile's probabilities summed over the KV head's ring rows;
-- ``_row_tail_kernel``, a program per row: sums the KV heads, normalises ``r`` and runs the running matrix's step,
-  the ring's count and the order flag;
+- ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
+  the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
+- :func:`sketch_logits`, one batched float32 GEMM: every ring row against every key-block sketch up to the
+  capacity, per (row, KV head), into a workspace (the rows' different block counts are masked after it);
+- ``_row_lse_kernel``, a program per (row, KV head, a few ring rows): each ring row's max and Σ exp of its logits
+  over the row's blocks;
+- ``_row_probs_kernel``, a program per (row, KV head, tile of key blocks): the tile's probabilities summed over the
+  KV head's valid ring rows;
+- ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads, normalises ``r`` and
+  runs the running matrix's step, the ring's count and the order flag;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
   ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them;
 - ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
   the kept blocks and the page list.
+
+The logits are a GEMM of their own rather than dots inside the softmax's programs: with the ring's 128 rows ×
+128 sketch features per KV head, tile programs that each redid their dots held one program per SM and took
+about 230 µs per layer at 128k tokens on an H200, where the GEMM and two passes over its 8 MB output are
+bandwidth-bound.
 
 The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
 acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
@@ -299,104 +307,91 @@ if triton is not None:
         return restart, tl.minimum(nq + 1, w_len), pos % w_len
 
     @triton.jit
-    def _row_program(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP: tl.constexpr, BS: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
-        """What a program of the two row launches (grid: row, KV head, key tile) starts from: its ids, the row's
-        position and ring step, and the ring rows (query head h of the group, slot w) = h·W + w."""
+    def _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh, s_kn):
+        """Block c's key sum after the step over the dims ``dc`` (KV head g of row b): the new key added to the
+        prompt's partial sum on a restart, to nothing at a block's first key, else to the stored sum."""
+        k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
+        if restart:
+            base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
+        elif s == 0:
+            base = tl.zeros_like(k_new)
+        else:
+            base = tl.load(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, mask=dc_ok, other=0.0)
+        return base + k_new
+
+    @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "hq"])
+    def _row_state_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
+                          ks_ptr, pkp_ptr, cap, w_len, m, d, hq, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr,
+                          BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+        """A program per (row, KV head, chunk of BLOCK_M sketch features): the state's step on the ring and the
+        key-block sketches (module docstring, step 1) before the logits' GEMM reads them: on a restart the group's
+        ring rows back to the prompt's, the new query's sketches into slot ``p mod W``, block c's sketch from its
+        key sum after the step (which every chunk computes itself and the tail stores, so that no program reads
+        what another writes)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
-        t = tl.program_id(2)
+        hkv = tl.num_programs(1)
         pos, c, s = _position(lens_ptr, b, BS)
-        restart, nq_new, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        restart, _, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
         rows = tl.arange(0, BLOCK_R)
-        return b, g, t, tl.num_programs(1), pos, c, s, c + 1, restart, nq_new, slot, rows, rows < GROUP * w_len
-
-    @triton.jit
-    def _scaled(acc, scale, cols, n):
-        """The logits from their dot ``acc``: scaled, ``-inf`` past the row's blocks."""
-        return tl.where(cols[None, :] < n, acc * scale, float("-inf"))
-
-    @triton.jit
-    def _store_stats(mx_ptr, se_ptr, at, lg, ok):
-        mx = tl.max(lg, 1)
-        safe = tl.where(mx == float("-inf"), 0.0, mx)
-        tl.store(mx_ptr + at, mx, mask=ok)
-        tl.store(se_ptr + at, tl.sum(tl.exp(lg - safe[:, None]), 1), mask=ok)
-
-    @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "n_tiles", "hq"])
-    def _row_stats_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
-                          ks_ptr, pkp_ptr, mx_ptr, se_ptr, cap, w_len, m, d, n_tiles, hq, scale, s_qb, s_qh, s_kb,
-                          s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # the next kernel may launch now: its programs wait (gdc_wait) until this one is done
-            gdc_launch_dependents()
-        b, g, t, hkv, pos, c, s, n, restart, _, slot, rows, row_ok = _row_program(
-            lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
+        row_ok = rows < GROUP * w_len
         dd = tl.arange(0, BLOCK_D)
         gh = tl.arange(0, BLOCK_G)
         g_ok = gh < GROUP
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        # block c's key sum from the new key (by the program whose tile holds it), its sketch below per chunk
-        holds_c = (c >= t * BLOCK_N) & (c < t * BLOCK_N + BLOCK_N)
-        if holds_c:
-            for d0 in range(0, d, BLOCK_D):
-                dc = d0 + dd
-                dc_ok = dc < d
-                k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
-                sum_at = ((b * hkv + g) * cap + c) * d + dc
-                if restart:
-                    base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
-                elif s == 0:
-                    base = tl.zeros([BLOCK_D], tl.float32)
-                else:
-                    base = tl.load(ksum_ptr + sum_at, mask=dc_ok, other=0.0)
-                tl.store(ksum_ptr + sum_at, base + k_new, mask=dc_ok)
-        tl.debug_barrier()  # the key sum's stores precede the chunked reads below (other threads' elements)
-        # the logits accumulated over chunks of BLOCK_M sketch features: a chunk of the ring, of Φ and of the key
-        # sketches at a time keeps registers and shared memory small enough for several programs per SM
-        acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
-        acc_new = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-        for f0 in range(0, m, BLOCK_M):
-            feats = f0 + tl.arange(0, BLOCK_M)
-            f_ok = feats < m
-            # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D
-            # dims (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
-            q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
-            ks_c = tl.zeros([BLOCK_M], tl.float32)
-            for d0 in range(0, d, BLOCK_D):
-                dc = d0 + dd
-                dc_ok = dc < d
-                phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
-                                other=0.0)
-                qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
-                             mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
-                q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
-                if holds_c:
-                    k_mean = tl.load(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, mask=dc_ok, other=0.0) / BS
-                    ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
-            ring_at = (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :]
-            ring_mask = row_ok[:, None] & f_ok[None, :]
-            if restart:
-                ring = tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0)
-            else:
-                ring = tl.load(qs_ptr + ring_at, mask=ring_mask, other=0.0)
-            if t == 0:  # the ring's step for the group (the other programs read the prompt's copy or other slots)
-                if restart:
-                    tl.store(qs_ptr + ring_at, ring, mask=ring_mask & ((rows % w_len) != slot)[:, None])
-                new_at = (b * hq + g * GROUP) * w_len * m + (gh * w_len + slot)[:, None] * m + feats[None, :]
-                tl.store(qs_ptr + new_at, q_new, mask=g_ok[:, None] & f_ok[None, :])
-            ks_at = ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :]
-            ks_tile = tl.load(ks_ptr + ks_at, mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
-            if holds_c:
-                tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
-                ks_tile = tl.where((cols == c)[:, None], ks_c[None, :], ks_tile)
-            acc += tl.dot(ring, tl.trans(ks_tile), input_precision=PRECISION)
-            acc_new += tl.dot(q_new, tl.trans(ks_tile), input_precision=PRECISION)
-        # each ring row's max and Σ exp over the tile (slot rows: the new sketches)
-        stat_at = ((b * hkv + g) * n_tiles + t) * BLOCK_R
-        _store_stats(mx_ptr, se_ptr, stat_at + rows, _scaled(acc, scale, cols, n), row_ok & ((rows % w_len) != slot))
-        _store_stats(mx_ptr, se_ptr, stat_at + gh * w_len + slot, _scaled(acc_new, scale, cols, n), g_ok)
+        feats = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        f_ok = feats < m
+        # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D dims
+        # (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
+        q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
+        ks_c = tl.zeros([BLOCK_M], tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            dc = d0 + dd
+            dc_ok = dc < d
+            phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
+                            other=0.0)
+            qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
+                         mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+            q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
+            k_mean = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh,
+                              s_kn) / BS
+            ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
+        ring_base = (b * hq + g * GROUP) * w_len * m
+        if restart:
+            ring_at = ring_base + rows[:, None] * m + feats[None, :]
+            ring_mask = row_ok[:, None] & f_ok[None, :] & ((rows % w_len) != slot)[:, None]
+            tl.store(qs_ptr + ring_at, tl.load(pqs_ptr + ring_at, mask=ring_mask, other=0.0), mask=ring_mask)
+        tl.store(qs_ptr + ring_base + (gh * w_len + slot)[:, None] * m + feats[None, :], q_new,
+                 mask=g_ok[:, None] & f_ok[None, :])
+        tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
+
+    @triton.jit(do_not_specialize=["cap", "n_rows"])
+    def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cap, n_rows, scale, BS: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """A program per (row, KV head, chunk of BLOCK_R ring rows): each ring row's max and Σ exp of its scaled
+        logits over the row's n blocks, in one pass (the sum rescaled when the max grows)."""
+        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+            gdc_wait()
+            gdc_launch_dependents()
+        bg = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        _, c, _ = _position(lens_ptr, tl.program_id(0).to(tl.int64), BS)
+        n = c + 1
+        rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_ok = rows < n_rows
+        at = (bg * n_rows + rows) * cap
+        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        se = tl.zeros([BLOCK_R], tl.float32)
+        for x0 in range(0, n, BLOCK_N):
+            j = x0 + tl.arange(0, BLOCK_N)
+            ok = row_ok[:, None] & (j < n)[None, :]
+            lg = tl.load(lg_ptr + at[:, None] + j[None, :], mask=ok, other=0.0)
+            lg = tl.where(ok, lg * scale, float("-inf"))
+            big = tl.maximum(mx, tl.max(lg, 1))  # finite on live rows: the first chunk holds block 0
+            safe = tl.where(big == float("-inf"), 0.0, big)
+            se = se * tl.exp(mx - safe) + tl.sum(tl.exp(lg - safe[:, None]), 1)
+            mx = big
+        tl.store(mx_ptr + bg * n_rows + rows, mx, mask=row_ok)
+        tl.store(se_ptr + bg * n_rows + rows, se, mask=row_ok)
 
     @triton.jit
     def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
@@ -506,63 +501,54 @@ if triton is not None:
         tl.store(last_ptr + b, pos)
         tl.store(nq_ptr + b, nq_new.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["cap", "w_len", "m", "n_tiles", "hq"])
-    def _row_probs_kernel(lens_ptr, qs_ptr, ks_ptr, nq_ptr, pnq_ptr, plen_ptr, mx_ptr, se_ptr, part_ptr, cap, w_len,
-                          m, n_tiles, hq, scale, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TILE_CH: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
+    @triton.jit(do_not_specialize=["cap", "w_len", "n_rows"])
+    def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, cap, w_len, n_rows,
+                          scale, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """A program per (row, KV head, tile of BLOCK_N key blocks): the tile's probabilities summed over the valid
+        ring rows (the slot's age below the ring's count after the step); zero past the row's blocks."""
+        if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        b, g, t, hkv, pos, c, s, n, restart, nq_new, slot, rows, row_ok = _row_program(
-            lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, GROUP, BS, BLOCK_R)
-        # each ring row's log-sum-exp over every tile, TILE_CH tiles per load (one round trip per chunk, not per tile)
-        base = (b * hkv + g) * n_tiles * BLOCK_R + rows
-        tch = tl.arange(0, TILE_CH)
-        big = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for t0 in range(0, n_tiles, TILE_CH):
-            at = base[None, :] + (t0 + tch)[:, None] * BLOCK_R
-            ok2 = (t0 + tch < n_tiles)[:, None] & row_ok[None, :]
-            big = tl.maximum(big, tl.max(tl.load(mx_ptr + at, mask=ok2, other=float("-inf")), 0))
-        safe = tl.where(big == float("-inf"), 0.0, big)
-        total = tl.zeros([BLOCK_R], tl.float32)
-        for t0 in range(0, n_tiles, TILE_CH):
-            at = base[None, :] + (t0 + tch)[:, None] * BLOCK_R
-            ok2 = (t0 + tch < n_tiles)[:, None] & row_ok[None, :]
-            mt = tl.load(mx_ptr + at, mask=ok2, other=float("-inf"))
-            se = tl.load(se_ptr + at, mask=ok2, other=0.0)
-            total += tl.sum(tl.where(mt == float("-inf"), 0.0, se * tl.exp(mt - safe[None, :])), 0)
-        lse = safe + tl.log(tl.where(total > 0, total, 1.0))
-        # the tile's probabilities summed over the valid ring rows (the slot's age below the ring's count)
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
-        for f0 in range(0, m, BLOCK_M):  # the same chunks as the stats' (the same sums)
-            feats = f0 + tl.arange(0, BLOCK_M)
-            f_ok = feats < m
-            ring = tl.load(qs_ptr + (b * hq + g * GROUP) * w_len * m + rows[:, None] * m + feats[None, :],
-                           mask=row_ok[:, None] & f_ok[None, :], other=0.0)
-            ks_tile = tl.load(ks_ptr + ((b * hkv + g) * cap + cols[:, None]) * m + feats[None, :],
-                              mask=(cols < n)[:, None] & f_ok[None, :], other=0.0)
-            acc += tl.dot(ring, tl.trans(ks_tile), input_precision=PRECISION)
-        lg = _scaled(acc, scale, cols, n)
-        age = (slot - rows % w_len + w_len) % w_len
-        ok = row_ok & (age < nq_new)
-        p = tl.where(ok[:, None] & (cols < n)[None, :], tl.exp(lg - lse[:, None]), 0.0)
-        tl.store(part_ptr + (b * hkv + g) * cap + cols, tl.sum(p, 0), mask=cols < cap)
+        b = tl.program_id(0).to(tl.int64)
+        bg = b * tl.num_programs(1) + tl.program_id(1)
+        pos, c, _ = _position(lens_ptr, b, BS)
+        _, nq_new, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        n = c + 1
+        cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = cols < n
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for r0 in range(0, n_rows, BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            age = (slot - rows % w_len + w_len) % w_len
+            ok = (rows < n_rows) & (age < nq_new)
+            mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
+            se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
+            both = ok[:, None] & live[None, :]
+            lg = tl.load(lg_ptr + (bg * n_rows + rows)[:, None] * cap + cols[None, :], mask=both, other=0.0)
+            acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
+        tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 
     @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
     def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
-                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, cap, w_len, hkv, fresh, eps,
-                         BS: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
-        """A program per row, after every tile's partials: the block row and the running matrix's step. Its own
-        launch rather than the last of the tile programs (a ticket): the tiles' acquire-release atomics on one
-        counter serialise, which costs more than a launch whose start PDL hides."""
+                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr, pkp_ptr, ksum_ptr, cap,
+                         w_len, hkv, fresh, eps, d, s_kb, s_kh, s_kn, BS: tl.constexpr, BLOCK_X: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        """A program per row, after every tile's partials: block c's key sums, the block row and the running
+        matrix's step. Its own launch rather than the last of the tile programs (a ticket): the tiles'
+        acquire-release atomics on one counter serialise, which costs more than a launch whose start PDL hides."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         pos, c, s = _position(lens_ptr, b, BS)
         restart, nq_new, _ = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        for g in range(0, hkv):
+            for d0 in range(0, d, BLOCK_D):
+                dc = d0 + tl.arange(0, BLOCK_D)
+                dc_ok = dc < d
+                new_sum = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb,
+                                   s_kh, s_kn)
+                tl.store(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, new_sum, mask=dc_ok)
         _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
                     p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
 
@@ -696,24 +682,48 @@ def _check_state(st) -> None:
 
 
 def feature_chunk(m: int) -> int:
-    """Sketch features per chunk of the row launches' dots: 32 (a [128, 32] slice of the ring at a time)."""
+    """Sketch features per chunk of the state launch's dots: 32 at most."""
     return min(32, max(16, next_pow2(m)))
 
 
-#: key blocks per program of the row launches: with the ring's 128 rows × 128 features and tf32x3 dots, 64 asks
-#: for 256 KiB of shared memory (over sm_90's 227 KiB), 32 for 192 KiB
+#: key blocks per program of the probabilities' launch (a [64 ring rows, 32 blocks] tile at a time): about four
+#: programs per SM at 128k tokens of 64-key blocks, batch 1
 ROW_TILE = 32
+#: ring rows per program of the log-sum-exp launch
+LSE_ROWS = 4
+#: blocks per chunk of the log-sum-exp launch's pass over a ring row
+LSE_CHUNK = 256
+
+
+def sketch_logits(qs: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out [B·Hkv, G·W, C] = qs [B, Hq, W, m] · ks [B, Hkv, C, m]ᵀ`` per (row, KV head): one batched GEMM in
+    float32. On CUDA, TF32 is turned off for the call whatever the global setting (its 10-bit mantissa would move
+    the softmax by about 1e-3; the float32 GEMM is a few µs at 128k tokens)."""
+    b, hq, w_len, m = qs.shape
+    hkv, cap = ks.shape[1], ks.shape[2]
+    a, k_t = qs.view(b * hkv, hq // hkv * w_len, m), ks.view(b * hkv, cap, m).transpose(1, 2)
+    if not qs.is_cuda:
+        return torch.bmm(a, k_t, out=out)
+    prec = torch.backends.cuda.matmul
+    before = prec.fp32_precision
+    prec.fp32_precision = "ieee"
+    try:
+        return torch.bmm(a, k_t, out=out)
+    finally:
+        prec.fp32_precision = before
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = ROW_TILE, precision: str = "tf32x3", block_x: int | None = None,
-                      block_m: int | None = None) -> torch.Tensor:
-    """:func:`row_update_reference` in two launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
-    last dim; ``lengths`` int32 preferred). Returns ``r [B, C]`` (a workspace: valid until the next call).
-    ``precision``: ``tl.dot``'s for the sketched logits (tf32x3 keeps about float32's accuracy on tensor cores;
-    the interpreter computes in float32 whatever it is); ``block_x``: the tail's chunk (default
-    :func:`tail_chunk`); ``block_m``: the sketch features per chunk of the logits' dots (default
-    :func:`feature_chunk`)."""
+                      block_n: int = ROW_TILE, block_x: int | None = None, block_m: int | None = None,
+                      lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK) -> torch.Tensor:
+    """:func:`row_update_reference` in four launches and a GEMM (float32 state; ``q``, ``k`` any float dtype with a
+    contiguous last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logits of every
+    ring row against every key-block sketch up to the capacity (:func:`sketch_logits`, into a workspace), each ring
+    row's max and Σ exp over its row's blocks (``_row_lse_kernel``), the probabilities summed over the ring rows per
+    tile of ``block_n`` blocks (``_row_probs_kernel``), and the tail (``_row_tail_kernel``). Returns ``r [B, C]``
+    (a workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
+    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`); ``lse_rows``,
+    ``lse_chunk``: the ring rows per program and the blocks per chunk of the log-sum-exp launch."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
@@ -721,25 +731,29 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     hkv, cap = st.ks.shape[1], st.ks.shape[2]
     w_len, m = st.qs.shape[2], st.qs.shape[3]
     group = hq // hkv
-    n_tiles = cdiv(cap, block_n)
-    block_r = max(16, next_pow2(group * w_len))
-    mx = workspace("sw_authors_mx", q, b * hkv * n_tiles * block_r, torch.float32)
-    se = workspace("sw_authors_se", q, b * hkv * n_tiles * block_r, torch.float32)
+    n_rows = group * w_len
+    logits = workspace("sw_authors_logits", q, b * hkv * n_rows * cap, torch.float32)[:b * hkv * n_rows * cap]
+    mx = workspace("sw_authors_mx", q, b * hkv * n_rows, torch.float32)
+    se = workspace("sw_authors_se", q, b * hkv * n_rows, torch.float32)
     part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
     r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
     pdl = pdl_available()
-    meta = dict(GROUP=group, BS=st.block_size, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_M=block_m or feature_chunk(m),
-                PRECISION=precision, PDL=pdl, num_warps=8, num_stages=1)
-    launch(_row_stats_kernel, (b, hkv, n_tiles), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries, st.p_nq,
-           st.prompt_len, st.ksum, st.ks, st.p_kpart, mx, se, cap, w_len, m, d, n_tiles, hq, float(scale),
-           q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-           BLOCK_G=max(16, next_pow2(group)), BLOCK_D=min(32, max(16, next_pow2(d))), **meta)
-    launch(_row_probs_kernel, (b, hkv, n_tiles), lengths, st.qs, st.ks, st.n_queries, st.p_nq, st.prompt_len, mx, se,
-           part, cap, w_len, m, n_tiles, hq, float(scale), TILE_CH=min(32, max(2, next_pow2(n_tiles))), **meta,
-           **pdl_launch(pdl))
+    block_m = block_m or feature_chunk(m)
+    block_d = min(32, max(16, next_pow2(d)))
+    launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
+           st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
+           k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
+           BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    sketch_logits(st.qs, st.ks, logits.view(b * hkv, n_rows, cap))
+    launch(_row_lse_kernel, (b, hkv, cdiv(n_rows, lse_rows)), lengths, logits, mx, se, cap, n_rows, float(scale),
+           BS=st.block_size, BLOCK_R=lse_rows, BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, logits, mx,
+           se, part, cap, w_len, n_rows, float(scale), BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
+           BLOCK_N=block_n, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
-           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, cap, w_len, hkv,
-           int(st.fresh_rows), ROW_EPS, BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8,
+           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
+           st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
+           BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), BLOCK_D=block_d, PDL=pdl, num_warps=8,
            **pdl_launch(pdl))
     st.fresh_rows = False
     return r

@@ -189,8 +189,8 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
                 kernels: bool = False) -> DeviceStep:
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
     cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``max_pages``: the page
-    list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 4 + ``degree``
-    launches), or its torch reference (about a hundred launches)."""
+    list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 5 + ``degree``
+    Triton launches and a GEMM), or its torch reference (about a hundred launches)."""
     m = st.phi.shape[0]
     scale = m ** -0.5 / LOGIT_DIVISOR
     if kernels:
