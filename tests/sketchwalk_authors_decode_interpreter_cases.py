@@ -28,6 +28,7 @@ from test_sketchwalk_authors_device import reference_rows, stacked_state  # noqa
 import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
+from kvsieve.kernels.sketchwalk import authors_reference as kr  # noqa: E402
 from kvsieve.methods.sketchwalk.authors import sketch_matrix  # noqa: E402
 from kvsieve.methods.sketchwalk.authors_device import max_kept_pages  # noqa: E402
 
@@ -86,7 +87,7 @@ def test_the_triton_step_keeps_the_blocks_of_decode_row(spec, shape, prompts, st
         m_torch.decode(qi, k, v, lengths=lengths, state=state_torch, context=kvsieve.CallContext(capacity=n))
         assert stats.extra["selection"] == "device-triton" and stats.backend == "triton"
         step = state.authors_device.last_step
-        assert torch.equal(step.pages, kd.page_list(step.kept_blocks, step.window_tokens, cfg.block_size, bound)[0])
+        assert torch.equal(step.pages, kr.page_list(step.kept_blocks, step.window_tokens, cfg.block_size, bound)[0])
         for b, rows in enumerate(ref):
             r = rows[i]
             nb = r.kept_blocks.shape[0]
@@ -139,7 +140,7 @@ def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_d
     k = torch.randn(5, 2, 90, 64, generator=g).bfloat16()
     lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
     want, got = copy.deepcopy(st), copy.deepcopy(st)
-    r_want = kd.row_update_reference(want, q, k, lengths, scale=0.05)
+    r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
     r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x, block_m=block_m,
                                 lse_chunk=lse_chunk)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
@@ -169,7 +170,7 @@ def test_walk_select_kernels_match_their_reference(seed):
     for beta, degree, splits, block_x in ((0.0, 3, 3, None), (0.0, 1, 1, 16), (0.25, 3, 2, 16), (0.6, 1, 4, None),
                                           (0.3, 2, None, 8)):
         kw = dict(beta=beta, degree=degree, sink=0.04, window=0.1, q=0.8, max_pages=30)
-        want = kd.walk_select_reference(st, r, lengths, **kw)
+        want = kr.walk_select_reference(st, r, lengths, **kw)
         got = kd.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=block_x, **kw)
         torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
         for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):

@@ -9,7 +9,7 @@ import torch
 from interpreted import case_groups, group_id, run_interpreter_cases
 
 import kvsieve
-from kvsieve.kernels.sketchwalk.authors_decode import page_list, quantile_rows
+from kvsieve.kernels.sketchwalk.authors_reference import page_list, quantile_rows
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
 from kvsieve.methods.sketchwalk.authors_device import max_kept_pages
 

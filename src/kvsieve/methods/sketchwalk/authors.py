@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.context import MethodState
-from ...kernels.sketchwalk.authors_decode import ROW_EPS
+from ...kernels.sketchwalk.authors_reference import ROW_EPS
 
 #: Their sketched logits are divided by √m and then by this constant before the softmax.
 LOGIT_DIVISOR = 100.0

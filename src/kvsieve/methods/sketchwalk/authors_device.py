@@ -31,6 +31,7 @@ from ...core.inputs import DecodeInputs
 from ...core.method import read_stats
 from ...core.stats import StepStats
 from ...kernels.sketchwalk import authors_decode as kd
+from ...kernels.sketchwalk import authors_reference as kr
 from ..shared.backend import kernel_operands
 from .authors import (
     LOGIT_DIVISOR,
@@ -198,8 +199,8 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
         sel = kd.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
                                     q=1.0 - kblocks_frac, max_pages=max_pages)
     else:
-        r = kd.row_update_reference(st, q, k, lengths, scale=scale)
-        sel = kd.walk_select_reference(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
+        r = kr.row_update_reference(st, q, k, lengths, scale=scale)
+        sel = kr.walk_select_reference(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
                                        q=1.0 - kblocks_frac, max_pages=max_pages)
     return DeviceStep(walk=sel["walk"], kept_blocks=sel["kept"], window_tokens=sel["window_tokens"], n=sel["n"],
                       short=sel["short"], pages=sel["pages"], counts=sel["counts"])
