@@ -64,23 +64,29 @@ class ColdL2Timer:
             with profile(activities=[ProfilerActivity.CUDA]) as flush_prof:
                 self.flush()
                 torch.cuda.synchronize()
-            flush_names = {e.name[:60] for e in flush_prof.events()
-                           if e.device_type == torch.autograd.DeviceType.CUDA}
+            flush_names = set(kernel_totals(flush_prof, width=60))
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(iters):
                     self.flush()
                     torch.cuda.synchronize()
                     fn()
                     torch.cuda.synchronize()
-            totals: dict[str, float] = {}
-            for e in prof.events():
-                if e.device_type != torch.autograd.DeviceType.CUDA:
-                    continue
-                name = e.name[:60]
-                totals[name] = totals.get(name, 0.0) + e.time_range.elapsed_us()
-            return {k: v / iters for k, v in totals.items() if k not in flush_names}
+            return {k: us / iters for k, (us, _) in kernel_totals(prof, width=60).items() if k not in flush_names}
         except Exception:  # noqa: BLE001 - the profiler is optional
             return None
+
+
+def kernel_totals(prof, width: int | None = None) -> dict[str, tuple[float, int]]:
+    """``{kernel name (its first ``width`` characters): (device µs summed, launches)}`` of a torch profiler's
+    CUDA events."""
+    totals: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = e.name if width is None else e.name[:width]
+        us, count = totals.get(name, (0.0, 0))
+        totals[name] = (us + e.time_range.elapsed_us(), count + 1)
+    return totals
 
 
 def host_us(fn: Callable[[], object], iters: int = 50) -> float:
@@ -123,8 +129,7 @@ def count_launches(fn: Callable[[], object]) -> int | None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return len(kernels)
+        return sum(count for _, count in kernel_totals(prof).values())
     except Exception:  # noqa: BLE001 - the profiler is optional, the count is reported as unknown
         return None
 
@@ -205,17 +210,15 @@ def step_kernel_kinds(step: Callable[[], object], n: int) -> dict | None:
             torch.cuda.synchronize()
         out: dict = {"attention_ms": 0.0, "gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
         by_name: dict[str, float] = {}
-        for e in prof.events():
-            if e.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            name = e.name.lower()
+        for full_name, (us, count) in kernel_totals(prof).items():
+            name = full_name.lower()
             ours = name.startswith("_") and name.endswith("_kernel")  # not inductor's triton_* nor at::native
             kind = ("attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
                     else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
-            ms = e.time_range.elapsed_us() / 1e3 / n
+            ms = us / 1e3 / n
             out[f"{kind}_ms"] += ms
-            out["kernels"] += 1 / n
-            by_name[e.name[:80]] = by_name.get(e.name[:80], 0.0) + ms
+            out["kernels"] += count / n
+            by_name[full_name[:80]] = by_name.get(full_name[:80], 0.0) + ms
         out["top"] = dict(sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS])
         return out if out["kernels"] else None
     except Exception:  # noqa: BLE001 - the profiler is optional
