@@ -245,3 +245,28 @@ def test_the_batched_path_is_declared_capturable_and_the_per_row_loop_is_not():
     assert kvsieve.method("sketchwalk:backend=triton").graph_capturable
     assert not kvsieve.method("sketchwalk:backend=reference").graph_capturable
     assert not kvsieve.method("sketchwalk:variant=reconstruction").graph_capturable
+
+
+def test_a_question_chunk_then_single_steps_fits_a_capacity_below_the_reference_room():
+    """As `kvsieve eval`'s question phase runs it: a chunk of query rows (the per-row reference, whose matrix
+    grows by doubling past the blocks it holds), then one token at a time on the batched path over a cache
+    of exactly the tokens: the device state takes the blocks held, and every step equals the reference."""
+    spec = "sketchwalk:block_size=8"
+    prompt, chunk, steps = 100, 30, 12
+    n = prompt + chunk + steps
+    q, k, v = data(1, 4, 2, n, 16, seed=11)
+    ref_m, m = kvsieve.method(spec + ",backend=reference"), kvsieve.method(spec)
+    sr, sd = SketchWalkState(), SketchWalkState()
+    for mm, st in ((ref_m, sr), (m, sd)):
+        mm.prefill(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], scale=None, state=st, sparse=False)
+    for t in range(prompt + 1, prompt + chunk + 1):
+        ref_m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=sr)
+    end = prompt + chunk
+    m.decode(q[:, :, prompt:end], k[:, :, :end], v[:, :, :end], state=sd)
+    assert sd.authors.blocks.shape[-1] * 8 > n  # the reference's room exceeds the cache below
+    for t in range(end + 1, n + 1):
+        a, _ = ref_m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=sr)
+        b, stats = m.decode(q[:, :, t - 1], k[:, :, :n], v[:, :, :n], lengths=torch.tensor([t]), state=sd,
+                            context=kvsieve.CallContext(capacity=n))
+        assert stats.extra["selection"] == "device"
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)

@@ -101,10 +101,15 @@ class AuthorsDeviceState(MethodState):
         cap_blocks = -(-capacity // bs)
         n_st = st.blocks.shape[-1]
         if n_st > cap_blocks:
-            raise ValueError(f"context.capacity: {capacity} tokens ({cap_blocks} blocks) is less than the "
-                             f"{n_st} blocks the prompt already holds")
+            # the per-row reference grows its matrix by doubling, so its room can exceed the blocks it
+            # holds; only those must fit (a host read, once, where the state is made)
+            held = int(st.n_blocks.max()) if st.n_blocks.numel() else 0
+            if held > cap_blocks:
+                raise ValueError(f"context.capacity: {capacity} tokens ({cap_blocks} blocks) is less than the "
+                                 f"{held} blocks the prompt already holds")
+            n_st = cap_blocks
         u = torch.zeros(b, cap_blocks, cap_blocks, dtype=dtype, device=dev)
-        u[:, :n_st, :n_st] = st.blocks.to(dtype)
+        u[:, :n_st, :n_st] = st.blocks[:, :n_st, :n_st].to(dtype)
         rsum = u.sum(-1)
         sigma = torch.ones(b, cap_blocks, dtype=dtype, device=dev)
         prompt_lens, p_nblocks = prompt_rows(st, b, dev)
