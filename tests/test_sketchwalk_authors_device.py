@@ -248,9 +248,9 @@ def test_the_batched_path_is_declared_capturable_and_the_per_row_loop_is_not():
 
 
 def test_a_question_chunk_then_single_steps_fits_a_capacity_below_the_reference_room():
-    """As `kvsieve eval`'s question phase runs it: a chunk of query rows (the per-row reference, whose matrix
-    grows by doubling past the blocks it holds), then one token at a time on the batched path over a cache
-    of exactly the tokens: the device state takes the blocks held, and every step equals the reference."""
+    """A chunk of query rows through the per-row reference (whose matrix grows by doubling past the blocks
+    it holds), then one token at a time on the batched path over a cache of exactly the tokens: the device
+    state takes the blocks held, and every step equals the reference."""
     spec = "sketchwalk:block_size=8"
     prompt, chunk, steps = 100, 30, 12
     n = prompt + chunk + steps
@@ -262,7 +262,7 @@ def test_a_question_chunk_then_single_steps_fits_a_capacity_below_the_reference_
     for t in range(prompt + 1, prompt + chunk + 1):
         ref_m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=sr)
     end = prompt + chunk
-    m.decode(q[:, :, prompt:end], k[:, :, :end], v[:, :, :end], state=sd)
+    ref_m.decode(q[:, :, prompt:end], k[:, :, :end], v[:, :, :end], state=sd)  # the per-row reference's chunk
     assert sd.authors.blocks.shape[-1] * 8 > n  # the reference's room exceeds the cache below
     for t in range(end + 1, n + 1):
         a, _ = ref_m.decode(q[:, :, t - 1], k[:, :, :t], v[:, :, :t], state=sr)
@@ -270,3 +270,34 @@ def test_a_question_chunk_then_single_steps_fits_a_capacity_below_the_reference_
                             context=kvsieve.CallContext(capacity=n))
         assert stats.extra["selection"] == "device"
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("prompts,chunk", [([100], 30), ([90, 64], 17)])
+def test_a_chunk_of_query_rows_runs_as_single_steps_on_the_device_state(prompts, chunk):
+    """Q > 1 query rows per batch row (eval's question, a teacher-forced answer) run as Q batched steps in
+    order: the same outputs and kept keys as the per-row reference, then single steps continue from there,
+    and a second chunk from the prompt (a rewind) gives the first chunk's outputs again."""
+    spec = "sketchwalk:block_size=8,query_window=7"
+    b, steps = len(prompts), 6
+    n = max(prompts) + chunk + steps
+    q, k, v = data(b, 4, 2, n, 16, seed=5 + b)
+    m = kvsieve.method(spec)
+    ref = reference_rows(spec, q, k, v, prompts, chunk + steps)
+    state = stacked_state(m, q, k, v, prompts)
+    lens = torch.tensor(prompts)
+    qc = torch.stack([q[i, :, p:p + chunk] for i, p in enumerate(prompts)])  # [B, Hq, Q, d]
+    kc = torch.stack([k[i, :, :n] for i in range(b)])
+    vc = torch.stack([v[i, :, :n] for i in range(b)])
+    key_len = lens + chunk
+    for _ in range(2):
+        out, stats = m.decode(qc, kc, vc, lengths=key_len, state=state, context=kvsieve.CallContext(capacity=n))
+        assert stats["selection"] == "device"
+        for i in range(b):
+            for j in range(chunk):
+                torch.testing.assert_close(out[i, :, j], ref[i][j].out, atol=1e-5, rtol=1e-4)
+    for s in range(steps):
+        lengths = key_len + 1 + s
+        o, _ = m.decode(q[torch.arange(b), :, lengths - 1], kc, vc, lengths=lengths, state=state,
+                        context=kvsieve.CallContext(capacity=n))
+        for i in range(b):
+            torch.testing.assert_close(o[i], ref[i][chunk + s].out, atol=1e-5, rtol=1e-4)

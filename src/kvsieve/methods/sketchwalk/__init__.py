@@ -364,10 +364,14 @@ class SketchWalk(Method):
         return self.config.variant == "authors" and self.config.backend != "reference"
 
     def _decode_authors(self, inputs: DecodeInputs, state: SketchWalkState):
-        """Their decode step: every row at once on the device (one token per batch row), or the per-row
-        reference (backend=reference, or Q > 1 query rows per batch row: single-token steps in order)."""
-        if self.config.backend != "reference" and inputs.q_len == 1:
-            return self._decode_authors_device(inputs, state)
+        """Their decode step: every row at once on the device (one token per batch row; ``Q > 1`` query rows
+        per batch row as ``Q`` such steps in order, on the state the steps after them continue), or the
+        per-row reference (backend=reference, or query rows whose keys are not a prefix)."""
+        if self.config.backend != "reference":
+            if inputs.q_len == 1:
+                return self._decode_authors_device(inputs, state)
+            if inputs.lengths is not None:
+                return self._decode_rows_one_by_one(inputs, None, state)
         return self._decode_authors_rows(inputs, state)
 
     def _authors_layer_state(self, inputs: DecodeInputs, state: SketchWalkState, phi: torch.Tensor

@@ -354,3 +354,4 @@ def decode_rows(cfg, inputs: DecodeInputs, st: AuthorsLayerState, reason: str | 
     stats = read_stats(inputs, v_read[:, None, :].expand(r_rows, hq, n_tok), backend="reference",
                        exact_rows=exact, extra=extra)
     return torch.stack(outs).to(dtype), stats
+
