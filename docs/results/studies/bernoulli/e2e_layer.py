@@ -11,6 +11,10 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
   against the float64 reference fed the kernels' uniforms (features kept equal, tile budgets and counts equal up
   to rare float32 floor flips, output error); ``kernel:bernoulli-fm-only`` without the cache rows (no row
   stats launch: every unit on the feature-major copy), what that launch costs where no unit needs it;
+- ``kernel:bernoulli-stream-P<programs>-s<stages>[-fb<FB>][-n<block>][-w<warps>]``: the same with
+  ``stats_loop="stream"`` (the feature-major stats in one flat pipelined loop, ``decode.py``'s
+  ``_feature_stream_stats_kernel``) at a sweep of launch shapes, each checked against the reference as above
+  (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``, the default);
 
 with each variant's per-kernel device µs (``ColdL2Timer.kernel_breakdown``; PDL-launched kernels include their
 wait) and the fraction of K's features the draws kept (the K bytes the feature-major stats pass must read).
@@ -44,6 +48,12 @@ from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys  # noqa: E4
 from kvsieve.kernels.santa.reference import auto_tile_size  # noqa: E402
 
 BUDGET, DRAWS, SEED = 128, 8, 11
+# the streamed stats loop's launch shapes timed beside the nested loop: (programs, stages, features per step,
+# keys per sub-block, warps)
+STREAM_SWEEP = ((528, 3, 16, 256, 4), (1056, 3, 16, 256, 4), (2112, 3, 16, 256, 4), (4224, 3, 16, 256, 4),
+                (528, 4, 16, 256, 4), (1056, 4, 16, 256, 4), (2112, 4, 16, 256, 4), (1056, 3, 32, 256, 4),
+                (1056, 4, 16, 128, 4), (1056, 4, 16, 256, 8))
+CHECK_SWEEP = ((3, 3, 16, 16, 4), (1, 3, 32, 32, 4))
 SPECS = {"method:santa-prop": f"santa-prop:budget={BUDGET}",
          "method:bernoulli": f"bernoulli-qk:query=mean-group,values=santa-prop,budget={BUDGET},draws={DRAWS}"}
 GPU_CASES = (("128k-b1", 131072, 1), ("32k-b8", 32768, 8))
@@ -63,8 +73,22 @@ def _kernel_call(x: Inputs, kt, tile: int, opts: dict, write_counts: bool = Fals
                                          write_counts=write_counts, k=x.k if rows else None, **opts)
 
 
-def _check(x: Inputs, kt, tile: int, opts: dict) -> dict:
-    ref, read = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED), SEED)
+def _stream_variants(check_mode: bool) -> dict:
+    """``{name: bernoulli_prop_triton options}`` of the streamed stats loop's sweep."""
+    variants = {}
+    for programs, stages, fb, block, warps in CHECK_SWEEP if check_mode else STREAM_SWEEP:
+        name = f"kernel:bernoulli-stream-P{programs}-s{stages}" + (f"-fb{fb}" if fb != 16 else "") + \
+            (f"-n{block}" if block != 256 else "") + (f"-w{warps}" if warps != 4 else "")
+        variants[name] = {"stats_loop": "stream", "stats_programs": programs, "stats_stages": stages,
+                          "feature_block": fb, "block_n": block, "stats_warps": warps}
+    return variants
+
+
+def _check(x: Inputs, kt, tile: int, opts: dict, ref=None) -> dict:
+    """The kernel's draws, tile budgets, counts and output against the float64 reference (``ref``: its
+    ``(sample, read)`` for these inputs, computed when None)."""
+    ref, read = ref or bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED),
+                                                SEED)
     out, counts, budgets, n_feat = _kernel_call(x, kt, tile, opts, write_counts=True)()
     count_flips = int((counts.long() != ref.counts).sum())
     budget_flips = int((budgets.long() != ref.tile_budgets).sum())
@@ -83,11 +107,16 @@ def run_case(label: str, n: int, batch: int, check_mode: bool) -> dict:
     tile = 64 if check_mode else auto_tile_size(n)
     opts = {"block_n": 16, "stats_programs": 3} if check_mode else {}
     kt = FeatureMajorKeys().update(x.k, x.lens)
-    result = {"case": label, "n": n, "batch": batch, "tile": tile, "check": _check(x, kt, tile, opts)}
+    ref = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED), SEED)
+    stream = {name: {**opts, **extra} for name, extra in _stream_variants(check_mode).items()}
+    result = {"case": label, "n": n, "batch": batch, "tile": tile, "check": _check(x, kt, tile, opts, ref),
+              "checks": {name: _check(x, kt, tile, o, ref) for name, o in stream.items()},
+              "launch": {name: o for name, o in stream.items()}}
     calls = {"dense": VARIANTS["dense"].make(x, None, SEED)[0],
              **{name: _method_call(x, spec) for name, spec in SPECS.items()},
              "kernel:bernoulli": _kernel_call(x, kt, tile, opts),
-             "kernel:bernoulli-fm-only": _kernel_call(x, kt, tile, opts, rows=False)}
+             "kernel:bernoulli-fm-only": _kernel_call(x, kt, tile, opts, rows=False),
+             **{name: _kernel_call(x, kt, tile, o) for name, o in stream.items()}}
     rows = {}
     for name, fn in calls.items():
         fn()  # compiles; the method calls also build their state
@@ -116,14 +145,29 @@ def write_markdown(report: dict, path: Path) -> None:
     for case in report["cases"]:
         for name, row in case["rows"].items():
             bern = "bernoulli" in name
+            check = case["checks"].get(name, case["check"])
             lines.append(f"| {case['case']} | {name} | {row.get('median_us', '')} | {row.get('vs_dense', '')} | "
-                         f"{case['check']['kept'] if bern else ''} | {case['check']['ok'] if bern else ''} |")
+                         f"{check['kept'] if bern else ''} | {check['ok'] if bern else ''} |")
+    lines += ["", "Feature-major stats loop, nested (`tiles`, the default) against the fastest streamed launch:", ""]
+    for case in report["cases"]:
+        best = _fastest_stream(case)
+        if best is not None:
+            rows = case["rows"]
+            lines.append(f"- {case['case']}: tiles {rows['kernel:bernoulli']['median_us']} µs, {best} "
+                         f"{rows[best]['median_us']} µs (launch {case['launch'][best]})")
     lines += ["", "Per-kernel device µs (profiler, PDL waits included):", ""]
     for case in report["cases"]:
         for name, row in case["rows"].items():
             if row.get("kernels_us"):
                 lines.append(f"- {case['case']} {name}: " + ", ".join(f"{k} {v}" for k, v in row["kernels_us"].items()))
     path.write_text("\n".join(lines) + "\n")
+
+
+def _fastest_stream(case: dict) -> str | None:
+    """The fastest streamed variant of a timed case whose check passed (None untimed or none passed)."""
+    timed = [name for name in case["launch"]
+             if "median_us" in case["rows"].get(name, {}) and case["checks"][name]["ok"]]
+    return min(timed, key=lambda name: case["rows"][name]["median_us"], default=None)
 
 
 def main(argv=None) -> int:
@@ -142,7 +186,8 @@ def main(argv=None) -> int:
         write_markdown(report, out / "e2e_layer.md")
         print(json.dumps({"case": label, "check": report["cases"][-1]["check"],
                           "us": {k: v.get("median_us") for k, v in report["cases"][-1]["rows"].items()}}), flush=True)
-    bad = [c["case"] for c in report["cases"] if not c["check"]["ok"]]
+    bad = [f"{c['case']} {name}" for c in report["cases"] for name, check in [("kernel:bernoulli", c["check"]),
+                                                                            *c["checks"].items()] if not check["ok"]]
     if bad:
         print("CHECK FAILED:", bad)
         return 1
