@@ -644,9 +644,9 @@ for append in (False, True):
              floats=("norm_factor",))
     print("draw", append)
 for split in (False, True):
-    for kernel in (bd._feature_major_stats_kernel, bd._feature_stream_stats_kernel):
-        compile_(kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=split, PDL=True),
-                 floats=("scale",))
+    for stream in (False, True):
+        compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16,
+                                                            SPLIT=split, STREAM=stream, PDL=True), floats=("scale",))
     compile_(bd._row_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=64, SPLIT=split, PDL=True),
              floats=("scale",))
     print("stats", split)
@@ -659,23 +659,26 @@ import re
 from kvsieve.kernels.bernoulli import decode as bd
 
 kernel = bd._feature_major_stats_kernel
-meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=True, PDL=True)
 pointers = dict(qest_ptr="*fp32", kt_ptr="*bf16", idx_ptr="*i32", nfeat_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
                 l_ptr="*fp32", stash_ptr="*fp32")
 # what a launch specialises: 16-byte aligned tensors, and the capacity and kT's strides multiples of 16 (reserve)
 aligned = set(pointers) | {"capacity", "s_kt_b", "s_kt_h", "s_kt_f"}
-signature, constexprs, attrs = {}, {}, {}
-for i, name in enumerate(kernel.arg_names):
-    if name in meta:
-        signature[name], constexprs[(i,)] = "constexpr", meta[name]
-        continue
-    signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
-    if name in aligned:
-        attrs[(i,)] = [["tt.divisibility", 16]]
-ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-wide = re.findall(r"cp[.]async[.]cg|ld[.]global[.]v4", ptx)
-print("B16", len(re.findall(r"ld[.]global[.]b16", ptx)), "WIDE", len(wide))
+for stream in (False, True):
+    meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=True, STREAM=stream, PDL=True)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+            continue
+        signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
+        if name in aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    asm = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
+                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm
+    wide = re.findall(r"cp[.]async[.]cg|ld[.]global[.]v4", asm["ptx"])
+    # the K blocks the pipeline keeps in flight: the leading dimension of the K block's shared-memory buffer
+    kbuf = max(map(int, re.findall(r"local_alloc : [(][)] -> !ttg.memdesc<(\\d+)x16x256xbf16", asm["ttgir"])))
+    print("STREAM", stream, "B16", len(re.findall(r"ld[.]global[.]b16", asm["ptx"])), "WIDE", len(wide), "KBUF", kbuf)
 print("COMPILED")
 """
 
@@ -683,13 +686,18 @@ print("COMPILED")
 @pytest.mark.triton
 def test_feature_major_stats_kernel_reads_feature_rows_in_16_byte_vectors():
     """The feature rows are masked by kT's capacity (a multiple of 16), not by the row length: a length mask on the
-    contiguous key axis compiles the K loads to 2-byte loads (measured: the stats pass at ~1.4 TB/s end to end)."""
+    contiguous key axis compiles the K loads to 2-byte loads (measured: the stats pass at ~1.4 TB/s end to end).
+    The streamed loop's K loads do not wait on a load of the feature list in the loop, so at 3 pipeline stages
+    two [16, 256] K blocks are in flight (the nested loop's list load takes a stage: one)."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 
     out = compile_for_sm90(VECTOR_LOADS)
-    b16, wide = (int(out.split(tag)[1].split()[0]) for tag in ("B16", "WIDE"))
-    assert b16 == 0 and wide > 0, out
+    for line in out.splitlines()[:-1]:
+        b16, wide, kbuf = (int(line.split(tag)[1].split()[0]) for tag in ("B16", "WIDE", "KBUF"))
+        assert b16 == 0 and wide > 0, out
+        assert kbuf >= (2 if "STREAM True" in line else 1), out
+    assert out.count("STREAM") == 2, out
 
 
 @pytest.mark.triton

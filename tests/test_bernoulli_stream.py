@@ -1,14 +1,12 @@
 """The streamed feature-major stats loop of the Bernoulli decode path (``stats_loop="stream"``,
-``kernels/bernoulli/decode.py``'s ``_feature_stream_stats_kernel``) against the float64 reference and the
+``kernels/bernoulli/decode.py``'s ``stream_stats``) against the float64 reference and the
 nested loop it stands in for: batch 8 with ragged lengths, several seeds, launch shapes, head dims."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
-from interpreted import compile_for_sm90, run_script
+from interpreted import run_script
 
 STREAM_CASES = """
 import torch
@@ -94,44 +92,3 @@ def test_stats_launch_options_it_does_not_serve_are_clear_errors(change, match):
     with pytest.raises(ValueError, match=match):
         bernoulli_prop_triton(q, kt, v, torch.tensor([200], dtype=torch.int32), 0.125, 4, 16, 32, RandomKey(1), 1,
                               **change)
-
-
-PIPELINE = """
-import re
-from kvsieve.kernels.bernoulli import decode as bd
-
-pointers = dict(qc_ptr="*fp32", qest_ptr="*fp32", kt_ptr="*bf16", idx_ptr="*i32", nfeat_ptr="*i32", lens_ptr="*i32",
-                m_ptr="*fp32", l_ptr="*fp32", stash_ptr="*fp32")
-aligned = set(pointers) | {"capacity", "s_kt_b", "s_kt_h", "s_kt_f"}  # as a launch specialises them (reserve)
-meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=True, PDL=True)
-for kernel in (bd._feature_major_stats_kernel, bd._feature_stream_stats_kernel):
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in meta:
-            signature[name], constexprs[(i,)] = "constexpr", meta[name]
-            continue
-        signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
-        if name in aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
-    buffers = re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x16x256xbf16", compiled.asm["ttgir"])
-    ptx = compiled.asm["ptx"]
-    print(kernel.__name__, "KBUF", max(map(int, buffers)), "B16", len(re.findall(r"ld[.]global[.]b16", ptx)),
-          "WIDE", len(re.findall(r"cp[.]async[.]cg", ptx)))
-print("COMPILED")
-"""
-
-
-@pytest.mark.triton
-def test_streamed_stats_loop_keeps_two_feature_blocks_in_flight_at_three_stages():
-    """The point of the streamed loop: its K block loads do not wait on a load of the feature list in the loop,
-    so at 3 pipeline stages two [16, 256] K blocks are in flight (the nested loop's list load takes a stage:
-    one), as 16-byte copies."""
-    pytest.importorskip("triton")
-    out = compile_for_sm90(PIPELINE)
-    found = {m[0]: (int(m[1]), int(m[2]), int(m[3]))
-             for m in re.findall(r"(\w+) KBUF (\d+) B16 (\d+) WIDE (\d+)", out)}
-    assert found["_feature_major_stats_kernel"][0] == 1, out
-    kbuf, b16, wide = found["_feature_stream_stats_kernel"]
-    assert kbuf == 2 and b16 == 0 and wide > 0, out

@@ -13,7 +13,7 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
   stats launch: every unit on the feature-major copy), what that launch costs where no unit needs it;
 - ``kernel:bernoulli-stream-P<programs>-s<stages>[-fb<FB>][-n<block>][-w<warps>]``: the same with
   ``stats_loop="stream"`` (the feature-major stats in one flat pipelined loop, ``decode.py``'s
-  ``_feature_stream_stats_kernel``) at a sweep of launch shapes, each checked against the reference as above
+  ``stream_stats``) at a sweep of launch shapes, each checked against the reference as above
   (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``, the default);
 
 with each variant's per-kernel device µs (``ColdL2Timer.kernel_breakdown``; PDL-launched kernels include their

@@ -15,7 +15,7 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
 2. ``_feature_major_stats_kernel`` (launched under the draw launch, PDL): S²ANTA's stats pass (per-tile max m,
    Σ e^{s−m} and the float32 score stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read
    over the listed features only: the K bytes read are the kept fraction of K's. ``stats_loop="stream"``
-   launches ``_feature_stream_stats_kernel`` instead: the same sums in one flat pipelined loop per program
+   compiles it with ``STREAM`` (``stream_stats``): the same sums in one flat pipelined loop per program
    (K loads stay in flight across tiles), fewer and longer programs, and the effective queries in the list's
    order, which the draw launch then also writes (``COMPACT_Q``).
 3. ``_row_stats_kernel`` (given ``k``): the same statistics for each (row, KV head) whose draws kept more
@@ -125,10 +125,11 @@ if triton is not None:
                                     s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                                     BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr,
-                                    PDL: tl.constexpr):
+                                    STREAM: tl.constexpr, PDL: tl.constexpr):
         """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
         listed features of the feature-major copy; a unit whose draws kept more than ``row_above`` features
-        is left to ``_row_stats_kernel``."""
+        is left to ``_row_stats_kernel``. ``STREAM``: :func:`stream_stats` (``qest`` then in the list's order),
+        else a loop over tiles with ``feature_scores``'s loop over features inside."""
         if PDL:  # launched early: wait for the draw launch (q_est, the feature lists, kT's new keys), then let the
             # next launch (row stats or budgets) start: it reads the draw launch's outputs too
             gdc_wait()
@@ -149,80 +150,62 @@ if triton is not None:
             kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
             u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
             ml_base = r * s_ml_b + heads * s_ml_h
-            for t in range(t0, t1):
-                m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                l = tl.zeros([BLOCK_G], tl.float32)
-                for j in range(0, TILE // BLOCK_N):
-                    offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                    n_ok = offs_n < length
-                    s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, offs_n < capacity, g_ok,
-                                       s_kt_f, FB, BLOCK_G, BLOCK_N, SPLIT)
-                    s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-                    tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                    m, l = fold_scores(m, l, s)
-                tl.store(m_ptr + ml_base + t, m, mask=g_ok)
-                tl.store(l_ptr + ml_base + t, l, mask=g_ok)
+            if STREAM:
+                stream_stats(q_rows, kt_base, idx_ptr + row * D, nf, u_base, m_ptr + ml_base, l_ptr + ml_base, g_ok,
+                             t0, t1, length, capacity, scale, s_kt_f, BLOCK_G, D, TILE, BLOCK_N, FB, SPLIT)
+            else:
+                for t in range(t0, t1):
+                    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                    l = tl.zeros([BLOCK_G], tl.float32)
+                    for j in range(0, TILE // BLOCK_N):
+                        offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
+                        n_ok = offs_n < length
+                        s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, offs_n < capacity, g_ok,
+                                           s_kt_f, FB, BLOCK_G, BLOCK_N, SPLIT)
+                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
+                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                        m, l = fold_scores(m, l, s)
+                    tl.store(m_ptr + ml_base + t, m, mask=g_ok)
+                    tl.store(l_ptr + ml_base + t, l, mask=g_ok)
 
     @triton.jit
-    def _feature_stream_stats_kernel(qc_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
-                                     scale, tiles_per_program, hq, kv_heads, rows_per_batch, row_above, capacity,
-                                     s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
-                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                                     BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr,
-                                     PDL: tl.constexpr):
-        """``_feature_major_stats_kernel``'s sums in one flat loop over (sub-block, feature block) steps, so
+    def stream_stats(q_rows, kt_base, idx_base, nf, u_base, m_rows, l_rows, g_ok, t0, t1, length, capacity, scale,
+                     s_kt_f, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     FB: tl.constexpr, SPLIT: tl.constexpr):
+        """The stats of tiles t0..t1-1 of one unit in one flat loop over (sub-block, feature block) steps, so
         that the compiler's software pipeline keeps feature-row loads in flight across sub-block and tile
-        boundaries (the nested loops drain it every ⌈nf/FB⌉ steps) and a program can take many tiles; the
-        effective queries come in the list's order (``qc``: the draw launch's ``COMPACT_Q``), so only the K
-        load waits on the feature list. Same scores, summed in the same order."""
+        boundaries (nested loops drain it every ⌈nf/FB⌉ steps) and a program can take many tiles. The
+        effective queries ``q_rows`` are in the list's order (the draw launch's ``COMPACT_Q``), and the list
+        is held in registers, so that no load in the loop waits on another. The same sums as the nested
+        loop's, in the same order."""
         SUBS: tl.constexpr = TILE // BLOCK_N
-        if PDL:  # as _feature_major_stats_kernel
-            gdc_wait()
-            gdc_launch_dependents()
-        pid = tl.program_id(0)
-        kvh = tl.program_id(1)
-        r = tl.program_id(2)
-        length = tl.load(lens_ptr + r)
-        row = r * kv_heads + kvh
-        nf = tl.load(nfeat_ptr + row)
-        t0 = pid * tiles_per_program
-        t1 = tl.minimum(t0 + tiles_per_program, (length + TILE - 1) // TILE)
-        if (t0 < t1) & (nf <= row_above):
-            offs_g = tl.arange(0, BLOCK_G)
-            g_ok = offs_g < G
-            heads = kvh * G + offs_g
-            q_rows = qc_ptr + (r * hq + heads) * D
-            idx_base = idx_ptr + row * D
-            kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
-            u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
-            ml_base = r * s_ml_b + heads * s_ml_h
-            blocks = tl.maximum((nf + FB - 1) // FB, 1)  # nf = 0: one block of zeros, scores 0 as the nested loop's
-            # the whole list in registers, one row per feature block: a K load whose rows come from a load in
-            # the loop costs the pipeline a stage (one K block in flight at 3 stages, measured in the TTGIR)
-            lists = tl.arange(0, D // FB)
-            listed = tl.load(idx_base + lists[:, None] * FB + tl.arange(0, FB)[None, :])
-            m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_G], tl.float32)
-            acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-            for i in range(0, (t1 - t0) * SUBS * blocks):
-                c = i % blocks
-                j = t0 * SUBS + i // blocks  # the sub-block
-                offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-                offs_f = c * FB + tl.arange(0, FB)
-                f_ok = offs_f < nf
-                feat = tl.sum(tl.where((lists == c)[:, None], listed, 0), axis=0)
-                k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
-                            mask=f_ok[:, None] & (offs_n < capacity)[None, :], other=0.0)  # capacity: feature_scores
-                qv = tl.load(q_rows[:, None] + offs_f[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
-                acc = tl.where(c == 0, 0.0, acc) + feature_dot(qv, k, SPLIT)
-                if c == blocks - 1:  # the sub-block's scores are complete
-                    s = tl.where((offs_n < length)[None, :], acc * scale, float("-inf"))
-                    tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                    first = (j % SUBS) == 0
-                    m, l = fold_scores(tl.where(first, float("-inf"), m), tl.where(first, 0.0, l), s)
-                    if (j % SUBS) == SUBS - 1:
-                        tl.store(m_ptr + ml_base + j // SUBS, m, mask=g_ok)
-                        tl.store(l_ptr + ml_base + j // SUBS, l, mask=g_ok)
+        blocks = tl.maximum((nf + FB - 1) // FB, 1)  # nf = 0: one block of zeros, scores 0 as the nested loop's
+        # one row per feature block: a K load whose rows come from a load in the loop costs the pipeline a stage
+        # (one K block in flight at 3 stages, in the TTGIR, instead of two)
+        lists = tl.arange(0, D // FB)
+        listed = tl.load(idx_base + lists[:, None] * FB + tl.arange(0, FB)[None, :])
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+        for i in range(0, (t1 - t0) * SUBS * blocks):
+            c = i % blocks
+            j = t0 * SUBS + i // blocks  # the sub-block
+            offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_f = c * FB + tl.arange(0, FB)
+            f_ok = offs_f < nf
+            feat = tl.sum(tl.where((lists == c)[:, None], listed, 0), axis=0)
+            k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
+                        mask=f_ok[:, None] & (offs_n < capacity)[None, :], other=0.0)  # capacity: feature_scores
+            qv = tl.load(q_rows[:, None] + offs_f[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
+            acc = tl.where(c == 0, 0.0, acc) + feature_dot(qv, k, SPLIT)
+            if c == blocks - 1:  # the sub-block's scores are complete
+                s = tl.where((offs_n < length)[None, :], acc * scale, float("-inf"))
+                tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+                first = (j % SUBS) == 0
+                m, l = fold_scores(tl.where(first, float("-inf"), m), tl.where(first, 0.0, l), s)
+                if (j % SUBS) == SUBS - 1:
+                    tl.store(m_rows + j // SUBS, m, mask=g_ok)
+                    tl.store(l_rows + j // SUBS, l, mask=g_ok)
 
     @triton.jit
     def _row_stats_kernel(qest_ptr, k_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
@@ -350,7 +333,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     draw launch first copies each batch row's keys ``[done, length)`` into ``kt`` (``FeatureMajorKeys.
     reserve`` made room; the separate ``update`` launch is then not needed). ``stats_loop``: the feature-major
     stats kernel, ``"tiles"`` (``_feature_major_stats_kernel``: a loop over features inside a loop over tiles)
-    or ``"stream"`` (``_feature_stream_stats_kernel``: one flat pipelined loop, fewer and longer programs).
+    or ``"stream"`` (``STREAM``, ``stream_stats``: one flat pipelined loop, fewer and longer programs).
     ``block_n``, ``stats_programs`` (default :data:`STATS_PROGRAMS` of the loop), ``feature_block``,
     ``stats_warps``, ``stats_stages`` (the feature-major stats launch) and ``row_launch`` (the row launch's
     keys per sub-block, programs, warps, stages) are launch parameters; they change no count. Returns ``(out
@@ -393,11 +376,11 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            APPEND=append is not None, COMPACT_Q=stream, PDL=pdl, num_warps=4)
     per_program = max(1, round(t * hkv * r / (stats_programs or STATS_PROGRAMS[stats_loop])))
     split = split_dots(kt)
-    launch(_feature_stream_stats_kernel if stream else _feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
+    launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_list, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            row_feats, kt.shape[3], kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block, SPLIT=split,
-           PDL=pdl, num_warps=stats_warps, num_stages=stats_stages, **pdl_launch(pdl))
+           STREAM=stream, PDL=pdl, num_warps=stats_warps, num_stages=stats_stages, **pdl_launch(pdl))
     if k is not None:
         row_block, row_programs, row_warps, row_stages = row_launch
         per_row_program = max(1, round(t * hkv * r / row_programs))
