@@ -15,10 +15,10 @@ from kvsieve.kernels.bernoulli.decode import bernoulli_prop_reference, bernoulli
 from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys
 device = "{device}"
 # (seed, B, Hkv, G, N, d, dtype, S, tile, draws, launch options)
-cases = [(0, 8, 2, 4, 200, 64, torch.float32, 16, 32, 4, dict(block_n=16, stats_programs=5)),
+cases = [(0, 8, 2, 4, 200, 64, torch.float32, 16, 32, 4, dict(block_n=16, stats_programs=40)),
          (1, 8, 1, 3, 150, 64, torch.float16, 32, 64, 8, dict(block_n=32, stats_programs=1000, feature_block=32)),
          (2, 8, 2, 2, 120, 128, torch.float32, 8, 32, 2, dict(block_n=32, stats_programs=2, feature_block=64)),
-         (3, 3, 2, 4, 97, 64, torch.float32, 16, 16, 4, dict(block_n=16, stats_programs=7, rows=0.5))]
+         (3, 3, 2, 4, 97, 64, torch.float32, 16, 16, 4, dict(block_n=16, stats_programs=14, rows=0.5))]
 flips, worst, zero_seen = 0, 0.0, False
 for seed, b, hkv, g, n, d, dtype, s, tile, draws, opts in cases:
     gen = torch.Generator().manual_seed(300 + seed)

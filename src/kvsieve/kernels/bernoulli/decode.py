@@ -299,12 +299,14 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
 ROW_LAYOUT_ABOVE = 0.8
 
 
-#: Feature-major stats programs per launch by ``stats_loop``. "tiles": about one tile per program (with
-#: 256-key sub-blocks, 16 features per step, 4 warps) was the fastest of the H100 sweep over blocks, features
-#: per step, warps and programs (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); "stream": about
-#: 8 programs per SM, each several tiles long (long pipelined streams, as santa's stats pass, with enough
-#: programs left to even out units of different kept fractions); not yet measured.
-STATS_PROGRAMS = {"tiles": 4224, "stream": 1056}
+#: The feature-major stats launch by ``stats_loop``: (programs, pipeline stages, keys per sub-block).
+#: "tiles": about one tile per program, 256-key sub-blocks (with 16 features per step and 4 warps) was the
+#: fastest of the H100 sweep over blocks, features per step, warps and programs
+#: (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); at 3 stages its list load takes one, so one
+#: [16, 256] K block is in flight per program, and 128 registers leave 4 programs an SM: ~32 KB in flight per SM.
+#: "stream" (not yet measured on a GPU): at 5 stages 4 K blocks are in flight and 166 registers leave 3
+#: programs an SM, ~96 KB per SM; 396 programs are one wave of them on 132 SMs (H100, H200), each many tiles long.
+STATS_LAUNCH = {"tiles": (4224, 3, 256), "stream": (396, 5, 256)}
 
 
 def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
@@ -317,8 +319,9 @@ def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
 def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int, tile: int, key: RandomKey,
                           v_seed: int, *, norm_factor: float = 1.0, rounding: str = "largest-remainder",
                           rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
-                          block_n: int = 256, stats_programs: int | None = None, feature_block: int = FEATURE_BLOCK,
-                          stats_warps: int = 4, stats_stages: int = 3, stats_loop: str = "tiles",
+                          block_n: int | None = None, stats_programs: int | None = None,
+                          feature_block: int = FEATURE_BLOCK, stats_warps: int = 4, stats_stages: int | None = None,
+                          stats_loop: str = "tiles",
                           r_max: int | None = None, k: torch.Tensor | None = None,
                           row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None,
                           row_launch: tuple[int, int, int, int] = (64, 264, 4, 3)):
@@ -334,15 +337,16 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     reserve`` made room; the separate ``update`` launch is then not needed). ``stats_loop``: the feature-major
     stats kernel, ``"tiles"`` (``_feature_major_stats_kernel``: a loop over features inside a loop over tiles)
     or ``"stream"`` (``STREAM``, ``stream_stats``: one flat pipelined loop, fewer and longer programs).
-    ``block_n``, ``stats_programs`` (default :data:`STATS_PROGRAMS` of the loop), ``feature_block``,
-    ``stats_warps``, ``stats_stages`` (the feature-major stats launch) and ``row_launch`` (the row launch's
-    keys per sub-block, programs, warps, stages) are launch parameters; they change no count. Returns ``(out
+    ``stats_programs``, ``stats_stages``, ``block_n`` (None: the loop's :data:`STATS_LAUNCH`), ``feature_block``,
+    ``stats_warps`` (the feature-major stats launch; the streamed loop launches at most ``stats_programs``
+    programs, splitting each unit's tiles evenly) and ``row_launch`` (the row launch's keys per sub-block,
+    programs, warps, stages) are launch parameters; they change no count. Returns ``(out
     [R, Hq, d], counts [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
     if triton is None:
         raise ValueError("bernoulli_prop_triton: triton is not installed")
     check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
-    if stats_loop not in STATS_PROGRAMS:
-        raise ValueError(f"stats_loop: expected one of {tuple(STATS_PROGRAMS)}, got {stats_loop!r}")
+    if stats_loop not in STATS_LAUNCH:
+        raise ValueError(f"stats_loop: expected one of {tuple(STATS_LAUNCH)}, got {stats_loop!r}")
     if feature_block < 16 or feature_block & (feature_block - 1) or feature_block > q.shape[-1]:
         raise ValueError(f"feature_block: expected a power of two from 16 to the head dim {q.shape[-1]}, "
                          f"got {feature_block}")
@@ -374,13 +378,18 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            kc.stride(0), kc.stride(1), kc.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY,
            APPEND=append is not None, COMPACT_Q=stream, PDL=pdl, num_warps=4)
-    per_program = max(1, round(t * hkv * r / (stats_programs or STATS_PROGRAMS[stats_loop])))
+    programs, stages, block = STATS_LAUNCH[stats_loop]
+    programs, stages, block = stats_programs or programs, stats_stages or stages, block_n or block
+    if stream:  # at most `programs`: one more than a wave of resident programs would double the time
+        per_program = cdiv(t, max(1, programs // (hkv * r)))
+    else:
+        per_program = max(1, round(t * hkv * r / programs))
     split = split_dots(kt)
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_list, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            row_feats, kt.shape[3], kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
-           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile), FB=feature_block, SPLIT=split,
-           STREAM=stream, PDL=pdl, num_warps=stats_warps, num_stages=stats_stages, **pdl_launch(pdl))
+           G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block, tile), FB=feature_block, SPLIT=split,
+           STREAM=stream, PDL=pdl, num_warps=stats_warps, num_stages=stages, **pdl_launch(pdl))
     if k is not None:
         row_block, row_programs, row_warps, row_stages = row_launch
         per_row_program = max(1, round(t * hkv * r / row_programs))
@@ -415,5 +424,5 @@ def bernoulli_prop_reference(q, k, v, lens, scale: float, draws: int, budget: in
     return sample, read
 
 
-__all__ = ["ROW_LAYOUT_ABOVE", "STATS_PROGRAMS", "bernoulli_prop_reference", "bernoulli_prop_triton",
+__all__ = ["ROW_LAYOUT_ABOVE", "STATS_LAUNCH", "bernoulli_prop_reference", "bernoulli_prop_triton",
            "check_bernoulli_prop_inputs", "row_layout_features"]
