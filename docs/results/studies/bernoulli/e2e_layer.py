@@ -7,6 +7,7 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
 - ``dense``: our dense decode kernel (reads K and V);
 - ``method:santa-prop`` and ``method:bernoulli``: ``m.decode`` as the runtime's captured step calls it (state
   kept, host key, ``count_reads=False``), Bernoulli at the end-to-end spec (mean-group, draws 8, S = 128);
+  ``method:bernoulli-stream`` the same with the streamed stats loop at its default launch;
 - ``kernel:bernoulli``: ``bernoulli_prop_triton`` alone (the same draws), its output checked in the same run
   against the float64 reference fed the kernels' uniforms (features kept equal, tile budgets and counts equal up
   to rare float32 floor flips, output error); ``kernel:bernoulli-fm-only`` without the cache rows (no row
@@ -27,10 +28,12 @@ Writes ``e2e_layer.json`` and ``.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 if "--check" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -43,6 +46,7 @@ import kvsieve  # noqa: E402
 from kvsieve.bench.decode import VARIANTS, Case, Inputs  # noqa: E402
 from kvsieve.core.context import CallContext  # noqa: E402
 from kvsieve.core.rng import RandomKey  # noqa: E402
+from kvsieve.kernels.bernoulli import decode as bernoulli_decode  # noqa: E402
 from kvsieve.kernels.bernoulli.decode import bernoulli_prop_reference, bernoulli_prop_triton  # noqa: E402
 from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys  # noqa: E402
 from kvsieve.kernels.santa.reference import auto_tile_size  # noqa: E402
@@ -67,6 +71,18 @@ def _method_call(x: Inputs, spec: str):
     key = RandomKey(SEED, (0, 0))
     ctx = CallContext(count_reads=False, min_length=int(x.k.shape[2]))
     return lambda: m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, context=ctx, check_finite=False)[0]
+
+
+def _method_stream_call(x: Inputs, spec: str):
+    """``_method_call`` with the kernel path's stats on the streamed loop at its default launch: the method takes
+    ``bernoulli_prop_triton`` from its module at each call, so the call runs (and is captured) with it replaced."""
+    inner = _method_call(x, spec)
+    streamed = functools.partial(bernoulli_prop_triton, stats_loop="stream")
+
+    def call():
+        with mock.patch.object(bernoulli_decode, "bernoulli_prop_triton", streamed):
+            return inner()
+    return call
 
 
 def _kernel_call(x: Inputs, kt, tile: int, opts: dict, write_counts: bool = False, rows: bool = True):
@@ -115,6 +131,7 @@ def run_case(label: str, n: int, batch: int, check_mode: bool) -> dict:
               "launch": {name: o for name, o in stream.items()}}
     calls = {"dense": VARIANTS["dense"].make(x, None, SEED)[0],
              **{name: _method_call(x, spec) for name, spec in SPECS.items()},
+             "method:bernoulli-stream": _method_stream_call(x, SPECS["method:bernoulli"]),
              "kernel:bernoulli": _kernel_call(x, kt, tile, opts),
              "kernel:bernoulli-fm-only": _kernel_call(x, kt, tile, opts, rows=False),
              **{name: _kernel_call(x, kt, tile, o) for name, o in stream.items()}}
