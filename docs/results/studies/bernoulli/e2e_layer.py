@@ -18,7 +18,9 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
   (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``, the default);
 
 with each variant's per-kernel device µs (``ColdL2Timer.kernel_breakdown``; PDL-launched kernels include their
-wait) and the fraction of K's features the draws kept (the K bytes the feature-major stats pass must read).
+wait), the fraction of K's features the draws kept (the K bytes the feature-major stats pass must read), the
+fraction of units on the row layout (``row_layout_units``) and of the sampling launch's (row, KV head, tile)
+programs that sample anything (``sampled_tiles``: the work of ``_compact_sample``).
 Writes ``e2e_layer.json`` and ``.md`` under ``--out``.
 
     python docs/results/studies/bernoulli/e2e_layer.py --out $OUT            # GPU, about a minute
@@ -47,7 +49,11 @@ from kvsieve.bench.decode import VARIANTS, Case, Inputs  # noqa: E402
 from kvsieve.core.context import CallContext  # noqa: E402
 from kvsieve.core.rng import RandomKey  # noqa: E402
 from kvsieve.kernels.bernoulli import decode as bernoulli_decode  # noqa: E402
-from kvsieve.kernels.bernoulli.decode import bernoulli_prop_reference, bernoulli_prop_triton  # noqa: E402
+from kvsieve.kernels.bernoulli.decode import (  # noqa: E402
+    bernoulli_prop_reference,
+    bernoulli_prop_triton,
+    row_layout_features,
+)
 from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys  # noqa: E402
 from kvsieve.kernels.santa.reference import auto_tile_size  # noqa: E402
 
@@ -112,7 +118,14 @@ def _check(x: Inputs, kt, tile: int, opts: dict, ref=None) -> dict:
     err = float((out.double() - ref.out.double()).norm() / ref.out.double().norm())
     same = bool(torch.equal(n_feat.long().cpu(), read.sum(-1).cpu()))
     ok = same and budget_flips <= 2 and count_flips <= max(2, counts.numel() // 10000) and err < 3e-2
-    return {"features_equal": same, "budget_flips": budget_flips, "count_flips": count_flips,
+    r, hq, t = budgets.shape
+    hkv = kt.shape[1]
+    # the sampling launch's programs (row, KV head, tile) that sample anything: the work that launch does, and
+    # the units whose draws kept more than the row bound (read whole cache rows, not the feature-major copy)
+    sampled = (budgets.view(r, hkv, hq // hkv, t) > 0).any(2).double().mean()
+    row_units = (n_feat > row_layout_features(x.q.shape[-1])).double().mean()
+    return {"sampled_tiles": round(float(sampled), 4), "row_layout_units": round(float(row_units), 4),
+            "features_equal": same, "budget_flips": budget_flips, "count_flips": count_flips,
             "out_rel_err": round(err, 5), "ok": ok, "kept": round(float(read.double().mean()), 4)}
 
 
@@ -168,6 +181,9 @@ def write_markdown(report: dict, path: Path) -> None:
                          f"{check['kept'] if bern else ''} | {check['ok'] if bern else ''} |")
     lines += ["", "Feature-major stats loop, nested (`tiles`, the default) against the fastest streamed launch:", ""]
     for case in report["cases"]:
+        check = case["check"]
+        lines.append(f"- {case['case']}: features kept {check['kept']}, units on the row layout "
+                     f"{check['row_layout_units']}, sampling programs that sample {check['sampled_tiles']}")
         best = _fastest_stream(case)
         if best is not None:
             rows = case["rows"]
