@@ -50,7 +50,9 @@ for seed, b, hkv, g, n, d, dtype, s, tile, draws, opts in cases:
     zero_seen |= bool((n_feat == 0).any())
     assert (budgets.sum(-1) == s).all()
     flips += int((budgets.long() != ref.tile_budgets).sum()) + int((counts.long() != ref.counts).sum())
-    err = float((out.double() - ref.out).norm() / ref.out.norm())
+    # a flipped count moves one sample to a neighbouring key: compare the heads without one
+    same = (counts.long() == ref.counts).all(-1) & (budgets.long() == ref.tile_budgets).all(-1)
+    err = float((out.double() - ref.out)[same].norm() / ref.out[same].norm())
     worst = max(worst, err / (1e-5 if dtype == torch.float32 else 2e-3))
 assert zero_seen, "a unit without kept features should be in the cases"
 print("FLIPS", flips)
