@@ -658,23 +658,13 @@ VECTOR_LOADS = """
 import re
 from kvsieve.kernels.bernoulli import decode as bd
 
-kernel = bd._feature_major_stats_kernel
 pointers = dict(qest_ptr="*fp32", kt_ptr="*bf16", idx_ptr="*i32", nfeat_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
                 l_ptr="*fp32", stash_ptr="*fp32")
 # what a launch specialises: 16-byte aligned tensors, and the capacity and kT's strides multiples of 16 (reserve)
 aligned = set(pointers) | {"capacity", "s_kt_b", "s_kt_h", "s_kt_f"}
 for stream in (False, True):
     meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=True, STREAM=stream, PDL=True)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in meta:
-            signature[name], constexprs[(i,)] = "constexpr", meta[name]
-            continue
-        signature[name] = pointers.get(name, "fp32" if name == "scale" else "i32")
-        if name in aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    asm = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs),
-                         target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3}).asm
+    asm = compile_(bd._feature_major_stats_kernel, pointers, meta, floats=("scale",), aligned=aligned).asm
     wide = re.findall(r"cp[.]async[.]cg|ld[.]global[.]v4", asm["ptx"])
     # the K blocks the pipeline keeps in flight: the leading dimension of the K block's shared-memory buffer
     kbuf = max(map(int, re.findall(r"local_alloc : [(][)] -> !ttg.memdesc<(\\d+)x16x256xbf16", asm["ttgir"])))

@@ -59,11 +59,12 @@ from kvsieve.kernels.santa.reference import auto_tile_size  # noqa: E402
 
 BUDGET, DRAWS, SEED = 128, 8, 11
 # the streamed stats loop's launch shapes timed beside the nested loop: (programs, stages, features per step,
-# keys per sub-block, warps). Registers and shared memory (ptxas for sm_90) give the programs an SM holds: 3 at 256
-# keys and 5-6 stages (166 registers), 4 at 3 stages (128), 5 at 128 keys (96); 132 SMs times that is one wave.
-STREAM_SWEEP = ((396, 5, 16, 256, 4), (792, 5, 16, 256, 4), (396, 6, 16, 256, 4), (528, 3, 16, 256, 4),
-                (1056, 3, 16, 256, 4), (2112, 3, 16, 256, 4), (660, 8, 16, 128, 4), (1320, 8, 16, 128, 4),
-                (660, 6, 16, 128, 4), (396, 3, 32, 256, 4), (4224, 5, 16, 256, 4))
+# keys per sub-block, warps). Registers and shared memory (ptxas for sm_90) give the programs an SM holds: 4 at 256
+# keys and 3-5 stages (128 registers; 53 KB at 5 stages), 3 at 6 stages (62 KB), 5 at 128 keys and 8 stages (93
+# registers, 44 KB), 3 with 32 features per step (168 registers); 132 SMs times that is one wave.
+STREAM_SWEEP = ((528, 5, 16, 256, 4), (1056, 5, 16, 256, 4), (2112, 5, 16, 256, 4), (528, 4, 16, 256, 4),
+                (528, 3, 16, 256, 4), (1056, 3, 16, 256, 4), (396, 6, 16, 256, 4), (660, 8, 16, 128, 4),
+                (1320, 8, 16, 128, 4), (396, 3, 32, 256, 4), (4224, 5, 16, 256, 4))
 CHECK_SWEEP = ((3, 3, 16, 16, 4), (1, 3, 32, 32, 4))
 SPECS = {"method:santa-prop": f"santa-prop:budget={BUDGET}",
          "method:bernoulli": f"bernoulli-qk:query=mean-group,values=santa-prop,budget={BUDGET},draws={DRAWS}"}

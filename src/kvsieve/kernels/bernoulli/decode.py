@@ -197,7 +197,7 @@ if triton is not None:
             k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
                         mask=f_ok[:, None] & (offs_n < capacity)[None, :], other=0.0)  # capacity: feature_scores
             qv = tl.load(q_rows[:, None] + offs_f[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
-            acc = tl.where(c == 0, 0.0, acc) + feature_dot(qv, k, SPLIT)
+            acc += feature_dot(qv, k, SPLIT)
             if c == blocks - 1:  # the sub-block's scores are complete
                 s = tl.where((offs_n < length)[None, :], acc * scale, float("-inf"))
                 tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
@@ -206,6 +206,9 @@ if triton is not None:
                 if (j % SUBS) == SUBS - 1:
                     tl.store(m_rows + j // SUBS, m, mask=g_ok)
                     tl.store(l_rows + j // SUBS, l, mask=g_ok)
+                # reset here, not by a select at the block's first step: that select kept 30-40 more registers
+                # live at 4-5 stages (166 against 128 at 5: 3 programs an SM against 4)
+                acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
 
     @triton.jit
     def _row_stats_kernel(qest_ptr, k_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
@@ -304,9 +307,10 @@ ROW_LAYOUT_ABOVE = 0.8
 #: fastest of the H100 sweep over blocks, features per step, warps and programs
 #: (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); at 3 stages its list load takes one, so one
 #: [16, 256] K block is in flight per program, and 128 registers leave 4 programs an SM: ~32 KB in flight per SM.
-#: "stream" (not yet measured on a GPU): at 5 stages 4 K blocks are in flight and 166 registers leave 3
-#: programs an SM, ~96 KB per SM; 396 programs are one wave of them on 132 SMs (H100, H200), each many tiles long.
-STATS_LAUNCH = {"tiles": (4224, 3, 256), "stream": (396, 5, 256)}
+#: "stream" (not yet measured on a GPU): at 5 stages 4 K blocks are in flight, and 128 registers and 53 KB of
+#: shared memory leave 4 programs an SM: ~128 KB per SM; 528 programs are one wave of them on 132 SMs (H100,
+#: H200), each many tiles long.
+STATS_LAUNCH = {"tiles": (4224, 3, 256), "stream": (528, 5, 256)}
 
 
 def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
