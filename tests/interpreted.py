@@ -71,28 +71,47 @@ def run_interpreter_cases(cases_file: str, tests: tuple[str, ...] | None = None)
 
 
 #: What a compile-only check of Triton kernels for the H100 (sm_90, no GPU needed) starts with: ``compile_(kernel,
-#: pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3)`` compiles ``kernel`` with the pointer types
-#: ``pointers`` (name -> "*bf16", ...), the constexprs ``meta``, fp32 ``floats``, i64 ``ints64`` and i32 for the rest.
+#: pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3, aligned=())`` compiles ``kernel`` with the pointer
+#: types ``pointers`` (name -> "*bf16", ...), the constexprs ``meta``, fp32 ``floats``, i64 ``ints64`` and i32 for the
+#: rest, the arguments named in ``aligned`` specialised as a launch does 16-byte aligned pointers and multiples of 16,
+#: and returns the compiled kernel (``.asm``, ``.metadata``); ``registers(compiled)`` is what ptxas reports the
+#: kernel uses per thread.
 SM90_COMPILE = """
+import re
+import subprocess
 import triton
 H100_SHARED_BYTES = 232448  # the opt-in limit per block on sm_90
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3):
-    signature, constexprs = {}, {}
+def compile_(kernel, pointers, meta, floats=(), ints64=(), num_warps=4, num_stages=3, aligned=()):
+    signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in meta:
             signature[name], constexprs[(i,)] = "constexpr", meta[name]
-        else:
-            signature[name] = pointers.get(name, "fp32" if name in floats else ("i64" if name in ints64 else "i32"))
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    md = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": num_warps, "num_stages": num_stages}).metadata
+            continue
+        signature[name] = pointers.get(name, "fp32" if name in floats else ("i64" if name in ints64 else "i32"))
+        if name in aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     # a kernel that compiles but asks for more shared memory than an H100/H200 block can have fails at launch
-    assert md.shared <= H100_SHARED_BYTES, f"{kernel.__name__}: {md.shared} bytes of shared memory"
-    return md
+    assert compiled.metadata.shared <= H100_SHARED_BYTES, f"{kernel.__name__}: {compiled.metadata.shared} bytes"
+    return compiled
+
+
+def registers(compiled):
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(tmp + "/k.ptx", "w") as f:
+            f.write(compiled.asm["ptx"])
+        res = subprocess.run([get_ptxas(90).path, "--gpu-name=sm_90a", "-v", tmp + "/k.ptx", "-o", tmp + "/k.cubin"],
+                             capture_output=True, text=True, check=True)
+    return int(re.search(r"Used (\\d+) registers", res.stderr).group(1))
 """
 
 

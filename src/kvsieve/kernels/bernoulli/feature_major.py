@@ -118,15 +118,20 @@ if triton is not None:
             k = tl.load(kt_base + feat[:, None].to(tl.int64) * s_kt_f + offs_n[None, :],
                         mask=f_ok[:, None] & n_in[None, :], other=0.0)  # [FB, BLOCK_N]
             qv = tl.load(q_rows[:, None] + feat[None, :], mask=g_ok[:, None] & f_ok[None, :], other=0.0)
-            if not SPLIT:
-                acc += tl.dot(qv.to(tl.float32), k.to(tl.float32), input_precision="ieee")
-            else:
-                # q_est is float32: split into K's 16-bit type, high part plus remainder, two tensor-core
-                # dots with exact products. tf32 (one dot) rounds q_est to 10 bits, enough to move S²ANTA's
-                # sampling boundaries (counts flipped on the H100).
-                hi = qv.to(k.dtype)
-                lo = (qv - hi.to(tl.float32)).to(k.dtype)
-                acc += tl.dot(hi, k) + tl.dot(lo, k)
+            acc += feature_dot(qv, k, SPLIT)
+        return acc
+
+    @triton.jit
+    def feature_dot(qv, k, SPLIT: tl.constexpr):
+        """``qv [G_BLOCK, FB] (float32) @ k [FB, BLOCK_N]`` in float32. ``SPLIT``: q_est split into K's 16-bit
+        type, high part plus remainder, two tensor-core dots with exact products; tf32 (one dot) rounds q_est
+        to 10 bits, enough to move S²ANTA's sampling boundaries (counts flipped on the H100)."""
+        if not SPLIT:
+            acc = tl.dot(qv.to(tl.float32), k.to(tl.float32), input_precision="ieee")
+        else:
+            hi = qv.to(k.dtype)
+            lo = (qv - hi.to(tl.float32)).to(k.dtype)
+            acc = tl.dot(hi, k) + tl.dot(lo, k)
         return acc
 
     @triton.jit
