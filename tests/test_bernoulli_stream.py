@@ -101,8 +101,8 @@ from kvsieve.kernels.bernoulli import decode as bd
 
 pointers = dict(qest_ptr="*fp32", kt_ptr="*bf16", idx_ptr="*i32", nfeat_ptr="*i32", lens_ptr="*i32", m_ptr="*fp32",
                 l_ptr="*fp32", stash_ptr="*fp32")
-programs, stages, block = bd.STATS_LAUNCH["stream"]
-meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=block, FB=16, SPLIT=True, STREAM=True, PDL=True)
+programs, stages, block, fb = bd.STATS_LAUNCH["stream"]
+meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=block, FB=fb, SPLIT=True, STREAM=True, PDL=True)
 compiled = compile_(bd._feature_major_stats_kernel, pointers, meta, floats=("scale",), num_stages=stages,
                     aligned=set(pointers) | {"capacity", "s_kt_b", "s_kt_h", "s_kt_f"})
 print("REGS", registers(compiled), "SHARED", compiled.metadata.shared, "PROGRAMS", programs)
@@ -111,13 +111,13 @@ print("COMPILED")
 
 
 @pytest.mark.triton
-def test_streamed_stats_default_launch_is_one_wave_of_four_programs_an_sm():
-    """Llama's shape (G = 4, d = 128, bf16) at the streamed loop's default launch: registers (≤ 128 a thread of
-    4 warps) and shared memory leave 4 programs on each of the 132 SMs of an H100/H200, and the default
-    program count is that one wave; a change that costs registers (a select on the accumulator kept 166
-    live: 3 programs an SM) would turn it into two waves."""
+def test_streamed_stats_default_launch_is_one_wave():
+    """Llama's shape (G = 4, d = 128, bf16) at the streamed loop's default launch: registers and shared memory
+    leave enough programs on each of the 132 SMs of an H100/H200 that the default program count is one wave
+    (one program past a wave doubles the pass's time); a change that costs registers or shared memory (a select
+    on the accumulator kept 166 live) would turn it into two waves."""
     pytest.importorskip("triton")
     out = compile_for_sm90(OCCUPANCY)
     regs, shared, programs = (int(out.split(tag)[1].split()[0]) for tag in ("REGS", "SHARED", "PROGRAMS"))
     per_sm = min(65536 // (-(-regs // 8) * 8 * 128), 233472 // (shared + 1024))  # registers, shared memory per SM
-    assert per_sm >= 4 and programs <= 132 * per_sm, out
+    assert per_sm >= 1 and programs <= 132 * per_sm, out

@@ -7,15 +7,16 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
 - ``dense``: our dense decode kernel (reads K and V);
 - ``method:santa-prop`` and ``method:bernoulli``: ``m.decode`` as the runtime's captured step calls it (state
   kept, host key, ``count_reads=False``), Bernoulli at the end-to-end spec (mean-group, draws 8, S = 128);
-  ``method:bernoulli-stream`` the same with the streamed stats loop at its default launch;
-- ``kernel:bernoulli``: ``bernoulli_prop_triton`` alone (the same draws), its output checked in the same run
-  against the float64 reference fed the kernels' uniforms (features kept equal, tile budgets and counts equal up
-  to rare float32 floor flips, output error); ``kernel:bernoulli-fm-only`` without the cache rows (no row
-  stats launch: every unit on the feature-major copy), what that launch costs where no unit needs it;
+  ``method:bernoulli-tiles`` the same with the nested ("tiles") stats loop the method took before;
+- ``kernel:bernoulli``: ``bernoulli_prop_triton`` alone with the nested loop (the same draws), its output checked in
+  the same run against the float64 reference fed the kernels' uniforms (features kept equal, tile budgets and
+  counts equal up to rare float32 floor flips, output error); ``kernel:bernoulli-fm-only`` without the cache rows
+  (no row stats launch: every unit on the feature-major copy), what that launch costs where no unit needs it;
 - ``kernel:bernoulli-stream-P<programs>-s<stages>[-fb<FB>][-n<block>][-w<warps>]``: the same with
   ``stats_loop="stream"`` (the feature-major stats in one flat pipelined loop, ``decode.py``'s
   ``stream_stats``) at a sweep of launch shapes, each checked against the reference as above
-  (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``, the default);
+  (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``; "stream" at
+  :data:`STATS_LAUNCH` is the default);
 
 with each variant's per-kernel device µs (``ColdL2Timer.kernel_breakdown``; PDL-launched kernels include their
 wait), the fraction of K's features the draws kept (the K bytes the feature-major stats pass must read), the
@@ -80,11 +81,11 @@ def _method_call(x: Inputs, spec: str):
     return lambda: m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, context=ctx, check_finite=False)[0]
 
 
-def _method_stream_call(x: Inputs, spec: str):
-    """``_method_call`` with the kernel path's stats on the streamed loop at its default launch: the method takes
-    ``bernoulli_prop_triton`` from its module at each call, so the call runs (and is captured) with it replaced."""
+def _method_tiles_call(x: Inputs, spec: str):
+    """``_method_call`` with the kernel path's stats on the nested loop: the method takes ``bernoulli_prop_triton``
+    from its module at each call, so the call runs (and is captured) with it replaced."""
     inner = _method_call(x, spec)
-    streamed = functools.partial(bernoulli_prop_triton, stats_loop="stream")
+    streamed = functools.partial(bernoulli_prop_triton, stats_loop="tiles")
 
     def call():
         with mock.patch.object(bernoulli_decode, "bernoulli_prop_triton", streamed):
@@ -136,7 +137,7 @@ def run_case(label: str, n: int, batch: int, check_mode: bool) -> dict:
     heads, kv_heads, d = (8, 2, 64) if check_mode else (32, 8, 128)
     x = Inputs(Case("llama-3.1-8b", heads, kv_heads, d, n, batch), dtype, SEED, device=device, attention="peaked")
     tile = 64 if check_mode else auto_tile_size(n)
-    opts = {"block_n": 16, "stats_programs": 3} if check_mode else {}
+    opts = {"stats_loop": "tiles", **({"block_n": 16, "stats_programs": 3} if check_mode else {})}
     kt = FeatureMajorKeys().update(x.k, x.lens)
     ref = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED), SEED)
     stream = {name: {**opts, **extra} for name, extra in _stream_variants(check_mode).items()}
@@ -145,7 +146,7 @@ def run_case(label: str, n: int, batch: int, check_mode: bool) -> dict:
               "launch": {name: o for name, o in stream.items()}}
     calls = {"dense": VARIANTS["dense"].make(x, None, SEED)[0],
              **{name: _method_call(x, spec) for name, spec in SPECS.items()},
-             "method:bernoulli-stream": _method_stream_call(x, SPECS["method:bernoulli"]),
+             "method:bernoulli-tiles": _method_tiles_call(x, SPECS["method:bernoulli"]),
              "kernel:bernoulli": _kernel_call(x, kt, tile, opts),
              "kernel:bernoulli-fm-only": _kernel_call(x, kt, tile, opts, rows=False),
              **{name: _kernel_call(x, kt, tile, o) for name, o in stream.items()}}

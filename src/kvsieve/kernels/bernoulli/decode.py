@@ -54,7 +54,7 @@ from ..shared.triton_utils import (
     triton,
     workspace,
 )
-from .feature_major import FEATURE_BLOCK, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
+from .feature_major import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, split_dots
 from .reference import check_draws, estimated_scores, mean_group_query
 
 STREAM_KEY = (STREAM_BERNOULLI * GOLDEN) & MASK32
@@ -302,15 +302,15 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
 ROW_LAYOUT_ABOVE = 0.8
 
 
-#: The feature-major stats launch by ``stats_loop``: (programs, pipeline stages, keys per sub-block).
-#: "tiles": about one tile per program, 256-key sub-blocks (with 16 features per step and 4 warps) was the
-#: fastest of the H100 sweep over blocks, features per step, warps and programs
-#: (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); at 3 stages its list load takes one, so one
-#: [16, 256] K block is in flight per program, and 128 registers leave 4 programs an SM: ~32 KB in flight per SM.
-#: "stream" (not yet measured on a GPU): at 5 stages 4 K blocks are in flight, and 128 registers and 53 KB of
-#: shared memory leave 4 programs an SM: ~128 KB per SM; 528 programs are one wave of them on 132 SMs (H100,
-#: H200), each many tiles long.
-STATS_LAUNCH = {"tiles": (4224, 3, 256), "stream": (528, 5, 256)}
+#: The feature-major stats launch by ``stats_loop``: (programs, pipeline stages, keys per sub-block, features per
+#: step). "tiles": about one tile per program, 256-key sub-blocks with 16 features per step and 4 warps was the
+#: fastest of the H100 sweep (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); at 3 stages its list
+#: load takes one, so one [16, 256] K block is in flight per program: ~32 KB in flight per SM.
+#: "stream" (the default): one flat pipelined loop over (sub-block, feature block) steps; of the H200 sweep
+#: (``docs/results/studies/bernoulli/e2e_layer.py``, 2026-11-28) 396 programs (3 an SM, one wave on 132 SMs),
+#: 3 stages and 32 features per step were fastest at both 128k batch 1 (stats + sampling 91.1 µs against the
+#: nested loop's 100.7) and 32k batch 8 (167.3 against 208.4); 528 programs at 5 stages took 118.8 and 225.8.
+STATS_LAUNCH = {"tiles": (4224, 3, 256, 16), "stream": (396, 3, 256, 32)}
 
 
 def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
@@ -324,8 +324,8 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
                           v_seed: int, *, norm_factor: float = 1.0, rounding: str = "largest-remainder",
                           rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
                           block_n: int | None = None, stats_programs: int | None = None,
-                          feature_block: int = FEATURE_BLOCK, stats_warps: int = 4, stats_stages: int | None = None,
-                          stats_loop: str = "tiles",
+                          feature_block: int | None = None, stats_warps: int = 4,
+                          stats_stages: int | None = None, stats_loop: str = "stream",
                           r_max: int | None = None, k: torch.Tensor | None = None,
                           row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None,
                           row_launch: tuple[int, int, int, int] = (64, 264, 4, 3)):
@@ -351,6 +351,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
     if stats_loop not in STATS_LAUNCH:
         raise ValueError(f"stats_loop: expected one of {tuple(STATS_LAUNCH)}, got {stats_loop!r}")
+    feature_block = feature_block or min(STATS_LAUNCH[stats_loop][3], q.shape[-1])
     if feature_block < 16 or feature_block & (feature_block - 1) or feature_block > q.shape[-1]:
         raise ValueError(f"feature_block: expected a power of two from 16 to the head dim {q.shape[-1]}, "
                          f"got {feature_block}")
@@ -382,7 +383,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            kc.stride(0), kc.stride(1), kc.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY,
            APPEND=append is not None, COMPACT_Q=stream, PDL=pdl, num_warps=4)
-    programs, stages, block = STATS_LAUNCH[stats_loop]
+    programs, stages, block, _ = STATS_LAUNCH[stats_loop]
     programs, stages, block = stats_programs or programs, stats_stages or stages, block_n or block
     if stream:  # at most `programs`: one more than a wave of resident programs would double the time
         per_program = cdiv(t, max(1, programs // (hkv * r)))
