@@ -815,8 +815,8 @@ rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "
                  "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
 # the split path's rank launch, and the fused path's: the update's second stage in it, a dependent launch
 for fused in (False, True):
-    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4, "TOP": True,
-                                                       "TAIL": fused, "R_BLOCKS_P": 16, "PDL": fused})
+    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4,
+                                                       "TOP": True, "TAIL": fused, "R_BLOCKS_P": 16, "PDL": fused})
 # the fused path's first launch: both layers of the classifier and the update's first stage, a dependent launch;
 # and the parallel update in launches of its own (probes = 0, the k-means baselines)
 compile_(probe._probe_mlp_kernel,

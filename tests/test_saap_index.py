@@ -197,9 +197,9 @@ print("worst", worst)
 @pytest.mark.triton
 def test_index_kernels_match_their_references():
     """The Triton updates (serial and parallel), alone and inside the probe's launches, equal the torch update bit
-    for bit (de-roped and as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys that joined after the
-    build, CSR keys the window holds skipped, a row shorter than its window) equals attention over the reference's
-    keys."""
+    for bit (de-roped and as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys
+    that joined after the build, CSR keys the window holds skipped, a row shorter than its window) equals attention
+    over the reference's keys."""
     pytest.importorskip("triton")
     from interpreted import run_script
 

@@ -510,5 +510,6 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     _group_rank_kernel[(rank_programs + reduce_items,)](
         logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
         *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, PARTS=parts, TOP=probes > 0,
-        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, PDL=pdl, num_warps=RANK_WARPS, **pdl_launch(pdl))
+        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, PDL=pdl, num_warps=RANK_WARPS,
+        **pdl_launch(pdl))
     return (scores, top) if probes else scores
