@@ -389,17 +389,18 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 
 @pytest.mark.gpu
-def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+@pytest.mark.parametrize("probe_kernels", ["fused", "fused-no-pdl", "split"])
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path, probe_kernels):
     """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache, and
     layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
     (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
-    to the torch path."""
+    to the torch path. Each probe path: two dependent launches, two plain ones, the earlier three."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([2900, 1700], device="cuda")
-    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4,probe_kernels={probe_kernels}")
     ctx = CallContext(layer=1, capacity=3000, count_reads=False)
     state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
     ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
@@ -778,7 +779,7 @@ def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "PDL": mode == "tail"}
     compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
 
 

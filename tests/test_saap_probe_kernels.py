@@ -137,3 +137,26 @@ def test_bad_kernel_choices_are_refused_by_name():
                             kv_heads=1, kernels="three")
     with pytest.raises(ValueError, match="probe_kernels"):
         SaapConfig(artifacts="x", probe_kernels="three")
+
+
+@pytest.mark.triton
+def test_the_probe_benchmark_checks_every_variant(tmp_path):
+    """``benchmarks/saap_probe/run.py --check``: every timed variant on tiny inputs under the interpreter, each
+    passing its checks against the references, the report written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = (tmp_path / "saap_probe.md").read_text()
+    for variant in ("update-serial", "update-parallel", "step-split", "step-fused", "step-fused-pdl", "layer-split",
+                    "layer-fused-pdl"):
+        assert f"| {variant} |" in table
+    # two cases, each with two updates alone, three probes with the update and three layer steps
+    assert "FAIL" not in table and table.count("assign True") == 2 * 8 and table.count("out err") == 2 * 3

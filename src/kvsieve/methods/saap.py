@@ -563,7 +563,8 @@ class Saap(Method):
             extra["merge"] = "fused" if fused else "separate launch"
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
-                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused)
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
+                pdl=self.config.probe_kernels == "fused")
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)

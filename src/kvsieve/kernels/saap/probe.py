@@ -1,5 +1,6 @@
 """SAAP's probe on the device: de-rope the step's queries, run the bucket classifier, sum the group's
-probabilities — three Triton launches where the torch path takes about twenty small ops.
+probabilities, take the top-ℓ — two Triton launches (three on the earlier path) where the torch path takes about
+twenty small ops.
 
 Contract
 --------
@@ -14,14 +15,23 @@ Contract
 
 :func:`probe_scores_reference` is the same computation in torch (float32).
 
-Kernels (why three): the hidden layer needs all of ``x·W1`` before ReLU, the logits need all of the
-hidden layer, and the softmax needs a whole row of logits. One program per (model, hidden block)
-computes ``relu(x·W1 + b1)`` for every row of its model (``W1`` read once), one per (model, bucket
-block, slice of the hidden units) the logits, one per (batch row, KV head, chunk of buckets) the
-softmaxes, their group sum and the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32:
-TF32 rounding moved near-tied buckets in and out of the top-ℓ. The first launch can also carry SAAP's index
-update (``tail``: :func:`kvsieve.kernels.saap.index.assign_tail_program` as extra programs), work the
-probe does not depend on, so that a decode step costs no launch of its own for it.
+Kernels. The softmax needs a whole row of logits, so the rank is a launch of its own: one program per (batch row,
+KV head, chunk of buckets) computes the softmaxes, their group sum and the ranks of the chunk's buckets (the
+top-ℓ). Before it, ``kernels="fused"`` (the default) runs both layers of the classifier in one launch: one program
+per (model, bucket block, slice of the hidden units) computes its slice of the hidden layer for every row of its
+model and at once that slice's part of the block's logits (``W1'`` slices are read again by each bucket block,
+from L2; the parts are added by the rank kernel). ``kernels="split"`` (the earlier path) runs the hidden layer as a
+launch of its own (one program per (model, hidden block), the result through memory) and then the logits. Dots run
+in IEEE float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+
+SAAP's index update (``tail``) rides in these launches, work the probe does not depend on, so a decode step
+costs no launch of its own for it: on the fused path the parallel update's two stages
+(:func:`kvsieve.kernels.saap.index.assign_partial_program` in the first launch,
+:func:`~kvsieve.kernels.saap.index.assign_reduce_program` in the rank launch); on the split path the serial update
+(:func:`~kvsieve.kernels.saap.index.assign_tail_program`) as extra programs of the first launch, which then lasted
+as long as its C / 128 dependent centroid reads (24 µs a layer measured end to end at 128k, H200). On GPUs with
+programmatic dependent launch the fused path's launches start before the kernel before them ends: the first
+reads its weights and centroids, then waits (``gdc_wait``) for the queries and keys.
 
 Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
 (``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
@@ -347,9 +357,10 @@ if triton is not None:
         takes its chunk's scores out of that vector (``tl.gather``) rather than computing them again. With
         ``TAIL`` the programs after them are the parallel index update's second stage
         (:func:`kvsieve.kernels.saap.index.assign_reduce_program`, the ``r*`` arguments). ``PDL``: launched
-        early, the kernel waits for the grid before it first."""
-        if PDL:
+        early, the kernel waits for the grid before it first, then lets the next launch start."""
+        if PDL:  # then the bucket kernel may launch: it waits for this grid before it reads anything
             gdc_wait()
+            gdc_launch_dependents()
         pid = tl.program_id(0)
         if TAIL:
             if pid >= rank_programs:
