@@ -389,17 +389,18 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 
 @pytest.mark.gpu
-def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+@pytest.mark.parametrize("probe_kernels", ["fused", "fused-no-pdl", "split"])
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path, probe_kernels):
     """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache, and
     layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
     (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
-    to the torch path."""
+    to the torch path. Each probe path: two dependent launches, two plain ones, the earlier three."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([2900, 1700], device="cuda")
-    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4,probe_kernels={probe_kernels}")
     ctx = CallContext(layer=1, capacity=3000, count_reads=False)
     state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
     ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
@@ -778,7 +779,7 @@ def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "PDL": mode == "tail"}
     compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
 
 
@@ -811,8 +812,28 @@ for tail in (False, True):
              warps=probe.TAIL_WARPS if tail else 4)
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
-compile_(probe._group_rank_kernel, {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64"},
-         {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4, "TOP": True})
+rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32", "rpi_ptr": "*i32",
+                 "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
+# the split path's rank launch, and the fused path's: the update's second stage in it, a dependent launch
+for fused in (False, True):
+    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4,
+                                                       "TOP": True, "TAIL": fused, "R_BLOCKS_P": 16, "PDL": fused})
+# the fused path's first launch: both layers of the classifier and the update's first stage, a dependent launch;
+# and the parallel update in launches of its own (probes = 0, the k-means baselines)
+compile_(probe._probe_mlp_kernel,
+         {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1_ptr": "*bf16", "b1_ptr": "*fp32",
+          "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32", "tk_ptr": "*bf16", "tc_ptr": "*fp32",
+          "tf_ptr": "*fp32", "tps_ptr": "*fp32", "tpi_ptr": "*i32", "tlo_ptr": "*i64", "tlen_ptr": "*i32",
+          "twin_ptr": "*i64"},
+         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_K": probe.MLP_BLOCK_K, "BLOCK_C": probe.MLP_BLOCK_C,
+          "W_BF16": True, "DOT_F32": False, "TAIL": True, "T_D": 128, "T_HALF": 64, "T_BLOCK_C": index.PARALLEL_BLOCK_C,
+          "T_BLOCK_R": 16, "T_DEROPE": True, "PDL": True}, floats=("scaling", "t_scaling"))
+update_pointers = {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "ps_ptr": "*fp32", "pi_ptr": "*i32",
+                   "assign_ptr": "*i64", "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"}
+compile_(index._assign_partial_kernel, update_pointers,
+         {"D": 128, "HALF": 64, "BLOCK_C": index.PARALLEL_BLOCK_C, "BLOCK_R": index.PARALLEL_BLOCK_R, "DEROPE": True},
+         floats=("scaling",))
+compile_(index._assign_reduce_kernel, update_pointers, {"BLOCKS_P": 16}, warps=1)
 """
 
 
@@ -972,7 +993,7 @@ def test_fused_probe_on_cuda_matches_the_reference():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("part,compiled", [
-    ("runtime", 7),
+    ("runtime", 11),
     # the other 18 combinations, one sm_90 compile each
     pytest.param("rest", 18, marks=pytest.mark.slow),
 ])
@@ -1010,7 +1031,8 @@ g = torch.Generator().manual_seed(0)
 n = 300
 q = torch.randn(2, 8, 32, generator=g).bfloat16()
 k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
-m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
+m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton,"
+                  f"probe_kernels={kernels}")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
 state, ref_state = m.new_state(), ref.new_state()
 from kvsieve.core.sync import no_host_reads
@@ -1043,9 +1065,15 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-def test_captured_decode_launches_four_kernels_and_no_torch_op():
-    """Per call, after the build, while keys leave the window and join their buckets: the probe's three
-    kernels (the first also runs the index update) and the bucket kernel (the window's bounds computed from the
+@pytest.mark.parametrize("probe_kernels,kernels", [
+    ("fused", ["triton:_probe_mlp_kernel", "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]),
+    ("split", ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
+               "triton:_bucket_parts_kernel"]),
+])
+def test_captured_decode_launches_three_or_four_kernels_and_no_torch_op(probe_kernels, kernels):
+    """Per call, after the build, while keys leave the window and join their buckets: the probe's kernels — two
+    (``fused``: the classifier's layers with the index update's first stage, the rank with its second) or three
+    (``split``: the first also runs the serial update) — and the bucket kernel (the window's bounds computed from the
     lengths in the kernels; it merges its partials itself), nothing else
     (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
     branch, the bucket counts' sub/gather/sum and two dtype copies of the output; then 5, the update apart). The
@@ -1054,11 +1082,9 @@ def test_captured_decode_launches_four_kernels_and_no_torch_op():
     pytest.importorskip("triton")
     from interpreted import run_script
 
-    out = run_script(SAAP_LAUNCHES, "cpu", True)
+    out = run_script(SAAP_LAUNCHES, "cpu", True, kernels=probe_kernels)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
-    kernels = ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
-               "triton:_bucket_parts_kernel"]
     for ops in calls[1:]:
         assert ops == kernels, ops
     layer0 = [line.split()[1:] for line in out.splitlines() if line.startswith("LAYER0")]

@@ -139,8 +139,8 @@ def test_left_padding_is_refused_by_the_method_and_served_apart_by_the_driver(ar
 INDEX_KERNEL_CASES = r"""
 import torch
 from kvsieve.kernels.saap.buckets import build_csr, bucket_sparse_decode_triton
-from kvsieve.kernels.saap.index import (assign_tail_reference, assign_tail_triton, build_assign,
-                                        index_decode_reference)
+from kvsieve.kernels.saap.index import (assign_tail_parallel_triton, assign_tail_reference, assign_tail_triton,
+                                        build_assign, index_decode_reference)
 from kvsieve.kernels.saap.probe import probe_scores_triton
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
@@ -160,17 +160,23 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
     for inv in (freq, None):  # de-roped keys, and keys compared as stored (the roped baseline)
         assign, t_lo = build_assign(k, start, window, sink, cent, inv, 1.3, n)
         offsets, ids = build_csr(assign, c)
-        ref_assign, probe_assign = assign.clone(), assign.clone()
+        ref_assign = assign.clone()
+        others = {{name: assign.clone() for name in ("parallel", "fused", "split")}}
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
             lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
             assign_tail_reference(ref_assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assign_tail_triton(assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assert torch.equal(assign, ref_assign), (assign != ref_assign).nonzero()[:5]
-            # the same update as extra programs of the probe's first launch (the method's path)
-            probe_scores_triton(q, lengths, freq, 1.3, *probe_weights, kv_heads=hkv, probes=probes,
-                                tail=(probe_assign, k, t_lo, lengths, window, span, cent, inv, 1.3))
-            assert torch.equal(probe_assign, ref_assign), (probe_assign != ref_assign).nonzero()[:5]
+            # the parallel update (two launches; 16 centroids a block: several blocks), and the updates inside the
+            # probe's launches (the method's paths): the parallel one in the fused probe, the serial one in the split
+            assign_tail_parallel_triton(others["parallel"], k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16)
+            for kernels in ("fused", "split"):
+                probe_scores_triton(q, lengths, freq, 1.3, *probe_weights, kv_heads=hkv, probes=probes,
+                                    tail=(others[kernels], k, t_lo, lengths, window, span, cent, inv, 1.3),
+                                    kernels=kernels)
+            for name, got in others.items():
+                assert torch.equal(got, ref_assign), (name, (got != ref_assign).nonzero()[:5])
             bk = torch.stack([torch.randperm(c, generator=g)[:probes] for _ in range(b * hkv)]).view(b, hkv, probes)
             bk = bk.to(dev)
             ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
@@ -190,10 +196,10 @@ print("worst", worst)
 
 @pytest.mark.triton
 def test_index_kernels_match_their_references():
-    """The Triton update, alone and in the probe's first launch, equals the torch update bit for bit (de-roped and
-    as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys that joined after the
-    build, CSR keys the window holds skipped, a row shorter than its window) equals attention over the reference's
-    keys."""
+    """The Triton updates (serial and parallel), alone and inside the probe's launches, equal the torch update bit
+    for bit (de-roped and as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys
+    that joined after the build, CSR keys the window holds skipped, a row shorter than its window) equals attention
+    over the reference's keys."""
     pytest.importorskip("triton")
     from interpreted import run_script
 

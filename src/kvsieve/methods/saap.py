@@ -44,6 +44,7 @@ from ..core.sync import host_reads_allowed
 from ..kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from ..kernels.saap.index import (
     UPDATE_SPAN,
+    assign_tail_parallel_triton,
     assign_tail_reference,
     assign_tail_triton,
     build_assign,
@@ -303,6 +304,11 @@ class SaapConfig(MethodConfig):
                    "independent: each query head ranks its own")
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "auto: the Triton bucket kernel on CUDA (batched probing), else the torch reference")
+    probe_kernels: Literal["fused", "fused-no-pdl", "split"] = param(
+        "fused", "Triton path: fused = the probe in two launches (the classifier's layers in one, the rank in the "
+                 "other, programmatic dependent launches where the GPU has them) with the index update parallel over "
+                 "the centroids inside them; fused-no-pdl = the same, plain launches; split = three launches, the "
+                 "update's serial loop over the centroids in the first")
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifacts, str):
@@ -319,6 +325,7 @@ class SaapConfig(MethodConfig):
             raise ValueError("sink, window: the dense part needs at least one key (sink + window >= 1)")
         require_choice("probing", self.probing, ("batched", "independent"))
         require_choice("backend", self.backend, ("auto", "reference", "triton"))
+        require_choice("probe_kernels", self.probe_kernels, ("fused", "fused-no-pdl", "split"))
         if self.backend == "triton" and self.probing != "batched":
             raise ValueError("backend: the triton kernel probes per KV head; use probing=batched or backend=reference")
 
@@ -522,17 +529,22 @@ class Saap(Method):
         lengths = inputs.lengths
         fused_probe = (backend == "triton" and self.query_scoring == "classifier" and not self.roped
                        and self.probes > 0)
-        if not fused_probe:  # else the update runs in the probe's first launch
-            (assign_tail_triton if backend == "triton" else assign_tail_reference)(*update)
+        split = self.config.probe_kernels == "split"
+        if not fused_probe:  # else the update runs in the probe's launches
+            if backend == "triton":
+                (assign_tail_triton if split else assign_tail_parallel_triton)(*update)
+            else:
+                assign_tail_reference(*update)
         if self.probes > 0:
-            if fused_probe:  # index update + de-rope + classifier + group sum in three launches (kernels/saap/probe.py)
+            if fused_probe:  # index update + de-rope + classifier + group sum + top-l (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
                 # the query sits at the last visible position: length - 1, the - 1 added in the kernel
                 _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
                     *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
-                    position_offset=-1, tail=update)
+                    position_offset=-1, tail=update, kernels="split" if split else "fused",
+                    pdl=None if self.config.probe_kernels == "fused" else False)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
@@ -541,7 +553,8 @@ class Saap(Method):
         else:
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
         assign = idx.assign if probing_heads == hkv else idx.assign.repeat_interleave(group, dim=1)
-        extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets}
+        extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets,
+                 "probe_kernels": self.config.probe_kernels}
         if backend == "triton":
             # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
             # from the lengths in the kernel. The kernel's default splits are those of the cache's keys (width 0);
@@ -550,7 +563,8 @@ class Saap(Method):
             extra["merge"] = "fused" if fused else "separate launch"
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
-                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused)
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
+                pdl=self.config.probe_kernels == "fused")
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)

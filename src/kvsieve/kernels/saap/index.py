@@ -17,18 +17,34 @@ Contract (prefix rows: the valid keys of row ``b`` are ``[0, L_b)``)
 
 Keys are assigned to the centroid of largest inner product (spherical k-means), after de-roping them at
 their position (``inv_freq`` None: compared as stored, the roped baseline).
+
+Two device forms of the step's update: one work item per (row, KV head, position) scanning the C centroids in a
+serial loop (:func:`assign_tail_program`, :func:`assign_tail_triton`), and a parallel one in two stages
+(:func:`assign_partial_program` then :func:`assign_reduce_program`, :func:`assign_tail_parallel_triton`): a
+program per (KV head, block of centroids, block of tail keys) scores its keys against its centroids (one dot)
+and keeps each key's best of the block; a program per (KV head, key) then takes the best of the blocks. Both
+keep the first index of the largest product, ``torch.argmax``'s choice. The serial loop made the update a chain
+of C / block dependent L2 reads (about 20 µs a layer at C = 1024); the two stages read each centroid once per
+step and finish in one short pass each.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from ..shared.triton_utils import next_pow2
+from ..shared.triton_utils import cdiv, next_pow2
 
 #: Positions each step assigns: a step may advance a row by up to this many keys while K's shape stays.
 UPDATE_SPAN = 4
 #: Positions assigned per chunk by the build (bounds its ``[B, Hkv, chunk, C]`` scores).
 BUILD_CHUNK = 4096
+#: Centroids a stage-1 program of the parallel update scores: 64 × d float32 (32 KB at d = 128), 16 blocks a KV
+#: head at C = 1024, so 128 programs at Llama-3.1-8B shapes, each reading its centroids once a step.
+PARALLEL_BLOCK_C = 64
+#: Tail keys a stage-1 program scores at most (the rows of its dot): a KV head's 32 at batch 8 and the default span.
+PARALLEL_BLOCK_R = 32
 
 
 def derope_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None,
@@ -134,10 +150,33 @@ def index_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 try:
     import triton
     import triton.language as tl
+
+    from ..shared.triton_utils import gdc_wait
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, u, span, ok):
+        """Position ``u`` of :func:`tail_positions` for row ``b`` (scalars or matching blocks; ``ok`` masks rows)."""
+        t_lo = tl.load(t_lo_ptr + b, mask=ok, other=0).to(tl.int32)
+        t_hi = tl.maximum(tl.load(len_ptr + b, mask=ok, other=0).to(tl.int32)
+                          - tl.load(win_ptr + b, mask=ok, other=0).to(tl.int32), t_lo)
+        return tl.maximum(t_hi - span + u, t_lo)
+
+    @triton.jit
+    def _load_key(ptrs, offs_d, pos, freq_ptr, scaling, mask, HALF: tl.constexpr, DEROPE: tl.constexpr):
+        """The keys at ``ptrs`` (``offs_d`` each element's dimension) in float32, de-roped at ``pos`` with
+        :func:`derope_keys`' arithmetic (``DEROPE``) or as stored."""
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if DEROPE:
+            # rotate_half: the partner of dimension i is i ± d/2, negated in the first half
+            xr = tl.load(ptrs + tl.where(offs_d < HALF, HALF, -HALF), mask=mask, other=0.0).to(tl.float32)
+            xr = tl.where(offs_d < HALF, -xr, xr)
+            ang = pos.to(tl.float32) * tl.load(freq_ptr + offs_d % HALF)
+            x = (x * (tl.cos(ang) * scaling) - xr * (tl.sin(ang) * scaling)) / (scaling * scaling)
+        return x
 
     @triton.jit
     def assign_tail_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
@@ -151,19 +190,10 @@ if triton is not None:
         (:func:`kvsieve.kernels.saap.probe.probe_scores_triton` with ``tail``)."""
         b = bh // kv_heads
         h = bh % kv_heads
-        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
-        t_hi = tl.maximum(tl.load(len_ptr + b).to(tl.int32) - tl.load(win_ptr + b).to(tl.int32), t_lo)
-        pos = tl.maximum(t_hi - span + u, t_lo)
+        pos = _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, u, span, True)
         offs_d = tl.arange(0, D)
         base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
-        x = tl.load(base + offs_d).to(tl.float32)
-        if DEROPE:
-            # rotate_half: the partner of dimension i is i ± d/2, negated in the first half
-            partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
-            xr = tl.load(base + partner).to(tl.float32)
-            xr = tl.where(offs_d < HALF, -xr, xr)
-            ang = pos.to(tl.float32) * tl.load(freq_ptr + offs_d % HALF)
-            x = (x * (tl.cos(ang) * scaling) - xr * (tl.sin(ang) * scaling)) / (scaling * scaling)
+        x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
         best = float("-inf")
         best_i = n_buckets * 0
         offs_c = tl.arange(0, BLOCK_C)
@@ -182,6 +212,59 @@ if triton is not None:
         tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
     @triton.jit
+    def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                               n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, item,
+                               D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                               DEROPE: tl.constexpr, WAIT: tl.constexpr):
+        """Stage 1 of the parallel update, work item (KV head, centroid block, key block) =
+        ``item`` in that order: the tail keys ``r = b·span + u`` of the block (``rows = B·span`` in all) de-roped,
+        scored against the block's ``BLOCK_C`` centroids in one float32 dot, each key's best product and its first
+        index written to ``ps``/``pi [Hkv, rows, c_blocks]``. ``WAIT``: the centroids (constant) are read, then the
+        kernel waits for the grid before it (programmatic dependent launch) before it reads the keys."""
+        per_head = c_blocks * r_blocks
+        h = item // per_head
+        cb = (item % per_head) // r_blocks
+        rb = item % r_blocks
+        offs_d = tl.arange(0, D)
+        cc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = cc < n_buckets
+        cent = tl.load(cent_ptr + (h.to(tl.int64) * n_buckets + cc[:, None]) * D + offs_d[None, :],
+                       mask=c_ok[:, None], other=0.0)
+        if WAIT:
+            gdc_wait()
+        r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
+        r_ok = r < rows
+        b = r // span
+        pos = _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, r % span, span, r_ok)
+        ptrs = k_ptr + (b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn)[:, None] + offs_d[None, :]
+        x = _load_key(ptrs, offs_d[None, :], pos[:, None], freq_ptr, scaling, r_ok[:, None], HALF, DEROPE)
+        sc = tl.dot(x, tl.trans(cent), input_precision="ieee")  # [BLOCK_R, BLOCK_C]
+        sc = tl.where(c_ok[None, :], sc, float("-inf"))
+        blk = tl.max(sc, axis=1)
+        # the first index of each key's maximum in the block (torch.argmax takes the first too)
+        blk_i = tl.min(tl.where(sc == blk[:, None], cc[None, :], n_buckets), axis=1)
+        out = (h * rows + r) * c_blocks + cb
+        tl.store(ps_ptr + out, blk, mask=r_ok)
+        tl.store(pi_ptr + out, blk_i, mask=r_ok)
+
+    @triton.jit
+    def assign_reduce_program(ps_ptr, pi_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, n_buckets, span, rows,
+                              c_blocks, s_ab, s_ah, item, BLOCKS_P: tl.constexpr):
+        """Stage 2 of the parallel update, work item ``item = KV head·rows + r``: the best of key ``r``'s block
+        maxima, the lowest index among the blocks that reach it (the blocks ascend: the first index overall),
+        written to ``assign`` at the key's position."""
+        h = item // rows
+        r = item % rows
+        b = r // span
+        offs = tl.arange(0, BLOCKS_P)
+        ok = offs < c_blocks
+        s = tl.load(ps_ptr + item * c_blocks + offs, mask=ok, other=float("-inf"))
+        i = tl.load(pi_ptr + item * c_blocks + offs, mask=ok, other=n_buckets)
+        best_i = tl.min(tl.where(s == tl.max(s, axis=0), i, n_buckets), axis=0)
+        pos = _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, r % span, span, True)
+        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
+
+    @triton.jit
     def _assign_tail_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
                             n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
@@ -189,6 +272,32 @@ if triton is not None:
         assign_tail_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, kv_heads,
                             n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
                             D, HALF, BLOCK_C, DEROPE)
+
+    @triton.jit
+    def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                               n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn,
+                               D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                               DEROPE: tl.constexpr):
+        """Program ``item``: :func:`assign_partial_program`."""
+        assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                               n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, tl.program_id(0),
+                               D, HALF, BLOCK_C, BLOCK_R, DEROPE, False)
+
+    @triton.jit
+    def _assign_reduce_kernel(ps_ptr, pi_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, n_buckets, span, rows, c_blocks,
+                              s_ab, s_ah, BLOCKS_P: tl.constexpr):
+        """Program ``item``: :func:`assign_reduce_program`."""
+        assign_reduce_program(ps_ptr, pi_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, n_buckets, span, rows,
+                              c_blocks, s_ab, s_ah, tl.program_id(0), BLOCKS_P)
+
+
+def _checked_keys(assign: torch.Tensor, k: torch.Tensor, span: int, centroids: torch.Tensor) -> torch.Tensor:
+    if assign.stride(-1) != 1 or centroids.dtype != torch.float32 or not centroids.is_contiguous():
+        raise ValueError("assign, centroids: expected a last-dimension-contiguous assign and contiguous float32 "
+                         "centroids")
+    if span < 1:
+        raise ValueError(f"span: expected at least 1 position per step, got {span}")
+    return k if k.stride(-1) == 1 else k.contiguous()
 
 
 def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
@@ -198,19 +307,53 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
     ``items = B·Hkv·span`` work items. Centroids float32 ``[Hkv, C, d]`` contiguous; ``assign`` contiguous in
     its last dimension. ``block_c``: centroids scored per iteration (at most; fewer when C is smaller)."""
     b, h, _, d = k.shape
-    if assign.stride(-1) != 1 or centroids.dtype != torch.float32 or not centroids.is_contiguous():
-        raise ValueError("assign, centroids: expected a last-dimension-contiguous assign and contiguous float32 "
-                         "centroids")
-    if span < 1:
-        raise ValueError(f"span: expected at least 1 position per step, got {span}")
-    if k.stride(-1) != 1:
-        k = k.contiguous()
+    k = _checked_keys(assign, k, span, centroids)
     freq = centroids if inv_freq is None else inv_freq
     args = (k, centroids, freq, assign, t_lo, lengths, window, float(scaling), h, centroids.shape[1], span,
             k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1))
     meta = dict(D=d, HALF=d // 2, BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))),
                 DEROPE=inv_freq is not None)
     return args, meta, b * h * span
+
+
+class ParallelTail(NamedTuple):
+    """The two stages of the parallel update as launch pieces: runtime arguments, constexprs and work items of
+    :func:`assign_partial_program` (stage 1) and :func:`assign_reduce_program` (stage 2), and the stage-1 results
+    ``ps``/``pi`` (float32 / int32 ``[Hkv, B·span, c_blocks]``) the second reads."""
+
+    partial_args: tuple
+    partial_meta: dict
+    partial_items: int
+    reduce_args: tuple
+    reduce_meta: dict
+    reduce_items: int
+
+
+def parallel_tail_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                       window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                       scaling: float, block_c: int | None = None, block_r: int | None = None) -> ParallelTail:
+    """The parallel update's launch pieces for :func:`assign_tail_reference`'s update (arguments as
+    :func:`tail_launch_args`); ``block_c``/``block_r``: centroids and keys a stage-1 program takes (powers of two,
+    at least 16; default :data:`PARALLEL_BLOCK_C`, :data:`PARALLEL_BLOCK_R`, fewer when C or ``B·span`` is
+    smaller)."""
+    b, h, _, d = k.shape
+    k = _checked_keys(assign, k, span, centroids)
+    c = centroids.shape[1]
+    rows = b * span
+    block_c = min(block_c or PARALLEL_BLOCK_C, max(16, next_pow2(c)))
+    block_r = min(block_r or PARALLEL_BLOCK_R, max(16, next_pow2(rows)))
+    c_blocks, r_blocks = cdiv(c, block_c), cdiv(rows, block_r)
+    ps = torch.empty(h, rows, c_blocks, device=k.device, dtype=torch.float32)
+    pi = torch.empty(h, rows, c_blocks, device=k.device, dtype=torch.int32)
+    freq = centroids if inv_freq is None else inv_freq
+    return ParallelTail(
+        (k, centroids, freq, ps, pi, t_lo, lengths, window, float(scaling), c, span, rows, c_blocks, r_blocks,
+         k.stride(0), k.stride(1), k.stride(2)),
+        dict(D=d, HALF=d // 2, BLOCK_C=block_c, BLOCK_R=block_r, DEROPE=inv_freq is not None),
+        h * c_blocks * r_blocks,
+        (ps, pi, assign, t_lo, lengths, window, c, span, rows, c_blocks, assign.stride(0), assign.stride(1)),
+        dict(BLOCKS_P=max(16, next_pow2(c_blocks))),
+        h * rows)
 
 
 def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
@@ -223,3 +366,16 @@ def assign_tail_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor
     # 128 centroids (64 KB at d = 128) per iteration: few serial iterations, many loads in flight
     args, meta, _ = tail_launch_args(assign, k, t_lo, lengths, window, span, centroids, inv_freq, scaling)
     _assign_tail_kernel[(k.shape[0] * k.shape[1], span)](*args, **meta, num_warps=8)
+
+
+def assign_tail_parallel_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                                window: torch.Tensor, span: int, centroids: torch.Tensor,
+                                inv_freq: torch.Tensor | None, scaling: float, block_c: int | None = None,
+                                block_r: int | None = None) -> None:
+    """:func:`assign_tail_reference` in two launches, the parallel update's two stages (arguments as
+    :func:`parallel_tail_args`)."""
+    if triton is None:
+        raise RuntimeError("assign_tail_parallel_triton needs triton")
+    t = parallel_tail_args(assign, k, t_lo, lengths, window, span, centroids, inv_freq, scaling, block_c, block_r)
+    _assign_partial_kernel[(t.partial_items,)](*t.partial_args, **t.partial_meta, num_warps=4)
+    _assign_reduce_kernel[(t.reduce_items,)](*t.reduce_args, **t.reduce_meta, num_warps=1)

@@ -1,0 +1,275 @@
+"""SAAP's probe and index update, one layer, Llama-3.1-8B heads (32 query heads, 8 KV heads, d 128; C = 1024,
+ℓ = 32, window 2047): the earlier three launches (``split``: hidden layer with the serial index update, logits,
+rank) against the two of ``fused`` (the classifier's layers with the parallel update's first stage, the rank with
+its second), with and without programmatic dependent launch (``-pdl``), the update alone (serial: one launch;
+parallel: two), and the layer's whole step (``layer-*``: the probe, then the bucket attention as the method runs
+it, a dependent launch after the fused probe's PDL launches). Every variant is captured in a CUDA graph and
+replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked in the
+same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ against
+``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported: near
+ties may differ), the index after the update against ``assign_tail_reference`` (exactly), the layer's attention
+against exact attention over the keys of its buckets in the reference's index (``index_decode_reference``).
+``--sweep`` also times the fused step over the launch constants (``probe.MLP_BLOCK_C``, ``MLP_PARTS``,
+``MLP_BLOCK_K``, ``index.PARALLEL_BLOCK_C``).
+
+    python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40] [--sweep]
+    TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
+
+Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvsieve.kernels.saap import index, probe
+from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
+from kvsieve.kernels.saap.index import (
+    assign_tail_parallel_triton,
+    assign_tail_reference,
+    assign_tail_triton,
+    build_assign,
+    index_decode_reference,
+)
+from kvsieve.kernels.saap.probe import probe_scores_reference, probe_scores_triton, serve_weights, top_buckets_reference
+
+LLAMA = dict(hq=32, hkv=8, d=128, buckets=1024, probes=32, window=2047, theta=500000.0)
+TINY = dict(hq=8, hkv=2, d=32, buckets=64, probes=4, window=40, theta=10000.0)
+SPAN = index.UPDATE_SPAN
+
+
+def make_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, seed: int = 0) -> dict:
+    """Random inputs of one layer's step: queries, the key and value caches, centroids, the classifier (serve
+    weights), and the index built three steps ago (``3·SPAN`` keys before: the update has ``SPAN`` keys to assign;
+    ragged lengths at batch > 1)."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv, d, c = shape["hq"], shape["hkv"], shape["d"], shape["buckets"]
+    w = serve_weights(torch.randn(hkv, d, hidden, generator=g) * d ** -0.5, torch.randn(hkv, hidden, generator=g),
+                      torch.randn(hkv, hidden, c, generator=g) * hidden ** -0.5, torch.randn(hkv, c, generator=g))
+    lengths = n_keys - torch.randint(0, max(1, n_keys // 64), (batch,), generator=g)
+    lengths[0] = n_keys
+    window = torch.full((batch,), shape["window"])
+    torch.manual_seed(seed)  # the key cache is drawn on the device (537 MB at 8 × 32k)
+    case = {
+        "q": torch.randn(batch, hq, d, generator=g).to(torch.bfloat16).to(dev),
+        "k": torch.randn(batch, hkv, n_keys, d, device=dev, dtype=torch.bfloat16),
+        "v": torch.randn(batch, hkv, n_keys, d, device=dev, dtype=torch.bfloat16),
+        "w": [t.to(dev) for t in w],
+        "lengths": lengths.to(dev),
+        "window": window.to(dev),
+        "centroids": torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1).to(dev),
+        "inv_freq": (1.0 / (shape["theta"] ** (torch.arange(0, d, 2).float() / d))).to(dev),
+        "sink_ids": torch.zeros(batch, hkv, 1, dtype=torch.long, device=dev),  # the sink: position 0
+        "sink_counts": torch.ones(batch, hkv, dtype=torch.long, device=dev),
+        "shape": shape,
+    }
+    case["assign"], case["t_lo"] = build_assign(case["k"], case["lengths"] - 3 * SPAN, case["window"], 1,
+                                                case["centroids"], case["inv_freq"], 1.0, n_keys)
+    case["offsets"], case["ids"] = build_csr(case["assign"], c)
+    return case
+
+
+def tail_of(case: dict, assign: torch.Tensor) -> tuple:
+    return (assign, case["k"], case["t_lo"], case["lengths"], case["window"], SPAN, case["centroids"],
+            case["inv_freq"], 1.0)
+
+
+def layer_step(case: dict, assign: torch.Tensor, kernels: str, pdl: bool | None):
+    """The method's step on the Triton path: the probe (with the update) then the bucket attention; returns
+    ``(out, top)``."""
+    b, hkv, n = case["k"].shape[:3]
+    _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
+                                 probes=case["shape"]["probes"], position_offset=-1, kernels=kernels, pdl=pdl,
+                                 tail=tail_of(case, assign))
+    out, _, _ = bucket_sparse_decode_triton(
+        case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
+        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n),
+        pdl=kernels == "fused" and pdl is None)
+    return out, top
+
+
+def variants(case: dict) -> dict:
+    """``{name: (call, assign or None, kind)}``: each call, the index it updates (its own copy) and what it
+    returns (``update``: nothing; ``probe``: ``(scores, top)``; ``layer``: ``(out, top)``)."""
+    hkv, probes = case["shape"]["hkv"], case["shape"]["probes"]
+    out = {}
+    for name in ("update-serial", "update-parallel"):
+        a = case["assign"].clone()
+        fn = assign_tail_triton if name == "update-serial" else assign_tail_parallel_triton
+        out[name] = ((lambda fn=fn, a=a: fn(*tail_of(case, a))), a, "update")
+    for kernels, pdl in (("split", False), ("fused", False), ("fused", None)):
+        label = kernels + ("-pdl" if pdl is None else "")
+        for with_update in (False, True):
+            a = case["assign"].clone() if with_update else None
+
+            def call(kernels=kernels, pdl=pdl, a=a):
+                return probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"],
+                                           kv_heads=hkv, probes=probes, position_offset=-1, kernels=kernels, pdl=pdl,
+                                           tail=tail_of(case, a) if a is not None else None)
+
+            out[("step-" if with_update else "probe-") + label] = (call, a, "probe")
+        a = case["assign"].clone()
+
+        def layer(kernels=kernels, pdl=pdl, a=a):
+            return layer_step(case, a, kernels, pdl)
+
+        out["layer-" + label] = (layer, a, "layer")
+    return out
+
+
+def references(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, top, assign)`` of the torch references for the case's step."""
+    scores = probe_scores_reference(case["q"], case["lengths"] - 1, case["inv_freq"], 1.0, *case["w"],
+                                    kv_heads=case["shape"]["hkv"])
+    assign = case["assign"].clone()
+    assign_tail_reference(*tail_of(case, assign))
+    return scores, top_buckets_reference(scores, case["shape"]["probes"]), assign
+
+
+def check(result, assign, kind: str, ref: tuple, case: dict) -> dict:
+    """The variant's outputs against the references (after its calls: a repeated update writes the same values);
+    a layer's attention against exact attention over the keys its buckets select in the reference's index."""
+    ref_scores, ref_top, ref_assign = ref
+    got = {}
+    if kind == "layer":
+        out, top = result
+        want, _ = index_decode_reference(case["q"], case["k"], case["v"], case["lengths"], case["window"], 1,
+                                         ref_assign, top)
+        got["out_max_abs_err"] = float((out.float() - want.float()).abs().max())
+        got["top_set_agreement"] = float((top.sort(-1).values == ref_top.sort(-1).values).float().mean())
+    if kind == "probe":
+        scores, top = result
+        got["scores_max_abs_err"] = float((scores - ref_scores).abs().max())
+        got["top_equal_own_scores"] = bool(torch.equal(top, top_buckets_reference(scores, top.shape[-1])))
+        got["top_set_agreement"] = float((top.sort(-1).values == ref_top.sort(-1).values).float().mean())
+    if assign is not None:
+        got["assign_equal"] = bool(torch.equal(assign, ref_assign))
+    got["ok"] = (got.get("assign_equal", True) and got.get("top_equal_own_scores", True)
+                 and got.get("scores_max_abs_err", 0.0) < 1e-4 and got.get("out_max_abs_err", 0.0) < 2e-2)
+    return got
+
+
+def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int) -> list[dict]:
+    from kvsieve.bench.timing import count_launches
+
+    case = make_case(batch, n_keys, hidden, shape, dev)
+    ref = references(case)
+    rows = []
+    with torch.inference_mode():
+        for name, (call, assign, kind) in variants(case).items():
+            result = call()
+            row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name}
+            if timer is not None:
+                row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+                row["kernels_us"] = timer.kernel_breakdown(call)
+                row["launches"] = count_launches(call)
+            row.update(check(result, assign, kind, ref, case))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def sweep(batch: int, n_keys: int, hidden: int, dev: torch.device, timer, iters: int) -> list[dict]:
+    """The fused step (with PDL where the GPU has it) over its launch constants, each checked."""
+    case = make_case(batch, n_keys, hidden, LLAMA, dev)
+    ref = references(case)
+    before = (probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C)
+    rows = []
+    try:
+        for block_c, parts, block_k, tail_c in itertools.product((32, 64, 128), (1, 2, 4), (32, 64), (32, 64, 128)):
+            probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C = block_c, parts, block_k, \
+                tail_c
+            call, assign, _ = variants(case)["step-fused-pdl"]
+            with torch.inference_mode():
+                result = call()
+                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "mlp_block_c": block_c, "mlp_parts": parts,
+                       "mlp_block_k": block_k, "parallel_block_c": tail_c,
+                       "graph_us": timer.time_graph_us(call, iters=iters)["median_us"]}
+                row.update(check(result, assign, "probe", ref, case))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C = before
+    return rows
+
+
+def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
+    lines = [f"# SAAP probe + index update, one layer ({meta['device']})", "",
+             f"- command: `{meta['command']}`", f"- date: {meta['date']}; torch {meta['torch']}",
+             f"- {meta['shape']}, bf16 queries and keys, bf16 serve weights; graph replay on a cold L2, median µs; "
+             "kernels: profiler device µs per kernel name", "",
+             "| batch | keys | hidden | variant | graph µs | launches | kernels (µs) | check |",
+             "|---:|---:|---:|---|---:|---:|---|---|"]
+    for r in rows:
+        ks = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in sorted((r.get("kernels_us") or {}).items()))
+        verdict = "ok" if r["ok"] else "FAIL"
+        details = [f"err {r['scores_max_abs_err']:.1e}", f"top/own {r['top_equal_own_scores']}"] \
+            if "scores_max_abs_err" in r else []
+        if "out_max_abs_err" in r:
+            details.append(f"out err {r['out_max_abs_err']:.1e}")
+        if "top_set_agreement" in r:
+            details.append(f"top/ref {r['top_set_agreement']:.3f}")
+        if "assign_equal" in r:
+            details.append(f"assign {r['assign_equal']}")
+        graph = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
+        lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
+                     f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
+    if sweep_rows:
+        lines += ["", "## fused step (PDL) over its launch constants", "",
+                  "| batch | keys | MLP_BLOCK_C | MLP_PARTS | MLP_BLOCK_K | PARALLEL_BLOCK_C | graph µs | check |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in sorted(sweep_rows, key=lambda r: (r["batch"], r["graph_us"])):
+            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['mlp_block_c']} | {r['mlp_parts']} | "
+                         f"{r['mlp_block_k']} | {r['parallel_block_c']} | {r['graph_us']:.1f} | "
+                         f"{'ok' if r['ok'] else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="directory for saap_probe.json and saap_probe.md")
+    p.add_argument("--cases", default="1x131072,8x32768", help="BATCHxKEYS, comma-separated")
+    p.add_argument("--hidden", type=int, default=256, help="classifier width (the e2e bench fit's: 256)")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--sweep", action="store_true", help="also time the fused step over its launch constants")
+    p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
+    args = p.parse_args(argv)
+    if args.check:
+        dev, timer, shape = torch.device("cpu"), None, TINY
+        cases, hidden = [(1, 300), (3, 200)], 48
+    else:
+        if not torch.cuda.is_available():
+            print("needs a CUDA device (or --check under TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
+        from kvsieve.bench.timing import ColdL2Timer
+
+        dev, shape = torch.device("cuda"), LLAMA
+        timer = ColdL2Timer(dev)
+        cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+        hidden = args.hidden
+    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters)]
+    sweep_rows = ([r for b, n in cases for r in sweep(b, n, hidden, dev, timer, args.iters)]
+                  if args.sweep and timer is not None else [])
+    meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
+            "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "torch": torch.__version__,
+            "shape": "{hq}/{hkv}/{d} heads, C = {buckets}, ℓ = {probes}, window {window}".format(**shape)}
+    text = markdown(meta, rows, sweep_rows)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "saap_probe.json").write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep_rows},
+                                                             indent=1))
+        (args.out / "saap_probe.md").write_text(text)
+    return 0 if all(r["ok"] for r in rows + sweep_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
