@@ -197,7 +197,9 @@ def test_generate_on_a_tiny_llama_equals_the_reference_path():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py",
-                                              "test_the_triton_step_keeps_the_blocks_of_decode_row"), ids=group_id)
+                                              "test_the_triton_step_keeps_the_blocks_of_decode_row",
+                                              "test_the_incremental_block_row_follows_the_reference_over_steps"),
+                         ids=group_id)
 def test_the_kernel_path_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_decode_interpreter_cases.py", group)
@@ -212,13 +214,18 @@ ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f
             se_ptr=f32, part_ptr=f32, r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
             pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
-            counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
+            counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8", plg_ptr=f32, cmx_ptr=f32, cse_ptr=f32,
+            pcmx_ptr=f32, pcse_ptr=f32, ncl_ptr="*i64", tmx_ptr=f32, tse_ptr=f32)
 compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
          num_warps=4)
 compile_(ad._row_lse_kernel, ptrs, dict(BS=64, BLOCK_R=ad.LSE_ROWS, BLOCK_N=ad.LSE_CHUNK, PDL=True),
          floats=("scale",), num_warps=4)
-compile_(ad._row_probs_kernel, ptrs, dict(BS=64, BLOCK_R=64, BLOCK_N=ad.ROW_TILE, PDL=True), floats=("scale",),
-         num_warps=4)
+compile_(ad._row_logits_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_G=4, BLOCK_N=ad.LOGIT_TILE, BLOCK_R=128,
+                                           BLOCK_M=32, PDL=True), floats=("scale",), num_warps=4)
+for incremental in (True, False):
+    compile_(ad._row_probs_kernel, ptrs, dict(INCREMENTAL=incremental, GROUP=4, BS=64, BLOCK_R=64,
+                                              BLOCK_N=ad.ROW_TILE, BLOCK_G=4, BLOCK_T=64, TILE=ad.LOGIT_TILE,
+                                              PDL=True), floats=("scale",), num_warps=4)
 compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
     compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
@@ -232,8 +239,8 @@ print("COMPILED")
 @pytest.mark.triton
 def test_the_step_kernels_compile_for_the_h100():
     """The interpreter neither type-checks untaken branches nor runs tensor-core dots: compiling for sm_90 (no GPU
-    needed) does, at Llama-3.1-8B heads, for both hop kinds (first, later) and the per-row tails, with
-    programmatic dependent launch as on the H100."""
+    needed) does, at Llama-3.1-8B heads, for both hop kinds (first, later), both block-row paths and the per-row
+    tails, with programmatic dependent launch as on the H100."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 
