@@ -252,3 +252,26 @@ def test_the_batched_path_is_declared_capturable_and_the_per_row_loop_is_not():
     assert kvsieve.method("sketchwalk:backend=triton").graph_capturable
     assert not kvsieve.method("sketchwalk:backend=reference").graph_capturable
     assert not kvsieve.method("sketchwalk:variant=reconstruction").graph_capturable
+
+
+@pytest.mark.triton
+def test_the_decode_benchmark_checks_both_block_row_paths_on_the_cpu(tmp_path):
+    """``benchmarks/sketchwalk_authors/decode.py --check`` (tiny shapes, interpreted): both paths of the block row
+    keep the torch step's blocks at a restart and at the step after it, and the cache's path launches no GEMM."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
+    res = subprocess.run([sys.executable, str(root / "benchmarks/sketchwalk_authors/decode.py"), "--out",
+                          str(tmp_path), "--check"], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "decode.json").read_text())
+    assert out["check"]["incremental"]["ok"] and out["check"]["gemm"]["ok"], out["check"]
+    assert "bmm.out" not in out["step_dispatch"]["incremental"]["ops"]
+    assert out["step_dispatch"]["gemm"]["ops"]["bmm.out"] == 1
+    assert (tmp_path / "decode.md").exists()
