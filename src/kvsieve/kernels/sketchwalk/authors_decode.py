@@ -15,17 +15,18 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch (``authors_reference.py``): :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5),
-about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches and a
-cuBLAS GEMM) and :func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
+about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches) and
+:func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 
 - ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
   the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
-- :func:`sketch_logits`, one batched float32 GEMM: every ring row against every key-block sketch up to the
-  capacity, per (row, KV head), into a workspace (the rows' different block counts are masked after it);
-- ``_row_lse_kernel``, a program per (row, KV head, a few ring rows): each ring row's max and Σ exp of its logits
-  over the row's blocks;
+- ``_row_logits_kernel``, a program per (row, KV head, tile of key blocks up to ``c``): the step of the state's
+  logit cache (``authors_reference``'s block above :func:`logit_cache_reference`): the new query's ring rows
+  against the tile, their max and Σ exp over the tile's closed blocks as partials; on a restart the other ring
+  rows' logits from the prompt's copy; block ``c``'s tile also block ``c``'s column of the other ring rows, the
+  blocks closed since the last step folded into their closed sums, and their max and Σ exp over the row's blocks;
 - ``_row_probs_kernel``, a program per (row, KV head, tile of key blocks): the tile's probabilities summed over the
-  KV head's valid ring rows;
+  KV head's valid ring rows (the new query's rows' max and Σ exp from the partials);
 - ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads, normalises ``r`` and
   runs the running matrix's step, the ring's count and the order flag;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
@@ -33,10 +34,14 @@ cuBLAS GEMM) and :func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 - ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
   the kept blocks and the page list.
 
-The logits are a GEMM of their own rather than dots inside the softmax's programs: with the ring's 128 rows ×
-128 sketch features per KV head, tile programs that each redid their dots held one program per SM and took
-about 230 µs per layer at 128k tokens on an H200, where the GEMM and two passes over its 8 MB output are
-bandwidth-bound.
+A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
+probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
+stay valid until the row's slot is overwritten. The full path (``incremental=False``, :data:`INCREMENTAL`) remakes
+the cache instead: :func:`sketch_logits`, one batched float32 GEMM of every ring row against every key-block
+sketch up to the capacity, and ``_row_lse_kernel``, a program per (row, KV head, a few ring rows), each ring row's
+closed sums and its max and Σ exp over the row's blocks. Its logits are a GEMM rather than dots inside the
+softmax's programs: with the ring's 128 rows × 128 sketch features per KV head, tile programs that each redid
+their dots held one program per SM and took about 230 µs per layer at 128k tokens on an H200.
 
 The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
 acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
@@ -419,13 +424,18 @@ if triton is not None:
             if INCREMENTAL:
                 gh = tl.arange(0, BLOCK_G)
                 g_ok = gh < GROUP
-                tt = tl.arange(0, BLOCK_T)
-                t_ok = g_ok[:, None] & (tt * TILE < c)[None, :]
-                t_at = (bg * n_tiles + tt)[None, :] * GROUP + gh[:, None]
-                tm = tl.load(tmx_ptr + t_at, mask=t_ok, other=float("-inf"))
-                cm = tl.max(tm, 1)
-                safe = tl.where(cm == float("-inf"), 0.0, cm)
-                cs = tl.sum(tl.load(tse_ptr + t_at, mask=t_ok, other=0.0) * tl.exp(tm - safe[:, None]), 1)
+                cm = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                cs = tl.zeros([BLOCK_G], tl.float32)
+                for t0 in range(0, c, BLOCK_T * TILE):  # the tiles holding closed blocks
+                    tt = t0 // TILE + tl.arange(0, BLOCK_T)
+                    t_ok = g_ok[:, None] & (tt * TILE < c)[None, :]
+                    t_at = (bg * n_tiles + tt)[None, :] * GROUP + gh[:, None]
+                    tm = tl.load(tmx_ptr + t_at, mask=t_ok, other=float("-inf"))
+                    big = tl.maximum(cm, tl.max(tm, 1))
+                    safe = tl.where(big == float("-inf"), 0.0, big)
+                    cs = cs * tl.exp(cm - safe) + tl.sum(tl.load(tse_ptr + t_at, mask=t_ok, other=0.0)
+                                                         * tl.exp(tm - safe[:, None]), 1)
+                    cm = big
                 new_at = bg * n_rows + gh * w_len + slot
                 if tl.program_id(2) == 0:
                     tl.store(cmx_ptr + new_at, cm, mask=g_ok)
@@ -640,7 +650,7 @@ def sketch_logits(qs: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> torc
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
                       block_n: int = ROW_TILE, block_x: int | None = None, block_m: int | None = None,
                       lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK, incremental: bool | None = None,
-                      block_l: int = LOGIT_TILE) -> torch.Tensor:
+                      block_l: int = LOGIT_TILE, partial_chunk: int = 64) -> torch.Tensor:
     """:func:`row_update_reference` in four launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
     (``_row_logits_kernel``, tiles of ``block_l`` blocks), the probabilities summed over the ring rows per tile of
@@ -650,7 +660,8 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     (``_row_lse_kernel``, ``lse_rows`` ring rows per program, ``lse_chunk`` blocks per chunk); both leave the cache
     for either at the next step. Returns ``r [B, C]`` (a workspace: valid until the next call). ``block_x``: the
     tail's chunk (default :func:`tail_chunk`); ``block_m``: the sketch features per chunk of the state's dots
-    (default :func:`feature_chunk`)."""
+    (default :func:`feature_chunk`); ``partial_chunk``: the logits' tiles per chunk (a power of two) of the
+    probabilities' reduction of the new query's partials."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
@@ -691,8 +702,8 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
            mx, se, part, tmx, tse, st.closed_max, st.closed_sum, cap, w_len, n_rows, n_tiles, float(scale),
            INCREMENTAL=incremental, GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
-           BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=max(2, next_pow2(n_tiles)), TILE=block_l, PDL=pdl,
-           num_warps=4, **pdl_launch(pdl))
+           BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
+           PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
            st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
            st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
