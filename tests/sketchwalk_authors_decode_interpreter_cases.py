@@ -233,17 +233,18 @@ def test_a_layer_step_is_five_launches_plus_the_hops_plus_the_attention(incremen
     assert got["host_reads"] <= 1, got
 
 
-@pytest.mark.parametrize("seed,prompted", [(0, True), (1, True), (2, False)])
-def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompted):
+@pytest.mark.parametrize("seed,prompted,ring,block_l", [(0, True, 3, 4), (1, True, 12, 16), (2, False, 12, 4)])
+def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompted, ring, block_l):
     """The logit cache's step (``incremental=True``), the full path and the two alternating, against the torch
     step over many steps of ragged rows from a recorded prompt (or none: a fresh state): blocks of 4 keys (block
-    boundaries), a ring of 3 queries (it wraps), groups of 3 query heads; row 0 rewinds to its prompt (a restart),
-    row 1 skips 6 positions ahead (3 blocks: every skipped block folds) and later steps 3 back (the closed sums
-    again over fewer blocks), both out of order. The block row and the whole state after every step."""
+    boundaries), a ring of 3 or 12 queries (it wraps; 36 ring rows a KV head take two programs of the logits'
+    launch, one more than its tiles of ``block_l`` blocks), groups of 3 query heads; row 0 rewinds to its prompt
+    (a restart), row 1 skips 6 positions ahead (3 blocks: every skipped block folds) and later steps 3 back (the
+    closed sums again over fewer blocks), both out of order. The block row and the whole state after every step."""
     from kvsieve.methods.sketchwalk.authors import AuthorsLayerState
     from kvsieve.methods.sketchwalk.authors_device import AuthorsDeviceState
 
-    spec = "sketchwalk:block_size=4,query_window=3"
+    spec = f"sketchwalk:block_size=4,query_window={ring}"
     prompts = [21, 14, 9 + seed]
     n = 64
     q, k, v = data(3, 6, 2, n, 64, seed, torch.float32)
@@ -252,7 +253,7 @@ def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompt
         st = stacked_state(m, q, k, v, prompts).authors
     else:
         phi = stacked_state(m, q, k, v, prompts).authors.phi
-        st = AuthorsLayerState.fresh(phi, 3, 6, 3, torch.float32)
+        st = AuthorsLayerState.fresh(phi, 3, 6, ring, torch.float32)
     lens = torch.tensor(prompts) + 1
     ref = AuthorsDeviceState.from_layer_state(st, k, lens, block_size=4, capacity=n)
     states = {name: copy.deepcopy(ref) for name in ("incremental", "full", "alternating")}
@@ -271,7 +272,7 @@ def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompt
         for name, incremental in (("incremental", True), ("full", False), ("alternating", i % 2 == 0)):
             got = states[name]
             r_got = kd.row_update_triton(got, qi, k, lengths, scale=ref.logit_scale, incremental=incremental,
-                                         block_l=4, block_n=8, partial_chunk=2)
+                                         block_l=block_l, block_n=8, partial_chunk=2)
             torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5, msg=f"{name} step {i}")
             assert_same_state(got, ref, lengths)
     assert ref.order_error.tolist() == [not prompted, True, False]  # without a prompt a rewind is out of order

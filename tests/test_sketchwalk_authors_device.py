@@ -220,7 +220,7 @@ compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=1
          num_warps=4)
 compile_(ad._row_lse_kernel, ptrs, dict(BS=64, BLOCK_R=ad.LSE_ROWS, BLOCK_N=ad.LSE_CHUNK, PDL=True),
          floats=("scale",), num_warps=4)
-compile_(ad._row_logits_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_G=4, BLOCK_N=ad.LOGIT_TILE, BLOCK_R=128,
+compile_(ad._row_logits_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_G=4, BLOCK_N=ad.LOGIT_TILE, BLOCK_R=32,
                                            BLOCK_M=32, PDL=True), floats=("scale",), num_warps=4)
 for incremental in (True, False):
     compile_(ad._row_probs_kernel, ptrs, dict(INCREMENTAL=incremental, GROUP=4, BS=64, BLOCK_R=64,

@@ -183,10 +183,11 @@ if triton is not None:
         """The incremental logits, a program per (row, KV head, tile of BLOCK_N blocks) up to block c: the new
         query's ring rows against the tile (into the cache, and their max and Σ exp over the tile's closed blocks
         into the tile's partials), on a restart the other ring rows' logits against closed blocks from the
-        prompt's copy. The program of block c's tile also computes block c's column of the other ring rows, folds
-        the blocks closed since the last step into their closed sums (recomputed from the sketches: a step that
-        skips ahead folds every skipped block; one that steps back folds the cache's [0, c) again) and writes
-        their max and Σ exp over the row's blocks for the probabilities' launch."""
+        prompt's copy. The first programs also take BLOCK_R of the other ring rows each: block c's column, the
+        blocks closed since the last step folded into their closed sums (recomputed from the sketches: a step that
+        skips ahead folds every skipped block; one that steps back folds the cache's [0, c) again), and their max
+        and Σ exp over the row's blocks for the probabilities' launch, which records the closed count (read
+        here by every such program)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -227,41 +228,38 @@ if triton is not None:
                              tl.where(closed, acc * scale, float("-inf")))
             tl.store(tmx_ptr + (bg * n_tiles + t) * GROUP + gh, tmx, mask=g_ok)
             tl.store(tse_ptr + (bg * n_tiles + t) * GROUP + gh, tse, mask=g_ok)
-        if t == c // BLOCK_N:
+        if t * BLOCK_R < n_rows:  # the other ring rows, BLOCK_R of them per program of the first tiles
             n_prev = tl.load(ncl_ptr + bg)
             back = (restart.to(tl.int32) == 0) & (n_prev > c)
-            lo = tl.where(restart | back, c, n_prev)
-            for r0 in range(0, n_rows, BLOCK_R):
-                rows = r0 + tl.arange(0, BLOCK_R)
-                r_ok = rows < n_rows
-                old = r_ok & (rows % w_len != slot)
-                at = bg * n_rows + rows
-                if restart:
-                    cm = tl.load(pcmx_ptr + at, mask=old, other=0.0)
-                    cs = tl.load(pcse_ptr + at, mask=old, other=0.0)
-                else:
-                    cm = tl.load(cmx_ptr + at, mask=old, other=0.0)
-                    cs = tl.load(cse_ptr + at, mask=old, other=0.0)
-                if back:
-                    cm = tl.full([BLOCK_R], float("-inf"), tl.float32)
-                    cs = tl.zeros([BLOCK_R], tl.float32)
-                    for x0 in range(0, c, BLOCK_N):
-                        j = x0 + tl.arange(0, BLOCK_N)
-                        ok = old[:, None] & (j < c)[None, :]
-                        x = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
-                        cm, cs = _fold(cm, cs, tl.where(ok, x * scale, float("-inf")))
-                for j in range(lo, c):
-                    col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
-                    tl.store(lg_ptr + at * cap + j, col, mask=old)
-                    cm, cs = _plus(cm, cs, col * scale)
-                col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
-                tl.store(lg_ptr + at * cap + c, col, mask=old)
-                tl.store(cmx_ptr + at, cm, mask=old)
-                tl.store(cse_ptr + at, cs, mask=old)
+            rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_ok = rows < n_rows
+            old = r_ok & (rows % w_len != slot)
+            at = bg * n_rows + rows
+            if restart:
+                cm = tl.load(pcmx_ptr + at, mask=old, other=0.0)
+                cs = tl.load(pcse_ptr + at, mask=old, other=0.0)
+            else:
+                cm = tl.load(cmx_ptr + at, mask=old, other=0.0)
+                cs = tl.load(cse_ptr + at, mask=old, other=0.0)
+            if back:
+                cm = tl.full([BLOCK_R], float("-inf"), tl.float32)
+                cs = tl.zeros([BLOCK_R], tl.float32)
+                for x0 in range(0, c, BLOCK_N):
+                    j = x0 + tl.arange(0, BLOCK_N)
+                    ok = old[:, None] & (j < c)[None, :]
+                    x = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
+                    cm, cs = _fold(cm, cs, tl.where(ok, x * scale, float("-inf")))
+            for j in range(tl.where(restart | back, c, n_prev), c):
+                col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
+                tl.store(lg_ptr + at * cap + j, col, mask=old)
                 cm, cs = _plus(cm, cs, col * scale)
-                tl.store(mx_ptr + at, cm, mask=old)
-                tl.store(se_ptr + at, cs, mask=old)
-            tl.store(ncl_ptr + bg, c)
+            col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
+            tl.store(lg_ptr + at * cap + c, col, mask=old)
+            tl.store(cmx_ptr + at, cm, mask=old)
+            tl.store(cse_ptr + at, cs, mask=old)
+            cm, cs = _plus(cm, cs, col * scale)
+            tl.store(mx_ptr + at, cm, mask=old)
+            tl.store(se_ptr + at, cs, mask=old)
 
     @triton.jit(do_not_specialize=["cap", "n_rows"])
     def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cmx_ptr, cse_ptr, ncl_ptr, cap, n_rows, scale,
@@ -402,13 +400,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["cap", "w_len", "n_rows", "n_tiles"])
     def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, tmx_ptr, tse_ptr,
-                          cmx_ptr, cse_ptr, cap, w_len, n_rows, n_tiles, scale, INCREMENTAL: tl.constexpr,
+                          cmx_ptr, cse_ptr, ncl_ptr, cap, w_len, n_rows, n_tiles, scale, INCREMENTAL: tl.constexpr,
                           GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
         """A program per (row, KV head, tile of BLOCK_N key blocks): the tile's probabilities summed over the valid
         ring rows (the slot's age below the ring's count after the step); zero past the row's blocks.
         ``INCREMENTAL``: the new query's ring rows take their max and Σ exp from the logits launch's partials
-        (tiles of TILE blocks) and block c, and the first tile's program keeps their closed sums."""
+        (tiles of TILE blocks) and block c, and the first tile's program keeps their closed sums and the count."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -440,6 +438,7 @@ if triton is not None:
                 if tl.program_id(2) == 0:
                     tl.store(cmx_ptr + new_at, cm, mask=g_ok)
                     tl.store(cse_ptr + new_at, cs, mask=g_ok)
+                    tl.store(ncl_ptr + bg, c)
                 nm, ns = _plus(cm, cs, tl.load(lg_ptr + new_at * cap + c, mask=g_ok, other=0.0) * scale)
                 new_ok = g_ok[:, None] & live[None, :]
                 lg_new = tl.load(lg_ptr + new_at[:, None] * cap + cols[None, :], mask=new_ok, other=0.0)
@@ -689,10 +688,11 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
            k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
            BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
     if incremental:
-        launch(_row_logits_kernel, (b, hkv, n_tiles), lengths, st.prompt_len, st.qs, st.ks, st.logits, st.p_logits,
-               st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum, st.n_closed, mx, se, tmx, tse, cap,
-               st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale), GROUP=group, BS=st.block_size,
-               BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=min(128, max(16, next_pow2(n_rows))),
+        logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
+        launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
+               st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
+               st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
+               GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
                BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     else:
         sketch_logits(st.qs, st.ks, st.logits.view(b * hkv, n_rows, cap))
@@ -700,7 +700,7 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
                st.closed_sum, st.n_closed, cap, n_rows, float(scale), BS=st.block_size, BLOCK_R=lse_rows,
                BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
-           mx, se, part, tmx, tse, st.closed_max, st.closed_sum, cap, w_len, n_rows, n_tiles, float(scale),
+           mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
            INCREMENTAL=incremental, GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
            BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
