@@ -164,6 +164,19 @@ if triton is not None:
         return big, se * tl.exp(mx - big) + tl.exp(x - big)
 
     @triton.jit
+    def _closed_sums(lg_ptr, at, rows_ok, c, cap, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``(max, Σ exp(· − max))`` of the cached scaled logits of the ring rows at ``at`` over the blocks j < c,
+        in one pass of BLOCK_N blocks at a time (the sum rescaled when the max grows)."""
+        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        se = tl.zeros([BLOCK_R], tl.float32)
+        for x0 in range(0, c, BLOCK_N):
+            j = x0 + tl.arange(0, BLOCK_N)
+            ok = rows_ok[:, None] & (j < c)[None, :]
+            lg = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
+            mx, se = _fold(mx, se, tl.where(ok, lg * scale, float("-inf")))
+        return mx, se
+
+    @triton.jit
     def _column(qs_ptr, ks_ptr, ring_base, k_at, rows, r_ok, m, BLOCK_M: tl.constexpr):
         """``[BLOCK_R]``: the ring rows ``rows`` of a KV head against one key-block sketch (at ``k_at``)."""
         acc = tl.zeros(rows.shape, tl.float32)
@@ -242,13 +255,7 @@ if triton is not None:
                 cm = tl.load(cmx_ptr + at, mask=old, other=0.0)
                 cs = tl.load(cse_ptr + at, mask=old, other=0.0)
             if back:
-                cm = tl.full([BLOCK_R], float("-inf"), tl.float32)
-                cs = tl.zeros([BLOCK_R], tl.float32)
-                for x0 in range(0, c, BLOCK_N):
-                    j = x0 + tl.arange(0, BLOCK_N)
-                    ok = old[:, None] & (j < c)[None, :]
-                    x = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
-                    cm, cs = _fold(cm, cs, tl.where(ok, x * scale, float("-inf")))
+                cm, cs = _closed_sums(lg_ptr, at, old, c, cap, scale, BLOCK_R, BLOCK_N)
             for j in range(tl.where(restart | back, c, n_prev), c):
                 col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
                 tl.store(lg_ptr + at * cap + j, col, mask=old)
@@ -275,13 +282,7 @@ if triton is not None:
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
         at = bg * n_rows + rows
-        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        se = tl.zeros([BLOCK_R], tl.float32)
-        for x0 in range(0, c, BLOCK_N):
-            j = x0 + tl.arange(0, BLOCK_N)
-            ok = row_ok[:, None] & (j < c)[None, :]
-            lg = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
-            mx, se = _fold(mx, se, tl.where(ok, lg * scale, float("-inf")))
+        mx, se = _closed_sums(lg_ptr, at, row_ok, c, cap, scale, BLOCK_R, BLOCK_N)
         tl.store(cmx_ptr + at, mx, mask=row_ok)
         tl.store(cse_ptr + at, se, mask=row_ok)
         mx, se = _plus(mx, se, tl.load(lg_ptr + at * cap + c, mask=row_ok, other=0.0) * scale)
