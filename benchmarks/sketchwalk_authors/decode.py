@@ -10,14 +10,16 @@ The prompt state comes from the method's own prefill record (``prefill(sparse=Fa
 of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``restart`` (length ``n − 1``, the first
 position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the step after
 it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does the same
-work). ``sketchwalk_step`` is the default path's ``next`` step. Rows: the steps (selection + attention), the
-attention alone on the step's pages (so the selection's share is the difference), FlashInfer (batch 1) and the
-dense Triton decode; ``launches`` is the kernels of one layer's step (torch profiler), ``kernels_us`` the step's
-mean device µs per kernel (eager, cold L2; a kernel launched with programmatic dependent launch counts its wait).
+work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles of the
+logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 32, 32). Rows: the steps
+(selection + attention), the attention alone on the step's pages (so the selection's share is the difference),
+FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step (torch
+profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with
+programmatic dependent launch counts its wait).
 
 ``check``: each path's two steps against the torch step (``row_update_reference``, ``walk_select_reference``) from
 the same state: kept blocks that differ (``kept_mismatch``; a difference is a tie within rounding when the
-reference's walk there is within ``tie_gap`` of its threshold), the walk's largest relative error, the outputs'
+reference's walk there is within ``TIE_GAP`` of its threshold), the walk's largest relative error, the outputs'
 largest difference (the sparse kernel on each selection's pages), and whether a captured step's replay equals
 the eager step bit for bit (output and state). ``--check`` runs it on the CPU through Triton's interpreter (tiny
 shapes, no timing) and reports what a step launches (``count_dispatched``: Triton launches and torch ops).
@@ -53,6 +55,8 @@ def prompt_state(m, q, k, v, n: int) -> SketchWalkState:
 
 
 PATHS = {"incremental": True, "gemm": False}
+#: (logits' tile, probabilities' tile) in key blocks, timed on the cache's path's next step
+TILES = ((16, 32), (64, 32), (32, 64), (64, 64), (16, 16))
 
 
 def main() -> None:
@@ -217,6 +221,13 @@ def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b) -> None:
                                             "kernels_us": timer.kernel_breakdown(fn)}
     kd.INCREMENTAL = PATHS["incremental"]
     rows["sketchwalk_step"] = rows["step_incremental_next"]
+    defaults = kd.LOGIT_TILE, kd.ROW_TILE
+    for logit_tile, row_tile in TILES:  # the cache's path's tiles (the next step; default tiles are the row above)
+        kd.LOGIT_TILE, kd.ROW_TILE = logit_tile, row_tile
+        rows[f"tiles_logits{logit_tile}_probs{row_tile}"] = timer.time_graph_us(
+            lambda: step(states["incremental"], "next"))
+    kd.LOGIT_TILE, kd.ROW_TILE = defaults
+    step(states["incremental"], "next")  # eager: the last step's pages outside the freed graphs' memory
     hkv = k.shape[1]
     sel = states["incremental"].authors_device.last_step
     pages, counts = sel.pages, sel.counts

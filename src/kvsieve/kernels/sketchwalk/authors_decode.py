@@ -648,26 +648,28 @@ def sketch_logits(qs: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = ROW_TILE, block_x: int | None = None, block_m: int | None = None,
+                      block_n: int | None = None, block_x: int | None = None, block_m: int | None = None,
                       lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK, incremental: bool | None = None,
-                      block_l: int = LOGIT_TILE, partial_chunk: int = 64) -> torch.Tensor:
+                      block_l: int | None = None, partial_chunk: int = 64) -> torch.Tensor:
     """:func:`row_update_reference` in four launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
-    (``_row_logits_kernel``, tiles of ``block_l`` blocks), the probabilities summed over the ring rows per tile of
-    ``block_n`` blocks (``_row_probs_kernel``), and the tail (``_row_tail_kernel``). ``incremental=False`` (default
-    :data:`INCREMENTAL`): the full path instead of the logits' launch, every ring row against every block
-    (:func:`sketch_logits`, a GEMM into the cache) and each ring row's max and Σ exp over its row's blocks
-    (``_row_lse_kernel``, ``lse_rows`` ring rows per program, ``lse_chunk`` blocks per chunk); both leave the cache
-    for either at the next step. Returns ``r [B, C]`` (a workspace: valid until the next call). ``block_x``: the
-    tail's chunk (default :func:`tail_chunk`); ``block_m``: the sketch features per chunk of the state's dots
-    (default :func:`feature_chunk`); ``partial_chunk``: the logits' tiles per chunk (a power of two) of the
-    probabilities' reduction of the new query's partials."""
+    (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the probabilities summed
+    over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default :data:`ROW_TILE`), and the
+    tail (``_row_tail_kernel``). ``incremental=False`` (default :data:`INCREMENTAL`): the full path instead of the
+    logits' launch, every ring row against every block (:func:`sketch_logits`, a GEMM into the cache) and each
+    ring row's max and Σ exp over its row's blocks (``_row_lse_kernel``, ``lse_rows`` ring rows per program,
+    ``lse_chunk`` blocks per chunk); both leave the cache for either at the next step. Returns ``r [B, C]`` (a
+    workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
+    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`);
+    ``partial_chunk``: the logits' tiles per chunk (a power of two) of the probabilities' reduction of the new
+    query's partials."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
     if scale != st.logit_scale:
         raise ValueError(f"scale: the logit cache holds sums at st.logit_scale={st.logit_scale}, got {scale}")
     incremental = INCREMENTAL if incremental is None else incremental
+    block_n, block_l = block_n or ROW_TILE, block_l or LOGIT_TILE  # (read at the call: a benchmark sweeps them)
     b, hq, d = q.shape
     hkv, cap = st.ks.shape[1], st.ks.shape[2]
     w_len, m = st.qs.shape[2], st.qs.shape[3]
