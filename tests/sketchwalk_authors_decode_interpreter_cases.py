@@ -22,8 +22,14 @@ pytest.importorskip("triton")
 import copy  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from test_sketchwalk_authors_device import (  # noqa: E402
+    assert_same_state,
+    paths_follow_the_torch_step,
+    reference_rows,
+    rewinds_and_jumps,
+    stacked_state,
+)
 from test_sketchwalk_authors_device import data as rows_data  # noqa: E402
-from test_sketchwalk_authors_device import reference_rows, stacked_state  # noqa: E402
 
 import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
@@ -165,20 +171,6 @@ def test_row_update_kernels_match_their_reference(seed, fresh, incremental, bloc
     assert got.order_error.tolist() == [False, False, False, True, True]
 
 
-def assert_same_state(got, want, lengths):
-    """The state after a step as the reference leaves it: the cache's logits up to each row's block c."""
-    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum", "closed_max", "closed_sum"):
-        a, b = getattr(got, name), getattr(want, name)
-        scale = max(1.0, float(b[b.isfinite()].abs().max())) if name in ("qs", "ks", "ksum") else 1.0  # sketches
-        torch.testing.assert_close(a, b, atol=1e-6 * scale, rtol=1e-5, msg=name)
-    for name in ("n_blocks", "n_queries", "last_pos", "order_error", "n_closed"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    c = (lengths.long() - 1) // got.block_size
-    valid = torch.arange(got.logits.shape[-1])[None, :] <= c[:, None]
-    scaled = valid[:, None, None] * got.logit_scale  # the softmax's logits
-    torch.testing.assert_close(got.logits * scaled, want.logits * scaled, atol=1e-6, rtol=1e-5)
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_walk_select_kernels_match_their_reference(seed):
     """The walk's hops over several row splits and the selection, the row at once or in chunks: rows with ties at the
@@ -254,25 +246,7 @@ def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompt
     else:
         phi = stacked_state(m, q, k, v, prompts).authors.phi
         st = AuthorsLayerState.fresh(phi, 3, 6, ring, torch.float32)
-    lens = torch.tensor(prompts) + 1
-    ref = AuthorsDeviceState.from_layer_state(st, k, lens, block_size=4, capacity=n)
-    states = {name: copy.deepcopy(ref) for name in ("incremental", "full", "alternating")}
-    for i in range(16):
-        if i:
-            lens = lens + 1
-        if i == 7:
-            lens[0] = prompts[0] + 1
-        if i == 5:
-            lens[1] += 6
-        if i == 9:
-            lens[1] -= 3
-        lengths = lens.to(torch.int32)
-        qi = q[torch.arange(3), :, lens - 1].contiguous()
-        r_want = kr.row_update_reference(ref, qi, k, lengths, scale=ref.logit_scale)
-        for name, incremental in (("incremental", True), ("full", False), ("alternating", i % 2 == 0)):
-            got = states[name]
-            r_got = kd.row_update_triton(got, qi, k, lengths, scale=ref.logit_scale, incremental=incremental,
-                                         block_l=block_l, block_n=8, partial_chunk=2)
-            torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5, msg=f"{name} step {i}")
-            assert_same_state(got, ref, lengths)
+    ref = AuthorsDeviceState.from_layer_state(st, k, torch.tensor(prompts) + 1, block_size=4, capacity=n)
+    paths_follow_the_torch_step(ref, q, k, rewinds_and_jumps(prompts, 16, skip=6, back=3), atol=1e-6, rtol=1e-5,
+                                block_l=block_l, block_n=8, partial_chunk=2)
     assert ref.order_error.tolist() == [not prompted, True, False]  # without a prompt a rewind is out of order

@@ -79,6 +79,59 @@ def batched(spec, q, k, v, prompts, steps, capacity=None):
     return outs, kept, walks, state
 
 
+def assert_same_state(got, want, lengths, *, atol=1e-6, rtol=1e-5):
+    """The device state after a step as the torch step leaves it: the logit cache up to each row's block c."""
+    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum", "closed_max", "closed_sum"):
+        a, b = getattr(got, name), getattr(want, name)
+        scale = max(1.0, float(b[b.isfinite()].abs().max())) if name in ("qs", "ks", "ksum") else 1.0  # sketches
+        torch.testing.assert_close(a, b, atol=atol * scale, rtol=rtol, msg=name)
+    for name in ("n_blocks", "n_queries", "last_pos", "order_error", "n_closed"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    c = (lengths.to(got.logits.device).long() - 1) // got.block_size
+    valid = torch.arange(got.logits.shape[-1], device=c.device)[None, :] <= c[:, None]
+    scaled = valid[:, None, None] * got.logit_scale  # the softmax's logits
+    torch.testing.assert_close(got.logits * scaled, want.logits * scaled, atol=atol, rtol=rtol)
+
+
+def rewinds_and_jumps(prompts, steps, *, skip, back):
+    """``(step, lengths [B])`` of rows from ``prompts``, a token a step: row 0 rewinds to its prompt at step 7 (a
+    restart), row 1 skips ``skip`` positions ahead at step 5 and steps ``back`` positions back at step 9 (both out
+    of order)."""
+    lens = torch.tensor(prompts) + 1
+    for i in range(steps):
+        if i:
+            lens = lens + 1
+        if i == 7:
+            lens[0] = prompts[0] + 1
+        if i == 5:
+            lens[1] += skip
+        if i == 9:
+            lens[1] -= back
+        yield i, lens.clone()
+
+
+def paths_follow_the_torch_step(ref, q, k, schedule, *, atol, rtol, **kernel_kw):
+    """The block row's paths (``row_update_triton``: the logit cache, the full path, the two alternating) from
+    copies of the device state ``ref`` against the torch step (``row_update_reference``, on ``ref``) over the
+    ``schedule``'s lengths: the block row and the whole state after every step."""
+    import copy
+
+    from kvsieve.kernels.sketchwalk import authors_decode as kd
+    from kvsieve.kernels.sketchwalk import authors_reference as kr
+
+    states = {name: copy.deepcopy(ref) for name in ("incremental", "full", "alternating")}
+    for i, lens in schedule:
+        lengths = lens.to(device=k.device, dtype=torch.int32)
+        qi = q[torch.arange(len(lens), device=q.device), :, lengths.long() - 1].contiguous()
+        r_want = kr.row_update_reference(ref, qi, k, lengths, scale=ref.logit_scale)
+        for name, incremental in (("incremental", True), ("full", False), ("alternating", i % 2 == 0)):
+            got = states[name]
+            r_got = kd.row_update_triton(got, qi, k, lengths, scale=ref.logit_scale, incremental=incremental,
+                                         **kernel_kw)
+            torch.testing.assert_close(r_got, r_want, atol=atol, rtol=rtol, msg=f"{name} step {i}")
+            assert_same_state(got, ref, lengths, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spec,shape,prompts,steps", [
     ("sketchwalk:block_size=16", (4, 2, 16), [150, 97, 128], 40),
