@@ -22,8 +22,14 @@ pytest.importorskip("triton")
 import copy  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from test_sketchwalk_authors_device import (  # noqa: E402
+    assert_same_state,
+    paths_follow_the_torch_step,
+    reference_rows,
+    rewinds_and_jumps,
+    stacked_state,
+)
 from test_sketchwalk_authors_device import data as rows_data  # noqa: E402
-from test_sketchwalk_authors_device import reference_rows, stacked_state  # noqa: E402
 
 import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
@@ -102,15 +108,29 @@ def test_the_triton_step_keeps_the_blocks_of_decode_row(spec, shape, prompts, st
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadamard_dim=12):
-    """A state of random contents (not one a decode would reach; the kernels' arithmetic does not care)."""
+def with_logit_cache(st, scale):
+    """``st`` with the logit cache of its ring and sketches (the blocks before its last step's closed) and the
+    prompt's copies (the prompt's ring against its closed blocks)."""
+    bs = st.block_size
+    n_closed = torch.div(st.last_pos.clamp(min=0), bs, rounding_mode="floor")
+    st.logits, st.closed_max, st.closed_sum = kr.logit_cache_reference(st.qs, st.ks, n_closed, scale)
+    st.n_closed = n_closed[:, None].expand(-1, st.ks.shape[1]).contiguous()
+    p_closed = torch.div(st.prompt_len.clamp(min=0), bs, rounding_mode="floor")
+    st.p_logits, st.p_closed_max, st.p_closed_sum = kr.logit_cache_reference(st.p_qs, st.ks, p_closed, scale)
+    st.logit_scale = scale
+    return st
+
+
+def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadamard_dim=12, scale=0.05):
+    """A state of random contents (not one a decode would reach; the kernels' arithmetic does not care), its
+    logit cache consistent with its ring and sketches."""
     g = torch.Generator().manual_seed(seed)
 
     def rand(*shape):
         return torch.rand(*shape, generator=g)
 
     u = rand(b, cap, cap) ** 3
-    return SimpleNamespace(
+    return with_logit_cache(SimpleNamespace(
         phi=sketch_matrix(d, hadamard_dim, seed), u=u, sigma=1 / u.sum(-1) * (1 + 0.1 * rand(b, cap)), rsum=u.sum(-1),
         n_blocks=torch.tensor([8, 9, 6, 10, 7]), qs=torch.randn(b, hq, w_len, hadamard_dim, generator=g),
         n_queries=torch.tensor([5, 3, 5, 2, 5]), ksum=torch.randn(b, hkv, cap, d, generator=g),
@@ -118,13 +138,14 @@ def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadama
         order_error=torch.tensor([False, False, False, True, False]), prompt_len=torch.tensor([58, 64, 45, -1, 48]),
         p_nblocks=torch.tensor([8, 8, 6, 0, 6]), p_row=rand(b, cap), p_col=rand(b, cap), p_rsum=rand(b, cap) + 0.5,
         p_qs=torch.randn(b, hq, w_len, hadamard_dim, generator=g), p_nq=torch.tensor([4, 5, 1, 0, 5]),
-        p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs)
+        p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs), scale)
 
 
 @pytest.mark.parametrize("seed,block_x,sketch_dim,block_m,lse_chunk", [(0, None, 12, None, 256), (1, 4, 12, None, 4),
                                                                        (2, None, 40, 16, 16)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_dim, block_m, lse_chunk):
+@pytest.mark.parametrize("incremental", [True, False])
+def test_row_update_kernels_match_their_reference(seed, fresh, incremental, block_x, sketch_dim, block_m, lse_chunk):
     """Row 0 restarts mid-block, row 1 restarts on a block boundary, row 2 continues its block, row 3 starts a
     new block (its order flag already set), row 4 jumps (sets it); ``fresh``: rows past the block count start as
     the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the tail over the whole row
@@ -142,14 +163,11 @@ def test_row_update_kernels_match_their_reference(seed, fresh, block_x, sketch_d
     want, got = copy.deepcopy(st), copy.deepcopy(st)
     r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
     r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_x=block_x, block_m=block_m,
-                                lse_chunk=lse_chunk)
+                                lse_chunk=lse_chunk, incremental=incremental, block_l=4 if seed else 8)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
     assert not r_got[0, 8:].any() and not r_got[4, 6:].any()
     assert not got.fresh_rows
-    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum"):
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-6, rtol=1e-5, msg=name)
-    for name in ("n_blocks", "n_queries", "last_pos", "order_error"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert_same_state(got, want, lengths)
     assert got.order_error.tolist() == [False, False, False, True, True]
 
 
@@ -178,13 +196,16 @@ def test_walk_select_kernels_match_their_reference(seed):
         assert want["short"][2] and not want["short"][0]
 
 
-def test_a_layer_step_is_five_launches_and_a_gemm_plus_the_hops_plus_the_attention():
-    """The step up to the attention is 5 + degree Triton launches (the state's step, the ring rows' log-sum-exp,
-    the probabilities' tiles and the row's tail, the hops, the selection) and one torch op, the logits' batched
-    GEMM; the attention two (its splits, then their merge); no other torch op runs on the device path but the
-    CPU's order check (``any`` and its host read; on CUDA it is not made)."""
+@pytest.mark.parametrize("incremental", [True, False])
+def test_a_layer_step_is_five_launches_plus_the_hops_plus_the_attention(incremental, monkeypatch):
+    """The step up to the attention is 5 + degree Triton launches (the state's step, the logit cache's step, the
+    probabilities' tiles and the row's tail, the hops, the selection) and no torch op; the full path swaps the
+    cache's launch for the logits' batched GEMM (one torch op) and the ring rows' log-sum-exp. The attention two
+    (its splits, then their merge); no other torch op runs on the device path but the CPU's order check (``any``
+    and its host read; on CUDA it is not made)."""
     from kvsieve.bench.timing import count_dispatched
 
+    monkeypatch.setattr(kd, "INCREMENTAL", incremental)
     prompts = [150, 97]
     q, k, v = rows_data(2, 8, 2, 200, 64, seed=5, dtype=torch.bfloat16)
     m = kvsieve.method("sketchwalk:block_size=16,sink=0.01,window=0.02,kblocks_frac=0.0625,backend=triton")
@@ -199,5 +220,33 @@ def test_a_layer_step_is_five_launches_and_a_gemm_plus_the_hops_plus_the_attenti
     calls[0]()
     got = count_dispatched(calls[1])
     assert got["triton_launches"] == 5 + m.config.degree + 2, got
-    assert got["ops"]["bmm.out"] == 1 and set(got["ops"]) <= {"any.default", "bmm.out"}, got
+    gemm = {"bmm.out"} if not incremental else set()
+    assert got["ops"].get("bmm.out", 0) == len(gemm) and set(got["ops"]) <= {"any.default"} | gemm, got
     assert got["host_reads"] <= 1, got
+
+
+@pytest.mark.parametrize("seed,prompted,ring,block_l", [(0, True, 3, 4), (1, True, 12, 16), (2, False, 12, 4)])
+def test_the_incremental_block_row_follows_the_reference_over_steps(seed, prompted, ring, block_l):
+    """The logit cache's step (``incremental=True``), the full path and the two alternating, against the torch
+    step over many steps of ragged rows from a recorded prompt (or none: a fresh state): blocks of 4 keys (block
+    boundaries), a ring of 3 or 12 queries (it wraps; 36 ring rows a KV head take two programs of the logits'
+    launch, one more than its tiles of ``block_l`` blocks), groups of 3 query heads; row 0 rewinds to its prompt
+    (a restart), row 1 skips 6 positions ahead (3 blocks: every skipped block folds) and later steps 3 back (the
+    closed sums again over fewer blocks), both out of order. The block row and the whole state after every step."""
+    from kvsieve.methods.sketchwalk.authors import AuthorsLayerState
+    from kvsieve.methods.sketchwalk.authors_device import AuthorsDeviceState
+
+    spec = f"sketchwalk:block_size=4,query_window={ring}"
+    prompts = [21, 14, 9 + seed]
+    n = 64
+    q, k, v = data(3, 6, 2, n, 64, seed, torch.float32)
+    m = kvsieve.method(spec)
+    if prompted:
+        st = stacked_state(m, q, k, v, prompts).authors
+    else:
+        phi = stacked_state(m, q, k, v, prompts).authors.phi
+        st = AuthorsLayerState.fresh(phi, 3, 6, ring, torch.float32)
+    ref = AuthorsDeviceState.from_layer_state(st, k, torch.tensor(prompts) + 1, block_size=4, capacity=n)
+    paths_follow_the_torch_step(ref, q, k, rewinds_and_jumps(prompts, 16, skip=6, back=3), atol=1e-6, rtol=1e-5,
+                                block_l=block_l, block_n=8, partial_chunk=2)
+    assert ref.order_error.tolist() == [not prompted, True, False]  # without a prompt a rewind is out of order

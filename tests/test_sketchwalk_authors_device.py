@@ -79,6 +79,59 @@ def batched(spec, q, k, v, prompts, steps, capacity=None):
     return outs, kept, walks, state
 
 
+def assert_same_state(got, want, lengths, *, atol=1e-6, rtol=1e-5):
+    """The device state after a step as the torch step leaves it: the logit cache up to each row's block c."""
+    for name in ("u", "sigma", "rsum", "qs", "ks", "ksum", "closed_max", "closed_sum"):
+        a, b = getattr(got, name), getattr(want, name)
+        scale = max(1.0, float(b[b.isfinite()].abs().max())) if name in ("qs", "ks", "ksum") else 1.0  # sketches
+        torch.testing.assert_close(a, b, atol=atol * scale, rtol=rtol, msg=name)
+    for name in ("n_blocks", "n_queries", "last_pos", "order_error", "n_closed"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    c = (lengths.to(got.logits.device).long() - 1) // got.block_size
+    valid = torch.arange(got.logits.shape[-1], device=c.device)[None, :] <= c[:, None]
+    scaled = valid[:, None, None] * got.logit_scale  # the softmax's logits
+    torch.testing.assert_close(got.logits * scaled, want.logits * scaled, atol=atol, rtol=rtol)
+
+
+def rewinds_and_jumps(prompts, steps, *, skip, back):
+    """``(step, lengths [B])`` of rows from ``prompts``, a token a step: row 0 rewinds to its prompt at step 7 (a
+    restart), row 1 skips ``skip`` positions ahead at step 5 and steps ``back`` positions back at step 9 (both out
+    of order)."""
+    lens = torch.tensor(prompts) + 1
+    for i in range(steps):
+        if i:
+            lens = lens + 1
+        if i == 7:
+            lens[0] = prompts[0] + 1
+        if i == 5:
+            lens[1] += skip
+        if i == 9:
+            lens[1] -= back
+        yield i, lens.clone()
+
+
+def paths_follow_the_torch_step(ref, q, k, schedule, *, atol, rtol, **kernel_kw):
+    """The block row's paths (``row_update_triton``: the logit cache, the full path, the two alternating) from
+    copies of the device state ``ref`` against the torch step (``row_update_reference``, on ``ref``) over the
+    ``schedule``'s lengths: the block row and the whole state after every step."""
+    import copy
+
+    from kvsieve.kernels.sketchwalk import authors_decode as kd
+    from kvsieve.kernels.sketchwalk import authors_reference as kr
+
+    states = {name: copy.deepcopy(ref) for name in ("incremental", "full", "alternating")}
+    for i, lens in schedule:
+        lengths = lens.to(device=k.device, dtype=torch.int32)
+        qi = q[torch.arange(len(lens), device=q.device), :, lengths.long() - 1].contiguous()
+        r_want = kr.row_update_reference(ref, qi, k, lengths, scale=ref.logit_scale)
+        for name, incremental in (("incremental", True), ("full", False), ("alternating", i % 2 == 0)):
+            got = states[name]
+            r_got = kd.row_update_triton(got, qi, k, lengths, scale=ref.logit_scale, incremental=incremental,
+                                         **kernel_kw)
+            torch.testing.assert_close(r_got, r_want, atol=atol, rtol=rtol, msg=f"{name} step {i}")
+            assert_same_state(got, ref, lengths, atol=atol, rtol=rtol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spec,shape,prompts,steps", [
     ("sketchwalk:block_size=16", (4, 2, 16), [150, 97, 128], 40),
@@ -197,7 +250,9 @@ def test_generate_on_a_tiny_llama_equals_the_reference_path():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("group", case_groups("sketchwalk_authors_decode_interpreter_cases.py",
-                                              "test_the_triton_step_keeps_the_blocks_of_decode_row"), ids=group_id)
+                                              "test_the_triton_step_keeps_the_blocks_of_decode_row",
+                                              "test_the_incremental_block_row_follows_the_reference_over_steps"),
+                         ids=group_id)
 def test_the_kernel_path_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases("sketchwalk_authors_decode_interpreter_cases.py", group)
@@ -212,13 +267,18 @@ ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f
             se_ptr=f32, part_ptr=f32, r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
             pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
-            counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
+            counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8", plg_ptr=f32, cmx_ptr=f32, cse_ptr=f32,
+            pcmx_ptr=f32, pcse_ptr=f32, ncl_ptr="*i64", tmx_ptr=f32, tse_ptr=f32)
 compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
          num_warps=4)
 compile_(ad._row_lse_kernel, ptrs, dict(BS=64, BLOCK_R=ad.LSE_ROWS, BLOCK_N=ad.LSE_CHUNK, PDL=True),
          floats=("scale",), num_warps=4)
-compile_(ad._row_probs_kernel, ptrs, dict(BS=64, BLOCK_R=64, BLOCK_N=ad.ROW_TILE, PDL=True), floats=("scale",),
-         num_warps=4)
+compile_(ad._row_logits_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_G=4, BLOCK_N=ad.LOGIT_TILE, BLOCK_R=32,
+                                           BLOCK_M=32, PDL=True), floats=("scale",), num_warps=4)
+for incremental in (True, False):
+    compile_(ad._row_probs_kernel, ptrs, dict(INCREMENTAL=incremental, GROUP=4, BS=64, BLOCK_R=64,
+                                              BLOCK_N=ad.ROW_TILE, BLOCK_G=4, BLOCK_T=64, TILE=ad.LOGIT_TILE,
+                                              PDL=True), floats=("scale",), num_warps=4)
 compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
     compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
@@ -232,8 +292,8 @@ print("COMPILED")
 @pytest.mark.triton
 def test_the_step_kernels_compile_for_the_h100():
     """The interpreter neither type-checks untaken branches nor runs tensor-core dots: compiling for sm_90 (no GPU
-    needed) does, at Llama-3.1-8B heads, for both hop kinds (first, later) and the per-row tails, with
-    programmatic dependent launch as on the H100."""
+    needed) does, at Llama-3.1-8B heads, for both hop kinds (first, later), both block-row paths and the per-row
+    tails, with programmatic dependent launch as on the H100."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 
@@ -301,3 +361,26 @@ def test_a_chunk_of_query_rows_runs_as_single_steps_on_the_device_state(prompts,
                         context=kvsieve.CallContext(capacity=n))
         for i in range(b):
             torch.testing.assert_close(o[i], ref[i][chunk + s].out, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.triton
+def test_the_decode_benchmark_checks_both_block_row_paths_on_the_cpu(tmp_path):
+    """``benchmarks/sketchwalk_authors/decode.py --check`` (tiny shapes, interpreted): both paths of the block row
+    keep the torch step's blocks at a restart and at the step after it, and the cache's path launches no GEMM."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root / "src")}
+    res = subprocess.run([sys.executable, str(root / "benchmarks/sketchwalk_authors/decode.py"), "--out",
+                          str(tmp_path), "--check"], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads((tmp_path / "decode.json").read_text())
+    assert out["check"]["incremental"]["ok"] and out["check"]["gemm"]["ok"], out["check"]
+    assert "bmm.out" not in out["step_dispatch"]["incremental"]["ops"]
+    assert out["step_dispatch"]["gemm"]["ops"]["bmm.out"] == 1
+    assert (tmp_path / "decode.md").exists()

@@ -1,22 +1,34 @@
 """variant=authors' batched decode per layer at Llama-3.1-8B heads (32/8/128, bf16) vs FlashInfer and the dense
-Triton kernel, captured in a CUDA graph, cold L2; writes ``decode.json`` to ``--out``.
+Triton kernel, captured in a CUDA graph, cold L2; both paths of the block row (the logit cache, ``incremental``,
+and the full GEMM, ``gemm``: ``kernels.sketchwalk.authors_decode.INCREMENTAL``), checked against the torch step;
+writes ``decode.json`` and ``decode.md`` to ``--out``.
 
     python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC]
     TRITON_INTERPRET=1 python benchmarks/sketchwalk_authors/decode.py --out /tmp/x --check   # CPU, tiny shapes
 
 The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix)
-of ``n − 1`` random tokens; every timed replay is the first step after the prompt (a restart, the same work as
-any step). Rows: the whole step (selection + attention), the attention alone on the step's pages (so the
-selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
-kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold
-L2; a kernel launched with programmatic dependent launch counts its wait). ``--check`` runs one step on the CPU
-through Triton's interpreter (tiny shapes, no timing) and reports what it would launch (``count_dispatched``:
-Triton launches and torch ops).
+of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``restart`` (length ``n − 1``, the first
+position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the step after
+it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does the same
+work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles of the
+logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 32, 32). Rows: the steps
+(selection + attention), the attention alone on the step's pages (so the selection's share is the difference),
+FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step (torch
+profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with
+programmatic dependent launch counts its wait).
+
+``check``: each path's two steps against the torch step (``row_update_reference``, ``walk_select_reference``) from
+the same state: kept blocks that differ (``kept_mismatch``; a difference is a tie within rounding when the
+reference's walk there is within ``TIE_GAP`` of its threshold), the walk's largest relative error, the outputs'
+largest difference (the sparse kernel on each selection's pages), and whether a captured step's replay equals
+the eager step bit for bit (output and state). ``--check`` runs it on the CPU through Triton's interpreter (tiny
+shapes, no timing) and reports what a step launches (``count_dispatched``: Triton launches and torch ops).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -26,6 +38,8 @@ import torch
 import kvsieve
 from kvsieve import CallContext
 from kvsieve.bench.timing import count_dispatched
+from kvsieve.kernels.sketchwalk import authors_decode as kd
+from kvsieve.kernels.sketchwalk import authors_reference as kr
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
 
 
@@ -38,6 +52,11 @@ def prompt_state(m, q, k, v, n: int) -> SketchWalkState:
                   sparse=False)
         rows.append(st.authors)
     return SketchWalkState(authors=rows[0] if len(rows) == 1 else type(rows[0]).stack_rows(rows))
+
+
+PATHS = {"incremental": True, "gemm": False}
+#: (logits' tile, probabilities' tile) in key blocks, timed on the cache's path's next step
+TILES = ((16, 32), (64, 32), (32, 64), (64, 64), (16, 16))
 
 
 def main() -> None:
@@ -58,41 +77,159 @@ def main() -> None:
     k = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     v = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     m = kvsieve.method(args.spec + (",block_size=16,backend=triton" if check else ""))
-    cfg = m.config
-    state = prompt_state(m, q, k, v, n)
+    prompt = prompt_state(m, q, k, v, n - 1)  # n − 2 tokens
     del q
-    qd = torch.randn(b, hq, d, device=dev, generator=g).bfloat16()
-    lengths = torch.full((b,), n, device=dev, dtype=torch.int32)
+    q_steps = torch.randn(2, b, hq, d, device=dev, generator=g).bfloat16()
+    lengths = {"restart": torch.full((b,), n - 1, device=dev, dtype=torch.int32),
+               "next": torch.full((b,), n, device=dev, dtype=torch.int32)}
     ctx = CallContext(capacity=n, count_reads=False)
 
-    def step():
-        return m.decode(qd, k, v, lengths=lengths, state=state, context=ctx, check_finite=False)[0]
+    def step(state, which):
+        qd = q_steps[0 if which == "restart" else 1]
+        return m.decode(qd, k, v, lengths=lengths[which], state=state, context=ctx, check_finite=False)[0]
 
-    _, stats = m.decode(qd, k, v, lengths=lengths, state=state, context=CallContext(capacity=n))
     res = {"n": n, "batch": b, "spec": m.spec, "device": "cpu (interpreter)" if check else torch.cuda.get_device_name(),
-           "density": float(stats.density), "block_density": float(stats["block_density"]),
-           "blocks_kept": float(stats["blocks_kept"]), "selection": stats.extra["selection"],
-           "backend": stats.backend, "rows": {}}
-    dispatched = count_dispatched(step)
-    res["step_dispatch"] = {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads", "ops")}
+           "rows": {}, "check": {}, "step_dispatch": {}}
+    states = {}
+    for path, incremental in PATHS.items():
+        kd.INCREMENTAL = incremental
+        states[path] = copy.deepcopy(prompt)
+        _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=states[path],
+                            context=CallContext(capacity=n))
+        res[f"density_{path}"] = float(stats.density)
+        res[f"block_density_{path}"] = float(stats["block_density"])
+        res["selection"], res["backend"] = stats.extra["selection"], stats.backend
+        res["check"][path] = check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental)
+        dispatched = count_dispatched(lambda state=states[path]: step(state, "next"))
+        res["step_dispatch"][path] = {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads",
+                                                                       "ops")}
+    kd.INCREMENTAL = PATHS["incremental"]
     if not check:
-        time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b)
+        time_on_gpu(res, m.config, states, step, q_steps[1], k, v, lengths["next"], n, b)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode.json").write_text(json.dumps(res, indent=2))
+    (out / "decode.md").write_text(markdown(res))
     print(json.dumps(res, indent=2))
 
 
-def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
+class torch_step:
+    """Within it the method's device step runs its torch references (``authors_reference``) instead of the
+    Triton launches: the same state, the same attention kernel on its pages."""
+
+    def __enter__(self):
+        self.saved = kd.row_update_triton, kd.walk_select_triton
+        kd.row_update_triton, kd.walk_select_triton = kr.row_update_reference, kr.walk_select_reference
+
+    def __exit__(self, *exc):
+        kd.row_update_triton, kd.walk_select_triton = self.saved
+
+
+def check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental) -> dict:
+    """One path's two steps (restart, next) against the torch step from the same prompt state, and a captured
+    replay of its next step against the eager one (module docstring)."""
+    cfg = m.config
+    kd.INCREMENTAL = incremental
+    got, want = copy.deepcopy(prompt), copy.deepcopy(prompt)
+    res = {}
+    for which in ("restart", "next"):
+        out = step(got, which)
+        with torch_step():
+            ref = step(want, which)
+        sel, sel_ref = got.authors_device.last_step, want.authors_device.last_step
+        cand = candidates(sel_ref, cfg, lengths[which])
+        th = kr.quantile_rows(sel_ref.walk, cand, 1.0 - cfg.kblocks_frac)
+        diff = sel.kept_blocks != sel_ref.kept_blocks
+        gap = ((sel_ref.walk - th[:, None]).abs() / th[:, None].abs().clamp(min=1e-30))[diff]
+        res[which] = {"kept_mismatch": int(diff.sum()), "tie_gap_max": float(gap.max()) if gap.numel() else 0.0,
+                      "walk_max_rel_err": float(((sel.walk - sel_ref.walk).abs()
+                                                 / sel_ref.walk.abs().clamp(min=1e-30)).max()),
+                      "out_max_abs_diff": float((out.float() - ref.float()).abs().max())}
+    if torch.cuda.is_available() and k.is_cuda:
+        res["replay_equals_eager"] = replay_equals_eager(step, got)
+    res["ok"] = all(r["kept_mismatch"] == 0 or r["tie_gap_max"] < TIE_GAP for r in (res["restart"], res["next"]))
+    res["ok"] = res["ok"] and res.get("replay_equals_eager", True)
+    return res
+
+
+#: a kept block that differs from the reference's is a tie when the reference's walk there is this close to the
+#: threshold (relative): float32 rounding of the block row's sums
+TIE_GAP = 1e-4
+
+
+def candidates(sel, cfg, lengths) -> torch.Tensor:
+    """``[B, C]`` the blocks the quantile runs over (``kept_blocks_reference``'s candidates)."""
+    pos = lengths.long() - 1
+    _, wb = kr.reserved_device(cfg.window, pos + 1, cfg.block_size, sel.n.long())
+    _, sb = kr.reserved_device(cfg.sink, pos + 1, cfg.block_size, sel.n.long())
+    cols = torch.arange(sel.walk.shape[1], device=sel.walk.device)[None, :]
+    return (cols < sel.n[:, None]) & (cols >= sb[:, None]) & (cols < (sel.n - wb)[:, None])
+
+
+def replay_equals_eager(step, state) -> bool:
+    """The next step captured in a CUDA graph and replayed once, against the same step run eagerly, from two
+    copies of ``state``: the same output and state, bit for bit."""
+    graphed, eager = copy.deepcopy(state), copy.deepcopy(state)
+    step(copy.deepcopy(state), "next")  # the workspaces at this size
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = step(graphed, "next")
+    graph.replay()
+    out = step(eager, "next")
+    torch.cuda.synchronize()
+    a, b = graphed.authors_device, eager.authors_device
+    same = [torch.equal(getattr(a, name), getattr(b, name)) for name in ("u", "sigma", "rsum", "qs", "ks", "ksum",
+                                                                          "logits", "closed_max", "closed_sum")]
+    return bool(torch.equal(out_graph, out) and all(same))
+
+
+def markdown(res) -> str:
+    """The rows and the check as markdown tables."""
+    lines = [f"# Sketch&Walk (authors') decode step, n={res['n']}, batch {res['batch']}, {res['device']}", "",
+             f"spec `{res['spec']}`", "", "| row | median µs | launches | top kernels (µs) |", "|---|---|---|---|"]
+    for name, row in res["rows"].items():
+        top = sorted((row.get("kernels_us") or {}).items(), key=lambda kv: -kv[1])[:8]
+        kern = ", ".join(f"{key[:40]} {us:.1f}" for key, us in top)
+        lines.append(f"| {name} | {row['median_us']:.1f} | {row.get('launches', '')} | {kern} |")
+    lines += ["", "| path | step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
+              "|---|---|---|---|---|---|"]
+    for path, chk in res["check"].items():
+        for which in ("restart", "next"):
+            r = chk[which]
+            lines.append(f"| {path} | {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | "
+                         f"{r['walk_max_rel_err']:.2e} | {r['out_max_abs_diff']:.2e} |")
+        lines.append(f"| {path} | ok={chk['ok']} replay_equals_eager={chk.get('replay_equals_eager')} | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b) -> None:
     """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
     from kvsieve.kernels.shared.dense import dense_decode_triton
     from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
+    timer = ColdL2Timer()
+    rows = res["rows"]
+    for path, incremental in PATHS.items():
+        kd.INCREMENTAL = incremental
+        for which in ("restart", "next"):
+            def fn(state=states[path], which=which):
+                return step(state, which)
+            rows[f"step_{path}_{which}"] = {**timer.time_graph_us(fn), "launches": count_launches(fn),
+                                            "kernels_us": timer.kernel_breakdown(fn)}
+    kd.INCREMENTAL = PATHS["incremental"]
+    rows["sketchwalk_step"] = rows["step_incremental_next"]
+    defaults = kd.LOGIT_TILE, kd.ROW_TILE
+    for logit_tile, row_tile in TILES:  # the cache's path's tiles (the next step; default tiles are the row above)
+        kd.LOGIT_TILE, kd.ROW_TILE = logit_tile, row_tile
+        rows[f"tiles_logits{logit_tile}_probs{row_tile}"] = timer.time_graph_us(
+            lambda: step(states["incremental"], "next"))
+    kd.LOGIT_TILE, kd.ROW_TILE = defaults
+    step(states["incremental"], "next")  # eager: the last step's pages outside the freed graphs' memory
     hkv = k.shape[1]
-    sel = state.authors_device.last_step
+    sel = states["incremental"].authors_device.last_step
     pages, counts = sel.pages, sel.counts
     prefix = authors.reserved(cfg.window, n, cfg.block_size, -(-n // cfg.block_size))[0]
     window_tokens = sel.window_tokens.to(torch.int32)
@@ -103,10 +240,6 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
                                     page_size=cfg.block_size, lengths=lengths, sink=prefix,
                                     sink_lengths=window_tokens)[0]
 
-    timer = ColdL2Timer()
-    rows = res["rows"]
-    rows["sketchwalk_step"] = {**timer.time_graph_us(step), "launches": count_launches(step),
-                               "kernels_us": timer.kernel_breakdown(step)}
     rows["sketchwalk_attention_only"] = {**timer.time_graph_us(attention), "launches": count_launches(attention)}
     rows["dense_triton"] = timer.time_graph_us(lambda: dense_decode_triton(qd, k, v, lengths, qd.shape[-1] ** -0.5))
     fi = load_flashinfer()

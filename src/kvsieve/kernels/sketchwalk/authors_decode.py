@@ -15,17 +15,18 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch (``authors_reference.py``): :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5),
-about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches and a
-cuBLAS GEMM) and :func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
+about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches) and
+:func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 
 - ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
   the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
-- :func:`sketch_logits`, one batched float32 GEMM: every ring row against every key-block sketch up to the
-  capacity, per (row, KV head), into a workspace (the rows' different block counts are masked after it);
-- ``_row_lse_kernel``, a program per (row, KV head, a few ring rows): each ring row's max and Σ exp of its logits
-  over the row's blocks;
+- ``_row_logits_kernel``, a program per (row, KV head, tile of key blocks up to ``c``): the step of the state's
+  logit cache (``authors_reference``'s block above :func:`logit_cache_reference`): the new query's ring rows
+  against the tile, their max and Σ exp over the tile's closed blocks as partials; on a restart the other ring
+  rows' logits from the prompt's copy; block ``c``'s tile also block ``c``'s column of the other ring rows, the
+  blocks closed since the last step folded into their closed sums, and their max and Σ exp over the row's blocks;
 - ``_row_probs_kernel``, a program per (row, KV head, tile of key blocks): the tile's probabilities summed over the
-  KV head's valid ring rows;
+  KV head's valid ring rows (the new query's rows' max and Σ exp from the partials);
 - ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads, normalises ``r`` and
   runs the running matrix's step, the ring's count and the order flag;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
@@ -33,10 +34,14 @@ cuBLAS GEMM) and :func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
 - ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
   the kept blocks and the page list.
 
-The logits are a GEMM of their own rather than dots inside the softmax's programs: with the ring's 128 rows ×
-128 sketch features per KV head, tile programs that each redid their dots held one program per SM and took
-about 230 µs per layer at 128k tokens on an H200, where the GEMM and two passes over its 8 MB output are
-bandwidth-bound.
+A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
+probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
+stay valid until the row's slot is overwritten. The full path (``incremental=False``, :data:`INCREMENTAL`) remakes
+the cache instead: :func:`sketch_logits`, one batched float32 GEMM of every ring row against every key-block
+sketch up to the capacity, and ``_row_lse_kernel``, a program per (row, KV head, a few ring rows), each ring row's
+closed sums and its max and Σ exp over the row's blocks. Its logits are a GEMM rather than dots inside the
+softmax's programs: with the ring's 128 rows × 128 sketch features per KV head, tile programs that each redid
+their dots held one program per SM and took about 230 µs per layer at 128k tokens on an H200.
 
 The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
 acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
@@ -145,33 +150,146 @@ if triton is not None:
                  mask=g_ok[:, None] & f_ok[None, :])
         tl.store(ks_ptr + ((b * hkv + g) * cap + c) * m + feats, ks_c, mask=f_ok)
 
+    @triton.jit
+    def _fold(mx, se, x):
+        """``(max, Σ exp(· − max))`` per row of ``mx, se [R]`` with the values ``x [R, N]`` added (−inf: none)."""
+        big = tl.maximum(mx, tl.max(x, 1))
+        safe = tl.where(big == float("-inf"), 0.0, big)
+        return big, se * tl.exp(mx - safe) + tl.sum(tl.exp(x - safe[:, None]), 1)
+
+    @triton.jit
+    def _plus(mx, se, x):
+        """``(max, Σ exp(· − max))`` with the finite ``x`` (same shape) added."""
+        big = tl.maximum(mx, x)
+        return big, se * tl.exp(mx - big) + tl.exp(x - big)
+
+    @triton.jit
+    def _closed_sums(lg_ptr, at, rows_ok, c, cap, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``(max, Σ exp(· − max))`` of the cached scaled logits of the ring rows at ``at`` over the blocks j < c,
+        in one pass of BLOCK_N blocks at a time (the sum rescaled when the max grows)."""
+        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        se = tl.zeros([BLOCK_R], tl.float32)
+        for x0 in range(0, c, BLOCK_N):
+            j = x0 + tl.arange(0, BLOCK_N)
+            ok = rows_ok[:, None] & (j < c)[None, :]
+            lg = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
+            mx, se = _fold(mx, se, tl.where(ok, lg * scale, float("-inf")))
+        return mx, se
+
+    @triton.jit
+    def _column(qs_ptr, ks_ptr, ring_base, k_at, rows, r_ok, m, BLOCK_M: tl.constexpr):
+        """``[BLOCK_R]``: the ring rows ``rows`` of a KV head against one key-block sketch (at ``k_at``)."""
+        acc = tl.zeros(rows.shape, tl.float32)
+        for f0 in range(0, m, BLOCK_M):
+            f = f0 + tl.arange(0, BLOCK_M)
+            f_ok = f < m
+            qr = tl.load(qs_ptr + ring_base + rows[:, None] * m + f[None, :], mask=r_ok[:, None] & f_ok[None, :],
+                         other=0.0)
+            acc += tl.sum(qr * tl.load(ks_ptr + k_at + f, mask=f_ok, other=0.0)[None, :], 1)
+        return acc
+
+    @triton.jit(do_not_specialize=["cap", "p_cap", "w_len", "m", "n_rows", "n_tiles"])
+    def _row_logits_kernel(lens_ptr, plen_ptr, qs_ptr, ks_ptr, lg_ptr, plg_ptr, cmx_ptr, cse_ptr, pcmx_ptr,
+                           pcse_ptr, ncl_ptr, mx_ptr, se_ptr, tmx_ptr, tse_ptr, cap, p_cap, w_len, m, n_rows, n_tiles,
+                           scale, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+        """The incremental logits, a program per (row, KV head, tile of BLOCK_N blocks) up to block c: the new
+        query's ring rows against the tile (into the cache, and their max and Σ exp over the tile's closed blocks
+        into the tile's partials), on a restart the other ring rows' logits against closed blocks from the
+        prompt's copy. The first programs also take BLOCK_R of the other ring rows each: block c's column, the
+        blocks closed since the last step folded into their closed sums (recomputed from the sketches: a step that
+        skips ahead folds every skipped block; one that steps back folds the cache's [0, c) again), and their max
+        and Σ exp over the row's blocks for the probabilities' launch, which records the closed count (read
+        here by every such program)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        t = tl.program_id(2)
+        bg = b * tl.num_programs(1) + g
+        pos, c, _ = _position(lens_ptr, b, BS)
+        plen = tl.load(plen_ptr + b)
+        restart = (plen >= 0) & (pos == plen)
+        slot = pos % w_len
+        ring_base = (bg * GROUP) * w_len * m  # (b·Hq + g·GROUP)·W·m
+        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        if t * BLOCK_N <= c:
+            if restart:
+                for r0 in range(0, n_rows, BLOCK_R):
+                    rows = r0 + tl.arange(0, BLOCK_R)
+                    ok = ((rows < n_rows) & (rows % w_len != slot))[:, None] & (cols < c)[None, :]
+                    at = (bg * n_rows + rows)[:, None]
+                    tl.store(lg_ptr + at * cap + cols[None, :],
+                             tl.load(plg_ptr + at * p_cap + cols[None, :], mask=ok, other=0.0), mask=ok)
+            gh = tl.arange(0, BLOCK_G)
+            g_ok = gh < GROUP
+            col_ok = cols <= c
+            acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+            for f0 in range(0, m, BLOCK_M):
+                f = f0 + tl.arange(0, BLOCK_M)
+                f_ok = f < m
+                qn = tl.load(qs_ptr + ring_base + (gh * w_len + slot)[:, None] * m + f[None, :],
+                             mask=g_ok[:, None] & f_ok[None, :], other=0.0)
+                kt = tl.load(ks_ptr + (bg * cap + cols)[:, None] * m + f[None, :], mask=col_ok[:, None] & f_ok[None, :],
+                             other=0.0)
+                acc += tl.sum(qn[:, None, :] * kt[None, :, :], 2)
+            new_at = bg * n_rows + gh * w_len + slot
+            tl.store(lg_ptr + new_at[:, None] * cap + cols[None, :], acc, mask=g_ok[:, None] & col_ok[None, :])
+            closed = g_ok[:, None] & (cols < c)[None, :]
+            tmx, tse = _fold(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+                             tl.where(closed, acc * scale, float("-inf")))
+            tl.store(tmx_ptr + (bg * n_tiles + t) * GROUP + gh, tmx, mask=g_ok)
+            tl.store(tse_ptr + (bg * n_tiles + t) * GROUP + gh, tse, mask=g_ok)
+        if t * BLOCK_R < n_rows:  # the other ring rows, BLOCK_R of them per program of the first tiles
+            n_prev = tl.load(ncl_ptr + bg)
+            back = (restart.to(tl.int32) == 0) & (n_prev > c)
+            rows = t * BLOCK_R + tl.arange(0, BLOCK_R)
+            r_ok = rows < n_rows
+            old = r_ok & (rows % w_len != slot)
+            at = bg * n_rows + rows
+            if restart:
+                cm = tl.load(pcmx_ptr + at, mask=old, other=0.0)
+                cs = tl.load(pcse_ptr + at, mask=old, other=0.0)
+            else:
+                cm = tl.load(cmx_ptr + at, mask=old, other=0.0)
+                cs = tl.load(cse_ptr + at, mask=old, other=0.0)
+            if back:
+                cm, cs = _closed_sums(lg_ptr, at, old, c, cap, scale, BLOCK_R, BLOCK_N)
+            for j in range(tl.where(restart | back, c, n_prev), c):
+                col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
+                tl.store(lg_ptr + at * cap + j, col, mask=old)
+                cm, cs = _plus(cm, cs, col * scale)
+            col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
+            tl.store(lg_ptr + at * cap + c, col, mask=old)
+            tl.store(cmx_ptr + at, cm, mask=old)
+            tl.store(cse_ptr + at, cs, mask=old)
+            cm, cs = _plus(cm, cs, col * scale)
+            tl.store(mx_ptr + at, cm, mask=old)
+            tl.store(se_ptr + at, cs, mask=old)
+
     @triton.jit(do_not_specialize=["cap", "n_rows"])
-    def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cap, n_rows, scale, BS: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        """A program per (row, KV head, chunk of BLOCK_R ring rows): each ring row's max and Σ exp of its scaled
-        logits over the row's n blocks, in one pass (the sum rescaled when the max grows)."""
+    def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cmx_ptr, cse_ptr, ncl_ptr, cap, n_rows, scale,
+                        BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """The full path's log-sum-exp, a program per (row, KV head, chunk of BLOCK_R ring rows): each ring row's
+        max and Σ exp of its scaled logits over the closed blocks j < c, in one pass (the sum rescaled when the max
+        grows), kept as the cache's closed sums, then with block c: over the row's n blocks."""
         if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
             gdc_wait()
             gdc_launch_dependents()
         bg = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
         _, c, _ = _position(lens_ptr, tl.program_id(0).to(tl.int64), BS)
-        n = c + 1
         rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
         row_ok = rows < n_rows
-        at = (bg * n_rows + rows) * cap
-        mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        se = tl.zeros([BLOCK_R], tl.float32)
-        for x0 in range(0, n, BLOCK_N):
-            j = x0 + tl.arange(0, BLOCK_N)
-            ok = row_ok[:, None] & (j < n)[None, :]
-            lg = tl.load(lg_ptr + at[:, None] + j[None, :], mask=ok, other=0.0)
-            lg = tl.where(ok, lg * scale, float("-inf"))
-            big = tl.maximum(mx, tl.max(lg, 1))  # finite on live rows: the first chunk holds block 0
-            safe = tl.where(big == float("-inf"), 0.0, big)
-            se = se * tl.exp(mx - safe) + tl.sum(tl.exp(lg - safe[:, None]), 1)
-            mx = big
-        tl.store(mx_ptr + bg * n_rows + rows, mx, mask=row_ok)
-        tl.store(se_ptr + bg * n_rows + rows, se, mask=row_ok)
+        at = bg * n_rows + rows
+        mx, se = _closed_sums(lg_ptr, at, row_ok, c, cap, scale, BLOCK_R, BLOCK_N)
+        tl.store(cmx_ptr + at, mx, mask=row_ok)
+        tl.store(cse_ptr + at, se, mask=row_ok)
+        mx, se = _plus(mx, se, tl.load(lg_ptr + at * cap + c, mask=row_ok, other=0.0) * scale)
+        tl.store(mx_ptr + at, mx, mask=row_ok)
+        tl.store(se_ptr + at, se, mask=row_ok)
+        if tl.program_id(2) == 0:
+            tl.store(ncl_ptr + bg, c)
 
     @triton.jit
     def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
@@ -281,11 +399,15 @@ if triton is not None:
         tl.store(last_ptr + b, pos)
         tl.store(nq_ptr + b, nq_new.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["cap", "w_len", "n_rows"])
-    def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, cap, w_len, n_rows,
-                          scale, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["cap", "w_len", "n_rows", "n_tiles"])
+    def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, tmx_ptr, tse_ptr,
+                          cmx_ptr, cse_ptr, ncl_ptr, cap, w_len, n_rows, n_tiles, scale, INCREMENTAL: tl.constexpr,
+                          GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
         """A program per (row, KV head, tile of BLOCK_N key blocks): the tile's probabilities summed over the valid
-        ring rows (the slot's age below the ring's count after the step); zero past the row's blocks."""
+        ring rows (the slot's age below the ring's count after the step); zero past the row's blocks.
+        ``INCREMENTAL``: the new query's ring rows take their max and Σ exp from the logits launch's partials
+        (tiles of TILE blocks) and block c, and the first tile's program keeps their closed sums and the count."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -297,15 +419,42 @@ if triton is not None:
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = cols < n
         acc = tl.zeros([BLOCK_N], tl.float32)
-        for r0 in range(0, n_rows, BLOCK_R):
-            rows = r0 + tl.arange(0, BLOCK_R)
-            age = (slot - rows % w_len + w_len) % w_len
-            ok = (rows < n_rows) & (age < nq_new)
-            mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
-            se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
-            both = ok[:, None] & live[None, :]
-            lg = tl.load(lg_ptr + (bg * n_rows + rows)[:, None] * cap + cols[None, :], mask=both, other=0.0)
-            acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
+        if tl.program_id(2) * BLOCK_N < n:
+            if INCREMENTAL:
+                gh = tl.arange(0, BLOCK_G)
+                g_ok = gh < GROUP
+                cm = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                cs = tl.zeros([BLOCK_G], tl.float32)
+                for t0 in range(0, c, BLOCK_T * TILE):  # the tiles holding closed blocks
+                    tt = t0 // TILE + tl.arange(0, BLOCK_T)
+                    t_ok = g_ok[:, None] & (tt * TILE < c)[None, :]
+                    t_at = (bg * n_tiles + tt)[None, :] * GROUP + gh[:, None]
+                    tm = tl.load(tmx_ptr + t_at, mask=t_ok, other=float("-inf"))
+                    big = tl.maximum(cm, tl.max(tm, 1))
+                    safe = tl.where(big == float("-inf"), 0.0, big)
+                    cs = cs * tl.exp(cm - safe) + tl.sum(tl.load(tse_ptr + t_at, mask=t_ok, other=0.0)
+                                                         * tl.exp(tm - safe[:, None]), 1)
+                    cm = big
+                new_at = bg * n_rows + gh * w_len + slot
+                if tl.program_id(2) == 0:
+                    tl.store(cmx_ptr + new_at, cm, mask=g_ok)
+                    tl.store(cse_ptr + new_at, cs, mask=g_ok)
+                    tl.store(ncl_ptr + bg, c)
+                nm, ns = _plus(cm, cs, tl.load(lg_ptr + new_at * cap + c, mask=g_ok, other=0.0) * scale)
+                new_ok = g_ok[:, None] & live[None, :]
+                lg_new = tl.load(lg_ptr + new_at[:, None] * cap + cols[None, :], mask=new_ok, other=0.0)
+                acc += tl.sum(tl.where(new_ok, tl.exp(lg_new * scale - nm[:, None]) / ns[:, None], 0.0), 0)
+            for r0 in range(0, n_rows, BLOCK_R):
+                rows = r0 + tl.arange(0, BLOCK_R)
+                age = (slot - rows % w_len + w_len) % w_len
+                ok = (rows < n_rows) & (age < nq_new)
+                if INCREMENTAL:  # the new rows are summed above
+                    ok = ok & (age != 0)
+                mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
+                se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
+                both = ok[:, None] & live[None, :]
+                lg = tl.load(lg_ptr + (bg * n_rows + rows)[:, None] * cap + cols[None, :], mask=both, other=0.0)
+                acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
         tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 
     @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
@@ -455,7 +604,8 @@ def tail_chunk(cap: int) -> int:
 
 
 def _check_state(st) -> None:
-    for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi"):
+    for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi",
+                 "logits", "closed_max", "closed_sum", "p_logits", "p_closed_max", "p_closed_sum"):
         t = getattr(st, name)
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
@@ -469,6 +619,10 @@ def feature_chunk(m: int) -> int:
 #: key blocks per program of the probabilities' launch (a [64 ring rows, 32 blocks] tile at a time): about four
 #: programs per SM at 128k tokens of 64-key blocks, batch 1
 ROW_TILE = 32
+#: key blocks per program of the incremental logits' launch (a [group, 32 blocks] tile of the new query's rows)
+LOGIT_TILE = 32
+#: the block row's default path: the incremental logit cache (True) or the full GEMM and log-sum-exp (False)
+INCREMENTAL = True
 #: ring rows per program of the log-sum-exp launch
 LSE_ROWS = 4
 #: blocks per chunk of the log-sum-exp launch's pass over a ring row
@@ -494,42 +648,65 @@ def sketch_logits(qs: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int = ROW_TILE, block_x: int | None = None, block_m: int | None = None,
-                      lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK) -> torch.Tensor:
-    """:func:`row_update_reference` in four launches and a GEMM (float32 state; ``q``, ``k`` any float dtype with a
-    contiguous last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logits of every
-    ring row against every key-block sketch up to the capacity (:func:`sketch_logits`, into a workspace), each ring
-    row's max and Σ exp over its row's blocks (``_row_lse_kernel``), the probabilities summed over the ring rows per
-    tile of ``block_n`` blocks (``_row_probs_kernel``), and the tail (``_row_tail_kernel``). Returns ``r [B, C]``
-    (a workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
-    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`); ``lse_rows``,
-    ``lse_chunk``: the ring rows per program and the blocks per chunk of the log-sum-exp launch."""
+                      block_n: int | None = None, block_x: int | None = None, block_m: int | None = None,
+                      lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK, incremental: bool | None = None,
+                      block_l: int | None = None, partial_chunk: int = 64) -> torch.Tensor:
+    """:func:`row_update_reference` in four launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
+    last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
+    (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the probabilities summed
+    over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default :data:`ROW_TILE`), and the
+    tail (``_row_tail_kernel``). ``incremental=False`` (default :data:`INCREMENTAL`): the full path instead of the
+    logits' launch, every ring row against every block (:func:`sketch_logits`, a GEMM into the cache) and each
+    ring row's max and Σ exp over its row's blocks (``_row_lse_kernel``, ``lse_rows`` ring rows per program,
+    ``lse_chunk`` blocks per chunk); both leave the cache for either at the next step. Returns ``r [B, C]`` (a
+    workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
+    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`);
+    ``partial_chunk``: the logits' tiles per chunk (a power of two) of the probabilities' reduction of the new
+    query's partials."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
+    if scale != st.logit_scale:
+        raise ValueError(f"scale: the logit cache holds sums at st.logit_scale={st.logit_scale}, got {scale}")
+    incremental = INCREMENTAL if incremental is None else incremental
+    block_n, block_l = block_n or ROW_TILE, block_l or LOGIT_TILE  # (read at the call: a benchmark sweeps them)
     b, hq, d = q.shape
     hkv, cap = st.ks.shape[1], st.ks.shape[2]
     w_len, m = st.qs.shape[2], st.qs.shape[3]
     group = hq // hkv
     n_rows = group * w_len
-    logits = workspace("sw_authors_logits", q, b * hkv * n_rows * cap, torch.float32)[:b * hkv * n_rows * cap]
+    n_tiles = cdiv(cap, block_l)
     mx = workspace("sw_authors_mx", q, b * hkv * n_rows, torch.float32)
     se = workspace("sw_authors_se", q, b * hkv * n_rows, torch.float32)
+    tmx = workspace("sw_authors_tile_mx", q, b * hkv * n_tiles * group, torch.float32)
+    tse = workspace("sw_authors_tile_se", q, b * hkv * n_tiles * group, torch.float32)
     part = workspace("sw_authors_part", q, b * hkv * cap, torch.float32)
     r = workspace("sw_authors_r", q, b * cap, torch.float32)[:b * cap].view(b, cap)
     pdl = pdl_available()
     block_m = block_m or feature_chunk(m)
     block_d = min(32, max(16, next_pow2(d)))
+    block_g = max(2, next_pow2(group))
     launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
            st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
            k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
            BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
-    sketch_logits(st.qs, st.ks, logits.view(b * hkv, n_rows, cap))
-    launch(_row_lse_kernel, (b, hkv, cdiv(n_rows, lse_rows)), lengths, logits, mx, se, cap, n_rows, float(scale),
-           BS=st.block_size, BLOCK_R=lse_rows, BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, logits, mx,
-           se, part, cap, w_len, n_rows, float(scale), BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
-           BLOCK_N=block_n, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    if incremental:
+        logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
+        launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
+               st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
+               st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
+               GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
+               BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    else:
+        sketch_logits(st.qs, st.ks, st.logits.view(b * hkv, n_rows, cap))
+        launch(_row_lse_kernel, (b, hkv, cdiv(n_rows, lse_rows)), lengths, st.logits, mx, se, st.closed_max,
+               st.closed_sum, st.n_closed, cap, n_rows, float(scale), BS=st.block_size, BLOCK_R=lse_rows,
+               BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
+           mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
+           INCREMENTAL=incremental, GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
+           BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
+           PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
            st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
            st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),

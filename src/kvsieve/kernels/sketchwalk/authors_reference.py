@@ -148,14 +148,39 @@ def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slo
     return s / (s.sum(-1, keepdim=True) + ROW_EPS)
 
 
+# -- the block row's logit cache ----------------------------------------------------------------------------------
+#
+# The incremental block row (``authors_decode.py``) keeps, per (row, KV head, ring row), the logits against every
+# block up to the row's block c (``logits [B, Hkv, G·W, C]``, unscaled; valid for j ≤ c) and the max and Σ exp of
+# the scaled logits over the closed blocks j < ``n_closed`` (``closed_max``, ``closed_sum [B, Hkv, G·W]``). A
+# closed block's sketch never changes, so a step computes only the new query's logits, block c's column and, at a
+# block's first key, folds block c − 1 into the closed sums; a restart takes the prompt's copies (``p_logits``,
+# ``p_closed_max``, ``p_closed_sum``, over the prompt's closed blocks).
+
+
+def logit_cache_reference(qs: torch.Tensor, ks: torch.Tensor, n_closed: torch.Tensor, scale: float
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits [B, Hkv, G·W, C], closed_max, closed_sum [B, Hkv, G·W])`` of ``qs [B, Hq, W, m]`` against
+    ``ks [B, Hkv, C, m]`` with the closed sums over the blocks ``j < n_closed [B]`` (max −inf and sum 0 where
+    there is none)."""
+    b, hq, w_len, m = qs.shape
+    hkv, cap = ks.shape[1], ks.shape[2]
+    logits = torch.matmul(qs.reshape(b, hkv, hq // hkv * w_len, m), ks.transpose(-1, -2))
+    closed = torch.arange(cap, device=qs.device)[None, :] < n_closed[:, None]
+    scaled = (logits * scale).masked_fill(~closed[:, None, None, :], float("-inf"))
+    mx = scaled.max(-1).values
+    safe = torch.where(torch.isfinite(mx), mx, 0.0)
+    return logits, mx, torch.exp(scaled - safe[..., None]).sum(-1)
+
+
 
 
 # -- the step in torch -----------------------------------------------------------------------------------------
 #
 # ``st``: the layer's device state (the method's ``AuthorsDeviceState``: ``phi [m, d]``, ``u [B, C, C]``,
 # ``sigma, rsum [B, C]``, ``n_blocks [B]``, the ring ``qs [B, Hq, W, m]`` and ``n_queries [B]``, the key sums and
-# sketches ``ksum [B, Hkv, C, d]``, ``ks [B, Hkv, C, m]``, ``last_pos``, ``order_error``, ``prompt_len [B]``, the
-# prompt's copies ``p_*``, ``fresh_rows`` and ``block_size``), updated in place.
+# sketches ``ksum [B, Hkv, C, d]``, ``ks [B, Hkv, C, m]``, the logit cache (above), ``last_pos``, ``order_error``,
+# ``prompt_len [B]``, the prompt's copies ``p_*``, ``fresh_rows`` and ``block_size``), updated in place.
 
 
 def row_update_reference(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float) -> torch.Tensor:
@@ -192,6 +217,12 @@ def row_update_reference(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Te
     slot_ok = age < st.n_queries[:, None]  # [B, W]
     live = cols[None, :] < n[:, None]  # [B, C]
     r = block_row_reference(st.qs, st.ks, n, slot_ok, scale)  # [B, C], zero past n
+    # the logit cache, remade whole (the incremental kernels' state after the step)
+    logits, closed_max, closed_sum = logit_cache_reference(st.qs, st.ks, c, scale)
+    st.logits.copy_(logits)
+    st.closed_max.copy_(closed_max)
+    st.closed_sum.copy_(closed_sum)
+    st.n_closed.copy_(c[:, None].expand_as(st.n_closed))
     # the running block matrix (rows [n_prev, n) of a fresh state start as this row)
     if st.fresh_rows:
         new_rows = (cols[None, :] >= st.n_blocks[:, None]) & live

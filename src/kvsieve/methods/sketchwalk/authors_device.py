@@ -66,6 +66,14 @@ class AuthorsDeviceState(MethodState):
     p_qs: torch.Tensor  # [B, Hq, W, m]
     p_nq: torch.Tensor  # [B] int64
     p_kpart: torch.Tensor  # [B, Hkv, d] key sum of the prompt's partial last block
+    logits: torch.Tensor  # [B, Hkv, G·W, C] ring rows' logits against the blocks (valid up to the last step's block)
+    closed_max: torch.Tensor  # [B, Hkv, G·W] max of the scaled logits over the closed blocks j < n_closed
+    closed_sum: torch.Tensor  # [B, Hkv, G·W] Σ exp(scaled logit − closed_max) over them
+    n_closed: torch.Tensor  # [B, Hkv] int64
+    p_logits: torch.Tensor  # [B, Hkv, G·W, Cp] the prompt ring's logits against the prompt's blocks
+    p_closed_max: torch.Tensor  # [B, Hkv, G·W] over the prompt's closed blocks
+    p_closed_sum: torch.Tensor  # [B, Hkv, G·W]
+    logit_scale: float  # the factor of the logits in the closed sums
     fresh_rows: bool  # host: the next step is the first of rows that saw no prompt (rows [n_prev, n) appear)
     block_size: int
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
@@ -87,6 +95,7 @@ class AuthorsDeviceState(MethodState):
             setattr(self, name, pad(getattr(self, name), (0, extra)))
         self.ksum = pad(self.ksum, (0, 0, 0, extra))
         self.ks = pad(self.ks, (0, 0, 0, extra))
+        self.logits = pad(self.logits, (0, extra))
 
     @classmethod
     def from_layer_state(cls, st: AuthorsLayerState, k: torch.Tensor, lengths: torch.Tensor, *,
@@ -136,12 +145,25 @@ class AuthorsDeviceState(MethodState):
         qs = ring_sketches(st.queries, st.n_queries, st.last_pos, phi)
         p_last = torch.where(has_prompt, prompt_lens - 1, -1)
         p_qs = ring_sketches(st.prompt_queries, st.prompt_n_queries, p_last, phi)
+        scale = logit_scale(phi.shape[0])
+        n_closed = torch.div(seen, bs, rounding_mode="floor")  # the next step's block
+        logits, closed_max, closed_sum = kr.logit_cache_reference(qs, ks, n_closed, scale)
+        p_cap = max(1, n_p)  # the prompt's closed blocks (c at a restart) are below its block count
+        p_logits, p_closed_max, p_closed_sum = kr.logit_cache_reference(
+            p_qs, ks[:, :, :p_cap], torch.div(prompt_lens.clamp(min=0), bs, rounding_mode="floor"), scale)
         return cls(phi=phi, u=u, sigma=sigma, rsum=rsum, n_blocks=st.n_blocks.clone(), qs=qs,
                    n_queries=st.n_queries.clone(), ksum=ksum, ks=ks, last_pos=st.last_pos.clone(),
                    order_error=torch.zeros(b, dtype=torch.bool, device=dev), prompt_len=prompt_lens,
                    p_nblocks=p_nblocks, p_row=p_row, p_col=p_col, p_rsum=p_rsum, p_qs=p_qs,
-                   p_nq=st.prompt_n_queries.clone(), p_kpart=p_kpart, fresh_rows=not st.has_history,
-                   block_size=bs)
+                   p_nq=st.prompt_n_queries.clone(), p_kpart=p_kpart, logits=logits, closed_max=closed_max,
+                   closed_sum=closed_sum, n_closed=n_closed[:, None].expand(b, hkv).contiguous(),
+                   p_logits=p_logits.contiguous(), p_closed_max=p_closed_max, p_closed_sum=p_closed_sum,
+                   logit_scale=scale, fresh_rows=not st.has_history, block_size=bs)
+
+
+def logit_scale(sketch_dim: int) -> float:
+    """The factor of the sketch logits before their softmax (``authors.head_summed_probs``')."""
+    return sketch_dim ** -0.5 / LOGIT_DIVISOR
 
 
 def prompt_rows(st: AuthorsLayerState, b: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +219,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``max_pages``: the page
     list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 5 + ``degree``
     Triton launches and a GEMM), or its torch reference (about a hundred launches)."""
-    m = st.phi.shape[0]
-    scale = m ** -0.5 / LOGIT_DIVISOR
+    scale = logit_scale(st.phi.shape[0])
     if kernels:
         r = kd.row_update_triton(st, q, k, lengths, scale=scale)
         sel = kd.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
