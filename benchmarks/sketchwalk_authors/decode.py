@@ -11,7 +11,7 @@ of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``resta
 position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the step after
 it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does the same
 work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles of the
-logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 32, 32). Rows: the steps
+logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 16, 16). Rows: the steps
 (selection + attention), the attention alone on the step's pages (so the selection's share is the difference),
 FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step (torch
 profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with

@@ -616,11 +616,11 @@ def feature_chunk(m: int) -> int:
     return min(32, max(16, next_pow2(m)))
 
 
-#: key blocks per program of the probabilities' launch (a [64 ring rows, 32 blocks] tile at a time): about four
-#: programs per SM at 128k tokens of 64-key blocks, batch 1
-ROW_TILE = 32
-#: key blocks per program of the incremental logits' launch (a [group, 32 blocks] tile of the new query's rows)
-LOGIT_TILE = 32
+#: key blocks per program of the probabilities' launch and of the incremental logits' launch: 16 and 16 were the
+#: fastest of the H200 sweep at 128k tokens, batch 1 (whole step 123.1 µs against 131.3 at 32 and 32, 158.7 at
+#: 64 and 64; ``benchmarks/sketchwalk_authors/decode.py``, 2026-11-28): more programs than SMs hide the latency
+ROW_TILE = 16
+LOGIT_TILE = 16
 #: the block row's default path: the incremental logit cache (True) or the full GEMM and log-sum-exp (False)
 INCREMENTAL = True
 #: ring rows per program of the log-sum-exp launch
