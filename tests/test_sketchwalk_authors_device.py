@@ -205,6 +205,7 @@ def test_the_kernel_path_under_the_triton_interpreter(group):
 
 COMPILE_FOR_H100 = """
 from kvsieve.kernels.sketchwalk import authors_decode as ad
+from kvsieve.kernels.sketchwalk import authors_walk as aw
 
 f32 = "*fp32"
 ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f32, pqs_ptr=f32, nq_ptr="*i64",
@@ -219,11 +220,11 @@ compile_(ad._row_lse_kernel, ptrs, dict(BS=64, BLOCK_R=ad.LSE_ROWS, BLOCK_N=ad.L
          floats=("scale",), num_warps=4)
 compile_(ad._row_probs_kernel, ptrs, dict(BS=64, BLOCK_R=64, BLOCK_N=ad.ROW_TILE, PDL=True), floats=("scale",),
          num_warps=4)
-compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
+compile_(aw._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
-    compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
+    compile_(aw._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
              floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)
-compile_(ad._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
+compile_(aw._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
          floats=("q", "beta", "one_minus_beta"), num_warps=8)
 print("COMPILED")
 """

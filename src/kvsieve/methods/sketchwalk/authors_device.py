@@ -32,6 +32,7 @@ from ...core.method import read_stats
 from ...core.stats import StepStats
 from ...kernels.sketchwalk import authors_decode as kd
 from ...kernels.sketchwalk import authors_reference as kr
+from ...kernels.sketchwalk import authors_walk as kw
 from ..shared.backend import kernel_operands
 from .authors import (
     LOGIT_DIVISOR,
@@ -196,7 +197,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     scale = m ** -0.5 / LOGIT_DIVISOR
     if kernels:
         r = kd.row_update_triton(st, q, k, lengths, scale=scale)
-        sel = kd.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
+        sel = kw.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
                                     q=1.0 - kblocks_frac, max_pages=max_pages)
     else:
         r = kr.row_update_reference(st, q, k, lengths, scale=scale)
