@@ -16,6 +16,8 @@ programmatic dependent launch hides.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..shared.select_common import row_segments
@@ -36,7 +38,7 @@ from .authors_reference import ROW_EPS
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_common import ordered, radix_select, value_range
+    from ..shared.select_common import ordered, radix_select, radix_select_regs, value_range
 
     @triton.jit
     def position(lens_ptr, b, BS: tl.constexpr):
@@ -296,7 +298,7 @@ if triton is not None:
                 w = one_minus_beta * w + beta * tl.sum(prev, 0)
             v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
             a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
-                        other=0.0)
+                        other=0.0).to(tl.float32)  # (U or its 16-bit copy)
             acc += v[:, None] * a
         tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
 
@@ -313,11 +315,258 @@ if triton is not None:
         _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
                     short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P, BLOCK_X)
 
+    @triton.jit
+    def _store_u(u_ptr, uw_ptr, at, val, mask, HAS_UW: tl.constexpr):
+        """A write to the running matrix and, with ``HAS_UW``, to its 16-bit copy that the hops read (rounded to
+        nearest, ties to even, as torch's ``.to``: bfloat16 by its bits, which Triton's interpreter would
+        truncate)."""
+        tl.store(u_ptr + at, val, mask=mask)
+        if HAS_UW:
+            if uw_ptr.dtype.element_ty == tl.bfloat16:
+                bits = val.to(tl.uint32, bitcast=True)
+                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            else:
+                half = val.to(uw_ptr.dtype.element_ty)
+            tl.store(uw_ptr + at, half, mask=mask)
+
+    @triton.jit(do_not_specialize=["cap", "w_len", "fresh"])
+    def _row_tail_regs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, uw_ptr, sigma_ptr,
+                              rsum_ptr, nb_ptr, p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr,
+                              pkp_ptr, ksum_ptr, cap, w_len, fresh, eps, d, s_kb, s_kh, s_kn, HKV: tl.constexpr,
+                              BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr,
+                              HAS_UW: tl.constexpr, PDL: tl.constexpr):
+        """``_row_tail_kernel``'s work with the row (``cap ≤ BLOCK_X``) in registers: every load is issued at the
+        start (the KV heads' partials, row c and column c of U, the row scales and sums, the prompt's copies on a
+        restart, the new keys), the fresh rows, the restart and a new block are folded into the registers' values
+        (``update_matrix_reference``'s order), and each entry of U is written once at the end, the rare writes
+        (fresh rows, the restart's row and column) before it behind barriers. One round trip to memory where the
+        chunked tail makes about ten, and the key sums of every KV head at once instead of one dim chunk of one
+        head at a time."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        pos, c, s = position(lens_ptr, b, BS)
+        restart, nq_new, _ = ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        n = (c + 1).to(tl.int32)
+        vec = b * cap
+        u_row = b * cap * cap
+        j = tl.arange(0, BLOCK_X)
+        j_ok = j < cap
+        live = j < n
+        # every load first (one round trip): the partials, row and column c, the scales and sums, the prompt's copies
+        r = tl.zeros([BLOCK_X], tl.float32)
+        for g in tl.static_range(HKV):  # the KV heads in order (as the chunked tail)
+            r += tl.load(part_ptr + (b * HKV + g) * cap + j, mask=j_ok, other=0.0, cache_modifier=".cg")
+        row_c = tl.load(u_ptr + u_row + c * cap + j, mask=j_ok, other=0.0)
+        col_c = tl.load(u_ptr + u_row + j * cap + c, mask=j_ok, other=0.0)
+        sig = tl.load(sigma_ptr + vec + j, mask=j_ok, other=1.0)
+        rs = tl.load(rsum_ptr + vec + j, mask=j_ok, other=0.0)
+        n_prev = tl.load(nb_ptr + b).to(tl.int32)
+        n0 = tl.load(p_nb_ptr + b).to(tl.int32)
+        on = restart.to(tl.int32)  # (a scalar flag in masks as int: the interpreter's mask types)
+        p_ok = (j_ok.to(tl.int32) * on) != 0
+        p_row = tl.load(p_row_ptr + vec + j, mask=p_ok, other=0.0)
+        p_col = tl.load(p_col_ptr + vec + j, mask=p_ok, other=0.0)
+        p_rsum = tl.load(p_rsum_ptr + vec + j, mask=p_ok, other=0.0)
+        # block c's key sums, every KV head at once
+        gh = tl.arange(0, BLOCK_H)
+        dd = tl.arange(0, BLOCK_D)
+        hd_ok = (gh < HKV)[:, None] & (dd < d)[None, :]
+        k_new = tl.load(k_ptr + b * s_kb + gh[:, None] * s_kh + pos * s_kn + dd[None, :], mask=hd_ok,
+                        other=0.0).to(tl.float32)
+        at_c = ((b * HKV + gh[:, None]) * cap + c) * d + dd[None, :]
+        from_prompt = tl.load(pkp_ptr + (b * HKV + gh[:, None]) * d + dd[None, :], mask=(hd_ok.to(tl.int32) * on) != 0,
+                              other=0.0)
+        stored = tl.load(ksum_ptr + at_c, mask=(hd_ok.to(tl.int32) * (s != 0).to(tl.int32)) != 0, other=0.0)
+        base = tl.where(restart, from_prompt, stored)  # (zero at a block's first key)
+        tl.store(ksum_ptr + at_c, base + k_new, mask=hd_ok)
+        # the block row, normalised
+        r = r / (tl.sum(r, axis=0) + eps)
+        r_total = tl.sum(r, axis=0)
+        r_c = tl.sum(tl.where(j == c, r, 0.0), axis=0)
+        tl.store(r_ptr + vec + j, r, mask=j_ok)
+        # fresh rows [n_prev, n) start as r (written whole here; row and column c are rewritten below)
+        if fresh != 0:
+            for i in range(n_prev, n):
+                _store_u(u_ptr, uw_ptr, u_row + i * cap + j, r, j_ok, HAS_UW)
+            new_row = (j >= n_prev) & live
+            if c >= n_prev:
+                row_c = r
+            col_c = tl.where(new_row, r_c, col_c)
+            sig = tl.where(new_row, 1.0, sig)
+            rs = tl.where(new_row, r_total, rs)
+            n_prev = tl.maximum(n_prev, n)
+        # restart: row and column n0 − 1 (row first), σ and the row sums back to the prompt's
+        if restart:
+            n0i = tl.maximum(n0 - 1, 0)
+            in_prompt = j < n0
+            tl.debug_barrier()  # after the fresh rows' writes
+            if c != n0i:  # row c and column c are written at the end, with the rest of the step
+                _store_u(u_ptr, uw_ptr, u_row + n0i * cap + j, p_row, j_ok, HAS_UW)
+                tl.debug_barrier()
+                _store_u(u_ptr, uw_ptr, u_row + j * cap + n0i, p_col, in_prompt & (j != c), HAS_UW)
+                col_c = tl.where(j == n0i, tl.sum(tl.where(j == c, p_row, 0.0), axis=0), col_c)
+                if c < n0:
+                    row_c = tl.where(j == n0i, tl.sum(tl.where(j == c, p_col, 0.0), axis=0), row_c)
+            else:
+                row_c = tl.where((j == n0i) & (n0i < n0), tl.sum(tl.where(j == c, p_col, 0.0), axis=0), p_row)
+                col_c = tl.where(in_prompt, p_col, tl.where(j == n0i, row_c, col_c))
+            sig = tl.where(in_prompt, 1.0, sig)
+            rs = p_rsum
+            n_prev = n0
+        # a block that appears: row c = r, older rows' column c = 0
+        if c >= n_prev:
+            row_c = r
+            col_c = tl.where(j == c, r_c, tl.where(j < n_prev, 0.0, col_c))
+            sig = tl.where(j == c, 1.0, sig)
+            rs = tl.where(j == c, r_total, rs)
+        tl.store(nb_ptr + b, tl.maximum(n_prev, n).to(tl.int64))
+        # α = 1/(s + 1) and 1 − α in float64, rounded once (the reference's)
+        alpha = (1.0 / (s + 1).to(tl.float64)).to(tl.float32)
+        one_minus = (1.0 - 1.0 / (s + 1).to(tl.float64)).to(tl.float32)
+        # row c ← (1 − α)·A_c + α·r, normalised
+        sig_c = tl.sum(tl.where(j == c, sig, 0.0), axis=0)
+        x = tl.where(live, one_minus * (sig_c * row_c) + alpha * r, 0.0)
+        x = x / tl.maximum(tl.sum(x, axis=0), eps)
+        sig = tl.where(j == c, 1.0, sig)
+        rs = tl.where(j == c, tl.sum(x, axis=0), rs)
+        col_c = tl.where(j == c, tl.sum(tl.where(j == c, x, 0.0), axis=0), col_c)
+        # column c, then every live row's scale
+        y = one_minus * (sig * col_c) + alpha * r
+        u_new = tl.where(live, y / sig, col_c)
+        rs = rs + tl.where(live, u_new - col_c, 0.0)
+        sig = tl.where(live, sig / tl.maximum(sig * rs, eps), sig)
+        tl.debug_barrier()  # after the restart's writes
+        _store_u(u_ptr, uw_ptr, u_row + c * cap + j, x, j_ok & (j != c), HAS_UW)
+        _store_u(u_ptr, uw_ptr, u_row + j * cap + c, u_new, j_ok, HAS_UW)
+        tl.store(sigma_ptr + vec + j, sig, mask=j_ok)
+        tl.store(rsum_ptr + vec + j, rs, mask=j_ok)
+        # the ring's count, the order flag, the last position
+        last = tl.load(last_ptr + b)
+        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
+        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
+        tl.store(last_ptr + b, pos)
+        tl.store(nq_ptr + b, nq_new.to(tl.int64))
+
+    @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
+    def _select_regs_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr,
+                            n_ptr, short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
+                            SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_P: tl.constexpr,
+                            PDL: tl.constexpr):
+        """``_select_kernel``'s work with the row (``cap ≤ BLOCK_X``) in registers: the walk is loaded once (the
+        last hop's splits, each a row of loads issued together), the quantile's exact radix select runs on the
+        registers (``radix_select_regs``: no pass over memory per digit, and it stops once the digit's bin is
+        taken whole), and the kept blocks and the page list are one pass of stores."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        pos, c, _ = position(lens_ptr, b, BS)
+        n = c + 1
+        vec = b * cap
+        j = tl.arange(0, BLOCK_X)
+        live = j < n
+        hop = tl.zeros([BLOCK_X], tl.float32)
+        for sp in tl.static_range(SPLITS_P):  # the splits in order
+            sp_ok = (live.to(tl.int32) * (sp < n_splits).to(tl.int32)) != 0  # (the interpreter's mask types)
+            hop += tl.load(pout_ptr + (b * n_splits + sp) * cap + j, mask=sp_ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(live, one_minus_beta * tl.load(r_ptr + vec + j, mask=live, other=0.0) + beta * hop, 0.0)
+        tl.store(walk_ptr + vec + j, w, mask=j < cap)
+        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
+        _, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
+        first_window = n - wb
+        n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
+        th = tl.full([], 0.0, tl.float32)
+        if n_cand > 0:  # torch.nanquantile's linear quantile over [sb, first_window)
+            cand = (j >= sb) & (j < first_window)
+            ranks = (n_cand - 1).to(tl.float32) * q
+            lo = ranks.to(tl.int32)
+            hi = tl.ceil(ranks).to(tl.int32)
+            u = ordered(w)
+            img_hi = tl.max(tl.where(cand, u, 0), axis=0)
+            img_lo = tl.min(tl.where(cand, u, 0xFFFFFFFF), axis=0)
+            # a lower bound of the lo-th smallest's image, every candidate at or above it among the n_cand − lo
+            # largest: the lo-th smallest is the least of them
+            bound = radix_select_regs(u, cand, n_cand - lo, img_hi, img_lo)[0]
+            v_lo = tl.min(tl.where(cand & (u >= bound), w, float("inf")), axis=0)
+            img = ordered(v_lo)
+            v_next = tl.min(tl.where(cand & (u > img), w, float("inf")), axis=0)
+            n_le = tl.sum((cand & (u <= img)).to(tl.int32), axis=0)
+            v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
+            weight = ranks - lo.to(tl.float32)
+            # torch.lerp's two forms (exact at both ends)
+            th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
+        kept = live & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
+        tl.store(kept_ptr + vec + j, kept.to(tl.int8), mask=j < cap)
+        listed = kept & ((j + 1) * BS > wt)
+        order = tl.cumsum(listed.to(tl.int32), 0) - 1
+        ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
+        tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
+        count = tl.minimum(tl.sum(listed.to(tl.int32), 0), max_pages)
+        for e0 in range(0, max_pages, BLOCK_P):
+            e = e0 + tl.arange(0, BLOCK_P)
+            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK_P], tl.int32), mask=(e >= count) & (e < max_pages))
+        tl.store(counts_ptr + b, count)
+        tl.store(wt_ptr + b, wt.to(tl.int32))
+        tl.store(n_ptr + b, n.to(tl.int32))
+        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
+
 
 def tail_chunk(cap: int) -> int:
     """Columns a row's serial tail (the matrix step, the selection) handles at once: the whole row up to 4,096
     blocks (256k tokens of 64), so that each of its passes is one round trip to memory."""
     return min(4096, max(16, next_pow2(cap)))
+
+
+#: the longest row (in blocks) the register forms hold: 512k tokens of 64-key blocks
+REGS_MAX_BLOCKS = 8192
+#: the forms of the tail and the selection
+FORMS = ("registers", "chunked")
+#: the running matrix the hops may read: U itself, or a 16-bit copy of it that the tail keeps
+WALK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class WalkPath:
+    """How the step's second half runs. ``tail``, ``select``: ``"registers"`` (the row held in registers, one
+    round trip to memory; rows up to :data:`REGS_MAX_BLOCKS` blocks, longer ones take the other form) or
+    ``"chunked"`` (passes over memory in chunks of :func:`tail_chunk`). ``walk_dtype``: the U the hops read,
+    float32 (U itself) or a 16-bit copy that the registers tail writes beside U (``st.u_walk``, made from U by the
+    first walk that needs it): half the bytes per hop, the walk rounded (the state itself stays float32).
+    ``block_i``, ``block_j``: a hop program's rows per step of its loop and its columns."""
+
+    tail: str = "registers"
+    select: str = "registers"
+    walk_dtype: torch.dtype = torch.float32
+    block_i: int = 32
+    block_j: int = 128
+
+    def __post_init__(self):
+        for name in ("tail", "select"):
+            if getattr(self, name) not in FORMS:
+                raise ValueError(f"{name}: expected one of {FORMS}, got {getattr(self, name)!r}")
+        if self.walk_dtype not in WALK_DTYPES:
+            raise ValueError(f"walk_dtype: expected one of {WALK_DTYPES}, got {self.walk_dtype}")
+        if self.walk_dtype != torch.float32 and self.tail != "registers":
+            raise ValueError("walk_dtype: a 16-bit copy of U is kept by the registers tail only (tail='registers')")
+        for name in ("block_i", "block_j"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name}: expected a power of two of at least 16, got {v!r}")
+
+
+#: the path the launches below take unless given one (a module-level switch, so that one process can time both)
+PATH = WalkPath()
+
+
+def set_path(path: WalkPath) -> WalkPath:
+    """Makes ``path`` the module's default; returns the one it replaces."""
+    global PATH
+    if not isinstance(path, WalkPath):
+        raise ValueError(f"path: expected a WalkPath, got {type(path).__name__}")
+    before, PATH = PATH, path
+    return before
 
 
 def check_state(st) -> None:
@@ -327,16 +576,39 @@ def check_state(st) -> None:
             raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
 
 
+def walk_copy(st) -> torch.Tensor | None:
+    """The 16-bit copy of U the registers tail keeps (``st.u_walk``), or None (one of another shape, left by a
+    state that grew, is dropped)."""
+    uw = getattr(st, "u_walk", None)
+    if uw is not None and uw.shape != st.u.shape:
+        st.u_walk = uw = None
+    return uw
+
 
 def row_tail_triton(st, part: torch.Tensor, r: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *,
-                    block_x: int | None = None, block_d: int = 32, pdl: bool = False) -> None:
+                    block_x: int | None = None, block_d: int = 32, pdl: bool = False,
+                    path: WalkPath | None = None) -> None:
     """The step's tail after the block row's partials ``part [B·Hkv·C]`` (float32, the KV heads' probabilities
     summed over their ring rows, zero past each row's blocks): block c's key sums, ``r [B, C]`` (normalised, into
-    ``r``), the running matrix's step, the ring count, the order flag. ``block_x``: the chunk (default
-    :func:`tail_chunk`); ``pdl``: launched with programmatic dependent launch."""
+    ``r``), the running matrix's step (and its 16-bit copy's, where the state has one), the ring count, the order
+    flag. ``path``: :class:`WalkPath` (default :data:`PATH`); ``block_x``, ``block_d``: the chunked form's chunks
+    (default :func:`tail_chunk`); ``pdl``: launched with programmatic dependent launch."""
+    path = path or PATH
     b, hkv, _, d = st.ksum.shape
     cap = st.u.shape[-1]
     w_len = st.qs.shape[2]
+    uw = walk_copy(st)
+    if path.tail == "registers" and cap <= REGS_MAX_BLOCKS:
+        block_x = max(16, next_pow2(cap))
+        launch(_row_tail_regs_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u,
+               st.u if uw is None else uw, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col,
+               st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart, st.ksum, cap, w_len, int(st.fresh_rows),
+               ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2), HKV=hkv, BLOCK_D=max(16, next_pow2(d)),
+               BS=st.block_size, BLOCK_X=block_x, BLOCK_H=max(2, next_pow2(hkv)), HAS_UW=uw is not None, PDL=pdl,
+               num_warps=regs_warps(block_x), **pdl_launch(pdl))
+        return
+    if uw is not None:  # the chunked form does not keep the copy: the next walk makes it again
+        st.u_walk = None
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
            st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
            st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
@@ -344,16 +616,39 @@ def row_tail_triton(st, part: torch.Tensor, r: torch.Tensor, k: torch.Tensor, le
            **pdl_launch(pdl))
 
 
+def regs_warps(block_x: int) -> int:
+    """Warps of a register form's program: about eight of a row's entries per thread."""
+    return min(16, max(4, block_x // 256))
+
+
 def walk_splits(batch: int, cap: int, device: torch.device, *, block_j: int, block_i: int) -> int:
     """Row splits of each hop's GEMV: about two programs per SM in all, at least ``block_i`` rows each."""
     return row_segments(batch * cdiv(cap, block_j), cap, device, segment=block_i)
 
 
+def walk_matrix(st, dtype: torch.dtype) -> torch.Tensor:
+    """The U the hops read: ``st.u`` for float32; else the state's 16-bit copy, made from U where it has none
+    (or one of another dtype), dropped again when float32 is asked for."""
+    uw = walk_copy(st)
+    if dtype == torch.float32:
+        if uw is not None:
+            st.u_walk = None
+        return st.u
+    if uw is None or uw.dtype != dtype:
+        uw = st.u.to(dtype)
+        st.u_walk = uw
+    return uw
+
+
 def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
-                       window: float, q: float, max_pages: int, splits: int | None = None, block_j: int = 128,
-                       block_i: int = 32, block_x: int | None = None) -> dict[str, torch.Tensor]:
-    """:func:`walk_select_reference` in ``degree`` launches (float32). ``splits``: the GEMV's row splits
-    (default :func:`walk_splits`); ``block_x``: the selection's chunk (default :func:`tail_chunk`)."""
+                       window: float, q: float, max_pages: int, splits: int | None = None, block_j: int | None = None,
+                       block_i: int | None = None, block_x: int | None = None,
+                       path: WalkPath | None = None) -> dict[str, torch.Tensor]:
+    """:func:`walk_select_reference` in ``degree`` + 1 launches (float32; with ``path.walk_dtype`` 16-bit, the hops
+    read U rounded to it). ``path``: :class:`WalkPath` (default :data:`PATH`); ``splits``: the GEMV's row splits
+    (default :func:`walk_splits`); ``block_i``, ``block_j``: the hops' tiles (default the path's); ``block_x``:
+    the chunked selection's chunk (default :func:`tail_chunk`)."""
+    path = path or PATH
     check_state(st)
     if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
         raise ValueError(f"r: expected a contiguous float32 {tuple(st.sigma.shape)}, got {r.dtype} {tuple(r.shape)}")
@@ -361,7 +656,12 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
         raise ValueError(f"degree: expected at least 1, got {degree}")
     b, cap = r.shape
     dev = r.device
-    block_j = min(block_j, max(16, next_pow2(cap)))
+    if path.walk_dtype != torch.float32 and cap > REGS_MAX_BLOCKS:
+        raise ValueError(f"path.walk_dtype: a 16-bit U needs the registers tail, which holds rows of at most "
+                         f"{REGS_MAX_BLOCKS} blocks (got {cap})")
+    u = walk_matrix(st, path.walk_dtype)
+    block_i = block_i or path.block_i
+    block_j = min(block_j or path.block_j, max(16, next_pow2(cap)))
     col_tiles = cdiv(cap, block_j)
     splits = splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
     split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
@@ -378,14 +678,22 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     frac = float64_constants((sink, window), dev)
     pdl = pdl_available()  # each launch starts while the kernel before it runs (its programs wait for it first)
     for hop in range(degree):
-        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.u, st.sigma, r, hops[(hop + 1) % 2],
+        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, u, st.sigma, r, hops[(hop + 1) % 2],
                hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
                BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j, PDL=pdl,
                num_warps=4, num_stages=2, **pdl_launch(pdl))
-    launch(_select_kernel, (b,), lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"],
-           out["counts"], out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
-           float(1.0 - beta), BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)),
-           BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8, **pdl_launch(pdl))
+    common = (lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"], out["counts"],
+              out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
+              float(1.0 - beta))
+    splits_p = max(2, next_pow2(n_splits))
+    if path.select == "registers" and cap <= REGS_MAX_BLOCKS:
+        width = max(16, next_pow2(cap))
+        launch(_select_regs_kernel, (b,), *common, BS=st.block_size, SPLITS_P=splits_p, BLOCK_X=width,
+               BLOCK_P=min(width, max(16, next_pow2(max_pages))), PDL=pdl, num_warps=regs_warps(width),
+               **pdl_launch(pdl))
+    else:
+        launch(_select_kernel, (b,), *common, BS=st.block_size, SPLITS_P=splits_p, BLOCK_X=block_x or tail_chunk(cap),
+               PDL=pdl, num_warps=8, **pdl_launch(pdl))
     out["kept"] = out["kept"].view(torch.bool)
     out["short"] = out["short"].view(torch.bool)
     return out

@@ -71,6 +71,7 @@ class AuthorsDeviceState(MethodState):
     block_size: int
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
     last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
+    u_walk: torch.Tensor | None = field(default=None, repr=False, compare=False)  # U's 16-bit copy for the walk
 
     @property
     def capacity_blocks(self) -> int:
