@@ -534,13 +534,14 @@ class WalkPath:
     ``"chunked"`` (passes over memory in chunks of :func:`tail_chunk`). ``walk_dtype``: the U the hops read,
     float32 (U itself) or a 16-bit copy that the registers tail writes beside U (``st.u_walk``, made from U by the
     first walk that needs it): half the bytes per hop, the walk rounded (the state itself stays float32).
-    ``block_i``, ``block_j``: a hop program's rows per step of its loop and its columns."""
+    ``block_i``, ``block_j``: a hop program's rows per step of its loop and its columns (``block_j`` by default 128
+    over float32, 256 over 16 bits: the same bytes per step)."""
 
     tail: str = "registers"
     select: str = "registers"
     walk_dtype: torch.dtype = torch.float32
     block_i: int = 32
-    block_j: int = 128
+    block_j: int | None = None
 
     def __post_init__(self):
         for name in ("tail", "select"):
@@ -552,6 +553,8 @@ class WalkPath:
             raise ValueError("walk_dtype: a 16-bit copy of U is kept by the registers tail only (tail='registers')")
         for name in ("block_i", "block_j"):
             v = getattr(self, name)
+            if name == "block_j" and v is None:
+                continue
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name}: expected a power of two of at least 16, got {v!r}")
 
@@ -661,7 +664,8 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
                          f"{REGS_MAX_BLOCKS} blocks (got {cap})")
     u = walk_matrix(st, path.walk_dtype)
     block_i = block_i or path.block_i
-    block_j = min(block_j or path.block_j, max(16, next_pow2(cap)))
+    block_j = block_j or path.block_j or (128 if path.walk_dtype == torch.float32 else 256)
+    block_j = min(block_j, max(16, next_pow2(cap)))
     col_tiles = cdiv(cap, block_j)
     splits = splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
     split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
