@@ -7,21 +7,21 @@ Triton kernel, captured in a CUDA graph, cold L2; writes ``decode.json`` and ``d
 ``--paths``: the forms of the step's second half (``kernels/sketchwalk/authors_walk.py``'s ``WalkPath``), each timed
 with its own state: ``chunked`` (the tail and the selection in passes over memory, the hops over float32 U),
 ``registers`` (the row in registers), ``registers-bf16`` / ``registers-fp16`` (and the hops over a 16-bit copy of U);
-``-jN`` / ``-iN`` set the hops' tile (columns; rows per step). Each path is first checked against the step's torch
-reference (``device_step(kernels=False)``) from the same state, step by step over ``--check-steps`` steps up to the
-timed position: kept blocks that differ (flips: near ties, or the 16-bit U's rounding) out of those kept, the
-walk's and the row scales' largest relative difference, whether the page lists are equal, and the attention on
-the path's pages against masked attention over the reference's kept keys. Rows ``sketchwalk_step[P]`` and
-``sketchwalk_step`` (the first path's).
+``-jN`` / ``-iN`` / ``-wN`` / ``-sN`` set the hops' tile (columns; rows per step), warps and row splits. Each path
+is first checked against the step's torch reference (``device_step(kernels=False)``) from the same state, step by
+step over ``--check-steps`` steps up to the timed position: kept blocks that differ (flips: near ties, or the 16-bit
+U's rounding) out of those kept, the walk's and the row scales' largest relative difference, whether the page lists
+are equal, and the attention on the path's pages against masked attention over the reference's kept keys. Rows
+``sketchwalk_step[P]`` and ``sketchwalk_step`` (the first path's).
 
 The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix)
 of ``n − 1`` random tokens; every timed replay is the first step after the prompt (a restart, the same work as
 any step). Rows: the whole step (selection + attention), the attention alone on the step's pages (so the
 selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
 kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold
-L2; a kernel launched with programmatic dependent launch counts its wait). ``--check`` runs one step on the CPU
-through Triton's interpreter (tiny shapes, no timing) and reports what it would launch (``count_dispatched``:
-Triton launches and torch ops).
+L2; a kernel launched with programmatic dependent launch counts its wait). ``--check`` runs the paths'
+checks and one step each on the CPU through Triton's interpreter (tiny shapes, no timing) and reports what a step
+would launch (``count_dispatched``: Triton launches and torch ops).
 """
 
 from __future__ import annotations
@@ -46,14 +46,16 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def walk_path(name: str) -> aw.WalkPath:
-    """``chunked`` | ``registers``, then ``-bf16`` / ``-fp16`` (the hops' U), ``-jN`` / ``-iN`` (their tile)."""
+    """``chunked`` | ``registers``, then ``-bf16`` / ``-fp16`` (the hops' U), ``-jN`` / ``-iN`` (their tile), ``-wN``
+    (their warps), ``-sN`` (their row splits)."""
     form, *opts = name.split("-")
     kw = {"tail": form, "select": form}
     for opt in opts:
         if opt in DTYPES:
             kw["walk_dtype"] = DTYPES[opt]
-        elif opt[:1] in ("i", "j") and opt[1:].isdigit():
-            kw["block_" + opt[0]] = int(opt[1:])
+        elif opt[:1] in ("i", "j", "w", "s") and opt[1:].isdigit():
+            key = {"i": "block_i", "j": "block_j", "w": "hop_warps", "s": "splits"}[opt[0]]
+            kw[key] = int(opt[1:])
         else:
             raise ValueError(f"--paths: unknown option {opt!r} in {name!r}")
     return aw.WalkPath(**kw)

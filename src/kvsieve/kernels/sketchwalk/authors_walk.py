@@ -69,6 +69,63 @@ if triton is not None:
         return base + k_new
 
     @triton.jit
+    def _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr):
+        """The ring's count, the order flag, the last position, after the step."""
+        last = tl.load(last_ptr + b)
+        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
+        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
+        tl.store(last_ptr + b, pos)
+        tl.store(nq_ptr + b, nq_new.to(tl.int64))
+
+    @triton.jit
+    def _reserved(n_tok, frac, n, BS: tl.constexpr):
+        """``reserved_device``: ``max(1, ⌊f·T⌋)`` tokens (float64) and ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
+        tokens = tl.maximum((n_tok.to(tl.float64) * frac).to(tl.int64), 1)
+        return tokens, tl.minimum(n, tl.maximum((tokens + BS - 1) // BS, 1))
+
+    @triton.jit
+    def _row_sizes(pos, n, frac_ptr, BS: tl.constexpr):
+        """``(window tokens, window blocks, sink blocks)`` of a row at position pos (``frac_ptr``: sink, window)."""
+        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
+        sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)[1]
+        return wt, wb, sb
+
+    @triton.jit
+    def _lerp(ranks, lo, hi, v_lo, v_next, n_le):
+        """torch.nanquantile's linear interpolation between the lo-th smallest ``v_lo`` and the hi-th (``v_lo`` again
+        where ``n_le`` values, at most v_lo, reach past hi; else the next larger ``v_next``), in torch.lerp's two forms
+        (exact at both ends)."""
+        v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
+        weight = ranks - lo.to(tl.float32)
+        return tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
+
+    @triton.jit
+    def _kept_pages(b, j, w, listed_n, n, sb, first_window, n_cand, th, wt, cap, max_pages, kept_ptr, pages_ptr,
+                    BS: tl.constexpr):
+        """The kept blocks among ``j`` (walk ``w``) and those of them past the first wt keys into the page list after
+        the ``listed_n`` listed before; returns the count listed."""
+        kept = (j < n) & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
+        tl.store(kept_ptr + b * cap + j, kept.to(tl.int8), mask=j < cap)
+        listed = kept & ((j + 1) * BS > wt)
+        order = listed_n + tl.cumsum(listed.to(tl.int32), 0) - 1
+        ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
+        tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
+        return listed_n + tl.sum(listed.to(tl.int32), 0)
+
+    @triton.jit
+    def _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr,
+                     BLOCK: tl.constexpr):
+        """The page list's zeros past its count, the count, and the row's sizes."""
+        count = tl.minimum(listed_n, max_pages)
+        for e0 in range(0, max_pages, BLOCK):
+            e = e0 + tl.arange(0, BLOCK)
+            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK], tl.int32), mask=(e >= count) & (e < max_pages))
+        tl.store(counts_ptr + b, count)
+        tl.store(wt_ptr + b, wt.to(tl.int32))
+        tl.store(n_ptr + b, n.to(tl.int32))
+        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
+
+    @triton.jit
     def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
                     p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps,
                     BLOCK_X: tl.constexpr):
@@ -169,12 +226,7 @@ if triton is not None:
             tl.store(u_row + i * cap + c, u_new, mask=i_ok)
             tl.store(sigma_ptr + vec + i, tl.where(live, sig / tl.maximum(sig * rs, eps), sig), mask=i_ok)
             tl.store(rsum_ptr + vec + i, rs, mask=i_ok)
-        # the ring's count, the order flag, the last position
-        last = tl.load(last_ptr + b)
-        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
-        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
-        tl.store(last_ptr + b, pos)
-        tl.store(nq_ptr + b, nq_new.to(tl.int64))
+        _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr)
 
     @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
     def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
@@ -201,12 +253,6 @@ if triton is not None:
                     p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
 
     @triton.jit
-    def _reserved(n_tok, frac, n, BS: tl.constexpr):
-        """``reserved_device``: ``max(1, ⌊f·T⌋)`` tokens (float64) and ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
-        tokens = tl.maximum((n_tok.to(tl.float64) * frac).to(tl.int64), 1)
-        return tokens, tl.minimum(n, tl.maximum((tokens + BS - 1) // BS, 1))
-
-    @triton.jit
     def _select_row(b, pos, c, r_ptr, p_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
                     short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
                     SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -224,8 +270,7 @@ if triton is not None:
             w = tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0)
             tl.store(walk_ptr + vec + j, w, mask=j < cap)
         tl.debug_barrier()
-        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
-        sink_tokens, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
+        wt, wb, sb = _row_sizes(pos, n, frac_ptr, BS)
         first_window = n - wb
         n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
         th = tl.full([], 0.0, tl.float32)
@@ -246,29 +291,14 @@ if triton is not None:
                 v_lo = tl.maximum(v_lo, tl.max(tl.where((offs < n_cand) & (u == img), w, float("-inf")), 0))
                 v_next = tl.minimum(v_next, tl.min(tl.where((offs < n_cand) & (u > img), w, float("inf")), 0))
                 n_le += tl.sum(((offs < n_cand) & (u <= img)).to(tl.int32), 0)
-            v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
-            weight = ranks - lo.to(tl.float32)
-            # torch.lerp's two forms (exact at both ends)
-            th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
+            th = _lerp(ranks, lo, hi, v_lo, v_next, n_le)
         listed_n = tl.full([], 0, tl.int32)
         for x0 in range(0, cap, BLOCK_X):
             j = x0 + tl.arange(0, BLOCK_X)
             w = tl.load(walk_ptr + vec + j, mask=j < cap, other=0.0)
-            kept = (j < n) & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
-            tl.store(kept_ptr + vec + j, kept.to(tl.int8), mask=j < cap)
-            listed = kept & ((j + 1) * BS > wt)
-            order = listed_n + tl.cumsum(listed.to(tl.int32), 0) - 1
-            ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
-            tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
-            listed_n += tl.sum(listed.to(tl.int32), 0)
-        count = tl.minimum(listed_n, max_pages)
-        for e0 in range(0, max_pages, BLOCK_X):
-            e = e0 + tl.arange(0, BLOCK_X)
-            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK_X], tl.int32), mask=(e >= count) & (e < max_pages))
-        tl.store(counts_ptr + b, count)
-        tl.store(wt_ptr + b, wt.to(tl.int32))
-        tl.store(n_ptr + b, n.to(tl.int32))
-        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
+            listed_n = _kept_pages(b, j, w, listed_n, n, sb, first_window, n_cand, th, wt, cap, max_pages, kept_ptr,
+                                   pages_ptr, BS)
+        _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, BLOCK_X)
 
     @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
     def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap, n_splits, split_rows, beta,
@@ -442,12 +472,7 @@ if triton is not None:
         _store_u(u_ptr, uw_ptr, u_row + j * cap + c, u_new, j_ok, HAS_UW)
         tl.store(sigma_ptr + vec + j, sig, mask=j_ok)
         tl.store(rsum_ptr + vec + j, rs, mask=j_ok)
-        # the ring's count, the order flag, the last position
-        last = tl.load(last_ptr + b)
-        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
-        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
-        tl.store(last_ptr + b, pos)
-        tl.store(nq_ptr + b, nq_new.to(tl.int64))
+        _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr)
 
     @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
     def _select_regs_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr,
@@ -473,8 +498,7 @@ if triton is not None:
             hop += tl.load(pout_ptr + (b * n_splits + sp) * cap + j, mask=sp_ok, other=0.0, cache_modifier=".cg")
         w = tl.where(live, one_minus_beta * tl.load(r_ptr + vec + j, mask=live, other=0.0) + beta * hop, 0.0)
         tl.store(walk_ptr + vec + j, w, mask=j < cap)
-        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
-        _, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
+        wt, wb, sb = _row_sizes(pos, n, frac_ptr, BS)
         first_window = n - wb
         n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
         th = tl.full([], 0.0, tl.float32)
@@ -493,24 +517,10 @@ if triton is not None:
             img = ordered(v_lo)
             v_next = tl.min(tl.where(cand & (u > img), w, float("inf")), axis=0)
             n_le = tl.sum((cand & (u <= img)).to(tl.int32), axis=0)
-            v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
-            weight = ranks - lo.to(tl.float32)
-            # torch.lerp's two forms (exact at both ends)
-            th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
-        kept = live & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
-        tl.store(kept_ptr + vec + j, kept.to(tl.int8), mask=j < cap)
-        listed = kept & ((j + 1) * BS > wt)
-        order = tl.cumsum(listed.to(tl.int32), 0) - 1
-        ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
-        tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
-        count = tl.minimum(tl.sum(listed.to(tl.int32), 0), max_pages)
-        for e0 in range(0, max_pages, BLOCK_P):
-            e = e0 + tl.arange(0, BLOCK_P)
-            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK_P], tl.int32), mask=(e >= count) & (e < max_pages))
-        tl.store(counts_ptr + b, count)
-        tl.store(wt_ptr + b, wt.to(tl.int32))
-        tl.store(n_ptr + b, n.to(tl.int32))
-        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
+            th = _lerp(ranks, lo, hi, v_lo, v_next, n_le)
+        listed_n = _kept_pages(b, j, w, tl.full([], 0, tl.int32), n, sb, first_window, n_cand, th, wt, cap, max_pages,
+                               kept_ptr, pages_ptr, BS)
+        _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, BLOCK_P)
 
 
 def tail_chunk(cap: int) -> int:
@@ -535,13 +545,16 @@ class WalkPath:
     float32 (U itself) or a 16-bit copy that the registers tail writes beside U (``st.u_walk``, made from U by the
     first walk that needs it): half the bytes per hop, the walk rounded (the state itself stays float32).
     ``block_i``, ``block_j``: a hop program's rows per step of its loop and its columns (``block_j`` by default 128
-    over float32, 256 over 16 bits: the same bytes per step)."""
+    over float32, 256 over 16 bits: the same bytes per step); ``hop_warps``: a hop program's warps; ``splits``: the
+    rows' splits per column tile (default :func:`walk_splits`: about two programs per SM)."""
 
     tail: str = "registers"
     select: str = "registers"
     walk_dtype: torch.dtype = torch.float32
     block_i: int = 32
     block_j: int | None = None
+    hop_warps: int = 4
+    splits: int | None = None
 
     def __post_init__(self):
         for name in ("tail", "select"):
@@ -557,6 +570,10 @@ class WalkPath:
                 continue
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"{name}: expected a power of two of at least 16, got {v!r}")
+        if self.hop_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"hop_warps: expected 1, 2, 4, 8 or 16, got {self.hop_warps!r}")
+        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
+            raise ValueError(f"splits: expected a positive int or None, got {self.splits!r}")
 
 
 #: the path the launches below take unless given one (a module-level switch, so that one process can time both)
@@ -667,7 +684,7 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     block_j = block_j or path.block_j or (128 if path.walk_dtype == torch.float32 else 256)
     block_j = min(block_j, max(16, next_pow2(cap)))
     col_tiles = cdiv(cap, block_j)
-    splits = splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
+    splits = splits or path.splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
     split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
     n_splits = cdiv(cap, split_rows)
     hops = workspace("sw_authors_hops", r, 2 * b * n_splits * cap, torch.float32)[:2 * b * n_splits * cap]
@@ -685,7 +702,7 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
         launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, u, st.sigma, r, hops[(hop + 1) % 2],
                hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
                BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j, PDL=pdl,
-               num_warps=4, num_stages=2, **pdl_launch(pdl))
+               num_warps=path.hop_warps, num_stages=2, **pdl_launch(pdl))
     common = (lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"], out["counts"],
               out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
               float(1.0 - beta))
