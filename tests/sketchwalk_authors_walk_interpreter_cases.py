@@ -150,7 +150,8 @@ def test_the_selection_forms_equal_the_reference(seed, q, max_pages):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_selection_keeps_the_reference_blocks_on_random_walks(seed):
     """Random walks without ties over many rows of different lengths (every quantile rank's fraction): the
-    registers form keeps exactly the reference's blocks."""
+    registers form keeps exactly the reference's blocks, the hops in tiles of 16 rows or in one step of 64 (one
+    split: the program's rows past the capacity masked)."""
     g = torch.Generator().manual_seed(seed)
     b, cap = 12, 64
     st = crafted_state(seed, b=5, cap=cap)
@@ -164,9 +165,10 @@ def test_the_selection_keeps_the_reference_blocks_on_random_walks(seed):
     for q in (0.3, 0.77, 0.99):
         kw = dict(beta=0.5, degree=2, sink=0.02, window=0.05, q=q, max_pages=cap)
         want = kr.walk_select_reference(st, r, lengths, **kw)
-        got = aw.walk_select_triton(st, r, lengths, block_i=16, block_j=32, path=aw.WalkPath(), **kw)
-        for name in ("kept", "pages", "counts"):
-            assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, q)
+        for path in (aw.WalkPath(block_i=16, block_j=32), aw.WalkPath(block_i=64, hop_warps=8, splits=1)):
+            got = aw.walk_select_triton(st, r, lengths, path=path, **kw)
+            for name in ("kept", "pages", "counts"):
+                assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, q, path)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

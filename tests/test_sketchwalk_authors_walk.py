@@ -57,10 +57,11 @@ for width, uw in ((2048, None), (2048, "*bf16"), (512, "*fp16"), (8192, "*bf16")
              floats=("eps",), num_warps=aw.regs_warps(width))
     compile_(aw._select_regs_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=width, BLOCK_P=1024, PDL=True),
              floats=("q", "beta", "one_minus_beta"), num_warps=aw.regs_warps(width))
-for u in ("*bf16", "*fp16"):
+for u, block_i, block_j, warps in (("*bf16", 32, 256, 4), ("*fp16", 32, 256, 4), (f32, 128, 128, 8),
+                                   ("*bf16", 128, 256, 8)):
     compile_(aw._walk_hop_kernel, {**ptrs, "u_ptr": u},
-             dict(FIRST=False, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=256, PDL=True),
-             floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)
+             dict(FIRST=False, BS=64, SPLITS_P=16, BLOCK_I=block_i, BLOCK_J=block_j, PDL=True),
+             floats=("beta", "one_minus_beta"), num_warps=warps, num_stages=2)
 print("COMPILED")
 """
 
@@ -68,7 +69,8 @@ print("COMPILED")
 @pytest.mark.triton
 def test_the_register_kernels_compile_for_the_h100():
     """The registers tail (with and without the 16-bit copy, at 512 to 8,192 blocks), the registers selection and
-    the hops over a 16-bit U compile for sm_90 within the shared memory an H100 block has."""
+    the hops over a 16-bit U or in one step of 128 rows (the benchmark's sweep) compile for sm_90 within the shared
+    memory an H100 block has."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 

@@ -126,7 +126,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
-    ap.add_argument("--paths", default="registers,chunked,registers-bf16,registers-fp16",
+    ap.add_argument("--paths", default="registers,chunked,registers-bf16,registers-fp16,registers-i128-w8,"
+                                       "registers-bf16-i128-w8",
                     help="the step's second half: comma-separated WalkPath names (module docstring)")
     ap.add_argument("--check-steps", type=int, default=8, help="steps of each path's check against the torch step")
     ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
