@@ -222,7 +222,8 @@ compile_(ad._row_probs_kernel, ptrs, dict(BS=64, BLOCK_R=64, BLOCK_N=ad.ROW_TILE
          num_warps=4)
 compile_(aw._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
-    compile_(aw._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
+    compile_(aw._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, EARLY=False,
+                                             PDL=True),
              floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)
 compile_(aw._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
          floats=("q", "beta", "one_minus_beta"), num_warps=8)

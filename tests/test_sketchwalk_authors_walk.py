@@ -60,7 +60,7 @@ for width, uw in ((2048, None), (2048, "*bf16"), (512, "*fp16"), (8192, "*bf16")
 for u, block_i, block_j, warps in (("*bf16", 32, 256, 4), ("*fp16", 32, 256, 4), (f32, 128, 128, 8),
                                    ("*bf16", 128, 256, 8)):
     compile_(aw._walk_hop_kernel, {**ptrs, "u_ptr": u},
-             dict(FIRST=False, BS=64, SPLITS_P=16, BLOCK_I=block_i, BLOCK_J=block_j, PDL=True),
+             dict(FIRST=False, BS=64, SPLITS_P=16, BLOCK_I=block_i, BLOCK_J=block_j, EARLY=block_i == 128, PDL=True),
              floats=("beta", "one_minus_beta"), num_warps=warps, num_stages=2)
 print("COMPILED")
 """

@@ -1,17 +1,24 @@
 """variant=authors' decode step, its per-row tail, walk and selection on the device (``authors_decode.py`` gives the
-step; this module its steps 3–5 and the device helpers both share):
+step; this module its steps 3–5 and the device helpers both share). Two forms of the tail and of the selection,
+chosen by :class:`WalkPath` (the module's :data:`PATH`, or a ``path`` argument):
 
-- ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads' probability partials
-  (``row_update_triton``'s ``part [B, Hkv, C]``), normalises ``r`` and runs the running matrix's step, the ring's
-  count and the order flag;
+- the tail, a program per row after the block row's per-KV-head partials (``row_update_triton``'s
+  ``part [B, Hkv, C]``): block ``c``'s key sums, the KV heads summed and ``r`` normalised, the running matrix's
+  step, the ring's count and the order flag. ``_row_tail_regs_kernel`` (``"registers"``) holds the row in
+  registers: every load issued at once, the restart, a new block and fresh rows folded into the registers' values,
+  each entry written once; ``_row_tail_kernel`` (``"chunked"``) makes about ten passes over memory in chunks, with
+  the key sums one dim chunk of one KV head at a time;
 - ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
-  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them;
-- ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
-  the kept blocks and the page list.
+  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them; over U or over a 16-bit copy of
+  it that the registers tail keeps beside it (half the bytes; the walk rounded, the state not); a later hop whose
+  split is one step loads its tile before it waits for the hop before;
+- the selection, a program per row: the walk (the last hop's splits summed), the quantile by an exact radix select
+  (``select_common``'s), the kept blocks and the page list; ``_select_regs_kernel`` (``"registers"``) on the row
+  in registers, ``_select_kernel`` (``"chunked"``) in passes over memory.
 
-The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
+The per-row work is launches of its own rather than the last tile program to arrive (a ticket counter):
 acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
-programmatic dependent launch hides.
+programmatic dependent launch hides. No atomics: sums in a fixed order, a replay equals an eager call bit for bit.
 """
 
 from __future__ import annotations
@@ -303,9 +310,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
     def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap, n_splits, split_rows, beta,
                          one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr, SPLITS_P: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
-            gdc_wait()
+                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+        """A program per (row, tile of BLOCK_J columns, split of split_rows rows): the split's share of
+        ``(w ⊙ σ)·U`` over the tile, ``w`` the previous hop's splits summed (``FIRST``: the block row). ``EARLY``
+        (a later hop whose split is one step of BLOCK_I rows, launched early): the program loads its tile of U, r
+        and σ before it waits for the hop before, which writes none of them (the tail that does finished before the
+        hop before passed its own wait, and only then could this one launch), so the tile's read overlaps the
+        previous hop."""
+        if PDL and not EARLY:  # launched early (programmatic dependent launch): wait for the kernel before, let
+            gdc_wait()  # the next launch
             gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         jt = tl.program_id(1)
@@ -317,20 +330,35 @@ if triton is not None:
         i0 = sp * split_rows
         i1 = tl.minimum(i0 + split_rows, n)
         spl = tl.arange(0, SPLITS_P)
-        acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
-        for x0 in range(i0, i1, BLOCK_I):
-            i = x0 + tl.arange(0, BLOCK_I)
+        if EARLY:
+            i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < i1
-            w = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
-            if not FIRST:  # the previous hop's walk over these rows (all live: i < n)
-                prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
-                               mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
-                w = one_minus_beta * w + beta * tl.sum(prev, 0)
-            v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
             a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
-                        other=0.0).to(tl.float32)  # (U or its 16-bit copy)
-            acc += v[:, None] * a
-        tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
+                        other=0.0).to(tl.float32)
+            rs = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
+            sig = tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
+                           mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
+            v = (one_minus_beta * rs + beta * tl.sum(prev, 0)) * sig
+            tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(v[:, None] * a, 0), mask=j_ok)
+        else:
+            acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
+            for x0 in range(i0, i1, BLOCK_I):
+                i = x0 + tl.arange(0, BLOCK_I)
+                i_ok = i < i1
+                w = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
+                if not FIRST:  # the previous hop's walk over these rows (all live: i < n)
+                    prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
+                                   mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
+                    w = one_minus_beta * w + beta * tl.sum(prev, 0)
+                v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
+                a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
+                            other=0.0).to(tl.float32)  # (U or its 16-bit copy)
+                acc += v[:, None] * a
+            tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
 
     @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
     def _select_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
@@ -701,7 +729,8 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     for hop in range(degree):
         launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, u, st.sigma, r, hops[(hop + 1) % 2],
                hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
-               BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j, PDL=pdl,
+               BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
+               EARLY=hop > 0 and split_rows <= block_i, PDL=pdl,
                num_warps=path.hop_warps, num_stages=2, **pdl_launch(pdl))
     common = (lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"], out["counts"],
               out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
