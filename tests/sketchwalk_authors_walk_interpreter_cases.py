@@ -195,3 +195,32 @@ def test_the_16_bit_walk_reads_u_rounded_and_the_tail_keeps_the_copy(dtype):
         lengths = lengths + 1
     aw.walk_select_triton(st, r, lengths, path=aw.WalkPath(), **kw)
     assert st.u_walk is None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_the_first_hop_reads_again_what_the_tail_rewrote(seed, fresh):
+    """The first hop, its split one step (EARLY), loads its tile before the tail has finished: given U as it was
+    before the tail for those loads, the walk still equals the reference's on U after the tail over four steps
+    (restarts mid-block and on a block boundary, new blocks): the rows and columns the tail rewrites are read again
+    after the wait. A step that starts fresh rows (rewritten whole) loads after the wait. The U before differs: the
+    test would catch an entry not read again."""
+    st = prompt_from_u(crafted_state(seed))
+    st.fresh_rows = fresh
+    if fresh:
+        st.n_blocks = torch.tensor([3, 0, 6, 10, 2])
+    lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
+    kw = dict(beta=0.5, degree=2, sink=0.04, window=0.1, q=0.6, max_pages=12)
+    for i in range(4):
+        q, k = step_inputs(seed * 10 + i, 5, 4, 2, 96)
+        before = st.u.clone()
+        r = kd.row_update_triton(st, q, k, lengths, scale=0.05, block_n=16)
+        want = kr.walk_select_reference(st, r, lengths, **kw)
+        stale = copy.copy(st)
+        stale.u = before
+        assert not torch.allclose(kr.walk_select_reference(stale, r, lengths, **kw)["walk"], want["walk"])
+        got = aw.walk_select_triton(st, r.clone(), lengths, path=aw.WalkPath(block_i=16), splits=1, u_before=before,
+                                    **kw)
+        torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
+        assert torch.equal(got["kept"], want["kept"])
+        lengths = lengths + 1

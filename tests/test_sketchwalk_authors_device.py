@@ -212,7 +212,7 @@ ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f
             pnq_ptr="*i64", plen_ptr="*i64", ksum_ptr=f32, ks_ptr=f32, pkp_ptr=f32, lg_ptr=f32, mx_ptr=f32,
             se_ptr=f32, part_ptr=f32, r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
-            pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
+            pin_ptr=f32, pout_ptr=f32, ue_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
             counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8")
 compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
          num_warps=4)

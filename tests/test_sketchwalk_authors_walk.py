@@ -59,9 +59,10 @@ for width, uw in ((2048, None), (2048, "*bf16"), (512, "*fp16"), (8192, "*bf16")
              floats=("q", "beta", "one_minus_beta"), num_warps=aw.regs_warps(width))
 for u, block_i, block_j, warps in (("*bf16", 32, 256, 4), ("*fp16", 32, 256, 4), (f32, 128, 128, 8),
                                    ("*bf16", 128, 256, 8)):
-    compile_(aw._walk_hop_kernel, {**ptrs, "u_ptr": u},
-             dict(FIRST=False, BS=64, SPLITS_P=16, BLOCK_I=block_i, BLOCK_J=block_j, EARLY=block_i == 128, PDL=True),
-             floats=("beta", "one_minus_beta"), num_warps=warps, num_stages=2)
+    for first in (True, False):
+        compile_(aw._walk_hop_kernel, {**ptrs, "u_ptr": u, "ue_ptr": u},
+                 dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=block_i, BLOCK_J=block_j, EARLY=block_i == 128,
+                      PDL=True), floats=("beta", "one_minus_beta"), num_warps=warps, num_stages=2)
 print("COMPILED")
 """
 

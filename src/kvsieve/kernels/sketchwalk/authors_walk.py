@@ -308,15 +308,20 @@ if triton is not None:
         _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, BLOCK_X)
 
     @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
-    def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap, n_splits, split_rows, beta,
-                         one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr, SPLITS_P: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+    def _walk_hop_kernel(lens_ptr, plen_ptr, p_nb_ptr, u_ptr, ue_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap,
+                         n_splits, split_rows, beta, one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr,
+                         SPLITS_P: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, EARLY: tl.constexpr,
+                         PDL: tl.constexpr):
         """A program per (row, tile of BLOCK_J columns, split of split_rows rows): the split's share of
-        ``(w ⊙ σ)·U`` over the tile, ``w`` the previous hop's splits summed (``FIRST``: the block row). ``EARLY``
-        (a later hop whose split is one step of BLOCK_I rows, launched early): the program loads its tile of U, r
-        and σ before it waits for the hop before, which writes none of them (the tail that does finished before the
-        hop before passed its own wait, and only then could this one launch), so the tile's read overlaps the
-        previous hop."""
+        ``(w ⊙ σ)·U`` over the tile, ``w`` the previous hop's splits summed (``FIRST``: the block row).
+
+        ``EARLY`` (the split is one step of BLOCK_I rows; launched early by programmatic dependent launch): the
+        program loads its tile of U before it waits for the kernel before. A later hop's tile is final then (the
+        tail, which writes U, r and σ, finished before the hop before passed its own wait, and only then could this
+        hop launch). The first hop's tile is read while the tail writes it: after the wait it reloads the entries
+        the tail rewrites — row and column c, and on a restart row and column n0 − 1 (the caller keeps EARLY off
+        for the first hop of a step that starts fresh rows, whose rows the tail rewrites whole). ``ue_ptr``: what
+        the early loads read, U itself (a test passes U as it was before the tail)."""
         if PDL and not EARLY:  # launched early (programmatic dependent launch): wait for the kernel before, let
             gdc_wait()  # the next launch
             gdc_launch_dependents()
@@ -333,16 +338,30 @@ if triton is not None:
         if EARLY:
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < i1
-            a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
-                        other=0.0).to(tl.float32)
-            rs = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
-            sig = tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
+            at = (b * cap + i[:, None]) * cap + j[None, :]
+            a = tl.load(ue_ptr + at, mask=i_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+            if not FIRST:  # (the first hop's r and σ are the tail's)
+                rs = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
+                sig = tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
             if PDL:
                 gdc_wait()
                 gdc_launch_dependents()
-            prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
-                           mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
-            v = (one_minus_beta * rs + beta * tl.sum(prev, 0)) * sig
+            if FIRST:
+                plen = tl.load(plen_ptr + b)
+                n0i = tl.maximum(tl.load(p_nb_ptr + b) - 1, 0)
+                again = (i == c) | ((plen >= 0) & (pos == plen) & (i == n0i))
+                again = again[:, None] | ((j == c) | ((plen >= 0) & (pos == plen) & (j == n0i)))[None, :]
+                again = (again.to(tl.int32) * (i_ok[:, None] & j_ok[None, :]).to(tl.int32)) != 0
+                a = tl.where(again, tl.load(u_ptr + at, mask=again, other=0.0).to(tl.float32), a)
+                v = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
+            else:
+                prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
+                               mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
+                v = one_minus_beta * rs + beta * tl.sum(prev, 0)
+            if FIRST:
+                v = v * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
+            else:
+                v = v * sig
             tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(v[:, None] * a, 0), mask=j_ok)
         else:
             acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
@@ -642,6 +661,7 @@ def row_tail_triton(st, part: torch.Tensor, r: torch.Tensor, k: torch.Tensor, le
     flag. ``path``: :class:`WalkPath` (default :data:`PATH`); ``block_x``, ``block_d``: the chunked form's chunks
     (default :func:`tail_chunk`); ``pdl``: launched with programmatic dependent launch."""
     path = path or PATH
+    st.tail_fresh = bool(st.fresh_rows)  # (the first hop reads its tile early unless the tail starts fresh rows)
     b, hkv, _, d = st.ksum.shape
     cap = st.u.shape[-1]
     w_len = st.qs.shape[2]
@@ -690,12 +710,14 @@ def walk_matrix(st, dtype: torch.dtype) -> torch.Tensor:
 
 def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
                        window: float, q: float, max_pages: int, splits: int | None = None, block_j: int | None = None,
-                       block_i: int | None = None, block_x: int | None = None,
-                       path: WalkPath | None = None) -> dict[str, torch.Tensor]:
+                       block_i: int | None = None, block_x: int | None = None, path: WalkPath | None = None,
+                       u_before: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """:func:`walk_select_reference` in ``degree`` + 1 launches (float32; with ``path.walk_dtype`` 16-bit, the hops
     read U rounded to it). ``path``: :class:`WalkPath` (default :data:`PATH`); ``splits``: the GEMV's row splits
     (default :func:`walk_splits`); ``block_i``, ``block_j``: the hops' tiles (default the path's); ``block_x``:
-    the chunked selection's chunk (default :func:`tail_chunk`)."""
+    the chunked selection's chunk (default :func:`tail_chunk`). ``u_before``: what the first hop's early loads read
+    in place of the U it reads (tests: U as it was before the tail, to check that the entries the tail rewrote are
+    read again after the wait)."""
     path = path or PATH
     check_state(st)
     if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
@@ -727,10 +749,11 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     frac = float64_constants((sink, window), dev)
     pdl = pdl_available()  # each launch starts while the kernel before it runs (its programs wait for it first)
     for hop in range(degree):
-        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, u, st.sigma, r, hops[(hop + 1) % 2],
-               hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
+        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.prompt_len, st.p_nblocks, u,
+               u if u_before is None or hop else u_before, st.sigma, r, hops[(hop + 1) % 2], hops[hop % 2], cap,
+               n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
                BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
-               EARLY=hop > 0 and split_rows <= block_i, PDL=pdl,
+               EARLY=split_rows <= block_i and (hop > 0 or not getattr(st, "tail_fresh", False)), PDL=pdl,
                num_warps=path.hop_warps, num_stages=2, **pdl_launch(pdl))
     common = (lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"], out["counts"],
               out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),

@@ -72,6 +72,7 @@ class AuthorsDeviceState(MethodState):
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
     last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
     u_walk: torch.Tensor | None = field(default=None, repr=False, compare=False)  # U's 16-bit copy for the walk
+    tail_fresh: bool = field(default=False, repr=False, compare=False)  # host: the last tail started fresh rows
 
     @property
     def capacity_blocks(self) -> int:
