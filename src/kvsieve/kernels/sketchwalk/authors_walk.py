@@ -76,6 +76,18 @@ if triton is not None:
         return base + k_new
 
     @triton.jit
+    def _tail_start(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, BS: tl.constexpr, PDL: tl.constexpr):
+        """A tail program's start: the wait for the kernel before (launched early), then ``(row, pos, c, s,
+        restart, ring count after the step)``."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        b = tl.program_id(0).to(tl.int64)
+        pos, c, s = position(lens_ptr, b, BS)
+        restart, nq_new, _ = ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        return b, pos, c, s, restart, nq_new
+
+    @triton.jit
     def _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr):
         """The ring's count, the order flag, the last position, after the step."""
         last = tl.load(last_ptr + b)
@@ -243,12 +255,7 @@ if triton is not None:
         """A program per row, after every tile's partials: block c's key sums, the block row and the running
         matrix's step. Its own launch rather than the last of the tile programs (a ticket): the tiles'
         acquire-release atomics on one counter serialise, which costs more than a launch whose start PDL hides."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        pos, c, s = position(lens_ptr, b, BS)
-        restart, nq_new, _ = ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        b, pos, c, s, restart, nq_new = _tail_start(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, BS, PDL)
         for g in range(0, hkv):
             for d0 in range(0, d, BLOCK_D):
                 dc = d0 + tl.arange(0, BLOCK_D)
@@ -419,12 +426,7 @@ if triton is not None:
         (fresh rows, the restart's row and column) before it behind barriers. One round trip to memory where the
         chunked tail makes about ten, and the key sums of every KV head at once instead of one dim chunk of one
         head at a time."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        pos, c, s = position(lens_ptr, b, BS)
-        restart, nq_new, _ = ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
+        b, pos, c, s, restart, nq_new = _tail_start(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, BS, PDL)
         n = (c + 1).to(tl.int32)
         vec = b * cap
         u_row = b * cap * cap
