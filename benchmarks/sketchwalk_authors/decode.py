@@ -11,8 +11,9 @@ with its own state: ``chunked`` (the tail and the selection in passes over memor
 is first checked against the step's torch reference (``device_step(kernels=False)``) from the same state, step by
 step over ``--check-steps`` steps up to the timed position: kept blocks that differ (flips: near ties, or the 16-bit
 U's rounding) out of those kept, the walk's and the row scales' largest relative difference, whether the page lists
-are equal, and the attention on the path's pages against masked attention over the reference's kept keys. Rows
-``sketchwalk_step[P]`` and ``sketchwalk_step`` (the first path's).
+are equal, and the attention on the path's pages against masked attention over the reference's kept keys (a flip
+moves it) and over the path's own (the attention alone). Rows ``sketchwalk_step[P]`` and ``sketchwalk_step`` (the
+first path's).
 
 The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix)
 of ``n − 1`` random tokens; every timed replay is the first step after the prompt (a restart, the same work as
@@ -84,7 +85,7 @@ def check_path(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
               kblocks_frac=cfg.kblocks_frac, max_pages=bound)
     prefix = authors.reserved(cfg.window, n_keys, cfg.block_size, -(-n_keys // cfg.block_size))[0]
     res = {"steps": steps, "flips": 0, "kept_blocks": 0, "walk_max_rel": 0.0, "sigma_max_rel": 0.0,
-           "pages_equal": True, "out_max_abs": 0.0}
+           "pages_equal": True, "out_max_abs": 0.0, "out_own_max_abs": 0.0}
     for t in range(n - steps, n + 1):
         q = torch.randn(b, hq, d, device=dev, generator=g).to(k.dtype)
         lengths = torch.full((b,), t, device=dev, dtype=torch.int32)
@@ -106,6 +107,9 @@ def check_path(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
                                       got.counts[:, None].expand(b, k.shape[1]), page_size=cfg.block_size,
                                       lengths=lengths, sink=prefix, sink_lengths=got.window_tokens)
         res["out_max_abs"] = max(res["out_max_abs"], float((out.float() - out_ref).abs().max()))
+        own = ad.kept_token_mask(got, n_keys, cfg.block_size, lengths)  # the attention alone: over the path's keys
+        out_own = authors.masked_attention(q[:, :, None], k, v, own[:, None], d ** -0.5, torch.float32)[:, :, 0]
+        res["out_own_max_abs"] = max(res["out_own_max_abs"], float((out.float() - out_own).abs().max()))
     return res
 
 
@@ -187,14 +191,15 @@ def markdown(res) -> str:
     """The paths' checks and times, and the other rows, as tables."""
     lines = [f"# Sketch&Walk authors' decode step, {res['n']} tokens, batch {res['batch']} ({res['device']})", "",
              f"spec `{res['spec']}`", "",
-             "| path | µs (median) | flips / kept | walk max rel | σ max rel | pages equal | out max abs | launches |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| path | µs (median) | flips / kept | walk max rel | σ max rel | pages equal | out max abs (own keys) "
+             "| launches |", "|---|---|---|---|---|---|---|---|"]
     for name, p in res["paths"].items():
         c = p["check"]
         row = res["rows"].get(f"sketchwalk_step[{name}]", {})
         us = f"{row['median_us']:.1f}" if row else "-"
         lines.append(f"| {name} | {us} | {c['flips']} / {c['kept_blocks']} | {c['walk_max_rel']:.2e} | "
-                     f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | {c['out_max_abs']:.2e} | "
+                     f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | "
+                     f"{c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) | "
                      f"{p['step_dispatch']['triton_launches']} |")
     lines += ["", "| row | µs (median) |", "|---|---|"]
     lines += [f"| {name} | {row['median_us']:.1f} |" for name, row in res["rows"].items()]
