@@ -204,8 +204,9 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     contiguous last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logits of every
     ring row against every key-block sketch up to the capacity (:func:`sketch_logits`, into a workspace), each ring
     row's max and Σ exp over its row's blocks (``_row_lse_kernel``), the probabilities summed over the ring rows per
-    tile of ``block_n`` blocks (``_row_probs_kernel``), and the tail (``_row_tail_kernel``). Returns ``r [B, C]``
-    (a workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
+    tile of ``block_n`` blocks (``_row_probs_kernel``), and the tail (``authors_walk.row_tail_triton``, in the form
+    its module's path says). Returns ``r [B, C]`` (a workspace: valid until the next call). ``block_x``: the chunked
+    tail's chunk (default ``authors_walk.tail_chunk``);
     ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`); ``lse_rows``,
     ``lse_chunk``: the ring rows per program and the blocks per chunk of the log-sum-exp launch."""
     _check_state(st)
