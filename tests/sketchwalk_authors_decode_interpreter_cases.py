@@ -35,6 +35,7 @@ import kvsieve  # noqa: E402
 from kvsieve.kernels.shared.weighted_triton import sparse_decode_reference, sparse_decode_triton  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_reference as kr  # noqa: E402
+from kvsieve.kernels.sketchwalk import authors_walk as aw  # noqa: E402
 from kvsieve.methods.sketchwalk.authors import sketch_matrix  # noqa: E402
 from kvsieve.methods.sketchwalk.authors_device import max_kept_pages  # noqa: E402
 
@@ -189,7 +190,7 @@ def test_walk_select_kernels_match_their_reference(seed):
                                           (0.3, 2, None, 8)):
         kw = dict(beta=beta, degree=degree, sink=0.04, window=0.1, q=0.8, max_pages=30)
         want = kr.walk_select_reference(st, r, lengths, **kw)
-        got = kd.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=block_x, **kw)
+        got = aw.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=block_x, **kw)
         torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
         for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):
             assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, beta)

@@ -260,13 +260,14 @@ def test_the_kernel_path_under_the_triton_interpreter(group):
 
 COMPILE_FOR_H100 = """
 from kvsieve.kernels.sketchwalk import authors_decode as ad
+from kvsieve.kernels.sketchwalk import authors_walk as aw
 
 f32 = "*fp32"
 ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f32, pqs_ptr=f32, nq_ptr="*i64",
             pnq_ptr="*i64", plen_ptr="*i64", ksum_ptr=f32, ks_ptr=f32, pkp_ptr=f32, lg_ptr=f32, mx_ptr=f32,
             se_ptr=f32, part_ptr=f32, r_ptr=f32, u_ptr=f32, sigma_ptr=f32, rsum_ptr=f32, nb_ptr="*i64",
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
-            pin_ptr=f32, pout_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
+            pin_ptr=f32, pout_ptr=f32, ue_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
             counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8", plg_ptr=f32, cmx_ptr=f32, cse_ptr=f32,
             pcmx_ptr=f32, pcse_ptr=f32, ncl_ptr="*i64", tmx_ptr=f32, tse_ptr=f32)
 compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
@@ -279,11 +280,12 @@ for incremental in (True, False):
     compile_(ad._row_probs_kernel, ptrs, dict(INCREMENTAL=incremental, GROUP=4, BS=64, BLOCK_R=64,
                                               BLOCK_N=ad.ROW_TILE, BLOCK_G=4, BLOCK_T=64, TILE=ad.LOGIT_TILE,
                                               PDL=True), floats=("scale",), num_warps=4)
-compile_(ad._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
+compile_(aw._row_tail_kernel, ptrs, dict(BS=64, BLOCK_X=4096, BLOCK_D=32, PDL=True), floats=("eps",), num_warps=8)
 for first in (True, False):
-    compile_(ad._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, PDL=True),
+    compile_(aw._walk_hop_kernel, ptrs, dict(FIRST=first, BS=64, SPLITS_P=16, BLOCK_I=32, BLOCK_J=128, EARLY=False,
+                                             PDL=True),
              floats=("beta", "one_minus_beta"), num_warps=4, num_stages=2)
-compile_(ad._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
+compile_(aw._select_kernel, ptrs, dict(BS=64, SPLITS_P=16, BLOCK_X=4096, PDL=True),
          floats=("q", "beta", "one_minus_beta"), num_warps=8)
 print("COMPILED")
 """

@@ -1,34 +1,48 @@
 """variant=authors' batched decode per layer at Llama-3.1-8B heads (32/8/128, bf16) vs FlashInfer and the dense
-Triton kernel, captured in a CUDA graph, cold L2; both paths of the block row (the logit cache, ``incremental``,
-and the full GEMM, ``gemm``: ``kernels.sketchwalk.authors_decode.INCREMENTAL``), checked against the torch step;
-writes ``decode.json`` and ``decode.md`` to ``--out``.
+Triton kernel, captured in a CUDA graph, cold L2; in one run both paths of the block row (the logit cache,
+``incremental``, and the full GEMM, ``gemm``: ``kernels.sketchwalk.authors_decode.INCREMENTAL``) with the default
+walk path, and the forms of the step's second half (``--paths``: ``kernels/sketchwalk/authors_walk.py``'s
+``WalkPath``) with the default block row, each checked against the torch step; writes ``decode.json`` and
+``decode.md`` to ``--out``.
 
-    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC]
+    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC] [--paths P,..]
     TRITON_INTERPRET=1 python benchmarks/sketchwalk_authors/decode.py --out /tmp/x --check   # CPU, tiny shapes
 
-The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix)
-of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``restart`` (length ``n − 1``, the first
-position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the step after
-it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does the same
-work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles of the
-logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 16, 16). Rows: the steps
-(selection + attention), the attention alone on the step's pages (so the selection's share is the difference),
-FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step (torch
-profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with
-programmatic dependent launch counts its wait).
+The block row. The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch
+block matrix) of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``restart`` (length ``n − 1``,
+the first position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the
+step after it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does
+the same work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles
+of the logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 16, 16). Rows: the
+steps (selection + attention), the attention alone on the step's pages (so the selection's share is the
+difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step
+(torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with
+programmatic dependent launch counts its wait). ``check``: each path's two steps against the torch step
+(``row_update_reference``, ``walk_select_reference``) from the same state: kept blocks that differ
+(``kept_mismatch``; a difference is a tie within rounding when the reference's walk there is within ``TIE_GAP`` of
+its threshold), the walk's largest relative error, the outputs' largest difference (the sparse kernel on each
+selection's pages), and whether a captured step's replay equals the eager step bit for bit (output and state).
 
-``check``: each path's two steps against the torch step (``row_update_reference``, ``walk_select_reference``) from
-the same state: kept blocks that differ (``kept_mismatch``; a difference is a tie within rounding when the
-reference's walk there is within ``TIE_GAP`` of its threshold), the walk's largest relative error, the outputs'
-largest difference (the sparse kernel on each selection's pages), and whether a captured step's replay equals
-the eager step bit for bit (output and state). ``--check`` runs it on the CPU through Triton's interpreter (tiny
-shapes, no timing) and reports what a step launches (``count_dispatched``: Triton launches and torch ops).
+The walk paths (``--paths``), each timed on the ``next`` step (as above) with its own copy of the prompt state:
+``chunked`` (the tail and the selection in passes over memory, the hops over float32 U), ``registers`` (the row in
+registers), ``registers-bf16`` / ``registers-fp16`` (and the hops over a 16-bit copy of U); ``-jN`` / ``-iN`` /
+``-wN`` / ``-sN`` set the hops' tile (columns; rows per step), warps and row splits. Each path is first checked
+against the step's torch reference (``device_step(kernels=False)``) from the same state, step by step over
+``--check-steps`` steps up to position ``n`` (from a prompt record of ``n − steps − 1`` tokens): kept blocks that
+differ (flips: near ties, or the 16-bit U's rounding) out of those kept, the walk's and the row scales' largest
+relative difference, whether the page lists are equal, and the attention on the path's pages against masked
+attention over the reference's kept keys (a flip moves it) and over the path's own (the attention alone). Rows
+``sketchwalk_step[P]``.
+
+``--check`` runs both sides' checks on the CPU through Triton's interpreter (tiny shapes, no timing) and reports
+what a step launches (``count_dispatched``: Triton launches and torch ops).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -38,9 +52,85 @@ import torch
 import kvsieve
 from kvsieve import CallContext
 from kvsieve.bench.timing import count_dispatched
+from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 from kvsieve.kernels.sketchwalk import authors_decode as kd
 from kvsieve.kernels.sketchwalk import authors_reference as kr
+from kvsieve.kernels.sketchwalk import authors_walk as aw
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
+from kvsieve.methods.sketchwalk import authors_device as ad
+
+#: the block row's paths (``authors_decode.INCREMENTAL``)
+PATHS = {"incremental": True, "gemm": False}
+#: (logits' tile, probabilities' tile) in key blocks, timed on the cache's path's next step
+TILES = ((16, 32), (64, 32), (32, 64), (64, 64), (16, 16))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def walk_path(name: str) -> aw.WalkPath:
+    """``chunked`` | ``registers``, then ``-bf16`` / ``-fp16`` (the hops' U), ``-jN`` / ``-iN`` (their tile), ``-wN``
+    (their warps), ``-sN`` (their row splits)."""
+    form, *opts = name.split("-")
+    kw = {"tail": form, "select": form}
+    for opt in opts:
+        if opt in DTYPES:
+            kw["walk_dtype"] = DTYPES[opt]
+        elif opt[:1] in ("i", "j", "w", "s") and opt[1:].isdigit():
+            key = {"i": "block_i", "j": "block_j", "w": "hop_warps", "s": "splits"}[opt[0]]
+            kw[key] = int(opt[1:])
+        else:
+            raise ValueError(f"--paths: unknown option {opt!r} in {name!r}")
+    return aw.WalkPath(**kw)
+
+
+def cloned(dst):
+    """A device state with tensors of its own (no selection record)."""
+    tensors = {f.name: getattr(dst, f.name).clone() for f in dataclasses.fields(dst)
+               if isinstance(getattr(dst, f.name), torch.Tensor)}
+    return dataclasses.replace(dst, **tensors, last_step=None)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-30)).nan_to_num(0.0).max())
+
+
+def check_walk_path(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
+    """The current walk path against the torch step from the same state (module docstring); the device state is
+    made by the method at position ``n − steps`` from the prompt's record ``layer``."""
+    cfg = m.config
+    b, _, n_keys, d = k.shape
+    dev = k.device
+    state = SketchWalkState(authors=layer)
+    bound = ad.max_kept_pages(n_keys, cfg.block_size, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
+    kw = dict(beta=cfg.walk_damping, degree=cfg.degree, sink=cfg.sink, window=cfg.window,
+              kblocks_frac=cfg.kblocks_frac, max_pages=bound)
+    prefix = authors.reserved(cfg.window, n_keys, cfg.block_size, -(-n_keys // cfg.block_size))[0]
+    res = {"steps": steps, "flips": 0, "kept_blocks": 0, "walk_max_rel": 0.0, "sigma_max_rel": 0.0,
+           "pages_equal": True, "out_max_abs": 0.0, "out_own_max_abs": 0.0}
+    for t in range(n - steps, n + 1):
+        q = torch.randn(b, hq, d, device=dev, generator=g).to(k.dtype)
+        lengths = torch.full((b,), t, device=dev, dtype=torch.int32)
+        if t == n - steps:  # the state, made by the method from the prompt's record, and its first step
+            m.decode(q, k, v, lengths=lengths, state=state, context=CallContext(capacity=n_keys), check_finite=False)
+            continue
+        dst = state.authors_device
+        ref = cloned(dst)
+        got = ad.device_step(dst, q, k, lengths, kernels=True, **kw)
+        want = ad.device_step(ref, q, k, lengths, kernels=False, **kw)
+        res["flips"] += int((got.kept_blocks != want.kept_blocks).sum())
+        res["kept_blocks"] += int(want.kept_blocks.sum())
+        res["walk_max_rel"] = max(res["walk_max_rel"], rel_diff(got.walk, want.walk))
+        res["sigma_max_rel"] = max(res["sigma_max_rel"], rel_diff(dst.sigma, ref.sigma))
+        res["pages_equal"] &= bool(torch.equal(got.pages, want.pages) and torch.equal(got.counts, want.counts))
+        keep = ad.kept_token_mask(want, n_keys, cfg.block_size, lengths)
+        out_ref = authors.masked_attention(q[:, :, None], k, v, keep[:, None], d ** -0.5, torch.float32)[:, :, 0]
+        out, _ = sparse_decode_triton(q, k, v, got.pages[:, None].expand(b, k.shape[1], -1),
+                                      got.counts[:, None].expand(b, k.shape[1]), page_size=cfg.block_size,
+                                      lengths=lengths, sink=prefix, sink_lengths=got.window_tokens)
+        res["out_max_abs"] = max(res["out_max_abs"], float((out.float() - out_ref).abs().max()))
+        own = ad.kept_token_mask(got, n_keys, cfg.block_size, lengths)  # the attention alone: over the path's keys
+        out_own = authors.masked_attention(q[:, :, None], k, v, own[:, None], d ** -0.5, torch.float32)[:, :, 0]
+        res["out_own_max_abs"] = max(res["out_own_max_abs"], float((out.float() - out_own).abs().max()))
+    return res
 
 
 def prompt_state(m, q, k, v, n: int) -> SketchWalkState:
@@ -54,18 +144,17 @@ def prompt_state(m, q, k, v, n: int) -> SketchWalkState:
     return SketchWalkState(authors=rows[0] if len(rows) == 1 else type(rows[0]).stack_rows(rows))
 
 
-PATHS = {"incremental": True, "gemm": False}
-#: (logits' tile, probabilities' tile) in key blocks, timed on the cache's path's next step
-TILES = ((16, 32), (64, 32), (32, 64), (64, 64), (16, 16))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
-    ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, launches only")
+    ap.add_argument("--paths", default="registers,chunked,registers-bf16,registers-fp16,registers-i128-w8,"
+                                       "registers-bf16-i128-w8",
+                    help="the step's second half: comma-separated WalkPath names (module docstring)")
+    ap.add_argument("--check-steps", type=int, default=8, help="steps of each walk path's check against the torch step")
+    ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
     args = ap.parse_args()
     t0 = time.time()
     check = args.check
@@ -77,6 +166,9 @@ def main() -> None:
     k = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     v = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     m = kvsieve.method(args.spec + (",block_size=16,backend=triton" if check else ""))
+    walk_paths = {name: walk_path(name) for name in args.paths.split(",")}
+    check_steps = min(args.check_steps, n - 2)
+    check_layer = prompt_state(m, q, k, v, n - check_steps).authors  # (a prompt of n − steps − 1 tokens)
     prompt = prompt_state(m, q, k, v, n - 1)  # n − 2 tokens
     del q
     q_steps = torch.randn(2, b, hq, d, device=dev, generator=g).bfloat16()
@@ -89,9 +181,9 @@ def main() -> None:
         return m.decode(qd, k, v, lengths=lengths[which], state=state, context=ctx, check_finite=False)[0]
 
     res = {"n": n, "batch": b, "spec": m.spec, "device": "cpu (interpreter)" if check else torch.cuda.get_device_name(),
-           "rows": {}, "check": {}, "step_dispatch": {}}
+           "walk_path_default": str(aw.PATH), "rows": {}, "check": {}, "step_dispatch": {}, "paths": {}}
     states = {}
-    for path, incremental in PATHS.items():
+    for path, incremental in PATHS.items():  # the block row's paths, the default walk path
         kd.INCREMENTAL = incremental
         states[path] = copy.deepcopy(prompt)
         _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=states[path],
@@ -100,12 +192,24 @@ def main() -> None:
         res[f"block_density_{path}"] = float(stats["block_density"])
         res["selection"], res["backend"] = stats.extra["selection"], stats.backend
         res["check"][path] = check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental)
-        dispatched = count_dispatched(lambda state=states[path]: step(state, "next"))
-        res["step_dispatch"][path] = {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads",
-                                                                       "ops")}
+        res["step_dispatch"][path] = dispatch(lambda state=states[path]: step(state, "next"))
     kd.INCREMENTAL = PATHS["incremental"]
+    default = aw.PATH
+    try:
+        for name, path in walk_paths.items():  # the walk paths, the default block row
+            aw.set_path(path)
+            entry = res["paths"][name] = {"path": {**dataclasses.asdict(path), "walk_dtype": str(path.walk_dtype)},
+                                          "check": check_walk_path(m, check_layer, hq, k, v, n, check_steps, g)}
+            states[name] = st = copy.deepcopy(prompt)
+            _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=st,
+                                context=CallContext(capacity=n))
+            entry.update(density=float(stats.density), block_density=float(stats["block_density"]),
+                         blocks_kept=float(stats["blocks_kept"]), selection=stats.extra["selection"],
+                         backend=stats.backend, step_dispatch=dispatch(lambda st=st: step(st, "next")))
+    finally:
+        aw.set_path(default)
     if not check:
-        time_on_gpu(res, m.config, states, step, q_steps[1], k, v, lengths["next"], n, b)
+        time_on_gpu(res, m.config, states, step, q_steps[1], k, v, lengths["next"], n, b, walk_paths)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,21 +218,27 @@ def main() -> None:
     print(json.dumps(res, indent=2))
 
 
+def dispatch(fn) -> dict:
+    """What one call of ``fn`` launches (``count_dispatched``)."""
+    dispatched = count_dispatched(fn)
+    return {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads", "ops")}
+
+
 class torch_step:
     """Within it the method's device step runs its torch references (``authors_reference``) instead of the
     Triton launches: the same state, the same attention kernel on its pages."""
 
     def __enter__(self):
-        self.saved = kd.row_update_triton, kd.walk_select_triton
-        kd.row_update_triton, kd.walk_select_triton = kr.row_update_reference, kr.walk_select_reference
+        self.saved = kd.row_update_triton, aw.walk_select_triton
+        kd.row_update_triton, aw.walk_select_triton = kr.row_update_reference, kr.walk_select_reference
 
     def __exit__(self, *exc):
-        kd.row_update_triton, kd.walk_select_triton = self.saved
+        kd.row_update_triton, aw.walk_select_triton = self.saved
 
 
 def check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental) -> dict:
-    """One path's two steps (restart, next) against the torch step from the same prompt state, and a captured
-    replay of its next step against the eager one (module docstring)."""
+    """One block-row path's two steps (restart, next) against the torch step from the same prompt state, and a
+    captured replay of its next step against the eager one (module docstring)."""
     cfg = m.config
     kd.INCREMENTAL = incremental
     got, want = copy.deepcopy(prompt), copy.deepcopy(prompt)
@@ -185,14 +295,15 @@ def replay_equals_eager(step, state) -> bool:
 
 
 def markdown(res) -> str:
-    """The rows and the check as markdown tables."""
+    """The rows, the block row's check and the walk paths' checks and times as markdown tables."""
     lines = [f"# Sketch&Walk (authors') decode step, n={res['n']}, batch {res['batch']}, {res['device']}", "",
-             f"spec `{res['spec']}`", "", "| row | median µs | launches | top kernels (µs) |", "|---|---|---|---|"]
+             f"spec `{res['spec']}`; block-row rows with the walk path `{res['walk_path_default']}`", "",
+             "| row | median µs | launches | top kernels (µs) |", "|---|---|---|---|"]
     for name, row in res["rows"].items():
         top = sorted((row.get("kernels_us") or {}).items(), key=lambda kv: -kv[1])[:8]
         kern = ", ".join(f"{key[:40]} {us:.1f}" for key, us in top)
         lines.append(f"| {name} | {row['median_us']:.1f} | {row.get('launches', '')} | {kern} |")
-    lines += ["", "| path | step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
+    lines += ["", "| block-row path | step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
               "|---|---|---|---|---|---|"]
     for path, chk in res["check"].items():
         for which in ("restart", "next"):
@@ -200,25 +311,35 @@ def markdown(res) -> str:
             lines.append(f"| {path} | {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | "
                          f"{r['walk_max_rel_err']:.2e} | {r['out_max_abs_diff']:.2e} |")
         lines.append(f"| {path} | ok={chk['ok']} replay_equals_eager={chk.get('replay_equals_eager')} | | | | |")
+    lines += ["", "| walk path (block row `incremental`) | µs (median) | flips / kept | walk max rel | σ max rel | "
+              "pages equal | out max abs (own keys) | launches |", "|---|---|---|---|---|---|---|---|"]
+    for name, p in res["paths"].items():
+        c = p["check"]
+        row = res["rows"].get(f"sketchwalk_step[{name}]", {})
+        us = f"{row['median_us']:.1f}" if row else "-"
+        lines.append(f"| {name} | {us} | {c['flips']} / {c['kept_blocks']} | {c['walk_max_rel']:.2e} | "
+                     f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | "
+                     f"{c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) | "
+                     f"{p['step_dispatch']['triton_launches']} |")
     return "\n".join(lines) + "\n"
 
 
-def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b) -> None:
+def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b, walk_paths) -> None:
     """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
     from kvsieve.kernels.shared.dense import dense_decode_triton
-    from kvsieve.kernels.shared.weighted_triton import sparse_decode_triton
 
     timer = ColdL2Timer()
     rows = res["rows"]
+
+    def timed(fn) -> dict:
+        return {**timer.time_graph_us(fn), "launches": count_launches(fn), "kernels_us": timer.kernel_breakdown(fn)}
+
     for path, incremental in PATHS.items():
         kd.INCREMENTAL = incremental
         for which in ("restart", "next"):
-            def fn(state=states[path], which=which):
-                return step(state, which)
-            rows[f"step_{path}_{which}"] = {**timer.time_graph_us(fn), "launches": count_launches(fn),
-                                            "kernels_us": timer.kernel_breakdown(fn)}
+            rows[f"step_{path}_{which}"] = timed(lambda state=states[path], which=which: step(state, which))
     kd.INCREMENTAL = PATHS["incremental"]
     rows["sketchwalk_step"] = rows["step_incremental_next"]
     defaults = kd.LOGIT_TILE, kd.ROW_TILE
@@ -227,6 +348,13 @@ def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b) -> None:
         rows[f"tiles_logits{logit_tile}_probs{row_tile}"] = timer.time_graph_us(
             lambda: step(states["incremental"], "next"))
     kd.LOGIT_TILE, kd.ROW_TILE = defaults
+    default = aw.PATH
+    try:
+        for name, path in walk_paths.items():  # each walk path on its own state, the default block row
+            aw.set_path(path)
+            rows[f"sketchwalk_step[{name}]"] = timed(lambda st=states[name]: step(st, "next"))
+    finally:
+        aw.set_path(default)
     step(states["incremental"], "next")  # eager: the last step's pages outside the freed graphs' memory
     hkv = k.shape[1]
     sel = states["incremental"].authors_device.last_step

@@ -15,8 +15,8 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch (``authors_reference.py``): :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5),
-about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches) and
-:func:`walk_select_triton` (4–5, ``degree`` + 1 launches):
+about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches, and a
+cuBLAS GEMM on the full path) and ``authors_walk.walk_select_triton`` (4–5, ``degree`` + 1 launches):
 
 - ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
   the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
@@ -27,12 +27,7 @@ about a hundred small launches per step. Device: :func:`row_update_triton` (1–
   blocks closed since the last step folded into their closed sums, and their max and Σ exp over the row's blocks;
 - ``_row_probs_kernel``, a program per (row, KV head, tile of key blocks): the tile's probabilities summed over the
   KV head's valid ring rows (the new query's rows' max and Σ exp from the partials);
-- ``_row_tail_kernel``, a program per row: block ``c``'s key sums, then sums the KV heads, normalises ``r`` and
-  runs the running matrix's step, the ring's count and the order flag;
-- ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
-  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them;
-- ``_select_kernel``, a program per row: the walk, the quantile by an exact radix select (``select_common``'s),
-  the kept blocks and the page list.
+- the per-row tail (the running matrix's step), the walk's hops and the selection: ``authors_walk.py``.
 
 A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
 probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
@@ -43,21 +38,16 @@ closed sums and its max and Σ exp over the row's blocks. Its logits are a GEMM 
 softmax's programs: with the ring's 128 rows × 128 sketch features per KV head, tile programs that each redid
 their dots held one program per SM and took about 230 µs per layer at 128k tokens on an H200.
 
-The per-row tails are launches of their own rather than the last tile program to arrive (a ticket counter):
-acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
-programmatic dependent launch hides. Nothing is read on the host; buffers are cached workspaces or outputs
-allocated from host-known sizes (capturable); there are no atomics, so nothing is summed in arrival order and a
-replay equals an eager call bit for bit.
+Nothing is read on the host; buffers are cached workspaces or outputs allocated from host-known sizes (capturable);
+there are no atomics, so nothing is summed in arrival order and a replay equals an eager call bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..shared.select_common import row_segments
 from ..shared.triton_utils import (
     cdiv,
-    float64_constants,
     gdc_launch_dependents,
     gdc_wait,
     launch,
@@ -67,42 +57,16 @@ from ..shared.triton_utils import (
     triton,
     workspace,
 )
-from .authors_reference import ROW_EPS
+from .authors_walk import check_state, row_tail_triton
 
 # -- the step in Triton ----------------------------------------------------------------------------------------
 
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_common import ordered, radix_select, value_range
-
-    @triton.jit
-    def _position(lens_ptr, b, BS: tl.constexpr):
-        """``(pos, c, s)``: the row's new token, its block and its place in the block."""
-        pos = tl.load(lens_ptr + b).to(tl.int64) - 1
-        c = pos // BS
-        return pos, c, pos - c * BS
-
-    @triton.jit
-    def _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len):
-        """``(restart, ring count after the step, slot)`` of row b."""
-        plen = tl.load(plen_ptr + b)
-        restart = (plen >= 0) & (pos == plen)
-        nq = tl.where(restart, tl.load(pnq_ptr + b), tl.load(nq_ptr + b))
-        return restart, tl.minimum(nq + 1, w_len), pos % w_len
-
-    @triton.jit
-    def _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh, s_kn):
-        """Block c's key sum after the step over the dims ``dc`` (KV head g of row b): the new key added to the
-        prompt's partial sum on a restart, to nothing at a block's first key, else to the stored sum."""
-        k_new = tl.load(k_ptr + b * s_kb + g * s_kh + pos * s_kn + dc, mask=dc_ok, other=0.0).to(tl.float32)
-        if restart:
-            base = tl.load(pkp_ptr + (b * hkv + g) * d + dc, mask=dc_ok, other=0.0)
-        elif s == 0:
-            base = tl.zeros_like(k_new)
-        else:
-            base = tl.load(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, mask=dc_ok, other=0.0)
-        return base + k_new
+    from .authors_walk import key_sum as _key_sum
+    from .authors_walk import position as _position
+    from .authors_walk import ring as _ring
 
     @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "hq"])
     def _row_state_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
@@ -291,114 +255,6 @@ if triton is not None:
         if tl.program_id(2) == 0:
             tl.store(ncl_ptr + bg, c)
 
-    @triton.jit
-    def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
-                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps,
-                    BLOCK_X: tl.constexpr):
-        """Row b's block row (the KV heads' partials summed, normalised) and the running matrix's step
-        (``update_matrix_reference``, the fresh rows first when ``fresh``), chunked over the columns; then the
-        ring count, the order flag and the last position."""
-        n = (c + 1).to(tl.int32)
-        vec = b * cap
-        u_row = u_ptr + b * cap * cap
-        # the block row
-        total = tl.zeros([BLOCK_X], tl.float32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            sj = tl.zeros([BLOCK_X], tl.float32)
-            for gg in range(0, hkv):
-                sj += tl.load(part_ptr + (b * hkv + gg) * cap + j, mask=j < cap, other=0.0, cache_modifier=".cg")
-            total += sj
-            tl.store(r_ptr + vec + j, sj, mask=j < cap)
-        denom = tl.sum(total, axis=0) + eps
-        r_sum = tl.zeros([BLOCK_X], tl.float32)
-        tl.debug_barrier()
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            rj = tl.load(r_ptr + vec + j, mask=j < cap, other=0.0) / denom
-            r_sum += rj
-            tl.store(r_ptr + vec + j, rj, mask=j < cap)
-        r_total = tl.sum(r_sum, axis=0)
-        tl.debug_barrier()
-        n_prev = tl.load(nb_ptr + b).to(tl.int32)
-        if fresh != 0:  # rows [n_prev, n) start as r
-            for i in range(n_prev, n):
-                for x0 in range(0, cap, BLOCK_X):
-                    j = x0 + tl.arange(0, BLOCK_X)
-                    tl.store(u_row + i * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
-                tl.store(sigma_ptr + vec + i, 1.0)
-                tl.store(rsum_ptr + vec + i, r_total)
-            n_prev = tl.maximum(n_prev, n)
-        # restart: row and column n0 − 1, σ and the row sums back to the prompt's
-        if restart:
-            n0 = tl.load(p_nb_ptr + b).to(tl.int32)
-            n0i = tl.maximum(n0 - 1, 0)
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + n0i * cap + j, tl.load(p_row_ptr + vec + j, mask=j < cap), mask=j < cap)
-            tl.debug_barrier()
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + j * cap + n0i, tl.load(p_col_ptr + vec + j, mask=j < n0), mask=j < n0)
-                tl.store(sigma_ptr + vec + j, tl.full([BLOCK_X], 1.0, tl.float32), mask=j < n0)
-                tl.store(rsum_ptr + vec + j, tl.load(p_rsum_ptr + vec + j, mask=j < cap), mask=j < cap)
-            n_prev = n0
-        tl.debug_barrier()
-        # a block that appears: row c = r, older rows' column c = 0
-        if c >= n_prev:
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + c * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
-                tl.store(u_row + j * cap + c, tl.zeros([BLOCK_X], tl.float32), mask=j < n_prev)
-            tl.store(sigma_ptr + vec + c, 1.0)
-            tl.store(rsum_ptr + vec + c, r_total)
-        tl.store(nb_ptr + b, tl.maximum(n_prev, n).to(tl.int64))
-        tl.debug_barrier()
-        # α = 1/(s + 1) and 1 − α in float64, rounded once (the reference's)
-        alpha = (1.0 / (s + 1).to(tl.float64)).to(tl.float32)
-        one_minus = (1.0 - 1.0 / (s + 1).to(tl.float64)).to(tl.float32)
-        # row c ← (1 − α)·A_c + α·r, normalised
-        sig_c = tl.load(sigma_ptr + vec + c)
-        x_sum = tl.zeros([BLOCK_X], tl.float32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
-            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
-            x_sum += x
-        x_total = tl.maximum(tl.sum(x_sum, axis=0), eps)
-        xn_sum = tl.zeros([BLOCK_X], tl.float32)
-        tl.debug_barrier()
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
-            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
-            x = x / x_total
-            xn_sum += x
-            tl.store(u_row + c * cap + j, x, mask=j < cap)
-        tl.store(sigma_ptr + vec + c, 1.0)
-        tl.store(rsum_ptr + vec + c, tl.sum(xn_sum, axis=0))
-        tl.debug_barrier()
-        # column c, then every live row's scale
-        for x0 in range(0, cap, BLOCK_X):
-            i = x0 + tl.arange(0, BLOCK_X)
-            i_ok = i < cap
-            live = i < n
-            sig = tl.load(sigma_ptr + vec + i, mask=i_ok, other=1.0)
-            rs = tl.load(rsum_ptr + vec + i, mask=i_ok, other=0.0)
-            u_col = tl.load(u_row + i * cap + c, mask=i_ok, other=0.0)
-            y = one_minus * (sig * u_col) + alpha * tl.load(r_ptr + vec + i, mask=i_ok, other=0.0)
-            u_new = tl.where(live, y / sig, u_col)
-            rs = rs + tl.where(live, u_new - u_col, 0.0)
-            tl.store(u_row + i * cap + c, u_new, mask=i_ok)
-            tl.store(sigma_ptr + vec + i, tl.where(live, sig / tl.maximum(sig * rs, eps), sig), mask=i_ok)
-            tl.store(rsum_ptr + vec + i, rs, mask=i_ok)
-        # the ring's count, the order flag, the last position
-        last = tl.load(last_ptr + b)
-        bad = (restart.to(tl.int32) == 0) & (last >= 0) & (pos != last + 1)
-        tl.store(err_ptr + b, (tl.load(err_ptr + b) != 0) | bad)
-        tl.store(last_ptr + b, pos)
-        tl.store(nq_ptr + b, nq_new.to(tl.int64))
-
     @triton.jit(do_not_specialize=["cap", "w_len", "n_rows", "n_tiles"])
     def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, tmx_ptr, tse_ptr,
                           cmx_ptr, cse_ptr, ncl_ptr, cap, w_len, n_rows, n_tiles, scale, INCREMENTAL: tl.constexpr,
@@ -457,158 +313,9 @@ if triton is not None:
                 acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
         tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 
-    @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
-    def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
-                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr, pkp_ptr, ksum_ptr, cap,
-                         w_len, hkv, fresh, eps, d, s_kb, s_kh, s_kn, BS: tl.constexpr, BLOCK_X: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        """A program per row, after every tile's partials: block c's key sums, the block row and the running
-        matrix's step. Its own launch rather than the last of the tile programs (a ticket): the tiles'
-        acquire-release atomics on one counter serialise, which costs more than a launch whose start PDL hides."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        pos, c, s = _position(lens_ptr, b, BS)
-        restart, nq_new, _ = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
-        for g in range(0, hkv):
-            for d0 in range(0, d, BLOCK_D):
-                dc = d0 + tl.arange(0, BLOCK_D)
-                dc_ok = dc < d
-                new_sum = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb,
-                                   s_kh, s_kn)
-                tl.store(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, new_sum, mask=dc_ok)
-        _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
-                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
-
-    @triton.jit
-    def _reserved(n_tok, frac, n, BS: tl.constexpr):
-        """``reserved_device``: ``max(1, ⌊f·T⌋)`` tokens (float64) and ``min(n, max(1, ⌈tokens/B⌉))`` blocks."""
-        tokens = tl.maximum((n_tok.to(tl.float64) * frac).to(tl.int64), 1)
-        return tokens, tl.minimum(n, tl.maximum((tokens + BS - 1) // BS, 1))
-
-    @triton.jit
-    def _select_row(b, pos, c, r_ptr, p_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
-                    SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr):
-        """Row b after the last hop: the walk (the hop's splits summed), the quantile threshold over the
-        candidates, the kept blocks and the page list (module docstring, step 5)."""
-        n = c + 1
-        vec = b * cap
-        sp = tl.arange(0, SPLITS_P)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            live = j < n
-            part = tl.load(p_ptr + (b * n_splits + sp[:, None]) * cap + j[None, :],
-                           mask=(sp < n_splits)[:, None] & live[None, :], other=0.0, cache_modifier=".cg")
-            rj = tl.load(r_ptr + vec + j, mask=live, other=0.0)
-            w = tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0)
-            tl.store(walk_ptr + vec + j, w, mask=j < cap)
-        tl.debug_barrier()
-        wt, wb = _reserved(pos + 1, tl.load(frac_ptr + 1), n, BS)
-        sink_tokens, sb = _reserved(pos + 1, tl.load(frac_ptr), n, BS)
-        first_window = n - wb
-        n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
-        th = tl.full([], 0.0, tl.float32)
-        if n_cand > 0:  # torch.nanquantile's linear quantile over [sb, first_window)
-            ranks = (n_cand - 1).to(tl.float32) * q
-            lo = ranks.to(tl.int32)
-            hi = tl.ceil(ranks).to(tl.int32)
-            src = walk_ptr + vec + sb
-            img_hi, img_lo, n_fin = value_range(src, n_cand, BLOCK_X)
-            img, n_eq = radix_select(src, n_cand, n_cand - lo, img_hi, img_lo, 32, BLOCK_X)  # the lo-th smallest
-            v_lo = tl.full([], float("-inf"), tl.float32)
-            v_next = tl.full([], float("inf"), tl.float32)
-            n_le = tl.full([], 0, tl.int32)
-            for x0 in range(0, n_cand, BLOCK_X):
-                offs = x0 + tl.arange(0, BLOCK_X)
-                w = tl.load(src + offs, mask=offs < n_cand, other=float("inf"))
-                u = ordered(w)
-                v_lo = tl.maximum(v_lo, tl.max(tl.where((offs < n_cand) & (u == img), w, float("-inf")), 0))
-                v_next = tl.minimum(v_next, tl.min(tl.where((offs < n_cand) & (u > img), w, float("inf")), 0))
-                n_le += tl.sum(((offs < n_cand) & (u <= img)).to(tl.int32), 0)
-            v_hi = tl.where((hi == lo) | (n_le > hi), v_lo, v_next)
-            weight = ranks - lo.to(tl.float32)
-            # torch.lerp's two forms (exact at both ends)
-            th = tl.where(weight < 0.5, v_lo + weight * (v_hi - v_lo), v_hi - (v_hi - v_lo) * (1.0 - weight))
-        listed_n = tl.full([], 0, tl.int32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            w = tl.load(walk_ptr + vec + j, mask=j < cap, other=0.0)
-            kept = (j < n) & (((n_cand > 0) & (w > th)) | (j < sb) | (j >= first_window))
-            tl.store(kept_ptr + vec + j, kept.to(tl.int8), mask=j < cap)
-            listed = kept & ((j + 1) * BS > wt)
-            order = listed_n + tl.cumsum(listed.to(tl.int32), 0) - 1
-            ok = (listed.to(tl.int32) * (order < max_pages).to(tl.int32)) != 0  # (the interpreter's mask types)
-            tl.store(pages_ptr + b * max_pages + order, j, mask=ok)
-            listed_n += tl.sum(listed.to(tl.int32), 0)
-        count = tl.minimum(listed_n, max_pages)
-        for e0 in range(0, max_pages, BLOCK_X):
-            e = e0 + tl.arange(0, BLOCK_X)
-            tl.store(pages_ptr + b * max_pages + e, tl.zeros([BLOCK_X], tl.int32), mask=(e >= count) & (e < max_pages))
-        tl.store(counts_ptr + b, count)
-        tl.store(wt_ptr + b, wt.to(tl.int32))
-        tl.store(n_ptr + b, n.to(tl.int32))
-        tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
-
-    @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
-    def _walk_hop_kernel(lens_ptr, u_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap, n_splits, split_rows, beta,
-                         one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr, SPLITS_P: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PDL: tl.constexpr):
-        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        jt = tl.program_id(1)
-        sp = tl.program_id(2)
-        pos, c, _ = _position(lens_ptr, b, BS)
-        n = (c + 1).to(tl.int32)
-        j = jt * BLOCK_J + tl.arange(0, BLOCK_J)
-        j_ok = j < cap
-        i0 = sp * split_rows
-        i1 = tl.minimum(i0 + split_rows, n)
-        spl = tl.arange(0, SPLITS_P)
-        acc = tl.zeros([BLOCK_I, BLOCK_J], tl.float32)
-        for x0 in range(i0, i1, BLOCK_I):
-            i = x0 + tl.arange(0, BLOCK_I)
-            i_ok = i < i1
-            w = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
-            if not FIRST:  # the previous hop's walk over these rows (all live: i < n)
-                prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
-                               mask=(spl < n_splits)[:, None] & i_ok[None, :], other=0.0)
-                w = one_minus_beta * w + beta * tl.sum(prev, 0)
-            v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
-            a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
-                        other=0.0)
-            acc += v[:, None] * a
-        tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
-
-    @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
-    def _select_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                       short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
-                       SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
-        """A program per row after the last hop (its own launch, not a ticket: see ``_row_tail_kernel``)."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        pos, c, _ = _position(lens_ptr, b, BS)
-        _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P, BLOCK_X)
-
-
-def tail_chunk(cap: int) -> int:
-    """Columns a row's serial tail (the matrix step, the selection) handles at once: the whole row up to 4,096
-    blocks (256k tokens of 64), so that each of its passes is one round trip to memory."""
-    return min(4096, max(16, next_pow2(cap)))
-
 
 def _check_state(st) -> None:
-    for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi",
-                 "logits", "closed_max", "closed_sum", "p_logits", "p_closed_max", "p_closed_sum"):
-        t = getattr(st, name)
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
+    check_state(st, ("logits", "closed_max", "closed_sum", "p_logits", "p_closed_max", "p_closed_sum"))
 
 
 def feature_chunk(m: int) -> int:
@@ -655,14 +362,14 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
     (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the probabilities summed
     over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default :data:`ROW_TILE`), and the
-    tail (``_row_tail_kernel``). ``incremental=False`` (default :data:`INCREMENTAL`): the full path instead of the
-    logits' launch, every ring row against every block (:func:`sketch_logits`, a GEMM into the cache) and each
-    ring row's max and Σ exp over its row's blocks (``_row_lse_kernel``, ``lse_rows`` ring rows per program,
-    ``lse_chunk`` blocks per chunk); both leave the cache for either at the next step. Returns ``r [B, C]`` (a
-    workspace: valid until the next call). ``block_x``: the tail's chunk (default :func:`tail_chunk`);
-    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`);
-    ``partial_chunk``: the logits' tiles per chunk (a power of two) of the probabilities' reduction of the new
-    query's partials."""
+    tail (``authors_walk.row_tail_triton``, in the form its module's path says). ``incremental=False`` (default
+    :data:`INCREMENTAL`): the full path instead of the logits' launch, every ring row against every block
+    (:func:`sketch_logits`, a GEMM into the cache) and each ring row's max and Σ exp over its row's blocks
+    (``_row_lse_kernel``, ``lse_rows`` ring rows per program, ``lse_chunk`` blocks per chunk); both leave the
+    cache for either at the next step. Returns ``r [B, C]`` (a workspace: valid until the next call).
+    ``block_x``: the chunked tail's chunk (default ``authors_walk.tail_chunk``); ``block_m``: the sketch features
+    per chunk of the state's dots (default :func:`feature_chunk`); ``partial_chunk``: the logits' tiles per chunk
+    (a power of two) of the probabilities' reduction of the new query's partials."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
@@ -707,57 +414,8 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
            INCREMENTAL=incremental, GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
            BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
-           st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
-           st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
-           BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), BLOCK_D=block_d, PDL=pdl, num_warps=8,
-           **pdl_launch(pdl))
+    row_tail_triton(st, part, r, k, lengths, block_x=block_x, block_d=block_d, pdl=pdl)
     st.fresh_rows = False
     return r
 
 
-def walk_splits(batch: int, cap: int, device: torch.device, *, block_j: int, block_i: int) -> int:
-    """Row splits of each hop's GEMV: about two programs per SM in all, at least ``block_i`` rows each."""
-    return row_segments(batch * cdiv(cap, block_j), cap, device, segment=block_i)
-
-
-def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
-                       window: float, q: float, max_pages: int, splits: int | None = None, block_j: int = 128,
-                       block_i: int = 32, block_x: int | None = None) -> dict[str, torch.Tensor]:
-    """:func:`walk_select_reference` in ``degree`` launches (float32). ``splits``: the GEMV's row splits
-    (default :func:`walk_splits`); ``block_x``: the selection's chunk (default :func:`tail_chunk`)."""
-    _check_state(st)
-    if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
-        raise ValueError(f"r: expected a contiguous float32 {tuple(st.sigma.shape)}, got {r.dtype} {tuple(r.shape)}")
-    if degree < 1:
-        raise ValueError(f"degree: expected at least 1, got {degree}")
-    b, cap = r.shape
-    dev = r.device
-    block_j = min(block_j, max(16, next_pow2(cap)))
-    col_tiles = cdiv(cap, block_j)
-    splits = splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
-    split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
-    n_splits = cdiv(cap, split_rows)
-    hops = workspace("sw_authors_hops", r, 2 * b * n_splits * cap, torch.float32)[:2 * b * n_splits * cap]
-    hops = hops.view(2, b * n_splits * cap)
-    out = {"walk": torch.empty(b, cap, device=dev, dtype=torch.float32),
-           "kept": torch.empty(b, cap, device=dev, dtype=torch.int8),
-           "pages": torch.empty(b, max_pages, device=dev, dtype=torch.int32),
-           "counts": torch.empty(b, device=dev, dtype=torch.int32),
-           "window_tokens": torch.empty(b, device=dev, dtype=torch.int32),
-           "n": torch.empty(b, device=dev, dtype=torch.int32),
-           "short": torch.empty(b, device=dev, dtype=torch.int8)}
-    frac = float64_constants((sink, window), dev)
-    pdl = pdl_available()  # each launch starts while the kernel before it runs (its programs wait for it first)
-    for hop in range(degree):
-        launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.u, st.sigma, r, hops[(hop + 1) % 2],
-               hops[hop % 2], cap, n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
-               BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j, PDL=pdl,
-               num_warps=4, num_stages=2, **pdl_launch(pdl))
-    launch(_select_kernel, (b,), lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"],
-           out["counts"], out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
-           float(1.0 - beta), BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)),
-           BLOCK_X=block_x or tail_chunk(cap), PDL=pdl, num_warps=8, **pdl_launch(pdl))
-    out["kept"] = out["kept"].view(torch.bool)
-    out["short"] = out["short"].view(torch.bool)
-    return out

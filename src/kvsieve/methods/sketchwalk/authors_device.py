@@ -32,6 +32,7 @@ from ...core.method import read_stats
 from ...core.stats import StepStats
 from ...kernels.sketchwalk import authors_decode as kd
 from ...kernels.sketchwalk import authors_reference as kr
+from ...kernels.sketchwalk import authors_walk as kw
 from ..shared.backend import kernel_operands
 from .authors import (
     LOGIT_DIVISOR,
@@ -78,6 +79,8 @@ class AuthorsDeviceState(MethodState):
     block_size: int
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
     last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
+    u_walk: torch.Tensor | None = field(default=None, repr=False, compare=False)  # U's 16-bit copy for the walk
+    tail_fresh: bool = field(default=False, repr=False, compare=False)  # host: the last tail started fresh rows
 
     @property
     def capacity_blocks(self) -> int:
@@ -222,7 +225,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     scale = logit_scale(st.phi.shape[0])
     if kernels:
         r = kd.row_update_triton(st, q, k, lengths, scale=scale)
-        sel = kd.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
+        sel = kw.walk_select_triton(st, r, lengths, beta=beta, degree=degree, sink=sink, window=window,
                                     q=1.0 - kblocks_frac, max_pages=max_pages)
     else:
         r = kr.row_update_reference(st, q, k, lengths, scale=scale)
