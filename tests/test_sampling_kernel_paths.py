@@ -598,6 +598,14 @@ compile_(st._sample_rows_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, 
 compile_(st._sample_rows_kernel, sp, dict(PAGE=1, HAS_EXCL=True, HAS_OFF=False, HAS_W=False, FILL=False, BLOCK=1024,
                                           CBLOCK=8192, SPLITS=16, SP=16, LIST=False, CUT=True), ints64=("stream_key",),
          num_warps=8)
+sp.update(list_ptr=i64, dest_ptr="*i32")
+compile_(st._window_scan_kernel, sp, dict(PAGE=16, HAS_EXCL=True, SP=32, SIGMAS=6.0, BLOCK=1024),
+         ints64=("stream_key",), num_warps=8)
+for listed in (False, True):
+    compile_(st._window_cut_kernel, sp, dict(PAGE=1, HAS_EXCL=True, HAS_OFF=listed, LIST=listed, SP=32, BLOCK=1024,
+                                             CBLOCK=8192), ints64=("stream_key",), num_warps=8)
+compile_(st._window_write_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, HAS_W=True, FILL=True, SP=32,
+                                           BLOCK=1024), ints64=("stream_key",), num_warps=8)
 from kvsieve.kernels.vattention import attend_triton as at
 ap = {{n: i64 for n in ("lo_ptr", "hi_ptr", "cut_ptr", "tie_ptr", "ns_ptr", "bs_ptr")}}
 ap.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", sc_ptr="*fp32", x_ptr="*i8", lens_ptr="*i32", acc_ptr="*fp32",

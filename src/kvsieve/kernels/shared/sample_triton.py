@@ -29,6 +29,12 @@ from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix
 from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
+#: the split scan finds the cut from the keys in a hash window around it (:func:`_window`; three launches
+#: spread over the row), not by a select over every key below a threshold in one program per row; read at
+#: call time (``benchmarks/breakdown/stages.py`` times both)
+WINDOW_SELECT = True
+WINDOW_SIGMAS = 6.0  # the window's half-width in standard deviations of the cut's count
+WINDOW_BLOCK = 8192  # window keys the cut launch holds in registers (≈ 12σ + 32: σ up to ~680 keys)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` programs (at least two blocks of keys each)
 SPLIT_PROGRAMS = 528
@@ -89,23 +95,29 @@ if triton is not None:
         return tl.where(size >= n_av, 16777216, thr).to(tl.int64)
 
     @triton.jit
+    def _block_hashes(lo, hi, stream_key, base_c, b0, end, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
+                      PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr):
+        """Positions ``b0 + [0, BLOCK)``, which of them are available (below ``end``, page not excluded) and
+        their 24-bit hashes."""
+        pos = b0 + tl.arange(0, BLOCK)
+        ok = pos < end
+        if HAS_EXCL:
+            pg = pos // PAGE
+            ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages), other=0)
+            ok = ok & (ex == 0)
+        return pos, ok, hash24(lo, hi, stream_key, base_c + pos)
+
+    @triton.jit
     def _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
                     n_pages, PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr,
                     WRITE: tl.constexpr = True):
         """Copy the available keys of ``[start, end)`` whose hash is below ``thr`` to ``cand`` as
         ``hash << 22 | position``, in position order (``WRITE=False``: count them only); returns how many."""
-        offs = tl.arange(0, BLOCK)
         cnt = tl.zeros([], tl.int32)
         if size > 0:
             for b0 in range(start, end, BLOCK):
-                pos = b0 + offs
-                ok = pos < end
-                if HAS_EXCL:
-                    pg = pos // PAGE
-                    ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages),
-                                 other=0)
-                    ok = ok & (ex == 0)
-                hv = hash24(lo, hi, stream_key, base_c + pos)
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, base_c, b0, end, excl_ptr, r, h, s_x_r, s_x_h,
+                                            n_pages, PAGE, HAS_EXCL, BLOCK)
                 keep = ok & (hv < thr)
                 ki = keep.to(tl.int32)
                 if WRITE:
@@ -288,6 +300,200 @@ if triton is not None:
                     tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
 
     @triton.jit
+    def _window(size, n_av, SIGMAS: tl.constexpr):
+        """The 24-bit hash window ``[t_lo, t_hi)`` that holds the ``size``-th smallest of ``n_av`` uniforms
+        but for a ``SIGMAS``-sigma event: the count of hashes below ``t`` is binomial, so its ``size`` is
+        reached within ``SIGMAS · √(size (1 − size/n_av)) + 16`` keys of the mean. ``size ≥ n_av``: every
+        key lies below the window."""
+        sz = size.to(tl.float32)
+        na = tl.maximum(n_av, 1).to(tl.float32)
+        margin = SIGMAS * tl.sqrt(sz * tl.maximum(1.0 - sz / na, 0.0)) + 16.0
+        t_lo = (tl.maximum(sz - margin, 0.0) / na * 16777216.0).to(tl.int64)
+        t_hi = (tl.minimum((sz + margin) / na * 16777216.0 + 1.0, 16777216.0)).to(tl.int64)
+        every = size >= n_av
+        return tl.where(every, 16777216, t_lo), tl.where(every, 16777216, t_hi)
+
+    @triton.jit
+    def _window_scan_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, cand_ptr, cnt_ptr,
+        stream_key, hs, n_keys, chunk, n_pages, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, SP: tl.constexpr, SIGMAS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Chunk ``s`` of a row's positions: counts its keys below the window (``cnt[rh, 0, s]``) and copies
+        those inside it (``hash << 22 | position``, in position order) to the chunk's own region of the
+        candidates (``cnt[rh, 1, s]`` of them)."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        t_lo, t_hi = _window(size, n_av, SIGMAS)
+        c_lo = tl.maximum(start, s * chunk)
+        c_hi = tl.minimum(end, s * chunk + chunk)
+        region = cand_ptr + rh * n_keys + s * chunk
+        base_c = h.to(tl.int64) << 22
+        below = tl.zeros([], tl.int32)
+        cnt = tl.zeros([], tl.int32)
+        if size > 0:
+            for b0 in range(c_lo, c_hi, BLOCK):
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, base_c, b0, c_hi, excl_ptr, r, h, s_x_r, s_x_h,
+                                            n_pages, PAGE, HAS_EXCL, BLOCK)
+                below += tl.sum((ok & (hv < t_lo)).to(tl.int32), 0)
+                win = ok & (hv >= t_lo) & (hv < t_hi)
+                dest = cnt + tl.cumsum(win.to(tl.int32), 0) - 1
+                tl.store(region + dest, (hv << 22) | pos.to(tl.int64), mask=win)
+                cnt += tl.sum(win.to(tl.int32), 0)
+        tl.store(cnt_ptr + rh * 2 * SP + s, below)
+        tl.store(cnt_ptr + rh * 2 * SP + SP + s, cnt)
+
+    @triton.jit
+    def _window_cut_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, cand_ptr, list_ptr, cnt_ptr,
+        cut_ptr, dest_ptr, stream_key, hs, n_keys, chunk, n_pages, splits,
+        s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, LIST: tl.constexpr, SP: tl.constexpr,
+        BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+    ):
+        """One program per (row, selection head): the sample's cut ``(t, p)`` — the ``size``-th smallest
+        hash ``t`` and the last position ``p`` taken at it — from the window's candidates (the chunks'
+        regions gathered in chunk order, so in position order, then a bisection in registers), or, when the
+        window missed it (rare) or holds more than ``CBLOCK`` keys, from every available key (radix passes).
+        ``LIST``: also where each chunk's chosen keys start in the list (``dest[rh, s]``)."""
+        PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every cut
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        so = tl.arange(0, SP)
+        crow = cnt_ptr + rh * 2 * SP
+        below_s = tl.load(crow + so, mask=so < splits, other=0)
+        win_s = tl.load(crow + SP + so, mask=so < splits, other=0)
+        below = tl.sum(below_s, 0)
+        cnt = tl.sum(win_s, 0)
+        need = size - below
+        lst = list_ptr + rh * n_keys
+        cut = tl.zeros([], tl.int64)
+        tie = tl.full([], -1, tl.int32)
+        n_list = tl.zeros([], tl.int32)  # entries of lst the chunks' chosen counts are taken from
+        chosen_s = tl.where(size >= n_av, below_s, 0)  # every key: each chunk's keys, all below the window
+        if size >= n_av:
+            cut = tl.where(size > 0, 16777216, 0).to(tl.int64)
+        elif size > 0:
+            windowed = (need >= 1) & (need <= cnt) & (cnt <= CBLOCK)
+            if windowed:
+                offs = tl.arange(0, BLOCK)
+                for sg in range(0, splits):
+                    n_sg = tl.load(crow + SP + sg)
+                    for y0 in range(0, n_sg, BLOCK):
+                        yo = y0 + offs
+                        tl.store(lst + n_list + yo, tl.load(cand_ptr + rh * n_keys + sg * chunk + yo, mask=yo < n_sg),
+                                 mask=yo < n_sg)
+                    n_list += n_sg
+                chosen_s = below_s
+            else:  # every available key of the row, in position order (the window's regions left unread)
+                n_list = _candidates(lst, lo, hi, stream_key, h.to(tl.int64) << 22, start, end,
+                                     tl.full([], 16777216, tl.int64), size, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
+                                     PAGE, HAS_EXCL, BLOCK)
+                need = size
+            tl.debug_barrier()  # the list was written by other threads of this program
+            if windowed:
+                coffs = tl.arange(0, CBLOCK)
+                packed = tl.load(lst + coffs, mask=coffs < n_list, other=PAD)
+                ck = (packed >> 22).to(tl.int32)
+                # bisection: count(h < t_lo) < need <= count(h < t_hi)
+                t_lo = tl.zeros([], tl.int32)
+                t_hi = tl.full([], 16777216, tl.int32)
+                for _ in range(24):
+                    mid = (t_lo + t_hi) // 2
+                    go_lo = tl.sum((ck < mid).to(tl.int32), 0) >= need
+                    t_hi = tl.where(go_lo, mid, t_hi)
+                    t_lo = tl.where(go_lo, t_lo, mid)
+                eq = ck == t_lo
+                rank = tl.cumsum(eq.to(tl.int32), 0)
+                at = need - tl.sum((ck < t_lo).to(tl.int32), 0)
+                tie = tl.max(tl.where(eq & (rank == at), (packed & 0x3FFFFF).to(tl.int32), -1), 0)
+            else:
+                t_lo = _radix_smallest24(lst, n_list, size, BLOCK)
+                n_below = tl.zeros([], tl.int32)
+                for c0 in range(0, n_list, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    n_below += tl.sum((tl.load(lst + co, mask=co < n_list, other=PAD) >> 22 < t_lo).to(tl.int32), 0)
+                ties = tl.zeros([], tl.int32)
+                for c0 in range(0, n_list, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    packed = tl.load(lst + co, mask=co < n_list, other=PAD)
+                    eq = (packed >> 22) == t_lo
+                    rank = ties + tl.cumsum(eq.to(tl.int32), 0)
+                    tie = tl.maximum(tie, tl.max(tl.where(eq & (rank == size - n_below),
+                                                          (packed & 0x3FFFFF).to(tl.int32), -1), 0))
+                    ties += tl.sum(eq.to(tl.int32), 0)
+            cut = t_lo.to(tl.int64)
+        tl.store(cut_ptr + rh, cut)
+        tl.store(cut_ptr + tl.num_programs(0) * tl.num_programs(1) + rh, tie.to(tl.int64))
+        if LIST:
+            # each chunk's chosen keys: those below the window (or none, for the fallback's list of every key)
+            # plus the listed ones the cut takes, by their chunk
+            for c0 in range(0, n_list, BLOCK):
+                co = c0 + tl.arange(0, BLOCK)
+                packed = tl.load(lst + co, mask=co < n_list, other=PAD)
+                kk = packed >> 22
+                p = (packed & 0x3FFFFF).to(tl.int32)
+                take = (co < n_list) & ((kk < cut) | ((kk == cut) & (p <= tie)))
+                chosen_s += tl.histogram(tl.where(take, p // chunk, 0), SP)
+                chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
+            off = tl.zeros([], tl.int32)
+            if HAS_OFF:
+                off = tl.load(off_ptr + rh).to(tl.int32)
+            tl.store(dest_ptr + rh * SP + so, off + tl.cumsum(chosen_s, 0) - chosen_s)
+
+    @triton.jit
+    def _window_write_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, cut_ptr, dest_ptr, out_ptr, w_ptr,
+        stream_key, hs, chunk, n_pages, width, s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
+        FILL: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Chunk ``s``: its keys the cut takes, in position order, from the list slot the cut launch gave it;
+        its share of the zeros (weight 1) after the sample."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        cut = tl.load(cut_ptr + rh)
+        tie = tl.load(cut_ptr + tl.num_programs(1) * tl.num_programs(2) + rh)
+        dest0 = tl.load(dest_ptr + rh * SP + s)
+        out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        w = w_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
+        c_lo = tl.maximum(start, s * chunk)
+        c_hi = tl.minimum(end, s * chunk + chunk)
+        written = tl.zeros([], tl.int32)
+        if size > 0:
+            for b0 in range(c_lo, c_hi, BLOCK):
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, h.to(tl.int64) << 22, b0, c_hi, excl_ptr, r, h,
+                                            s_x_r, s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
+                take = ok & ((hv < cut) | ((hv == cut) & (pos <= tie)))
+                dest = dest0 + written + tl.cumsum(take.to(tl.int32), 0) - 1
+                tl.store(out + dest, pos.to(tl.int64), mask=take)
+                if HAS_W:
+                    tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
+                written += tl.sum(take.to(tl.int32), 0)
+        if FILL:
+            off = tl.zeros([], tl.int32)
+            if HAS_OFF:
+                off = tl.load(off_ptr + rh).to(tl.int32)
+            share = (tl.maximum(width - off - size, 0) + tl.num_programs(0) - 1) // tl.num_programs(0)
+            f_lo = off + size + s * share
+            f_hi = tl.minimum(f_lo + share, width)
+            for z0 in range(f_lo, f_hi, BLOCK):
+                zo = z0 + tl.arange(0, BLOCK)
+                zm = zo < f_hi
+                tl.store(out + zo, tl.zeros([BLOCK], tl.int64), mask=zm)
+                if HAS_W:
+                    tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
+
+    @triton.jit
     def _absorb_counter(lo, hi, ptr, value, k1, k2, FROM_PTR: tl.constexpr):
         """One counter of the key mixed into the row's (lo, hi) words: read from device memory (a step
         counter) or given as a host int."""
@@ -342,8 +548,8 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
                        excluded: torch.Tensor | None = None, page: int = 1, offset: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
                        with_weights: bool = True, fill: bool = True,
-                       target_programs: int = SPLIT_PROGRAMS, block: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       target_programs: int = SPLIT_PROGRAMS, block: int | None = None, window: bool | None = None,
+                       cand_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(indices, weights)``: per row ``r`` (words ``lo, hi [R]``, positions ``[start, end) [R]``) and
     selection head ``h`` of ``size [R, Hs]``, the ``min(size, n_avail)`` available positions with the
     smallest hash (:func:`sample_rows_reference`), ascending, written from column ``offset [R, Hs]``
@@ -352,7 +558,7 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     minus the ``excluded [R, Hs, P]`` pages of ``page`` keys); the weights are ``n_avail / size``
     (float64). ``fill=False`` leaves the columns after the sample as they were (a list as wide as the
     context whose readers look at the first ``count`` entries only: writing its padding costs more than
-    the sample). No host read; one launch."""
+    the sample). No host read; one launch, or three (module docstring: ``window``, ``cand_block``)."""
     r, hs = size.shape
     dev = size.device
     if out is None:
@@ -364,14 +570,14 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     if width == 0 or r * hs == 0:
         return out, weights
     _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, None)
+                   target_programs, block, None, window, cand_block)
     return out, weights
 
 
 def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
                       size: torch.Tensor, n_avail: torch.Tensor, n_keys: int, *, excluded: torch.Tensor | None = None,
-                      page: int = 1, target_programs: int = SPLIT_PROGRAMS,
-                      block: int | None = None) -> torch.Tensor:
+                      page: int = 1, target_programs: int = SPLIT_PROGRAMS, block: int | None = None,
+                      window: bool | None = None, cand_block: int | None = None) -> torch.Tensor:
     """The sample of :func:`sample_rows_triton` (same arguments, same draws) as a test instead of a list:
     ``[2, R, Hs]`` int64 ``(cut, tie)``, a position ``p`` of the range, not excluded, being in the sample
     of ``(r, h)`` iff its 24-bit hash is below ``cut`` or equal to it with ``p ≤ tie`` (ties go to the lowest
@@ -381,12 +587,12 @@ def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: to
     cut = torch.empty(2, r, hs, device=size.device, dtype=torch.int64)
     if r * hs:
         _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, cut, None, False,
-                       target_programs, block, cut)
+                       target_programs, block, cut, window, cand_block)
     return cut
 
 
 def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, cut) -> None:
+                   target_programs, block, cut, window, cand_block) -> None:
     """The launches of :func:`sample_rows_triton` (``cut`` None: the list to ``out``) or of
     :func:`sample_cut_triton` (the cut to ``cut``)."""
     r, hs = size.shape
@@ -397,6 +603,30 @@ def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, 
     interp = is_interpreted(_sample_rows_kernel)
     lo, hi, start, end = lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous()
     splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+    if (WINDOW_SELECT and splits > 1) if window is None else window:
+        sp = max(2, next_pow2(splits))
+        counts = workspace("sample_window_counts", size, r * hs * 2 * sp, torch.int32)
+        lst = workspace("sample_window_list", size, r * hs * max(n_keys, 1), torch.int64)
+        dest = workspace("sample_window_dest", size, r * hs * sp, torch.int32)
+        cuts = cut if cut is not None else workspace("sample_window_cut", size, 2 * r * hs, torch.int64)
+        n_pages = excluded.shape[-1] if excluded is not None else 1
+        x_strides = (excl.stride(0), excl.stride(1)) if excluded is not None else (0, 0)
+        row = (lo, hi, start, end, size, n_avail, excl)
+        strides = (*x_strides, size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1))
+        flags = {"PAGE": page, "HAS_EXCL": excluded is not None, "SP": sp, "BLOCK": block}
+        launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, stream_key, hs, n_keys, chunk, n_pages,
+               *strides, SIGMAS=WINDOW_SIGMAS, **flags, num_warps=8, num_stages=1)
+        off = offset if offset is not None else size
+        listed = cut is None
+        launch(_window_cut_kernel, (hs, r), *row, off, cand, lst, counts, cuts, dest, stream_key, hs, n_keys, chunk,
+               n_pages, splits, *strides, HAS_OFF=offset is not None, LIST=listed,
+               CBLOCK=cand_block or WINDOW_BLOCK, **flags, num_warps=8, num_stages=1)
+        if listed:
+            launch(_window_write_kernel, (splits, hs, r), *row, off, cuts, dest, out,
+                   weights if weights is not None else out, stream_key, hs, chunk, n_pages, out.shape[-1],
+                   out.stride(0), out.stride(1), *strides, HAS_OFF=offset is not None, HAS_W=weights is not None,
+                   FILL=fill, **flags, num_warps=8, num_stages=1)
+        return
     cnt = size
     if splits > 1:  # the scan over the row in splits x hs x r programs: counts, then the candidates
         cnt = workspace("sample_split_counts", size, r * hs * splits, torch.int32)
@@ -471,5 +701,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "row_words_triton", "sample_cut_triton", "sample_rows_reference",
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SELECT", "WINDOW_SIGMAS", "row_words_triton", "sample_cut_triton", "sample_rows_reference",
            "sample_rows_triton", "sample_splits", "usable"]

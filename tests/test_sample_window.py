@@ -1,0 +1,80 @@
+"""The uniform sample's windowed cut (``sample_triton``: a scan spread over the row counts the keys below a
+hash window and copies those inside it, one program per row finds the cut among them, a third launch writes
+the list) draws the very keys of the one-program select and of the torch reference, on the CPU through
+Triton's interpreter (a subprocess: the interpreter is chosen when triton is imported)."""
+
+from __future__ import annotations
+
+import pytest
+from interpreted import run_script
+
+WINDOW = """
+import torch
+from kvsieve.core.rng import RandomKey, RowStreams
+from kvsieve.kernels.shared import sample_triton as st
+from kvsieve.kernels.vattention.attend_triton import in_sample_reference
+
+g = torch.Generator().manual_seed({seed})
+# (rows, heads, keys, sizes, block, page, cand_block, sigmas): small, empty, whole, over-full and large samples;
+# the window path (cand_block None), its fallback to every key (a window wider than cand_block, or one that
+# misses the cut: sigmas 0 keeps 16 keys of margin), pages of excluded keys
+cases = [(2, 3, 300, [30, 5, 0], 32, 1, None, 6.0), (1, 2, 3000, [1500, 2999], 64, 1, None, 6.0),
+         (3, 2, 700, [1000, 1], 32, 16, None, 6.0), (1, 2, 2000, [900, 40], 64, 1, 16, 6.0),
+         (2, 2, 2000, [1000, 700], 64, 16, None, 0.0), (1, 1, 4000, [100], 128, 1, None, 6.0)]
+for r, hs, n, sizes, block, page, cb, sigmas in cases:
+    st.WINDOW_SIGMAS = sigmas
+    rs = RowStreams(RandomKey({seed}, (1, 2)), torch.arange(r), torch.full((r,), n))
+    start = torch.tensor([4, 10, 0][:r])
+    end = torch.tensor([n - 8, n - 100, 5][:r])
+    p = torch.arange(n)
+    excl = torch.rand(r, hs, -(-n // page), generator=g) < 0.2
+    avail = ((p >= start[:, None]) & (p < end[:, None]))[:, None] & ~excl[:, :, p // page]
+    nav = avail.sum(-1)
+    size = torch.tensor(sizes).repeat(r, 1)[:, :hs] + torch.randint(0, 3, (r, hs), generator=g)
+    take = torch.minimum(size, nav)
+    kw = dict(excluded=excl, page=page, block=block, cand_block=cb)
+    ref = st.sample_rows_reference(rs.lo, rs.hi, 9, start, end, take, n + 5, n, excl, page)
+    for window in (True, False):
+        idx, w = st.sample_rows_triton(rs.lo, rs.hi, 9, start, end, size, nav, n + 5, n, window=window, **kw)
+        assert torch.equal(idx, ref), (window, r, hs, n, sizes, cb, sigmas)
+        used = torch.arange(n + 5) < take[..., None]
+        want_w = torch.where(used, nav[..., None].double() / take.clamp(min=1)[..., None].double(), 1.0)
+        assert torch.equal(w, want_w), (window, r, hs, n, sizes)
+    if page == 1:
+        cut = st.sample_cut_triton(rs.lo, rs.hi, 9, start, end, size, nav, n, window=True, **kw)
+        old = st.sample_cut_triton(rs.lo, rs.hi, 9, start, end, size, nav, n, window=False, **kw)
+        assert torch.equal(cut, old), (r, hs, n, sizes, cut, old)
+        got = in_sample_reference(rs.lo, rs.hi, 9, start, end, excl, cut[0], cut[1], n)
+        assert torch.equal(got.sum(-1), take)
+        mark = torch.zeros(r, hs, n + 6, dtype=torch.bool).scatter_(2, torch.where(used, ref, n + 5), True)[..., :n]
+        assert torch.equal(got, mark), (r, hs, n, sizes)
+# from an offset, without the fill: the columns before the offset and after the sample keep what they held
+st.WINDOW_SIGMAS = 6.0
+rs = RowStreams(RandomKey({seed}), torch.arange(1), torch.tensor([200]))
+size, nav = torch.tensor([[10, 20]]), torch.tensor([[100, 100]])
+plain, _ = st.sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor([150]), size, nav, 40, 200,
+                                 window=False)
+for fill in (True, False):
+    out = torch.full((1, 2, 40), -7, dtype=torch.int64)
+    wts = torch.full((1, 2, 40), -7.0, dtype=torch.float64)
+    st.sample_rows_triton(rs.lo, rs.hi, 4, torch.tensor([50]), torch.tensor([150]), size, nav, 40, 200,
+                          offset=torch.tensor([[3, 0]]), out=out, weights=wts, fill=fill, window=True, block=16,
+                          target_programs=64)
+    assert bool((out[0, 0, :3] == -7).all()) and torch.equal(out[0, 0, 3:13], plain[0, 0, :10])
+    assert torch.equal(out[0, 1, :20], plain[0, 1, :20]) and bool((wts[0, 0, 3:13] == 10.0).all())
+    tail = out[0, 0, 13:], wts[0, 0, 13:], out[0, 1, 20:]
+    if fill:
+        assert bool((tail[0] == 0).all()) and bool((tail[1] == 1.0).all()) and bool((tail[2] == 0).all())
+    else:
+        assert bool((tail[0] == -7).all()) and bool((tail[1] == -7.0).all()) and bool((tail[2] == -7).all())
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_windowed_cut_draws_the_reference_sample(seed):
+    """List and cut, windowed or not, equal ``sample_rows_reference`` (the keys of smallest hash, ties to the
+    lowest positions) on small, empty, whole, over-full and large samples, with pages excluded, through the
+    window and through its fallback (window too wide for the registers, or missing the cut)."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(WINDOW, "cpu", True, seed=seed)
