@@ -17,6 +17,16 @@ selection head):
 3. writes the keys below it and the first needed keys equal to it (ties to the lowest position), in
    ascending position order, then zeros up to the list's width, and the weights ``n_avail / size``.
 
+Long rows (the scan split over programs, ``WINDOW_SELECT``) find the cut otherwise: the count of hashes
+below ``t`` is binomial, so the ``size``-th smallest lies, but for a 6-sigma event, in a window of
+``≈ 12 √(size (1 − size/n_avail)) + 32`` keys around ``size / n_avail · 2^24`` (:func:`_window`). A
+launch spread over the row counts each chunk's keys below the window and copies those inside it; one
+program per (row, head) gathers them (a few thousand keys where the old candidates were ``size``: 64k for
+vAttention's residual sample at 128k keys), bisects in registers for the cut, and gives each chunk its
+place in the list; a third launch spread over the row writes the chosen keys (none for the cut alone).
+Where the window misses the cut, or holds more than ``WINDOW_BLOCK`` keys, that program takes every
+available key instead (the radix passes above): the same keys, whatever the draws.
+
 Equal to the reference as a set up to ties of the 24-bit hash at the cut (``torch.topk`` breaks them
 in no specified order): :func:`sample_rows_reference` is the twin with ties to the lowest position.
 """
@@ -701,5 +711,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SELECT", "WINDOW_SIGMAS", "row_words_triton", "sample_cut_triton", "sample_rows_reference",
-           "sample_rows_triton", "sample_splits", "usable"]
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SELECT", "WINDOW_SIGMAS", "row_words_triton",
+           "sample_cut_triton", "sample_rows_reference", "sample_rows_triton", "sample_splits", "usable"]
