@@ -610,8 +610,9 @@ from kvsieve.kernels.vattention import attend_triton as at
 ap = {{n: i64 for n in ("lo_ptr", "hi_ptr", "cut_ptr", "tie_ptr", "ns_ptr", "bs_ptr")}}
 ap.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", sc_ptr="*fp32", x_ptr="*i8", lens_ptr="*i32", acc_ptr="*fp32",
           m_ptr="*fp32", l_ptr="*fp32")
-compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False),
-         ints64=("stream_key",), fp32=("scale_log2",))
+for stream in (False, True):
+    compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False,
+                                         STREAM=stream), ints64=("stream_key",), fp32=("scale_log2",))
 bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", "base_ptr", "bc_ptr", "ns_ptr",
                        "bi_ptr", "cnt_ptr", "pages_ptr", "pcnt_ptr", "idx_ptr", "nb_ptr")}}
 bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr="*fp64", out_ptr="*fp64",

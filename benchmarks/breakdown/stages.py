@@ -68,6 +68,7 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@triton-select": "vattention",
         "vattention@old-sample": "vattention",
         "vattention@old-topk": "vattention",
+        "vattention@masked-v": "vattention",
         "vattention@old": "vattention",
     }
 
@@ -75,6 +76,7 @@ def variant_specs() -> dict[str, str | None]:
 _VATT = "kvsieve.methods.vattention"
 _OLD_SAMPLE = ("kvsieve.kernels.shared.sample_triton", "WINDOW_SELECT", False)
 _OLD_TOPK = (_VATT, "SPLIT_TOPK", False)
+_MASKED_V = ("kvsieve.kernels.vattention.attend_triton", "STREAM_V", False)
 #: variant -> ((module, limit, value), ...) set while it runs
 LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a ticket counter merges a long row's
           # programs) rather than torch.topk above 64k keys
@@ -85,7 +87,9 @@ LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a tick
           "vattention@old-sample": (_OLD_SAMPLE,),
           # the top-k by oracle_topk.select_path's choice (torch.topk above 64k keys per query head)
           "vattention@old-topk": (_OLD_TOPK,),
-          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK)}
+          # the tested-key pass reading only the V rows some head keeps (masked loads)
+          "vattention@masked-v": (_MASKED_V,),
+          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V)}
 
 
 def with_limit(name: str, fn):

@@ -13,7 +13,8 @@ a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
   scores: the k-th largest equal, every chosen score at least it);
 - base sample (a list) and residual cut: ``old`` (one program per row selects among every key below a
   threshold) and ``window`` (the new default); equal to each other and to ``sample_rows_reference``;
-- attention: the pass as it is, and its error against ``attend_reference``.
+- attention: ``masked`` (V rows some head keeps) and ``stream`` (every V row of the range, the new default),
+  each one's error against ``attend_reference``.
 
     python benchmarks/breakdown/vattention_stages.py OUT [--n 131072] [--batch 1] [--attention peaked]
 
@@ -148,13 +149,16 @@ def stage_calls(calls) -> dict[str, dict]:
     if calls["attend_triton"]:
         args, kwargs = calls["attend_triton"][0]
         q, k, v, lengths, sink, window, scale, scores, excluded, lo, hi, stream, cut, tie, n_s, size = args
-        got = attend_triton(*args, **kwargs).float()
+        got = attend_triton(*args, **kwargs, stream_v=True).float()
+        masked = attend_triton(*args, **kwargs, stream_v=False).float()
         samp = in_sample_reference(lo, hi, stream, torch.clamp(lengths.long(), max=sink),
                                    torch.maximum(lengths.long() - window, torch.clamp(lengths.long(), max=sink)),
                                    excluded, cut, tie, k.shape[2])
         ref = attend_reference(q, k, v, lengths, sink, window, scale, scores, excluded, samp, n_s, size).float()
-        out["attention"] = {"ways": {"current": lambda: attend_triton(*args, **kwargs)},
-                            "rel err vs reference": float((got - ref).norm() / ref.norm())}
+        out["attention"] = {"ways": {"masked": lambda: attend_triton(*args, **kwargs, stream_v=False),
+                                     "stream": lambda: attend_triton(*args, **kwargs, stream_v=True)},
+                            "rel err vs reference": float((got - ref).norm() / ref.norm()),
+                            "masked rel err vs reference": float((masked - ref).norm() / ref.norm())}
     return out
 
 
@@ -216,6 +220,7 @@ def check() -> None:
         assert all(v == 0 for v in info.get("mismatches vs reference", {}).values()), (stage, info)
         assert info.get("old == window", True), stage
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
+        assert info.get("masked rel err vs reference", 0.0) < 1e-4, (stage, info)
     print("check: ok")
 
 
