@@ -78,3 +78,36 @@ def test_windowed_cut_draws_the_reference_sample(seed):
     window and through its fallback (window too wide for the registers, or missing the cut)."""
     pytest.importorskip("triton")
     assert "OK" in run_script(WINDOW, "cpu", True, seed=seed)
+
+
+TIE = """
+import torch
+import triton
+import triton.language as tl
+from kvsieve.kernels.shared.sample_triton import tie_position
+
+@triton.jit
+def tie_kernel(p_ptr, eq_ptr, at, out_ptr, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(out_ptr, tie_position(tl.load(eq_ptr + o) != 0, tl.load(p_ptr + o), at))
+
+g = torch.Generator().manual_seed(0)
+out = torch.zeros(1, dtype=torch.int32)
+for n_eq in (1, 2, 3, 7, 64):
+    for _ in range(3):
+        p = torch.randperm(1 << 22, generator=g)[:64].to(torch.int32)
+        eq = torch.zeros(64, dtype=torch.int8)
+        eq[torch.randperm(64, generator=g)[:n_eq]] = 1
+        chosen = p[eq.bool()].sort().values
+        for at in range(1, n_eq + 1):
+            tie_kernel[(1,)](p, eq, at, out, N=64)
+            assert int(out) == int(chosen[at - 1]), (n_eq, at, int(out), chosen.tolist())
+print("OK")
+"""
+
+
+def test_tie_position_is_the_at_th_lowest_position():
+    """Several keys sharing the cut's hash (about one row in a hundred at 128k keys): the sample takes the
+    lowest positions, so its last one is the ``at``-th lowest of them."""
+    pytest.importorskip("triton")
+    assert "OK" in run_script(TIE, "cpu", True)

@@ -598,7 +598,7 @@ compile_(st._sample_rows_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, 
 compile_(st._sample_rows_kernel, sp, dict(PAGE=1, HAS_EXCL=True, HAS_OFF=False, HAS_W=False, FILL=False, BLOCK=1024,
                                           CBLOCK=8192, SPLITS=16, SP=16, LIST=False, CUT=True), ints64=("stream_key",),
          num_warps=8)
-sp.update(list_ptr=i64, dest_ptr="*i32")
+sp.update(list_ptr=i64, dest_ptr="*i32", fill_ptr="*i32")
 compile_(st._window_scan_kernel, sp, dict(PAGE=16, HAS_EXCL=True, SP=32, SIGMAS=6.0, BLOCK=1024),
          ints64=("stream_key",), num_warps=8)
 for listed in (False, True):

@@ -70,6 +70,7 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@old-topk": "vattention",
         "vattention@masked-v": "vattention",
         "vattention@old": "vattention",
+        "vattention@budget-x4": "vattention",
     }
 
 
@@ -89,7 +90,9 @@ LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a tick
           "vattention@old-topk": (_OLD_TOPK,),
           # the tested-key pass reading only the V rows some head keeps (masked loads)
           "vattention@masked-v": (_MASKED_V,),
-          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V)}
+          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V),
+          # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
+          "vattention@budget-x4": (("kvsieve.kernels.vattention.budget_triton", "SPLIT_PROGRAMS", 2112),)}
 
 
 def with_limit(name: str, fn):

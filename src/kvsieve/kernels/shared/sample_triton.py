@@ -20,10 +20,11 @@ selection head):
 Long rows (the scan split over programs, ``WINDOW_SELECT``) find the cut otherwise: the count of hashes
 below ``t`` is binomial, so the ``size``-th smallest lies, but for a 6-sigma event, in a window of
 ``≈ 12 √(size (1 − size/n_avail)) + 32`` keys around ``size / n_avail · 2^24`` (:func:`_window`). A
-launch spread over the row counts each chunk's keys below the window and copies those inside it; one
-program per (row, head) gathers them (a few thousand keys where the old candidates were ``size``: 64k for
-vAttention's residual sample at 128k keys), bisects in registers for the cut, and gives each chunk its
-place in the list; a third launch spread over the row writes the chosen keys (none for the cut alone).
+launch spread over the row counts each chunk's keys below the window and appends those inside it to the
+row's list (a relaxed atomic counter per row; the cut needs no order); one program per (row, head) loads
+that list into registers (a few thousand keys where the old candidates were ``size``: 64k for vAttention's
+residual sample at 128k keys), bisects for the cut, and gives each chunk its place in the output; a third
+launch spread over the row writes the chosen keys in position order (none for the cut alone).
 Where the window misses the cut, or holds more than ``WINDOW_BLOCK`` keys, that program takes every
 available key instead (the radix passes above): the same keys, whatever the draws.
 
@@ -324,14 +325,33 @@ if triton is not None:
         return tl.where(every, 16777216, t_lo), tl.where(every, 16777216, t_hi)
 
     @triton.jit
+    def tie_position(eq, p, at):
+        """The ``at``-th lowest (``1 ≤ at ≤`` their count) of the distinct positions ``p`` where ``eq``: the
+        last key a sample takes among those sharing its cut's hash (ties go to the lowest positions). One
+        reduction when every such key is taken (the usual case), else a bisection over the 22 position bits
+        (at 128k keys some other key shares the cut's 24-bit hash about once in a hundred rows)."""
+        tie = tl.max(tl.where(eq, p, -1), 0)
+        if tl.sum(eq.to(tl.int32), 0) > at:
+            p_lo = tl.zeros([], tl.int32)
+            p_hi = tl.full([], 1 << 22, tl.int32)
+            for _ in range(22):  # count(eq & p < p_lo) < at <= count(eq & p < p_hi)
+                mid = (p_lo + p_hi) // 2
+                go_lo = tl.sum((eq & (p < mid)).to(tl.int32), 0) >= at
+                p_hi = tl.where(go_lo, mid, p_hi)
+                p_lo = tl.where(go_lo, p_lo, mid)
+            tie = p_lo
+        return tie
+
+    @triton.jit
     def _window_scan_kernel(
-        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, cand_ptr, cnt_ptr,
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, list_ptr, cnt_ptr, fill_ptr,
         stream_key, hs, n_keys, chunk, n_pages, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, SP: tl.constexpr, SIGMAS: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """Chunk ``s`` of a row's positions: counts its keys below the window (``cnt[rh, 0, s]``) and copies
-        those inside it (``hash << 22 | position``, in position order) to the chunk's own region of the
-        candidates (``cnt[rh, 1, s]`` of them)."""
+        """Chunk ``s`` of a row's positions: counts its keys below the window (``cnt[rh, 0, s]``) and inside
+        it (``cnt[rh, 1, s]``), and appends those inside (``hash << 22 | position``) to the row's list at
+        the row's fill counter (``fill[rh]``, relaxed atomics: the list's order is not used; the cut launch
+        reads and resets the counter)."""
         s = tl.program_id(0)
         h = tl.program_id(1)
         r = tl.program_id(2)
@@ -340,7 +360,7 @@ if triton is not None:
         t_lo, t_hi = _window(size, n_av, SIGMAS)
         c_lo = tl.maximum(start, s * chunk)
         c_hi = tl.minimum(end, s * chunk + chunk)
-        region = cand_ptr + rh * n_keys + s * chunk
+        lst = list_ptr + rh * n_keys
         base_c = h.to(tl.int64) << 22
         below = tl.zeros([], tl.int32)
         cnt = tl.zeros([], tl.int32)
@@ -350,25 +370,27 @@ if triton is not None:
                                             n_pages, PAGE, HAS_EXCL, BLOCK)
                 below += tl.sum((ok & (hv < t_lo)).to(tl.int32), 0)
                 win = ok & (hv >= t_lo) & (hv < t_hi)
-                dest = cnt + tl.cumsum(win.to(tl.int32), 0) - 1
-                tl.store(region + dest, (hv << 22) | pos.to(tl.int64), mask=win)
-                cnt += tl.sum(win.to(tl.int32), 0)
+                n_win = tl.sum(win.to(tl.int32), 0)
+                if n_win > 0:
+                    at = tl.atomic_add(fill_ptr + rh, n_win, sem="relaxed")
+                    tl.store(lst + at + tl.cumsum(win.to(tl.int32), 0) - 1, (hv << 22) | pos.to(tl.int64), mask=win)
+                cnt += n_win
         tl.store(cnt_ptr + rh * 2 * SP + s, below)
         tl.store(cnt_ptr + rh * 2 * SP + SP + s, cnt)
 
     @triton.jit
     def _window_cut_kernel(
-        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, cand_ptr, list_ptr, cnt_ptr,
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, list_ptr, cnt_ptr, fill_ptr,
         cut_ptr, dest_ptr, stream_key, hs, n_keys, chunk, n_pages, splits,
         s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, LIST: tl.constexpr, SP: tl.constexpr,
         BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
     ):
         """One program per (row, selection head): the sample's cut ``(t, p)`` — the ``size``-th smallest
-        hash ``t`` and the last position ``p`` taken at it — from the window's candidates (the chunks'
-        regions gathered in chunk order, so in position order, then a bisection in registers), or, when the
-        window missed it (rare) or holds more than ``CBLOCK`` keys, from every available key (radix passes).
-        ``LIST``: also where each chunk's chosen keys start in the list (``dest[rh, s]``)."""
+        hash ``t`` and the last position ``p`` taken at it — from the window's keys (one load into registers,
+        a bisection on the hash, and on the position only where several keys share the cut's hash), or, when
+        the window missed it (rare) or holds more than ``CBLOCK`` keys, from every available key in position
+        order (radix passes). ``LIST``: also where each chunk's chosen keys start in the list (``dest[rh, s]``)."""
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every cut
         h = tl.program_id(0)
         r = tl.program_id(1)
@@ -377,39 +399,21 @@ if triton is not None:
         so = tl.arange(0, SP)
         crow = cnt_ptr + rh * 2 * SP
         below_s = tl.load(crow + so, mask=so < splits, other=0)
-        win_s = tl.load(crow + SP + so, mask=so < splits, other=0)
-        below = tl.sum(below_s, 0)
-        cnt = tl.sum(win_s, 0)
-        need = size - below
+        cnt = tl.sum(tl.load(crow + SP + so, mask=so < splits, other=0), 0)
+        tl.store(fill_ptr + rh, 0)  # the scan's fill counter, back to 0 for the next call
+        need = size - tl.sum(below_s, 0)
         lst = list_ptr + rh * n_keys
         cut = tl.zeros([], tl.int64)
         tie = tl.full([], -1, tl.int32)
-        n_list = tl.zeros([], tl.int32)  # entries of lst the chunks' chosen counts are taken from
         chosen_s = tl.where(size >= n_av, below_s, 0)  # every key: each chunk's keys, all below the window
         if size >= n_av:
             cut = tl.where(size > 0, 16777216, 0).to(tl.int64)
         elif size > 0:
-            windowed = (need >= 1) & (need <= cnt) & (cnt <= CBLOCK)
-            if windowed:
-                offs = tl.arange(0, BLOCK)
-                for sg in range(0, splits):
-                    n_sg = tl.load(crow + SP + sg)
-                    for y0 in range(0, n_sg, BLOCK):
-                        yo = y0 + offs
-                        tl.store(lst + n_list + yo, tl.load(cand_ptr + rh * n_keys + sg * chunk + yo, mask=yo < n_sg),
-                                 mask=yo < n_sg)
-                    n_list += n_sg
-                chosen_s = below_s
-            else:  # every available key of the row, in position order (the window's regions left unread)
-                n_list = _candidates(lst, lo, hi, stream_key, h.to(tl.int64) << 22, start, end,
-                                     tl.full([], 16777216, tl.int64), size, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
-                                     PAGE, HAS_EXCL, BLOCK)
-                need = size
-            tl.debug_barrier()  # the list was written by other threads of this program
-            if windowed:
+            if (need >= 1) & (need <= cnt) & (cnt <= CBLOCK):
                 coffs = tl.arange(0, CBLOCK)
-                packed = tl.load(lst + coffs, mask=coffs < n_list, other=PAD)
+                packed = tl.load(lst + coffs, mask=coffs < cnt, other=PAD)
                 ck = (packed >> 22).to(tl.int32)
+                p = (packed & 0x3FFFFF).to(tl.int32)
                 # bisection: count(h < t_lo) < need <= count(h < t_hi)
                 t_lo = tl.zeros([], tl.int32)
                 t_hi = tl.full([], 16777216, tl.int32)
@@ -419,10 +423,18 @@ if triton is not None:
                     t_hi = tl.where(go_lo, mid, t_hi)
                     t_lo = tl.where(go_lo, t_lo, mid)
                 eq = ck == t_lo
-                rank = tl.cumsum(eq.to(tl.int32), 0)
-                at = need - tl.sum((ck < t_lo).to(tl.int32), 0)
-                tie = tl.max(tl.where(eq & (rank == at), (packed & 0x3FFFFF).to(tl.int32), -1), 0)
-            else:
+                at = need - tl.sum((ck < t_lo).to(tl.int32), 0)  # keys taken at the cut, lowest positions first
+                tie = tie_position(eq, p, at)
+                cut = t_lo.to(tl.int64)
+                if LIST:  # each chunk's keys below the window, and its window keys the cut takes
+                    take = (coffs < cnt) & ((ck < t_lo) | (eq & (p <= tie)))
+                    chosen_s = below_s + tl.histogram(tl.where(take, p // chunk, 0), SP)
+                    chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
+            else:  # every available key of the row, in position order
+                n_list = _candidates(lst, lo, hi, stream_key, h.to(tl.int64) << 22, start, end,
+                                     tl.full([], 16777216, tl.int64), size, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
+                                     PAGE, HAS_EXCL, BLOCK)
+                tl.debug_barrier()  # the list was written by other threads of this program
                 t_lo = _radix_smallest24(lst, n_list, size, BLOCK)
                 n_below = tl.zeros([], tl.int32)
                 for c0 in range(0, n_list, BLOCK):
@@ -437,20 +449,19 @@ if triton is not None:
                     tie = tl.maximum(tie, tl.max(tl.where(eq & (rank == size - n_below),
                                                           (packed & 0x3FFFFF).to(tl.int32), -1), 0))
                     ties += tl.sum(eq.to(tl.int32), 0)
-            cut = t_lo.to(tl.int64)
+                cut = t_lo.to(tl.int64)
+                if LIST:  # each chunk's keys the cut takes
+                    for c0 in range(0, n_list, BLOCK):
+                        co = c0 + tl.arange(0, BLOCK)
+                        packed = tl.load(lst + co, mask=co < n_list, other=PAD)
+                        kk = packed >> 22
+                        pp = (packed & 0x3FFFFF).to(tl.int32)
+                        take = (co < n_list) & ((kk < cut) | ((kk == cut) & (pp <= tie)))
+                        chosen_s += tl.histogram(tl.where(take, pp // chunk, 0), SP)
+                        chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
         tl.store(cut_ptr + rh, cut)
         tl.store(cut_ptr + tl.num_programs(0) * tl.num_programs(1) + rh, tie.to(tl.int64))
         if LIST:
-            # each chunk's chosen keys: those below the window (or none, for the fallback's list of every key)
-            # plus the listed ones the cut takes, by their chunk
-            for c0 in range(0, n_list, BLOCK):
-                co = c0 + tl.arange(0, BLOCK)
-                packed = tl.load(lst + co, mask=co < n_list, other=PAD)
-                kk = packed >> 22
-                p = (packed & 0x3FFFFF).to(tl.int32)
-                take = (co < n_list) & ((kk < cut) | ((kk == cut) & (p <= tie)))
-                chosen_s += tl.histogram(tl.where(take, p // chunk, 0), SP)
-                chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
             off = tl.zeros([], tl.int32)
             if HAS_OFF:
                 off = tl.load(off_ptr + rh).to(tl.int32)
@@ -616,7 +627,7 @@ def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, 
     if (WINDOW_SELECT and splits > 1) if window is None else window:
         sp = max(2, next_pow2(splits))
         counts = workspace("sample_window_counts", size, r * hs * 2 * sp, torch.int32)
-        lst = workspace("sample_window_list", size, r * hs * max(n_keys, 1), torch.int64)
+        fills = workspace("sample_window_fill", size, r * hs, torch.int32, zeroed=True)
         dest = workspace("sample_window_dest", size, r * hs * sp, torch.int32)
         cuts = cut if cut is not None else workspace("sample_window_cut", size, 2 * r * hs, torch.int64)
         n_pages = excluded.shape[-1] if excluded is not None else 1
@@ -624,11 +635,11 @@ def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, 
         row = (lo, hi, start, end, size, n_avail, excl)
         strides = (*x_strides, size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1))
         flags = {"PAGE": page, "HAS_EXCL": excluded is not None, "SP": sp, "BLOCK": block}
-        launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, stream_key, hs, n_keys, chunk, n_pages,
+        launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, fills, stream_key, hs, n_keys, chunk, n_pages,
                *strides, SIGMAS=WINDOW_SIGMAS, **flags, num_warps=8, num_stages=1)
         off = offset if offset is not None else size
         listed = cut is None
-        launch(_window_cut_kernel, (hs, r), *row, off, cand, lst, counts, cuts, dest, stream_key, hs, n_keys, chunk,
+        launch(_window_cut_kernel, (hs, r), *row, off, cand, counts, fills, cuts, dest, stream_key, hs, n_keys, chunk,
                n_pages, splits, *strides, HAS_OFF=offset is not None, LIST=listed,
                CBLOCK=cand_block or WINDOW_BLOCK, **flags, num_warps=8, num_stages=1)
         if listed:

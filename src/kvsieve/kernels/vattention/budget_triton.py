@@ -375,10 +375,12 @@ def usable(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or is_interpreted(_budget_parts_kernel))
 
 
-def budget_splits(rows: int, entries: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> int:
-    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all, at
-    most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64."""
-    return max(1, min(cdiv(target_programs, max(rows, 1)), cdiv(entries, 2 * block), 64))
+def budget_splits(rows: int, entries: int, block: int, target_programs: int | None = None) -> int:
+    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all
+    (None: ``SPLIT_PROGRAMS``, read at call time), at most one per two blocks of the ``entries`` a row may
+    hold (sink + window + list widths) and 64."""
+    target = SPLIT_PROGRAMS if target_programs is None else target_programs
+    return max(1, min(cdiv(target, max(rows, 1)), cdiv(entries, 2 * block), 64))
 
 
 @dataclass(frozen=True)
