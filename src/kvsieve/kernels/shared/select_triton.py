@@ -160,7 +160,7 @@ if triton is not None:
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
         GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEGMENTED: tl.constexpr,
-        TICKET: tl.constexpr = True,
+        TICKET: tl.constexpr = True, BOUND_BITS: tl.constexpr = 6,
     ):
         # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
         # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked.
@@ -213,9 +213,11 @@ if triton is not None:
                 m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
                 m_hi, m_lo, m_fin = value_range(mx_row, n_max, BLOCK_M)
                 if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
-                    # one pass: 6 bits below those the maxima share (the bound is a few % of the
-                    # maxima's range low at most: some more candidates, for a pass less per program)
-                    bound, m_need = radix_select(mx_row, n_max, count, m_hi, m_lo, 6, BLOCK_M)
+                    # BOUND_BITS 6: one pass, 6 bits below those the maxima share (the bound is a few % of the
+                    # maxima's range low at most: some more candidates, for a pass less per program); 32:
+                    # the exact count-th largest maximum (more passes per program, the fewest candidates
+                    # for the row's one-program select)
+                    bound, m_need = radix_select(mx_row, n_max, count, m_hi, m_lo, BOUND_BITS, BLOCK_M)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
@@ -362,7 +364,8 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     (about two waves of programs at most); no effect on other rows; ``merge``: how a split row's
     candidates meet — ``"ticket"`` (the last of its programs to finish, by an atomic counter, selects:
     one launch) or ``"launch"`` (a second launch of one program per row: no counter, whose acquire-release
-    atomics serialise the row's programs). The selection does not depend on them."""
+    atomics serialise the row's programs; the prefilter's bound is then the exact ``count``-th largest
+    maximum, not 6 bits of it, for the fewest candidates). The selection does not depend on them."""
     b, hq, x = scores.shape
     segment = SEGMENT if segment is None else check_launch_value("segment", segment)
     if merge not in ("ticket", "launch"):
@@ -418,6 +421,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(cdiv(x, GROUP_MAX)))),
            BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented, TICKET=merge == "ticket",
+           BOUND_BITS=6 if merge == "ticket" else 32,
            num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
     if segmented and merge == "launch":
         launch(_merge_rows_kernel, (hs, b), counts, cv, ci, cv2, ci2, seg_n, seg_hi, seg_lo, out, n_seg, seg_len, k,
