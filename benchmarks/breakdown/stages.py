@@ -328,13 +328,18 @@ def markdown(rows: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check() -> None:
-    """Every variant once on tiny CPU inputs through its reference path, and the stage filing."""
-    g = torch.Generator().manual_seed(0)
+def tiny_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, lengths)`` of the CPU checks: one row, 4 query and 2 KV heads, 600 keys, d = 64."""
     q = torch.randn(1, 4, 64, generator=g)
     k = torch.randn(1, 2, 600, 64, generator=g)
     v = torch.randn(1, 2, 600, 64, generator=g)
-    lens = torch.tensor([600], dtype=torch.int32)
+    return q, k, v, torch.tensor([600], dtype=torch.int32)
+
+
+def check() -> None:
+    """Every variant once on tiny CPU inputs through its reference path, and the stage filing."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, lens = tiny_inputs(g)
     step = torch.zeros((), dtype=torch.int64)
     for name, spec in variant_specs().items():
         if spec is None:

@@ -25,7 +25,6 @@ inputs under Triton's interpreter (``TRITON_INTERPRET=1``), no timing.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -204,11 +203,10 @@ def check() -> None:
     import kvsieve
     from kvsieve.core.rng import RandomKey
 
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 4, 64, generator=g)
-    k = torch.randn(1, 2, 600, 64, generator=g)
-    v = torch.randn(1, 2, 600, 64, generator=g)
-    lens = torch.tensor([600], dtype=torch.int32)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from stages import tiny_inputs
+
+    q, k, v, lens = tiny_inputs(torch.Generator().manual_seed(0))
     m = kvsieve.method("vattention:sink=4,window=8,top_k=0.05,base_rate=0.05,backend=triton")
     calls = record_step(m, q, k, v, lens, RandomKey(3, (0, 1)))
     stages = stage_calls(calls)
@@ -242,16 +240,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("vattention_stages.py needs a CUDA GPU (use --check under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
+    from kvsieve.bench.report import write_results
+
     t0 = time.time()
     rows = run(args)
-    device = torch.cuda.get_device_name()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "vattention_stages.json").write_text(json.dumps({"device": device, "seconds": round(time.time() - t0, 1),
-                                                            "command": " ".join(sys.argv), "rows": rows}, indent=1))
-    md = markdown(rows, device)
-    (out / "vattention_stages.md").write_text(md)
-    print(md)
+    res = {"device": torch.cuda.get_device_name(), "seconds": round(time.time() - t0, 1), "rows": rows}
+    paths = write_results(res, args.out, "vattention_stages", " ".join(sys.argv),
+                          to_markdown=lambda r, _command: markdown(r["rows"], r["device"]), to_plot=lambda *_: False)
+    print(paths[1].read_text())
     return 0
 
 
