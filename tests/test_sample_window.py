@@ -1,11 +1,13 @@
 """The uniform sample's windowed cut (``sample_triton``: a scan spread over the row counts the keys below a
-hash window and copies those inside it, one program per row finds the cut among them, a third launch writes
-the list) draws the very keys of the one-program select and of the torch reference, on the CPU through
-Triton's interpreter (a subprocess: the interpreter is chosen when triton is imported)."""
+hash window and appends those inside it to the row's list, one program per row finds the cut among them, a
+third launch writes the list) draws the very keys of the one-program select and of the torch reference, on
+the CPU through Triton's interpreter (a subprocess: the interpreter is chosen when triton is imported), and
+at decode sizes on the GPU."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from interpreted import run_script
 
 WINDOW = """
@@ -111,3 +113,41 @@ def test_tie_position_is_the_at_th_lowest_position():
     lowest positions, so its last one is the ``at``-th lowest of them."""
     pytest.importorskip("triton")
     assert "OK" in run_script(TIE, "cpu", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("r,n", [(1, 131072), (8, 32768)])
+def test_windowed_cut_and_split_select_at_decode_sizes_on_the_gpu(r, n):
+    """vAttention's sizes on the GPU (32 heads; a residual sample of about half the keys, a base sample and
+    a top-k of 2.5 %): the windowed sample equals the old select and the reference, list and cut; the split
+    top-k merged by a launch equals the ticket's and the reference's."""
+    from kvsieve.core.rng import RandomKey, RowStreams
+    from kvsieve.kernels.shared import sample_triton as st
+    from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+
+    dev, hs = "cuda", 32
+    g = torch.Generator(device=dev).manual_seed(n)
+    rs = RowStreams(RandomKey(5, (1,)), torch.arange(r, device=dev), torch.full((r,), n, device=dev))
+    start, end = torch.full((r,), 128, device=dev), torch.full((r,), n - 128, device=dev)
+    excl = torch.rand(r, hs, n, generator=g, device=dev) < 0.025
+    p = torch.arange(n, device=dev)
+    nav = (((p >= start[:, None]) & (p < end[:, None]))[:, None] & ~excl).sum(-1)
+    for frac in (0.5, 0.025, 0.97):
+        size = (nav.double() * (frac + 0.02 * torch.rand(r, hs, generator=g, device=dev, dtype=torch.float64))).long()
+        size = torch.minimum(size, nav)
+        ref = st.sample_rows_reference(rs.lo, rs.hi, 4, start, end, size, n, n, excl)
+        for window in (True, False):
+            idx, _ = st.sample_rows_triton(rs.lo, rs.hi, 4, start, end, size, nav, n, n, excluded=excl, window=window)
+            assert torch.equal(idx, ref), (frac, window)
+        cuts = [st.sample_cut_triton(rs.lo, rs.hi, 4, start, end, size, nav, n, excluded=excl, window=w)
+                for w in (True, False)]
+        assert torch.equal(cuts[0], cuts[1]), frac
+    s = torch.randn(r, hs, n, generator=g, device=dev) * 2
+    s[..., :128] = float("-inf")
+    counts = torch.full((r,), n // 40, device=dev)
+    maxima = s.view(r, hs, -1, GROUP_MAX).amax(-1).contiguous()
+    want = topk_rows_reference(s, counts, n // 40)
+    for merge in ("ticket", "launch"):
+        for _ in range(2):
+            assert torch.equal(topk_rows_triton(s, counts, n // 40, maxima=maxima, merge=merge), want), merge

@@ -364,8 +364,8 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     (about two waves of programs at most); no effect on other rows; ``merge``: how a split row's
     candidates meet — ``"ticket"`` (the last of its programs to finish, by an atomic counter, selects:
     one launch) or ``"launch"`` (a second launch of one program per row: no counter, whose acquire-release
-    atomics serialise the row's programs; the prefilter's bound is then the exact ``count``-th largest
-    maximum, not 6 bits of it, for the fewest candidates). The selection does not depend on them."""
+    atomics serialise the row's programs; a split row's prefilter bound is then the exact ``count``-th
+    largest maximum, not 6 bits of it, for the fewest candidates). The selection does not depend on them."""
     b, hq, x = scores.shape
     segment = SEGMENT if segment is None else check_launch_value("segment", segment)
     if merge not in ("ticket", "launch"):
@@ -421,7 +421,7 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(cdiv(x, GROUP_MAX)))),
            BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented, TICKET=merge == "ticket",
-           BOUND_BITS=6 if merge == "ticket" else 32,
+           BOUND_BITS=32 if segmented and merge == "launch" else 6,
            num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
     if segmented and merge == "launch":
         launch(_merge_rows_kernel, (hs, b), counts, cv, ci, cv2, ci2, seg_n, seg_hi, seg_lo, out, n_seg, seg_len, k,
