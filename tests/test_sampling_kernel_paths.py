@@ -618,8 +618,9 @@ bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", 
 bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr="*fp64", out_ptr="*fp64",
           scale_ptr="*fp64", b_ptr="*fp64", c_ptr="*fp64", rate_ptr="*fp64", w_ptr="*fp64", excl_ptr="*i8")
 bp.update(len_ptr="*i32", lens_ptr="*i32", l_ptr="*fp32")
-for full, kept in ((False, False), (True, False), (True, True)):
-    compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=32, D=128, W=8 + 256 * full))
+for full, kept, block in ((False, False, 32), (True, False, 32), (True, True, 32), (True, True, 64)):
+    compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=block, D=128, W=8 + 256 * full),
+             num_warps=block // 8)
 for full in (False, True):
     for rule in (0, 1, 2, 3):
         compile_(bt._budget_combine_kernel, bp, dict(FULL=full, SP=32, D=128, W=8 + 256 * full, RULE=rule, GP=32,

@@ -27,6 +27,11 @@ from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launc
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
 SPLIT_PROGRAMS = 528
+#: entries per block of the statistics launch's loops (head dim ≤ 128; half beyond) and its warps: each loop
+#: step waits on a gather, so larger blocks mean fewer steps and more registers. Read at call time
+#: (``benchmarks/breakdown/stages.py`` times 64 at 8 warps).
+PARTS_BLOCK = 32
+PARTS_WARPS = 4
 
 if triton is not None:
     import triton.language as tl
@@ -446,7 +451,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
         raise ValueError(f"budget_triton: logits must be float32 [{r}, {hq}, {k.shape[2]}] with a contiguous last "
                          f"dim, got {logits.dtype} {list(logits.shape)} strides {logits.stride()}")
     width = dense_width + top.shape[2] + base.shape[2]
-    block = 32 if d <= 128 else 16
+    block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
     dp = next_pow2(d)
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
@@ -460,7 +465,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=PARTS_WARPS, num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
