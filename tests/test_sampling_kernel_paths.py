@@ -390,18 +390,20 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
     if not full:
         want[..., 2:4] = 0
     for splits in split_counts:
-        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits)
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
-        worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
+        for online in (True, False):  # one pass around a running max, or the logits first then the sums
+            got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                      splits=splits, online=online)
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+            worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
     # the lists' logits from kept float32 scores (random, not K's: a kernel that ignored them fails)
     logits = torch.randn(r, hq, n, generator=g) * 3
     want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, logits)
     if not full:
         want[..., 2:4] = 0
-    got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                              splits=2, logits=logits)
-    torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+    for online in (True, False):
+        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                  splits=2, logits=logits, online=online)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
 print("WORST", worst)
 print("OK")
 """
@@ -619,8 +621,9 @@ bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr=
           scale_ptr="*fp64", b_ptr="*fp64", c_ptr="*fp64", rate_ptr="*fp64", w_ptr="*fp64", excl_ptr="*i8")
 bp.update(len_ptr="*i32", lens_ptr="*i32", l_ptr="*fp32")
 for full, kept, block in ((False, False, 32), (True, False, 32), (True, True, 32), (True, True, 64)):
-    compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=block, D=128, W=8 + 256 * full),
-             num_warps=block // 8)
+    for online in (False, True):
+        compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=block, D=128, W=8 + 256 * full,
+                                                   ONLINE=online), num_warps=block // 8)
 for full in (False, True):
     for rule in (0, 1, 2, 3):
         compile_(bt._budget_combine_kernel, bp, dict(FULL=full, SP=32, D=128, W=8 + 256 * full, RULE=rule, GP=32,

@@ -69,6 +69,7 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@old-sample": "vattention",
         "vattention@old-topk": "vattention",
         "vattention@masked-v": "vattention",
+        "vattention@two-pass-stats": "vattention",
         "vattention@old": "vattention",
         "vattention@budget-x4": "vattention",
         "vattention@budget-b64": "vattention",
@@ -79,6 +80,7 @@ _VATT = "kvsieve.methods.vattention"
 _OLD_SAMPLE = ("kvsieve.kernels.shared.sample_triton", "WINDOW_SELECT", False)
 _OLD_TOPK = (_VATT, "SPLIT_TOPK", False)
 _BUDGET = "kvsieve.kernels.vattention.budget_triton"
+_TWO_PASS = (_BUDGET, "ONLINE_STATS", False)
 _MASKED_V = ("kvsieve.kernels.vattention.attend_triton", "STREAM_V", False)
 #: variant -> ((module, limit, value), ...) set while it runs
 LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a ticket counter merges a long row's
@@ -92,7 +94,9 @@ LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a tick
           "vattention@old-topk": (_OLD_TOPK,),
           # the tested-key pass reading only the V rows some head keeps (masked loads)
           "vattention@masked-v": (_MASKED_V,),
-          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V),
+          # the budget statistics' logits written first, then summed in further passes
+          "vattention@two-pass-stats": (_TWO_PASS,),
+          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V, _TWO_PASS),
           # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
           "vattention@budget-x4": ((_BUDGET, "SPLIT_PROGRAMS", 2112),),
           # the budget statistics' loops over blocks of 64 entries at 8 warps (half the steps)

@@ -3,9 +3,9 @@ against the old and against its torch reference in the same run.
 
 One ``vattention`` decode (defaults, the kernel path) runs on the bench's inputs with its stage functions
 spied on: the arguments of the oracle top-k (``topk_select``), of the base sample (``sample_rows_triton``),
-of the residual sample's cut (``sample_cut_triton``) and of the tested-key attention (``attend_triton``) are
-kept. Each stage is then called again on them in each of its ways — captured in a CUDA graph, replayed with
-a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
+of the residual sample's cut (``sample_cut_triton``), of the budget (``budget_triton``) and of the tested-key
+attention (``attend_triton``) are kept. Each stage is then called again on them in each of its ways —
+captured in a CUDA graph, replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
 
 - top-k: ``torch`` (``torch.topk`` of the kept scores, the old default above 64k keys), ``ticket`` (the
   Triton select, a long row's programs merged by a ticket counter), ``launch`` (merged by a second launch,
@@ -13,6 +13,8 @@ a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
   scores: the k-th largest equal, every chosen score at least it);
 - base sample (a list) and residual cut: ``old`` (one program per row selects among every key below a
   threshold) and ``window`` (the new default); equal to each other and to ``sample_rows_reference``;
+- budget statistics: ``two-pass`` (logits first, then sums) and ``online`` (one pass around a running max, the
+  new default): the same statistics to ~1e-15 and the same sizes;
 - attention: ``masked`` (V rows some head keeps) and ``stream`` (every V row of the range, the new default),
   each one's error against ``attend_reference``.
 
@@ -34,6 +36,7 @@ import torch
 SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
          ("kvsieve.kernels.shared.sample_triton", "sample_rows_triton"),
          ("kvsieve.kernels.shared.sample_triton", "sample_cut_triton"),
+         ("kvsieve.kernels.vattention.budget_triton", "budget_triton"),
          ("kvsieve.kernels.vattention.attend_triton", "attend_triton"))
 
 
@@ -129,6 +132,20 @@ def sample_checks(call, listed: bool) -> dict:
             "size": float(take.double().mean())}
 
 
+def budget_checks(call) -> dict:
+    """The budget's ways (two-pass, online) on one recorded call: the same statistics up to rounding, the
+    same sizes."""
+    from kvsieve.kernels.vattention.budget_triton import budget_triton
+
+    args, kwargs = call
+    ways = {"two-pass": lambda: budget_triton(*args, **kwargs, online=False),
+            "online": lambda: budget_triton(*args, **kwargs, online=True)}
+    a, b = (_clone(f()) for f in ways.values())
+    diff = (a.stats - b.stats).abs() / a.stats.abs().clamp(min=1e-300)
+    return {"ways": ways, "stats max rel diff": float(diff.max()),
+            "same sizes": bool(a.size is None or torch.equal(a.size, b.size))}
+
+
 def stage_calls(calls) -> dict[str, dict]:
     """``stage -> {"ways": {name: call}, checks...}`` from the recorded calls."""
     from kvsieve.kernels.vattention.attend_triton import attend_reference, attend_triton, in_sample_reference
@@ -145,6 +162,8 @@ def stage_calls(calls) -> dict[str, dict]:
         out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
     if calls["sample_cut_triton"]:
         out["residual sample (cut)"] = sample_checks(calls["sample_cut_triton"][0], False)
+    if calls["budget_triton"]:
+        out["budget statistics"] = budget_checks(calls["budget_triton"][0])
     if calls["attend_triton"]:
         args, kwargs = calls["attend_triton"][0]
         q, k, v, lengths, sink, window, scale, scores, excluded, lo, hi, stream, cut, tie, n_s, size = args
@@ -210,7 +229,8 @@ def check() -> None:
     m = kvsieve.method("vattention:sink=4,window=8,top_k=0.05,base_rate=0.05,backend=triton")
     calls = record_step(m, q, k, v, lens, RandomKey(3, (0, 1)))
     stages = stage_calls(calls)
-    assert set(stages) == {"top-k", "base sample (list)", "residual sample (cut)", "attention"}, set(stages)
+    assert set(stages) == {"top-k", "base sample (list)", "residual sample (cut)", "budget statistics",
+                           "attention"}, set(stages)
     for stage, info in stages.items():
         for fn in info["ways"].values():
             fn()
@@ -219,6 +239,7 @@ def check() -> None:
         assert info.get("old == window", True), stage
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
         assert info.get("masked rel err vs reference", 0.0) < 1e-4, (stage, info)
+        assert info.get("stats max rel diff", 0.0) < 1e-12 and info.get("same sizes", True), (stage, info)
     print("check: ok")
 
 
