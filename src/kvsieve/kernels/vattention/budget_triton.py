@@ -143,6 +143,26 @@ if triton is not None:
         return m, d_f, acc_f
 
     @triton.jit
+    def _store_record(o, m, d_f, s_b, nb, m2, lo, hi):
+        """A split's record (``_budget_parts_kernel``): its max, ``Σ_f e``, ``Σ_b e``, base entries, their
+        spread, min and max."""
+        tl.store(o, m)
+        tl.store(o + 1, d_f)
+        tl.store(o + 2, s_b)
+        tl.store(o + 3, nb)
+        tl.store(o + 4, m2)
+        tl.store(o + 5, lo)
+        tl.store(o + 6, hi)
+
+    @triton.jit
+    def _store_full(o, tr, acc_f, acc_b, D: tl.constexpr):
+        """The record's ``bound=full`` tail: ``Σ ‖e v − mean‖²``, ``Σ_f e v``, ``Σ_b e v``."""
+        offs_d = tl.arange(0, D)
+        tl.store(o + 7, tr)
+        tl.store(o + 8 + offs_d, acc_f)
+        tl.store(o + 8 + D + offs_d, acc_b)
+
+    @triton.jit
     def _online_parts(o, q, k_base, s_k_n, v_base, s_v_n, l_base, top, base, start, end, a0, a1, w0, w1, t0, t1,
                       b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
         """:func:`_budget_parts_kernel`'s record in one pass over each segment (no logits workspace, one
@@ -201,17 +221,9 @@ if triton is not None:
                 mean_r += delta_v * (n_blk / n_new)
                 acc_b = acc_b * c + sv_blk
             nb = n_new
-        tl.store(o, m)
-        tl.store(o + 1, d_f)
-        tl.store(o + 2, s_b)
-        tl.store(o + 3, nb)
-        tl.store(o + 4, m2)
-        tl.store(o + 5, lo)
-        tl.store(o + 6, hi)
+        _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
         if FULL:
-            tl.store(o + 7, tr)
-            tl.store(o + 8 + offs_d, acc_f)
-            tl.store(o + 8 + D + offs_d, acc_b)
+            _store_full(o, tr, acc_f, acc_b, D)
 
     @triton.jit
     def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
@@ -288,13 +300,7 @@ if triton is not None:
                 dev = tl.where(ok, e - mean_b, 0.0)
                 m2 += tl.sum(dev * dev, 0)
             o = part_ptr + ((r * hq + h) * splits + s) * W
-            tl.store(o, m)
-            tl.store(o + 1, d_f)
-            tl.store(o + 2, s_b)
-            tl.store(o + 3, nb)
-            tl.store(o + 4, m2)
-            tl.store(o + 5, lo)
-            tl.store(o + 6, hi)
+            _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
             if FULL:
                 acc_f = tl.zeros([D], tl.float64)
                 acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
@@ -325,9 +331,7 @@ if triton is not None:
                     tr += tl.sum(tl.sum(dev * dev, 1), 0) + tl.sum(delta * delta, 0) * merge
                     mean_r += delta * (n_blk / tl.maximum(n_new, 1.0))
                     n_run = n_new
-                tl.store(o + 7, tr)
-                tl.store(o + 8 + offs_d, acc_f)
-                tl.store(o + 8 + D + offs_d, acc_b)
+                _store_full(o, tr, acc_f, acc_b, D)
 
     @triton.jit
     def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
