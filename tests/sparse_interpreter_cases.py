@@ -441,7 +441,8 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     """The rows' count-th largest found exactly (ties to the lowest index, as the reference), with rows
     holding −inf, repeated values, one distinct value, count 0, count = every finite value; ``segment``:
     long rows split over several programs (the limit lowered so that these rows count as long), twice
-    (the ticket counters must be back at 0 after a call)."""
+    (the ticket counters must be back at 0 after a call), their candidates merged by the last program or
+    by a second launch."""
     from kvsieve.kernels.shared import select_triton
     from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
 
@@ -460,8 +461,10 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     if prefilter:
         maxima = torch.nn.functional.pad(s, (0, -x % GROUP_MAX), value=float("-inf"))
         maxima = maxima.view(3, 4, -1, GROUP_MAX).amax(-1).contiguous()
-    for _ in range(2 if segment else 1):
-        assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), topk_rows_reference(s, counts, k))
+    for merge in ("ticket", "launch") if segment else ("ticket",):  # the split row's last step: counter or launch
+        for _ in range(2 if segment else 1):
+            assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima, merge=merge),
+                               topk_rows_reference(s, counts, k)), merge
 
 
 @pytest.mark.parametrize("x,k", [(1, 1), (7, 5), (64, 3), (300, 40), (5000, 700), (2500, 2500), (129, 129)])
