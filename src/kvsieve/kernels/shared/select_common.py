@@ -48,6 +48,14 @@ if triton is not None:
         return tl.where(shift < 32, u >> tl.minimum(shift, 31).to(tl.uint32), 0)
 
     @triton.jit
+    def bit_length(x):
+        # the bit length of a uint32 scalar (0 for 0)
+        n = tl.full([], 0, tl.int32)
+        for bit in tl.static_range(32):
+            n = tl.where(((x >> bit) & 1) != 0, bit + 1, n)
+        return n
+
+    @triton.jit
     def value_range(src, n_units, BLOCK_X: tl.constexpr):
         """The ordered images of the largest and of the smallest finite value of ``src[:n_units]``, and how
         many values are finite (> −inf)."""
@@ -76,10 +84,7 @@ if triton is not None:
         Bits shared by lo and hi are skipped (for the prefilter's candidates, sign and most exponent
         bits), so no pass sorts nearly every value into one bin; each pass then resolves 6 bits with a
         64-bin histogram (Triton's histogram costs grow with the bins, per element)."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        top = bit_length(hi ^ lo)
         prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
         stop = tl.maximum(top - KEEP, 0)
         need = count
@@ -170,10 +175,7 @@ if triton is not None:
         still needed): the returned threshold is then the bin's low end (its lower bits 0), at most the
         answer, and ``need`` covers every unit equal to it, so the emit step takes exactly the bin and
         all above it."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        top = bit_length(hi ^ lo)
         prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
         need = count
         bins = tl.arange(0, 64)
@@ -229,7 +231,17 @@ def check_score_rows(scores: torch.Tensor, group: int) -> None:
 
 
 SEGMENT = 8192  # rows longer than this split their prefilter pass over programs (oracle-topk's keys)
+GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 _SMS: dict = {}
+
+
+def sm_count(device) -> int:
+    """The device's SM count (132, an H100's, off CUDA: the interpreter's launches are sized as on one)."""
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def check_launch_value(name: str, value, *, low: int = 1, high: int | None = None, pow2: bool = False):
@@ -246,10 +258,4 @@ def row_segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: in
     """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
     many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
     program also derives the bound from the row's maxima (that work repeats per program)."""
-    if device.type == "cuda":
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SMS[device]
-    else:
-        sms = 132
-    return max(1, min(cdiv(x, segment), (waves * sms) // max(rows, 1)))
+    return max(1, min(cdiv(x, segment), (waves * sm_count(device)) // max(rows, 1)))

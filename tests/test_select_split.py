@@ -1,0 +1,31 @@
+"""The split top-k (``kernels/shared/select_split.py``): its interpreter cases (``select_split_interpreter_cases.py``,
+in a subprocess with ``TRITON_INTERPRET=1``) and the host-side choice of its programs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from interpreted import case_groups, group_id, run_interpreter_cases
+
+pytest.importorskip("triton")
+
+CASES = "select_split_interpreter_cases.py"
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("group", case_groups(CASES, "test_split_select_equals_the_rows_select_and_the_reference"),
+                         ids=group_id)
+def test_split_select_under_the_triton_interpreter(group):
+    run_interpreter_cases(CASES, group)
+
+
+def test_split_chunk_fills_the_gpu_with_few_rows_and_stays_in_its_bounds():
+    from kvsieve.kernels.shared.select_split import SPLIT_CHUNK_MAX, SPLIT_CHUNK_MIN, split_chunk
+
+    cpu = torch.device("cpu")  # sized as on a 132-SM GPU
+    for rows, x in ((2, 8192), (8, 8192), (64, 2048), (1, 1 << 20), (500, 100)):
+        chunk = split_chunk(rows, x, cpu)
+        assert SPLIT_CHUNK_MIN <= chunk <= SPLIT_CHUNK_MAX and chunk & (chunk - 1) == 0
+        if SPLIT_CHUNK_MIN < chunk < SPLIT_CHUNK_MAX:  # neither bound binds: about one program per SM
+            assert 132 / 2 < rows * -(-x // chunk) <= 2 * 132
+    assert split_chunk(2, 8192, cpu, programs=16) == 1024
