@@ -50,7 +50,7 @@ ptr = {"s_ptr": "*fp32", "mx_ptr": "*fp32", "cnt_ptr": "*i64", "hist_ptr": "*i32
 for chunk, block_p in ((128, 64), (512, 16), (1024, 2)):
     compile_(ss._split_hist_kernel, ptr, dict(CHUNK=chunk, BLOCK_M=1024, DIGIT_BITS=8), num_stages=1)
     compile_(ss._split_select_kernel, ptr, dict(CHUNK=chunk, DIGIT_BITS=8, BLOCK_P=block_p,
-             CB=min(chunk, 2048 // block_p), HB=min(block_p, 16)), num_stages=1)
+             CB=min(chunk, 2048 // block_p), HB=min(block_p, 32)), num_stages=1)
 print("COMPILED")
 """
 

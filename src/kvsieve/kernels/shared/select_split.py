@@ -36,6 +36,7 @@ SPLIT_DIGIT_BITS = 8  # first-level histogram: 256 bins per program
 SPLIT_CHUNK_MIN = 64  # units per program, at least
 SPLIT_CHUNK_MAX = 4096  # ... and at most (one register tile per program)
 SPLIT_SLAB = 2048  # candidates per tile when a program reads all slots of its row
+SPLIT_HIST_TILE = 8192  # counts per tile when a program sums its row's histograms (2 tiles at 64 programs)
 
 
 if triton is not None:
@@ -240,7 +241,7 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
     launch(_split_select_kernel, (n_p, h, b),
            counts, hist, meta, cv, ci, nc, out, k, out.stride(0), out.stride(1),
            CHUNK=chunk, DIGIT_BITS=SPLIT_DIGIT_BITS, BLOCK_P=block_p, CB=max(1, min(chunk, SPLIT_SLAB // block_p)),
-           HB=max(1, min(block_p, 4096 >> SPLIT_DIGIT_BITS)), num_warps=warps, num_stages=1)
+           HB=max(1, min(block_p, SPLIT_HIST_TILE >> SPLIT_DIGIT_BITS)), num_warps=warps, num_stages=1)
     return out
 
 
