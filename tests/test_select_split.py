@@ -26,6 +26,8 @@ def test_split_chunk_fills_the_gpu_with_few_rows_and_stays_in_its_bounds():
     for rows, x in ((2, 8192), (8, 8192), (64, 2048), (1, 1 << 20), (500, 100)):
         chunk = split_chunk(rows, x, cpu)
         assert SPLIT_CHUNK_MIN <= chunk <= SPLIT_CHUNK_MAX and chunk & (chunk - 1) == 0
-        if SPLIT_CHUNK_MIN < chunk < SPLIT_CHUNK_MAX:  # neither bound binds: about one program per SM
+        if SPLIT_CHUNK_MIN < chunk < SPLIT_CHUNK_MAX and rows < 132:  # no bound binds: about one program per SM
             assert 132 / 2 < rows * -(-x // chunk) <= 2 * 132
+        else:  # a chunk at a bound, or a row each
+            assert chunk in (SPLIT_CHUNK_MIN, SPLIT_CHUNK_MAX) or -(-x // chunk) == 1
     assert split_chunk(2, 8192, cpu, programs=16) == 1024

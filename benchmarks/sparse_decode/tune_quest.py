@@ -253,6 +253,17 @@ def proposals(rows: list[dict], min_gain: float) -> dict:
     return out
 
 
+def run_header(kind: str, args, peak, argv) -> dict:
+    """What a result file starts with: the run's kind, date, device, versions, command and timing protocol."""
+    return {"kind": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "device": "cpu (--quick: Triton interpreter)" if args.quick else torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": library_version("triton"), "copy_rate": peak,
+            "command": "tune_quest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "protocol": "wall clock, eager, 1 call" if args.quick else
+                        f"CUDA graph replays, 512 MB L2 flush before each, {args.warmup} warm-up + {args.iters} "
+                        "timed, median"}
+
+
 # --- the split select against the one-program rows select (--split-select) --------------------------------
 # (name, batch, query heads, KV heads, context): quest-kv's rows are batch × KV heads of context / 16 pages —
 # Llama-3.1-70B under tensor parallel 4 (2 rows of 8192 pages), Llama-3.1-8B at 128k batch 1 (8 rows of
@@ -368,13 +379,7 @@ def split_select_main(args, timer, peak, argv) -> int:
         rows += split_select_case(*case, args, timer, lambda r: print(json.dumps(r), flush=True))
         if not args.quick:
             torch.cuda.empty_cache()
-    res = {"kind": "split_select", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "device": "cpu (--quick: Triton interpreter)" if args.quick else torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": library_version("triton"), "copy_rate": peak,
-           "command": "tune_quest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "protocol": "wall clock, eager, 1 call" if args.quick else
-                       f"CUDA graph replays, 512 MB L2 flush before each, {args.warmup} warm-up + {args.iters} "
-                       "timed, median", "density": args.density, "rows": rows}
+    res = {**run_header("split_select", args, peak, argv), "density": args.density, "rows": rows}
     ok = all(r["equal_old"] and r["equal_reference"] for r in rows if r["part"] == "topk") and all(
         r["check_ok"] for r in rows if r["part"] == "step")
     (args.out_dir / "split_select.json").write_text(json.dumps(res, indent=1))
@@ -434,13 +439,7 @@ def main(argv=None) -> int:
     if combined:  # the proposals together, against the defaults timed again beside them
         for case in cases:
             check += run_case(case, args, timer, {}, log, combined)
-    res = {"kind": "tune_quest", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "device": "cpu (--quick: Triton interpreter)" if args.quick else torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": library_version("triton"), "copy_rate": peak,
-           "command": "tune_quest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "protocol": "wall clock, eager, 1 call" if args.quick else
-                       f"CUDA graph replays, 512 MB L2 flush before each, {args.warmup} warm-up + {args.iters} "
-                       "timed, median",
+    res = {**run_header("tune_quest", args, peak, argv),
            "density": args.density, "min_gain": args.min_gain, "sweep": sweep,
            "seconds_sweep": t_sweep, "seconds": time.time() - t_start,
            "rows": rows, "proposals": props, "combined": combined, "combined_check": check}

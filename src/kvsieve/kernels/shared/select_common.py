@@ -75,6 +75,17 @@ if triton is not None:
         return tl.max(hi, axis=0), tl.min(lo, axis=0), tl.sum(n_fin, axis=0)
 
     @triton.jit
+    def take_bin(hist, bins, need, prefix, low):
+        """One radix step: the highest bin of ``hist`` (over ``bins``) at or above which ``need`` values lie
+        becomes the digit at bit ``low`` of ``prefix``; returns the new prefix, how many of that bin are
+        still needed, and how many values the bin holds."""
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+        in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+        return prefix | (d.to(tl.uint32) << low.to(tl.uint32)), need, in_bin
+
+    @triton.jit
     def radix_select(src, n_units, count, hi, lo, KEEP: tl.constexpr, BLOCK_X: tl.constexpr):
         """Radix select of the ``count``-th largest of ``src[:n_units]``, whose ordered image lies in
         ``[lo, hi]`` (1 ≤ count ≤ the values in that range): returns its image with only the top ``KEEP``
@@ -105,10 +116,7 @@ if triton is not None:
                 n_off += (~active).to(tl.int32)
             # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
             hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = prefix | (digit.to(tl.uint32) << low.to(tl.uint32))
+            prefix, need, in_bin = take_bin(hist, bins, need, prefix, low)
             shift = low
         return prefix, need
 
@@ -189,11 +197,7 @@ if triton is not None:
             # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
             n_act = tl.sum(active.to(tl.int32), axis=0)
             hist -= tl.where(bins == 0, digit.shape[0] - n_act, 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-            prefix = prefix | (d.to(tl.uint32) << low.to(tl.uint32))
+            prefix, need, in_bin = take_bin(hist, bins, need, prefix, low)
             shift = tl.where(in_bin == need, 0, low)
         return prefix, need
 

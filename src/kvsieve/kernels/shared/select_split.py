@@ -42,7 +42,15 @@ SPLIT_HIST_TILE = 8192  # counts per tile when a program sums its row's histogra
 if triton is not None:
     import triton.language as tl
 
-    from .select_common import bit_length, ordered, radix_select, value_range
+    from .select_common import bit_length, ordered, radix_select, take_bin, value_range
+
+    @triton.jit
+    def _split_program(cnt_ptr):
+        # (program in the row, selection head, batch row, batch row as int64, the row's number, its count)
+        b = tl.program_id(2)
+        b64 = b.to(tl.int64)
+        hs = tl.program_id(1)
+        return tl.program_id(0), hs, b, b64, b64 * tl.num_programs(1) + hs, tl.load(cnt_ptr + b).to(tl.int32)
 
     @triton.jit(do_not_specialize=["n_units", "n_max"])
     def _split_hist_kernel(
@@ -51,13 +59,8 @@ if triton is not None:
         CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, DIGIT_BITS: tl.constexpr,
     ):
         BINS: tl.constexpr = 1 << DIGIT_BITS
-        p = tl.program_id(0)
-        hs = tl.program_id(1)
-        b = tl.program_id(2)
+        p, hs, b, b64, r, count = _split_program(cnt_ptr)
         n_p = tl.num_programs(0)
-        b64 = b.to(tl.int64)
-        r = b64 * tl.num_programs(1) + hs
-        count = tl.load(cnt_ptr + b).to(tl.int32)
         if count > 0:  # an empty row's buffers are never read
             mx_row = mx_ptr + b64 * s_x_b + hs * s_x_h
             m_hi, m_lo, m_fin = value_range(mx_row, n_max, BLOCK_M)
@@ -103,13 +106,8 @@ if triton is not None:
         CHUNK: tl.constexpr, DIGIT_BITS: tl.constexpr, BLOCK_P: tl.constexpr, CB: tl.constexpr, HB: tl.constexpr,
     ):
         BINS: tl.constexpr = 1 << DIGIT_BITS
-        p = tl.program_id(0)
-        hs = tl.program_id(1)
-        b = tl.program_id(2)
+        p, hs, b, b64, r, count = _split_program(cnt_ptr)
         n_p = tl.num_programs(0)
-        b64 = b.to(tl.int64)
-        r = b64 * tl.num_programs(1) + hs
-        count = tl.load(cnt_ptr + b).to(tl.int32)
         out_row = out_ptr + b64 * s_o_b + hs * s_o_h
         if count > 0:
             bound = tl.load(meta_ptr + r * 2).to(tl.uint32, bitcast=True)
@@ -123,13 +121,9 @@ if triton is not None:
                 h = tl.load(hist_ptr + (r * n_p + offs_q[:, None]) * BINS + bins[None, :],
                             mask=(offs_q < n_p)[:, None], other=0)
                 row_h += tl.sum(h, axis=0)
-            at_or_above = tl.sum(row_h, axis=0) - tl.cumsum(row_h, axis=0) + row_h
-            d = tl.max(tl.where(at_or_above >= count, bins, 0), axis=0)
-            need = count - tl.sum(tl.where(bins > d, row_h, 0), axis=0)
-            in_bin = tl.sum(tl.where(bins == d, row_h, 0), axis=0)
-            # the bin's low end: the shared high bits of m_hi, the digit d at `shift`, zeros below
+            # the bin's low end: the shared high bits of m_hi, the bin's digit at `shift`, zeros below
             base = ((m_hi >> shift.to(tl.uint32)) >> DIGIT_BITS) << DIGIT_BITS
-            prefix = (base | d.to(tl.uint32)) << shift.to(tl.uint32)
+            prefix, need, in_bin = take_bin(row_h, bins, count, base << shift.to(tl.uint32), shift)
             cv_row = cv_ptr + r * n_p * CHUNK
             offs_p = tl.arange(0, BLOCK_P)
             nc = tl.load(nc_ptr + r * n_p + offs_p, mask=offs_p < n_p, other=0)
@@ -151,11 +145,7 @@ if triton is not None:
                     n_act += tl.sum(tl.sum(active.to(tl.int32), axis=1), axis=0)
                     n_all += BLOCK_P * CB
                 hist -= tl.where(rbins == 0, n_all - n_act, 0)
-                above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-                dd = tl.max(tl.where(above >= need, rbins, 0), axis=0)
-                need -= tl.sum(tl.where(rbins > dd, hist, 0), axis=0)
-                in_bin = tl.sum(tl.where(rbins == dd, hist, 0), axis=0)
-                prefix = prefix | (dd.to(tl.uint32) << low.to(tl.uint32))
+                prefix, need, in_bin = take_bin(hist, rbins, need, prefix, low)
                 sh = tl.where(in_bin == need, 0, low)
             # T = prefix; this program's place: the candidates above T and the ties (up to need) before it
             n_gt = tl.full([], 0, tl.int32)
