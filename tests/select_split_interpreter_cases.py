@@ -60,15 +60,15 @@ def test_split_select_equals_the_rows_select_and_the_reference(x, k, programs, s
 
 @pytest.mark.parametrize("seed", [2, 3, 4])
 def test_split_select_does_not_depend_on_the_programs(seed):
-    """Random rows, random counts: one program per row, a few, many (chunks of 64) give the same list; the
-    maxima computed inside when not given."""
+    """Random rows, random counts: one program per row, a few, many (chunks of 64), first histograms of 16 to
+    1024 bins give the same list; the maxima computed inside when not given."""
     g = torch.Generator().manual_seed(seed)
     x, k = 900 + seed * 37, 120
     s = torch.randn(3, 2, x, generator=g)
     counts = torch.randint(0, k + 1, (3,), generator=g)
     want = topk_rows_reference(s, counts, k)
-    for programs in (1, 12, 100):
-        assert torch.equal(topk_rows_split(s, counts, k, programs=programs), want)
+    for programs, bits in ((1, 8), (12, 4), (100, 10)):
+        assert torch.equal(topk_rows_split(s, counts, k, programs=programs, digit_bits=bits), want)
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -108,3 +108,5 @@ def test_split_select_bad_input_is_a_clear_error():
         topk_rows_split(s, counts, 4, programs=0)
     with pytest.raises(ValueError, match="num_warps"):
         topk_rows_split(s, counts, 4, num_warps=3)
+    with pytest.raises(ValueError, match="digit_bits"):
+        topk_rows_split(s, counts, 4, digit_bits=12)

@@ -551,7 +551,7 @@ SELECT_OVERRIDES = {
     "group_sum": [{"block_x": 16, "chunk": 8, "num_warps": 2}, {"block_x": 64, "chunk": 32, "num_warps": 8}],
     "rows": [{"segment": 8, "num_warps": 2}, {"segment": 16, "num_warps": 16}],
     "registers": [{"programs": 3, "num_warps": 2}, {"programs": 1000, "num_warps": 16}],
-    "split": [{"programs": 3, "num_warps": 2}, {"programs": 1000, "num_warps": 8}],
+    "split": [{"programs": 3, "num_warps": 2, "digit_bits": 4}, {"programs": 1000, "num_warps": 8}],
 }
 
 

@@ -78,7 +78,8 @@ SWEEP = {
              {"segment": 4096}, {"segment": 512, "num_warps": 8}, {"segment": 1024, "num_warps": 8}],
     "registers": [{"num_warps": 4}, {"num_warps": 16}, {"programs": 32}, {"programs": 64}, {"programs": 256},
                   {"programs": 512}],
-    "split": [{"num_warps": 2}, {"num_warps": 8}, {"programs": 64}, {"programs": 264}, {"programs": 528}],
+    "split": [{"num_warps": 2}, {"num_warps": 8}, {"programs": 64}, {"programs": 264}, {"programs": 528},
+              {"digit_bits": 6}, {"digit_bits": 10}],
 }
 QUICK_SWEEP = {
     "bounds": [{"block_p": 16, "tiles": 2, "num_stages": 2}, {"block_p": 128, "num_warps": 8}],
@@ -278,6 +279,7 @@ TOPK_VARIANTS = {
     "split programs=64": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, programs=64),
     "split programs=264": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, programs=264),
     "split warps=8": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, num_warps=8),
+    "split digit_bits=6": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, digit_bits=6),
 }
 # Quest's whole step (quest-kv): select_triton's limits as run.py's _select_limits takes them (None: as set)
 STEP_PATHS = {

@@ -190,7 +190,7 @@ def row_maxima(scores: torch.Tensor) -> torch.Tensor:
 
 def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxima: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, programs: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, digit_bits: int | None = None) -> torch.Tensor:
     """:func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` for rows already ranked (``group = 1``)
     in two launches spread over each row: ``[B, H, k]`` int64, the ``counts[b]`` best units of each row
     ascending (ties at the threshold to the lowest index), then zeros. ``scores [B, H, X]`` float32 with a
@@ -200,7 +200,9 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
 
     Launch overrides (for tuning; None: the defaults): ``programs`` — about this many programs in all
     (default: the SM count), as chunks of a power of two of units (:func:`split_chunk`); ``num_warps``
-    (a power of two up to 32; default 4). The selection does not depend on them."""
+    (a power of two up to 32; default 4); ``digit_bits`` (4 to 10; default ``SPLIT_DIGIT_BITS``): the first
+    histogram's bins, ``2 ** digit_bits`` per program (fewer: less to sum in the second launch, more candidates
+    to refine). The selection does not depend on them."""
     b, h, x = scores.shape
     check_score_rows(scores, 1)
     if k < 1:
@@ -212,12 +214,13 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
         raise ValueError(f"maxima: expected float32 [{b}, {h}, {n_max}] with a contiguous last dim, "
                          f"got {maxima.dtype} {tuple(maxima.shape)}")
     warps = 4 if num_warps is None else check_launch_value("num_warps", num_warps, high=32, pow2=True)
+    bits = SPLIT_DIGIT_BITS if digit_bits is None else check_launch_value("digit_bits", digit_bits, low=4, high=10)
     if out is None:
         out = torch.empty(b, h, k, device=scores.device, dtype=torch.int64)
     chunk = split_chunk(b * h, x, scores.device, programs)
     n_p = cdiv(x, chunk)
     rows = b * h
-    hist = scratch("split_hist", scores, (rows, n_p, 1 << SPLIT_DIGIT_BITS), torch.int32)
+    hist = scratch("split_hist", scores, (rows, n_p, 1 << bits), torch.int32)
     meta = scratch("split_meta", scores, (rows, 2), torch.int32)
     cv = scratch("split_cv", scores, (rows, n_p * chunk), torch.float32)
     ci = scratch("split_ci", scores, (rows, n_p * chunk), torch.int32)
@@ -225,13 +228,13 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
     launch(_split_hist_kernel, (n_p, h, b),
            scores, maxima, counts, hist, meta, cv, ci, nc, x, n_max,
            scores.stride(0), scores.stride(1), maxima.stride(0), maxima.stride(1),
-           CHUNK=chunk, BLOCK_M=min(4096, max(64, next_pow2(n_max))), DIGIT_BITS=SPLIT_DIGIT_BITS, num_warps=warps,
+           CHUNK=chunk, BLOCK_M=min(4096, max(64, next_pow2(n_max))), DIGIT_BITS=bits, num_warps=warps,
            num_stages=1)
     block_p = next_pow2(n_p)
     launch(_split_select_kernel, (n_p, h, b),
            counts, hist, meta, cv, ci, nc, out, k, out.stride(0), out.stride(1),
-           CHUNK=chunk, DIGIT_BITS=SPLIT_DIGIT_BITS, BLOCK_P=block_p, CB=max(1, min(chunk, SPLIT_SLAB // block_p)),
-           HB=max(1, min(block_p, SPLIT_HIST_TILE >> SPLIT_DIGIT_BITS)), num_warps=warps, num_stages=1)
+           CHUNK=chunk, DIGIT_BITS=bits, BLOCK_P=block_p, CB=max(1, min(chunk, SPLIT_SLAB // block_p)),
+           HB=max(1, min(block_p, SPLIT_HIST_TILE >> bits)), num_warps=warps, num_stages=1)
     return out
 
 
