@@ -31,3 +31,32 @@ def test_split_chunk_fills_the_gpu_with_few_rows_and_stays_in_its_bounds():
         else:  # a chunk at a bound, or a row each
             assert chunk in (SPLIT_CHUNK_MIN, SPLIT_CHUNK_MAX) or -(-x // chunk) == 1
     assert split_chunk(2, 8192, cpu, programs=16) == 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,h,x", [(1, 2, 8192), (1, 8, 8192), (8, 8, 2048), (1, 4, 131072)])
+def test_gpu_split_select_equals_the_rows_select(b, h, x):
+    """On the GPU at Quest's shapes (and oracle-topk-like 128k-unit rows): the rows select's indices and the
+    reference's, on i.i.d. and on rounded (tied) scores, and in a CUDA graph replay."""
+    from kvsieve.kernels.shared.select_split import row_maxima, topk_rows_split
+    from kvsieve.kernels.shared.select_triton import topk_rows_reference, topk_rows_triton
+
+    g = torch.Generator(device="cuda").manual_seed(x + h)
+    k = x // 20
+    for ties in (False, True):
+        s = torch.randn(b, h, x, device="cuda", generator=g) * 2 - 12
+        s = (s * 10).round() / 10 if ties else s
+        counts = torch.randint(k // 2, k + 1, (b,), device="cuda", generator=g)
+        maxima = row_maxima(s).contiguous()
+        want = topk_rows_reference(s, counts, k)
+        assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), want)
+        out = torch.empty_like(want)
+        assert torch.equal(topk_rows_split(s, counts, k, maxima=maxima, out=out), want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            topk_rows_split(s, counts, k, maxima=maxima, out=out)
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
