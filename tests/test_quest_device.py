@@ -50,6 +50,13 @@ for ticket in (True, False):  # a split row's candidates merged by its last prog
              BOUND_BITS=6 if ticket else 32),
              num_warps=8, num_stages=1)
 compile_(st._merge_rows_kernel, ptr, dict(BLOCK_C=4096, BLOCK_X=1024), num_warps=8, num_stages=1)
+from kvsieve.kernels.shared import select_split as ss
+ptr = {"s_ptr": "*fp32", "mx_ptr": "*fp32", "cnt_ptr": "*i64", "hist_ptr": "*i32", "meta_ptr": "*i32",
+       "cv_ptr": "*fp32", "ci_ptr": "*i32", "nc_ptr": "*i32", "out_ptr": "*i64"}
+for chunk, block_p in ((128, 64), (512, 16), (1024, 2)):
+    compile_(ss._split_hist_kernel, ptr, dict(CHUNK=chunk, BLOCK_M=1024, DIGIT_BITS=8), num_stages=1)
+    compile_(ss._split_select_kernel, ptr, dict(CHUNK=chunk, DIGIT_BITS=8, BLOCK_P=block_p,
+             CB=min(chunk, 2048 // block_p), HB=min(block_p, 32)), num_stages=1)
 print("COMPILED")
 """
 

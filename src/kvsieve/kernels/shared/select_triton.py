@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .select_common import SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .select_common import GROUP_MAX, SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .select_split import topk_rows_split
 from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
 
@@ -337,8 +338,6 @@ def _warps(value, default: int) -> int:
     return default if value is None else check_launch_value("num_warps", value, high=32, pow2=True)
 
 
-GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
-
 
 def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
                      parts: tuple[torch.Tensor, torch.Tensor] | None = None, lengths: torch.Tensor | None = None,
@@ -538,8 +537,12 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # model, vs ~2 µs of launch for the split); at Quest's 32k context (2048 pages) the fold wins, at 128k
 # not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
+# With ``split=True`` (Quest), rows that would go to topk_rows_triton go to select_split.topk_rows_split when
+# there are at most this many of them (batch × selection heads): one program per row leaves most of the GPU
+# idle below ~1/4 of its SMs. 0 turns it off (the benchmarks time both).
+SPLIT_ROWS_MAX = 32
 
-SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
+SELECT_LAUNCHES = ("group_sum", "rows", "registers", "split")  # the launches select_rows takes overrides for
 
 
 def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
@@ -553,15 +556,21 @@ def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...
     return opts
 
 
-def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton") -> tuple[str, ...]:
+def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton", *,
+                    rows: int | None = None) -> tuple[str, ...]:
     """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
     groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
     or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
-    Read from the module limits at call time (the benchmarks change them)."""
+    ``rows`` (batch × selection heads; None: no split select): where ``"rows"`` would run for at most
+    ``SPLIT_ROWS_MAX`` rows, ``"split"`` (:func:`~kvsieve.kernels.shared.select_split.topk_rows_split`, its
+    group sum, if any, in the parallel launch) runs instead. Read from the module limits at call time (the
+    benchmarks change them)."""
     share = share_kv_group and group > 1
     limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
     if select == "triton" and n_units <= limit:
         return ("registers",)
+    if select == "triton" and rows is not None and rows <= SPLIT_ROWS_MAX:
+        return (("group_sum",) if share else ()) + ("split",)
     split = share and (select == "torch" or n_units > ROW_GROUP_SUM_MAX)
     return (("group_sum",) if split else ()) + (("rows",) if select == "triton" else ())
 
@@ -569,7 +578,7 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
                 device, launch_opts: dict[str, dict] | None = None,
-                keep_scores: bool = False) -> tuple[torch.Tensor, ...]:
+                keep_scores: bool = False, split: bool = False) -> tuple[torch.Tensor, ...]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -582,15 +591,20 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
 
     ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
-    ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``); each applies where its
-    launch runs. The selection does not depend on them."""
+    ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``), ``"split"``: of
+    :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (``programs``, ``num_warps``); each applies
+    where its launch runs. The selection does not depend on them.
+
+    ``split``: few rows (at most ``SPLIT_ROWS_MAX``) that would take ``topk_rows_triton`` take the split
+    select (:func:`select_launches`); same indices."""
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
-    launches = select_launches(n_units, group, share_kv_group, select)
+    launches = select_launches(n_units, group, share_kv_group, select,
+                               rows=batch * (kv_heads if share_kv_group else heads) if split else None)
     registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
@@ -612,12 +626,14 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
         idx = torch.topk(s, k, dim=-1, sorted=True).indices
+    elif "split" in launches:
+        idx = topk_rows_split(s, counts, k, maxima=maxima, **opts.get("split", {}))
     else:
         idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                unit=unit, sink=sink, window=window, maxima=maxima, **opts.get("rows", {}))
     return (idx, counts[:, None].expand(batch, idx.shape[1])) + ((scored,) if keep_scores else ())
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
-           "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference", "topk_rows_registers",
-           "topk_rows_triton"]
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "SPLIT_ROWS_MAX",
+           "check_launch_opts", "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference",
+           "topk_rows_registers", "topk_rows_triton"]
