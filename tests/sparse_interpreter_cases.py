@@ -348,16 +348,20 @@ def test_quest_launch_tuner_runs_a_tiny_case(tmp_path):
     finally:
         sys.path.pop(0)
     args = Namespace(quick=True, density=0.2, warmup=0, iters=1)
-    sweep = {"group_sum": [{"block_x": 16, "chunk": 8}], "rows": [{"segment": 8}], "bounds": [{"tiles": 2}]}
-    rows = tune_quest.run_case(tune_quest.TuneCase(512, 1, (8, 0, 0)), args, tune_quest.WallTimer(), sweep,
-                               lambda r: None)
+    sweep = {"group_sum": [{"block_x": 16, "chunk": 8}], "rows": [{"segment": 8}], "bounds": [{"tiles": 2}],
+             "split": [{"programs": 3, "num_warps": 2}]}
+    rows = tune_quest.run_case(tune_quest.TuneCase(512, 1, (8, 0, 0, 0)), args, tune_quest.WallTimer(), sweep,
+                               lambda r: None)  # the rows select (the split select off)
+    rows += tune_quest.run_case(tune_quest.TuneCase(512, 1, (8, 0, 0)), args, tune_quest.WallTimer(),
+                                {"split": sweep["split"]}, lambda r: None)  # few rows: the split select
     swept = [r for r in rows if r["launch"] in tune_quest.LAUNCHES]
     assert {(r["method"], r["launch"]) for r in swept} == {("quest-kv", "bounds"), ("quest-kv", "group_sum"),
                                                            ("quest-kv", "rows"), ("quest-q", "bounds"),
-                                                           ("quest-q", "rows")}
+                                                           ("quest-q", "rows"), ("quest-kv", "split"),
+                                                           ("quest-q", "split")}
     assert all(r["same"] and r["selection_us"] > 0 and r["call_us"] > 0 for r in swept), swept
     props = tune_quest.proposals(rows, 0.02)
-    assert set(props) == {"bounds", "group_sum", "rows"}
+    assert set(props) == {"bounds", "group_sum", "rows", "split"}
     report = tune_quest.markdown({"device": "cpu", "date": "-", "command": "-", "torch": "-", "triton": "-",
                                   "protocol": "-", "density": 0.2, "seconds_sweep": 0, "seconds": 0, "rows": rows,
                                   "proposals": props, "min_gain": 0.02, "combined": {}, "combined_check": []})
@@ -441,7 +445,8 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     """The rows' count-th largest found exactly (ties to the lowest index, as the reference), with rows
     holding −inf, repeated values, one distinct value, count 0, count = every finite value; ``segment``:
     long rows split over several programs (the limit lowered so that these rows count as long), twice
-    (the ticket counters must be back at 0 after a call)."""
+    (the ticket counters must be back at 0 after a call), their candidates merged by the last program or
+    by a second launch."""
     from kvsieve.kernels.shared import select_triton
     from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
 
@@ -460,8 +465,10 @@ def test_row_select_matches_its_reference_with_ties_and_empty_rows(x, k, prefilt
     if prefilter:
         maxima = torch.nn.functional.pad(s, (0, -x % GROUP_MAX), value=float("-inf"))
         maxima = maxima.view(3, 4, -1, GROUP_MAX).amax(-1).contiguous()
-    for _ in range(2 if segment else 1):
-        assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima), topk_rows_reference(s, counts, k))
+    for merge in ("ticket", "launch") if segment else ("ticket",):  # the split row's last step: counter or launch
+        for _ in range(2 if segment else 1):
+            assert torch.equal(topk_rows_triton(s, counts, k, maxima=maxima, merge=merge),
+                               topk_rows_reference(s, counts, k)), merge
 
 
 @pytest.mark.parametrize("x,k", [(1, 1), (7, 5), (64, 3), (300, 40), (5000, 700), (2500, 2500), (129, 129)])
@@ -500,17 +507,20 @@ SELECTION_SHAPES = [(0, 3, 8, 2, 700, 64, torch.float32), (1, 2, 4, 4, 500, 64, 
 
 
 # (share_kv_group, long rows): with select="triton-rows" (the rows select launch: the register select's
-# limit at 0) long group-summed rows take the parallel group-sum launch, and long rows split the select's
-# prefilter pass over programs; with "triton" (the register select) long group-summed rows are group-summed
-# in many chunks. The limits are lowered so that these rows count as long.
+# limit at 0; Quest's few rows take the split select there, "triton-rows-unsplit" one program per row)
+# long group-summed rows take the parallel group-sum launch, and long rows split the select's prefilter
+# pass over programs; with "triton" (the register select) long group-summed rows are group-summed in many
+# chunks. The limits are lowered so that these rows count as long.
 ROW_KINDS = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _select_limits(monkeypatch, select, long_rows, segment):
     from kvsieve.kernels.shared import select_triton
 
-    if select == "triton-rows":
+    if select.startswith("triton-rows"):
         monkeypatch.setattr(select_triton, "REGISTER_SELECT_MAX", 0)
+        if select == "triton-rows-unsplit":  # few rows too: one program per row (Quest splits them)
+            monkeypatch.setattr(select_triton, "SPLIT_ROWS_MAX", 0)
     else:  # group-summed rows through the register select whatever their length
         monkeypatch.setattr(select_triton, "REGISTER_SELECT_GROUPED_MAX", 1 << 30)
     if long_rows:
@@ -520,7 +530,7 @@ def _select_limits(monkeypatch, select, long_rows, segment):
     return select.split("-")[0]
 
 
-@pytest.mark.parametrize("select", ["triton", "triton-rows", "torch"])
+@pytest.mark.parametrize("select", ["triton", "triton-rows", "triton-rows-unsplit", "torch"])
 @pytest.mark.parametrize("share,long_rows", ROW_KINDS)
 def test_quest_device_selection_matches_the_reference(select, share, long_rows, monkeypatch):
     """quest_select's device paths against its torch reference (the same bounds in torch): pages 16/32,
@@ -544,10 +554,11 @@ SELECT_OVERRIDES = {
     "group_sum": [{"block_x": 16, "chunk": 8, "num_warps": 2}, {"block_x": 64, "chunk": 32, "num_warps": 8}],
     "rows": [{"segment": 8, "num_warps": 2}, {"segment": 16, "num_warps": 16}],
     "registers": [{"programs": 3, "num_warps": 2}, {"programs": 1000, "num_warps": 16}],
+    "split": [{"programs": 3, "num_warps": 2, "digit_bits": 4}, {"programs": 1000, "num_warps": 8}],
 }
 
 
-@pytest.mark.parametrize("path", ["registers", "rows"])
+@pytest.mark.parametrize("path", ["registers", "rows", "split"])
 @pytest.mark.parametrize("share", [False, True])
 def test_quest_launch_overrides_keep_the_selection(path, share, monkeypatch):
     """quest_select with non-default launch settings: the default settings' pages and the reference's
@@ -556,10 +567,11 @@ def test_quest_launch_overrides_keep_the_selection(path, share, monkeypatch):
     from kvsieve.kernels.shared import select_triton
 
     # the bounds launch (its maxima: the test above) once per path of its outputs: parts or neither
-    launches = ["bounds", "registers"] if path == "registers" else ["rows"] + (["group_sum"] if share else [])
-    if path == "rows":
+    launches = ["bounds", "registers"] if path == "registers" else [path] + (["group_sum"] if share else [])
+    if path != "registers":
         monkeypatch.setattr(select_triton, "REGISTER_SELECT_MAX", 0)
         monkeypatch.setattr(select_triton, "ROW_GROUP_SUM_MAX", 8)
+        monkeypatch.setattr(select_triton, "SPLIT_ROWS_MAX", 1 << 30 if path == "split" else 0)
     q, k, lens = _selection_case(*SELECTION_SHAPES[2])  # GQA group 4, bf16, ragged rows
     n = k.shape[2]
     kmin, kmax = quest_pages.page_minmax_reference(k, lens, 16)

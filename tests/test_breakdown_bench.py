@@ -50,3 +50,16 @@ def test_cases_and_outlier_queries():
     assert abs(float(s.pow(2).mean()) - 1) < 1e-5
     top = s.pow(2).sort(descending=True).values
     assert float(top[:16].sum() / top.sum()) > 0.5  # a few features carry most of |q|²
+
+
+def test_vattention_stages_check_runs_every_way():
+    """``benchmarks/breakdown/vattention_stages.py --check``: one decode spied on, every stage's ways run and
+    agree with their references (under the interpreter, in a subprocess)."""
+    import pytest
+
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    script = ("import runpy, sys; sys.argv = ['vattention_stages.py', '--check']; "
+              f"runpy.run_path({str(SCRIPT.parent / 'vattention_stages.py')!r}, run_name='__main__')")
+    assert "check: ok" in run_script(script, "cpu", True)

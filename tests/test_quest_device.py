@@ -44,6 +44,19 @@ compile_(st._group_sum_parts_kernel, {**ptr, "out_ptr": "*fp32"}, dict(G=4, BLOC
 compile_(st._topk_rows_kernel, ptr, dict(G=1, BLOCK_G=2, SHARE=False, UNIT=16, BLOCK_X=2048, BLOCK_XG=2048,
          BLOCK_PART=1024, PREFILTER=True, GROUP_MAX=8, BLOCK_M=1024, BLOCK_C=512, SEGMENTED=False),
          num_warps=8, num_stages=1)
+for ticket in (True, False):  # a split row's candidates merged by its last program, or by the merge launch
+    compile_(st._topk_rows_kernel, ptr, dict(G=1, BLOCK_G=2, SHARE=False, UNIT=1, BLOCK_X=4096, BLOCK_XG=4096,
+             BLOCK_PART=1024, PREFILTER=True, GROUP_MAX=8, BLOCK_M=2048, BLOCK_C=4096, SEGMENTED=True, TICKET=ticket,
+             BOUND_BITS=6 if ticket else 32),
+             num_warps=8, num_stages=1)
+compile_(st._merge_rows_kernel, ptr, dict(BLOCK_C=4096, BLOCK_X=1024), num_warps=8, num_stages=1)
+from kvsieve.kernels.shared import select_split as ss
+ptr = {"s_ptr": "*fp32", "mx_ptr": "*fp32", "cnt_ptr": "*i64", "hist_ptr": "*i32", "meta_ptr": "*i32",
+       "cv_ptr": "*fp32", "ci_ptr": "*i32", "nc_ptr": "*i32", "out_ptr": "*i64"}
+for chunk, block_p in ((128, 64), (512, 16), (1024, 2)):
+    compile_(ss._split_hist_kernel, ptr, dict(CHUNK=chunk, BLOCK_M=1024, DIGIT_BITS=8), num_stages=1)
+    compile_(ss._split_select_kernel, ptr, dict(CHUNK=chunk, DIGIT_BITS=8, BLOCK_P=block_p,
+             CB=min(chunk, 2048 // block_p), HB=min(block_p, 32)), num_stages=1)
 print("COMPILED")
 """
 

@@ -36,10 +36,12 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("santa V sampling", ("_overlap_sample_kernel", "_compact_sample_kernel", "_prop_sample_kernel",
                           "_prop_merge_kernel")),
     ("row words", ("_row_words_kernel",)),
-    ("top-k select (triton)", ("_topk_rows_kernel", "_select_regs_kernel", "_group_sum_parts_kernel")),
+    ("top-k select (triton)", ("_topk_rows_kernel", "_select_regs_kernel", "_group_sum_parts_kernel",
+                               "_merge_rows_kernel")),
     ("top-k select (torch)", ("topk", "TopK", "radix", "Radix", "sort", "Sort", "bitonic", "Bitonic")),
     ("vattention residual setup", ("_residual_setup_kernel",)),
-    ("uniform samples (base + residual)", ("_split_candidates_kernel", "_sample_rows_kernel")),
+    ("uniform samples (base + residual)", ("_split_candidates_kernel", "_sample_rows_kernel", "_window_scan_kernel",
+                                           "_window_cut_kernel", "_window_write_kernel")),
     ("vattention budget statistics", ("_budget_parts_kernel", "_budget_combine_kernel")),
     ("sparse attention", ("_sparse_split_kernel", "sparse_merge")),
     ("vattention tested-key attention", ("_attend_kernel",)),
@@ -64,14 +66,41 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@list": "vattention",
         "vattention": "vattention",
         "vattention@triton-select": "vattention",
+        "vattention@old-sample": "vattention",
+        "vattention@old-topk": "vattention",
+        "vattention@masked-v": "vattention",
+        "vattention@two-pass-stats": "vattention",
+        "vattention@old": "vattention",
+        "vattention@budget-x4": "vattention",
+        "vattention@budget-b64": "vattention",
     }
 
 
-#: variant -> (module, limit, value) set while it runs: the oracle predictor's top-k by the Triton select launch
-#: rather than torch.topk at every length
-LIMITS = {"vattention@triton-select": ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40),
+_VATT = "kvsieve.methods.vattention"
+_OLD_SAMPLE = ("kvsieve.kernels.shared.sample_triton", "WINDOW_SELECT", False)
+_OLD_TOPK = (_VATT, "SPLIT_TOPK", False)
+_BUDGET = "kvsieve.kernels.vattention.budget_triton"
+_TWO_PASS = (_BUDGET, "ONLINE_STATS", False)
+_MASKED_V = ("kvsieve.kernels.vattention.attend_triton", "STREAM_V", False)
+#: variant -> ((module, limit, value), ...) set while it runs
+LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a ticket counter merges a long row's
+          # programs) rather than torch.topk above 64k keys
+          "vattention@triton-select": (_OLD_TOPK, ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40)),
           # the per-query-head lists and the weighted sparse kernel in place of the tested-key attention pass
-          "vattention@list": ("kvsieve.methods.vattention", "TESTED_ATTENTION", False)}
+          "vattention@list": ((_VATT, "TESTED_ATTENTION", False),),
+          # the uniform samples' cut by a select over every key below a threshold (one program per row)
+          "vattention@old-sample": (_OLD_SAMPLE,),
+          # the top-k by oracle_topk.select_path's choice (torch.topk above 64k keys per query head)
+          "vattention@old-topk": (_OLD_TOPK,),
+          # the tested-key pass reading only the V rows some head keeps (masked loads)
+          "vattention@masked-v": (_MASKED_V,),
+          # the budget statistics' logits written first, then summed in further passes
+          "vattention@two-pass-stats": (_TWO_PASS,),
+          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V, _TWO_PASS),
+          # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
+          "vattention@budget-x4": ((_BUDGET, "SPLIT_PROGRAMS", 2112),),
+          # the budget statistics' loops over blocks of 64 entries at 8 warps (half the steps)
+          "vattention@budget-b64": ((_BUDGET, "PARTS_BLOCK", 64), (_BUDGET, "PARTS_WARPS", 8))}
 
 
 def with_limit(name: str, fn):
@@ -80,16 +109,17 @@ def with_limit(name: str, fn):
         return fn
     import importlib
 
-    module, attr, value = LIMITS[name]
-    mod = importlib.import_module(module)
+    settings = [(importlib.import_module(module), attr, value) for module, attr, value in LIMITS[name]]
 
     def call():
-        before = getattr(mod, attr)
-        setattr(mod, attr, value)
+        before = [getattr(mod, attr) for mod, attr, _ in settings]
+        for mod, attr, value in settings:
+            setattr(mod, attr, value)
         try:
             return fn()
         finally:
-            setattr(mod, attr, before)
+            for (mod, attr, _), old in zip(settings, before, strict=True):
+                setattr(mod, attr, old)
 
     return call
 
@@ -306,13 +336,18 @@ def markdown(rows: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check() -> None:
-    """Every variant once on tiny CPU inputs through its reference path, and the stage filing."""
-    g = torch.Generator().manual_seed(0)
+def tiny_inputs(g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, lengths)`` of the CPU checks: one row, 4 query and 2 KV heads, 600 keys, d = 64."""
     q = torch.randn(1, 4, 64, generator=g)
     k = torch.randn(1, 2, 600, 64, generator=g)
     v = torch.randn(1, 2, 600, 64, generator=g)
-    lens = torch.tensor([600], dtype=torch.int32)
+    return q, k, v, torch.tensor([600], dtype=torch.int32)
+
+
+def check() -> None:
+    """Every variant once on tiny CPU inputs through its reference path, and the stage filing."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, lens = tiny_inputs(g)
     step = torch.zeros((), dtype=torch.int64)
     for name, spec in variant_specs().items():
         if spec is None:

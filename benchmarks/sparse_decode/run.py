@@ -8,6 +8,8 @@ one select launch, ``kernels/shared/select_triton.py``: the register select for 
 a group-sum launch + ``torch.topk``, is the ``…@legacy`` rows of ``2026-11-25-h100-sparse-decode-select``)
 and ``…@row-select`` (``topk_rows_triton``, the default before the register select; ``quest-kv@register-select``:
 the register select on group-summed pages whatever their number, by default up to 4096);
+``quest-*@split-select``: the split select (``select_split.topk_rows_split``; by default for at most
+``select_triton.SPLIT_ROWS_MAX`` rows of the rows path) whatever the rows and their length;
 ``quest-kv@split-group-sum`` / ``@group-sum-in-select`` run the rows select with the pages group-summed
 in a parallel launch of their own / inside it whatever the row length (for tuning
 ``select_triton.ROW_GROUP_SUM_MAX``). ``--variants`` limits the run to some variants (FlashInfer is the
@@ -56,13 +58,16 @@ TARGETS = {  # the targets: speedup over FlashInfer at (32k, 128k), batch 1
 
 
 @contextmanager
-def _select_limits(group_sum_in_select: int, registers: int, grouped: int):
+def _select_limits(group_sum_in_select: int, registers: int, grouped: int, split_rows: int | None = None):
     """Rows of at most ``group_sum_in_select`` group-summed units are group-summed inside the rows select
     launch, rows of at most ``registers`` units take the register select, group-summed ones up to
-    ``grouped`` units (module constants; changed around a call, also while a CUDA graph captures it)."""
-    names = ("ROW_GROUP_SUM_MAX", "REGISTER_SELECT_MAX", "REGISTER_SELECT_GROUPED_MAX")
+    ``grouped`` units; Quest's rows select goes to the split select for at most ``split_rows`` rows (None:
+    as set) (module constants; changed around a call, also while a CUDA graph captures it)."""
+    names = ("ROW_GROUP_SUM_MAX", "REGISTER_SELECT_MAX", "REGISTER_SELECT_GROUPED_MAX", "SPLIT_ROWS_MAX")
+    if split_rows is None:
+        split_rows = select_triton.SPLIT_ROWS_MAX
     before = [getattr(select_triton, name) for name in names]
-    for name, value in zip(names, (group_sum_in_select, registers, grouped), strict=True):
+    for name, value in zip(names, (group_sum_in_select, registers, grouped, split_rows), strict=True):
         setattr(select_triton, name, value)
     try:
         yield
@@ -171,18 +176,23 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     # select), and at batch 1 torch.topk in place of the select launch and the rows select launch
     # (topk_rows_triton, the path before the register select): for Quest's group-summed pages by the row
     # length (select_triton.ROW_GROUP_SUM_MAX), with the group sum inside it or in a parallel launch
+    # (one program per row); Quest's split select (select_split.topk_rows_split, by default for few rows of
+    # the rows path) whatever the rows and their length
     selections = [("", "triton")] + ([("@torch-select", "torch"), ("@row-select", "triton-rows"),
                                       ("@register-select", "triton-registers"),
                                       ("@group-sum-in-select", "triton-fold"),
-                                      ("@split-group-sum", "triton-split")] if b == 1 else [])
+                                      ("@split-group-sum", "triton-split"),
+                                      ("@split-select", "triton-splitselect")] if b == 1 else [])
     fold_limit = {"triton-fold": 1 << 30, "triton-split": 0}
     tuning = ("triton-fold", "triton-split", "triton-registers")  # Quest's group-summed pages only
 
     def limits(how):
         registers = select_triton.REGISTER_SELECT_MAX
+        splitting = how == "triton-splitselect"
         return _select_limits(fold_limit.get(how, select_triton.ROW_GROUP_SUM_MAX),
-                              0 if how in ("triton-rows", *fold_limit) else registers,
-                              1 << 30 if how == "triton-registers" else select_triton.REGISTER_SELECT_GROUPED_MAX)
+                              0 if how in ("triton-rows", "triton-splitselect", *fold_limit) else registers,
+                              1 << 30 if how == "triton-registers" else select_triton.REGISTER_SELECT_GROUPED_MAX,
+                              (1 << 30) if splitting else (0 if how in ("triton-rows", *fold_limit) else None))
 
     # quest, page 16: sink + window 128 each, top pages for the rest of the budget
     page = QUEST_PAGE
@@ -206,7 +216,7 @@ def variants(case: Case, x: Inputs, density: float, sink: int = SINK, window_qt:
     # oracle top-k: every score (one Triton pass over K), top-k tokens outside sink + window
     for (base, share), (suffix, how) in product((("oracle-topk-kv", True), ("oracle-topk-q", False)), selections):
         name = base + suffix
-        if how in tuning or (how == "triton-rows" and n > select_triton.REGISTER_SELECT_MAX):
+        if how in (*tuning, "triton-splitselect") or (how == "triton-rows" and n > select_triton.REGISTER_SELECT_MAX):
             continue  # keys rows this long take the rows select anyway
 
         def select(share=share, how=how):

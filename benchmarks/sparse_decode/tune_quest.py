@@ -20,6 +20,14 @@ default stays. The proposals together are then timed against the defaults at eve
 
     PYTHONPATH=src python benchmarks/sparse_decode/tune_quest.py OUT [--iters 40]
     PYTHONPATH=src python benchmarks/sparse_decode/tune_quest.py OUT --quick   # CPU smoke run (interpreter)
+    PYTHONPATH=src python benchmarks/sparse_decode/tune_quest.py OUT --split-select [--quick]
+
+``--split-select``: instead of the sweep, the split top-k (``select_split.topk_rows_split``) against the
+one-program rows select (``topk_rows_triton``) and the register select, alone on quest-kv-like rows (2 rows
+of 8192 pages, 8 of 8192, 64 of 2048), indices checked equal to the old kernel's and the reference's (also on
+scores with many ties), and Quest's whole step (quest-kv) on each path at the same shapes (Llama-3.1-70B at
+tensor parallel 4, 128k; Llama-3.1-8B at 128k batch 1 and 32k batch 8), pages checked equal to the path before
+the split. Writes ``split_select.json`` and ``split_select.md``; exits 1 if a selection differs.
 
 About 3 minutes on an H100 / H200 (an estimate, not yet measured: 113 settings and ~290 graph timings of
 ~25 ms, most of the time Triton compiling ~70 kernel variants at 1.5–2.5 s). ``--launches`` limits the
@@ -50,10 +58,11 @@ from run import HEAD_DIM, HEADS, KV_HEADS, QUEST_PAGE, SINK, _select_limits, que
 from kvsieve.bench.decode import Case, Inputs, library_version, timing_setup  # noqa: E402
 from kvsieve.kernels.quest import quest_pages  # noqa: E402
 from kvsieve.kernels.shared import select_triton  # noqa: E402
+from kvsieve.kernels.shared.select_split import row_maxima, topk_rows_split  # noqa: E402
 
-LAUNCHES = ("bounds", "group_sum", "rows", "registers")
+LAUNCHES = ("bounds", "group_sum", "rows", "registers", "split")
 KERNELS = {"bounds": "_page_bounds_kernel", "group_sum": "_group_sum_parts_kernel", "rows": "_topk_rows_kernel",
-           "registers": "_select_regs_kernel"}
+           "registers": "_select_regs_kernel", "split": "_split_hist_kernel + _split_select_kernel"}
 # Per launch, the settings tried (each alone; the launch's other settings at their defaults). Defaults:
 # bounds block_p 64, tiles 1, warps 4, stages 1; group_sum block_x 1024 (4096 from 64k units), chunk 512
 # (group 4), warps 4; rows warps 8 (4 below 2048-unit chunks), segment 8192 (so 128k's 8192 pages: one
@@ -69,12 +78,15 @@ SWEEP = {
              {"segment": 4096}, {"segment": 512, "num_warps": 8}, {"segment": 1024, "num_warps": 8}],
     "registers": [{"num_warps": 4}, {"num_warps": 16}, {"programs": 32}, {"programs": 64}, {"programs": 256},
                   {"programs": 512}],
+    "split": [{"num_warps": 2}, {"num_warps": 8}, {"programs": 64}, {"programs": 264}, {"programs": 528},
+              {"digit_bits": 6}, {"digit_bits": 10}],
 }
 QUICK_SWEEP = {
     "bounds": [{"block_p": 16, "tiles": 2, "num_stages": 2}, {"block_p": 128, "num_warps": 8}],
     "group_sum": [{"block_x": 16, "chunk": 8}],
     "rows": [{"segment": 8, "num_warps": 2}],
     "registers": [{"programs": 3, "num_warps": 2}],
+    "split": [{"programs": 3, "num_warps": 2}],
 }
 
 
@@ -82,11 +94,14 @@ QUICK_SWEEP = {
 class TuneCase:
     n: int
     batch: int
-    limits: tuple[int, int, int] | None = None  # select_triton's limits for run.py's _select_limits
+    limits: tuple[int, ...] | None = None  # select_triton's limits for run.py's _select_limits
 
     @property
     def name(self) -> str:
-        return f"{self.n // 1024}k b{self.batch}" + ("" if self.limits is None else " (limits lowered)")
+        if self.limits is None:
+            return f"{self.n // 1024}k b{self.batch}"
+        no_split = len(self.limits) > 3 and self.limits[3] == 0
+        return f"{self.n // 1024}k b{self.batch} (limits lowered{', no split select' if no_split else ''})"
 
 
 def applies(launch: str, setting: dict, share: bool) -> bool:
@@ -172,7 +187,8 @@ def run_case(case: TuneCase, args, timer, sweep: dict, log, combined: dict | Non
     for method, share in (("quest-kv", True), ("quest-q", False)):
         base = {"n": case.n, "batch": case.batch, "case": case.name, "method": method}
         with limits():
-            ran = ("bounds", *select_triton.select_launches(n_pages, heads // kv_heads, share))
+            ran = ("bounds", *select_triton.select_launches(n_pages, heads // kv_heads, share,
+                                                             rows=case.batch * (kv_heads if share else heads)))
         select, call = calls(share, None)
         want = tuple(t.clone() for t in select())
         kmin, kmax = summaries.update(x.k, x.lens)
@@ -238,6 +254,144 @@ def proposals(rows: list[dict], min_gain: float) -> dict:
     return out
 
 
+def run_header(kind: str, args, peak, argv) -> dict:
+    """What a result file starts with: the run's kind, date, device, versions, command and timing protocol."""
+    return {"kind": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "device": "cpu (--quick: Triton interpreter)" if args.quick else torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": library_version("triton"), "copy_rate": peak,
+            "command": "tune_quest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "protocol": "wall clock, eager, 1 call" if args.quick else
+                        f"CUDA graph replays, 512 MB L2 flush before each, {args.warmup} warm-up + {args.iters} "
+                        "timed, median"}
+
+
+# --- the split select against the one-program rows select (--split-select) --------------------------------
+# (name, batch, query heads, KV heads, context): quest-kv's rows are batch × KV heads of context / 16 pages —
+# Llama-3.1-70B under tensor parallel 4 (2 rows of 8192 pages), Llama-3.1-8B at 128k batch 1 (8 rows of
+# 8192) and at 32k batch 8 (64 rows of 2048)
+SPLIT_CASES = [("70B tp4 128k b1", 1, 16, 2, 131072), ("8B 128k b1", 1, 32, 8, 131072), ("8B 32k b8", 8, 32, 8, 32768)]
+QUICK_SPLIT_CASES = [("tiny 2 rows", 1, 4, 2, 4096), ("tiny 8 rows", 2, 8, 4, 2048)]
+# the top-k alone: (label, function of (scores, counts, k, maxima)); topk_rows_triton is the old kernel
+TOPK_VARIANTS = {
+    "rows (one program per row)": lambda s, c, k, mx: select_triton.topk_rows_triton(s, c, k, maxima=mx),
+    "registers (one program per row)": lambda s, c, k, mx: select_triton.topk_rows_registers(s, c, k),
+    "split": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx),
+    "split programs=64": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, programs=64),
+    "split programs=264": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, programs=264),
+    "split warps=8": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, num_warps=8),
+    "split digit_bits=6": lambda s, c, k, mx: topk_rows_split(s, c, k, maxima=mx, digit_bits=6),
+}
+# Quest's whole step (quest-kv): select_triton's limits as run.py's _select_limits takes them (None: as set)
+STEP_PATHS = {
+    "default before (no split)": (None, None, None, 0),
+    "rows select (one program per row)": (None, 0, None, 0),
+    "default now": (None, None, None, None),
+    "split select": (None, 0, None, 1 << 30),
+}
+
+
+def split_rows_data(b: int, h: int, p: int, dev, seed: int, ties: bool) -> torch.Tensor:
+    """Scores ``[b, h, p]`` like Quest's group-summed pages (log-probabilities, all negative); ``ties``: rounded
+    to a tenth, so that many pages tie at the threshold."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    s = torch.randn(b, h, p, device=dev, generator=g) * 2 - 12
+    return (s * 10).round() / 10 if ties else s
+
+
+def split_select_case(name, b, hq, hkv, n, args, timer, log) -> list[dict]:
+    dev = "cpu" if args.quick else "cuda"
+    p = -(-n // QUEST_PAGE)
+    sink = window = 16 if args.quick else SINK
+    tokens, max_pages = quest_budget(n, args.density, sink, window)
+    k = min(max_pages, p)
+    rows = []
+    for ties in (False, True):
+        s = split_rows_data(b, hkv, p, dev, 7, ties)
+        counts = torch.full((b,), k, device=dev, dtype=torch.long)
+        maxima = row_maxima(s).contiguous()
+        want = select_triton.topk_rows_reference(s, counts, k)
+        old = TOPK_VARIANTS["rows (one program per row)"](s, counts, k, maxima).clone()
+        for label, fn in TOPK_VARIANTS.items():
+            if "registers" in label and p > select_triton.REGISTER_SELECT_MAX:
+                continue
+            r = {"part": "topk", "case": name, "rows": b * hkv, "pages": p, "k": k, "ties": ties, "variant": label}
+            got = fn(s, counts, k, maxima)
+            r["equal_old"] = bool(torch.equal(got, old))
+            r["equal_reference"] = bool(torch.equal(got, want))
+            if not ties:  # timed on the i.i.d. scores
+                r["us"] = timer.time_graph_us(partial(fn, s, counts, k, maxima), warmup=args.warmup,
+                                              iters=args.iters)["median_us"]
+            rows.append(r)
+            log(r)
+    x = Inputs(Case(name, hq, hkv, 64 if args.quick else HEAD_DIM, n, b),
+               torch.float32 if args.quick else torch.bfloat16, seed=0, device=dev)
+    summaries = quest_pages.PageSummaries(QUEST_PAGE)
+    summaries.update(x.k, x.lens)
+    kmin, kmax = summaries.update(x.k, x.lens)
+    scores = quest_pages.quest_scores_reference(x.q, kmin, kmax, x.lens, QUEST_PAGE, sink, window, True)
+    want = None
+    for label, (g, reg, grouped, split) in STEP_PATHS.items():
+        limits = partial(_select_limits, select_triton.ROW_GROUP_SUM_MAX if g is None else g,
+                         select_triton.REGISTER_SELECT_MAX if reg is None else reg,
+                         select_triton.REGISTER_SELECT_GROUPED_MAX if grouped is None else grouped, split)
+        select, call = quest_calls(x, summaries, True, tokens, max_pages, sink=sink, window_qt=window, limits=limits)
+        with limits():
+            ran = select_triton.select_launches(p, hq // hkv, True, rows=b * hkv)
+        got = tuple(t.clone() for t in select())
+        want = got if want is None else want
+        r = {"part": "step", "case": name, "rows": b * hkv, "pages": p, "k": k, "variant": label,
+             "launches": ["update", "bounds", *ran, "attention"], "equal_old": bool(torch.equal(got[0], want[0])),
+             **{f"check_{key}": v for key, v in selection_check(got, want, scores).items()}}
+        r.update({"selection_us": timer.time_graph_us(select, warmup=args.warmup, iters=args.iters)["median_us"],
+                  "call_us": timer.time_graph_us(call, warmup=args.warmup, iters=args.iters)["median_us"]})
+        rows.append(r)
+        log(r)
+    return rows
+
+
+def split_select_markdown(res: dict) -> str:
+    out = [f"# Split top-k vs one program per row on {res['device']} ({res['date']})", "",
+           f"- command: `{res['command']}`; torch {res['torch']}, triton {res['triton']}; {res['protocol']}",
+           f"- ≈ {res['density']:.0%} of the pages (quest-kv budget); top-k alone on scores like Quest's group-summed "
+           "pages (i.i.d.; equality also checked on rounded scores with many ties); step = quest-kv's page summary "
+           "update + selection (+ attention for the call)", "",
+           "## Top-k alone", "", "| case | rows | pages | k | variant | µs | = old (i.i.d. / ties) | = reference |",
+           "|---|---:|---:|---:|---|---:|---|---|"]
+    topk = [r for r in res["rows"] if r["part"] == "topk"]
+    for r in topk:
+        if r["ties"]:
+            continue
+        tie = next(t for t in topk if t["ties"] and t["case"] == r["case"] and t["variant"] == r["variant"])
+        out.append(f"| {r['case']} | {r['rows']} | {r['pages']} | {r['k']} | {r['variant']} | {r['us']:.1f} | "
+                   f"{r['equal_old']} / {tie['equal_old']} | {r['equal_reference'] and tie['equal_reference']} |")
+    out += ["", "## Quest's step (quest-kv)", "", "| case | rows | path | launches | selection µs | call µs | "
+            "pages = first path's |", "|---|---:|---|---|---:|---:|---|"]
+    for r in res["rows"]:
+        if r["part"] == "step":
+            same = "yes" if r["equal_old"] else ("near-ties" if r["check_ok"] else f"NO ({r.get('check_why')})")
+            out.append(f"| {r['case']} | {r['rows']} | {r['variant']} | {', '.join(r['launches'])} | "
+                       f"{r['selection_us']:.1f} | {r['call_us']:.1f} | {same} |")
+    return "\n".join(out) + "\n"
+
+
+def split_select_main(args, timer, peak, argv) -> int:
+    cases = QUICK_SPLIT_CASES if args.quick else SPLIT_CASES
+    rows = []
+    for case in cases:
+        rows += split_select_case(*case, args, timer, lambda r: print(json.dumps(r), flush=True))
+        if not args.quick:
+            torch.cuda.empty_cache()
+    res = {**run_header("split_select", args, peak, argv), "density": args.density, "rows": rows}
+    ok = all(r["equal_old"] and r["equal_reference"] for r in rows if r["part"] == "topk") and all(
+        r["check_ok"] for r in rows if r["part"] == "step")
+    (args.out_dir / "split_select.json").write_text(json.dumps(res, indent=1))
+    (args.out_dir / "split_select.md").write_text(split_select_markdown(res))
+    print(split_select_markdown(res))
+    if not ok:
+        print("SELECTIONS DIFFER (see the tables)", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
@@ -248,6 +402,8 @@ def main(argv=None) -> int:
                     "fraction of its selection time at every case it applies to (default 0.02)")
     ap.add_argument("--launches", nargs="+", choices=LAUNCHES, default=list(LAUNCHES), help="launches to sweep")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes through the Triton interpreter")
+    ap.add_argument("--split-select", action="store_true", help="instead of the sweep: the split top-k against the "
+                    "one-program rows select, alone and in Quest's step (split_select.json / .md)")
     args = ap.parse_args(argv)
     if args.quick:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -266,6 +422,8 @@ def main(argv=None) -> int:
         _, peak, timer = timing_setup(flashinfer=False)
     sweep = {launch: sweep[launch] for launch in args.launches}
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.split_select:
+        return split_select_main(args, timer, peak, argv)
     t_start = time.time()
 
     def log(r):
@@ -283,13 +441,7 @@ def main(argv=None) -> int:
     if combined:  # the proposals together, against the defaults timed again beside them
         for case in cases:
             check += run_case(case, args, timer, {}, log, combined)
-    res = {"kind": "tune_quest", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-           "device": "cpu (--quick: Triton interpreter)" if args.quick else torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": library_version("triton"), "copy_rate": peak,
-           "command": "tune_quest.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "protocol": "wall clock, eager, 1 call" if args.quick else
-                       f"CUDA graph replays, 512 MB L2 flush before each, {args.warmup} warm-up + {args.iters} "
-                       "timed, median",
+    res = {**run_header("tune_quest", args, peak, argv),
            "density": args.density, "min_gain": args.min_gain, "sweep": sweep,
            "seconds_sweep": t_sweep, "seconds": time.time() - t_start,
            "rows": rows, "proposals": props, "combined": combined, "combined_check": check}

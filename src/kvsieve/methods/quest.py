@@ -16,7 +16,9 @@ partials, so that no ``logsumexp`` runs), one select launch
 (:func:`kvsieve.kernels.shared.select_triton.topk_rows_registers` for rows of up to 16384 pages per query
 head, 4096 group-summed — the group sum in chunks over the GPU, then each row's last chunk program selects
 with the row in registers; else :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton`, with a
-group-sum launch of its own beyond 4096 pages) and the Triton sparse kernel (2 launches) reading the
+group-sum launch of its own beyond 4096 pages, or for at most ``select_triton.SPLIT_ROWS_MAX`` rows — batch 1,
+tensor parallel — :func:`~kvsieve.kernels.shared.select_split.topk_rows_split`: two launches spread over each
+row, the same pages) and the Triton sparse kernel (2 launches) reading the
 chosen pages as tiles with sink and window as ranges. Elsewhere it runs the torch reference; "reference" and "triton"
 force a path; ``stats.backend`` names the path.
 """

@@ -174,6 +174,11 @@ _CONSTANTS: dict = {}
 #: stats' ``kernel`` names the pass that ran.
 TESTED_ATTENTION = True
 
+#: The oracle predictor's per-query-head top-k by the Triton select at every length, a long row's
+#: candidates merged by a second launch (no ticket counter). False: ``oracle_topk.select_path``'s choice
+#: (``torch.topk`` above 64k keys): kept to time the two against each other (``benchmarks/breakdown``).
+SPLIT_TOPK = True
+
 
 def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
     """The float64 constants of the kernel path's budget (``budget_triton.BudgetRule``): ``[z, ln(2/δ),
@@ -363,10 +368,12 @@ class VAttention(StagedSelection):
             from ..kernels.oracle_topk.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
+            split = SPLIT_TOPK and not share
             pages, counts, *kept = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
                                                max_k=size_bound(cfg.top_k, n), share_kv_group=share,
-                                               scale=inputs.scale, select=select_path(share, n),
-                                               keep_scores=TESTED_ATTENTION and not share and attend_triton.usable(q))
+                                               scale=inputs.scale, select="triton" if split else select_path(share, n),
+                                               keep_scores=TESTED_ATTENTION and not share and attend_triton.usable(q),
+                                               launch_opts={"rows": {"merge": "launch"}} if split else None)
             scores = kept[0] if kept else None
         elif cfg.top_k != 0:
             from ..kernels.quest.quest_pages import PageSummaries, quest_select

@@ -36,7 +36,7 @@ def select_path(share_kv_group: bool, n_keys: int) -> str:
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
                 scale: float | None = None, scores: str = "triton", select: str = "triton",
-                keep_scores: bool = False) -> tuple[torch.Tensor, ...]:
+                keep_scores: bool = False, launch_opts: dict[str, dict] | None = None) -> tuple[torch.Tensor, ...]:
     """``oracle-topk``'s token list for :func:`sparse_decode_triton` (with the same ``sink``/``window``):
     ``(indices [B, Hs, K], counts [B, Hs])`` with ``K = max(1, max_k)``; ``Hs = Hkv`` when
     ``share_kv_group`` (ranked by the group-summed softmax, each head's softmax over every valid key as in
@@ -51,7 +51,8 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     rows over ~20k keys). ``scores="reference"`` runs every step
     in torch (highest first). ``keep_scores=True`` (per-query-head rows only) also returns the scores pass's
     ``[B, Hq, N]`` float32 logits (−inf outside the candidates), valid until the next selection on the
-    device (a cached buffer)."""
+    device (a cached buffer). ``launch_opts``: the select launches' overrides
+    (:func:`~kvsieve.kernels.shared.select_triton.select_rows`)."""
     b, hq, _ = q.shape
     hkv, n = k.shape[1], k.shape[2]
     if keep_scores and share_kv_group and hq > hkv:
@@ -76,7 +77,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
 
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=n, k=kk, block=score_block(q.shape[-1]),
                            share_kv_group=share_kv_group, lengths=lengths, unit=1, sink=sink, window=window,
-                           select=select, device=q.device, keep_scores=keep_scores)
+                           select=select, device=q.device, keep_scores=keep_scores, launch_opts=launch_opts)
     idx = torch.topk(s, kk, dim=-1, sorted=True).indices
     counts = counts[:, None].expand(b, s.shape[1])
     return (idx, counts, s) if keep_scores else (idx, counts)

@@ -282,12 +282,14 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
     ``select="triton"`` (default): two launches — the bounds (group-summed rows also write per-block
     softmax partials, the others the maxima of every 8 bounds) and
     :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (group sum, prefilter, exact radix
-    select), pages in ascending order. ``select="torch"``: the bounds, a parallel group-sum launch (if
+    select), pages in ascending order; for few rows (at most ``select_triton.SPLIT_ROWS_MAX``: batch 1, tensor
+    parallel) :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` instead, two launches spread over
+    each row (same pages). ``select="torch"``: the bounds, a parallel group-sum launch (if
     any) and ``torch.topk`` (highest first). ``bounds="reference"`` runs every step in torch (highest bound first).
 
     ``launch_opts`` (device paths; for tuning, ``benchmarks/sparse_decode/tune_quest.py``): launch overrides
     by launch — ``"bounds"``: :func:`page_bounds_triton`'s ``block_p``, ``tiles``, ``num_warps``,
-    ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``: as
+    ``num_stages``; ``"group_sum"``, ``"rows"``, ``"registers"``, ``"split"``: as
     :func:`~kvsieve.kernels.shared.select_triton.select_rows` takes them. The pages chosen do not depend
     on them (up to near-ties of the group-summed ranking, whose float32 sums may run in another order)."""
     b, hq, _ = q.shape
@@ -313,7 +315,7 @@ def quest_select(q, kmin, kmax, lengths, *, page_size: int, sink: int, window: i
         return select_rows(score, batch=b, heads=hq, kv_heads=hkv, n_units=p, k=k,
                            block=bounds_opts.get("block_p", PAGE_BLOCK), share_kv_group=share_kv_group,
                            lengths=lengths, unit=page_size, sink=sink, window=window, select=select,
-                           device=q.device, launch_opts=opts)
+                           device=q.device, launch_opts=opts, split=True)
     pages = torch.topk(s, k, dim=-1, sorted=True).indices
     return pages, counts[:, None].expand(b, s.shape[1])
 

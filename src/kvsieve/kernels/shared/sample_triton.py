@@ -17,6 +17,17 @@ selection head):
 3. writes the keys below it and the first needed keys equal to it (ties to the lowest position), in
    ascending position order, then zeros up to the list's width, and the weights ``n_avail / size``.
 
+Long rows (the scan split over programs, ``WINDOW_SELECT``) find the cut otherwise: the count of hashes
+below ``t`` is binomial, so the ``size``-th smallest lies, but for a 6-sigma event, in a window of
+``≈ 12 √(size (1 − size/n_avail)) + 32`` keys around ``size / n_avail · 2^24`` (:func:`_window`). A
+launch spread over the row counts each chunk's keys below the window and appends those inside it to the
+row's list (a relaxed atomic counter per row; the cut needs no order); one program per (row, head) loads
+that list into registers (a few thousand keys where the old candidates were ``size``: 64k for vAttention's
+residual sample at 128k keys), bisects for the cut, and gives each chunk its place in the output; a third
+launch spread over the row writes the chosen keys in position order (none for the cut alone).
+Where the window misses the cut, or holds more than ``WINDOW_BLOCK`` keys, that program takes every
+available key instead (the radix passes above): the same keys, whatever the draws.
+
 Equal to the reference as a set up to ties of the 24-bit hash at the cut (``torch.topk`` breaks them
 in no specified order): :func:`sample_rows_reference` is the twin with ties to the lowest position.
 """
@@ -29,6 +40,12 @@ from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix
 from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
+#: the split scan finds the cut from the keys in a hash window around it (:func:`_window`; three launches
+#: spread over the row), not by a select over every key below a threshold in one program per row; read at
+#: call time (``benchmarks/breakdown/stages.py`` times both)
+WINDOW_SELECT = True
+WINDOW_SIGMAS = 6.0  # the window's half-width in standard deviations of the cut's count
+WINDOW_BLOCK = 8192  # window keys the cut launch holds in registers (≈ 12σ + 32: σ up to ~680 keys)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` programs (at least two blocks of keys each)
 SPLIT_PROGRAMS = 528
@@ -89,23 +106,29 @@ if triton is not None:
         return tl.where(size >= n_av, 16777216, thr).to(tl.int64)
 
     @triton.jit
+    def _block_hashes(lo, hi, stream_key, base_c, b0, end, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
+                      PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr):
+        """Positions ``b0 + [0, BLOCK)``, which of them are available (below ``end``, page not excluded) and
+        their 24-bit hashes."""
+        pos = b0 + tl.arange(0, BLOCK)
+        ok = pos < end
+        if HAS_EXCL:
+            pg = pos // PAGE
+            ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages), other=0)
+            ok = ok & (ex == 0)
+        return pos, ok, hash24(lo, hi, stream_key, base_c + pos)
+
+    @triton.jit
     def _candidates(cand, lo, hi, stream_key, base_c, start, end, thr, size, excl_ptr, r, h, s_x_r, s_x_h,
                     n_pages, PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, BLOCK: tl.constexpr,
                     WRITE: tl.constexpr = True):
         """Copy the available keys of ``[start, end)`` whose hash is below ``thr`` to ``cand`` as
         ``hash << 22 | position``, in position order (``WRITE=False``: count them only); returns how many."""
-        offs = tl.arange(0, BLOCK)
         cnt = tl.zeros([], tl.int32)
         if size > 0:
             for b0 in range(start, end, BLOCK):
-                pos = b0 + offs
-                ok = pos < end
-                if HAS_EXCL:
-                    pg = pos // PAGE
-                    ex = tl.load(excl_ptr + r.to(tl.int64) * s_x_r + h * s_x_h + pg, mask=ok & (pg < n_pages),
-                                 other=0)
-                    ok = ok & (ex == 0)
-                hv = hash24(lo, hi, stream_key, base_c + pos)
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, base_c, b0, end, excl_ptr, r, h, s_x_r, s_x_h,
+                                            n_pages, PAGE, HAS_EXCL, BLOCK)
                 keep = ok & (hv < thr)
                 ki = keep.to(tl.int32)
                 if WRITE:
@@ -288,6 +311,210 @@ if triton is not None:
                     tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
 
     @triton.jit
+    def _window(size, n_av, SIGMAS: tl.constexpr):
+        """The 24-bit hash window ``[t_lo, t_hi)`` that holds the ``size``-th smallest of ``n_av`` uniforms
+        but for a ``SIGMAS``-sigma event: the count of hashes below ``t`` is binomial, so its ``size`` is
+        reached within ``SIGMAS · √(size (1 − size/n_av)) + 16`` keys of the mean. ``size ≥ n_av``: every
+        key lies below the window."""
+        sz = size.to(tl.float32)
+        na = tl.maximum(n_av, 1).to(tl.float32)
+        margin = SIGMAS * tl.sqrt(sz * tl.maximum(1.0 - sz / na, 0.0)) + 16.0
+        t_lo = (tl.maximum(sz - margin, 0.0) / na * 16777216.0).to(tl.int64)
+        t_hi = (tl.minimum((sz + margin) / na * 16777216.0 + 1.0, 16777216.0)).to(tl.int64)
+        every = size >= n_av
+        return tl.where(every, 16777216, t_lo), tl.where(every, 16777216, t_hi)
+
+    @triton.jit
+    def tie_position(eq, p, at):
+        """The ``at``-th lowest (``1 ≤ at ≤`` their count) of the distinct positions ``p`` where ``eq``: the
+        last key a sample takes among those sharing its cut's hash (ties go to the lowest positions). One
+        reduction when every such key is taken (the usual case), else a bisection over the 22 position bits
+        (at 128k keys some other key shares the cut's 24-bit hash about once in a hundred rows)."""
+        tie = tl.max(tl.where(eq, p, -1), 0)
+        if tl.sum(eq.to(tl.int32), 0) > at:
+            p_lo = tl.zeros([], tl.int32)
+            p_hi = tl.full([], 1 << 22, tl.int32)
+            for _ in range(22):  # count(eq & p < p_lo) < at <= count(eq & p < p_hi)
+                mid = (p_lo + p_hi) // 2
+                go_lo = tl.sum((eq & (p < mid)).to(tl.int32), 0) >= at
+                p_hi = tl.where(go_lo, mid, p_hi)
+                p_lo = tl.where(go_lo, p_lo, mid)
+            tie = p_lo
+        return tie
+
+    @triton.jit
+    def _window_scan_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, list_ptr, cnt_ptr, fill_ptr,
+        stream_key, hs, n_keys, chunk, n_pages, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, SP: tl.constexpr, SIGMAS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Chunk ``s`` of a row's positions: counts its keys below the window (``cnt[rh, 0, s]``) and inside
+        it (``cnt[rh, 1, s]``), and appends those inside (``hash << 22 | position``) to the row's list at
+        the row's fill counter (``fill[rh]``, relaxed atomics: the list's order is not used; the cut launch
+        reads and resets the counter)."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        t_lo, t_hi = _window(size, n_av, SIGMAS)
+        c_lo = tl.maximum(start, s * chunk)
+        c_hi = tl.minimum(end, s * chunk + chunk)
+        lst = list_ptr + rh * n_keys
+        base_c = h.to(tl.int64) << 22
+        below = tl.zeros([], tl.int32)
+        cnt = tl.zeros([], tl.int32)
+        if size > 0:
+            for b0 in range(c_lo, c_hi, BLOCK):
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, base_c, b0, c_hi, excl_ptr, r, h, s_x_r, s_x_h,
+                                            n_pages, PAGE, HAS_EXCL, BLOCK)
+                below += tl.sum((ok & (hv < t_lo)).to(tl.int32), 0)
+                win = ok & (hv >= t_lo) & (hv < t_hi)
+                n_win = tl.sum(win.to(tl.int32), 0)
+                if n_win > 0:
+                    at = tl.atomic_add(fill_ptr + rh, n_win, sem="relaxed")
+                    tl.store(lst + at + tl.cumsum(win.to(tl.int32), 0) - 1, (hv << 22) | pos.to(tl.int64), mask=win)
+                cnt += n_win
+        tl.store(cnt_ptr + rh * 2 * SP + s, below)
+        tl.store(cnt_ptr + rh * 2 * SP + SP + s, cnt)
+
+    @triton.jit
+    def _window_cut_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, list_ptr, cnt_ptr, fill_ptr,
+        cut_ptr, dest_ptr, stream_key, hs, n_keys, chunk, n_pages, splits,
+        s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, LIST: tl.constexpr, SP: tl.constexpr,
+        BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+    ):
+        """One program per (row, selection head): the sample's cut ``(t, p)`` — the ``size``-th smallest
+        hash ``t`` and the last position ``p`` taken at it — from the window's keys (one load into registers,
+        a bisection on the hash, and on the position only where several keys share the cut's hash), or, when
+        the window missed it (rare) or holds more than ``CBLOCK`` keys, from every available key in position
+        order (radix passes). ``LIST``: also where each chunk's chosen keys start in the list (``dest[rh, s]``)."""
+        PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every cut
+        h = tl.program_id(0)
+        r = tl.program_id(1)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        so = tl.arange(0, SP)
+        crow = cnt_ptr + rh * 2 * SP
+        below_s = tl.load(crow + so, mask=so < splits, other=0)
+        cnt = tl.sum(tl.load(crow + SP + so, mask=so < splits, other=0), 0)
+        tl.store(fill_ptr + rh, 0)  # the scan's fill counter, back to 0 for the next call
+        need = size - tl.sum(below_s, 0)
+        lst = list_ptr + rh * n_keys
+        cut = tl.zeros([], tl.int64)
+        tie = tl.full([], -1, tl.int32)
+        chosen_s = tl.where(size >= n_av, below_s, 0)  # every key: each chunk's keys, all below the window
+        if size >= n_av:
+            cut = tl.where(size > 0, 16777216, 0).to(tl.int64)
+        elif size > 0:
+            if (need >= 1) & (need <= cnt) & (cnt <= CBLOCK):
+                coffs = tl.arange(0, CBLOCK)
+                packed = tl.load(lst + coffs, mask=coffs < cnt, other=PAD)
+                ck = (packed >> 22).to(tl.int32)
+                p = (packed & 0x3FFFFF).to(tl.int32)
+                # bisection: count(h < t_lo) < need <= count(h < t_hi)
+                t_lo = tl.zeros([], tl.int32)
+                t_hi = tl.full([], 16777216, tl.int32)
+                for _ in range(24):
+                    mid = (t_lo + t_hi) // 2
+                    go_lo = tl.sum((ck < mid).to(tl.int32), 0) >= need
+                    t_hi = tl.where(go_lo, mid, t_hi)
+                    t_lo = tl.where(go_lo, t_lo, mid)
+                eq = ck == t_lo
+                at = need - tl.sum((ck < t_lo).to(tl.int32), 0)  # keys taken at the cut, lowest positions first
+                tie = tie_position(eq, p, at)
+                cut = t_lo.to(tl.int64)
+                if LIST:  # each chunk's keys below the window, and its window keys the cut takes
+                    take = (coffs < cnt) & ((ck < t_lo) | (eq & (p <= tie)))
+                    chosen_s = below_s + tl.histogram(tl.where(take, p // chunk, 0), SP)
+                    chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
+            else:  # every available key of the row, in position order
+                n_list = _candidates(lst, lo, hi, stream_key, h.to(tl.int64) << 22, start, end,
+                                     tl.full([], 16777216, tl.int64), size, excl_ptr, r, h, s_x_r, s_x_h, n_pages,
+                                     PAGE, HAS_EXCL, BLOCK)
+                tl.debug_barrier()  # the list was written by other threads of this program
+                t_lo = _radix_smallest24(lst, n_list, size, BLOCK)
+                n_below = tl.zeros([], tl.int32)
+                for c0 in range(0, n_list, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    n_below += tl.sum((tl.load(lst + co, mask=co < n_list, other=PAD) >> 22 < t_lo).to(tl.int32), 0)
+                ties = tl.zeros([], tl.int32)
+                for c0 in range(0, n_list, BLOCK):
+                    co = c0 + tl.arange(0, BLOCK)
+                    packed = tl.load(lst + co, mask=co < n_list, other=PAD)
+                    eq = (packed >> 22) == t_lo
+                    rank = ties + tl.cumsum(eq.to(tl.int32), 0)
+                    tie = tl.maximum(tie, tl.max(tl.where(eq & (rank == size - n_below),
+                                                          (packed & 0x3FFFFF).to(tl.int32), -1), 0))
+                    ties += tl.sum(eq.to(tl.int32), 0)
+                cut = t_lo.to(tl.int64)
+                if LIST:  # each chunk's keys the cut takes
+                    for c0 in range(0, n_list, BLOCK):
+                        co = c0 + tl.arange(0, BLOCK)
+                        packed = tl.load(lst + co, mask=co < n_list, other=PAD)
+                        kk = packed >> 22
+                        pp = (packed & 0x3FFFFF).to(tl.int32)
+                        take = (co < n_list) & ((kk < cut) | ((kk == cut) & (pp <= tie)))
+                        chosen_s += tl.histogram(tl.where(take, pp // chunk, 0), SP)
+                        chosen_s -= tl.where(so == 0, tl.sum((~take).to(tl.int32), 0), 0)  # counted in bin 0
+        tl.store(cut_ptr + rh, cut)
+        tl.store(cut_ptr + tl.num_programs(0) * tl.num_programs(1) + rh, tie.to(tl.int64))
+        if LIST:
+            off = tl.zeros([], tl.int32)
+            if HAS_OFF:
+                off = tl.load(off_ptr + rh).to(tl.int32)
+            tl.store(dest_ptr + rh * SP + so, off + tl.cumsum(chosen_s, 0) - chosen_s)
+
+    @triton.jit
+    def _window_write_kernel(
+        lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, cut_ptr, dest_ptr, out_ptr, w_ptr,
+        stream_key, hs, chunk, n_pages, width, s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
+        PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
+        FILL: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        """Chunk ``s``: its keys the cut takes, in position order, from the list slot the cut launch gave it;
+        its share of the zeros (weight 1) after the sample."""
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        r = tl.program_id(2)
+        rh, lo, hi, start, end, size, n_av = _row_params(lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, r,
+                                                         h, hs, s_sz_r, s_sz_h, s_nav_r, s_nav_h)
+        cut = tl.load(cut_ptr + rh)
+        tie = tl.load(cut_ptr + tl.num_programs(1) * tl.num_programs(2) + rh)
+        dest0 = tl.load(dest_ptr + rh * SP + s)
+        out = out_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        w = w_ptr + r.to(tl.int64) * s_out_r + h * s_out_h
+        wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
+        c_lo = tl.maximum(start, s * chunk)
+        c_hi = tl.minimum(end, s * chunk + chunk)
+        written = tl.zeros([], tl.int32)
+        if size > 0:
+            for b0 in range(c_lo, c_hi, BLOCK):
+                pos, ok, hv = _block_hashes(lo, hi, stream_key, h.to(tl.int64) << 22, b0, c_hi, excl_ptr, r, h,
+                                            s_x_r, s_x_h, n_pages, PAGE, HAS_EXCL, BLOCK)
+                take = ok & ((hv < cut) | ((hv == cut) & (pos <= tie)))
+                dest = dest0 + written + tl.cumsum(take.to(tl.int32), 0) - 1
+                tl.store(out + dest, pos.to(tl.int64), mask=take)
+                if HAS_W:
+                    tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
+                written += tl.sum(take.to(tl.int32), 0)
+        if FILL:
+            off = tl.zeros([], tl.int32)
+            if HAS_OFF:
+                off = tl.load(off_ptr + rh).to(tl.int32)
+            share = (tl.maximum(width - off - size, 0) + tl.num_programs(0) - 1) // tl.num_programs(0)
+            f_lo = off + size + s * share
+            f_hi = tl.minimum(f_lo + share, width)
+            for z0 in range(f_lo, f_hi, BLOCK):
+                zo = z0 + tl.arange(0, BLOCK)
+                zm = zo < f_hi
+                tl.store(out + zo, tl.zeros([BLOCK], tl.int64), mask=zm)
+                if HAS_W:
+                    tl.store(w + zo, tl.zeros([BLOCK], tl.float64) + 1.0, mask=zm)
+
+    @triton.jit
     def _absorb_counter(lo, hi, ptr, value, k1, k2, FROM_PTR: tl.constexpr):
         """One counter of the key mixed into the row's (lo, hi) words: read from device memory (a step
         counter) or given as a host int."""
@@ -342,8 +569,8 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
                        excluded: torch.Tensor | None = None, page: int = 1, offset: torch.Tensor | None = None,
                        out: torch.Tensor | None = None, weights: torch.Tensor | None = None,
                        with_weights: bool = True, fill: bool = True,
-                       target_programs: int = SPLIT_PROGRAMS, block: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       target_programs: int = SPLIT_PROGRAMS, block: int | None = None, window: bool | None = None,
+                       cand_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(indices, weights)``: per row ``r`` (words ``lo, hi [R]``, positions ``[start, end) [R]``) and
     selection head ``h`` of ``size [R, Hs]``, the ``min(size, n_avail)`` available positions with the
     smallest hash (:func:`sample_rows_reference`), ascending, written from column ``offset [R, Hs]``
@@ -352,7 +579,7 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     minus the ``excluded [R, Hs, P]`` pages of ``page`` keys); the weights are ``n_avail / size``
     (float64). ``fill=False`` leaves the columns after the sample as they were (a list as wide as the
     context whose readers look at the first ``count`` entries only: writing its padding costs more than
-    the sample). No host read; one launch."""
+    the sample). No host read; one launch, or three (module docstring: ``window``, ``cand_block``)."""
     r, hs = size.shape
     dev = size.device
     if out is None:
@@ -364,14 +591,14 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     if width == 0 or r * hs == 0:
         return out, weights
     _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, None)
+                   target_programs, block, None, window, cand_block)
     return out, weights
 
 
 def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
                       size: torch.Tensor, n_avail: torch.Tensor, n_keys: int, *, excluded: torch.Tensor | None = None,
-                      page: int = 1, target_programs: int = SPLIT_PROGRAMS,
-                      block: int | None = None) -> torch.Tensor:
+                      page: int = 1, target_programs: int = SPLIT_PROGRAMS, block: int | None = None,
+                      window: bool | None = None, cand_block: int | None = None) -> torch.Tensor:
     """The sample of :func:`sample_rows_triton` (same arguments, same draws) as a test instead of a list:
     ``[2, R, Hs]`` int64 ``(cut, tie)``, a position ``p`` of the range, not excluded, being in the sample
     of ``(r, h)`` iff its 24-bit hash is below ``cut`` or equal to it with ``p ≤ tie`` (ties go to the lowest
@@ -381,12 +608,12 @@ def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: to
     cut = torch.empty(2, r, hs, device=size.device, dtype=torch.int64)
     if r * hs:
         _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, cut, None, False,
-                       target_programs, block, cut)
+                       target_programs, block, cut, window, cand_block)
     return cut
 
 
 def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, cut) -> None:
+                   target_programs, block, cut, window, cand_block) -> None:
     """The launches of :func:`sample_rows_triton` (``cut`` None: the list to ``out``) or of
     :func:`sample_cut_triton` (the cut to ``cut``)."""
     r, hs = size.shape
@@ -397,6 +624,30 @@ def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, 
     interp = is_interpreted(_sample_rows_kernel)
     lo, hi, start, end = lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous()
     splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+    if (WINDOW_SELECT and splits > 1) if window is None else window:
+        sp = max(2, next_pow2(splits))
+        counts = workspace("sample_window_counts", size, r * hs * 2 * sp, torch.int32)
+        fills = workspace("sample_window_fill", size, r * hs, torch.int32, zeroed=True)
+        dest = workspace("sample_window_dest", size, r * hs * sp, torch.int32)
+        cuts = cut if cut is not None else workspace("sample_window_cut", size, 2 * r * hs, torch.int64)
+        n_pages = excluded.shape[-1] if excluded is not None else 1
+        x_strides = (excl.stride(0), excl.stride(1)) if excluded is not None else (0, 0)
+        row = (lo, hi, start, end, size, n_avail, excl)
+        strides = (*x_strides, size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1))
+        flags = {"PAGE": page, "HAS_EXCL": excluded is not None, "SP": sp, "BLOCK": block}
+        launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, fills, stream_key, hs, n_keys, chunk, n_pages,
+               *strides, SIGMAS=WINDOW_SIGMAS, **flags, num_warps=8, num_stages=1)
+        off = offset if offset is not None else size
+        listed = cut is None
+        launch(_window_cut_kernel, (hs, r), *row, off, cand, counts, fills, cuts, dest, stream_key, hs, n_keys, chunk,
+               n_pages, splits, *strides, HAS_OFF=offset is not None, LIST=listed,
+               CBLOCK=cand_block or WINDOW_BLOCK, **flags, num_warps=8, num_stages=1)
+        if listed:
+            launch(_window_write_kernel, (splits, hs, r), *row, off, cuts, dest, out,
+                   weights if weights is not None else out, stream_key, hs, chunk, n_pages, out.shape[-1],
+                   out.stride(0), out.stride(1), *strides, HAS_OFF=offset is not None, HAS_W=weights is not None,
+                   FILL=fill, **flags, num_warps=8, num_stages=1)
+        return
     cnt = size
     if splits > 1:  # the scan over the row in splits x hs x r programs: counts, then the candidates
         cnt = workspace("sample_split_counts", size, r * hs * splits, torch.int32)
@@ -471,5 +722,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "row_words_triton", "sample_cut_triton", "sample_rows_reference",
-           "sample_rows_triton", "sample_splits", "usable"]
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SELECT", "WINDOW_SIGMAS", "row_words_triton",
+           "sample_cut_triton", "sample_rows_reference", "sample_rows_triton", "sample_splits", "usable"]

@@ -48,6 +48,14 @@ if triton is not None:
         return tl.where(shift < 32, u >> tl.minimum(shift, 31).to(tl.uint32), 0)
 
     @triton.jit
+    def bit_length(x):
+        # the bit length of a uint32 scalar (0 for 0)
+        n = tl.full([], 0, tl.int32)
+        for bit in tl.static_range(32):
+            n = tl.where(((x >> bit) & 1) != 0, bit + 1, n)
+        return n
+
+    @triton.jit
     def value_range(src, n_units, BLOCK_X: tl.constexpr):
         """The ordered images of the largest and of the smallest finite value of ``src[:n_units]``, and how
         many values are finite (> −inf)."""
@@ -67,6 +75,17 @@ if triton is not None:
         return tl.max(hi, axis=0), tl.min(lo, axis=0), tl.sum(n_fin, axis=0)
 
     @triton.jit
+    def take_bin(hist, bins, need, prefix, low):
+        """One radix step: the highest bin of ``hist`` (over ``bins``) at or above which ``need`` values lie
+        becomes the digit at bit ``low`` of ``prefix``; returns the new prefix, how many of that bin are
+        still needed, and how many values the bin holds."""
+        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+        d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
+        need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
+        in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
+        return prefix | (d.to(tl.uint32) << low.to(tl.uint32)), need, in_bin
+
+    @triton.jit
     def radix_select(src, n_units, count, hi, lo, KEEP: tl.constexpr, BLOCK_X: tl.constexpr):
         """Radix select of the ``count``-th largest of ``src[:n_units]``, whose ordered image lies in
         ``[lo, hi]`` (1 ≤ count ≤ the values in that range): returns its image with only the top ``KEEP``
@@ -76,10 +95,7 @@ if triton is not None:
         Bits shared by lo and hi are skipped (for the prefilter's candidates, sign and most exponent
         bits), so no pass sorts nearly every value into one bin; each pass then resolves 6 bits with a
         64-bin histogram (Triton's histogram costs grow with the bins, per element)."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        top = bit_length(hi ^ lo)
         prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
         stop = tl.maximum(top - KEEP, 0)
         need = count
@@ -100,10 +116,7 @@ if triton is not None:
                 n_off += (~active).to(tl.int32)
             # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
             hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            digit = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-            prefix = prefix | (digit.to(tl.uint32) << low.to(tl.uint32))
+            prefix, need, in_bin = take_bin(hist, bins, need, prefix, low)
             shift = low
         return prefix, need
 
@@ -170,10 +183,7 @@ if triton is not None:
         still needed): the returned threshold is then the bin's low end (its lower bits 0), at most the
         answer, and ``need`` covers every unit equal to it, so the emit step takes exactly the bin and
         all above it."""
-        diff = hi ^ lo
-        top = tl.full([], 0, tl.int32)
-        for bit in tl.static_range(32):  # bit length of diff
-            top = tl.where(((diff >> bit) & 1) != 0, bit + 1, top)
+        top = bit_length(hi ^ lo)
         prefix = tl.where(top < 32, (hi >> tl.minimum(top, 31).to(tl.uint32)) << tl.minimum(top, 31).to(tl.uint32), 0)
         need = count
         bins = tl.arange(0, 64)
@@ -187,11 +197,7 @@ if triton is not None:
             # inactive values were counted in bin 0: take them out (portable; no histogram mask needed)
             n_act = tl.sum(active.to(tl.int32), axis=0)
             hist -= tl.where(bins == 0, digit.shape[0] - n_act, 0)
-            at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-            d = tl.max(tl.where(at_or_above >= need, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins > d, hist, 0), axis=0)
-            in_bin = tl.sum(tl.where(bins == d, hist, 0), axis=0)
-            prefix = prefix | (d.to(tl.uint32) << low.to(tl.uint32))
+            prefix, need, in_bin = take_bin(hist, bins, need, prefix, low)
             shift = tl.where(in_bin == need, 0, low)
         return prefix, need
 
@@ -229,7 +235,17 @@ def check_score_rows(scores: torch.Tensor, group: int) -> None:
 
 
 SEGMENT = 8192  # rows longer than this split their prefilter pass over programs (oracle-topk's keys)
+GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
 _SMS: dict = {}
+
+
+def sm_count(device) -> int:
+    """The device's SM count (132, an H100's, off CUDA: the interpreter's launches are sized as on one)."""
+    if device.type != "cuda":
+        return 132
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def check_launch_value(name: str, value, *, low: int = 1, high: int | None = None, pow2: bool = False):
@@ -246,10 +262,4 @@ def row_segments(rows: int, x: int, device, *, segment: int = SEGMENT, waves: in
     """Programs per row for a pass split over a long row: one per ``segment`` units, fewer when there are
     many rows — at most about ``waves`` programs per SM in all. The prefilter here takes two, since each
     program also derives the bound from the row's maxima (that work repeats per program)."""
-    if device.type == "cuda":
-        if device not in _SMS:
-            _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        sms = _SMS[device]
-    else:
-        sms = 132
-    return max(1, min(cdiv(x, segment), (waves * sms) // max(rows, 1)))
+    return max(1, min(cdiv(x, segment), (waves * sm_count(device)) // max(rows, 1)))

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .select_common import SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .select_common import GROUP_MAX, SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .select_split import topk_rows_split
 from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
 
@@ -104,6 +105,53 @@ if triton is not None:
             offs_m = (xb * BLOCK_X + c0) // GROUP_MAX + tl.arange(0, CHUNK // GROUP_MAX)
             tl.store(mx_ptr + b64 * s_x_b + kvh * s_x_h + offs_m, mx, mask=offs_m * GROUP_MAX < n_units)
 
+    @triton.jit
+    def _merge_segments(cv, ci, cv2, ci2, sn_ptr, sh_ptr, sl_ptr, sq, n_seg, seg_len, count, out_row,
+                        BLOCK_C: tl.constexpr):
+        """The segments' candidates (``cv, ci`` at ``sg · seg_len``, ``sn[sq + sg]`` of them, their ordered
+        max and min in ``sh``, ``sl``), in segment order (so in unit order), gathered into one list
+        ``cv2, ci2``; its ``count`` largest (exact radix select) written to ``out_row``; returns how many.
+        Other programs wrote the segments: read through L2 (.cg), not this SM's L1."""
+        total = tl.full([], 0, tl.int32)
+        hi_row = tl.zeros([], dtype=tl.uint32)
+        lo_row = tl.full([], 0xFFFFFFFF, tl.uint32)
+        for sg in range(0, n_seg):
+            n_sg = tl.load(sn_ptr + sq + sg, cache_modifier=".cg")
+            hi_row = tl.maximum(hi_row, tl.load(sh_ptr + sq + sg, cache_modifier=".cg").to(tl.uint32, bitcast=True))
+            lo_row = tl.minimum(lo_row, tl.load(sl_ptr + sq + sg, cache_modifier=".cg").to(tl.uint32, bitcast=True))
+            for y0 in range(0, n_sg, BLOCK_C):
+                offs = y0 + tl.arange(0, BLOCK_C)
+                ok = offs < n_sg
+                tl.store(cv2 + total + offs, tl.load(cv + sg * seg_len + offs, mask=ok, cache_modifier=".cg"),
+                         mask=ok)
+                tl.store(ci2 + total + offs, tl.load(ci + sg * seg_len + offs, mask=ok, cache_modifier=".cg"),
+                         mask=ok)
+            total += n_sg
+        tl.debug_barrier()  # the list written above is read back by other threads
+        thr, need = radix_select(cv2, total, count, hi_row, lo_row, 32, BLOCK_C)
+        return emit_selected(cv2, ci2, total, thr, need, out_row, True, BLOCK_C)
+
+    @triton.jit(do_not_specialize=["n_seg", "seg_len", "k_out"])
+    def _merge_rows_kernel(cnt_ptr, cv_ptr, ci_ptr, cv2_ptr, ci2_ptr, sn_ptr, sh_ptr, sl_ptr, out_ptr, n_seg, seg_len,
+                           k_out, s_c_b, s_c_h, s_o_b, s_o_h, BLOCK_C: tl.constexpr, BLOCK_X: tl.constexpr):
+        """The segmented select's last step as a launch of its own, one program per (row, selection head),
+        after every segment's program has written its candidates (no ticket counter: the launch boundary
+        orders them): :func:`_merge_segments`, then zeros up to ``k_out``."""
+        hs = tl.program_id(0)
+        b = tl.program_id(1)
+        b64 = b.to(tl.int64)
+        count = tl.load(cnt_ptr + b).to(tl.int32)
+        out_row = out_ptr + b64 * s_o_b + hs * s_o_h
+        n_taken = tl.full([], 0, tl.int32)
+        if count > 0:
+            c_row = b64 * s_c_b + hs * s_c_h
+            n_taken = _merge_segments(cv_ptr + c_row, ci_ptr + c_row, cv2_ptr + c_row, ci2_ptr + c_row, sn_ptr, sh_ptr,
+                                      sl_ptr, (b * tl.num_programs(0) + hs) * n_seg, n_seg, seg_len, count, out_row,
+                                      BLOCK_C)
+        for x0 in range(n_taken, k_out, BLOCK_X):  # the unused tail: defined values, never read
+            offs = x0 + tl.arange(0, BLOCK_X)
+            tl.store(out_row + offs, tl.zeros([BLOCK_X], tl.int64), mask=offs < k_out)
+
     @triton.jit(do_not_specialize=["sink", "window", "n_units", "n_parts", "n_max", "k_out", "n_seg", "seg_len"])
     def _topk_rows_kernel(
         s_ptr, pm_ptr, pl_ptr, cnt_ptr, lens_ptr, gs_ptr, mx_ptr, cv_ptr, ci_ptr, out_ptr,
@@ -113,11 +161,13 @@ if triton is not None:
         G: tl.constexpr, BLOCK_G: tl.constexpr, SHARE: tl.constexpr, UNIT: tl.constexpr,
         BLOCK_X: tl.constexpr, BLOCK_XG: tl.constexpr, BLOCK_PART: tl.constexpr, PREFILTER: tl.constexpr,
         GROUP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, SEGMENTED: tl.constexpr,
+        TICKET: tl.constexpr = True, BOUND_BITS: tl.constexpr = 6,
     ):
         # BLOCK_X: units per chunk over the row; BLOCK_M over its maxima; BLOCK_C over the prefilter's
         # candidates (about k of them): short lists get narrow chunks, not a row-wide one mostly masked.
         # SEGMENTED (long rows): n_seg programs per row, each prefilters seg_len units of it; the last to
-        # finish (a ticket counter it resets) selects among all their candidates.
+        # finish (a ticket counter it resets) selects among all their candidates, or (TICKET false) none of
+        # them: _merge_rows_kernel, launched next, does.
         hs = tl.program_id(0)
         b = tl.program_id(1)
         b64 = b.to(tl.int64)
@@ -148,7 +198,10 @@ if triton is not None:
         n_taken = tl.full([], 0, tl.int32)
         if SEGMENTED:  # only the row's last program writes its list (or the first, for an empty row)
             seg = tl.program_id(2)
-            writer = (count == 0) & (seg == 0)
+            if TICKET:
+                writer = (count == 0) & (seg == 0)
+            else:
+                writer = count < 0  # none: the merge launch writes every row
         else:
             seg = 0
             writer = count >= 0
@@ -161,9 +214,11 @@ if triton is not None:
                 m_need = tl.full([], 0, tl.int32)  # unused; assigned in both branches for the compiler
                 m_hi, m_lo, m_fin = value_range(mx_row, n_max, BLOCK_M)
                 if count <= m_fin:  # else the count-th largest maximum is −inf: every unit is a candidate
-                    # one pass: 6 bits below those the maxima share (the bound is a few % of the
-                    # maxima's range low at most: some more candidates, for a pass less per program)
-                    bound, m_need = radix_select(mx_row, n_max, count, m_hi, m_lo, 6, BLOCK_M)
+                    # BOUND_BITS 6: one pass, 6 bits below those the maxima share (the bound is a few % of the
+                    # maxima's range low at most: some more candidates, for a pass less per program); 32:
+                    # the exact count-th largest maximum (more passes per program, the fewest candidates
+                    # for the row's one-program select)
+                    bound, m_need = radix_select(mx_row, n_max, count, m_hi, m_lo, BOUND_BITS, BLOCK_M)
                 cv = cv_ptr + b64 * s_c_b + hs * s_c_h
                 ci = ci_ptr + b64 * s_c_b + hs * s_c_h
                 n_cand = tl.full([], 0, tl.int32)
@@ -195,34 +250,15 @@ if triton is not None:
                     tl.store(sl_ptr + sq + seg, lo_row.to(tl.int32, bitcast=True))
                     # all threads' stores precede the release; the acquire of the last one sees them all
                     tl.debug_barrier()
-                    ticket = tl.atomic_add(tk_ptr + b * tl.num_programs(0) + hs, 1, sem="acq_rel", scope="gpu")
-                    if ticket == n_seg - 1:
-                        # the segments' candidates, in order (so in unit order), into one list; other
-                        # programs wrote them: read through L2 (.cg), not this SM's L1
-                        cv2 = cv2_ptr + b64 * s_c_b + hs * s_c_h
-                        ci2 = ci2_ptr + b64 * s_c_b + hs * s_c_h
-                        total = tl.full([], 0, tl.int32)
-                        hi_row = tl.zeros([], dtype=tl.uint32)
-                        lo_row = tl.full([], 0xFFFFFFFF, tl.uint32)
-                        for sg in range(0, n_seg):
-                            n_sg = tl.load(sn_ptr + sq + sg, cache_modifier=".cg")
-                            hi_row = tl.maximum(hi_row, tl.load(sh_ptr + sq + sg, cache_modifier=".cg").to(
-                                tl.uint32, bitcast=True))
-                            lo_row = tl.minimum(lo_row, tl.load(sl_ptr + sq + sg, cache_modifier=".cg").to(
-                                tl.uint32, bitcast=True))
-                            for y0 in range(0, n_sg, BLOCK_C):
-                                offs = y0 + tl.arange(0, BLOCK_C)
-                                ok = offs < n_sg
-                                tl.store(cv2 + total + offs, tl.load(cv + sg * seg_len + offs, mask=ok,
-                                                                     cache_modifier=".cg"), mask=ok)
-                                tl.store(ci2 + total + offs, tl.load(ci + sg * seg_len + offs, mask=ok,
-                                                                     cache_modifier=".cg"), mask=ok)
-                            total += n_sg
-                        tl.debug_barrier()  # the list written above is read back by other threads
-                        thr, need = radix_select(cv2, total, count, hi_row, lo_row, 32, BLOCK_C)
-                        n_taken = emit_selected(cv2, ci2, total, thr, need, out_row, True, BLOCK_C)
-                        writer = count > 0
-                        tl.atomic_xchg(tk_ptr + b * tl.num_programs(0) + hs, 0)
+                    if TICKET:
+                        ticket = tl.atomic_add(tk_ptr + b * tl.num_programs(0) + hs, 1, sem="acq_rel",
+                                               scope="gpu")
+                        if ticket == n_seg - 1:
+                            n_taken = _merge_segments(cv, ci, cv2_ptr + b64 * s_c_b + hs * s_c_h,
+                                                      ci2_ptr + b64 * s_c_b + hs * s_c_h, sn_ptr, sh_ptr, sl_ptr,
+                                                      sq, n_seg, seg_len, count, out_row, BLOCK_C)
+                            writer = count > 0
+                            tl.atomic_xchg(tk_ptr + b * tl.num_programs(0) + hs, 0)
                 else:
                     tl.debug_barrier()  # the candidates written above are read back by other threads
                     thr, need = radix_select(cv, n_cand, count, hi_row, lo_row, 32, BLOCK_C)
@@ -302,14 +338,12 @@ def _warps(value, default: int) -> int:
     return default if value is None else check_launch_value("num_warps", value, high=32, pow2=True)
 
 
-GROUP_MAX = 8  # units per maximum in the prefilter's subset (oracle-topk: N/8 maxima per row)
-
 
 def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, group: int = 1,
                      parts: tuple[torch.Tensor, torch.Tensor] | None = None, lengths: torch.Tensor | None = None,
                      unit: int = 1, sink: int = 0, window: int = 0, maxima: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, num_warps: int | None = None,
-                     segment: int | None = None) -> torch.Tensor:
+                     segment: int | None = None, merge: str = "ticket") -> torch.Tensor:
     """The ``counts[b]`` best units of each row as ``[B, Hs, k]`` int64, ascending, zero-padded (one
     launch). ``scores [B, Hq, X]`` float32 with a contiguous last dim; ``counts [B]`` with every
     ``counts[b] ≤ min(k, X)`` and at most the row's finite scores (what the scoring launches write).
@@ -326,10 +360,15 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
     Launch overrides (for tuning; None: the defaults below): ``num_warps`` (a power of two up to 32;
     default 8 for chunks of 2048 units or more, else 4); ``segment`` (default ``SEGMENT``): rows with
     ``maxima`` longer than this split their prefilter pass over up to one program per ``segment`` units
-    (about two waves of programs at most); no effect on other rows. The selection does not depend on
-    them."""
+    (about two waves of programs at most); no effect on other rows; ``merge``: how a split row's
+    candidates meet — ``"ticket"`` (the last of its programs to finish, by an atomic counter, selects:
+    one launch) or ``"launch"`` (a second launch of one program per row: no counter, whose acquire-release
+    atomics serialise the row's programs; a split row's prefilter bound is then the exact ``count``-th
+    largest maximum, not 6 bits of it, for the fewest candidates). The selection does not depend on them."""
     b, hq, x = scores.shape
     segment = SEGMENT if segment is None else check_launch_value("segment", segment)
+    if merge not in ("ticket", "launch"):
+        raise ValueError(f"merge: expected 'ticket' or 'launch', got {merge!r}")
     check_score_rows(scores, group)
     share = group > 1
     if share and (parts is None or lengths is None):
@@ -380,8 +419,14 @@ def topk_rows_triton(scores: torch.Tensor, counts: torch.Tensor, k: int, *, grou
            G=group, BLOCK_G=block_g, SHARE=share, UNIT=unit, BLOCK_X=block_x,
            BLOCK_XG=max(64, min(block_x, 4096 // block_g)), BLOCK_PART=max(64, 2048 // block_g),
            PREFILTER=prefilter, GROUP_MAX=GROUP_MAX, BLOCK_M=min(block_x, max(64, next_pow2(cdiv(x, GROUP_MAX)))),
-           BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented,
+           BLOCK_C=min(block_x, max(64, next_pow2(k))), SEGMENTED=segmented, TICKET=merge == "ticket",
+           BOUND_BITS=32 if segmented and merge == "launch" else 6,
            num_warps=_warps(num_warps, 8 if block_x >= 2048 else 4), num_stages=1)
+    if segmented and merge == "launch":
+        launch(_merge_rows_kernel, (hs, b), counts, cv, ci, cv2, ci2, seg_n, seg_hi, seg_lo, out, n_seg, seg_len, k,
+               cv.stride(0), cv.stride(1), out.stride(0), out.stride(1),
+               BLOCK_C=min(block_x, max(64, next_pow2(k))), BLOCK_X=min(1024, max(64, next_pow2(k))), num_warps=8,
+               num_stages=1)
     return out
 
 
@@ -492,8 +537,12 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
 # model, vs ~2 µs of launch for the split); at Quest's 32k context (2048 pages) the fold wins, at 128k
 # not. ``benchmarks/sparse_decode/run.py`` times both (quest-kv@group-sum-in-select / @split-group-sum).
 ROW_GROUP_SUM_MAX = 4096
+# With ``split=True`` (Quest), rows that would go to topk_rows_triton go to select_split.topk_rows_split when
+# there are at most this many of them (batch × selection heads): one program per row leaves most of the GPU
+# idle below ~1/4 of its SMs. 0 turns it off (the benchmarks time both).
+SPLIT_ROWS_MAX = 32
 
-SELECT_LAUNCHES = ("group_sum", "rows", "registers")  # the launches select_rows takes overrides for
+SELECT_LAUNCHES = ("group_sum", "rows", "registers", "split")  # the launches select_rows takes overrides for
 
 
 def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
@@ -507,15 +556,21 @@ def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...
     return opts
 
 
-def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton") -> tuple[str, ...]:
+def select_launches(n_units: int, group: int, share_kv_group: bool, select: str = "triton", *,
+                    rows: int | None = None) -> tuple[str, ...]:
     """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
     groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
     or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
-    Read from the module limits at call time (the benchmarks change them)."""
+    ``rows`` (batch × selection heads; None: no split select): where ``"rows"`` would run for at most
+    ``SPLIT_ROWS_MAX`` rows, ``"split"`` (:func:`~kvsieve.kernels.shared.select_split.topk_rows_split`, its
+    group sum, if any, in the parallel launch) runs instead. Read from the module limits at call time (the
+    benchmarks change them)."""
     share = share_kv_group and group > 1
     limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
     if select == "triton" and n_units <= limit:
         return ("registers",)
+    if select == "triton" and rows is not None and rows <= SPLIT_ROWS_MAX:
+        return (("group_sum",) if share else ()) + ("split",)
     split = share and (select == "torch" or n_units > ROW_GROUP_SUM_MAX)
     return (("group_sum",) if split else ()) + (("rows",) if select == "triton" else ())
 
@@ -523,7 +578,7 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
 def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k: int, block: int,
                 share_kv_group: bool, lengths: torch.Tensor, unit: int, sink: int, window: int, select: str,
                 device, launch_opts: dict[str, dict] | None = None,
-                keep_scores: bool = False) -> tuple[torch.Tensor, ...]:
+                keep_scores: bool = False, split: bool = False) -> tuple[torch.Tensor, ...]:
     """The device selection shared by Quest (pages) and oracle-topk (keys): ``score(counts=, parts=,
     maxima=, mask_dense=, out=)`` is the scoring launch (writing the row counts and, as asked, the softmax
     partials of its ``block``-unit blocks and the maxima); returns ``(indices [B, Hs, k], counts [B,
@@ -536,15 +591,20 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
 
     ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
-    ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``); each applies where its
-    launch runs. The selection does not depend on them."""
+    ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``), ``"split"``: of
+    :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (``programs``, ``num_warps``); each applies
+    where its launch runs. The selection does not depend on them.
+
+    ``split``: few rows (at most ``SPLIT_ROWS_MAX``) that would take ``topk_rows_triton`` take the split
+    select (:func:`select_launches`); same indices."""
     if select not in ("triton", "torch"):
         raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
     share_kv_group = share_kv_group and group > 1
-    launches = select_launches(n_units, group, share_kv_group, select)
+    launches = select_launches(n_units, group, share_kv_group, select,
+                               rows=batch * (kv_heads if share_kv_group else heads) if split else None)
     registers = "registers" in launches
     counts = torch.empty(batch, device=device, dtype=torch.int64)
     parts = maxima = None
@@ -566,12 +626,14 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
         idx = torch.topk(s, k, dim=-1, sorted=True).indices
+    elif "split" in launches:
+        idx = topk_rows_split(s, counts, k, maxima=maxima, **opts.get("split", {}))
     else:
         idx = topk_rows_triton(s, counts, k, group=group if share_kv_group else 1, parts=parts, lengths=lengths,
                                unit=unit, sink=sink, window=window, maxima=maxima, **opts.get("rows", {}))
     return (idx, counts[:, None].expand(batch, idx.shape[1])) + ((scored,) if keep_scores else ())
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "check_launch_opts",
-           "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference", "topk_rows_registers",
-           "topk_rows_triton"]
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "SPLIT_ROWS_MAX",
+           "check_launch_opts", "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference",
+           "topk_rows_registers", "topk_rows_triton"]

@@ -27,6 +27,15 @@ from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launc
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
 #: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
 SPLIT_PROGRAMS = 528
+#: entries per block of the statistics launch's loops (head dim ≤ 128; half beyond) and its warps: each loop
+#: step waits on a gather, so larger blocks mean fewer steps and more registers. Read at call time
+#: (``benchmarks/breakdown/stages.py`` times 64 at 8 warps).
+PARTS_BLOCK = 32
+PARTS_WARPS = 4
+#: the statistics launch's programs take each segment once, every sum around a running max (one exponential
+#: per entry, no logits workspace); False: the logits written first, then sums in further passes over them.
+#: Read at call time (``benchmarks/breakdown/stages.py`` times both).
+ONLINE_STATS = True
 
 if triton is not None:
     import triton.language as tl
@@ -50,24 +59,30 @@ if triton is not None:
         return lo, tl.minimum(lo + c, n_seg)
 
     @triton.jit
+    def _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST: tl.constexpr,
+                      KEPT: tl.constexpr, D: tl.constexpr):
+        """Positions and float64 logits (−inf off ``ok``) of a segment's entries ``j``: from the kept scores
+        ``l_base`` (``KEPT``) or from K's rows."""
+        pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
+        if KEPT:
+            s = tl.load(l_base + pos.to(tl.int64), mask=ok, other=0.0).to(tl.float64)
+        else:
+            kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=ok[:, None],
+                         other=0.0)
+            s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
+        return pos, tl.where(ok, s, float("-inf"))
+
+    @triton.jit
     def _logits_segment(ws, wo, q, k_base, s_k_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, IS_LIST: tl.constexpr,
                         KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
         """Logits of entries ``[j_lo, j_hi)`` of one segment (positions ``seg_lo + j`` of a range, or list
         ``lst``'s entries ``j``) written to workspace slots ``wo + j``; returns the running max. ``KEPT``:
         read from the kept scores ``l_base`` (4 bytes a key) instead of computed from K's row."""
         offs = tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, D)
         for j0 in range(j_lo, j_hi, BLOCK):
             j = j0 + offs
             ok = j < j_hi
-            pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
-            if KEPT:
-                s = tl.load(l_base + pos.to(tl.int64), mask=ok, other=0.0).to(tl.float64)
-            else:
-                kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0)
-                s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
-            s = tl.where(ok, s, float("-inf"))
+            _, s = _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST, KEPT, D)
             tl.store(ws + wo + j, s, mask=ok)
             m = tl.maximum(m, tl.max(s, 0))
         return m
@@ -99,12 +114,124 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _rescale(m, s):
+        """The running max after a block of logits ``s``, its shift (0 while nothing is finite) and the factor
+        ``e^(m − m_new)`` that brings sums around the old max to the new one."""
+        m_new = tl.maximum(m, tl.max(s, 0))
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        return m_new, shift, tl.exp(m - shift)
+
+    @triton.jit
+    def _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, d_f, acc_f,
+                      IS_LIST: tl.constexpr, KEPT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
+                      D: tl.constexpr):
+        """One pass over entries ``[j_lo, j_hi)`` of a deterministic segment: ``Σ e`` and (``FULL``) ``Σ e v``
+        around the running max ``m``, rescaled as it grows."""
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        for j0 in range(j_lo, j_hi, BLOCK):
+            j = j0 + offs
+            ok = j < j_hi
+            pos, s = _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST, KEPT, D)
+            m, shift, c = _rescale(m, s)
+            e = tl.where(ok, tl.exp(s - shift), 0.0)
+            d_f = d_f * c + tl.sum(e, 0)
+            if FULL:
+                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0)
+                acc_f = acc_f * c + tl.sum(e[:, None] * vr.to(tl.float64), 0)
+        return m, d_f, acc_f
+
+    @triton.jit
+    def _store_record(o, m, d_f, s_b, nb, m2, lo, hi):
+        """A split's record (``_budget_parts_kernel``): its max, ``Σ_f e``, ``Σ_b e``, base entries, their
+        spread, min and max."""
+        tl.store(o, m)
+        tl.store(o + 1, d_f)
+        tl.store(o + 2, s_b)
+        tl.store(o + 3, nb)
+        tl.store(o + 4, m2)
+        tl.store(o + 5, lo)
+        tl.store(o + 6, hi)
+
+    @triton.jit
+    def _store_full(o, tr, acc_f, acc_b, D: tl.constexpr):
+        """The record's ``bound=full`` tail: ``Σ ‖e v − mean‖²``, ``Σ_f e v``, ``Σ_b e v``."""
+        offs_d = tl.arange(0, D)
+        tl.store(o + 7, tr)
+        tl.store(o + 8 + offs_d, acc_f)
+        tl.store(o + 8 + D + offs_d, acc_b)
+
+    @triton.jit
+    def _online_parts(o, q, k_base, s_k_n, v_base, s_v_n, l_base, top, base, start, end, a0, a1, w0, w1, t0, t1,
+                      b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+        """:func:`_budget_parts_kernel`'s record in one pass over each segment (no logits workspace, one
+        exponential per entry): every sum kept around the running max and multiplied by ``e^(m_old − m_new)``
+        when it grows (squared for the spreads); the base sample's spreads merged block by block (Chan)."""
+        offs = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, D)
+        m = tl.full([], float("-inf"), tl.float64)
+        d_f = tl.zeros([], tl.float64)
+        acc_f = tl.zeros([D], tl.float64)
+        m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, a0, a1, scale, m, d_f, acc_f,
+                                      False, False, FULL, BLOCK, D)
+        m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, end, w0, w1, scale, m, d_f,
+                                      acc_f, False, False, FULL, BLOCK, D)
+        m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, t0, t1, scale, m, d_f, acc_f,
+                                      True, KEPT, FULL, BLOCK, D)
+        s_b = tl.zeros([], tl.float64)
+        nb = tl.zeros([], tl.float64)
+        mean_b = tl.zeros([], tl.float64)
+        m2 = tl.zeros([], tl.float64)
+        lo = tl.full([], float("inf"), tl.float64)
+        hi = tl.full([], float("-inf"), tl.float64)
+        acc_b = tl.zeros([D], tl.float64)
+        mean_r = tl.zeros([D], tl.float64)
+        tr = tl.zeros([], tl.float64)
+        for j0 in range(b0, b1, BLOCK):
+            j = j0 + offs
+            ok = j < b1
+            pos, s = _block_logits(q, k_base, s_k_n, l_base, base, 0, j, ok, scale, True, KEPT, D)
+            m, shift, c = _rescale(m, s)
+            e = tl.where(ok, tl.exp(s - shift), 0.0)
+            d_f = d_f * c
+            n_blk = tl.sum(ok.to(tl.float64), 0)
+            s_blk = tl.sum(e, 0)
+            mu_blk = s_blk / n_blk  # every block of the loop holds an entry
+            dev = tl.where(ok, e - mu_blk, 0.0)
+            n_new = nb + n_blk
+            mean_b = mean_b * c
+            delta = mu_blk - mean_b
+            m2 = m2 * c * c + tl.sum(dev * dev, 0) + delta * delta * (nb * n_blk / n_new)
+            mean_b += delta * (n_blk / n_new)
+            s_b = s_b * c + s_blk
+            lo = tl.minimum(tl.where(nb > 0, lo * c, float("inf")), tl.min(tl.where(ok, e, float("inf")), 0))
+            hi = tl.maximum(tl.where(nb > 0, hi * c, float("-inf")), tl.max(tl.where(ok, e, float("-inf")), 0))
+            if FULL:
+                acc_f = acc_f * c
+                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
+                             other=0.0).to(tl.float64)
+                rv = e[:, None] * vr
+                sv_blk = tl.sum(rv, 0)
+                mu_v = sv_blk / n_blk
+                dv = tl.where(ok[:, None], rv - mu_v[None, :], 0.0)
+                mean_r = mean_r * c
+                delta_v = mu_v - mean_r
+                tr = tr * c * c + tl.sum(tl.sum(dv * dv, 1), 0) + tl.sum(delta_v * delta_v, 0) * (nb * n_blk / n_new)
+                mean_r += delta_v * (n_blk / n_new)
+                acc_b = acc_b * c + sv_blk
+            nb = n_new
+        _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
+        if FULL:
+            _store_full(o, tr, acc_f, acc_b, D)
+
+    @triton.jit
     def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
                              part_ptr, ws_ptr, scale_ptr, l_ptr, hq, group, hs_div, ws_width, splits,
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
                              s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_l_r, s_l_h,
                              FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                             W: tl.constexpr):
+                             W: tl.constexpr, ONLINE: tl.constexpr = False):
         """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base
         list). It writes its logits, shifts by its own max ``m_s`` and stores ``m_s``, ``Σ_f e``, ``Σ_b e``,
         its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
@@ -136,79 +263,75 @@ if triton is not None:
         w0, w1 = _split_range(n_w, s, splits)
         t0, t1 = _split_range(tc, s, splits)
         b0, b1 = _split_range(bc, s, splits)
-        m = tl.full([], float("-inf"), tl.float64)
-        # sink and window from K (the kept scores hold the selectable keys only), the lists' from the kept scores
-        m = _logits_segment(ws, 0, q, k_base, s_k_n, l_base, top, 0, a0, a1, scale, m, False, False, BLOCK, D)
-        m = _logits_segment(ws, o_w, q, k_base, s_k_n, l_base, top, end, w0, w1, scale, m, False, False, BLOCK, D)
-        m = _logits_segment(ws, o_t, q, k_base, s_k_n, l_base, top, 0, t0, t1, scale, m, True, KEPT, BLOCK, D)
-        m = _logits_segment(ws, n_f, q, k_base, s_k_n, l_base, base, 0, b0, b1, scale, m, True, KEPT, BLOCK, D)
-        tl.debug_barrier()  # the logits were written by other threads of this program
-        shift = tl.where(m > float("-inf"), m, 0.0)
-        zero = tl.zeros([], tl.float64)
-        d_f = _exp_sum(ws, 0, a0, a1, shift, zero, BLOCK)
-        d_f = _exp_sum(ws, o_w, w0, w1, shift, d_f, BLOCK)
-        d_f = _exp_sum(ws, o_t, t0, t1, shift, d_f, BLOCK)
-        offs = tl.arange(0, BLOCK)
-        s_b = tl.zeros([], tl.float64)
-        lo = tl.full([], float("inf"), tl.float64)
-        hi = tl.full([], float("-inf"), tl.float64)
-        for j0 in range(b0, b1, BLOCK):
-            j = j0 + offs
-            ok = j < b1
-            e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
-            s_b += tl.sum(tl.where(ok, e, 0.0), 0)
-            lo = tl.minimum(lo, tl.min(tl.where(ok, e, float("inf")), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(ok, e, float("-inf")), 0))
-        nb = (b1 - b0).to(tl.float64)
-        mean_b = s_b / tl.maximum(nb, 1.0)
-        m2 = tl.zeros([], tl.float64)
-        for j0 in range(b0, b1, BLOCK):
-            j = j0 + offs
-            ok = j < b1
-            e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
-            dev = tl.where(ok, e - mean_b, 0.0)
-            m2 += tl.sum(dev * dev, 0)
-        o = part_ptr + ((r * hq + h) * splits + s) * W
-        tl.store(o, m)
-        tl.store(o + 1, d_f)
-        tl.store(o + 2, s_b)
-        tl.store(o + 3, nb)
-        tl.store(o + 4, m2)
-        tl.store(o + 5, lo)
-        tl.store(o + 6, hi)
-        if FULL:
-            acc_f = tl.zeros([D], tl.float64)
-            acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
-            acc_f = _weighted_v_segment(ws, o_w, v_base, s_v_n, top, end, w0, w1, shift, acc_f, False, BLOCK, D)
-            acc_f = _weighted_v_segment(ws, o_t, v_base, s_v_n, top, 0, t0, t1, shift, acc_f, True, BLOCK, D)
-            # the base rows' Σ e v and Σ ‖e v − mean‖² in one gather of their V rows: each block's sum and
-            # spread around its own mean, merged into the running ones (Chan et al.; two-pass accuracy)
-            acc_b = tl.zeros([D], tl.float64)
-            mean_r = tl.zeros([D], tl.float64)
-            n_run = tl.zeros([], tl.float64)
-            tr = tl.zeros([], tl.float64)
+        if ONLINE:
+            _online_parts(part_ptr + ((r * hq + h) * splits + s) * W, q, k_base, s_k_n, v_base, s_v_n, l_base, top,
+                          base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D)
+        else:
+            m = tl.full([], float("-inf"), tl.float64)
+            # sink and window from K (the kept scores hold the selectable keys only), the lists' from the kept scores
+            m = _logits_segment(ws, 0, q, k_base, s_k_n, l_base, top, 0, a0, a1, scale, m, False, False, BLOCK, D)
+            m = _logits_segment(ws, o_w, q, k_base, s_k_n, l_base, top, end, w0, w1, scale, m, False, False, BLOCK, D)
+            m = _logits_segment(ws, o_t, q, k_base, s_k_n, l_base, top, 0, t0, t1, scale, m, True, KEPT, BLOCK, D)
+            m = _logits_segment(ws, n_f, q, k_base, s_k_n, l_base, base, 0, b0, b1, scale, m, True, KEPT, BLOCK, D)
+            tl.debug_barrier()  # the logits were written by other threads of this program
+            shift = tl.where(m > float("-inf"), m, 0.0)
+            zero = tl.zeros([], tl.float64)
+            d_f = _exp_sum(ws, 0, a0, a1, shift, zero, BLOCK)
+            d_f = _exp_sum(ws, o_w, w0, w1, shift, d_f, BLOCK)
+            d_f = _exp_sum(ws, o_t, t0, t1, shift, d_f, BLOCK)
+            offs = tl.arange(0, BLOCK)
+            s_b = tl.zeros([], tl.float64)
+            lo = tl.full([], float("inf"), tl.float64)
+            hi = tl.full([], float("-inf"), tl.float64)
             for j0 in range(b0, b1, BLOCK):
                 j = j0 + offs
                 ok = j < b1
-                pos = tl.load(base + j, mask=ok, other=0)
-                e = tl.where(ok, tl.exp(tl.load(ws + n_f + j, mask=ok, other=0.0) - shift), 0.0)
-                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0).to(tl.float64)
-                rv = e[:, None] * vr
-                s_blk = tl.sum(rv, 0)
-                acc_b += s_blk
-                n_blk = tl.sum(ok.to(tl.float64), 0)
-                mu_blk = s_blk / tl.maximum(n_blk, 1.0)
-                dev = tl.where(ok[:, None], rv - mu_blk[None, :], 0.0)
-                n_new = n_run + n_blk
-                delta = mu_blk - mean_r
-                merge = n_run * n_blk / tl.maximum(n_new, 1.0)
-                tr += tl.sum(tl.sum(dev * dev, 1), 0) + tl.sum(delta * delta, 0) * merge
-                mean_r += delta * (n_blk / tl.maximum(n_new, 1.0))
-                n_run = n_new
-            tl.store(o + 7, tr)
-            tl.store(o + 8 + offs_d, acc_f)
-            tl.store(o + 8 + D + offs_d, acc_b)
+                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+                s_b += tl.sum(tl.where(ok, e, 0.0), 0)
+                lo = tl.minimum(lo, tl.min(tl.where(ok, e, float("inf")), 0))
+                hi = tl.maximum(hi, tl.max(tl.where(ok, e, float("-inf")), 0))
+            nb = (b1 - b0).to(tl.float64)
+            mean_b = s_b / tl.maximum(nb, 1.0)
+            m2 = tl.zeros([], tl.float64)
+            for j0 in range(b0, b1, BLOCK):
+                j = j0 + offs
+                ok = j < b1
+                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
+                dev = tl.where(ok, e - mean_b, 0.0)
+                m2 += tl.sum(dev * dev, 0)
+            o = part_ptr + ((r * hq + h) * splits + s) * W
+            _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
+            if FULL:
+                acc_f = tl.zeros([D], tl.float64)
+                acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
+                acc_f = _weighted_v_segment(ws, o_w, v_base, s_v_n, top, end, w0, w1, shift, acc_f, False, BLOCK, D)
+                acc_f = _weighted_v_segment(ws, o_t, v_base, s_v_n, top, 0, t0, t1, shift, acc_f, True, BLOCK, D)
+                # the base rows' Σ e v and Σ ‖e v − mean‖² in one gather of their V rows: each block's sum and
+                # spread around its own mean, merged into the running ones (Chan et al.; two-pass accuracy)
+                acc_b = tl.zeros([D], tl.float64)
+                mean_r = tl.zeros([D], tl.float64)
+                n_run = tl.zeros([], tl.float64)
+                tr = tl.zeros([], tl.float64)
+                for j0 in range(b0, b1, BLOCK):
+                    j = j0 + offs
+                    ok = j < b1
+                    pos = tl.load(base + j, mask=ok, other=0)
+                    e = tl.where(ok, tl.exp(tl.load(ws + n_f + j, mask=ok, other=0.0) - shift), 0.0)
+                    vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
+                                 other=0.0).to(tl.float64)
+                    rv = e[:, None] * vr
+                    s_blk = tl.sum(rv, 0)
+                    acc_b += s_blk
+                    n_blk = tl.sum(ok.to(tl.float64), 0)
+                    mu_blk = s_blk / tl.maximum(n_blk, 1.0)
+                    dev = tl.where(ok[:, None], rv - mu_blk[None, :], 0.0)
+                    n_new = n_run + n_blk
+                    delta = mu_blk - mean_r
+                    merge = n_run * n_blk / tl.maximum(n_new, 1.0)
+                    tr += tl.sum(tl.sum(dev * dev, 1), 0) + tl.sum(delta * delta, 0) * merge
+                    mean_r += delta * (n_blk / tl.maximum(n_new, 1.0))
+                    n_run = n_new
+                _store_full(o, tr, acc_f, acc_b, D)
 
     @triton.jit
     def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
@@ -375,10 +498,12 @@ def usable(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or is_interpreted(_budget_parts_kernel))
 
 
-def budget_splits(rows: int, entries: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> int:
-    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all, at
-    most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64."""
-    return max(1, min(cdiv(target_programs, max(rows, 1)), cdiv(entries, 2 * block), 64))
+def budget_splits(rows: int, entries: int, block: int, target_programs: int | None = None) -> int:
+    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all
+    (None: ``SPLIT_PROGRAMS``, read at call time), at most one per two blocks of the ``entries`` a row may
+    hold (sink + window + list widths) and 64."""
+    target = SPLIT_PROGRAMS if target_programs is None else target_programs
+    return max(1, min(cdiv(target, max(rows, 1)), cdiv(entries, 2 * block), 64))
 
 
 @dataclass(frozen=True)
@@ -410,16 +535,17 @@ class Budget:
 
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None,
-                        logits: torch.Tensor | None = None) -> torch.Tensor:
+                        logits: torch.Tensor | None = None, online: bool | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits, logits=logits).stats
+                         dense_width, splits=splits, logits=logits, online=online).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
-                  splits: int | None = None, logits: torch.Tensor | None = None) -> Budget:
+                  splits: int | None = None, logits: torch.Tensor | None = None,
+                  online: bool | None = None) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -429,7 +555,9 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     Two launches: ``splits`` programs per (row, query head) (default :func:`budget_splits`) each take
     ``1/splits`` of every segment and write partial sums around their own max; one program per (row,
     selection head) merges them for its query heads (float64; the same sums as a single pass up to
-    rounding, ~1e-15 relative) and applies the rule.
+    rounding, ~1e-15 relative) and applies the rule. ``online`` (None: ``ONLINE_STATS``): each split's sums
+    in one pass over each segment around a running max, rather than its logits written first and summed in
+    further passes (the same sums up to rounding).
 
     ``logits [R, Hq, N]`` (float32 ``scale · q·k``, the oracle predictor's kept scores): the list entries'
     logits are read from it instead of computed from K (4 bytes a key instead of a K row; float32 rather
@@ -444,7 +572,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
         raise ValueError(f"budget_triton: logits must be float32 [{r}, {hq}, {k.shape[2]}] with a contiguous last "
                          f"dim, got {logits.dtype} {list(logits.shape)} strides {logits.stride()}")
     width = dense_width + top.shape[2] + base.shape[2]
-    block = 32 if d <= 128 else 16
+    block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
     dp = next_pow2(d)
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
@@ -458,7 +586,8 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=4, num_stages=1)
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec,
+           ONLINE=ONLINE_STATS if online is None else online, num_warps=PARTS_WARPS, num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)

@@ -1,0 +1,276 @@
+"""vAttention's kernel stages, old against new, on the operands of one real decode step, each new one checked
+against the old and against its torch reference in the same run.
+
+One ``vattention`` decode (defaults, the kernel path) runs on the bench's inputs with its stage functions
+spied on: the arguments of the oracle top-k (``topk_select``), of the base sample (``sample_rows_triton``),
+of the residual sample's cut (``sample_cut_triton``), of the budget (``budget_triton``) and of the tested-key
+attention (``attend_triton``) are kept. Each stage is then called again on them in each of its ways —
+captured in a CUDA graph, replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
+
+- top-k: ``torch`` (``torch.topk`` of the kept scores, the old default above 64k keys), ``ticket`` (the
+  Triton select, a long row's programs merged by a ticket counter), ``launch`` (merged by a second launch,
+  the new default); every way the same set as the reference's sorted top-k up to ties (checked by the
+  scores: the k-th largest equal, every chosen score at least it);
+- base sample (a list) and residual cut: ``old`` (one program per row selects among every key below a
+  threshold) and ``window`` (the new default); equal to each other and to ``sample_rows_reference``;
+- budget statistics: ``two-pass`` (logits first, then sums) and ``online`` (one pass around a running max, the
+  new default): the same statistics to ~1e-15 and the same sizes;
+- attention: ``masked`` (V rows some head keeps) and ``stream`` (every V row of the range, the new default),
+  each one's error against ``attend_reference``.
+
+    python benchmarks/breakdown/vattention_stages.py OUT [--n 131072] [--batch 1] [--attention peaked]
+
+Writes ``vattention_stages.json`` and ``.md`` to OUT. ``--check`` runs the spying and the checks on tiny CPU
+inputs under Triton's interpreter (``TRITON_INTERPRET=1``), no timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
+         ("kvsieve.kernels.shared.sample_triton", "sample_rows_triton"),
+         ("kvsieve.kernels.shared.sample_triton", "sample_cut_triton"),
+         ("kvsieve.kernels.vattention.budget_triton", "budget_triton"),
+         ("kvsieve.kernels.vattention.attend_triton", "attend_triton"))
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+def record_step(method, q, k, v, lens, key) -> dict[str, list[tuple[tuple, dict]]]:
+    """``function name -> [(args, kwargs), ...]``: the spied functions' arguments (cloned before the call) in
+    one decode of ``method``."""
+    import importlib
+
+    calls: dict[str, list[tuple[tuple, dict]]] = {name: [] for _, name in SPIED}
+    saved = []
+    for module, name in SPIED:
+        mod = importlib.import_module(module)
+        fn = getattr(mod, name)
+        saved.append((mod, name, fn))
+
+        def spy(*args, _fn=fn, _name=name, **kwargs):
+            calls[_name].append((_clone(args), _clone(kwargs)))
+            return _fn(*args, **kwargs)
+
+        setattr(mod, name, spy)
+    try:
+        method.decode(q, k, v, lengths=lens, seed=key, state=method.new_state(), check_finite=False)
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+    return calls
+
+
+def topk_ways(args, kwargs) -> dict:
+    """The top-k's ways on the recorded arguments: ``name -> call`` returning ``(indices, counts, scores)``."""
+    from kvsieve.kernels.oracle_topk.topk import topk_select
+
+    base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
+    return {"torch": lambda: topk_select(*args, **base, select="torch"),
+            "ticket": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "ticket"}}),
+            "launch": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
+
+
+def topk_error(idx, counts, scores) -> int:
+    """Rows whose first ``count`` entries are not a top ``count`` of their scores (ties allowed): the chosen
+    scores' smallest must equal the ``count``-th largest score, with no repeated index."""
+    bad = 0
+    s_sorted = torch.sort(scores, dim=-1, descending=True).values
+    for b in range(idx.shape[0]):
+        for h in range(idx.shape[1]):
+            c = int(counts[b, h])
+            if c == 0:
+                continue
+            chosen = idx[b, h, :c]
+            ok = chosen.unique().numel() == c and bool(scores[b, h, chosen].min() == s_sorted[b, h, c - 1])
+            bad += not ok
+    return bad
+
+
+def sample_checks(call, listed: bool) -> dict:
+    """The sample's ways (old, window) on one recorded call: outputs equal to each other and to the reference."""
+    from kvsieve.kernels.shared import sample_triton as st
+    from kvsieve.kernels.vattention.attend_triton import in_sample_reference
+
+    args, kwargs = call
+    fn = st.sample_rows_triton if listed else st.sample_cut_triton
+    ways = {"old": lambda: fn(*args, **kwargs, window=False), "window": lambda: fn(*args, **kwargs, window=True)}
+    outs = {name: _clone(f()) for name, f in ways.items()}
+    lo, hi, stream, start, end, size, n_av = args[:7]
+    n = args[8] if listed else args[7]
+    take = torch.minimum(size, n_av)
+    excl, page = kwargs.get("excluded"), kwargs.get("page", 1)
+    if listed:
+        width = args[7]
+        ref = st.sample_rows_reference(lo, hi, stream, start, end, take, width, n, excl, page)
+        errs = {name: int((o[0] != ref).sum()) for name, o in outs.items()}
+    else:
+        ref = st.sample_rows_reference(lo, hi, stream, start, end, take, n, n, excl, page)
+        used = torch.arange(n, device=ref.device) < take[..., None]
+        mark = torch.zeros(*take.shape, n + 1, dtype=torch.bool, device=ref.device)
+        mark = mark.scatter_(2, torch.where(used, ref, n), True)[..., :n]
+        x = excl if page == 1 else excl[:, :, torch.arange(n, device=ref.device) // page]
+        errs = {name: int((in_sample_reference(lo, hi, stream, start, end, x, o[0], o[1], n) != mark).sum())
+                for name, o in outs.items()}
+    return {"ways": ways, "mismatches vs reference": errs,
+            "old == window": bool(torch.equal(outs["old"][0], outs["window"][0]) if listed
+                                  else torch.equal(outs["old"], outs["window"])),
+            "size": float(take.double().mean())}
+
+
+def budget_checks(call) -> dict:
+    """The budget's ways (two-pass, online) on one recorded call: the same statistics up to rounding, the
+    same sizes."""
+    from kvsieve.kernels.vattention.budget_triton import budget_triton
+
+    args, kwargs = call
+    ways = {"two-pass": lambda: budget_triton(*args, **kwargs, online=False),
+            "online": lambda: budget_triton(*args, **kwargs, online=True)}
+    a, b = (_clone(f()) for f in ways.values())
+    diff = (a.stats - b.stats).abs() / a.stats.abs().clamp(min=1e-300)
+    return {"ways": ways, "stats max rel diff": float(diff.max()),
+            "same sizes": bool(a.size is None or torch.equal(a.size, b.size))}
+
+
+def stage_calls(calls) -> dict[str, dict]:
+    """``stage -> {"ways": {name: call}, checks...}`` from the recorded calls."""
+    from kvsieve.kernels.vattention.attend_triton import attend_reference, attend_triton, in_sample_reference
+
+    out: dict[str, dict] = {}
+    if calls["topk_select"]:
+        args, kwargs = calls["topk_select"][0]
+        ways = topk_ways(args, kwargs)
+        res = {name: f() for name, f in ways.items()}
+        scores = res["torch"][2]
+        out["top-k"] = {"ways": ways, "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()},
+                        "size": float(res["launch"][1].double().mean())}
+    if calls["sample_rows_triton"]:
+        out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
+    if calls["sample_cut_triton"]:
+        out["residual sample (cut)"] = sample_checks(calls["sample_cut_triton"][0], False)
+    if calls["budget_triton"]:
+        out["budget statistics"] = budget_checks(calls["budget_triton"][0])
+    if calls["attend_triton"]:
+        args, kwargs = calls["attend_triton"][0]
+        q, k, v, lengths, sink, window, scale, scores, excluded, lo, hi, stream, cut, tie, n_s, size = args
+        got = attend_triton(*args, **kwargs, stream_v=True).float()
+        masked = attend_triton(*args, **kwargs, stream_v=False).float()
+        samp = in_sample_reference(lo, hi, stream, torch.clamp(lengths.long(), max=sink),
+                                   torch.maximum(lengths.long() - window, torch.clamp(lengths.long(), max=sink)),
+                                   excluded, cut, tie, k.shape[2])
+        ref = attend_reference(q, k, v, lengths, sink, window, scale, scores, excluded, samp, n_s, size).float()
+        out["attention"] = {"ways": {"masked": lambda: attend_triton(*args, **kwargs, stream_v=False),
+                                     "stream": lambda: attend_triton(*args, **kwargs, stream_v=True)},
+                            "rel err vs reference": float((got - ref).norm() / ref.norm()),
+                            "masked rel err vs reference": float((masked - ref).norm() / ref.norm())}
+    return out
+
+
+def run(args) -> list[dict]:
+    import kvsieve
+    from kvsieve.bench.decode import Case, Inputs
+    from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.core.rng import RandomKey
+
+    timer = ColdL2Timer()
+    x = Inputs(Case("llama-3.1-8b", 32, 8, 128, args.n, args.batch), torch.bfloat16, seed=0,
+               attention=args.attention)
+    step = torch.zeros((), dtype=torch.int64, device="cuda")
+    calls = record_step(kvsieve.method("vattention:backend=triton"), x.q, x.k, x.v, x.lens, RandomKey(7, (0, step)))
+    rows = []
+    for stage, info in stage_calls(calls).items():
+        for name, fn in info["ways"].items():
+            r = {"stage": stage, "way": name, "n": args.n, "batch": args.batch, "attention": args.attention,
+                 **{k: v for k, v in info.items() if k != "ways"}}
+            try:
+                r["graph_us"] = timer.time_graph_us(fn, warmup=3, iters=args.iters)["median_us"]
+            except Exception as exc:  # noqa: BLE001 - one failing way must not lose the others
+                r["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(r)
+            print(f"{stage} / {name}: {r.get('graph_us', r.get('error'))}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [f"# vAttention stages, old and new ({device})", "",
+             "shape 32/8/128 bf16, the operands of one decode step; µs = the stage alone captured in a CUDA graph, "
+             "cold L2, median", "", "| n | batch | stage | way | µs | checks |", "|---:|---:|---|---|---:|---|"]
+    for r in rows:
+        checks = ", ".join(f"{k}={v}" for k, v in r.items()
+                           if k not in ("stage", "way", "n", "batch", "attention", "graph_us"))
+        us = f"{r['graph_us']:.1f}" if "graph_us" in r else "—"
+        lines.append(f"| {r['n']} | {r['batch']} | {r['stage']} | {r['way']} | {us} | {checks} |")
+    return "\n".join(lines) + "\n"
+
+
+def check() -> None:
+    """The spying and every stage's ways and checks on tiny CPU inputs (under the interpreter), no timing."""
+    import kvsieve
+    from kvsieve.core.rng import RandomKey
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from stages import tiny_inputs
+
+    q, k, v, lens = tiny_inputs(torch.Generator().manual_seed(0))
+    m = kvsieve.method("vattention:sink=4,window=8,top_k=0.05,base_rate=0.05,backend=triton")
+    calls = record_step(m, q, k, v, lens, RandomKey(3, (0, 1)))
+    stages = stage_calls(calls)
+    assert set(stages) == {"top-k", "base sample (list)", "residual sample (cut)", "budget statistics",
+                           "attention"}, set(stages)
+    for stage, info in stages.items():
+        for fn in info["ways"].values():
+            fn()
+        assert all(v == 0 for v in info.get("bad rows", {}).values()), (stage, info)
+        assert all(v == 0 for v in info.get("mismatches vs reference", {}).values()), (stage, info)
+        assert info.get("old == window", True), stage
+        assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
+        assert info.get("masked rel err vs reference", 0.0) < 1e-4, (stage, info)
+        assert info.get("stats max rel diff", 0.0) < 1e-12 and info.get("same sizes", True), (stage, info)
+    print("check: ok")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", nargs="?", help="folder for vattention_stages.json and .md")
+    p.add_argument("--n", type=int, default=131072, help="context length")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--attention", default="peaked", choices=("peaked", "uniform"),
+                   help="the bench's inputs: peaked (fitted to real models) or uniform (Gaussian q and K)")
+    p.add_argument("--iters", type=int, default=20, help="timed graph replays")
+    p.add_argument("--check", action="store_true", help="tiny CPU inputs under the interpreter, no timing")
+    args = p.parse_args(argv)
+    if args.check:
+        check()
+        return 0
+    if not args.out:
+        p.error("out: give a folder for the results")
+    if not torch.cuda.is_available():
+        print("vattention_stages.py needs a CUDA GPU (use --check under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    from kvsieve.bench.report import write_results
+
+    t0 = time.time()
+    rows = run(args)
+    res = {"device": torch.cuda.get_device_name(), "seconds": round(time.time() - t0, 1), "rows": rows}
+    paths = write_results(res, args.out, "vattention_stages", " ".join(sys.argv),
+                          to_markdown=lambda r, _command: markdown(r["rows"], r["device"]), to_plot=lambda *_: False)
+    print(paths[1].read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
