@@ -8,6 +8,8 @@ Two methods evaluated on the same prompts are compared prompt by prompt: the mea
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -75,7 +77,7 @@ def compare_methods(rows: Sequence[dict[str, Any]], a: str, b: str, *,
                 continue
             xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
             delta, lo, hi = paired_delta_ci(xs, ys, seed=seed)
-            row[metric] = {"a": sum(xs) / len(xs), "b": sum(ys) / len(ys), "delta": delta, "lo": lo, "hi": hi,
+            row[metric] = {"a": math.fsum(xs) / len(xs), "b": math.fsum(ys) / len(ys), "delta": delta, "lo": lo, "hi": hi,
                            "n": len(pairs)}
         out.append(row)
     if not out:

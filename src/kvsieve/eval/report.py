@@ -32,7 +32,8 @@ SUMMARY_FIELDS = (
 
 def _mean(values: Sequence[Any]) -> float | None:
     vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(vals) / len(vals) if vals else None
+    # fsum: exactly rounded, so the summaries' digits do not depend on the Python version (3.12 compensates sum()).
+    return math.fsum(vals) / len(vals) if vals else None
 
 
 def method_family_budget(spec: str) -> tuple[str, float | None]:
