@@ -389,18 +389,17 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("probe_kernels", ["fused", "fused-no-pdl", "split"])
-def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path, probe_kernels):
-    """The SAAP step (index update, fused probe, bucket kernel with the tail scan) on a capacity-sized cache, and
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+    """The SAAP step (index update, Triton probe, bucket kernel with the tail scan) on a capacity-sized cache, and
     layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
     (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
-    to the torch path. Each probe path: two dependent launches, two plain ones, the earlier three."""
+    to the torch path."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([2900, 1700], device="cuda")
-    m = kvsieve.method(f"saap:artifacts={folder},probes=4,probe_kernels={probe_kernels}")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
     ctx = CallContext(layer=1, capacity=3000, count_reads=False)
     state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
     ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
@@ -779,7 +778,7 @@ def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "PDL": mode == "tail"}
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
     compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
 
 
@@ -814,20 +813,18 @@ compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32", "rpi_ptr": "*i32",
                  "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
-# the split path's rank launch, and the fused path's: the update's second stage in it, a dependent launch
-for fused in (False, True):
+# the rank launch alone (batch > 1: the serial update) and with the parallel update's second stage (batch 1)
+for tail in (False, True):
     compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4,
-                                                       "TOP": True, "TAIL": fused, "R_BLOCKS_P": 16, "PDL": fused})
-# the fused path's first launch: both layers of the classifier and the update's first stage, a dependent launch;
-# and the parallel update in launches of its own (probes = 0, the k-means baselines)
-compile_(probe._probe_mlp_kernel,
+                                                       "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16})
+# at batch 1 the hidden layer with the parallel update's first stage; and the parallel update in launches of its
+# own (probes = 0, the k-means baselines)
+compile_(probe._hidden_partial_kernel,
          {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1_ptr": "*bf16", "b1_ptr": "*fp32",
-          "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32", "tk_ptr": "*bf16", "tc_ptr": "*fp32",
-          "tf_ptr": "*fp32", "tps_ptr": "*fp32", "tpi_ptr": "*i32", "tlo_ptr": "*i64", "tlen_ptr": "*i32",
-          "twin_ptr": "*i64"},
-         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_K": probe.MLP_BLOCK_K, "BLOCK_C": probe.MLP_BLOCK_C,
-          "W_BF16": True, "DOT_F32": False, "TAIL": True, "T_D": 128, "T_HALF": 64, "T_BLOCK_C": index.PARALLEL_BLOCK_C,
-          "T_BLOCK_R": 16, "T_DEROPE": True, "PDL": True}, floats=("scaling", "t_scaling"))
+          "h_ptr": "*fp32", "tk_ptr": "*bf16", "tc_ptr": "*fp32", "tf_ptr": "*fp32", "tps_ptr": "*fp32",
+          "tpi_ptr": "*i32", "tlo_ptr": "*i64", "tlen_ptr": "*i32", "twin_ptr": "*i64"},
+         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "T_D": 128, "T_HALF": 64,
+          "T_BLOCK_C": index.PARALLEL_BLOCK_C, "T_BLOCK_R": 16, "T_DEROPE": True}, floats=("scaling", "t_scaling"))
 update_pointers = {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "ps_ptr": "*fp32", "pi_ptr": "*i32",
                    "assign_ptr": "*i64", "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"}
 compile_(index._assign_partial_kernel, update_pointers,
@@ -949,7 +946,8 @@ q = torch.randn(2, 4, 32, generator=g)
 pos = torch.tensor([7, 3000])
 inverted = rope.invert(q[:, :, None, :], pos[:, None, None])[:, :, 0]
 worst = max(worst, float((derope_reference(q, pos, rope.inv_freq, 1.3) - inverted).abs().max()))
-# The method: the fused probe picks the reference path's buckets and gives its output.
+# The method: the Triton probe (with the update of the batch's rule) picks the reference path's buckets and gives
+# its output.
 from kvsieve import CallContext
 for per in ("kv", "query"):
     folder = Path(tempfile.mkdtemp())
@@ -963,7 +961,8 @@ for per in ("kv", "query"):
         ctx = CallContext(layer=1)
         out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, context=ctx)
         out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, context=ctx)
-        assert st_t["probe"] == "fused" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
+        assert st_t["probe"] == "triton" and st_t.backend == "triton", (st_t.backend, st_t["probe"])
+        assert st_t["update"] == ("parallel" if b == 1 else "serial") and st_r["update"] == "reference"
         assert st_t["merge"] == merge, st_t["merge"]
         assert st_t["bucket_keys"] == st_r["bucket_keys"] and st_t["selectivity"] == st_r["selectivity"]
         worst = max(worst, float((out_t.float() - out_r.float()).abs().max()))
@@ -974,7 +973,7 @@ print("worst", worst)
 
 @pytest.mark.triton
 @pytest.mark.parametrize("shapes,with_method", [([2], False), ([0, 1, 3], True)])
-def test_fused_probe_matches_the_reference_and_the_method_path(shapes, with_method):
+def test_probe_kernels_match_the_reference_and_the_method_path(shapes, with_method):
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -984,7 +983,7 @@ def test_fused_probe_matches_the_reference_and_the_method_path(shapes, with_meth
 
 
 @pytest.mark.gpu
-def test_fused_probe_on_cuda_matches_the_reference():
+def test_probe_kernels_on_cuda_match_the_reference():
     from interpreted import run_script
 
     out = run_script(PROBE_CASES, "cuda", interpret=False, shapes=[0, 1, 2, 3], with_method=True)
@@ -1015,8 +1014,9 @@ def test_triton_bucket_kernel_compiles_for_the_h100(part, compiled):
     assert res.returncode == 0 and res.stdout.count("shared") == compiled, res.stderr[-3000:]
 
 
-# What SAAP's captured decode launches per call on the kernel path: the probe's three kernels, the bucket
-# kernel (the merge folded into it), and no torch op (each would be a kernel launch and a graph node on the GPU).
+# What SAAP's captured decode launches per call on the kernel path: the probe's three kernels (the index update in
+# the first, and at batch 1 its second stage in the rank launch), the bucket kernel, and no torch op (each would be
+# a kernel launch and a graph node on the GPU).
 SAAP_LAUNCHES = r"""
 import tempfile
 from pathlib import Path
@@ -1029,22 +1029,22 @@ folder = Path(tempfile.mkdtemp())
 write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, layers=3, clusters=16)
 g = torch.Generator().manual_seed(0)
 n = 300
-q = torch.randn(2, 8, 32, generator=g).bfloat16()
-k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()
-m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton,"
-                  f"probe_kernels={kernels}")
+q = torch.randn(2, 8, 32, generator=g).bfloat16()[:{batch}]
+k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()[:, :{batch}]
+m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
 state, ref_state = m.new_state(), ref.new_state()
 from kvsieve.core.sync import no_host_reads
 ctx, ref_ctx = CallContext(layer=1, capacity=n + 2), CallContext(layer=1)  # buffers sized once, as the runtime's
 worst = 0.0
 for step in range(3):  # the build, then two generated tokens: a key leaves each row's window per step
-    lengths = torch.tensor([n + step, n - 20 + step])
+    lengths = torch.tensor([n + step, n - 20 + step])[:{batch}]
     kk, vv = k[:, :, : n + step], v[:, :, : n + step]
     log.clear()
     with Ops(), no_host_reads():  # what a GPU gets
         out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, context=ctx, check_finite=False)
     print("CALL", " ".join(log))
+    assert stats["update"] == ("parallel" if {batch} == 1 else "serial"), stats["update"]
     ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, context=ref_ctx, check_finite=False)
     assert out.dtype == torch.bfloat16
     assert stats["bucket_keys"] == ref_stats["bucket_keys"] and stats["dense_keys"] == ref_stats["dense_keys"]
@@ -1065,28 +1065,24 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("probe_kernels,kernels", [
-    ("fused", ["triton:_probe_mlp_kernel", "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"]),
-    ("split", ["triton:_hidden_kernel", "triton:_logits_kernel", "triton:_group_rank_kernel",
-               "triton:_bucket_parts_kernel"]),
-])
-def test_captured_decode_launches_three_or_four_kernels_and_no_torch_op(probe_kernels, kernels):
-    """Per call, after the build, while keys leave the window and join their buckets: the probe's kernels — two
-    (``fused``: the classifier's layers with the index update's first stage, the rank with its second) or three
-    (``split``: the first also runs the serial update) — and the bucket kernel (the window's bounds computed from the
-    lengths in the kernels; it merges its partials itself), nothing else
-    (before: 12 launches, 7 of them torch glue: the positions' - 1, two torch.topk kernels on the main
-    branch, the bucket counts' sub/gather/sum and two dtype copies of the output; then 5, the update apart). The
-    output equals the reference path's (bfloat16 rounding of the output aside). Layer 0 (exact) runs the dense
-    split-KV kernel and its merge, the runtime's dense layers' two launches."""
+@pytest.mark.parametrize("batch,first", [(2, "triton:_hidden_kernel"), (1, "triton:_hidden_partial_kernel")])
+def test_captured_decode_launches_four_kernels_and_no_torch_op(batch, first):
+    """Per call, after the build, while keys leave the window and join their buckets: the probe's three kernels
+    (the first also runs the index update's work: the serial update at batch 2, the parallel update's first stage at
+    batch 1, whose second stage runs in the rank launch) and the bucket kernel (the window's bounds computed from
+    the lengths in the kernels; it merges its partials itself), nothing else (before: 12 launches, 7 of them torch
+    glue: the positions' - 1, two torch.topk kernels on the main branch, the bucket counts' sub/gather/sum and two
+    dtype copies of the output; then 5, the update apart). The output equals the reference path's (bfloat16
+    rounding of the output aside). Layer 0 (exact) runs the dense split-KV kernel and its merge, the runtime's dense
+    layers' two launches."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
-    out = run_script(SAAP_LAUNCHES, "cpu", True, kernels=probe_kernels)
+    out = run_script(SAAP_LAUNCHES, "cpu", True, batch=batch)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
     for ops in calls[1:]:
-        assert ops == kernels, ops
+        assert ops == [first, "triton:_logits_kernel", "triton:_group_rank_kernel", "triton:_bucket_parts_kernel"], ops
     layer0 = [line.split()[1:] for line in out.splitlines() if line.startswith("LAYER0")]
     assert layer0 == [["triton:_dense_split_kernel", "triton:_merge_partials_kernel"]], layer0
     assert float(out.split("worst")[-1]) < 2e-2  # bfloat16 outputs

@@ -161,20 +161,21 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
         assign, t_lo = build_assign(k, start, window, sink, cent, inv, 1.3, n)
         offsets, ids = build_csr(assign, c)
         ref_assign = assign.clone()
-        others = {{name: assign.clone() for name in ("parallel", "fused", "split")}}
+        others = {{name: assign.clone() for name in ("parallel", "probe-parallel", "probe-serial")}}
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
             lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
             assign_tail_reference(ref_assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assign_tail_triton(assign, k, t_lo, lengths, window, span, cent, inv, 1.3)
             assert torch.equal(assign, ref_assign), (assign != ref_assign).nonzero()[:5]
-            # the parallel update (two launches; 16 centroids a block: several blocks), and the updates inside the
-            # probe's launches (the method's paths): the parallel one in the fused probe, the serial one in the split
+            # the parallel update (two launches; 16 centroids a block: several blocks), and both updates inside the
+            # probe's launches (the method's paths: the parallel one at batch 1, the serial one else) at every batch
             assign_tail_parallel_triton(others["parallel"], k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16)
-            for kernels in ("fused", "split"):
+            for parallel in (True, False):
+                name = "probe-parallel" if parallel else "probe-serial"
                 probe_scores_triton(q, lengths, freq, 1.3, *probe_weights, kv_heads=hkv, probes=probes,
-                                    tail=(others[kernels], k, t_lo, lengths, window, span, cent, inv, 1.3),
-                                    kernels=kernels)
+                                    tail=(others[name], k, t_lo, lengths, window, span, cent, inv, 1.3),
+                                    parallel_tail=parallel)
             for name, got in others.items():
                 assert torch.equal(got, ref_assign), (name, (got != ref_assign).nonzero()[:5])
             bk = torch.stack([torch.randperm(c, generator=g)[:probes] for _ in range(b * hkv)]).view(b, hkv, probes)

@@ -1,16 +1,16 @@
 """SAAP's probe and index update, one layer, Llama-3.1-8B heads (32 query heads, 8 KV heads, d 128; C = 1024,
-ℓ = 32, window 2047): the earlier three launches (``split``: hidden layer with the serial index update, logits,
-rank) against the two of ``fused`` (the classifier's layers with the parallel update's first stage, the rank with
-its second), with and without programmatic dependent launch (``-pdl``), the update alone (serial: one launch;
-parallel: two), and the layer's whole step (``layer-*``: the probe, then the bucket attention as the method runs
-it, a dependent launch after the fused probe's PDL launches). Every variant is captured in a CUDA graph and
-replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked in the
-same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ against
-``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported: near
-ties may differ), the index after the update against ``assign_tail_reference`` (exactly), the layer's attention
+ℓ = 32, window 2047): the probe's three launches (hidden layer, logits, rank) alone (``probe``) and with each index
+update inside them (``step-serial``: the serial update in the hidden-layer launch; ``step-parallel``: the parallel
+update's first stage there, its second in the rank launch), each update alone (serial: one launch; parallel: two),
+and the layer's whole step as the method runs it (``layer``: the probe with the update its batch rule picks,
+:func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention). Every variant is captured in a CUDA
+graph and replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked
+in the same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ
+against ``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported:
+near ties may differ), the index after the update against ``assign_tail_reference`` (exactly), the layer's attention
 against exact attention over the keys of its buckets in the reference's index (``index_decode_reference``).
-``--sweep`` also times the fused step over the launch constants (``probe.MLP_BLOCK_C``, ``MLP_PARTS``,
-``MLP_BLOCK_K``, ``index.PARALLEL_BLOCK_C``).
+``--sweep`` also times ``step-parallel`` over the parallel update's launch constants (``index.PARALLEL_BLOCK_C``,
+``PARALLEL_BLOCK_R``).
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40] [--sweep]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.kernels.saap import index, probe
+from kvsieve.kernels.saap import index
 from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
     assign_tail_parallel_triton,
@@ -81,17 +81,15 @@ def tail_of(case: dict, assign: torch.Tensor) -> tuple:
             case["inv_freq"], 1.0)
 
 
-def layer_step(case: dict, assign: torch.Tensor, kernels: str, pdl: bool | None):
-    """The method's step on the Triton path: the probe (with the update) then the bucket attention; returns
-    ``(out, top)``."""
+def layer_step(case: dict, assign: torch.Tensor):
+    """The method's step on the Triton path: the probe (with the update of the batch's rule) then the bucket
+    attention; returns ``(out, top)``."""
     b, hkv, n = case["k"].shape[:3]
     _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
-                                 probes=case["shape"]["probes"], position_offset=-1, kernels=kernels, pdl=pdl,
-                                 tail=tail_of(case, assign))
+                                 probes=case["shape"]["probes"], position_offset=-1, tail=tail_of(case, assign))
     out, _, _ = bucket_sparse_decode_triton(
         case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
-        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n),
-        pdl=kernels == "fused" and pdl is None)
+        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n))
     return out, top
 
 
@@ -104,23 +102,17 @@ def variants(case: dict) -> dict:
         a = case["assign"].clone()
         fn = assign_tail_triton if name == "update-serial" else assign_tail_parallel_triton
         out[name] = ((lambda fn=fn, a=a: fn(*tail_of(case, a))), a, "update")
-    for kernels, pdl in (("split", False), ("fused", False), ("fused", None)):
-        label = kernels + ("-pdl" if pdl is None else "")
-        for with_update in (False, True):
-            a = case["assign"].clone() if with_update else None
+    for name, parallel in (("probe", None), ("step-serial", False), ("step-parallel", True)):
+        a = case["assign"].clone() if parallel is not None else None
 
-            def call(kernels=kernels, pdl=pdl, a=a):
-                return probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"],
-                                           kv_heads=hkv, probes=probes, position_offset=-1, kernels=kernels, pdl=pdl,
-                                           tail=tail_of(case, a) if a is not None else None)
+        def call(parallel=parallel, a=a):
+            return probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"],
+                                       kv_heads=hkv, probes=probes, position_offset=-1,
+                                       tail=tail_of(case, a) if a is not None else None, parallel_tail=parallel)
 
-            out[("step-" if with_update else "probe-") + label] = (call, a, "probe")
-        a = case["assign"].clone()
-
-        def layer(kernels=kernels, pdl=pdl, a=a):
-            return layer_step(case, a, kernels, pdl)
-
-        out["layer-" + label] = (layer, a, "layer")
+        out[name] = (call, a, "probe")
+    a = case["assign"].clone()
+    out["layer"] = ((lambda a=a: layer_step(case, a)), a, "layer")
     return out
 
 
@@ -177,26 +169,24 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
 
 
 def sweep(batch: int, n_keys: int, hidden: int, dev: torch.device, timer, iters: int) -> list[dict]:
-    """The fused step (with PDL where the GPU has it) over its launch constants, each checked."""
+    """``step-parallel`` over the parallel update's launch constants, each checked."""
     case = make_case(batch, n_keys, hidden, LLAMA, dev)
     ref = references(case)
-    before = (probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C)
+    before = (index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R)
     rows = []
     try:
-        for block_c, parts, block_k, tail_c in itertools.product((32, 64, 128), (1, 2, 4), (32, 64), (32, 64, 128)):
-            probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C = block_c, parts, block_k, \
-                tail_c
-            call, assign, _ = variants(case)["step-fused-pdl"]
+        for block_c, block_r in itertools.product((32, 64, 128), (16, 32, 64)):
+            index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = block_c, block_r
+            call, assign, _ = variants(case)["step-parallel"]
             with torch.inference_mode():
                 result = call()
-                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "mlp_block_c": block_c, "mlp_parts": parts,
-                       "mlp_block_k": block_k, "parallel_block_c": tail_c,
-                       "graph_us": timer.time_graph_us(call, iters=iters)["median_us"]}
+                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "parallel_block_c": block_c,
+                       "parallel_block_r": block_r, "graph_us": timer.time_graph_us(call, iters=iters)["median_us"]}
                 row.update(check(result, assign, "probe", ref, case))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        probe.MLP_BLOCK_C, probe.MLP_PARTS, probe.MLP_BLOCK_K, index.PARALLEL_BLOCK_C = before
+        index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = before
     return rows
 
 
@@ -222,13 +212,12 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
         lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
                      f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
     if sweep_rows:
-        lines += ["", "## fused step (PDL) over its launch constants", "",
-                  "| batch | keys | MLP_BLOCK_C | MLP_PARTS | MLP_BLOCK_K | PARALLEL_BLOCK_C | graph µs | check |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += ["", "## step-parallel over the parallel update's launch constants", "",
+                  "| batch | keys | PARALLEL_BLOCK_C | PARALLEL_BLOCK_R | graph µs | check |",
+                  "|---:|---:|---:|---:|---:|---|"]
         for r in sorted(sweep_rows, key=lambda r: (r["batch"], r["graph_us"])):
-            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['mlp_block_c']} | {r['mlp_parts']} | "
-                         f"{r['mlp_block_k']} | {r['parallel_block_c']} | {r['graph_us']:.1f} | "
-                         f"{'ok' if r['ok'] else 'FAIL'} |")
+            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['parallel_block_c']} | {r['parallel_block_r']} | "
+                         f"{r['graph_us']:.1f} | {'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -238,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1x131072,8x32768", help="BATCHxKEYS, comma-separated")
     p.add_argument("--hidden", type=int, default=256, help="classifier width (the e2e bench fit's: 256)")
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--sweep", action="store_true", help="also time the fused step over its launch constants")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time step-parallel over the parallel update's launch constants")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:

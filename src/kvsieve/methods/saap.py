@@ -50,6 +50,7 @@ from ..kernels.saap.index import (
     build_assign,
     index_decode_reference,
     index_read_mask,
+    parallel_update,
     tail_end,
 )
 from .shared.exact import compute_dtype, exact_attention
@@ -233,7 +234,7 @@ class SaapArtifacts:
     def probe_weights(self, layer: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The layer's classifier as decoding reads it: BatchNorm folded into the first map, the two weight
         matrices rounded to bfloat16 (:func:`kvsieve.kernels.saap.probe.serve_weights`), on ``device``
-        (built once per device). Both the fused probe and the torch path score with these tensors."""
+        (built once per device). Both the Triton probe and the torch path score with these tensors."""
         key = (layer, "probe", str(device))
         if key not in self._tensors:
             from ..kernels.saap.probe import fold_batchnorm, serve_weights
@@ -304,12 +305,6 @@ class SaapConfig(MethodConfig):
                    "independent: each query head ranks its own")
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "auto: the Triton bucket kernel on CUDA (batched probing), else the torch reference")
-    probe_kernels: Literal["fused", "fused-no-pdl", "split"] = param(
-        "split", "Triton path: split = three launches, the update's serial loop over the centroids in the first "
-                 "(the fastest on an H200: a layer 64 µs against fused's 132 at 128k batch 1); fused = the probe in "
-                 "two launches (the classifier's layers in one, the rank in the other, programmatic dependent "
-                 "launches where the GPU has them) with the index update parallel over the centroids inside them; "
-                 "fused-no-pdl = the same, plain launches")
 
     def __post_init__(self) -> None:
         if not isinstance(self.artifacts, str):
@@ -326,7 +321,6 @@ class SaapConfig(MethodConfig):
             raise ValueError("sink, window: the dense part needs at least one key (sink + window >= 1)")
         require_choice("probing", self.probing, ("batched", "independent"))
         require_choice("backend", self.backend, ("auto", "reference", "triton"))
-        require_choice("probe_kernels", self.probe_kernels, ("fused", "fused-no-pdl", "split"))
         if self.backend == "triton" and self.probing != "batched":
             raise ValueError("backend: the triton kernel probes per KV head; use probing=batched or backend=reference")
 
@@ -497,7 +491,7 @@ class Saap(Method):
             return torch.einsum("bhgd,hcd->bhgc", qg, cent).reshape(b, hq, -1)
         from ..kernels.saap.probe import classifier_logits_reference
 
-        weights = self.artifacts.probe_weights(layer, q.device)  # the fused probe's (bfloat16) weights
+        weights = self.artifacts.probe_weights(layer, q.device)  # the Triton probe's (bfloat16) weights
         models = weights[0].shape[0]
         # Rows of model m: per KV head, the group's queries of every batch row; per query head, its own.
         x = q.view(b, models, -1, d).transpose(0, 1).reshape(models, -1, d)
@@ -528,24 +522,23 @@ class Saap(Method):
         hkv, group = inputs.kv_heads, inputs.group
         probing_heads = hkv if self.config.probing == "batched" else inputs.heads
         lengths = inputs.lengths
-        fused_probe = (backend == "triton" and self.query_scoring == "classifier" and not self.roped
-                       and self.probes > 0)
-        split = self.config.probe_kernels == "split"
-        if not fused_probe:  # else the update runs in the probe's launches
+        device_probe = (backend == "triton" and self.query_scoring == "classifier" and not self.roped
+                        and self.probes > 0)
+        parallel = parallel_update(inputs.batch)  # a host rule on the batch: the step stays capturable
+        if not device_probe:  # else the update runs in the probe's launches
             if backend == "triton":
-                (assign_tail_triton if split else assign_tail_parallel_triton)(*update)
+                (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
             else:
                 assign_tail_reference(*update)
         if self.probes > 0:
-            if fused_probe:  # index update + de-rope + classifier + group sum + top-l (kernels/saap/probe.py)
+            if device_probe:  # index update + de-rope + classifier + group sum + top-l (kernels/saap/probe.py)
                 from ..kernels.saap.probe import probe_scores_triton
 
                 # the query sits at the last visible position: length - 1, the - 1 added in the kernel
                 _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
                     *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
-                    position_offset=-1, tail=update, kernels="split" if split else "fused",
-                    pdl=None if self.config.probe_kernels == "fused" else False)
+                    position_offset=-1, tail=update, parallel_tail=parallel)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
@@ -555,7 +548,7 @@ class Saap(Method):
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
         assign = idx.assign if probing_heads == hkv else idx.assign.repeat_interleave(group, dim=1)
         extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets,
-                 "probe_kernels": self.config.probe_kernels}
+                 "update": "reference" if backend != "triton" else "parallel" if parallel else "serial"}
         if backend == "triton":
             # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
             # from the lengths in the kernel. The kernel's default splits are those of the cache's keys (width 0);
@@ -564,15 +557,14 @@ class Saap(Method):
             extra["merge"] = "fused" if fused else "separate launch"
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
-                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
-                pdl=self.config.probe_kernels == "fused")
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused)
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)
                 return self._stats(inputs, idx, read, backend, extra)
 
             # built on first read: the read mask is O(N) work that a captured step nobody reads would repeat
-            stats = StepStats.deferred(deferred, backend, {**extra, "probe": "fused" if fused_probe else "torch"})
+            stats = StepStats.deferred(deferred, backend, {**extra, "probe": "triton" if device_probe else "torch"})
             return out, stats
         out, read = index_decode_reference(inputs.q, inputs.k, inputs.v, lengths, idx.window, self.config.sink,
                                            assign, buckets, scale=inputs.scale)

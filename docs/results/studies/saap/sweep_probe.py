@@ -1,4 +1,4 @@
-"""SAAP's fused probe alone (``probe_scores_triton``: de-rope, classifier, group softmax, top-ℓ) at
+"""SAAP's probe alone (``probe_scores_triton``: de-rope, classifier, group softmax, top-ℓ) at
 Llama-3.1-8B shapes — 32 query heads, 8 KV heads, d 128, hidden 1024, C = 1024, ℓ = 32, bfloat16 serve
 weights — captured in a CUDA graph on a cold L2 (kvsieve.bench.timing), with its per-kernel profile,
 for each rank-kernel launch shape (``RANK_CHUNK`` buckets a program × ``RANK_WARPS`` warps) the tree

@@ -178,8 +178,6 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 try:
     import triton
     import triton.language as tl
-
-    from ..shared.triton_utils import gdc_wait
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -196,10 +194,7 @@ if triton is not None:
         BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
-        PDL: tl.constexpr,
     ):
-        if PDL:  # launched before the probe's rank launch ends: everything read here may come from it
-            gdc_wait()
         h = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
@@ -382,7 +377,6 @@ def bucket_sparse_decode_triton(
     block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
-    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
@@ -401,16 +395,12 @@ def bucket_sparse_decode_triton(
     ``lo_b = max(sink, L_b − W_b)``, then after the buckets the positions ``[t_lo_b, max(t_lo_b, L_b − W_b))``
     whose ``assign`` is a chosen bucket; CSR keys at or past ``lo_b`` are skipped (the range holds them).
     :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
-    CSR keys of the chosen buckets, the tail not included. ``pdl``: a programmatic dependent launch (where the GPU
-    has it), whose programs wait for the kernel before before they read anything: its start overlaps the end of
-    the probe's rank launch, which lets it launch once its own programs have waited."""
+    CSR keys of the chosen buckets, the tail not included."""
     from ..shared.triton_utils import (
         dot_precision,
         is_interpreted,
         merge_partials,
         next_pow2,
-        pdl_available,
-        pdl_launch,
         workspace,
     )
 
@@ -443,7 +433,6 @@ def bucket_sparse_decode_triton(
         k_ = k.contiguous()
     if v.stride(-1) != 1:
         v_ = v.contiguous()
-    pdl = bool(pdl) and pdl_available()
     lo, hi = dense_range if dense_range is not None else (dense_counts, dense_counts)
     if sliding is not None and dense_range is not None:
         raise ValueError("sliding: SAAP's window is the dense range; give one of sliding and dense_range")
@@ -470,7 +459,7 @@ def bucket_sparse_decode_triton(
         DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,
         GROUP_P=group_p, BLOCK_S=max(16, next_pow2(splits)),
         MERGE_S=max(1, min(32 // group_p, next_pow2(splits))),  # 8 at G = 4: no spill for sm_90
-        PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        num_warps=4,
     )
     if fused_merge:
         return out, lse, counts

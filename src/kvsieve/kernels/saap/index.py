@@ -25,7 +25,8 @@ program per (KV head, block of centroids, block of tail keys) scores its keys ag
 and keeps each key's best of the block; a program per (KV head, key) then takes the best of the blocks. Both
 keep the first index of the largest product, ``torch.argmax``'s choice. The serial loop made the update a chain
 of C / block dependent L2 reads (about 20 µs a layer at C = 1024); the two stages read each centroid once per
-step and finish in one short pass each.
+step and finish in one short pass each. Which one runs is a rule on the batch, known on the host when a step is
+captured (:func:`parallel_update`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ BUILD_CHUNK = 4096
 PARALLEL_BLOCK_C = 64
 #: Tail keys a stage-1 program scores at most (the rows of its dot): a KV head's 32 at batch 8 and the default span.
 PARALLEL_BLOCK_R = 32
+
+
+def parallel_update(batch: int) -> bool:
+    """Whether a step's index update runs parallel over the centroids (else the serial loop): at batch 1 only.
+    On an H200 at Llama-3.1-8B shapes (C = 1024, docs/results/gpu-bench/2026-11-28-h200-saap-probe.md) the
+    parallel update took 18.9 µs against the serial 28.3 at batch 1 and 47.2 against 28.8 at batch 8 (its stage 1
+    reads every tail key once per centroid block); batches 2 to 4 were not measured."""
+    return batch == 1
 
 
 def derope_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor | None,
@@ -150,8 +159,6 @@ def index_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 try:
     import triton
     import triton.language as tl
-
-    from ..shared.triton_utils import gdc_wait
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -215,12 +222,11 @@ if triton is not None:
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, item,
                                D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                               DEROPE: tl.constexpr, WAIT: tl.constexpr):
+                               DEROPE: tl.constexpr):
         """Stage 1 of the parallel update, work item (KV head, centroid block, key block) =
         ``item`` in that order: the tail keys ``r = b·span + u`` of the block (``rows = B·span`` in all) de-roped,
         scored against the block's ``BLOCK_C`` centroids in one float32 dot, each key's best product and its first
-        index written to ``ps``/``pi [Hkv, rows, c_blocks]``. ``WAIT``: the centroids (constant) are read, then the
-        kernel waits for the grid before it (programmatic dependent launch) before it reads the keys."""
+        index written to ``ps``/``pi [Hkv, rows, c_blocks]``."""
         per_head = c_blocks * r_blocks
         h = item // per_head
         cb = (item % per_head) // r_blocks
@@ -230,8 +236,6 @@ if triton is not None:
         c_ok = cc < n_buckets
         cent = tl.load(cent_ptr + (h.to(tl.int64) * n_buckets + cc[:, None]) * D + offs_d[None, :],
                        mask=c_ok[:, None], other=0.0)
-        if WAIT:
-            gdc_wait()
         r = rb * BLOCK_R + tl.arange(0, BLOCK_R)
         r_ok = r < rows
         b = r // span
@@ -281,7 +285,7 @@ if triton is not None:
         """Program ``item``: :func:`assign_partial_program`."""
         assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, tl.program_id(0),
-                               D, HALF, BLOCK_C, BLOCK_R, DEROPE, False)
+                               D, HALF, BLOCK_C, BLOCK_R, DEROPE)
 
     @triton.jit
     def _assign_reduce_kernel(ps_ptr, pi_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, n_buckets, span, rows, c_blocks,

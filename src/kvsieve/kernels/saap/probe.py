@@ -1,6 +1,5 @@
 """SAAP's probe on the device: de-rope the step's queries, run the bucket classifier, sum the group's
-probabilities, take the top-ℓ — two Triton launches (three on the earlier path) where the torch path takes about
-twenty small ops.
+probabilities, take the top-ℓ — three Triton launches where the torch path takes about twenty small ops.
 
 Contract
 --------
@@ -15,23 +14,19 @@ Contract
 
 :func:`probe_scores_reference` is the same computation in torch (float32).
 
-Kernels. The softmax needs a whole row of logits, so the rank is a launch of its own: one program per (batch row,
-KV head, chunk of buckets) computes the softmaxes, their group sum and the ranks of the chunk's buckets (the
-top-ℓ). Before it, ``kernels="fused"`` (the default) runs both layers of the classifier in one launch: one program
-per (model, bucket block, slice of the hidden units) computes its slice of the hidden layer for every row of its
-model and at once that slice's part of the block's logits (``W1'`` slices are read again by each bucket block,
-from L2; the parts are added by the rank kernel). ``kernels="split"`` (the earlier path) runs the hidden layer as a
-launch of its own (one program per (model, hidden block), the result through memory) and then the logits. Dots run
-in IEEE float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ.
+Kernels. The hidden layer (one program per (model, hidden block), the result through memory), the logits (one
+program per (model, bucket block, slice of the hidden units)), then the rank: the softmax needs a whole row of
+logits, so one program per (batch row, KV head, chunk of buckets) computes the softmaxes, their group sum and the
+ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32: TF32 rounding moved near-tied buckets in and
+out of the top-ℓ.
 
 SAAP's index update (``tail``) rides in these launches, work the probe does not depend on, so a decode step
-costs no launch of its own for it: on the fused path the parallel update's two stages
-(:func:`kvsieve.kernels.saap.index.assign_partial_program` in the first launch,
-:func:`~kvsieve.kernels.saap.index.assign_reduce_program` in the rank launch); on the split path the serial update
-(:func:`~kvsieve.kernels.saap.index.assign_tail_program`) as extra programs of the first launch, which then lasted
-as long as its C / 128 dependent centroid reads (24 µs a layer measured end to end at 128k, H200). On GPUs with
-programmatic dependent launch the fused path's launches start before the kernel before them ends: the first
-reads its weights and centroids, then waits (``gdc_wait``) for the queries and keys.
+costs no launch of its own for it. Which update runs is a host rule on the batch
+(:func:`kvsieve.kernels.saap.index.parallel_update`): at batch 1 the parallel update's two stages
+(:func:`~kvsieve.kernels.saap.index.assign_partial_program` as extra programs of the hidden-layer launch,
+:func:`~kvsieve.kernels.saap.index.assign_reduce_program` of the rank launch); at larger batches the serial update
+(:func:`~kvsieve.kernels.saap.index.assign_tail_program`) as extra programs of the hidden-layer launch, which then
+lasts as long as its C / 128 dependent centroid reads (24 µs a layer measured end to end at 128k, H200).
 
 Weights at serve time (:func:`serve_weights`): ``W1'`` and ``W2`` in bfloat16, biases in float32. ``W2``
 (``M·H·C``, 8 × 1024 × 1024 at Llama-3.1-8B shapes) is the largest read of a decode step at 32k keys:
@@ -50,7 +45,6 @@ try:
     import triton
     import triton.language as tl
 
-    from ..shared.triton_utils import gdc_launch_dependents, gdc_wait
     from .index import assign_partial_program, assign_reduce_program, assign_tail_program
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
@@ -69,13 +63,6 @@ RANK_WARPS = 4
 # as the [64, d] one at 4 warps.
 TAIL_BLOCK_C = 128
 TAIL_WARPS = 8
-# The fused classifier launch (``kernels="fused"``): program = (model, MLP_BLOCK_C buckets, one of MLP_PARTS
-# slices of the hidden units, MLP_BLOCK_K units at a time). At Llama-3.1-8B shapes with the bench's hidden 256:
-# 8 × 16 × 4 = 512 programs, each reading a 128 × 64 slice of W1' (16 KB, again by each bucket block: 8 MB from L2
-# a layer) and a 64 × 64 tile of W2 (8 KB).
-MLP_BLOCK_C = 64
-MLP_BLOCK_K = 64
-MLP_PARTS = 4
 
 
 def fold_batchnorm(w1, b1, w2, b2, running_mean, running_var, gamma, beta, eps: float):
@@ -194,7 +181,7 @@ if triton is not None:
                        TAIL: tl.constexpr, T_D: tl.constexpr, T_HALF: tl.constexpr, T_BLOCK_C: tl.constexpr,
                        T_DEROPE: tl.constexpr):
         """Programs ``[0, hidden_programs)``: :func:`_hidden_block` of model ``pid // h_blocks`` and hidden block
-        ``pid % h_blocks``. With ``TAIL`` the programs after them are the index update's work items
+        ``pid % h_blocks``. With ``TAIL`` the programs after them are the serial index update's work items
         (:func:`kvsieve.kernels.saap.index.assign_tail_program`, the ``t*`` arguments): the keys leaving the
         window join their buckets in this launch, one launch fewer per step."""
         pid = tl.program_id(0)
@@ -207,6 +194,26 @@ if triton is not None:
             else:
                 _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb,
                               s_qh, pos_offset, pid // h_blocks, pid % h_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
+        else:
+            _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
+                          pos_offset, pid // h_blocks, pid % h_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
+
+    @triton.jit
+    def _hidden_partial_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb,
+                               s_qh, pos_offset, h_blocks, hidden_programs,
+                               tk_ptr, tc_ptr, tf_ptr, tps_ptr, tpi_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling,
+                               t_buckets, t_span, t_rows, t_c_blocks, t_r_blocks, t_skb, t_skh, t_skn,
+                               HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr,
+                               BLOCK_H: tl.constexpr, T_D: tl.constexpr, T_HALF: tl.constexpr,
+                               T_BLOCK_C: tl.constexpr, T_BLOCK_R: tl.constexpr, T_DEROPE: tl.constexpr):
+        """:func:`_hidden_kernel` with the parallel update's first stage as the programs after the hidden ones
+        (:func:`kvsieve.kernels.saap.index.assign_partial_program`, the ``t*`` arguments); its second stage runs in
+        the rank launch."""
+        pid = tl.program_id(0)
+        if pid >= hidden_programs:
+            assign_partial_program(tk_ptr, tc_ptr, tf_ptr, tps_ptr, tpi_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling,
+                                   t_buckets, t_span, t_rows, t_c_blocks, t_r_blocks, t_skb, t_skh, t_skn,
+                                   pid - hidden_programs, T_D, T_HALF, T_BLOCK_C, T_BLOCK_R, T_DEROPE)
         else:
             _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
                           pos_offset, pid // h_blocks, pid % h_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
@@ -274,78 +281,11 @@ if triton is not None:
                  mask=r_ok[:, None] & c_ok[None, :])
 
     @triton.jit
-    def _mlp_program(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, scaling, rows, per, hidden,
-                     buckets, models, k_per, s_qb, s_qh, pos_offset, c_blocks, parts, pid,
-                     HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_C: tl.constexpr, W_BF16: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
-        """Program ``pid`` = (model, bucket block, slice of the hidden units): the slice's hidden units of every row
-        of the model (:func:`_hidden_tile`, ``BLOCK_K`` at a time) and at once their part of the block's logits
-        (:func:`_logits_acc`), written as :func:`_logits_kernel` writes it. The hidden slice is computed again by
-        each bucket block (``W1'`` read ``C / BLOCK_C`` times, from L2 after the first): no launch and no
-        round trip through memory between the two layers. ``PDL``: the first weights are read before the kernel
-        waits for the grid before it (they are constant)."""
-        m = pid // (c_blocks * parts)
-        offs_c = ((pid // parts) % c_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
-        part = pid % parts
-        c_ok = offs_c < buckets
-        k_lo = part * k_per
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        w_top, w_bot, bias = _w1_block(w1_ptr, b1_ptr, m, offs_k, hidden, HALF, HALF_P)
-        w2_rows = w2_ptr + m * hidden * buckets + offs_c[None, :]
-        wb = tl.load(w2_rows + offs_k[:, None] * buckets, mask=(offs_k < hidden)[:, None] & c_ok[None, :], other=0.0)
-        if PDL:  # the rank launch may start (it waits for this grid); the queries come from the kernels before
-            gdc_launch_dependents()
-            gdc_wait()
-        x1, x2 = _query_rows(q_ptr, pos_ptr, freq_ptr, scaling, rows, per, s_qb, s_qh, pos_offset, m, HALF, HALF_P,
-                             BLOCK_R)
-        acc = _logits_acc(_hidden_tile(x1, x2, w_top, w_bot, bias), wb,
-                          tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32), W_BF16, DOT_F32)
-        for k0 in range(k_lo + BLOCK_K, tl.minimum(k_lo + k_per, hidden), BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w_top, w_bot, bias = _w1_block(w1_ptr, b1_ptr, m, offs_k, hidden, HALF, HALF_P)
-            wb = tl.load(w2_rows + offs_k[:, None] * buckets, mask=(offs_k < hidden)[:, None] & c_ok[None, :],
-                         other=0.0)
-            acc = _logits_acc(_hidden_tile(x1, x2, w_top, w_bot, bias), wb, acc, W_BF16, DOT_F32)
-        if part == 0:
-            acc += tl.load(b2_ptr + m * buckets + offs_c, mask=c_ok, other=0.0)[None, :]
-        offs_r = tl.arange(0, BLOCK_R)
-        tl.store(out_ptr + ((part * models + m) * rows + offs_r[:, None]) * buckets + offs_c[None, :], acc,
-                 mask=(offs_r < rows)[:, None] & c_ok[None, :])
-
-    @triton.jit
-    def _probe_mlp_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, scaling, rows, per,
-                          hidden, buckets, models, k_per, s_qb, s_qh, pos_offset, c_blocks, parts, mlp_programs,
-                          tk_ptr, tc_ptr, tf_ptr, tps_ptr, tpi_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling, t_buckets,
-                          t_span, t_rows, t_c_blocks, t_r_blocks, t_skb, t_skh, t_skn,
-                          HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_C: tl.constexpr, W_BF16: tl.constexpr, DOT_F32: tl.constexpr, TAIL: tl.constexpr,
-                          T_D: tl.constexpr, T_HALF: tl.constexpr, T_BLOCK_C: tl.constexpr, T_BLOCK_R: tl.constexpr,
-                          T_DEROPE: tl.constexpr, PDL: tl.constexpr):
-        """The classifier's two layers in one launch: programs ``[0, mlp_programs)`` :func:`_mlp_program`; with
-        ``TAIL`` the programs after them the parallel index update's first stage
-        (:func:`kvsieve.kernels.saap.index.assign_partial_program`, the ``t*`` arguments), whose second stage runs
-        in the rank launch."""
-        pid = tl.program_id(0)
-        if TAIL:
-            if pid >= mlp_programs:
-                assign_partial_program(tk_ptr, tc_ptr, tf_ptr, tps_ptr, tpi_ptr, tlo_ptr, tlen_ptr, twin_ptr,
-                                       t_scaling, t_buckets, t_span, t_rows, t_c_blocks, t_r_blocks, t_skb, t_skh,
-                                       t_skn, pid - mlp_programs, T_D, T_HALF, T_BLOCK_C, T_BLOCK_R, T_DEROPE, PDL)
-            else:
-                _mlp_program(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, scaling, rows, per,
-                             hidden, buckets, models, k_per, s_qb, s_qh, pos_offset, c_blocks, parts, pid,
-                             HALF, HALF_P, BLOCK_R, BLOCK_K, BLOCK_C, W_BF16, DOT_F32, PDL)
-        else:
-            _mlp_program(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, w2_ptr, b2_ptr, out_ptr, scaling, rows, per,
-                         hidden, buckets, models, k_per, s_qb, s_qh, pos_offset, c_blocks, parts, pid,
-                         HALF, HALF_P, BLOCK_R, BLOCK_K, BLOCK_C, W_BF16, DOT_F32, PDL)
-
-    @triton.jit
     def _group_rank_kernel(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks,
                            rank_programs, rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets,
                            r_span, r_rows, r_c_blocks, r_sab, r_sah,
                            GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
-                           TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr, PDL: tl.constexpr):
+                           TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr):
         """Programs ``[0, rank_programs)``, (row·Hkv + KV head, chunk) = ``divmod(pid, chunks)``:
         ``scores[b, h, chunk] = Σ_g softmax(logits of query head h·G + g
         of row b)`` over the chunk's ``CHUNK`` buckets, the logits the sum of the logits kernel's ``PARTS``
@@ -356,11 +296,7 @@ if triton is not None:
         (row, KV head) computes all C scores with the same code, so all agree on them to the bit, and
         takes its chunk's scores out of that vector (``tl.gather``) rather than computing them again. With
         ``TAIL`` the programs after them are the parallel index update's second stage
-        (:func:`kvsieve.kernels.saap.index.assign_reduce_program`, the ``r*`` arguments). ``PDL``: launched
-        early, the kernel waits for the grid before it first, then lets the next launch start."""
-        if PDL:  # then the bucket kernel may launch: it waits for this grid before it reads anything
-            gdc_wait()
-            gdc_launch_dependents()
+        (:func:`kvsieve.kernels.saap.index.assign_reduce_program`, the ``r*`` arguments)."""
         pid = tl.program_id(0)
         if TAIL:
             if pid >= rank_programs:
@@ -416,28 +352,22 @@ def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0, tail: tuple | None = None,
-                        kernels: str = "fused", pdl: bool | None = None
-                        ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`probe_scores_reference` in Triton launches (see the module docstring). With
+                        parallel_tail: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
     first; the bucket kernel takes them in any order). The queries sit at ``positions +
     position_offset`` (added in the kernel: SAAP passes the lengths and -1, no launch for the sum).
     Weights as :func:`serve_weights` gives them (bfloat16 ``w1``, ``w2``) or float32. ``tail``: the arguments of
     :func:`kvsieve.kernels.saap.index.assign_tail_triton` (``assign, k, t_lo, lengths, window, span, centroids,
-    inv_freq, scaling``), whose update then runs inside the probe's launches.
-
-    ``kernels``: ``"fused"`` — two launches, the classifier's two layers in one (:func:`_mlp_program`) with the
-    update's first stage, then the group softmax and top-ℓ with its second stage (the parallel update of
-    :mod:`kvsieve.kernels.saap.index`); ``"split"`` — three launches (hidden layer with the serial update,
-    logits, rank). ``pdl`` (``"fused"`` only; default: where the GPU has it): both launches programmatic dependent
-    launches, the weights read before waiting for the kernels before."""
-    from ..shared.triton_utils import kernels_interpreted, next_pow2, pdl_available, pdl_launch
+    inv_freq, scaling``), whose update then runs inside the probe's launches: the parallel one where
+    ``parallel_tail`` (default :func:`kvsieve.kernels.saap.index.parallel_update` of the keys' batch), else the
+    serial one."""
+    from ..shared.triton_utils import kernels_interpreted, next_pow2
+    from .index import parallel_tail_args, parallel_update, tail_launch_args
 
     if triton is None:
         raise RuntimeError("probe_scores_triton needs triton")
-    if kernels not in ("fused", "split"):
-        raise ValueError(f"kernels: expected 'fused' or 'split', got {kernels!r}")
     b, hq, d = q.shape
     models, _, hidden = w1.shape
     buckets = w2.shape[-1]
@@ -458,60 +388,41 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     common = dict(HALF=half, HALF_P=max(16, next_pow2(half)), BLOCK_R=block_r)
     query = (q, positions, inv_freq)
     # The logits GEMV reads all of W2 (16.8 MB in bfloat16 at Llama-3.1-8B shapes, hidden 1024): its speed is the
-    # bytes in flight. The hidden units are cut in `parts` slices (the rank kernel adds the parts up): 8 models ×
-    # 16 blocks of 64 buckets × 4 = 512 programs at C = 1024, four per H100 SM (before: 128 programs, one per SM,
-    # 16 KB in flight each: 1.1 TB/s measured).
-    if kernels == "fused":
-        block_c, block_k = min(MLP_BLOCK_C, max(16, next_pow2(buckets))), MLP_BLOCK_K
-        parts = max(1, min(MLP_PARTS, triton.cdiv(hidden, block_k)))
-    else:
-        block_c, block_k = (64 if w_bf16 else 32), 32
-        parts = max(1, min(4, triton.cdiv(hidden, block_k)))
+    # bytes in flight. The hidden units are cut in `parts` slices (the rank kernel adds the parts up).
+    block_c, block_k = (64 if w_bf16 else 32), 32
+    parts = max(1, min(4, triton.cdiv(hidden, block_k)))
     k_per = triton.cdiv(triton.cdiv(hidden, parts), block_k) * block_k
     parts = triton.cdiv(hidden, k_per)
     logits = torch.empty(parts, models, rows, buckets, device=dev, dtype=torch.float32)
     c_blocks = triton.cdiv(buckets, block_c)
     reduce_args, reduce_meta, reduce_items = (q,) * 6 + (1,) * 6, dict(BLOCKS_P=16), 0
-    if kernels == "fused":
-        from .index import parallel_tail_args
-
-        pdl = pdl_available() if pdl is None else bool(pdl) and pdl_available()
-        if tail is None:
-            t_args, t_meta, t_items = (q,) * 8 + (1.0,) + (1,) * 8, dict(D=16, HALF=8, BLOCK_C=16, BLOCK_R=16,
-                                                                          DEROPE=False), 0
-        else:
-            t = parallel_tail_args(*tail)
-            t_args, t_meta, t_items = t.partial_args, t.partial_meta, t.partial_items
-            reduce_args, reduce_meta, reduce_items = t.reduce_args, t.reduce_meta, t.reduce_items
-        mlp_programs = models * c_blocks * parts
-        _probe_mlp_kernel[(mlp_programs + t_items,)](
-            *query, w1, b1, w2, b2, logits, float(scaling), rows, per, hidden, buckets, models, k_per, q.stride(0),
-            q.stride(1), int(position_offset), c_blocks, parts, mlp_programs, *t_args, **common, BLOCK_K=block_k,
-            BLOCK_C=block_c, W_BF16=w_bf16, DOT_F32=dot_f32, TAIL=tail is not None,
-            **{f"T_{k}": v for k, v in t_meta.items()}, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
+    # 64 hidden units per program: 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound: 2 MB of
+    # W1); 32 units (256 programs) measured slower on the H100 and the H200
+    # (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md)
+    block_h = 64
+    h_blocks = triton.cdiv(hidden, block_h)
+    hidden_programs = models * h_blocks
+    hidden_args = (*query, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
+                   int(position_offset), h_blocks, hidden_programs)
+    if tail is not None and (parallel_update(tail[1].shape[0]) if parallel_tail is None else parallel_tail):
+        t = parallel_tail_args(*tail)
+        reduce_args, reduce_meta, reduce_items = t.reduce_args, t.reduce_meta, t.reduce_items
+        _hidden_partial_kernel[(hidden_programs + t.partial_items,)](
+            *hidden_args, *t.partial_args, **common, BLOCK_H=block_h,
+            **{f"T_{k}": v for k, v in t.partial_meta.items()}, num_warps=4)
     else:
-        from .index import tail_launch_args
-
-        pdl = False
-        hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
-        # 64 hidden units per program: 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound: 2 MB of
-        # W1); 32 units (256 programs) measured slower on the H100 and the H200
-        # (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md)
-        block_h = 64
-        h_blocks = triton.cdiv(hidden, block_h)
-        hidden_programs = models * h_blocks
         if tail is None:
             t_args, t_meta, items = (q,) * 7 + (1.0,) + (1,) * 8, dict(D=16, HALF=8, BLOCK_C=16, DEROPE=False), 0
         else:
             t_args, t_meta, items = tail_launch_args(*tail, block_c=TAIL_BLOCK_C)
         _hidden_kernel[(hidden_programs + items,)](
-            *query, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1), int(position_offset),
-            h_blocks, hidden_programs, *t_args, **common, BLOCK_H=block_h, TAIL=tail is not None,
+            *hidden_args, *t_args, **common, BLOCK_H=block_h, TAIL=tail is not None,
             **{f"T_{k}": v for k, v in t_meta.items()}, num_warps=4 if tail is None else TAIL_WARPS)
-        # 64 buckets (128 bytes of a bfloat16 W2 row) a program, each streaming a 256 × 64 slice of W2 in 32-row tiles
-        _logits_kernel[(models, c_blocks, parts)](
-            hid, w2, b2, logits, rows, hidden, buckets, k_per, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_C=block_c,
-            W_BF16=w_bf16, DOT_F32=dot_f32, num_warps=4, num_stages=4)
+    # 64 buckets (128 bytes of a bfloat16 W2 row) a program, each streaming a 256 × 64 slice of W2 in 32-row tiles
+    _logits_kernel[(models, c_blocks, parts)](
+        hid, w2, b2, logits, rows, hidden, buckets, k_per, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_C=block_c,
+        W_BF16=w_bf16, DOT_F32=dot_f32, num_warps=4, num_stages=4)
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     block_c = max(16, next_pow2(buckets))
@@ -521,6 +432,5 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     _group_rank_kernel[(rank_programs + reduce_items,)](
         logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
         *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, PARTS=parts, TOP=probes > 0,
-        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, PDL=pdl, num_warps=RANK_WARPS,
-        **pdl_launch(pdl))
+        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
