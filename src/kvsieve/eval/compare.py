@@ -9,7 +9,6 @@ Two methods evaluated on the same prompts are compared prompt by prompt: the mea
 from __future__ import annotations
 
 import math
-
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
