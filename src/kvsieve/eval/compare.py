@@ -76,8 +76,8 @@ def compare_methods(rows: Sequence[dict[str, Any]], a: str, b: str, *,
                 continue
             xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
             delta, lo, hi = paired_delta_ci(xs, ys, seed=seed)
-            row[metric] = {"a": math.fsum(xs) / len(xs), "b": math.fsum(ys) / len(ys), "delta": delta, "lo": lo, "hi": hi,
-                           "n": len(pairs)}
+            row[metric] = {"a": math.fsum(xs) / len(xs), "b": math.fsum(ys) / len(ys), "delta": delta, "lo": lo,
+                           "hi": hi, "n": len(pairs)}
         out.append(row)
     if not out:
         raise ValueError(f"compare: {a!r} and {b!r} share no prompt (task, length, sample) in this folder")
