@@ -522,7 +522,7 @@ for seed, (b, ql, hkv, g, n, d, dtype, s, tile, draws, dev_counter) in enumerate
         out, counts, budgets, n_feat = bernoulli_prop_triton(q, kt_run, v_rows, lens, d ** -0.5, draws, s, tile, key,
                                                              99, rounding=rounding, rows_per_batch=ql,
                                                              write_counts=True, block_n=16, stats_programs=3,
-                                                             stats_loop="{loop}", **extra)
+                                                             **extra)
         if "append" in extra:
             assert torch.equal(kt_half[..., :n], kt[..., :n]), "the draw launch's append differs from update"
             rows_seen |= set((n_feat > d // 2).reshape(-1).tolist())
@@ -542,32 +542,30 @@ print("WORST", worst)
 """
 
 
-def _run_decode_cases(device: str, interpret: bool, loop: str) -> tuple[int, dict]:
+def _run_decode_cases(device: str, interpret: bool) -> tuple[int, dict]:
     import ast
 
-    out = run_script(DECODE_CASES, device, interpret, loop=loop)
+    out = run_script(DECODE_CASES, device, interpret)
     return int(out.split("FLIPS")[-1].split()[0]), ast.literal_eval(out.split("WORST")[-1].strip())
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("loop", ["tiles", "stream"])
-def test_fused_decode_path_matches_its_reference_under_the_interpreter(loop):
+def test_fused_decode_path_matches_its_reference_under_the_interpreter():
     """Same features kept (the draw kernel reads the reference's uniforms), same tile budgets and
     counts (float32 scores against float64: no boundary flip on these cases), output to the output
     dtype's rounding; multi-row calls, a device step counter in the key, ragged rows; K read from the
     feature-major copy, from the cache's rows (every unit, or those above half the features), and the copy
     brought up to date by the draw launch itself."""
     pytest.importorskip("triton")
-    flips, worst = _run_decode_cases("cpu", True, loop)
+    flips, worst = _run_decode_cases("cpu", True)
     assert flips == 0
     assert worst["torch.float32"] < 1e-5 and worst["torch.float16"] < 2e-3, worst
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("loop", ["tiles", "stream"])
-def test_fused_decode_path_matches_its_reference_on_the_gpu(loop):
-    flips, worst = _run_decode_cases("cuda", False, loop)
+def test_fused_decode_path_matches_its_reference_on_the_gpu():
+    flips, worst = _run_decode_cases("cuda", False)
     assert flips <= 4, flips  # float32 scores against float64 may move a floor boundary (4 runs per case)
     assert worst["torch.float32"] < 1e-4 and worst["torch.float16"] < 3e-3, worst
 
@@ -640,13 +638,11 @@ ptrs = dict(q_ptr="*bf16", lens_ptr="*i32", words_ptr="*i64", qest_ptr="*fp32", 
             l_ptr="*fp32", stash_ptr="*fp32")
 for append in (False, True):
     compile_(bd._mean_group_draw_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, ROW_WORDS=True, STREAM=5, APPEND=append,
-                                                   COMPACT_Q=append, PDL=True),
-             floats=("norm_factor",))
+                                                   PDL=True), floats=("norm_factor",))
     print("draw", append)
 for split in (False, True):
-    for stream in (False, True):
-        compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16,
-                                                            SPLIT=split, STREAM=stream, PDL=True), floats=("scale",))
+    compile_(bd._feature_major_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16,
+                                                        SPLIT=split, PDL=True), floats=("scale",))
     compile_(bd._row_stats_kernel, ptrs, dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=64, SPLIT=split, PDL=True),
              floats=("scale",))
     print("stats", split)
@@ -662,13 +658,16 @@ pointers = dict(qest_ptr="*fp32", kt_ptr="*bf16", idx_ptr="*i32", nfeat_ptr="*i3
                 l_ptr="*fp32", stash_ptr="*fp32")
 # what a launch specialises: 16-byte aligned tensors, and the capacity and kT's strides multiples of 16 (reserve)
 aligned = set(pointers) | {"capacity", "s_kt_b", "s_kt_h", "s_kt_f"}
-for stream in (False, True):
-    meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=256, FB=16, SPLIT=True, STREAM=stream, PDL=True)
-    asm = compile_(bd._feature_major_stats_kernel, pointers, meta, floats=("scale",), aligned=aligned).asm
+_, stages, block, default_fb = bd.STATS_LAUNCH
+for fb in sorted({16, default_fb}):  # 16 features per step, and the default launch's
+    meta = dict(G=4, BLOCK_G=16, D=128, TILE=256, BLOCK_N=block, FB=fb, SPLIT=True, PDL=True)
+    asm = compile_(bd._feature_major_stats_kernel, pointers, meta, floats=("scale",), num_stages=stages,
+                   aligned=aligned).asm
     wide = re.findall(r"cp[.]async[.]cg|ld[.]global[.]v4", asm["ptx"])
     # the K blocks the pipeline keeps in flight: the leading dimension of the K block's shared-memory buffer
-    kbuf = max(map(int, re.findall(r"local_alloc : [(][)] -> !ttg.memdesc<(\\d+)x16x256xbf16", asm["ttgir"])))
-    print("STREAM", stream, "B16", len(re.findall(r"ld[.]global[.]b16", asm["ptx"])), "WIDE", len(wide), "KBUF", kbuf)
+    kbuf = re.findall(rf"local_alloc : [(][)] -> !ttg.memdesc<(\\d+)x{fb}x{block}xbf16", asm["ttgir"])
+    print("FB", fb, "STAGES", stages, "B16", len(re.findall(r"ld[.]global[.]b16", asm["ptx"])), "WIDE", len(wide),
+          "KBUF", max(map(int, kbuf), default=0))
 print("COMPILED")
 """
 
@@ -677,17 +676,19 @@ print("COMPILED")
 def test_feature_major_stats_kernel_reads_feature_rows_in_16_byte_vectors():
     """The feature rows are masked by kT's capacity (a multiple of 16), not by the row length: a length mask on the
     contiguous key axis compiles the K loads to 2-byte loads (measured: the stats pass at ~1.4 TB/s end to end).
-    The streamed loop's K loads do not wait on a load of the feature list in the loop, so at 3 pipeline stages
-    two [16, 256] K blocks are in flight (the nested loop's list load takes a stage: one)."""
+    The K loads do not wait on a load of the feature list in the loop, so at the default launch's pipeline stages
+    all but one stage keep a K block in flight (a list load in the loop would take one of them), at 16 features
+    per step and at the default launch's."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 
     out = compile_for_sm90(VECTOR_LOADS)
-    for line in out.splitlines()[:-1]:
-        b16, wide, kbuf = (int(line.split(tag)[1].split()[0]) for tag in ("B16", "WIDE", "KBUF"))
+    lines = out.splitlines()[:-1]
+    for line in lines:
+        b16, wide, kbuf, stages = (int(line.split(tag)[1].split()[0]) for tag in ("B16", "WIDE", "KBUF", "STAGES"))
         assert b16 == 0 and wide > 0, out
-        assert kbuf >= (2 if "STREAM True" in line else 1), out
-    assert out.count("STREAM") == 2, out
+        assert kbuf >= stages - 1 >= 2, out
+    assert len(lines) == 2 and out.count("FB 16 ") == 1, out
 
 
 @pytest.mark.triton

@@ -7,16 +7,14 @@ and 32k batch 8, each call captured in a CUDA graph and replayed with a cold L2 
 - ``dense``: our dense decode kernel (reads K and V);
 - ``method:santa-prop`` and ``method:bernoulli``: ``m.decode`` as the runtime's captured step calls it (state
   kept, host key, ``count_reads=False``), Bernoulli at the end-to-end spec (mean-group, draws 8, S = 128);
-  ``method:bernoulli-tiles`` the same with the nested ("tiles") stats loop the method took before;
-- ``kernel:bernoulli``: ``bernoulli_prop_triton`` alone with the nested loop (the same draws), its output checked in
+- ``kernel:bernoulli``: ``bernoulli_prop_triton`` alone at its default launch (the same draws), its output checked in
   the same run against the float64 reference fed the kernels' uniforms (features kept equal, tile budgets and
   counts equal up to rare float32 floor flips, output error); ``kernel:bernoulli-fm-only`` without the cache rows
   (no row stats launch: every unit on the feature-major copy), what that launch costs where no unit needs it;
-- ``kernel:bernoulli-stream-P<programs>-s<stages>[-fb<FB>][-n<block>][-w<warps>]``: the same with
-  ``stats_loop="stream"`` (the feature-major stats in one flat pipelined loop, ``decode.py``'s
-  ``stream_stats``) at a sweep of launch shapes, each checked against the reference as above
-  (``checks``), beside the nested loop's ``kernel:bernoulli`` (``stats_loop="tiles"``; "stream" at
-  :data:`STATS_LAUNCH` is the default);
+- ``kernel:bernoulli-P<programs>-s<stages>[-fb<FB>][-n<block>][-w<warps>]``: the same at a sweep of the
+  feature-major stats launch's shapes (``decode.py``'s ``stream_stats``: one flat pipelined loop per program),
+  each checked against the reference as above (``checks``), beside ``kernel:bernoulli`` at
+  :data:`STATS_LAUNCH`;
 
 with each variant's per-kernel device µs (``ColdL2Timer.kernel_breakdown``; PDL-launched kernels include their
 wait), the fraction of K's features the draws kept (the K bytes the feature-major stats pass must read), the
@@ -31,12 +29,10 @@ Writes ``e2e_layer.json`` and ``.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
 from pathlib import Path
-from unittest import mock
 
 if "--check" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -49,7 +45,6 @@ import kvsieve  # noqa: E402
 from kvsieve.bench.decode import VARIANTS, Case, Inputs  # noqa: E402
 from kvsieve.core.context import CallContext  # noqa: E402
 from kvsieve.core.rng import RandomKey  # noqa: E402
-from kvsieve.kernels.bernoulli import decode as bernoulli_decode  # noqa: E402
 from kvsieve.kernels.bernoulli.decode import (  # noqa: E402
     bernoulli_prop_reference,
     bernoulli_prop_triton,
@@ -59,13 +54,13 @@ from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys  # noqa: E4
 from kvsieve.kernels.santa.reference import auto_tile_size  # noqa: E402
 
 BUDGET, DRAWS, SEED = 128, 8, 11
-# the streamed stats loop's launch shapes timed beside the nested loop: (programs, stages, features per step,
+# the stats launch's shapes timed beside its default (STATS_LAUNCH): (programs, stages, features per step,
 # keys per sub-block, warps). Registers and shared memory (ptxas for sm_90) give the programs an SM holds: 4 at 256
 # keys and 3-5 stages (128 registers; 53 KB at 5 stages), 3 at 6 stages (62 KB), 5 at 128 keys and 8 stages (93
 # registers, 44 KB), 3 with 32 features per step (168 registers); 132 SMs times that is one wave.
-STREAM_SWEEP = ((528, 5, 16, 256, 4), (1056, 5, 16, 256, 4), (2112, 5, 16, 256, 4), (528, 4, 16, 256, 4),
+LAUNCH_SWEEP = ((528, 5, 16, 256, 4), (1056, 5, 16, 256, 4), (2112, 5, 16, 256, 4), (528, 4, 16, 256, 4),
                 (528, 3, 16, 256, 4), (1056, 3, 16, 256, 4), (396, 6, 16, 256, 4), (660, 8, 16, 128, 4),
-                (1320, 8, 16, 128, 4), (396, 3, 32, 256, 4), (4224, 5, 16, 256, 4))
+                (1320, 8, 16, 128, 4), (4224, 5, 16, 256, 4))
 CHECK_SWEEP = ((3, 3, 16, 16, 4), (1, 3, 32, 32, 4))
 SPECS = {"method:santa-prop": f"santa-prop:budget={BUDGET}",
          "method:bernoulli": f"bernoulli-qk:query=mean-group,values=santa-prop,budget={BUDGET},draws={DRAWS}"}
@@ -81,31 +76,19 @@ def _method_call(x: Inputs, spec: str):
     return lambda: m.decode(x.q, x.k, x.v, lengths=x.lens, seed=key, state=state, context=ctx, check_finite=False)[0]
 
 
-def _method_tiles_call(x: Inputs, spec: str):
-    """``_method_call`` with the kernel path's stats on the nested loop: the method takes ``bernoulli_prop_triton``
-    from its module at each call, so the call runs (and is captured) with it replaced."""
-    inner = _method_call(x, spec)
-    streamed = functools.partial(bernoulli_prop_triton, stats_loop="tiles")
-
-    def call():
-        with mock.patch.object(bernoulli_decode, "bernoulli_prop_triton", streamed):
-            return inner()
-    return call
-
-
 def _kernel_call(x: Inputs, kt, tile: int, opts: dict, write_counts: bool = False, rows: bool = True):
     return lambda: bernoulli_prop_triton(x.q, kt, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED), SEED,
                                          write_counts=write_counts, k=x.k if rows else None, **opts)
 
 
-def _stream_variants(check_mode: bool) -> dict:
-    """``{name: bernoulli_prop_triton options}`` of the streamed stats loop's sweep."""
+def _launch_variants(check_mode: bool) -> dict:
+    """``{name: bernoulli_prop_triton options}`` of the stats launch's sweep."""
     variants = {}
-    for programs, stages, fb, block, warps in CHECK_SWEEP if check_mode else STREAM_SWEEP:
-        name = f"kernel:bernoulli-stream-P{programs}-s{stages}" + (f"-fb{fb}" if fb != 16 else "") + \
+    for programs, stages, fb, block, warps in CHECK_SWEEP if check_mode else LAUNCH_SWEEP:
+        name = f"kernel:bernoulli-P{programs}-s{stages}" + (f"-fb{fb}" if fb != 16 else "") + \
             (f"-n{block}" if block != 256 else "") + (f"-w{warps}" if warps != 4 else "")
-        variants[name] = {"stats_loop": "stream", "stats_programs": programs, "stats_stages": stages,
-                          "feature_block": fb, "block_n": block, "stats_warps": warps}
+        variants[name] = {"stats_programs": programs, "stats_stages": stages, "feature_block": fb, "block_n": block,
+                          "stats_warps": warps}
     return variants
 
 
@@ -137,19 +120,17 @@ def run_case(label: str, n: int, batch: int, check_mode: bool) -> dict:
     heads, kv_heads, d = (8, 2, 64) if check_mode else (32, 8, 128)
     x = Inputs(Case("llama-3.1-8b", heads, kv_heads, d, n, batch), dtype, SEED, device=device, attention="peaked")
     tile = 64 if check_mode else auto_tile_size(n)
-    opts = {"stats_loop": "tiles", **({"block_n": 16, "stats_programs": 3} if check_mode else {})}
+    opts = {"block_n": 16, "stats_programs": 3} if check_mode else {}
     kt = FeatureMajorKeys().update(x.k, x.lens)
     ref = bernoulli_prop_reference(x.q, x.k, x.v, x.lens, x.scale, DRAWS, BUDGET, tile, RandomKey(SEED), SEED)
-    stream = {name: {**opts, **extra} for name, extra in _stream_variants(check_mode).items()}
+    sweep = _launch_variants(check_mode)
     result = {"case": label, "n": n, "batch": batch, "tile": tile, "check": _check(x, kt, tile, opts, ref),
-              "checks": {name: _check(x, kt, tile, o, ref) for name, o in stream.items()},
-              "launch": {name: o for name, o in stream.items()}}
+              "checks": {name: _check(x, kt, tile, o, ref) for name, o in sweep.items()}, "launch": sweep}
     calls = {"dense": VARIANTS["dense"].make(x, None, SEED)[0],
              **{name: _method_call(x, spec) for name, spec in SPECS.items()},
-             "method:bernoulli-tiles": _method_tiles_call(x, SPECS["method:bernoulli"]),
              "kernel:bernoulli": _kernel_call(x, kt, tile, opts),
              "kernel:bernoulli-fm-only": _kernel_call(x, kt, tile, opts, rows=False),
-             **{name: _kernel_call(x, kt, tile, o) for name, o in stream.items()}}
+             **{name: _kernel_call(x, kt, tile, o) for name, o in sweep.items()}}
     rows = {}
     for name, fn in calls.items():
         fn()  # compiles; the method calls also build their state
@@ -181,15 +162,15 @@ def write_markdown(report: dict, path: Path) -> None:
             check = case["checks"].get(name, case["check"])
             lines.append(f"| {case['case']} | {name} | {row.get('median_us', '')} | {row.get('vs_dense', '')} | "
                          f"{check['kept'] if bern else ''} | {check['ok'] if bern else ''} |")
-    lines += ["", "Feature-major stats loop, nested (`tiles`, the default) against the fastest streamed launch:", ""]
+    lines += ["", "Feature-major stats launch, the default (`STATS_LAUNCH`) against the sweep's fastest:", ""]
     for case in report["cases"]:
         check = case["check"]
         lines.append(f"- {case['case']}: features kept {check['kept']}, units on the row layout "
                      f"{check['row_layout_units']}, sampling programs that sample {check['sampled_tiles']}")
-        best = _fastest_stream(case)
+        best = _fastest_launch(case)
         if best is not None:
             rows = case["rows"]
-            lines.append(f"- {case['case']}: tiles {rows['kernel:bernoulli']['median_us']} µs, {best} "
+            lines.append(f"- {case['case']}: default {rows['kernel:bernoulli']['median_us']} µs, {best} "
                          f"{rows[best]['median_us']} µs (launch {case['launch'][best]})")
     lines += ["", "Per-kernel device µs (profiler, PDL waits included):", ""]
     for case in report["cases"]:
@@ -199,8 +180,8 @@ def write_markdown(report: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def _fastest_stream(case: dict) -> str | None:
-    """The fastest streamed variant of a timed case whose check passed (None untimed or none passed)."""
+def _fastest_launch(case: dict) -> str | None:
+    """The fastest swept launch of a timed case whose check passed (None untimed or none passed)."""
     timed = [name for name in case["launch"]
              if "median_us" in case["rows"].get(name, {}) and case["checks"][name]["ok"]]
     return min(timed, key=lambda name: case["rows"][name]["median_us"], default=None)

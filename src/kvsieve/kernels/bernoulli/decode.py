@@ -14,10 +14,9 @@ Four launches per call, five where the cache rows ``k`` are given (the method's 
    stream ``STREAM_BERNOULLI``, counter ``(kvh·B + ⌊B f_i⌋)·2^22 + i``.
 2. ``_feature_major_stats_kernel`` (launched under the draw launch, PDL): S²ANTA's stats pass (per-tile max m,
    Σ e^{s−m} and the float32 score stash, ``santa/two_pass.py``) with the scores ``scale · q_est · kT`` read
-   over the listed features only: the K bytes read are the kept fraction of K's. ``stats_loop="stream"``
-   compiles it with ``STREAM`` (``stream_stats``): the same sums in one flat pipelined loop per program
-   (K loads stay in flight across tiles), fewer and longer programs, and the effective queries in the list's
-   order, which the draw launch then also writes (``COMPACT_Q``).
+   over the listed features only: the K bytes read are the kept fraction of K's. ``stream_stats`` sums them
+   in one flat pipelined loop per program (K loads stay in flight across sub-blocks and tiles), a few long
+   programs per unit, over the effective queries in the list's order, which the draw launch also writes.
 3. ``_row_stats_kernel`` (given ``k``): the same statistics for each (row, KV head) whose draws kept more
    than ``ROW_LAYOUT_ABOVE`` of the features, from whole rows of the cache, in santa-prop's stats loop
    (long pipelined streams, several tiles per program): the feature rows cost more per byte, and with most
@@ -64,7 +63,7 @@ if triton is not None:
 
     from ..santa.common import fold_scores
     from ..shared.triton_utils import gdc_launch_dependents, gdc_wait, hash_mix32, hash_uniform
-    from .feature_major import append_new_keys, feature_dot, feature_scores, row_scores
+    from .feature_major import append_new_keys, feature_dot, row_scores
 
     @triton.jit
     def _mean_group_draw_kernel(q_ptr, lens_ptr, words_ptr, qest_ptr, qc_ptr, idx_ptr, nfeat_ptr,
@@ -73,7 +72,7 @@ if triton is not None:
                                 s_kc_b, s_kc_h, s_kc_n, s_kt_b, s_kt_h, s_kt_f,
                                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                                 ROW_WORDS: tl.constexpr, STREAM: tl.constexpr, APPEND: tl.constexpr,
-                                COMPACT_Q: tl.constexpr, PDL: tl.constexpr):
+                                PDL: tl.constexpr):
         if PDL:  # the stats launch may start now: it waits (gdc_wait) for this one before reading anything
             gdc_launch_dependents()
         kvh = tl.program_id(0)
@@ -116,8 +115,8 @@ if triton is not None:
         row = r * kv_heads + kvh
         tl.store(idx_ptr + row * D + slot, offs_d)
         tl.store(nfeat_ptr + row, nf)
-        if COMPACT_Q:  # q_est in the list's order too: the streamed stats loop reads it without the list
-            tl.store(qc_ptr + (r * kv_heads * G + heads[:, None]) * D + slot[None, :], q_est, mask=g_ok[:, None])
+        # q_est in the list's order too: the feature-major stats loop reads it without the list
+        tl.store(qc_ptr + (r * kv_heads * G + heads[:, None]) * D + slot[None, :], q_est, mask=g_ok[:, None])
 
     @triton.jit
     def _feature_major_stats_kernel(qest_ptr, kt_ptr, idx_ptr, nfeat_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr,
@@ -125,11 +124,10 @@ if triton is not None:
                                     s_kt_b, s_kt_h, s_kt_f, s_ml_b, s_ml_h, s_u_b, s_u_h,
                                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                                     BLOCK_N: tl.constexpr, FB: tl.constexpr, SPLIT: tl.constexpr,
-                                    STREAM: tl.constexpr, PDL: tl.constexpr):
+                                    PDL: tl.constexpr):
         """two_pass's stats pass with Bernoulli scores: tiles t0..t1-1 of (row r, KV head kvh), over the
-        listed features of the feature-major copy; a unit whose draws kept more than ``row_above`` features
-        is left to ``_row_stats_kernel``. ``STREAM``: :func:`stream_stats` (``qest`` then in the list's order),
-        else a loop over tiles with ``feature_scores``'s loop over features inside."""
+        listed features of the feature-major copy (:func:`stream_stats`, ``qest`` in the list's order); a unit
+        whose draws kept more than ``row_above`` features is left to ``_row_stats_kernel``."""
         if PDL:  # launched early: wait for the draw launch (q_est, the feature lists, kT's new keys), then let the
             # next launch (row stats or budgets) start: it reads the draw launch's outputs too
             gdc_wait()
@@ -146,27 +144,11 @@ if triton is not None:
             offs_g = tl.arange(0, BLOCK_G)
             g_ok = offs_g < G
             heads = kvh * G + offs_g
-            q_rows = qest_ptr + (r * hq + heads) * D
             kt_base = kt_ptr + (r // rows_per_batch).to(tl.int64) * s_kt_b + kvh * s_kt_h
-            u_base = stash_ptr + r * s_u_b + heads[:, None] * s_u_h
             ml_base = r * s_ml_b + heads * s_ml_h
-            if STREAM:
-                stream_stats(q_rows, kt_base, idx_ptr + row * D, nf, u_base, m_ptr + ml_base, l_ptr + ml_base, g_ok,
-                             t0, t1, length, capacity, scale, s_kt_f, BLOCK_G, D, TILE, BLOCK_N, FB, SPLIT)
-            else:
-                for t in range(t0, t1):
-                    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                    l = tl.zeros([BLOCK_G], tl.float32)
-                    for j in range(0, TILE // BLOCK_N):
-                        offs_n = t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                        n_ok = offs_n < length
-                        s = feature_scores(q_rows, kt_base, idx_ptr + row * D, nf, offs_n, offs_n < capacity, g_ok,
-                                           s_kt_f, FB, BLOCK_G, BLOCK_N, SPLIT)
-                        s = tl.where(n_ok[None, :], s * scale, float("-inf"))
-                        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
-                        m, l = fold_scores(m, l, s)
-                    tl.store(m_ptr + ml_base + t, m, mask=g_ok)
-                    tl.store(l_ptr + ml_base + t, l, mask=g_ok)
+            stream_stats(qest_ptr + (r * hq + heads) * D, kt_base, idx_ptr + row * D, nf,
+                         stash_ptr + r * s_u_b + heads[:, None] * s_u_h, m_ptr + ml_base, l_ptr + ml_base, g_ok,
+                         t0, t1, length, capacity, scale, s_kt_f, BLOCK_G, D, TILE, BLOCK_N, FB, SPLIT)
 
     @triton.jit
     def stream_stats(q_rows, kt_base, idx_base, nf, u_base, m_rows, l_rows, g_ok, t0, t1, length, capacity, scale,
@@ -175,11 +157,10 @@ if triton is not None:
         """The stats of tiles t0..t1-1 of one unit in one flat loop over (sub-block, feature block) steps, so
         that the compiler's software pipeline keeps feature-row loads in flight across sub-block and tile
         boundaries (nested loops drain it every ⌈nf/FB⌉ steps) and a program can take many tiles. The
-        effective queries ``q_rows`` are in the list's order (the draw launch's ``COMPACT_Q``), and the list
-        is held in registers, so that no load in the loop waits on another. The same sums as the nested
-        loop's, in the same order."""
+        effective queries ``q_rows`` are in the list's order (the draw launch writes them so), and the list
+        is held in registers, so that no load in the loop waits on another."""
         SUBS: tl.constexpr = TILE // BLOCK_N
-        blocks = tl.maximum((nf + FB - 1) // FB, 1)  # nf = 0: one block of zeros, scores 0 as the nested loop's
+        blocks = tl.maximum((nf + FB - 1) // FB, 1)  # nf = 0: one block of zeros, so every score is 0
         # one row per feature block: a K load whose rows come from a load in the loop costs the pipeline a stage
         # (one K block in flight at 3 stages, in the TTGIR, instead of two)
         lists = tl.arange(0, D // FB)
@@ -302,15 +283,12 @@ def _key_words(key: RandomKey, q: torch.Tensor, lens: torch.Tensor, rows_per_bat
 ROW_LAYOUT_ABOVE = 0.8
 
 
-#: The feature-major stats launch by ``stats_loop``: (programs, pipeline stages, keys per sub-block, features per
-#: step). "tiles": about one tile per program, 256-key sub-blocks with 16 features per step and 4 warps was the
-#: fastest of the H100 sweep (docs/results/gpu-bench/2026-11-25-h100-bernoulli-decode.md); at 3 stages its list
-#: load takes one, so one [16, 256] K block is in flight per program: ~32 KB in flight per SM.
-#: "stream" (the default): one flat pipelined loop over (sub-block, feature block) steps; of the H200 sweep
-#: (``docs/results/studies/bernoulli/e2e_layer.py``, 2026-11-28) 396 programs (3 an SM, one wave on 132 SMs),
-#: 3 stages and 32 features per step were fastest at both 128k batch 1 (stats + sampling 91.1 µs against the
-#: nested loop's 100.7) and 32k batch 8 (167.3 against 208.4); 528 programs at 5 stages took 118.8 and 225.8.
-STATS_LAUNCH = {"tiles": (4224, 3, 256, 16), "stream": (396, 3, 256, 32)}
+#: The feature-major stats launch: (programs, pipeline stages, keys per sub-block, features per step). Of the H200
+#: sweep (``docs/results/studies/bernoulli/e2e_layer.py``, 2026-11-28) 396 programs (3 an SM, one wave on 132
+#: SMs), 3 stages and 32 features per step were fastest at both 128k batch 1 (stats + sampling 91.1 µs) and 32k
+#: batch 8 (167.3 µs); 528 programs at 5 stages took 118.8 and 225.8. A launch takes at most this many programs:
+#: one more than a wave of resident programs would double the pass's time.
+STATS_LAUNCH = (396, 3, 256, 32)
 
 
 def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
@@ -325,8 +303,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
                           rows_per_batch: int = 1, write_counts: bool = False, out: torch.Tensor | None = None,
                           block_n: int | None = None, stats_programs: int | None = None,
                           feature_block: int | None = None, stats_warps: int = 4,
-                          stats_stages: int | None = None, stats_loop: str = "stream",
-                          r_max: int | None = None, k: torch.Tensor | None = None,
+                          stats_stages: int | None = None, r_max: int | None = None, k: torch.Tensor | None = None,
                           row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None,
                           row_launch: tuple[int, int, int, int] = (64, 264, 4, 3)):
     """Mean-group Bernoulli scores over ``kt`` and S²ANTA-prop over them (module docstring).
@@ -338,20 +315,16 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     features (:data:`ROW_LAYOUT_ABOVE`), in a launch of their own shaped like santa-prop's stats pass.
     ``append = (k_cache [B, Hkv, N, d], done [B, Hkv] int32)``: the
     draw launch first copies each batch row's keys ``[done, length)`` into ``kt`` (``FeatureMajorKeys.
-    reserve`` made room; the separate ``update`` launch is then not needed). ``stats_loop``: the feature-major
-    stats kernel, ``"tiles"`` (``_feature_major_stats_kernel``: a loop over features inside a loop over tiles)
-    or ``"stream"`` (``STREAM``, ``stream_stats``: one flat pipelined loop, fewer and longer programs).
-    ``stats_programs``, ``stats_stages``, ``block_n`` (None: the loop's :data:`STATS_LAUNCH`), ``feature_block``,
-    ``stats_warps`` (the feature-major stats launch; the streamed loop launches at most ``stats_programs``
-    programs, splitting each unit's tiles evenly) and ``row_launch`` (the row launch's keys per sub-block,
-    programs, warps, stages) are launch parameters; they change no count. Returns ``(out
-    [R, Hq, d], counts [R, Hq, N] int32 or None, tile budgets [R, Hq, T] int32, features read [R, Hkv] int32)``."""
+    reserve`` made room; the separate ``update`` launch is then not needed).
+    ``stats_programs``, ``stats_stages``, ``block_n``, ``feature_block`` (None: :data:`STATS_LAUNCH`'s),
+    ``stats_warps`` (the feature-major stats launch: at most ``stats_programs`` programs, splitting each unit's
+    tiles evenly) and ``row_launch`` (the row launch's keys per sub-block, programs, warps, stages) are launch
+    parameters; they change no count. Returns ``(out [R, Hq, d], counts [R, Hq, N] int32 or None, tile budgets
+    [R, Hq, T] int32, features read [R, Hkv] int32)``."""
     if triton is None:
         raise ValueError("bernoulli_prop_triton: triton is not installed")
     check_bernoulli_prop_inputs(q, kt, v, lens, draws, norm_factor)
-    if stats_loop not in STATS_LAUNCH:
-        raise ValueError(f"stats_loop: expected one of {tuple(STATS_LAUNCH)}, got {stats_loop!r}")
-    feature_block = feature_block or min(STATS_LAUNCH[stats_loop][3], q.shape[-1])
+    feature_block = feature_block or min(STATS_LAUNCH[3], q.shape[-1])
     if feature_block < 16 or feature_block & (feature_block - 1) or feature_block > q.shape[-1]:
         raise ValueError(f"feature_block: expected a power of two from 16 to the head dim {q.shape[-1]}, "
                          f"got {feature_block}")
@@ -374,27 +347,23 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     q_est = workspace("bernoulli_qest", q, r * hq * d, torch.float32)
     idx = workspace("bernoulli_feat_idx", q, r * hkv * d, torch.int32)
     n_feat = torch.empty(r, hkv, device=q.device, dtype=torch.int32)  # returned: the stats read it later
-    stream = stats_loop == "stream"
-    q_list = workspace("bernoulli_qest_listed", q, r * hq * d, torch.float32) if stream else q_est
+    q_list = workspace("bernoulli_qest_listed", q, r * hq * d, torch.float32)
     key_lo, key_hi, words = _key_words(key, q, lens, rows_per_batch)
     launch(_mean_group_draw_kernel, (hkv, r), q, lens, words if words is not None else lens, q_est, q_list, idx,
            n_feat,
            kc, done, kt, key_lo, key_hi, draws, float(norm_factor), rows_per_batch, hkv, q.stride(0), q.stride(1),
            kc.stride(0), kc.stride(1), kc.stride(2), kt.stride(0), kt.stride(1), kt.stride(2),
            G=g, BLOCK_G=group_block(g), D=d, ROW_WORDS=words is not None, STREAM=STREAM_KEY,
-           APPEND=append is not None, COMPACT_Q=stream, PDL=pdl, num_warps=4)
-    programs, stages, block, _ = STATS_LAUNCH[stats_loop]
+           APPEND=append is not None, PDL=pdl, num_warps=4)
+    programs, stages, block, _ = STATS_LAUNCH
     programs, stages, block = stats_programs or programs, stats_stages or stages, block_n or block
-    if stream:  # at most `programs`: one more than a wave of resident programs would double the time
-        per_program = cdiv(t, max(1, programs // (hkv * r)))
-    else:
-        per_program = max(1, round(t * hkv * r / programs))
+    per_program = cdiv(t, max(1, programs // (hkv * r)))  # at most `programs` (STATS_LAUNCH)
     split = split_dots(kt)
     launch(_feature_major_stats_kernel, (cdiv(t, per_program), hkv, r),
            q_list, kt, idx, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_program, hq, hkv, rows_per_batch,
            row_feats, kt.shape[3], kt.stride(0), kt.stride(1), kt.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block, tile), FB=feature_block, SPLIT=split,
-           STREAM=stream, PDL=pdl, num_warps=stats_warps, num_stages=stages, **pdl_launch(pdl))
+           PDL=pdl, num_warps=stats_warps, num_stages=stages, **pdl_launch(pdl))
     if k is not None:
         row_block, row_programs, row_warps, row_stages = row_launch
         per_row_program = max(1, round(t * hkv * r / row_programs))
