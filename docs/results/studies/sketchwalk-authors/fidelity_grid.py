@@ -123,7 +123,8 @@ def match_quest(target: float, n: int) -> float:
 
 
 def folder_name(phase: str, length: int, device: str) -> str:
-    return f"eval-{phase}-{length // 1024}k-{device.split(':')[0]}"
+    # rounded: SmolLM2's 8k cells are 8,176 tokens (its context is 8,192 including the 16 new tokens)
+    return f"eval-{phase}-{round(length / 1024)}k-{device.split(':')[0]}"
 
 
 def eval_args(args, phase: str, length: int, task: str, methods: list[str], folder: Path,
@@ -237,7 +238,7 @@ def paired(rows: list[dict], task: str, a: str, b: str) -> dict | None:
 def old_pairs(old: Path, phase: str, length: int, task: str) -> dict:
     """The reconstruction's walk − one-hop and walk − oracle at ρ = 0.2 (else 0.1) from the old folders."""
     out: dict = {}
-    for folder in sorted(old.glob(f"{OLD_PREFIX[phase]}-{length // 1024}k-*")):
+    for folder in sorted(old.glob(f"{OLD_PREFIX[phase]}-{round(length / 1024)}k-*")):
         rows = rows_of(folder)
         # The old folders name the reconstruction "sketchwalk" (it was the default then).
         for rho, walk, hop, oracles in (("0.2", "sketchwalk", "sketchwalk:walk=one-hop",
