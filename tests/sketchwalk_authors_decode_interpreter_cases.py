@@ -240,7 +240,7 @@ def test_rows_past_the_kernels_width_take_the_torch_step(monkeypatch):
     out, stats = seen[0]
     assert stats.extra["selection"] == "device" and stats_want.extra["selection"] == "device-triton"
     torch.testing.assert_close(out, out_want, atol=2e-2, rtol=2e-2)
-    assert torch.equal(stats["blocks_kept"], stats_want["blocks_kept"])
+    assert stats["blocks_kept"] == stats_want["blocks_kept"] > 0
 
 
 @pytest.mark.parametrize("seed,prompted,ring,block_l", [(0, True, 3, 4), (1, True, 12, 16), (2, False, 12, 4)])
