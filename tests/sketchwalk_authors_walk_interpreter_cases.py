@@ -1,9 +1,8 @@
 """variant=authors' step, second half (``kernels/sketchwalk/authors_walk.py``), on the CPU through Triton's interpreter:
-both forms of the tail and of the selection (rows in registers, chunked passes) against the torch references over
-several steps from random states (restarts mid-block and on a block boundary, new blocks, fresh rows, ragged rows,
-rows reaching the capacity), and the 16-bit copy of U the hops may read (kept equal to U rounded, the walk equal to
-the reference's on the rounded U). Not collected on its own: ``tests/test_sketchwalk_authors_walk.py`` runs this
-file in a subprocess with ``TRITON_INTERPRET=1``."""
+the tail, the hops and the selection against the torch references over several steps from random states
+(restarts mid-block and on a block boundary, new blocks, fresh rows, ragged rows, rows reaching the capacity),
+the hops over one or several row splits and column tiles. Not collected on its own:
+``tests/test_sketchwalk_authors_walk.py`` runs this file in a subprocess with ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import contextlib  # noqa: E402
 import copy  # noqa: E402
 
 from sketchwalk_authors_decode_interpreter_cases import crafted_state, with_logit_cache  # noqa: E402
@@ -40,16 +38,6 @@ def assert_same_state(got, want, msg=""):
                                    msg=f"{msg} {name}")
     for name in COUNTERS:
         assert torch.equal(getattr(got, name), getattr(want, name)), (msg, name)
-
-
-@contextlib.contextmanager
-def taking(path):
-    """``aw.PATH`` is ``path`` inside (``row_update_triton`` launches the tail with the module's path)."""
-    before = aw.set_path(path)
-    try:
-        yield
-    finally:
-        aw.set_path(before)
 
 
 def step_inputs(seed, b, hq, hkv, n_keys, d=64):
@@ -77,15 +65,13 @@ def no_prompt_after(st, row):
     return with_logit_cache(st, st.logit_scale)
 
 
-@pytest.mark.parametrize("tail", aw.FORMS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_the_tail_follows_the_reference_over_steps(tail, seed, fresh):
+def test_the_tail_follows_the_reference_over_steps(seed, fresh):
     """Eleven steps of five ragged rows of 8-key blocks (crafted_state: row 0 restarts mid-block, row 1 on a block
     boundary so that its block c is new and its restart row is another, row 2 continues, row 3 has no prompt and
     starts a block, row 4 jumps), crossing block boundaries; ``fresh``: rows past the block count start as the
-    block row. Both forms, the state after each step within rounding of the reference, the counters exactly."""
-    path = aw.WalkPath(tail=tail)
+    block row. The state after each step within rounding of the reference, the counters exactly."""
     st = no_prompt_after(prompt_from_u(crafted_state(seed)), 4)
     st.fresh_rows = fresh
     if fresh:
@@ -95,8 +81,7 @@ def test_the_tail_follows_the_reference_over_steps(tail, seed, fresh):
     for i in range(11):
         q, k = step_inputs(seed * 100 + i, 5, 4, 2, 96)
         r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
-        with taking(path):
-            r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16)
+        r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16)
         torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
         assert want.sigma.isfinite().all()
         assert_same_state(got, want, f"step {i}")
@@ -107,7 +92,7 @@ def test_the_tail_follows_the_reference_over_steps(tail, seed, fresh):
 def test_the_tail_at_the_capacity(seed):
     """A capacity of 16 blocks (the registers tail's whole width, no masked lanes): a row at the last key the state
     holds, rows starting a block (one of them the capacity's last), a restart whose restart row is block c, a row
-    in its first block; both forms (the chunked one in chunks of 4) equal the reference."""
+    in its first block, equal to the reference."""
     st = crafted_state(seed, cap=16, scale=0.1)
     st.n_blocks = torch.tensor([15, 16, 9, 12, 1])
     st.prompt_len = torch.tensor([-1, -1, 70, -1, -1])
@@ -118,12 +103,10 @@ def test_the_tail_at_the_capacity(seed):
     q, k = step_inputs(seed, 5, 4, 2, 136)
     want = copy.deepcopy(st)
     r_want = kr.row_update_reference(want, q, k, lengths, scale=0.1)
-    for form in aw.FORMS:
-        got = copy.deepcopy(st)
-        with taking(aw.WalkPath(tail=form)):
-            r_got = kd.row_update_triton(got, q, k, lengths, scale=0.1, block_n=16, block_x=4)
-        torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
-        assert_same_state(got, want, form)
+    got = copy.deepcopy(st)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.1, block_n=16)
+    torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
+    assert_same_state(got, want)
 
 
 def walk_rows(seed, b=5, cap=40):
@@ -142,28 +125,28 @@ def walk_rows(seed, b=5, cap=40):
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("q,max_pages", [(0.8, 30), (0.5, 3), (0.9375, 100)])
-def test_the_selection_forms_equal_the_reference(seed, q, max_pages):
-    """Both selection forms against the reference: ties (β = 0: the walk is the block row), page lists cut at a
-    small bound and a bound past the row's width; the walk within rounding, the rest exactly."""
+def test_the_selection_equals_the_reference(seed, q, max_pages):
+    """The hops and the selection against the reference: ties (β = 0: the walk is the block row), page lists cut
+    at a small bound and a bound past the row's width, the hops in two splits of one step (read early) or one
+    split of two steps; the walk within rounding, the rest exactly."""
     st, r, lengths = walk_rows(seed)
-    for beta, degree, splits in ((0.0, 2, 3), (0.3, 3, None), (0.7, 1, 4)):
+    for beta, degree, splits in ((0.0, 2, 2), (0.3, 3, None), (0.7, 1, 1)):
         kw = dict(beta=beta, degree=degree, sink=0.04, window=0.1, q=q, max_pages=max_pages)
         want = kr.walk_select_reference(st, r, lengths, **kw)
-        for form in aw.FORMS:
-            got = aw.walk_select_triton(st, r, lengths, splits=splits, block_i=16, block_j=16, block_x=16,
-                                        path=aw.WalkPath(select=form), **kw)
-            torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
-            for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):
-                assert torch.equal(got[name].to(want[name].dtype), want[name]), (form, name, beta)
+        got = aw.walk_select_triton(st, r, lengths, splits=splits, **kw)
+        torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
+        for name in ("kept", "pages", "counts", "window_tokens", "n", "short"):
+            assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, beta, splits)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_selection_keeps_the_reference_blocks_on_random_walks(seed):
-    """Random walks without ties over many rows of different lengths (every quantile rank's fraction): the
-    registers form keeps exactly the reference's blocks, the hops in tiles of 16 rows or in one step of 64 (one
-    split: the program's rows past the capacity masked)."""
+@pytest.mark.parametrize("seed,cap", [(0, 64), (1, 160)])
+def test_the_selection_keeps_the_reference_blocks_on_random_walks(seed, cap):
+    """Random walks without ties over many rows of different lengths (every quantile rank's fraction): the kernels
+    keep exactly the reference's blocks, the hops over one column tile or two (160 blocks: the second one partly
+    masked), in one split (several steps of rows, the last one partly masked), in splits of one step (read
+    early) or in the default splits."""
     g = torch.Generator().manual_seed(seed)
-    b, cap = 12, 64
+    b = 12
     st = crafted_state(seed, b=5, cap=cap)
     st.sigma = torch.rand(b, cap, generator=g) + 0.5
     st.u = torch.rand(b, cap, cap, generator=g)
@@ -175,36 +158,11 @@ def test_the_selection_keeps_the_reference_blocks_on_random_walks(seed):
     for q in (0.3, 0.77, 0.99):
         kw = dict(beta=0.5, degree=2, sink=0.02, window=0.05, q=q, max_pages=cap)
         want = kr.walk_select_reference(st, r, lengths, **kw)
-        for path in (aw.WalkPath(block_i=16, block_j=32), aw.WalkPath(block_i=64, hop_warps=8, splits=1)):
-            got = aw.walk_select_triton(st, r, lengths, path=path, **kw)
+        for splits in (None, 1, cap // aw.HOP_ROWS):
+            got = aw.walk_select_triton(st, r, lengths, splits=splits, **kw)
+            torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
             for name in ("kept", "pages", "counts"):
-                assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, q, path)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_the_16_bit_walk_reads_u_rounded_and_the_tail_keeps_the_copy(dtype):
-    """With a 16-bit walk the hops read U rounded: the walk equals the reference's on the rounded U within float32
-    rounding; over steps the registers tail writes the copy beside U so that it stays U rounded, exactly; back to
-    float32, the copy is dropped."""
-    path = aw.WalkPath(walk_dtype=dtype)
-    st = prompt_from_u(crafted_state(5))
-    lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
-    kw = dict(beta=0.4, degree=3, sink=0.04, window=0.1, q=0.7, max_pages=12)
-    for i in range(6):
-        q, k = step_inputs(50 + i, 5, 4, 2, 96)
-        with taking(path):
-            r = kd.row_update_triton(st, q, k, lengths, scale=0.05, block_n=16)
-        if i:  # the copy made by the walk before: kept by the tail since
-            assert st.u_walk.dtype == dtype and torch.equal(st.u_walk, st.u.to(dtype)), i
-        got = aw.walk_select_triton(st, r.clone(), lengths, block_i=16, block_j=16, path=path, **kw)
-        rounded = copy.copy(st)
-        rounded.u = st.u.to(dtype).float()
-        want = kr.walk_select_reference(rounded, r, lengths, **kw)
-        torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
-        assert torch.equal(got["counts"], want["counts"])
-        lengths = lengths + 1
-    aw.walk_select_triton(st, r, lengths, path=aw.WalkPath(), **kw)
-    assert st.u_walk is None
+                assert torch.equal(got[name].to(want[name].dtype), want[name]), (name, q, splits)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -229,8 +187,7 @@ def test_the_first_hop_reads_again_what_the_tail_rewrote(seed, fresh):
         stale = copy.copy(st)
         stale.u = before
         assert not torch.allclose(kr.walk_select_reference(stale, r, lengths, **kw)["walk"], want["walk"])
-        got = aw.walk_select_triton(st, r.clone(), lengths, path=aw.WalkPath(block_i=16), splits=1, u_before=before,
-                                    **kw)
+        got = aw.walk_select_triton(st, r.clone(), lengths, splits=1, u_before=before, **kw)
         torch.testing.assert_close(got["walk"], want["walk"], atol=1e-7, rtol=1e-5)
         assert torch.equal(got["kept"], want["kept"])
         lengths = lengths + 1

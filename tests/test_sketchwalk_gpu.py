@@ -189,23 +189,20 @@ def test_fused_decode_with_a_walk_replays_in_a_graph_without_host_reads():
 # -- variant=authors: the batched device decode ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("incremental", [True, False])
-def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_reference(incremental, monkeypatch):
+@pytest.mark.parametrize("seed,prompts", [(3, [64 * 150 + 37, 64 * 120]), (4, [64 * 40 + 63, 64 * 200 + 1])])
+def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_reference(seed, prompts):
     """Two rows of different prompt lengths (Llama-3.1-8B heads, bf16, capacity 16k): no host read in a step
     (sync debug mode "error"), graph replays over 70 steps (blocks complete, the ring wraps) equal eager calls
     bit for bit, a replay at the first position after the prompts restarts, every step keeps the blocks the per-row
     reference keeps (up to a flip at a near tie) with outputs within bf16 rounding, and a step is at most eleven
-    launches at degree 3; the block row from the logit cache (``incremental``) or the full GEMM path."""
+    launches at degree 3."""
     from test_sketchwalk_authors_device import stacked_state
 
     from kvsieve import CallContext
-    from kvsieve.kernels.sketchwalk import authors_decode
     from kvsieve.methods.sketchwalk import authors
 
-    monkeypatch.setattr(authors_decode, "INCREMENTAL", incremental)
-
-    cap, prompts, steps = 16384, [64 * 150 + 37, 64 * 120], 70
-    (q, k, v), = _llama_layers(cap, 1, seed=3)
+    cap, steps = 16384, 70
+    (q, k, v), = _llama_layers(cap, 1, seed=seed)
     k, v = k.expand(2, -1, -1, -1).contiguous(), v.expand(2, -1, -1, -1).contiguous()
     q = torch.cat([q, q.roll(1, dims=2)])
     m = kvsieve.method("sketchwalk")
@@ -247,24 +244,23 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
             flips += int((kept[i][b, :nb] != r.kept_blocks).sum())
             torch.testing.assert_close(replayed[i][b].float(), r.out, atol=2e-2, rtol=2e-2)
     assert flips <= 2, flips
-    # a layer's step: up to the attention 5 + degree Triton launches and, on the full path, the logits' GEMM; two
-    # for it (a restart: the same work)
+    # a layer's step: up to the attention 5 + degree Triton launches; two for it (a restart: the same work)
     from kvsieve.bench.timing import count_launches
 
     lengths.copy_(torch.tensor(prompts, device="cuda") + 1)
     launches = count_launches(lambda: m.decode(q_in, k, v, lengths=lengths, state=state, check_finite=False,
                                                context=CallContext(capacity=cap, count_reads=False)))
-    assert launches is not None and launches <= 5 + cfg.degree + 2 + (not incremental), launches
+    assert launches is not None and launches <= 5 + cfg.degree + 2, launches
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_authors_block_row_paths_follow_the_torch_step_over_rewinds_and_jumps(seed):
-    """The compiled block-row paths (the logit cache, the full GEMM path, the two alternating) against the torch
-    step from the same device state over 16 steps of two ragged rows at Llama-3.1-8B heads (a ring of 32, blocks
+def test_authors_block_row_follows_the_torch_step_over_rewinds_and_jumps(seed):
+    """The compiled block row (the logit cache's step, at the default tiles and at tiles of 32 blocks) against the
+    torch step from the same device state over 16 steps of two ragged rows at Llama-3.1-8B heads (a ring of 32, blocks
     of 64): row 0 rewinds to its prompt (a restart: the prompt's logits), row 1 skips 3 blocks ahead (each skipped
     block folds) and steps back across a block (the closed sums again from the cache); the block row and the
     state after every step within float32 rounding."""
-    from test_sketchwalk_authors_device import paths_follow_the_torch_step, rewinds_and_jumps, stacked_state
+    from test_sketchwalk_authors_device import block_row_follows_the_torch_step, rewinds_and_jumps, stacked_state
 
     from kvsieve.methods.sketchwalk.authors_device import AuthorsDeviceState
 
@@ -276,6 +272,6 @@ def test_authors_block_row_paths_follow_the_torch_step_over_rewinds_and_jumps(se
     st = stacked_state(m, q, k, v, prompts).authors
     ref = AuthorsDeviceState.from_layer_state(st, k, torch.tensor(prompts, device="cuda") + 1, block_size=64,
                                               capacity=n)
-    paths_follow_the_torch_step(ref, q, k, rewinds_and_jumps(prompts, 16, skip=3 * 64 + 5, back=70), atol=1e-6,
-                                rtol=1e-4)
+    block_row_follows_the_torch_step(ref, q, k, rewinds_and_jumps(prompts, 16, skip=3 * 64 + 5, back=70), atol=1e-6,
+                                     rtol=1e-4, block_l=32, block_n=32)
     assert ref.order_error.tolist() == [False, True]

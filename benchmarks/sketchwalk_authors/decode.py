@@ -1,41 +1,31 @@
 """variant=authors' batched decode per layer at Llama-3.1-8B heads (32/8/128, bf16) vs FlashInfer and the dense
-Triton kernel, captured in a CUDA graph, cold L2; in one run both paths of the block row (the logit cache,
-``incremental``, and the full GEMM, ``gemm``: ``kernels.sketchwalk.authors_decode.INCREMENTAL``) with the default
-walk path, and the forms of the step's second half (``--paths``: ``kernels/sketchwalk/authors_walk.py``'s
-``WalkPath``) with the default block row, each checked against the torch step; writes ``decode.json`` and
-``decode.md`` to ``--out``.
+Triton kernel, captured in a CUDA graph, cold L2: the step (``kernels/sketchwalk/authors_decode.py`` and
+``authors_walk.py``) checked against the torch step; writes ``decode.json`` and ``decode.md`` to ``--out``.
 
-    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC] [--paths P,..]
+    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC]
     TRITON_INTERPRET=1 python benchmarks/sketchwalk_authors/decode.py --out /tmp/x --check   # CPU, tiny shapes
 
-The block row. The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch
-block matrix) of ``n − 2`` random tokens; each path's rows time two steps, replayed: ``restart`` (length ``n − 1``,
-the first position after the prompt: the cache's path copies the prompt's logits) and ``next`` (length ``n``, the
-step after it: what 63 of 64 steps cost; its replays repeat the same position, which sets the order flag and does
-the same work). ``sketchwalk_step`` is the default path's ``next`` step; ``tiles_*`` the same step at other tiles
-of the logits' and the probabilities' launches (``LOGIT_TILE``, ``ROW_TILE``; the defaults are 16, 16). Rows: the
-steps (selection + attention), the attention alone on the step's pages (so the selection's share is the
-difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the kernels of one layer's step
-(torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2; a kernel launched with
-programmatic dependent launch counts its wait). ``check``: each path's two steps against the torch step
-(``row_update_reference``, ``walk_select_reference``) from the same state: kept blocks that differ
-(``kept_mismatch``; a difference is a tie within rounding when the reference's walk there is within ``TIE_GAP`` of
-its threshold), the walk's largest relative error, the outputs' largest difference (the sparse kernel on each
-selection's pages), and whether a captured step's replay equals the eager step bit for bit (output and state).
+The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix) of
+``n − 2`` random tokens; the step is timed twice, replayed: ``restart`` (length ``n − 1``, the first position after
+the prompt: the logit cache copies the prompt's logits) and ``next`` (length ``n``, the step after it: what 63 of
+64 steps cost; its replays repeat the same position, which sets the order flag and does the same work). Rows: the
+steps (selection + attention; ``sketchwalk_step`` is ``next``), the attention alone on the step's pages (so the
+selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
+kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2;
+a kernel launched with programmatic dependent launch counts its wait).
 
-The walk paths (``--paths``), each timed on the ``next`` step (as above) with its own copy of the prompt state:
-``chunked`` (the tail and the selection in passes over memory, the hops over float32 U), ``registers`` (the row in
-registers), ``registers-bf16`` / ``registers-fp16`` (and the hops over a 16-bit copy of U); ``-jN`` / ``-iN`` /
-``-wN`` / ``-sN`` set the hops' tile (columns; rows per step), warps and row splits. Each path is first checked
-against the step's torch reference (``device_step(kernels=False)``) from the same state, step by step over
-``--check-steps`` steps up to position ``n`` (from a prompt record of ``n − steps − 1`` tokens): kept blocks that
-differ (flips: near ties, or the 16-bit U's rounding) out of those kept, the walk's and the row scales' largest
-relative difference, whether the page lists are equal, and the attention on the path's pages against masked
-attention over the reference's kept keys (a flip moves it) and over the path's own (the attention alone). Rows
-``sketchwalk_step[P]``.
+``check``: the two steps against the torch step (``row_update_reference``, ``walk_select_reference``) from the same
+state: kept blocks that differ (``kept_mismatch``; a difference is a tie within rounding when the reference's walk
+there is within ``TIE_GAP`` of its threshold), the walk's largest relative error, the outputs' largest difference
+(the sparse kernel on each selection's pages), and whether a captured step's replay equals the eager step bit for
+bit (output and state); ``check.steps``: step by step over ``--check-steps`` steps up to position ``n`` (from a
+prompt record of ``n − steps − 1`` tokens), the device step against the torch step (``device_step(kernels=False)``)
+from the same state: kept blocks that differ (flips at near ties) out of those kept, the walk's and the row scales'
+largest relative difference, whether the page lists are equal, and the attention on the step's pages against
+masked attention over the reference's kept keys (a flip moves it) and over the step's own (the attention alone).
 
-``--check`` runs both sides' checks on the CPU through Triton's interpreter (tiny shapes, no timing) and reports
-what a step launches (``count_dispatched``: Triton launches and torch ops).
+``--check`` runs the checks on the CPU through Triton's interpreter (tiny shapes, no timing) and reports what a step
+launches (``count_dispatched``: Triton launches and torch ops).
 """
 
 from __future__ import annotations
@@ -59,28 +49,6 @@ from kvsieve.kernels.sketchwalk import authors_walk as aw
 from kvsieve.methods.sketchwalk import SketchWalkState, authors
 from kvsieve.methods.sketchwalk import authors_device as ad
 
-#: the block row's paths (``authors_decode.INCREMENTAL``)
-PATHS = {"incremental": True, "gemm": False}
-#: (logits' tile, probabilities' tile) in key blocks, timed on the cache's path's next step
-TILES = ((16, 32), (64, 32), (32, 64), (64, 64), (16, 16))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def walk_path(name: str) -> aw.WalkPath:
-    """``chunked`` | ``registers``, then ``-bf16`` / ``-fp16`` (the hops' U), ``-jN`` / ``-iN`` (their tile), ``-wN``
-    (their warps), ``-sN`` (their row splits)."""
-    form, *opts = name.split("-")
-    kw = {"tail": form, "select": form}
-    for opt in opts:
-        if opt in DTYPES:
-            kw["walk_dtype"] = DTYPES[opt]
-        elif opt[:1] in ("i", "j", "w", "s") and opt[1:].isdigit():
-            key = {"i": "block_i", "j": "block_j", "w": "hop_warps", "s": "splits"}[opt[0]]
-            kw[key] = int(opt[1:])
-        else:
-            raise ValueError(f"--paths: unknown option {opt!r} in {name!r}")
-    return aw.WalkPath(**kw)
-
 
 def cloned(dst):
     """A device state with tensors of its own (no selection record)."""
@@ -93,9 +61,9 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(((a.float() - b.float()).abs() / b.float().abs().clamp(min=1e-30)).nan_to_num(0.0).max())
 
 
-def check_walk_path(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
-    """The current walk path against the torch step from the same state (module docstring); the device state is
-    made by the method at position ``n − steps`` from the prompt's record ``layer``."""
+def check_steps(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
+    """The device step against the torch step from the same state, step by step (module docstring); the device
+    state is made by the method at position ``n − steps`` from the prompt's record ``layer``."""
     cfg = m.config
     b, _, n_keys, d = k.shape
     dev = k.device
@@ -127,7 +95,7 @@ def check_walk_path(m, layer, hq: int, k, v, n: int, steps: int, g) -> dict:
                                       got.counts[:, None].expand(b, k.shape[1]), page_size=cfg.block_size,
                                       lengths=lengths, sink=prefix, sink_lengths=got.window_tokens)
         res["out_max_abs"] = max(res["out_max_abs"], float((out.float() - out_ref).abs().max()))
-        own = ad.kept_token_mask(got, n_keys, cfg.block_size, lengths)  # the attention alone: over the path's keys
+        own = ad.kept_token_mask(got, n_keys, cfg.block_size, lengths)  # the attention alone: over the step's keys
         out_own = authors.masked_attention(q[:, :, None], k, v, own[:, None], d ** -0.5, torch.float32)[:, :, 0]
         res["out_own_max_abs"] = max(res["out_own_max_abs"], float((out.float() - out_own).abs().max()))
     return res
@@ -150,10 +118,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
-    ap.add_argument("--paths", default="registers,chunked,registers-bf16,registers-fp16,registers-i128-w8,"
-                                       "registers-bf16-i128-w8",
-                    help="the step's second half: comma-separated WalkPath names (module docstring)")
-    ap.add_argument("--check-steps", type=int, default=8, help="steps of each walk path's check against the torch step")
+    ap.add_argument("--check-steps", type=int, default=8, help="steps of the step-by-step check against the torch step")
     ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
     args = ap.parse_args()
     t0 = time.time()
@@ -166,9 +131,8 @@ def main() -> None:
     k = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     v = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
     m = kvsieve.method(args.spec + (",block_size=16,backend=triton" if check else ""))
-    walk_paths = {name: walk_path(name) for name in args.paths.split(",")}
-    check_steps = min(args.check_steps, n - 2)
-    check_layer = prompt_state(m, q, k, v, n - check_steps).authors  # (a prompt of n − steps − 1 tokens)
+    check_steps_n = min(args.check_steps, n - 2)
+    check_layer = prompt_state(m, q, k, v, n - check_steps_n).authors  # (a prompt of n − steps − 1 tokens)
     prompt = prompt_state(m, q, k, v, n - 1)  # n − 2 tokens
     del q
     q_steps = torch.randn(2, b, hq, d, device=dev, generator=g).bfloat16()
@@ -181,35 +145,16 @@ def main() -> None:
         return m.decode(qd, k, v, lengths=lengths[which], state=state, context=ctx, check_finite=False)[0]
 
     res = {"n": n, "batch": b, "spec": m.spec, "device": "cpu (interpreter)" if check else torch.cuda.get_device_name(),
-           "walk_path_default": str(aw.PATH), "rows": {}, "check": {}, "step_dispatch": {}, "paths": {}}
-    states = {}
-    for path, incremental in PATHS.items():  # the block row's paths, the default walk path
-        kd.INCREMENTAL = incremental
-        states[path] = copy.deepcopy(prompt)
-        _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=states[path],
-                            context=CallContext(capacity=n))
-        res[f"density_{path}"] = float(stats.density)
-        res[f"block_density_{path}"] = float(stats["block_density"])
-        res["selection"], res["backend"] = stats.extra["selection"], stats.backend
-        res["check"][path] = check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental)
-        res["step_dispatch"][path] = dispatch(lambda state=states[path]: step(state, "next"))
-    kd.INCREMENTAL = PATHS["incremental"]
-    default = aw.PATH
-    try:
-        for name, path in walk_paths.items():  # the walk paths, the default block row
-            aw.set_path(path)
-            entry = res["paths"][name] = {"path": {**dataclasses.asdict(path), "walk_dtype": str(path.walk_dtype)},
-                                          "check": check_walk_path(m, check_layer, hq, k, v, n, check_steps, g)}
-            states[name] = st = copy.deepcopy(prompt)
-            _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=st,
-                                context=CallContext(capacity=n))
-            entry.update(density=float(stats.density), block_density=float(stats["block_density"]),
-                         blocks_kept=float(stats["blocks_kept"]), selection=stats.extra["selection"],
-                         backend=stats.backend, step_dispatch=dispatch(lambda st=st: step(st, "next")))
-    finally:
-        aw.set_path(default)
+           "rows": {}}
+    state = copy.deepcopy(prompt)
+    _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=state, context=CallContext(capacity=n))
+    res.update(density=float(stats.density), block_density=float(stats["block_density"]),
+               blocks_kept=float(stats["blocks_kept"]), selection=stats.extra["selection"], backend=stats.backend)
+    res["check"] = check_step(m, prompt, step, k, v, q_steps, lengths)
+    res["check"]["steps"] = check_steps(m, check_layer, hq, k, v, n, check_steps_n, g)
+    res["step_dispatch"] = dispatch(lambda: step(state, "next"))
     if not check:
-        time_on_gpu(res, m.config, states, step, q_steps[1], k, v, lengths["next"], n, b, walk_paths)
+        time_on_gpu(res, m.config, state, step, q_steps[1], k, v, lengths["next"], n, b)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,11 +181,10 @@ class torch_step:
         kd.row_update_triton, aw.walk_select_triton = self.saved
 
 
-def check_path(m, prompt, step, k, v, q_steps, lengths, n, incremental) -> dict:
-    """One block-row path's two steps (restart, next) against the torch step from the same prompt state, and a
-    captured replay of its next step against the eager one (module docstring)."""
+def check_step(m, prompt, step, k, v, q_steps, lengths) -> dict:
+    """The two steps (restart, next) against the torch step from the same prompt state, and a captured replay of
+    the next step against the eager one (module docstring)."""
     cfg = m.config
-    kd.INCREMENTAL = incremental
     got, want = copy.deepcopy(prompt), copy.deepcopy(prompt)
     res = {}
     for which in ("restart", "next"):
@@ -295,36 +239,33 @@ def replay_equals_eager(step, state) -> bool:
 
 
 def markdown(res) -> str:
-    """The rows, the block row's check and the walk paths' checks and times as markdown tables."""
+    """The rows and the checks as markdown tables."""
     lines = [f"# Sketch&Walk (authors') decode step, n={res['n']}, batch {res['batch']}, {res['device']}", "",
-             f"spec `{res['spec']}`; block-row rows with the walk path `{res['walk_path_default']}`", "",
+             f"spec `{res['spec']}`; selection `{res['selection']}`, backend `{res['backend']}`, block density "
+             f"{res['block_density']:.4f}", "",
              "| row | median µs | launches | top kernels (µs) |", "|---|---|---|---|"]
     for name, row in res["rows"].items():
-        top = sorted((row.get("kernels_us") or {}).items(), key=lambda kv: -kv[1])[:8]
+        top = sorted((row.get("kernels_us") or {}).items(), key=lambda kv: -kv[1])[:10]
         kern = ", ".join(f"{key[:40]} {us:.1f}" for key, us in top)
         lines.append(f"| {name} | {row['median_us']:.1f} | {row.get('launches', '')} | {kern} |")
-    lines += ["", "| block-row path | step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
-              "|---|---|---|---|---|---|"]
-    for path, chk in res["check"].items():
-        for which in ("restart", "next"):
-            r = chk[which]
-            lines.append(f"| {path} | {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | "
-                         f"{r['walk_max_rel_err']:.2e} | {r['out_max_abs_diff']:.2e} |")
-        lines.append(f"| {path} | ok={chk['ok']} replay_equals_eager={chk.get('replay_equals_eager')} | | | | |")
-    lines += ["", "| walk path (block row `incremental`) | µs (median) | flips / kept | walk max rel | σ max rel | "
-              "pages equal | out max abs (own keys) | launches |", "|---|---|---|---|---|---|---|---|"]
-    for name, p in res["paths"].items():
-        c = p["check"]
-        row = res["rows"].get(f"sketchwalk_step[{name}]", {})
-        us = f"{row['median_us']:.1f}" if row else "-"
-        lines.append(f"| {name} | {us} | {c['flips']} / {c['kept_blocks']} | {c['walk_max_rel']:.2e} | "
-                     f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | "
-                     f"{c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) | "
-                     f"{p['step_dispatch']['triton_launches']} |")
+    chk = res["check"]
+    lines += ["", "| step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
+              "|---|---|---|---|---|"]
+    for which in ("restart", "next"):
+        r = chk[which]
+        lines.append(f"| {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | {r['walk_max_rel_err']:.2e} | "
+                     f"{r['out_max_abs_diff']:.2e} |")
+    c = chk["steps"]
+    lines += ["", f"ok={chk['ok']}, replay_equals_eager={chk.get('replay_equals_eager')}, "
+              f"launches per step {res['step_dispatch']['triton_launches']}", "",
+              "| steps | flips / kept | walk max rel | σ max rel | pages equal | out max abs (own keys) |",
+              "|---|---|---|---|---|---|",
+              f"| {c['steps']} | {c['flips']} / {c['kept_blocks']} | {c['walk_max_rel']:.2e} | "
+              f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | {c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) |"]
     return "\n".join(lines) + "\n"
 
 
-def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b, walk_paths) -> None:
+def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
     """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
@@ -336,28 +277,11 @@ def time_on_gpu(res, cfg, states, step, qd, k, v, lengths, n, b, walk_paths) -> 
     def timed(fn) -> dict:
         return {**timer.time_graph_us(fn), "launches": count_launches(fn), "kernels_us": timer.kernel_breakdown(fn)}
 
-    for path, incremental in PATHS.items():
-        kd.INCREMENTAL = incremental
-        for which in ("restart", "next"):
-            rows[f"step_{path}_{which}"] = timed(lambda state=states[path], which=which: step(state, which))
-    kd.INCREMENTAL = PATHS["incremental"]
-    rows["sketchwalk_step"] = rows["step_incremental_next"]
-    defaults = kd.LOGIT_TILE, kd.ROW_TILE
-    for logit_tile, row_tile in TILES:  # the cache's path's tiles (the next step; default tiles are the row above)
-        kd.LOGIT_TILE, kd.ROW_TILE = logit_tile, row_tile
-        rows[f"tiles_logits{logit_tile}_probs{row_tile}"] = timer.time_graph_us(
-            lambda: step(states["incremental"], "next"))
-    kd.LOGIT_TILE, kd.ROW_TILE = defaults
-    default = aw.PATH
-    try:
-        for name, path in walk_paths.items():  # each walk path on its own state, the default block row
-            aw.set_path(path)
-            rows[f"sketchwalk_step[{name}]"] = timed(lambda st=states[name]: step(st, "next"))
-    finally:
-        aw.set_path(default)
-    step(states["incremental"], "next")  # eager: the last step's pages outside the freed graphs' memory
+    rows["step_restart"] = timed(lambda: step(state, "restart"))
+    rows["sketchwalk_step"] = timed(lambda: step(state, "next"))
+    step(state, "next")  # eager: the last step's pages outside the freed graphs' memory
     hkv = k.shape[1]
-    sel = states["incremental"].authors_device.last_step
+    sel = state.authors_device.last_step
     pages, counts = sel.pages, sel.counts
     prefix = authors.reserved(cfg.window, n, cfg.block_size, -(-n // cfg.block_size))[0]
     window_tokens = sel.window_tokens.to(torch.int32)

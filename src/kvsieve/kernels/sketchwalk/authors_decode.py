@@ -15,8 +15,8 @@ One step of a row at position ``p`` (block ``c = p // B``, ``n = c + 1`` blocks,
    The sink and window sizes per row are :func:`reserved_device`'s.
 
 Torch (``authors_reference.py``): :func:`row_update_reference` (1–3) and :func:`walk_select_reference` (4–5),
-about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches, and a
-cuBLAS GEMM on the full path) and ``authors_walk.walk_select_triton`` (4–5, ``degree`` + 1 launches):
+about a hundred small launches per step. Device: :func:`row_update_triton` (1–3, four Triton launches) and
+``authors_walk.walk_select_triton`` (4–5, ``degree`` + 1 launches):
 
 - ``_row_state_kernel``, a program per (row, KV head, chunk of sketch features): the state's step on the ring and
   the sketches (the group's ring rows on a restart, the new query's sketches into its slot, block ``c``'s sketch);
@@ -31,12 +31,8 @@ cuBLAS GEMM on the full path) and ``authors_walk.walk_select_triton`` (4–5, ``
 
 A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
 probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
-stay valid until the row's slot is overwritten. The full path (``incremental=False``, :data:`INCREMENTAL`) remakes
-the cache instead: :func:`sketch_logits`, one batched float32 GEMM of every ring row against every key-block
-sketch up to the capacity, and ``_row_lse_kernel``, a program per (row, KV head, a few ring rows), each ring row's
-closed sums and its max and Σ exp over the row's blocks. Its logits are a GEMM rather than dots inside the
-softmax's programs: with the ring's 128 rows × 128 sketch features per KV head, tile programs that each redid
-their dots held one program per SM and took about 230 µs per layer at 128k tokens on an H200.
+stay valid until the row's slot is overwritten: each step computes the new query's rows (dots inside the logits'
+programs) and block ``c``'s column, the cache keeps the rest.
 
 Nothing is read on the host; buffers are cached workspaces or outputs allocated from host-known sizes (capturable);
 there are no atomics, so nothing is summed in arrival order and a replay equals an eager call bit for bit.
@@ -74,7 +70,7 @@ if triton is not None:
                           BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_D: tl.constexpr):
         """A program per (row, KV head, chunk of BLOCK_M sketch features): the state's step on the ring and the
-        key-block sketches (module docstring, step 1) before the logits' GEMM reads them: on a restart the group's
+        key-block sketches (module docstring, step 1) before the logits' launch reads them: on a restart the group's
         ring rows back to the prompt's, the new query's sketches into slot ``p mod W``, block c's sketch from its
         key sum after the step (which every chunk computes itself and the tail stores, so that no program reads
         what another writes)."""
@@ -232,38 +228,15 @@ if triton is not None:
             tl.store(mx_ptr + at, cm, mask=old)
             tl.store(se_ptr + at, cs, mask=old)
 
-    @triton.jit(do_not_specialize=["cap", "n_rows"])
-    def _row_lse_kernel(lens_ptr, lg_ptr, mx_ptr, se_ptr, cmx_ptr, cse_ptr, ncl_ptr, cap, n_rows, scale,
-                        BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-        """The full path's log-sum-exp, a program per (row, KV head, chunk of BLOCK_R ring rows): each ring row's
-        max and Σ exp of its scaled logits over the closed blocks j < c, in one pass (the sum rescaled when the max
-        grows), kept as the cache's closed sums, then with block c: over the row's n blocks."""
-        if PDL:  # launched early (programmatic dependent launch): wait for the kernel before, let the next launch
-            gdc_wait()
-            gdc_launch_dependents()
-        bg = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
-        _, c, _ = _position(lens_ptr, tl.program_id(0).to(tl.int64), BS)
-        rows = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_ok = rows < n_rows
-        at = bg * n_rows + rows
-        mx, se = _closed_sums(lg_ptr, at, row_ok, c, cap, scale, BLOCK_R, BLOCK_N)
-        tl.store(cmx_ptr + at, mx, mask=row_ok)
-        tl.store(cse_ptr + at, se, mask=row_ok)
-        mx, se = _plus(mx, se, tl.load(lg_ptr + at * cap + c, mask=row_ok, other=0.0) * scale)
-        tl.store(mx_ptr + at, mx, mask=row_ok)
-        tl.store(se_ptr + at, se, mask=row_ok)
-        if tl.program_id(2) == 0:
-            tl.store(ncl_ptr + bg, c)
-
     @triton.jit(do_not_specialize=["cap", "w_len", "n_rows", "n_tiles"])
     def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, tmx_ptr, tse_ptr,
-                          cmx_ptr, cse_ptr, ncl_ptr, cap, w_len, n_rows, n_tiles, scale, INCREMENTAL: tl.constexpr,
-                          GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
+                          cmx_ptr, cse_ptr, ncl_ptr, cap, w_len, n_rows, n_tiles, scale, GROUP: tl.constexpr,
+                          BS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_T: tl.constexpr, TILE: tl.constexpr, PDL: tl.constexpr):
         """A program per (row, KV head, tile of BLOCK_N key blocks): the tile's probabilities summed over the valid
-        ring rows (the slot's age below the ring's count after the step); zero past the row's blocks.
-        ``INCREMENTAL``: the new query's ring rows take their max and Σ exp from the logits launch's partials
-        (tiles of TILE blocks) and block c, and the first tile's program keeps their closed sums and the count."""
+        ring rows (the slot's age below the ring's count after the step); zero past the row's blocks. The new
+        query's ring rows take their max and Σ exp from the logits launch's partials (tiles of TILE blocks) and
+        block c, and the first tile's program keeps their closed sums and the count."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -276,36 +249,33 @@ if triton is not None:
         live = cols < n
         acc = tl.zeros([BLOCK_N], tl.float32)
         if tl.program_id(2) * BLOCK_N < n:
-            if INCREMENTAL:
-                gh = tl.arange(0, BLOCK_G)
-                g_ok = gh < GROUP
-                cm = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                cs = tl.zeros([BLOCK_G], tl.float32)
-                for t0 in range(0, c, BLOCK_T * TILE):  # the tiles holding closed blocks
-                    tt = t0 // TILE + tl.arange(0, BLOCK_T)
-                    t_ok = g_ok[:, None] & (tt * TILE < c)[None, :]
-                    t_at = (bg * n_tiles + tt)[None, :] * GROUP + gh[:, None]
-                    tm = tl.load(tmx_ptr + t_at, mask=t_ok, other=float("-inf"))
-                    big = tl.maximum(cm, tl.max(tm, 1))
-                    safe = tl.where(big == float("-inf"), 0.0, big)
-                    cs = cs * tl.exp(cm - safe) + tl.sum(tl.load(tse_ptr + t_at, mask=t_ok, other=0.0)
-                                                         * tl.exp(tm - safe[:, None]), 1)
-                    cm = big
-                new_at = bg * n_rows + gh * w_len + slot
-                if tl.program_id(2) == 0:
-                    tl.store(cmx_ptr + new_at, cm, mask=g_ok)
-                    tl.store(cse_ptr + new_at, cs, mask=g_ok)
-                    tl.store(ncl_ptr + bg, c)
-                nm, ns = _plus(cm, cs, tl.load(lg_ptr + new_at * cap + c, mask=g_ok, other=0.0) * scale)
-                new_ok = g_ok[:, None] & live[None, :]
-                lg_new = tl.load(lg_ptr + new_at[:, None] * cap + cols[None, :], mask=new_ok, other=0.0)
-                acc += tl.sum(tl.where(new_ok, tl.exp(lg_new * scale - nm[:, None]) / ns[:, None], 0.0), 0)
+            gh = tl.arange(0, BLOCK_G)
+            g_ok = gh < GROUP
+            cm = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            cs = tl.zeros([BLOCK_G], tl.float32)
+            for t0 in range(0, c, BLOCK_T * TILE):  # the tiles holding closed blocks
+                tt = t0 // TILE + tl.arange(0, BLOCK_T)
+                t_ok = g_ok[:, None] & (tt * TILE < c)[None, :]
+                t_at = (bg * n_tiles + tt)[None, :] * GROUP + gh[:, None]
+                tm = tl.load(tmx_ptr + t_at, mask=t_ok, other=float("-inf"))
+                big = tl.maximum(cm, tl.max(tm, 1))
+                safe = tl.where(big == float("-inf"), 0.0, big)
+                cs = cs * tl.exp(cm - safe) + tl.sum(tl.load(tse_ptr + t_at, mask=t_ok, other=0.0)
+                                                     * tl.exp(tm - safe[:, None]), 1)
+                cm = big
+            new_at = bg * n_rows + gh * w_len + slot
+            if tl.program_id(2) == 0:
+                tl.store(cmx_ptr + new_at, cm, mask=g_ok)
+                tl.store(cse_ptr + new_at, cs, mask=g_ok)
+                tl.store(ncl_ptr + bg, c)
+            nm, ns = _plus(cm, cs, tl.load(lg_ptr + new_at * cap + c, mask=g_ok, other=0.0) * scale)
+            new_ok = g_ok[:, None] & live[None, :]
+            lg_new = tl.load(lg_ptr + new_at[:, None] * cap + cols[None, :], mask=new_ok, other=0.0)
+            acc += tl.sum(tl.where(new_ok, tl.exp(lg_new * scale - nm[:, None]) / ns[:, None], 0.0), 0)
             for r0 in range(0, n_rows, BLOCK_R):
                 rows = r0 + tl.arange(0, BLOCK_R)
                 age = (slot - rows % w_len + w_len) % w_len
-                ok = (rows < n_rows) & (age < nq_new)
-                if INCREMENTAL:  # the new rows are summed above
-                    ok = ok & (age != 0)
+                ok = (rows < n_rows) & (age < nq_new) & (age != 0)  # (the new rows are summed above)
                 mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
                 se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
                 both = ok[:, None] & live[None, :]
@@ -323,60 +293,29 @@ def feature_chunk(m: int) -> int:
     return min(32, max(16, next_pow2(m)))
 
 
-#: key blocks per program of the probabilities' launch and of the incremental logits' launch: 16 and 16 were the
-#: fastest of the H200 sweep at 128k tokens, batch 1 (whole step 123.1 µs against 131.3 at 32 and 32, 158.7 at
-#: 64 and 64; ``benchmarks/sketchwalk_authors/decode.py``, 2026-11-28): more programs than SMs hide the latency
+#: key blocks per program of the probabilities' launch and of the logits' launch: more programs than SMs hide the
+#: latency (16 and 16 were the fastest of the launch sizes measured, docs/methods/sketchwalk.md)
 ROW_TILE = 16
 LOGIT_TILE = 16
-#: the block row's default path: the incremental logit cache (True) or the full GEMM and log-sum-exp (False)
-INCREMENTAL = True
-#: ring rows per program of the log-sum-exp launch
-LSE_ROWS = 4
-#: blocks per chunk of the log-sum-exp launch's pass over a ring row
-LSE_CHUNK = 256
-
-
-def sketch_logits(qs: torch.Tensor, ks: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out [B·Hkv, G·W, C] = qs [B, Hq, W, m] · ks [B, Hkv, C, m]ᵀ`` per (row, KV head): one batched GEMM in
-    float32. On CUDA, TF32 is turned off for the call whatever the global setting (its 10-bit mantissa would move
-    the softmax by about 1e-3; the float32 GEMM is a few µs at 128k tokens)."""
-    b, hq, w_len, m = qs.shape
-    hkv, cap = ks.shape[1], ks.shape[2]
-    a, k_t = qs.view(b * hkv, hq // hkv * w_len, m), ks.view(b * hkv, cap, m).transpose(1, 2)
-    if not qs.is_cuda:
-        return torch.bmm(a, k_t, out=out)
-    prec = torch.backends.cuda.matmul
-    before = prec.fp32_precision
-    prec.fp32_precision = "ieee"
-    try:
-        return torch.bmm(a, k_t, out=out)
-    finally:
-        prec.fp32_precision = before
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
-                      block_n: int | None = None, block_x: int | None = None, block_m: int | None = None,
-                      lse_rows: int = LSE_ROWS, lse_chunk: int = LSE_CHUNK, incremental: bool | None = None,
-                      block_l: int | None = None, partial_chunk: int = 64) -> torch.Tensor:
+                      block_n: int | None = None, block_l: int | None = None, block_m: int | None = None,
+                      partial_chunk: int = 64) -> torch.Tensor:
     """:func:`row_update_reference` in four launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
     last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
     (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the probabilities summed
     over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default :data:`ROW_TILE`), and the
-    tail (``authors_walk.row_tail_triton``, in the form its module's path says). ``incremental=False`` (default
-    :data:`INCREMENTAL`): the full path instead of the logits' launch, every ring row against every block
-    (:func:`sketch_logits`, a GEMM into the cache) and each ring row's max and Σ exp over its row's blocks
-    (``_row_lse_kernel``, ``lse_rows`` ring rows per program, ``lse_chunk`` blocks per chunk); both leave the
-    cache for either at the next step. Returns ``r [B, C]`` (a workspace: valid until the next call).
-    ``block_x``: the chunked tail's chunk (default ``authors_walk.tail_chunk``); ``block_m``: the sketch features
-    per chunk of the state's dots (default :func:`feature_chunk`); ``partial_chunk``: the logits' tiles per chunk
-    (a power of two) of the probabilities' reduction of the new query's partials."""
+    tail (``authors_walk.row_tail_triton``). Returns ``r [B, C]`` (a workspace: valid until the next call).
+    ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`);
+    ``partial_chunk``: the logits' tiles per chunk (a power of two) of the probabilities' reduction of the new
+    query's partials."""
     _check_state(st)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
     if scale != st.logit_scale:
         raise ValueError(f"scale: the logit cache holds sums at st.logit_scale={st.logit_scale}, got {scale}")
-    incremental = INCREMENTAL if incremental is None else incremental
-    block_n, block_l = block_n or ROW_TILE, block_l or LOGIT_TILE  # (read at the call: a benchmark sweeps them)
+    block_n, block_l = block_n or ROW_TILE, block_l or LOGIT_TILE
     b, hq, d = q.shape
     hkv, cap = st.ks.shape[1], st.ks.shape[2]
     w_len, m = st.qs.shape[2], st.qs.shape[3]
@@ -397,24 +336,18 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
            st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
            k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
            BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
-    if incremental:
-        logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
-        launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
-               st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
-               st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
-               GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
-               BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    else:
-        sketch_logits(st.qs, st.ks, st.logits.view(b * hkv, n_rows, cap))
-        launch(_row_lse_kernel, (b, hkv, cdiv(n_rows, lse_rows)), lengths, st.logits, mx, se, st.closed_max,
-               st.closed_sum, st.n_closed, cap, n_rows, float(scale), BS=st.block_size, BLOCK_R=lse_rows,
-               BLOCK_N=lse_chunk, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+    logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
+    launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
+           st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
+           st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
+           GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
+           BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
            mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
-           INCREMENTAL=incremental, GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
+           GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
            BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
-    row_tail_triton(st, part, r, k, lengths, block_x=block_x, block_d=block_d, pdl=pdl)
+    row_tail_triton(st, part, r, k, lengths, pdl=pdl)
     st.fresh_rows = False
     return r
 

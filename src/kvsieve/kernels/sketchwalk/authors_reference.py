@@ -150,7 +150,7 @@ def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slo
 
 # -- the block row's logit cache ----------------------------------------------------------------------------------
 #
-# The incremental block row (``authors_decode.py``) keeps, per (row, KV head, ring row), the logits against every
+# The block row's kernels (``authors_decode.py``) keep, per (row, KV head, ring row), the logits against every
 # block up to the row's block c (``logits [B, Hkv, G·W, C]``, unscaled; valid for j ≤ c) and the max and Σ exp of
 # the scaled logits over the closed blocks j < ``n_closed`` (``closed_max``, ``closed_sum [B, Hkv, G·W]``). A
 # closed block's sketch never changes, so a step computes only the new query's logits, block c's column and, at a
@@ -217,7 +217,7 @@ def row_update_reference(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Te
     slot_ok = age < st.n_queries[:, None]  # [B, W]
     live = cols[None, :] < n[:, None]  # [B, C]
     r = block_row_reference(st.qs, st.ks, n, slot_ok, scale)  # [B, C], zero past n
-    # the logit cache, remade whole (the incremental kernels' state after the step)
+    # the logit cache, remade whole (the kernels' state after the step)
     logits, closed_max, closed_sum = logit_cache_reference(st.qs, st.ks, c, scale)
     st.logits.copy_(logits)
     st.closed_max.copy_(closed_max)

@@ -1,20 +1,19 @@
 """variant=authors' decode step, its per-row tail, walk and selection on the device (``authors_decode.py`` gives the
-step; this module its steps 3–5 and the device helpers both share). Two forms of the tail and of the selection,
-chosen by :class:`WalkPath` (the module's :data:`PATH`, or a ``path`` argument):
+step; this module its steps 3–5 and the device helpers both share). Each holds a row of at most
+:data:`MAX_BLOCKS` blocks in registers:
 
-- the tail, a program per row after the block row's per-KV-head partials (``row_update_triton``'s
+- ``_row_tail_kernel``, a program per row after the block row's per-KV-head partials (``row_update_triton``'s
   ``part [B, Hkv, C]``): block ``c``'s key sums, the KV heads summed and ``r`` normalised, the running matrix's
-  step, the ring's count and the order flag. ``_row_tail_regs_kernel`` (``"registers"``) holds the row in
-  registers: every load issued at once, the restart, a new block and fresh rows folded into the registers' values,
-  each entry written once; ``_row_tail_kernel`` (``"chunked"``) makes about ten passes over memory in chunks, with
-  the key sums one dim chunk of one KV head at a time;
-- ``_walk_hop_kernel`` per hop, a program per (row, tile of columns, split of the rows): the split's share of
-  ``(w ⊙ σ)·U`` over the tile, the previous hop's splits summed as it reads them; over U or over a 16-bit copy of
-  it that the registers tail keeps beside it (half the bytes; the walk rounded, the state not); a later hop whose
-  split is one step loads its tile before it waits for the hop before;
-- the selection, a program per row: the walk (the last hop's splits summed), the quantile by an exact radix select
-  (``select_common``'s), the kept blocks and the page list; ``_select_regs_kernel`` (``"registers"``) on the row
-  in registers, ``_select_kernel`` (``"chunked"``) in passes over memory.
+  step, the ring's count and the order flag; every load issued at once, the restart, a new block and fresh rows
+  folded into the registers' values, each entry written once;
+- ``_walk_hop_kernel`` per hop, a program per (row, tile of :data:`HOP_COLS` columns, split of the rows): the
+  split's share of ``(w ⊙ σ)·U`` over the tile (float32), the previous hop's splits summed as it reads them; a later
+  hop whose split is one step of :data:`HOP_ROWS` rows loads its tile before it waits for the hop before;
+- ``_select_kernel``, a program per row: the walk (the last hop's splits summed), the quantile by an exact radix
+  select on the registers (``select_common``'s), the kept blocks and the page list.
+
+The torch references are ``authors_reference.py``'s :func:`update_matrix_reference` (the tail's matrix step) and
+:func:`walk_select_reference` (the hops and the selection).
 
 The per-row work is launches of its own rather than the last tile program to arrive (a ticket counter):
 acquire-release atomics of hundreds of programs on one counter serialise and cost more than a launch, whose start
@@ -22,8 +21,6 @@ programmatic dependent launch hides. No atomics: sums in a fixed order, a replay
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +42,7 @@ from .authors_reference import ROW_EPS
 if triton is not None:
     import triton.language as tl
 
-    from ..shared.select_common import ordered, radix_select, radix_select_regs, value_range
+    from ..shared.select_common import ordered, radix_select_regs
 
     @triton.jit
     def position(lens_ptr, b, BS: tl.constexpr):
@@ -144,176 +141,6 @@ if triton is not None:
         tl.store(n_ptr + b, n.to(tl.int32))
         tl.store(short_ptr + b, (n <= sb + wb).to(tl.int8))
 
-    @triton.jit
-    def _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
-                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps,
-                    BLOCK_X: tl.constexpr):
-        """Row b's block row (the KV heads' partials summed, normalised) and the running matrix's step
-        (``update_matrix_reference``, the fresh rows first when ``fresh``), chunked over the columns; then the
-        ring count, the order flag and the last position."""
-        n = (c + 1).to(tl.int32)
-        vec = b * cap
-        u_row = u_ptr + b * cap * cap
-        # the block row
-        total = tl.zeros([BLOCK_X], tl.float32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            sj = tl.zeros([BLOCK_X], tl.float32)
-            for gg in range(0, hkv):
-                sj += tl.load(part_ptr + (b * hkv + gg) * cap + j, mask=j < cap, other=0.0, cache_modifier=".cg")
-            total += sj
-            tl.store(r_ptr + vec + j, sj, mask=j < cap)
-        denom = tl.sum(total, axis=0) + eps
-        r_sum = tl.zeros([BLOCK_X], tl.float32)
-        tl.debug_barrier()
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            rj = tl.load(r_ptr + vec + j, mask=j < cap, other=0.0) / denom
-            r_sum += rj
-            tl.store(r_ptr + vec + j, rj, mask=j < cap)
-        r_total = tl.sum(r_sum, axis=0)
-        tl.debug_barrier()
-        n_prev = tl.load(nb_ptr + b).to(tl.int32)
-        if fresh != 0:  # rows [n_prev, n) start as r
-            for i in range(n_prev, n):
-                for x0 in range(0, cap, BLOCK_X):
-                    j = x0 + tl.arange(0, BLOCK_X)
-                    tl.store(u_row + i * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
-                tl.store(sigma_ptr + vec + i, 1.0)
-                tl.store(rsum_ptr + vec + i, r_total)
-            n_prev = tl.maximum(n_prev, n)
-        # restart: row and column n0 − 1, σ and the row sums back to the prompt's
-        if restart:
-            n0 = tl.load(p_nb_ptr + b).to(tl.int32)
-            n0i = tl.maximum(n0 - 1, 0)
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + n0i * cap + j, tl.load(p_row_ptr + vec + j, mask=j < cap), mask=j < cap)
-            tl.debug_barrier()
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + j * cap + n0i, tl.load(p_col_ptr + vec + j, mask=j < n0), mask=j < n0)
-                tl.store(sigma_ptr + vec + j, tl.full([BLOCK_X], 1.0, tl.float32), mask=j < n0)
-                tl.store(rsum_ptr + vec + j, tl.load(p_rsum_ptr + vec + j, mask=j < cap), mask=j < cap)
-            n_prev = n0
-        tl.debug_barrier()
-        # a block that appears: row c = r, older rows' column c = 0
-        if c >= n_prev:
-            for x0 in range(0, cap, BLOCK_X):
-                j = x0 + tl.arange(0, BLOCK_X)
-                tl.store(u_row + c * cap + j, tl.load(r_ptr + vec + j, mask=j < cap), mask=j < cap)
-                tl.store(u_row + j * cap + c, tl.zeros([BLOCK_X], tl.float32), mask=j < n_prev)
-            tl.store(sigma_ptr + vec + c, 1.0)
-            tl.store(rsum_ptr + vec + c, r_total)
-        tl.store(nb_ptr + b, tl.maximum(n_prev, n).to(tl.int64))
-        tl.debug_barrier()
-        # α = 1/(s + 1) and 1 − α in float64, rounded once (the reference's)
-        alpha = (1.0 / (s + 1).to(tl.float64)).to(tl.float32)
-        one_minus = (1.0 - 1.0 / (s + 1).to(tl.float64)).to(tl.float32)
-        # row c ← (1 − α)·A_c + α·r, normalised
-        sig_c = tl.load(sigma_ptr + vec + c)
-        x_sum = tl.zeros([BLOCK_X], tl.float32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
-            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
-            x_sum += x
-        x_total = tl.maximum(tl.sum(x_sum, axis=0), eps)
-        xn_sum = tl.zeros([BLOCK_X], tl.float32)
-        tl.debug_barrier()
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            a_c = sig_c * tl.load(u_row + c * cap + j, mask=j < cap, other=0.0)
-            x = tl.where(j < n, one_minus * a_c + alpha * tl.load(r_ptr + vec + j, mask=j < cap, other=0.0), 0.0)
-            x = x / x_total
-            xn_sum += x
-            tl.store(u_row + c * cap + j, x, mask=j < cap)
-        tl.store(sigma_ptr + vec + c, 1.0)
-        tl.store(rsum_ptr + vec + c, tl.sum(xn_sum, axis=0))
-        tl.debug_barrier()
-        # column c, then every live row's scale
-        for x0 in range(0, cap, BLOCK_X):
-            i = x0 + tl.arange(0, BLOCK_X)
-            i_ok = i < cap
-            live = i < n
-            sig = tl.load(sigma_ptr + vec + i, mask=i_ok, other=1.0)
-            rs = tl.load(rsum_ptr + vec + i, mask=i_ok, other=0.0)
-            u_col = tl.load(u_row + i * cap + c, mask=i_ok, other=0.0)
-            y = one_minus * (sig * u_col) + alpha * tl.load(r_ptr + vec + i, mask=i_ok, other=0.0)
-            u_new = tl.where(live, y / sig, u_col)
-            rs = rs + tl.where(live, u_new - u_col, 0.0)
-            tl.store(u_row + i * cap + c, u_new, mask=i_ok)
-            tl.store(sigma_ptr + vec + i, tl.where(live, sig / tl.maximum(sig * rs, eps), sig), mask=i_ok)
-            tl.store(rsum_ptr + vec + i, rs, mask=i_ok)
-        _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr)
-
-    @triton.jit(do_not_specialize=["cap", "w_len", "hkv", "fresh"])
-    def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
-                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr, pkp_ptr, ksum_ptr, cap,
-                         w_len, hkv, fresh, eps, d, s_kb, s_kh, s_kn, BS: tl.constexpr, BLOCK_X: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        """A program per row, after every tile's partials: block c's key sums, the block row and the running
-        matrix's step. Its own launch rather than the last of the tile programs (a ticket): the tiles'
-        acquire-release atomics on one counter serialise, which costs more than a launch whose start PDL hides."""
-        b, pos, c, s, restart, nq_new = _tail_start(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, BS, PDL)
-        for g in range(0, hkv):
-            for d0 in range(0, d, BLOCK_D):
-                dc = d0 + tl.arange(0, BLOCK_D)
-                dc_ok = dc < d
-                new_sum = key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb,
-                                   s_kh, s_kn)
-                tl.store(ksum_ptr + ((b * hkv + g) * cap + c) * d + dc, new_sum, mask=dc_ok)
-        _update_row(b, pos, c, s, restart, nq_new, r_ptr, part_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr, p_nb_ptr,
-                    p_row_ptr, p_col_ptr, p_rsum_ptr, nq_ptr, last_ptr, err_ptr, cap, hkv, fresh, eps, BLOCK_X)
-
-    @triton.jit
-    def _select_row(b, pos, c, r_ptr, p_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
-                    SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr):
-        """Row b after the last hop: the walk (the hop's splits summed), the quantile threshold over the
-        candidates, the kept blocks and the page list (module docstring, step 5)."""
-        n = c + 1
-        vec = b * cap
-        sp = tl.arange(0, SPLITS_P)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            live = j < n
-            part = tl.load(p_ptr + (b * n_splits + sp[:, None]) * cap + j[None, :],
-                           mask=(sp < n_splits)[:, None] & live[None, :], other=0.0, cache_modifier=".cg")
-            rj = tl.load(r_ptr + vec + j, mask=live, other=0.0)
-            w = tl.where(live, one_minus_beta * rj + beta * tl.sum(part, 0), 0.0)
-            tl.store(walk_ptr + vec + j, w, mask=j < cap)
-        tl.debug_barrier()
-        wt, wb, sb = _row_sizes(pos, n, frac_ptr, BS)
-        first_window = n - wb
-        n_cand = tl.maximum(first_window - sb, 0).to(tl.int32)
-        th = tl.full([], 0.0, tl.float32)
-        if n_cand > 0:  # torch.nanquantile's linear quantile over [sb, first_window)
-            ranks = (n_cand - 1).to(tl.float32) * q
-            lo = ranks.to(tl.int32)
-            hi = tl.ceil(ranks).to(tl.int32)
-            src = walk_ptr + vec + sb
-            img_hi, img_lo, n_fin = value_range(src, n_cand, BLOCK_X)
-            img, n_eq = radix_select(src, n_cand, n_cand - lo, img_hi, img_lo, 32, BLOCK_X)  # the lo-th smallest
-            v_lo = tl.full([], float("-inf"), tl.float32)
-            v_next = tl.full([], float("inf"), tl.float32)
-            n_le = tl.full([], 0, tl.int32)
-            for x0 in range(0, n_cand, BLOCK_X):
-                offs = x0 + tl.arange(0, BLOCK_X)
-                w = tl.load(src + offs, mask=offs < n_cand, other=float("inf"))
-                u = ordered(w)
-                v_lo = tl.maximum(v_lo, tl.max(tl.where((offs < n_cand) & (u == img), w, float("-inf")), 0))
-                v_next = tl.minimum(v_next, tl.min(tl.where((offs < n_cand) & (u > img), w, float("inf")), 0))
-                n_le += tl.sum(((offs < n_cand) & (u <= img)).to(tl.int32), 0)
-            th = _lerp(ranks, lo, hi, v_lo, v_next, n_le)
-        listed_n = tl.full([], 0, tl.int32)
-        for x0 in range(0, cap, BLOCK_X):
-            j = x0 + tl.arange(0, BLOCK_X)
-            w = tl.load(walk_ptr + vec + j, mask=j < cap, other=0.0)
-            listed_n = _kept_pages(b, j, w, listed_n, n, sb, first_window, n_cand, th, wt, cap, max_pages, kept_ptr,
-                                   pages_ptr, BS)
-        _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, BLOCK_X)
-
     @triton.jit(do_not_specialize=["cap", "n_splits", "split_rows"])
     def _walk_hop_kernel(lens_ptr, plen_ptr, p_nb_ptr, u_ptr, ue_ptr, sigma_ptr, r_ptr, pin_ptr, pout_ptr, cap,
                          n_splits, split_rows, beta, one_minus_beta, FIRST: tl.constexpr, BS: tl.constexpr,
@@ -346,7 +173,7 @@ if triton is not None:
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < i1
             at = (b * cap + i[:, None]) * cap + j[None, :]
-            a = tl.load(ue_ptr + at, mask=i_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+            a = tl.load(ue_ptr + at, mask=i_ok[:, None] & j_ok[None, :], other=0.0)
             if not FIRST:  # (the first hop's r and σ are the tail's)
                 rs = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
                 sig = tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
@@ -359,7 +186,7 @@ if triton is not None:
                 again = (i == c) | ((plen >= 0) & (pos == plen) & (i == n0i))
                 again = again[:, None] | ((j == c) | ((plen >= 0) & (pos == plen) & (j == n0i)))[None, :]
                 again = (again.to(tl.int32) * (i_ok[:, None] & j_ok[None, :]).to(tl.int32)) != 0
-                a = tl.where(again, tl.load(u_ptr + at, mask=again, other=0.0).to(tl.float32), a)
+                a = tl.where(again, tl.load(u_ptr + at, mask=again, other=0.0), a)
                 v = tl.load(r_ptr + b * cap + i, mask=i_ok, other=0.0)
             else:
                 prev = tl.load(pin_ptr + (b * n_splits + spl[:, None]) * cap + i[None, :],
@@ -382,50 +209,21 @@ if triton is not None:
                     w = one_minus_beta * w + beta * tl.sum(prev, 0)
                 v = w * tl.load(sigma_ptr + b * cap + i, mask=i_ok, other=0.0)
                 a = tl.load(u_ptr + (b * cap + i[:, None]) * cap + j[None, :], mask=i_ok[:, None] & j_ok[None, :],
-                            other=0.0).to(tl.float32)  # (U or its 16-bit copy)
+                            other=0.0)
                 acc += v[:, None] * a
             tl.store(pout_ptr + (b * n_splits + sp) * cap + j, tl.sum(acc, 0), mask=j_ok)
 
-    @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
-    def _select_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                       short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
-                       SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, PDL: tl.constexpr):
-        """A program per row after the last hop (its own launch, not a ticket: see ``_row_tail_kernel``)."""
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        b = tl.program_id(0).to(tl.int64)
-        pos, c, _ = position(lens_ptr, b, BS)
-        _select_row(b, pos, c, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
-                    short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS, SPLITS_P, BLOCK_X)
-
-    @triton.jit
-    def _store_u(u_ptr, uw_ptr, at, val, mask, HAS_UW: tl.constexpr):
-        """A write to the running matrix and, with ``HAS_UW``, to its 16-bit copy that the hops read (rounded to
-        nearest, ties to even, as torch's ``.to``: bfloat16 by its bits, which Triton's interpreter would
-        truncate)."""
-        tl.store(u_ptr + at, val, mask=mask)
-        if HAS_UW:
-            if uw_ptr.dtype.element_ty == tl.bfloat16:
-                bits = val.to(tl.uint32, bitcast=True)
-                half = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            else:
-                half = val.to(uw_ptr.dtype.element_ty)
-            tl.store(uw_ptr + at, half, mask=mask)
-
     @triton.jit(do_not_specialize=["cap", "w_len", "fresh"])
-    def _row_tail_regs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, uw_ptr, sigma_ptr,
-                              rsum_ptr, nb_ptr, p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr,
-                              pkp_ptr, ksum_ptr, cap, w_len, fresh, eps, d, s_kb, s_kh, s_kn, HKV: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr,
-                              HAS_UW: tl.constexpr, PDL: tl.constexpr):
-        """``_row_tail_kernel``'s work with the row (``cap ≤ BLOCK_X``) in registers: every load is issued at the
-        start (the KV heads' partials, row c and column c of U, the row scales and sums, the prompt's copies on a
-        restart, the new keys), the fresh rows, the restart and a new block are folded into the registers' values
-        (``update_matrix_reference``'s order), and each entry of U is written once at the end, the rare writes
-        (fresh rows, the restart's row and column) before it behind barriers. One round trip to memory where the
-        chunked tail makes about ten, and the key sums of every KV head at once instead of one dim chunk of one
-        head at a time."""
+    def _row_tail_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, part_ptr, r_ptr, u_ptr, sigma_ptr, rsum_ptr, nb_ptr,
+                         p_nb_ptr, p_row_ptr, p_col_ptr, p_rsum_ptr, last_ptr, err_ptr, k_ptr, pkp_ptr, ksum_ptr, cap,
+                         w_len, fresh, eps, d, s_kb, s_kh, s_kn, HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BS: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        """A program per row (``cap ≤ BLOCK_X``) after every tile's partials, the row in registers: every load is
+        issued at the start (the KV heads' partials, row c and column c of U, the row scales and sums, the prompt's
+        copies on a restart, the new keys), the fresh rows, the restart and a new block are folded into the
+        registers' values (``update_matrix_reference``'s order), and each entry of U is written once at the end,
+        the rare writes (fresh rows, the restart's row and column) before it behind barriers; the key sums of every
+        KV head at once. Its own launch rather than the last of the tile programs (module docstring)."""
         b, pos, c, s, restart, nq_new = _tail_start(lens_ptr, plen_ptr, nq_ptr, pnq_ptr, w_len, BS, PDL)
         n = (c + 1).to(tl.int32)
         vec = b * cap
@@ -435,7 +233,7 @@ if triton is not None:
         live = j < n
         # every load first (one round trip): the partials, row and column c, the scales and sums, the prompt's copies
         r = tl.zeros([BLOCK_X], tl.float32)
-        for g in tl.static_range(HKV):  # the KV heads in order (as the chunked tail)
+        for g in tl.static_range(HKV):  # the KV heads in order
             r += tl.load(part_ptr + (b * HKV + g) * cap + j, mask=j_ok, other=0.0, cache_modifier=".cg")
         row_c = tl.load(u_ptr + u_row + c * cap + j, mask=j_ok, other=0.0)
         col_c = tl.load(u_ptr + u_row + j * cap + c, mask=j_ok, other=0.0)
@@ -468,7 +266,7 @@ if triton is not None:
         # fresh rows [n_prev, n) start as r (written whole here; row and column c are rewritten below)
         if fresh != 0:
             for i in range(n_prev, n):
-                _store_u(u_ptr, uw_ptr, u_row + i * cap + j, r, j_ok, HAS_UW)
+                tl.store(u_ptr + u_row + i * cap + j, r, mask=j_ok)
             new_row = (j >= n_prev) & live
             if c >= n_prev:
                 row_c = r
@@ -482,9 +280,9 @@ if triton is not None:
             in_prompt = j < n0
             tl.debug_barrier()  # after the fresh rows' writes
             if c != n0i:  # row c and column c are written at the end, with the rest of the step
-                _store_u(u_ptr, uw_ptr, u_row + n0i * cap + j, p_row, j_ok, HAS_UW)
+                tl.store(u_ptr + u_row + n0i * cap + j, p_row, mask=j_ok)
                 tl.debug_barrier()
-                _store_u(u_ptr, uw_ptr, u_row + j * cap + n0i, p_col, in_prompt & (j != c), HAS_UW)
+                tl.store(u_ptr + u_row + j * cap + n0i, p_col, mask=in_prompt & (j != c))
                 col_c = tl.where(j == n0i, tl.sum(tl.where(j == c, p_row, 0.0), axis=0), col_c)
                 if c < n0:
                     row_c = tl.where(j == n0i, tl.sum(tl.where(j == c, p_col, 0.0), axis=0), row_c)
@@ -517,18 +315,17 @@ if triton is not None:
         rs = rs + tl.where(live, u_new - col_c, 0.0)
         sig = tl.where(live, sig / tl.maximum(sig * rs, eps), sig)
         tl.debug_barrier()  # after the restart's writes
-        _store_u(u_ptr, uw_ptr, u_row + c * cap + j, x, j_ok & (j != c), HAS_UW)
-        _store_u(u_ptr, uw_ptr, u_row + j * cap + c, u_new, j_ok, HAS_UW)
+        tl.store(u_ptr + u_row + c * cap + j, x, mask=j_ok & (j != c))
+        tl.store(u_ptr + u_row + j * cap + c, u_new, mask=j_ok)
         tl.store(sigma_ptr + vec + j, sig, mask=j_ok)
         tl.store(rsum_ptr + vec + j, rs, mask=j_ok)
         _close_ring(b, pos, restart, nq_new, nq_ptr, last_ptr, err_ptr)
 
     @triton.jit(do_not_specialize=["cap", "n_splits", "max_pages"])
-    def _select_regs_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr,
-                            n_ptr, short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
-                            SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_P: tl.constexpr,
-                            PDL: tl.constexpr):
-        """``_select_kernel``'s work with the row (``cap ≤ BLOCK_X``) in registers: the walk is loaded once (the
+    def _select_kernel(lens_ptr, r_ptr, pout_ptr, frac_ptr, walk_ptr, kept_ptr, pages_ptr, counts_ptr, wt_ptr, n_ptr,
+                       short_ptr, cap, n_splits, max_pages, q, beta, one_minus_beta, BS: tl.constexpr,
+                       SPLITS_P: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+        """A program per row after the last hop, the row (``cap ≤ BLOCK_X``) in registers: the walk is loaded once (the
         last hop's splits, each a row of loads issued together), the quantile's exact radix select runs on the
         registers (``radix_select_regs``: no pass over memory per digit, and it stops once the digit's bin is
         taken whole), and the kept blocks and the page list are one pass of stores."""
@@ -572,175 +369,77 @@ if triton is not None:
         _close_pages(b, n, sb, wb, wt, listed_n, max_pages, pages_ptr, counts_ptr, wt_ptr, n_ptr, short_ptr, BLOCK_P)
 
 
-def tail_chunk(cap: int) -> int:
-    """Columns a row's serial tail (the matrix step, the selection) handles at once: the whole row up to 4,096
-    blocks (256k tokens of 64), so that each of its passes is one round trip to memory."""
-    return min(4096, max(16, next_pow2(cap)))
 
-
-#: the longest row (in blocks) the register forms hold: 512k tokens of 64-key blocks
-REGS_MAX_BLOCKS = 8192
-#: the forms of the tail and the selection
-FORMS = ("registers", "chunked")
-#: the running matrix the hops may read: U itself, or a 16-bit copy of it that the tail keeps
-WALK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class WalkPath:
-    """How the step's second half runs. ``tail``, ``select``: ``"registers"`` (the row held in registers, one
-    round trip to memory; rows up to :data:`REGS_MAX_BLOCKS` blocks, longer ones take the other form) or
-    ``"chunked"`` (passes over memory in chunks of :func:`tail_chunk`). ``walk_dtype``: the U the hops read,
-    float32 (U itself) or a 16-bit copy that the registers tail writes beside U (``st.u_walk``, made from U by the
-    first walk that needs it): half the bytes per hop, the walk rounded (the state itself stays float32).
-    ``block_i``, ``block_j``: a hop program's rows per step of its loop and its columns (``block_j`` by default 128
-    over float32, 256 over 16 bits: the same bytes per step); ``hop_warps``: a hop program's warps; ``splits``: the
-    rows' splits per column tile (default :func:`walk_splits`: about two programs per SM)."""
-
-    tail: str = "registers"
-    select: str = "registers"
-    walk_dtype: torch.dtype = torch.float32
-    block_i: int = 32
-    block_j: int | None = None
-    hop_warps: int = 4
-    splits: int | None = None
-
-    def __post_init__(self):
-        for name in ("tail", "select"):
-            if getattr(self, name) not in FORMS:
-                raise ValueError(f"{name}: expected one of {FORMS}, got {getattr(self, name)!r}")
-        if self.walk_dtype not in WALK_DTYPES:
-            raise ValueError(f"walk_dtype: expected one of {WALK_DTYPES}, got {self.walk_dtype}")
-        if self.walk_dtype != torch.float32 and self.tail != "registers":
-            raise ValueError("walk_dtype: a 16-bit copy of U is kept by the registers tail only (tail='registers')")
-        for name in ("block_i", "block_j"):
-            v = getattr(self, name)
-            if name == "block_j" and v is None:
-                continue
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"{name}: expected a power of two of at least 16, got {v!r}")
-        if self.hop_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"hop_warps: expected 1, 2, 4, 8 or 16, got {self.hop_warps!r}")
-        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
-            raise ValueError(f"splits: expected a positive int or None, got {self.splits!r}")
-
-
-#: the path the launches below take unless given one (a module-level switch, so that one process can time both)
-PATH = WalkPath()
-
-
-def set_path(path: WalkPath) -> WalkPath:
-    """Makes ``path`` the module's default; returns the one it replaces."""
-    global PATH
-    if not isinstance(path, WalkPath):
-        raise ValueError(f"path: expected a WalkPath, got {type(path).__name__}")
-    before, PATH = PATH, path
-    return before
+#: the longest row (in blocks) the kernels hold in registers: 512k tokens of 64-key blocks (U is then 256 MiB a row)
+MAX_BLOCKS = 8192
+#: a hop program's rows per step of its loop, its columns, its warps
+HOP_ROWS = 32
+HOP_COLS = 128
+HOP_WARPS = 4
 
 
 def check_state(st, extra: tuple[str, ...] = ()) -> None:
-    """Each of the state's tensors the kernels read (and the ``extra`` names) contiguous float32, or a clear error."""
+    """Each of the state's tensors the kernels read (and the ``extra`` names) contiguous float32, and rows of at
+    most :data:`MAX_BLOCKS` blocks, or a clear error."""
     for name in ("u", "sigma", "rsum", "qs", "p_qs", "ks", "ksum", "p_kpart", "p_row", "p_col", "p_rsum", "phi",
                  *extra):
         t = getattr(st, name)
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"st.{name}: expected a contiguous float32 tensor, got {t.dtype} {tuple(t.shape)}")
-
-
-def walk_copy(st) -> torch.Tensor | None:
-    """The 16-bit copy of U the registers tail keeps (``st.u_walk``), or None (one of another shape, left by a
-    state that grew, is dropped)."""
-    uw = getattr(st, "u_walk", None)
-    if uw is not None and uw.shape != st.u.shape:
-        st.u_walk = uw = None
-    return uw
+    if st.u.shape[-1] > MAX_BLOCKS:
+        raise ValueError(f"st.u: the kernels hold rows of at most {MAX_BLOCKS} blocks, got {st.u.shape[-1]}")
 
 
 def row_tail_triton(st, part: torch.Tensor, r: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *,
-                    block_x: int | None = None, block_d: int = 32, pdl: bool = False,
-                    path: WalkPath | None = None) -> None:
+                    pdl: bool = False) -> None:
     """The step's tail after the block row's partials ``part [B·Hkv·C]`` (float32, the KV heads' probabilities
     summed over their ring rows, zero past each row's blocks): block c's key sums, ``r [B, C]`` (normalised, into
-    ``r``), the running matrix's step (and its 16-bit copy's, where the state has one), the ring count, the order
-    flag. ``path``: :class:`WalkPath` (default :data:`PATH`); ``block_x``, ``block_d``: the chunked form's chunks
-    (default :func:`tail_chunk`); ``pdl``: launched with programmatic dependent launch."""
-    path = path or PATH
+    ``r``), the running matrix's step, the ring count, the order flag. ``pdl``: launched with programmatic
+    dependent launch."""
     st.tail_fresh = bool(st.fresh_rows)  # (the first hop reads its tile early unless the tail starts fresh rows)
     b, hkv, _, d = st.ksum.shape
     cap = st.u.shape[-1]
-    w_len = st.qs.shape[2]
-    uw = walk_copy(st)
-    if path.tail == "registers" and cap <= REGS_MAX_BLOCKS:
-        block_x = max(16, next_pow2(cap))
-        launch(_row_tail_regs_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u,
-               st.u if uw is None else uw, st.sigma, st.rsum, st.n_blocks, st.p_nblocks, st.p_row, st.p_col,
-               st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart, st.ksum, cap, w_len, int(st.fresh_rows),
-               ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2), HKV=hkv, BLOCK_D=max(16, next_pow2(d)),
-               BS=st.block_size, BLOCK_X=block_x, BLOCK_H=max(2, next_pow2(hkv)), HAS_UW=uw is not None, PDL=pdl,
-               num_warps=regs_warps(block_x), **pdl_launch(pdl))
-        return
-    if uw is not None:  # the chunked form does not keep the copy: the next walk makes it again
-        st.u_walk = None
+    block_x = max(16, next_pow2(cap))
     launch(_row_tail_kernel, (b,), lengths, st.n_queries, st.p_nq, st.prompt_len, part, r, st.u, st.sigma, st.rsum,
            st.n_blocks, st.p_nblocks, st.p_row, st.p_col, st.p_rsum, st.last_pos, st.order_error, k, st.p_kpart,
-           st.ksum, cap, w_len, hkv, int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
-           BS=st.block_size, BLOCK_X=block_x or tail_chunk(cap), BLOCK_D=block_d, PDL=pdl, num_warps=8,
-           **pdl_launch(pdl))
+           st.ksum, cap, st.qs.shape[2], int(st.fresh_rows), ROW_EPS, d, k.stride(0), k.stride(1), k.stride(2),
+           HKV=hkv, BLOCK_D=max(16, next_pow2(d)), BS=st.block_size, BLOCK_X=block_x, BLOCK_H=max(2, next_pow2(hkv)),
+           PDL=pdl, num_warps=row_warps(block_x), **pdl_launch(pdl))
 
 
-def regs_warps(block_x: int) -> int:
-    """Warps of a register form's program: about eight of a row's entries per thread."""
+def row_warps(block_x: int) -> int:
+    """Warps of a per-row program: about eight of a row's entries per thread."""
     return min(16, max(4, block_x // 256))
 
 
-def walk_splits(batch: int, cap: int, device: torch.device, *, block_j: int, block_i: int) -> int:
-    """Row splits of each hop's GEMV: about two programs per SM in all, at least ``block_i`` rows each."""
-    return row_segments(batch * cdiv(cap, block_j), cap, device, segment=block_i)
-
-
-def walk_matrix(st, dtype: torch.dtype) -> torch.Tensor:
-    """The U the hops read: ``st.u`` for float32; else the state's 16-bit copy, made from U where it has none
-    (or one of another dtype), dropped again when float32 is asked for."""
-    uw = walk_copy(st)
-    if dtype == torch.float32:
-        if uw is not None:
-            st.u_walk = None
-        return st.u
-    if uw is None or uw.dtype != dtype:
-        uw = st.u.to(dtype)
-        st.u_walk = uw
-    return uw
+def walk_splits(batch: int, cap: int, device: torch.device) -> int:
+    """Row splits of each hop's GEMV: about two programs per SM in all, at least :data:`HOP_ROWS` rows each."""
+    return row_segments(batch * cdiv(cap, min(HOP_COLS, max(16, next_pow2(cap)))), cap, device, segment=HOP_ROWS)
 
 
 def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: float, degree: int, sink: float,
-                       window: float, q: float, max_pages: int, splits: int | None = None, block_j: int | None = None,
-                       block_i: int | None = None, block_x: int | None = None, path: WalkPath | None = None,
+                       window: float, q: float, max_pages: int, splits: int | None = None,
                        u_before: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """:func:`walk_select_reference` in ``degree`` + 1 launches (float32; with ``path.walk_dtype`` 16-bit, the hops
-    read U rounded to it). ``path``: :class:`WalkPath` (default :data:`PATH`); ``splits``: the GEMV's row splits
-    (default :func:`walk_splits`); ``block_i``, ``block_j``: the hops' tiles (default the path's); ``block_x``:
-    the chunked selection's chunk (default :func:`tail_chunk`). ``u_before``: what the first hop's early loads read
-    in place of the U it reads (tests: U as it was before the tail, to check that the entries the tail rewrote are
-    read again after the wait)."""
-    path = path or PATH
+    """:func:`walk_select_reference` in ``degree`` + 1 launches (float32). ``splits``: the GEMV's row splits
+    (default :func:`walk_splits`). ``u_before``: what the first hop's early loads read in place of the U it reads
+    (tests: U as it was before the tail, to check that the entries the tail rewrote are read again after the
+    wait)."""
     check_state(st)
     if r.dtype != torch.float32 or r.shape != st.sigma.shape or not r.is_contiguous():
         raise ValueError(f"r: expected a contiguous float32 {tuple(st.sigma.shape)}, got {r.dtype} {tuple(r.shape)}")
     if degree < 1:
         raise ValueError(f"degree: expected at least 1, got {degree}")
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"splits: expected a positive int or None, got {splits!r}")
     b, cap = r.shape
     dev = r.device
-    if path.walk_dtype != torch.float32 and cap > REGS_MAX_BLOCKS:
-        raise ValueError(f"path.walk_dtype: a 16-bit U needs the registers tail, which holds rows of at most "
-                         f"{REGS_MAX_BLOCKS} blocks (got {cap})")
-    u = walk_matrix(st, path.walk_dtype)
-    block_i = block_i or path.block_i
-    block_j = block_j or path.block_j or (128 if path.walk_dtype == torch.float32 else 256)
-    block_j = min(block_j, max(16, next_pow2(cap)))
+    u = st.u
+    block_j = min(HOP_COLS, max(16, next_pow2(cap)))
     col_tiles = cdiv(cap, block_j)
-    splits = splits or path.splits or walk_splits(b, cap, dev, block_j=block_j, block_i=block_i)
-    split_rows = cdiv(cdiv(cap, splits), block_i) * block_i
+    splits = splits or walk_splits(b, cap, dev)
+    split_rows = cdiv(cdiv(cap, splits), HOP_ROWS) * HOP_ROWS
     n_splits = cdiv(cap, split_rows)
+    splits_p = max(2, next_pow2(n_splits))
     hops = workspace("sw_authors_hops", r, 2 * b * n_splits * cap, torch.float32)[:2 * b * n_splits * cap]
     hops = hops.view(2, b * n_splits * cap)
     out = {"walk": torch.empty(b, cap, device=dev, dtype=torch.float32),
@@ -755,22 +454,15 @@ def walk_select_triton(st, r: torch.Tensor, lengths: torch.Tensor, *, beta: floa
     for hop in range(degree):
         launch(_walk_hop_kernel, (b, col_tiles, n_splits), lengths, st.prompt_len, st.p_nblocks, u,
                u if u_before is None or hop else u_before, st.sigma, r, hops[(hop + 1) % 2], hops[hop % 2], cap,
-               n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0,
-               BS=st.block_size, SPLITS_P=max(2, next_pow2(n_splits)), BLOCK_I=block_i, BLOCK_J=block_j,
-               EARLY=split_rows <= block_i and (hop > 0 or not getattr(st, "tail_fresh", False)), PDL=pdl,
-               num_warps=path.hop_warps, num_stages=2, **pdl_launch(pdl))
-    common = (lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"], out["counts"],
-              out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
-              float(1.0 - beta))
-    splits_p = max(2, next_pow2(n_splits))
-    if path.select == "registers" and cap <= REGS_MAX_BLOCKS:
-        width = max(16, next_pow2(cap))
-        launch(_select_regs_kernel, (b,), *common, BS=st.block_size, SPLITS_P=splits_p, BLOCK_X=width,
-               BLOCK_P=min(width, max(16, next_pow2(max_pages))), PDL=pdl, num_warps=regs_warps(width),
-               **pdl_launch(pdl))
-    else:
-        launch(_select_kernel, (b,), *common, BS=st.block_size, SPLITS_P=splits_p, BLOCK_X=block_x or tail_chunk(cap),
-               PDL=pdl, num_warps=8, **pdl_launch(pdl))
+               n_splits, split_rows, float(beta), float(1.0 - beta), FIRST=hop == 0, BS=st.block_size,
+               SPLITS_P=splits_p, BLOCK_I=HOP_ROWS, BLOCK_J=block_j,
+               EARLY=split_rows <= HOP_ROWS and (hop > 0 or not getattr(st, "tail_fresh", False)), PDL=pdl,
+               num_warps=HOP_WARPS, num_stages=2, **pdl_launch(pdl))
+    width = max(16, next_pow2(cap))
+    launch(_select_kernel, (b,), lengths, r, hops[(degree - 1) % 2], frac, out["walk"], out["kept"], out["pages"],
+           out["counts"], out["window_tokens"], out["n"], out["short"], cap, n_splits, max_pages, float(q), float(beta),
+           float(1.0 - beta), BS=st.block_size, SPLITS_P=splits_p, BLOCK_X=width,
+           BLOCK_P=min(width, max(16, next_pow2(max_pages))), PDL=pdl, num_warps=row_warps(width), **pdl_launch(pdl))
     out["kept"] = out["kept"].view(torch.bool)
     out["short"] = out["short"].view(torch.bool)
     return out

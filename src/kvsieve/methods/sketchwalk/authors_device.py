@@ -79,7 +79,6 @@ class AuthorsDeviceState(MethodState):
     block_size: int
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
     last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
-    u_walk: torch.Tensor | None = field(default=None, repr=False, compare=False)  # U's 16-bit copy for the walk
     tail_fresh: bool = field(default=False, repr=False, compare=False)  # host: the last tail started fresh rows
 
     @property
@@ -221,7 +220,7 @@ def device_step(st: AuthorsDeviceState, q: torch.Tensor, k: torch.Tensor, length
     """One decode step of every row: q ``[B, Hq, d]`` the new tokens' queries, k ``[B, Hkv, N, d]`` the
     cache (the new key at ``lengths − 1``). Updates ``st`` in place; no host read. ``max_pages``: the page
     list's bound. ``kernels``: the Triton step (:mod:`kvsieve.kernels.sketchwalk.authors_decode`: 5 + ``degree``
-    Triton launches and a GEMM), or its torch reference (about a hundred launches)."""
+    Triton launches), or its torch reference (about a hundred launches)."""
     scale = logit_scale(st.phi.shape[0])
     if kernels:
         r = kd.row_update_triton(st, q, k, lengths, scale=scale)
@@ -275,10 +274,10 @@ def decode_batched(cfg, inputs: DecodeInputs, state, st: AuthorsLayerState) -> t
         state.authors_device = dst
     path, reason = attention_path(cfg, inputs)
     # the Triton step where the attention kernel runs (it serves float32, float16 and bfloat16 calls; the
-    # state is float32 for all three)
-    kernels = path == "triton"
+    # state is float32 for all three) and the rows fit its registers; longer ones take the torch step
+    kernels = path == "triton" and dst.capacity_blocks <= kw.MAX_BLOCKS
     max_pages = max_kept_pages(n_tok, bs, sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac)
-    q, k, v, lens = kernel_operands(inputs) if kernels else (inputs.q, inputs.k, inputs.v, lengths)
+    q, k, v, lens = kernel_operands(inputs) if path == "triton" else (inputs.q, inputs.k, inputs.v, lengths)
     step = device_step(dst, q, k, lens, beta=cfg.walk_damping, degree=cfg.degree, sink=cfg.sink, window=cfg.window,
                        kblocks_frac=cfg.kblocks_frac, max_pages=max_pages, kernels=kernels)
     dst.last_step = step
