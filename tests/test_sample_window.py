@@ -1,6 +1,7 @@
 """The uniform sample's windowed cut (``sample_triton``: a scan spread over the row counts the keys below a
 hash window and appends those inside it to the row's list, one program per row finds the cut among them, a
-third launch writes the list) draws the very keys of the one-program select and of the torch reference, on
+third launch writes the list) draws the very keys of the one-program select (the list's other way) and of
+the torch reference, on
 the CPU through Triton's interpreter (a subprocess: the interpreter is chosen when triton is imported), and
 at decode sizes on the GPU."""
 
@@ -43,9 +44,7 @@ for r, hs, n, sizes, block, page, cb, sigmas in cases:
         want_w = torch.where(used, nav[..., None].double() / take.clamp(min=1)[..., None].double(), 1.0)
         assert torch.equal(w, want_w), (window, r, hs, n, sizes)
     if page == 1:
-        cut = st.sample_cut_triton(rs.lo, rs.hi, 9, start, end, size, nav, n, window=True, **kw)
-        old = st.sample_cut_triton(rs.lo, rs.hi, 9, start, end, size, nav, n, window=False, **kw)
-        assert torch.equal(cut, old), (r, hs, n, sizes, cut, old)
+        cut = st.sample_cut_triton(rs.lo, rs.hi, 9, start, end, size, nav, n, **kw)
         got = in_sample_reference(rs.lo, rs.hi, 9, start, end, excl, cut[0], cut[1], n)
         assert torch.equal(got.sum(-1), take)
         mark = torch.zeros(r, hs, n + 6, dtype=torch.bool).scatter_(2, torch.where(used, ref, n + 5), True)[..., :n]
@@ -75,9 +74,9 @@ print("OK")
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_windowed_cut_draws_the_reference_sample(seed):
-    """List and cut, windowed or not, equal ``sample_rows_reference`` (the keys of smallest hash, ties to the
-    lowest positions) on small, empty, whole, over-full and large samples, with pages excluded, through the
-    window and through its fallback (window too wide for the registers, or missing the cut)."""
+    """The list (windowed or one program per row) and the cut equal ``sample_rows_reference`` (the keys of smallest
+    hash, ties to the lowest positions) on small, empty, whole, over-full and large samples, with pages excluded,
+    through the window and through its fallback (window too wide for the registers, or missing the cut)."""
     pytest.importorskip("triton")
     assert "OK" in run_script(WINDOW, "cpu", True, seed=seed)
 
@@ -120,11 +119,12 @@ def test_tie_position_is_the_at_th_lowest_position():
 @pytest.mark.parametrize("r,n", [(1, 131072), (8, 32768)])
 def test_windowed_cut_and_split_select_at_decode_sizes_on_the_gpu(r, n):
     """vAttention's sizes on the GPU (32 heads; a residual sample of about half the keys, a base sample and
-    a top-k of 2.5 %): the windowed sample equals the old select and the reference, list and cut; the split
-    top-k merged by a launch equals the ticket's and the reference's."""
+    a top-k of 2.5 %): the list, windowed or one program per row, equals the reference, and the cut holds
+    its keys; the split top-k merged by a launch equals the ticket's and the reference's."""
     from kvsieve.core.rng import RandomKey, RowStreams
     from kvsieve.kernels.shared import sample_triton as st
     from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_reference, topk_rows_triton
+    from kvsieve.kernels.vattention.attend_triton import in_sample_reference
 
     dev, hs = "cuda", 32
     g = torch.Generator(device=dev).manual_seed(n)
@@ -140,9 +140,12 @@ def test_windowed_cut_and_split_select_at_decode_sizes_on_the_gpu(r, n):
         for window in (True, False):
             idx, _ = st.sample_rows_triton(rs.lo, rs.hi, 4, start, end, size, nav, n, n, excluded=excl, window=window)
             assert torch.equal(idx, ref), (frac, window)
-        cuts = [st.sample_cut_triton(rs.lo, rs.hi, 4, start, end, size, nav, n, excluded=excl, window=w)
-                for w in (True, False)]
-        assert torch.equal(cuts[0], cuts[1]), frac
+        cut = st.sample_cut_triton(rs.lo, rs.hi, 4, start, end, size, nav, n, excluded=excl)
+        got = in_sample_reference(rs.lo, rs.hi, 4, start, end, excl, cut[0], cut[1], n)
+        used = torch.arange(n, device=dev) < size[..., None]
+        mark = torch.zeros(r, hs, n + 1, dtype=torch.bool, device=dev)
+        mark = mark.scatter_(2, torch.where(used, ref, n), True)[..., :n]
+        assert torch.equal(got, mark), frac
     s = torch.randn(r, hs, n, generator=g, device=dev) * 2
     s[..., :128] = float("-inf")
     counts = torch.full((r,), n // 40, device=dev)

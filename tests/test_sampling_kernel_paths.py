@@ -335,7 +335,7 @@ BUDGET = BUDGET_INPUTS + """
 # vAttention's budget statistics (split launch + combine) against a direct float64 reference, for every
 # number of splits: GQA 1/4/2 with per-query-head or per-KV-head lists, ragged counts, fp32 and bf16
 import torch
-from kvsieve.kernels.vattention.budget_triton import budget_stats_triton
+from kvsieve.kernels.vattention.budget_triton import budget_stats_reference, budget_stats_triton
 
 def ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, scale, full, logits=None):
     r, hq, d = q.shape
@@ -389,20 +389,23 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
     want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full)
     if not full:
         want[..., 2:4] = 0
+    twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12)
+    torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
     for splits in split_counts:
-        for online in (True, False):  # one pass around a running max, or the logits first then the sums
-            got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                      splits=splits, online=online)
-            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
-            worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
+        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                  splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+        worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
     # the lists' logits from kept float32 scores (random, not K's: a kernel that ignored them fails)
     logits = torch.randn(r, hq, n, generator=g) * 3
     want = ref_stats(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, logits)
     if not full:
         want[..., 2:4] = 0
-    for online in (True, False):
+    twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12, logits)
+    torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
+    for splits in (2, 13):
         got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=2, logits=logits, online=online)
+                                  splits=splits, logits=logits)
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
 print("WORST", worst)
 print("OK")
@@ -594,12 +597,10 @@ for write in (False, True):
     compile_(st._split_candidates_kernel, sp, dict(PAGE=16, HAS_EXCL=True, WRITE=write, SPLITS=16, SP=16, BLOCK=1024),
              ints64=("stream_key",), num_warps=8)
 sp.update(cut_ptr=i64)
-compile_(st._sample_rows_kernel, sp, dict(PAGE=16, HAS_EXCL=True, HAS_OFF=True, HAS_W=True, FILL=False, BLOCK=1024,
-                                          CBLOCK=8192, SPLITS=16, SP=16, LIST=True, CUT=False), ints64=("stream_key",),
-         num_warps=8)
-compile_(st._sample_rows_kernel, sp, dict(PAGE=1, HAS_EXCL=True, HAS_OFF=False, HAS_W=False, FILL=False, BLOCK=1024,
-                                          CBLOCK=8192, SPLITS=16, SP=16, LIST=False, CUT=True), ints64=("stream_key",),
-         num_warps=8)
+for page, listed in ((16, True), (1, False)):  # with and without the offset and the weights
+    compile_(st._sample_rows_kernel, sp, dict(PAGE=page, HAS_EXCL=True, HAS_OFF=listed, HAS_W=listed, FILL=False,
+                                              BLOCK=1024, CBLOCK=8192, SPLITS=16, SP=16), ints64=("stream_key",),
+             num_warps=8)
 sp.update(list_ptr=i64, dest_ptr="*i32", fill_ptr="*i32")
 compile_(st._window_scan_kernel, sp, dict(PAGE=16, HAS_EXCL=True, SP=32, SIGMAS=6.0, BLOCK=1024),
          ints64=("stream_key",), num_warps=8)
@@ -612,18 +613,16 @@ from kvsieve.kernels.vattention import attend_triton as at
 ap = {{n: i64 for n in ("lo_ptr", "hi_ptr", "cut_ptr", "tie_ptr", "ns_ptr", "bs_ptr")}}
 ap.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", sc_ptr="*fp32", x_ptr="*i8", lens_ptr="*i32", acc_ptr="*fp32",
           m_ptr="*fp32", l_ptr="*fp32")
-for stream in (False, True):
-    compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False,
-                                         STREAM=stream), ints64=("stream_key",), fp32=("scale_log2",))
+compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False),
+         ints64=("stream_key",), fp32=("scale_log2",))
 bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", "base_ptr", "bc_ptr", "ns_ptr",
                        "bi_ptr", "cnt_ptr", "pages_ptr", "pcnt_ptr", "idx_ptr", "nb_ptr")}}
-bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", ws_ptr="*fp64", out_ptr="*fp64",
+bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", out_ptr="*fp64",
           scale_ptr="*fp64", b_ptr="*fp64", c_ptr="*fp64", rate_ptr="*fp64", w_ptr="*fp64", excl_ptr="*i8")
 bp.update(len_ptr="*i32", lens_ptr="*i32", l_ptr="*fp32")
 for full, kept, block in ((False, False, 32), (True, False, 32), (True, True, 32), (True, True, 64)):
-    for online in (False, True):
-        compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=block, D=128, W=8 + 256 * full,
-                                                   ONLINE=online), num_warps=block // 8)
+    compile_(bt._budget_parts_kernel, bp, dict(FULL=full, KEPT=kept, BLOCK=block, D=128, W=8 + 256 * full),
+             num_warps=block // 8)
 for full in (False, True):
     for rule in (0, 1, 2, 3):
         compile_(bt._budget_combine_kernel, bp, dict(FULL=full, SP=32, D=128, W=8 + 256 * full, RULE=rule, GP=32,
@@ -650,7 +649,7 @@ print("COMPILED")
 @pytest.mark.triton
 def test_split_sampling_kernels_compile_for_the_h100():
     """The interpreter does not type-check branches; compiling for sm_90 (no GPU needed) does: the split
-    sample scan and its cut, the budget statistics' two launches (both bounds), vAttention's attention pass,
+    sample scan, the windowed cut, the budget statistics' two launches (both bounds), vAttention's attention pass,
     MagicPIG's retrieval and dots, and oracle-topp's select passes (every stage)."""
     import os
     import subprocess

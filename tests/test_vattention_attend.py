@@ -71,12 +71,11 @@ for r, hq, hkv, n, d, sink, window, dtype in [(2, 8, 2, 300, 64, 4, 8, torch.flo
     cut = sample_cut_triton(rs.lo, rs.hi, STREAM_SUBSET2, sink_end, win, size, n_s, n, excluded=excl)
     samp = in_sample_reference(rs.lo, rs.hi, STREAM_SUBSET2, sink_end, win, excl, cut[0], cut[1], n)
     ref = attend_reference(q, k, v, lens, sink, window, scale, scores, excl, samp, n_s, size)
-    for stream in (True, False):  # every V row of the range read, or those some head keeps
-        out = attend_triton(q, k, v, lens, sink, window, scale, scores, excl, rs.lo, rs.hi, STREAM_SUBSET2, cut[0],
-                            cut[1], n_s, size, stream_v=stream)
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        worst = max(worst, err)
-        assert err < (2e-5 if dtype == torch.float32 else 1.2e-2), (r, hq, hkv, n, dtype, stream, err)
+    out = attend_triton(q, k, v, lens, sink, window, scale, scores, excl, rs.lo, rs.hi, STREAM_SUBSET2, cut[0],
+                        cut[1], n_s, size)
+    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+    worst = max(worst, err)
+    assert err < (2e-5 if dtype == torch.float32 else 1.2e-2), (r, hq, hkv, n, dtype, err)
 print("OK", worst)
 """
 
@@ -92,8 +91,7 @@ def test_sample_cut_is_the_listed_sample():
 def test_attention_pass_equals_its_reference():
     """The tested-key pass (top-k from the marks, sample from the cut, logits from the scores pass, one
     program per KV head for its query heads) equals the torch estimate on random data: GQA groups of 4 and
-    1, ragged rows, float32 and bfloat16, with and without sink and window, a head taking its whole residual,
-    reading every V row of the range or only those some head keeps."""
+    1, ragged rows, float32 and bfloat16, with and without sink and window, a head taking its whole residual."""
     pytest.importorskip("triton")
     assert "OK" in run_script(ATTEND, "cpu", True)
 
@@ -114,14 +112,17 @@ def test_reference_estimate_is_the_weighted_softmax():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
 
 
-SPLIT_TOPK = """
+TOPK_WAYS = """
 import torch
 import kvsieve
+from kvsieve.kernels.oracle_topk import topk
 from kvsieve.kernels.shared import select_triton
 
-# rows this short count as long: the oracle top-k runs the split select and its merge launch
+# rows this short count as long: the oracle top-k runs the split select and its merge launch up to 700 keys,
+# torch.topk above
 select_triton.REGISTER_SELECT_MAX = 64
 select_triton.SEGMENT = 64
+topk.TORCH_SELECT_ABOVE = 700
 launched = []
 plain_launch = select_triton.launch
 
@@ -133,7 +134,9 @@ def spy(kernel, *args, **meta):
 
 select_triton.launch = spy
 g = torch.Generator().manual_seed(2)
-for r, n, seed in [(1, 600, 3), (2, 900, 4)]:
+ways = []
+for r, n, seed in [(1, 600, 3), (2, 650, 5), (2, 900, 4), (1, 1000, 6)]:
+    launched.clear()
     q = torch.randn(r, 4, 64, generator=g) * 2
     k = torch.randn(r, 2, n, 64, generator=g)
     v = torch.randn(r, 2, n, 64, generator=g)
@@ -142,18 +145,25 @@ for r, n, seed in [(1, 600, 3), (2, 900, 4)]:
     out, st = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lens, seed=seed)
     ref, rst = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, seed=seed)
     assert st.backend == "triton" and st.extra.get("kernel") == "vattention attend_triton", st.extra
+    way = "torch" if n > 700 else "triton"
+    assert st.extra.get("topk_select") == way, (n, st.extra)
+    assert ("_merge_rows_kernel" in launched) == (way == "triton"), (n, launched)
+    assert "_topk_rows_kernel" not in launched or way == "triton", (n, launched)
+    ways.append(way)
     for f in ("density", "kv_density", "v_rows_read"):
         assert st[f] == rst[f], (f, st[f], rst[f])
     assert torch.equal(st.raw("budget_per_head"), rst.raw("budget_per_head"))
     err = float((out - ref).norm() / ref.norm())
     assert err < 2e-5, err
-assert "_merge_rows_kernel" in launched, launched
+assert ways == ["triton", "triton", "torch", "torch"], ways
 print("OK")
 """
 
 
-def test_split_topk_with_its_merge_launch_selects_as_the_reference():
-    """vAttention's kernel path with the oracle top-k through the split select and its merge launch (the row
-    limits lowered so that short rows take it): the reference's keys, budgets and estimate."""
+def test_topk_way_chosen_by_the_row_length_selects_as_the_reference():
+    """vAttention's kernel path with the oracle top-k through each of its two ways, chosen by the row length
+    (the limits lowered so that short rows take them): the Triton split select with its merge launch, and
+    ``torch.topk`` above ``TORCH_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's
+    keys, budgets and estimate."""
     pytest.importorskip("triton")
-    assert "OK" in run_script(SPLIT_TOPK, "cpu", True)
+    assert "OK" in run_script(TOPK_WAYS, "cpu", True)

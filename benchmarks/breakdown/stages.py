@@ -66,37 +66,22 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@list": "vattention",
         "vattention": "vattention",
         "vattention@triton-select": "vattention",
-        "vattention@old-sample": "vattention",
-        "vattention@old-topk": "vattention",
-        "vattention@masked-v": "vattention",
-        "vattention@two-pass-stats": "vattention",
-        "vattention@old": "vattention",
+        "vattention@torch-select": "vattention",
         "vattention@budget-x4": "vattention",
         "vattention@budget-b64": "vattention",
     }
 
 
 _VATT = "kvsieve.methods.vattention"
-_OLD_SAMPLE = ("kvsieve.kernels.shared.sample_triton", "WINDOW_SELECT", False)
-_OLD_TOPK = (_VATT, "SPLIT_TOPK", False)
 _BUDGET = "kvsieve.kernels.vattention.budget_triton"
-_TWO_PASS = (_BUDGET, "ONLINE_STATS", False)
-_MASKED_V = ("kvsieve.kernels.vattention.attend_triton", "STREAM_V", False)
+_SELECT_ABOVE = ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE")
 #: variant -> ((module, limit, value), ...) set while it runs
-LIMITS = {# the oracle predictor's top-k by the one-launch Triton select (a ticket counter merges a long row's
-          # programs) rather than torch.topk above 64k keys
-          "vattention@triton-select": (_OLD_TOPK, ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE", 1 << 40)),
+LIMITS = {# the oracle predictor's top-k by each of the two ways its shape rule picks between, at every length:
+          # the Triton select (a long row's candidates merged by a second launch), torch.topk
+          "vattention@triton-select": ((*_SELECT_ABOVE, 1 << 40),),
+          "vattention@torch-select": ((*_SELECT_ABOVE, 0),),
           # the per-query-head lists and the weighted sparse kernel in place of the tested-key attention pass
           "vattention@list": ((_VATT, "TESTED_ATTENTION", False),),
-          # the uniform samples' cut by a select over every key below a threshold (one program per row)
-          "vattention@old-sample": (_OLD_SAMPLE,),
-          # the top-k by oracle_topk.select_path's choice (torch.topk above 64k keys per query head)
-          "vattention@old-topk": (_OLD_TOPK,),
-          # the tested-key pass reading only the V rows some head keeps (masked loads)
-          "vattention@masked-v": (_MASKED_V,),
-          # the budget statistics' logits written first, then summed in further passes
-          "vattention@two-pass-stats": (_TWO_PASS,),
-          "vattention@old": (_OLD_SAMPLE, _OLD_TOPK, _MASKED_V, _TWO_PASS),
           # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
           "vattention@budget-x4": ((_BUDGET, "SPLIT_PROGRAMS", 2112),),
           # the budget statistics' loops over blocks of 64 entries at 8 warps (half the steps)

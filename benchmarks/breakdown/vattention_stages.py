@@ -1,22 +1,21 @@
-"""vAttention's kernel stages, old against new, on the operands of one real decode step, each new one checked
-against the old and against its torch reference in the same run.
+"""vAttention's kernel stages, each timed alone on the operands of one real decode step and checked against its
+torch reference in the same run.
 
 One ``vattention`` decode (defaults, the kernel path) runs on the bench's inputs with its stage functions
 spied on: the arguments of the oracle top-k (``topk_select``), of the base sample (``sample_rows_triton``),
 of the residual sample's cut (``sample_cut_triton``), of the budget (``budget_triton``) and of the tested-key
-attention (``attend_triton``) are kept. Each stage is then called again on them in each of its ways —
-captured in a CUDA graph, replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
+attention (``attend_triton``) are kept. Each stage is then called again on them — captured in a CUDA graph,
+replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
 
-- top-k: ``torch`` (``torch.topk`` of the kept scores, the old default above 64k keys), ``ticket`` (the
-  Triton select, a long row's programs merged by a ticket counter), ``launch`` (merged by a second launch,
-  the new default); every way the same set as the reference's sorted top-k up to ties (checked by the
-  scores: the k-th largest equal, every chosen score at least it);
-- base sample (a list) and residual cut: ``old`` (one program per row selects among every key below a
-  threshold) and ``window`` (the new default); equal to each other and to ``sample_rows_reference``;
-- budget statistics: ``two-pass`` (logits first, then sums) and ``online`` (one pass around a running max, the
-  new default): the same statistics to ~1e-15 and the same sizes;
-- attention: ``masked`` (V rows some head keeps) and ``stream`` (every V row of the range, the new default),
-  each one's error against ``attend_reference``.
+- top-k: both ways the method's shape rule (``oracle_topk.select_path``) picks between, ``torch``
+  (``torch.topk`` of the kept scores) and ``triton`` (the Triton select, a long row's candidates merged by a
+  second launch), with ``rule`` naming the one the decode ran; each the same set as the reference's sorted
+  top-k up to ties (checked by the scores: the k-th largest equal, every chosen score at least it);
+- base sample (a list, one program per row): equal to ``sample_rows_reference``;
+- residual sample (the windowed cut): the keys it holds equal to the reference's;
+- budget statistics: against ``budget_stats_reference`` (float64 torch), the sizes against the kernel's
+  rounding of its own sizes;
+- attention: its error against ``attend_reference``.
 
     python benchmarks/breakdown/vattention_stages.py OUT [--n 131072] [--batch 1] [--attention peaked]
 
@@ -81,8 +80,7 @@ def topk_ways(args, kwargs) -> dict:
 
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
     return {"torch": lambda: topk_select(*args, **base, select="torch"),
-            "ticket": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "ticket"}}),
-            "launch": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
+            "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
 
 
 def topk_error(idx, counts, scores) -> int:
@@ -102,48 +100,51 @@ def topk_error(idx, counts, scores) -> int:
 
 
 def sample_checks(call, listed: bool) -> dict:
-    """The sample's ways (old, window) on one recorded call: outputs equal to each other and to the reference."""
+    """The sample (the base list, or the residual cut) on one recorded call: mismatches against the
+    reference's keys."""
     from kvsieve.kernels.shared import sample_triton as st
     from kvsieve.kernels.vattention.attend_triton import in_sample_reference
 
     args, kwargs = call
     fn = st.sample_rows_triton if listed else st.sample_cut_triton
-    ways = {"old": lambda: fn(*args, **kwargs, window=False), "window": lambda: fn(*args, **kwargs, window=True)}
-    outs = {name: _clone(f()) for name, f in ways.items()}
+    got = _clone(fn(*args, **kwargs))
     lo, hi, stream, start, end, size, n_av = args[:7]
     n = args[8] if listed else args[7]
     take = torch.minimum(size, n_av)
     excl, page = kwargs.get("excluded"), kwargs.get("page", 1)
     if listed:
-        width = args[7]
-        ref = st.sample_rows_reference(lo, hi, stream, start, end, take, width, n, excl, page)
-        errs = {name: int((o[0] != ref).sum()) for name, o in outs.items()}
+        ref = st.sample_rows_reference(lo, hi, stream, start, end, take, args[7], n, excl, page)
+        err = int((got[0] != ref).sum())
     else:
         ref = st.sample_rows_reference(lo, hi, stream, start, end, take, n, n, excl, page)
         used = torch.arange(n, device=ref.device) < take[..., None]
         mark = torch.zeros(*take.shape, n + 1, dtype=torch.bool, device=ref.device)
         mark = mark.scatter_(2, torch.where(used, ref, n), True)[..., :n]
         x = excl if page == 1 else excl[:, :, torch.arange(n, device=ref.device) // page]
-        errs = {name: int((in_sample_reference(lo, hi, stream, start, end, x, o[0], o[1], n) != mark).sum())
-                for name, o in outs.items()}
-    return {"ways": ways, "mismatches vs reference": errs,
-            "old == window": bool(torch.equal(outs["old"][0], outs["window"][0]) if listed
-                                  else torch.equal(outs["old"], outs["window"])),
-            "size": float(take.double().mean())}
+        err = int((in_sample_reference(lo, hi, stream, start, end, x, got[0], got[1], n) != mark).sum())
+    return {"ways": {"window" if not listed else "one program per row": lambda: fn(*args, **kwargs)},
+            "mismatches vs reference": err, "size": float(take.double().mean())}
 
 
 def budget_checks(call) -> dict:
-    """The budget's ways (two-pass, online) on one recorded call: the same statistics up to rounding, the
-    same sizes."""
-    from kvsieve.kernels.vattention.budget_triton import budget_triton
+    """The budget on one recorded call: its statistics against ``budget_stats_reference`` and its sizes the
+    rounding of its own raw sizes (as the method clamps them)."""
+    from kvsieve.kernels.vattention.budget_triton import budget_stats_reference, budget_triton
 
     args, kwargs = call
-    ways = {"two-pass": lambda: budget_triton(*args, **kwargs, online=False),
-            "online": lambda: budget_triton(*args, **kwargs, online=True)}
-    a, b = (_clone(f()) for f in ways.values())
-    diff = (a.stats - b.stats).abs() / a.stats.abs().clamp(min=1e-300)
-    return {"ways": ways, "stats max rel diff": float(diff.max()),
-            "same sizes": bool(a.size is None or torch.equal(a.size, b.size))}
+    got = _clone(budget_triton(*args, **kwargs))
+    ref_kw = {k: v for k, v in kwargs.items() if k == "logits"}
+    want = budget_stats_reference(*args[:14], **ref_kw)
+    diff = (got.stats - want).abs() / want.abs().clamp(min=1e-300)
+    out = {"ways": {"online": lambda: budget_triton(*args, **kwargs)}, "stats max rel diff": float(diff.max())}
+    rule = kwargs.get("rule")
+    if rule is not None:
+        n_s, base_counts = args[10], args[9]
+        floor = base_counts if rule.floor_base else torch.ones_like(n_s)
+        size = torch.ceil(torch.clamp(got.raw, max=float(rule.n_keys))).long()
+        size = torch.minimum(torch.maximum(size, floor), n_s)
+        out["same sizes"] = bool(torch.equal(size, got.size))
+    return out
 
 
 def stage_calls(calls) -> dict[str, dict]:
@@ -156,8 +157,9 @@ def stage_calls(calls) -> dict[str, dict]:
         ways = topk_ways(args, kwargs)
         res = {name: f() for name, f in ways.items()}
         scores = res["torch"][2]
-        out["top-k"] = {"ways": ways, "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()},
-                        "size": float(res["launch"][1].double().mean())}
+        out["top-k"] = {"ways": ways, "rule": kwargs.get("select"),
+                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()},
+                        "size": float(res["triton"][1].double().mean())}
     if calls["sample_rows_triton"]:
         out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
     if calls["sample_cut_triton"]:
@@ -167,16 +169,13 @@ def stage_calls(calls) -> dict[str, dict]:
     if calls["attend_triton"]:
         args, kwargs = calls["attend_triton"][0]
         q, k, v, lengths, sink, window, scale, scores, excluded, lo, hi, stream, cut, tie, n_s, size = args
-        got = attend_triton(*args, **kwargs, stream_v=True).float()
-        masked = attend_triton(*args, **kwargs, stream_v=False).float()
+        got = attend_triton(*args, **kwargs).float()
         samp = in_sample_reference(lo, hi, stream, torch.clamp(lengths.long(), max=sink),
                                    torch.maximum(lengths.long() - window, torch.clamp(lengths.long(), max=sink)),
                                    excluded, cut, tie, k.shape[2])
         ref = attend_reference(q, k, v, lengths, sink, window, scale, scores, excluded, samp, n_s, size).float()
-        out["attention"] = {"ways": {"masked": lambda: attend_triton(*args, **kwargs, stream_v=False),
-                                     "stream": lambda: attend_triton(*args, **kwargs, stream_v=True)},
-                            "rel err vs reference": float((got - ref).norm() / ref.norm()),
-                            "masked rel err vs reference": float((masked - ref).norm() / ref.norm())}
+        out["attention"] = {"ways": {"stream": lambda: attend_triton(*args, **kwargs)},
+                            "rel err vs reference": float((got - ref).norm() / ref.norm())}
     return out
 
 
@@ -206,7 +205,7 @@ def run(args) -> list[dict]:
 
 
 def markdown(rows: list[dict], device: str) -> str:
-    lines = [f"# vAttention stages, old and new ({device})", "",
+    lines = [f"# vAttention stages ({device})", "",
              "shape 32/8/128 bf16, the operands of one decode step; µs = the stage alone captured in a CUDA graph, "
              "cold L2, median", "", "| n | batch | stage | way | µs | checks |", "|---:|---:|---|---|---:|---|"]
     for r in rows:
@@ -235,11 +234,10 @@ def check() -> None:
         for fn in info["ways"].values():
             fn()
         assert all(v == 0 for v in info.get("bad rows", {}).values()), (stage, info)
-        assert all(v == 0 for v in info.get("mismatches vs reference", {}).values()), (stage, info)
-        assert info.get("old == window", True), stage
+        assert info.get("mismatches vs reference", 0) == 0, (stage, info)
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
-        assert info.get("masked rel err vs reference", 0.0) < 1e-4, (stage, info)
         assert info.get("stats max rel diff", 0.0) < 1e-12 and info.get("same sizes", True), (stage, info)
+    assert stages["top-k"]["rule"] == "triton", stages["top-k"]  # a short row
     print("check: ok")
 
 

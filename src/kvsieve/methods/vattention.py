@@ -174,11 +174,6 @@ _CONSTANTS: dict = {}
 #: stats' ``kernel`` names the pass that ran.
 TESTED_ATTENTION = True
 
-#: The oracle predictor's per-query-head top-k by the Triton select at every length, a long row's
-#: candidates merged by a second launch (no ticket counter). False: ``oracle_topk.select_path``'s choice
-#: (``torch.topk`` above 64k keys): kept to time the two against each other (``benchmarks/breakdown``).
-SPLIT_TOPK = True
-
 
 def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
     """The float64 constants of the kernel path's budget (``budget_triton.BudgetRule``): ``[z, ln(2/δ),
@@ -332,16 +327,21 @@ class VAttention(StagedSelection):
         cut), in about ten launches whatever the predictor:
 
         - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.
-          oracle_topk.topk.topk_select`: every score in one pass over K, then its select); ``quest`` — Quest's
-          incremental page summaries (in ``state``) and device page selection;
+          oracle_topk.topk.topk_select`: every score in one pass over K, then its select, chosen on the shapes
+          by :func:`~kvsieve.kernels.oracle_topk.topk.select_path`: ``torch.topk`` for per-query-head rows
+          over ``TORCH_SELECT_ABOVE`` keys, else the Triton select, a long row's candidates merged by a
+          second launch; ``stats.extra["topk_select"]`` names it); ``quest`` — Quest's incremental page
+          summaries (in ``state``) and device page selection;
         - one launch (:func:`~kvsieve.kernels.vattention.budget_triton.residual_setup_triton`) writes the
           top-k keys as the first entries of the kernel's list, marks them for the samples, and sizes the
           residual and the base sample;
-        - the base sample (:mod:`~kvsieve.kernels.shared.sample_triton`: no sort over the row);
+        - the base sample (:mod:`~kvsieve.kernels.shared.sample_triton`: no sort over the row; one program per
+          row, its sample a small share of the row);
         - the budget's statistics and the (ε, δ) budget itself, rounded and clamped, in two launches
           (:func:`~kvsieve.kernels.vattention.budget_triton.budget_triton`); with the oracle's kept scores
           the top-k and base keys' logits are read from them (float32) rather than from K rows again;
-        - the residual sample, written after the top-k.
+        - the residual sample (the windowed cut): with the oracle's kept scores as the cut alone, tested in
+          the attention pass; else listed after the top-k.
 
         Other settings (``replacement``, ``residual=includes-topk``, ``rounding=down``, pages not a power of
         two) run
@@ -362,18 +362,18 @@ class VAttention(StagedSelection):
         r, n, dev = inputs.batch, inputs.n_keys, inputs.q.device
         nv, lens = inputs.n_valid, inputs.kernel_lengths
         share = heads != inputs.heads
-        pages = counts = scores = None
+        pages = counts = scores = select = None
         page, p_total = 1, n  # the oracle's top-k as pages of one key
         if cfg.top_k != 0 and oracle:
             from ..kernels.oracle_topk.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
-            split = SPLIT_TOPK and not share
+            select = select_path(share, n)  # static: shapes only
             pages, counts, *kept = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
                                                max_k=size_bound(cfg.top_k, n), share_kv_group=share,
-                                               scale=inputs.scale, select="triton" if split else select_path(share, n),
+                                               scale=inputs.scale, select=select,
                                                keep_scores=TESTED_ATTENTION and not share and attend_triton.usable(q),
-                                               launch_opts={"rows": {"merge": "launch"}} if split else None)
+                                               launch_opts={"rows": {"merge": "launch"}})
             scores = kept[0] if kept else None
         elif cfg.top_k != 0:
             from ..kernels.quest.quest_pages import PageSummaries, quest_select
@@ -398,8 +398,9 @@ class VAttention(StagedSelection):
         start, end, n_s, n_base = setup.start, setup.end, setup.n_s, setup.n_base
         top = IndexSet(idx[..., :kt], setup.top_counts) if kt else empty_set(r, heads, dev)
         base_bound = min(max(2, math.floor(cfg.base_rate * n)), n)
+        # the base sample (~2.5 % of the residual): one program per row beats the windowed cut
         b_idx, b_w = sample_triton.sample_rows_triton(gen.lo, gen.hi, STREAM_SUBSET, start, end, n_base, n_s,
-                                                      base_bound, n, excluded=setup.excluded, page=page)
+                                                      base_bound, n, excluded=setup.excluded, page=page, window=False)
         base = IndexSet(b_idx, n_base, b_w)
         rule = budget_triton.BudgetRule(3 if cfg.concentration == "hoeffding" else 1 if cfg.bound == "denominator"
                                         else 2, budget_constants(cfg, dev), cfg.grid, cfg.budget_floor == "base", n)
@@ -434,6 +435,7 @@ class VAttention(StagedSelection):
             return self.extras(b_int, budget.raw, n_base, n_s, (start + nv - end)[:, None] + top.counts, n)
 
         v_extra = [base] if cfg.bound == "full" else []
+        labels = {} if select is None else {"topk_select": select}
         if tested:
             cut = sample_triton.sample_cut_triton(gen.lo, gen.hi, STREAM_SUBSET2, start, end, b_int, n_s, n,
                                                   excluded=setup.excluded)
@@ -444,11 +446,12 @@ class VAttention(StagedSelection):
                                                    n_s, b_int)
 
             return Stages(fixed, top, scored=None, v_extra=v_extra, extra=extra, stats_rest=stats_rest,
-                          attend=attend, attend_counts=budget.counts, attend_kernel="vattention attend_triton")
+                          attend=attend, attend_counts=budget.counts, attend_kernel="vattention attend_triton",
+                          labels=labels)
         rest = residual_list(idx, w)
         # the sample's list is N wide; its size is typically of the order of the base sample's
         return Stages(fixed, rest, scored=None if oracle else [base], v_extra=v_extra,
-                      extra=extra, plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest)
+                      extra=extra, plan_entries=kt + max(base_bound, 256), stats_rest=stats_rest, labels=labels)
 
     def extras(self, b_int, b, n_base, n_s, fixed_keys, n_keys: int) -> dict:
         """The stats extras of both paths."""

@@ -17,16 +17,16 @@ selection head):
 3. writes the keys below it and the first needed keys equal to it (ties to the lowest position), in
    ascending position order, then zeros up to the list's width, and the weights ``n_avail / size``.
 
-Long rows (the scan split over programs, ``WINDOW_SELECT``) find the cut otherwise: the count of hashes
-below ``t`` is binomial, so the ``size``-th smallest lies, but for a 6-sigma event, in a window of
-``≈ 12 √(size (1 − size/n_avail)) + 32`` keys around ``size / n_avail · 2^24`` (:func:`_window`). A
-launch spread over the row counts each chunk's keys below the window and appends those inside it to the
-row's list (a relaxed atomic counter per row; the cut needs no order); one program per (row, head) loads
-that list into registers (a few thousand keys where the old candidates were ``size``: 64k for vAttention's
-residual sample at 128k keys), bisects for the cut, and gives each chunk its place in the output; a third
-launch spread over the row writes the chosen keys in position order (none for the cut alone).
-Where the window misses the cut, or holds more than ``WINDOW_BLOCK`` keys, that program takes every
-available key instead (the radix passes above): the same keys, whatever the draws.
+The windowed cut (``sample_cut_triton`` always; ``sample_rows_triton`` where its caller asks, by default where the
+scan is split over programs) finds it otherwise: the count of hashes below ``t`` is binomial, so the ``size``-th
+smallest lies, but for a 6-sigma event, in a window of ``≈ 12 √(size (1 − size/n_avail)) + 32`` keys around ``size /
+n_avail · 2^24`` (:func:`_window`). A launch spread over the row counts each chunk's keys below the window and
+appends those inside it to the row's list (a relaxed atomic counter per row; the cut needs no order); one program
+per (row, head) loads that list into registers (a few thousand keys where the one-program select's candidates are
+``size``: 64k for vAttention's residual sample at 128k keys), bisects for the cut, and gives each chunk its place in
+the output; a third launch spread over the row writes the chosen keys in position order (none for the cut alone).
+Where the window misses the cut, or holds more than ``WINDOW_BLOCK`` keys, that program takes every available key
+instead (the radix passes above): the same keys, whatever the draws.
 
 Equal to the reference as a set up to ties of the 24-bit hash at the cut (``torch.topk`` breaks them
 in no specified order): :func:`sample_rows_reference` is the twin with ties to the lowest position.
@@ -40,10 +40,6 @@ from ...core.rng import GOLDEN, MASK32, POSITION_BITS, RandomKey, hash_bits, mix
 from .triton_utils import cdiv, is_interpreted, launch, next_pow2, triton, workspace
 
 CAND_BLOCK = 8192  # candidates kept in registers for the bisection (≈ 5% of 128k keys plus slack)
-#: the split scan finds the cut from the keys in a hash window around it (:func:`_window`; three launches
-#: spread over the row), not by a select over every key below a threshold in one program per row; read at
-#: call time (``benchmarks/breakdown/stages.py`` times both)
-WINDOW_SELECT = True
 WINDOW_SIGMAS = 6.0  # the window's half-width in standard deviations of the cut's count
 WINDOW_BLOCK = 8192  # window keys the cut launch holds in registers (≈ 12σ + 32: σ up to ~680 keys)
 #: programs of the split scan in all (4 per H100 SM): a row of ``N`` keys is scanned by
@@ -212,11 +208,11 @@ if triton is not None:
     @triton.jit
     def _sample_rows_kernel(
         lo_ptr, hi_ptr, start_ptr, end_ptr, size_ptr, nav_ptr, excl_ptr, off_ptr, out_ptr, w_ptr, cand_ptr,
-        cnt_ptr, cut_ptr, stream_key, hs, n_keys, width, n_pages,
+        cnt_ptr, stream_key, hs, n_keys, width, n_pages,
         s_out_r, s_out_h, s_x_r, s_x_h, s_sz_r, s_sz_h, s_nav_r, s_nav_h,
         PAGE: tl.constexpr, HAS_EXCL: tl.constexpr, HAS_OFF: tl.constexpr, HAS_W: tl.constexpr,
         FILL: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, SPLITS: tl.constexpr = 1,
-        SP: tl.constexpr = 1, LIST: tl.constexpr = True, CUT: tl.constexpr = False,
+        SP: tl.constexpr = 1,
     ):
         PAD: tl.constexpr = 1 << 46  # a padding entry: hash 2^24, above every threshold
         h = tl.program_id(0)
@@ -275,33 +271,19 @@ if triton is not None:
         wv = n_av.to(tl.float64) / tl.maximum(size, 1).to(tl.float64)
         written = tl.zeros([], tl.int32)
         ties = tl.zeros([], tl.int32)
-        last_tie = tl.full([], -1, tl.int32)
-        # the cut alone needs this pass only for the ties it takes
-        n_pass = cnt
-        if not LIST:
-            n_pass = tl.where(size < cnt, cnt, 0)
-        for c0 in range(0, n_pass, BLOCK):
+        for c0 in range(0, cnt, BLOCK):
             co = c0 + tl.arange(0, BLOCK)
             packed = tl.load(cand + co, mask=co < cnt, other=PAD)
             kk = packed >> 22
             eq = (kk == t_lo) & (co < cnt)
             tie_rank = ties + tl.cumsum(eq.to(tl.int32), 0)
             take = (co < cnt) & ((kk < t_lo) | (eq & (tie_rank <= need)))
-            if LIST:
-                dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
-                tl.store(out + dest, packed & 0x3FFFFF, mask=take)
-                if HAS_W:
-                    tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
-            last_tie = tl.maximum(last_tie, tl.max(tl.where(take & eq, (packed & 0x3FFFFF).to(tl.int32), -1), 0))
+            dest = off + written + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out + dest, packed & 0x3FFFFF, mask=take)
+            if HAS_W:
+                tl.store(w + dest, tl.zeros([BLOCK], tl.float64) + wv, mask=take)
             written += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
-        if CUT:
-            # the sample as a test: hash < cut, or hash == cut at a position <= last_tie. Taking every
-            # candidate means every key below the prefilter's threshold; an empty sample, none
-            cut = tl.where(size < cnt, t_lo.to(tl.int64), thr)
-            cut = tl.where(size > 0, cut, 0)
-            tl.store(cut_ptr + rh, cut)
-            tl.store(cut_ptr + tl.num_programs(0) * tl.num_programs(1) + rh, last_tie.to(tl.int64))
         if FILL:
             for z0 in range(off + size, width, BLOCK):
                 zo = z0 + offs
@@ -579,7 +561,13 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
     minus the ``excluded [R, Hs, P]`` pages of ``page`` keys); the weights are ``n_avail / size``
     (float64). ``fill=False`` leaves the columns after the sample as they were (a list as wide as the
     context whose readers look at the first ``count`` entries only: writing its padding costs more than
-    the sample). No host read; one launch, or three (module docstring: ``window``, ``cand_block``)."""
+    the sample). No host read.
+
+    ``window``: the cut found from a hash window (module docstring: three launches spread over the row;
+    ``cand_block`` window keys in registers) rather than by one program per row selecting among its keys
+    below a threshold (one launch, three with a split scan). None: the window where the scan is split
+    (:func:`sample_splits`). The caller chooses by the sample's size: the window is the faster for a large
+    share of the row, one program per row for a small one."""
     r, hs = size.shape
     dev = size.device
     if out is None:
@@ -590,88 +578,95 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
         raise ValueError("sample_rows_triton: out and weights must share a layout with a contiguous last dim")
     if width == 0 or r * hs == 0:
         return out, weights
-    _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, None, window, cand_block)
+    block = block or min(1024, max(16, next_pow2(n_keys)))
+    splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+    if splits > 1 if window is None else window:
+        _launch_window(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                       block, splits, chunk, None, cand_block)
+    else:
+        _launch_rows(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                     block, splits, chunk)
     return out, weights
 
 
 def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: torch.Tensor, end: torch.Tensor,
                       size: torch.Tensor, n_avail: torch.Tensor, n_keys: int, *, excluded: torch.Tensor | None = None,
                       page: int = 1, target_programs: int = SPLIT_PROGRAMS, block: int | None = None,
-                      window: bool | None = None, cand_block: int | None = None) -> torch.Tensor:
+                      cand_block: int | None = None) -> torch.Tensor:
     """The sample of :func:`sample_rows_triton` (same arguments, same draws) as a test instead of a list:
     ``[2, R, Hs]`` int64 ``(cut, tie)``, a position ``p`` of the range, not excluded, being in the sample
     of ``(r, h)`` iff its 24-bit hash is below ``cut`` or equal to it with ``p ≤ tie`` (ties go to the lowest
     positions, as in the list). A reader that tests every key (vAttention's attention pass) needs nothing
-    wider than this; the list's pass over the candidates runs only where ties at the cut are taken."""
+    wider than this. Found from a hash window (module docstring): two launches, the scan spread over the
+    row, whatever the sample's size."""
     r, hs = size.shape
     cut = torch.empty(2, r, hs, device=size.device, dtype=torch.int64)
     if r * hs:
-        _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, cut, None, False,
-                       target_programs, block, cut, window, cand_block)
+        block = block or min(1024, max(16, next_pow2(n_keys)))
+        splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+        _launch_window(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, None, None, False,
+                       block, splits, chunk, cut, cand_block)
     return cut
 
 
-def _launch_sample(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
-                   target_programs, block, cut, window, cand_block) -> None:
-    """The launches of :func:`sample_rows_triton` (``cut`` None: the list to ``out``) or of
-    :func:`sample_cut_triton` (the cut to ``cut``)."""
+def _row_operands(lo, hi, start, end, size, n_avail, excluded):
+    """The per-row operands and strides every launch of the sample takes."""
+    excl = excluded if excluded is not None else size
+    row = (lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous(), size, n_avail, excl)
+    x_strides = (excl.stride(0), excl.stride(1)) if excluded is not None else (0, 0)
+    strides = (*x_strides, size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1))
+    return row, strides, excluded.shape[-1] if excluded is not None else 1
+
+
+def _launch_window(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                   block, splits, chunk, cut, cand_block) -> None:
+    """The windowed cut's launches: the list to ``out`` (``cut`` None), or the cut alone to ``cut``."""
     r, hs = size.shape
     cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
-    excl = excluded if excluded is not None else size
     stream_key = (stream * GOLDEN) & MASK32
-    block = block or min(1024, max(16, next_pow2(n_keys)))
-    interp = is_interpreted(_sample_rows_kernel)
-    lo, hi, start, end = lo.contiguous(), hi.contiguous(), start.contiguous(), end.contiguous()
-    splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
-    if (WINDOW_SELECT and splits > 1) if window is None else window:
-        sp = max(2, next_pow2(splits))
-        counts = workspace("sample_window_counts", size, r * hs * 2 * sp, torch.int32)
-        fills = workspace("sample_window_fill", size, r * hs, torch.int32, zeroed=True)
-        dest = workspace("sample_window_dest", size, r * hs * sp, torch.int32)
-        cuts = cut if cut is not None else workspace("sample_window_cut", size, 2 * r * hs, torch.int64)
-        n_pages = excluded.shape[-1] if excluded is not None else 1
-        x_strides = (excl.stride(0), excl.stride(1)) if excluded is not None else (0, 0)
-        row = (lo, hi, start, end, size, n_avail, excl)
-        strides = (*x_strides, size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1))
-        flags = {"PAGE": page, "HAS_EXCL": excluded is not None, "SP": sp, "BLOCK": block}
-        launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, fills, stream_key, hs, n_keys, chunk, n_pages,
-               *strides, SIGMAS=WINDOW_SIGMAS, **flags, num_warps=8, num_stages=1)
-        off = offset if offset is not None else size
-        listed = cut is None
-        launch(_window_cut_kernel, (hs, r), *row, off, cand, counts, fills, cuts, dest, stream_key, hs, n_keys, chunk,
-               n_pages, splits, *strides, HAS_OFF=offset is not None, LIST=listed,
-               CBLOCK=cand_block or WINDOW_BLOCK, **flags, num_warps=8, num_stages=1)
-        if listed:
-            launch(_window_write_kernel, (splits, hs, r), *row, off, cuts, dest, out,
-                   weights if weights is not None else out, stream_key, hs, chunk, n_pages, out.shape[-1],
-                   out.stride(0), out.stride(1), *strides, HAS_OFF=offset is not None, HAS_W=weights is not None,
-                   FILL=fill, **flags, num_warps=8, num_stages=1)
-        return
+    sp = max(2, next_pow2(splits))
+    counts = workspace("sample_window_counts", size, r * hs * 2 * sp, torch.int32)
+    fills = workspace("sample_window_fill", size, r * hs, torch.int32, zeroed=True)
+    dest = workspace("sample_window_dest", size, r * hs * sp, torch.int32)
+    cuts = cut if cut is not None else workspace("sample_window_cut", size, 2 * r * hs, torch.int64)
+    row, strides, n_pages = _row_operands(lo, hi, start, end, size, n_avail, excluded)
+    flags = {"PAGE": page, "HAS_EXCL": excluded is not None, "SP": sp, "BLOCK": block}
+    launch(_window_scan_kernel, (splits, hs, r), *row, cand, counts, fills, stream_key, hs, n_keys, chunk, n_pages,
+           *strides, SIGMAS=WINDOW_SIGMAS, **flags, num_warps=8, num_stages=1)
+    off = offset if offset is not None else size
+    listed = cut is None
+    launch(_window_cut_kernel, (hs, r), *row, off, cand, counts, fills, cuts, dest, stream_key, hs, n_keys, chunk,
+           n_pages, splits, *strides, HAS_OFF=offset is not None, LIST=listed,
+           CBLOCK=cand_block or WINDOW_BLOCK, **flags, num_warps=8, num_stages=1)
+    if listed:
+        launch(_window_write_kernel, (splits, hs, r), *row, off, cuts, dest, out,
+               weights if weights is not None else out, stream_key, hs, chunk, n_pages, out.shape[-1],
+               out.stride(0), out.stride(1), *strides, HAS_OFF=offset is not None, HAS_W=weights is not None,
+               FILL=fill, **flags, num_warps=8, num_stages=1)
+
+
+def _launch_rows(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
+                 block, splits, chunk) -> None:
+    """One program per row selecting among its keys below a threshold (the candidates found by two split
+    launches first where ``splits > 1``), the list to ``out``."""
+    r, hs = size.shape
+    cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
+    stream_key = (stream * GOLDEN) & MASK32
+    row, strides, n_pages = _row_operands(lo, hi, start, end, size, n_avail, excluded)
+    x_strides, row_strides = strides[:2], strides[2:]
     cnt = size
     if splits > 1:  # the scan over the row in splits x hs x r programs: counts, then the candidates
         cnt = workspace("sample_split_counts", size, r * hs * splits, torch.int32)
         for write in (False, True):
-            launch(_split_candidates_kernel, (splits, hs, r), lo, hi, start, end, size, n_avail, excl, cand, cnt,
-                   stream_key, hs, n_keys, chunk, excluded.shape[-1] if excluded is not None else 1,
-                   excl.stride(0) if excluded is not None else 0, excl.stride(1) if excluded is not None else 0,
-                   size.stride(0), size.stride(1), n_avail.stride(0), n_avail.stride(1),
-                   PAGE=page, HAS_EXCL=excluded is not None, WRITE=write, SPLITS=splits, SP=next_pow2(splits),
-                   BLOCK=block, num_warps=8, num_stages=1)
-    listed = cut is None
-    launch(_sample_rows_kernel, (hs, r),
-           lo, hi, start, end, size, n_avail, excl,
-           offset if offset is not None else size, out,
-           weights if weights is not None else out, cand, cnt, out if listed else cut,
-           stream_key, hs, n_keys, out.shape[-1] if listed else 0, excluded.shape[-1] if excluded is not None else 1,
-           out.stride(0) if listed else 0, out.stride(1) if listed else 0,
-           excl.stride(0) if excluded is not None else 0,
-           excl.stride(1) if excluded is not None else 0, size.stride(0), size.stride(1), n_avail.stride(0),
-           n_avail.stride(1),
+            launch(_split_candidates_kernel, (splits, hs, r), *row, cand, cnt, stream_key, hs, n_keys, chunk, n_pages,
+                   *strides, PAGE=page, HAS_EXCL=excluded is not None, WRITE=write, SPLITS=splits,
+                   SP=next_pow2(splits), BLOCK=block, num_warps=8, num_stages=1)
+    launch(_sample_rows_kernel, (hs, r), *row, offset if offset is not None else size, out,
+           weights if weights is not None else out, cand, cnt, stream_key, hs, n_keys, out.shape[-1], n_pages,
+           out.stride(0), out.stride(1), *x_strides, *row_strides,
            PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
-           FILL=fill,
-           BLOCK=block, CBLOCK=256 if interp else CAND_BLOCK, SPLITS=splits, SP=next_pow2(splits), LIST=listed,
-           CUT=not listed, num_warps=8, num_stages=1)
+           FILL=fill, BLOCK=block, CBLOCK=256 if is_interpreted(_sample_rows_kernel) else CAND_BLOCK, SPLITS=splits,
+           SP=next_pow2(splits), num_warps=8, num_stages=1)
 
 
 def sample_splits(n_keys: int, rows: int, block: int, target_programs: int = SPLIT_PROGRAMS) -> tuple[int, int]:
@@ -722,5 +717,5 @@ def row_words_triton(key: RandomKey, position: torch.Tensor, q_len: int) -> tupl
     return out[0], out[1]
 
 
-__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SELECT", "WINDOW_SIGMAS", "row_words_triton",
+__all__ = ["CAND_BLOCK", "SPLIT_PROGRAMS", "WINDOW_BLOCK", "WINDOW_SIGMAS", "row_words_triton",
            "sample_cut_triton", "sample_rows_reference", "sample_rows_triton", "sample_splits", "usable"]

@@ -15,10 +15,11 @@ in the attention pass itself, and one program serves the ``G`` query heads of a 
 
 The logits of the selectable keys are not recomputed from K: the predictor's scores pass already wrote
 every one of them (float32 ``scale · q·k``, ``[R, Hq, N]``); the pass reads those (16 bytes per key for a
-group of four heads instead of K's 256) and the V row of a key only when some head of the group keeps it
-(a masked load: no memory traffic for a key no head keeps). Sink and window take their logits from K.
-So the pass reads V at the group's union density, never more than V once, and the selection's bytes
-(scores, marks) are small; with the scores pass over K the step reads at most K + V + O(N·Hq) bytes.
+group of four heads instead of K's 256). It reads every V row and score of the selectable range, whatever the
+selection: its loads then do not wait on the marks and hashes of their block, so they stream at the copy
+rate, and at vAttention's default densities (0.55–0.8 per head) nearly every V row is kept by some head of a
+GQA group of four anyway. Sink and window take their logits from K. With the scores pass over K the step
+reads K + V + O(N·Hq) bytes.
 
 Same estimator as the list path (``Σ w e^s v / Σ w e^s`` over the same keys at the same weights);
 :func:`attend_reference` is its torch twin. Split-K partials as the list kernel's, merged by
@@ -37,11 +38,6 @@ from ..shared.triton_utils import cdiv, is_interpreted, launch, merge_partials, 
 #: programs of the pass in all (about four per H100/H200 SM, as the list kernel's)
 TARGET_PROGRAMS = 528
 _LOG2E = math.log2(math.e)
-#: The pass reads the V rows (and scores) of its whole selectable range, whatever the selection: its loads then
-#: do not wait on the marks and hashes of their block, so they stream at the copy rate; at vAttention's default
-#: densities (0.55–0.8 per head) nearly every V row is some head's of a GQA group of 4 anyway. False: only
-#: the rows some head keeps (masked loads: fewer bytes at low density). Read at call time.
-STREAM_V = True
 
 
 def in_sample_reference(lo, hi, stream: int, start, end, excluded, cut, tie, n_keys: int) -> torch.Tensor:
@@ -96,7 +92,7 @@ if triton is not None:
         scale_log2, stream_key, n_keys, sink, window, n_mid_parts, mid_chunk, dense_chunk, n_parts,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_s_b, s_s_h, s_x_b, s_x_h, s_c_b, s_c_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, STREAM: tl.constexpr = False,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         part = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -133,25 +129,19 @@ if triton is not None:
                 for p0 in range(lo, hi, BLOCK_N):
                     pos = p0 + offs_n
                     okg = g_ok[:, None] & (pos < hi)[None, :]
-                    if STREAM:  # the block's loads first, independent of its selection: issued without waiting
-                        vt = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=(pos < hi)[:, None],
-                                     other=0.0)
-                        s = tl.load(s_row + pos[None, :], mask=okg, other=0.0) * 1.4426950408889634
+                    # the block's loads first, independent of its selection: issued without waiting
+                    vt = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=(pos < hi)[:, None], other=0.0)
+                    s = tl.load(s_row + pos[None, :], mask=okg, other=0.0) * 1.4426950408889634
                     top = tl.load(x_row + pos[None, :], mask=okg, other=0) != 0
                     hv = hash24(w_lo, w_hi, stream_key, counter + pos[None, :])
                     samp = ~top & ((hv < cut[:, None]) | ((hv == cut[:, None]) & (pos[None, :] <= tie[:, None])))
                     sel = okg & (top | samp)
-                    if not STREAM:
-                        s = tl.load(s_row + pos[None, :], mask=sel, other=0.0) * 1.4426950408889634
                     s = tl.where(sel, s + tl.where(top, 0.0, log2_w[:, None]), float("-inf"))
-                    row = tl.max(sel.to(tl.int32), axis=0) > 0  # a key some head of the group keeps
                     m_new = tl.maximum(m_i, tl.max(s, axis=1))
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp2(m_i - m_ref)
                     p = tl.exp2(s - m_ref[:, None])
                     l_i = l_i * alpha + tl.sum(p, axis=1)
-                    if not STREAM:
-                        vt = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=row[:, None], other=0.0)
                     if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
                         vt = vt.to(tl.float32)
                     acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
@@ -185,14 +175,12 @@ def attend_plan(batch: int, kv_heads: int, n_keys: int, dense_keys: int, block_n
 
 
 def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores, excluded, lo, hi, stream: int,
-                  cut, tie, n_s, size, out: torch.Tensor | None = None, stream_v: bool | None = None) -> torch.Tensor:
+                  cut, tie, n_s, size, out: torch.Tensor | None = None) -> torch.Tensor:
     """vAttention's estimate (module docstring): ``q [R, Hq, d]``, ``k, v [R, Hkv, N, d]`` (last dim
     contiguous), ``lengths [R]`` int32, ``scores [R, Hq, N]`` float32 (the predictor's scaled logits of
     ``[sink_end, window_start)``), ``excluded [R, Hq, N]`` bool (the top-k), the sample's row words
     ``lo, hi [R]`` and ``stream``, its cut ``cut, tie [R, Hq]``, the residual's size ``n_s [R, Hq]`` and the
-    sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge).
-    ``stream_v`` (None: ``STREAM_V``): read every V row and score of the selectable range rather than only
-    those some head keeps (same estimate)."""
+    sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge)."""
     r, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -217,18 +205,17 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
     lens = lengths if lengths.dtype == torch.int32 else lengths.to(torch.int32)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot_f32 = q.dtype == torch.bfloat16 and is_interpreted(_attend_kernel)
-    stream_v = STREAM_V if stream_v is None else stream_v
     launch(_attend_kernel, (parts, hkv, r),
            q, k, v, scores, excluded.view(torch.int8), lens, lo, hi, cut, tie, n_s, size, acc, pm, pl,
            scale * _LOG2E, (stream * GOLDEN) & MASK32, n, sink, window, n_mid, mid_chunk, dense_chunk, parts,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            scores.stride(0), scores.stride(1), excluded.stride(0), excluded.stride(1), cut.stride(0), cut.stride(1),
            G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_PRECISION=precision, DOT_F32=dot_f32,
-           STREAM=stream_v, num_warps=4, num_stages=3 if stream_v else 2)
+           num_warps=4, num_stages=3)
     merge_partials(acc, pm, pl, None, out, r, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
                    d_chunk=32, num_warps=1, num_stages=2)
     return out
 
 
-__all__ = ["STREAM_V", "TARGET_PROGRAMS", "attend_plan", "attend_reference", "attend_triton", "in_sample_reference",
+__all__ = ["TARGET_PROGRAMS", "attend_plan", "attend_reference", "attend_triton", "in_sample_reference",
            "usable"]

@@ -6,10 +6,10 @@ largest, and sums ``e^s`` (``D̂``), the base sample's spread (``σ̂``) and, fo
 numerator's plug-in ``N̂ = Σ_f e^s v + (n_s/n_b) Σ_b e^s v`` and ``Tr Σ̂`` of ``e^s v`` over the base
 sample: ~40 torch launches. Here two launches do the same in float64: ``splits`` programs per (row,
 query head) (~528 in all: one program per head would loop over every key at 32 programs) each
-take a share of the sink range, the window range, the top-k list and the base list, write their logits
-once to a workspace, and store sums around their own max and spreads around their own mean (two
-passes, not ``Σx² − (Σx)²/n``; the base rows' ``e^s v`` in one gather of their V rows, block by block
-merged by Chan's update); one program per (row, query head) rescales them to the row's max and
+take a share of the sink range, the window range, the top-k list and the base list, read each entry once
+and keep their sums around a running max (rescaled as it grows) and spreads around their running mean
+(each block's spread around its own mean merged by Chan's update, not ``Σx² − (Σx)²/n``; the base rows'
+``e^s v`` in one gather of their V rows); one program per (row, query head) rescales them to the row's max and
 merges the spreads (Chan et al.). Float64 sums in another order than the reference's: equal to ~1e-15
 relative (the tests hold the budgets to 1e-12 and their integer ceilings to equality).
 Its torch twin is the method's ``budget`` (the tests compare the kernel path's budgets with the
@@ -32,10 +32,6 @@ SPLIT_PROGRAMS = 528
 #: (``benchmarks/breakdown/stages.py`` times 64 at 8 warps).
 PARTS_BLOCK = 32
 PARTS_WARPS = 4
-#: the statistics launch's programs take each segment once, every sum around a running max (one exponential
-#: per entry, no logits workspace); False: the logits written first, then sums in further passes over them.
-#: Read at call time (``benchmarks/breakdown/stages.py`` times both).
-ONLINE_STATS = True
 
 if triton is not None:
     import triton.language as tl
@@ -71,47 +67,6 @@ if triton is not None:
                          other=0.0)
             s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
         return pos, tl.where(ok, s, float("-inf"))
-
-    @triton.jit
-    def _logits_segment(ws, wo, q, k_base, s_k_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, IS_LIST: tl.constexpr,
-                        KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
-        """Logits of entries ``[j_lo, j_hi)`` of one segment (positions ``seg_lo + j`` of a range, or list
-        ``lst``'s entries ``j``) written to workspace slots ``wo + j``; returns the running max. ``KEPT``:
-        read from the kept scores ``l_base`` (4 bytes a key) instead of computed from K's row."""
-        offs = tl.arange(0, BLOCK)
-        for j0 in range(j_lo, j_hi, BLOCK):
-            j = j0 + offs
-            ok = j < j_hi
-            _, s = _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST, KEPT, D)
-            tl.store(ws + wo + j, s, mask=ok)
-            m = tl.maximum(m, tl.max(s, 0))
-        return m
-
-    @triton.jit
-    def _exp_sum(ws, wo, j_lo, j_hi, shift, acc, BLOCK: tl.constexpr):
-        """``acc + Σ e^(s − shift)`` over slots ``wo + [j_lo, j_hi)``."""
-        offs = tl.arange(0, BLOCK)
-        for j0 in range(j_lo, j_hi, BLOCK):
-            j = j0 + offs
-            ok = j < j_hi
-            e = tl.exp(tl.load(ws + wo + j, mask=ok, other=float("-inf")) - shift)
-            acc += tl.sum(tl.where(ok, e, 0.0), 0)
-        return acc
-
-    @triton.jit
-    def _weighted_v_segment(ws, wo, v_base, s_v_n, lst, seg_lo, j_lo, j_hi, shift, acc, IS_LIST: tl.constexpr,
-                            BLOCK: tl.constexpr, D: tl.constexpr):
-        """``acc + Σ e^(s − shift) v`` over entries ``[j_lo, j_hi)`` of one segment (logits at ``wo + j``)."""
-        offs = tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, D)
-        for j0 in range(j_lo, j_hi, BLOCK):
-            j = j0 + offs
-            ok = j < j_hi
-            pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
-            e = tl.where(ok, tl.exp(tl.load(ws + wo + j, mask=ok, other=0.0) - shift), 0.0)
-            vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.sum(e[:, None] * vr.to(tl.float64), 0)
-        return acc
 
     @triton.jit
     def _rescale(m, s):
@@ -227,14 +182,14 @@ if triton is not None:
 
     @triton.jit
     def _budget_parts_kernel(q_ptr, k_ptr, v_ptr, start_ptr, end_ptr, len_ptr, top_ptr, tc_ptr, base_ptr, bc_ptr,
-                             part_ptr, ws_ptr, scale_ptr, l_ptr, hq, group, hs_div, ws_width, splits,
+                             part_ptr, scale_ptr, l_ptr, hq, group, hs_div, splits,
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
                              s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_l_r, s_l_h,
                              FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                             W: tl.constexpr, ONLINE: tl.constexpr = False):
-        """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base
-        list). It writes its logits, shifts by its own max ``m_s`` and stores ``m_s``, ``Σ_f e``, ``Σ_b e``,
-        its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
+                             W: tl.constexpr):
+        """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base list),
+        each once, every sum around its running max ``m_s`` (:func:`_online_parts`); it stores ``m_s``, ``Σ_f e``,
+        ``Σ_b e``, its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
         ``Σ_f e v``, ``Σ_b e v``: the combine launch rescales them to the row's max (Chan's merge)."""
         s = tl.program_id(0)
         h = tl.program_id(1)
@@ -254,84 +209,12 @@ if triton is not None:
         base = base_ptr + r * s_b_r + sh * s_b_h
         tc = tl.load(tc_ptr + r * s_c_r + sh * s_c_h).to(tl.int32)
         bc = tl.load(bc_ptr + r * s_bc_r + sh * s_bc_h).to(tl.int32)
-        ws = ws_ptr + (r * hq + h) * ws_width
-        n_w = length - end
-        o_w = start  # workspace slots: sink, window, top-k, base sample
-        o_t = start + n_w
-        n_f = o_t + tc
         a0, a1 = _split_range(start, s, splits)
-        w0, w1 = _split_range(n_w, s, splits)
+        w0, w1 = _split_range(length - end, s, splits)
         t0, t1 = _split_range(tc, s, splits)
         b0, b1 = _split_range(bc, s, splits)
-        if ONLINE:
-            _online_parts(part_ptr + ((r * hq + h) * splits + s) * W, q, k_base, s_k_n, v_base, s_v_n, l_base, top,
-                          base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D)
-        else:
-            m = tl.full([], float("-inf"), tl.float64)
-            # sink and window from K (the kept scores hold the selectable keys only), the lists' from the kept scores
-            m = _logits_segment(ws, 0, q, k_base, s_k_n, l_base, top, 0, a0, a1, scale, m, False, False, BLOCK, D)
-            m = _logits_segment(ws, o_w, q, k_base, s_k_n, l_base, top, end, w0, w1, scale, m, False, False, BLOCK, D)
-            m = _logits_segment(ws, o_t, q, k_base, s_k_n, l_base, top, 0, t0, t1, scale, m, True, KEPT, BLOCK, D)
-            m = _logits_segment(ws, n_f, q, k_base, s_k_n, l_base, base, 0, b0, b1, scale, m, True, KEPT, BLOCK, D)
-            tl.debug_barrier()  # the logits were written by other threads of this program
-            shift = tl.where(m > float("-inf"), m, 0.0)
-            zero = tl.zeros([], tl.float64)
-            d_f = _exp_sum(ws, 0, a0, a1, shift, zero, BLOCK)
-            d_f = _exp_sum(ws, o_w, w0, w1, shift, d_f, BLOCK)
-            d_f = _exp_sum(ws, o_t, t0, t1, shift, d_f, BLOCK)
-            offs = tl.arange(0, BLOCK)
-            s_b = tl.zeros([], tl.float64)
-            lo = tl.full([], float("inf"), tl.float64)
-            hi = tl.full([], float("-inf"), tl.float64)
-            for j0 in range(b0, b1, BLOCK):
-                j = j0 + offs
-                ok = j < b1
-                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
-                s_b += tl.sum(tl.where(ok, e, 0.0), 0)
-                lo = tl.minimum(lo, tl.min(tl.where(ok, e, float("inf")), 0))
-                hi = tl.maximum(hi, tl.max(tl.where(ok, e, float("-inf")), 0))
-            nb = (b1 - b0).to(tl.float64)
-            mean_b = s_b / tl.maximum(nb, 1.0)
-            m2 = tl.zeros([], tl.float64)
-            for j0 in range(b0, b1, BLOCK):
-                j = j0 + offs
-                ok = j < b1
-                e = tl.exp(tl.load(ws + n_f + j, mask=ok, other=float("-inf")) - shift)
-                dev = tl.where(ok, e - mean_b, 0.0)
-                m2 += tl.sum(dev * dev, 0)
-            o = part_ptr + ((r * hq + h) * splits + s) * W
-            _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
-            if FULL:
-                acc_f = tl.zeros([D], tl.float64)
-                acc_f = _weighted_v_segment(ws, 0, v_base, s_v_n, top, 0, a0, a1, shift, acc_f, False, BLOCK, D)
-                acc_f = _weighted_v_segment(ws, o_w, v_base, s_v_n, top, end, w0, w1, shift, acc_f, False, BLOCK, D)
-                acc_f = _weighted_v_segment(ws, o_t, v_base, s_v_n, top, 0, t0, t1, shift, acc_f, True, BLOCK, D)
-                # the base rows' Σ e v and Σ ‖e v − mean‖² in one gather of their V rows: each block's sum and
-                # spread around its own mean, merged into the running ones (Chan et al.; two-pass accuracy)
-                acc_b = tl.zeros([D], tl.float64)
-                mean_r = tl.zeros([D], tl.float64)
-                n_run = tl.zeros([], tl.float64)
-                tr = tl.zeros([], tl.float64)
-                for j0 in range(b0, b1, BLOCK):
-                    j = j0 + offs
-                    ok = j < b1
-                    pos = tl.load(base + j, mask=ok, other=0)
-                    e = tl.where(ok, tl.exp(tl.load(ws + n_f + j, mask=ok, other=0.0) - shift), 0.0)
-                    vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
-                                 other=0.0).to(tl.float64)
-                    rv = e[:, None] * vr
-                    s_blk = tl.sum(rv, 0)
-                    acc_b += s_blk
-                    n_blk = tl.sum(ok.to(tl.float64), 0)
-                    mu_blk = s_blk / tl.maximum(n_blk, 1.0)
-                    dev = tl.where(ok[:, None], rv - mu_blk[None, :], 0.0)
-                    n_new = n_run + n_blk
-                    delta = mu_blk - mean_r
-                    merge = n_run * n_blk / tl.maximum(n_new, 1.0)
-                    tr += tl.sum(tl.sum(dev * dev, 1), 0) + tl.sum(delta * delta, 0) * merge
-                    mean_r += delta * (n_blk / tl.maximum(n_new, 1.0))
-                    n_run = n_new
-                _store_full(o, tr, acc_f, acc_b, D)
+        _online_parts(part_ptr + ((r * hq + h) * splits + s) * W, q, k_base, s_k_n, v_base, s_v_n, l_base, top,
+                      base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D)
 
     @triton.jit
     def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
@@ -533,19 +416,74 @@ class Budget:
     counts: torch.Tensor | None = None
 
 
+def budget_stats_reference(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
+                           full: bool, dense_width: int, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`budget_stats_triton`'s ``[R, Hq, 5]`` in torch (float64, one shift by each row's largest logit,
+    spreads in two passes): the same arguments, the rows' sink and window as the first ``dense_width``
+    entries of a list. Reads only the listed rows of K and V."""
+    from ..shared.weighted import gather_rows
+
+    r, hq, _ = q.shape
+    hkv, n = k.shape[1], k.shape[2]
+    heads = torch.arange(hq, device=q.device)
+    sel, kv = heads // (hq // top.shape[1]), heads // (hq // hkv)
+    j = torch.arange(dense_width, device=q.device)
+    st = start.long()[:, None]
+    rng = torch.where(j < st, j, end.long()[:, None] + j - st)  # [0, start) then [end, length)
+    rng_ok = (j < st) | (rng < length.long()[:, None])
+    rng, rng_ok = rng[:, None].expand(r, hq, -1), rng_ok[:, None].expand(r, hq, -1)
+
+    def listed(lst, counts):
+        idx = lst[:, sel].long()
+        return idx, torch.arange(idx.shape[-1], device=q.device) < counts[:, sel].long()[..., None]
+
+    def logit(idx, ok, kept):
+        idx = torch.where(ok, idx, 0).clamp(max=max(n - 1, 0))
+        if kept:
+            s = torch.gather(logits, 2, idx).double()
+        else:
+            s = torch.einsum("rhd,rhmd->rhm", q.double(), gather_rows(k, idx, kv).double()) * scale
+        return s.masked_fill(~ok, float("-inf")), idx
+
+    (ti, t_ok), (bi, b_ok) = listed(top, top_counts), listed(base, base_counts)
+    parts = [logit(rng, rng_ok, False), logit(ti, t_ok, logits is not None), logit(bi, b_ok, logits is not None)]
+    m = torch.cat([p[0] for p in parts], -1).amax(-1, keepdim=True) if dense_width + ti.shape[-1] + bi.shape[-1] \
+        else torch.zeros(r, hq, 1, dtype=torch.float64, device=q.device)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    e = [torch.exp(p[0] - m) for p in parts]  # 0 off the lists
+    nb = base_counts[:, sel].double()
+    ratio = n_s[:, sel].double() / nb.clamp(min=1)
+    e_b = e[2]
+    mean = e_b.sum(-1) / nb.clamp(min=1)
+    var = (((e_b - mean[..., None]) ** 2) * b_ok).sum(-1) / (nb.clamp(min=2) - 1)
+    spread = torch.where(nb > 0, e_b.masked_fill(~b_ok, float("-inf")).amax(-1)
+                         - e_b.masked_fill(~b_ok, float("inf")).amin(-1), 0.0)
+    out = torch.zeros(r, hq, 5, dtype=torch.float64, device=q.device)
+    out[..., 0] = e[0].sum(-1) + e[1].sum(-1) + ratio * e_b.sum(-1)
+    out[..., 1] = var.sqrt()
+    out[..., 4] = spread
+    if full:
+        ev = [torch.einsum("rhm,rhmd->rhmd", ei, gather_rows(v, p[1], kv).double()) for ei, p in zip(e, parts,
+                                                                                                      strict=True)]
+        n_hat = ev[0].sum(2) + ev[1].sum(2) + ratio[..., None] * ev[2].sum(2)
+        mean_r = ev[2].sum(2) / nb.clamp(min=1)[..., None]
+        out[..., 2] = n_hat.norm(dim=-1)
+        out[..., 3] = (((ev[2] - mean_r[:, :, None]) ** 2) * b_ok[..., None]).sum((2, 3)) / (nb.clamp(min=2) - 1)
+    return out
+
+
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None,
-                        logits: torch.Tensor | None = None, online: bool | None = None) -> torch.Tensor:
+                        logits: torch.Tensor | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits, logits=logits, online=online).stats
+                         dense_width, splits=splits, logits=logits).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
-                  splits: int | None = None, logits: torch.Tensor | None = None,
-                  online: bool | None = None) -> Budget:
+                  splits: int | None = None, logits: torch.Tensor | None = None) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -555,9 +493,8 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     Two launches: ``splits`` programs per (row, query head) (default :func:`budget_splits`) each take
     ``1/splits`` of every segment and write partial sums around their own max; one program per (row,
     selection head) merges them for its query heads (float64; the same sums as a single pass up to
-    rounding, ~1e-15 relative) and applies the rule. ``online`` (None: ``ONLINE_STATS``): each split's sums
-    in one pass over each segment around a running max, rather than its logits written first and summed in
-    further passes (the same sums up to rounding).
+    rounding, ~1e-15 relative) and applies the rule. Each split reads each segment once, its sums kept
+    around a running max (one exponential per entry, no logits workspace).
 
     ``logits [R, Hq, N]`` (float32 ``scale · q·k``, the oracle predictor's kept scores): the list entries'
     logits are read from it instead of computed from K (4 bytes a key instead of a K row; float32 rather
@@ -577,17 +514,15 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
     dev = q.device
-    ws = workspace("vattention_logits", q, max(1, r * hq * width), torch.float64)
     parts = workspace("vattention_budget_parts", q, max(1, r * hq * splits * rec), torch.float64)
     out = torch.empty(r, hq, 5, device=dev, dtype=torch.float64)
     launch(_budget_parts_kernel, (splits, hq, r),
-           q, k, v, start, end, length, top, top_counts, base, base_counts, parts, ws,
-           float64_constants((scale,), dev), q if logits is None else logits, hq, hq // hkv, hq // hs, width, splits,
+           q, k, v, start, end, length, top, top_counts, base, base_counts, parts,
+           float64_constants((scale,), dev), q if logits is None else logits, hq, hq // hkv, hq // hs, splits,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec,
-           ONLINE=ONLINE_STATS if online is None else online, num_warps=PARTS_WARPS, num_stages=1)
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=PARTS_WARPS, num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
@@ -665,6 +600,7 @@ def residual_setup_triton(lengths: torch.Tensor, sink: int, window: int, base_ra
     return ResidualSetup(start, end, sizes[0], sizes[1], sizes[2], excl)
 
 
-__all__ = ["SPLIT_PROGRAMS", "Budget", "BudgetRule", "ResidualSetup", "budget_splits", "budget_stats_triton",
+__all__ = ["SPLIT_PROGRAMS", "Budget", "BudgetRule", "ResidualSetup", "budget_splits", "budget_stats_reference",
+           "budget_stats_triton",
            "budget_triton", "residual_setup_reference",
            "residual_setup_triton", "usable"]

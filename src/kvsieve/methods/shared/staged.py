@@ -60,6 +60,9 @@ class Stages:
     attend: Callable[..., Any] | None = None
     attend_counts: Any = None
     attend_kernel: str = ""
+    #: Host-known names of the ways the kernel path took (static choices on the shapes), put in the stats'
+    #: extras as they are, with no device read.
+    labels: dict[str, str] = field(default_factory=dict)
 
     def selected(self) -> Selected:
         extra = self.extra() if callable(self.extra) else self.extra
@@ -138,7 +141,7 @@ class StagedSelection(SelectionMethod):
                                           window=cfg.window, scale=inputs.scale, **kernel_plan(st))
             kernel = "sparse_decode_triton"
         return out, StepStats.deferred(lambda: selection_stats(inputs, st.selected(), backend="triton"), "triton",
-                                       {"kernel": kernel})
+                                       {"kernel": kernel, **st.labels})
 
 
 __all__ = ["Stages", "StagedSelection", "kernel_plan"]
