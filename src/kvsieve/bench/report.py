@@ -83,21 +83,32 @@ def plot_by_context(results: dict, path: Path, value: str, xlabel: str, ylabel: 
 
     rows = [r for r in results["rows"] if value in r]
     groups = sorted({(r["shape"], r["batch"]) for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), 4.5), squeeze=False)
+    variants = sorted({r["variant"] for r in rows})
+    # one colour per variant across panels, and one legend under them, so that no legend hides a point
+    cmap = plt.get_cmap("tab10" if len(variants) <= 10 else "tab20")
+    colours = {v: cmap(i % cmap.N) for i, v in enumerate(variants)}
+    legend_rows = (len(variants) + 1) // 2
+    height = 4.5 + 0.22 * legend_rows
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(5.5 * max(1, len(groups)), height), squeeze=False)
+    handles = {}
     for ax, (shape, batch) in zip(axes[0], groups, strict=False):
         sel = [r for r in rows if r["shape"] == shape and r["batch"] == batch]
         for variant in sorted({r["variant"] for r in sel}):
             pts = sorted((r["n"], r[value]) for r in sel if r["variant"] == variant)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+            (handles[variant],) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant,
+                                          color=colours[variant])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.set_title(f"{shape}, batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
     fig.suptitle(f"{results['device']} — {results['date']}")
-    fig.tight_layout()
+    bottom = 0.22 * legend_rows / height + 0.02
+    if handles:
+        fig.legend([handles[v] for v in variants if v in handles], [v for v in variants if v in handles],
+                   loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
