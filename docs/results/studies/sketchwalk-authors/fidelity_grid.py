@@ -268,6 +268,7 @@ def summary(args) -> None:
     for folder in sorted(args.out.glob("eval-*")):
         phase, length = folder.name.split("-")[1], int(folder.name.split("-")[2].removesuffix("k")) * 1024
         rows = rows_of(folder)
+        length = rows[0]["length"] if rows else length  # the cells' own length (8k cells are 8,176 tokens)
         matched = json.loads((folder / "matched.json").read_text()) if (folder / "matched.json").exists() else {}
         for task in TASKS:
             if task not in matched:
