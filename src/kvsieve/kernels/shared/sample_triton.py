@@ -578,8 +578,7 @@ def sample_rows_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: t
         raise ValueError("sample_rows_triton: out and weights must share a layout with a contiguous last dim")
     if width == 0 or r * hs == 0:
         return out, weights
-    block = block or min(1024, max(16, next_pow2(n_keys)))
-    splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+    block, splits, chunk = _scan_plan(n_keys, r * hs, block, target_programs)
     if splits > 1 if window is None else window:
         _launch_window(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, offset, out, weights, fill,
                        block, splits, chunk, None, cand_block)
@@ -602,11 +601,17 @@ def sample_cut_triton(lo: torch.Tensor, hi: torch.Tensor, stream: int, start: to
     r, hs = size.shape
     cut = torch.empty(2, r, hs, device=size.device, dtype=torch.int64)
     if r * hs:
-        block = block or min(1024, max(16, next_pow2(n_keys)))
-        splits, chunk = sample_splits(n_keys, r * hs, block, target_programs)
+        block, splits, chunk = _scan_plan(n_keys, r * hs, block, target_programs)
         _launch_window(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, page, None, None, None, False,
                        block, splits, chunk, cut, cand_block)
     return cut
+
+
+def _scan_plan(n_keys: int, rows: int, block: int | None, target_programs: int) -> tuple[int, int, int]:
+    """``(block, splits, chunk)`` of a sample's scan: the keys a program takes at a time (``block``, or a
+    default from the row's length) and :func:`sample_splits`'s cut of the row."""
+    block = block or min(1024, max(16, next_pow2(n_keys)))
+    return (block, *sample_splits(n_keys, rows, block, target_programs))
 
 
 def _row_operands(lo, hi, start, end, size, n_avail, excluded):
@@ -653,7 +658,6 @@ def _launch_rows(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, pa
     cand = workspace("sample_candidates", size, r * hs * max(n_keys, 1), torch.int64)
     stream_key = (stream * GOLDEN) & MASK32
     row, strides, n_pages = _row_operands(lo, hi, start, end, size, n_avail, excluded)
-    x_strides, row_strides = strides[:2], strides[2:]
     cnt = size
     if splits > 1:  # the scan over the row in splits x hs x r programs: counts, then the candidates
         cnt = workspace("sample_split_counts", size, r * hs * splits, torch.int32)
@@ -663,7 +667,7 @@ def _launch_rows(lo, hi, stream, start, end, size, n_avail, n_keys, excluded, pa
                    SP=next_pow2(splits), BLOCK=block, num_warps=8, num_stages=1)
     launch(_sample_rows_kernel, (hs, r), *row, offset if offset is not None else size, out,
            weights if weights is not None else out, cand, cnt, stream_key, hs, n_keys, out.shape[-1], n_pages,
-           out.stride(0), out.stride(1), *x_strides, *row_strides,
+           out.stride(0), out.stride(1), *strides,
            PAGE=page, HAS_EXCL=excluded is not None, HAS_OFF=offset is not None, HAS_W=weights is not None,
            FILL=fill, BLOCK=block, CBLOCK=256 if is_interpreted(_sample_rows_kernel) else CAND_BLOCK, SPLITS=splits,
            SP=next_pow2(splits), num_warps=8, num_stages=1)
