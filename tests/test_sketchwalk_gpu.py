@@ -241,8 +241,11 @@ def test_authors_decode_replays_in_a_graph_without_host_reads_and_matches_the_re
                                    sink=cfg.sink, window=cfg.window, kblocks_frac=cfg.kblocks_frac,
                                    scale=128 ** -0.5, dtype=torch.float32)
             nb = r.kept_blocks.shape[0]
-            flips += int((kept[i][b, :nb] != r.kept_blocks).sum())
-            torch.testing.assert_close(replayed[i][b].float(), r.out, atol=2e-2, rtol=2e-2)
+            step_flips = int((kept[i][b, :nb] != r.kept_blocks).sum())
+            flips += step_flips
+            if step_flips == 0:  # a flipped block changes the output by that block's share, beyond rounding
+                torch.testing.assert_close(replayed[i][b].float(), r.out, atol=2e-2, rtol=2e-2,
+                                           msg=lambda m, b=b, i=i: f"row {b}, step {i}: {m}")
     assert flips <= 2, flips
     # a layer's step: up to the attention 5 + degree Triton launches; two for it (a restart: the same work)
     from kvsieve.bench.timing import count_launches
