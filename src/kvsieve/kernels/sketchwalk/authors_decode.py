@@ -29,6 +29,14 @@ about a hundred small launches per step. Device: :func:`row_update_triton` (1–
   KV head's valid ring rows (the new query's rows' max and Σ exp from the partials);
 - the per-row tail (the running matrix's step), the walk's hops and the selection: ``authors_walk.py``.
 
+With :data:`FUSED_STATE` (``row_update_triton(fused_state=True)``) the state's step runs inside the logits' launch
+(three launches before the hops): each tile program computes the new query's sketches itself (``_sketches``, the
+state launch's arithmetic, so the two forms agree bit for bit) and reads the sketch matrix once more, the tile
+holding block c and the programs of the other ring rows compute block c's sketch, and each of the state's writes is
+made by one program and read by none in that launch (the other ring rows are read from the prompt's copy on a
+restart). The launch it saves is on the step's critical path; the price is the sketch matrix read by every tile
+program (64 KB at m = d = 128) from L2.
+
 A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
 probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
 stay valid until the row's slot is overwritten: each step computes the new query's rows (dots inside the logits'
@@ -64,6 +72,35 @@ if triton is not None:
     from .authors_walk import position as _position
     from .authors_walk import ring as _ring
 
+    @triton.jit
+    def _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, with_key, feats, f_ok, cap,
+                  d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, QUERY: tl.constexpr):
+        """``(q_new [BLOCK_G, BLOCK_M], ks_c [BLOCK_M])`` over the sketch features ``feats``: the new query's sketches
+        (one per query head of KV head g's group; zero unless ``QUERY``) and block c's sketch from its key sum after
+        the step (zero unless ``with_key``), over chunks of BLOCK_D dims (a CUDA-core dot holds its operands' whole
+        inner dim per thread: chunks keep it in registers). The state's launch and the fused logits' launch compute
+        them alike, so both give the same bits."""
+        dd = tl.arange(0, BLOCK_D)
+        gh = tl.arange(0, BLOCK_G)
+        g_ok = gh < GROUP
+        q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
+        ks_c = tl.zeros([BLOCK_M], tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            dc = d0 + dd
+            dc_ok = dc < d
+            phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
+                            other=0.0)
+            if QUERY:
+                qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
+                             mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
+                q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
+            if with_key:
+                k_mean = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb,
+                                  s_kh, s_kn) / BS
+                ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
+        return q_new, ks_c
+
     @triton.jit(do_not_specialize=["cap", "w_len", "m", "d", "hq"])
     def _row_state_kernel(q_ptr, k_ptr, lens_ptr, phi_ptr, qs_ptr, pqs_ptr, nq_ptr, pnq_ptr, plen_ptr, ksum_ptr,
                           ks_ptr, pkp_ptr, cap, w_len, m, d, hq, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr,
@@ -81,26 +118,12 @@ if triton is not None:
         restart, _, slot = _ring(plen_ptr, nq_ptr, pnq_ptr, b, pos, w_len)
         rows = tl.arange(0, BLOCK_R)
         row_ok = rows < GROUP * w_len
-        dd = tl.arange(0, BLOCK_D)
         gh = tl.arange(0, BLOCK_G)
         g_ok = gh < GROUP
         feats = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         f_ok = feats < m
-        # the new query's sketches (one per query head of the group) and block c's, over chunks of BLOCK_D dims
-        # (a CUDA-core dot holds its operands' whole inner dim per thread: chunks keep it in registers)
-        q_new = tl.zeros([BLOCK_G, BLOCK_M], tl.float32)
-        ks_c = tl.zeros([BLOCK_M], tl.float32)
-        for d0 in range(0, d, BLOCK_D):
-            dc = d0 + dd
-            dc_ok = dc < d
-            phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
-                            other=0.0)
-            qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
-                         mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
-            q_new += tl.dot(qn, phi_t, input_precision="ieee")  # [BLOCK_G, BLOCK_M]
-            k_mean = _key_sum(k_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, dc, dc_ok, cap, d, s_kb, s_kh,
-                              s_kn) / BS
-            ks_c += tl.sum(k_mean[:, None] * phi_t, axis=0)
+        q_new, ks_c = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, True, feats,
+                                f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, BLOCK_G, BLOCK_M, BLOCK_D, True)
         ring_base = (b * hq + g * GROUP) * w_len * m
         if restart:
             ring_at = ring_base + rows[:, None] * m + feats[None, :]
@@ -148,11 +171,13 @@ if triton is not None:
             acc += tl.sum(qr * tl.load(ks_ptr + k_at + f, mask=f_ok, other=0.0)[None, :], 1)
         return acc
 
-    @triton.jit(do_not_specialize=["cap", "p_cap", "w_len", "m", "n_rows", "n_tiles"])
+    @triton.jit(do_not_specialize=["cap", "p_cap", "w_len", "m", "n_rows", "n_tiles", "d"])
     def _row_logits_kernel(lens_ptr, plen_ptr, qs_ptr, ks_ptr, lg_ptr, plg_ptr, cmx_ptr, cse_ptr, pcmx_ptr,
-                           pcse_ptr, ncl_ptr, mx_ptr, se_ptr, tmx_ptr, tse_ptr, cap, p_cap, w_len, m, n_rows, n_tiles,
-                           scale, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+                           pcse_ptr, ncl_ptr, mx_ptr, se_ptr, tmx_ptr, tse_ptr, q_ptr, k_ptr, phi_ptr, pqs_ptr, pkp_ptr,
+                           ksum_ptr, cap, p_cap, w_len, m, n_rows, n_tiles, d, s_qb, s_qh, s_kb, s_kh, s_kn, scale,
+                           GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
+                           PDL: tl.constexpr):
         """The incremental logits, a program per (row, KV head, tile of BLOCK_N blocks) up to block c: the new
         query's ring rows against the tile (into the cache, and their max and Σ exp over the tile's closed blocks
         into the tile's partials), on a restart the other ring rows' logits against closed blocks from the
@@ -160,15 +185,24 @@ if triton is not None:
         blocks closed since the last step folded into their closed sums (recomputed from the sketches: a step that
         skips ahead folds every skipped block; one that steps back folds the cache's [0, c) again), and their max
         and Σ exp over the row's blocks for the probabilities' launch, which records the closed count (read
-        here by every such program)."""
+        here by every such program).
+
+        ``FUSED`` (the state's step in this launch, no ``_row_state_kernel`` before it; ``BLOCK_G`` then at least
+        16, the state's dot): each tile program computes the new query's sketches itself (``_sketches``, the state
+        launch's arithmetic) and the program whose tile holds block c also block c's sketch; the first programs
+        compute block c's sketch for its column and read the ring from the prompt's copy on a restart. The state's
+        writes are made by one program each, none read back in this launch: the new query's sketches into slot
+        ``p mod W`` by tile 0, block c's sketch by the tile holding c, the restart's ring rows by the programs of
+        the other rows (their own rows)."""
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
+        hkv = tl.num_programs(1)
         t = tl.program_id(2)
-        bg = b * tl.num_programs(1) + g
-        pos, c, _ = _position(lens_ptr, b, BS)
+        bg = b * hkv + g
+        pos, c, s = _position(lens_ptr, b, BS)
         plen = tl.load(plen_ptr + b)
         restart = (plen >= 0) & (pos == plen)
         slot = pos % w_len
@@ -185,14 +219,26 @@ if triton is not None:
             gh = tl.arange(0, BLOCK_G)
             g_ok = gh < GROUP
             col_ok = cols <= c
+            holds_c = c < t * BLOCK_N + BLOCK_N
             acc = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
             for f0 in range(0, m, BLOCK_M):
                 f = f0 + tl.arange(0, BLOCK_M)
                 f_ok = f < m
-                qn = tl.load(qs_ptr + ring_base + (gh * w_len + slot)[:, None] * m + f[None, :],
-                             mask=g_ok[:, None] & f_ok[None, :], other=0.0)
-                kt = tl.load(ks_ptr + (bg * cap + cols)[:, None] * m + f[None, :], mask=col_ok[:, None] & f_ok[None, :],
-                             other=0.0)
+                new_at = ring_base + (gh * w_len + slot)[:, None] * m + f[None, :]
+                tile_at = (bg * cap + cols)[:, None] * m + f[None, :]
+                if FUSED:
+                    qn, kc = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart,
+                                       holds_c, f, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, BLOCK_G,
+                                       BLOCK_M, BLOCK_D, True)
+                    kt = tl.load(ks_ptr + tile_at, mask=(col_ok & (cols != c))[:, None] & f_ok[None, :], other=0.0)
+                    kt = tl.where((cols == c)[:, None], kc[None, :], kt)
+                    if t == 0:
+                        tl.store(qs_ptr + new_at, qn, mask=g_ok[:, None] & f_ok[None, :])
+                    if holds_c:
+                        tl.store(ks_ptr + (bg * cap + c) * m + f, kc, mask=f_ok)
+                else:
+                    qn = tl.load(qs_ptr + new_at, mask=g_ok[:, None] & f_ok[None, :], other=0.0)
+                    kt = tl.load(ks_ptr + tile_at, mask=col_ok[:, None] & f_ok[None, :], other=0.0)
                 acc += tl.sum(qn[:, None, :] * kt[None, :, :], 2)
             new_at = bg * n_rows + gh * w_len + slot
             tl.store(lg_ptr + new_at[:, None] * cap + cols[None, :], acc, mask=g_ok[:, None] & col_ok[None, :])
@@ -220,13 +266,39 @@ if triton is not None:
                 col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
                 tl.store(lg_ptr + at * cap + j, col, mask=old)
                 cm, cs = _plus(cm, cs, col * scale)
-            col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
+            if FUSED:
+                col = _fused_column(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g, hkv, pos, c, s,
+                                    restart, ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb, s_kh, s_kn,
+                                    GROUP, BS, BLOCK_M, BLOCK_D)
+            else:
+                col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
             tl.store(lg_ptr + at * cap + c, col, mask=old)
             tl.store(cmx_ptr + at, cm, mask=old)
             tl.store(cse_ptr + at, cs, mask=old)
             cm, cs = _plus(cm, cs, col * scale)
             tl.store(mx_ptr + at, cm, mask=old)
             tl.store(se_ptr + at, cs, mask=old)
+
+    @triton.jit
+    def _fused_column(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g, hkv, pos, c, s, restart,
+                      ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr,
+                      BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """:func:`_column` of block c for the fused logits' launch: block c's sketch computed here (``_sketches``),
+        the ring read from the prompt's copy on a restart, whose rows ``old`` it also writes back into the ring."""
+        acc = tl.zeros(rows.shape, tl.float32)
+        for f0 in range(0, m, BLOCK_M):
+            f = f0 + tl.arange(0, BLOCK_M)
+            f_ok = f < m
+            kc = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, True, f, f_ok,
+                           cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, 16, BLOCK_M, BLOCK_D, False)[1]
+            ring_at = ring_base + rows[:, None] * m + f[None, :]
+            if restart:
+                qr = tl.load(pqs_ptr + ring_at, mask=r_ok[:, None] & f_ok[None, :], other=0.0)
+                tl.store(qs_ptr + ring_at, qr, mask=old[:, None] & f_ok[None, :])
+            else:
+                qr = tl.load(qs_ptr + ring_at, mask=r_ok[:, None] & f_ok[None, :], other=0.0)
+            acc += tl.sum(qr * kc[None, :], 1)
+        return acc
 
     @triton.jit(do_not_specialize=["cap", "w_len", "n_rows", "n_tiles"])
     def _row_probs_kernel(lens_ptr, nq_ptr, pnq_ptr, plen_ptr, lg_ptr, mx_ptr, se_ptr, part_ptr, tmx_ptr, tse_ptr,
@@ -297,20 +369,26 @@ def feature_chunk(m: int) -> int:
 #: latency (16 and 16 were the fastest of the launch sizes measured, docs/methods/sketchwalk.md)
 ROW_TILE = 16
 LOGIT_TILE = 16
+#: the state's step as its own launch (False: five launches before the hops) or inside the logits' launch (True:
+#: four; each logits program then computes the new query's sketches itself, reading the sketch matrix once more)
+FUSED_STATE = False
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
                       block_n: int | None = None, block_l: int | None = None, block_m: int | None = None,
-                      partial_chunk: int = 64) -> torch.Tensor:
-    """:func:`row_update_reference` in four launches (float32 state; ``q``, ``k`` any float dtype with a contiguous
-    last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``), the logit cache's step
-    (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the probabilities summed
-    over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default :data:`ROW_TILE`), and the
-    tail (``authors_walk.row_tail_triton``). Returns ``r [B, C]`` (a workspace: valid until the next call).
+                      partial_chunk: int = 64, fused_state: bool | None = None) -> torch.Tensor:
+    """:func:`row_update_reference` in four launches (three with ``fused_state``; float32 state; ``q``, ``k`` any
+    float dtype with a contiguous last dim; ``lengths`` int32 preferred): the state's step (``_row_state_kernel``),
+    the logit cache's step (``_row_logits_kernel``, tiles of ``block_l`` blocks, default :data:`LOGIT_TILE`), the
+    probabilities summed over the ring rows per tile of ``block_n`` blocks (``_row_probs_kernel``, default
+    :data:`ROW_TILE`), and the tail (``authors_walk.row_tail_triton``). Returns ``r [B, C]`` (a workspace: valid
+    until the next call).
     ``block_m``: the sketch features per chunk of the state's dots (default :func:`feature_chunk`);
     ``partial_chunk``: the logits' tiles per chunk (a power of two) of the probabilities' reduction of the new
-    query's partials."""
+    query's partials. ``fused_state`` (default :data:`FUSED_STATE`): the state's step inside the logits' launch
+    (``_row_logits_kernel``'s ``FUSED``; ``block_m`` then unused: the logits' feature chunks), three launches."""
     _check_state(st)
+    fused = FUSED_STATE if fused_state is None else bool(fused_state)
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q, k: expected a contiguous last dim")
     if scale != st.logit_scale:
@@ -332,16 +410,22 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     block_m = block_m or feature_chunk(m)
     block_d = min(32, max(16, next_pow2(d)))
     block_g = max(2, next_pow2(group))
-    launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
-           st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
-           k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size, BLOCK_R=max(16, next_pow2(n_rows)),
-           BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+    logit_m = min(32, max(16, next_pow2(m)))
+    if not fused:
+        launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
+               st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
+               k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size,
+               BLOCK_R=max(16, next_pow2(n_rows)), BLOCK_G=max(16, next_pow2(group)), BLOCK_M=block_m,
+               BLOCK_D=block_d, num_warps=4)
     logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
+    # fused: the step's first launch (as the state's is), so launched without programmatic dependent launch
     launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
            st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
-           st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
-           GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
-           BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
+           st.n_closed, mx, se, tmx, tse, q, k, st.phi, st.p_qs, st.p_kpart, st.ksum, cap, st.p_logits.shape[-1],
+           w_len, m, n_rows, n_tiles, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+           float(scale), GROUP=group, BS=st.block_size, BLOCK_G=max(16, next_pow2(group)) if fused else block_g,
+           BLOCK_N=block_l, BLOCK_R=logit_rows, BLOCK_M=logit_m, BLOCK_D=block_d, FUSED=fused, PDL=pdl, num_warps=4,
+           **pdl_launch(pdl and not fused))
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
            mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
            GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
