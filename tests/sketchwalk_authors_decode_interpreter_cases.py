@@ -180,13 +180,19 @@ def test_row_update_kernels_match_their_reference(seed, fresh, sketch_dim, block
     assert got.order_error.tolist() == [False, False, False, True, True]
 
 
-@pytest.mark.parametrize("seed,sketch_dim,block_l", [(0, 12, 8), (1, 40, 4), (4, 64, 16)])
+@pytest.mark.parametrize("seed,sketch_dim,block_l,signed", [(0, 12, 8, True), (1, 40, 4, True), (4, 64, 16, True),
+                                                             (5, 40, 8, False)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, block_l):
+def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, block_l, signed):
     """``fused_state``: the state's step inside the logits' launch gives the block row and the state of the
     separate state launch bit for bit (the same arithmetic in other programs) on the crafted rows above (restarts
-    mid-block and on a boundary, a new block, a jump), and the torch step's within rounding."""
+    mid-block and on a boundary, a new block, a jump), and the torch step's within rounding; the sketch matrix
+    made from its signs (the Hadamard sketch's ``±s``) or, ``signed`` off (one entry halved), read whole."""
     st, q, k, lengths = crafted_step(seed, fresh, sketch_dim)
+    if not signed:
+        st.phi = st.phi.clone()
+        st.phi[1, 2] *= 0.5
+    assert torch.equal(kd.sketch_signs(st.phi)[1], torch.tensor([st.phi.abs().max(), float(signed)]))
     want, got, apart = copy.deepcopy(st), copy.deepcopy(st), copy.deepcopy(st)
     r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
     r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_l=block_l, fused_state=True)

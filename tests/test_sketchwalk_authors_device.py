@@ -266,7 +266,7 @@ ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", lens_ptr="*i32", phi_ptr=f32, qs_ptr=f
             p_nb_ptr="*i64", p_row_ptr=f32, p_col_ptr=f32, p_rsum_ptr=f32, last_ptr="*i64", err_ptr="*i1",
             pin_ptr=f32, pout_ptr=f32, ue_ptr=f32, frac_ptr="*fp64", walk_ptr=f32, kept_ptr="*i8", pages_ptr="*i32",
             counts_ptr="*i32", wt_ptr="*i32", n_ptr="*i32", short_ptr="*i8", plg_ptr=f32, cmx_ptr=f32, cse_ptr=f32,
-            pcmx_ptr=f32, pcse_ptr=f32, ncl_ptr="*i64", tmx_ptr=f32, tse_ptr=f32)
+            pcmx_ptr=f32, pcse_ptr=f32, ncl_ptr="*i64", tmx_ptr=f32, tse_ptr=f32, sgn_ptr="*i8", sabs_ptr=f32)
 compile_(ad._row_state_kernel, ptrs, dict(GROUP=4, BS=64, BLOCK_R=128, BLOCK_G=16, BLOCK_M=32, BLOCK_D=32),
          num_warps=4)
 for fused in (False, True):

@@ -35,7 +35,8 @@ state launch's arithmetic, so the two forms agree bit for bit) and reads the ske
 holding block c and the programs of the other ring rows compute block c's sketch, and each of the state's writes is
 made by one program and read by none in that launch (the other ring rows are read from the prompt's copy on a
 restart). The launch it saves is on the step's critical path; the price is the sketch matrix read by every tile
-program (64 KB at m = d = 128) from L2.
+program from L2, as its signs (int8, 16 KB at m = d = 128, :func:`sketch_signs`) where every entry is ``±s``, as
+their Hadamard sketch's are, else whole (64 KB).
 
 A step reads the key-block sketches up to ``c`` once (the new query's rows) and the cache once (the
 probabilities), both bandwidth-bound: a closed block's sketch never changes, so its logits against a ring row
@@ -73,14 +74,20 @@ if triton is not None:
     from .authors_walk import ring as _ring
 
     @triton.jit
-    def _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, with_key, feats, f_ok, cap,
-                  d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, QUERY: tl.constexpr):
+    def _sketches(q_ptr, k_ptr, phi_ptr, sgn_ptr, sabs_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart,
+                  with_key, feats, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr, BS: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, QUERY: tl.constexpr,
+                  SIGNS: tl.constexpr):
         """``(q_new [BLOCK_G, BLOCK_M], ks_c [BLOCK_M])`` over the sketch features ``feats``: the new query's sketches
         (one per query head of KV head g's group; zero unless ``QUERY``) and block c's sketch from its key sum after
         the step (zero unless ``with_key``), over chunks of BLOCK_D dims (a CUDA-core dot holds its operands' whole
         inner dim per thread: chunks keep it in registers). The state's launch and the fused logits' launch compute
-        them alike, so both give the same bits."""
+        them alike, so both give the same bits. ``SIGNS``: where the sketch matrix is ``±s`` (``sabs_ptr``: s and
+        that flag, :func:`sketch_signs`), its entries are made from their signs (int8, ``sgn_ptr``: a quarter of its
+        bytes) as the same float32 values."""
+        if SIGNS:
+            s_abs = tl.load(sabs_ptr)
+            signed = tl.load(sabs_ptr + 1) != 0
         dd = tl.arange(0, BLOCK_D)
         gh = tl.arange(0, BLOCK_G)
         g_ok = gh < GROUP
@@ -89,8 +96,16 @@ if triton is not None:
         for d0 in range(0, d, BLOCK_D):
             dc = d0 + dd
             dc_ok = dc < d
-            phi_t = tl.load(phi_ptr + feats[None, :] * d + dc[:, None], mask=dc_ok[:, None] & f_ok[None, :],
-                            other=0.0)
+            phi_at = feats[None, :] * d + dc[:, None]
+            phi_ok = dc_ok[:, None] & f_ok[None, :]
+            if SIGNS:
+                if signed:
+                    neg = tl.load(sgn_ptr + phi_at, mask=phi_ok, other=0) != 0
+                    phi_t = tl.where(phi_ok, tl.where(neg, -s_abs, s_abs), 0.0)
+                else:
+                    phi_t = tl.load(phi_ptr + phi_at, mask=phi_ok, other=0.0)
+            else:
+                phi_t = tl.load(phi_ptr + phi_at, mask=phi_ok, other=0.0)
             if QUERY:
                 qn = tl.load(q_ptr + b * s_qb + (g * GROUP + gh)[:, None] * s_qh + dc[None, :],
                              mask=g_ok[:, None] & dc_ok[None, :], other=0.0).to(tl.float32)
@@ -122,8 +137,9 @@ if triton is not None:
         g_ok = gh < GROUP
         feats = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         f_ok = feats < m
-        q_new, ks_c = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, True, feats,
-                                f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, BLOCK_G, BLOCK_M, BLOCK_D, True)
+        q_new, ks_c = _sketches(q_ptr, k_ptr, phi_ptr, phi_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s,
+                                restart, True, feats, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, BLOCK_G,
+                                BLOCK_M, BLOCK_D, True, False)
         ring_base = (b * hq + g * GROUP) * w_len * m
         if restart:
             ring_at = ring_base + rows[:, None] * m + feats[None, :]
@@ -173,11 +189,11 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["cap", "p_cap", "w_len", "m", "n_rows", "n_tiles", "d"])
     def _row_logits_kernel(lens_ptr, plen_ptr, qs_ptr, ks_ptr, lg_ptr, plg_ptr, cmx_ptr, cse_ptr, pcmx_ptr,
-                           pcse_ptr, ncl_ptr, mx_ptr, se_ptr, tmx_ptr, tse_ptr, q_ptr, k_ptr, phi_ptr, pqs_ptr, pkp_ptr,
-                           ksum_ptr, cap, p_cap, w_len, m, n_rows, n_tiles, d, s_qb, s_qh, s_kb, s_kh, s_kn, scale,
-                           GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FUSED: tl.constexpr,
-                           PDL: tl.constexpr):
+                           pcse_ptr, ncl_ptr, mx_ptr, se_ptr, tmx_ptr, tse_ptr, q_ptr, k_ptr, phi_ptr, sgn_ptr,
+                           sabs_ptr, pqs_ptr, pkp_ptr, ksum_ptr, cap, p_cap, w_len, m, n_rows, n_tiles, d, s_qb, s_qh,
+                           s_kb, s_kh, s_kn, scale, GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                           FUSED: tl.constexpr, PDL: tl.constexpr):
         """The incremental logits, a program per (row, KV head, tile of BLOCK_N blocks) up to block c: the new
         query's ring rows against the tile (into the cache, and their max and Σ exp over the tile's closed blocks
         into the tile's partials), on a restart the other ring rows' logits against closed blocks from the
@@ -227,9 +243,9 @@ if triton is not None:
                 new_at = ring_base + (gh * w_len + slot)[:, None] * m + f[None, :]
                 tile_at = (bg * cap + cols)[:, None] * m + f[None, :]
                 if FUSED:
-                    qn, kc = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart,
-                                       holds_c, f, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, BLOCK_G,
-                                       BLOCK_M, BLOCK_D, True)
+                    qn, kc = _sketches(q_ptr, k_ptr, phi_ptr, sgn_ptr, sabs_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c,
+                                       s, restart, holds_c, f, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS,
+                                       BLOCK_G, BLOCK_M, BLOCK_D, True, True)
                     kt = tl.load(ks_ptr + tile_at, mask=(col_ok & (cols != c))[:, None] & f_ok[None, :], other=0.0)
                     kt = tl.where((cols == c)[:, None], kc[None, :], kt)
                     if t == 0:
@@ -267,9 +283,9 @@ if triton is not None:
                 tl.store(lg_ptr + at * cap + j, col, mask=old)
                 cm, cs = _plus(cm, cs, col * scale)
             if FUSED:
-                col = _fused_column(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g, hkv, pos, c, s,
-                                    restart, ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb, s_kh, s_kn,
-                                    GROUP, BS, BLOCK_M, BLOCK_D)
+                col = _fused_column(q_ptr, k_ptr, phi_ptr, sgn_ptr, sabs_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g,
+                                    hkv, pos, c, s, restart, ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb,
+                                    s_kh, s_kn, GROUP, BS, BLOCK_M, BLOCK_D)
             else:
                 col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
             tl.store(lg_ptr + at * cap + c, col, mask=old)
@@ -280,17 +296,18 @@ if triton is not None:
             tl.store(se_ptr + at, cs, mask=old)
 
     @triton.jit
-    def _fused_column(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g, hkv, pos, c, s, restart,
-                      ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP: tl.constexpr,
-                      BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _fused_column(q_ptr, k_ptr, phi_ptr, sgn_ptr, sabs_ptr, pkp_ptr, ksum_ptr, qs_ptr, pqs_ptr, b, g, hkv, pos, c,
+                      s, restart, ring_base, rows, r_ok, old, cap, m, d, s_qb, s_qh, s_kb, s_kh, s_kn,
+                      GROUP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """:func:`_column` of block c for the fused logits' launch: block c's sketch computed here (``_sketches``),
         the ring read from the prompt's copy on a restart, whose rows ``old`` it also writes back into the ring."""
         acc = tl.zeros(rows.shape, tl.float32)
         for f0 in range(0, m, BLOCK_M):
             f = f0 + tl.arange(0, BLOCK_M)
             f_ok = f < m
-            kc = _sketches(q_ptr, k_ptr, phi_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart, True, f, f_ok,
-                           cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, 16, BLOCK_M, BLOCK_D, False)[1]
+            kc = _sketches(q_ptr, k_ptr, phi_ptr, sgn_ptr, sabs_ptr, pkp_ptr, ksum_ptr, b, g, hkv, pos, c, s, restart,
+                           True, f, f_ok, cap, d, s_qb, s_qh, s_kb, s_kh, s_kn, GROUP, BS, 16, BLOCK_M, BLOCK_D, False,
+                           True)[1]
             ring_at = ring_base + rows[:, None] * m + f[None, :]
             if restart:
                 qr = tl.load(pqs_ptr + ring_at, mask=r_ok[:, None] & f_ok[None, :], other=0.0)
@@ -356,6 +373,15 @@ if triton is not None:
         tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 
 
+def sketch_signs(phi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(signs [m, d] int8, [s, flag] float32)`` of the sketch matrix: 1 where an entry is negative, s the largest
+    magnitude and flag 1 where every entry is ``±s`` (their Hadamard sketch is; the fused logits' launch then makes
+    the entries from the signs, else it reads ``phi``). Device ops, no host read."""
+    mag = phi.abs().amax().reshape(1).float()
+    flag = (phi.abs() == mag).all().reshape(1).float()
+    return (phi < 0).to(torch.int8).contiguous(), torch.cat([mag, flag])
+
+
 def _check_state(st) -> None:
     check_state(st, ("logits", "closed_max", "closed_sum", "p_logits", "p_closed_max", "p_closed_sum"))
 
@@ -411,7 +437,12 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     block_d = min(32, max(16, next_pow2(d)))
     block_g = max(2, next_pow2(group))
     logit_m = min(32, max(16, next_pow2(m)))
-    if not fused:
+    signs, signed = st.phi, st.phi  # (the fused launch's sketch matrix as signs; unread otherwise)
+    if fused:
+        if getattr(st, "phi_signs", None) is None:  # a state made elsewhere (tests): once, outside a capture
+            st.phi_signs, st.phi_abs = sketch_signs(st.phi)
+        signs, signed = st.phi_signs, st.phi_abs
+    else:
         launch(_row_state_kernel, (b, hkv, cdiv(m, block_m)), q, k, lengths, st.phi, st.qs, st.p_qs, st.n_queries,
                st.p_nq, st.prompt_len, st.ksum, st.ks, st.p_kpart, cap, w_len, m, d, hq, q.stride(0), q.stride(1),
                k.stride(0), k.stride(1), k.stride(2), GROUP=group, BS=st.block_size,
@@ -421,11 +452,11 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     # fused: the step's first launch (as the state's is), so launched without programmatic dependent launch
     launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
            st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
-           st.n_closed, mx, se, tmx, tse, q, k, st.phi, st.p_qs, st.p_kpart, st.ksum, cap, st.p_logits.shape[-1],
-           w_len, m, n_rows, n_tiles, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-           float(scale), GROUP=group, BS=st.block_size, BLOCK_G=max(16, next_pow2(group)) if fused else block_g,
-           BLOCK_N=block_l, BLOCK_R=logit_rows, BLOCK_M=logit_m, BLOCK_D=block_d, FUSED=fused, PDL=pdl, num_warps=4,
-           **pdl_launch(pdl and not fused))
+           st.n_closed, mx, se, tmx, tse, q, k, st.phi, signs, signed, st.p_qs, st.p_kpart, st.ksum, cap,
+           st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+           k.stride(2), float(scale), GROUP=group, BS=st.block_size,
+           BLOCK_G=max(16, next_pow2(group)) if fused else block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
+           BLOCK_M=logit_m, BLOCK_D=block_d, FUSED=fused, PDL=pdl, num_warps=4, **pdl_launch(pdl and not fused))
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
            mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
            GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
