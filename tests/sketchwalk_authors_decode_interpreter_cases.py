@@ -180,13 +180,14 @@ def test_row_update_kernels_match_their_reference(seed, fresh, sketch_dim, block
     assert got.order_error.tolist() == [False, False, False, True, True]
 
 
-@pytest.mark.parametrize("seed,sketch_dim,block_l,signed", [(0, 12, 8, True), (1, 40, 4, True), (4, 64, 16, True),
-                                                             (5, 40, 8, False)])
+@pytest.mark.parametrize("seed,sketch_dim,block_l,tiles,signed", [(0, 12, 8, 1, True), (1, 40, 4, 2, True),
+                                                                   (4, 64, 16, None, True), (5, 40, 4, 3, False)])
 @pytest.mark.parametrize("fresh", [False, True])
-def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, block_l, signed):
+def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, block_l, tiles, signed):
     """``fused_state``: the state's step inside the logits' launch gives the block row and the state of the
     separate state launch bit for bit (the same arithmetic in other programs) on the crafted rows above (restarts
-    mid-block and on a boundary, a new block, a jump), and the torch step's within rounding; the sketch matrix
+    mid-block and on a boundary, a new block, a jump), and the torch step's within rounding; ``tiles`` logits
+    tiles a program (one, several, the default, a count that leaves the last program short); the sketch matrix
     made from its signs (the Hadamard sketch's ``±s``) or, ``signed`` off (one entry halved), read whole."""
     st, q, k, lengths = crafted_step(seed, fresh, sketch_dim)
     if not signed:
@@ -195,7 +196,8 @@ def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, b
     assert torch.equal(kd.sketch_signs(st.phi)[1], torch.tensor([st.phi.abs().max(), float(signed)]))
     want, got, apart = copy.deepcopy(st), copy.deepcopy(st), copy.deepcopy(st)
     r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
-    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_l=block_l, fused_state=True)
+    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_l=block_l, fused_state=True,
+                                 fused_tiles=tiles)
     r_apart = kd.row_update_triton(apart, q, k, lengths, scale=0.05, block_l=block_l, fused_state=False)
     torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
     assert_same_state(got, want, lengths)

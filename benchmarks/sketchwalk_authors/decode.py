@@ -2,7 +2,7 @@
 Triton kernel, captured in a CUDA graph, cold L2: the step (``kernels/sketchwalk/authors_decode.py`` and
 ``authors_walk.py``) checked against the torch step; writes ``decode.json`` and ``decode.md`` to ``--out``.
 
-    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC]
+    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC] [--forms F]
     TRITON_INTERPRET=1 python benchmarks/sketchwalk_authors/decode.py --out /tmp/x --check   # CPU, tiny shapes
 
 The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix) of
@@ -12,10 +12,11 @@ the prompt: the logit cache copies the prompt's logits) and ``next`` (length ``n
 steps (selection + attention; ``sketchwalk_step`` is ``next``), the attention alone on the step's pages (so the
 selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
 kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2;
-a kernel launched with programmatic dependent launch counts its wait). Each of the step's forms (:data:`FORMS`) is
-checked and timed in the same run: ``apart`` (the default; rows ``step_restart``, ``sketchwalk_step``) and
-``fused_state`` (the state's step inside the logits' launch, one launch fewer; rows ``fused_state_step_restart``,
-``fused_state_sketchwalk_step``).
+a kernel launched with programmatic dependent launch counts its wait). Each of the step's forms (:data:`FORMS`;
+``--forms``, default :data:`DEFAULT_FORMS`) is checked and timed in the same run: ``apart`` (the default; rows
+``step_restart``, ``sketchwalk_step``) and the state's step inside the logits' launch, one launch fewer
+(``fused_state``, ``fused_state_t8``, ``fused_state_t1``: the new query's sketches once per 4, 8 or 1 logits tiles;
+rows ``<form>_step_restart``, ``<form>_sketchwalk_step``).
 
 ``forms.<form>.check`` (``ok``: every form's): the two steps against the torch step (``row_update_reference``,
 ``walk_select_reference``) from the same state: kept blocks that differ (``kept_mismatch``; a difference is a tie
@@ -125,7 +126,11 @@ def main() -> None:
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
     ap.add_argument("--check-steps", type=int, default=8, help="steps of the step-by-step check against the torch step")
     ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
+    ap.add_argument("--forms", default=",".join(DEFAULT_FORMS), help=f"comma-separated, of {', '.join(FORMS)}")
     args = ap.parse_args()
+    forms = tuple(args.forms.split(","))
+    if not forms or any(f not in FORMS for f in forms):
+        ap.error(f"--forms: expected names among {', '.join(FORMS)}, got {args.forms!r}")
     t0 = time.time()
     check = args.check
     dev = "cpu" if check else "cuda"
@@ -156,17 +161,17 @@ def main() -> None:
     res.update(density=float(stats.density), block_density=float(stats["block_density"]),
                blocks_kept=float(stats["blocks_kept"]), selection=stats.extra["selection"], backend=stats.backend)
     res["forms"] = {}
-    for name in FORMS:  # each form checked against the torch step from the same states and draws
+    for name in forms:  # each form checked against the torch step from the same states and draws
         with form(name):
             chk = check_step(m, prompt, step, k, v, q_steps, lengths)
             chk["steps"] = check_steps(m, check_layer, hq, k, v, n, check_steps_n,
                                        torch.Generator(device=dev).manual_seed(1))
             after = copy.deepcopy(state)  # (each form's next step from the restart)
             res["forms"][name] = {"check": chk, "step_dispatch": dispatch(lambda st=after: step(st, "next"))}
-    res["forms_agree"] = forms_agree(step, state)
+    res["forms_agree"] = forms_agree(step, state, forms)
     res["ok"] = all(f["check"]["ok"] for f in res["forms"].values())
     if not check:
-        time_on_gpu(res, m.config, state, step, q_steps[1], k, v, lengths["next"], n, b)
+        time_on_gpu(res, m.config, state, step, q_steps[1], k, v, lengths["next"], n, b, forms)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,9 +186,14 @@ def dispatch(fn) -> dict:
     return {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads", "ops")}
 
 
-#: the step's forms, each checked and timed (``authors_decode``'s switches it sets): ``apart``, the state's step
-#: as a launch of its own (the default); ``fused_state``, inside the logits' launch (one launch fewer)
-FORMS = {"apart": {"FUSED_STATE": False}, "fused_state": {"FUSED_STATE": True}}
+#: the step's forms (``authors_decode``'s switches each sets): ``apart``, the state's step as a launch of its own
+#: (the default); ``fused_state``, inside the logits' launch (one launch fewer) with the new query's sketches
+#: once per 4 logits tiles; ``fused_state_t8`` once per 8, ``fused_state_t1`` per tile
+FORMS = {"apart": {"FUSED_STATE": False}, "fused_state": {"FUSED_STATE": True, "FUSED_TILES": 4},
+         "fused_state_t8": {"FUSED_STATE": True, "FUSED_TILES": 8},
+         "fused_state_t1": {"FUSED_STATE": True, "FUSED_TILES": 1}}
+#: the forms checked and timed unless ``--forms`` says
+DEFAULT_FORMS = ("apart", "fused_state", "fused_state_t8")
 
 
 class form:
@@ -202,12 +212,12 @@ class form:
             setattr(kd, key, val)
 
 
-def forms_agree(step, state) -> dict:
+def forms_agree(step, state, forms) -> dict:
     """The next step under each form from copies of ``state``, eager: whether each form's output, selection and
     state equal the first form's bit for bit (the forms compute the same arithmetic in other launches)."""
     names = ("u", "sigma", "rsum", "qs", "ks", "ksum", "logits", "closed_max", "closed_sum", "n_queries", "last_pos")
     runs = {}
-    for name in FORMS:
+    for name in forms:
         with form(name):
             st = copy.deepcopy(state)
             out = step(st, "next")
@@ -315,7 +325,7 @@ def markdown(res) -> str:
     return "\n".join(lines) + "\n"
 
 
-def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
+def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b, forms) -> None:
     """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
@@ -327,7 +337,7 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
     def timed(fn) -> dict:
         return {**timer.time_graph_us(fn), "launches": count_launches(fn), "kernels_us": timer.kernel_breakdown(fn)}
 
-    for name in FORMS:  # the default form's rows keep their names
+    for name in forms:  # the default form's rows keep their names
         with form(name):
             prefix = "" if name == "apart" else f"{name}_"
             rows[f"{prefix}step_restart"] = timed(lambda: step(state, "restart"))
@@ -358,7 +368,7 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
         row["speedup_vs_flashinfer_or_dense"] = base / row["median_us"]
     res["selection_share"] = {name: 1 - rows["sketchwalk_attention_only"]["median_us"]
                               / rows[("" if name == "apart" else f"{name}_") + "sketchwalk_step"]["median_us"]
-                              for name in FORMS}
+                              for name in forms}
 
 
 if __name__ == "__main__":
