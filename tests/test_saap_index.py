@@ -299,3 +299,76 @@ def test_the_bench_fit_draws_a_peaked_models_prompts_as_the_bench_does():
         tok("x" * 100)
     with pytest.raises(ValueError, match="prompt_tokens"):
         RandomTokens(1000, peaked=p)
+
+
+AHEAD_METHOD_CASES = r"""
+import tempfile
+from pathlib import Path
+import torch
+import kvsieve
+from kvsieve import CallContext
+from kvsieve.core.sync import no_host_reads
+from tests.test_saap import write_artifacts
+dev = "{device}"
+folder = Path(tempfile.mkdtemp())
+write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, clusters=16)
+worst = 0.0
+for seed, batch, n, start, capacity in [(0, 3, 420, [400, 300, 50], None), (1, 1, 330, [300], 330),
+                                        (2, 2, 360, [340, 200], 360)]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 8, 32, generator=g).to(dev)
+    k, v = (t.to(dev) for t in torch.randn(2, batch, 2, n, 32, generator=g))
+    spec = f"saap:artifacts={{folder}},probes=4,window=63,window_scale=0.125,backend=triton"
+    step_m, ahead_m = kvsieve.method(spec), kvsieve.method(spec + ",index_update=ahead")
+    step_s, ahead_s = step_m.new_state(), ahead_m.new_state()
+    # one key a step, a repeated step (a graph warm-up, a rewind), and without a capacity a jump of K's shape
+    # by 9 keys (more than the 4 assigned ahead: the rest join in the step)
+    steps = (0, 1, 2, 2, 3, 7, 8, 17, 18, 19) if capacity is None else (0, 1, 2, 3, 3, 4, 5, 6)
+    for step in steps:
+        lengths = torch.tensor(start, device=dev) + step
+        width = n if capacity else int(lengths.max())
+        ctx = CallContext(layer=1, capacity=capacity)
+        want, ws = step_m.decode(q, k[:, :, :width], v[:, :, :width], lengths=lengths, state=step_s, context=ctx,
+                                 check_finite=False)
+        with no_host_reads() if capacity else torch.no_grad():
+            got, gs = ahead_m.decode(q, k[:, :, :width], v[:, :, :width], lengths=lengths, state=ahead_s,
+                                     context=ctx, check_finite=False)
+        assert gs["update"] == "ahead" and ws["update"] != "ahead", (gs["update"], ws["update"])
+        worst = max(worst, float((got - want).abs().max()))
+        # below each row's window start (what a step reads) the two indexes agree; the ahead one holds the next
+        # keys to leave too, which the step's never reads
+        a, b = ahead_s.index, step_s.index
+        lo = (lengths - a.window).clamp(min=0)
+        below = torch.arange(a.assign.shape[-1], device=dev)[None, :] < lo[:, None]
+        assert torch.equal(a.assign.masked_fill(~below[:, None], -1), b.assign.masked_fill(~below[:, None], -1))
+        ahead_rows = (lengths - a.window + 4 > a.tail_lo) & (lengths - a.window + 4 <= lengths)
+        for r in ahead_rows.nonzero().flatten().tolist():
+            end = int(lengths[r] - a.window[r] + 4)
+            assert (a.assign[r, :, end - 4:end] < 16).all(), (r, a.assign[r, :, end - 4:end])
+# a window below the 4 keys assigned ahead: the step's update instead
+tiny = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=3,window_min=3,backend=triton,index_update=ahead")
+_, st = tiny.decode(q, k, v, lengths=torch.tensor(start, device=dev) + 6, context=CallContext(layer=1))
+assert st["update"] != "ahead"
+print("worst", worst)
+"""
+
+
+@pytest.mark.triton
+def test_the_update_one_step_ahead_gives_the_step_updates_outputs():
+    """``index_update=ahead`` (the keys leaving the window assigned one step early, in the bucket attention's
+    launch) against the default path, call by call: the same outputs and the same index below each window start,
+    ragged rows (one shorter than its window), repeated steps, K growing by more than the keys assigned ahead, and
+    under ``no_host_reads`` with a capacity-sized cache."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    assert float(run_script(AHEAD_METHOD_CASES, "cpu", interpret=True).split("worst")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_the_update_one_step_ahead_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from interpreted import run_script
+
+    assert float(run_script(AHEAD_METHOD_CASES, "cuda", interpret=False).split("worst")[-1]) < 1e-4

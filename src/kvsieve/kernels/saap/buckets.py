@@ -178,6 +178,8 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 try:
     import triton
     import triton.language as tl
+
+    from .index import assign_ahead_program
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -190,14 +192,49 @@ if triton is not None:
         scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
+        cent_ptr, freq_ptr, a_scaling, a_span,
+        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+        FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
+        AHEAD: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr, A_BLOCK_U: tl.constexpr,
+        A_DEROPE: tl.constexpr,
+    ):
+        """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` (0 or 1) programs per (KV head,
+        row) that come first in the grid (dispatched first): the index update one step ahead
+        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`): it writes ``assign`` at or past ``L − W``,
+        the attention programs read it below."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        split = tl.program_id(2)
+        if AHEAD:
+            if split == 0:
+                assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
+                                     n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h,
+                                     D, A_HALF, A_BLOCK_C, A_BLOCK_U, A_DEROPE)
+        if split >= AHEAD:
+            _bucket_program(
+                q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
+                acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
+                scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
+                s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
+                h, b, split - AHEAD, GROUP, BLOCK_G, BLOCK_N, D, DV, BLOCK_L, SPLITS, HAS_RANGE, HAS_TAIL,
+                DOT_PRECISION, DOT_F32, FUSED_MERGE, GROUP_P, BLOCK_S, MERGE_S)
+
+    @triton.jit
+    def _bucket_program(
+        q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
+        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
+        scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
+        s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
+        s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
+        h, b, split,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
     ):
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        split = tl.program_id(2)
+        """Attention program ``split`` of (KV head ``h``, row ``b``): see the comment above."""
         row = b * kv_heads + h
         # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
         offs_l = tl.arange(0, BLOCK_L)
@@ -377,6 +414,7 @@ def bucket_sparse_decode_triton(
     block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
+    ahead: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
@@ -395,7 +433,13 @@ def bucket_sparse_decode_triton(
     ``lo_b = max(sink, L_b − W_b)``, then after the buckets the positions ``[t_lo_b, max(t_lo_b, L_b − W_b))``
     whose ``assign`` is a chosen bucket; CSR keys at or past ``lo_b`` are skipped (the range holds them).
     :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
-    CSR keys of the chosen buckets, the tail not included."""
+    CSR keys of the chosen buckets, the tail not included.
+
+    ``ahead = (centroids, inv_freq, scaling, span)`` (with ``sliding``): the same launch also runs
+    :func:`kvsieve.kernels.saap.index.assign_ahead_reference`'s update of ``assign`` (one program per row and KV
+    head, first in the grid), the keys that leave the window in the next ``span`` keys: off the step's critical
+    path. Its writes are at or past ``L − W`` and the attention reads ``assign`` below: no race. Needs every row's
+    window to be at least ``span`` (the keys written must be in K)."""
     from ..shared.triton_utils import (
         dot_precision,
         is_interpreted,
@@ -440,18 +484,34 @@ def bucket_sparse_decode_triton(
         hi, lo, t_lo, assign = sliding
     else:
         t_lo, assign = lo, ids
+    if ahead is None:
+        cent, freq, a_scaling, a_span, a_meta = q, q, 1.0, 1, dict(HALF=8, BLOCK_C=16, BLOCK_U=16, DEROPE=False)
+    else:
+        from .index import ahead_launch_meta
+
+        if sliding is None:
+            raise ValueError("ahead: the update one step ahead writes SAAP's assign; give sliding too")
+        cent, inv_freq, a_scaling, a_span = ahead
+        if cent.shape[:2] != (hkv, offsets.shape[-1] - 1) or cent.dtype != torch.float32 \
+                or not cent.is_contiguous() or assign.stride(-1) != 1 or a_span < 1:
+            raise ValueError(f"ahead: expected contiguous float32 centroids [{hkv}, {offsets.shape[-1] - 1}, d], an "
+                             f"assign contiguous in its last dimension and a span >= 1; got {tuple(cent.shape)}, "
+                             f"{cent.dtype}, span {a_span}")
+        freq = cent if inv_freq is None else inv_freq
+        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq)
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
     sem = workspace("bucket_ticket", q, b * hkv, torch.int32, zeroed=True) if fused_merge else counts
     group_p = max(2, next_pow2(group))
-    _bucket_parts_kernel[(hkv, b, splits)](
+    _bucket_parts_kernel[(hkv, b, splits + (ahead is not None))](
         q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts, out, lse, sem,
         t_lo, assign,
         float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
         dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1], assign.stride(0), assign.stride(1),
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
+        cent, freq, float(a_scaling), a_span,
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
         SPLITS=splits, HAS_RANGE=dense_range is not None, HAS_TAIL=sliding is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
@@ -459,6 +519,8 @@ def bucket_sparse_decode_triton(
         DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,
         GROUP_P=group_p, BLOCK_S=max(16, next_pow2(splits)),
         MERGE_S=max(1, min(32 // group_p, next_pow2(splits))),  # 8 at G = 4: no spill for sm_90
+        AHEAD=int(ahead is not None), A_HALF=a_meta["HALF"], A_BLOCK_C=a_meta["BLOCK_C"], A_BLOCK_U=a_meta["BLOCK_U"],
+        A_DEROPE=a_meta["DEROPE"],
         num_warps=4,
     )
     if fused_merge:
