@@ -745,6 +745,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvsieve.kernels.saap import probe
 from kvsieve.kernels.saap import buckets
+from kvsieve.kernels.saap import index
 
 
 def compile_(kernel, pointers, meta, floats=(), warps=4):
@@ -767,19 +768,21 @@ import torch
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
+def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=None):
     group_p = max(2, next_pow2(group))
     pointers = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                 "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32",
                 "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "off_ptr": "*i64",
                 "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "sem_ptr": "*i32" if fused else "*i64",
-                "tail_lo_ptr": "*i64", "assign_ptr": "*i64"}
+                "tail_lo_ptr": "*i64", "assign_ptr": "*i64", "cent_ptr": "*fp32", "freq_ptr": "*fp32"}
     meta = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 64, "D": d, "DV": d,
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
-    compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "AHEAD": {None: 0, "dot": 1, "keys": 4}[ahead],
+            "A_KEYS": ahead == "keys", "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_BLOCK_U": 16,
+            "A_DEROPE": True}
+    compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale", "a_scaling"))
 
 
 shapes = {("bf16", 128): (4, 32), ("fp16", 128): (8, 64), ("fp32", 128): (1, 7),
@@ -794,7 +797,14 @@ for mode in ("tail", "range", "none"):
                     bucket_case(mode, fused, dtype, d, group, n_probe)
 if PART != "runtime":
     raise SystemExit(0)
-from kvsieve.kernels.saap import index
+# index_update=ahead: the update one step ahead in both forms, as the first programs of the runtime's launch (with
+# the separate merge at batch 1, the fused one at batch 8) and alone
+for fused, form in ((False, "dot"), (True, "keys")):
+    bucket_case("tail", fused, "bf16", 128, 4, 32, ahead=form)
+compile_(index._assign_ahead_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
+                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
+         {"KEYS": False, "D": 128, "HALF": 64, "BLOCK_C": index.AHEAD_BLOCK_C, "BLOCK_U": 16, "DEROPE": True},
+         floats=("scaling",))
 compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
          {"D": 128, "HALF": 64, "BLOCK_C": 128, "DEROPE": True}, floats=("scaling",))
@@ -992,7 +1002,7 @@ def test_probe_kernels_on_cuda_match_the_reference():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("part,compiled", [
-    ("runtime", 11),
+    ("runtime", 14),
     # the other 18 combinations, one sm_90 compile each
     pytest.param("rest", 18, marks=pytest.mark.slow),
 ])

@@ -139,12 +139,14 @@ def test_left_padding_is_refused_by_the_method_and_served_apart_by_the_driver(ar
 INDEX_KERNEL_CASES = r"""
 import torch
 from kvsieve.kernels.saap.buckets import build_csr, bucket_sparse_decode_triton
-from kvsieve.kernels.saap.index import (assign_tail_parallel_triton, assign_tail_reference, assign_tail_triton,
-                                        build_assign, index_decode_reference)
+from kvsieve.kernels.saap.index import (assign_ahead_reference, assign_ahead_triton, assign_tail_parallel_triton,
+                                        assign_tail_reference, assign_tail_triton, build_assign,
+                                        index_decode_reference)
 from kvsieve.kernels.saap.probe import probe_scores_triton
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 worst = 0.0
+forms = ("dot", "keys")
 for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6, 3, 32, 200, 40, 5, 0),
                                            (3, 2, 1, 16, 150, 8, 8, 2)]:
     cent = torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1).to(dev)
@@ -162,6 +164,8 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
         offsets, ids = build_csr(assign, c)
         ref_assign = assign.clone()
         others = {{name: assign.clone() for name in ("parallel", "probe-parallel", "probe-serial")}}
+        ahead, ahead_alone, ahead_ref = assign.clone(), assign.clone(), assign.clone()
+        prev, prev_span = 0, 0  # no update ahead at the build
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
             lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
@@ -185,6 +189,29 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
                                                     sliding=(lengths, window, t_lo, assign), block_n=16,
                                                     splits=3 if step % 2 else None)
             worst = max(worst, float((out - ref).abs().max()))
+            if step - prev > prev_span:  # more keys left than were assigned ahead: the rest join now (the method's)
+                for got in (ahead, ahead_alone, ahead_ref):
+                    assign_tail_reference(got, k, t_lo, lengths, window, span, cent, inv, 1.3)
+            prev, prev_span = step, span
+            # the update one step ahead in the same launch (of its own, 16 centroids a dot: several blocks): the
+            # reference's writes, the same output whatever it writes (at or past L - W, where the step reads none)
+            out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids, sink_counts, offsets, ids, bk, 0,
+                                                    sliding=(lengths, window, t_lo, ahead), block_n=16,
+                                                    splits=3 if step % 2 else None,
+                                                    ahead=(cent, inv, 1.3, span, forms[step % 2]))
+            ref, _ = index_decode_reference(q, k, v, lengths, window, sink, ahead, bk)
+            worst = max(worst, float((out - ref).abs().max()))
+            assign_ahead_reference(ahead_ref, k, t_lo, lengths, window, span, cent, inv, 1.3)
+            assign_ahead_triton(ahead_alone, k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16,
+                                form=forms[1 - step % 2])
+            assert torch.equal(ahead, ahead_ref) and torch.equal(ahead_alone, ahead_ref), (ahead != ahead_ref).nonzero()
+            # every key below the window start has its bucket, the step update's where that one assigned it (its
+            # jumps of 17 and 25 keys at span 16 leave some unassigned)
+            pos = torch.arange(n, device=dev)[None, None, :]
+            below = ((pos < (lengths - window)[:, None, None]) & (pos >= t_lo[:, None, None])).expand(b, hkv, n)
+            assert (ahead_ref[below] < c).all()
+            both = below & (ref_assign < c)
+            assert torch.equal(ahead_ref[both], ref_assign[both])
     # a row rewound below its build length: bucket keys the window now holds are read once
     lengths = start - 7
     ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
@@ -198,9 +225,10 @@ print("worst", worst)
 @pytest.mark.triton
 def test_index_kernels_match_their_references():
     """The Triton updates (serial and parallel), alone and inside the probe's launches, equal the torch update bit
-    for bit (de-roped and as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys
-    that joined after the build, CSR keys the window holds skipped, a row shorter than its window) equals attention
-    over the reference's keys."""
+    for bit (de-roped and as stored, spans 4 and 16), and so does the update one step ahead, alone and inside the
+    bucket kernel's launch, in both forms (below each window start it then holds the step update's buckets); the
+    bucket kernel's tail scan (chosen buckets among the keys that joined after the build, CSR keys the window holds
+    skipped, a row shorter than its window) equals attention over the reference's keys."""
     pytest.importorskip("triton")
     from interpreted import run_script
 

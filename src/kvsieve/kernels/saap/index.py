@@ -46,9 +46,17 @@ BUILD_CHUNK = 4096
 PARALLEL_BLOCK_C = 64
 #: Tail keys a stage-1 program scores at most (the rows of its dot): a KV head's 32 at batch 8 and the default span.
 PARALLEL_BLOCK_R = 32
-#: Centroids an ahead-update program (:func:`assign_ahead_program`) scores per dot: a ``[64, d]`` float32 tile
-#: (32 KB at d = 128) at the bucket kernel's 4 warps, 16 pipelined iterations at C = 1024.
-AHEAD_BLOCK_C = 64
+#: The update one step ahead (inside the bucket kernel's launch, at its 4 warps) in one of two forms: ``"dot"``, one
+#: program per (row, KV head) scoring its ``span`` keys as a ``[16, d]`` tile against ``[AHEAD_BLOCK_C, d]``
+#: centroid tiles in float32 dots (few programs; loads pipelined, three quarters of the products padding at span 4),
+#: or ``"keys"``, one program per key (:func:`assign_ahead_key_program`, the serial update's scan,
+#: ``AHEAD_KEY_BLOCK_C`` centroids an iteration). Not yet measured against each other
+#: (benchmarks/saap_probe/run.py times both).
+AHEAD_FORM = "dot"
+#: 32 × d float32 (16 KB at d = 128) a stage: 41 KB of shared memory with the pipeline's stages, about the
+#: attention's 22 KB (64 a block took 74 KB and more spills at sm_90, Triton 3.6).
+AHEAD_BLOCK_C = 32
+AHEAD_KEY_BLOCK_C = 64
 
 
 def parallel_update(batch: int) -> bool:
@@ -232,10 +240,17 @@ if triton is not None:
         offs_d = tl.arange(0, D)
         base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
         x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
+        best_i = _best_bucket(x, cent_ptr + h.to(tl.int64) * n_buckets * D, n_buckets, D, BLOCK_C)
+        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _best_bucket(x, cent_row, n_buckets, D: tl.constexpr, BLOCK_C: tl.constexpr):
+        """The first index of the largest product of the key ``x [D]`` with the centroids at ``cent_row``
+        (``BLOCK_C`` at a time, float32 products summed over ``d``)."""
+        offs_d = tl.arange(0, D)
         best = float("-inf")
         best_i = n_buckets * 0
         offs_c = tl.arange(0, BLOCK_C)
-        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
         for c0 in range(0, n_buckets, BLOCK_C):
             cc = c0 + offs_c
             c_ok = cc < n_buckets
@@ -247,7 +262,23 @@ if triton is not None:
             better = blk > best
             best_i = tl.where(better, blk_i, best_i)
             best = tl.where(better, blk, best)
-        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
+        return best_i
+
+    @triton.jit
+    def assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
+                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Key ``u`` of :func:`assign_ahead_program`'s work, scored as :func:`assign_tail_program` scores its key
+        (one key a program, no dot padding; the centroid blocks read one after the other)."""
+        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
+        if (pos >= t_lo) & (pos < length):
+            offs_d = tl.arange(0, D)
+            base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
+            x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
+            best_i = _best_bucket(x, cent_ptr + h.to(tl.int64) * n_buckets * D, n_buckets, D, BLOCK_C)
+            tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
     @triton.jit
     def assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
@@ -350,12 +381,28 @@ if triton is not None:
     @triton.jit
     def _assign_ahead_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
                              span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_U: tl.constexpr,
-                             DEROPE: tl.constexpr):
-        """Program (row, KV head): :func:`assign_ahead_program`."""
-        assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
-                             span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
-                             D, HALF, BLOCK_C, BLOCK_U, DEROPE)
+                             KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row, KV head, key): :func:`assign_ahead_step`."""
+        assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                          span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                          KEYS, D, HALF, BLOCK_C, BLOCK_U, DEROPE)
+
+    @triton.jit
+    def assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                          span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
+                          KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
+        """Work item (row ``b``, KV head ``h``, ``u``) of the update one step ahead: key ``u``
+        (:func:`assign_ahead_key_program`) with ``KEYS``, else all of them (:func:`assign_ahead_program`, ``u``
+        0)."""
+        if KEYS:
+            assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                     n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u, D, HALF, BLOCK_C, DEROPE)
+        else:
+            assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, D, HALF, BLOCK_C, BLOCK_U,
+                                 DEROPE)
 
     @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -401,26 +448,35 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
 
 
 def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                      block_c: int | None = None) -> dict:
-    """The constexprs of :func:`assign_ahead_program` (``block_c``: centroids a dot takes, default
-    :data:`AHEAD_BLOCK_C`, fewer when C is smaller)."""
-    d = k.shape[-1]
-    return dict(D=d, HALF=d // 2, BLOCK_C=min(block_c or AHEAD_BLOCK_C, max(16, next_pow2(centroids.shape[1]))),
-                BLOCK_U=max(16, next_pow2(span)), DEROPE=inv_freq is not None)
+                      block_c: int | None = None, form: str | None = None) -> dict:
+    """The constexprs of the update one step ahead in ``form`` (default :data:`AHEAD_FORM`): ``PROGRAMS`` per
+    (row, KV head) (1, or ``span`` for ``"keys"``), ``KEYS`` (the form), ``D``, ``HALF``, ``BLOCK_C`` (centroids an
+    iteration, default :data:`AHEAD_BLOCK_C` or :data:`AHEAD_KEY_BLOCK_C`, fewer when C is smaller), ``BLOCK_U``,
+    ``DEROPE``."""
+    form = form or AHEAD_FORM
+    if form not in ("dot", "keys"):
+        raise ValueError(f"form: expected 'dot' or 'keys', got {form!r}")
+    d, keys = k.shape[-1], form == "keys"
+    block_c = block_c or (AHEAD_KEY_BLOCK_C if keys else AHEAD_BLOCK_C)
+    return dict(PROGRAMS=span if keys else 1, KEYS=keys, D=d, HALF=d // 2,
+                BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))), BLOCK_U=max(16, next_pow2(span)),
+                DEROPE=inv_freq is not None)
 
 
 def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
                         window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                        scaling: float, block_c: int | None = None) -> None:
-    """:func:`assign_ahead_reference` in a launch of its own (one program per row and KV head; arguments as
-    :func:`tail_launch_args`). The method runs these programs inside the bucket attention's launch instead."""
+                        scaling: float, block_c: int | None = None, form: str | None = None) -> None:
+    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c``
+    and ``form`` as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch
+    instead."""
     if triton is None:
         raise RuntimeError("assign_ahead_triton needs triton")
     k = _checked_keys(assign, k, span, centroids)
-    _assign_ahead_kernel[(k.shape[0], k.shape[1])](
+    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, form)
+    _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
         k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
         centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
-        **ahead_launch_meta(k, span, centroids, inv_freq, block_c), num_warps=4)
+        **meta, num_warps=4)
 
 
 class ParallelTail(NamedTuple):
