@@ -102,7 +102,9 @@ def test_the_probe_benchmark_checks_every_variant(tmp_path):
                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = (tmp_path / "saap_probe.md").read_text()
-    for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer"):
+    for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer",
+                    "update-ahead-dot", "update-ahead-keys", "layer-ahead-dot", "layer-ahead-keys"):
         assert f"| {variant} |" in table
-    # two cases, each with two updates alone, two probes with the update and the layer's step
-    assert "FAIL" not in table and table.count("assign True") == 2 * 5 and table.count("out err") == 2
+    # two cases, each with two updates alone, two probes with the update and the layer's step, and the update one
+    # step ahead in both forms alone and in the layer's step
+    assert "FAIL" not in table and table.count("assign True") == 2 * 9 and table.count("out err") == 2 * 3

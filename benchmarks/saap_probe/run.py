@@ -3,12 +3,16 @@
 update inside them (``step-serial``: the serial update in the hidden-layer launch; ``step-parallel``: the parallel
 update's first stage there, its second in the rank launch), each update alone (serial: one launch; parallel: two),
 and the layer's whole step as the method runs it (``layer``: the probe with the update its batch rule picks,
-:func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention). Every variant is captured in a CUDA
+:func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention); and ``index_update=ahead``'s
+(``layer-ahead-dot``, ``layer-ahead-keys``: the probe alone, the update one step ahead in the bucket attention's
+launch, in either form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`; ``update-ahead-*``: that update in a
+launch of its own). Every variant is captured in a CUDA
 graph and replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked
 in the same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ
 against ``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported:
-near ties may differ), the index after the update against ``assign_tail_reference`` (exactly), the layer's attention
-against exact attention over the keys of its buckets in the reference's index (``index_decode_reference``).
+near ties may differ), the index after the update against ``assign_tail_reference`` (exactly; the ahead variants
+against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
+the reference's index (``index_decode_reference``).
 ``--sweep`` also times ``step-parallel`` over the parallel update's launch constants (``index.PARALLEL_BLOCK_C``,
 ``PARALLEL_BLOCK_R``).
 
@@ -32,6 +36,8 @@ import torch
 from kvsieve.kernels.saap import index
 from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
+    assign_ahead_reference,
+    assign_ahead_triton,
     assign_tail_parallel_triton,
     assign_tail_reference,
     assign_tail_triton,
@@ -81,15 +87,18 @@ def tail_of(case: dict, assign: torch.Tensor) -> tuple:
             case["inv_freq"], 1.0)
 
 
-def layer_step(case: dict, assign: torch.Tensor):
+def layer_step(case: dict, assign: torch.Tensor, ahead: str | None = None):
     """The method's step on the Triton path: the probe (with the update of the batch's rule) then the bucket
-    attention; returns ``(out, top)``."""
+    attention; with ``ahead`` (a form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`) the probe alone, and
+    the update one step ahead in the attention's launch (``index_update=ahead``). Returns ``(out, top)``."""
     b, hkv, n = case["k"].shape[:3]
     _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
-                                 probes=case["shape"]["probes"], position_offset=-1, tail=tail_of(case, assign))
+                                 probes=case["shape"]["probes"], position_offset=-1,
+                                 tail=None if ahead else tail_of(case, assign))
     out, _, _ = bucket_sparse_decode_triton(
         case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
-        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n))
+        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n),
+        ahead=(case["centroids"], case["inv_freq"], 1.0, SPAN, ahead) if ahead else None)
     return out, top
 
 
@@ -113,22 +122,38 @@ def variants(case: dict) -> dict:
         out[name] = (call, a, "probe")
     a = case["assign"].clone()
     out["layer"] = ((lambda a=a: layer_step(case, a)), a, "layer")
+    # index_update=ahead: the keys leaving the window at this step were assigned at the step before (the index as
+    # the step update leaves it); this step assigns the next ones, alone or in the attention's launch
+    stepped = case["assign"].clone()
+    assign_tail_reference(*tail_of(case, stepped))
+    for form in ("dot", "keys"):
+        a = stepped.clone()
+        out[f"update-ahead-{form}"] = ((lambda a=a, form=form: assign_ahead_triton(*tail_of(case, a), form=form)), a,
+                                       "update")
+        a = stepped.clone()
+        out[f"layer-ahead-{form}"] = ((lambda a=a, form=form: layer_step(case, a, form)), a, "layer")
     return out
 
 
-def references(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scores, top, assign)`` of the torch references for the case's step."""
+def references(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, top, assign, assign_ahead)`` of the torch references for the case's step (``assign_ahead``: the
+    index after the step update and the update one step ahead)."""
     scores = probe_scores_reference(case["q"], case["lengths"] - 1, case["inv_freq"], 1.0, *case["w"],
                                     kv_heads=case["shape"]["hkv"])
     assign = case["assign"].clone()
     assign_tail_reference(*tail_of(case, assign))
-    return scores, top_buckets_reference(scores, case["shape"]["probes"]), assign
+    ahead = assign.clone()
+    assign_ahead_reference(*tail_of(case, ahead))
+    return scores, top_buckets_reference(scores, case["shape"]["probes"]), assign, ahead
 
 
-def check(result, assign, kind: str, ref: tuple, case: dict) -> dict:
+def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False) -> dict:
     """The variant's outputs against the references (after its calls: a repeated update writes the same values);
-    a layer's attention against exact attention over the keys its buckets select in the reference's index."""
-    ref_scores, ref_top, ref_assign = ref
+    a layer's attention against exact attention over the keys its buckets select in the reference's index
+    (``ahead``: the index is the one-step-ahead update's)."""
+    ref_scores, ref_top, ref_assign, ref_ahead = ref
+    if ahead:
+        ref_assign = ref_ahead
     got = {}
     if kind == "layer":
         out, top = result
@@ -162,7 +187,7 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
                 row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
                 row["kernels_us"] = timer.kernel_breakdown(call)
                 row["launches"] = count_launches(call)
-            row.update(check(result, assign, kind, ref, case))
+            row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
