@@ -389,17 +389,18 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 
 @pytest.mark.gpu
-def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+@pytest.mark.parametrize("update", ["step", "ahead"])
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path, update):
     """The SAAP step (index update, Triton probe, bucket kernel with the tail scan) on a capacity-sized cache, and
     layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
     (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
-    to the torch path."""
+    to the torch path. Both index updates: in the step, and one step ahead in the attention's launch."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([2900, 1700], device="cuda")
-    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4,index_update={update}")
     ctx = CallContext(layer=1, capacity=3000, count_reads=False)
     state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
     ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
@@ -440,13 +441,18 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
         torch.testing.assert_close(state.index.assign, eager_state.index.assign, rtol=0, atol=0)
         ref, _ = ref_m.decode(q, k, v, lengths=now, state=ref_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    assert torch.equal(state.index.assign, ref_state.index.assign)  # the Triton update = the torch update
+    # the Triton update = the torch update (ahead: below each window start, where a step reads)
+    below = (torch.arange(3000, device="cuda")[None, :] < (lengths - state.index.window)[:, None])[:, None]
+    assert torch.equal(state.index.assign.masked_fill(~below, -1), ref_state.index.assign.masked_fill(~below, -1))
+    assert update == "ahead" or torch.equal(state.index.assign, ref_state.index.assign)
+    assert stats["update"] == ("ahead" if update == "ahead" else "serial")
     w = state.index.window.cpu()
     assert (state.index.assign[0, :, 2900 - w[0]:2939 - w[0]] < 16).all()  # joined their buckets
 
 
 @pytest.mark.gpu
-def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
+@pytest.mark.parametrize("update", ["step", "ahead"])
+def test_generate_captures_saap_and_equals_its_eager_run(tmp_path, update):
     """``kvsieve.generate`` on CUDA captures the SAAP step (rows of different lengths, more new tokens than
     the window so keys join their buckets in the graph) and gives the eager run's tokens."""
     if not torch.cuda.is_available():
@@ -458,7 +464,7 @@ def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
     model = LlamaForCausalLM(cfg).eval().cuda()
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, model=model)
-    spec = f"saap:artifacts={folder},probes=4,window=64"
+    spec = f"saap:artifacts={folder},probes=4,window=64,index_update={update}"
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 1000, (n,), generator=g).cuda() for n in (1500, 700)]
     runs = {graph: kvsieve.generate(model, rows, spec, max_new_tokens=96, graph=graph, eos_token_id=None)
