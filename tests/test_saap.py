@@ -831,7 +831,7 @@ rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "
                  "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
 # the rank launch alone (batch > 1: the serial update) and with the parallel update's second stage (batch 1)
 for tail in (False, True):
-    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4,
+    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "PARTS": 4,
                                                        "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16})
 # at batch 1 the hidden layer with the parallel update's first stage; and the parallel update in launches of its
 # own (probes = 0, the k-means baselines)
@@ -934,7 +934,7 @@ for i, (b, hq, hkv, d, hidden, c, per_kv) in enumerate([(1, 8, 2, 32, 48, 40, Tr
     src = torch.randint(0, 3, (c,), generator=g).to(dev)
     for gain in (1.0, 300.0):
         wt = (w[0], w[1], (w[2][..., src] * gain).contiguous(), (w[3][..., src] * gain).contiguous())
-        for probes, chunk in with_chunks(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32)):
+        for probes, chunk in with_chunks(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32, 128)):
             probe.RANK_CHUNK = chunk  # tied buckets in one chunk and across chunks
             scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *wt, kv_heads=hkv, probes=probes)
             ties = (scores[..., :, None] == scores[..., None, :]).sum() > scores.numel()

@@ -27,6 +27,11 @@ keep the first index of the largest product, ``torch.argmax``'s choice. The seri
 of C / block dependent L2 reads (about 20 µs a layer at C = 1024); the two stages read each centroid once per
 step and finish in one short pass each. Which one runs is a rule on the batch, known on the host when a step is
 captured (:func:`parallel_update`).
+
+The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program` or
+:func:`assign_ahead_key_program` as extra programs of the bucket attention's launch): the keys that will leave the
+window in the next ``span`` keys are already in K, and are still in the window, where the attention does not read
+``assign``. A step then finds the keys leaving it assigned, and no launch before its attention waits on the update.
 """
 
 from __future__ import annotations
