@@ -13,10 +13,13 @@ against ``top_buckets_reference`` of the variant's own scores (exactly) and of t
 near ties may differ), the index after the update against ``assign_tail_reference`` (exactly; the ahead variants
 against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
 the reference's index (``index_decode_reference``).
-``--sweep`` also times ``step-parallel`` over the parallel update's launch constants (``index.PARALLEL_BLOCK_C``,
-``PARALLEL_BLOCK_R``).
+``--sweep parallel,rank,ahead-dot,ahead-keys`` (or ``all``) also times a variant over launch constants
+(:data:`SWEEPS`): ``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk
+(``probe.RANK_CHUNK``: fewer programs recomputing the group softmax at batch 8), the ``layer-ahead-*`` variants over
+their centroid blocks.
 
-    python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40] [--sweep]
+    python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
+        [--sweep all]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
 
 Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.kernels.saap import index
+from kvsieve.kernels.saap import index, probe
 from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
     assign_ahead_reference,
@@ -193,25 +196,42 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
     return rows
 
 
-def sweep(batch: int, n_keys: int, hidden: int, dev: torch.device, timer, iters: int) -> list[dict]:
-    """``step-parallel`` over the parallel update's launch constants, each checked."""
-    case = make_case(batch, n_keys, hidden, LLAMA, dev)
+#: ``--sweep``: (module, constants and their values, variant timed) — the parallel update's launch constants, the
+#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK) and the ahead update's forms.
+SWEEPS = {
+    "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
+    "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
+    "ahead-dot": (index, {"AHEAD_BLOCK_C": (16, 32, 64)}, "layer-ahead-dot"),
+    "ahead-keys": (index, {"AHEAD_KEY_BLOCK_C": (32, 64, 128)}, "layer-ahead-keys"),
+}
+
+
+def sweep(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,
+          which: str) -> list[dict]:
+    """A variant over every combination of a module's launch constants (:data:`SWEEPS`), each checked (and timed
+    with a ``timer``)."""
+    module, grid, variant = SWEEPS[which]
+    case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
-    before = (index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R)
+    before = {name: getattr(module, name) for name in grid}
     rows = []
     try:
-        for block_c, block_r in itertools.product((32, 64, 128), (16, 32, 64)):
-            index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = block_c, block_r
-            call, assign, _ = variants(case)["step-parallel"]
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values, strict=True))
+            for name, value in setting.items():
+                setattr(module, name, value)
+            call, assign, kind = variants(case)[variant]
             with torch.inference_mode():
                 result = call()
-                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "parallel_block_c": block_c,
-                       "parallel_block_r": block_r, "graph_us": timer.time_graph_us(call, iters=iters)["median_us"]}
-                row.update(check(result, assign, "probe", ref, case))
+                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": variant, "constants": setting}
+                if timer is not None:
+                    row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+                row.update(check(result, assign, kind, ref, case, ahead="ahead" in variant))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = before
+        for name, value in before.items():
+            setattr(module, name, value)
     return rows
 
 
@@ -237,12 +257,13 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
         lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
                      f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
     if sweep_rows:
-        lines += ["", "## step-parallel over the parallel update's launch constants", "",
-                  "| batch | keys | PARALLEL_BLOCK_C | PARALLEL_BLOCK_R | graph µs | check |",
-                  "|---:|---:|---:|---:|---:|---|"]
-        for r in sorted(sweep_rows, key=lambda r: (r["batch"], r["graph_us"])):
-            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['parallel_block_c']} | {r['parallel_block_r']} | "
-                         f"{r['graph_us']:.1f} | {'ok' if r['ok'] else 'FAIL'} |")
+        lines += ["", "## Variants over launch constants (--sweep)", "",
+                  "| batch | keys | variant | constants | graph µs | check |", "|---:|---:|---|---|---:|---|"]
+        for r in sorted(sweep_rows, key=lambda r: (r["variant"], r["batch"], r.get("graph_us", 0.0))):
+            consts = ", ".join(f"{k} {v}" for k, v in r["constants"].items())
+            graph = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
+            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['variant']} | {consts} | {graph} | "
+                         f"{'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1x131072,8x32768", help="BATCHxKEYS, comma-separated")
     p.add_argument("--hidden", type=int, default=256, help="classifier width (the e2e bench fit's: 256)")
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--sweep", action="store_true",
-                   help="also time step-parallel over the parallel update's launch constants")
+    p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
+                   "variant over those launch constants (all: every one)")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:
@@ -270,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
         hidden = args.hidden
     rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters)]
-    sweep_rows = ([r for b, n in cases for r in sweep(b, n, hidden, dev, timer, args.iters)]
-                  if args.sweep and timer is not None else [])
+    which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
+    unknown = [w for w in which if w not in SWEEPS]
+    if unknown:
+        p.error(f"--sweep: unknown {unknown}; expected some of {list(SWEEPS)} or all")
+    sweep_rows = [r for w in which for b, n in cases for r in sweep(b, n, hidden, shape, dev, timer, args.iters, w)]
     meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "torch": torch.__version__,
