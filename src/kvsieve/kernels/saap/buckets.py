@@ -212,169 +212,148 @@ if triton is not None:
                 assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
                                   n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
                                   A_KEYS, D, A_HALF, A_BLOCK_C, A_BLOCK_U, A_DEROPE)
-        if split >= AHEAD:
-            _bucket_program(
-                q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
-                acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
-                scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
-                s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
-                h, b, split - AHEAD, GROUP, BLOCK_G, BLOCK_N, D, DV, BLOCK_L, SPLITS, HAS_RANGE, HAS_TAIL,
-                DOT_PRECISION, DOT_F32, FUSED_MERGE, GROUP_P, BLOCK_S, MERGE_S)
-
-    @triton.jit
-    def _bucket_program(
-        q_ptr, k_ptr, v_ptr, dense_ptr, dense_cnt_ptr, lo_ptr, hi_ptr, off_ptr, ids_ptr, bkt_ptr,
-        acc_ptr, m_ptr, l_ptr, counts_ptr, out_ptr, lse_ptr, sem_ptr, tail_lo_ptr, assign_ptr,
-        scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
-        s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
-        s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
-        h, b, split,
-        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
-    ):
-        """Attention program ``split`` of (KV head ``h``, row ``b``): see the comment above."""
-        row = b * kv_heads + h
-        # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
-        offs_l = tl.arange(0, BLOCK_L)
-        l_ok = offs_l < n_probe
-        # (positions and slots are below 2^31: int32 keeps the [BLOCK_N, BLOCK_L] search in few registers)
-        c = tl.load(bkt_ptr + row * n_probe + offs_l, mask=l_ok, other=0)
-        off_row = off_ptr + row.to(tl.int64) * (n_buckets + 1)
-        starts = tl.load(off_row + c, mask=l_ok, other=0).to(tl.int32)
-        sizes = tl.load(off_row + c + 1, mask=l_ok, other=0).to(tl.int32) - starts
-        ends = tl.cumsum(sizes, 0)
-        begins = ends - sizes
-        shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
-        n_bucket_keys = tl.sum(sizes, axis=0)
-        n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
-        if HAS_TAIL:
-            # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
-            # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
-            length = tl.load(hi_ptr + b).to(tl.int32)
-            start = length - tl.load(lo_ptr + b).to(tl.int32)
-            lo = tl.maximum(start, n_list)
-            n_range = tl.maximum(length - lo, 0)
-            n_list = tl.minimum(n_list, length)
-        elif HAS_RANGE:
-            lo = tl.load(lo_ptr + b).to(tl.int32)
-            n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
-        else:
-            lo = n_list * 0
-            n_range = n_list * 0
-        n_dense = n_list + n_range
-        total = n_dense + n_bucket_keys
-        if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
-            t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
-            total += tl.maximum(start - t_lo, 0)
-            assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
-        if split == 0:
-            tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
-        offs_dv = tl.arange(0, DV)
-        g_ok = offs_g < GROUP
-        q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
-                    mask=g_ok[:, None], other=0.0)
-        if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; its tests upcast the tiles instead
-            q = q.to(tl.float32)
-        # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
-        list_ptr = dense_ptr + b * s_db + h * s_dh
-        ids_row = ids_ptr + row.to(tl.int64) * n_ids
-        k_base = k_ptr + b * s_kb + h * s_kh
-        v_base = v_ptr + b * s_vb + h * s_vh
-        m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
-        for n0 in range(split * BLOCK_N, total, SPLITS * BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            ok = pos < total
-            in_list = pos < n_list
-            rel = pos - n_dense  # position in the chosen buckets' run
-            in_bucket = ok & (rel >= 0)
-            hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
-            slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
-            from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+        split -= AHEAD
+        if split >= 0:  # an attention program
+            row = b * kv_heads + h
+            # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
+            offs_l = tl.arange(0, BLOCK_L)
+            l_ok = offs_l < n_probe
+            # (positions and slots are below 2^31: int32 keeps the [BLOCK_N, BLOCK_L] search in few registers)
+            c = tl.load(bkt_ptr + row * n_probe + offs_l, mask=l_ok, other=0)
+            off_row = off_ptr + row.to(tl.int64) * (n_buckets + 1)
+            starts = tl.load(off_row + c, mask=l_ok, other=0).to(tl.int32)
+            sizes = tl.load(off_row + c + 1, mask=l_ok, other=0).to(tl.int32) - starts
+            ends = tl.cumsum(sizes, 0)
+            begins = ends - sizes
+            shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
+            n_bucket_keys = tl.sum(sizes, axis=0)
+            n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
             if HAS_TAIL:
-                in_tail = in_bucket & (rel >= n_bucket_keys)
-                in_bucket = in_bucket & (rel < n_bucket_keys)
-            from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
-            idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
-            if HAS_TAIL:
-                tail_pos = t_lo + rel - n_bucket_keys
-                idx = tl.where(in_tail, tail_pos, idx)
-                a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
-                # one compare per chosen bucket, not a [BLOCK_N, BLOCK_L] tile reduced to a mask: Triton 3.6's
-                # layout pass breaks a select whose condition comes out of such a reduction
-                hit = tl.zeros([BLOCK_N], dtype=tl.int1)
-                for j in range(n_probe):
-                    hit = hit | (a == tl.load(bkt_ptr + row * n_probe + j))
-                # a bucket key the dense range now holds (a row shorter than at the build) is read there
-                ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
-            idx = tl.where(ok, idx, 0).to(tl.int64)
-            kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
-            if DOT_F32:
-                kb = kb.to(tl.float32)
-            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite unless the chunk's keys were all masked
-            if HAS_TAIL:
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
+                # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
+                length = tl.load(hi_ptr + b).to(tl.int32)
+                start = length - tl.load(lo_ptr + b).to(tl.int32)
+                lo = tl.maximum(start, n_list)
+                n_range = tl.maximum(length - lo, 0)
+                n_list = tl.minimum(n_list, length)
+            elif HAS_RANGE:
+                lo = tl.load(lo_ptr + b).to(tl.int32)
+                n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
             else:
-                m_ref = m_new
-            alpha = tl.exp(m - m_ref)
-            pexp = tl.exp(s - m_ref[:, None])
-            l = l * alpha + tl.sum(pexp, axis=1)
-            vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
-            if DOT_F32:
-                vb = vb.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
-                                                input_precision=DOT_PRECISION)
-            m = m_new
-        heads = h * GROUP + offs_g
-        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
-                 mask=g_ok[:, None])
-        tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
-        tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
-        if FUSED_MERGE:
-            # The last program of (row, KV head) to finish merges the SPLITS partials of its GROUP query
-            # heads (a ticket counter it resets to 0, so every graph replay finds it at 0): no merge launch.
-            # The merge reads the partials in split order whichever program runs it (deterministic).
-            # All threads' stores precede the release (barrier, then an acq_rel atomic at GPU scope).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLITS - 1:
-                offs_gp = tl.arange(0, GROUP_P)
-                heads_p = h * GROUP + offs_gp
-                gp_ok = offs_gp < GROUP
-                offs_s = tl.arange(0, BLOCK_S)
-                s_ok = gp_ok[:, None] & (offs_s[None, :] < SPLITS)
-                ml_all = b * s_mb + heads_p[:, None] * s_mh + offs_s[None, :]
-                mp = tl.load(m_ptr + ml_all, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                lp = tl.load(l_ptr + ml_all, mask=s_ok, other=0.0, cache_modifier=".cg")
-                m_max = tl.max(tl.where(lp > 0, mp, float("-inf")), axis=1)
-                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-                z = tl.sum(tl.where(lp > 0, tl.exp(mp - m_ref[:, None]), 0.0) * lp, axis=1)
-                o = tl.zeros([GROUP_P, DV], dtype=tl.float32)
-                for p0 in tl.static_range(0, SPLITS, MERGE_S):  # unrolled: every chunk's loads in flight
-                    offs_c = p0 + tl.arange(0, MERGE_S)
-                    ml_c = b * s_mb + heads_p[:, None] * s_mh + offs_c[None, :]
-                    c_ok = gp_ok[:, None] & (offs_c[None, :] < SPLITS)
-                    mc = tl.load(m_ptr + ml_c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-                    lc = tl.load(l_ptr + ml_c, mask=c_ok, other=0.0, cache_modifier=".cg")
-                    live = c_ok & (lc > 0)  # empty partials cost no traffic
-                    wc = tl.where(live, tl.exp(mc - m_ref[:, None]), 0.0)
-                    a = tl.load(acc_ptr + b * s_ab + heads_p[:, None, None] * s_ah + offs_c[None, :, None] * s_ap
-                                + offs_dv[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
-                    o += tl.sum(wc[:, :, None] * a, axis=1)
-                safe = tl.where(z > 0, z, 1.0)
-                o = tl.where((z > 0)[:, None], o / safe[:, None], 0.0)  # no key at all: 0 and LSE -inf
-                tl.store(out_ptr + b * s_ob + heads_p[:, None] * s_oh + offs_dv[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=gp_ok[:, None])
-                tl.store(lse_ptr + b * (kv_heads * GROUP) + heads_p,
-                         tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=gp_ok)
-                tl.atomic_xchg(sem_ptr + row, 0)
+                lo = n_list * 0
+                n_range = n_list * 0
+            n_dense = n_list + n_range
+            total = n_dense + n_bucket_keys
+            if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
+                t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
+                total += tl.maximum(start - t_lo, 0)
+                assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
+            if split == 0:
+                tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
+            offs_dv = tl.arange(0, DV)
+            g_ok = offs_g < GROUP
+            q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+                        mask=g_ok[:, None], other=0.0)
+            if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; its tests upcast the tiles instead
+                q = q.to(tl.float32)
+            # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
+            list_ptr = dense_ptr + b * s_db + h * s_dh
+            ids_row = ids_ptr + row.to(tl.int64) * n_ids
+            k_base = k_ptr + b * s_kb + h * s_kh
+            v_base = v_ptr + b * s_vb + h * s_vh
+            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
+            for n0 in range(split * BLOCK_N, total, SPLITS * BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                ok = pos < total
+                in_list = pos < n_list
+                rel = pos - n_dense  # position in the chosen buckets' run
+                in_bucket = ok & (rel >= 0)
+                hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
+                slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
+                from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+                if HAS_TAIL:
+                    in_tail = in_bucket & (rel >= n_bucket_keys)
+                    in_bucket = in_bucket & (rel < n_bucket_keys)
+                from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
+                idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
+                if HAS_TAIL:
+                    tail_pos = t_lo + rel - n_bucket_keys
+                    idx = tl.where(in_tail, tail_pos, idx)
+                    a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
+                    # one compare per chosen bucket, not a [BLOCK_N, BLOCK_L] tile reduced to a mask: Triton 3.6's
+                    # layout pass breaks a select whose condition comes out of such a reduction
+                    hit = tl.zeros([BLOCK_N], dtype=tl.int1)
+                    for j in range(n_probe):
+                        hit = hit | (a == tl.load(bkt_ptr + row * n_probe + j))
+                    # a bucket key the dense range now holds (a row shorter than at the build) is read there
+                    ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
+                idx = tl.where(ok, idx, 0).to(tl.int64)
+                kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
+                if DOT_F32:
+                    kb = kb.to(tl.float32)
+                s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))  # finite unless the chunk's keys were all masked
+                if HAS_TAIL:
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_ref = m_new
+                alpha = tl.exp(m - m_ref)
+                pexp = tl.exp(s - m_ref[:, None])
+                l = l * alpha + tl.sum(pexp, axis=1)
+                vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
+                if DOT_F32:
+                    vb = vb.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
+                                                    input_precision=DOT_PRECISION)
+                m = m_new
+            heads = h * GROUP + offs_g
+            tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
+                     mask=g_ok[:, None])
+            tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
+            tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
+            if FUSED_MERGE:
+                # The last program of (row, KV head) to finish merges the SPLITS partials of its GROUP query
+                # heads (a ticket counter it resets to 0, so every graph replay finds it at 0): no merge launch.
+                # The merge reads the partials in split order whichever program runs it (deterministic).
+                # All threads' stores precede the release (barrier, then an acq_rel atomic at GPU scope).
+                tl.debug_barrier()
+                ticket = tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu")
+                if ticket == SPLITS - 1:
+                    offs_gp = tl.arange(0, GROUP_P)
+                    heads_p = h * GROUP + offs_gp
+                    gp_ok = offs_gp < GROUP
+                    offs_s = tl.arange(0, BLOCK_S)
+                    s_ok = gp_ok[:, None] & (offs_s[None, :] < SPLITS)
+                    ml_all = b * s_mb + heads_p[:, None] * s_mh + offs_s[None, :]
+                    mp = tl.load(m_ptr + ml_all, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    lp = tl.load(l_ptr + ml_all, mask=s_ok, other=0.0, cache_modifier=".cg")
+                    m_max = tl.max(tl.where(lp > 0, mp, float("-inf")), axis=1)
+                    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    z = tl.sum(tl.where(lp > 0, tl.exp(mp - m_ref[:, None]), 0.0) * lp, axis=1)
+                    o = tl.zeros([GROUP_P, DV], dtype=tl.float32)
+                    for p0 in tl.static_range(0, SPLITS, MERGE_S):  # unrolled: every chunk's loads in flight
+                        offs_c = p0 + tl.arange(0, MERGE_S)
+                        ml_c = b * s_mb + heads_p[:, None] * s_mh + offs_c[None, :]
+                        c_ok = gp_ok[:, None] & (offs_c[None, :] < SPLITS)
+                        mc = tl.load(m_ptr + ml_c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                        lc = tl.load(l_ptr + ml_c, mask=c_ok, other=0.0, cache_modifier=".cg")
+                        live = c_ok & (lc > 0)  # empty partials cost no traffic
+                        wc = tl.where(live, tl.exp(mc - m_ref[:, None]), 0.0)
+                        a = tl.load(acc_ptr + b * s_ab + heads_p[:, None, None] * s_ah + offs_c[None, :, None] * s_ap
+                                    + offs_dv[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+                        o += tl.sum(wc[:, :, None] * a, axis=1)
+                    safe = tl.where(z > 0, z, 1.0)
+                    o = tl.where((z > 0)[:, None], o / safe[:, None], 0.0)  # no key at all: 0 and LSE -inf
+                    tl.store(out_ptr + b * s_ob + heads_p[:, None] * s_oh + offs_dv[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=gp_ok[:, None])
+                    tl.store(lse_ptr + b * (kv_heads * GROUP) + heads_p,
+                             tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=gp_ok)
+                    tl.atomic_xchg(sem_ptr + row, 0)
 
 
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program

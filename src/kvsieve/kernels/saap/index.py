@@ -242,17 +242,18 @@ if triton is not None:
         b = bh // kv_heads
         h = bh % kv_heads
         pos = _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, u, span, True)
+        _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, pos,
+                    D, HALF, BLOCK_C, DEROPE)
+
+    @triton.jit
+    def _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                    pos, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """``assign[b, h, pos]``: the first index of the largest product of the key at ``pos`` (de-roped with
+        ``DEROPE``) with KV head ``h``'s centroids (``BLOCK_C`` at a time, float32 products summed over ``d``)."""
         offs_d = tl.arange(0, D)
         base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
         x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
-        best_i = _best_bucket(x, cent_ptr + h.to(tl.int64) * n_buckets * D, n_buckets, D, BLOCK_C)
-        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _best_bucket(x, cent_row, n_buckets, D: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The first index of the largest product of the key ``x [D]`` with the centroids at ``cent_row``
-        (``BLOCK_C`` at a time, float32 products summed over ``d``)."""
-        offs_d = tl.arange(0, D)
+        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
         best = float("-inf")
         best_i = n_buckets * 0
         offs_c = tl.arange(0, BLOCK_C)
@@ -267,7 +268,7 @@ if triton is not None:
             better = blk > best
             best_i = tl.where(better, blk_i, best_i)
             best = tl.where(better, blk, best)
-        return best_i
+        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
     @triton.jit
     def assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -279,11 +280,8 @@ if triton is not None:
         length = tl.load(len_ptr + b).to(tl.int32)
         pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
         if (pos >= t_lo) & (pos < length):
-            offs_d = tl.arange(0, D)
-            base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
-            x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
-            best_i = _best_bucket(x, cent_ptr + h.to(tl.int64) * n_buckets * D, n_buckets, D, BLOCK_C)
-            tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
+            _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                        pos, D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
     def assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
