@@ -389,17 +389,18 @@ def test_decode_loop_without_host_reads_equals_the_cpu_path(arts):
 
 
 @pytest.mark.gpu
-def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
+@pytest.mark.parametrize("update", ["step", "ahead"])
+def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path, update):
     """The SAAP step (index update, Triton probe, bucket kernel with the tail scan) on a capacity-sized cache, and
     layer 0's exact step (the dense kernel): no host synchronisation, captured once, replayed at later lengths
     (keys leaving the window join their buckets inside the graph) with the eager step's outputs and index; close
-    to the torch path."""
+    to the torch path. Both index updates: in the step, and one step ahead in the attention's launch."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, clusters=16)
     q, k, v = (t.cuda().to(torch.bfloat16) for t in qkv(2, 8, 2, 3000, d=64, seed=23))
     lengths = torch.tensor([2900, 1700], device="cuda")
-    m = kvsieve.method(f"saap:artifacts={folder},probes=4")
+    m = kvsieve.method(f"saap:artifacts={folder},probes=4,index_update={update}")
     ctx = CallContext(layer=1, capacity=3000, count_reads=False)
     state, eager_state, ref_state = m.new_state(), m.new_state(), m.new_state()
     ref_m = kvsieve.method(f"saap:artifacts={folder},probes=4,backend=reference")
@@ -440,13 +441,18 @@ def test_decode_on_cuda_has_no_sync_and_replays_in_a_graph(tmp_path):
         torch.testing.assert_close(state.index.assign, eager_state.index.assign, rtol=0, atol=0)
         ref, _ = ref_m.decode(q, k, v, lengths=now, state=ref_state, context=ctx, check_finite=False)
         torch.testing.assert_close(captured.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    assert torch.equal(state.index.assign, ref_state.index.assign)  # the Triton update = the torch update
+    # the Triton update = the torch update (ahead: below each window start, where a step reads)
+    below = (torch.arange(3000, device="cuda")[None, :] < (lengths - state.index.window)[:, None])[:, None]
+    assert torch.equal(state.index.assign.masked_fill(~below, -1), ref_state.index.assign.masked_fill(~below, -1))
+    assert update == "ahead" or torch.equal(state.index.assign, ref_state.index.assign)
+    assert stats["update"] == ("ahead" if update == "ahead" else "serial")
     w = state.index.window.cpu()
     assert (state.index.assign[0, :, 2900 - w[0]:2939 - w[0]] < 16).all()  # joined their buckets
 
 
 @pytest.mark.gpu
-def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
+@pytest.mark.parametrize("update", ["step", "ahead"])
+def test_generate_captures_saap_and_equals_its_eager_run(tmp_path, update):
     """``kvsieve.generate`` on CUDA captures the SAAP step (rows of different lengths, more new tokens than
     the window so keys join their buckets in the graph) and gives the eager run's tokens."""
     if not torch.cuda.is_available():
@@ -458,7 +464,7 @@ def test_generate_captures_saap_and_equals_its_eager_run(tmp_path):
                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
     model = LlamaForCausalLM(cfg).eval().cuda()
     folder = write_artifacts(tmp_path, heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, model=model)
-    spec = f"saap:artifacts={folder},probes=4,window=64"
+    spec = f"saap:artifacts={folder},probes=4,window=64,index_update={update}"
     g = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 1000, (n,), generator=g).cuda() for n in (1500, 700)]
     runs = {graph: kvsieve.generate(model, rows, spec, max_new_tokens=96, graph=graph, eos_token_id=None)
@@ -745,6 +751,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kvsieve.kernels.saap import probe
 from kvsieve.kernels.saap import buckets
+from kvsieve.kernels.saap import index
 
 
 def compile_(kernel, pointers, meta, floats=(), warps=4):
@@ -767,19 +774,21 @@ import torch
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48):
+def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=None):
     group_p = max(2, next_pow2(group))
     pointers = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                 "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32",
                 "dense_ptr": "*i64", "dense_cnt_ptr": "*i64", "lo_ptr": "*i64", "hi_ptr": "*i64", "off_ptr": "*i64",
                 "ids_ptr": "*i64", "bkt_ptr": "*i64", "counts_ptr": "*i64", "sem_ptr": "*i32" if fused else "*i64",
-                "tail_lo_ptr": "*i64", "assign_ptr": "*i64"}
+                "tail_lo_ptr": "*i64", "assign_ptr": "*i64", "cent_ptr": "*fp32", "freq_ptr": "*fp32"}
     meta = {"GROUP": group, "BLOCK_G": max(16, next_pow2(group)), "BLOCK_N": 64, "D": d, "DV": d,
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits)))}
-    compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale",))
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "AHEAD": {None: 0, "dot": 1, "keys": 4}[ahead],
+            "A_KEYS": ahead == "keys", "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_BLOCK_U": 16,
+            "A_DEROPE": True}
+    compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale", "a_scaling"))
 
 
 shapes = {("bf16", 128): (4, 32), ("fp16", 128): (8, 64), ("fp32", 128): (1, 7),
@@ -794,7 +803,14 @@ for mode in ("tail", "range", "none"):
                     bucket_case(mode, fused, dtype, d, group, n_probe)
 if PART != "runtime":
     raise SystemExit(0)
-from kvsieve.kernels.saap import index
+# index_update=ahead: the update one step ahead in both forms, as the first programs of the runtime's launch (with
+# the separate merge at batch 1, the fused one at batch 8) and alone
+for fused, form in ((False, "dot"), (True, "keys")):
+    bucket_case("tail", fused, "bf16", 128, 4, 32, ahead=form)
+compile_(index._assign_ahead_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
+                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
+         {"KEYS": False, "D": 128, "HALF": 64, "BLOCK_C": index.AHEAD_BLOCK_C, "BLOCK_U": 16, "DEROPE": True},
+         floats=("scaling",))
 compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
          {"D": 128, "HALF": 64, "BLOCK_C": 128, "DEROPE": True}, floats=("scaling",))
@@ -815,7 +831,7 @@ rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "
                  "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
 # the rank launch alone (batch > 1: the serial update) and with the parallel update's second stage (batch 1)
 for tail in (False, True):
-    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "PARTS": 4,
+    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "PARTS": 4,
                                                        "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16})
 # at batch 1 the hidden layer with the parallel update's first stage; and the parallel update in launches of its
 # own (probes = 0, the k-means baselines)
@@ -918,7 +934,7 @@ for i, (b, hq, hkv, d, hidden, c, per_kv) in enumerate([(1, 8, 2, 32, 48, 40, Tr
     src = torch.randint(0, 3, (c,), generator=g).to(dev)
     for gain in (1.0, 300.0):
         wt = (w[0], w[1], (w[2][..., src] * gain).contiguous(), (w[3][..., src] * gain).contiguous())
-        for probes, chunk in with_chunks(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32)):
+        for probes, chunk in with_chunks(sorted(set([1, 2, 3, 4, c // 3, c // 2, c - 1, c])), (4, 32, 128)):
             probe.RANK_CHUNK = chunk  # tied buckets in one chunk and across chunks
             scores, top = probe_scores_triton(q, pos, inv_freq, 1.3, *wt, kv_heads=hkv, probes=probes)
             ties = (scores[..., :, None] == scores[..., None, :]).sum() > scores.numel()
@@ -992,7 +1008,7 @@ def test_probe_kernels_on_cuda_match_the_reference():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("part,compiled", [
-    ("runtime", 11),
+    ("runtime", 14),
     # the other 18 combinations, one sm_90 compile each
     pytest.param("rest", 18, marks=pytest.mark.slow),
 ])

@@ -139,12 +139,14 @@ def test_left_padding_is_refused_by_the_method_and_served_apart_by_the_driver(ar
 INDEX_KERNEL_CASES = r"""
 import torch
 from kvsieve.kernels.saap.buckets import build_csr, bucket_sparse_decode_triton
-from kvsieve.kernels.saap.index import (assign_tail_parallel_triton, assign_tail_reference, assign_tail_triton,
-                                        build_assign, index_decode_reference)
+from kvsieve.kernels.saap.index import (assign_ahead_reference, assign_ahead_triton, assign_tail_parallel_triton,
+                                        assign_tail_reference, assign_tail_triton, build_assign,
+                                        index_decode_reference)
 from kvsieve.kernels.saap.probe import probe_scores_triton
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 worst = 0.0
+forms = ("dot", "keys")
 for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6, 3, 32, 200, 40, 5, 0),
                                            (3, 2, 1, 16, 150, 8, 8, 2)]:
     cent = torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1).to(dev)
@@ -162,6 +164,8 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
         offsets, ids = build_csr(assign, c)
         ref_assign = assign.clone()
         others = {{name: assign.clone() for name in ("parallel", "probe-parallel", "probe-serial")}}
+        ahead, ahead_alone, ahead_ref = assign.clone(), assign.clone(), assign.clone()
+        prev, prev_span = 0, 0  # no update ahead at the build
         for step in (1, 2, 5, 9, 13, 30, 55):  # a jump of up to 16 keys per call
             lengths = (start + step).int()
             span = 16 if step in (30, 55) else 4
@@ -185,6 +189,29 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
                                                     sliding=(lengths, window, t_lo, assign), block_n=16,
                                                     splits=3 if step % 2 else None)
             worst = max(worst, float((out - ref).abs().max()))
+            if step - prev > prev_span:  # more keys left than were assigned ahead: the rest join now (the method's)
+                for got in (ahead, ahead_alone, ahead_ref):
+                    assign_tail_reference(got, k, t_lo, lengths, window, span, cent, inv, 1.3)
+            prev, prev_span = step, span
+            # the update one step ahead in the same launch (of its own, 16 centroids a dot: several blocks): the
+            # reference's writes, the same output whatever it writes (at or past L - W, where the step reads none)
+            out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids, sink_counts, offsets, ids, bk, 0,
+                                                    sliding=(lengths, window, t_lo, ahead), block_n=16,
+                                                    splits=3 if step % 2 else None,
+                                                    ahead=(cent, inv, 1.3, span, forms[step % 2]))
+            ref, _ = index_decode_reference(q, k, v, lengths, window, sink, ahead, bk)
+            worst = max(worst, float((out - ref).abs().max()))
+            assign_ahead_reference(ahead_ref, k, t_lo, lengths, window, span, cent, inv, 1.3)
+            assign_ahead_triton(ahead_alone, k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16,
+                                form=forms[1 - step % 2])
+            assert torch.equal(ahead, ahead_ref) and torch.equal(ahead_alone, ahead_ref), (ahead != ahead_ref).nonzero()
+            # every key below the window start has its bucket, the step update's where that one assigned it (its
+            # jumps of 17 and 25 keys at span 16 leave some unassigned)
+            pos = torch.arange(n, device=dev)[None, None, :]
+            below = ((pos < (lengths - window)[:, None, None]) & (pos >= t_lo[:, None, None])).expand(b, hkv, n)
+            assert (ahead_ref[below] < c).all()
+            both = below & (ref_assign < c)
+            assert torch.equal(ahead_ref[both], ref_assign[both])
     # a row rewound below its build length: bucket keys the window now holds are read once
     lengths = start - 7
     ref, _ = index_decode_reference(q, k, v, lengths, window, sink, assign, bk)
@@ -198,9 +225,10 @@ print("worst", worst)
 @pytest.mark.triton
 def test_index_kernels_match_their_references():
     """The Triton updates (serial and parallel), alone and inside the probe's launches, equal the torch update bit
-    for bit (de-roped and as stored, spans 4 and 16); the bucket kernel's tail scan (chosen buckets among the keys
-    that joined after the build, CSR keys the window holds skipped, a row shorter than its window) equals attention
-    over the reference's keys."""
+    for bit (de-roped and as stored, spans 4 and 16), and so does the update one step ahead, alone and inside the
+    bucket kernel's launch, in both forms (below each window start it then holds the step update's buckets); the
+    bucket kernel's tail scan (chosen buckets among the keys that joined after the build, CSR keys the window holds
+    skipped, a row shorter than its window) equals attention over the reference's keys."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -299,3 +327,76 @@ def test_the_bench_fit_draws_a_peaked_models_prompts_as_the_bench_does():
         tok("x" * 100)
     with pytest.raises(ValueError, match="prompt_tokens"):
         RandomTokens(1000, peaked=p)
+
+
+AHEAD_METHOD_CASES = r"""
+import tempfile
+from pathlib import Path
+import torch
+import kvsieve
+from kvsieve import CallContext
+from kvsieve.core.sync import no_host_reads
+from tests.test_saap import write_artifacts
+dev = "{device}"
+folder = Path(tempfile.mkdtemp())
+write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, clusters=16)
+worst = 0.0
+for seed, batch, n, start, capacity in [(0, 3, 420, [400, 300, 50], None), (1, 1, 330, [300], 330),
+                                        (2, 2, 360, [340, 200], 360)]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, 8, 32, generator=g).to(dev)
+    k, v = (t.to(dev) for t in torch.randn(2, batch, 2, n, 32, generator=g))
+    spec = f"saap:artifacts={{folder}},probes=4,window=63,window_scale=0.125,backend=triton"
+    step_m, ahead_m = kvsieve.method(spec), kvsieve.method(spec + ",index_update=ahead")
+    step_s, ahead_s = step_m.new_state(), ahead_m.new_state()
+    # one key a step, a repeated step (a graph warm-up, a rewind), and without a capacity a jump of K's shape
+    # by 9 keys (more than the 4 assigned ahead: the rest join in the step)
+    steps = (0, 1, 2, 2, 3, 7, 8, 17, 18, 19) if capacity is None else (0, 1, 2, 3, 3, 4, 5, 6)
+    for step in steps:
+        lengths = torch.tensor(start, device=dev) + step
+        width = n if capacity else int(lengths.max())
+        ctx = CallContext(layer=1, capacity=capacity)
+        want, ws = step_m.decode(q, k[:, :, :width], v[:, :, :width], lengths=lengths, state=step_s, context=ctx,
+                                 check_finite=False)
+        with no_host_reads() if capacity else torch.no_grad():
+            got, gs = ahead_m.decode(q, k[:, :, :width], v[:, :, :width], lengths=lengths, state=ahead_s,
+                                     context=ctx, check_finite=False)
+        assert gs["update"] == "ahead" and ws["update"] != "ahead", (gs["update"], ws["update"])
+        worst = max(worst, float((got - want).abs().max()))
+        # below each row's window start (what a step reads) the two indexes agree; the ahead one holds the next
+        # keys to leave too, which the step's never reads
+        a, b = ahead_s.index, step_s.index
+        lo = (lengths - a.window).clamp(min=0)
+        below = torch.arange(a.assign.shape[-1], device=dev)[None, :] < lo[:, None]
+        assert torch.equal(a.assign.masked_fill(~below[:, None], -1), b.assign.masked_fill(~below[:, None], -1))
+        ahead_rows = (lengths - a.window + 4 > a.tail_lo) & (lengths - a.window + 4 <= lengths)
+        for r in ahead_rows.nonzero().flatten().tolist():
+            end = int(lengths[r] - a.window[r] + 4)
+            assert (a.assign[r, :, end - 4:end] < 16).all(), (r, a.assign[r, :, end - 4:end])
+# a window below the 4 keys assigned ahead: the step's update instead
+tiny = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=3,window_min=3,backend=triton,index_update=ahead")
+_, st = tiny.decode(q, k, v, lengths=torch.tensor(start, device=dev) + 6, context=CallContext(layer=1))
+assert st["update"] != "ahead"
+print("worst", worst)
+"""
+
+
+@pytest.mark.triton
+def test_the_update_one_step_ahead_gives_the_step_updates_outputs():
+    """``index_update=ahead`` (the keys leaving the window assigned one step early, in the bucket attention's
+    launch) against the default path, call by call: the same outputs and the same index below each window start,
+    ragged rows (one shorter than its window), repeated steps, K growing by more than the keys assigned ahead, and
+    under ``no_host_reads`` with a capacity-sized cache."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    assert float(run_script(AHEAD_METHOD_CASES, "cpu", interpret=True).split("worst")[-1]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_the_update_one_step_ahead_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from interpreted import run_script
+
+    assert float(run_script(AHEAD_METHOD_CASES, "cuda", interpret=False).split("worst")[-1]) < 1e-4

@@ -98,11 +98,15 @@ def test_the_probe_benchmark_checks_every_variant(tmp_path):
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
-    res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check", "--out",
-                          str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check", "--sweep",
+                          "rank,ahead-keys", "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = (tmp_path / "saap_probe.md").read_text()
-    for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer"):
+    for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer",
+                    "update-ahead-dot", "update-ahead-keys", "layer-ahead-dot", "layer-ahead-keys"):
         assert f"| {variant} |" in table
-    # two cases, each with two updates alone, two probes with the update and the layer's step
-    assert "FAIL" not in table and table.count("assign True") == 2 * 5 and table.count("out err") == 2
+    # two cases, each with two updates alone, two probes with the update and the layer's step, and the update one
+    # step ahead in both forms alone and in the layer's step
+    assert "FAIL" not in table and table.count("assign True") == 2 * 9 and table.count("out err") == 2 * 3
+    # the sweeps: the rank launch's chunk (several comparison passes a program past 32) and the ahead form's block
+    assert table.count("| probe | RANK_CHUNK") == 2 * 4 and table.count("| layer-ahead-keys | AHEAD_KEY") == 2 * 3

@@ -3,16 +3,23 @@
 update inside them (``step-serial``: the serial update in the hidden-layer launch; ``step-parallel``: the parallel
 update's first stage there, its second in the rank launch), each update alone (serial: one launch; parallel: two),
 and the layer's whole step as the method runs it (``layer``: the probe with the update its batch rule picks,
-:func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention). Every variant is captured in a CUDA
+:func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention); and ``index_update=ahead``'s
+(``layer-ahead-dot``, ``layer-ahead-keys``: the probe alone, the update one step ahead in the bucket attention's
+launch, in either form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`; ``update-ahead-*``: that update in a
+launch of its own). Every variant is captured in a CUDA
 graph and replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked
 in the same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ
 against ``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported:
-near ties may differ), the index after the update against ``assign_tail_reference`` (exactly), the layer's attention
-against exact attention over the keys of its buckets in the reference's index (``index_decode_reference``).
-``--sweep`` also times ``step-parallel`` over the parallel update's launch constants (``index.PARALLEL_BLOCK_C``,
-``PARALLEL_BLOCK_R``).
+near ties may differ), the index after the update against ``assign_tail_reference`` (exactly; the ahead variants
+against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
+the reference's index (``index_decode_reference``).
+``--sweep parallel,rank,ahead-dot,ahead-keys`` (or ``all``) also times a variant over launch constants
+(:data:`SWEEPS`): ``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk
+(``probe.RANK_CHUNK``: fewer programs recomputing the group softmax at batch 8), the ``layer-ahead-*`` variants over
+their centroid blocks.
 
-    python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40] [--sweep]
+    python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
+        [--sweep all]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
 
 Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
@@ -29,9 +36,11 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.kernels.saap import index
+from kvsieve.kernels.saap import index, probe
 from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
+    assign_ahead_reference,
+    assign_ahead_triton,
     assign_tail_parallel_triton,
     assign_tail_reference,
     assign_tail_triton,
@@ -81,15 +90,18 @@ def tail_of(case: dict, assign: torch.Tensor) -> tuple:
             case["inv_freq"], 1.0)
 
 
-def layer_step(case: dict, assign: torch.Tensor):
+def layer_step(case: dict, assign: torch.Tensor, ahead: str | None = None):
     """The method's step on the Triton path: the probe (with the update of the batch's rule) then the bucket
-    attention; returns ``(out, top)``."""
+    attention; with ``ahead`` (a form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`) the probe alone, and
+    the update one step ahead in the attention's launch (``index_update=ahead``). Returns ``(out, top)``."""
     b, hkv, n = case["k"].shape[:3]
     _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
-                                 probes=case["shape"]["probes"], position_offset=-1, tail=tail_of(case, assign))
+                                 probes=case["shape"]["probes"], position_offset=-1,
+                                 tail=None if ahead else tail_of(case, assign))
     out, _, _ = bucket_sparse_decode_triton(
         case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
-        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n))
+        sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n),
+        ahead=(case["centroids"], case["inv_freq"], 1.0, SPAN, ahead) if ahead else None)
     return out, top
 
 
@@ -113,22 +125,38 @@ def variants(case: dict) -> dict:
         out[name] = (call, a, "probe")
     a = case["assign"].clone()
     out["layer"] = ((lambda a=a: layer_step(case, a)), a, "layer")
+    # index_update=ahead: the keys leaving the window at this step were assigned at the step before (the index as
+    # the step update leaves it); this step assigns the next ones, alone or in the attention's launch
+    stepped = case["assign"].clone()
+    assign_tail_reference(*tail_of(case, stepped))
+    for form in ("dot", "keys"):
+        a = stepped.clone()
+        out[f"update-ahead-{form}"] = ((lambda a=a, form=form: assign_ahead_triton(*tail_of(case, a), form=form)), a,
+                                       "update")
+        a = stepped.clone()
+        out[f"layer-ahead-{form}"] = ((lambda a=a, form=form: layer_step(case, a, form)), a, "layer")
     return out
 
 
-def references(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(scores, top, assign)`` of the torch references for the case's step."""
+def references(case: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(scores, top, assign, assign_ahead)`` of the torch references for the case's step (``assign_ahead``: the
+    index after the step update and the update one step ahead)."""
     scores = probe_scores_reference(case["q"], case["lengths"] - 1, case["inv_freq"], 1.0, *case["w"],
                                     kv_heads=case["shape"]["hkv"])
     assign = case["assign"].clone()
     assign_tail_reference(*tail_of(case, assign))
-    return scores, top_buckets_reference(scores, case["shape"]["probes"]), assign
+    ahead = assign.clone()
+    assign_ahead_reference(*tail_of(case, ahead))
+    return scores, top_buckets_reference(scores, case["shape"]["probes"]), assign, ahead
 
 
-def check(result, assign, kind: str, ref: tuple, case: dict) -> dict:
+def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False) -> dict:
     """The variant's outputs against the references (after its calls: a repeated update writes the same values);
-    a layer's attention against exact attention over the keys its buckets select in the reference's index."""
-    ref_scores, ref_top, ref_assign = ref
+    a layer's attention against exact attention over the keys its buckets select in the reference's index
+    (``ahead``: the index is the one-step-ahead update's)."""
+    ref_scores, ref_top, ref_assign, ref_ahead = ref
+    if ahead:
+        ref_assign = ref_ahead
     got = {}
     if kind == "layer":
         out, top = result
@@ -162,31 +190,48 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
                 row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
                 row["kernels_us"] = timer.kernel_breakdown(call)
                 row["launches"] = count_launches(call)
-            row.update(check(result, assign, kind, ref, case))
+            row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
-def sweep(batch: int, n_keys: int, hidden: int, dev: torch.device, timer, iters: int) -> list[dict]:
-    """``step-parallel`` over the parallel update's launch constants, each checked."""
-    case = make_case(batch, n_keys, hidden, LLAMA, dev)
+#: ``--sweep``: (module, constants and their values, variant timed) — the parallel update's launch constants, the
+#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK) and the ahead update's forms.
+SWEEPS = {
+    "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
+    "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
+    "ahead-dot": (index, {"AHEAD_BLOCK_C": (16, 32, 64)}, "layer-ahead-dot"),
+    "ahead-keys": (index, {"AHEAD_KEY_BLOCK_C": (32, 64, 128)}, "layer-ahead-keys"),
+}
+
+
+def sweep(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,
+          which: str) -> list[dict]:
+    """A variant over every combination of a module's launch constants (:data:`SWEEPS`), each checked (and timed
+    with a ``timer``)."""
+    module, grid, variant = SWEEPS[which]
+    case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
-    before = (index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R)
+    before = {name: getattr(module, name) for name in grid}
     rows = []
     try:
-        for block_c, block_r in itertools.product((32, 64, 128), (16, 32, 64)):
-            index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = block_c, block_r
-            call, assign, _ = variants(case)["step-parallel"]
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values, strict=True))
+            for name, value in setting.items():
+                setattr(module, name, value)
+            call, assign, kind = variants(case)[variant]
             with torch.inference_mode():
                 result = call()
-                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "parallel_block_c": block_c,
-                       "parallel_block_r": block_r, "graph_us": timer.time_graph_us(call, iters=iters)["median_us"]}
-                row.update(check(result, assign, "probe", ref, case))
+                row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": variant, "constants": setting}
+                if timer is not None:
+                    row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+                row.update(check(result, assign, kind, ref, case, ahead="ahead" in variant))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        index.PARALLEL_BLOCK_C, index.PARALLEL_BLOCK_R = before
+        for name, value in before.items():
+            setattr(module, name, value)
     return rows
 
 
@@ -212,12 +257,13 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
         lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
                      f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
     if sweep_rows:
-        lines += ["", "## step-parallel over the parallel update's launch constants", "",
-                  "| batch | keys | PARALLEL_BLOCK_C | PARALLEL_BLOCK_R | graph µs | check |",
-                  "|---:|---:|---:|---:|---:|---|"]
-        for r in sorted(sweep_rows, key=lambda r: (r["batch"], r["graph_us"])):
-            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['parallel_block_c']} | {r['parallel_block_r']} | "
-                         f"{r['graph_us']:.1f} | {'ok' if r['ok'] else 'FAIL'} |")
+        lines += ["", "## Variants over launch constants (--sweep)", "",
+                  "| batch | keys | variant | constants | graph µs | check |", "|---:|---:|---|---|---:|---|"]
+        for r in sorted(sweep_rows, key=lambda r: (r["variant"], r["batch"], r.get("graph_us", 0.0))):
+            consts = ", ".join(f"{k} {v}" for k, v in r["constants"].items())
+            graph = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
+            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['variant']} | {consts} | {graph} | "
+                         f"{'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -227,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="1x131072,8x32768", help="BATCHxKEYS, comma-separated")
     p.add_argument("--hidden", type=int, default=256, help="classifier width (the e2e bench fit's: 256)")
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--sweep", action="store_true",
-                   help="also time step-parallel over the parallel update's launch constants")
+    p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
+                   "variant over those launch constants (all: every one)")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:
@@ -245,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
         hidden = args.hidden
     rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters)]
-    sweep_rows = ([r for b, n in cases for r in sweep(b, n, hidden, dev, timer, args.iters)]
-                  if args.sweep and timer is not None else [])
+    which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
+    unknown = [w for w in which if w not in SWEEPS]
+    if unknown:
+        p.error(f"--sweep: unknown {unknown}; expected some of {list(SWEEPS)} or all")
+    sweep_rows = [r for w in which for b, n in cases for r in sweep(b, n, hidden, shape, dev, timer, args.iters, w)]
     meta = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (interpreter)",
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "torch": torch.__version__,

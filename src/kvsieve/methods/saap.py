@@ -303,6 +303,10 @@ class SaapConfig(MethodConfig):
     probing: Literal["batched", "independent"] = param(
         "batched", "batched: one bucket ranking per KV head from the group's summed scores (the paper); "
                    "independent: each query head ranks its own")
+    index_update: Literal["step", "ahead"] = param(
+        "step", "Triton path: step: the keys leaving the window join their buckets in the probe's first launch, "
+                "before the attention; ahead: one step early, in the bucket attention's launch (off the critical "
+                "path; needs min(window, window_min) >= 4, else step)")
     backend: Literal["auto", "reference", "triton"] = param(
         "auto", "auto: the Triton bucket kernel on CUDA (batched probing), else the torch reference")
 
@@ -321,6 +325,7 @@ class SaapConfig(MethodConfig):
             raise ValueError("sink, window: the dense part needs at least one key (sink + window >= 1)")
         require_choice("probing", self.probing, ("batched", "independent"))
         require_choice("backend", self.backend, ("auto", "reference", "triton"))
+        require_choice("index_update", self.index_update, ("step", "ahead"))
         if self.backend == "triton" and self.probing != "batched":
             raise ValueError("backend: the triton kernel probes per KV head; use probing=batched or backend=reference")
 
@@ -525,7 +530,11 @@ class Saap(Method):
         device_probe = (backend == "triton" and self.query_scoring == "classifier" and not self.roped
                         and self.probes > 0)
         parallel = parallel_update(inputs.batch)  # a host rule on the batch: the step stays capturable
-        if not device_probe:  # else the update runs in the probe's launches
+        ahead = backend == "triton" and self._ahead()
+        if ahead and update[5] > UPDATE_SPAN:
+            # K grew by more keys than the last step assigned ahead (eager calls only): the rest join now
+            (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
+        elif not device_probe and not ahead:  # else the update runs in the probe's or the attention's launch
             if backend == "triton":
                 (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
             else:
@@ -538,7 +547,7 @@ class Saap(Method):
                 _, buckets = probe_scores_triton(inputs.q, lengths, self.artifacts.rope.inv_freq_on(
                     inputs.q.device), self.artifacts.rope.attention_scaling,
                     *self.artifacts.probe_weights(layer, inputs.q.device), kv_heads=hkv, probes=self.probes,
-                    position_offset=-1, tail=update, parallel_tail=parallel)
+                    position_offset=-1, tail=None if ahead else update, parallel_tail=parallel)
             else:
                 scores = self.bucket_scores(inputs, layer)
                 if probing_heads == hkv:
@@ -548,7 +557,8 @@ class Saap(Method):
             buckets = torch.zeros(inputs.batch, probing_heads, 0, dtype=torch.long, device=inputs.q.device)
         assign = idx.assign if probing_heads == hkv else idx.assign.repeat_interleave(group, dim=1)
         extra = {"saap_path": "device index", "probes": self.probes, "buckets": self.artifacts.buckets,
-                 "update": "reference" if backend != "triton" else "parallel" if parallel else "serial"}
+                 "update": "reference" if backend != "triton" else "ahead" if ahead else
+                 "parallel" if parallel else "serial"}
         if backend == "triton":
             # the sink list and its size are shared by the KV heads (head stride 0); the window's bounds come
             # from the lengths in the kernel. The kernel's default splits are those of the cache's keys (width 0);
@@ -557,7 +567,8 @@ class Saap(Method):
             extra["merge"] = "fused" if fused else "separate launch"
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
-                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused)
+                scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
+                ahead=(update[6], update[7], update[8], UPDATE_SPAN) if ahead else None)
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)
@@ -569,6 +580,13 @@ class Saap(Method):
         out, read = index_decode_reference(inputs.q, inputs.k, inputs.v, lengths, idx.window, self.config.sink,
                                            assign, buckets, scale=inputs.scale)
         return out.to(compute_dtype(inputs)), self._stats(inputs, idx, read, backend, extra)
+
+    def _ahead(self) -> bool:
+        """Whether the Triton step assigns the keys leaving the window one step early, in the attention's launch
+        (:func:`~kvsieve.kernels.saap.index.assign_ahead_reference`): asked for, and every window (at least
+        ``min(window, window_min)``) holds the :data:`UPDATE_SPAN` keys it assigns, so that they are in K."""
+        cfg = self.config
+        return cfg.index_update == "ahead" and min(cfg.window, cfg.window_min) >= UPDATE_SPAN
 
     def _backend(self, inputs: DecodeInputs) -> str:
         """Which path runs: a method policy, named in ``stats.backend``."""

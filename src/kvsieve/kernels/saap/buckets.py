@@ -178,6 +178,8 @@ bucket_sparse_decode = bucket_sparse_decode_reference
 try:
     import triton
     import triton.language as tl
+
+    from .index import assign_ahead_step
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -190,154 +192,168 @@ if triton is not None:
         scale, kv_heads, n_buckets, n_probe, s_db, s_dh, s_cb, s_ch, n_ids, s_asb, s_ash,
         s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn,
         s_ab, s_ah, s_ap, s_mb, s_mh, s_ob, s_oh,
+        cent_ptr, freq_ptr, a_scaling, a_span,
         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
+        AHEAD: tl.constexpr, A_KEYS: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr,
+        A_BLOCK_U: tl.constexpr, A_DEROPE: tl.constexpr,
     ):
+        """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` programs per (KV head, row) that
+        come first in the grid (dispatched first): the index update one step ahead
+        (:func:`kvsieve.kernels.saap.index.assign_ahead_step`), which writes ``assign`` at or past ``L − W``; the
+        attention programs read it below."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
-        row = b * kv_heads + h
-        # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
-        offs_l = tl.arange(0, BLOCK_L)
-        l_ok = offs_l < n_probe
-        # (positions and slots are below 2^31: int32 keeps the [BLOCK_N, BLOCK_L] search in few registers)
-        c = tl.load(bkt_ptr + row * n_probe + offs_l, mask=l_ok, other=0)
-        off_row = off_ptr + row.to(tl.int64) * (n_buckets + 1)
-        starts = tl.load(off_row + c, mask=l_ok, other=0).to(tl.int32)
-        sizes = tl.load(off_row + c + 1, mask=l_ok, other=0).to(tl.int32) - starts
-        ends = tl.cumsum(sizes, 0)
-        begins = ends - sizes
-        shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
-        n_bucket_keys = tl.sum(sizes, axis=0)
-        n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
-        if HAS_TAIL:
-            # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
-            # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
-            length = tl.load(hi_ptr + b).to(tl.int32)
-            start = length - tl.load(lo_ptr + b).to(tl.int32)
-            lo = tl.maximum(start, n_list)
-            n_range = tl.maximum(length - lo, 0)
-            n_list = tl.minimum(n_list, length)
-        elif HAS_RANGE:
-            lo = tl.load(lo_ptr + b).to(tl.int32)
-            n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
-        else:
-            lo = n_list * 0
-            n_range = n_list * 0
-        n_dense = n_list + n_range
-        total = n_dense + n_bucket_keys
-        if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
-            t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
-            total += tl.maximum(start - t_lo, 0)
-            assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
-        if split == 0:
-            tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, D)
-        offs_dv = tl.arange(0, DV)
-        g_ok = offs_g < GROUP
-        q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
-                    mask=g_ok[:, None], other=0.0)
-        if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; its tests upcast the tiles instead
-            q = q.to(tl.float32)
-        # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
-        list_ptr = dense_ptr + b * s_db + h * s_dh
-        ids_row = ids_ptr + row.to(tl.int64) * n_ids
-        k_base = k_ptr + b * s_kb + h * s_kh
-        v_base = v_ptr + b * s_vb + h * s_vh
-        m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
-        for n0 in range(split * BLOCK_N, total, SPLITS * BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            ok = pos < total
-            in_list = pos < n_list
-            rel = pos - n_dense  # position in the chosen buckets' run
-            in_bucket = ok & (rel >= 0)
-            hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
-            slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
-            from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+        if AHEAD > 0:
+            if split < AHEAD:
+                assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
+                                  n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
+                                  A_KEYS, D, A_HALF, A_BLOCK_C, A_BLOCK_U, A_DEROPE)
+        split -= AHEAD
+        if split >= 0:  # an attention program
+            row = b * kv_heads + h
+            # the chosen buckets: where each starts in ids, its size and where its run ends in the flat list
+            offs_l = tl.arange(0, BLOCK_L)
+            l_ok = offs_l < n_probe
+            # (positions and slots are below 2^31: int32 keeps the [BLOCK_N, BLOCK_L] search in few registers)
+            c = tl.load(bkt_ptr + row * n_probe + offs_l, mask=l_ok, other=0)
+            off_row = off_ptr + row.to(tl.int64) * (n_buckets + 1)
+            starts = tl.load(off_row + c, mask=l_ok, other=0).to(tl.int32)
+            sizes = tl.load(off_row + c + 1, mask=l_ok, other=0).to(tl.int32) - starts
+            ends = tl.cumsum(sizes, 0)
+            begins = ends - sizes
+            shift = starts - begins  # ids slot of a flat bucket position: shift[j] + position
+            n_bucket_keys = tl.sum(sizes, axis=0)
+            n_list = tl.load(dense_cnt_ptr + b * s_cb + h * s_ch).to(tl.int32)
             if HAS_TAIL:
-                in_tail = in_bucket & (rel >= n_bucket_keys)
-                in_bucket = in_bucket & (rel < n_bucket_keys)
-            from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
-            idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
-            if HAS_TAIL:
-                tail_pos = t_lo + rel - n_bucket_keys
-                idx = tl.where(in_tail, tail_pos, idx)
-                a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
-                # one compare per chosen bucket, not a [BLOCK_N, BLOCK_L] tile reduced to a mask: Triton 3.6's
-                # layout pass breaks a select whose condition comes out of such a reduction
-                hit = tl.zeros([BLOCK_N], dtype=tl.int1)
-                for j in range(n_probe):
-                    hit = hit | (a == tl.load(bkt_ptr + row * n_probe + j))
-                # a bucket key the dense range now holds (a row shorter than at the build) is read there
-                ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
-            idx = tl.where(ok, idx, 0).to(tl.int64)
-            kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
-            if DOT_F32:
-                kb = kb.to(tl.float32)
-            s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
-            s = tl.where(ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))  # finite unless the chunk's keys were all masked
-            if HAS_TAIL:
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                # SAAP's sliding window: lo_ptr holds each row's window W, hi_ptr its length L, the list the sink
+                # (n_list keys): the range is [max(sink, L - W), L), the tail [t_lo, max(t_lo, L - W))
+                length = tl.load(hi_ptr + b).to(tl.int32)
+                start = length - tl.load(lo_ptr + b).to(tl.int32)
+                lo = tl.maximum(start, n_list)
+                n_range = tl.maximum(length - lo, 0)
+                n_list = tl.minimum(n_list, length)
+            elif HAS_RANGE:
+                lo = tl.load(lo_ptr + b).to(tl.int32)
+                n_range = tl.maximum(tl.load(hi_ptr + b).to(tl.int32) - lo, 0)
             else:
-                m_ref = m_new
-            alpha = tl.exp(m - m_ref)
-            pexp = tl.exp(s - m_ref[:, None])
-            l = l * alpha + tl.sum(pexp, axis=1)
-            vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
-            if DOT_F32:
-                vb = vb.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
-                                                input_precision=DOT_PRECISION)
-            m = m_new
-        heads = h * GROUP + offs_g
-        tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
-                 mask=g_ok[:, None])
-        tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
-        tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
-        if FUSED_MERGE:
-            # The last program of (row, KV head) to finish merges the SPLITS partials of its GROUP query
-            # heads (a ticket counter it resets to 0, so every graph replay finds it at 0): no merge launch.
-            # The merge reads the partials in split order whichever program runs it (deterministic).
-            # All threads' stores precede the release (barrier, then an acq_rel atomic at GPU scope).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLITS - 1:
-                offs_gp = tl.arange(0, GROUP_P)
-                heads_p = h * GROUP + offs_gp
-                gp_ok = offs_gp < GROUP
-                offs_s = tl.arange(0, BLOCK_S)
-                s_ok = gp_ok[:, None] & (offs_s[None, :] < SPLITS)
-                ml_all = b * s_mb + heads_p[:, None] * s_mh + offs_s[None, :]
-                mp = tl.load(m_ptr + ml_all, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-                lp = tl.load(l_ptr + ml_all, mask=s_ok, other=0.0, cache_modifier=".cg")
-                m_max = tl.max(tl.where(lp > 0, mp, float("-inf")), axis=1)
-                m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
-                z = tl.sum(tl.where(lp > 0, tl.exp(mp - m_ref[:, None]), 0.0) * lp, axis=1)
-                o = tl.zeros([GROUP_P, DV], dtype=tl.float32)
-                for p0 in tl.static_range(0, SPLITS, MERGE_S):  # unrolled: every chunk's loads in flight
-                    offs_c = p0 + tl.arange(0, MERGE_S)
-                    ml_c = b * s_mb + heads_p[:, None] * s_mh + offs_c[None, :]
-                    c_ok = gp_ok[:, None] & (offs_c[None, :] < SPLITS)
-                    mc = tl.load(m_ptr + ml_c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
-                    lc = tl.load(l_ptr + ml_c, mask=c_ok, other=0.0, cache_modifier=".cg")
-                    live = c_ok & (lc > 0)  # empty partials cost no traffic
-                    wc = tl.where(live, tl.exp(mc - m_ref[:, None]), 0.0)
-                    a = tl.load(acc_ptr + b * s_ab + heads_p[:, None, None] * s_ah + offs_c[None, :, None] * s_ap
-                                + offs_dv[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
-                    o += tl.sum(wc[:, :, None] * a, axis=1)
-                safe = tl.where(z > 0, z, 1.0)
-                o = tl.where((z > 0)[:, None], o / safe[:, None], 0.0)  # no key at all: 0 and LSE -inf
-                tl.store(out_ptr + b * s_ob + heads_p[:, None] * s_oh + offs_dv[None, :],
-                         o.to(out_ptr.dtype.element_ty), mask=gp_ok[:, None])
-                tl.store(lse_ptr + b * (kv_heads * GROUP) + heads_p,
-                         tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=gp_ok)
-                tl.atomic_xchg(sem_ptr + row, 0)
+                lo = n_list * 0
+                n_range = n_list * 0
+            n_dense = n_list + n_range
+            total = n_dense + n_bucket_keys
+            if HAS_TAIL:  # the positions [t_lo, t_hi) scanned after the buckets: their keys of a chosen bucket
+                t_lo = tl.load(tail_lo_ptr + b).to(tl.int32)
+                total += tl.maximum(start - t_lo, 0)
+                assign_row = assign_ptr + b.to(tl.int64) * s_asb + h * s_ash
+            if split == 0:
+                tl.store(counts_ptr + row, n_bucket_keys.to(tl.int64))
+            offs_g = tl.arange(0, BLOCK_G)
+            offs_d = tl.arange(0, D)
+            offs_dv = tl.arange(0, DV)
+            g_ok = offs_g < GROUP
+            q = tl.load(q_ptr + b * s_qb + (h * GROUP + offs_g)[:, None] * s_qh + offs_d[None, :],
+                        mask=g_ok[:, None], other=0.0)
+            if DOT_F32:  # the interpreter's bfloat16 tl.dot is wrong; its tests upcast the tiles instead
+                q = q.to(tl.float32)
+            # strides, not a row index: a dense list shared by the KV heads comes with head stride 0
+            list_ptr = dense_ptr + b * s_db + h * s_dh
+            ids_row = ids_ptr + row.to(tl.int64) * n_ids
+            k_base = k_ptr + b * s_kb + h * s_kh
+            v_base = v_ptr + b * s_vb + h * s_vh
+            m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, DV], dtype=tl.float32)
+            for n0 in range(split * BLOCK_N, total, SPLITS * BLOCK_N):
+                pos = n0 + tl.arange(0, BLOCK_N)
+                ok = pos < total
+                in_list = pos < n_list
+                rel = pos - n_dense  # position in the chosen buckets' run
+                in_bucket = ok & (rel >= 0)
+                hot = (begins[None, :] <= rel[:, None]) & (rel[:, None] < ends[None, :])  # [BLOCK_N, BLOCK_L]
+                slot = tl.sum(tl.where(hot, shift[None, :], 0), axis=1) + rel
+                from_list = tl.load(list_ptr + pos, mask=in_list, other=0)
+                if HAS_TAIL:
+                    in_tail = in_bucket & (rel >= n_bucket_keys)
+                    in_bucket = in_bucket & (rel < n_bucket_keys)
+                from_ids = tl.load(ids_row + slot, mask=in_bucket, other=0)
+                idx = tl.where(in_list, from_list, tl.where(in_bucket, from_ids, lo + pos - n_list))
+                if HAS_TAIL:
+                    tail_pos = t_lo + rel - n_bucket_keys
+                    idx = tl.where(in_tail, tail_pos, idx)
+                    a = tl.load(assign_row + tail_pos, mask=in_tail, other=-1)
+                    # one compare per chosen bucket, not a [BLOCK_N, BLOCK_L] tile reduced to a mask: Triton 3.6's
+                    # layout pass breaks a select whose condition comes out of such a reduction
+                    hit = tl.zeros([BLOCK_N], dtype=tl.int1)
+                    for j in range(n_probe):
+                        hit = hit | (a == tl.load(bkt_ptr + row * n_probe + j))
+                    # a bucket key the dense range now holds (a row shorter than at the build) is read there
+                    ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
+                idx = tl.where(ok, idx, 0).to(tl.int64)
+                kb = tl.load(k_base + idx[:, None] * s_kn + offs_d[None, :], mask=ok[:, None], other=0.0)
+                if DOT_F32:
+                    kb = kb.to(tl.float32)
+                s = tl.dot(q, tl.trans(kb), out_dtype=tl.float32, input_precision=DOT_PRECISION) * scale
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))  # finite unless the chunk's keys were all masked
+                if HAS_TAIL:
+                    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_ref = m_new
+                alpha = tl.exp(m - m_ref)
+                pexp = tl.exp(s - m_ref[:, None])
+                l = l * alpha + tl.sum(pexp, axis=1)
+                vb = tl.load(v_base + idx[:, None] * s_vn + offs_dv[None, :], mask=ok[:, None], other=0.0)
+                if DOT_F32:
+                    vb = vb.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(pexp.to(vb.dtype), vb, out_dtype=tl.float32,
+                                                    input_precision=DOT_PRECISION)
+                m = m_new
+            heads = h * GROUP + offs_g
+            tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
+                     mask=g_ok[:, None])
+            tl.store(m_ptr + b * s_mb + heads * s_mh + split, m, mask=g_ok)
+            tl.store(l_ptr + b * s_mb + heads * s_mh + split, l, mask=g_ok)
+            if FUSED_MERGE:
+                # The last program of (row, KV head) to finish merges the SPLITS partials of its GROUP query
+                # heads (a ticket counter it resets to 0, so every graph replay finds it at 0): no merge launch.
+                # The merge reads the partials in split order whichever program runs it (deterministic).
+                # All threads' stores precede the release (barrier, then an acq_rel atomic at GPU scope).
+                tl.debug_barrier()
+                ticket = tl.atomic_add(sem_ptr + row, 1, sem="acq_rel", scope="gpu")
+                if ticket == SPLITS - 1:
+                    offs_gp = tl.arange(0, GROUP_P)
+                    heads_p = h * GROUP + offs_gp
+                    gp_ok = offs_gp < GROUP
+                    offs_s = tl.arange(0, BLOCK_S)
+                    s_ok = gp_ok[:, None] & (offs_s[None, :] < SPLITS)
+                    ml_all = b * s_mb + heads_p[:, None] * s_mh + offs_s[None, :]
+                    mp = tl.load(m_ptr + ml_all, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
+                    lp = tl.load(l_ptr + ml_all, mask=s_ok, other=0.0, cache_modifier=".cg")
+                    m_max = tl.max(tl.where(lp > 0, mp, float("-inf")), axis=1)
+                    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+                    z = tl.sum(tl.where(lp > 0, tl.exp(mp - m_ref[:, None]), 0.0) * lp, axis=1)
+                    o = tl.zeros([GROUP_P, DV], dtype=tl.float32)
+                    for p0 in tl.static_range(0, SPLITS, MERGE_S):  # unrolled: every chunk's loads in flight
+                        offs_c = p0 + tl.arange(0, MERGE_S)
+                        ml_c = b * s_mb + heads_p[:, None] * s_mh + offs_c[None, :]
+                        c_ok = gp_ok[:, None] & (offs_c[None, :] < SPLITS)
+                        mc = tl.load(m_ptr + ml_c, mask=c_ok, other=float("-inf"), cache_modifier=".cg")
+                        lc = tl.load(l_ptr + ml_c, mask=c_ok, other=0.0, cache_modifier=".cg")
+                        live = c_ok & (lc > 0)  # empty partials cost no traffic
+                        wc = tl.where(live, tl.exp(mc - m_ref[:, None]), 0.0)
+                        a = tl.load(acc_ptr + b * s_ab + heads_p[:, None, None] * s_ah + offs_c[None, :, None] * s_ap
+                                    + offs_dv[None, None, :], mask=live[:, :, None], other=0.0, cache_modifier=".cg")
+                        o += tl.sum(wc[:, :, None] * a, axis=1)
+                    safe = tl.where(z > 0, z, 1.0)
+                    o = tl.where((z > 0)[:, None], o / safe[:, None], 0.0)  # no key at all: 0 and LSE -inf
+                    tl.store(out_ptr + b * s_ob + heads_p[:, None] * s_oh + offs_dv[None, :],
+                             o.to(out_ptr.dtype.element_ty), mask=gp_ok[:, None])
+                    tl.store(lse_ptr + b * (kv_heads * GROUP) + heads_p,
+                             tl.where(z > 0, m_ref + tl.log(safe), float("-inf")), mask=gp_ok)
+                    tl.atomic_xchg(sem_ptr + row, 0)
 
 
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
@@ -377,6 +393,7 @@ def bucket_sparse_decode_triton(
     block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
+    ahead: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
@@ -395,7 +412,13 @@ def bucket_sparse_decode_triton(
     ``lo_b = max(sink, L_b − W_b)``, then after the buckets the positions ``[t_lo_b, max(t_lo_b, L_b − W_b))``
     whose ``assign`` is a chosen bucket; CSR keys at or past ``lo_b`` are skipped (the range holds them).
     :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
-    CSR keys of the chosen buckets, the tail not included."""
+    CSR keys of the chosen buckets, the tail not included.
+
+    ``ahead = (centroids, inv_freq, scaling, span[, form])`` (with ``sliding``): the same launch also runs
+    :func:`kvsieve.kernels.saap.index.assign_ahead_reference`'s update of ``assign`` (its programs first in the
+    grid; ``form`` as :func:`kvsieve.kernels.saap.index.ahead_launch_meta`), the keys that leave the window in the
+    next ``span`` keys: off the step's critical path. Its writes are at or past ``L − W`` and the attention reads
+    ``assign`` below: no race. Needs every row's window to be at least ``span`` (the keys written must be in K)."""
     from ..shared.triton_utils import (
         dot_precision,
         is_interpreted,
@@ -440,18 +463,35 @@ def bucket_sparse_decode_triton(
         hi, lo, t_lo, assign = sliding
     else:
         t_lo, assign = lo, ids
+    if ahead is None:
+        cent, freq, a_scaling, a_span = q, q, 1.0, 1
+        a_meta = dict(PROGRAMS=0, KEYS=False, HALF=8, BLOCK_C=16, BLOCK_U=16, DEROPE=False)
+    else:
+        from .index import ahead_launch_meta
+
+        if sliding is None:
+            raise ValueError("ahead: the update one step ahead writes SAAP's assign; give sliding too")
+        cent, inv_freq, a_scaling, a_span = ahead[:4]
+        if cent.shape[:2] != (hkv, offsets.shape[-1] - 1) or cent.dtype != torch.float32 \
+                or not cent.is_contiguous() or assign.stride(-1) != 1 or a_span < 1:
+            raise ValueError(f"ahead: expected contiguous float32 centroids [{hkv}, {offsets.shape[-1] - 1}, d], an "
+                             f"assign contiguous in its last dimension and a span >= 1; got {tuple(cent.shape)}, "
+                             f"{cent.dtype}, span {a_span}")
+        freq = cent if inv_freq is None else inv_freq
+        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq, form=ahead[4] if len(ahead) > 4 else None)
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)
     sem = workspace("bucket_ticket", q, b * hkv, torch.int32, zeroed=True) if fused_merge else counts
     group_p = max(2, next_pow2(group))
-    _bucket_parts_kernel[(hkv, b, splits)](
+    _bucket_parts_kernel[(hkv, b, splits + a_meta["PROGRAMS"])](
         q, k_, v_, dense_indices, dense_counts, lo, hi, offsets, ids, buckets, acc, m, l, counts, out, lse, sem,
         t_lo, assign,
         float(scale), hkv, offsets.shape[-1] - 1, n_probe, dense_indices.stride(0), dense_indices.stride(1),
         dense_counts.stride(0), dense_counts.stride(1), ids.shape[-1], assign.stride(0), assign.stride(1),
         q.stride(0), q.stride(1), k_.stride(0), k_.stride(1), k_.stride(2), v_.stride(0), v_.stride(1), v_.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1), out.stride(0), out.stride(1),
+        cent, freq, float(a_scaling), a_span,
         GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n, D=d, DV=dv, BLOCK_L=max(16, next_pow2(n_probe)),
         SPLITS=splits, HAS_RANGE=dense_range is not None, HAS_TAIL=sliding is not None,
         # float32 inputs take IEEE dots: Triton's default for them is TF32 (about 1e-3 relative error)
@@ -459,6 +499,7 @@ def bucket_sparse_decode_triton(
         DOT_F32=q.dtype != torch.float32 and is_interpreted(_bucket_parts_kernel), FUSED_MERGE=fused_merge,
         GROUP_P=group_p, BLOCK_S=max(16, next_pow2(splits)),
         MERGE_S=max(1, min(32 // group_p, next_pow2(splits))),  # 8 at G = 4: no spill for sm_90
+        AHEAD=a_meta.pop("PROGRAMS"), **{f"A_{key}": val for key, val in a_meta.items() if key != "D"},
         num_warps=4,
     )
     if fused_merge:

@@ -27,6 +27,11 @@ keep the first index of the largest product, ``torch.argmax``'s choice. The seri
 of C / block dependent L2 reads (about 20 µs a layer at C = 1024); the two stages read each centroid once per
 step and finish in one short pass each. Which one runs is a rule on the batch, known on the host when a step is
 captured (:func:`parallel_update`).
+
+The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program` or
+:func:`assign_ahead_key_program` as extra programs of the bucket attention's launch): the keys that will leave the
+window in the next ``span`` keys are already in K, and are still in the window, where the attention does not read
+``assign``. A step then finds the keys leaving it assigned, and no launch before its attention waits on the update.
 """
 
 from __future__ import annotations
@@ -46,6 +51,17 @@ BUILD_CHUNK = 4096
 PARALLEL_BLOCK_C = 64
 #: Tail keys a stage-1 program scores at most (the rows of its dot): a KV head's 32 at batch 8 and the default span.
 PARALLEL_BLOCK_R = 32
+#: The update one step ahead (inside the bucket kernel's launch, at its 4 warps) in one of two forms: ``"dot"``, one
+#: program per (row, KV head) scoring its ``span`` keys as a ``[16, d]`` tile against ``[AHEAD_BLOCK_C, d]``
+#: centroid tiles in float32 dots (few programs; loads pipelined, three quarters of the products padding at span 4),
+#: or ``"keys"``, one program per key (:func:`assign_ahead_key_program`, the serial update's scan,
+#: ``AHEAD_KEY_BLOCK_C`` centroids an iteration). Not yet measured against each other
+#: (benchmarks/saap_probe/run.py times both).
+AHEAD_FORM = "dot"
+#: 32 × d float32 (16 KB at d = 128) a stage: 41 KB of shared memory with the pipeline's stages, about the
+#: attention's 22 KB (64 a block took 74 KB and more spills at sm_90, Triton 3.6).
+AHEAD_BLOCK_C = 32
+AHEAD_KEY_BLOCK_C = 64
 
 
 def parallel_update(batch: int) -> bool:
@@ -118,6 +134,34 @@ def assign_tail_reference(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Ten
     idx = pos[:, None, :].expand(b, h, span)
     rows = k.gather(2, idx[..., None].expand(b, h, span, k.shape[-1]))
     assign.scatter_(2, idx, assign_keys_reference(rows, pos, centroids, inv_freq, scaling).to(assign.dtype))
+
+
+def ahead_end(t_lo: torch.Tensor, lengths: torch.Tensor, window: torch.Tensor, span: int) -> torch.Tensor:
+    """``[B]`` ``max(t_lo, L − W + span)``: the end of the keys that will have left the window once each row has
+    advanced by ``span`` keys."""
+    return torch.maximum(t_lo, lengths.long() - window + span)
+
+
+def assign_ahead_reference(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                           window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                           scaling: float) -> None:
+    """The update one step ahead: assign, in place, the keys of ``[max(t_lo, e − span), e)`` below ``L`` with
+    ``e`` = :func:`ahead_end` — the keys that leave the window while a row advances by up to ``span``, still
+    inside it now (at or past ``L − W``: a step's reads of ``assign``, below ``L − W``, never meet these writes).
+    With ``W >= span`` every such key is in K (below ``L``); then the keys leaving at a step of at most ``span``
+    keys were all assigned by the step before it (:func:`assign_tail_reference` of the later step writes the same
+    values)."""
+    b, h = assign.shape[:2]
+    end = ahead_end(t_lo, lengths, window, span)
+    pos = end[:, None] - span + torch.arange(span, device=end.device)[None, :]  # [B, U]
+    valid = (pos >= t_lo[:, None]) & (pos < lengths.long()[:, None])
+    idx = torch.where(valid, pos, 0)[:, None, :].expand(b, h, span)
+    rows = k.gather(2, idx[..., None].expand(b, h, span, k.shape[-1]))
+    got = assign_keys_reference(rows, idx[:, 0], centroids, inv_freq, scaling).to(assign.dtype)
+    # the positions not written go to a spare column: a fixed-shape scatter with no duplicate target
+    spare = torch.cat([assign, assign[..., :1]], dim=-1)
+    spare.scatter_(2, torch.where(valid[:, None, :], idx, assign.shape[-1]), got)
+    assign.copy_(spare[..., :-1])
 
 
 def index_read_mask(n_keys: int, lengths: torch.Tensor, window: torch.Tensor, sink: int, assign: torch.Tensor,
@@ -198,13 +242,21 @@ if triton is not None:
         b = bh // kv_heads
         h = bh % kv_heads
         pos = _tail_pos(t_lo_ptr, len_ptr, win_ptr, b, u, span, True)
+        _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, pos,
+                    D, HALF, BLOCK_C, DEROPE)
+
+    @triton.jit
+    def _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                    pos, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """``assign[b, h, pos]``: the first index of the largest product of the key at ``pos`` (de-roped with
+        ``DEROPE``) with KV head ``h``'s centroids (``BLOCK_C`` at a time, float32 products summed over ``d``)."""
         offs_d = tl.arange(0, D)
         base = k_ptr + b.to(tl.int64) * s_kb + h * s_kh + pos.to(tl.int64) * s_kn
         x = _load_key(base + offs_d, offs_d, pos, freq_ptr, scaling, offs_d < D, HALF, DEROPE)
+        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
         best = float("-inf")
         best_i = n_buckets * 0
         offs_c = tl.arange(0, BLOCK_C)
-        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
         for c0 in range(0, n_buckets, BLOCK_C):
             cc = c0 + offs_c
             c_ok = cc < n_buckets
@@ -217,6 +269,58 @@ if triton is not None:
             best_i = tl.where(better, blk_i, best_i)
             best = tl.where(better, blk, best)
         tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
+
+    @triton.jit
+    def assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
+                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Key ``u`` of :func:`assign_ahead_program`'s work, scored as :func:`assign_tail_program` scores its key
+        (one key a program, no dot padding; the centroid blocks read one after the other)."""
+        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
+        if (pos >= t_lo) & (pos < length):
+            _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                        pos, D, HALF, BLOCK_C, DEROPE)
+
+    @triton.jit
+    def assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                             span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_U: tl.constexpr,
+                             DEROPE: tl.constexpr):
+        """Work item (row ``b``, KV head ``h``) of :func:`assign_ahead_reference`: the row's ``span`` keys as the
+        rows of one ``[BLOCK_U, d]`` tile, scored against ``BLOCK_C`` centroids at a time in a float32 dot, each
+        key's first best kept. The centroid loads do not depend on the running best: with a dot in the loop Triton
+        pipelines them (the serial form's one-key loop waits an L2 read per block). Extra programs of the bucket
+        attention's launch (:func:`kvsieve.kernels.saap.buckets.bucket_sparse_decode_triton` with ``ahead``), which
+        reads ``assign`` only below ``L − W``, where these programs never write."""
+        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        end = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo)
+        offs_u = tl.arange(0, BLOCK_U)
+        pos = end - span + offs_u
+        ok = (offs_u < span) & (pos >= t_lo) & (pos < length)
+        offs_d = tl.arange(0, D)
+        ptrs = (k_ptr + b.to(tl.int64) * s_kb + h * s_kh + (pos.to(tl.int64) * s_kn)[:, None]) + offs_d[None, :]
+        x = _load_key(ptrs, offs_d[None, :], pos[:, None], freq_ptr, scaling, ok[:, None], HALF, DEROPE)
+        best = tl.full([BLOCK_U], float("-inf"), dtype=tl.float32)
+        best_i = tl.zeros([BLOCK_U], dtype=tl.int32)
+        offs_c = tl.arange(0, BLOCK_C)
+        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
+        for c0 in range(0, n_buckets, BLOCK_C):
+            cc = c0 + offs_c
+            c_ok = cc < n_buckets
+            cb = tl.load(cent_row + cc[:, None] * D + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+            sc = tl.dot(x, tl.trans(cb), input_precision="ieee")  # [BLOCK_U, BLOCK_C]
+            sc = tl.where(c_ok[None, :], sc, float("-inf"))
+            blk = tl.max(sc, axis=1)
+            # the first index of each key's maximum in the block (torch.argmax takes the first too)
+            blk_i = tl.min(tl.where(sc == blk[:, None], cc[None, :], n_buckets), axis=1)
+            better = blk > best
+            best_i = tl.where(better, blk_i, best_i)
+            best = tl.where(better, blk, best)
+        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty),
+                 mask=ok)
 
     @triton.jit
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -278,6 +382,32 @@ if triton is not None:
                             D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
+    def _assign_ahead_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                             span, s_kb, s_kh, s_kn, s_ab, s_ah,
+                             KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row, KV head, key): :func:`assign_ahead_step`."""
+        assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                          span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                          KEYS, D, HALF, BLOCK_C, BLOCK_U, DEROPE)
+
+    @triton.jit
+    def assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                          span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
+                          KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
+        """Work item (row ``b``, KV head ``h``, ``u``) of the update one step ahead: key ``u``
+        (:func:`assign_ahead_key_program`) with ``KEYS``, else all of them (:func:`assign_ahead_program`, ``u``
+        0)."""
+        if KEYS:
+            assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                     n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u, D, HALF, BLOCK_C, DEROPE)
+        else:
+            assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, D, HALF, BLOCK_C, BLOCK_U,
+                                 DEROPE)
+
+    @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn,
                                D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -318,6 +448,38 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
     meta = dict(D=d, HALF=d // 2, BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))),
                 DEROPE=inv_freq is not None)
     return args, meta, b * h * span
+
+
+def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                      block_c: int | None = None, form: str | None = None) -> dict:
+    """The constexprs of the update one step ahead in ``form`` (default :data:`AHEAD_FORM`): ``PROGRAMS`` per
+    (row, KV head) (1, or ``span`` for ``"keys"``), ``KEYS`` (the form), ``D``, ``HALF``, ``BLOCK_C`` (centroids an
+    iteration, default :data:`AHEAD_BLOCK_C` or :data:`AHEAD_KEY_BLOCK_C`, fewer when C is smaller), ``BLOCK_U``,
+    ``DEROPE``."""
+    form = form or AHEAD_FORM
+    if form not in ("dot", "keys"):
+        raise ValueError(f"form: expected 'dot' or 'keys', got {form!r}")
+    d, keys = k.shape[-1], form == "keys"
+    block_c = block_c or (AHEAD_KEY_BLOCK_C if keys else AHEAD_BLOCK_C)
+    return dict(PROGRAMS=span if keys else 1, KEYS=keys, D=d, HALF=d // 2,
+                BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))), BLOCK_U=max(16, next_pow2(span)),
+                DEROPE=inv_freq is not None)
+
+
+def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
+                        window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
+                        scaling: float, block_c: int | None = None, form: str | None = None) -> None:
+    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c``
+    and ``form`` as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch
+    instead."""
+    if triton is None:
+        raise RuntimeError("assign_ahead_triton needs triton")
+    k = _checked_keys(assign, k, span, centroids)
+    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, form)
+    _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
+        k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
+        centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
+        **meta, num_warps=4)
 
 
 class ParallelTail(NamedTuple):

@@ -56,6 +56,12 @@ except ImportError:  # pragma: no cover - CPU installs without triton run the re
 # can set them.
 RANK_CHUNK = 32
 RANK_WARPS = 4
+# Buckets ranked per pass of a program (a [RANK_SUB, C] comparison tile): a RANK_CHUNK above it takes several
+# passes over one softmax. At batch 8 the rank launch is 2048 programs (34 µs against 8.8 at batch 1, H200): each
+# recomputes the group's C scores from G·parts logit rows (64 KB of L2 reads at Llama-3.1-8B shapes), so the
+# launch's reads and exponentials grow with B·C/RANK_CHUNK; a larger chunk at larger batches cuts them (the
+# probe bench's --rank-sweep times it).
+RANK_SUB = 32
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
 # about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
@@ -284,12 +290,12 @@ if triton is not None:
     def _group_rank_kernel(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks,
                            rank_programs, rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets,
                            r_span, r_rows, r_c_blocks, r_sab, r_sah,
-                           GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
-                           TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr):
+                           GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                           PARTS: tl.constexpr, TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr):
         """Programs ``[0, rank_programs)``, (row·Hkv + KV head, chunk) = ``divmod(pid, chunks)``:
         ``scores[b, h, chunk] = Σ_g softmax(logits of query head h·G + g
         of row b)`` over the chunk's ``CHUNK`` buckets, the logits the sum of the logits kernel's ``PARTS``
-        parts (``s_part`` elements apart); with ``TOP`` each of the chunk's buckets whose rank is below
+        parts (``s_part`` elements apart); with ``TOP`` each of the chunk's buckets (``SUB`` a pass) whose rank is below
         ``n_top`` written to ``top[b, h, rank]``. The rank of bucket ``i`` is ``#{j: s_j > s_i or (s_j = s_i
         and j < i)}`` (``torch.topk``'s set, ties to the lower index, best first), counted against all C
         scores: no threshold search, no sort, no step that waits on another program. Every program of a
@@ -304,15 +310,15 @@ if triton is not None:
                                       r_rows, r_c_blocks, r_sab, r_sah, pid - rank_programs, R_BLOCKS_P)
             else:
                 _rank_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks, pid,
-                              GROUP, BLOCK_C, CHUNK, PARTS, TOP)
+                              GROUP, BLOCK_C, CHUNK, SUB, PARTS, TOP)
         else:
             _rank_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks, pid,
-                          GROUP, BLOCK_C, CHUNK, PARTS, TOP)
+                          GROUP, BLOCK_C, CHUNK, SUB, PARTS, TOP)
 
     @triton.jit
     def _rank_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks, pid,
-                      GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr,
-                      TOP: tl.constexpr):
+                      GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                      PARTS: tl.constexpr, TOP: tl.constexpr):
         """:func:`_group_rank_kernel`'s program ``pid`` (a chunk of one row and KV head)."""
         bk = pid // chunks
         b = bk // kv_heads
@@ -330,18 +336,19 @@ if triton is not None:
                 z += tl.load(z_ptr + p * s_part, mask=ok, other=0.0)
             e = tl.exp(z - tl.max(z, axis=0))
             total += e / tl.sum(e, axis=0)
-        offs_i = (pid % chunks) * CHUNK + tl.arange(0, CHUNK)  # < BLOCK_C: CHUNK divides BLOCK_C
-        ok_i = offs_i < buckets
-        mine = tl.gather(total, offs_i, 0)
-        tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
-        if TOP:
-            # Non-negative floats order as their int32 bit patterns; padding (-1) is below every score.
-            # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
-            bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
-            bits_i = mine.to(tl.int32, bitcast=True)
-            beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
-            rank = tl.sum(beats.to(tl.int32), axis=1)
-            tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
+        # Non-negative floats order as their int32 bit patterns; padding (-1) is below every score.
+        bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
+        for s0 in tl.static_range(0, CHUNK, SUB):  # SUB buckets a pass: a [SUB, BLOCK_C] comparison tile
+            offs_i = (pid % chunks) * CHUNK + s0 + tl.arange(0, SUB)  # < BLOCK_C: CHUNK divides BLOCK_C
+            ok_i = offs_i < buckets
+            mine = tl.gather(total, offs_i, 0)
+            tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
+            if TOP:
+                # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
+                bits_i = mine.to(tl.int32, bitcast=True)
+                beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
+                rank = tl.sum(beats.to(tl.int32), axis=1)
+                tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
 
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
@@ -427,10 +434,11 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     block_c = max(16, next_pow2(buckets))
     chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
+    sub = min(RANK_SUB, chunk)
     chunks = triton.cdiv(buckets, chunk)
     rank_programs = b * kv_heads * chunks
     _group_rank_kernel[(rank_programs + reduce_items,)](
         logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
-        *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, PARTS=parts, TOP=probes > 0,
+        *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts, TOP=probes > 0,
         TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
