@@ -156,6 +156,17 @@ for r, n, seed in [(1, 600, 3), (2, 650, 5), (2, 900, 4), (1, 1000, 6)]:
     err = float((out - ref).norm() / ref.norm())
     assert err < 2e-5, err
 assert ways == ["triton", "triton", "torch", "torch"], ways
+# with SPLIT_TOPK the long rows take the split select instead of torch.topk: the reference's keys again
+from kvsieve.methods import vattention
+from kvsieve.kernels.shared import select_split
+vattention.SPLIT_TOPK, topk.SPLIT_SELECT_ABOVE = True, 700
+select_split.launch = spy
+launched.clear()
+out, st = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lens, seed=6)
+ref, rst = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, seed=6)
+assert st.extra.get("topk_select") == "split" and "_split_select_kernel" in launched, (st.extra, launched)
+assert torch.equal(st.raw("budget_per_head"), rst.raw("budget_per_head"))
+assert float((out - ref).norm() / ref.norm()) < 2e-5
 print("OK")
 """
 
@@ -163,7 +174,7 @@ print("OK")
 def test_topk_way_chosen_by_the_row_length_selects_as_the_reference():
     """vAttention's kernel path with the oracle top-k through each of its two ways, chosen by the row length
     (the limits lowered so that short rows take them): the Triton split select with its merge launch, and
-    ``torch.topk`` above ``TORCH_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's
-    keys, budgets and estimate."""
+    ``torch.topk`` above ``TORCH_SELECT_ABOVE`` keys (the split select with ``SPLIT_TOPK``); the stats name the
+    way; ragged rows; the reference's keys, budgets and estimate."""
     pytest.importorskip("triton")
     assert "OK" in run_script(TOPK_WAYS, "cpu", True)

@@ -9,7 +9,8 @@ replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs comp
 
 - top-k: both ways the method's shape rule (``oracle_topk.select_path``) picks between, ``torch``
   (``torch.topk`` of the kept scores) and ``triton`` (the Triton select, a long row's candidates merged by a
-  second launch), with ``rule`` naming the one the decode ran; each the same set as the reference's sorted
+  second launch), and the split select (``split*``: every row over many programs, ``SPLIT_WAYS``), with
+  ``rule`` naming the one the decode ran; each the same set as the reference's sorted
   top-k up to ties (checked by the scores: the k-th largest equal, every chosen score at least it);
 - base sample (a list, one program per row): equal to ``sample_rows_reference``;
 - residual sample (the windowed cut): the keys it holds equal to the reference's;
@@ -37,6 +38,13 @@ SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
          ("kvsieve.kernels.shared.sample_triton", "sample_cut_triton"),
          ("kvsieve.kernels.vattention.budget_triton", "budget_triton"),
          ("kvsieve.kernels.vattention.attend_triton", "attend_triton"))
+
+
+# The split select's launch settings timed (topk_rows_split's overrides): the default (about one program per SM,
+# chunks capped at 4096 keys: 32 programs per 128k row, 8 per 32k row), 8 warps, and 32x the programs (chunks of
+# 1024 at 128k b1, 2048 at 32k b8; every program repeats the row-wide steps over the maxima, so more programs
+# also cost more)
+SPLIT_WAYS = {"split": {}, "split-w8": {"num_warps": 8}, "split-p32x": {"programs": 4224}}
 
 
 def _clone(x):
@@ -79,8 +87,12 @@ def topk_ways(args, kwargs) -> dict:
     from kvsieve.kernels.oracle_topk.topk import topk_select
 
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
-    return {"torch": lambda: topk_select(*args, **base, select="torch"),
+    ways = {"torch": lambda: topk_select(*args, **base, select="torch"),
             "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
+    if not base.get("share_kv_group"):  # the split select: every row over many programs (chunks of <= 4096 keys)
+        for name, opts in SPLIT_WAYS.items():
+            ways[name] = lambda _o=opts: topk_select(*args, **base, select="split", launch_opts={"split": _o})
+    return ways
 
 
 def topk_error(idx, counts, scores) -> int:
