@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..shared.select_common import check_launch_value
 from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
@@ -474,16 +475,18 @@ def budget_stats_reference(q, k, v, start, end, length, top, top_counts, base, b
 
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None,
-                        logits: torch.Tensor | None = None) -> torch.Tensor:
+                        logits: torch.Tensor | None = None, *, block: int | None = None,
+                        num_warps: int | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits, logits=logits).stats
+                         dense_width, splits=splits, logits=logits, block=block, num_warps=num_warps).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
-                  splits: int | None = None, logits: torch.Tensor | None = None) -> Budget:
+                  splits: int | None = None, logits: torch.Tensor | None = None, *, block: int | None = None,
+                  num_warps: int | None = None) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -498,7 +501,11 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
 
     ``logits [R, Hq, N]`` (float32 ``scale · q·k``, the oracle predictor's kept scores): the list entries'
     logits are read from it instead of computed from K (4 bytes a key instead of a K row; float32 rather
-    than float64 logits, as the tested-key attention pass uses); sink and window stay computed from K."""
+    than float64 logits, as the tested-key attention pass uses); sink and window stay computed from K.
+
+    Launch settings (the same statistics up to rounding whatever they are; ``vattention_stages.py`` times
+    them): ``block`` entries per loop step (a power of two, 4 to 128; default ``PARTS_BLOCK``, half beyond a head
+    dim of 128) and ``num_warps`` (default ``PARTS_WARPS``) of the split launch."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
@@ -509,7 +516,12 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
         raise ValueError(f"budget_triton: logits must be float32 [{r}, {hq}, {k.shape[2]}] with a contiguous last "
                          f"dim, got {logits.dtype} {list(logits.shape)} strides {logits.stride()}")
     width = dense_width + top.shape[2] + base.shape[2]
-    block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
+    if block is None:
+        block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
+    check_launch_value("block", block, low=4, high=128, pow2=True)
+    warps = PARTS_WARPS if num_warps is None else check_launch_value("num_warps", num_warps, high=16, pow2=True)
+    if splits is not None:
+        check_launch_value("splits", splits)
     dp = next_pow2(d)
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
@@ -522,7 +534,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=PARTS_WARPS, num_stages=1)
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=warps, num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
