@@ -392,9 +392,10 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
     for splits in split_counts:
-        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits)
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+        for pre in (False, True):  # sink and window from K's rows, prefetched too
+            got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                      splits=splits, prefetch=pre)
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
         worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
     # the lists' logits from kept float32 scores (random, not K's: a kernel that ignored them fails)
     logits = torch.randn(r, hq, n, generator=g) * 3
@@ -403,10 +404,12 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
         want[..., 2:4] = 0
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12, logits)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
-    # launch settings too (blocks of 8 and 64 entries, other warps): the same statistics
-    for splits, block, warps in ((2, None, None), (13, None, None), (5, 8, 2), (3, 64, 8)):
+    # launch settings too (blocks of 8 and 64 entries, other warps, the next block's loads issued first):
+    # the same statistics
+    for splits, block, warps, pre in ((2, None, None, False), (13, None, None, False), (5, 8, 2, True),
+                                      (3, 64, 8, False), (1, 8, None, True)):
         got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits, logits=logits, block=block, num_warps=warps)
+                                  splits=splits, logits=logits, block=block, num_warps=warps, prefetch=pre)
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
 print("WORST", worst)
 print("OK")

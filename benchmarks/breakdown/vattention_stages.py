@@ -178,7 +178,8 @@ def sample_checks(call, listed: bool) -> dict:
 # (blocks of 32 entries, 4 warps, ~528 programs) compiles (Triton 3.6, sm_90) to 224 registers a thread: 2
 # programs per SM, so 544 programs (128k b1) or 768 (32k b8) run in 3 waves, the last nearly empty; each
 # program's loop steps wait on two dependent gathers (list entry, then its logit and V row). Blocks of 8
-# entries take 166 registers (3 per SM).
+# entries take 166 registers (3 per SM). "pre": each step issues the next block's gathers before its sums (245
+# registers at blocks of 32, 168 at 8).
 BUDGET_WAYS = {
     "online": {},
     "online-2/sm": {"sms": 2},
@@ -187,6 +188,10 @@ BUDGET_WAYS = {
     "b8-3/sm": {"block": 8, "sms": 3},
     "b8-6/sm": {"block": 8, "sms": 6},
     "b64-w8-1/sm": {"block": 64, "num_warps": 8, "sms": 1},
+    "pre": {"prefetch": True},
+    "pre-2/sm": {"prefetch": True, "sms": 2},
+    "pre-4/sm": {"prefetch": True, "sms": 4},
+    "pre-b8-3/sm": {"prefetch": True, "block": 8, "sms": 3},
 }
 
 
