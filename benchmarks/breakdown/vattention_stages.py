@@ -47,6 +47,20 @@ SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
 SPLIT_WAYS = {"split": {}, "split-w8": {"num_warps": 8}, "split-p32x": {"programs": 4224}}
 
 
+def attempt(fn):
+    """``fn()``, or the exception it raised (one failing way must not lose the others' checks)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def failures(results: dict) -> dict:
+    """``{"failed": "way: error; ..."}`` for the ways whose call raised, else {}."""
+    bad = {name: f"{type(x).__name__}: {x}"[:200] for name, x in results.items() if isinstance(x, Exception)}
+    return {"failed": "; ".join(f"{k}: {v}" for k, v in bad.items())} if bad else {}
+
+
 def _clone(x):
     if isinstance(x, torch.Tensor):
         return x.clone()
@@ -222,8 +236,11 @@ def budget_checks(call) -> dict:
     want = budget_stats_reference(*args[:14], **ref_kw)
     diff = (got.stats - want).abs() / want.abs().clamp(min=1e-300)
     ways = budget_ways(args, kwargs)
-    worst = max(float(((f().stats - want).abs() / want.abs().clamp(min=1e-300)).max()) for f in ways.values())
-    out = {"ways": ways, "stats max rel diff": float(diff.max()), "worst way's stats rel diff": worst}
+    res = {name: attempt(f) for name, f in ways.items()}
+    worst = max(float(((x.stats - want).abs() / want.abs().clamp(min=1e-300)).max()) for x in res.values()
+                if not isinstance(x, Exception))
+    out = {"ways": ways, "stats max rel diff": float(diff.max()), "worst way's stats rel diff": worst,
+           **failures(res)}
     rule = kwargs.get("rule")
     if rule is not None:
         n_s, base_counts = args[10], args[9]
@@ -242,11 +259,12 @@ def stage_calls(calls) -> dict[str, dict]:
     if calls["topk_select"]:
         args, kwargs = calls["topk_select"][0]
         ways = topk_ways(args, kwargs)
-        res = {name: f() for name, f in ways.items()}
+        res = {name: attempt(f) for name, f in ways.items()}
         scores = res["torch"][2]
         out["top-k"] = {"ways": ways, "rule": kwargs.get("select"),
-                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()},
-                        "size": float(res["triton"][1].double().mean())}
+                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()
+                                     if not isinstance(r, Exception)},
+                        "size": float(res["triton"][1].double().mean()), **failures(res)}
     if calls["sample_rows_triton"]:
         out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
     if calls["sample_cut_triton"]:
@@ -262,9 +280,11 @@ def stage_calls(calls) -> dict[str, dict]:
                                    excluded, cut, tie, k.shape[2])
         ref = attend_reference(q, k, v, lengths, sink, window, scale, scores, excluded, samp, n_s, size).float()
         ways = attend_ways(args, kwargs)
-        errs = {name: float((f().float() - ref).norm() / ref.norm()) for name, f in ways.items()}
+        res = {name: attempt(f) for name, f in ways.items()}
+        errs = {name: float((x.float() - ref).norm() / ref.norm()) for name, x in res.items()
+                if not isinstance(x, Exception)}
         out["attention"] = {"ways": ways, "rel err vs reference": float((got - ref).norm() / ref.norm()),
-                            "worst way's rel err": max(errs.values())}
+                            "worst way's rel err": max(errs.values()), **failures(res)}
     return out
 
 
@@ -322,6 +342,7 @@ def check() -> None:
     for stage, info in stages.items():
         for fn in info["ways"].values():
             fn()
+        assert "failed" not in info, (stage, info)
         assert all(v == 0 for v in info.get("bad rows", {}).values()), (stage, info)
         assert info.get("mismatches vs reference", 0) == 0, (stage, info)
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
