@@ -110,3 +110,45 @@ def test_split_select_bad_input_is_a_clear_error():
         topk_rows_split(s, counts, 4, num_warps=3)
     with pytest.raises(ValueError, match="digit_bits"):
         topk_rows_split(s, counts, 4, digit_bits=12)
+
+
+@pytest.mark.parametrize("seed,b,hq,hkv,n,dtype,programs", [
+    (0, 1, 1, 1, 333, torch.float32, None), (1, 2, 8, 2, 700, torch.bfloat16, 64),
+    (2, 75, 4, 1, 200, torch.float16, None), (3, 3, 4, 4, 1025, torch.bfloat16, 40)])
+def test_oracle_topk_split_way_takes_the_reference_keys(seed, b, hq, hkv, n, dtype, programs):
+    """topk_select(select="split") (vAttention's oracle predictor, per-query-head rows, 1 to 300 of them):
+    the counts of the reference, and per row the indices topk_rows_reference takes on the kept scores (ties
+    to the lowest index, ascending, zeros after) — the same set as the torch reference's top-k up to ties;
+    counts 0, 1, a few, a fraction and every candidate, lengths not a multiple of the chunk."""
+    from kvsieve.kernels.oracle_topk import topk
+
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, 64, generator=g) * 2).to(dtype)
+    k = torch.randn(b, hkv, n, 64, generator=g).to(dtype)
+    lens = (n - torch.randint(0, n // 3, (b,), generator=g)).to(torch.int32)
+    opts = None if programs is None else {"split": {"programs": programs}}
+    for size, (sink, window) in ((0, (4, 8)), (1, (0, 0)), (7, (0, 0)), (0.1, (4, 40)), (1.0, (4, 40))):
+        mk = max(1, size if isinstance(size, int) else int(n * size))
+        kw = dict(sink=sink, window=window, size=size, max_k=mk, share_kv_group=False)
+        idx, counts, s = topk.topk_select(q, k, lens, select="split", keep_scores=True, launch_opts=opts, **kw)
+        ref_idx, ref_counts, ref_s = topk.topk_select(q, k, lens, scores="reference", keep_scores=True, **kw)
+        assert torch.equal(counts, ref_counts)
+        assert torch.equal(idx, topk_rows_reference(s, counts[:, 0], idx.shape[-1]))
+        for r in range(b):
+            for h in range(hq):
+                c = int(counts[r, h])
+                if c:  # the reference's k-th best score, within the scores' rounding
+                    assert float(ref_s[r, h, idx[r, h, :c]].min()) >= float(ref_s[r, h, ref_idx[r, h, c - 1]]) - 1e-4
+
+
+def test_oracle_topk_split_way_bad_input_is_a_clear_error():
+    from kvsieve.kernels.oracle_topk import topk
+
+    q, k, lens = torch.randn(1, 4, 64), torch.randn(1, 2, 100, 64), torch.tensor([100], dtype=torch.int32)
+    with pytest.raises(ValueError, match="select"):
+        topk.topk_select(q, k, lens, sink=0, window=0, size=4, max_k=4, share_kv_group=True, select="split")
+    with pytest.raises(ValueError, match="select"):
+        topk.topk_select(q, k, lens, sink=0, window=0, size=4, max_k=4, share_kv_group=False, select="heap")
+    with pytest.raises(ValueError, match="launch_opts"):
+        topk.topk_select(q, k, lens, sink=0, window=0, size=4, max_k=4, share_kv_group=False, select="split",
+                         launch_opts={"heap": {}})

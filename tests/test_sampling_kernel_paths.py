@@ -392,9 +392,10 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
     for splits in split_counts:
-        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits)
-        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+        for pre in (False, True):  # sink and window from K's rows, prefetched too
+            got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                      splits=splits, prefetch=pre)
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
         worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
     # the lists' logits from kept float32 scores (random, not K's: a kernel that ignored them fails)
     logits = torch.randn(r, hq, n, generator=g) * 3
@@ -403,9 +404,12 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
         want[..., 2:4] = 0
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12, logits)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
-    for splits in (2, 13):
+    # launch settings too (blocks of 8 and 64 entries, other warps, the next block's loads issued first):
+    # the same statistics
+    for splits, block, warps, pre in ((2, None, None, False), (13, None, None, False), (5, 8, 2, True),
+                                      (3, 64, 8, False), (1, 8, None, True)):
         got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits, logits=logits)
+                                  splits=splits, logits=logits, block=block, num_warps=warps, prefetch=pre)
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
 print("WORST", worst)
 print("OK")
@@ -415,7 +419,8 @@ print("OK")
 @pytest.mark.triton
 def test_budget_statistics_split_over_programs_equal_a_direct_float64_sum():
     """The statistics launch cut into 1-64 splits per (row, query head) and merged (shift to the row's
-    max, Chan's merge of the spreads) equals a direct float64 two-pass computation to 1e-13 relative."""
+    max, Chan's merge of the spreads), at several blocks and warps, equals a direct float64 two-pass
+    computation to 1e-13 relative."""
     pytest.importorskip("triton")
     assert "OK" in run_script(BUDGET, "cpu", True)
 

@@ -9,13 +9,14 @@ replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs comp
 
 - top-k: both ways the method's shape rule (``oracle_topk.select_path``) picks between, ``torch``
   (``torch.topk`` of the kept scores) and ``triton`` (the Triton select, a long row's candidates merged by a
-  second launch), with ``rule`` naming the one the decode ran; each the same set as the reference's sorted
+  second launch), and the split select (``split*``: every row over many programs, ``SPLIT_WAYS``), with
+  ``rule`` naming the one the decode ran; each the same set as the reference's sorted
   top-k up to ties (checked by the scores: the k-th largest equal, every chosen score at least it);
 - base sample (a list, one program per row): equal to ``sample_rows_reference``;
 - residual sample (the windowed cut): the keys it holds equal to the reference's;
-- budget statistics: against ``budget_stats_reference`` (float64 torch), the sizes against the kernel's
-  rounding of its own sizes;
-- attention: its error against ``attend_reference``.
+- budget statistics: each launch setting (``BUDGET_WAYS``) against ``budget_stats_reference`` (float64 torch),
+  the default's sizes against the kernel's rounding of its own sizes;
+- attention: each launch setting (``ATTEND_WAYS``) and its error against ``attend_reference``.
 
     python benchmarks/breakdown/vattention_stages.py OUT [--n 131072] [--batch 1] [--attention peaked]
 
@@ -37,6 +38,27 @@ SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
          ("kvsieve.kernels.shared.sample_triton", "sample_cut_triton"),
          ("kvsieve.kernels.vattention.budget_triton", "budget_triton"),
          ("kvsieve.kernels.vattention.attend_triton", "attend_triton"))
+
+
+# The split select's launch settings timed (topk_rows_split's overrides): the default (about one program per SM,
+# chunks capped at 4096 keys: 32 programs per 128k row, 8 per 32k row), 8 warps, and 32x the programs (chunks of
+# 1024 at 128k b1, 2048 at 32k b8; every program repeats the row-wide steps over the maxima, so more programs
+# also cost more)
+SPLIT_WAYS = {"split": {}, "split-w8": {"num_warps": 8}, "split-p32x": {"programs": 4224}}
+
+
+def attempt(fn):
+    """``fn()``, or the exception it raised (one failing way must not lose the others' checks)."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def failures(results: dict) -> dict:
+    """``{"failed": "way: error; ..."}`` for the ways whose call raised, else {}."""
+    bad = {name: f"{type(x).__name__}: {x}"[:200] for name, x in results.items() if isinstance(x, Exception)}
+    return {"failed": "; ".join(f"{k}: {v}" for k, v in bad.items())} if bad else {}
 
 
 def _clone(x):
@@ -79,8 +101,47 @@ def topk_ways(args, kwargs) -> dict:
     from kvsieve.kernels.oracle_topk.topk import topk_select
 
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
-    return {"torch": lambda: topk_select(*args, **base, select="torch"),
+    ways = {"torch": lambda: topk_select(*args, **base, select="torch"),
             "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
+    if not base.get("share_kv_group"):  # the split select: every row over many programs (chunks of <= 4096 keys)
+        for name, opts in SPLIT_WAYS.items():
+            ways[name] = lambda _o=opts: topk_select(*args, **base, select="split", launch_opts={"split": _o})
+    return ways
+
+
+# The attention pass's launch settings timed (attend_triton's keywords; "sms": programs = that many per SM, the
+# SM count read on the device). The default is 64-key blocks, 4 warps, 3 stages, 528 programs; sm_90 compiles
+# (Triton 3.6) hold 3 such programs per SM (72 KB of shared memory each), so 528 programs run in 1.33 waves.
+# "narrow": the tests, hashes and exponentials on the group's 4 rows instead of the dot's 16.
+ATTEND_WAYS = {
+    "stream": {},
+    "stream-3/sm": {"sms": 3},
+    "narrow": {"narrow": True},
+    "narrow-3/sm": {"narrow": True, "sms": 3},
+    "narrow-s2": {"narrow": True, "num_stages": 2},
+    "narrow-b32-s4-4/sm": {"narrow": True, "block_n": 32, "num_stages": 4, "sms": 4},
+    "narrow-b32-s3-5/sm": {"narrow": True, "block_n": 32, "num_stages": 3, "sms": 5},
+    "narrow-w8-2/sm": {"narrow": True, "num_warps": 8, "sms": 2},
+    "narrow-b128-w8-s2-2/sm": {"narrow": True, "block_n": 128, "num_warps": 8, "num_stages": 2, "sms": 2},
+}
+
+
+def launch_opts(opts: dict, device) -> dict:
+    """A way's keywords with ``sms`` (programs per SM) turned into ``programs``."""
+    from kvsieve.kernels.shared.select_common import sm_count
+
+    kw = {k: v for k, v in opts.items() if k != "sms"}
+    if "sms" in opts:
+        kw["programs"] = opts["sms"] * sm_count(device)
+    return kw
+
+
+def attend_ways(args, kwargs) -> dict:
+    """The attention pass's ways on the recorded arguments (``ATTEND_WAYS``)."""
+    from kvsieve.kernels.vattention.attend_triton import attend_triton
+
+    settings = {name: launch_opts(opts, args[0].device) for name, opts in ATTEND_WAYS.items()}
+    return {name: lambda _kw=kw: attend_triton(*args, **kwargs, **_kw) for name, kw in settings.items()}
 
 
 def topk_error(idx, counts, scores) -> int:
@@ -126,6 +187,44 @@ def sample_checks(call, listed: bool) -> dict:
             "mismatches vs reference": err, "size": float(take.double().mean())}
 
 
+# The budget statistics' launch settings timed (budget_triton's keywords; "sms": splits per (row, query head)
+# such that the split launch holds that many programs per SM, the SM count read on the device). The default
+# (blocks of 32 entries, 4 warps, ~528 programs) compiles (Triton 3.6, sm_90) to 224 registers a thread: 2
+# programs per SM, so 544 programs (128k b1) or 768 (32k b8) run in 3 waves, the last nearly empty; each
+# program's loop steps wait on two dependent gathers (list entry, then its logit and V row). Blocks of 8
+# entries take 166 registers (3 per SM). "pre": each step issues the next block's gathers before its sums (245
+# registers at blocks of 32, 168 at 8).
+BUDGET_WAYS = {
+    "online": {},
+    "online-2/sm": {"sms": 2},
+    "online-4/sm": {"sms": 4},
+    "b16-2/sm": {"block": 16, "sms": 2},
+    "b8-3/sm": {"block": 8, "sms": 3},
+    "b8-6/sm": {"block": 8, "sms": 6},
+    "b64-w8-1/sm": {"block": 64, "num_warps": 8, "sms": 1},
+    "pre": {"prefetch": True},
+    "pre-2/sm": {"prefetch": True, "sms": 2},
+    "pre-4/sm": {"prefetch": True, "sms": 4},
+    "pre-b8-3/sm": {"prefetch": True, "block": 8, "sms": 3},
+}
+
+
+def budget_ways(args, kwargs) -> dict:
+    """The budget statistics' ways on the recorded arguments (``BUDGET_WAYS``)."""
+    from kvsieve.kernels.shared.select_common import sm_count
+    from kvsieve.kernels.vattention.budget_triton import budget_triton
+
+    q = args[0]
+    rows = q.shape[0] * q.shape[1]
+    settings = {}
+    for name, opts in BUDGET_WAYS.items():
+        kw = {k: v for k, v in opts.items() if k != "sms"}
+        if "sms" in opts:
+            kw["splits"] = max(1, opts["sms"] * sm_count(q.device) // rows)
+        settings[name] = kw
+    return {name: lambda _kw=kw: budget_triton(*args, **kwargs, **_kw) for name, kw in settings.items()}
+
+
 def budget_checks(call) -> dict:
     """The budget on one recorded call: its statistics against ``budget_stats_reference`` and its sizes the
     rounding of its own raw sizes (as the method clamps them)."""
@@ -136,7 +235,12 @@ def budget_checks(call) -> dict:
     ref_kw = {k: v for k, v in kwargs.items() if k == "logits"}
     want = budget_stats_reference(*args[:14], **ref_kw)
     diff = (got.stats - want).abs() / want.abs().clamp(min=1e-300)
-    out = {"ways": {"online": lambda: budget_triton(*args, **kwargs)}, "stats max rel diff": float(diff.max())}
+    ways = budget_ways(args, kwargs)
+    res = {name: attempt(f) for name, f in ways.items()}
+    worst = max(float(((x.stats - want).abs() / want.abs().clamp(min=1e-300)).max()) for x in res.values()
+                if not isinstance(x, Exception))
+    out = {"ways": ways, "stats max rel diff": float(diff.max()), "worst way's stats rel diff": worst,
+           **failures(res)}
     rule = kwargs.get("rule")
     if rule is not None:
         n_s, base_counts = args[10], args[9]
@@ -155,11 +259,12 @@ def stage_calls(calls) -> dict[str, dict]:
     if calls["topk_select"]:
         args, kwargs = calls["topk_select"][0]
         ways = topk_ways(args, kwargs)
-        res = {name: f() for name, f in ways.items()}
+        res = {name: attempt(f) for name, f in ways.items()}
         scores = res["torch"][2]
         out["top-k"] = {"ways": ways, "rule": kwargs.get("select"),
-                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()},
-                        "size": float(res["triton"][1].double().mean())}
+                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()
+                                     if not isinstance(r, Exception)},
+                        "size": float(res["triton"][1].double().mean()), **failures(res)}
     if calls["sample_rows_triton"]:
         out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
     if calls["sample_cut_triton"]:
@@ -174,8 +279,12 @@ def stage_calls(calls) -> dict[str, dict]:
                                    torch.maximum(lengths.long() - window, torch.clamp(lengths.long(), max=sink)),
                                    excluded, cut, tie, k.shape[2])
         ref = attend_reference(q, k, v, lengths, sink, window, scale, scores, excluded, samp, n_s, size).float()
-        out["attention"] = {"ways": {"stream": lambda: attend_triton(*args, **kwargs)},
-                            "rel err vs reference": float((got - ref).norm() / ref.norm())}
+        ways = attend_ways(args, kwargs)
+        res = {name: attempt(f) for name, f in ways.items()}
+        errs = {name: float((x.float() - ref).norm() / ref.norm()) for name, x in res.items()
+                if not isinstance(x, Exception)}
+        out["attention"] = {"ways": ways, "rel err vs reference": float((got - ref).norm() / ref.norm()),
+                            "worst way's rel err": max(errs.values()), **failures(res)}
     return out
 
 
@@ -233,10 +342,13 @@ def check() -> None:
     for stage, info in stages.items():
         for fn in info["ways"].values():
             fn()
+        assert "failed" not in info, (stage, info)
         assert all(v == 0 for v in info.get("bad rows", {}).values()), (stage, info)
         assert info.get("mismatches vs reference", 0) == 0, (stage, info)
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
+        assert info.get("worst way's rel err", 0.0) < 1e-4, (stage, info)
         assert info.get("stats max rel diff", 0.0) < 1e-12 and info.get("same sizes", True), (stage, info)
+        assert info.get("worst way's stats rel diff", 0.0) < 1e-12, (stage, info)
     assert stages["top-k"]["rule"] == "triton", stages["top-k"]  # a short row
     print("check: ok")
 

@@ -33,6 +33,7 @@ import math
 import torch
 
 from ...core.rng import GOLDEN, MASK32, POSITION_BITS, hash_bits
+from ..shared.select_common import check_launch_value
 from ..shared.triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
 
 #: programs of the pass in all (about four per H100/H200 SM, as the list kernel's)
@@ -84,6 +85,25 @@ if triton is not None:
     from ..shared.sample_triton import hash24
     from ..shared.triton_utils import attend_dense_split, dense_range, store_partials
 
+    @triton.jit
+    def _double_rows(x):
+        # [R, C] -> [2R, C]: x in rows [0, R), a copy of it in [R, 2R)
+        return tl.reshape(tl.permute(tl.join(x, x), (2, 0, 1)), [2 * x.shape[0], x.shape[1]])
+
+    @triton.jit
+    def _widen(x, TO: tl.constexpr):
+        """``[R, C] -> [TO, C]`` (``R`` and ``TO`` powers of two, ``R ≤ TO ≤ 16 R``): x in the first ``R`` rows,
+        copies of it below (the caller masks or ignores them)."""
+        if TO >= 2 * x.shape[0]:
+            x = _double_rows(x)
+        if TO >= 2 * x.shape[0]:
+            x = _double_rows(x)
+        if TO >= 2 * x.shape[0]:
+            x = _double_rows(x)
+        if TO >= 2 * x.shape[0]:
+            x = _double_rows(x)
+        return x
+
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_mid_parts", "mid_chunk", "dense_chunk",
                                    "n_parts"])
     def _attend_kernel(
@@ -91,9 +111,12 @@ if triton is not None:
         acc_ptr, m_ptr, l_ptr,
         scale_log2, stream_key, n_keys, sink, window, n_mid_parts, mid_chunk, dense_chunk, n_parts,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_v_b, s_v_h, s_v_n, s_s_b, s_s_h, s_x_b, s_x_h, s_c_b, s_c_h,
-        G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     ):
+        # BLOCK_G rows for tl.dot (at least 16); BLOCK_H (≤ BLOCK_G) rows on which the selectable keys'
+        # tests, hashes and exponentials run: BLOCK_G, or next_pow2(G) with p widened to BLOCK_G rows (zeros
+        # below the heads) only for the dot
         part = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -114,38 +137,57 @@ if triton is not None:
             lo = sink_end + part * mid_chunk
             hi = tl.minimum(lo + mid_chunk, win_start)
             if lo < hi:
+                offs_h = tl.arange(0, BLOCK_H)
+                h_ok = offs_h < G
+                hh = kvh * G + offs_h
                 w_lo = tl.load(lo_ptr + b)
                 w_hi = tl.load(hi_ptr + b)
-                cs = b64 * s_c_b + heads * s_c_h
-                cut = tl.load(cut_ptr + cs, mask=g_ok, other=0)
-                tie = tl.load(tie_ptr + cs, mask=g_ok, other=-1)
-                n_s = tl.load(ns_ptr + cs, mask=g_ok, other=1).to(tl.float64)
-                size = tl.load(bs_ptr + cs, mask=g_ok, other=1).to(tl.float64)
+                cs = b64 * s_c_b + hh * s_c_h
+                # 24-bit hashes, positions and cuts all fit 32 bits: the tests run in int32
+                cut = tl.load(cut_ptr + cs, mask=h_ok, other=0).to(tl.int32)
+                tie = tl.load(tie_ptr + cs, mask=h_ok, other=-1).to(tl.int32)
+                n_s = tl.load(ns_ptr + cs, mask=h_ok, other=1).to(tl.float64)
+                size = tl.load(bs_ptr + cs, mask=h_ok, other=1).to(tl.float64)
                 # the list path's log2 of the float64 weight n_s / b, taken in float32
                 log2_w = tl.log2((n_s / tl.maximum(size, 1.0)).to(tl.float32))
-                s_row = sc_ptr + b64 * s_s_b + heads[:, None] * s_s_h
-                x_row = x_ptr + b64 * s_x_b + heads[:, None] * s_x_h
-                counter = heads.to(tl.int64)[:, None] << 22
+                s_row = sc_ptr + b64 * s_s_b + hh[:, None] * s_s_h
+                x_row = x_ptr + b64 * s_x_b + hh[:, None] * s_x_h
+                # hash_bits' counter (head << POSITION_BITS) + position, taken mod 2^32 as the hash does
+                counter = hh.to(tl.uint32)[:, None] << 22
+                m_h = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                l_h = tl.zeros([BLOCK_H], tl.float32)
                 for p0 in range(lo, hi, BLOCK_N):
                     pos = p0 + offs_n
-                    okg = g_ok[:, None] & (pos < hi)[None, :]
+                    okh = h_ok[:, None] & (pos < hi)[None, :]
                     # the block's loads first, independent of its selection: issued without waiting
                     vt = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=(pos < hi)[:, None], other=0.0)
-                    s = tl.load(s_row + pos[None, :], mask=okg, other=0.0) * 1.4426950408889634
-                    top = tl.load(x_row + pos[None, :], mask=okg, other=0) != 0
-                    hv = hash24(w_lo, w_hi, stream_key, counter + pos[None, :])
+                    s = tl.load(s_row + pos[None, :], mask=okh, other=0.0) * 1.4426950408889634
+                    top = tl.load(x_row + pos[None, :], mask=okh, other=0) != 0
+                    hv = hash24(w_lo, w_hi, stream_key, counter + pos.to(tl.uint32)[None, :]).to(tl.int32)
                     samp = ~top & ((hv < cut[:, None]) | ((hv == cut[:, None]) & (pos[None, :] <= tie[:, None])))
-                    sel = okg & (top | samp)
+                    sel = okh & (top | samp)
                     s = tl.where(sel, s + tl.where(top, 0.0, log2_w[:, None]), float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                    m_new = tl.maximum(m_h, tl.max(s, axis=1))
                     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                    alpha = tl.exp2(m_i - m_ref)
+                    alpha = tl.exp2(m_h - m_ref)
                     p = tl.exp2(s - m_ref[:, None])
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    l_h = l_h * alpha + tl.sum(p, axis=1)
                     if DOT_F32:  # the interpreter's bf16 tl.dot is wrong; its tests upcast the tiles instead
                         vt = vt.to(tl.float32)
-                    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PRECISION)
-                    m_i = m_new
+                    if BLOCK_H < BLOCK_G:
+                        p_g = tl.where(offs_g[:, None] < BLOCK_H, _widen(p, BLOCK_G), 0.0)
+                        alpha_g = _widen(alpha[:, None], BLOCK_G)
+                    else:
+                        p_g = p
+                        alpha_g = alpha[:, None]
+                    acc = acc * alpha_g + tl.dot(p_g.to(vt.dtype), vt, input_precision=DOT_PRECISION)
+                    m_h = m_new
+                if BLOCK_H < BLOCK_G:  # rows past BLOCK_H are copies, and past G never stored
+                    m_i = tl.reshape(_widen(m_h[:, None], BLOCK_G), [BLOCK_G])
+                    l_i = tl.reshape(_widen(l_h[:, None], BLOCK_G), [BLOCK_G])
+                else:
+                    m_i = m_h
+                    l_i = l_h
         else:
             # sink and window: position t of [0, sink_end) ++ [win_start, length), logits from K
             q = tl.load(q_ptr + b64 * s_q_b + heads[:, None] * s_q_h + offs_d[None, :], mask=g_ok[:, None],
@@ -175,12 +217,20 @@ def attend_plan(batch: int, kv_heads: int, n_keys: int, dense_keys: int, block_n
 
 
 def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores, excluded, lo, hi, stream: int,
-                  cut, tie, n_s, size, out: torch.Tensor | None = None) -> torch.Tensor:
+                  cut, tie, n_s, size, out: torch.Tensor | None = None, *, narrow: bool = False,
+                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                  programs: int | None = None) -> torch.Tensor:
     """vAttention's estimate (module docstring): ``q [R, Hq, d]``, ``k, v [R, Hkv, N, d]`` (last dim
     contiguous), ``lengths [R]`` int32, ``scores [R, Hq, N]`` float32 (the predictor's scaled logits of
     ``[sink_end, window_start)``), ``excluded [R, Hq, N]`` bool (the top-k), the sample's row words
     ``lo, hi [R]`` and ``stream``, its cut ``cut, tie [R, Hq]``, the residual's size ``n_s [R, Hq]`` and the
-    sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge)."""
+    sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge).
+
+    Launch settings (the same estimate whatever they are; ``vattention_stages.py`` times them): ``narrow`` —
+    the selectable keys' tests, hashes and exponentials on ``next_pow2(G)`` rows instead of the dot's 16 (the
+    probabilities widened to 16 rows, zeros below the heads, for the dot only); ``block_n`` keys per block (a
+    power of two, 16 to 256), ``num_warps``, ``num_stages``; ``programs``: about this many programs of the
+    pass in all (default ``TARGET_PROGRAMS``)."""
     r, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -193,9 +243,12 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
         raise ValueError("attend_triton: scores must be float32, scores and excluded with a contiguous last dim")
     if not (cut.stride() == tie.stride() == n_s.stride() == size.stride()):
         raise ValueError("attend_triton: cut, tie, n_s and size must share a layout")
-    block_n = 64
+    check_launch_value("block_n", block_n, low=16, high=256, pow2=True)
+    check_launch_value("num_warps", num_warps, high=16, pow2=True)
+    check_launch_value("num_stages", num_stages, high=6)
+    target = TARGET_PROGRAMS if programs is None else check_launch_value("programs", programs)
     dense_keys = min(sink + window, n)
-    n_mid, mid_chunk, n_dense, dense_chunk = attend_plan(r, hkv, n, dense_keys, block_n)
+    n_mid, mid_chunk, n_dense, dense_chunk = attend_plan(r, hkv, n, dense_keys, block_n, target)
     parts = max(1, n_mid + n_dense)
     acc = workspace("vattention_attend_acc", q, r * hq * parts * d, torch.float32)
     pm = workspace("vattention_attend_m", q, r * hq * parts, torch.float32)
@@ -210,8 +263,8 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
            scale * _LOG2E, (stream * GOLDEN) & MASK32, n, sink, window, n_mid, mid_chunk, dense_chunk, parts,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            scores.stride(0), scores.stride(1), excluded.stride(0), excluded.stride(1), cut.stride(0), cut.stride(1),
-           G=g, BLOCK_G=max(16, next_pow2(g)), D=d, BLOCK_N=block_n, DOT_PRECISION=precision, DOT_F32=dot_f32,
-           num_warps=4, num_stages=3)
+           G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_H=next_pow2(g) if narrow else max(16, next_pow2(g)), D=d,
+           BLOCK_N=block_n, DOT_PRECISION=precision, DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages)
     merge_partials(acc, pm, pl, None, out, r, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
                    d_chunk=32, num_warps=1, num_stages=2)
     return out

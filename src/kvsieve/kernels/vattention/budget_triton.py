@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..shared.select_common import check_launch_value
 from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
 #: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
@@ -55,18 +56,30 @@ if triton is not None:
         return lo, tl.minimum(lo + c, n_seg)
 
     @triton.jit
-    def _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST: tl.constexpr,
-                      KEPT: tl.constexpr, D: tl.constexpr):
-        """Positions and float64 logits (−inf off ``ok``) of a segment's entries ``j``: from the kept scores
-        ``l_base`` (``KEPT``) or from K's rows."""
-        pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST)
+    def _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j, ok, IS_LIST: tl.constexpr,
+                     KEPT: tl.constexpr, FULL: tl.constexpr, D: tl.constexpr):
+        """What a segment's entries ``j`` (masked by ``ok``) read: their raw logits (the kept float32 scores
+        ``l_base`` if ``KEPT``, else K's rows) and (``FULL``) V's rows, as loaded."""
+        pos = _segment_positions(lst, seg_lo, j, ok, IS_LIST).to(tl.int64)
+        offs_d = tl.arange(0, D)
         if KEPT:
-            s = tl.load(l_base + pos.to(tl.int64), mask=ok, other=0.0).to(tl.float64)
+            raw = tl.load(l_base + pos, mask=ok, other=0.0)
         else:
-            kr = tl.load(k_base + pos.to(tl.int64)[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=ok[:, None],
-                         other=0.0)
-            s = tl.sum(kr.to(tl.float64) * q[None, :], 1) * scale
-        return pos, tl.where(ok, s, float("-inf"))
+            raw = tl.load(k_base + pos[:, None] * s_k_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        if FULL:
+            vr = tl.load(v_base + pos[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None], other=0.0)
+        else:
+            vr = raw  # unused
+        return raw, vr
+
+    @triton.jit
+    def _block_logits(q, raw, ok, scale, KEPT: tl.constexpr):
+        """Float64 logits (−inf off ``ok``) from :func:`_block_loads`' raw logits."""
+        if KEPT:
+            s = raw.to(tl.float64)
+        else:
+            s = tl.sum(raw.to(tl.float64) * q[None, :], 1) * scale
+        return tl.where(ok, s, float("-inf"))
 
     @triton.jit
     def _rescale(m, s):
@@ -79,22 +92,32 @@ if triton is not None:
     @triton.jit
     def _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, d_f, acc_f,
                       IS_LIST: tl.constexpr, KEPT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
-                      D: tl.constexpr):
+                      D: tl.constexpr, PREFETCH: tl.constexpr):
         """One pass over entries ``[j_lo, j_hi)`` of a deterministic segment: ``Σ e`` and (``FULL``) ``Σ e v``
-        around the running max ``m``, rescaled as it grows."""
+        around the running max ``m``, rescaled as it grows. ``PREFETCH``: each step issues the next block's
+        loads before its own sums, so their latency overlaps them (the same sums)."""
         offs = tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, D)
+        if PREFETCH:
+            ok = j_lo + offs < j_hi
+            raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo + offs, ok, IS_LIST, KEPT,
+                                   FULL, D)
         for j0 in range(j_lo, j_hi, BLOCK):
-            j = j0 + offs
-            ok = j < j_hi
-            pos, s = _block_logits(q, k_base, s_k_n, l_base, lst, seg_lo, j, ok, scale, IS_LIST, KEPT, D)
+            if PREFETCH:
+                ok_n = j0 + BLOCK + offs < j_hi
+                raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j0 + BLOCK + offs, ok_n,
+                                           IS_LIST, KEPT, FULL, D)
+            else:
+                ok = j0 + offs < j_hi
+                raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j0 + offs, ok, IS_LIST,
+                                       KEPT, FULL, D)
+            s = _block_logits(q, raw, ok, scale, KEPT)
             m, shift, c = _rescale(m, s)
             e = tl.where(ok, tl.exp(s - shift), 0.0)
             d_f = d_f * c + tl.sum(e, 0)
             if FULL:
-                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0)
                 acc_f = acc_f * c + tl.sum(e[:, None] * vr.to(tl.float64), 0)
+            if PREFETCH:
+                ok, raw, vr = ok_n, raw_n, vr_n
         return m, d_f, acc_f
 
     @triton.jit
@@ -119,21 +142,21 @@ if triton is not None:
 
     @triton.jit
     def _online_parts(o, q, k_base, s_k_n, v_base, s_v_n, l_base, top, base, start, end, a0, a1, w0, w1, t0, t1,
-                      b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+                      b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                      PREFETCH: tl.constexpr):
         """:func:`_budget_parts_kernel`'s record in one pass over each segment (no logits workspace, one
         exponential per entry): every sum kept around the running max and multiplied by ``e^(m_old − m_new)``
         when it grows (squared for the spreads); the base sample's spreads merged block by block (Chan)."""
         offs = tl.arange(0, BLOCK)
-        offs_d = tl.arange(0, D)
         m = tl.full([], float("-inf"), tl.float64)
         d_f = tl.zeros([], tl.float64)
         acc_f = tl.zeros([D], tl.float64)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, a0, a1, scale, m, d_f, acc_f,
-                                      False, False, FULL, BLOCK, D)
+                                      False, False, FULL, BLOCK, D, PREFETCH)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, end, w0, w1, scale, m, d_f,
-                                      acc_f, False, False, FULL, BLOCK, D)
+                                      acc_f, False, False, FULL, BLOCK, D, PREFETCH)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, t0, t1, scale, m, d_f, acc_f,
-                                      True, KEPT, FULL, BLOCK, D)
+                                      True, KEPT, FULL, BLOCK, D, PREFETCH)
         s_b = tl.zeros([], tl.float64)
         nb = tl.zeros([], tl.float64)
         mean_b = tl.zeros([], tl.float64)
@@ -143,10 +166,19 @@ if triton is not None:
         acc_b = tl.zeros([D], tl.float64)
         mean_r = tl.zeros([D], tl.float64)
         tr = tl.zeros([], tl.float64)
+        if PREFETCH:
+            ok = b0 + offs < b1
+            raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, b0 + offs, ok, True, KEPT, FULL, D)
         for j0 in range(b0, b1, BLOCK):
-            j = j0 + offs
-            ok = j < b1
-            pos, s = _block_logits(q, k_base, s_k_n, l_base, base, 0, j, ok, scale, True, KEPT, D)
+            if PREFETCH:
+                ok_n = j0 + BLOCK + offs < b1
+                raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, j0 + BLOCK + offs, ok_n,
+                                           True, KEPT, FULL, D)
+            else:
+                ok = j0 + offs < b1
+                raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, j0 + offs, ok, True, KEPT,
+                                       FULL, D)
+            s = _block_logits(q, raw, ok, scale, KEPT)
             m, shift, c = _rescale(m, s)
             e = tl.where(ok, tl.exp(s - shift), 0.0)
             d_f = d_f * c
@@ -164,9 +196,7 @@ if triton is not None:
             hi = tl.maximum(tl.where(nb > 0, hi * c, float("-inf")), tl.max(tl.where(ok, e, float("-inf")), 0))
             if FULL:
                 acc_f = acc_f * c
-                vr = tl.load(v_base + pos.to(tl.int64)[:, None] * s_v_n + offs_d[None, :], mask=ok[:, None],
-                             other=0.0).to(tl.float64)
-                rv = e[:, None] * vr
+                rv = e[:, None] * vr.to(tl.float64)
                 sv_blk = tl.sum(rv, 0)
                 mu_v = sv_blk / n_blk
                 dv = tl.where(ok[:, None], rv - mu_v[None, :], 0.0)
@@ -176,6 +206,8 @@ if triton is not None:
                 mean_r += delta_v * (n_blk / n_new)
                 acc_b = acc_b * c + sv_blk
             nb = n_new
+            if PREFETCH:
+                ok, raw, vr = ok_n, raw_n, vr_n
         _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
         if FULL:
             _store_full(o, tr, acc_f, acc_b, D)
@@ -186,7 +218,7 @@ if triton is not None:
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
                              s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_l_r, s_l_h,
                              FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                             W: tl.constexpr):
+                             W: tl.constexpr, PREFETCH: tl.constexpr):
         """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base list),
         each once, every sum around its running max ``m_s`` (:func:`_online_parts`); it stores ``m_s``, ``Σ_f e``,
         ``Σ_b e``, its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
@@ -214,7 +246,7 @@ if triton is not None:
         t0, t1 = _split_range(tc, s, splits)
         b0, b1 = _split_range(bc, s, splits)
         _online_parts(part_ptr + ((r * hq + h) * splits + s) * W, q, k_base, s_k_n, v_base, s_v_n, l_base, top,
-                      base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D)
+                      base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D, PREFETCH)
 
     @triton.jit
     def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
@@ -474,16 +506,19 @@ def budget_stats_reference(q, k, v, start, end, length, top, top_counts, base, b
 
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None,
-                        logits: torch.Tensor | None = None) -> torch.Tensor:
+                        logits: torch.Tensor | None = None, *, block: int | None = None,
+                        num_warps: int | None = None, prefetch: bool = False) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits, logits=logits).stats
+                         dense_width, splits=splits, logits=logits, block=block, num_warps=num_warps,
+                         prefetch=prefetch).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
-                  splits: int | None = None, logits: torch.Tensor | None = None) -> Budget:
+                  splits: int | None = None, logits: torch.Tensor | None = None, *, block: int | None = None,
+                  num_warps: int | None = None, prefetch: bool = False) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -498,7 +533,13 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
 
     ``logits [R, Hq, N]`` (float32 ``scale · q·k``, the oracle predictor's kept scores): the list entries'
     logits are read from it instead of computed from K (4 bytes a key instead of a K row; float32 rather
-    than float64 logits, as the tested-key attention pass uses); sink and window stay computed from K."""
+    than float64 logits, as the tested-key attention pass uses); sink and window stay computed from K.
+
+    Launch settings (the same statistics up to rounding whatever they are; ``vattention_stages.py`` times
+    them): ``block`` entries per loop step (a power of two, 4 to 128; default ``PARTS_BLOCK``, half beyond a head
+    dim of 128) and ``num_warps`` (default ``PARTS_WARPS``) of the split launch; ``prefetch``: each loop step
+    issues the next block's gathers (list entries, their logits and V rows) before its own sums, so that a
+    program waits on one gather latency less per block (more registers)."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
@@ -509,7 +550,12 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
         raise ValueError(f"budget_triton: logits must be float32 [{r}, {hq}, {k.shape[2]}] with a contiguous last "
                          f"dim, got {logits.dtype} {list(logits.shape)} strides {logits.stride()}")
     width = dense_width + top.shape[2] + base.shape[2]
-    block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
+    if block is None:
+        block = PARTS_BLOCK if d <= 128 else PARTS_BLOCK // 2
+    check_launch_value("block", block, low=4, high=128, pow2=True)
+    warps = PARTS_WARPS if num_warps is None else check_launch_value("num_warps", num_warps, high=16, pow2=True)
+    if splits is not None:
+        check_launch_value("splits", splits)
     dp = next_pow2(d)
     splits = splits or budget_splits(r * hq, width, block)
     rec = 8 + (2 * dp if full else 0)
@@ -522,7 +568,8 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=PARTS_WARPS, num_stages=1)
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, PREFETCH=prefetch, num_warps=warps,
+           num_stages=1)
     res = Budget(out)
     if rule is not None:
         sizes = torch.empty(2, r, hs, device=dev, dtype=torch.int64)
