@@ -68,20 +68,16 @@ def test_sink_lengths_match_the_reference(seed, dtype):
 
 
 
-@pytest.mark.parametrize("spec,shape,prompts,steps,dtype,fused", [
-    ("sketchwalk:block_size=16", (4, 2, 64), [150, 97, 128], 12, torch.float32, False),
+@pytest.mark.parametrize("spec,shape,prompts,steps,dtype", [
+    ("sketchwalk:block_size=16", (4, 2, 64), [150, 97, 128], 12, torch.float32),
     ("sketchwalk:block_size=16,query_window=5,window=0.1,sink=0.05,kblocks_frac=0.3,walk_damping=0.4", (8, 2, 64),
-     [64, 81], 14, torch.bfloat16, False),
-    ("sketchwalk:block_size=8,degree=1,query_window=3", (2, 1, 64), [40, 33, 8], 10, torch.float16, False),
-    ("sketchwalk:block_size=16,query_window=5,window=0.1,sink=0.05,kblocks_frac=0.3", (8, 2, 64), [64, 81, 30], 12,
-     torch.bfloat16, True),
+     [64, 81], 14, torch.bfloat16),
+    ("sketchwalk:block_size=8,degree=1,query_window=3", (2, 1, 64), [40, 33, 8], 10, torch.float16),
 ])
-def test_the_triton_step_keeps_the_blocks_of_decode_row(spec, shape, prompts, steps, dtype, fused, monkeypatch):
+def test_the_triton_step_keeps_the_blocks_of_decode_row(spec, shape, prompts, steps, dtype):
     """Ragged rows decoded together through the Triton step and the sparse kernel keep, step by step, exactly the
     blocks each row keeps alone through ``decode_row`` (blocks complete, the ring wraps), with its walk and output
-    within rounding; the state ends where the torch step's does, and the page list is the host bound's.
-    ``fused``: the state's step inside the logits' launch (``authors_decode.FUSED_STATE``)."""
-    monkeypatch.setattr(kd, "FUSED_STATE", fused)
+    within rounding; the state ends where the torch step's does, and the page list is the host bound's."""
     hq, hkv, d = shape
     n = max(prompts) + steps + 5
     q, k, v = rows_data(len(prompts), hq, hkv, n, d, seed=len(prompts), dtype=dtype)
@@ -146,20 +142,6 @@ def crafted_state(seed, *, b=5, hq=4, hkv=2, w_len=5, d=64, cap=12, bs=8, hadama
         p_kpart=torch.randn(b, hkv, d, generator=g), fresh_rows=False, block_size=bs), scale)
 
 
-def crafted_step(seed, fresh, sketch_dim):
-    """``(state, q, k, lengths)``: :func:`crafted_state`'s five rows and a step of them (the rows
-    :func:`test_row_update_kernels_match_their_reference` describes); ``fresh``: rows past the block count start
-    fresh."""
-    st = crafted_state(seed, hadamard_dim=sketch_dim)
-    st.fresh_rows = fresh
-    if fresh:
-        st.n_blocks = torch.tensor([3, 0, 6, 10, 2])
-    g = torch.Generator().manual_seed(seed + 7)
-    q = torch.randn(5, 4, 64, generator=g).bfloat16()
-    k = torch.randn(5, 2, 90, 64, generator=g).bfloat16()
-    return st, q, k, torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
-
-
 @pytest.mark.parametrize("seed,sketch_dim,block_m,block_l", [(0, 12, None, 8), (1, 12, None, 4), (2, 40, 16, 4),
                                                             (3, 40, None, 16)])
 @pytest.mark.parametrize("fresh", [False, True])
@@ -169,7 +151,14 @@ def test_row_update_kernels_match_their_reference(seed, fresh, sketch_dim, block
     the block row. GQA, a sketch dim that is no power of two, bf16 queries and keys; the logits' dots over the
     sketch at once or in chunks of features (``block_m``, the last one partial), the logits' tiles of
     ``block_l`` blocks (several tiles, or one over the row)."""
-    st, q, k, lengths = crafted_step(seed, fresh, sketch_dim)
+    st = crafted_state(seed, hadamard_dim=sketch_dim)
+    st.fresh_rows = fresh
+    if fresh:
+        st.n_blocks = torch.tensor([3, 0, 6, 10, 2])
+    g = torch.Generator().manual_seed(seed + 7)
+    q = torch.randn(5, 4, 64, generator=g).bfloat16()
+    k = torch.randn(5, 2, 90, 64, generator=g).bfloat16()
+    lengths = torch.tensor([59, 65, 48, 81, 44], dtype=torch.int32)
     want, got = copy.deepcopy(st), copy.deepcopy(st)
     r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
     r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_n=16, block_m=block_m, block_l=block_l)
@@ -178,33 +167,6 @@ def test_row_update_kernels_match_their_reference(seed, fresh, sketch_dim, block
     assert not got.fresh_rows
     assert_same_state(got, want, lengths)
     assert got.order_error.tolist() == [False, False, False, True, True]
-
-
-@pytest.mark.parametrize("seed,sketch_dim,block_l,tiles,signed", [(0, 12, 8, 1, True), (1, 40, 4, 2, True),
-                                                                   (4, 64, 16, None, True), (5, 40, 4, 3, False)])
-@pytest.mark.parametrize("fresh", [False, True])
-def test_the_fused_state_step_equals_the_state_launch(seed, fresh, sketch_dim, block_l, tiles, signed):
-    """``fused_state``: the state's step inside the logits' launch gives the block row and the state of the
-    separate state launch bit for bit (the same arithmetic in other programs) on the crafted rows above (restarts
-    mid-block and on a boundary, a new block, a jump), and the torch step's within rounding; ``tiles`` logits
-    tiles a program (one, several, the default, a count that leaves the last program short); the sketch matrix
-    made from its signs (the Hadamard sketch's ``±s``) or, ``signed`` off (one entry halved), read whole."""
-    st, q, k, lengths = crafted_step(seed, fresh, sketch_dim)
-    if not signed:
-        st.phi = st.phi.clone()
-        st.phi[1, 2] *= 0.5
-    assert torch.equal(kd.sketch_signs(st.phi)[1], torch.tensor([st.phi.abs().max(), float(signed)]))
-    want, got, apart = copy.deepcopy(st), copy.deepcopy(st), copy.deepcopy(st)
-    r_want = kr.row_update_reference(want, q, k, lengths, scale=0.05)
-    r_got = kd.row_update_triton(got, q, k, lengths, scale=0.05, block_l=block_l, fused_state=True,
-                                 fused_tiles=tiles)
-    r_apart = kd.row_update_triton(apart, q, k, lengths, scale=0.05, block_l=block_l, fused_state=False)
-    torch.testing.assert_close(r_got, r_want, atol=1e-6, rtol=1e-5)
-    assert_same_state(got, want, lengths)
-    assert torch.equal(r_got, r_apart)
-    for name in ("qs", "ks", "ksum", "logits", "closed_max", "closed_sum", "n_closed", "u", "sigma", "rsum",
-                 "n_blocks", "n_queries", "last_pos", "order_error"):
-        assert torch.equal(getattr(got, name), getattr(apart, name)), name
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -244,20 +206,18 @@ def layer_calls(m, prompts=(150, 97)):
     return calls
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_layer_step_is_five_launches_plus_the_hops_plus_the_attention(fused, monkeypatch):
+def test_a_layer_step_is_five_launches_plus_the_hops_plus_the_attention():
     """The step up to the attention is 5 + degree Triton launches (the state's step, the logit cache's step, the
-    probabilities' tiles and the row's tail, the hops, the selection; ``fused``: the state's step inside the logits'
-    launch, one fewer) and no torch op; the attention two (its splits, then their merge); no other torch op runs on
-    the device path but the CPU's order check (``any`` and its host read; on CUDA it is not made)."""
+    probabilities' tiles and the row's tail, the hops, the selection) and no torch op; the attention two (its
+    splits, then their merge); no other torch op runs on the device path but the CPU's order check (``any`` and
+    its host read; on CUDA it is not made)."""
     from kvsieve.bench.timing import count_dispatched
 
-    monkeypatch.setattr(kd, "FUSED_STATE", fused)
     m = kvsieve.method("sketchwalk:block_size=16,sink=0.01,window=0.02,kblocks_frac=0.0625,backend=triton")
     calls = layer_calls(m)
     calls[0]()
     got = count_dispatched(calls[1])
-    assert got["triton_launches"] == 5 - fused + m.config.degree + 2, got
+    assert got["triton_launches"] == 5 + m.config.degree + 2, got
     assert set(got["ops"]) <= {"any.default"}, got
     assert got["host_reads"] <= 1, got
 
@@ -283,17 +243,14 @@ def test_rows_past_the_kernels_width_take_the_torch_step(monkeypatch):
     assert stats["blocks_kept"] == stats_want["blocks_kept"] > 0
 
 
-@pytest.mark.parametrize("seed,prompted,ring,block_l,fused", [(0, True, 3, 4, False), (1, True, 12, 16, False),
-                                                              (2, False, 12, 4, False), (3, True, 12, 4, True),
-                                                              (4, False, 3, 16, True)])
-def test_the_block_row_follows_the_reference_over_steps(seed, prompted, ring, block_l, fused):
+@pytest.mark.parametrize("seed,prompted,ring,block_l", [(0, True, 3, 4), (1, True, 12, 16), (2, False, 12, 4)])
+def test_the_block_row_follows_the_reference_over_steps(seed, prompted, ring, block_l):
     """The logit cache's step (tiles of ``block_l`` blocks, and the default tiles) against the torch step over
     many steps of ragged rows from a recorded prompt (or none: a fresh state): blocks of 4 keys (block
     boundaries), a ring of 3 or 12 queries (it wraps; 36 ring rows a KV head take two programs of the logits'
     launch, one more than its tiles of ``block_l`` blocks), groups of 3 query heads; row 0 rewinds to its prompt
     (a restart), row 1 skips 6 positions ahead (3 blocks: every skipped block folds) and later steps 3 back (the
-    closed sums again over fewer blocks), both out of order. The block row and the whole state after every step.
-    ``fused``: the state's step inside the logits' launch (``fused_state``)."""
+    closed sums again over fewer blocks), both out of order. The block row and the whole state after every step."""
     from kvsieve.methods.sketchwalk.authors import AuthorsLayerState
     from kvsieve.methods.sketchwalk.authors_device import AuthorsDeviceState
 
@@ -309,5 +266,5 @@ def test_the_block_row_follows_the_reference_over_steps(seed, prompted, ring, bl
         st = AuthorsLayerState.fresh(phi, 3, 6, ring, torch.float32)
     ref = AuthorsDeviceState.from_layer_state(st, k, torch.tensor(prompts) + 1, block_size=4, capacity=n)
     block_row_follows_the_torch_step(ref, q, k, rewinds_and_jumps(prompts, 16, skip=6, back=3), atol=1e-6, rtol=1e-5,
-                                block_l=block_l, block_n=8, partial_chunk=2, fused_state=fused)
+                                block_l=block_l, block_n=8, partial_chunk=2)
     assert ref.order_error.tolist() == [not prompted, True, False]  # without a prompt a rewind is out of order

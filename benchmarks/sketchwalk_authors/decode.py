@@ -2,7 +2,7 @@
 Triton kernel, captured in a CUDA graph, cold L2: the step (``kernels/sketchwalk/authors_decode.py`` and
 ``authors_walk.py``) checked against the torch step; writes ``decode.json`` and ``decode.md`` to ``--out``.
 
-    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC] [--forms F]
+    python benchmarks/sketchwalk_authors/decode.py --out "$OUT" [--n 131072] [--batch 1] [--spec SPEC]
     TRITON_INTERPRET=1 python benchmarks/sketchwalk_authors/decode.py --out /tmp/x --check   # CPU, tiny shapes
 
 The prompt state comes from the method's own prefill record (``prefill(sparse=False)``, the torch block matrix) of
@@ -12,23 +12,17 @@ the prompt: the logit cache copies the prompt's logits) and ``next`` (length ``n
 steps (selection + attention; ``sketchwalk_step`` is ``next``), the attention alone on the step's pages (so the
 selection's share is the difference), FlashInfer (batch 1) and the dense Triton decode; ``launches`` is the
 kernels of one layer's step (torch profiler), ``kernels_us`` the step's mean device µs per kernel (eager, cold L2;
-a kernel launched with programmatic dependent launch counts its wait). Each of the step's forms (:data:`FORMS`;
-``--forms``, default :data:`DEFAULT_FORMS`) is checked and timed in the same run: ``apart`` (the default; rows
-``step_restart``, ``sketchwalk_step``) and the state's step inside the logits' launch, one launch fewer
-(``fused_state``, ``fused_state_t8``, ``fused_state_t1``: the new query's sketches once per 4, 8 or 1 logits tiles;
-rows ``<form>_step_restart``, ``<form>_sketchwalk_step``).
+a kernel launched with programmatic dependent launch counts its wait).
 
-``forms.<form>.check`` (``ok``: every form's): the two steps against the torch step (``row_update_reference``,
-``walk_select_reference``) from the same state: kept blocks that differ (``kept_mismatch``; a difference is a tie
-within rounding when the reference's walk there is within ``TIE_GAP`` of its threshold), the walk's largest
-relative error, the outputs' largest difference (the sparse kernel on each selection's pages), and whether a
-captured step's replay equals the eager step bit for bit (output and state); ``check.steps``: step by step over
-``--check-steps`` steps up to position ``n`` (from a prompt record of ``n − steps − 1`` tokens), the device step
-against the torch step (``device_step(kernels=False)``) from the same state: kept blocks that differ (flips at near
-ties) out of those kept, the walk's and the row scales' largest relative difference, whether the page lists are
-equal, and the attention on the step's pages against masked attention over the reference's kept keys (a flip moves
-it) and over the step's own (the attention alone); ``forms.<form>.step_dispatch``: what a step launches;
-``forms_agree``: whether each form's next step (output, selection, state) equals the first form's bit for bit.
+``check``: the two steps against the torch step (``row_update_reference``, ``walk_select_reference``) from the same
+state: kept blocks that differ (``kept_mismatch``; a difference is a tie within rounding when the reference's walk
+there is within ``TIE_GAP`` of its threshold), the walk's largest relative error, the outputs' largest difference
+(the sparse kernel on each selection's pages), and whether a captured step's replay equals the eager step bit for
+bit (output and state); ``check.steps``: step by step over ``--check-steps`` steps up to position ``n`` (from a
+prompt record of ``n − steps − 1`` tokens), the device step against the torch step (``device_step(kernels=False)``)
+from the same state: kept blocks that differ (flips at near ties) out of those kept, the walk's and the row scales'
+largest relative difference, whether the page lists are equal, and the attention on the step's pages against
+masked attention over the reference's kept keys (a flip moves it) and over the step's own (the attention alone).
 
 ``--check`` runs the checks on the CPU through Triton's interpreter (tiny shapes, no timing) and reports what a step
 launches (``count_dispatched``: Triton launches and torch ops).
@@ -126,11 +120,7 @@ def main() -> None:
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
     ap.add_argument("--check-steps", type=int, default=8, help="steps of the step-by-step check against the torch step")
     ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
-    ap.add_argument("--forms", default=",".join(DEFAULT_FORMS), help=f"comma-separated, of {', '.join(FORMS)}")
     args = ap.parse_args()
-    forms = tuple(args.forms.split(","))
-    if not forms or any(f not in FORMS for f in forms):
-        ap.error(f"--forms: expected names among {', '.join(FORMS)}, got {args.forms!r}")
     t0 = time.time()
     check = args.check
     dev = "cpu" if check else "cuda"
@@ -160,18 +150,11 @@ def main() -> None:
     _, stats = m.decode(q_steps[0], k, v, lengths=lengths["restart"], state=state, context=CallContext(capacity=n))
     res.update(density=float(stats.density), block_density=float(stats["block_density"]),
                blocks_kept=float(stats["blocks_kept"]), selection=stats.extra["selection"], backend=stats.backend)
-    res["forms"] = {}
-    for name in forms:  # each form checked against the torch step from the same states and draws
-        with form(name):
-            chk = check_step(m, prompt, step, k, v, q_steps, lengths)
-            chk["steps"] = check_steps(m, check_layer, hq, k, v, n, check_steps_n,
-                                       torch.Generator(device=dev).manual_seed(1))
-            after = copy.deepcopy(state)  # (each form's next step from the restart)
-            res["forms"][name] = {"check": chk, "step_dispatch": dispatch(lambda st=after: step(st, "next"))}
-    res["forms_agree"] = forms_agree(step, state, forms)
-    res["ok"] = all(f["check"]["ok"] for f in res["forms"].values())
+    res["check"] = check_step(m, prompt, step, k, v, q_steps, lengths)
+    res["check"]["steps"] = check_steps(m, check_layer, hq, k, v, n, check_steps_n, g)
+    res["step_dispatch"] = dispatch(lambda: step(state, "next"))
     if not check:
-        time_on_gpu(res, m.config, state, step, q_steps[1], k, v, lengths["next"], n, b, forms)
+        time_on_gpu(res, m.config, state, step, q_steps[1], k, v, lengths["next"], n, b)
     res["wall_s"] = time.time() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,47 +167,6 @@ def dispatch(fn) -> dict:
     """What one call of ``fn`` launches (``count_dispatched``)."""
     dispatched = count_dispatched(fn)
     return {key: dispatched[key] for key in ("triton_launches", "torch_ops", "host_reads", "ops")}
-
-
-#: the step's forms (``authors_decode``'s switches each sets): ``apart``, the state's step as a launch of its own
-#: (the default); ``fused_state``, inside the logits' launch (one launch fewer) with the new query's sketches
-#: once per 4 logits tiles; ``fused_state_t8`` once per 8, ``fused_state_t1`` per tile
-FORMS = {"apart": {"FUSED_STATE": False}, "fused_state": {"FUSED_STATE": True, "FUSED_TILES": 4},
-         "fused_state_t8": {"FUSED_STATE": True, "FUSED_TILES": 8},
-         "fused_state_t1": {"FUSED_STATE": True, "FUSED_TILES": 1}}
-#: the forms checked and timed unless ``--forms`` says
-DEFAULT_FORMS = ("apart", "fused_state", "fused_state_t8")
-
-
-class form:
-    """Within it the method's Triton step takes the form ``name`` (:data:`FORMS`)."""
-
-    def __init__(self, name: str):
-        self.flags = FORMS[name]
-
-    def __enter__(self):
-        self.saved = {key: getattr(kd, key) for key in self.flags}
-        for key, val in self.flags.items():
-            setattr(kd, key, val)
-
-    def __exit__(self, *exc):
-        for key, val in self.saved.items():
-            setattr(kd, key, val)
-
-
-def forms_agree(step, state, forms) -> dict:
-    """The next step under each form from copies of ``state``, eager: whether each form's output, selection and
-    state equal the first form's bit for bit (the forms compute the same arithmetic in other launches)."""
-    names = ("u", "sigma", "rsum", "qs", "ks", "ksum", "logits", "closed_max", "closed_sum", "n_queries", "last_pos")
-    runs = {}
-    for name in forms:
-        with form(name):
-            st = copy.deepcopy(state)
-            out = step(st, "next")
-            dst, sel = st.authors_device, st.authors_device.last_step
-            runs[name] = [out, sel.kept_blocks, sel.pages, sel.counts, sel.walk] + [getattr(dst, x) for x in names]
-    first = next(iter(runs.values()))
-    return {name: all(torch.equal(a, b) for a, b in zip(run, first, strict=True)) for name, run in runs.items()}
 
 
 class torch_step:
@@ -306,26 +248,24 @@ def markdown(res) -> str:
         top = sorted((row.get("kernels_us") or {}).items(), key=lambda kv: -kv[1])[:10]
         kern = ", ".join(f"{key[:40]} {us:.1f}" for key, us in top)
         lines.append(f"| {name} | {row['median_us']:.1f} | {row.get('launches', '')} | {kern} |")
-    lines += ["", "| form | step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
-              "|---|---|---|---|---|---|"]
-    for name, f in res["forms"].items():
-        for which in ("restart", "next"):
-            r = f["check"][which]
-            lines.append(f"| {name} | {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | "
-                         f"{r['walk_max_rel_err']:.2e} | {r['out_max_abs_diff']:.2e} |")
-    lines += ["", f"forms equal to the first bit for bit (output, selection, state): {res['forms_agree']}"]
-    lines += ["", "| form | ok | replay equals eager | launches per step | steps | flips / kept | walk max rel | "
-              "σ max rel | pages equal | out max abs (own keys) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name, f in res["forms"].items():
-        chk, c = f["check"], f["check"]["steps"]
-        lines.append(f"| {name} | {chk['ok']} | {chk.get('replay_equals_eager')} | "
-                     f"{f['step_dispatch']['triton_launches']} | {c['steps']} | {c['flips']} / {c['kept_blocks']} | "
-                     f"{c['walk_max_rel']:.2e} | {c['sigma_max_rel']:.2e} | {c['pages_equal']} | "
-                     f"{c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) |")
+    chk = res["check"]
+    lines += ["", "| step | kept mismatch | tie gap max | walk max rel err | out max abs diff |",
+              "|---|---|---|---|---|"]
+    for which in ("restart", "next"):
+        r = chk[which]
+        lines.append(f"| {which} | {r['kept_mismatch']} | {r['tie_gap_max']:.2e} | {r['walk_max_rel_err']:.2e} | "
+                     f"{r['out_max_abs_diff']:.2e} |")
+    c = chk["steps"]
+    lines += ["", f"ok={chk['ok']}, replay_equals_eager={chk.get('replay_equals_eager')}, "
+              f"launches per step {res['step_dispatch']['triton_launches']}", "",
+              "| steps | flips / kept | walk max rel | σ max rel | pages equal | out max abs (own keys) |",
+              "|---|---|---|---|---|---|",
+              f"| {c['steps']} | {c['flips']} / {c['kept_blocks']} | {c['walk_max_rel']:.2e} | "
+              f"{c['sigma_max_rel']:.2e} | {c['pages_equal']} | {c['out_max_abs']:.2e} ({c['out_own_max_abs']:.2e}) |"]
     return "\n".join(lines) + "\n"
 
 
-def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b, forms) -> None:
+def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b) -> None:
     """The timed rows (module docstring) into ``res``."""
     from kvsieve.bench.decode import load_flashinfer
     from kvsieve.bench.timing import ColdL2Timer, count_launches
@@ -337,11 +277,8 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b, forms) -> None:
     def timed(fn) -> dict:
         return {**timer.time_graph_us(fn), "launches": count_launches(fn), "kernels_us": timer.kernel_breakdown(fn)}
 
-    for name in forms:  # the default form's rows keep their names
-        with form(name):
-            prefix = "" if name == "apart" else f"{name}_"
-            rows[f"{prefix}step_restart"] = timed(lambda: step(state, "restart"))
-            rows[f"{prefix}sketchwalk_step"] = timed(lambda: step(state, "next"))
+    rows["step_restart"] = timed(lambda: step(state, "restart"))
+    rows["sketchwalk_step"] = timed(lambda: step(state, "next"))
     step(state, "next")  # eager: the last step's pages outside the freed graphs' memory
     hkv = k.shape[1]
     sel = state.authors_device.last_step
@@ -366,9 +303,7 @@ def time_on_gpu(res, cfg, state, step, qd, k, v, lengths, n, b, forms) -> None:
     base = rows.get("flashinfer", rows["dense_triton"])["median_us"]
     for row in rows.values():
         row["speedup_vs_flashinfer_or_dense"] = base / row["median_us"]
-    res["selection_share"] = {name: 1 - rows["sketchwalk_attention_only"]["median_us"]
-                              / rows[("" if name == "apart" else f"{name}_") + "sketchwalk_step"]["median_us"]
-                              for name in forms}
+    res["selection_share"] = 1 - rows["sketchwalk_attention_only"]["median_us"] / rows["sketchwalk_step"]["median_us"]
 
 
 if __name__ == "__main__":

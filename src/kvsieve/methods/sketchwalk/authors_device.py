@@ -80,9 +80,6 @@ class AuthorsDeviceState(MethodState):
     source: object = field(default=None, repr=False, compare=False)  # the AuthorsLayerState it was made from
     last_step: DeviceStep | None = field(default=None, repr=False, compare=False)  # the last step's selection
     tail_fresh: bool = field(default=False, repr=False, compare=False)  # host: the last tail started fresh rows
-    # the sketch matrix as signs and [magnitude, all ±magnitude] (kd.sketch_signs: the fused logits' launch reads it)
-    phi_signs: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    phi_abs: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def capacity_blocks(self) -> int:
@@ -163,8 +160,7 @@ class AuthorsDeviceState(MethodState):
                    p_nq=st.prompt_n_queries.clone(), p_kpart=p_kpart, logits=logits, closed_max=closed_max,
                    closed_sum=closed_sum, n_closed=n_closed[:, None].expand(b, hkv).contiguous(),
                    p_logits=p_logits.contiguous(), p_closed_max=p_closed_max, p_closed_sum=p_closed_sum,
-                   logit_scale=scale, fresh_rows=not st.has_history, block_size=bs,
-                   **dict(zip(("phi_signs", "phi_abs"), kd.sketch_signs(phi), strict=True)))
+                   logit_scale=scale, fresh_rows=not st.has_history, block_size=bs)
 
 
 def logit_scale(sketch_dim: int) -> float:
