@@ -392,10 +392,9 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
     for splits in split_counts:
-        for pre in (False, True):  # sink and window from K's rows, prefetched too
-            got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                      splits=splits, prefetch=pre)
-            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
+        got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
+                                  splits=splits)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
         worst = max(worst, float(((got - want).abs() / want.abs().clamp(min=1e-300)).max()))
     # the lists' logits from kept float32 scores (random, not K's: a kernel that ignored them fails)
     logits = torch.randn(r, hq, n, generator=g) * 3
@@ -404,12 +403,10 @@ for (r, hq, hkv, hs_kind, n, d), dtype, full, split_counts in [
         want[..., 2:4] = 0
     twin = budget_stats_reference(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12, logits)
     torch.testing.assert_close(twin, want, rtol=1e-13, atol=1e-300)
-    # launch settings too (blocks of 8 and 64 entries, other warps, the next block's loads issued first):
-    # the same statistics
-    for splits, block, warps, pre in ((2, None, None, False), (13, None, None, False), (5, 8, 2, True),
-                                      (3, 64, 8, False), (1, 8, None, True)):
+    # launch settings too (blocks of 8 and 64 entries, other warps): the same statistics
+    for splits, block, warps in ((2, None, None), (13, None, None), (5, 8, 2), (3, 64, 8), (1, 8, None)):
         got = budget_stats_triton(q, k, v, start, end, length, top, tc, base, bc, n_s, d ** -0.5, full, 12,
-                                  splits=splits, logits=logits, block=block, num_warps=warps, prefetch=pre)
+                                  splits=splits, logits=logits, block=block, num_warps=warps)
         torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-300)
 print("WORST", worst)
 print("OK")
@@ -618,8 +615,8 @@ from kvsieve.kernels.vattention import attend_triton as at
 ap = {{n: i64 for n in ("lo_ptr", "hi_ptr", "cut_ptr", "tie_ptr", "ns_ptr", "bs_ptr")}}
 ap.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", sc_ptr="*fp32", x_ptr="*i8", lens_ptr="*i32", acc_ptr="*fp32",
           m_ptr="*fp32", l_ptr="*fp32")
-compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, D=128, BLOCK_N=64, DOT_PRECISION="tf32", DOT_F32=False),
-         ints64=("stream_key",), fp32=("scale_log2",))
+compile_(at._attend_kernel, ap, dict(G=4, BLOCK_G=16, BLOCK_H=4, D=128, BLOCK_N=at.BLOCK_N, DOT_PRECISION="tf32",
+                                     DOT_F32=False), ints64=("stream_key",), fp32=("scale_log2",))
 bp = {{n: i64 for n in ("start_ptr", "end_ptr", "len_ptr", "top_ptr", "tc_ptr", "base_ptr", "bc_ptr", "ns_ptr",
                        "bi_ptr", "cnt_ptr", "pages_ptr", "pcnt_ptr", "idx_ptr", "nb_ptr")}}
 bp.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", part_ptr="*fp64", out_ptr="*fp64",

@@ -13,8 +13,7 @@ CASES = "select_split_interpreter_cases.py"
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("group", case_groups(CASES, "test_split_select_equals_the_rows_select_and_the_reference",
-                                                   "test_oracle_topk_split_way_takes_the_reference_keys"),
+@pytest.mark.parametrize("group", case_groups(CASES, "test_split_select_equals_the_rows_select_and_the_reference"),
                          ids=group_id)
 def test_split_select_under_the_triton_interpreter(group):
     run_interpreter_cases(CASES, group)

@@ -83,7 +83,7 @@ LIMITS = {# the oracle predictor's top-k by each of the two ways its shape rule 
           # the per-query-head lists and the weighted sparse kernel in place of the tested-key attention pass
           "vattention@list": ((_VATT, "TESTED_ATTENTION", False),),
           # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
-          "vattention@budget-x4": ((_BUDGET, "SPLIT_PROGRAMS", 2112),),
+          "vattention@budget-x4": ((_BUDGET, "SPLITS_PER_SM", 8),),
           # the budget statistics' loops over blocks of 64 entries at 8 warps (half the steps)
           "vattention@budget-b64": ((_BUDGET, "PARTS_BLOCK", 64), (_BUDGET, "PARTS_WARPS", 8))}
 

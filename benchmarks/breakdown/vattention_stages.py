@@ -9,8 +9,7 @@ replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs comp
 
 - top-k: both ways the method's shape rule (``oracle_topk.select_path``) picks between, ``torch``
   (``torch.topk`` of the kept scores) and ``triton`` (the Triton select, a long row's candidates merged by a
-  second launch), and the split select (``split*``: every row over many programs, ``SPLIT_WAYS``), with
-  ``rule`` naming the one the decode ran; each the same set as the reference's sorted
+  second launch), with ``rule`` naming the one the decode ran; each the same set as the reference's sorted
   top-k up to ties (checked by the scores: the k-th largest equal, every chosen score at least it);
 - base sample (a list, one program per row): equal to ``sample_rows_reference``;
 - residual sample (the windowed cut): the keys it holds equal to the reference's;
@@ -38,13 +37,6 @@ SPIED = (("kvsieve.kernels.oracle_topk.topk", "topk_select"),
          ("kvsieve.kernels.shared.sample_triton", "sample_cut_triton"),
          ("kvsieve.kernels.vattention.budget_triton", "budget_triton"),
          ("kvsieve.kernels.vattention.attend_triton", "attend_triton"))
-
-
-# The split select's launch settings timed (topk_rows_split's overrides): the default (about one program per SM,
-# chunks capped at 4096 keys: 32 programs per 128k row, 8 per 32k row), 8 warps, and 32x the programs (chunks of
-# 1024 at 128k b1, 2048 at 32k b8; every program repeats the row-wide steps over the maxima, so more programs
-# also cost more)
-SPLIT_WAYS = {"split": {}, "split-w8": {"num_warps": 8}, "split-p32x": {"programs": 4224}}
 
 
 def attempt(fn):
@@ -103,26 +95,17 @@ def topk_ways(args, kwargs) -> dict:
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
     ways = {"torch": lambda: topk_select(*args, **base, select="torch"),
             "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
-    if not base.get("share_kv_group"):  # the split select: every row over many programs (chunks of <= 4096 keys)
-        for name, opts in SPLIT_WAYS.items():
-            ways[name] = lambda _o=opts: topk_select(*args, **base, select="split", launch_opts={"split": _o})
     return ways
 
 
 # The attention pass's launch settings timed (attend_triton's keywords; "sms": programs = that many per SM, the
-# SM count read on the device). The default is 64-key blocks, 4 warps, 3 stages, 528 programs; sm_90 compiles
-# (Triton 3.6) hold 3 such programs per SM (72 KB of shared memory each), so 528 programs run in 1.33 waves.
-# "narrow": the tests, hashes and exponentials on the group's 4 rows instead of the dot's 16.
+# SM count read on the device). The default: 32-key blocks, 4 warps, 3 stages, 5 programs per SM.
 ATTEND_WAYS = {
-    "stream": {},
-    "stream-3/sm": {"sms": 3},
-    "narrow": {"narrow": True},
-    "narrow-3/sm": {"narrow": True, "sms": 3},
-    "narrow-s2": {"narrow": True, "num_stages": 2},
-    "narrow-b32-s4-4/sm": {"narrow": True, "block_n": 32, "num_stages": 4, "sms": 4},
-    "narrow-b32-s3-5/sm": {"narrow": True, "block_n": 32, "num_stages": 3, "sms": 5},
-    "narrow-w8-2/sm": {"narrow": True, "num_warps": 8, "sms": 2},
-    "narrow-b128-w8-s2-2/sm": {"narrow": True, "block_n": 128, "num_warps": 8, "num_stages": 2, "sms": 2},
+    "default": {},
+    "b64-4/sm": {"block_n": 64, "sms": 4},
+    "b32-s4-4/sm": {"block_n": 32, "num_stages": 4, "sms": 4},
+    "b32-s3-6/sm": {"block_n": 32, "num_stages": 3, "sms": 6},
+    "b16-s4-6/sm": {"block_n": 16, "num_stages": 4, "sms": 6},
 }
 
 
@@ -189,23 +172,13 @@ def sample_checks(call, listed: bool) -> dict:
 
 # The budget statistics' launch settings timed (budget_triton's keywords; "sms": splits per (row, query head)
 # such that the split launch holds that many programs per SM, the SM count read on the device). The default
-# (blocks of 32 entries, 4 warps, ~528 programs) compiles (Triton 3.6, sm_90) to 224 registers a thread: 2
-# programs per SM, so 544 programs (128k b1) or 768 (32k b8) run in 3 waves, the last nearly empty; each
-# program's loop steps wait on two dependent gathers (list entry, then its logit and V row). Blocks of 8
-# entries take 166 registers (3 per SM). "pre": each step issues the next block's gathers before its sums (245
-# registers at blocks of 32, 168 at 8).
+# (blocks of 32 entries, 4 warps, each step issuing the next block's gathers first) compiles (Triton 3.6, sm_90)
+# to about 245 registers a thread: 2 programs per SM (SPLITS_PER_SM) are one wave.
 BUDGET_WAYS = {
-    "online": {},
-    "online-2/sm": {"sms": 2},
-    "online-4/sm": {"sms": 4},
+    "default": {},
+    "4/sm": {"sms": 4},
     "b16-2/sm": {"block": 16, "sms": 2},
-    "b8-3/sm": {"block": 8, "sms": 3},
-    "b8-6/sm": {"block": 8, "sms": 6},
     "b64-w8-1/sm": {"block": 64, "num_warps": 8, "sms": 1},
-    "pre": {"prefetch": True},
-    "pre-2/sm": {"prefetch": True, "sms": 2},
-    "pre-4/sm": {"prefetch": True, "sms": 4},
-    "pre-b8-3/sm": {"prefetch": True, "block": 8, "sms": 3},
 }
 
 

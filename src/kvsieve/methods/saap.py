@@ -304,7 +304,7 @@ class SaapConfig(MethodConfig):
         "batched", "batched: one bucket ranking per KV head from the group's summed scores (the paper); "
                    "independent: each query head ranks its own")
     index_update: Literal["step", "ahead"] = param(
-        "step", "Triton path: step: the keys leaving the window join their buckets in the probe's first launch, "
+        "ahead", "Triton path: step: the keys leaving the window join their buckets in the probe's first launch, "
                 "before the attention; ahead: one step early, in the bucket attention's launch (off the critical "
                 "path; needs min(window, window_min) >= 4, else step)")
     backend: Literal["auto", "reference", "triton"] = param(

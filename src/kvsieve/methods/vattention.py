@@ -173,10 +173,6 @@ _CONSTANTS: dict = {}
 #: other settings do: kept to time the two against each other (``benchmarks/breakdown/stages.py``); the
 #: stats' ``kernel`` names the pass that ran.
 TESTED_ATTENTION = True
-#: The oracle predictor's long per-query-head rows (above ``oracle_topk.topk.SPLIT_SELECT_ABOVE`` keys) take the
-#: split select (each row over many programs) instead of ``torch.topk``: off until measured against it
-#: (``benchmarks/breakdown/vattention_stages.py`` times both); read at call time.
-SPLIT_TOPK = False
 
 
 def budget_constants(cfg: VAttentionConfig, device) -> torch.Tensor:
@@ -372,7 +368,7 @@ class VAttention(StagedSelection):
             from ..kernels.oracle_topk.topk import select_path, topk_select
 
             q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (inputs.q, inputs.k))
-            select = select_path(share, n, split=SPLIT_TOPK)  # static: shapes only
+            select = select_path(share, n)  # static: shapes only
             pages, counts, *kept = topk_select(q, k, lens, sink=cfg.sink, window=cfg.window, size=cfg.top_k,
                                                max_k=size_bound(cfg.top_k, n), share_kv_group=share,
                                                scale=inputs.scale, select=select,

@@ -28,39 +28,10 @@ from ..shared.scores import (
 TORCH_SELECT_ABOVE = 65536
 
 
-# Per-query-head rows above this many keys take the split select instead of torch.topk where select_path is
-# asked for it (``split=True``); not measured against torch.topk yet (vattention_stages.py times both), so off by
-# default.
-SPLIT_SELECT_ABOVE = 65536
-SELECT_WAYS = ("triton", "torch", "split")
-
-
-def select_path(share_kv_group: bool, n_keys: int, *, split: bool = False) -> str:
+def select_path(share_kv_group: bool, n_keys: int) -> str:
     """The top-k step of an oracle top-k on the device (oracle-topk, vattention's oracle predictor):
-    ``"torch"`` for long per-query-head rows, else ``"triton"``; with ``split`` per-query-head rows longer
-    than ``SPLIT_SELECT_ABOVE`` take ``"split"`` (every row spread over many programs) in place of torch."""
-    if not share_kv_group and split and n_keys > SPLIT_SELECT_ABOVE:
-        return "split"
+    ``"torch"`` for long per-query-head rows, else ``"triton"``."""
     return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
-
-
-def split_topk(q, k, lengths, *, sink: int, window: int, size: int | float, k_out: int, scale: float | None,
-               keep_scores: bool, opts: dict) -> tuple[torch.Tensor, ...]:
-    """Per-query-head rows: the scores pass (writing the counts and the maxima of every ``GROUP_MAX`` scores)
-    then :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (two launches of many programs per row,
-    whatever the number of rows); ``opts``: its launch overrides."""
-    from ..shared.select_common import GROUP_MAX, scratch
-    from ..shared.select_split import topk_rows_split
-    from ..shared.triton_utils import cdiv
-
-    b, hq, _ = q.shape
-    n = k.shape[2]
-    counts = torch.empty(b, device=q.device, dtype=torch.int64)
-    maxima = scratch("select_scores_mx", counts, (b, hq, cdiv(n, GROUP_MAX)), torch.float32)
-    s = scores_triton(q, k, lengths, sink, window, scale, size=size, max_k=k_out, counts=counts, maxima=maxima,
-                      out=scratch("select_scores", counts, (b, hq, n), torch.float32))
-    idx = topk_rows_split(s, counts, k_out, maxima=maxima, **opts)
-    return (idx, counts[:, None].expand(b, hq)) + ((s,) if keep_scores else ())
 
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
@@ -77,9 +48,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
     in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
-    rows over ~20k keys). ``select="split"`` (per-query-head rows): the scores pass and
-    :func:`~kvsieve.kernels.shared.select_split.topk_rows_split`, each row spread over many programs, keys
-    ascending: 3 launches; ``launch_opts={"split": {...}}`` its overrides. ``scores="reference"`` runs every step
+    rows over ~20k keys). ``scores="reference"`` runs every step
     in torch (highest first). ``keep_scores=True`` (per-query-head rows only) also returns the scores pass's
     ``[B, Hq, N]`` float32 logits (−inf outside the candidates), valid until the next selection on the
     device (a cached buffer). ``launch_opts``: the select launches' overrides
@@ -89,10 +58,8 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     if keep_scores and share_kv_group and hq > hkv:
         raise ValueError("keep_scores: the per-head logits are kept for per-query-head rows only")
     kk = max(1, min(max_k, n))
-    if select not in SELECT_WAYS:
-        raise ValueError(f"select: expected one of {', '.join(SELECT_WAYS)}, got {select!r}")
-    if select == "split" and share_kv_group and hq > hkv:
-        raise ValueError("select: 'split' takes per-query-head rows only (share_kv_group=False)")
+    if select not in ("triton", "torch"):
+        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
@@ -102,12 +69,6 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
         counts = selection_counts_reference(lengths, size, 1, sink, window, kk)
     elif scores != "triton":
         raise ValueError(f"scores: expected 'triton' or 'reference', got {scores!r}")
-    elif select == "split":
-        from ..shared.select_triton import SELECT_LAUNCHES, check_launch_opts
-
-        opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)  # each applies where its launch runs
-        return split_topk(q, k, lengths, sink=sink, window=window, size=size, k_out=kk, scale=scale,
-                          keep_scores=keep_scores, opts=opts.get("split", {}))
     else:
         from ..shared.select_triton import select_rows
 
@@ -122,4 +83,4 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     return (idx, counts, s) if keep_scores else (idx, counts)
 
 
-__all__ = ["SELECT_WAYS", "SPLIT_SELECT_ABOVE", "TORCH_SELECT_ABOVE", "select_path", "split_topk", "topk_select"]
+__all__ = ["TORCH_SELECT_ABOVE", "select_path", "topk_select"]

@@ -55,9 +55,10 @@ PARALLEL_BLOCK_R = 32
 #: program per (row, KV head) scoring its ``span`` keys as a ``[16, d]`` tile against ``[AHEAD_BLOCK_C, d]``
 #: centroid tiles in float32 dots (few programs; loads pipelined, three quarters of the products padding at span 4),
 #: or ``"keys"``, one program per key (:func:`assign_ahead_key_program`, the serial update's scan,
-#: ``AHEAD_KEY_BLOCK_C`` centroids an iteration). Not yet measured against each other
-#: (benchmarks/saap_probe/run.py times both).
-AHEAD_FORM = "dot"
+#: ``AHEAD_KEY_BLOCK_C`` centroids an iteration). On the H200 (Llama 32/8/128, C = 1024) the layer took 54.7 µs with
+#: "keys" against 196.6 with "dot" and 61.7 with the step's update at 128k batch 1, 133.8 / 246.3 / 132.5 at 32k batch 8
+#: (docs/results/gpu-bench/2026-11-29-h200-saap-ahead.md).
+AHEAD_FORM = "keys"
 #: 32 × d float32 (16 KB at d = 128) a stage: 41 KB of shared memory with the pipeline's stages, about the
 #: attention's 22 KB (64 a block took 74 KB and more spills at sm_90, Triton 3.6).
 AHEAD_BLOCK_C = 32

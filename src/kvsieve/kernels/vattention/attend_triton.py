@@ -33,11 +33,15 @@ import math
 import torch
 
 from ...core.rng import GOLDEN, MASK32, POSITION_BITS, hash_bits
-from ..shared.select_common import check_launch_value
+from ..shared.select_common import check_launch_value, sm_count
 from ..shared.triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
 
-#: programs of the pass in all (about four per H100/H200 SM, as the list kernel's)
-TARGET_PROGRAMS = 528
+#: programs of the pass per SM, keys per block and pipeline stages: on the H200 (Llama 32/8/128, peaked) 103.1 µs at
+#: 128k batch 1 and 180.6 at 32k batch 8, against 152.3 / 261.0 at 528 programs of 64-key blocks and 205.2 / 383.1
+#: with the tests on 16 padded rows (docs/results/gpu-bench/2026-11-29-h200-vattention-stage-ways-128k.md, -32k-b8.md)
+PROGRAMS_PER_SM = 5
+BLOCK_N = 32
+NUM_STAGES = 3
 _LOG2E = math.log2(math.e)
 
 
@@ -206,7 +210,7 @@ def usable(t: torch.Tensor) -> bool:
 
 
 def attend_plan(batch: int, kv_heads: int, n_keys: int, dense_keys: int, block_n: int,
-                target_programs: int = TARGET_PROGRAMS) -> tuple[int, int, int, int]:
+                target_programs: int) -> tuple[int, int, int, int]:
     """``(n_mid_parts, mid_chunk, n_dense_parts, dense_chunk)``: the selectable range and the dense part
     cut into chunks of whole ``block_n`` blocks, about ``target_programs`` programs in all."""
     want = max(1, cdiv(target_programs, batch * kv_heads))
@@ -217,8 +221,8 @@ def attend_plan(batch: int, kv_heads: int, n_keys: int, dense_keys: int, block_n
 
 
 def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores, excluded, lo, hi, stream: int,
-                  cut, tie, n_s, size, out: torch.Tensor | None = None, *, narrow: bool = False,
-                  block_n: int = 64, num_warps: int = 4, num_stages: int = 3,
+                  cut, tie, n_s, size, out: torch.Tensor | None = None, *,
+                  block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = NUM_STAGES,
                   programs: int | None = None) -> torch.Tensor:
     """vAttention's estimate (module docstring): ``q [R, Hq, d]``, ``k, v [R, Hkv, N, d]`` (last dim
     contiguous), ``lengths [R]`` int32, ``scores [R, Hq, N]`` float32 (the predictor's scaled logits of
@@ -226,11 +230,11 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
     ``lo, hi [R]`` and ``stream``, its cut ``cut, tie [R, Hq]``, the residual's size ``n_s [R, Hq]`` and the
     sample's ``size [R, Hq]``. Returns ``out [R, Hq, d]`` in q's dtype. Two launches (pass, merge).
 
-    Launch settings (the same estimate whatever they are; ``vattention_stages.py`` times them): ``narrow`` —
-    the selectable keys' tests, hashes and exponentials on ``next_pow2(G)`` rows instead of the dot's 16 (the
-    probabilities widened to 16 rows, zeros below the heads, for the dot only); ``block_n`` keys per block (a
+    The selectable keys' tests, hashes and exponentials run on the group's ``next_pow2(G)`` rows, the
+    probabilities widened to the dot's 16 rows (zeros below the heads) for ``tl.dot`` only. Launch settings
+    (the same estimate whatever they are; ``vattention_stages.py`` times them): ``block_n`` keys per block (a
     power of two, 16 to 256), ``num_warps``, ``num_stages``; ``programs``: about this many programs of the
-    pass in all (default ``TARGET_PROGRAMS``)."""
+    pass in all (default ``PROGRAMS_PER_SM`` per SM)."""
     r, hq, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -246,7 +250,7 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
     check_launch_value("block_n", block_n, low=16, high=256, pow2=True)
     check_launch_value("num_warps", num_warps, high=16, pow2=True)
     check_launch_value("num_stages", num_stages, high=6)
-    target = TARGET_PROGRAMS if programs is None else check_launch_value("programs", programs)
+    target = PROGRAMS_PER_SM * sm_count(q.device) if programs is None else check_launch_value("programs", programs)
     dense_keys = min(sink + window, n)
     n_mid, mid_chunk, n_dense, dense_chunk = attend_plan(r, hkv, n, dense_keys, block_n, target)
     parts = max(1, n_mid + n_dense)
@@ -263,12 +267,12 @@ def attend_triton(q, k, v, lengths, sink: int, window: int, scale: float, scores
            scale * _LOG2E, (stream * GOLDEN) & MASK32, n, sink, window, n_mid, mid_chunk, dense_chunk, parts,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            scores.stride(0), scores.stride(1), excluded.stride(0), excluded.stride(1), cut.stride(0), cut.stride(1),
-           G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_H=next_pow2(g) if narrow else max(16, next_pow2(g)), D=d,
+           G=g, BLOCK_G=max(16, next_pow2(g)), BLOCK_H=next_pow2(g), D=d,
            BLOCK_N=block_n, DOT_PRECISION=precision, DOT_F32=dot_f32, num_warps=num_warps, num_stages=num_stages)
     merge_partials(acc, pm, pl, None, out, r, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
                    d_chunk=32, num_warps=1, num_stages=2)
     return out
 
 
-__all__ = ["TARGET_PROGRAMS", "attend_plan", "attend_reference", "attend_triton", "in_sample_reference",
-           "usable"]
+__all__ = ["BLOCK_N", "NUM_STAGES", "PROGRAMS_PER_SM", "attend_plan", "attend_reference", "attend_triton",
+           "in_sample_reference", "usable"]

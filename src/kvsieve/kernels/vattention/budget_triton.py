@@ -22,12 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..shared.select_common import check_launch_value
+from ..shared.select_common import check_launch_value, sm_count
 from ..shared.triton_utils import cdiv, float64_constants, is_interpreted, launch, next_pow2, triton, workspace
 
-#: programs of the statistics launch in all (4 per H100 SM): each (row, query head) is cut into
-#: ``ceil(SPLIT_PROGRAMS / (rows · heads))`` splits
-SPLIT_PROGRAMS = 528
+#: programs of the statistics launch per SM: each (row, query head) is cut into ``⌊SPLITS_PER_SM · SMs / (rows ·
+#: heads)⌋`` splits. The launch takes 224+ registers a thread, so 2 programs an SM are one wave: on the H200 (Llama
+#: 32/8/128, peaked) 128.0 µs at 128k batch 1 and 240.2 at 32k batch 8, against 179.5 / 265.7 at 528 programs
+#: (docs/results/gpu-bench/2026-11-29-h200-vattention-stage-ways-128k.md, -32k-b8.md). Read at call time.
+SPLITS_PER_SM = 2
 #: entries per block of the statistics launch's loops (head dim ≤ 128; half beyond) and its warps: each loop
 #: step waits on a gather, so larger blocks mean fewer steps and more registers. Read at call time
 #: (``benchmarks/breakdown/stages.py`` times 64 at 8 warps).
@@ -92,32 +94,25 @@ if triton is not None:
     @triton.jit
     def _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo, j_hi, scale, m, d_f, acc_f,
                       IS_LIST: tl.constexpr, KEPT: tl.constexpr, FULL: tl.constexpr, BLOCK: tl.constexpr,
-                      D: tl.constexpr, PREFETCH: tl.constexpr):
+                      D: tl.constexpr):
         """One pass over entries ``[j_lo, j_hi)`` of a deterministic segment: ``Σ e`` and (``FULL``) ``Σ e v``
-        around the running max ``m``, rescaled as it grows. ``PREFETCH``: each step issues the next block's
-        loads before its own sums, so their latency overlaps them (the same sums)."""
+        around the running max ``m``, rescaled as it grows. Each step issues the next block's loads before its
+        own sums, so that their latency overlaps them."""
         offs = tl.arange(0, BLOCK)
-        if PREFETCH:
-            ok = j_lo + offs < j_hi
-            raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo + offs, ok, IS_LIST, KEPT,
-                                   FULL, D)
+        ok = j_lo + offs < j_hi
+        raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j_lo + offs, ok, IS_LIST, KEPT,
+                               FULL, D)
         for j0 in range(j_lo, j_hi, BLOCK):
-            if PREFETCH:
-                ok_n = j0 + BLOCK + offs < j_hi
-                raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j0 + BLOCK + offs, ok_n,
-                                           IS_LIST, KEPT, FULL, D)
-            else:
-                ok = j0 + offs < j_hi
-                raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j0 + offs, ok, IS_LIST,
-                                       KEPT, FULL, D)
+            ok_n = j0 + BLOCK + offs < j_hi
+            raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, lst, seg_lo, j0 + BLOCK + offs, ok_n,
+                                       IS_LIST, KEPT, FULL, D)
             s = _block_logits(q, raw, ok, scale, KEPT)
             m, shift, c = _rescale(m, s)
             e = tl.where(ok, tl.exp(s - shift), 0.0)
             d_f = d_f * c + tl.sum(e, 0)
             if FULL:
                 acc_f = acc_f * c + tl.sum(e[:, None] * vr.to(tl.float64), 0)
-            if PREFETCH:
-                ok, raw, vr = ok_n, raw_n, vr_n
+            ok, raw, vr = ok_n, raw_n, vr_n
         return m, d_f, acc_f
 
     @triton.jit
@@ -142,8 +137,7 @@ if triton is not None:
 
     @triton.jit
     def _online_parts(o, q, k_base, s_k_n, v_base, s_v_n, l_base, top, base, start, end, a0, a1, w0, w1, t0, t1,
-                      b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      b0, b1, scale, FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
         """:func:`_budget_parts_kernel`'s record in one pass over each segment (no logits workspace, one
         exponential per entry): every sum kept around the running max and multiplied by ``e^(m_old − m_new)``
         when it grows (squared for the spreads); the base sample's spreads merged block by block (Chan)."""
@@ -152,11 +146,11 @@ if triton is not None:
         d_f = tl.zeros([], tl.float64)
         acc_f = tl.zeros([D], tl.float64)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, a0, a1, scale, m, d_f, acc_f,
-                                      False, False, FULL, BLOCK, D, PREFETCH)
+                                      False, False, FULL, BLOCK, D)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, end, w0, w1, scale, m, d_f,
-                                      acc_f, False, False, FULL, BLOCK, D, PREFETCH)
+                                      acc_f, False, False, FULL, BLOCK, D)
         m, d_f, acc_f = _online_fixed(q, k_base, s_k_n, v_base, s_v_n, l_base, top, 0, t0, t1, scale, m, d_f, acc_f,
-                                      True, KEPT, FULL, BLOCK, D, PREFETCH)
+                                      True, KEPT, FULL, BLOCK, D)
         s_b = tl.zeros([], tl.float64)
         nb = tl.zeros([], tl.float64)
         mean_b = tl.zeros([], tl.float64)
@@ -166,18 +160,12 @@ if triton is not None:
         acc_b = tl.zeros([D], tl.float64)
         mean_r = tl.zeros([D], tl.float64)
         tr = tl.zeros([], tl.float64)
-        if PREFETCH:
-            ok = b0 + offs < b1
-            raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, b0 + offs, ok, True, KEPT, FULL, D)
+        ok = b0 + offs < b1
+        raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, b0 + offs, ok, True, KEPT, FULL, D)
         for j0 in range(b0, b1, BLOCK):
-            if PREFETCH:
-                ok_n = j0 + BLOCK + offs < b1
-                raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, j0 + BLOCK + offs, ok_n,
-                                           True, KEPT, FULL, D)
-            else:
-                ok = j0 + offs < b1
-                raw, vr = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, j0 + offs, ok, True, KEPT,
-                                       FULL, D)
+            ok_n = j0 + BLOCK + offs < b1
+            raw_n, vr_n = _block_loads(k_base, s_k_n, v_base, s_v_n, l_base, base, 0, j0 + BLOCK + offs, ok_n,
+                                       True, KEPT, FULL, D)
             s = _block_logits(q, raw, ok, scale, KEPT)
             m, shift, c = _rescale(m, s)
             e = tl.where(ok, tl.exp(s - shift), 0.0)
@@ -206,8 +194,7 @@ if triton is not None:
                 mean_r += delta_v * (n_blk / n_new)
                 acc_b = acc_b * c + sv_blk
             nb = n_new
-            if PREFETCH:
-                ok, raw, vr = ok_n, raw_n, vr_n
+            ok, raw, vr = ok_n, raw_n, vr_n
         _store_record(o, m, d_f, s_b, nb, m2, lo, hi)
         if FULL:
             _store_full(o, tr, acc_f, acc_b, D)
@@ -218,7 +205,7 @@ if triton is not None:
                              s_q_r, s_q_h, s_k_r, s_k_h, s_k_n, s_v_r, s_v_h, s_v_n,
                              s_t_r, s_t_h, s_b_r, s_b_h, s_c_r, s_c_h, s_bc_r, s_bc_h, s_l_r, s_l_h,
                              FULL: tl.constexpr, KEPT: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                             W: tl.constexpr, PREFETCH: tl.constexpr):
+                             W: tl.constexpr):
         """Split ``s`` of (row, query head): ``1/splits`` of each segment (sink, window, top-k list, base list),
         each once, every sum around its running max ``m_s`` (:func:`_online_parts`); it stores ``m_s``, ``Σ_f e``,
         ``Σ_b e``, its base entries, their ``Σ (e − mean_s)²``, min and max, and (``FULL``) ``Σ ‖e v − mean_s‖²``,
@@ -246,7 +233,7 @@ if triton is not None:
         t0, t1 = _split_range(tc, s, splits)
         b0, b1 = _split_range(bc, s, splits)
         _online_parts(part_ptr + ((r * hq + h) * splits + s) * W, q, k_base, s_k_n, v_base, s_v_n, l_base, top,
-                      base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D, PREFETCH)
+                      base, start, end, a0, a1, w0, w1, t0, t1, b0, b1, scale, FULL, KEPT, BLOCK, D)
 
     @triton.jit
     def _combine_head(part_ptr, out_ptr, r, h, hq, splits, bc, n_s, FULL: tl.constexpr, SP: tl.constexpr,
@@ -413,12 +400,11 @@ def usable(t: torch.Tensor) -> bool:
     return triton is not None and (t.is_cuda or is_interpreted(_budget_parts_kernel))
 
 
-def budget_splits(rows: int, entries: int, block: int, target_programs: int | None = None) -> int:
-    """Programs per (row, query head) of :func:`budget_stats_triton`: about ``target_programs`` in all
-    (None: ``SPLIT_PROGRAMS``, read at call time), at most one per two blocks of the ``entries`` a row may
-    hold (sink + window + list widths) and 64."""
-    target = SPLIT_PROGRAMS if target_programs is None else target_programs
-    return max(1, min(cdiv(target, max(rows, 1)), cdiv(entries, 2 * block), 64))
+def budget_splits(rows: int, entries: int, block: int, target_programs: int) -> int:
+    """Programs per (row, query head) of :func:`budget_stats_triton`: at most ``target_programs`` in all (one
+    wave), at most one per two blocks of the ``entries`` a row may hold (sink + window + list widths) and 64;
+    at least one."""
+    return max(1, min(target_programs // max(rows, 1), cdiv(entries, 2 * block), 64))
 
 
 @dataclass(frozen=True)
@@ -507,18 +493,17 @@ def budget_stats_reference(q, k, v, start, end, length, top, top_counts, base, b
 def budget_stats_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                         full: bool, dense_width: int, splits: int | None = None,
                         logits: torch.Tensor | None = None, *, block: int | None = None,
-                        num_warps: int | None = None, prefetch: bool = False) -> torch.Tensor:
+                        num_warps: int | None = None) -> torch.Tensor:
     """``[R, Hq, 5]`` float64 ``(D̂, σ̂, ‖N̂‖, Tr Σ̂, range of e^s over the base sample)`` per query head
     (``‖N̂‖`` and ``Tr Σ̂`` 0 unless ``full``): :func:`budget_triton` without a rule."""
     return budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale, full,
-                         dense_width, splits=splits, logits=logits, block=block, num_warps=num_warps,
-                         prefetch=prefetch).stats
+                         dense_width, splits=splits, logits=logits, block=block, num_warps=num_warps).stats
 
 
 def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_counts, n_s, scale: float,
                   full: bool, dense_width: int, rule: BudgetRule | None = None,
                   splits: int | None = None, logits: torch.Tensor | None = None, *, block: int | None = None,
-                  num_warps: int | None = None, prefetch: bool = False) -> Budget:
+                  num_warps: int | None = None) -> Budget:
     """vAttention's budget statistics and, with ``rule``, its sample size. The deterministic set of row
     ``r`` is ``[0, start) ∪ [end, length)`` (at most ``dense_width`` keys) plus the first ``top_counts``
     entries of ``top [R, Hs, Kt]``; the base sample the first ``base_counts`` of ``base [R, Hs, Kb]``;
@@ -537,9 +522,9 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
 
     Launch settings (the same statistics up to rounding whatever they are; ``vattention_stages.py`` times
     them): ``block`` entries per loop step (a power of two, 4 to 128; default ``PARTS_BLOCK``, half beyond a head
-    dim of 128) and ``num_warps`` (default ``PARTS_WARPS``) of the split launch; ``prefetch``: each loop step
-    issues the next block's gathers (list entries, their logits and V rows) before its own sums, so that a
-    program waits on one gather latency less per block (more registers)."""
+    dim of 128) and ``num_warps`` (default ``PARTS_WARPS``) of the split launch. Each loop step issues the next
+    block's gathers (list entries, their logits and V rows) before its own sums, so that a program waits on one
+    gather latency less per block."""
     r, hq, d = q.shape
     hkv = k.shape[1]
     hs = top.shape[1]
@@ -557,7 +542,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
     if splits is not None:
         check_launch_value("splits", splits)
     dp = next_pow2(d)
-    splits = splits or budget_splits(r * hq, width, block)
+    splits = splits or budget_splits(r * hq, width, block, SPLITS_PER_SM * sm_count(q.device))
     rec = 8 + (2 * dp if full else 0)
     dev = q.device
     parts = workspace("vattention_budget_parts", q, max(1, r * hq * splits * rec), torch.float64)
@@ -568,7 +553,7 @@ def budget_triton(q, k, v, start, end, length, top, top_counts, base, base_count
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
            top.stride(0), top.stride(1), base.stride(0), base.stride(1), top_counts.stride(0), top_counts.stride(1),
            base_counts.stride(0), base_counts.stride(1), *((0, 0) if logits is None else logits.stride()[:2]),
-           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, PREFETCH=prefetch, num_warps=warps,
+           FULL=full, KEPT=logits is not None, BLOCK=block, D=dp, W=rec, num_warps=warps,
            num_stages=1)
     res = Budget(out)
     if rule is not None:
@@ -647,7 +632,7 @@ def residual_setup_triton(lengths: torch.Tensor, sink: int, window: int, base_ra
     return ResidualSetup(start, end, sizes[0], sizes[1], sizes[2], excl)
 
 
-__all__ = ["SPLIT_PROGRAMS", "Budget", "BudgetRule", "ResidualSetup", "budget_splits", "budget_stats_reference",
+__all__ = ["SPLITS_PER_SM", "Budget", "BudgetRule", "ResidualSetup", "budget_splits", "budget_stats_reference",
            "budget_stats_triton",
            "budget_triton", "residual_setup_reference",
            "residual_setup_triton", "usable"]
