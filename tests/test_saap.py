@@ -774,7 +774,7 @@ import torch
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=None):
+def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=False):
     group_p = max(2, next_pow2(group))
     pointers = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                 "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32",
@@ -785,9 +785,8 @@ def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=None):
             "BLOCK_L": max(16, next_pow2(n_probe)), "SPLITS": splits, "HAS_RANGE": mode == "range",
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
-            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "AHEAD": {None: 0, "dot": 1, "keys": 4}[ahead],
-            "A_KEYS": ahead == "keys", "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_BLOCK_U": 16,
-            "A_DEROPE": True}
+            "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "AHEAD": index.UPDATE_SPAN if ahead else 0,
+            "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_DEROPE": True}
     compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale", "a_scaling"))
 
 
@@ -803,13 +802,13 @@ for mode in ("tail", "range", "none"):
                     bucket_case(mode, fused, dtype, d, group, n_probe)
 if PART != "runtime":
     raise SystemExit(0)
-# index_update=ahead: the update one step ahead in both forms, as the first programs of the runtime's launch (with
-# the separate merge at batch 1, the fused one at batch 8) and alone
-for fused, form in ((False, "dot"), (True, "keys")):
-    bucket_case("tail", fused, "bf16", 128, 4, 32, ahead=form)
+# index_update=ahead: the update one step ahead as the first programs of the runtime's launch (with the separate
+# merge at batch 1, the fused one at batch 8) and alone
+for fused in (False, True):
+    bucket_case("tail", fused, "bf16", 128, 4, 32, ahead=True)
 compile_(index._assign_ahead_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                       "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
-         {"KEYS": False, "D": 128, "HALF": 64, "BLOCK_C": index.AHEAD_BLOCK_C, "BLOCK_U": 16, "DEROPE": True},
+         {"D": 128, "HALF": 64, "BLOCK_C": index.AHEAD_BLOCK_C, "DEROPE": True},
          floats=("scaling",))
 compile_(index._assign_tail_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                      "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
@@ -973,7 +972,7 @@ for per in ("kv", "query"):
         q = torch.randn(b, 8, 32, generator=g).to(dev)
         k, v = torch.randn(2, b, 2, n, 32, generator=g).to(dev)
         lengths = torch.tensor([n, n - 50][:b], device=dev)
-        spec = f"saap:artifacts={{folder}},probes=4"
+        spec = f"saap:artifacts={{folder}},probes=4,index_update=step"  # the batch's rule (ahead: test_saap_index)
         ctx = CallContext(layer=1)
         out_t, st_t = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lengths, context=ctx)
         out_r, st_r = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lengths, context=ctx)
@@ -1047,7 +1046,8 @@ g = torch.Generator().manual_seed(0)
 n = 300
 q = torch.randn(2, 8, 32, generator=g).bfloat16()[:{batch}]
 k, v = torch.randn(2, 2, 2, n + 2, 32, generator=g).bfloat16()[:, :{batch}]
-m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton")
+m = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=triton,"
+                   f"index_update={update}")
 ref = kvsieve.method(f"saap:artifacts={{folder}},probes=4,window=63,window_scale=1.0,backend=reference")
 state, ref_state = m.new_state(), ref.new_state()
 from kvsieve.core.sync import no_host_reads
@@ -1060,7 +1060,7 @@ for step in range(3):  # the build, then two generated tokens: a key leaves each
     with Ops(), no_host_reads():  # what a GPU gets
         out, stats = m.decode(q, kk, vv, lengths=lengths, state=state, context=ctx, check_finite=False)
     print("CALL", " ".join(log))
-    assert stats["update"] == ("parallel" if {batch} == 1 else "serial"), stats["update"]
+    assert stats["update"] == "{expect}", stats["update"]
     ref_out, ref_stats = ref.decode(q, kk, vv, lengths=lengths, state=ref_state, context=ref_ctx, check_finite=False)
     assert out.dtype == torch.bfloat16
     assert stats["bucket_keys"] == ref_stats["bucket_keys"] and stats["dense_keys"] == ref_stats["dense_keys"]
@@ -1081,11 +1081,14 @@ print("worst", worst)
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("batch,first", [(2, "triton:_hidden_kernel"), (1, "triton:_hidden_partial_kernel")])
-def test_captured_decode_launches_four_kernels_and_no_torch_op(batch, first):
+@pytest.mark.parametrize("batch,update,expect,first", [
+    (2, "step", "serial", "triton:_hidden_kernel"), (1, "step", "parallel", "triton:_hidden_partial_kernel"),
+    (1, "ahead", "ahead", "triton:_hidden_kernel")])
+def test_captured_decode_launches_four_kernels_and_no_torch_op(batch, update, expect, first):
     """Per call, after the build, while keys leave the window and join their buckets: the probe's three kernels
-    (the first also runs the index update's work: the serial update at batch 2, the parallel update's first stage at
-    batch 1, whose second stage runs in the rank launch) and the bucket kernel (the window's bounds computed from
+    (with ``index_update=step`` the first also runs the index update's work: the serial update at batch 2, the
+    parallel update's first stage at batch 1, whose second stage runs in the rank launch; with ``ahead``, the
+    default, the bucket kernel runs it one step early) and the bucket kernel (the window's bounds computed from
     the lengths in the kernels; it merges its partials itself), nothing else (before: 12 launches, 7 of them torch
     glue: the positions' - 1, two torch.topk kernels on the main branch, the bucket counts' sub/gather/sum and two
     dtype copies of the output; then 5, the update apart). The output equals the reference path's (bfloat16
@@ -1094,7 +1097,7 @@ def test_captured_decode_launches_four_kernels_and_no_torch_op(batch, first):
     pytest.importorskip("triton")
     from interpreted import run_script
 
-    out = run_script(SAAP_LAUNCHES, "cpu", True, batch=batch)
+    out = run_script(SAAP_LAUNCHES, "cpu", True, batch=batch, update=update, expect=expect)
     calls = [line.split()[1:] for line in out.splitlines() if line.startswith("CALL")]
     assert len(calls) == 3
     for ops in calls[1:]:

@@ -146,7 +146,6 @@ from kvsieve.kernels.saap.probe import probe_scores_triton
 dev = "{device}"
 g = torch.Generator().manual_seed(0)
 worst = 0.0
-forms = ("dot", "keys")
 for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6, 3, 32, 200, 40, 5, 0),
                                            (3, 2, 1, 16, 150, 8, 8, 2)]:
     cent = torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1).to(dev)
@@ -193,17 +192,16 @@ for (b, hq, hkv, d, n, c, probes, sink) in [(2, 4, 2, 16, 260, 12, 3, 1), (1, 6,
                 for got in (ahead, ahead_alone, ahead_ref):
                     assign_tail_reference(got, k, t_lo, lengths, window, span, cent, inv, 1.3)
             prev, prev_span = step, span
-            # the update one step ahead in the same launch (of its own, 16 centroids a dot: several blocks): the
+            # the update one step ahead in the same launch (of its own, 16 centroids a block: several blocks): the
             # reference's writes, the same output whatever it writes (at or past L - W, where the step reads none)
             out, _, _ = bucket_sparse_decode_triton(q, k, v, sink_ids, sink_counts, offsets, ids, bk, 0,
                                                     sliding=(lengths, window, t_lo, ahead), block_n=16,
                                                     splits=3 if step % 2 else None,
-                                                    ahead=(cent, inv, 1.3, span, forms[step % 2]))
+                                                    ahead=(cent, inv, 1.3, span))
             ref, _ = index_decode_reference(q, k, v, lengths, window, sink, ahead, bk)
             worst = max(worst, float((out - ref).abs().max()))
             assign_ahead_reference(ahead_ref, k, t_lo, lengths, window, span, cent, inv, 1.3)
-            assign_ahead_triton(ahead_alone, k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16,
-                                form=forms[1 - step % 2])
+            assign_ahead_triton(ahead_alone, k, t_lo, lengths, window, span, cent, inv, 1.3, block_c=16)
             assert torch.equal(ahead, ahead_ref) and torch.equal(ahead_alone, ahead_ref), (ahead != ahead_ref).nonzero()
             # every key below the window start has its bucket, the step update's where that one assigned it (its
             # jumps of 17 and 25 keys at span 16 leave some unassigned)
@@ -226,7 +224,7 @@ print("worst", worst)
 def test_index_kernels_match_their_references():
     """The Triton updates (serial and parallel), alone and inside the probe's launches, equal the torch update bit
     for bit (de-roped and as stored, spans 4 and 16), and so does the update one step ahead, alone and inside the
-    bucket kernel's launch, in both forms (below each window start it then holds the step update's buckets); the
+    bucket kernel's launch (below each window start it then holds the step update's buckets); the
     bucket kernel's tail scan (chosen buckets among the keys that joined after the build, CSR keys the window holds
     skipped, a row shorter than its window) equals attention over the reference's keys."""
     pytest.importorskip("triton")
@@ -347,7 +345,7 @@ for seed, batch, n, start, capacity in [(0, 3, 420, [400, 300, 50], None), (1, 1
     q = torch.randn(batch, 8, 32, generator=g).to(dev)
     k, v = (t.to(dev) for t in torch.randn(2, batch, 2, n, 32, generator=g))
     spec = f"saap:artifacts={{folder}},probes=4,window=63,window_scale=0.125,backend=triton"
-    step_m, ahead_m = kvsieve.method(spec), kvsieve.method(spec + ",index_update=ahead")
+    step_m, ahead_m = kvsieve.method(spec + ",index_update=step"), kvsieve.method(spec + ",index_update=ahead")
     step_s, ahead_s = step_m.new_state(), ahead_m.new_state()
     # one key a step, a repeated step (a graph warm-up, a rewind), and without a capacity a jump of K's shape
     # by 9 keys (more than the 4 assigned ahead: the rest join in the step)
@@ -384,7 +382,7 @@ print("worst", worst)
 @pytest.mark.triton
 def test_the_update_one_step_ahead_gives_the_step_updates_outputs():
     """``index_update=ahead`` (the keys leaving the window assigned one step early, in the bucket attention's
-    launch) against the default path, call by call: the same outputs and the same index below each window start,
+    launch) against ``index_update=step``, call by call: the same outputs and the same index below each window start,
     ragged rows (one shorter than its window), repeated steps, K growing by more than the keys assigned ahead, and
     under ``no_host_reads`` with a capacity-sized cache."""
     pytest.importorskip("triton")

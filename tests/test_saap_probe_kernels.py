@@ -99,14 +99,14 @@ def test_the_probe_benchmark_checks_every_variant(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check", "--sweep",
-                          "rank,ahead-keys", "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
+                          "rank,ahead", "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = (tmp_path / "saap_probe.md").read_text()
     for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer",
-                    "update-ahead-dot", "update-ahead-keys", "layer-ahead-dot", "layer-ahead-keys"):
+                    "update-ahead", "layer-ahead"):
         assert f"| {variant} |" in table
     # two cases, each with two updates alone, two probes with the update and the layer's step, and the update one
-    # step ahead in both forms alone and in the layer's step
-    assert "FAIL" not in table and table.count("assign True") == 2 * 9 and table.count("out err") == 2 * 3
-    # the sweeps: the rank launch's chunk (several comparison passes a program past 32) and the ahead form's block
-    assert table.count("| probe | RANK_CHUNK") == 2 * 4 and table.count("| layer-ahead-keys | AHEAD_KEY") == 2 * 3
+    # step ahead alone and in the layer's step
+    assert "FAIL" not in table and table.count("assign True") == 2 * 7 and table.count("out err") == 2 * 2
+    # the sweeps: the rank launch's chunk (several comparison passes a program past 32) and the ahead update's block
+    assert table.count("| probe | RANK_CHUNK") == 2 * 4 and table.count("| layer-ahead | AHEAD_BLOCK_C") == 2 * 3

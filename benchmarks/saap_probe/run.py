@@ -4,19 +4,18 @@ update inside them (``step-serial``: the serial update in the hidden-layer launc
 update's first stage there, its second in the rank launch), each update alone (serial: one launch; parallel: two),
 and the layer's whole step as the method runs it (``layer``: the probe with the update its batch rule picks,
 :func:`kvsieve.kernels.saap.index.parallel_update`, then the bucket attention); and ``index_update=ahead``'s
-(``layer-ahead-dot``, ``layer-ahead-keys``: the probe alone, the update one step ahead in the bucket attention's
-launch, in either form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`; ``update-ahead-*``: that update in a
-launch of its own). Every variant is captured in a CUDA
+(``layer-ahead``: the probe alone, the update one step ahead in the bucket attention's launch; ``update-ahead``: that
+update in a launch of its own). Every variant is captured in a CUDA
 graph and replayed on a cold L2 (``kvsieve.bench.timing``), profiled per kernel (torch.profiler names), and checked
 in the same run against the torch references: the group scores against ``probe_scores_reference``, the top-ℓ
 against ``top_buckets_reference`` of the variant's own scores (exactly) and of the reference's (agreement reported:
 near ties may differ), the index after the update against ``assign_tail_reference`` (exactly; the ahead variants
 against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
 the reference's index (``index_decode_reference``).
-``--sweep parallel,rank,ahead-dot,ahead-keys`` (or ``all``) also times a variant over launch constants
+``--sweep parallel,rank,ahead`` (or ``all``) also times a variant over launch constants
 (:data:`SWEEPS`): ``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk
-(``probe.RANK_CHUNK``: fewer programs recomputing the group softmax at batch 8), the ``layer-ahead-*`` variants over
-their centroid blocks.
+(``probe.RANK_CHUNK``: fewer programs recomputing the group softmax at batch 8), ``layer-ahead`` over its centroid
+block.
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
         [--sweep all]
@@ -90,10 +89,10 @@ def tail_of(case: dict, assign: torch.Tensor) -> tuple:
             case["inv_freq"], 1.0)
 
 
-def layer_step(case: dict, assign: torch.Tensor, ahead: str | None = None):
+def layer_step(case: dict, assign: torch.Tensor, ahead: bool = False):
     """The method's step on the Triton path: the probe (with the update of the batch's rule) then the bucket
-    attention; with ``ahead`` (a form of :func:`kvsieve.kernels.saap.index.ahead_launch_meta`) the probe alone, and
-    the update one step ahead in the attention's launch (``index_update=ahead``). Returns ``(out, top)``."""
+    attention; with ``ahead`` the probe alone, and the update one step ahead in the attention's launch
+    (``index_update=ahead``). Returns ``(out, top)``."""
     b, hkv, n = case["k"].shape[:3]
     _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
                                  probes=case["shape"]["probes"], position_offset=-1,
@@ -101,7 +100,7 @@ def layer_step(case: dict, assign: torch.Tensor, ahead: str | None = None):
     out, _, _ = bucket_sparse_decode_triton(
         case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
         sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused_merge_default(b * hkv, n),
-        ahead=(case["centroids"], case["inv_freq"], 1.0, SPAN, ahead) if ahead else None)
+        ahead=(case["centroids"], case["inv_freq"], 1.0, SPAN) if ahead else None)
     return out, top
 
 
@@ -129,12 +128,10 @@ def variants(case: dict) -> dict:
     # the step update leaves it); this step assigns the next ones, alone or in the attention's launch
     stepped = case["assign"].clone()
     assign_tail_reference(*tail_of(case, stepped))
-    for form in ("dot", "keys"):
-        a = stepped.clone()
-        out[f"update-ahead-{form}"] = ((lambda a=a, form=form: assign_ahead_triton(*tail_of(case, a), form=form)), a,
-                                       "update")
-        a = stepped.clone()
-        out[f"layer-ahead-{form}"] = ((lambda a=a, form=form: layer_step(case, a, form)), a, "layer")
+    a = stepped.clone()
+    out["update-ahead"] = ((lambda a=a: assign_ahead_triton(*tail_of(case, a))), a, "update")
+    a = stepped.clone()
+    out["layer-ahead"] = ((lambda a=a: layer_step(case, a, ahead=True)), a, "layer")
     return out
 
 
@@ -197,12 +194,11 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
 
 
 #: ``--sweep``: (module, constants and their values, variant timed) — the parallel update's launch constants, the
-#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK) and the ahead update's forms.
+#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK) and the ahead update's centroid block.
 SWEEPS = {
     "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
     "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
-    "ahead-dot": (index, {"AHEAD_BLOCK_C": (16, 32, 64)}, "layer-ahead-dot"),
-    "ahead-keys": (index, {"AHEAD_KEY_BLOCK_C": (32, 64, 128)}, "layer-ahead-keys"),
+    "ahead": (index, {"AHEAD_BLOCK_C": (32, 64, 128)}, "layer-ahead"),
 }
 
 

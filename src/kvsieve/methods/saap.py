@@ -568,7 +568,7 @@ class Saap(Method):
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
                 scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
-                ahead=(update[6], update[7], update[8], UPDATE_SPAN) if ahead else None)
+                ahead=(*update[6:9], UPDATE_SPAN) if ahead else None)  # centroids, inv_freq, scaling
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)

@@ -179,7 +179,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .index import assign_ahead_step
+    from .index import assign_ahead_program
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -197,21 +197,20 @@ if triton is not None:
         BLOCK_L: tl.constexpr, SPLITS: tl.constexpr, HAS_RANGE: tl.constexpr, HAS_TAIL: tl.constexpr,
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
-        AHEAD: tl.constexpr, A_KEYS: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr,
-        A_BLOCK_U: tl.constexpr, A_DEROPE: tl.constexpr,
+        AHEAD: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr, A_DEROPE: tl.constexpr,
     ):
         """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` programs per (KV head, row) that
         come first in the grid (dispatched first): the index update one step ahead
-        (:func:`kvsieve.kernels.saap.index.assign_ahead_step`), which writes ``assign`` at or past ``L − W``; the
-        attention programs read it below."""
+        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`, one a key), which writes ``assign`` at or past
+        ``L − W``; the attention programs read it below."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
         if AHEAD > 0:
             if split < AHEAD:
-                assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
-                                  n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
-                                  A_KEYS, D, A_HALF, A_BLOCK_C, A_BLOCK_U, A_DEROPE)
+                assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
+                                     n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
+                                     D, A_HALF, A_BLOCK_C, A_DEROPE)
         split -= AHEAD
         if split >= 0:  # an attention program
             row = b * kv_heads + h
@@ -414,11 +413,11 @@ def bucket_sparse_decode_triton(
     :func:`kvsieve.kernels.saap.index.index_decode_reference` is its reference. The returned counts are the
     CSR keys of the chosen buckets, the tail not included.
 
-    ``ahead = (centroids, inv_freq, scaling, span[, form])`` (with ``sliding``): the same launch also runs
-    :func:`kvsieve.kernels.saap.index.assign_ahead_reference`'s update of ``assign`` (its programs first in the
-    grid; ``form`` as :func:`kvsieve.kernels.saap.index.ahead_launch_meta`), the keys that leave the window in the
-    next ``span`` keys: off the step's critical path. Its writes are at or past ``L − W`` and the attention reads
-    ``assign`` below: no race. Needs every row's window to be at least ``span`` (the keys written must be in K)."""
+    ``ahead = (centroids, inv_freq, scaling, span)`` (with ``sliding``): the same launch also runs
+    :func:`kvsieve.kernels.saap.index.assign_ahead_reference`'s update of ``assign`` (its ``span`` programs a
+    (row, KV head) first in the grid), the keys that leave the window in the next ``span`` keys: off the step's
+    critical path. Its writes are at or past ``L − W`` and the attention reads ``assign`` below: no race. Needs
+    every row's window to be at least ``span`` (the keys written must be in K)."""
     from ..shared.triton_utils import (
         dot_precision,
         is_interpreted,
@@ -465,20 +464,22 @@ def bucket_sparse_decode_triton(
         t_lo, assign = lo, ids
     if ahead is None:
         cent, freq, a_scaling, a_span = q, q, 1.0, 1
-        a_meta = dict(PROGRAMS=0, KEYS=False, HALF=8, BLOCK_C=16, BLOCK_U=16, DEROPE=False)
+        a_meta = dict(PROGRAMS=0, HALF=8, BLOCK_C=16, DEROPE=False)
     else:
         from .index import ahead_launch_meta
 
         if sliding is None:
             raise ValueError("ahead: the update one step ahead writes SAAP's assign; give sliding too")
-        cent, inv_freq, a_scaling, a_span = ahead[:4]
+        if len(ahead) != 4:
+            raise ValueError(f"ahead: expected (centroids, inv_freq, scaling, span), got {len(ahead)} elements")
+        cent, inv_freq, a_scaling, a_span = ahead
         if cent.shape[:2] != (hkv, offsets.shape[-1] - 1) or cent.dtype != torch.float32 \
                 or not cent.is_contiguous() or assign.stride(-1) != 1 or a_span < 1:
             raise ValueError(f"ahead: expected contiguous float32 centroids [{hkv}, {offsets.shape[-1] - 1}, d], an "
                              f"assign contiguous in its last dimension and a span >= 1; got {tuple(cent.shape)}, "
                              f"{cent.dtype}, span {a_span}")
         freq = cent if inv_freq is None else inv_freq
-        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq, form=ahead[4] if len(ahead) > 4 else None)
+        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq)
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)

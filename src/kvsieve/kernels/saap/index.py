@@ -28,10 +28,10 @@ of C / block dependent L2 reads (about 20 µs a layer at C = 1024); the two stag
 step and finish in one short pass each. Which one runs is a rule on the batch, known on the host when a step is
 captured (:func:`parallel_update`).
 
-The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program` or
-:func:`assign_ahead_key_program` as extra programs of the bucket attention's launch): the keys that will leave the
-window in the next ``span`` keys are already in K, and are still in the window, where the attention does not read
-``assign``. A step then finds the keys leaving it assigned, and no launch before its attention waits on the update.
+The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program`, one program
+per key, as extra programs of the bucket attention's launch): the keys that will leave the window in the next
+``span`` keys are already in K, and are still in the window, where the attention does not read ``assign``. A step
+then finds the keys leaving it assigned, and no launch before its attention waits on the update.
 """
 
 from __future__ import annotations
@@ -51,18 +51,10 @@ BUILD_CHUNK = 4096
 PARALLEL_BLOCK_C = 64
 #: Tail keys a stage-1 program scores at most (the rows of its dot): a KV head's 32 at batch 8 and the default span.
 PARALLEL_BLOCK_R = 32
-#: The update one step ahead (inside the bucket kernel's launch, at its 4 warps) in one of two forms: ``"dot"``, one
-#: program per (row, KV head) scoring its ``span`` keys as a ``[16, d]`` tile against ``[AHEAD_BLOCK_C, d]``
-#: centroid tiles in float32 dots (few programs; loads pipelined, three quarters of the products padding at span 4),
-#: or ``"keys"``, one program per key (:func:`assign_ahead_key_program`, the serial update's scan,
-#: ``AHEAD_KEY_BLOCK_C`` centroids an iteration). On the H200 (Llama 32/8/128, C = 1024) the layer took 54.7 µs with
-#: "keys" against 196.6 with "dot" and 61.7 with the step's update at 128k batch 1, 133.8 / 246.3 / 132.5 at 32k batch 8
-#: (docs/results/gpu-bench/2026-11-29-h200-saap-ahead.md).
-AHEAD_FORM = "keys"
-#: 32 × d float32 (16 KB at d = 128) a stage: 41 KB of shared memory with the pipeline's stages, about the
-#: attention's 22 KB (64 a block took 74 KB and more spills at sm_90, Triton 3.6).
-AHEAD_BLOCK_C = 32
-AHEAD_KEY_BLOCK_C = 64
+#: Centroids a program of the update one step ahead (:func:`assign_ahead_program`, one key a program, inside the
+#: bucket kernel's launch at its 4 warps) scores an iteration. One key a program: the span's keys as one padded dot
+#: tile a (row, KV head) were slower on the H200 (docs/methods/saap.md, forms measured and dropped).
+AHEAD_BLOCK_C = 64
 
 
 def parallel_update(batch: int) -> bool:
@@ -272,56 +264,20 @@ if triton is not None:
         tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty))
 
     @triton.jit
-    def assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
-                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
-        """Key ``u`` of :func:`assign_ahead_program`'s work, scored as :func:`assign_tail_program` scores its key
-        (one key a program, no dot padding; the centroid blocks read one after the other)."""
+    def assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                             span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Work item (row ``b``, KV head ``h``, ``u``) of :func:`assign_ahead_reference`: key ``u`` of the row's
+        ``span``, scored as :func:`assign_tail_program` scores its key (the centroid blocks read one after the other).
+        Extra programs of the bucket attention's launch
+        (:func:`kvsieve.kernels.saap.buckets.bucket_sparse_decode_triton` with ``ahead``), which reads ``assign``
+        only below ``L − W``, where these programs never write."""
         t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
         length = tl.load(len_ptr + b).to(tl.int32)
         pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
         if (pos >= t_lo) & (pos < length):
             _assign_key(k_ptr, cent_ptr, freq_ptr, assign_ptr, scaling, n_buckets, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
                         pos, D, HALF, BLOCK_C, DEROPE)
-
-    @triton.jit
-    def assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
-                             span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
-                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_U: tl.constexpr,
-                             DEROPE: tl.constexpr):
-        """Work item (row ``b``, KV head ``h``) of :func:`assign_ahead_reference`: the row's ``span`` keys as the
-        rows of one ``[BLOCK_U, d]`` tile, scored against ``BLOCK_C`` centroids at a time in a float32 dot, each
-        key's first best kept. The centroid loads do not depend on the running best: with a dot in the loop Triton
-        pipelines them (the serial form's one-key loop waits an L2 read per block). Extra programs of the bucket
-        attention's launch (:func:`kvsieve.kernels.saap.buckets.bucket_sparse_decode_triton` with ``ahead``), which
-        reads ``assign`` only below ``L − W``, where these programs never write."""
-        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
-        length = tl.load(len_ptr + b).to(tl.int32)
-        end = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo)
-        offs_u = tl.arange(0, BLOCK_U)
-        pos = end - span + offs_u
-        ok = (offs_u < span) & (pos >= t_lo) & (pos < length)
-        offs_d = tl.arange(0, D)
-        ptrs = (k_ptr + b.to(tl.int64) * s_kb + h * s_kh + (pos.to(tl.int64) * s_kn)[:, None]) + offs_d[None, :]
-        x = _load_key(ptrs, offs_d[None, :], pos[:, None], freq_ptr, scaling, ok[:, None], HALF, DEROPE)
-        best = tl.full([BLOCK_U], float("-inf"), dtype=tl.float32)
-        best_i = tl.zeros([BLOCK_U], dtype=tl.int32)
-        offs_c = tl.arange(0, BLOCK_C)
-        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
-        for c0 in range(0, n_buckets, BLOCK_C):
-            cc = c0 + offs_c
-            c_ok = cc < n_buckets
-            cb = tl.load(cent_row + cc[:, None] * D + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-            sc = tl.dot(x, tl.trans(cb), input_precision="ieee")  # [BLOCK_U, BLOCK_C]
-            sc = tl.where(c_ok[None, :], sc, float("-inf"))
-            blk = tl.max(sc, axis=1)
-            # the first index of each key's maximum in the block (torch.argmax takes the first too)
-            blk_i = tl.min(tl.where(sc == blk[:, None], cc[None, :], n_buckets), axis=1)
-            better = blk > best
-            best_i = tl.where(better, blk_i, best_i)
-            best = tl.where(better, blk, best)
-        tl.store(assign_ptr + b.to(tl.int64) * s_ab + h * s_ah + pos, best_i.to(assign_ptr.dtype.element_ty),
-                 mask=ok)
 
     @triton.jit
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -385,28 +341,11 @@ if triton is not None:
     @triton.jit
     def _assign_ahead_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
                              span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                             KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
-        """Program (row, KV head, key): :func:`assign_ahead_step`."""
-        assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
-                          span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                          KEYS, D, HALF, BLOCK_C, BLOCK_U, DEROPE)
-
-    @triton.jit
-    def assign_ahead_step(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
-                          span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u,
-                          KEYS: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_U: tl.constexpr, DEROPE: tl.constexpr):
-        """Work item (row ``b``, KV head ``h``, ``u``) of the update one step ahead: key ``u``
-        (:func:`assign_ahead_key_program`) with ``KEYS``, else all of them (:func:`assign_ahead_program`, ``u``
-        0)."""
-        if KEYS:
-            assign_ahead_key_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                     n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, u, D, HALF, BLOCK_C, DEROPE)
-        else:
-            assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h, D, HALF, BLOCK_C, BLOCK_U,
-                                 DEROPE)
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row, KV head, key): :func:`assign_ahead_program`."""
+        assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                             span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                             D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -452,31 +391,25 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
 
 
 def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                      block_c: int | None = None, form: str | None = None) -> dict:
-    """The constexprs of the update one step ahead in ``form`` (default :data:`AHEAD_FORM`): ``PROGRAMS`` per
-    (row, KV head) (1, or ``span`` for ``"keys"``), ``KEYS`` (the form), ``D``, ``HALF``, ``BLOCK_C`` (centroids an
-    iteration, default :data:`AHEAD_BLOCK_C` or :data:`AHEAD_KEY_BLOCK_C`, fewer when C is smaller), ``BLOCK_U``,
+                      block_c: int | None = None) -> dict:
+    """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key), ``D``,
+    ``HALF``, ``BLOCK_C`` (centroids an iteration, default :data:`AHEAD_BLOCK_C`, fewer when C is smaller),
     ``DEROPE``."""
-    form = form or AHEAD_FORM
-    if form not in ("dot", "keys"):
-        raise ValueError(f"form: expected 'dot' or 'keys', got {form!r}")
-    d, keys = k.shape[-1], form == "keys"
-    block_c = block_c or (AHEAD_KEY_BLOCK_C if keys else AHEAD_BLOCK_C)
-    return dict(PROGRAMS=span if keys else 1, KEYS=keys, D=d, HALF=d // 2,
-                BLOCK_C=min(block_c, max(16, next_pow2(centroids.shape[1]))), BLOCK_U=max(16, next_pow2(span)),
+    d = k.shape[-1]
+    return dict(PROGRAMS=span, D=d, HALF=d // 2,
+                BLOCK_C=min(block_c or AHEAD_BLOCK_C, max(16, next_pow2(centroids.shape[1]))),
                 DEROPE=inv_freq is not None)
 
 
 def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
                         window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                        scaling: float, block_c: int | None = None, form: str | None = None) -> None:
+                        scaling: float, block_c: int | None = None) -> None:
     """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c``
-    and ``form`` as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch
-    instead."""
+    as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch instead."""
     if triton is None:
         raise RuntimeError("assign_ahead_triton needs triton")
     k = _checked_keys(assign, k, span, centroids)
-    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, form)
+    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c)
     _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
         k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
         centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
