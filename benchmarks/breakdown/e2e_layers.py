@@ -62,22 +62,8 @@ def record_layers(rt, layers: set[int]) -> dict[int, tuple]:
     return kept
 
 
-def time_steps(rt, n: int) -> float:
-    """Median ms of ``n`` captured steps (CUDA events), after one warm-up step."""
-    rt.step()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        rt.step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def run(args) -> dict:
-    from kvsieve.bench.e2e import build_model
+    from kvsieve.bench.e2e import build_model, time_steps
     from kvsieve.bench.peaked import bench_prompts, build_bench_model
     from kvsieve.bench.timing import ColdL2Timer
     from kvsieve.kernels.shared.dense import dense_decode_triton
@@ -108,7 +94,8 @@ def run(args) -> dict:
         for spec in specs:  # every step time before the profiler attaches (it adds to later launches)
             try:
                 start(spec, "auto")
-                rows[spec].update(step_ms=time_steps(rt, args.steps), graph=rt.use_graph)
+                rt.step()  # the capture
+                rows[spec].update(step_ms=time_steps(rt.step, args.steps, True)["ms"], graph=rt.use_graph)
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
                 rows[spec]["error"] = f"{type(exc).__name__}: {exc}"[:400]
             print(json.dumps(rows[spec]), flush=True)

@@ -93,9 +93,8 @@ def topk_ways(args, kwargs) -> dict:
     from kvsieve.kernels.oracle_topk.topk import topk_select
 
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
-    ways = {"torch": lambda: topk_select(*args, **base, select="torch"),
+    return {"torch": lambda: topk_select(*args, **base, select="torch"),
             "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
-    return ways
 
 
 # The attention pass's launch settings timed (attend_triton's keywords; "sms": programs = that many per SM, the

@@ -111,7 +111,7 @@ def weights_read_per_step(model) -> int:
     return total
 
 
-def _time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float]:
+def time_steps(step: Callable[[], None], n: int, cuda: bool) -> dict[str, float]:
     """Per-step CUDA-event times (median), the mean over one loop, and the host time to issue a step."""
     if not cuda:
         t = []
@@ -306,7 +306,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 rt.stats.log.clear()
                 # valid keys summed over rows, averaged over the timed steps
                 keys = sum(rt.host_lengths()) + batch * (n_steps - 1) / 2
-                row.update(_time_steps(rt.step, n_steps, cuda))
+                row.update(time_steps(rt.step, n_steps, cuda))
                 if cuda:
                     row.update(host_ms(rt.step), host_after_profiler=_PROFILED["done"])
                 # what was timed: read before the eager stats steps below change the runtime's choice
@@ -379,7 +379,7 @@ def _hf_eager(model, rt, n: int, steps: int, warmup: int, cuda: bool) -> dict:
 
     for _ in range(warmup):
         step()
-    timed = _time_steps(step, steps, cuda)
+    timed = time_steps(step, steps, cuda)
     # eager: the host issues every kernel of the step, so its issue time is its host time
     return {"host_ms": timed["issue_ms"], **timed}
 

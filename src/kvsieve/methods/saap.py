@@ -531,10 +531,9 @@ class Saap(Method):
                         and self.probes > 0)
         parallel = parallel_update(inputs.batch)  # a host rule on the batch: the step stays capturable
         ahead = backend == "triton" and self._ahead()
-        if ahead and update[5] > UPDATE_SPAN:
-            # K grew by more keys than the last step assigned ahead (eager calls only): the rest join now
-            (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
-        elif not device_probe and not ahead:  # else the update runs in the probe's or the attention's launch
+        # the step's update in launches of its own where neither the probe's nor the attention's launch runs it;
+        # ahead, only where K grew by more keys than the last step assigned (eager calls): the rest join now
+        if (update[5] > UPDATE_SPAN) if ahead else (not device_probe):
             if backend == "triton":
                 (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
             else:
