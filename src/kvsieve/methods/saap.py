@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
@@ -352,6 +352,21 @@ class SaapIndex:
     sink_counts: torch.Tensor
 
 
+class IndexUpdate(NamedTuple):
+    """The arguments of :func:`~kvsieve.kernels.saap.index.assign_tail_reference` (in its order) that bring a
+    layer's index up to date: the keys that left the window since the last call join their buckets."""
+
+    assign: torch.Tensor
+    k: torch.Tensor
+    tail_lo: torch.Tensor
+    lengths: torch.Tensor
+    window: torch.Tensor
+    span: int
+    centroids: torch.Tensor
+    inv_freq: torch.Tensor | None
+    scaling: float
+
+
 @dataclass
 class SaapState(MethodState):
     """SAAP's per-(request, layer) state: the key index, built at the first decode call after prefill; keys
@@ -454,7 +469,7 @@ class Saap(Method):
                                                                                                 inputs.kv_heads, -1),
                          sink_counts=torch.full((inputs.batch, inputs.kv_heads), cfg.sink, device=inputs.q.device))
 
-    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState) -> tuple[SaapIndex, tuple]:
+    def _index(self, inputs: DecodeInputs, layer: int, state: SaapState) -> tuple[SaapIndex, IndexUpdate]:
         """The request's index for this layer, built on the first call, and the arguments of the update that
         brings it up to date (:func:`~kvsieve.kernels.saap.index.assign_tail_reference`'s): the keys that left
         the window since the last call join their buckets (:data:`UPDATE_SPAN` positions a step, or K's growth
@@ -476,9 +491,9 @@ class Saap(Method):
                                  f"shape unchanged; {self.name} assigns at most that many keys leaving the window "
                                  "per call")
             torch.maximum(idx.done, t_hi, out=idx.done)
-        return idx, (idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span,
-                     self._centroids(layer, inputs.q.device), self._derope_freq(inputs.q.device),
-                     self.artifacts.rope.attention_scaling)
+        return idx, IndexUpdate(idx.assign, inputs.k, idx.tail_lo, lengths, idx.window, span,
+                                self._centroids(layer, inputs.q.device), self._derope_freq(inputs.q.device),
+                                self.artifacts.rope.attention_scaling)
 
     # -- scoring ----------------------------------------------------------------------------------
 
@@ -533,7 +548,7 @@ class Saap(Method):
         ahead = backend == "triton" and self._ahead()
         # the step's update in launches of its own where neither the probe's nor the attention's launch runs it;
         # ahead, only where K grew by more keys than the last step assigned (eager calls): the rest join now
-        if (update[5] > UPDATE_SPAN) if ahead else (not device_probe):
+        if (update.span > UPDATE_SPAN) if ahead else (not device_probe):
             if backend == "triton":
                 (assign_tail_parallel_triton if parallel else assign_tail_triton)(*update)
             else:
@@ -567,7 +582,7 @@ class Saap(Method):
             out, _, _ = bucket_sparse_decode_triton(
                 inputs.q, inputs.k, inputs.v, idx.sink_ids, idx.sink_counts, idx.offsets, idx.ids, buckets, 0,
                 scale=inputs.scale, sliding=(lengths, idx.window, idx.tail_lo, idx.assign), fused_merge=fused,
-                ahead=(*update[6:9], UPDATE_SPAN) if ahead else None)  # centroids, inv_freq, scaling
+                ahead=(update.centroids, update.inv_freq, update.scaling, UPDATE_SPAN) if ahead else None)
 
             def deferred():  # the keys read, listed only when the stats are read
                 read = index_read_mask(inputs.n_keys, lengths, idx.window, self.config.sink, assign, buckets)
