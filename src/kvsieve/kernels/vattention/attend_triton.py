@@ -98,14 +98,9 @@ if triton is not None:
     def _widen(x, TO: tl.constexpr):
         """``[R, C] -> [TO, C]`` (``R`` and ``TO`` powers of two, ``R ≤ TO ≤ 16 R``): x in the first ``R`` rows,
         copies of it below (the caller masks or ignores them)."""
-        if TO >= 2 * x.shape[0]:
-            x = _double_rows(x)
-        if TO >= 2 * x.shape[0]:
-            x = _double_rows(x)
-        if TO >= 2 * x.shape[0]:
-            x = _double_rows(x)
-        if TO >= 2 * x.shape[0]:
-            x = _double_rows(x)
+        for _ in tl.static_range(4):
+            if TO >= 2 * x.shape[0]:
+                x = _double_rows(x)
         return x
 
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_mid_parts", "mid_chunk", "dense_chunk",
