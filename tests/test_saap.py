@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -31,6 +32,8 @@ from kvsieve.methods.saap import (
     MANIFEST,
     QueryClassifier,
     Rope,
+    Saap,
+    SaapConfig,
     config_hash,
     model_rope,
     model_shape,
@@ -558,6 +561,8 @@ def test_fit_resumes_by_layer_and_refuses_another_model(tmp_path):
             got = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, dense)
     assert {r["layer"] for r in session.records} == {0, 1, 2}
+    # the same checkpoint in bfloat16 (as a GPU run loads it) is the model the artifacts were fitted on
+    Saap(SaapConfig(artifacts=str(tmp_path / "full"))).check_model(copy.deepcopy(model).to(torch.bfloat16))
     other = tiny_llama(seed=1)
     with pytest.raises(ValueError, match="were fitted on 'tiny'"):
         with kvsieve.sparsify(other, spec):

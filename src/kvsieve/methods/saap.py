@@ -139,12 +139,15 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
+def weights_fingerprint(model: torch.nn.Module, *, rounded: bool = True) -> str:
     """sha256 (16 hex digits) of the first attention layer's key projection: tells two checkpoints of
-    one architecture apart (a fine-tune shares the config hash)."""
+    one architecture apart (a fine-tune shares the config hash). The weights are rounded to bfloat16 first,
+    so one checkpoint loaded in float32 (as the fit loads it) or in bfloat16 (as a GPU run does) has one
+    fingerprint; ``rounded=False`` hashes the float32 values as loaded (what older artifacts recorded)."""
     for name, p in model.named_parameters():
         if name.endswith("k_proj.weight"):
-            data = p.detach().float().cpu().contiguous().numpy().tobytes()
+            w = p.detach().to(torch.bfloat16) if rounded else p.detach()
+            data = w.float().cpu().contiguous().numpy().tobytes()
             return hashlib.sha256(data).hexdigest()[:16]
     raise ValueError(f"model: no k_proj.weight parameter in {type(model).__name__}")
 
@@ -421,7 +424,8 @@ class Saap(Method):
                              f"({want['name']!r}); this model's shape is {got_shape}. Fit SAAP for this model with "
                              "`kvsieve fit saap --model ...`")
         got_hash, got_fp = config_hash(model.config), weights_fingerprint(model)
-        if got_hash != want["config_hash"] or got_fp != want["weights_fingerprint"]:
+        same_weights = want["weights_fingerprint"] in (got_fp, weights_fingerprint(model, rounded=False))
+        if got_hash != want["config_hash"] or not same_weights:
             raise ValueError(
                 f"artifacts: {self.config.artifacts} were fitted on {want['name']!r} (config hash "
                 f"{want['config_hash']}, weights {want['weights_fingerprint']}); this model has config hash "
