@@ -396,11 +396,12 @@ def test_short_rows_get_exact_attention_and_long_rows_are_left_alone(dtype):
     assert _rel(out[[1, 2]], triton_dense.dense_decode_reference(q, k, v, lens32, d ** -0.5)[[1, 2]]) < TOL[dtype]
 
 
-@pytest.mark.parametrize("window", [1, 7, 40, 500])
-def test_dense_window_reads_only_each_rows_last_keys(window):
+@pytest.mark.parametrize("window,d", [(1, 64), (7, 64), (40, 64), (500, 64), (40, 256), (500, 256)])
+def test_dense_window_reads_only_each_rows_last_keys(window, d):
     """A sliding-window layer's decode: the kernel over ``[len - window, len)`` of ragged rows (shorter than
-    the window, longer, one key) equals the float64 reference, which equals exact attention over the slice."""
-    b, hq, hkv, n, d = 3, 6, 2, 300, 64
+    the window, longer, one key) equals the float64 reference, which equals exact attention over the slice
+    (head dims 64 and Gemma 3's 256)."""
+    b, hq, hkv, n = 3, 6, 2, 300
     q, k, v, lens32, _ = _case(b, hq, hkv, n, d, [300, 33, 1], torch.float32, 77 + window)
     out = _poisoned(b, hq, d, torch.float32)
     triton_dense.dense_decode_triton(q, k, v, lens32, d ** -0.5, block_n=16, window=window, out=out)

@@ -334,13 +334,14 @@ class DecodeRuntime:
                                      "TRITON_INTERPRET=1 for Triton's interpreter on the CPU)")
                 return "triton", "the dense Triton kernel through Triton's interpreter (TRITON_INTERPRET=1)"
             return "sdpa", None
-        from ..kernels.shared.triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, triton_available
+        from ..kernels.shared.dense import DENSE_HEAD_DIMS
+        from ..kernels.shared.triton_utils import SUPPORTED_DTYPES, triton_available
 
         why = None
         if not triton_available():
             why = "triton is not installed"
-        elif self.shape.head_dim not in SUPPORTED_HEAD_DIMS:
-            why = f"head_dim {self.shape.head_dim} (the dense kernel takes {SUPPORTED_HEAD_DIMS})"
+        elif self.shape.head_dim not in DENSE_HEAD_DIMS:
+            why = f"head_dim {self.shape.head_dim} (the dense kernel takes {DENSE_HEAD_DIMS})"
         elif self.dtype not in SUPPORTED_DTYPES:
             why = f"dtype {self.dtype}"
         if why is None and wanted != "sdpa":

@@ -106,9 +106,16 @@ def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, targe
     return chunk, cdiv(n_keys, chunk)
 
 
-def launch_config(n_keys: int) -> tuple[int, int, int]:
+# Head dims the dense kernel serves (Gemma 3 has 256; the sparse kernels state their own).
+DENSE_HEAD_DIMS = (64, 128, 256)
+
+
+def launch_config(n_keys: int, head_dim: int = 128) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages): the fastest of a sweep on an H100 (bf16, 32/8/128, batch 1;
-    docs/methods/santa-kernels.md): 64/4/3 at 32k keys, 128/8/2 at 128k."""
+    docs/methods/santa-kernels.md): 64/4/3 at 32k keys, 128/8/2 at 128k. At head dim 256 a stage's K and V
+    tiles are twice as wide: 64 keys and 2 stages keep them within shared memory (128 KB)."""
+    if head_dim > 128:
+        return 64, 4, 2
     return (64, 4, 3) if n_keys < 65536 else (128, 8, 2)
 
 
@@ -124,7 +131,7 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected an integer >= 1 or None, got {window!r}")
     span = n if window is None else min(n, window)  # keys one row reads at most
-    default_block, num_warps, num_stages = launch_config(span)
+    default_block, num_warps, num_stages = launch_config(span, d)
     block_n = block_n or default_block
     g = hq // hkv
     chunk, splits = dense_split_plan(b, hkv, span, block_n)
