@@ -16,7 +16,8 @@ def _row(method, prompt, ms, tokens, found, density=None, graph=True, **extra):
 
 def test_summary_counts_speed_density_and_answers_per_method():
     rows = [_row("dense", 0, 2.0, [1, 2], 1.0, 1.0), _row("dense", 1, 4.0, [3, 4], 0.0, 1.0),
-            _row("quest", 0, 1.0, [1, 2], 1.0, 0.2), _row("quest", 1, 2.0, [3, 5], 0.0, 0.4),
+            _row("quest", 0, 1.0, [1, 2], 1.0, 0.2, backends=["triton"]),
+            _row("quest", 1, 2.0, [3, 5], 0.0, 0.4, backends=["triton"]),
             _row("vattention", 0, 6.0, [1, 9], 0.0, 0.9, graph=False), _row("vattention", 1, 6.0, [3, 4], 0.0, 0.7,
                                                                             graph=False),
             {"model": "m", "context": 1000, "prompt": 0, "method": "saap", "skipped": "ValueError: needs a fit"},
@@ -38,8 +39,8 @@ def test_summary_counts_speed_density_and_answers_per_method():
                "torch": "t", "transformers": "x", "triton": None, "dtype": "float32", "prompts": 2, "task": "niah",
                "seed": 0, "new_tokens": 4}
     text = real.markdown(results, "kvsieve bench real")
-    assert "| quest | 1.50 | 2.00× | 0.300 | yes | 1/2 | 1/1 | 1/2 |" in text
-    assert "| vattention | 6.00 | 0.50× | 0.800 | no (eager only) | 1/2 | 0/1 | 0/2 |" in text
+    assert "| quest | 1.50 | 2.00× | 0.300 | yes | triton | 1/2 | 1/1 | 1/2 |" in text
+    assert "| vattention | 6.00 | 0.50× | 0.800 | no (eager only) | — | 1/2 | 0/1 | 0/2 |" in text
     assert "| saap | cannot run: ValueError: needs a fit |" in text
     assert "2 sliding-window layers run exact window attention, methods serve layers [1]" in text
 

@@ -226,6 +226,7 @@ def summarize(results: dict) -> list[dict]:
                    same_as_dense=sum(r["same_as_dense"] for r in ran), found=sum(r["found"] == 1 for r in ran),
                    same_where_dense_found=sum(r["same_as_dense"] for r in ran if r["prompt"] in dense_found),
                    dense_found=len(dense_found), ran=len(ran),
+                   backends=sorted({b for r in ran for b in r.get("backends") or ()}),
                    method_layers=ran[0]["method_layers"], window_layers=ran[0]["window_layers"],
                    skipped=next((r["skipped"] for r in rows if "skipped" in r), None))
         out.append(row)
@@ -243,7 +244,8 @@ def markdown(results: dict, command: str) -> str:
              "where `graph` says yes, else eager; density: the method's mean fraction of keys read per query head "
              "over its layers and steps (an eager run: its first steps where the method is captured); "
              "= dense: prompts whose greedy tokens equal dense's; "
-             "needle: prompts whose answer holds the needle (dense's in its own row)", ""]
+             "needle: prompts whose answer holds the needle (dense's in its own row); path: the attention backends "
+             "that ran (`reference` = the method's torch reference, for methods or shapes no kernel serves)", ""]
     for info in results["models"]:
         name = info["model"]
         summary = [s for s in summarize(results) if s["model"] == name]
@@ -252,17 +254,18 @@ def markdown(results: dict, command: str) -> str:
         lines += [f"## {name} at {info['context']} tokens ({info['layers']} layers"
                   + (f"; {len(window)} sliding-window layers run exact window attention, methods serve layers "
                      f"{served}" if window else "") + ")", "",
-                  "| method | ms/token | vs dense | density | graph | = dense | = dense where dense found it "
+                  "| method | ms/token | vs dense | density | graph | path | = dense | = dense where dense found it "
                   "| needle |",
-                  "|---|---:|---:|---:|---|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---|---|---:|---:|---:|"]
         for s in summary:
             if "ms" not in s:
-                lines.append(f"| {s['method']} | cannot run: {s['skipped'][:160]} | | | | | | |")
+                lines.append(f"| {s['method']} | cannot run: {s['skipped'][:160]} | | | | | | | |")
                 continue
             n, nd = s["ran"], s["dense_found"]
             graph = "yes" if s["graph"] else f"no ({(s['graph_reason'] or '')[:60]})"
             lines.append(f"| {s['method']} | {s['ms']:.2f} | {fmt(s['speedup'], '.2f')}× "
-                         f"| {fmt(s['density'], '.3f')} | {graph} | {s['same_as_dense']}/{n} "
+                         f"| {fmt(s['density'], '.3f')} | {graph} | {', '.join(s['backends']) or '—'} "
+                         f"| {s['same_as_dense']}/{n} "
                          f"| {s['same_where_dense_found']}/{nd} | {s['found']}/{n} |")
         lines.append("")
     lines += [f"## {r['model']}: not run ({r['skipped']})\n" for r in results["rows"] if r["method"] == "*"]
