@@ -50,6 +50,7 @@ from ..methods.saap import (
     SaapConfig,
     config_hash,
     effective_window,
+    full_attention_layers,
     model_rope,
     model_shape,
     weights_fingerprint,
@@ -565,11 +566,17 @@ def fit_saap(
     rope = model_rope(model)
     hq, hkv, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     group = hq // hkv
-    layers = list(range(1, shape["layers"])) if cfg.layers is None else sorted(set(cfg.layers))
+    full = full_attention_layers(model)
+    fittable = [li for li in range(1, shape["layers"]) if full is None or li in full]
+    layers = fittable if cfg.layers is None else sorted(set(cfg.layers))
     bad = [li for li in layers if not 1 <= li < shape["layers"]]
     if bad:
         raise ValueError(f"layers: {bad} out of range; the model has layers 0..{shape['layers'] - 1} "
                          "(layer 0 always runs exact attention and is not fitted)")
+    sliding = [li for li in layers if li not in fittable]
+    if sliding:
+        raise ValueError(f"layers: {sliding} are sliding-window layers, which run exact window attention; SAAP "
+                         f"fits this model's full-attention layers {fittable}")
     if texts is None:
         train_idx, held_idx = essay_split()
         all_texts = essay_texts()

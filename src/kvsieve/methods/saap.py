@@ -111,15 +111,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def model_rope(model: torch.nn.Module) -> Rope:
     """The :class:`Rope` of a transformers model (its ``rotary_emb`` module)."""
     rotary = [m for name, m in model.named_modules() if name.endswith("rotary_emb")]
-    if not rotary or not hasattr(rotary[0], "inv_freq"):
+    rot = rotary[0] if rotary else None
+    # A model with sliding-window and full-attention layers (Gemma 3) keeps one set of frequencies per layer
+    # type; SAAP serves its full-attention layers (the sliding ones run exact window attention).
+    prefix = "" if hasattr(rot, "inv_freq") else "full_attention_" if hasattr(rot, "full_attention_inv_freq") \
+        else None
+    if prefix is None:
         raise ValueError(f"model: {type(model).__name__} has no rotary_emb module with inv_freq; SAAP "
-                         "needs a RoPE model (Llama, Qwen, Mistral families)")
-    rot = rotary[0]
+                         "needs a RoPE model (Llama, Qwen, Mistral, Gemma 3 families)")
     rope_type = getattr(rot, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get("full_attention", "default")
     if "dynamic" in str(rope_type):
         raise ValueError(f"model: rope type {rope_type!r} changes with the context length; SAAP de-ropes "
                          "with fixed frequencies and supports static RoPE types only")
-    return Rope(rot.inv_freq.detach().float().cpu().clone(), float(getattr(rot, "attention_scaling", 1.0)))
+    return Rope(getattr(rot, f"{prefix}inv_freq").detach().float().cpu().clone(),
+                float(getattr(rot, f"{prefix}attention_scaling", 1.0)))
+
+
+def full_attention_layers(model: torch.nn.Module) -> list[int] | None:
+    """The full-attention layers of a model whose config lists ``layer_types`` with sliding-window layers
+    (Gemma 3), else None (every layer attends to the whole context)."""
+    types = getattr(model.config, "layer_types", None)
+    if not types or all(t == "full_attention" for t in types):
+        return None
+    return [i for i, t in enumerate(types) if t == "full_attention"]
 
 
 # ---- model identity --------------------------------------------------------------------------------
