@@ -113,6 +113,25 @@ if triton is not None:
         return v
 
     @triton.jit
+    def histogram_threshold(x, rem, BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
+        """``radix_threshold`` of one row ``x [C]`` (``rem`` a scalar) by a histogram of each digit
+        (``tl.histogram``) over the entries that share the threshold's digits so far, instead of one count
+        per candidate digit; entries of 2^BITS and above count as above every candidate."""
+        tl.static_assert(BITS % RADIX_BITS == 0)
+        NB: tl.constexpr = 1 << RADIX_BITS
+        bins = tl.arange(0, NB)
+        v = rem * 0
+        above = tl.sum((x >= (1 << BITS)).to(tl.int32), axis=0)  # entries above the threshold's digits so far
+        for p in tl.static_range(BITS // RADIX_BITS):
+            match = (x >= 0) & ((x >> (BITS - p * RADIX_BITS)) == (v >> (BITS - p * RADIX_BITS)))
+            hist = tl.histogram((x >> (BITS - (p + 1) * RADIX_BITS)) & (NB - 1), NB, mask=match)
+            at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries >= each digit
+            pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
+            above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
+            v += pick << (BITS - (p + 1) * RADIX_BITS)
+        return v
+
+    @triton.jit
     def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, length, tiles_b, budget, seed_lo, seed_hi, budget_key,
                       n_tiles, hq, s_ml_b, s_ml_h, col0, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
                       SELECT: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr):
@@ -129,6 +148,7 @@ if triton is not None:
         - "radix": the rem-th largest quantised fraction v by ``radix_threshold`` (its 40 bits as two 20-bit
           halves, int32 compares), then the +1s to the fractions above v and to the lowest tiles of those
           equal to v, as many as are left.
+        - "histogram": radix's threshold with a histogram of each digit (``histogram_threshold``; one head).
         - "count": each key's rank (the keys above it) counted against the row's keys, for CHUNK columns at a
           time (their keys recomputed from (m, l): no sort, no scratch); the program stores the COLS columns
           from ``col0`` (several programs may share a row, each with the whole row for its sums and ranks).
@@ -187,6 +207,18 @@ if triton is not None:
                 tie = (q_lo == v_lo[:, None]).to(tl.int32)
                 need = rem - tl.sum(above.to(tl.int32), axis=1)
                 bonus = above | ((tie > 0) & (tl.cumsum(tie, axis=1) <= need[:, None]))
+            elif SELECT == "histogram":
+                # radix's two halves, each by histogram_threshold on the one row (the launches pass R = 1)
+                q = tl.reshape(((share - base) * 1099511627776.0).to(tl.int64), [BLOCK_T])
+                ok1 = tl.reshape(ok, [BLOCK_T])
+                r1 = tl.sum(rem, axis=0)
+                q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
+                v_hi = histogram_threshold(q_hi, r1, 20, RADIX_BITS)
+                q_lo = tl.where(q_hi > v_hi, 1 << 20, tl.where(q_hi == v_hi, (q & 1048575).to(tl.int32), -1))
+                v_lo = histogram_threshold(q_lo, r1, 20, RADIX_BITS)
+                tie = (q_lo == v_lo).to(tl.int32)
+                need = r1 - tl.sum((q_lo > v_lo).to(tl.int32), axis=0)
+                bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
             else:
                 tl.static_assert(SELECT == "sort")
                 key = remainder_keys(share, base, cols, ok)
@@ -377,11 +409,12 @@ if triton is not None:
 TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF  # the hash streams of the tile offsets and budget offsets
 BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
-# How largest remainder finds the tiles that get the +1s (``group_budgets``): "sort", "radix" or "count"; the
-# same budgets each way, read at launch time.
+# How largest remainder finds the tiles that get the +1s (``group_budgets``): "sort", "radix", "histogram" or
+# "count"; the same budgets each way, read at launch time.
 BUDGET_SELECT = "sort"
-BUDGET_RADIX_BITS = 4  # radix: bits of the threshold settled per step (1, 2, 4 or 5: 20 / bits steps per half)
-BUDGET_CHUNK = 32  # count: keys compared per loop step
+# radix, histogram: threshold bits settled per step (1, 2, 4, 5; histogram also 10): 20 / bits steps per half
+BUDGET_RADIX_BITS = 4
+BUDGET_CHUNK = 32  # count: columns ranked per step
 # count: columns per program where the launch may spread a row over several programs (the two-pass launch;
 # at batch 1 one program per head leaves most SMs idle); 0: one program per row
 BUDGET_COUNT_COLS = 64
@@ -391,10 +424,10 @@ def budget_meta(t: int, *, rounding: str, split: bool) -> tuple[int, dict]:
     """``(programs per (head, row), group_budgets' constexprs from BLOCK_T on)`` for rows of ``t`` tiles, by
     ``BUDGET_SELECT`` and its settings; ``split``: the launch may give a row several programs (count)."""
     select, bits, chunk, cols = BUDGET_SELECT, BUDGET_RADIX_BITS, BUDGET_CHUNK, BUDGET_COUNT_COLS
-    if select not in ("sort", "radix", "count"):
-        raise ValueError(f"BUDGET_SELECT: expected 'sort', 'radix' or 'count', got {select!r}")
-    if bits not in (1, 2, 4, 5):
-        raise ValueError(f"BUDGET_RADIX_BITS: expected 1, 2, 4 or 5 (dividing 20), got {bits}")
+    if select not in ("sort", "radix", "histogram", "count"):
+        raise ValueError(f"BUDGET_SELECT: expected 'sort', 'radix', 'histogram' or 'count', got {select!r}")
+    if bits not in ((1, 2, 4, 5, 10) if select == "histogram" else (1, 2, 4, 5)):
+        raise ValueError(f"BUDGET_RADIX_BITS: expected 1, 2, 4 or 5 (dividing 20; histogram also 10), got {bits}")
     for name, val in (("BUDGET_CHUNK", chunk), ("BUDGET_COUNT_COLS", cols)):
         if val < 0 or val & (val - 1) or (name == "BUDGET_CHUNK" and val < 1):
             raise ValueError(f"{name}: expected a power of two{' or 0' if name == 'BUDGET_COUNT_COLS' else ''}, "
