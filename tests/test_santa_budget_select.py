@@ -65,7 +65,9 @@ def test_budget_benchmark_parses_its_variants():
     spec.loader.exec_module(mod)
     assert mod.variant_settings("radix:2") == {"BUDGET_SELECT": "radix", "BUDGET_RADIX_BITS": 2}
     assert mod.variant_settings("count:0") == {"BUDGET_SELECT": "count", "BUDGET_COUNT_COLS": 0}
-    for bad in ("radix", "heap:2", "sort:1"):
+    assert mod.variant_settings("count:64:16") == {"BUDGET_SELECT": "count", "BUDGET_COUNT_COLS": 64,
+                                                   "BUDGET_CHUNK": 16}
+    for bad in ("radix", "heap:2", "sort:1", "count:64:x"):
         with pytest.raises(ValueError, match="--variants"):
             mod.variant_settings(bad)
     assert mod.parse_shapes("1:513,8:129") == [(1, 513), (8, 129)]

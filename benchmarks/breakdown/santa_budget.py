@@ -19,8 +19,9 @@ of every variant on the CPU (under ``TRITON_INTERPRET=1``), without timing.
     python benchmarks/breakdown/santa_budget.py OUT [--variants sort,radix:2,histogram:4,count:64]
         [--shapes 1:512,1:513,1:1024,8:128,8:129] [--calls 512,513]
 
-Variants: ``sort``, ``radix:BITS`` (1, 2, 4), ``histogram:BITS`` (2, 4, 5, 10), ``count:COLS`` (columns per
-program of the two-pass launch; ``count:0`` one program per row, what v10's budget kernel runs: run at rows
+Variants: ``sort``, ``radix:BITS`` (1, 2, 4), ``histogram:BITS`` (2, 4, 5, 10), ``count:COLS[:CHUNK]`` (columns
+per program of the two-pass launch, columns ranked per step (default ``BUDGET_CHUNK``); ``count:0`` one program
+per row, what v10's budget kernel runs: run at rows
 of at most ``COUNT_ONE_MAX`` tiles only, its unrolled count grows with the square of the row). The budget
 launches are compiled first by ``--jobs`` processes.
 """
@@ -43,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from kvsieve.kernels.santa import common  # noqa: E402
 
-DEFAULT_VARIANTS = "sort,radix:2,radix:4,histogram:4,histogram:5,histogram:10,count:32,count:64,count:0"
+DEFAULT_VARIANTS = ("sort,radix:2,radix:4,histogram:4,histogram:5,histogram:10,count:16,count:32,count:64,count:64:64,"
+                    "count:128,count:0")
 TILE = 256
 BUDGET = 128
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -59,9 +61,11 @@ def variant_settings(name: str) -> dict:
         return {"BUDGET_SELECT": "sort"}
     if select in ("radix", "histogram") and arg.isdigit():
         return {"BUDGET_SELECT": select, "BUDGET_RADIX_BITS": int(arg)}
-    if select == "count" and arg.isdigit():
-        return {"BUDGET_SELECT": "count", "BUDGET_COUNT_COLS": int(arg)}
-    raise ValueError(f"--variants: {name!r} (expected sort, radix:BITS, histogram:BITS or count:COLS)")
+    cols, _, chunk = arg.partition(":")
+    if select == "count" and cols.isdigit() and (chunk.isdigit() or not chunk):
+        out = {"BUDGET_SELECT": "count", "BUDGET_COUNT_COLS": int(cols)}
+        return {**out, "BUDGET_CHUNK": int(chunk)} if chunk else out
+    raise ValueError(f"--variants: {name!r} (expected sort, radix:BITS, histogram:BITS or count:COLS[:CHUNK])")
 
 
 @contextlib.contextmanager
