@@ -53,19 +53,29 @@ def run_select(select, settings, m, l, lens, budget):
     return buf.budgets.long()
 
 
+def fused_fraction(w, scale, base):
+    """``w · scale - base`` rounded once to float64 (a fused multiply-add), in exact rational arithmetic."""
+    from fractions import Fraction
+
+    vals = [float(Fraction(a) * Fraction(b) - Fraction(c))
+            for a, b, c in zip(w.flatten().tolist(), scale.flatten().tolist(), base.flatten().tolist(), strict=True)]
+    return torch.tensor(vals, dtype=torch.float64).view(w.shape)
+
+
 def twin(m, l, lens, budget):
     """The kernels' arithmetic in torch: float32 masses, their float64 sum, ``w · (S / z)``, the fractions
-    quantised to 2^-40, the +1s to the `rem` largest (ties: the lower tile)."""
+    (one fused multiply-add) quantised to 2^-40, the +1s to the `rem` largest (ties: the lower tile)."""
     t = m.shape[-1]
     valid = (torch.arange(t) < ((lens.long() + TILE - 1) // TILE)[:, None])[:, None, :].expand(m.shape)
     m = torch.where(valid, m, float("-inf"))
     m_star = m.amax(-1, keepdim=True)
-    w = torch.where(valid, torch.exp(m - m_star) * l, 0.0).double()
+    # a row of no mass at all: no budgets (the kernels' NaN masses there fail their z > 0)
+    w = torch.where(valid, torch.exp(m - torch.where(m_star > float("-inf"), m_star, 0.0)) * l, 0.0).double()
     z = w.sum(-1, keepdim=True)
-    share = w * (budget / torch.where(z > 0, z, 1.0))
-    base = share.floor()
+    scale = budget / torch.where(z > 0, z, 1.0)
+    base = (w * scale).floor()
     rem = budget - base.sum(-1, keepdim=True).long()
-    q = ((share - base) * 2.0**40).long()
+    q = (fused_fraction(w, scale.expand_as(w), base) * 2.0**40).long()
     key = torch.where(valid, q * 2048 + (2047 - torch.arange(t)), -1)
     rank = (key[..., None, :] > key[..., :, None]).sum(-1)  # the keys above each
     out = base.long() + ((rank < rem) & valid).long()

@@ -90,11 +90,19 @@ if triton is not None:
         return tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
 
     @triton.jit
-    def remainder_keys(share, base, cols, ok):
-        """Unique int64 keys of the columns: the fractional part quantised to 2^-40 above, the lower tile
-        winning ties below (11 bits: up to 2047 tiles); -1 off ``ok``, below every real key."""
-        key = (((share - base) * 1099511627776.0).to(tl.int64) << 11) | (2047 - cols[None, :]).to(tl.int64)
-        return tl.where(ok, key, -1)
+    def share_parts(w, scale):
+        """The whole and fractional parts of the shares ``w · scale [:, None]``, the fraction quantised to 2^-40
+        (int64). The fraction is one fused multiply-add, ``w · scale - floor(w · scale)`` rounded once: what the
+        compiler makes of the two operations in the sort's form, spelled out so that every form, and every
+        place a column's fraction is recomputed, has the same number."""
+        base = tl.floor(w * scale[:, None])
+        return base, (tl.fma(w, scale[:, None], -base) * 1099511627776.0).to(tl.int64)
+
+    @triton.jit
+    def remainder_keys(q, cols, ok):
+        """Unique int64 keys of the columns: the quantised fraction ``q`` above, the lower tile winning ties
+        below (11 bits: up to 2047 tiles); -1 off ``ok``, below every real key."""
+        return tl.where(ok, (q << 11) | (2047 - cols[None, :]).to(tl.int64), -1)
 
     @triton.jit
     def radix_threshold(x, rem, BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
@@ -163,8 +171,8 @@ if triton is not None:
         w = tile_masses(m, l, ok, m_star, h_ok)
         z = tl.sum(w, axis=1)
         scale = budget.to(tl.float64) / tl.where(z > 0, z, 1.0)
-        share = w * scale[:, None]
         if SYSTEMATIC:
+            share = w * scale[:, None]
             a_b = row_uniform(seed_lo, seed_hi, length, budget_key, (b * hq + heads).to(tl.int64))
             x = tl.floor(share * 4294967296.0).to(tl.int64)
             top = budget.to(tl.int64) << 32
@@ -175,10 +183,10 @@ if triton is not None:
             last = tl.max(tl.where(x > 0, cols[None, :], -1), axis=1)
             bt = bt + tl.where(cols[None, :] == last[:, None], (budget.to(tl.int64) - drawn)[:, None], 0)
         else:
-            base = tl.floor(share)
+            base, q = share_parts(w, scale)
             rem = budget - tl.sum(base, axis=1).to(tl.int32)
             if SELECT == "count":
-                key = remainder_keys(share, base, cols, ok)  # the row's keys: each column's rank is counted on them
+                key = remainder_keys(q, cols, ok)  # the row's keys: each column's rank is counted on them
                 for c in tl.static_range(COLS // CHUNK):
                     c0 = col0 + c * CHUNK
                     if c0 < n_tiles:
@@ -187,16 +195,14 @@ if triton is not None:
                         ok_i = h_ok[:, None] & (ci < tiles_b)[None, :]
                         row_i = (b * s_ml_b + heads * s_ml_h)[:, None] + ci[None, :]
                         m_i, l_i = load_stats(m_ptr, l_ptr, row_i, ok_i)
-                        share_i = tile_masses(m_i, l_i, ok_i, m_star, h_ok) * scale[:, None]
-                        base_i = tl.floor(share_i)
-                        key_i = remainder_keys(share_i, base_i, ci, ok_i)
+                        base_i, q_i = share_parts(tile_masses(m_i, l_i, ok_i, m_star, h_ok), scale)
+                        key_i = remainder_keys(q_i, ci, ok_i)
                         above = tl.sum((key[:, None, :] > key_i[:, :, None]).to(tl.int32), axis=2)
                         bt_i = base_i.to(tl.int32) + tl.where((rem > 0)[:, None],
                                                               ((above < rem[:, None]) & ok_i).to(tl.int32), 0)
                         bt_i = tl.where(ok_i & (z > 0)[:, None], bt_i, 0)
                         tl.store(budgets_ptr + row_i, bt_i, mask=h_ok[:, None] & (ci < n_tiles)[None, :])
             elif SELECT == "radix":
-                q = ((share - base) * 1099511627776.0).to(tl.int64)
                 q_hi = tl.where(ok, (q >> 20).to(tl.int32), -1)
                 v_hi = radix_threshold(q_hi, rem, 20, RADIX_BITS)
                 # the low 20 bits of the fractions whose high bits equal v_hi; 2^20 (above any) for those above
@@ -209,7 +215,8 @@ if triton is not None:
                 bonus = above | ((tie > 0) & (tl.cumsum(tie, axis=1) <= need[:, None]))
             elif SELECT == "histogram":
                 # radix's two halves, each by histogram_threshold on the one row (the launches pass R = 1)
-                q = tl.reshape(((share - base) * 1099511627776.0).to(tl.int64), [BLOCK_T])
+                tl.static_assert(heads.shape[0] == 1)
+                q = tl.reshape(q, [BLOCK_T])
                 ok1 = tl.reshape(ok, [BLOCK_T])
                 r1 = tl.sum(rem, axis=0)
                 q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
@@ -221,7 +228,7 @@ if triton is not None:
                 bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
             else:
                 tl.static_assert(SELECT == "sort")
-                key = remainder_keys(share, base, cols, ok)
+                key = remainder_keys(q, cols, ok)
                 ranked = tl.sort(key, descending=True)
                 kth = tl.sum(tl.where(cols[None, :] == (rem - 1)[:, None], ranked, 0), axis=1)
                 bonus = key >= kth[:, None]
