@@ -73,3 +73,27 @@ def test_budget_benchmark_parses_its_variants():
     assert mod.parse_shapes("1:513,8:129") == [(1, 513), (8, 129)]
     for name in mod.DEFAULT_VARIANTS.split(","):
         mod.variant_settings(name)
+
+
+BUDGET_COMPILES = """
+from kvsieve.kernels.santa import common, overlap, two_pass
+
+pointers = dict(m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32", budgets_ptr="*i32", sync_ptr="*i32")
+for select, t in (("radix", 513), ("histogram", 513), ("count", 513), ("count", 129)):
+    common.BUDGET_SELECT = select
+    _, meta = common.budget_meta(t, rounding="largest-remainder", split=True)
+    compile_(two_pass._prop_budget_kernel, pointers, dict(TILE=256, **meta, PDL=True))
+    if t == 129:  # v10's budget kernel: one program per row
+        _, meta = common.budget_meta(t, rounding="largest-remainder", split=False)
+        compile_(overlap._unit_budget_kernel, pointers,
+                 dict(G=4, TILE=256, **meta, PDL=True, SLEEP=True, STATS_THREADS=128, NAPS=8))
+print("COMPILED")
+"""
+
+
+@pytest.mark.triton
+def test_budget_selects_compile_for_the_h100():
+    """The interpreter type-checks neither untaken branches nor constexpr reuse: each select compiles for sm_90."""
+    from interpreted import compile_for_sm90
+
+    compile_for_sm90(BUDGET_COMPILES)
