@@ -5,7 +5,8 @@ programmatic dependent launch is off (pre-Hopper GPUs, the interpreter).
   writes the per-tile max m, the sum l of e^{s−m} and the float32 score stash; for flash it also folds
   each head's global max m* into a float32 atomic max.
 - prop: ``_prop_budget_kernel``, one program per (head, row), shares the budget over the tiles
-  (``common.group_budgets``: largest remainder by a sort, or systematic rounding).
+  (``common.group_budgets``: largest remainder, its +1s found as ``common.BUDGET_SELECT`` says, or
+  systematic rounding).
 - ``_compact_sample_kernel``, one program per (tile, KV head, row): systematic sampling from the stash,
   the sampled V rows compacted and gathered into one dot, the merge folded in (``common.sample_fold``).
 
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..shared.triton_utils import cdiv, dot_precision, group_block, launch, next_pow2, pdl_launch, seed_words, triton
-from .common import BUDGET_KEY, TILE_KEY, begin_call, sample_constexprs, sample_strides, tile_count
+from ..shared.triton_utils import cdiv, dot_precision, group_block, launch, pdl_launch, seed_words, triton
+from .common import BUDGET_KEY, TILE_KEY, begin_call, budget_meta, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
@@ -93,9 +94,11 @@ if triton is not None:
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, PDL: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, SELECT: tl.constexpr,
+        RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
     ):
-        """One program per (head, batch row): ``group_budgets`` of one head."""
+        """One program per (head, batch row, block of COLS columns): ``group_budgets`` of one head (one block
+        but for the count form, ``common.budget_meta``)."""
         if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
             gdc_wait()
             gdc_launch_dependents()
@@ -104,7 +107,8 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
-                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC)
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, tl.program_id(2) * COLS, BLOCK_T,
+                      SYSTEMATIC, SELECT, RADIX_BITS, CHUNK, COLS)
 
     @budget_jit
     def _compact_sample_kernel(
@@ -171,12 +175,12 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
 def prop_budgets(lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *, rounding: str,
                  pdl: bool) -> None:
     """S²ANTA-prop's tile budgets into ``buf.budgets`` from the stats in ``buf.m``, ``buf.l`` (one launch, a
-    program per (head, row))."""
+    program per (head, row), or several for the count form: ``common.budget_meta``)."""
     lo, hi = seed_words(seed)
-    launch(_prop_budget_kernel, (hq, b, 1),
+    programs, meta = budget_meta(t, rounding=rounding, split=True)
+    launch(_prop_budget_kernel, (hq, b, programs),
            buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
-           TILE=tile, BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", PDL=pdl, num_warps=4,
-           **pdl_launch(pdl))
+           TILE=tile, **meta, PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
