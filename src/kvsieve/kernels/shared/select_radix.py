@@ -1,0 +1,256 @@
+"""Exact per-row top-k by a radix select spread over the whole GPU, for long rows (oracle-topk's and
+vAttention's per-query-head rows of 32k–128k keys, where one program per row, or every program of a row
+re-reading the row's candidates, leaves the select far from the bandwidth of the logits).
+
+:func:`topk_rows_radix` writes what :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` writes (the
+``counts[b]`` largest units of each row in ascending unit order, ties at the threshold to the lowest index,
+zeros after) in six launches, each of ``P`` programs per row taking one chunk of ``C`` units (the last but
+one, one program per row), on the order-preserving 32-bit image ``u`` of the float scores
+(:func:`~kvsieve.kernels.shared.select_common.ordered`) in four 8-bit digits from the top:
+
+1.–3. histogram launches: each program replays the row's earlier histograms (``3 × 256`` counts, from L2)
+   to the prefix of the ``count``-th largest found so far, then adds the 256-bin histogram of the next digit
+   of its chunk's values with that prefix into the row's histogram (global atomics: ``P`` adds per bin).
+   Once the bin holding the answer is taken whole (its count is what is still needed), later launches
+   skip the row;
+4. last digit: each program writes its chunk's histogram of the low byte among values with the 24-bit
+   prefix to a slot of its own, and how many of its values lie above that prefix (or, for a row already
+   resolved, at or above the threshold) — no atomics: the next launch needs them per program;
+5. one program per row: the threshold ``T`` (exact, or the low end of a bin taken whole) and how many
+   values equal to it are needed; per program, how many values above ``T`` and equal to it it holds, so its
+   place in the output (the selected of the programs before it) and the ties it takes (lowest index
+   first); zeroes the row's histograms for the next call;
+5. compaction: each program writes its values above ``T`` and its ties from its place.
+
+Every launch reads the row once at most (launch 1 from HBM, the rest mostly from L2 when the logits fit
+there: 16 MB for 32 rows of 128k keys), no program reads more of the row than its chunk, and the row-wide
+steps read 256 counts per digit (launch 5: ``P × 256``). Shapes are static and nothing is read on the host
+(CUDA-graph capturable); the histograms' workspace is zero when allocated and left zero by launch 5
+(calls on one device must not overlap in time, as for every cached workspace). The result does not depend
+on ``C`` (tested).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .select_common import check_launch_value, check_score_rows, scratch, sm_count
+from .triton_utils import cdiv, launch, next_pow2, triton, workspace
+
+RADIX_BITS = 8  # digit width: four passes over the 32-bit keys, 256 bins each
+RADIX_PASSES = 32 // RADIX_BITS
+RADIX_PROGRAMS_PER_SM = 8  # the default chunk gives about this many programs per SM in all
+RADIX_CHUNK_MIN = 1024  # default chunks: at least this many units per program ...
+RADIX_CHUNK_MAX = 16384  # ... and at most this many
+RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this)
+RADIX_TILE_P = 32  # programs' slots per tile in the per-row launch
+
+if triton is not None:
+    import triton.language as tl
+
+    from .select_common import high_bits, ordered, replay_digits, take_bin
+
+    @triton.jit
+    def _radix_program(cnt_ptr):
+        # (program in the row, selection head, batch row as int64, the row's number, the row's count)
+        b = tl.program_id(2)
+        hs = tl.program_id(1)
+        b64 = b.to(tl.int64)
+        return tl.program_id(0), hs, b64, b64 * tl.num_programs(1) + hs, tl.load(cnt_ptr + b).to(tl.int32)
+
+    @triton.jit(do_not_specialize=["n_units", "chunk"])
+    def _radix_hist_kernel(
+        s_ptr, cnt_ptr, h_ptr, slot_ptr, above_ptr, n_units, chunk, s_s_b, s_s_h,
+        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        # Digit PASS (from the top) of the values of this program's chunk that carry the prefix found so far.
+        # Before the last digit: added into the row's histogram; the last: to this program's slot, with how
+        # many of its values lie above the prefix (for a row already resolved: at or above the threshold).
+        PASSES: tl.constexpr = 32 // BITS
+        BINS: tl.constexpr = 1 << BITS
+        p, hs, b64, r, count = _radix_program(cnt_ptr)
+        if count > 0:  # an empty row's buffers are never read
+            h_row = h_ptr + r * ((PASSES - 1) * BINS)
+            prefix, need, shift = replay_digits(h_row, count, PASS, BITS)
+            live = shift == 32 - PASS * BITS
+            src = s_ptr + b64 * s_s_b + hs * s_s_h
+            bins = tl.arange(0, BINS)
+            x_lo = p * chunk
+            x_hi = tl.minimum(n_units, x_lo + chunk)
+            low = tl.maximum(shift - BITS, 0).to(tl.uint32)
+            if live:
+                hist = tl.zeros([BINS], dtype=tl.int32)
+                n_off = tl.zeros([BLOCK], dtype=tl.int32)
+                n_above = tl.zeros([BLOCK], dtype=tl.int32)
+                for x0 in range(x_lo, x_hi, BLOCK):
+                    offs = x0 + tl.arange(0, BLOCK)
+                    ok = offs < x_hi
+                    u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
+                    top = high_bits(u, shift)
+                    active = ok & (top == high_bits(prefix, shift))
+                    digit = tl.where(active, (u >> low) & (BINS - 1), 0).to(tl.int32)
+                    hist += tl.histogram(digit, BINS)
+                    n_off += (~active).to(tl.int32)
+                    if PASS == PASSES - 1:
+                        n_above += (ok & (top > high_bits(prefix, shift))).to(tl.int32)
+                # values off the prefix were counted in bin 0: take them out (portable; no histogram mask)
+                hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
+                if PASS < PASSES - 1:
+                    tl.atomic_add(h_row + PASS * BINS + bins, hist, mask=hist != 0, sem="relaxed")
+                else:
+                    at = r * tl.num_programs(0) + p
+                    tl.store(slot_ptr + at * BINS + bins, hist)
+                    tl.store(above_ptr + at, tl.sum(n_above, axis=0))
+            elif PASS == PASSES - 1:  # resolved earlier: T = prefix, every value at or above it taken
+                n_ge = tl.zeros([BLOCK], dtype=tl.int32)
+                for x0 in range(x_lo, x_hi, BLOCK):
+                    offs = x0 + tl.arange(0, BLOCK)
+                    ok = offs < x_hi
+                    u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
+                    n_ge += (ok & (u >= prefix)).to(tl.int32)
+                tl.store(above_ptr + r * tl.num_programs(0) + p, tl.sum(n_ge, axis=0))
+
+    @triton.jit(do_not_specialize=["n_p"])
+    def _radix_place_kernel(
+        cnt_ptr, h_ptr, slot_ptr, above_ptr, meta_ptr, base_ptr, allow_ptr, n_p,
+        BITS: tl.constexpr, TILE_P: tl.constexpr,
+    ):
+        # One program per row: the threshold, and each program's place in the output and ties to take.
+        PASSES: tl.constexpr = 32 // BITS
+        BINS: tl.constexpr = 1 << BITS
+        b = tl.program_id(1)
+        r = b.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+        count = tl.load(cnt_ptr + b).to(tl.int32)
+        h_row = h_ptr + r * ((PASSES - 1) * BINS)
+        bins = tl.arange(0, BINS)
+        if count > 0:
+            prefix, need, shift = replay_digits(h_row, count, PASSES - 1, BITS)
+            live = shift == BITS
+            row_p = r * n_p
+            if live:  # the last digit: the row's histogram is the sum of the programs' slots
+                hist = tl.zeros([BINS], dtype=tl.int32)
+                for q0 in range(0, n_p, TILE_P):
+                    offs_q = q0 + tl.arange(0, TILE_P)
+                    h = tl.load(slot_ptr + (row_p + offs_q[:, None]) * BINS + bins[None, :],
+                                mask=(offs_q < n_p)[:, None], other=0)
+                    hist += tl.sum(h, axis=0)
+                prefix, need, in_bin = take_bin(hist, bins, need, prefix, 0)
+            d = (prefix & (BINS - 1)).to(tl.int32)
+            placed = tl.full([], 0, tl.int32)  # selected values in the programs before the tile
+            tied = tl.full([], 0, tl.int32)  # values equal to T in the programs before the tile
+            for q0 in range(0, n_p, TILE_P):
+                offs_q = q0 + tl.arange(0, TILE_P)
+                q_ok = offs_q < n_p
+                gt = tl.load(above_ptr + row_p + offs_q, mask=q_ok, other=0)
+                if live:
+                    h = tl.load(slot_ptr + (row_p + offs_q[:, None]) * BINS + bins[None, :],
+                                mask=q_ok[:, None], other=0)
+                    gt += tl.sum(tl.where(bins[None, :] > d, h, 0), axis=1)
+                    eq = tl.sum(tl.where(bins[None, :] == d, h, 0), axis=1)
+                    ties_before = tied + tl.cumsum(eq, axis=0) - eq
+                    allow = tl.minimum(tl.maximum(need - ties_before, 0), eq)
+                    tied += tl.sum(eq, axis=0)
+                else:  # a bin taken whole: `above` counted every value at or above T, all of them taken
+                    allow = tl.full([TILE_P], 1 << 30, tl.int32)
+                    eq = tl.zeros([TILE_P], dtype=tl.int32)
+                taken = gt + tl.minimum(allow, eq)
+                tl.store(base_ptr + row_p + offs_q, placed + tl.cumsum(taken, axis=0) - taken, mask=q_ok)
+                tl.store(allow_ptr + row_p + offs_q, allow, mask=q_ok)
+                placed += tl.sum(taken, axis=0)
+            tl.store(meta_ptr + r, prefix.to(tl.int32, bitcast=True))
+            for j in tl.static_range(PASSES - 1):  # left zero for the next call's atomics
+                tl.store(h_row + j * BINS + bins, tl.zeros([BINS], dtype=tl.int32))
+
+    @triton.jit(do_not_specialize=["n_units", "chunk", "k_out"])
+    def _radix_emit_kernel(
+        s_ptr, cnt_ptr, meta_ptr, base_ptr, allow_ptr, out_ptr, n_units, chunk, k_out,
+        s_s_b, s_s_h, s_o_b, s_o_h, BLOCK: tl.constexpr,
+    ):
+        # This program's values above T and its first `allow` equal to it, in unit order, from its place.
+        p, hs, b64, r, count = _radix_program(cnt_ptr)
+        n_p = tl.num_programs(0)
+        out_row = out_ptr + b64 * s_o_b + hs * s_o_h
+        if count > 0:
+            thr = tl.load(meta_ptr + r).to(tl.uint32, bitcast=True)
+            pos0 = tl.load(base_ptr + r * n_p + p)
+            allow = tl.load(allow_ptr + r * n_p + p)
+            src = s_ptr + b64 * s_s_b + hs * s_s_h
+            x_lo = p * chunk
+            x_hi = tl.minimum(n_units, x_lo + chunk)
+            n_taken = tl.full([], 0, tl.int32)
+            ties = tl.full([], 0, tl.int32)
+            for x0 in range(x_lo, x_hi, BLOCK):
+                offs = x0 + tl.arange(0, BLOCK)
+                ok = offs < x_hi
+                u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
+                eq = (ok & (u == thr)).to(tl.int32)
+                sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= allow))
+                at = pos0 + n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+                tl.store(out_row + at, offs.to(tl.int64), mask=sel)
+                n_taken += tl.sum(sel.to(tl.int32), axis=0)
+                ties += tl.sum(eq, axis=0)
+        if p == n_p - 1:  # the unused tail (every row takes exactly `count`): defined values, never read
+            for x0 in range(tl.maximum(count, 0), k_out, BLOCK):
+                at = x0 + tl.arange(0, BLOCK)
+                tl.store(out_row + at, tl.zeros([BLOCK], tl.int64), mask=at < k_out)
+
+
+def radix_chunk(rows: int, x: int, device, programs: int | None = None) -> int:
+    """Units per program for :func:`topk_rows_radix`: a power of two giving about ``programs`` programs in
+    all (default ``RADIX_PROGRAMS_PER_SM`` per SM), within ``[RADIX_CHUNK_MIN, RADIX_CHUNK_MAX]``."""
+    total = RADIX_PROGRAMS_PER_SM * sm_count(device) if programs is None else check_launch_value("programs",
+                                                                                                  programs)
+    per_row = max(1, total // max(rows, 1))
+    return min(RADIX_CHUNK_MAX, max(RADIX_CHUNK_MIN, next_pow2(cdiv(x, per_row))))
+
+
+def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
+                    chunk: int | None = None, programs: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """:func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` for rows already ranked (``group = 1``),
+    spread over ``ceil(X / chunk)`` programs per row (see the module): ``[B, H, k]`` int64, the ``counts[b]``
+    largest units of each row ascending (ties at the threshold to the lowest index), then zeros. ``scores
+    [B, H, X]`` float32 with a contiguous last dim; ``counts [B]`` with every ``counts[b] ≤ min(k, X)`` and
+    at most the row's finite scores (else −inf units fill the count, lowest index first).
+
+    Launch overrides (for tuning; None: the defaults): ``chunk`` — units per program (a power of two of at
+    least 16; default :func:`radix_chunk` of ``programs``, about that many programs in all); ``num_warps``
+    (a power of two up to 32; default 8 for chunks of 2048 units or more, else 4). The selection does not
+    depend on them."""
+    b, h, x = scores.shape
+    check_score_rows(scores, 1)
+    if k < 1:
+        raise ValueError(f"k: expected >= 1, got {k}")
+    if counts.shape != (b,):
+        raise ValueError(f"counts: expected [{b}], got {tuple(counts.shape)}")
+    rows = b * h
+    if chunk is None:
+        chunk = radix_chunk(rows, x, scores.device, programs)
+    else:
+        chunk = check_launch_value("chunk", chunk, low=16, pow2=True)
+    warps = (8 if chunk >= 2048 else 4) if num_warps is None else check_launch_value("num_warps", num_warps,
+                                                                                      high=32, pow2=True)
+    if out is None:
+        out = torch.empty(b, h, k, device=scores.device, dtype=torch.int64)
+    n_p = cdiv(x, chunk)
+    bins = 1 << RADIX_BITS
+    hist = workspace("radix_hist", scores, rows * (RADIX_PASSES - 1) * bins, torch.int32, zeroed=True)
+    slot = scratch("radix_slot", scores, (rows, n_p, bins), torch.int32)
+    above = scratch("radix_above", scores, (rows, n_p), torch.int32)
+    base = scratch("radix_base", scores, (rows, n_p), torch.int32)
+    allow = scratch("radix_allow", scores, (rows, n_p), torch.int32)
+    meta = scratch("radix_meta", scores, (rows,), torch.int32)
+    block = min(chunk, RADIX_BLOCK)
+    for step in range(RADIX_PASSES):
+        launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, slot, above, x, chunk,
+               scores.stride(0), scores.stride(1), PASS=step, BITS=RADIX_BITS, BLOCK=block, num_warps=warps,
+               num_stages=1)
+    launch(_radix_place_kernel, (h, b), counts, hist, slot, above, meta, base, allow, n_p,
+           BITS=RADIX_BITS, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
+    launch(_radix_emit_kernel, (n_p, h, b), scores, counts, meta, base, allow, out, x, chunk, k,
+           scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=warps,
+           num_stages=1)
+    return out
+
+
+__all__ = ["RADIX_BITS", "RADIX_CHUNK_MAX", "RADIX_CHUNK_MIN", "radix_chunk", "topk_rows_radix"]
