@@ -134,7 +134,7 @@ if triton is not None:
                     h = tl.load(slot_ptr + (row_p + offs_q[:, None]) * BINS + bins[None, :],
                                 mask=(offs_q < n_p)[:, None], other=0)
                     hist += tl.sum(h, axis=0)
-                prefix, need, in_bin = take_bin(hist, bins, need, prefix, 0)
+                prefix, need, in_bin = take_bin(hist, bins, need, prefix, tl.full([], 0, tl.int32))
             d = (prefix & (BINS - 1)).to(tl.int32)
             placed = tl.full([], 0, tl.int32)  # selected values in the programs before the tile
             tied = tl.full([], 0, tl.int32)  # values equal to T in the programs before the tile
