@@ -52,36 +52,38 @@ def _zero_histograms(like: torch.Tensor) -> bool:
 def test_radix_select_equals_the_reference(x, k, chunk, seed):
     """The reference's list — ascending, ties at the threshold to the lowest index, zeros after — with counts
     0, 1, below k, k = every unit, = every finite value (the rows with −inf); chunks that do not divide the
-    row; twice (the histograms are left zero for the next call)."""
+    row; twice (the histograms are left zero for the next call); histograms with and without their mask."""
     s = hard_rows(x, seed)
     finite = int(torch.isfinite(s[0]).sum(-1).min())
     for counts in (torch.tensor([min(k, finite), k if x > 1 else 0]), torch.tensor([0, min(k, 1)])):
         want = topk_rows_reference(s, counts, k)
-        got = topk_rows_radix(s, counts, k, chunk=chunk)
+        got = topk_rows_radix(s, counts, k, chunk=chunk, hist_mask=seed == 0)  # either histogram form
         assert torch.equal(got, want), (counts, (got != want).nonzero()[:5])
         assert _zero_histograms(s)
 
 
 @pytest.mark.parametrize("seed", [2, 3])
-def test_radix_select_does_not_depend_on_the_chunk(seed):
-    """Random rows and counts: one program per row, a few, many (chunks of 16) and the default give one list;
-    an ``out`` given is the list returned."""
+def test_radix_select_does_not_depend_on_the_launch_settings(seed):
+    """Random rows and counts: one program per row, a few, many (chunks of 16) and the default, digits of 4 to
+    8 bits (the last one narrower where they do not divide 32), histograms with and without tl.histogram's
+    mask give one list; an ``out`` given is the list returned."""
     g = torch.Generator().manual_seed(seed)
     x, k = 300 + seed * 37, 60
     s = torch.randn(3, 1, x, generator=g) * 4
     counts = torch.randint(0, k + 1, (3,), generator=g)
     want = topk_rows_reference(s, counts, k)
-    for chunk in (1024, 64, 16, None):
+    for chunk, bits, mask in ((1024, 8, None), (64, 6, False), (16, 8, False), (None, 5, True), (128, 4, None)):
         out = torch.full((3, 1, k), -1, dtype=torch.int64)
-        assert topk_rows_radix(s, counts, k, chunk=chunk, out=out) is out
-        assert torch.equal(out, want), chunk
+        assert topk_rows_radix(s, counts, k, chunk=chunk, digit_bits=bits, hist_mask=mask, out=out) is out
+        assert torch.equal(out, want), (chunk, bits, mask)
+        assert _zero_histograms(s)
 
 
 def test_radix_select_rejects_bad_arguments():
     s = torch.randn(1, 2, 100)
     counts = torch.tensor([5])
     for kw, name in (({"chunk": 100}, "chunk"), ({"chunk": 8}, "chunk"), ({"num_warps": 3}, "num_warps"),
-                     ({"programs": 0}, "programs")):
+                     ({"programs": 0}, "programs"), ({"digit_bits": 9}, "digit_bits")):
         with pytest.raises(ValueError, match=name):
             topk_rows_radix(s, counts, 5, **kw)
     with pytest.raises(ValueError, match="counts"):

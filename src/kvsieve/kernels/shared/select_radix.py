@@ -4,27 +4,28 @@ re-reading the row's candidates, leaves the select far from the bandwidth of the
 
 :func:`topk_rows_radix` writes what :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` writes (the
 ``counts[b]`` largest units of each row in ascending unit order, ties at the threshold to the lowest index,
-zeros after) in six launches, each of ``P`` programs per row taking one chunk of ``C`` units (the last but
-one, one program per row), on the order-preserving 32-bit image ``u`` of the float scores
-(:func:`~kvsieve.kernels.shared.select_common.ordered`) in four 8-bit digits from the top:
+zeros after) in ``D + 2`` launches, each of ``P`` programs per row taking one chunk of ``C`` units (the last
+but one, one program per row), on the order-preserving 32-bit image ``u`` of the float scores
+(:func:`~kvsieve.kernels.shared.select_common.ordered`) in ``D`` digits from the top (``RADIX_BITS`` = 8: four
+digits of 256 bins):
 
-1.–3. histogram launches: each program replays the row's earlier histograms (``3 × 256`` counts, from L2)
-   to the prefix of the ``count``-th largest found so far, then adds the 256-bin histogram of the next digit
-   of its chunk's values with that prefix into the row's histogram (global atomics: ``P`` adds per bin).
-   Once the bin holding the answer is taken whole (its count is what is still needed), later launches
-   skip the row;
-4. last digit: each program writes its chunk's histogram of the low byte among values with the 24-bit
-   prefix to a slot of its own, and how many of its values lie above that prefix (or, for a row already
-   resolved, at or above the threshold) — no atomics: the next launch needs them per program;
-5. one program per row: the threshold ``T`` (exact, or the low end of a bin taken whole) and how many
+1. histogram launches, one per digit but the last: each program replays the row's earlier histograms (256
+   counts per digit, from L2) to the prefix of the ``count``-th largest found so far, then adds the
+   histogram of the next digit of its chunk's values with that prefix into the row's histogram (global
+   atomics: ``P`` adds per bin). Once the bin holding the answer is taken whole (its count is what is still
+   needed), later launches skip the row;
+2. the last digit: each program writes its chunk's histogram of the low bits among values with the prefix
+   to a slot of its own, and how many of its values lie above that prefix (or, for a row already resolved,
+   at or above the threshold) — no atomics: the next launch needs them per program;
+3. one program per row: the threshold ``T`` (exact, or the low end of a bin taken whole) and how many
    values equal to it are needed; per program, how many values above ``T`` and equal to it it holds, so its
    place in the output (the selected of the programs before it) and the ties it takes (lowest index
    first); zeroes the row's histograms for the next call;
-5. compaction: each program writes its values above ``T`` and its ties from its place.
+4. compaction: each program writes its values above ``T`` and its ties from its place.
 
-Every launch reads the row once at most (launch 1 from HBM, the rest mostly from L2 when the logits fit
+Every launch reads the row once at most (the first from HBM, the rest mostly from L2 when the logits fit
 there: 16 MB for 32 rows of 128k keys), no program reads more of the row than its chunk, and the row-wide
-steps read 256 counts per digit (launch 5: ``P × 256``). Shapes are static and nothing is read on the host
+steps read 256 counts per digit (the per-row launch: ``P × 256``). Shapes are static and nothing is read on the host
 (CUDA-graph capturable); the histograms' workspace is zero when allocated and left zero by launch 5
 (calls on one device must not overlap in time, as for every cached workspace). The result does not depend
 on ``C`` (tested).
@@ -32,23 +33,30 @@ on ``C`` (tested).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .select_common import check_launch_value, check_score_rows, scratch, sm_count
 from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
 RADIX_BITS = 8  # digit width: four passes over the 32-bit keys, 256 bins each
-RADIX_PASSES = 32 // RADIX_BITS
 RADIX_PROGRAMS_PER_SM = 8  # the default chunk gives about this many programs per SM in all
 RADIX_CHUNK_MIN = 1024  # default chunks: at least this many units per program ...
 RADIX_CHUNK_MAX = 16384  # ... and at most this many
 RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this)
 RADIX_TILE_P = 32  # programs' slots per tile in the per-row launch
 
+# Histograms skip the values off the prefix through tl.histogram's mask where this Triton has one (else they
+# count them in bin 0 and take them out after).
+RADIX_HIST_MASK = False
+
 if triton is not None:
     import triton.language as tl
 
     from .select_common import high_bits, ordered, replay_digits, take_bin
+
+    RADIX_HIST_MASK = "mask" in inspect.signature(tl.histogram).parameters
 
     @triton.jit
     def _radix_program(cnt_ptr):
@@ -61,12 +69,14 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_units", "chunk"])
     def _radix_hist_kernel(
         s_ptr, cnt_ptr, h_ptr, slot_ptr, above_ptr, n_units, chunk, s_s_b, s_s_h,
-        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
     ):
-        # Digit PASS (from the top) of the values of this program's chunk that carry the prefix found so far.
-        # Before the last digit: added into the row's histogram; the last: to this program's slot, with how
-        # many of its values lie above the prefix (for a row already resolved: at or above the threshold).
-        PASSES: tl.constexpr = 32 // BITS
+        # Digit PASS (from the top; the last one the bits left, BITS or fewer) of the values of this program's
+        # chunk that carry the prefix found so far. Before the last digit: added into the row's histogram; the
+        # last: to this program's slot, with how many of its values lie above the prefix (for a row already
+        # resolved: at or above the threshold). MASKED: the histogram skips the values off the prefix (with
+        # Triton's shared-memory atomics, no pile-up in bin 0 when nearly all of them are off).
+        PASSES: tl.constexpr = (32 + BITS - 1) // BITS
         BINS: tl.constexpr = 1 << BITS
         p, hs, b64, r, count = _radix_program(cnt_ptr)
         if count > 0:  # an empty row's buffers are never read
@@ -77,7 +87,9 @@ if triton is not None:
             bins = tl.arange(0, BINS)
             x_lo = p * chunk
             x_hi = tl.minimum(n_units, x_lo + chunk)
-            low = tl.maximum(shift - BITS, 0).to(tl.uint32)
+            low = tl.maximum(shift - BITS, 0)
+            width_mask = ((1 << (shift - low)) - 1).to(tl.uint32)
+            low = low.to(tl.uint32)
             if live:
                 hist = tl.zeros([BINS], dtype=tl.int32)
                 n_off = tl.zeros([BLOCK], dtype=tl.int32)
@@ -88,12 +100,15 @@ if triton is not None:
                     u = ordered(tl.load(src + offs, mask=ok, other=float("-inf")))
                     top = high_bits(u, shift)
                     active = ok & (top == high_bits(prefix, shift))
-                    digit = tl.where(active, (u >> low) & (BINS - 1), 0).to(tl.int32)
-                    hist += tl.histogram(digit, BINS)
-                    n_off += (~active).to(tl.int32)
+                    digit = tl.where(active, (u >> low) & width_mask, 0).to(tl.int32)
+                    if MASKED:
+                        hist += tl.histogram(digit, BINS, mask=active)
+                    else:
+                        hist += tl.histogram(digit, BINS)
+                        n_off += (~active).to(tl.int32)
                     if PASS == PASSES - 1:
                         n_above += (ok & (top > high_bits(prefix, shift))).to(tl.int32)
-                # values off the prefix were counted in bin 0: take them out (portable; no histogram mask)
+                # unmasked, values off the prefix were counted in bin 0: take them out
                 hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
                 if PASS < PASSES - 1:
                     tl.atomic_add(h_row + PASS * BINS + bins, hist, mask=hist != 0, sem="relaxed")
@@ -116,7 +131,8 @@ if triton is not None:
         BITS: tl.constexpr, TILE_P: tl.constexpr,
     ):
         # One program per row: the threshold, and each program's place in the output and ties to take.
-        PASSES: tl.constexpr = 32 // BITS
+        PASSES: tl.constexpr = (32 + BITS - 1) // BITS
+        LAST: tl.constexpr = 32 - (PASSES - 1) * BITS  # the last digit's width
         BINS: tl.constexpr = 1 << BITS
         b = tl.program_id(1)
         r = b.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
@@ -125,7 +141,7 @@ if triton is not None:
         bins = tl.arange(0, BINS)
         if count > 0:
             prefix, need, shift = replay_digits(h_row, count, PASSES - 1, BITS)
-            live = shift == BITS
+            live = shift == LAST
             row_p = r * n_p
             if live:  # the last digit: the row's histogram is the sum of the programs' slots
                 hist = tl.zeros([BINS], dtype=tl.int32)
@@ -135,7 +151,7 @@ if triton is not None:
                                 mask=(offs_q < n_p)[:, None], other=0)
                     hist += tl.sum(h, axis=0)
                 prefix, need, in_bin = take_bin(hist, bins, need, prefix, tl.full([], 0, tl.int32))
-            d = (prefix & (BINS - 1)).to(tl.int32)
+            d = (prefix & ((1 << LAST) - 1)).to(tl.int32)
             placed = tl.full([], 0, tl.int32)  # selected values in the programs before the tile
             tied = tl.full([], 0, tl.int32)  # values equal to T in the programs before the tile
             for q0 in range(0, n_p, TILE_P):
@@ -205,8 +221,8 @@ def radix_chunk(rows: int, x: int, device, programs: int | None = None) -> int:
 
 
 def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
-                    chunk: int | None = None, programs: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    chunk: int | None = None, programs: int | None = None, num_warps: int | None = None,
+                    digit_bits: int | None = None, hist_mask: bool | None = None) -> torch.Tensor:
     """:func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` for rows already ranked (``group = 1``),
     spread over ``ceil(X / chunk)`` programs per row (see the module): ``[B, H, k]`` int64, the ``counts[b]``
     largest units of each row ascending (ties at the threshold to the lowest index), then zeros. ``scores
@@ -215,8 +231,11 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
 
     Launch overrides (for tuning; None: the defaults): ``chunk`` — units per program (a power of two of at
     least 16; default :func:`radix_chunk` of ``programs``, about that many programs in all); ``num_warps``
-    (a power of two up to 32; default 8 for chunks of 2048 units or more, else 4). The selection does not
-    depend on them."""
+    (a power of two up to 32; default 8 for chunks of 2048 units or more, else 4); ``digit_bits`` (4 to 8;
+    default ``RADIX_BITS``): the digit width, ``ceil(32 / digit_bits)`` histogram launches of ``2 **
+    digit_bits`` bins (Triton lowers a histogram to shared-memory atomics or to ballots per bin bit: fewer
+    bins, cheaper ballots, more launches); ``hist_mask`` (default ``RADIX_HIST_MASK``): the histograms skip
+    the values off the prefix by tl.histogram's mask. The selection does not depend on them."""
     b, h, x = scores.shape
     check_score_rows(scores, 1)
     if k < 1:
@@ -230,27 +249,30 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
         chunk = check_launch_value("chunk", chunk, low=16, pow2=True)
     warps = (8 if chunk >= 2048 else 4) if num_warps is None else check_launch_value("num_warps", num_warps,
                                                                                       high=32, pow2=True)
+    bits = RADIX_BITS if digit_bits is None else check_launch_value("digit_bits", digit_bits, low=4, high=8)
+    masked = RADIX_HIST_MASK if hist_mask is None else bool(hist_mask)
+    passes = cdiv(32, bits)
     if out is None:
         out = torch.empty(b, h, k, device=scores.device, dtype=torch.int64)
     n_p = cdiv(x, chunk)
-    bins = 1 << RADIX_BITS
-    hist = workspace("radix_hist", scores, rows * (RADIX_PASSES - 1) * bins, torch.int32, zeroed=True)
+    bins = 1 << bits
+    hist = workspace("radix_hist", scores, rows * (passes - 1) * bins, torch.int32, zeroed=True)
     slot = scratch("radix_slot", scores, (rows, n_p, bins), torch.int32)
     above = scratch("radix_above", scores, (rows, n_p), torch.int32)
     base = scratch("radix_base", scores, (rows, n_p), torch.int32)
     allow = scratch("radix_allow", scores, (rows, n_p), torch.int32)
     meta = scratch("radix_meta", scores, (rows,), torch.int32)
     block = min(chunk, RADIX_BLOCK)
-    for step in range(RADIX_PASSES):
+    for step in range(passes):
         launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, slot, above, x, chunk,
-               scores.stride(0), scores.stride(1), PASS=step, BITS=RADIX_BITS, BLOCK=block, num_warps=warps,
-               num_stages=1)
+               scores.stride(0), scores.stride(1), PASS=step, BITS=bits, BLOCK=block, MASKED=masked,
+               num_warps=warps, num_stages=1)
     launch(_radix_place_kernel, (h, b), counts, hist, slot, above, meta, base, allow, n_p,
-           BITS=RADIX_BITS, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
+           BITS=bits, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
     launch(_radix_emit_kernel, (n_p, h, b), scores, counts, meta, base, allow, out, x, chunk, k,
            scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=warps,
            num_stages=1)
     return out
 
 
-__all__ = ["RADIX_BITS", "RADIX_CHUNK_MAX", "RADIX_CHUNK_MIN", "radix_chunk", "topk_rows_radix"]
+__all__ = ["RADIX_BITS", "RADIX_HIST_MASK", "RADIX_CHUNK_MAX", "RADIX_CHUNK_MIN", "radix_chunk", "topk_rows_radix"]
