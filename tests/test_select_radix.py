@@ -79,3 +79,24 @@ def test_gpu_radix_select_equals_the_reference(b, h, x):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b,n", [(1, 131072), (4, 32768)])
+def test_gpu_topk_select_radix_equals_the_triton_select(b, n):
+    """oracle-topk's device top-k at the Llama-3.1-8B shape (bf16, 2.5% of the keys, ragged rows): the radix
+    select's list is the Triton select's (both ascending, ties to the lowest index), per query head."""
+    from kvsieve.kernels.oracle_topk import topk
+
+    g = torch.Generator(device="cuda").manual_seed(n + b)
+    q = (torch.randn(b, 32, 128, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    k = torch.randn(b, 8, n, 128, device="cuda", generator=g).to(torch.bfloat16)
+    lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+    lens[-1] = n // 2 + 3
+    kw = dict(sink=128, window=128, size=0.025, max_k=int(0.025 * n), share_kv_group=False)
+    idx, counts = topk.topk_select(q, k, lens, select="radix", **kw)
+    want, want_counts = topk.topk_select(q, k, lens, select="triton", **kw)
+    assert torch.equal(counts, want_counts)
+    used = torch.arange(idx.shape[-1], device="cuda") < counts[..., None]
+    assert torch.equal(torch.where(used, idx, -1), torch.where(used, want, -1))
