@@ -195,7 +195,7 @@ if triton is not None:
                 eq = (ok & (u == thr)).to(tl.int32)
                 sel = (ok & (u > thr)) | ((eq != 0) & (ties + tl.cumsum(eq, axis=0) <= allow))
                 at = pos0 + n_taken + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-                tl.store(out_row + at, offs.to(tl.int64), mask=sel)
+                tl.store(out_row + at, offs.to(tl.int64), mask=sel & (at < k_out))  # a count over k: no overrun
                 n_taken += tl.sum(sel.to(tl.int32), axis=0)
                 ties += tl.sum(eq, axis=0)
         if p == n_p - 1:  # the unused tail (every row takes exactly `count`): defined values, never read
