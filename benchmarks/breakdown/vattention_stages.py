@@ -94,14 +94,14 @@ def record_step(method, q, k, v, lens, key) -> dict[str, list[tuple[tuple, dict]
 
 
 # The radix select's launch settings timed (topk_rows_radix's keywords; "sms": programs = that many per SM).
-# The default: chunks giving about RADIX_PROGRAMS_PER_SM (8) programs per SM, at least 1024 units each, 8-bit
-# digits (4 histogram launches), the histograms masked where tl.histogram has a mask.
+# The default: chunks giving about RADIX_PROGRAMS_PER_SM (8) programs per SM, at least 1024 units each, 6-bit
+# digits (6 histogram launches), the histograms masked where tl.histogram has a mask.
 RADIX_WAYS = {
     "radix": {},
+    "radix-b8": {"digit_bits": 8},
     "radix-4/sm": {"sms": 4},
     "radix-16/sm": {"sms": 16},
     "radix-c16384": {"chunk": 16384},
-    "radix-b6": {"digit_bits": 6},
     "radix-unmasked": {"hist_mask": False},
 }
 

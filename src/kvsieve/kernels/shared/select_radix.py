@@ -6,15 +6,15 @@ re-reading the row's candidates, leaves the select far from the bandwidth of the
 ``counts[b]`` largest units of each row in ascending unit order, ties at the threshold to the lowest index,
 zeros after) in ``D + 2`` launches, each of ``P`` programs per row taking one chunk of ``C`` units (but the
 placing one: one program per row), on the order-preserving 32-bit image ``u`` of the float scores
-(:func:`~kvsieve.kernels.shared.select_common.ordered`) in ``D`` digits from the top (``RADIX_BITS`` = 8: four
-digits of 256 bins):
+(:func:`~kvsieve.kernels.shared.select_common.ordered`) in ``D`` digits from the top (``RADIX_BITS`` = 6: five
+digits of 64 bins, then one of 2 bits):
 
-1. histogram launches, one per digit: each program replays the row's earlier histograms (256 counts per
+1. histogram launches, one per digit: each program replays the row's earlier histograms (64 counts per
    digit, from L2) to the prefix of the ``count``-th largest found so far, then adds the histogram of the
    next digit of its chunk's values with that prefix into the row's histogram (global atomics: ``P`` adds
    per bin), and keeps it in a slot of its own with how many of its values lie above the prefix. Once the
    bin holding the answer is taken whole (its count is what is still needed: for logits, typically after
-   the third 8-bit digit), later launches skip the row without reading it;
+   the fourth 6-bit digit), later launches skip the row without reading it;
 2. one program per row: the threshold ``T`` (exact after the last digit, else the low end of the bin taken
    whole) and how many values equal to it are needed; from the slots of the digit that resolved the row,
    per program, how many values above ``T`` and equal to it it holds, so its place in the output (the
@@ -24,11 +24,12 @@ digits of 256 bins):
 
 Every launch reads the row once at most (the first from HBM, the rest mostly from L2 when the logits fit
 there: 16 MB for 32 rows of 128k keys), no program reads more of the row than its chunk, and the row-wide
-steps read 256 counts per digit (the placing launch: ``P × 256``). Shapes are static and nothing is read on
+steps read one histogram per digit (the placing launch: ``P`` of them). Shapes are static and nothing is read on
 the host (CUDA-graph capturable); the histograms' workspace is zero when allocated and left zero by the
 placing launch (calls on one device must not overlap in time, as for every cached workspace). The result
 does not depend on ``C``, the digit width or the histogram's form (tested). For the bench's peaked logits at
-128k keys (32 rows, k = 3276) the first digit leaves ~22% of a row, the second ~0.07%, the third resolves.
+128k keys (32 rows, k = 3276) the first 6-bit digit leaves ~22% of a row, the second ~1%, the third ~0.02%,
+the fourth or fifth resolves (8-bit digits: ~22%, ~0.07%, resolved by the third or fourth).
 """
 
 from __future__ import annotations
@@ -40,11 +41,17 @@ import torch
 from .select_common import check_launch_value, check_score_rows, scratch, sm_count
 from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
-RADIX_BITS = 8  # digit width: four passes over the 32-bit keys, 256 bins each
+# Digit width: six passes over the 32-bit keys (the last one of 2 bits), 64 bins each. Where Triton lowers a
+# histogram to warp ballots (releases up to early 2026, by their source) it costs a ballot per bin bit and
+# element plus bins/32 popcounts (~3 warp instructions per element at 256 bins, ~1 at 64: the first pass over
+# 32 × 128k logits ~11 vs ~4 µs of an H200's issue slots); where it lowers it to a shared-memory atomic per
+# counted element (Triton 3.9 here), 256 bins need fewer passes. The bench times both (radix, radix-b8).
+RADIX_BITS = 6
 RADIX_PROGRAMS_PER_SM = 8  # the default chunk gives about this many programs per SM in all
 RADIX_CHUNK_MIN = 1024  # default chunks: at least this many units per program ...
 RADIX_CHUNK_MAX = 16384  # ... and at most this many
-RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this)
+RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this) ...
+RADIX_SPARSE_BLOCK = 1024  # ... after the first digit: tiles with no value on the prefix skip the histogram
 RADIX_TILE_P = 32  # programs' slots per tile in the per-row launch
 
 # Histograms skip the values off the prefix through tl.histogram's mask where this Triton has one (else they
@@ -101,11 +108,15 @@ if triton is not None:
                     top = high_bits(u, shift)
                     active = ok & (top == high_bits(prefix, shift))
                     digit = tl.where(active, (u >> low) & width_mask, 0).to(tl.int32)
-                    if MASKED:
-                        hist += tl.histogram(digit, BINS, mask=active)
-                    else:
-                        hist += tl.histogram(digit, BINS)
-                        n_off += (~active).to(tl.int32)
+                    n_act = BLOCK  # the first digit counts every value
+                    if PASS > 0:  # later ones few: a tile without any skips the histogram
+                        n_act = tl.sum(active.to(tl.int32), axis=0)
+                    if n_act > 0:
+                        if MASKED:
+                            hist += tl.histogram(digit, BINS, mask=active)
+                        else:
+                            hist += tl.histogram(digit, BINS)
+                            n_off += (~active).to(tl.int32)
                     n_above += (ok & (top > high_bits(prefix, shift))).to(tl.int32)
                 # unmasked, values off the prefix were counted in bin 0: take them out
                 hist -= tl.where(bins == 0, tl.sum(n_off, axis=0), 0)
@@ -258,7 +269,8 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     block = min(chunk, RADIX_BLOCK)
     for step in range(passes):
         launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, slot, above, x, chunk,
-               scores.stride(0), scores.stride(1), PASS=step, BITS=bits, BLOCK=block, MASKED=masked,
+               scores.stride(0), scores.stride(1), PASS=step, BITS=bits,
+               BLOCK=block if step == 0 else min(block, RADIX_SPARSE_BLOCK), MASKED=masked,
                num_warps=warps, num_stages=1)
     launch(_radix_place_kernel, (h, b), counts, hist, slot, above, meta, base, allow, n_p,
            BITS=bits, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
