@@ -61,7 +61,7 @@ RADIX_HIST_MASK = False
 if triton is not None:
     import triton.language as tl
 
-    from .select_common import high_bits, ordered, replay_digits, take_bin
+    from .select_common import digit_step, high_bits, ordered, replay_digits, take_bin
 
     RADIX_HIST_MASK = "mask" in inspect.signature(tl.histogram).parameters
 
@@ -75,13 +75,15 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["n_units", "chunk"])
     def _radix_hist_kernel(
-        s_ptr, cnt_ptr, h_ptr, slot_ptr, above_ptr, n_units, chunk, s_s_b, s_s_h,
+        s_ptr, cnt_ptr, h_ptr, st_ptr, slot_ptr, above_ptr, n_units, chunk, s_s_b, s_s_h,
         PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
     ):
         # Digit PASS (from the top; the last one the bits left, BITS or fewer) of the values of this program's
         # chunk that carry the prefix found so far: added into the row's histogram, and kept in this program's
         # slot with how many of its values lie above the prefix (the placing launch counts from the slots of
-        # the digit that resolved the row). A row resolved by an earlier digit is skipped. MASKED: the
+        # the digit that resolved the row). A row resolved by an earlier digit is skipped. The search's state
+        # before the digit: replayed from the row's histograms up to the second digit, later from the state
+        # the previous launch's first program kept and one more histogram. MASKED: the
         # histogram skips the values off the prefix (with Triton's shared-memory atomics, no pile-up in bin 0
         # when nearly all of them are off).
         PASSES: tl.constexpr = (32 + BITS - 1) // BITS
@@ -89,7 +91,19 @@ if triton is not None:
         p, hs, b64, r, count = _radix_program(cnt_ptr)
         if count > 0:  # an empty row's buffers are never read
             h_row = h_ptr + r * (PASSES * BINS)
-            prefix, need, shift = replay_digits(h_row, count, PASS, BITS)
+            st_row = st_ptr + r * (PASSES * 4)
+            if PASS < 2:
+                prefix, need, shift = replay_digits(h_row, count, PASS, BITS)
+            else:
+                st = st_row + (PASS - 2) * 4
+                prefix, need, shift = digit_step(h_row, PASS - 1, tl.load(st).to(tl.uint32, bitcast=True),
+                                                 tl.load(st + 1), tl.load(st + 2), BITS)
+            if (PASS > 0) & (PASS < PASSES - 1):
+                if p == 0:  # the state before this digit, for the next launch
+                    st = st_row + (PASS - 1) * 4
+                    tl.store(st, prefix.to(tl.int32, bitcast=True))
+                    tl.store(st + 1, need)
+                    tl.store(st + 2, shift)
             if shift == 32 - PASS * BITS:  # not resolved yet
                 src = s_ptr + b64 * s_s_b + hs * s_s_h
                 bins = tl.arange(0, BINS)
@@ -265,10 +279,11 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     above = scratch("radix_above", scores, (rows, passes, n_p), torch.int32)
     base = scratch("radix_base", scores, (rows, n_p), torch.int32)
     allow = scratch("radix_allow", scores, (rows, n_p), torch.int32)
+    state = scratch("radix_state", scores, (rows, passes, 4), torch.int32)
     meta = scratch("radix_meta", scores, (rows,), torch.int32)
     block = min(chunk, RADIX_BLOCK)
     for step in range(passes):
-        launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, slot, above, x, chunk,
+        launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, state, slot, above, x, chunk,
                scores.stride(0), scores.stride(1), PASS=step, BITS=bits,
                BLOCK=block if step == 0 else min(block, RADIX_SPARSE_BLOCK), MASKED=masked,
                num_warps=warps, num_stages=1)
