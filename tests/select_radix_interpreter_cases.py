@@ -81,6 +81,17 @@ def test_radix_select_does_not_depend_on_the_launch_settings(seed):
         assert _zero_histograms(s)
 
 
+def test_radix_select_with_programs_of_many_tiles():
+    """Chunks of several tiles in every launch (the first digit's, the later digits' and the compaction's):
+    logits-like rows, one with ties, count across tiles."""
+    g = torch.Generator().manual_seed(7)
+    s = torch.randn(1, 2, 4500, generator=g) * 2 - 5
+    s[0, 1] = (s[0, 1] * 4).round() / 4
+    for count in (1, 700, 4500):
+        counts = torch.tensor([count])
+        assert torch.equal(topk_rows_radix(s, counts, 4500, chunk=4096), topk_rows_reference(s, counts, 4500))
+
+
 def test_radix_select_rejects_bad_arguments():
     s = torch.randn(1, 2, 100)
     counts = torch.tensor([5])

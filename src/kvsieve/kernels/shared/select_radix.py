@@ -52,6 +52,7 @@ RADIX_CHUNK_MIN = 1024  # default chunks: at least this many units per program .
 RADIX_CHUNK_MAX = 16384  # ... and at most this many
 RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this) ...
 RADIX_SPARSE_BLOCK = 1024  # ... after the first digit: tiles with no value on the prefix skip the histogram
+RADIX_EMIT_BLOCK = 2048  # ... in the compaction (its two cumulative sums: 64 registers a thread, not 80)
 RADIX_TILE_P = 32  # programs' slots per tile in the per-row launch
 
 # Histograms skip the values off the prefix through tl.histogram's mask where this Triton has one (else they
@@ -290,8 +291,8 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     launch(_radix_place_kernel, (h, b), counts, hist, slot, above, meta, base, allow, n_p,
            BITS=bits, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
     launch(_radix_emit_kernel, (n_p, h, b), scores, counts, meta, base, allow, out, x, chunk, k,
-           scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), BLOCK=block, num_warps=warps,
-           num_stages=1)
+           scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), BLOCK=min(block, RADIX_EMIT_BLOCK),
+           num_warps=warps, num_stages=1)
     return out
 
 
