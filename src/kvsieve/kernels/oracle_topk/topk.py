@@ -54,7 +54,7 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
     in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="radix"``: the scores pass (no maxima)
     and :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (a radix select spread over many programs
-    per row, six launches; ascending order). ``select="torch"``: the same up to
+    per row, ``ceil(32 / RADIX_BITS) + 2`` launches; ascending order). ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
     rows over ~20k keys). ``scores="reference"`` runs every step
     in torch (highest first). ``keep_scores=True`` (per-query-head rows only) also returns the scores pass's

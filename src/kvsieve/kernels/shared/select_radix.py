@@ -53,7 +53,7 @@ RADIX_CHUNK_MAX = 16384  # ... and at most this many
 RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this) ...
 RADIX_SPARSE_BLOCK = 1024  # ... after the first digit: tiles with no value on the prefix skip the histogram
 RADIX_EMIT_BLOCK = 2048  # ... in the compaction (its two cumulative sums: 64 registers a thread, not 80)
-RADIX_TILE_P = 32  # programs' slots per tile in the per-row launch
+RADIX_TILE_P = 32  # programs' slots per tile in the placing launch
 
 # Histograms skip the values off the prefix through tl.histogram's mask where this Triton has one (else they
 # count them in bin 0 and take them out after).
@@ -84,9 +84,9 @@ if triton is not None:
         # slot with how many of its values lie above the prefix (the placing launch counts from the slots of
         # the digit that resolved the row). A row resolved by an earlier digit is skipped. The search's state
         # before the digit: replayed from the row's histograms up to the second digit, later from the state
-        # the previous launch's first program kept and one more histogram. MASKED: the
-        # histogram skips the values off the prefix (with Triton's shared-memory atomics, no pile-up in bin 0
-        # when nearly all of them are off).
+        # the previous launch's first program kept and one more histogram. MASKED: the histogram skips the
+        # values off the prefix (with Triton's shared-memory atomics, no pile-up in bin 0 when nearly all of
+        # them are off).
         PASSES: tl.constexpr = (32 + BITS - 1) // BITS
         BINS: tl.constexpr = 1 << BITS
         p, hs, b64, r, count = _radix_program(cnt_ptr)

@@ -600,7 +600,8 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
     ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``), ``"split"``: of
     :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (``programs``, ``num_warps``), ``"radix"``: of
-    :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (``chunk``, ``programs``, ``num_warps``); each applies
+    :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (``chunk``, ``programs``, ``num_warps``,
+    ``digit_bits``, ``hist_mask``); each applies
     where its launch runs. The selection does not depend on them.
 
     ``split``: few rows (at most ``SPLIT_ROWS_MAX``) that would take ``topk_rows_triton`` take the split
