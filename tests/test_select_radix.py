@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import case_groups, group_id, run_interpreter_cases
+from interpreted import case_groups, compile_for_sm90, group_id, run_interpreter_cases
 
 CASES = "select_radix_interpreter_cases.py"
 
@@ -17,6 +17,30 @@ CASES = "select_radix_interpreter_cases.py"
 def test_radix_select_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
     run_interpreter_cases(CASES, group)
+
+
+COMPILE_RADIX = """
+from kvsieve.kernels.shared import select_radix as m
+ptr = {"s_ptr": "*fp32", "cnt_ptr": "*i64", "h_ptr": "*i32", "st_ptr": "*i32", "slot_ptr": "*i32", "above_ptr": "*i32",
+       "meta_ptr": "*i32", "base_ptr": "*i32", "allow_ptr": "*i32", "out_ptr": "*i64"}
+# the launches as topk_rows_radix makes them: the first digit, one replaying both earlier digits, one from the kept
+# state, the narrow last one; with and without the histogram's mask and PDL; 6- and 8-bit digits
+for bits, step, masked, pdl in ((6, 0, True, False), (6, 1, False, True), (6, 2, True, True), (6, 5, False, False),
+                                (8, 3, True, True)):
+    meta = {"PASS": step, "BITS": bits, "BLOCK": 4096 if step == 0 else 1024, "MASKED": masked, "PDL": pdl}
+    assert registers(compile_(m._radix_hist_kernel, ptr, meta, num_warps=8, num_stages=1)) <= 64
+for bits in (6, 8):
+    compile_(m._radix_place_kernel, ptr, {"BITS": bits, "TILE_P": 32, "PDL": True}, num_warps=4, num_stages=1)
+assert registers(compile_(m._radix_emit_kernel, ptr, {"BLOCK": 2048, "PDL": True}, num_warps=8, num_stages=1)) <= 64
+print("COMPILED")
+"""
+
+
+def test_radix_select_compiles_for_the_h100():
+    """Every launch form compiles for sm_90 (the interpreter type-checks no untaken branch) within a register
+    budget that leaves 4+ programs of 8 warps per SM."""
+    pytest.importorskip("triton")
+    compile_for_sm90(COMPILE_RADIX)
 
 
 def test_radix_chunk_spreads_rows_over_the_gpu_within_its_bounds():

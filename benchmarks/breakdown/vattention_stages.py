@@ -103,6 +103,7 @@ RADIX_WAYS = {
     "radix-16/sm": {"sms": 16},
     "radix-c16384": {"chunk": 16384},
     "radix-unmasked": {"hist_mask": False},
+    "radix-pdl": {"pdl": True},
 }
 
 

@@ -39,7 +39,17 @@ import inspect
 import torch
 
 from .select_common import check_launch_value, check_score_rows, scratch, sm_count
-from .triton_utils import cdiv, launch, next_pow2, triton, workspace
+from .triton_utils import (
+    cdiv,
+    gdc_launch_dependents,
+    gdc_wait,
+    launch,
+    next_pow2,
+    pdl_available,
+    pdl_launch,
+    triton,
+    workspace,
+)
 
 # Digit width: six passes over the 32-bit keys (the last one of 2 bits), 64 bins each. Where Triton lowers a
 # histogram to warp ballots (releases up to early 2026, by their source) it costs a ballot per bin bit and
@@ -54,6 +64,7 @@ RADIX_BLOCK = 4096  # units a program holds at once (its chunk in tiles of this)
 RADIX_SPARSE_BLOCK = 1024  # ... after the first digit: tiles with no value on the prefix skip the histogram
 RADIX_EMIT_BLOCK = 2048  # ... in the compaction (its two cumulative sums: 64 registers a thread, not 80)
 RADIX_TILE_P = 32  # programs' slots per tile in the placing launch
+RADIX_PDL = False  # programmatic dependent launch between the select's launches (timed as radix-pdl)
 
 # Histograms skip the values off the prefix through tl.histogram's mask where this Triton has one (else they
 # count them in bin 0 and take them out after).
@@ -77,7 +88,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_units", "chunk"])
     def _radix_hist_kernel(
         s_ptr, cnt_ptr, h_ptr, st_ptr, slot_ptr, above_ptr, n_units, chunk, s_s_b, s_s_h,
-        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr,
+        PASS: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, MASKED: tl.constexpr, PDL: tl.constexpr,
     ):
         # Digit PASS (from the top; the last one the bits left, BITS or fewer) of the values of this program's
         # chunk that carry the prefix found so far: added into the row's histogram, and kept in this program's
@@ -89,6 +100,9 @@ if triton is not None:
         # them are off).
         PASSES: tl.constexpr = (32 + BITS - 1) // BITS
         BINS: tl.constexpr = 1 << BITS
+        if PDL:  # launched while the previous kernel ends: everything below reads what it wrote
+            gdc_wait()
+            gdc_launch_dependents()
         p, hs, b64, r, count = _radix_program(cnt_ptr)
         if count > 0:  # an empty row's buffers are never read
             h_row = h_ptr + r * (PASSES * BINS)
@@ -143,12 +157,15 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_p"])
     def _radix_place_kernel(
         cnt_ptr, h_ptr, slot_ptr, above_ptr, meta_ptr, base_ptr, allow_ptr, n_p,
-        BITS: tl.constexpr, TILE_P: tl.constexpr,
+        BITS: tl.constexpr, TILE_P: tl.constexpr, PDL: tl.constexpr,
     ):
         # One program per row: the threshold, and each program's place in the output and ties to take, from
         # the slots of the digit that resolved the row.
         PASSES: tl.constexpr = (32 + BITS - 1) // BITS
         BINS: tl.constexpr = 1 << BITS
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         b = tl.program_id(1)
         r = b.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
         count = tl.load(cnt_ptr + b).to(tl.int32)
@@ -199,9 +216,12 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_units", "chunk", "k_out"])
     def _radix_emit_kernel(
         s_ptr, cnt_ptr, meta_ptr, base_ptr, allow_ptr, out_ptr, n_units, chunk, k_out,
-        s_s_b, s_s_h, s_o_b, s_o_h, BLOCK: tl.constexpr,
+        s_s_b, s_s_h, s_o_b, s_o_h, BLOCK: tl.constexpr, PDL: tl.constexpr,
     ):
         # This program's values above T and its first `allow` equal to it, in unit order, from its place.
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         p, hs, b64, r, count = _radix_program(cnt_ptr)
         n_p = tl.num_programs(0)
         out_row = out_ptr + b64 * s_o_b + hs * s_o_h
@@ -241,7 +261,8 @@ def radix_chunk(rows: int, x: int, device, programs: int | None = None) -> int:
 
 def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: torch.Tensor | None = None,
                     chunk: int | None = None, programs: int | None = None, num_warps: int | None = None,
-                    digit_bits: int | None = None, hist_mask: bool | None = None) -> torch.Tensor:
+                    digit_bits: int | None = None, hist_mask: bool | None = None,
+                    pdl: bool | None = None) -> torch.Tensor:
     """:func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` for rows already ranked (``group = 1``),
     spread over ``ceil(X / chunk)`` programs per row (see the module): ``[B, H, k]`` int64, the ``counts[b]``
     largest units of each row ascending (ties at the threshold to the lowest index), then zeros. ``scores
@@ -254,7 +275,9 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     default ``RADIX_BITS``): the digit width, ``ceil(32 / digit_bits)`` histogram launches of ``2 **
     digit_bits`` bins (Triton lowers a histogram to shared-memory atomics or to ballots per bin bit: fewer
     bins, cheaper ballots, more launches); ``hist_mask`` (default ``RADIX_HIST_MASK``): the histograms skip
-    the values off the prefix by tl.histogram's mask. The selection does not depend on them."""
+    the values off the prefix by tl.histogram's mask; ``pdl`` (default ``RADIX_PDL``): programmatic dependent
+    launch of every launch but the first where the GPU and Triton have it (each starts while the one before
+    ends, waiting for it before it reads anything). The selection does not depend on them."""
     b, h, x = scores.shape
     check_score_rows(scores, 1)
     if k < 1:
@@ -271,6 +294,7 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     bits = RADIX_BITS if digit_bits is None else check_launch_value("digit_bits", digit_bits, low=4, high=8)
     masked = RADIX_HIST_MASK if hist_mask is None else bool(hist_mask)
     passes = cdiv(32, bits)
+    pdl = (RADIX_PDL if pdl is None else bool(pdl)) and pdl_available()
     if out is None:
         out = torch.empty(b, h, k, device=scores.device, dtype=torch.int64)
     n_p = cdiv(x, chunk)
@@ -284,15 +308,16 @@ def topk_rows_radix(scores: torch.Tensor, counts: torch.Tensor, k: int, *, out: 
     meta = scratch("radix_meta", scores, (rows,), torch.int32)
     block = min(chunk, RADIX_BLOCK)
     for step in range(passes):
+        dep = pdl and step > 0
         launch(_radix_hist_kernel, (n_p, h, b), scores, counts, hist, state, slot, above, x, chunk,
                scores.stride(0), scores.stride(1), PASS=step, BITS=bits,
-               BLOCK=block if step == 0 else min(block, RADIX_SPARSE_BLOCK), MASKED=masked,
-               num_warps=warps, num_stages=1)
+               BLOCK=block if step == 0 else min(block, RADIX_SPARSE_BLOCK), MASKED=masked, PDL=dep,
+               num_warps=warps, num_stages=1, **pdl_launch(dep))
     launch(_radix_place_kernel, (h, b), counts, hist, slot, above, meta, base, allow, n_p,
-           BITS=bits, TILE_P=RADIX_TILE_P, num_warps=4, num_stages=1)
+           BITS=bits, TILE_P=RADIX_TILE_P, PDL=pdl, num_warps=4, num_stages=1, **pdl_launch(pdl))
     launch(_radix_emit_kernel, (n_p, h, b), scores, counts, meta, base, allow, out, x, chunk, k,
            scores.stride(0), scores.stride(1), out.stride(0), out.stride(1), BLOCK=min(block, RADIX_EMIT_BLOCK),
-           num_warps=warps, num_stages=1)
+           PDL=pdl, num_warps=warps, num_stages=1, **pdl_launch(pdl))
     return out
 
 
