@@ -7,10 +7,15 @@ of the residual sample's cut (``sample_cut_triton``), of the budget (``budget_tr
 attention (``attend_triton``) are kept. Each stage is then called again on them — captured in a CUDA graph,
 replayed with a cold L2 (``ColdL2Timer.time_graph_us``) — and its outputs compared:
 
-- top-k: both ways the method's shape rule (``oracle_topk.select_path``) picks between, ``torch``
-  (``torch.topk`` of the kept scores) and ``triton`` (the Triton select, a long row's candidates merged by a
-  second launch), with ``rule`` naming the one the decode ran; each the same set as the reference's sorted
-  top-k up to ties (checked by the scores: the k-th largest equal, every chosen score at least it);
+- top-k (the scores pass over K and the select): the ways the method's shape rule (``oracle_topk.select_path``)
+  picks between, ``torch`` (``torch.topk`` of the kept scores), ``triton`` (the Triton select, a long row's
+  candidates merged by a second launch) and ``radix`` (``select_radix.topk_rows_radix``, spread over many
+  programs per row; its chunk settings ``RADIX_WAYS``), with ``rule`` naming the one the decode ran; each the
+  same set as the reference's sorted top-k up to ties (checked by the scores: the k-th largest equal, every
+  chosen score at least it), and the Triton and radix lists equal to ``topk_rows_reference``'s (ascending, ties
+  to the lowest index);
+- top-k select alone: the same selects on the kept scores (the Triton select given the maxima of every 8
+  scores, computed untimed), each with its launches' device times (``kernel µs``, torch profiler);
 - base sample (a list, one program per row): equal to ``sample_rows_reference``;
 - residual sample (the windowed cut): the keys it holds equal to the reference's;
 - budget statistics: each launch setting (``BUDGET_WAYS``) against ``budget_stats_reference`` (float64 torch),
@@ -88,13 +93,55 @@ def record_step(method, q, k, v, lens, key) -> dict[str, list[tuple[tuple, dict]
     return calls
 
 
+# The radix select's launch settings timed (topk_rows_radix's keywords; "sms": programs = that many per SM).
+# The default: chunks giving about RADIX_PROGRAMS_PER_SM (8) programs per SM, at least 1024 units each, 6-bit
+# digits (6 histogram launches), the histograms masked where tl.histogram has a mask.
+RADIX_WAYS = {
+    "radix": {},
+    "radix-b8": {"digit_bits": 8},
+    "radix-4/sm": {"sms": 4},
+    "radix-16/sm": {"sms": 16},
+    "radix-c16384": {"chunk": 16384},
+    "radix-unmasked": {"hist_mask": False},
+    "radix-pdl": {"pdl": True},
+}
+
+
 def topk_ways(args, kwargs) -> dict:
     """The top-k's ways on the recorded arguments: ``name -> call`` returning ``(indices, counts, scores)``."""
     from kvsieve.kernels.oracle_topk.topk import topk_select
 
     base = {k: v for k, v in kwargs.items() if k not in ("select", "launch_opts")}
-    return {"torch": lambda: topk_select(*args, **base, select="torch"),
+    ways = {"torch": lambda: topk_select(*args, **base, select="torch"),
             "triton": lambda: topk_select(*args, **base, select="triton", launch_opts={"rows": {"merge": "launch"}})}
+    for name, opts in RADIX_WAYS.items():
+        kw = launch_opts(opts, args[0].device)
+        ways[name] = lambda _kw=kw: topk_select(*args, **base, select="radix", launch_opts={"radix": _kw})
+    return ways
+
+
+def select_ways(scores, counts, k: int) -> dict:
+    """The select alone on the kept ``scores [B, Hq, N]`` and ``counts [B]``: ``name -> call`` returning the
+    indices (torch.topk sorted, highest first; the others ascending)."""
+    from kvsieve.kernels.shared.select_radix import topk_rows_radix
+    from kvsieve.kernels.shared.select_split import row_maxima
+    from kvsieve.kernels.shared.select_triton import topk_rows_triton
+
+    maxima = row_maxima(scores).contiguous()
+    ways = {"torch": lambda: torch.topk(scores, k, dim=-1, sorted=True).indices,
+            "triton": lambda: topk_rows_triton(scores, counts, k, maxima=maxima, merge="launch")}
+    for name, opts in RADIX_WAYS.items():
+        kw = launch_opts(opts, scores.device)
+        ways[name] = lambda _kw=kw: topk_rows_radix(scores, counts, k, **_kw)
+    return ways
+
+
+def list_mismatches(idx, counts, scores) -> int:
+    """Rows of an ascending list (the Triton and radix selects) that differ from ``topk_rows_reference``'s."""
+    from kvsieve.kernels.shared.select_triton import topk_rows_reference
+
+    want = topk_rows_reference(scores, counts[:, 0], idx.shape[-1])
+    return int((idx != want).any(-1).sum())
 
 
 # The attention pass's launch settings timed (attend_triton's keywords; "sms": programs = that many per SM, the
@@ -232,11 +279,24 @@ def stage_calls(calls) -> dict[str, dict]:
         args, kwargs = calls["topk_select"][0]
         ways = topk_ways(args, kwargs)
         res = {name: attempt(f) for name, f in ways.items()}
-        scores = res["torch"][2]
+        scores = res["torch"][2].clone()
+        counts = res["torch"][1]
+        ok = {name: r for name, r in res.items() if not isinstance(r, Exception)}
         out["top-k"] = {"ways": ways, "rule": kwargs.get("select"),
-                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in res.items()
-                                     if not isinstance(r, Exception)},
-                        "size": float(res["triton"][1].double().mean()), **failures(res)}
+                        "bad rows": {name: topk_error(r[0], r[1], scores) for name, r in ok.items()},
+                        "list mismatches": {name: list_mismatches(r[0], r[1], scores) for name, r in ok.items()
+                                            if name != "torch"},
+                        "size": float(counts.double().mean()), **failures(res)}
+        if not kwargs.get("share_kv_group") or args[0].shape[1] == args[1].shape[1]:  # per-query-head rows
+            k = res["torch"][0].shape[-1]
+            ways = select_ways(scores, counts[:, 0].contiguous(), k)
+            res = {name: attempt(f) for name, f in ways.items()}
+            ok = {name: r for name, r in res.items() if not isinstance(r, Exception)}
+            out["top-k select alone"] = {
+                "ways": ways, "profile": True,
+                "bad rows": {name: topk_error(r, counts, scores) for name, r in ok.items()},
+                "list mismatches": {name: list_mismatches(r, counts, scores) for name, r in ok.items()
+                                    if name != "torch"}, **failures(res)}
     if calls["sample_rows_triton"]:
         out["base sample (list)"] = sample_checks(calls["sample_rows_triton"][0], True)
     if calls["sample_cut_triton"]:
@@ -275,9 +335,13 @@ def run(args) -> list[dict]:
     for stage, info in stage_calls(calls).items():
         for name, fn in info["ways"].items():
             r = {"stage": stage, "way": name, "n": args.n, "batch": args.batch, "attention": args.attention,
-                 **{k: v for k, v in info.items() if k != "ways"}}
+                 **{k: v for k, v in info.items() if k not in ("ways", "profile")}}
             try:
                 r["graph_us"] = timer.time_graph_us(fn, warmup=3, iters=args.iters)["median_us"]
+                if info.get("profile"):
+                    kernels = timer.kernel_breakdown(fn)
+                    if kernels:
+                        r["kernel µs"] = {k: round(v, 1) for k, v in kernels.items()}
             except Exception as exc:  # noqa: BLE001 - one failing way must not lose the others
                 r["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(r)
@@ -309,19 +373,21 @@ def check() -> None:
     m = kvsieve.method("vattention:sink=4,window=8,top_k=0.05,base_rate=0.05,backend=triton")
     calls = record_step(m, q, k, v, lens, RandomKey(3, (0, 1)))
     stages = stage_calls(calls)
-    assert set(stages) == {"top-k", "base sample (list)", "residual sample (cut)", "budget statistics",
-                           "attention"}, set(stages)
+    assert set(stages) == {"top-k", "top-k select alone", "base sample (list)", "residual sample (cut)",
+                           "budget statistics", "attention"}, set(stages)
     for stage, info in stages.items():
         for fn in info["ways"].values():
             fn()
         assert "failed" not in info, (stage, info)
         assert all(v == 0 for v in info.get("bad rows", {}).values()), (stage, info)
+        assert all(v == 0 for v in info.get("list mismatches", {}).values()), (stage, info)
         assert info.get("mismatches vs reference", 0) == 0, (stage, info)
         assert info.get("rel err vs reference", 0.0) < 1e-4, (stage, info)
         assert info.get("worst way's rel err", 0.0) < 1e-4, (stage, info)
         assert info.get("stats max rel diff", 0.0) < 1e-12 and info.get("same sizes", True), (stage, info)
         assert info.get("worst way's stats rel diff", 0.0) < 1e-12, (stage, info)
     assert stages["top-k"]["rule"] == "triton", stages["top-k"]  # a short row
+    assert {"torch", "triton", *RADIX_WAYS} <= set(stages["top-k select alone"]["bad rows"]), stages
     print("check: ok")
 
 

@@ -26,12 +26,18 @@ from ..shared.scores import (
 # wins per KV head (a quarter of the rows) and at 32k
 # (docs/results/gpu-bench/2026-11-25-h100-sparse-decode-select.md).
 TORCH_SELECT_ABOVE = 65536
+# The way those long per-query-head rows take: "torch" (torch.topk) or "radix" (select_radix.topk_rows_radix: a
+# radix select spread over many programs per row; benchmarks/breakdown/vattention_stages.py times the three).
+LONG_ROW_SELECT = "torch"
 
 
 def select_path(share_kv_group: bool, n_keys: int) -> str:
     """The top-k step of an oracle top-k on the device (oracle-topk, vattention's oracle predictor):
-    ``"torch"`` for long per-query-head rows, else ``"triton"``."""
-    return "torch" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
+    ``LONG_ROW_SELECT`` (``"torch"`` or ``"radix"``) for per-query-head rows over ``TORCH_SELECT_ABOVE`` keys,
+    else ``"triton"``. Read at call time (the benchmarks and tests change it)."""
+    if LONG_ROW_SELECT not in ("torch", "radix"):
+        raise ValueError(f"LONG_ROW_SELECT: expected 'torch' or 'radix', got {LONG_ROW_SELECT!r}")
+    return LONG_ROW_SELECT if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
 
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
@@ -46,7 +52,9 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     ``select="triton"`` (default): the scores pass over K (writing the maxima of every 8 scores, or for
     group-summed rows per-block softmax partials and then one parallel group-sum launch) and
     :func:`~kvsieve.kernels.shared.select_triton.topk_rows_triton` (prefilter, exact radix select), keys
-    in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="torch"``: the same up to
+    in ascending order: 2 launches, 3 with ``share_kv_group``. ``select="radix"``: the scores pass (no maxima)
+    and :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (a radix select spread over many programs
+    per row, ``ceil(32 / RADIX_BITS) + 2`` launches; ascending order). ``select="torch"``: the same up to
     ``torch.topk`` in place of the select launch (a multi-block radix select of its own for
     rows over ~20k keys). ``scores="reference"`` runs every step
     in torch (highest first). ``keep_scores=True`` (per-query-head rows only) also returns the scores pass's
@@ -58,8 +66,8 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     if keep_scores and share_kv_group and hq > hkv:
         raise ValueError("keep_scores: the per-head logits are kept for per-query-head rows only")
     kk = max(1, min(max_k, n))
-    if select not in ("triton", "torch"):
-        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    if select not in ("triton", "torch", "radix"):
+        raise ValueError(f"select: expected 'triton', 'torch' or 'radix', got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)
@@ -83,4 +91,4 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     return (idx, counts, s) if keep_scores else (idx, counts)
 
 
-__all__ = ["TORCH_SELECT_ABOVE", "select_path", "topk_select"]
+__all__ = ["LONG_ROW_SELECT", "TORCH_SELECT_ABOVE", "select_path", "topk_select"]

@@ -177,6 +177,35 @@ if triton is not None:
         return tl.where(live_h, m_run + tl.log(tl.where(live_h, l_run, 1.0)), 0.0), live_h
 
     @triton.jit
+    def digit_step(h_row, j, prefix, need, shift, BITS: tl.constexpr):
+        """Digit ``j``'s histogram (``2**BITS`` counts at ``h_row + j · 2**BITS``) applied to the state
+        ``(prefix, need, shift)`` of :func:`replay_digits` where the search is still on at that digit."""
+        bins = tl.arange(0, 1 << BITS)
+        live = shift == 32 - j * BITS
+        low = tl.maximum(shift - BITS, 0)
+        hist = tl.load(h_row + j * (1 << BITS) + bins)
+        p_new, n_new, in_bin = take_bin(hist, bins, need, prefix, low)
+        prefix = tl.where(live, p_new, prefix)
+        need = tl.where(live, n_new, need)
+        shift = tl.where(live, tl.where(in_bin == n_new, 0, low), shift)
+        return prefix, need, shift
+
+    @triton.jit
+    def replay_digits(h_row, count, PASSES: tl.constexpr, BITS: tl.constexpr):
+        """The state of a radix select of the ``count``-th largest after ``PASSES`` row-wide histograms of
+        ``BITS``-bit digits from the top (``h_row``: ``PASSES × 2**BITS`` counts, pass after pass; a pass
+        after the answer's bin was taken whole counted nothing and is not read): ``(prefix, need, shift)``
+        — the bits above ``shift`` resolved (``shift = 32 − PASSES·BITS`` while the search goes on), ``need``
+        how many of the values with that prefix are still to take; ``shift = 0`` once a bin was taken whole
+        (``prefix`` its low end, ``need`` all of it, as :func:`radix_select_regs` stops)."""
+        prefix = tl.zeros([], dtype=tl.uint32)
+        need = count
+        shift = tl.full([], 32, tl.int32)
+        for j in tl.static_range(PASSES):
+            prefix, need, shift = digit_step(h_row, j, prefix, need, shift, BITS)
+        return prefix, need, shift
+
+    @triton.jit
     def radix_select_regs(u, valid, count, hi, lo):
         """:func:`radix_select` (exact) on a row held in registers: ``u`` the ordered images, ``valid`` which
         entries count. Stops as soon as the bin holding the answer is taken whole (its count equals what is

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from .select_common import GROUP_MAX, SEGMENT, check_launch_value, check_score_rows, row_segments, scratch
+from .select_radix import topk_rows_radix
 from .select_split import topk_rows_split
 from .triton_utils import cdiv, launch, next_pow2, triton, workspace
 
@@ -542,7 +543,8 @@ ROW_GROUP_SUM_MAX = 4096
 # idle below ~1/4 of its SMs. 0 turns it off (the benchmarks time both).
 SPLIT_ROWS_MAX = 32
 
-SELECT_LAUNCHES = ("group_sum", "rows", "registers", "split")  # the launches select_rows takes overrides for
+SELECT_LAUNCHES = ("group_sum", "rows", "registers", "split", "radix")  # the launches select_rows takes overrides for
+SELECTS = ("triton", "torch", "radix")  # select_rows' ways
 
 
 def check_launch_opts(launch_opts: dict[str, dict] | None, names: tuple[str, ...]) -> dict[str, dict]:
@@ -560,12 +562,15 @@ def select_launches(n_units: int, group: int, share_kv_group: bool, select: str 
                     rows: int | None = None) -> tuple[str, ...]:
     """The launches :func:`select_rows` runs after the scoring one for rows of ``n_units`` units and GQA
     groups of ``group`` query heads (as its ``launch_opts`` name them): ``("registers",)``, ``("rows",)``
-    or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``).
+    or ``("group_sum", "rows")``; with ``select="torch"`` ``("group_sum",)`` or none (then ``torch.topk``);
+    with ``select="radix"`` ``("radix",)`` after ``"group_sum"`` for group-summed rows.
     ``rows`` (batch × selection heads; None: no split select): where ``"rows"`` would run for at most
     ``SPLIT_ROWS_MAX`` rows, ``"split"`` (:func:`~kvsieve.kernels.shared.select_split.topk_rows_split`, its
     group sum, if any, in the parallel launch) runs instead. Read from the module limits at call time (the
     benchmarks change them)."""
     share = share_kv_group and group > 1
+    if select == "radix":
+        return (("group_sum",) if share else ()) + ("radix",)
     limit = min(REGISTER_SELECT_MAX, REGISTER_SELECT_GROUPED_MAX) if share else REGISTER_SELECT_MAX
     if select == "triton" and n_units <= limit:
         return ("registers",)
@@ -585,20 +590,24 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     Hs])`` (an expanded view of ``[B]``).
 
     ``select="triton"``: :func:`topk_rows_triton` (ascending order) — 2 launches with the scoring one,
-    3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="torch"``: the group sum (if any)
+    3 for group-summed rows longer than ``ROW_GROUP_SUM_MAX``. ``select="radix"``: the group sum (if any) in
+    one parallel launch, then :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (ascending; a radix
+    select spread over many programs per row, for long rows). ``select="torch"``: the group sum (if any)
     from the partials in one parallel launch, then ``torch.topk`` (sorted, highest first: rows whose count
     is below ``k`` read the first ``count`` entries) — kept to compare.
 
     ``launch_opts``: launch overrides by launch, for tuning — ``"group_sum"``: keywords of
     :func:`group_sum_rows_triton`, ``"rows"``: of :func:`topk_rows_triton` (``num_warps``, ``segment``),
     ``"registers"``: of :func:`topk_rows_registers` (``num_warps``, ``programs``), ``"split"``: of
-    :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (``programs``, ``num_warps``); each applies
+    :func:`~kvsieve.kernels.shared.select_split.topk_rows_split` (``programs``, ``num_warps``), ``"radix"``: of
+    :func:`~kvsieve.kernels.shared.select_radix.topk_rows_radix` (``chunk``, ``programs``, ``num_warps``,
+    ``digit_bits``, ``hist_mask``); each applies
     where its launch runs. The selection does not depend on them.
 
     ``split``: few rows (at most ``SPLIT_ROWS_MAX``) that would take ``topk_rows_triton`` take the split
     select (:func:`select_launches`); same indices."""
-    if select not in ("triton", "torch"):
-        raise ValueError(f"select: expected 'triton' or 'torch', got {select!r}")
+    if select not in SELECTS:
+        raise ValueError(f"select: expected one of {', '.join(SELECTS)}, got {select!r}")
     opts = check_launch_opts(launch_opts, SELECT_LAUNCHES)
     group = heads // kv_heads
     # one query head per KV head: log softmax ranks as the scores do, and the rows are the same
@@ -626,6 +635,8 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
         share_kv_group = False
     if select == "torch":  # sorted: a row whose count is below k takes the first count entries
         idx = torch.topk(s, k, dim=-1, sorted=True).indices
+    elif select == "radix":
+        idx = topk_rows_radix(s, counts, k, **opts.get("radix", {}))
     elif "split" in launches:
         idx = topk_rows_split(s, counts, k, maxima=maxima, **opts.get("split", {}))
     else:
@@ -634,6 +645,6 @@ def select_rows(score, *, batch: int, heads: int, kv_heads: int, n_units: int, k
     return (idx, counts[:, None].expand(batch, idx.shape[1])) + ((scored,) if keep_scores else ())
 
 
-__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECT_LAUNCHES", "SPLIT_ROWS_MAX",
+__all__ = ["GROUP_MAX", "REGISTER_SELECT_MAX", "ROW_GROUP_SUM_MAX", "SELECTS", "SELECT_LAUNCHES", "SPLIT_ROWS_MAX",
            "check_launch_opts", "group_sum_rows_triton", "select_launches", "select_rows", "topk_rows_reference",
            "topk_rows_registers", "topk_rows_triton"]
