@@ -249,6 +249,8 @@ FORMS = {
     "bucket-guard": ({(buckets, "BUCKET_TAIL_GUARD"): True}, ("layer-ahead",)),
     "bucket-prefetch": ({(buckets, "BUCKET_PREFETCH"): True}, ("layer-ahead",)),
     "bucket-both": (_BUCKET, ("layer-ahead",)),
+    "bucket-n32": ({(buckets, "BUCKET_BLOCK_N"): 32}, ("layer-ahead",)),
+    "bucket-both-n32": ({**_BUCKET, (buckets, "BUCKET_BLOCK_N"): 32}, ("layer-ahead",)),
     "new": ({**_ROWS, **_TILED, **_BUCKET}, ("probe", "layer-ahead", "layer")),
     "new-tc": ({**_ROWS, **_TILED_TC, **_BUCKET}, ("probe", "layer-ahead")),
 }

@@ -208,10 +208,9 @@ if triton is not None:
         if HAS_TAIL:
             tail_pos = t_lo + rel - n_bucket_keys
             idx = tl.where(in_tail, tail_pos, idx)
-            if TAIL_GUARD:
-                hit = tl.zeros([BLOCK_N], dtype=tl.int1)
-                if n0 + BLOCK_N > tail_from:
-                    hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row, n_probe, BLOCK_N)
+            if TAIL_GUARD:  # no compare on a chunk before the tail: a loop of no trip (a branch made it spill)
+                hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row,
+                                tl.where(n0 + BLOCK_N > tail_from, n_probe, 0), BLOCK_N)
             else:
                 hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row, n_probe, BLOCK_N)
             # a bucket key the dense range now holds (a row shorter than at the build) is read there
@@ -415,6 +414,10 @@ if triton is not None:
 #: runs only on the chunks that reach the tail, the last positions of the list, instead of on every chunk.
 BUCKET_PREFETCH = False
 BUCKET_TAIL_GUARD = False
+#: Keys a chunk where the caller gives no ``block_n``. 32 takes the launch with the update one step ahead from 224 to
+#: 168 registers a thread for sm_90 (Triton 3.9's ptxas): three programs an SM instead of two, where at batch 8 the
+#: update's 256 programs (one key each, a serial scan of the centroids) hold most of the two.
+BUCKET_BLOCK_N = 64
 
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
 #: merges) is the method's choice: every program's acq_rel increment of the row's one counter serialises (about
@@ -450,15 +453,15 @@ def bucket_sparse_decode_triton(
     scale: float | None = None,
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     sliding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     splits: int | None = None,
     fused_merge: bool = True,
     ahead: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
-    chosen buckets — form one virtual list cut into chunks of ``block_n`` dealt round-robin over
-    ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
+    chosen buckets — form one virtual list cut into chunks of ``block_n`` (default :data:`BUCKET_BLOCK_N`) dealt
+    round-robin over ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
     dense list's width, the range and ``width``, the most keys of any ``L`` buckets, or every key
     when ``width`` is 0); a program with no chunk writes an empty partial that the merge skips. The
     bucket key counts come from the kernel (no torch launch). ``fused_merge`` (default): the last program
@@ -497,6 +500,9 @@ def bucket_sparse_decode_triton(
     if d % 16 or dv % 16 or d != next_pow2(d) or dv != next_pow2(dv):
         raise ValueError(f"q, v: head dims {d}, {dv} must be powers of two >= 16 for the kernel")
     n_probe = buckets.shape[-1]
+    block_n = BUCKET_BLOCK_N if block_n is None else block_n
+    if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n != next_pow2(block_n):
+        raise ValueError(f"block_n: expected a power of two >= 16, got {block_n!r}")
     if splits is None:
         bound = dense_indices.shape[-1] + (n_keys if dense_range is not None else 0) + (width or n_keys)
         bound += 2 * n_keys if sliding is not None else 0
