@@ -409,7 +409,8 @@ if triton is not None:
 
 #: The attention loop's forms (default: today's until measured). PREFETCH: each chunk's keys (the CSR ``ids`` read)
 #: are found one chunk ahead, so a chunk waits on its K/V rows only, not on the ids then the rows: at batch 8 a
-#: program walks about 8 chunks (6 programs a (row, KV head) over about 3,000 keys), each paying that round trip.
+#: program walks many chunks (6 programs a (row, KV head) share its 2,047 window keys and its buckets' keys), each
+#: paying that round trip.
 #: TAIL_GUARD: the tail scan's test (an ``assign`` read and one compare a chosen bucket, ℓ dependent scalar loads)
 #: runs only on the chunks that reach the tail, the last positions of the list, instead of on every chunk.
 BUCKET_PREFETCH = False

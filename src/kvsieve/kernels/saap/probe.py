@@ -18,7 +18,10 @@ Kernels. The hidden layer (one program per (model, hidden block), the result thr
 program per (model, bucket block, slice of the hidden units)), then the rank: the softmax needs a whole row of
 logits, so one program per (batch row, KV head, chunk of buckets) computes the softmaxes, their group sum and the
 ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32: TF32 rounding moved near-tied buckets in and
-out of the top-ℓ.
+out of the top-ℓ. Batch forms, chosen by module constants (:data:`HIDDEN_FORM`, :data:`RANK_FORM`): the hidden layer
+tiled over rows as well as units, and the rank as one program per (row, KV head) with a two-level rank; both give
+the same chosen buckets (the rank by rows is exact, ties included; the tiled layer takes the same IEEE products, its
+tensor-core form products equal to float32 rounding).
 
 SAAP's index update (``tail``) rides in these launches, work the probe does not depend on, so a decode step
 costs no launch of its own for it. Which update runs is a host rule on the batch
@@ -80,10 +83,11 @@ RANK_ROWS_MIN = 32
 RANK_SEGMENT = 8
 RANK_ROWS_WARPS = 4
 # The hidden layer's tiling. "all-rows": one program per (model, HIDDEN_BLOCK_H units) over every row of the batch,
-# so its per-program products grow with the batch (32 programs at hidden 256). "tiled": (model, HIDDEN_TILE_H units,
-# HIDDEN_TILE_R rows) a program (128 at batch 8, hidden 256). "tiled-tc": the tiled form with the products as three
-# bfloat16 tensor-core products of the float32 queries' terms against the bfloat16 W1' (the logits kernel's way;
-# float32 W1' keeps the IEEE products).
+# so its per-program products grow with the batch (32 programs at hidden 256; at batch 8, 32 rows a program, it
+# compiles to 255 registers a thread with spills for sm_90, Triton 3.9's ptxas; 16 rows × 32 units: 159, no spill;
+# the tensor-core form: 86). "tiled": (model, HIDDEN_TILE_H units, HIDDEN_TILE_R rows) a program (128 at batch 8,
+# hidden 256). "tiled-tc": the tiled form with the products as three bfloat16 tensor-core products of the float32
+# queries' terms against the bfloat16 W1' (the logits kernel's way; float32 W1' keeps the IEEE products).
 HIDDEN_FORM = "all-rows"
 HIDDEN_BLOCK_H = 64
 HIDDEN_TILE_H = 32
