@@ -23,7 +23,7 @@ run (``top/default``: agreement of the chosen buckets, ``Δdefault``: the larges
 block.
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
-        [--forms all|none|NAME,...] [--sweep all]
+        [--variants all|NAME,...] [--forms all|none|NAME,...] [--sweep all]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
 
 Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
@@ -180,14 +180,21 @@ def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False
 
 
 def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,
-             forms: list[str] = ()) -> list[dict]:
+             forms: list[str] = (), only: list[str] | None = None) -> list[dict]:
+    """The default variants (those in ``only``, default all) timed and checked, then each form's; a form's variant
+    that ``only`` leaves out still runs once in the default form, untimed, for the comparison."""
     from kvsieve.bench.timing import count_launches
 
     case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
     rows, default = [], {}
+    needed = {name for form in forms for name in FORMS[form][1]}
     with torch.inference_mode():
         for name, (call, assign, kind) in variants(case).items():
+            if only is not None and name not in only:
+                if name in needed:
+                    default[name] = call()
+                continue
             result = call()
             row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name}
             if timer is not None:
@@ -340,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
                    "variant over those launch constants (all: every one)")
+    p.add_argument("--variants", default="all", help="comma-separated default variants to time (all: every one)")
     p.add_argument("--forms", default="all", help="comma-separated from " + ", ".join(FORMS) + ": also time these "
                    "batch forms (all: every one; none: no form)")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
@@ -360,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     forms = list(FORMS) if args.forms == "all" else [f for f in args.forms.split(",") if f and f != "none"]
     if [f for f in forms if f not in FORMS]:
         p.error(f"--forms: unknown {[f for f in forms if f not in FORMS]}; expected some of {list(FORMS)}, all or none")
-    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, forms)]
+    only = None if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, forms, only)]
     which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
     unknown = [w for w in which if w not in SWEEPS]
     if unknown:
