@@ -28,7 +28,7 @@ from ..shared.scores import (
 TORCH_SELECT_ABOVE = 65536
 # The way those long per-query-head rows take: "torch" (torch.topk) or "radix" (select_radix.topk_rows_radix: a
 # radix select spread over many programs per row; benchmarks/breakdown/vattention_stages.py times the three).
-LONG_ROW_SELECT = "torch"
+LONG_ROW_SELECT = "radix"
 
 
 def select_path(share_kv_group: bool, n_keys: int) -> str:

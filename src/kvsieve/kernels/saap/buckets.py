@@ -413,8 +413,8 @@ if triton is not None:
 #: paying that round trip.
 #: TAIL_GUARD: the tail scan's test (an ``assign`` read and one compare a chosen bucket, ℓ dependent scalar loads)
 #: runs only on the chunks that reach the tail, the last positions of the list, instead of on every chunk.
-BUCKET_PREFETCH = False
-BUCKET_TAIL_GUARD = False
+BUCKET_PREFETCH = True
+BUCKET_TAIL_GUARD = True
 #: Keys a chunk where the caller gives no ``block_n``. 32 takes the launch with the update one step ahead from 224 to
 #: 168 registers a thread for sm_90 (Triton 3.9's ptxas): three programs an SM instead of two, where at batch 8 the
 #: update's 256 programs (one key each, a serial scan of the centroids) hold most of the two.

@@ -88,7 +88,7 @@ RANK_ROWS_WARPS = 4
 # the tensor-core form: 86). "tiled": (model, HIDDEN_TILE_H units, HIDDEN_TILE_R rows) a program (128 at batch 8,
 # hidden 256). "tiled-tc": the tiled form with the products as three bfloat16 tensor-core products of the float32
 # queries' terms against the bfloat16 W1' (the logits kernel's way; float32 W1' keeps the IEEE products).
-HIDDEN_FORM = "all-rows"
+HIDDEN_FORM = "tiled"
 HIDDEN_BLOCK_H = 64
 HIDDEN_TILE_H = 32
 HIDDEN_TILE_R = 16

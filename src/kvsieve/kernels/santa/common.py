@@ -420,9 +420,9 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
 # How largest remainder finds the tiles that get the +1s (``group_budgets``): "sort", "radix", "histogram" or
 # "count"; the same budgets each way, read at launch time.
-BUDGET_SELECT = "sort"
+BUDGET_SELECT = "histogram"
 # radix, histogram: threshold bits settled per step (1, 2, 4, 5; histogram also 10): 20 / bits steps per half
-BUDGET_RADIX_BITS = 4
+BUDGET_RADIX_BITS = 5
 BUDGET_CHUNK = 32  # count: columns ranked per step
 # count: columns per program where the launch may spread a row over several programs (the two-pass launch;
 # at batch 1 one program per head leaves most SMs idle); 0: one program per row
