@@ -808,7 +808,7 @@ import torch
 dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=False, prefetch=False, guard=False):
+def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=False):
     group_p = max(2, next_pow2(group))
     pointers = {"q_ptr": "*" + dtype, "k_ptr": "*" + dtype, "v_ptr": "*" + dtype, "out_ptr": "*" + dtype,
                 "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32",
@@ -820,8 +820,7 @@ def bucket_case(mode, fused, dtype, d, group, n_probe, splits=48, ahead=False, p
             "HAS_TAIL": mode == "tail", "DOT_PRECISION": dot_precision(dtypes[dtype]), "DOT_F32": False,
             "FUSED_MERGE": fused, "GROUP_P": group_p, "BLOCK_S": max(16, next_pow2(splits)),
             "MERGE_S": max(1, min(32 // group_p, next_pow2(splits))), "AHEAD": index.UPDATE_SPAN if ahead else 0,
-            "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_DEROPE": True, "PREFETCH": prefetch,
-            "TAIL_GUARD": guard}
+            "A_HALF": d // 2, "A_BLOCK_C": index.AHEAD_BLOCK_C, "A_DEROPE": True}
     compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale", "a_scaling"))
 
 
@@ -838,12 +837,9 @@ for mode in ("tail", "range", "none"):
 if PART != "runtime":
     raise SystemExit(0)
 # index_update=ahead: the update one step ahead as the first programs of the runtime's launch (with the separate
-# merge at batch 1, the fused one at batch 8) and alone
-for fused in (False, True):
-    bucket_case("tail", fused, "bf16", 128, 4, 32, ahead=True)
-# the batch forms of the loop (buckets.BUCKET_PREFETCH, BUCKET_TAIL_GUARD) in the runtime's launch at batch 8
-for prefetch, guard in ((True, False), (False, True), (True, True)):
-    bucket_case("tail", True, "bf16", 128, 4, 32, splits=6, ahead=True, prefetch=prefetch, guard=guard)
+# merge at batch 1, 48 programs a row; the fused one at batch 8, 6 a row) and alone
+bucket_case("tail", False, "bf16", 128, 4, 32, ahead=True)
+bucket_case("tail", True, "bf16", 128, 4, 32, splits=6, ahead=True)
 compile_(index._assign_ahead_kernel, {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "assign_ptr": "*i64",
                                       "t_lo_ptr": "*i64", "len_ptr": "*i32", "win_ptr": "*i64"},
          {"D": 128, "HALF": 64, "BLOCK_C": index.AHEAD_BLOCK_C, "DEROPE": True},
@@ -859,15 +855,9 @@ hidden_pointers = {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1
                    "tlo_ptr": "*i64", "tlen_ptr": "*i32", "twin_ptr": "*i64"}
 for tail in (False, True):
     compile_(probe._hidden_kernel, hidden_pointers,
-             {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "TC": False, "DOT_F32": False, "TAIL": tail,
+             {"HALF": 64, "HALF_P": 64, "BLOCK_R": probe.HIDDEN_TILE_R, "BLOCK_H": probe.HIDDEN_TILE_H, "TAIL": tail,
               "T_D": 128, "T_HALF": 64, "T_BLOCK_C": probe.TAIL_BLOCK_C, "T_DEROPE": True},
              floats=("scaling", "t_scaling"), warps=probe.TAIL_WARPS if tail else 4)
-# the tiled hidden layer (probe.HIDDEN_FORM), IEEE and tensor-core products
-for tc in (False, True):
-    compile_(probe._hidden_kernel, hidden_pointers,
-             {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 32, "TC": tc, "DOT_F32": False, "TAIL": False,
-              "T_D": 128, "T_HALF": 64, "T_BLOCK_C": probe.TAIL_BLOCK_C, "T_DEROPE": True},
-             floats=("scaling", "t_scaling"))
 compile_(probe._logits_kernel, {"h_ptr": "*fp32", "w2_ptr": "*bf16", "b2_ptr": "*fp32", "out_ptr": "*fp32"},
          {"BLOCK_R": 16, "BLOCK_K": 32, "BLOCK_C": 64, "W_BF16": True, "DOT_F32": False})
 rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32", "rpi_ptr": "*i32",
@@ -875,20 +865,14 @@ rank_pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "
 # the rank launch alone (batch > 1: the serial update) and with the parallel update's second stage (batch 1)
 for tail in (False, True):
     compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "PARTS": 4,
-                                                       "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16, "ROWS": False,
-                                                       "SEG": 1, "SLOTS": 1})
-# the rank by rows (probe.RANK_FORM): one program per (row, KV head), 32 segments of 8 candidates
-for tail in (False, True):
-    compile_(probe._group_rank_kernel, rank_pointers, {"GROUP": 4, "BLOCK_C": 1024, "CHUNK": 1024, "SUB": 32,
-                                                       "PARTS": 4, "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16,
-                                                       "ROWS": True, "SEG": probe.RANK_SEGMENT, "SLOTS": 32})
+                                                       "TOP": True, "TAIL": tail, "R_BLOCKS_P": 16})
 # at batch 1 the hidden layer with the parallel update's first stage; and the parallel update in launches of its
 # own (probes = 0, the k-means baselines)
 compile_(probe._hidden_partial_kernel,
          {"q_ptr": "*bf16", "pos_ptr": "*i32", "freq_ptr": "*fp32", "w1_ptr": "*bf16", "b1_ptr": "*fp32",
           "h_ptr": "*fp32", "tk_ptr": "*bf16", "tc_ptr": "*fp32", "tf_ptr": "*fp32", "tps_ptr": "*fp32",
           "tpi_ptr": "*i32", "tlo_ptr": "*i64", "tlen_ptr": "*i32", "twin_ptr": "*i64"},
-         {"HALF": 64, "HALF_P": 64, "BLOCK_R": 16, "BLOCK_H": 64, "TC": False, "DOT_F32": False, "T_D": 128,
+         {"HALF": 64, "HALF_P": 64, "BLOCK_R": probe.HIDDEN_TILE_R, "BLOCK_H": probe.HIDDEN_TILE_H, "T_D": 128,
           "T_HALF": 64, "T_BLOCK_C": index.PARALLEL_BLOCK_C, "T_BLOCK_R": 16, "T_DEROPE": True},
          floats=("scaling", "t_scaling"))
 update_pointers = {"k_ptr": "*bf16", "cent_ptr": "*fp32", "freq_ptr": "*fp32", "ps_ptr": "*fp32", "pi_ptr": "*i32",
@@ -1058,7 +1042,7 @@ def test_probe_kernels_on_cuda_match_the_reference():
 
 @pytest.mark.triton
 @pytest.mark.parametrize("part,compiled", [
-    ("runtime", 21),
+    ("runtime", 14),
     # the other 18 combinations, one sm_90 compile each
     pytest.param("rest", 18, marks=pytest.mark.slow),
 ])

@@ -99,8 +99,7 @@ def test_the_probe_benchmark_checks_every_variant(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check", "--sweep",
-                          "rank,ahead", "--forms", "none", "--out", str(tmp_path)], capture_output=True, text=True,
-                         env=env, cwd=root)
+                          "rank,ahead", "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = (tmp_path / "saap_probe.md").read_text()
     for variant in ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer",

@@ -12,18 +12,13 @@ against ``top_buckets_reference`` of the variant's own scores (exactly) and of t
 near ties may differ), the index after the update against ``assign_tail_reference`` (exactly; the ahead variants
 against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
 the reference's index (``index_decode_reference``).
-``--forms`` (default every one of :data:`FORMS`) also times the batch forms of the probe and the bucket attention
-(module constants, default off: the rank as one program per (row, KV head), the hidden layer tiled over rows and
-units, with tensor-core products, the bucket loop finding its keys a chunk ahead or testing the tail only where
-it is), each checked as the default variants and against the default form's chosen buckets and output in the same
-run (``top/default``: agreement of the chosen buckets, ``Δdefault``: the largest difference of scores or output).
-``--sweep parallel,rank,ahead,rows,hidden`` (or ``all``) also times a variant over launch constants
-(:data:`SWEEPS`): ``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk
-(``probe.RANK_CHUNK``: fewer programs recomputing the group softmax at batch 8), ``layer-ahead`` over its centroid
-block.
+``--sweep parallel,rank,ahead,hidden`` (or ``all``) also times a variant over launch constants (:data:`SWEEPS`):
+``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk (``probe.RANK_CHUNK``:
+fewer programs recomputing the group softmax at batch 8) and over the hidden layer's tile, ``layer-ahead`` over the
+ahead update's centroid block.
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
-        [--variants all|NAME,...] [--forms all|none|NAME,...] [--sweep all]
+        [--variants all|NAME,...] [--sweep all]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
 
 Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
@@ -32,7 +27,6 @@ Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
@@ -41,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from kvsieve.kernels.saap import buckets, index, probe
+from kvsieve.kernels.saap import index, probe
 from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
     assign_ahead_reference,
@@ -180,20 +174,16 @@ def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False
 
 
 def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,
-             forms: list[str] = (), only: list[str] | None = None) -> list[dict]:
-    """The default variants (those in ``only``, default all) timed and checked, then each form's; a form's variant
-    that ``only`` leaves out still runs once in the default form, untimed, for the comparison."""
+             only: list[str] | None = None) -> list[dict]:
+    """The variants (those in ``only``, default all) timed and checked."""
     from kvsieve.bench.timing import count_launches
 
     case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
-    rows, default = [], {}
-    needed = {name for form in forms for name in FORMS[form][1]}
+    rows = []
     with torch.inference_mode():
         for name, (call, assign, kind) in variants(case).items():
             if only is not None and name not in only:
-                if name in needed:
-                    default[name] = call()
                 continue
             result = call()
             row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name}
@@ -202,77 +192,19 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
                 row["kernels_us"] = timer.kernel_breakdown(call)
                 row["launches"] = count_launches(call)
             row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
-            default[name] = result
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for form in forms:
-            settings, timed = FORMS[form]
-            with constants(settings):
-                for name in timed:
-                    call, assign, kind = variants(case)[name]
-                    result = call()
-                    row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": f"{name} [{form}]"}
-                    if timer is not None:
-                        row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
-                        row["kernels_us"] = timer.kernel_breakdown(call)
-                        row["launches"] = count_launches(call)
-                    row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
-                    row.update(against_default(result, default[name]))
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
     return rows
 
 
-def against_default(result, default) -> dict:
-    """A form's chosen buckets and scores (probe) or output (layer) against the default form's in the same run."""
-    first, top = result
-    first_d, top_d = default
-    return {"top_default_agreement": float((top == top_d).float().mean()),
-            "default_max_abs_diff": float((first.float() - first_d.float()).abs().max())}
-
-
-@contextlib.contextmanager
-def constants(settings: dict):
-    """The module constants ``{(module, name): value}`` set for the block, restored after."""
-    before = {key: getattr(*key) for key in settings}
-    try:
-        for (module, name), value in settings.items():
-            setattr(module, name, value)
-        yield
-    finally:
-        for (module, name), value in before.items():
-            setattr(module, name, value)
-
-
-_ROWS = {(probe, "RANK_FORM"): "rows"}
-_TILED = {(probe, "HIDDEN_FORM"): "tiled"}
-_TILED_TC = {(probe, "HIDDEN_FORM"): "tiled-tc"}
-_BUCKET = {(buckets, "BUCKET_PREFETCH"): True, (buckets, "BUCKET_TAIL_GUARD"): True}
-#: ``--forms``: name → (module constants, variants timed): the batch forms, each alone and all together.
-FORMS = {
-    "rank-rows": (_ROWS, ("probe", "layer-ahead")),
-    "hidden-tiled": (_TILED, ("probe",)),
-    "hidden-tiled-tc": (_TILED_TC, ("probe",)),
-    "bucket-guard": ({(buckets, "BUCKET_TAIL_GUARD"): True}, ("layer-ahead",)),
-    "bucket-prefetch": ({(buckets, "BUCKET_PREFETCH"): True}, ("layer-ahead",)),
-    "bucket-both": (_BUCKET, ("layer-ahead",)),
-    "bucket-n32": ({(buckets, "BUCKET_BLOCK_N"): 32}, ("layer-ahead",)),
-    "bucket-both-n32": ({**_BUCKET, (buckets, "BUCKET_BLOCK_N"): 32}, ("layer-ahead",)),
-    "new": ({**_ROWS, **_TILED, **_BUCKET}, ("probe", "layer-ahead", "layer")),
-    "new-tc": ({**_ROWS, **_TILED_TC, **_BUCKET}, ("probe", "layer-ahead")),
-}
-
-
 #: ``--sweep``: (module, constants and their values, variant timed) — the parallel update's launch constants, the
-#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK), the ahead update's centroid block, the rank
-#: by rows' segment and warps, the tiled hidden layer's tile.
+#: rank launch's chunk (programs per row and KV head: C / RANK_CHUNK), the ahead update's centroid block, the hidden
+#: layer's tile.
 SWEEPS = {
     "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
     "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
     "ahead": (index, {"AHEAD_BLOCK_C": (32, 64, 128)}, "layer-ahead"),
-    "rows": (probe, {"RANK_FORM": ("rows",), "RANK_SEGMENT": (4, 8, 16), "RANK_ROWS_WARPS": (4, 8)}, "probe"),
-    "hidden": (probe, {"HIDDEN_FORM": ("tiled", "tiled-tc"), "HIDDEN_TILE_H": (16, 32, 64), "HIDDEN_TILE_R": (16, 32)},
-               "probe"),
+    "hidden": (probe, {"HIDDEN_TILE_H": (16, 32, 64), "HIDDEN_TILE_R": (16, 32)}, "probe"),
 }
 
 
@@ -315,8 +247,6 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
     for r in rows:
         ks = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in sorted((r.get("kernels_us") or {}).items()))
         verdict = "ok" if r["ok"] else "FAIL"
-        if "top_default_agreement" in r:
-            verdict += f", top/default {r['top_default_agreement']:.3f}, Δdefault {r['default_max_abs_diff']:.1e}"
         details = [f"err {r['scores_max_abs_err']:.1e}", f"top/own {r['top_equal_own_scores']}"] \
             if "scores_max_abs_err" in r else []
         if "out_max_abs_err" in r:
@@ -348,8 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
                    "variant over those launch constants (all: every one)")
     p.add_argument("--variants", default="all", help="comma-separated default variants to time (all: every one)")
-    p.add_argument("--forms", default="all", help="comma-separated from " + ", ".join(FORMS) + ": also time these "
-                   "batch forms (all: every one; none: no form)")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:
@@ -365,11 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         timer = ColdL2Timer(dev)
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
         hidden = args.hidden
-    forms = list(FORMS) if args.forms == "all" else [f for f in args.forms.split(",") if f and f != "none"]
-    if [f for f in forms if f not in FORMS]:
-        p.error(f"--forms: unknown {[f for f in forms if f not in FORMS]}; expected some of {list(FORMS)}, all or none")
     only = None if args.variants == "all" else [v for v in args.variants.split(",") if v]
-    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, forms, only)]
+    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, only)]
     which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
     unknown = [w for w in which if w not in SWEEPS]
     if unknown:

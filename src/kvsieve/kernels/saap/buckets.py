@@ -187,11 +187,11 @@ if triton is not None:
 
     @triton.jit
     def _chunk_keys(n0, total, n_list, n_dense, n_bucket_keys, lo, begins, ends, shift, list_ptr, ids_row, t_lo,
-                    assign_row, bkt_ptr, row, n_probe, tail_from, BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr,
-                    TAIL_GUARD: tl.constexpr):
+                    assign_row, bkt_ptr, row, n_probe, tail_from, BLOCK_N: tl.constexpr, HAS_TAIL: tl.constexpr):
         """``(idx, ok)``: the cache positions of the chunk of the virtual list starting at ``n0`` and which of them
         are read (the dense list, the dense range, the chosen buckets' CSR keys, then the tail's positions whose
-        bucket is chosen). ``TAIL_GUARD``: the tail test runs only on a chunk reaching ``tail_from``."""
+        bucket is chosen). The tail test (an ``assign`` read and ℓ dependent compares) runs only on a chunk reaching
+        ``tail_from``, where the tail starts: the chunks before it skip it."""
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < total
         in_list = pos < n_list
@@ -208,11 +208,9 @@ if triton is not None:
         if HAS_TAIL:
             tail_pos = t_lo + rel - n_bucket_keys
             idx = tl.where(in_tail, tail_pos, idx)
-            if TAIL_GUARD:  # no compare on a chunk before the tail: a loop of no trip (a branch made it spill)
-                hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row,
-                                tl.where(n0 + BLOCK_N > tail_from, n_probe, 0), BLOCK_N)
-            else:
-                hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row, n_probe, BLOCK_N)
+            # no compare on a chunk before the tail: a loop of no trip (a branch around the call made it spill)
+            hit = _tail_hit(assign_row, tail_pos, in_tail, bkt_ptr, row,
+                            tl.where(n0 + BLOCK_N > tail_from, n_probe, 0), BLOCK_N)
             # a bucket key the dense range now holds (a row shorter than at the build) is read there
             ok = ok & tl.where(in_tail, hit, ~in_bucket | (idx < lo))
         return tl.where(ok, idx, 0).to(tl.int64), ok
@@ -265,7 +263,6 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
         AHEAD: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr, A_DEROPE: tl.constexpr,
-        PREFETCH: tl.constexpr, TAIL_GUARD: tl.constexpr,
     ):
         """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` programs per (KV head, row) that
         come first in the grid (dispatched first): the index update one step ahead
@@ -337,31 +334,21 @@ if triton is not None:
                 t_lo = lo
                 assign_row = ids_row
             # the tail scan's positions come last in the list: chunks before them skip its per-bucket test
-            tail_from = n_dense * 0
-            if TAIL_GUARD:
-                tail_from = n_dense + n_bucket_keys
+            tail_from = n_dense + n_bucket_keys
             step = SPLITS * BLOCK_N
-            if PREFETCH:
-                # the keys of the next chunk found (their ids loaded) before this chunk's K/V rows are read: one
-                # dependent round trip a chunk fewer on the loop's path
-                idx, ok = _chunk_keys(split * BLOCK_N, total, n_list, n_dense, n_bucket_keys, lo, begins, ends, shift,
-                                      list_ptr, ids_row, t_lo, assign_row, bkt_ptr, row, n_probe, tail_from, BLOCK_N,
-                                      HAS_TAIL, TAIL_GUARD)
-                for n0 in range(split * BLOCK_N, total, step):
-                    idx_next, ok_next = _chunk_keys(n0 + step, total, n_list, n_dense, n_bucket_keys, lo, begins, ends,
-                                                    shift, list_ptr, ids_row, t_lo, assign_row, bkt_ptr, row, n_probe,
-                                                    tail_from, BLOCK_N, HAS_TAIL, TAIL_GUARD)
-                    m, l, acc = _attend_chunk(q, idx, ok, m, l, acc, k_base, v_base, s_kn, s_vn, scale, offs_d,
-                                              offs_dv, HAS_TAIL, DOT_PRECISION, DOT_F32)
-                    idx = idx_next
-                    ok = ok_next
-            else:
-                for n0 in range(split * BLOCK_N, total, step):
-                    idx, ok = _chunk_keys(n0, total, n_list, n_dense, n_bucket_keys, lo, begins, ends, shift, list_ptr,
-                                          ids_row, t_lo, assign_row, bkt_ptr, row, n_probe, tail_from, BLOCK_N,
-                                          HAS_TAIL, TAIL_GUARD)
-                    m, l, acc = _attend_chunk(q, idx, ok, m, l, acc, k_base, v_base, s_kn, s_vn, scale, offs_d,
-                                              offs_dv, HAS_TAIL, DOT_PRECISION, DOT_F32)
+            # the keys of the next chunk found (their ids loaded) before this chunk's K/V rows are read: a chunk waits
+            # on its K/V rows only, not on the ids then the rows (at batch 8 a program walks many chunks)
+            idx, ok = _chunk_keys(split * BLOCK_N, total, n_list, n_dense, n_bucket_keys, lo, begins, ends, shift,
+                                  list_ptr, ids_row, t_lo, assign_row, bkt_ptr, row, n_probe, tail_from, BLOCK_N,
+                                  HAS_TAIL)
+            for n0 in range(split * BLOCK_N, total, step):
+                idx_next, ok_next = _chunk_keys(n0 + step, total, n_list, n_dense, n_bucket_keys, lo, begins, ends,
+                                                shift, list_ptr, ids_row, t_lo, assign_row, bkt_ptr, row, n_probe,
+                                                tail_from, BLOCK_N, HAS_TAIL)
+                m, l, acc = _attend_chunk(q, idx, ok, m, l, acc, k_base, v_base, s_kn, s_vn, scale, offs_d, offs_dv,
+                                          HAS_TAIL, DOT_PRECISION, DOT_F32)
+                idx = idx_next
+                ok = ok_next
             heads = h * GROUP + offs_g
             tl.store(acc_ptr + b * s_ab + heads[:, None] * s_ah + split * s_ap + offs_dv[None, :], acc,
                      mask=g_ok[:, None])
@@ -407,19 +394,6 @@ if triton is not None:
                     tl.atomic_xchg(sem_ptr + row, 0)
 
 
-#: The attention loop's forms (default: today's until measured). PREFETCH: each chunk's keys (the CSR ``ids`` read)
-#: are found one chunk ahead, so a chunk waits on its K/V rows only, not on the ids then the rows: at batch 8 a
-#: program walks many chunks (6 programs a (row, KV head) share its 2,047 window keys and its buckets' keys), each
-#: paying that round trip.
-#: TAIL_GUARD: the tail scan's test (an ``assign`` read and one compare a chosen bucket, ℓ dependent scalar loads)
-#: runs only on the chunks that reach the tail, the last positions of the list, instead of on every chunk.
-BUCKET_PREFETCH = True
-BUCKET_TAIL_GUARD = True
-#: Keys a chunk where the caller gives no ``block_n``. 32 takes the launch with the update one step ahead from 224 to
-#: 168 registers a thread for sm_90 (Triton 3.9's ptxas): three programs an SM instead of two, where at batch 8 the
-#: update's 256 programs (one key each, a serial scan of the centroids) hold most of the two.
-BUCKET_BLOCK_N = 64
-
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
 #: merges) is the method's choice: every program's acq_rel increment of the row's one counter serialises (about
 #: 0.3 us each on the H200), so at batch 1 (48 programs a row) a separate merge launch is faster, and at batch 8
@@ -454,14 +428,14 @@ def bucket_sparse_decode_triton(
     scale: float | None = None,
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     sliding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_n: int | None = None,
+    block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
     ahead: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
-    chosen buckets — form one virtual list cut into chunks of ``block_n`` (default :data:`BUCKET_BLOCK_N`) dealt
+    chosen buckets — form one virtual list cut into chunks of ``block_n`` (64: the measured chunk) dealt
     round-robin over ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
     dense list's width, the range and ``width``, the most keys of any ``L`` buckets, or every key
     when ``width`` is 0); a program with no chunk writes an empty partial that the merge skips. The
@@ -501,7 +475,6 @@ def bucket_sparse_decode_triton(
     if d % 16 or dv % 16 or d != next_pow2(d) or dv != next_pow2(dv):
         raise ValueError(f"q, v: head dims {d}, {dv} must be powers of two >= 16 for the kernel")
     n_probe = buckets.shape[-1]
-    block_n = BUCKET_BLOCK_N if block_n is None else block_n
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n: expected a power of two >= 16, got {block_n!r}")
     if splits is None:
@@ -569,7 +542,7 @@ def bucket_sparse_decode_triton(
         GROUP_P=group_p, BLOCK_S=max(16, next_pow2(splits)),
         MERGE_S=max(1, min(32 // group_p, next_pow2(splits))),  # 8 at G = 4: no spill for sm_90
         AHEAD=a_meta.pop("PROGRAMS"), **{f"A_{key}": val for key, val in a_meta.items() if key != "D"},
-        PREFETCH=bool(BUCKET_PREFETCH), TAIL_GUARD=bool(BUCKET_TAIL_GUARD), num_warps=4,
+        num_warps=4,
     )
     if fused_merge:
         return out, lse, counts

@@ -14,14 +14,12 @@ Contract
 
 :func:`probe_scores_reference` is the same computation in torch (float32).
 
-Kernels. The hidden layer (one program per (model, hidden block), the result through memory), the logits (one
-program per (model, bucket block, slice of the hidden units)), then the rank: the softmax needs a whole row of
-logits, so one program per (batch row, KV head, chunk of buckets) computes the softmaxes, their group sum and the
-ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32: TF32 rounding moved near-tied buckets in and
-out of the top-ℓ. Batch forms, chosen by module constants (:data:`HIDDEN_FORM`, :data:`RANK_FORM`): the hidden layer
-tiled over rows as well as units, and the rank as one program per (row, KV head) with a two-level rank; both give
-the same chosen buckets (the rank by rows is exact, ties included; the tiled layer takes the same IEEE products, its
-tensor-core form products equal to float32 rounding).
+Kernels. The hidden layer (one program per (model, hidden block, row block), the result through memory), the
+logits (one program per (model, bucket block, slice of the hidden units)), then the rank: the softmax needs a whole
+row of logits, so one program per (batch row, KV head, chunk of buckets) computes the softmaxes, their group sum and
+the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32: TF32 rounding moved near-tied buckets in and
+out of the top-ℓ. The hidden layer is tiled over rows as well as units (:data:`HIDDEN_TILE_H`,
+:data:`HIDDEN_TILE_R`), so a program's products stay the same size whatever the batch.
 
 SAAP's index update (``tail``) rides in these launches, work the probe does not depend on, so a decode step
 costs no launch of its own for it. Which update runs is a host rule on the batch
@@ -63,7 +61,7 @@ RANK_WARPS = 4
 # passes over one softmax. At batch 8 the rank launch is 2048 programs (34 µs against 8.8 at batch 1, H200): each
 # recomputes the group's C scores from G·parts logit rows (64 KB of L2 reads at Llama-3.1-8B shapes), so the
 # launch's reads and exponentials grow with B·C/RANK_CHUNK; a larger chunk at larger batches cuts them (the
-# probe bench's --rank-sweep times it).
+# probe bench's --sweep rank times it).
 RANK_SUB = 32
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
@@ -72,24 +70,9 @@ RANK_SUB = 32
 # as the [64, d] one at 4 warps.
 TAIL_BLOCK_C = 128
 TAIL_WARPS = 8
-# The rank launch's form. "chunks": the programs above. "rows": one program per (row, KV head) computes the group's
-# C scores once and takes the top-ℓ in two levels of ranks without a sort or a threshold search: the best bucket of
-# each segment of RANK_SEGMENT consecutive buckets, the ℓ' = next_pow2(ℓ) best segments (a [C/S, C/S] rank), then
-# every bucket of those segments ranked against the others ([ℓ'·S, ℓ'·S]): 80 K comparisons a (row, KV head) at C =
-# 1024, ℓ = 32, S = 8, where the chunks take C² and rebuild the scores C / RANK_CHUNK times. "auto": "rows" from
-# RANK_ROWS_MIN (row, KV head) pairs on, else "chunks".
-RANK_FORM = "chunks"
-RANK_ROWS_MIN = 32
-RANK_SEGMENT = 8
-RANK_ROWS_WARPS = 4
-# The hidden layer's tiling. "all-rows": one program per (model, HIDDEN_BLOCK_H units) over every row of the batch,
-# so its per-program products grow with the batch (32 programs at hidden 256; at batch 8, 32 rows a program, it
-# compiles to 255 registers a thread with spills for sm_90, Triton 3.9's ptxas; 16 rows × 32 units: 159, no spill;
-# the tensor-core form: 86). "tiled": (model, HIDDEN_TILE_H units, HIDDEN_TILE_R rows) a program (128 at batch 8,
-# hidden 256). "tiled-tc": the tiled form with the products as three bfloat16 tensor-core products of the float32
-# queries' terms against the bfloat16 W1' (the logits kernel's way; float32 W1' keeps the IEEE products).
-HIDDEN_FORM = "tiled"
-HIDDEN_BLOCK_H = 64
+# The hidden layer: one program per (model, HIDDEN_TILE_H units, HIDDEN_TILE_R rows), 128 at batch 8 and hidden 256.
+# A program's tile stays [16 rows, 32 units] whatever the batch: 159 registers a thread for sm_90 (Triton 3.9's
+# ptxas), no spill, where a program over all 32 rows of batch 8 needs 255 and spills.
 HIDDEN_TILE_H = 32
 HIDDEN_TILE_R = 16
 
@@ -180,23 +163,16 @@ if triton is not None:
                 tl.load(b1_ptr + m * hidden + offs_h, mask=h_ok, other=0.0))
 
     @triton.jit
-    def _hidden_tile(x1, x2, w_top, w_bot, bias, TC: tl.constexpr, DOT_F32: tl.constexpr):
-        """``relu(x·W1' + b1')`` for one block of hidden units, float32 products of the weights as given (``TC``:
-        a bfloat16 W1' against :func:`_split3`'s terms of ``x`` on the tensor cores, as the logits kernel)."""
-        if TC:
-            acc = tl.zeros([x1.shape[0], w_top.shape[1]], dtype=tl.float32)
-            acc = _logits_acc(x1, w_top, acc, True, DOT_F32)
-            acc = _logits_acc(x2, w_bot, acc, True, DOT_F32)
-        else:
-            acc = (tl.dot(x1, w_top.to(tl.float32), input_precision="ieee")
-                   + tl.dot(x2, w_bot.to(tl.float32), input_precision="ieee"))
+    def _hidden_tile(x1, x2, w_top, w_bot, bias):
+        """``relu(x·W1' + b1')`` for one block of hidden units: IEEE float32 products of the weights as given."""
+        acc = (tl.dot(x1, w_top.to(tl.float32), input_precision="ieee")
+               + tl.dot(x2, w_bot.to(tl.float32), input_precision="ieee"))
         return tl.maximum(acc + bias[None, :], 0.0)
 
     @triton.jit
     def _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
                       pos_offset, pid, h_blocks, r_blocks,
-                      HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                      TC: tl.constexpr, DOT_F32: tl.constexpr):
+                      HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
         """Program ``pid`` = (model ``m``, hidden block, row block) in that order: ``h[m, r, block] =
         relu(derope(q_r)·W1'[m, :, block] + b1'[m, block])`` for the ``BLOCK_R`` rows ``r`` of the row block; row
         ``r``'s query sits at ``positions[r // per] + pos_offset``."""
@@ -208,7 +184,7 @@ if triton is not None:
         x1, x2 = _query_rows(q_ptr, pos_ptr, freq_ptr, scaling, rows, per, s_qb, s_qh, pos_offset, m, r0, HALF,
                              HALF_P, BLOCK_R)
         w_top, w_bot, bias = _w1_block(w1_ptr, b1_ptr, m, offs_h, hidden, HALF, HALF_P)
-        acc = _hidden_tile(x1, x2, w_top, w_bot, bias, TC, DOT_F32)
+        acc = _hidden_tile(x1, x2, w_top, w_bot, bias)
         tl.store(h_ptr + (m * rows + offs_r[:, None]) * hidden + offs_h[None, :], acc,
                  mask=(offs_r < rows)[:, None] & (offs_h < hidden)[None, :])
 
@@ -218,7 +194,7 @@ if triton is not None:
                        tk_ptr, tc_ptr, tf_ptr, ta_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling, t_kv_heads, t_buckets,
                        t_span, t_skb, t_skh, t_skn, t_sab, t_sah,
                        HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                       TC: tl.constexpr, DOT_F32: tl.constexpr, TAIL: tl.constexpr, T_D: tl.constexpr,
+                       TAIL: tl.constexpr, T_D: tl.constexpr,
                        T_HALF: tl.constexpr, T_BLOCK_C: tl.constexpr, T_DEROPE: tl.constexpr):
         """Programs ``[0, hidden_programs)``: :func:`_hidden_block` (model, hidden block, row block). With ``TAIL``
         the programs after them are the serial index update's work items
@@ -233,10 +209,10 @@ if triton is not None:
                                     item // t_span, item % t_span, T_D, T_HALF, T_BLOCK_C, T_DEROPE)
             else:
                 _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb,
-                              s_qh, pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H, TC, DOT_F32)
+                              s_qh, pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
         else:
             _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
-                          pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H, TC, DOT_F32)
+                          pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
 
     @triton.jit
     def _hidden_partial_kernel(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb,
@@ -244,7 +220,7 @@ if triton is not None:
                                tk_ptr, tc_ptr, tf_ptr, tps_ptr, tpi_ptr, tlo_ptr, tlen_ptr, twin_ptr, t_scaling,
                                t_buckets, t_span, t_rows, t_c_blocks, t_r_blocks, t_skb, t_skh, t_skn,
                                HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_H: tl.constexpr, TC: tl.constexpr, DOT_F32: tl.constexpr, T_D: tl.constexpr,
+                               BLOCK_H: tl.constexpr, T_D: tl.constexpr,
                                T_HALF: tl.constexpr, T_BLOCK_C: tl.constexpr, T_BLOCK_R: tl.constexpr,
                                T_DEROPE: tl.constexpr):
         """:func:`_hidden_kernel` with the parallel update's first stage as the programs after the hidden ones
@@ -257,7 +233,7 @@ if triton is not None:
                                    pid - hidden_programs, T_D, T_HALF, T_BLOCK_C, T_BLOCK_R, T_DEROPE)
         else:
             _hidden_block(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h_ptr, scaling, rows, per, hidden, s_qb, s_qh,
-                          pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H, TC, DOT_F32)
+                          pos_offset, pid, h_blocks, r_blocks, HALF, HALF_P, BLOCK_R, BLOCK_H)
 
     @triton.jit
     def _split3(x):
@@ -326,8 +302,7 @@ if triton is not None:
                            rank_programs, rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets,
                            r_span, r_rows, r_c_blocks, r_sab, r_sah,
                            GROUP: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                           PARTS: tl.constexpr, TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr,
-                           ROWS: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr):
+                           PARTS: tl.constexpr, TOP: tl.constexpr, TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr):
         """Programs ``[0, rank_programs)``, (row·Hkv + KV head, chunk) = ``divmod(pid, chunks)``:
         ``scores[b, h, chunk] = Σ_g softmax(logits of query head h·G + g
         of row b)`` over the chunk's ``CHUNK`` buckets, the logits the sum of the logits kernel's ``PARTS``
@@ -336,8 +311,7 @@ if triton is not None:
         and j < i)}`` (``torch.topk``'s set, ties to the lower index, best first), counted against all C
         scores: no threshold search, no sort, no step that waits on another program. Every program of a
         (row, KV head) computes all C scores with the same code, so all agree on them to the bit, and
-        takes its chunk's scores out of that vector (``tl.gather``) rather than computing them again. ``ROWS``:
-        one program per (row, KV head) instead (:func:`_rank_row_program`, ``chunks`` 1). With
+        takes its chunk's scores out of that vector (``tl.gather``) rather than computing them again. With
         ``TAIL`` the programs after them are the parallel index update's second stage
         (:func:`kvsieve.kernels.saap.index.assign_reduce_program`, the ``r*`` arguments)."""
         pid = tl.program_id(0)
@@ -345,15 +319,9 @@ if triton is not None:
             if pid >= rank_programs:
                 assign_reduce_program(rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets, r_span,
                                       r_rows, r_c_blocks, r_sab, r_sah, pid - rank_programs, R_BLOCKS_P)
-            elif ROWS:
-                _rank_row_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, pid,
-                                  GROUP, BLOCK_C, SUB, PARTS, TOP, SEG, SLOTS)
             else:
                 _rank_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks, pid,
                               GROUP, BLOCK_C, CHUNK, SUB, PARTS, TOP)
-        elif ROWS:
-            _rank_row_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, pid,
-                              GROUP, BLOCK_C, SUB, PARTS, TOP, SEG, SLOTS)
         else:
             _rank_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, chunks, pid,
                           GROUP, BLOCK_C, CHUNK, SUB, PARTS, TOP)
@@ -402,58 +370,11 @@ if triton is not None:
                 rank = tl.sum(beats.to(tl.int32), axis=1)
                 tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
 
-    @triton.jit
-    def _rank_row_program(logits_ptr, out_ptr, top_ptr, rows, per, kv_heads, buckets, n_top, s_part, bk,
-                          GROUP: tl.constexpr, BLOCK_C: tl.constexpr, SUB: tl.constexpr, PARTS: tl.constexpr,
-                          TOP: tl.constexpr, SEG: tl.constexpr, SLOTS: tl.constexpr):
-        """One (row, KV head) ``bk``: its C scores once, then the top-ℓ (``n_top`` ≤ ``SLOTS``, a power of two) in two
-        levels of the same rank (``s_j > s_i`` or equal and ``j < i``, on the int32 bit patterns). Segments of
-        ``SEG`` consecutive buckets ranked by their best bucket: a top-ℓ bucket's segment is among the ``SLOTS``
-        best (each segment ranked above it holds a bucket better than that bucket: fewer than ℓ of them), so the
-        buckets of those segments (``SLOTS·SEG`` candidates, slot = segment rank: no compaction) hold the top-ℓ,
-        and a candidate's rank among the candidates is its rank among all C (every bucket that beats it is a
-        candidate). Segments rank by (best bits, segment index): the order of their best buckets."""
-        offs = tl.arange(0, BLOCK_C)
-        ok = offs < buckets
-        total = _group_scores(logits_ptr, rows, per, buckets, s_part, bk // kv_heads, bk % kv_heads, GROUP, BLOCK_C,
-                              PARTS)
-        tl.store(out_ptr + bk * buckets + offs, total, mask=ok)
-        if TOP:
-            bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
-            seg_bits = tl.max(tl.reshape(bits, [BLOCK_C // SEG, SEG]), axis=1)
-            offs_s = tl.arange(0, BLOCK_C // SEG)
-            seg_beats = (seg_bits[None, :] + (offs_s[None, :] < offs_s[:, None]).to(tl.int32)) > seg_bits[:, None]
-            seg_rank = tl.sum(seg_beats.to(tl.int32), axis=1)  # distinct: a permutation of the segments
-            offs_slot = tl.arange(0, SLOTS)
-            seg_of = tl.sum(tl.where(seg_rank[None, :] == offs_slot[:, None], offs_s[None, :], 0), axis=1)
-            cand = tl.reshape(seg_of[:, None] * SEG + tl.arange(0, SEG)[None, :], [SLOTS * SEG])
-            cand_bits = tl.gather(bits, cand, 0)
-            for s0 in tl.static_range(0, SLOTS * SEG, SUB):  # SUB candidates a pass: a [SUB, SLOTS·SEG] tile
-                mine = tl.gather(cand, s0 + tl.arange(0, SUB), 0)
-                bits_i = tl.gather(bits, mine, 0)
-                beats = (cand_bits[None, :] + (cand[None, :] < mine[:, None]).to(tl.int32)) > bits_i[:, None]
-                rank = tl.sum(beats.to(tl.int32), axis=1)
-                tl.store(top_ptr + bk * n_top + rank, mine.to(tl.int64), mask=(mine < buckets) & (rank < n_top))
-
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
     """``[..., probes]`` int64: the kernel's top-ℓ — the ``probes`` largest scores, ties taken lowest index
     first, best first: the first ``probes`` of a stable descending sort (each bucket at its rank)."""
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :probes]
-
-
-def rank_by_rows(pairs: int) -> bool:
-    """Whether the rank launch runs one program per (row, KV head) for ``pairs`` of them (:data:`RANK_FORM`)."""
-    if RANK_FORM not in ("chunks", "rows", "auto"):
-        raise ValueError(f"RANK_FORM: expected 'chunks', 'rows' or 'auto', got {RANK_FORM!r}")
-    return RANK_FORM == "rows" or (RANK_FORM == "auto" and pairs >= RANK_ROWS_MIN)
-
-
-def hidden_form() -> str:
-    """:data:`HIDDEN_FORM`, checked."""
-    if HIDDEN_FORM not in ("all-rows", "tiled", "tiled-tc"):
-        raise ValueError(f"HIDDEN_FORM: expected 'all-rows', 'tiled' or 'tiled-tc', got {HIDDEN_FORM!r}")
-    return HIDDEN_FORM
 
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
@@ -503,20 +424,13 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     c_blocks = triton.cdiv(buckets, block_c)
     reduce_args, reduce_meta, reduce_items = (q,) * 6 + (1,) * 6, dict(BLOCKS_P=16), 0
     hid = torch.empty(models, rows, hidden, device=dev, dtype=torch.float32)
-    # all-rows: 64 hidden units per program, 8 × 16 = 128 programs at hidden 1024 (the layer is latency-bound:
-    # 2 MB of W1); 32 units (256 programs) measured slower on the H100 and the H200 at batch 1
-    # (docs/results/gpu-bench/2026-11-27-h200-saap-decode-r4-main.md)
-    form = hidden_form()
-    block_h = HIDDEN_BLOCK_H if form == "all-rows" else HIDDEN_TILE_H
-    hidden_r = block_r if form == "all-rows" else max(16, min(HIDDEN_TILE_R, block_r))
+    hidden_r = max(16, min(HIDDEN_TILE_R, block_r))
     r_blocks = triton.cdiv(rows, hidden_r)
-    h_blocks = triton.cdiv(hidden, block_h)
+    h_blocks = triton.cdiv(hidden, HIDDEN_TILE_H)
     hidden_programs = models * h_blocks * r_blocks
     hidden_args = (*query, w1, b1, hid, float(scaling), rows, per, hidden, q.stride(0), q.stride(1),
                    int(position_offset), h_blocks, r_blocks, hidden_programs)
-    hidden_meta = dict(common, BLOCK_R=hidden_r, BLOCK_H=block_h,
-                       TC=form == "tiled-tc" and w1.dtype == torch.bfloat16,
-                       DOT_F32=w1.dtype == torch.bfloat16 and kernels_interpreted())
+    hidden_meta = dict(common, BLOCK_R=hidden_r, BLOCK_H=HIDDEN_TILE_H)
     if tail is not None and (parallel_update(tail[1].shape[0]) if parallel_tail is None else parallel_tail):
         t = parallel_tail_args(*tail)
         reduce_args, reduce_meta, reduce_items = t.reduce_args, t.reduce_meta, t.reduce_items
@@ -538,20 +452,12 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     block_c = max(16, next_pow2(buckets))
-    by_rows = rank_by_rows(b * kv_heads)
-    if by_rows:  # the candidates: SLOTS segments of SEG buckets, SUB of them a pass (all powers of two)
-        slots = next_pow2(max(probes, 1))
-        seg = max(1, min(RANK_SEGMENT, block_c // slots))
-        chunk, sub, chunks = block_c, min(RANK_SUB, slots * seg), 1
-    else:
-        slots = seg = 1
-        chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
-        sub = min(RANK_SUB, chunk)
-        chunks = triton.cdiv(buckets, chunk)
+    chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
+    sub = min(RANK_SUB, chunk)
+    chunks = triton.cdiv(buckets, chunk)
     rank_programs = b * kv_heads * chunks
     _group_rank_kernel[(rank_programs + reduce_items,)](
         logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
         *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts, TOP=probes > 0,
-        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, ROWS=by_rows, SEG=seg, SLOTS=slots,
-        num_warps=RANK_ROWS_WARPS if by_rows else RANK_WARPS)
+        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
