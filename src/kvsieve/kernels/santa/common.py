@@ -84,85 +84,52 @@ if triton is not None:
 
     @triton.jit
     def tile_masses(m, l, ok, m_star, h_ok):
-        """The tile masses W_t = e^{m_t - m*} l_t (float64, 0 off ``ok``). Every form of ``group_budgets``
-        computes a column's mass by these same operations, so that its share and key are the same numbers
-        wherever they are recomputed."""
+        """The tile masses W_t = e^{m_t - m*} l_t (float64, 0 off ``ok``)."""
         return tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
 
     @triton.jit
     def share_parts(w, scale):
         """The whole and fractional parts of the shares ``w · scale [:, None]``, the fraction quantised to 2^-40
-        (int64). The fraction is one fused multiply-add, ``w · scale - floor(w · scale)`` rounded once: what the
-        compiler makes of the two operations in the sort's form, spelled out so that every form, and every
-        place a column's fraction is recomputed, has the same number."""
+        (int64). The fraction is one fused multiply-add, ``w · scale - floor(w · scale)`` rounded once, spelled
+        out so that it does not depend on whether the compiler contracts the two operations (the interpreter
+        and the compiled kernel, and the tests' exact twin, get the same number)."""
         base = tl.floor(w * scale[:, None])
         return base, (tl.fma(w, scale[:, None], -base) * 1099511627776.0).to(tl.int64)
 
     @triton.jit
-    def remainder_keys(q, cols, ok):
-        """Unique int64 keys of the columns: the quantised fraction ``q`` above, the lower tile winning ties
-        below (11 bits: up to 2047 tiles); -1 off ``ok``, below every real key."""
-        return tl.where(ok, (q << 11) | (2047 - cols[None, :]).to(tl.int64), -1)
-
-    @triton.jit
-    def radix_threshold(x, rem, BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
-        """Per row of ``x [R, C]`` (int32, entries below 0 never count): the largest v in [0, 2^BITS) with
-        ``#{x >= v} >= rem``, most significant digit first, RADIX_BITS bits a step (0 when no v qualifies).
-        The counts fall as the candidate rises, so the candidates that qualify are the first ones."""
-        tl.static_assert(BITS % RADIX_BITS == 0)
-        NC: tl.constexpr = 1 << RADIX_BITS
-        digits = tl.arange(0, NC)
-        v = tl.zeros_like(rem)
-        for p in tl.static_range(BITS // RADIX_BITS):
-            cand = v[:, None] + (digits << (BITS - (p + 1) * RADIX_BITS))[None, :]
-            cnt = tl.sum((x[:, :, None] >= cand[:, None, :]).to(tl.int32), axis=1)
-            pick = tl.sum((cnt >= rem[:, None]).to(tl.int32), axis=1) - 1
-            v = v + (tl.maximum(pick, 0) << (BITS - (p + 1) * RADIX_BITS))
-        return v
-
-    @triton.jit
-    def histogram_threshold(x, rem, BITS: tl.constexpr, RADIX_BITS: tl.constexpr):
-        """``radix_threshold`` of one row ``x [C]`` (``rem`` a scalar) by a histogram of each digit
-        (``tl.histogram``) over the entries that share the threshold's digits so far, instead of one count
-        per candidate digit; entries of 2^BITS and above count as above every candidate."""
-        tl.static_assert(BITS % RADIX_BITS == 0)
-        NB: tl.constexpr = 1 << RADIX_BITS
+    def histogram_threshold(x, rem, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+        """Per row ``x [C]`` (int32, entries below 0 never count; ``rem`` a scalar): the largest v in [0, 2^BITS)
+        with ``#{x >= v} >= rem`` (0 when none qualifies), most significant digit first, DIGIT_BITS bits a step:
+        a histogram of the digit (``tl.histogram``) over the entries that share the threshold's digits so far.
+        Entries of 2^BITS and above count as above every candidate."""
+        tl.static_assert(BITS % DIGIT_BITS == 0)
+        NB: tl.constexpr = 1 << DIGIT_BITS
         bins = tl.arange(0, NB)
         v = rem * 0
         above = tl.sum((x >= (1 << BITS)).to(tl.int32), axis=0)  # entries above the threshold's digits so far
-        for p in tl.static_range(BITS // RADIX_BITS):
-            match = (x >= 0) & ((x >> (BITS - p * RADIX_BITS)) == (v >> (BITS - p * RADIX_BITS)))
-            hist = tl.histogram((x >> (BITS - (p + 1) * RADIX_BITS)) & (NB - 1), NB, mask=match)
+        for p in tl.static_range(BITS // DIGIT_BITS):
+            match = (x >= 0) & ((x >> (BITS - p * DIGIT_BITS)) == (v >> (BITS - p * DIGIT_BITS)))
+            hist = tl.histogram((x >> (BITS - (p + 1) * DIGIT_BITS)) & (NB - 1), NB, mask=match)
             at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries >= each digit
             pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
             above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
-            v += pick << (BITS - (p + 1) * RADIX_BITS)
+            v += pick << (BITS - (p + 1) * DIGIT_BITS)
         return v
 
     @triton.jit
     def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, length, tiles_b, budget, seed_lo, seed_hi, budget_key,
-                      n_tiles, hq, s_ml_b, s_ml_h, col0, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
-                      SELECT: tl.constexpr, RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr):
-        """The tile budgets of the heads ``heads [R]`` (``h_ok``: real rows) of batch row b, from the tile
+                      n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+                      DIGIT_BITS: tl.constexpr):
+        """The tile budgets of one head ``heads [1]`` (``h_ok``: whether it is real) of batch row b, from the tile
         masses W_t = e^{m_t - m*} l_t (Alg. 4): largest remainder (the +1s go to the largest fractional
         parts, ties to the lower tile) or systematic rounding (fixed-point prefix sums with 2^-32
         resolution). (m, l) are read from L2 (``.cg``): in the overlapped passes (v10) the stats kernel
         writes them while this kernel runs.
 
-        Largest remainder ranks unique keys (``remainder_keys``); the `rem` largest get the +1, found by
-        ``SELECT`` (the same budgets each way):
-
-        - "sort": a sort of the BLOCK_T keys of the row; the +1s go to the keys at or above the rem-th.
-        - "radix": the rem-th largest quantised fraction v by ``radix_threshold`` (its 40 bits as two 20-bit
-          halves, int32 compares), then the +1s to the fractions above v and to the lowest tiles of those
-          equal to v, as many as are left.
-        - "histogram": radix's threshold with a histogram of each digit (``histogram_threshold``; one head).
-        - "count": each key's rank (the keys above it) counted against the row's keys, for CHUNK columns at a
-          time (their keys recomputed from (m, l): no sort, no scratch); the program stores the COLS columns
-          from ``col0`` (several programs may share a row, each with the whole row for its sums and ranks).
-
-        Every form sums the masses of the whole row padded to BLOCK_T as one tensor, so that the float64
-        sum (and hence every share) is the same number."""
+        Largest remainder: the +1s go to the ``rem`` largest fractions (quantised to 2^-40), found without
+        sorting the row padded to BLOCK_T: the rem-th largest fraction v by ``histogram_threshold`` (its 40
+        bits as two 20-bit halves, int32 compares), then the +1s to the fractions above v and to the lowest
+        tiles of those equal to v, as many as are left."""
         cols = tl.arange(0, BLOCK_T)
         ok = h_ok[:, None] & (cols < tiles_b)[None, :]
         row = (b * s_ml_b + heads * s_ml_h)[:, None] + cols[None, :]
@@ -185,60 +152,22 @@ if triton is not None:
         else:
             base, q = share_parts(w, scale)
             rem = budget - tl.sum(base, axis=1).to(tl.int32)
-            if SELECT == "count":
-                # the row's keys, each column's rank counted on them; as float64 (exact: the keys are below 2^51)
-                # one compare instruction each instead of two for int64
-                key = remainder_keys(q, cols, ok).to(tl.float64)
-                for c in tl.static_range(COLS // CHUNK):
-                    c0 = col0 + c * CHUNK
-                    if c0 < n_tiles:
-                        # CHUNK of this program's columns, their shares recomputed by the same operations
-                        ci = c0 + tl.arange(0, CHUNK)
-                        ok_i = h_ok[:, None] & (ci < tiles_b)[None, :]
-                        row_i = (b * s_ml_b + heads * s_ml_h)[:, None] + ci[None, :]
-                        m_i, l_i = load_stats(m_ptr, l_ptr, row_i, ok_i)
-                        base_i, q_i = share_parts(tile_masses(m_i, l_i, ok_i, m_star, h_ok), scale)
-                        key_i = remainder_keys(q_i, ci, ok_i).to(tl.float64)
-                        above = tl.sum((key[:, None, :] > key_i[:, :, None]).to(tl.int32), axis=2)
-                        bt_i = base_i.to(tl.int32) + tl.where((rem > 0)[:, None],
-                                                              ((above < rem[:, None]) & ok_i).to(tl.int32), 0)
-                        bt_i = tl.where(ok_i & (z > 0)[:, None], bt_i, 0)
-                        tl.store(budgets_ptr + row_i, bt_i, mask=h_ok[:, None] & (ci < n_tiles)[None, :])
-            elif SELECT == "radix":
-                q_hi = tl.where(ok, (q >> 20).to(tl.int32), -1)
-                v_hi = radix_threshold(q_hi, rem, 20, RADIX_BITS)
-                # the low 20 bits of the fractions whose high bits equal v_hi; 2^20 (above any) for those above
-                q_lo = tl.where(q_hi > v_hi[:, None], 1 << 20,
-                                tl.where(q_hi == v_hi[:, None], (q & 1048575).to(tl.int32), -1))
-                v_lo = radix_threshold(q_lo, rem, 20, RADIX_BITS)
-                above = q_lo > v_lo[:, None]
-                tie = (q_lo == v_lo[:, None]).to(tl.int32)
-                need = rem - tl.sum(above.to(tl.int32), axis=1)
-                bonus = above | ((tie > 0) & (tl.cumsum(tie, axis=1) <= need[:, None]))
-            elif SELECT == "histogram":
-                # radix's two halves, each by histogram_threshold on the one row (the launches pass R = 1)
-                tl.static_assert(heads.shape[0] == 1)
-                q = tl.reshape(q, [BLOCK_T])
-                ok1 = tl.reshape(ok, [BLOCK_T])
-                r1 = tl.sum(rem, axis=0)
-                q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
-                v_hi = histogram_threshold(q_hi, r1, 20, RADIX_BITS)
-                q_lo = tl.where(q_hi > v_hi, 1 << 20, tl.where(q_hi == v_hi, (q & 1048575).to(tl.int32), -1))
-                v_lo = histogram_threshold(q_lo, r1, 20, RADIX_BITS)
-                tie = (q_lo == v_lo).to(tl.int32)
-                need = r1 - tl.sum((q_lo > v_lo).to(tl.int32), axis=0)
-                bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
-            else:
-                tl.static_assert(SELECT == "sort")
-                key = remainder_keys(q, cols, ok)
-                ranked = tl.sort(key, descending=True)
-                kth = tl.sum(tl.where(cols[None, :] == (rem - 1)[:, None], ranked, 0), axis=1)
-                bonus = key >= kth[:, None]
-            if SELECT != "count":
-                bt = base.to(tl.int32) + tl.where((rem > 0)[:, None], (bonus & ok).to(tl.int32), 0)
-        if SYSTEMATIC or SELECT != "count":
-            bt = tl.where(ok & (z > 0)[:, None], bt.to(tl.int32), 0)
-            tl.store(budgets_ptr + row, bt, mask=h_ok[:, None] & (cols < n_tiles)[None, :])
+            # one head: the row as a 1-D tensor, which tl.histogram takes
+            tl.static_assert(heads.shape[0] == 1)
+            q = tl.reshape(q, [BLOCK_T])
+            ok1 = tl.reshape(ok, [BLOCK_T])
+            r1 = tl.sum(rem, axis=0)
+            q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
+            v_hi = histogram_threshold(q_hi, r1, 20, DIGIT_BITS)
+            # the low 20 bits of the fractions whose high bits equal v_hi; 2^20 (above any) for those above
+            q_lo = tl.where(q_hi > v_hi, 1 << 20, tl.where(q_hi == v_hi, (q & 1048575).to(tl.int32), -1))
+            v_lo = histogram_threshold(q_lo, r1, 20, DIGIT_BITS)
+            tie = (q_lo == v_lo).to(tl.int32)
+            need = r1 - tl.sum((q_lo > v_lo).to(tl.int32), axis=0)
+            bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
+            bt = base.to(tl.int32) + tl.where((rem > 0)[:, None], (bonus & ok).to(tl.int32), 0)
+        bt = tl.where(ok & (z > 0)[:, None], bt.to(tl.int32), 0)
+        tl.store(budgets_ptr + row, bt, mask=h_ok[:, None] & (cols < n_tiles)[None, :])
 
     @triton.jit
     def compact_sample(v_ptr, s, counts_ptr, scr_ptr, b, kvh, t, length, m, l, budget, a0,
@@ -418,34 +347,14 @@ if triton is not None:
 TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF  # the hash streams of the tile offsets and budget offsets
 BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 
-# How largest remainder finds the tiles that get the +1s (``group_budgets``): "sort", "radix", "histogram" or
-# "count"; the same budgets each way, read at launch time.
-BUDGET_SELECT = "histogram"
-# radix, histogram: threshold bits settled per step (1, 2, 4, 5; histogram also 10): 20 / bits steps per half
-BUDGET_RADIX_BITS = 5
-BUDGET_CHUNK = 32  # count: columns ranked per step
-# count: columns per program where the launch may spread a row over several programs (the two-pass launch;
-# at batch 1 one program per head leaves most SMs idle); 0: one program per row
-BUDGET_COUNT_COLS = 64
+# Bits of the largest-remainder threshold settled per histogram step (``histogram_threshold``): 4 steps per
+# 20-bit half of the fractions
+_DIGIT_BITS = 5
 
 
-def budget_meta(t: int, *, rounding: str, split: bool) -> tuple[int, dict]:
-    """``(programs per (head, row), group_budgets' constexprs from BLOCK_T on)`` for rows of ``t`` tiles, by
-    ``BUDGET_SELECT`` and its settings; ``split``: the launch may give a row several programs (count)."""
-    select, bits, chunk, cols = BUDGET_SELECT, BUDGET_RADIX_BITS, BUDGET_CHUNK, BUDGET_COUNT_COLS
-    if select not in ("sort", "radix", "histogram", "count"):
-        raise ValueError(f"BUDGET_SELECT: expected 'sort', 'radix', 'histogram' or 'count', got {select!r}")
-    if bits not in ((1, 2, 4, 5, 10) if select == "histogram" else (1, 2, 4, 5)):
-        raise ValueError(f"BUDGET_RADIX_BITS: expected 1, 2, 4 or 5 (dividing 20; histogram also 10), got {bits}")
-    for name, val in (("BUDGET_CHUNK", chunk), ("BUDGET_COUNT_COLS", cols)):
-        if val < 0 or val & (val - 1) or (name == "BUDGET_CHUNK" and val < 1):
-            raise ValueError(f"{name}: expected a power of two{' or 0' if name == 'BUDGET_COUNT_COLS' else ''}, "
-                             f"got {val}")
-    block_t = max(16, next_pow2(t))
-    systematic = rounding == "systematic"
-    cols = min(cols, block_t) if split and select == "count" and cols and not systematic else block_t
-    return cdiv(t, cols), dict(BLOCK_T=block_t, SYSTEMATIC=systematic, SELECT=select, RADIX_BITS=bits,
-                               CHUNK=min(chunk, cols), COLS=cols)
+def budget_meta(t: int, *, rounding: str) -> dict:
+    """``group_budgets``' constexprs (from BLOCK_T on) for rows of ``t`` tiles."""
+    return dict(BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", DIGIT_BITS=_DIGIT_BITS)
 
 
 def tile_count(n_keys: int, tile: int) -> int:

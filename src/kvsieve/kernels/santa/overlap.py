@@ -157,8 +157,8 @@ if triton is not None:
     def _unit_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr, sync_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, hkv, n_units, s_ml_b, s_ml_h,
-        G: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, SELECT: tl.constexpr,
-        RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
+        G: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
+        DIGIT_BITS: tl.constexpr, PDL: tl.constexpr,
         SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
     ):
         """prop: one program per (head, row), launched early (PDL) like the sampling kernel after it: waits
@@ -172,8 +172,7 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
-                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, 0, BLOCK_T, SYSTEMATIC, SELECT,
-                      RADIX_BITS, CHUNK, COLS)
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS)
         tl.debug_barrier()  # every thread's stores of the budgets are issued before the release below
         tl.atomic_xchg(sync_ptr + n_units * STATS_THREADS + b * hq + h, 1, sem="release")
 
@@ -261,12 +260,11 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
                        stats_programs=stats_programs, stats_warps=stats_warps, stats_stages=stats_stages)
     lo, hi = seed_words(seed)
     if not flash:
-        # one program per (head, row): each raises its head's flag (the count form counts in that one program)
-        _, meta = budget_meta(t, rounding=rounding, split=False)
+        # one program per (head, row): each raises its head's flag
         launch(_unit_budget_kernel, (hq, b, 1),
                buf.m, buf.l, lens, buf.budgets, sync, budget, lo, hi, BUDGET_KEY, t, hq, hkv, units, hq * t, t,
-               G=g, TILE=tile, **meta, PDL=pdl, SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4,
-               **pdl_launch(pdl))
+               G=g, TILE=tile, **budget_meta(t, rounding=rounding), PDL=pdl, SLEEP=sleep, STATS_THREADS=threads,
+               NAPS=NAPS, num_warps=4, **pdl_launch(pdl))
     launch(_overlap_sample_kernel, (t, hkv, b),
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, sync, buf.out,

@@ -5,7 +5,7 @@ programmatic dependent launch is off (pre-Hopper GPUs, the interpreter).
   writes the per-tile max m, the sum l of e^{s−m} and the float32 score stash; for flash it also folds
   each head's global max m* into a float32 atomic max.
 - prop: ``_prop_budget_kernel``, one program per (head, row), shares the budget over the tiles
-  (``common.group_budgets``: largest remainder, its +1s found as ``common.BUDGET_SELECT`` says, or
+  (``common.group_budgets``: largest remainder, its +1s found by a histogram threshold select, or
   systematic rounding).
 - ``_compact_sample_kernel``, one program per (tile, KV head, row): systematic sampling from the stash,
   the sampled V rows compacted and gathered into one dot, the merge folded in (``common.sample_fold``).
@@ -94,11 +94,10 @@ if triton is not None:
     def _prop_budget_kernel(
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
-        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, SELECT: tl.constexpr,
-        RADIX_BITS: tl.constexpr, CHUNK: tl.constexpr, COLS: tl.constexpr, PDL: tl.constexpr,
+        TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, DIGIT_BITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """One program per (head, batch row, block of COLS columns): ``group_budgets`` of one head (one block
-        but for the count form, ``common.budget_meta``)."""
+        """One program per (head, batch row): ``group_budgets`` of one head."""
         if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
             gdc_wait()
             gdc_launch_dependents()
@@ -107,8 +106,7 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
-                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, tl.program_id(2) * COLS, BLOCK_T,
-                      SYSTEMATIC, SELECT, RADIX_BITS, CHUNK, COLS)
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS)
 
     @budget_jit
     def _compact_sample_kernel(
@@ -175,12 +173,11 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
 def prop_budgets(lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *, rounding: str,
                  pdl: bool) -> None:
     """S²ANTA-prop's tile budgets into ``buf.budgets`` from the stats in ``buf.m``, ``buf.l`` (one launch, a
-    program per (head, row), or several for the count form: ``common.budget_meta``)."""
+    program per (head, row))."""
     lo, hi = seed_words(seed)
-    programs, meta = budget_meta(t, rounding=rounding, split=True)
-    launch(_prop_budget_kernel, (hq, b, programs),
+    launch(_prop_budget_kernel, (hq, b),
            buf.m, buf.l, lens, buf.budgets, budget, lo, hi, BUDGET_KEY, t, hq, hq * t, t,
-           TILE=tile, **meta, PDL=pdl, num_warps=4, **pdl_launch(pdl))
+           TILE=tile, **budget_meta(t, rounding=rounding), PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
