@@ -121,10 +121,10 @@ TOPK_WAYS = """
 import torch
 import kvsieve
 from kvsieve.kernels.oracle_topk import topk
-from kvsieve.kernels.shared import select_triton
+from kvsieve.kernels.shared import select_radix, select_triton
 
 # rows this short count as long: the oracle top-k runs the split select and its merge launch up to 700 keys,
-# torch.topk above
+# the radix select above
 select_triton.REGISTER_SELECT_MAX = 64
 select_triton.SEGMENT = 64
 topk.TORCH_SELECT_ABOVE = 700
@@ -137,7 +137,7 @@ def spy(kernel, *args, **meta):
     return plain_launch(kernel, *args, **meta)
 
 
-select_triton.launch = spy
+select_triton.launch = select_radix.launch = spy
 g = torch.Generator().manual_seed(2)
 ways = []
 for r, n, seed in [(1, 600, 3), (2, 650, 5), (2, 900, 4), (1, 1000, 6)]:
@@ -150,17 +150,18 @@ for r, n, seed in [(1, 600, 3), (2, 650, 5), (2, 900, 4), (1, 1000, 6)]:
     out, st = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lens, seed=seed)
     ref, rst = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, seed=seed)
     assert st.backend == "triton" and st.extra.get("kernel") == "vattention attend_triton", st.extra
-    way = "torch" if n > 700 else "triton"
+    way = "radix" if n > 700 else "triton"
     assert st.extra.get("topk_select") == way, (n, st.extra)
     assert ("_merge_rows_kernel" in launched) == (way == "triton"), (n, launched)
     assert "_topk_rows_kernel" not in launched or way == "triton", (n, launched)
+    assert ("_radix_hist_kernel" in launched) == ("_radix_emit_kernel" in launched) == (way == "radix"), launched
     ways.append(way)
     for f in ("density", "kv_density", "v_rows_read"):
         assert st[f] == rst[f], (f, st[f], rst[f])
     assert torch.equal(st.raw("budget_per_head"), rst.raw("budget_per_head"))
     err = float((out - ref).norm() / ref.norm())
     assert err < 2e-5, err
-assert ways == ["triton", "triton", "torch", "torch"], ways
+assert ways == ["triton", "triton", "radix", "radix"], ways
 print("OK")
 """
 
@@ -168,7 +169,7 @@ print("OK")
 def test_topk_way_chosen_by_the_row_length_selects_as_the_reference():
     """vAttention's kernel path with the oracle top-k through each of its two ways, chosen by the row length
     (the limits lowered so that short rows take them): the Triton split select with its merge launch, and
-    ``torch.topk`` above ``TORCH_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's keys,
+    the radix select above ``TORCH_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's keys,
     budgets and estimate."""
     pytest.importorskip("triton")
     assert "OK" in run_script(TOPK_WAYS, "cpu", True)
