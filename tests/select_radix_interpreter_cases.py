@@ -132,14 +132,13 @@ def test_topk_select_radix_takes_the_reference_keys():
                     assert torch.equal(idx[row, h, :c], tri_idx[row, h, :c]), (share, size, row, h)
 
 
-def test_vattention_with_the_radix_select_equals_the_torch_topk_path(monkeypatch):
+def test_vattention_with_the_radix_select_equals_the_triton_select(monkeypatch):
     """vAttention's kernel path with its long per-query-head rows (the limit lowered) through the radix select
-    (``LONG_ROW_SELECT``) and through ``torch.topk``: the stats name the way; the same budgets and densities,
+    and, the limit raised, through the Triton select: the stats name the way; the same budgets and densities,
     the same estimate (up to the order of float sums), and the reference's; ragged rows."""
     import kvsieve
     from kvsieve.kernels.oracle_topk import topk
 
-    monkeypatch.setattr(topk, "TORCH_SELECT_ABOVE", 300)
     g = torch.Generator().manual_seed(2)
     spec = "vattention:sink=4,window=8,top_k=0.05,base_rate=0.05,epsilon=0.2,delta=0.2"
     for r, n, seed in ((1, 500, 3), (2, 420, 5)):
@@ -148,13 +147,13 @@ def test_vattention_with_the_radix_select_equals_the_torch_topk_path(monkeypatch
         v = torch.randn(r, 2, n, 64, generator=g)
         lens = torch.tensor([n, n - 77][:r])
         runs = {}
-        for way in ("radix", "torch"):
-            monkeypatch.setattr(topk, "LONG_ROW_SELECT", way)
+        for way, limit in (("radix", 300), ("triton", 1 << 20)):
+            monkeypatch.setattr(topk, "TORCH_SELECT_ABOVE", limit)
             out, st = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lens, seed=seed)
             assert st.backend == "triton" and st.extra.get("topk_select") == way, st.extra
             runs[way] = (out, st)
         ref, rst = kvsieve.method(spec + ",backend=reference").decode(q, k, v, lengths=lens, seed=seed)
-        (out, st), (t_out, t_st) = runs["radix"], runs["torch"]
+        (out, st), (t_out, t_st) = runs["radix"], runs["triton"]
         for f in ("density", "kv_density", "v_rows_read"):
             assert st[f] == t_st[f] == rst[f], (f, st[f], t_st[f], rst[f])
         assert torch.equal(st.raw("budget_per_head"), t_st.raw("budget_per_head"))

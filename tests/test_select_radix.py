@@ -12,7 +12,7 @@ CASES = "select_radix_interpreter_cases.py"
 
 @pytest.mark.triton
 @pytest.mark.parametrize("group", case_groups(CASES, "test_radix_select_equals_the_reference",
-                                              "test_vattention_with_the_radix_select_equals_the_torch_topk_path"),
+                                              "test_vattention_with_the_radix_select_equals_the_triton_select"),
                          ids=group_id)
 def test_radix_select_under_the_triton_interpreter(group):
     pytest.importorskip("triton")
@@ -57,23 +57,20 @@ def test_radix_chunk_spreads_rows_over_the_gpu_within_its_bounds():
     assert radix_chunk(1, 131072, cpu, programs=8) == 16384
 
 
-def test_long_rows_take_the_configured_way(monkeypatch):
-    """``select_path``: per-query-head rows over ``TORCH_SELECT_ABOVE`` keys take ``LONG_ROW_SELECT`` (torch
-    unless flipped), the rest the Triton select; ``select_launches`` lists the radix launch (after the group
-    sum for group-summed rows); an unknown way is an error naming the constant."""
+def test_long_rows_take_the_radix_select(monkeypatch):
+    """``select_path``: per-query-head rows over ``TORCH_SELECT_ABOVE`` keys (read at call time) take the radix
+    select, the rest the Triton select; ``select_launches`` lists the radix launch (after the group sum for
+    group-summed rows)."""
     from kvsieve.kernels.oracle_topk import topk
     from kvsieve.kernels.shared.select_triton import select_launches
 
     n = topk.TORCH_SELECT_ABOVE + 1
-    assert topk.LONG_ROW_SELECT == "torch" and topk.select_path(False, n) == "torch"
-    monkeypatch.setattr(topk, "LONG_ROW_SELECT", "radix")
     assert topk.select_path(False, n) == "radix"
     assert topk.select_path(False, n - 1) == "triton" and topk.select_path(True, 4 * n) == "triton"
+    monkeypatch.setattr(topk, "TORCH_SELECT_ABOVE", 300)
+    assert topk.select_path(False, 301) == "radix" and topk.select_path(False, 300) == "triton"
     assert select_launches(n, 4, False, "radix") == ("radix",)
     assert select_launches(n, 4, True, "radix") == ("group_sum", "radix")
-    monkeypatch.setattr(topk, "LONG_ROW_SELECT", "sort")
-    with pytest.raises(ValueError, match="LONG_ROW_SELECT"):
-        topk.select_path(False, n)
 
 
 @pytest.mark.gpu

@@ -526,11 +526,11 @@ def test_gpu_row_select_matches_its_reference(x, k):
         assert torch.equal(topk_rows_registers(s, counts, k), want)
 
 
-def test_oracle_topk_takes_torch_topk_for_long_per_query_head_rows():
-    """The measured crossover (topk.TORCH_SELECT_ABOVE): per query head at 128k keys torch.topk
-    beats the select launch, per KV head it does not."""
+def test_oracle_topk_takes_the_radix_select_for_long_per_query_head_rows():
+    """The measured crossover (topk.TORCH_SELECT_ABOVE): per query head at 128k keys the radix select spread
+    over the GPU beats torch.topk and the Triton select; per KV head, and at 64k keys or fewer, the Triton select."""
     from kvsieve.kernels.oracle_topk.topk import TORCH_SELECT_ABOVE, select_path
 
-    assert select_path(False, TORCH_SELECT_ABOVE + 1) == "torch"
+    assert select_path(False, TORCH_SELECT_ABOVE + 1) == "radix"
     assert select_path(False, TORCH_SELECT_ABOVE) == "triton"
     assert select_path(True, 4 * TORCH_SELECT_ABOVE) == "triton"

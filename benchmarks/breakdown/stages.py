@@ -38,6 +38,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("row words", ("_row_words_kernel",)),
     ("top-k select (triton)", ("_topk_rows_kernel", "_select_regs_kernel", "_group_sum_parts_kernel",
                                "_merge_rows_kernel")),
+    ("top-k select (radix)", ("_radix_hist_kernel", "_radix_place_kernel", "_radix_emit_kernel")),
     ("top-k select (torch)", ("topk", "TopK", "radix", "Radix", "sort", "Sort", "bitonic", "Bitonic")),
     ("vattention residual setup", ("_residual_setup_kernel",)),
     ("uniform samples (base + residual)", ("_split_candidates_kernel", "_sample_rows_kernel", "_window_scan_kernel",
@@ -66,7 +67,7 @@ def variant_specs() -> dict[str, str | None]:
         "vattention@list": "vattention",
         "vattention": "vattention",
         "vattention@triton-select": "vattention",
-        "vattention@torch-select": "vattention",
+        "vattention@radix-select": "vattention",
         "vattention@budget-x4": "vattention",
         "vattention@budget-b64": "vattention",
     }
@@ -77,9 +78,9 @@ _BUDGET = "kvsieve.kernels.vattention.budget_triton"
 _SELECT_ABOVE = ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE")
 #: variant -> ((module, limit, value), ...) set while it runs
 LIMITS = {# the oracle predictor's top-k by each of the two ways its shape rule picks between, at every length:
-          # the Triton select (a long row's candidates merged by a second launch), torch.topk
+          # the Triton select (a long row's candidates merged by a second launch), the radix select spread over the GPU
           "vattention@triton-select": ((*_SELECT_ABOVE, 1 << 40),),
-          "vattention@torch-select": ((*_SELECT_ABOVE, 0),),
+          "vattention@radix-select": ((*_SELECT_ABOVE, 0),),
           # the per-query-head lists and the weighted sparse kernel in place of the tested-key attention pass
           "vattention@list": ((_VATT, "TESTED_ATTENTION", False),),
           # the budget statistics over 4x the programs (shorter programs; the same sums up to rounding)
@@ -123,7 +124,7 @@ def grouped_topk(scores: torch.Tensor, maxima: torch.Tensor, k: int, group: int)
 
 def topk_calls(x, top_k: float = 0.025) -> dict:
     """vAttention's oracle top-k at its default size on ``x``'s scores, each way: the scores launch alone, then
-    torch.topk of the whole rows (the default above 64k keys), the Triton select (prefilter + radix select),
+    torch.topk of the whole rows, the Triton select (prefilter + radix select),
     and :func:`grouped_topk` (torch.topk of the maxima, then of the chosen groups' scores)."""
     from kvsieve.kernels.shared.scores import scores_triton
     from kvsieve.kernels.shared.select_triton import GROUP_MAX, topk_rows_triton
@@ -352,6 +353,7 @@ def check() -> None:
     assert torch.equal(s.gather(-1, got), s.gather(-1, want))  # highest first, as torch.topk's sorted output
     assert stage_of("_budget_parts_kernel") == "vattention budget statistics"
     assert stage_of("void at::native::sbtopk::gatherTopK<float>") == "top-k select (torch)"
+    assert stage_of("_radix_hist_kernel") == "top-k select (radix)"
     assert stage_of("elementwise_kernel") == "other: elementwise_kernel"
     print("check: ok")
 

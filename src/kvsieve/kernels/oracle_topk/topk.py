@@ -22,22 +22,19 @@ from ..shared.scores import (
     selection_counts_reference,
 )
 
-# Per-query-head rows above this many keys take torch.topk: there it beat the select launch on the H100, which
-# wins per KV head (a quarter of the rows) and at 32k
-# (docs/results/gpu-bench/2026-11-25-h100-sparse-decode-select.md).
+# Per-query-head rows above this many keys take the radix select spread over many programs per row
+# (select_radix.topk_rows_radix); shorter rows, and per-KV-head rows at any length, the Triton select. On the H200
+# at 128k keys, batch 1, 32 rows: the scores pass and select 188.0 µs against torch.topk's 210.0 and the Triton
+# select's 244.8 (docs/results/gpu-bench/2026-11-29-h200-vattention-stages-radix-128k.md); per KV head (a quarter
+# of the rows) and at 32k the Triton select wins (2026-11-25-h100-sparse-decode-select.md).
 TORCH_SELECT_ABOVE = 65536
-# The way those long per-query-head rows take: "torch" (torch.topk) or "radix" (select_radix.topk_rows_radix: a
-# radix select spread over many programs per row; benchmarks/breakdown/vattention_stages.py times the three).
-LONG_ROW_SELECT = "radix"
 
 
 def select_path(share_kv_group: bool, n_keys: int) -> str:
     """The top-k step of an oracle top-k on the device (oracle-topk, vattention's oracle predictor):
-    ``LONG_ROW_SELECT`` (``"torch"`` or ``"radix"``) for per-query-head rows over ``TORCH_SELECT_ABOVE`` keys,
-    else ``"triton"``. Read at call time (the benchmarks and tests change it)."""
-    if LONG_ROW_SELECT not in ("torch", "radix"):
-        raise ValueError(f"LONG_ROW_SELECT: expected 'torch' or 'radix', got {LONG_ROW_SELECT!r}")
-    return LONG_ROW_SELECT if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
+    ``"radix"`` for per-query-head rows over ``TORCH_SELECT_ABOVE`` keys, else ``"triton"``. Reads the limit at
+    call time (the benchmarks and tests change it)."""
+    return "radix" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
 
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
@@ -91,4 +88,4 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     return (idx, counts, s) if keep_scores else (idx, counts)
 
 
-__all__ = ["LONG_ROW_SELECT", "TORCH_SELECT_ABOVE", "select_path", "topk_select"]
+__all__ = ["TORCH_SELECT_ABOVE", "select_path", "topk_select"]
