@@ -45,8 +45,11 @@ def test_outputs_and_stats_are_unchanged(name, saap_folder):
     if "artifacts=" not in spec and name not in frozen.RECORDED_RULE:
         assert spec == want["spec"]
     got = frozen.decode_case(spec, decode_now)
-    # a restated rule computes the same formula in another order: equal to float64 rounding
-    rtol = 1e-12 if name in frozen.RECORDED_RULE or name in CHANGED_CHUNK else 0.0
+    # float64 to its rounding: the same computation differs in the last bits between CPUs (the BLAS kernels'
+    # summation order: 4e-16 on some machines), and a restated rule computes the same formula in another order
+    rtol = 1e-12 if name in frozen.RECORDED_RULE or name in CHANGED_CHUNK else 1e-14
+    if name == "magicpig":  # its weights take arccos of cosines near ±1, which turns those last bits into ~1e-6
+        rtol = 1e-5
     for tag in ("row",) if name in CHANGED_CHUNK else ("row", "chunk"):
         torch.testing.assert_close(got[tag], want[tag], rtol=rtol, atol=rtol, msg=f"{name} {tag}")
         torch.testing.assert_close(got[tag + "_stats"], want[tag + "_stats"], rtol=1e-12, atol=0,
