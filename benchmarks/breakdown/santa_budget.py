@@ -65,13 +65,12 @@ def budgets(m, l, lens, t: int, budget: int = BUDGET, tile: int = TILE) -> torch
 def reference(m, l, lens, budget: int = BUDGET, tile: int = TILE) -> torch.Tensor:
     """``largest_remainder`` of the tile masses ``e^{m - m*} l`` (float32, as the kernels), tiles past each
     row's length left out."""
+    from kvsieve.kernels.santa.reference import tile_masses
     from kvsieve.kernels.santa.systematic import largest_remainder
 
     t = m.shape[-1]
     valid = (torch.arange(t, device=m.device) < ((lens.long() + tile - 1) // tile)[:, None])[:, None, :]
-    m = torch.where(valid, m, float("-inf"))
-    m_star = m.amax(-1, keepdim=True)
-    w = torch.where(valid, torch.exp(m - torch.where(torch.isfinite(m_star), m_star, 0.0)) * l, 0.0)
+    w = tile_masses(torch.where(valid, m, float("-inf")), torch.where(valid, l, 0.0))
     return largest_remainder(w.double(), budget).to(torch.int32)
 
 

@@ -440,7 +440,9 @@ class Saap(Method):
                              f"({want['name']!r}); this model's shape is {got_shape}. Fit SAAP for this model with "
                              "`kvsieve fit saap --model ...`")
         got_hash, got_fp = config_hash(model.config), weights_fingerprint(model)
-        same_weights = want["weights_fingerprint"] in (got_fp, weights_fingerprint(model, rounded=False))
+        # artifacts that recorded the unrounded weights: their fingerprint, hashed only where the rounded one differs
+        same_weights = (want["weights_fingerprint"] == got_fp
+                        or want["weights_fingerprint"] == weights_fingerprint(model, rounded=False))
         if got_hash != want["config_hash"] or not same_weights:
             raise ValueError(
                 f"artifacts: {self.config.artifacts} were fitted on {want['name']!r} (config hash "

@@ -63,8 +63,10 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     if keep_scores and share_kv_group and hq > hkv:
         raise ValueError("keep_scores: the per-head logits are kept for per-query-head rows only")
     kk = max(1, min(max_k, n))
-    if select not in ("triton", "torch", "radix"):
-        raise ValueError(f"select: expected 'triton', 'torch' or 'radix', got {select!r}")
+    from ..shared.select_triton import SELECTS
+
+    if select not in SELECTS:
+        raise ValueError(f"select: expected one of {', '.join(SELECTS)}, got {select!r}")
     if scores == "reference":
         if share_kv_group:
             s = group_summed(scores_reference(q, k, lengths, 0, 0, scale), hq // hkv)

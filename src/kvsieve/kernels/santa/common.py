@@ -76,18 +76,6 @@ if triton is not None:
         return out
 
     @triton.jit
-    def load_stats(m_ptr, l_ptr, row, ok):
-        """(m, l) at ``row`` (-inf, 0 off ``ok``), from L2 (``.cg``)."""
-        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
-        return m, l
-
-    @triton.jit
-    def tile_masses(m, l, ok, m_star, h_ok):
-        """The tile masses W_t = e^{m_t - m*} l_t (float64, 0 off ``ok``)."""
-        return tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
-
-    @triton.jit
     def share_parts(w, scale):
         """The whole and fractional parts of the shares ``w · scale [:, None]``, the fraction quantised to 2^-40
         (int64). The fraction is one fused multiply-add, ``w · scale - floor(w · scale)`` rounded once, spelled
@@ -133,9 +121,10 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_T)
         ok = h_ok[:, None] & (cols < tiles_b)[None, :]
         row = (b * s_ml_b + heads * s_ml_h)[:, None] + cols[None, :]
-        m, l = load_stats(m_ptr, l_ptr, row, ok)
+        m = tl.load(m_ptr + row, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + row, mask=ok, other=0.0, cache_modifier=".cg")
         m_star = tl.max(m, axis=1)
-        w = tile_masses(m, l, ok, m_star, h_ok)
+        w = tl.where(ok, tl.exp(m - tl.where(h_ok, m_star, 0.0)[:, None]) * l, 0.0).to(tl.float64)
         z = tl.sum(w, axis=1)
         scale = budget.to(tl.float64) / tl.where(z > 0, z, 1.0)
         if SYSTEMATIC:
