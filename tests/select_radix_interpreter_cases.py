@@ -148,7 +148,7 @@ def test_vattention_with_the_radix_select_equals_the_triton_select(monkeypatch):
         lens = torch.tensor([n, n - 77][:r])
         runs = {}
         for way, limit in (("radix", 300), ("triton", 1 << 20)):
-            monkeypatch.setattr(topk, "TORCH_SELECT_ABOVE", limit)
+            monkeypatch.setattr(topk, "RADIX_SELECT_ABOVE", limit)
             out, st = kvsieve.method(spec + ",backend=triton").decode(q, k, v, lengths=lens, seed=seed)
             assert st.backend == "triton" and st.extra.get("topk_select") == way, st.extra
             runs[way] = (out, st)

@@ -58,16 +58,16 @@ def test_radix_chunk_spreads_rows_over_the_gpu_within_its_bounds():
 
 
 def test_long_rows_take_the_radix_select(monkeypatch):
-    """``select_path``: per-query-head rows over ``TORCH_SELECT_ABOVE`` keys (read at call time) take the radix
+    """``select_path``: per-query-head rows over ``RADIX_SELECT_ABOVE`` keys (read at call time) take the radix
     select, the rest the Triton select; ``select_launches`` lists the radix launch (after the group sum for
     group-summed rows)."""
     from kvsieve.kernels.oracle_topk import topk
     from kvsieve.kernels.shared.select_triton import select_launches
 
-    n = topk.TORCH_SELECT_ABOVE + 1
+    n = topk.RADIX_SELECT_ABOVE + 1
     assert topk.select_path(False, n) == "radix"
     assert topk.select_path(False, n - 1) == "triton" and topk.select_path(True, 4 * n) == "triton"
-    monkeypatch.setattr(topk, "TORCH_SELECT_ABOVE", 300)
+    monkeypatch.setattr(topk, "RADIX_SELECT_ABOVE", 300)
     assert topk.select_path(False, 301) == "radix" and topk.select_path(False, 300) == "triton"
     assert select_launches(n, 4, False, "radix") == ("radix",)
     assert select_launches(n, 4, True, "radix") == ("group_sum", "radix")

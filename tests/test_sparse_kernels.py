@@ -527,10 +527,10 @@ def test_gpu_row_select_matches_its_reference(x, k):
 
 
 def test_oracle_topk_takes_the_radix_select_for_long_per_query_head_rows():
-    """The measured crossover (topk.TORCH_SELECT_ABOVE): per query head at 128k keys the radix select spread
+    """The measured crossover (topk.RADIX_SELECT_ABOVE): per query head at 128k keys the radix select spread
     over the GPU beats torch.topk and the Triton select; per KV head, and at 64k keys or fewer, the Triton select."""
-    from kvsieve.kernels.oracle_topk.topk import TORCH_SELECT_ABOVE, select_path
+    from kvsieve.kernels.oracle_topk.topk import RADIX_SELECT_ABOVE, select_path
 
-    assert select_path(False, TORCH_SELECT_ABOVE + 1) == "radix"
-    assert select_path(False, TORCH_SELECT_ABOVE) == "triton"
-    assert select_path(True, 4 * TORCH_SELECT_ABOVE) == "triton"
+    assert select_path(False, RADIX_SELECT_ABOVE + 1) == "radix"
+    assert select_path(False, RADIX_SELECT_ABOVE) == "triton"
+    assert select_path(True, 4 * RADIX_SELECT_ABOVE) == "triton"

@@ -192,7 +192,7 @@ from kvsieve.kernels.shared import select_radix, select_triton
 # the radix select above
 select_triton.REGISTER_SELECT_MAX = 64
 select_triton.SEGMENT = 64
-topk.TORCH_SELECT_ABOVE = 700
+topk.RADIX_SELECT_ABOVE = 700
 launched = []
 plain_launch = select_triton.launch
 
@@ -234,7 +234,7 @@ print("OK")
 def test_topk_way_chosen_by_the_row_length_selects_as_the_reference():
     """vAttention's kernel path with the oracle top-k through each of its two ways, chosen by the row length
     (the limits lowered so that short rows take them): the Triton split select with its merge launch, and
-    the radix select above ``TORCH_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's keys,
+    the radix select above ``RADIX_SELECT_ABOVE`` keys; the stats name the way; ragged rows; the reference's keys,
     budgets and estimate."""
     pytest.importorskip("triton")
     assert "OK" in run_script(TOPK_WAYS, "cpu", True)

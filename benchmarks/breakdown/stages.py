@@ -75,7 +75,7 @@ def variant_specs() -> dict[str, str | None]:
 
 _VATT = "kvsieve.methods.vattention"
 _BUDGET = "kvsieve.kernels.vattention.budget_triton"
-_SELECT_ABOVE = ("kvsieve.kernels.oracle_topk.topk", "TORCH_SELECT_ABOVE")
+_SELECT_ABOVE = ("kvsieve.kernels.oracle_topk.topk", "RADIX_SELECT_ABOVE")
 #: variant -> ((module, limit, value), ...) set while it runs
 LIMITS = {# the oracle predictor's top-k by each of the two ways its shape rule picks between, at every length:
           # the Triton select (a long row's candidates merged by a second launch), the radix select spread over the GPU

@@ -7,7 +7,7 @@ parallel group-sum launch), one select launch
 (:func:`kvsieve.kernels.shared.select_triton.topk_rows_triton`: a prefilter from those maxima, then the
 exact top keys by a radix select) and the Triton sparse kernel (2 launches) on the chosen tokens with
 sink and window as ranges — 4 launches per call, 5 with ``share_kv_group``. Per-query-head rows of
-more than ``TORCH_SELECT_ABOVE`` keys take the radix select spread over many programs per row in place of
+more than ``RADIX_SELECT_ABOVE`` keys take the radix select spread over many programs per row in place of
 the select launch (see :func:`kvsieve.kernels.oracle_topk.topk.select_path`). Elsewhere the torch
 reference. "reference" and "triton" force a path; ``stats.backend`` names the path that ran.
 """

@@ -329,7 +329,7 @@ class VAttention(StagedSelection):
         - the predicted top-k: ``oracle`` — oracle-topk's device top-k (:func:`~kvsieve.kernels.
           oracle_topk.topk.topk_select`: every score in one pass over K, then its select, chosen on the shapes
           by :func:`~kvsieve.kernels.oracle_topk.topk.select_path`: the radix select spread over the GPU
-          (``"radix"``) for per-query-head rows over ``TORCH_SELECT_ABOVE`` keys, else the Triton select
+          (``"radix"``) for per-query-head rows over ``RADIX_SELECT_ABOVE`` keys, else the Triton select
           (``"triton"``), a long row's candidates merged by a second launch; ``stats.extra["topk_select"]``
           names it); ``quest`` — Quest's incremental page
           summaries (in ``state``) and device page selection;

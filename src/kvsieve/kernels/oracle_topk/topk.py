@@ -27,14 +27,14 @@ from ..shared.scores import (
 # at 128k keys, batch 1, 32 rows: the scores pass and select 188.0 µs against torch.topk's 210.0 and the Triton
 # select's 244.8 (docs/results/gpu-bench/2026-11-29-h200-vattention-stages-radix-128k.md); per KV head (a quarter
 # of the rows) and at 32k the Triton select wins (2026-11-25-h100-sparse-decode-select.md).
-TORCH_SELECT_ABOVE = 65536
+RADIX_SELECT_ABOVE = 65536
 
 
 def select_path(share_kv_group: bool, n_keys: int) -> str:
     """The top-k step of an oracle top-k on the device (oracle-topk, vattention's oracle predictor):
-    ``"radix"`` for per-query-head rows over ``TORCH_SELECT_ABOVE`` keys, else ``"triton"``. Reads the limit at
+    ``"radix"`` for per-query-head rows over ``RADIX_SELECT_ABOVE`` keys, else ``"triton"``. Reads the limit at
     call time (the benchmarks and tests change it)."""
-    return "radix" if not share_kv_group and n_keys > TORCH_SELECT_ABOVE else "triton"
+    return "radix" if not share_kv_group and n_keys > RADIX_SELECT_ABOVE else "triton"
 
 
 def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max_k: int, share_kv_group: bool,
@@ -90,4 +90,4 @@ def topk_select(q, k, lengths, *, sink: int, window: int, size: int | float, max
     return (idx, counts, s) if keep_scores else (idx, counts)
 
 
-__all__ = ["TORCH_SELECT_ABOVE", "select_path", "topk_select"]
+__all__ = ["RADIX_SELECT_ABOVE", "select_path", "topk_select"]
