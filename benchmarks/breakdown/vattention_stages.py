@@ -148,16 +148,13 @@ def list_mismatches(idx, counts, scores) -> int:
 
 
 # The attention pass's launch settings timed (attend_triton's keywords; "sms": programs = that many per SM, the
-# SM count read on the device). The default: 32-key blocks, 4 warps, 3 stages, 5 programs per SM. One setting of
-# b32-s3-6/sm and b16-s4-6/sm gave a wrong estimate on the H200 (rel err 0.70); the ways after them change one
-# setting each from the default (blocks of 16, 4 stages, 6 programs per SM) to name the one that does.
+# SM count read on the device). The default: 32-key blocks, 4 warps, 3 stages, 5 programs per SM. 16-key blocks
+# are refused by attend_triton (a wrong estimate on the H200).
 ATTEND_WAYS = {
     "default": {},
     "b64-4/sm": {"block_n": 64, "sms": 4},
     "b32-s4-4/sm": {"block_n": 32, "num_stages": 4, "sms": 4},
     "b32-s3-6/sm": {"block_n": 32, "num_stages": 3, "sms": 6},
-    "b16-s4-6/sm": {"block_n": 16, "num_stages": 4, "sms": 6},
-    "b16-s3-5/sm": {"block_n": 16, "num_stages": 3, "sms": 5},
     "b32-s4-5/sm": {"block_n": 32, "num_stages": 4, "sms": 5},
 }
 
