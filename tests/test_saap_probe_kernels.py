@@ -78,6 +78,63 @@ def test_parallel_update_on_cuda():
     assert int(out.split("ties")[-1]) > 0
 
 
+AHEAD_ROW_CASES = r"""
+import torch
+from kvsieve.kernels.saap.index import assign_ahead_reference, assign_ahead_triton, build_assign
+checked = ties = 0
+# (seed, b, hkv, d, n, c, span, block_c): spans of 4 (one pass of four keys), 5 and 16 (several, the last one partial),
+# C a multiple of the tile and not, ragged rows, one row shorter than its window
+for seed, b, hkv, d, n, c, span, block_c in [(0, 3, 2, 16, 200, 40, 4, 16), (1, 2, 1, 32, 150, 100, 16, 32),
+                                             (2, 1, 2, 16, 90, 17, 5, 16)]:
+    g = torch.Generator().manual_seed(seed)
+    freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    start = torch.randint(n // 2, n - 40, (b,), generator=g)
+    start[-1] = 20
+    window = torch.randint(10, 40, (b,), generator=g)
+    unit = torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
+    # tied centroids against small-integer keys compared as stored (exact products): the first index must win, within
+    # a tile row's column across tiles and across rows
+    tied = torch.randint(-2, 3, (hkv, 3, d), generator=g).float()[:, torch.randint(0, 3, (c,), generator=g)]
+    k_int = torch.randint(-3, 4, (b, hkv, n, d), generator=g).float()
+    k = torch.randn(b, hkv, n, d, generator=g)
+    for cent, inv, keys in ((unit, freq, k), (tied.contiguous(), None, k_int)):
+        assign, t_lo = build_assign(keys, start, window, 1, cent, inv, 1.3, n)
+        for step in (1, 7):
+            lengths = (start + step).int()
+            ref, key, row = assign.clone(), assign.clone(), assign.clone()
+            assign_ahead_reference(ref, keys, t_lo, lengths, window, span, cent, inv, 1.3)
+            assign_ahead_triton(key, keys, t_lo, lengths, window, span, cent, inv, 1.3, block_c=block_c, per="key")
+            assign_ahead_triton(row, keys, t_lo, lengths, window, span, cent, inv, 1.3, block_c=block_c, per="row")
+            assert torch.equal(key, ref) and torch.equal(row, ref), (seed, step, (row != ref).nonzero()[:5])
+            ties += int(inv is None and keys is k_int)
+            checked += 1
+print("checked", checked, "ties", ties)
+"""
+
+
+@pytest.mark.triton
+def test_the_update_ahead_one_program_a_row_equals_one_a_key():
+    """The update one step ahead as one program a (row, KV head) (``per="row"``: four keys a pass over the centroid
+    tiles, each key's best kept per tile row) writes the reference's buckets and the one-program-a-key form's, bit for
+    bit: de-roped keys and integer keys as stored, spans 4, 5 and 16, ragged rows, tiles that cut C unevenly, exact
+    ties."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    out = run_script(AHEAD_ROW_CASES, "cpu", interpret=True)
+    assert int(out.split()[1]) == 12 and int(out.split("ties")[-1]) > 0
+
+
+def test_the_update_ahead_form_is_checked():
+    from kvsieve.kernels.saap.index import ahead_launch_meta
+
+    k, cent = torch.zeros(1, 2, 8, 16), torch.zeros(2, 40, 16)
+    assert ahead_launch_meta(k, 4, cent, None, per="row")["PROGRAMS"] == 1
+    assert ahead_launch_meta(k, 4, cent, None, per="key")["PROGRAMS"] == 4
+    with pytest.raises(ValueError, match="per"):
+        ahead_launch_meta(k, 4, cent, None, per="rows")
+
+
 def test_the_update_is_parallel_at_batch_one_only():
     """The measured rule (docs/methods/saap.md): parallel at batch 1, serial from batch 2 on."""
     from kvsieve.kernels.saap.index import parallel_update

@@ -29,7 +29,8 @@ step and finish in one short pass each. Which one runs is a rule on the batch, k
 captured (:func:`parallel_update`).
 
 The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program`, one program
-per key, as extra programs of the bucket attention's launch): the keys that will leave the window in the next
+per key, or :func:`assign_ahead_row_program`, one per row and KV head (:data:`AHEAD_PER`), as extra programs of the
+bucket attention's launch): the keys that will leave the window in the next
 ``span`` keys are already in K, and are still in the window, where the attention does not read ``assign``. A step
 then finds the keys leaving it assigned, and no launch before its attention waits on the update.
 """
@@ -55,6 +56,16 @@ PARALLEL_BLOCK_R = 32
 #: bucket kernel's launch at its 4 warps) scores an iteration. One key a program: the span's keys as one padded dot
 #: tile a (row, KV head) were slower on the H200 (docs/methods/saap.md, forms measured and dropped).
 AHEAD_BLOCK_C = 64
+#: Which programs run the update one step ahead: ``"key"``, one a key (:func:`assign_ahead_program`, ``span`` a row
+#: and KV head, each streaming the C centroids from L2: at batch 8 and C = 1024, 256 programs and 128 MB of L2 reads a
+#: step, holding the bucket launch's first wave), or ``"row"``, one a (row, KV head) (:func:`assign_ahead_row_program`:
+#: its keys scored against each centroid tile read once, the next tile's loads issued before the current one is
+#: scored; a quarter of the programs and of the reads). Both give the same scores bit for bit, hence the same buckets.
+AHEAD_PER = "key"
+#: Centroids a tile of the ``"row"`` form: [32, d] float32 and the next one in flight, with each of the four keys'
+#: running best per tile row (per-row maxima, no cross-warp reduction until the last tile).
+AHEAD_ROW_BLOCK_C = 32
+AHEAD_FORMS = ("key", "row")
 
 
 def parallel_update(batch: int) -> bool:
@@ -280,6 +291,82 @@ if triton is not None:
                         pos, D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
+    def _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u):
+        """``(pos, ok)``: key ``u`` of row ``b``'s update one step ahead (:func:`assign_ahead_reference`) and whether it
+        is written (``u < span``, at or past ``t_lo`` and below the row's length)."""
+        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
+        length = tl.load(len_ptr + b).to(tl.int32)
+        pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
+        ok = (u < span) & (pos >= t_lo) & (pos < length)
+        return tl.where(ok, pos, 0), ok
+
+    @triton.jit
+    def _row_best(cb, x, cc, c_ok, best, best_i):
+        """The running best of one key over the tile rows: ``cb``'s products with ``x`` (the sum :func:`_assign_key`
+        takes, on a tile of the same layout), each row's larger product kept with its first index."""
+        sc = tl.where(c_ok, tl.sum(cb * x[None, :], axis=1), float("-inf"))
+        better = sc > best  # strict: an equal product later in the row's column keeps the earlier (lower) index
+        return tl.where(better, sc, best), tl.where(better, cc, best_i)
+
+    @triton.jit
+    def _store_best(a_row, pos, ok, best, best_i, n_buckets):
+        """The first index of the largest of the rows' bests (the lowest index among equal maxima) to ``a_row[pos]``."""
+        top = tl.max(best, axis=0)
+        idx = tl.min(tl.where(best == top, best_i, n_buckets), axis=0)
+        tl.store(a_row + pos, idx.to(a_row.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
+                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Work item (row ``b``, KV head ``h``) of :func:`assign_ahead_reference`: the row's ``span`` keys, four a pass
+        over the centroids. Each ``[BLOCK_C, d]`` centroid tile is read once for the four keys (the next tile's loads
+        in flight while this one is scored); each key keeps its best product per tile row, reduced over the rows after
+        the last tile. The products are :func:`_assign_key`'s (same de-rope, same per-row sum), so the buckets are the
+        one-program-a-key form's bit for bit. Extra programs of the bucket attention's launch, as that form's."""
+        offs_d = tl.arange(0, D)
+        offs_c = tl.arange(0, BLOCK_C)
+        k_row = k_ptr + b.to(tl.int64) * s_kb + h * s_kh
+        a_row = assign_ptr + b.to(tl.int64) * s_ab + h * s_ah
+        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
+        for u0 in range(0, span, 4):
+            p0, ok0 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0)
+            p1, ok1 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 1)
+            p2, ok2 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 2)
+            p3, ok3 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 3)
+            if ok0 | ok1 | ok2 | ok3:
+                x0 = _load_key(k_row + p0.to(tl.int64) * s_kn + offs_d, offs_d, p0, freq_ptr, scaling,
+                               offs_d < tl.where(ok0, D, 0), HALF, DEROPE)
+                x1 = _load_key(k_row + p1.to(tl.int64) * s_kn + offs_d, offs_d, p1, freq_ptr, scaling,
+                               offs_d < tl.where(ok1, D, 0), HALF, DEROPE)
+                x2 = _load_key(k_row + p2.to(tl.int64) * s_kn + offs_d, offs_d, p2, freq_ptr, scaling,
+                               offs_d < tl.where(ok2, D, 0), HALF, DEROPE)
+                x3 = _load_key(k_row + p3.to(tl.int64) * s_kn + offs_d, offs_d, p3, freq_ptr, scaling,
+                               offs_d < tl.where(ok3, D, 0), HALF, DEROPE)
+                b0 = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
+                i0 = tl.full([BLOCK_C], 0, dtype=tl.int32) + n_buckets
+                b1, b2, b3 = b0, b0, b0
+                i1, i2, i3 = i0, i0, i0
+                cb = tl.load(cent_row + offs_c[:, None] * D + offs_d[None, :], mask=(offs_c < n_buckets)[:, None],
+                             other=0.0)
+                for c0 in range(0, n_buckets, BLOCK_C):
+                    cc = c0 + offs_c
+                    c_ok = cc < n_buckets
+                    # the next tile's loads issued before this one is scored: a tile waits on L2 once, not per key
+                    nxt = cc + BLOCK_C
+                    cb_next = tl.load(cent_row + nxt[:, None] * D + offs_d[None, :], mask=(nxt < n_buckets)[:, None],
+                                      other=0.0)
+                    b0, i0 = _row_best(cb, x0, cc, c_ok, b0, i0)
+                    b1, i1 = _row_best(cb, x1, cc, c_ok, b1, i1)
+                    b2, i2 = _row_best(cb, x2, cc, c_ok, b2, i2)
+                    b3, i3 = _row_best(cb, x3, cc, c_ok, b3, i3)
+                    cb = cb_next
+                _store_best(a_row, p0, ok0, b0, i0, n_buckets)
+                _store_best(a_row, p1, ok1, b1, i1, n_buckets)
+                _store_best(a_row, p2, ok2, b2, i2, n_buckets)
+                _store_best(a_row, p3, ok3, b3, i3, n_buckets)
+
+    @triton.jit
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, item,
                                D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -341,11 +428,18 @@ if triton is not None:
     @triton.jit
     def _assign_ahead_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
                              span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
-        """Program (row, KV head, key): :func:`assign_ahead_program`."""
-        assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
-                             span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                             D, HALF, BLOCK_C, DEROPE)
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr,
+                             ROW: tl.constexpr):
+        """Program (row, KV head, key): :func:`assign_ahead_program`; with ``ROW`` (one program a row and KV head)
+        :func:`assign_ahead_row_program`."""
+        if ROW:
+            assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                     n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0),
+                                     tl.program_id(1), D, HALF, BLOCK_C, DEROPE)
+        else:
+            assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
+                                 tl.program_id(2), D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -391,25 +485,31 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
 
 
 def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                      block_c: int | None = None) -> dict:
-    """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key), ``D``,
-    ``HALF``, ``BLOCK_C`` (centroids an iteration, default :data:`AHEAD_BLOCK_C`, fewer when C is smaller),
-    ``DEROPE``."""
+                      block_c: int | None = None, per: str | None = None) -> dict:
+    """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key; 1 with
+    ``per="row"``), ``D``, ``HALF``, ``BLOCK_C`` (centroids an iteration, default :data:`AHEAD_BLOCK_C`, or
+    :data:`AHEAD_ROW_BLOCK_C` for the row form; fewer when C is smaller), ``DEROPE``, ``ROW``. ``per``: ``"key"`` or
+    ``"row"``, default :data:`AHEAD_PER`."""
+    per = AHEAD_PER if per is None else per
+    if per not in AHEAD_FORMS:
+        raise ValueError(f"per: expected one of {AHEAD_FORMS}, got {per!r}")
     d = k.shape[-1]
-    return dict(PROGRAMS=span, D=d, HALF=d // 2,
-                BLOCK_C=min(block_c or AHEAD_BLOCK_C, max(16, next_pow2(centroids.shape[1]))),
-                DEROPE=inv_freq is not None)
+    row = per == "row"
+    block = block_c or (AHEAD_ROW_BLOCK_C if row else AHEAD_BLOCK_C)
+    return dict(PROGRAMS=1 if row else span, D=d, HALF=d // 2,
+                BLOCK_C=min(block, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None, ROW=row)
 
 
 def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
                         window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                        scaling: float, block_c: int | None = None) -> None:
-    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c``
-    as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch instead."""
+                        scaling: float, block_c: int | None = None, per: str | None = None) -> None:
+    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c`` and
+    ``per`` as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch
+    instead."""
     if triton is None:
         raise RuntimeError("assign_ahead_triton needs triton")
     k = _checked_keys(assign, k, span, centroids)
-    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c)
+    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, per)
     _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
         k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
         centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),

@@ -379,7 +379,8 @@ def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0, tail: tuple | None = None,
-                        parallel_tail: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        parallel_tail: bool | None = None,
+                        rank_chunk: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
@@ -389,7 +390,9 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     :func:`kvsieve.kernels.saap.index.assign_tail_triton` (``assign, k, t_lo, lengths, window, span, centroids,
     inv_freq, scaling``), whose update then runs inside the probe's launches: the parallel one where
     ``parallel_tail`` (default :func:`kvsieve.kernels.saap.index.parallel_update` of the keys' batch), else the
-    serial one."""
+    serial one. ``rank_chunk``: buckets a rank program ranks (a power of two; default :data:`RANK_CHUNK`, at most
+    C rounded up to a power of two): the launch is ``B·Hkv·C / rank_chunk`` programs, each rebuilding the group's C
+    scores with the same code, so the scores and the top-ℓ are the same bits whatever the chunk."""
     from ..shared.triton_utils import kernels_interpreted, next_pow2
     from .index import parallel_tail_args, parallel_update, tail_launch_args
 
@@ -403,6 +406,10 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
                          "a classifier of one model per KV head or per query head")
     if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
         raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
+    rank_chunk = RANK_CHUNK if rank_chunk is None else rank_chunk
+    if isinstance(rank_chunk, bool) or not isinstance(rank_chunk, int) or rank_chunk < 1 \
+            or rank_chunk != next_pow2(rank_chunk):
+        raise ValueError(f"rank_chunk: expected a power of two >= 1, got {rank_chunk!r}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     per = hq // models
@@ -452,7 +459,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     block_c = max(16, next_pow2(buckets))
-    chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
+    chunk = min(rank_chunk, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
     sub = min(RANK_SUB, chunk)
     chunks = triton.cdiv(buckets, chunk)
     rank_programs = b * kv_heads * chunks
