@@ -167,3 +167,30 @@ def test_the_probe_benchmark_checks_every_variant(tmp_path):
     assert "FAIL" not in table and table.count("assign True") == 2 * 7 and table.count("out err") == 2 * 2
     # the sweeps: the rank launch's chunk (several comparison passes a program past 32) and the ahead update's block
     assert table.count("| probe | RANK_CHUNK") == 2 * 4 and table.count("| layer-ahead | AHEAD_BLOCK_C") == 2 * 3
+
+
+@pytest.mark.triton
+def test_the_probe_benchmark_checks_the_batch_8_variants(tmp_path):
+    """``--variants b8`` on one tiny batch of 2 under the interpreter: every batch-8 variant passes the references'
+    checks and equals the current path it replaces (same top-ℓ, scores, index; the layer's output within 2e-2)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    bench = root / "benchmarks" / "saap_probe" / "run.py"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
+    res = subprocess.run([sys.executable, str(bench), "--check", "--cases", "2x120", "--variants", "b8", "--out",
+                          str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = (tmp_path / "saap_probe.md").read_text()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("saap_probe_run", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for variant in module.B8_VARIANTS:
+        assert f"| {variant} |" in table
+    assert "FAIL" not in table and table.count("same as current True") == len(module.B8_VARIANTS)
