@@ -167,3 +167,48 @@ def test_bucket_loop_matches_the_reference_with_the_update_ahead(part):
 
     out = run_script(BUCKET, "cpu", interpret=True, part=part)
     assert int(out.split()[1]) == 5 and float(out.split("worst")[-1]) < 2e-2
+
+
+COMPILE_B8 = r"""
+from kvsieve.kernels.saap import buckets, index, probe
+from kvsieve.kernels.shared.triton_utils import next_pow2
+# what a launch at Llama-3.1-8B shapes specialises: 16-byte aligned pointers, strides, C and ℓ multiples of 16
+STRIDES = ("n_buckets", "n_probe", "n_ids", "s_asb", "s_ash", "s_qb", "s_qh", "s_kb", "s_kh", "s_kn", "s_vb", "s_vh",
+           "s_vn", "s_ab", "s_ah", "s_ap", "s_mb", "s_ob", "s_oh")
+pointers = {{"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "acc_ptr": "*fp32",
+            "m_ptr": "*fp32", "l_ptr": "*fp32", "lse_ptr": "*fp32", "dense_ptr": "*i64", "dense_cnt_ptr": "*i64",
+            "lo_ptr": "*i64", "hi_ptr": "*i64", "off_ptr": "*i64", "ids_ptr": "*i64", "bkt_ptr": "*i64",
+            "counts_ptr": "*i64", "sem_ptr": "*i32", "tail_lo_ptr": "*i64", "assign_ptr": "*i64", "cent_ptr": "*fp32",
+            "freq_ptr": "*fp32"}}
+regs = {{}}
+for block_n, ahead in ((64, 1), (32, 1)):
+    meta = {{"GROUP": 4, "BLOCK_G": 16, "BLOCK_N": block_n, "D": 128, "DV": 128, "BLOCK_L": 32, "SPLITS": 6,
+            "HAS_RANGE": False, "HAS_TAIL": True, "DOT_PRECISION": "tf32", "DOT_F32": False, "FUSED_MERGE": True,
+            "GROUP_P": 4, "BLOCK_S": 16, "MERGE_S": 8, "AHEAD": ahead, "A_HALF": 64,
+            "A_BLOCK_C": index.AHEAD_ROW_BLOCK_C if ahead == 1 else index.AHEAD_BLOCK_C, "A_DEROPE": True}}
+    compiled = compile_(buckets._bucket_parts_kernel, pointers, meta, floats=("scale", "a_scaling"),
+                        aligned=tuple(pointers) + STRIDES)
+    regs[(block_n, ahead)] = registers(compiled)
+print("REGS", regs)
+# the row form in the launch keeps the kernel at four programs of 4 warps an SM (at most 128 registers a thread)
+assert regs[(64, 1)] <= 128 and regs[(32, 1)] <= 128, regs
+rank_pointers = {{"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32", "rpi_ptr": "*i32",
+                 "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}}
+for chunk in (128,):  # a larger rank chunk: several [32, 1024] comparison passes a program
+    compile_(probe._group_rank_kernel, rank_pointers, {{"GROUP": 4, "BLOCK_C": 1024, "CHUNK": chunk, "SUB": 32,
+                                                       "PARTS": 4, "TOP": True, "TAIL": False, "R_BLOCKS_P": 16}})
+print("COMPILED")
+"""
+
+
+@pytest.mark.triton
+def test_the_batch_8_variants_compile_for_the_h100():
+    """The interpreter does not type-check untaken branches nor pipeline loops; compiling for sm_90 (no GPU) does:
+    the bucket kernel with the update ahead one program a (row, KV head) (its pipelined centroid loop, the four keys'
+    joined reduction) at chunks of 64 and 32 keys, at most 128 registers a thread as a launch specialises it; the rank
+    launch with chunks of 128 buckets."""
+    pytest.importorskip("triton")
+    from interpreted import compile_for_sm90
+
+    out = compile_for_sm90(COMPILE_B8.format())
+    assert "REGS" in out

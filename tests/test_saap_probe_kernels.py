@@ -99,7 +99,7 @@ for seed, b, hkv, d, n, c, span, block_c in [(0, 3, 2, 16, 200, 40, 4, 16), (1, 
     k = torch.randn(b, hkv, n, d, generator=g)
     for cent, inv, keys in ((unit, freq, k), (tied.contiguous(), None, k_int)):
         assign, t_lo = build_assign(keys, start, window, 1, cent, inv, 1.3, n)
-        for step in (1, 7):
+        for step in (1, 7) if seed == 0 else (5,):
             lengths = (start + step).int()
             ref, key, row = assign.clone(), assign.clone(), assign.clone()
             assign_ahead_reference(ref, keys, t_lo, lengths, window, span, cent, inv, 1.3)
@@ -122,7 +122,7 @@ def test_the_update_ahead_one_program_a_row_equals_one_a_key():
     from interpreted import run_script
 
     out = run_script(AHEAD_ROW_CASES, "cpu", interpret=True)
-    assert int(out.split()[1]) == 12 and int(out.split("ties")[-1]) > 0
+    assert int(out.split()[1]) == 8 and int(out.split("ties")[-1]) > 0
 
 
 def test_the_update_ahead_form_is_checked():

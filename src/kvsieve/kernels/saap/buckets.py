@@ -263,19 +263,18 @@ if triton is not None:
         DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
         FUSED_MERGE: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr,
         AHEAD: tl.constexpr, A_HALF: tl.constexpr, A_BLOCK_C: tl.constexpr, A_DEROPE: tl.constexpr,
-        A_ROW: tl.constexpr,
     ):
         """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` programs per (KV head, row) that
         come first in the grid (dispatched first): the index update one step ahead
-        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`, one a key; with ``A_ROW`` one a (row, KV head),
-        :func:`kvsieve.kernels.saap.index.assign_ahead_row_program`), which writes ``assign`` at or past ``L − W``;
-        the attention programs read it below."""
+        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`, one a key; with ``AHEAD = 1`` one for all the
+        row's keys, :func:`kvsieve.kernels.saap.index.assign_ahead_row_program`, which at a span of 1 is the same
+        work), which writes ``assign`` at or past ``L − W``; the attention programs read it below."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
         if AHEAD > 0:
             if split < AHEAD:
-                if A_ROW:
+                if AHEAD == 1:
                     assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr,
                                              a_scaling, n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h,
                                              D, A_HALF, A_BLOCK_C, A_DEROPE)
@@ -521,7 +520,7 @@ def bucket_sparse_decode_triton(
         t_lo, assign = lo, ids
     if ahead is None:
         cent, freq, a_scaling, a_span = q, q, 1.0, 1
-        a_meta = dict(PROGRAMS=0, HALF=8, BLOCK_C=16, DEROPE=False, ROW=False)
+        a_meta = dict(PROGRAMS=0, HALF=8, BLOCK_C=16, DEROPE=False)
     else:
         from .index import ahead_launch_meta
 

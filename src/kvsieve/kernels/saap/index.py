@@ -301,18 +301,20 @@ if triton is not None:
         return tl.where(ok, pos, 0), ok
 
     @triton.jit
-    def _row_best(cb, x, cc, c_ok, best, best_i):
-        """The running best of one key over the tile rows: ``cb``'s products with ``x`` (the sum :func:`_assign_key`
-        takes, on a tile of the same layout), each row's larger product kept with its first index."""
-        sc = tl.where(c_ok, tl.sum(cb * x[None, :], axis=1), float("-inf"))
-        better = sc > best  # strict: an equal product later in the row's column keeps the earlier (lower) index
-        return tl.where(better, sc, best), tl.where(better, cc, best_i)
+    def _ranked(cb, x, cc, c_ok, n_buckets):
+        """``[BLOCK_C]`` int64: each tile row's product with the key ``x`` (the sum :func:`_assign_key` takes, on a
+        tile of the same layout: the same float32 bits) and its bucket in one integer that orders as "larger product,
+        then lower index": the product's bits made monotone (−0 taken as +0, equal to it as a float) in the high word,
+        ``C − 1 − c`` in the low word. The largest of them is ``torch.argmax``'s choice."""
+        sc = tl.where(c_ok, tl.sum(cb * x[None, :], axis=1), float("-inf")) + 0.0
+        bits = sc.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | tl.where(c_ok, n_buckets - 1 - cc, 0).to(tl.int64)
 
     @triton.jit
-    def _store_best(a_row, pos, ok, best, best_i, n_buckets):
-        """The first index of the largest of the rows' bests (the lowest index among equal maxima) to ``a_row[pos]``."""
-        top = tl.max(best, axis=0)
-        idx = tl.min(tl.where(best == top, best_i, n_buckets), axis=0)
+    def _store_ranked(a_row, pos, ok, best, n_buckets):
+        """The bucket of a :func:`_ranked` value to ``a_row[pos]`` (where ``ok``)."""
+        idx = n_buckets - 1 - (best & 0xFFFFFFFF)
         tl.store(a_row + pos, idx.to(a_row.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -320,10 +322,11 @@ if triton is not None:
                                  n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
                                  D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
         """Work item (row ``b``, KV head ``h``) of :func:`assign_ahead_reference`: the row's ``span`` keys, four a pass
-        over the centroids. Each ``[BLOCK_C, d]`` centroid tile is read once for the four keys (the next tile's loads
-        in flight while this one is scored); each key keeps its best product per tile row, reduced over the rows after
-        the last tile. The products are :func:`_assign_key`'s (same de-rope, same per-row sum), so the buckets are the
-        one-program-a-key form's bit for bit. Extra programs of the bucket attention's launch, as that form's."""
+        over the centroids. Each ``[BLOCK_C, d]`` centroid tile is read once for the four keys, the loop pipelined
+        (three stages: two tiles in flight while one is scored). The four keys' products are :func:`_assign_key`'s
+        (same de-rope, same per-row sum), each packed with its bucket (:func:`_ranked`), and the four keys' tile maxima
+        taken in one reduction over the tile rows: the buckets are the one-program-a-key form's bit for bit. Extra
+        programs of the bucket attention's launch, as that form's."""
         offs_d = tl.arange(0, D)
         offs_c = tl.arange(0, BLOCK_C)
         k_row = k_ptr + b.to(tl.int64) * s_kb + h * s_kh
@@ -343,28 +346,23 @@ if triton is not None:
                                offs_d < tl.where(ok2, D, 0), HALF, DEROPE)
                 x3 = _load_key(k_row + p3.to(tl.int64) * s_kn + offs_d, offs_d, p3, freq_ptr, scaling,
                                offs_d < tl.where(ok3, D, 0), HALF, DEROPE)
-                b0 = tl.full([BLOCK_C], float("-inf"), dtype=tl.float32)
-                i0 = tl.full([BLOCK_C], 0, dtype=tl.int32) + n_buckets
-                b1, b2, b3 = b0, b0, b0
-                i1, i2, i3 = i0, i0, i0
-                cb = tl.load(cent_row + offs_c[:, None] * D + offs_d[None, :], mask=(offs_c < n_buckets)[:, None],
-                             other=0.0)
-                for c0 in range(0, n_buckets, BLOCK_C):
+                # below every _ranked value of a finite product or of -inf with its low word
+                best = tl.full([2, 2], -2139095041, dtype=tl.int64) << 32
+                for c0 in tl.range(0, n_buckets, BLOCK_C, num_stages=3):
                     cc = c0 + offs_c
                     c_ok = cc < n_buckets
-                    # the next tile's loads issued before this one is scored: a tile waits on L2 once, not per key
-                    nxt = cc + BLOCK_C
-                    cb_next = tl.load(cent_row + nxt[:, None] * D + offs_d[None, :], mask=(nxt < n_buckets)[:, None],
-                                      other=0.0)
-                    b0, i0 = _row_best(cb, x0, cc, c_ok, b0, i0)
-                    b1, i1 = _row_best(cb, x1, cc, c_ok, b1, i1)
-                    b2, i2 = _row_best(cb, x2, cc, c_ok, b2, i2)
-                    b3, i3 = _row_best(cb, x3, cc, c_ok, b3, i3)
-                    cb = cb_next
-                _store_best(a_row, p0, ok0, b0, i0, n_buckets)
-                _store_best(a_row, p1, ok1, b1, i1, n_buckets)
-                _store_best(a_row, p2, ok2, b2, i2, n_buckets)
-                _store_best(a_row, p3, ok3, b3, i3, n_buckets)
+                    cb = tl.load(cent_row + cc[:, None] * D + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+                    # [BLOCK_C, 2, 2]: key 2·j + i at [:, i, j]; one reduction over the rows for the four keys
+                    four = tl.join(tl.join(_ranked(cb, x0, cc, c_ok, n_buckets), _ranked(cb, x1, cc, c_ok, n_buckets)),
+                                   tl.join(_ranked(cb, x2, cc, c_ok, n_buckets), _ranked(cb, x3, cc, c_ok, n_buckets)))
+                    best = tl.maximum(best, tl.max(four, axis=0))
+                first, second = tl.split(best)  # keys (0, 1) and (2, 3)
+                r0, r1 = tl.split(first)
+                r2, r3 = tl.split(second)
+                _store_ranked(a_row, p0, ok0, r0, n_buckets)
+                _store_ranked(a_row, p1, ok1, r1, n_buckets)
+                _store_ranked(a_row, p2, ok2, r2, n_buckets)
+                _store_ranked(a_row, p3, ok3, r3, n_buckets)
 
     @triton.jit
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -428,18 +426,20 @@ if triton is not None:
     @triton.jit
     def _assign_ahead_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
                              span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr,
-                             ROW: tl.constexpr):
-        """Program (row, KV head, key): :func:`assign_ahead_program`; with ``ROW`` (one program a row and KV head)
-        :func:`assign_ahead_row_program`."""
-        if ROW:
-            assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                     n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0),
-                                     tl.program_id(1), D, HALF, BLOCK_C, DEROPE)
-        else:
-            assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                             D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row, KV head, key): :func:`assign_ahead_program`."""
+        assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling, n_buckets,
+                             span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                             D, HALF, BLOCK_C, DEROPE)
+
+    @triton.jit
+    def _assign_ahead_row_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
+                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
+                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
+        """Program (row, KV head): :func:`assign_ahead_row_program`."""
+        assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                  n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
-                                 tl.program_id(2), D, HALF, BLOCK_C, DEROPE)
+                                 D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
@@ -487,9 +487,10 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
 def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
                       block_c: int | None = None, per: str | None = None) -> dict:
     """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key; 1 with
-    ``per="row"``), ``D``, ``HALF``, ``BLOCK_C`` (centroids an iteration, default :data:`AHEAD_BLOCK_C`, or
-    :data:`AHEAD_ROW_BLOCK_C` for the row form; fewer when C is smaller), ``DEROPE``, ``ROW``. ``per``: ``"key"`` or
-    ``"row"``, default :data:`AHEAD_PER`."""
+    ``per="row"``: one for all the row's keys, :func:`assign_ahead_row_program`), ``D``, ``HALF``, ``BLOCK_C``
+    (centroids an iteration, default :data:`AHEAD_BLOCK_C`, or :data:`AHEAD_ROW_BLOCK_C` for the row form; fewer when
+    C is smaller), ``DEROPE``. ``per``: ``"key"`` or ``"row"``, default :data:`AHEAD_PER`. A launch tells the forms
+    apart by ``PROGRAMS`` (at a span of 1 they do the same work)."""
     per = AHEAD_PER if per is None else per
     if per not in AHEAD_FORMS:
         raise ValueError(f"per: expected one of {AHEAD_FORMS}, got {per!r}")
@@ -497,7 +498,7 @@ def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_f
     row = per == "row"
     block = block_c or (AHEAD_ROW_BLOCK_C if row else AHEAD_BLOCK_C)
     return dict(PROGRAMS=1 if row else span, D=d, HALF=d // 2,
-                BLOCK_C=min(block, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None, ROW=row)
+                BLOCK_C=min(block, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None)
 
 
 def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
@@ -510,7 +511,9 @@ def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tenso
         raise RuntimeError("assign_ahead_triton needs triton")
     k = _checked_keys(assign, k, span, centroids)
     meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, per)
-    _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
+    programs = meta.pop("PROGRAMS")
+    kernel = _assign_ahead_row_kernel if programs == 1 else _assign_ahead_kernel
+    kernel[(k.shape[0], k.shape[1], programs)](
         k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
         centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
         **meta, num_warps=4)
