@@ -126,16 +126,15 @@ CURRENT_VARIANTS = ("update-serial", "update-parallel", "probe", "step-serial", 
                     "update-ahead", "layer-ahead")
 #: The batch-8 variants (``--variants b8`` times them with the current path they replace): name → (the current
 #: variant it is checked against, :func:`layer_step`'s keywords, or ``rank_chunk`` / ``per`` for a probe / an update
-#: alone). ``row``: the update ahead one program a (row, KV head); ``n32``: chunks of 32 keys in the bucket loop (168
-#: registers a thread: three programs an SM); ``p320``: 320 attention programs aimed at (five a row at batch 8, so
-#: that they and the 64 row programs make one wave of three an SM on the H200's 132 SMs); ``rank N``: the rank
-#: launch's programs rank N buckets each (B·Hkv·C / N programs).
+#: alone). ``row``: the update ahead one program a (row, KV head); ``n32``: chunks of 32 keys in the bucket loop (fewer
+#: registers: more programs an SM); ``p768``: 768 attention programs aimed at (12 a row at batch 8, the separate
+#: merge) rather than 384; ``rank N``: the rank launch's programs rank N buckets each (B·Hkv·C / N programs).
 B8_VARIANTS = {
     "update-ahead-row": ("update-ahead", dict(per="row")),
     "layer-ahead-row": ("layer-ahead", dict(ahead_per="row")),
     "layer-ahead-n32": ("layer-ahead", dict(block_n=32)),
     "layer-ahead-row-n32": ("layer-ahead", dict(ahead_per="row", block_n=32)),
-    "layer-ahead-row-n32-p320": ("layer-ahead", dict(ahead_per="row", block_n=32, programs=320)),
+    "layer-ahead-row-p768": ("layer-ahead", dict(ahead_per="row", programs=768)),
     "probe-rank64": ("probe", dict(rank_chunk=64)),
     "probe-rank128": ("probe", dict(rank_chunk=128)),
     "probe-rank256": ("probe", dict(rank_chunk=256)),
@@ -345,6 +344,13 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
         graph = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
         lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
                      f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
+    regs = meta.get("kernel_registers") or {}
+    if regs:
+        lines += ["", "## Registers a thread as launched (Triton's caches: regs / spills / shared bytes)", ""]
+        for name, entries in sorted(regs.items()):
+            got = sorted({(e.get("regs"), e.get("spills"), e.get("shared")) for e in entries if "regs" in e},
+                         key=str)
+            lines.append(f"- {name}: " + ", ".join(f"{r} / {sp} / {sh}" for r, sp, sh in got))
     if sweep_rows:
         lines += ["", "## Variants over launch constants (--sweep)", "",
                   "| batch | keys | variant | constants | graph µs | check |", "|---:|---:|---|---|---:|---|"]
@@ -354,6 +360,31 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
             lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['variant']} | {consts} | {graph} | "
                          f"{'ok' if r['ok'] else 'FAIL'} |")
     return "\n".join(lines) + "\n"
+
+
+def kernel_registers() -> dict:
+    """``{kernel: [{regs, spills, shared, key}]}``: what each SAAP kernel compiled in this process uses as launched
+    (the launch's specialisation: aligned pointers, strides that are multiples of 16), read from Triton's caches;
+    empty where this Triton keeps them elsewhere or under the interpreter."""
+    from kvsieve.kernels.saap import buckets as bucket_module
+
+    found = {}
+    for module in (bucket_module, index, probe):
+        for name in dir(module):
+            caches = getattr(getattr(module, name), "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            try:
+                for per_device in caches.values():
+                    cache = per_device[0] if isinstance(per_device, tuple) else per_device
+                    for key, compiled in cache.items():
+                        found.setdefault(name, []).append({
+                            "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                            "shared": getattr(getattr(compiled, "metadata", None), "shared", None),
+                            "key": str(key)[:400]})
+            except Exception as err:  # a report, not a check: say why it is missing
+                found[name] = [{"error": repr(err)[:200]}]
+    return found
 
 
 def parse_cases(text: str) -> list[tuple[int, int]]:
@@ -400,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "torch": torch.__version__,
             "shape": "{hq}/{hkv}/{d} heads, C = {buckets}, ℓ = {probes}, window {window}".format(**shape)}
+    meta["kernel_registers"] = kernel_registers()
     text = markdown(meta, rows, sweep_rows)
     print(text)
     if args.out is not None:
