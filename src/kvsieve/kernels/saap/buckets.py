@@ -400,8 +400,10 @@ if triton is not None:
                     tl.atomic_xchg(sem_ptr + row, 0)
 
 
-#: Keys a chunk of the bucket loop (``block_n``'s default): 64 compiles to 224 registers a thread for sm_90 (two
-#: programs of 4 warps an SM), 32 to 168 (three).
+#: Keys a chunk of the bucket loop (``block_n``'s default). With the update ahead one program a key, 64 compiles to 224
+#: registers a thread for sm_90 and 32 to 168 unspecialised (as tests/test_saap.py compiles it), but to 109 and 80 as a
+#: launch at Llama-3.1-8B shapes specialises it (16-byte aligned pointers, strides, C and ℓ multiples of 16): four
+#: programs of 4 warps an SM against six.
 BUCKET_BLOCK_N = 64
 #: Attention programs a launch aims at (:func:`default_splits`): one wave of three an SM on an H100.
 BUCKET_PROGRAMS = 384
