@@ -39,10 +39,11 @@ for seed, b, hq, hkv, models, d, hidden, c, probes in CASES[{part}::2]:
         worst = max(worst, float((scores - ref).abs().max()))
         checked += 1
     # larger rank chunks (several comparison passes a program, a chunk past C): the same scores and top-ℓ bit for bit
-    for chunk in (128,):
+    # and passes that skip their comparisons where ℓ scores beat all of their buckets
+    for chunk, skip in ((128, True),):
         again = probe_scores_triton(q, lengths, inv, 1.3, *w, kv_heads=hkv, probes=probes[-1], position_offset=-1,
-                                    rank_chunk=chunk)
-        assert torch.equal(again[0], scores) and torch.equal(again[1], top), (seed, chunk)
+                                    rank_chunk=chunk, rank_skip=skip)
+        assert torch.equal(again[0], scores) and torch.equal(again[1], top), (seed, chunk, skip)
 print("checked", checked, "worst", worst)
 """
 
@@ -69,9 +70,11 @@ for seed, b, c, ells in CASES[{part}:{part} + 1]:
             scores, top = probe_scores_triton(q, lengths, inv, 1.3, *wt, kv_heads=hkv, probes=ell)
             ties = (scores[..., :, None] == scores[..., None, :]).sum() > scores.numel()
             assert ties and torch.equal(top, top_buckets_reference(scores, ell)), (seed, gain, ell)
-            # a rank program of 128 buckets (four passes): the same ties broken the same way
-            assert torch.equal(top, probe_scores_triton(q, lengths, inv, 1.3, *wt, kv_heads=hkv, probes=ell,
-                                                        rank_chunk=128)[1]), (seed, gain, ell)
+            # a rank program of 128 buckets (four passes, each skipped where ℓ scores beat all of its buckets): the
+            # same ties broken the same way
+            for chunk, skip in ((128, True),):
+                assert torch.equal(top, probe_scores_triton(q, lengths, inv, 1.3, *wt, kv_heads=hkv, probes=ell,
+                                                            rank_chunk=chunk, rank_skip=skip)[1]), (seed, gain, ell)
             checked += 1
         assert gain == 1 or int((scores == 0).sum()) > 0, "the large gain gives probabilities of 0"
 print("checked", checked)
@@ -135,7 +138,8 @@ print("checked", checked, "worst", worst)
 def test_probe_picks_the_references_buckets_at_batches_1_to_3(part):
     """The probe's three launches (the tiled hidden layer, the logits, the rank in chunks): scores within float32
     rounding of the reference, the top-ℓ of its own scores (best first, ties to the lower index) and the reference's
-    top-ℓ to that rounding, at batches 1 to 3 with rows of different lengths; larger rank chunks give the same bits."""
+    top-ℓ to that rounding, at batches 1 to 3 with rows of different lengths; larger rank chunks and passes that skip
+    their comparisons give the same bits."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -147,7 +151,7 @@ def test_probe_picks_the_references_buckets_at_batches_1_to_3(part):
 @pytest.mark.parametrize("part", [0, 1, 2])
 def test_rank_breaks_ties_to_the_lower_index(part):
     """Bit-equal scores within and across the rank's chunks, and a tie at 0 past the threshold: the rank keeps the
-    lowest indices, as a stable sort does, with chunks of 32 buckets and of 128."""
+    lowest indices, as a stable sort does, with chunks of 32 buckets and of 128, and with passes skipped."""
     pytest.importorskip("triton")
     from interpreted import run_script
 
@@ -194,9 +198,10 @@ print("REGS", regs)
 assert regs[(64, 1)] <= 128 and regs[(32, 1)] <= 128, regs
 rank_pointers = {{"logits_ptr": "*fp32", "out_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32", "rpi_ptr": "*i32",
                  "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}}
-for chunk in (128,):  # a larger rank chunk: several [32, 1024] comparison passes a program
+# a larger rank chunk (several [32, 1024] comparison passes a program), passes skipped where ℓ scores beat theirs
+for chunk, top in ((128, True), (128, 2)):
     compile_(probe._group_rank_kernel, rank_pointers, {{"GROUP": 4, "BLOCK_C": 1024, "CHUNK": chunk, "SUB": 32,
-                                                       "PARTS": 4, "TOP": True, "TAIL": False, "R_BLOCKS_P": 16}})
+                                                       "PARTS": 4, "TOP": top, "TAIL": False, "R_BLOCKS_P": 16}})
 print("COMPILED")
 """
 
@@ -206,7 +211,7 @@ def test_the_batch_8_variants_compile_for_the_h100():
     """The interpreter does not type-check untaken branches nor pipeline loops; compiling for sm_90 (no GPU) does:
     the bucket kernel with the update ahead one program a (row, KV head) (its pipelined centroid loop, the four keys'
     joined reduction) at chunks of 64 and 32 keys, at most 128 registers a thread as a launch specialises it; the rank
-    launch with chunks of 128 buckets."""
+    launch with chunks of 128 buckets, its passes skipped or not."""
     pytest.importorskip("triton")
     from interpreted import compile_for_sm90
 

@@ -13,7 +13,7 @@ near ties may differ), the index after the update against ``assign_tail_referenc
 against ``assign_ahead_reference``), the layer's attention against exact attention over the keys of its buckets in
 the reference's index (``index_decode_reference``).
 ``--variants b8`` times the batch-8 variants (:data:`B8_VARIANTS`: the update ahead one program a (row, KV head),
-chunks of 32 keys in the bucket loop, fewer attention programs, larger rank chunks, and combinations) with the current
+chunks of 32 keys in the bucket loop, larger rank chunks, rank passes that skip, and combinations) with the current
 paths they replace (``update-ahead``, ``probe``, ``layer-ahead``), each checked against the references as above and
 against its current path on the same inputs (the same top-ℓ, scores and index bit for bit; the layer's output bit for
 bit, or within 2e-2 where the bucket loop's chunk changes its float32 sums).
@@ -41,12 +41,7 @@ from pathlib import Path
 import torch
 
 from kvsieve.kernels.saap import index, probe
-from kvsieve.kernels.saap.buckets import (
-    FUSED_MERGE_MAX_SPLITS,
-    bucket_sparse_decode_triton,
-    build_csr,
-    fused_merge_default,
-)
+from kvsieve.kernels.saap.buckets import bucket_sparse_decode_triton, build_csr, fused_merge_default
 from kvsieve.kernels.saap.index import (
     assign_ahead_reference,
     assign_ahead_triton,
@@ -100,24 +95,23 @@ def tail_of(case: dict, assign: torch.Tensor) -> tuple:
 
 
 def layer_step(case: dict, assign: torch.Tensor, ahead: bool = False, ahead_per: str | None = None,
-               block_n: int | None = None, programs: int | None = None, rank_chunk: int | None = None):
+               block_n: int | None = None, rank_chunk: int | None = None, rank_skip: bool | None = None):
     """The method's step on the Triton path: the probe (with the update of the batch's rule) then the bucket
     attention; with ``ahead`` the probe alone, and the update one step ahead in the attention's launch
     (``index_update=ahead``). The batch-8 variants: ``ahead_per`` (which programs run the update ahead),
-    ``block_n`` (the bucket loop's chunk), ``programs`` (attention programs aimed at, else the kernel's default),
-    ``rank_chunk`` (buckets a rank program ranks). Returns ``(out, top)``."""
+    ``block_n`` (the bucket loop's chunk), ``rank_chunk`` (buckets a rank program ranks), ``rank_skip`` (rank
+    passes skipped where they cannot reach the top-ℓ). Returns ``(out, top)``."""
     b, hkv, n = case["k"].shape[:3]
     _, top = probe_scores_triton(case["q"], case["lengths"], case["inv_freq"], 1.0, *case["w"], kv_heads=hkv,
                                  probes=case["shape"]["probes"], position_offset=-1,
-                                 tail=None if ahead else tail_of(case, assign), rank_chunk=rank_chunk)
-    # as the kernel's default_splits with `programs` for its target: no more programs than the longest list's chunks
-    splits = None if programs is None else max(1, min(programs // (b * hkv), -(-n // (block_n or 64))))
-    fused = fused_merge_default(b * hkv, n, block_n) if splits is None else splits <= FUSED_MERGE_MAX_SPLITS
+                                 tail=None if ahead else tail_of(case, assign), rank_chunk=rank_chunk,
+                                 rank_skip=rank_skip)
+    fused = fused_merge_default(b * hkv, n, block_n)
     out, _, _ = bucket_sparse_decode_triton(
         case["q"], case["k"], case["v"], case["sink_ids"], case["sink_counts"], case["offsets"], case["ids"], top, 0,
         sliding=(case["lengths"], case["window"], case["t_lo"], assign), fused_merge=fused,
         ahead=(case["centroids"], case["inv_freq"], 1.0, SPAN) if ahead else None, ahead_per=ahead_per,
-        block_n=block_n, splits=splits)
+        block_n=block_n)
     return out, top
 
 
@@ -125,21 +119,23 @@ def layer_step(case: dict, assign: torch.Tensor, ahead: bool = False, ahead_per:
 CURRENT_VARIANTS = ("update-serial", "update-parallel", "probe", "step-serial", "step-parallel", "layer",
                     "update-ahead", "layer-ahead")
 #: The batch-8 variants (``--variants b8`` times them with the current path they replace): name → (the current
-#: variant it is checked against, :func:`layer_step`'s keywords, or ``rank_chunk`` / ``per`` for a probe / an update
-#: alone). ``row``: the update ahead one program a (row, KV head); ``n32``: chunks of 32 keys in the bucket loop (fewer
-#: registers: more programs an SM); ``p768``: 768 attention programs aimed at (12 a row at batch 8, the separate
-#: merge) rather than 384; ``rank N``: the rank launch's programs rank N buckets each (B·Hkv·C / N programs).
+#: variant it is checked against, :func:`layer_step`'s keywords, or ``rank_chunk`` / ``rank_skip`` / ``per`` for a
+#: probe / an update alone). ``row``: the update ahead one program a (row, KV head) (``index.AHEAD_PER``); ``n32``:
+#: chunks of 32 keys in the bucket loop (``buckets.BUCKET_BLOCK_N``); ``rank N``: the rank launch's programs rank N
+#: buckets each, B·Hkv·C / N programs (``probe.RANK_CHUNK``); ``skip``: a rank pass skips its comparisons where ℓ
+#: scores beat all of its buckets (``probe.RANK_SKIP``).
 B8_VARIANTS = {
     "update-ahead-row": ("update-ahead", dict(per="row")),
     "layer-ahead-row": ("layer-ahead", dict(ahead_per="row")),
     "layer-ahead-n32": ("layer-ahead", dict(block_n=32)),
     "layer-ahead-row-n32": ("layer-ahead", dict(ahead_per="row", block_n=32)),
-    "layer-ahead-row-p768": ("layer-ahead", dict(ahead_per="row", programs=768)),
-    "probe-rank64": ("probe", dict(rank_chunk=64)),
     "probe-rank128": ("probe", dict(rank_chunk=128)),
     "probe-rank256": ("probe", dict(rank_chunk=256)),
-    "layer-ahead-row-rank128": ("layer-ahead", dict(ahead_per="row", rank_chunk=128)),
-    "layer-ahead-row-n32-rank128": ("layer-ahead", dict(ahead_per="row", block_n=32, rank_chunk=128)),
+    "probe-skip": ("probe", dict(rank_skip=True)),
+    "probe-rank128-skip": ("probe", dict(rank_chunk=128, rank_skip=True)),
+    "layer-ahead-row-rank128-skip": ("layer-ahead", dict(ahead_per="row", rank_chunk=128, rank_skip=True)),
+    "layer-ahead-row-n32-rank128-skip": ("layer-ahead", dict(ahead_per="row", block_n=32, rank_chunk=128,
+                                                             rank_skip=True)),
 }
 
 
