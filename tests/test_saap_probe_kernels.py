@@ -125,14 +125,18 @@ def test_the_update_ahead_one_program_a_row_equals_one_a_key():
     assert int(out.split()[1]) == 8 and int(out.split("ties")[-1]) > 0
 
 
-def test_the_update_ahead_form_is_checked():
-    from kvsieve.kernels.saap.index import ahead_launch_meta
+def test_the_update_ahead_form_is_checked_and_follows_its_module_constant(monkeypatch):
+    """``per`` names one of the two forms; left out, :data:`index.AHEAD_PER` picks (the method passes none)."""
+    from kvsieve.kernels.saap import index
 
     k, cent = torch.zeros(1, 2, 8, 16), torch.zeros(2, 40, 16)
-    assert ahead_launch_meta(k, 4, cent, None, per="row")["PROGRAMS"] == 1
-    assert ahead_launch_meta(k, 4, cent, None, per="key")["PROGRAMS"] == 4
+    assert index.ahead_launch_meta(k, 4, cent, None, per="row")["PROGRAMS"] == 1
+    assert index.ahead_launch_meta(k, 4, cent, None, per="key")["PROGRAMS"] == 4
+    assert index.ahead_launch_meta(k, 4, cent, None)["PROGRAMS"] == 4
+    monkeypatch.setattr(index, "AHEAD_PER", "row")
+    assert index.ahead_launch_meta(k, 4, cent, None)["PROGRAMS"] == 1
     with pytest.raises(ValueError, match="per"):
-        ahead_launch_meta(k, 4, cent, None, per="rows")
+        index.ahead_launch_meta(k, 4, cent, None, per="rows")
 
 
 def test_the_update_is_parallel_at_batch_one_only():
