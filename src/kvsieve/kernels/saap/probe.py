@@ -362,19 +362,32 @@ if triton is not None:
                               PARTS)
         # Non-negative floats order as their int32 bit patterns; padding (-1) is below every score.
         bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
-        for s0 in tl.static_range(0, CHUNK, SUB):  # SUB buckets a pass: a [SUB, BLOCK_C] comparison tile
-            offs_i = (pid % chunks) * CHUNK + s0 + tl.arange(0, SUB)  # < BLOCK_C: CHUNK divides BLOCK_C
-            ok_i = offs_i < buckets
-            mine = tl.gather(total, offs_i, 0)
-            tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
-            if TOP == 2:
-                # A pass whose best bucket n_top others beat holds no bucket of rank below n_top (a bucket's rank is at
-                # least the count of scores above its own): it skips its comparison tile. The same writes.
-                best_bits = tl.max(tl.where(ok_i, mine.to(tl.int32, bitcast=True), -1), axis=0)
-                if tl.sum((bits > best_bits).to(tl.int32), axis=0) < n_top:
-                    _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine)
-            elif TOP:
+        if CHUNK == SUB:
+            _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, (pid % chunks) * CHUNK, SUB, TOP)
+        else:
+            # SUB buckets a pass ([SUB, BLOCK_C] comparison tiles) in a loop, not unrolled: unrolled, the four passes
+            # of a chunk of 128 took 255 registers a thread for sm_90 (Triton 3.6), one pass 79
+            for s0 in range(0, CHUNK, SUB):
+                _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, (pid % chunks) * CHUNK + s0, SUB,
+                           TOP)
+
+    @triton.jit
+    def _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, i0, SUB: tl.constexpr,
+                   TOP: tl.constexpr):
+        """The ``SUB`` buckets from ``i0`` of (row, KV head) ``bk``: their scores (out of ``total``) written, and with
+        ``TOP`` their ranks among all C (``bits``) where below ``n_top``."""
+        offs_i = i0 + tl.arange(0, SUB)  # < BLOCK_C: CHUNK divides BLOCK_C
+        ok_i = offs_i < buckets
+        mine = tl.gather(total, offs_i, 0)
+        tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
+        if TOP == 2:
+            # A pass whose best bucket n_top others beat holds no bucket of rank below n_top (a bucket's rank is at
+            # least the count of scores above its own): it skips its comparison tile. The same writes.
+            best_bits = tl.max(tl.where(ok_i, mine.to(tl.int32, bitcast=True), -1), axis=0)
+            if tl.sum((bits > best_bits).to(tl.int32), axis=0) < n_top:
                 _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine)
+        elif TOP:
+            _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine)
 
     @triton.jit
     def _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine):
