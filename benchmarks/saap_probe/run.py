@@ -258,18 +258,23 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
                     result = call()
                     current[name] = (result, None if assign is None else assign.clone())
                 continue
-            result = call()
-            if name in bases:
-                current[name] = (result, None if assign is None else assign.clone())
             row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name}
-            if timer is not None:
-                row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
-                row["kernels_us"] = timer.kernel_breakdown(call)
-                row["launches"] = count_launches(call)
-            row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
-            if name in B8_VARIANTS:
-                row.update(same_as_current(result, assign, kind, current[B8_VARIANTS[name][0]]))
-                row["ok"] = row["ok"] and row["same_as_current"]
+            try:
+                result = call()
+                if name in bases:
+                    current[name] = (result, None if assign is None else assign.clone())
+                if timer is not None:
+                    row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+                    row["kernels_us"] = timer.kernel_breakdown(call)
+                    row["launches"] = count_launches(call)
+                row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
+                if name in B8_VARIANTS:
+                    row.update(same_as_current(result, assign, kind, current[B8_VARIANTS[name][0]]))
+                    row["ok"] = row["ok"] and row["same_as_current"]
+            except Exception as err:  # a variant that fails to compile or run on this device: reported, the rest run
+                if name in bases:
+                    raise
+                row.update(ok=False, error=f"{type(err).__name__}: {str(err)[:300]}")
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -326,6 +331,10 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
     for r in rows:
         ks = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in sorted((r.get("kernels_us") or {}).items()))
         verdict = "ok" if r["ok"] else "FAIL"
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | – | – |  | FAIL "
+                         f"({r['error'][:120].replace('|', '/')}) |")
+            continue
         details = [f"err {r['scores_max_abs_err']:.1e}", f"top/own {r['top_equal_own_scores']}"] \
             if "scores_max_abs_err" in r else []
         if "out_max_abs_err" in r:
