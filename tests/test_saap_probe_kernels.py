@@ -81,7 +81,8 @@ def test_parallel_update_on_cuda():
 AHEAD_ROW_CASES = r"""
 import torch
 from kvsieve.kernels.saap.index import assign_ahead_reference, assign_ahead_triton, build_assign
-checked = ties = 0
+dev = "{device}"
+checked = tie_checks = 0
 # (seed, b, hkv, d, n, c, span, block_c): spans of 4 (one pass of four keys), 5 and 16 (several, the last one partial),
 # C a multiple of the tile and not, ragged rows, one row shorter than its window
 for seed, b, hkv, d, n, c, span, block_c in [(0, 3, 2, 16, 200, 40, 4, 16), (1, 2, 1, 32, 150, 100, 16, 32),
@@ -92,23 +93,24 @@ for seed, b, hkv, d, n, c, span, block_c in [(0, 3, 2, 16, 200, 40, 4, 16), (1, 
     start[-1] = 20
     window = torch.randint(10, 40, (b,), generator=g)
     unit = torch.nn.functional.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
-    # tied centroids against small-integer keys compared as stored (exact products): the first index must win, within
-    # a tile row's column across tiles and across rows
+    # tied centroids (each a copy of one of 3: every key's best product reached by several) against small-integer keys
+    # compared as stored (exact products): the first index must win, within a tile and across tiles
     tied = torch.randint(-2, 3, (hkv, 3, d), generator=g).float()[:, torch.randint(0, 3, (c,), generator=g)]
     k_int = torch.randint(-3, 4, (b, hkv, n, d), generator=g).float()
     k = torch.randn(b, hkv, n, d, generator=g)
     for cent, inv, keys in ((unit, freq, k), (tied.contiguous(), None, k_int)):
-        assign, t_lo = build_assign(keys, start, window, 1, cent, inv, 1.3, n)
+        cent, keys, inv = cent.to(dev), keys.to(dev), None if inv is None else inv.to(dev)
+        assign, t_lo = build_assign(keys, start.to(dev), window.to(dev), 1, cent, inv, 1.3, n)
         for step in (1, 7) if seed == 0 else (5,):
-            lengths = (start + step).int()
+            lengths, win = (start + step).int().to(dev), window.to(dev)
             ref, key, row = assign.clone(), assign.clone(), assign.clone()
-            assign_ahead_reference(ref, keys, t_lo, lengths, window, span, cent, inv, 1.3)
-            assign_ahead_triton(key, keys, t_lo, lengths, window, span, cent, inv, 1.3, block_c=block_c, per="key")
-            assign_ahead_triton(row, keys, t_lo, lengths, window, span, cent, inv, 1.3, block_c=block_c, per="row")
+            assign_ahead_reference(ref, keys, t_lo, lengths, win, span, cent, inv, 1.3)
+            assign_ahead_triton(key, keys, t_lo, lengths, win, span, cent, inv, 1.3, block_c=block_c, per="key")
+            assign_ahead_triton(row, keys, t_lo, lengths, win, span, cent, inv, 1.3, block_c=block_c, per="row")
             assert torch.equal(key, ref) and torch.equal(row, ref), (seed, step, (row != ref).nonzero()[:5])
-            ties += int(inv is None and keys is k_int)
+            tie_checks += int(inv is None)
             checked += 1
-print("checked", checked, "ties", ties)
+print("checked", checked, "tie_checks", tie_checks)
 """
 
 
@@ -122,7 +124,17 @@ def test_the_update_ahead_one_program_a_row_equals_one_a_key():
     from interpreted import run_script
 
     out = run_script(AHEAD_ROW_CASES, "cpu", interpret=True)
-    assert int(out.split()[1]) == 8 and int(out.split("ties")[-1]) > 0
+    assert int(out.split()[1]) == 8 and int(out.split("tie_checks")[-1]) > 0
+
+
+@pytest.mark.gpu
+def test_the_update_ahead_one_program_a_row_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from interpreted import run_script
+
+    out = run_script(AHEAD_ROW_CASES, "cuda", interpret=False)
+    assert int(out.split()[1]) == 8 and int(out.split("tie_checks")[-1]) > 0
 
 
 def test_the_update_ahead_form_is_checked_and_follows_its_module_constant(monkeypatch):
