@@ -47,14 +47,18 @@ if triton is not None:
 
     @triton.jit
     def score_block(q, k_base, u_base, offs_n, length, scale, s_k_n, g_ok, D: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr, K_EVICT: tl.constexpr, STASH_CACHE: tl.constexpr,
+                     STASH_EVICT: tl.constexpr):
         """Scores of one sub-block of keys ``offs_n`` for the G heads, stashed (float32, -inf past the row's
-        length) and returned."""
+        length) and returned. ``K_EVICT``, ``STASH_CACHE``, ``STASH_EVICT``: the cache hints of the K load and
+        the stash store (``StreamHints``; they change no value)."""
         n_ok = offs_n < length
-        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0,
+                    eviction_policy=K_EVICT)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
+        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None], cache_modifier=STASH_CACHE,
+                 eviction_policy=STASH_EVICT)
         return s
 
     @triton.jit
@@ -339,6 +343,59 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 # Bits of the largest-remainder threshold settled per histogram step (``histogram_threshold``): 4 steps per
 # 20-bit half of the fractions
 _DIGIT_BITS = 5
+
+
+class StreamHints(NamedTuple):
+    """How the stats passes stream K and write the score stash: cache hints and, for v10, how often its stats
+    threads release their finished tiles. Pure performance switches: every value written is the same.
+
+    - ``k_eviction``: the K loads' eviction policy ("" or "evict_first": K is read once, so that the stash and
+      the V rows the sampling reads stay in L2; "evict_last" for completeness);
+    - ``stash_cache``: the stash stores' cache modifier ("", ".cs" streaming, ".cg", ".wt");
+    - ``stash_eviction``: the stash stores' eviction policy ("", "evict_last": kept in L2 for the sampling
+      pass, "evict_first");
+    - ``release_every``: v10 (``overlap.py``) only: each stats thread releases its tiles every this many rounds
+      (one fence, then relaxed adds on the counters of the tiles since the last release; the last round always
+      releases) instead of one release atomic per tile. 1 is the release per tile;
+    - ``balanced_rounds``: v10 only: its stats programs lowered to ``cdiv(tiles, rounds)``, so that the rounds are
+      full but the last program's (528 programs take 8,256 tiles in 15 full rounds and one of 336 tiles; 516 in
+      16 full rounds)."""
+    k_eviction: str = ""
+    stash_cache: str = ""
+    stash_eviction: str = ""
+    release_every: int = 1
+    balanced_rounds: bool = False
+
+
+# the hints every stats pass takes unless a call passes its own (``stream=``); the default is the form measured
+STREAM = StreamHints()
+
+_EVICTIONS = ("", "evict_first", "evict_last")
+_STORE_CACHES = ("", ".wb", ".cs", ".cg", ".wt")
+
+
+def stream_hints(stream: StreamHints | None) -> StreamHints:
+    """``stream``, or the module default ``STREAM`` when None, checked."""
+    s = STREAM if stream is None else stream
+    if not isinstance(s, StreamHints):
+        raise ValueError(f"stream: expected a common.StreamHints or None, got {type(s).__name__}")
+    if s.k_eviction not in _EVICTIONS:
+        raise ValueError(f"stream.k_eviction: expected one of {_EVICTIONS}, got {s.k_eviction!r}")
+    if s.stash_eviction not in _EVICTIONS:
+        raise ValueError(f"stream.stash_eviction: expected one of {_EVICTIONS}, got {s.stash_eviction!r}")
+    if s.stash_cache not in _STORE_CACHES:
+        raise ValueError(f"stream.stash_cache: expected one of {_STORE_CACHES}, got {s.stash_cache!r}")
+    if not isinstance(s.release_every, int) or not 1 <= s.release_every <= 8:
+        raise ValueError(f"stream.release_every: expected an int in [1, 8], got {s.release_every!r}")
+    if not isinstance(s.balanced_rounds, bool):
+        raise ValueError(f"stream.balanced_rounds: expected a bool, got {s.balanced_rounds!r}")
+    return s
+
+
+def stream_meta(stream: StreamHints | None) -> dict:
+    """The cache-hint constexprs of ``score_block`` (and of v10's stats kernel) for ``stream``."""
+    s = stream_hints(stream)
+    return dict(K_EVICT=s.k_eviction, STASH_CACHE=s.stash_cache, STASH_EVICT=s.stash_eviction)
 
 
 def budget_meta(t: int, *, rounding: str) -> dict:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.triton_utils import launch, pdl_launch, seed_words, triton
-from .common import TILE_KEY, begin_call, sample_constexprs, sample_strides
+from .common import TILE_KEY, StreamHints, begin_call, sample_constexprs, sample_strides
 from .two_pass import prop_budgets, stats_pass
 
 if triton is not None:
@@ -61,15 +61,17 @@ if triton is not None:
 def santa_prop_split(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                      rounding: str = "largest-remainder", write_counts: bool = False,
                      out: torch.Tensor | None = None, block_n: int = 128, stats_programs: int = 528,
-                     r_max: int | None = None, stats_warps: int = 4, stats_stages: int = 2):
+                     r_max: int | None = None, stats_warps: int = 4, stats_stages: int = 2,
+                     stream: StreamHints | None = None):
     """S²ANTA-prop in 4 launches: v8's stats pass and tile budgets, the sampling pass without the folded merge,
     the merge. Returns ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T]
     int32)``, those of ``two_pass.santa_prop_two_pass`` for the same seed; ``block_n``, ``stats_programs``,
-    ``stats_warps``, ``stats_stages`` and ``r_max`` are launch parameters, they change no count."""
+    ``stats_warps``, ``stats_stages`` and ``r_max`` are launch parameters, and ``stream`` the stats pass's cache
+    hints (``common.StreamHints``, ``common.STREAM`` when None); they change no count."""
     b, hq, d = q.shape
     t, pdl, buf = begin_call(q, k, v, tile, flash=False, rounding=rounding, write_counts=write_counts, out=out)
     stats_pass(q, k, lens, buf, scale, tile, flash=False, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
-               num_warps=stats_warps, num_stages=stats_stages)
+               num_warps=stats_warps, num_stages=stats_stages, stream=stream)
     prop_budgets(lens, buf, budget, tile, seed, b, hq, t, rounding=rounding, pdl=pdl)
     lo, hi = seed_words(seed)
     launch(_prop_sample_kernel, (t, v.shape[1], b),
