@@ -76,16 +76,18 @@ def _assert_clean(q):
 SHAPES = [(2, 8, 2, 150, 64, [150, 71], 24, 32), (3, 6, 2, 100, 64, [100, 1, 77], 40, 32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("shape", SHAPES, ids=["g4", "g3"])
+@pytest.mark.parametrize(("shape", "dtype"), [(SHAPES[0], torch.bfloat16), (SHAPES[1], torch.float16)],
+                         ids=["g4-bf16", "g3-fp16"])
 def test_candidates_equal_the_current_path(shape, dtype):
-    """v8 with the merge launch (the 128k path) and v10 (the 32k batch-8 path), a seed per shape and dtype: every
-    candidate gives the current path's m, l, stash, tile budgets, counts and output exactly."""
+    """v8 with the merge launch (the 128k path) and v10 (the 32k batch-8 path), a seed per shape and dtype: the
+    candidates give the current path's m, l, stash, tile budgets, counts and output exactly. The interpreter
+    takes no cache hint, so one hint form per path checks their plumbing; v10's batched releases and balanced
+    rounds change the schedule of the counters, checked in full."""
     b, hq, hkv, n, d, lens, s, tile = shape
     seed = 3 + n + (dtype == torch.bfloat16)
     q, k, v, lens32 = _case(b, hq, hkv, n, d, lens, dtype, seed)
-    for run, opts, hints in ((santa_prop_split, {"block_n": 16, "stats_programs": 3}, HINTS),
-                             (santa_prop_overlap, {"block_n": 16, "stats_programs": 7}, HINTS[1:] + V10)):
+    for run, opts, hints in ((santa_prop_split, {"block_n": 16, "stats_programs": 3}, HINTS[1:2]),
+                             (santa_prop_overlap, {"block_n": 16, "stats_programs": 7}, HINTS[2:] + V10)):
         base = _call(run, q, k, v, lens32, s, tile, seed, None, **opts)
         assert torch.isfinite(base[0]).all()
         for h in hints:
@@ -94,7 +96,7 @@ def test_candidates_equal_the_current_path(shape, dtype):
             _assert_clean(q)
 
 
-@pytest.mark.parametrize("hints", HINTS[:1] + V10, ids=lambda h: f"r{h.release_every}{'b' if h.balanced_rounds else ''}")
+@pytest.mark.parametrize("hints", [HINTS[1], V10[2]], ids=["hints", "release4-balanced"])
 def test_candidates_draw_the_reference(hints):
     """fp16 (the interpreter's bf16 dot is not the device's, so the reference check is fp16 and float32): the
     candidates' budgets and counts are the float64 reference's for the same uniforms, on peaked rows with
@@ -119,8 +121,8 @@ def test_candidates_draw_the_reference(hints):
             assert rel < 2e-3, (run.__name__, rounding, rel)
 
 
-@pytest.mark.parametrize("programs", [1, 7, 13, 64])
-@pytest.mark.parametrize("every", [2, 3, 4])
+@pytest.mark.parametrize("programs", [1, 7, 64])
+@pytest.mark.parametrize("every", [2, 3])
 def test_batched_releases_count_every_tile_once(every, programs):
     """v10's stats kernel alone with batched releases (and balanced rounds): each unit's every lane ends at the
     unit's tile count, tiles past a row's length included, for program counts that leave the last round
