@@ -27,14 +27,15 @@ from kvsieve.kernels.santa.common import StreamHints  # noqa: E402
 from kvsieve.kernels.santa.overlap import ordered_stats_pass, santa_flash_overlap, santa_prop_overlap  # noqa: E402
 from kvsieve.kernels.santa.reference import santa_prop_reference  # noqa: E402
 from kvsieve.kernels.santa.split_merge import santa_prop_split  # noqa: E402
+from kvsieve.kernels.santa.two_pass import santa_prop_two_pass  # noqa: E402
 from kvsieve.kernels.shared import triton_utils  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
 # the candidates of benchmarks/breakdown/santa_stream.py (the v8 stats pass ignores the v10 switches)
 HINTS = [StreamHints(k_eviction="evict_first"),
-         StreamHints(k_eviction="evict_first", stash_eviction="evict_last"),
-         StreamHints(stash_cache=".cs")]
+         StreamHints(k_eviction="evict_first", stash_eviction="evict_last", lazy_stash=True),
+         StreamHints(stash_cache=".cs", lazy_stash=True)]
 V10 = [StreamHints(release_every=2), StreamHints(release_every=3, balanced_rounds=True),
        StreamHints(k_eviction="evict_first", release_every=4, balanced_rounds=True)]
 
@@ -79,7 +80,8 @@ SHAPES = [(2, 8, 2, 150, 64, [150, 71], 24, 32), (3, 6, 2, 100, 64, [100, 1, 77]
 @pytest.mark.parametrize(("shape", "dtype"), [(SHAPES[0], torch.bfloat16), (SHAPES[1], torch.float16)],
                          ids=["g4-bf16", "g3-fp16"])
 def test_candidates_equal_the_current_path(shape, dtype):
-    """v8 with the merge launch (the 128k path) and v10 (the 32k batch-8 path), a seed per shape and dtype: the
+    """v8 with the merge launch (the 128k path), v8 with the folded merge (Bernoulli's values) and v10 (the 32k
+    batch-8 path), a seed per shape and dtype: the
     candidates give the current path's m, l, stash, tile budgets, counts and output exactly. The interpreter
     takes no cache hint, so one hint form per path checks their plumbing; v10's batched releases and balanced
     rounds change the schedule of the counters, checked in full."""
@@ -87,6 +89,7 @@ def test_candidates_equal_the_current_path(shape, dtype):
     seed = 3 + n + (dtype == torch.bfloat16)
     q, k, v, lens32 = _case(b, hq, hkv, n, d, lens, dtype, seed)
     for run, opts, hints in ((santa_prop_split, {"block_n": 16, "stats_programs": 3}, HINTS[1:2]),
+                             (santa_prop_two_pass, {"block_n": 16, "stats_programs": 3}, HINTS[2:]),
                              (santa_prop_overlap, {"block_n": 16, "stats_programs": 7}, HINTS[2:] + V10)):
         base = _call(run, q, k, v, lens32, s, tile, seed, None, **opts)
         assert torch.isfinite(base[0]).all()
@@ -96,7 +99,8 @@ def test_candidates_equal_the_current_path(shape, dtype):
             _assert_clean(q)
 
 
-@pytest.mark.parametrize("hints", [HINTS[1], V10[2]], ids=["hints", "release4-balanced"])
+@pytest.mark.parametrize("hints", [HINTS[1], V10[2]._replace(lazy_stash=True)],
+                         ids=["hints-lazy", "release4-balanced-lazy"])
 def test_candidates_draw_the_reference(hints):
     """fp16 (the interpreter's bf16 dot is not the device's, so the reference check is fp16 and float32): the
     candidates' budgets and counts are the float64 reference's for the same uniforms, on peaked rows with

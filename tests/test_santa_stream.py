@@ -41,7 +41,7 @@ def test_stream_candidates_compile_for_sm90():
     """v10's stats kernel with every switch on and v8's with the K hint compile for sm_90 within the shared-memory
     limit; the K loads carry an L2 evict-first policy, the stash stores evict-last, and the batched release is a
     predicated ``fence.acq_rel.gpu`` placed after the tile's stash stores and before relaxed counter adds (no
-    release atomic left)."""
+    release atomic left); prop's sampling kernel compiles with the lazy stash read."""
     out = compile_for_sm90("""
 from kvsieve.kernels.santa import overlap, two_pass
 P = {n: "*fp32" for n in ("m_ptr", "l_ptr", "stash_ptr", "mstar_ptr")}
@@ -60,6 +60,14 @@ assert ptx.rindex("st.global.L1::evict_last") < fence, "a stash store after the 
 ptx = compile_(two_pass._tile_stats_kernel, P, dict(meta, STASH_EVICT=""), floats=("scale",), num_warps=4,
                num_stages=2, aligned=aligned).asm["ptx"]
 assert "L2::evict_first" in ptx and "L2::evict_last" not in ptx
+from kvsieve.kernels.santa import split_merge
+S = {n: "*fp32" for n in ("m_ptr", "l_ptr", "stash_ptr", "oacc_ptr")}
+S.update(v_ptr="*bf16", lens_ptr="*i32", budgets_ptr="*i32", counts_ptr="*i32", scr_ptr="*i32")
+sample = dict(G=4, GP=4, BLOCK_G=16, D=128, TILE=256, R_MAX=16, FLASH=False, SPLIT_AT=256, DOT_PRECISION="ieee",
+              WRITE_COUNTS=False, FIX_BITS=21, WIDE=False, PDL=True)
+lazy = compile_(split_merge._prop_sample_kernel, S, dict(sample, LAZY_STASH=True), num_warps=4).asm["ptx"]
+eager = compile_(split_merge._prop_sample_kernel, S, dict(sample, LAZY_STASH=False), num_warps=4).asm["ptx"]
+assert lazy != eager
 print("COMPILED")
 """)
     assert "COMPILED" in out

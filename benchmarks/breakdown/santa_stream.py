@@ -47,13 +47,16 @@ BUDGET = 128
 SEED = 5
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
-# candidates of both paths (cache hints of the K loads and the stash stores) and of v10 only (batched releases,
-# balanced rounds)
+# candidates of both paths (cache hints of the K loads and the stash stores, the sampling's lazy stash read) and of
+# v10 only (batched releases, balanced rounds)
 COMMON = {
     "k-evict-first": StreamHints(k_eviction="evict_first"),
     "k-evict-first+stash-evict-last": StreamHints(k_eviction="evict_first", stash_eviction="evict_last"),
     "stash-cs": StreamHints(stash_cache=".cs"),
     "k-evict-first+stash-cs": StreamHints(k_eviction="evict_first", stash_cache=".cs"),
+    "lazy-stash": StreamHints(lazy_stash=True),
+    "k-evict-first+stash-evict-last+lazy-stash": StreamHints(k_eviction="evict_first", stash_eviction="evict_last",
+                                                             lazy_stash=True),
 }
 OVERLAP_ONLY = {
     "release-2": StreamHints(release_every=2),

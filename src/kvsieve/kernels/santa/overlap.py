@@ -225,7 +225,8 @@ if triton is not None:
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
         R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, SLEEP: tl.constexpr,
+        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LAZY_STASH: tl.constexpr,
+        SLEEP: tl.constexpr,
         STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
     ):
         """One program per (tile, KV head, row): wait for the unit's stats (flash) or for the budget flags
@@ -252,7 +253,7 @@ if triton is not None:
                            budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
                            s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
                            G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS,
-                           WIDE, ".cg")
+                           WIDE, ".cg", LAZY_STASH)
         if last:  # every program of the unit has passed its waits: the unit's sync words back to zero
             tl.atomic_xchg(sync_ptr + u * STATS_THREADS + tl.arange(0, STATS_THREADS), 0, sem="relaxed")
             if not FLASH:
@@ -317,7 +318,8 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, sync, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, units, *sample_strides(v, buf, hq, t, tile, write_counts),
-           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max,
+                               stream=stream),
            SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch(pdl))
     return buf
 

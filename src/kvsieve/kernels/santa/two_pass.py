@@ -129,7 +129,8 @@ if triton is not None:
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
         R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
+        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LAZY_STASH: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row):
         ``sample_fold``."""
@@ -139,7 +140,8 @@ if triton is not None:
                     oacc_ptr, oden_ptr, done_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
                     budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
-                    G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
+                    G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "",
+                    LAZY_STASH)
 
 
 def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3,
@@ -158,7 +160,7 @@ def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_progr
            num_stages=num_stages)
 
 
-def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max):
+def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max, stream=None):
     """The compacted sampling pass with the merge folded in: writes ``buf.out`` (and ``buf.counts``)."""
     hkv = v.shape[1]
     lo, hi = seed_words(seed)
@@ -166,7 +168,8 @@ def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_cou
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, *sample_strides(v, buf, hq, t, tile, write_counts),
-           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max,
+                               stream=stream),
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
@@ -182,7 +185,7 @@ def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                      r_max=r_max)
     else:
         prop_sampling_passes(v, lens, buf, budget, tile, seed, b, hq, t, rounding=rounding,
-                             write_counts=write_counts, pdl=pdl, r_max=r_max)
+                             write_counts=write_counts, pdl=pdl, r_max=r_max, stream=stream)
     return buf
 
 
@@ -197,13 +200,15 @@ def prop_budgets(lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, 
 
 
 def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
-                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None) -> None:
+                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None,
+                         stream: StreamHints | None = None) -> None:
     """S²ANTA-prop after its stats pass: the tile budgets, then the compacted sampling pass with the merge
     folded in, from whatever wrote ``buf.m``, ``buf.l`` and the score stash (the stats pass above, or
-    ``kernels/bernoulli/decode.py``'s feature-major one)."""
+    ``kernels/bernoulli/decode.py``'s feature-major one). ``stream``: the sampling's ``lazy_stash``
+    (``common.StreamHints``, ``common.STREAM`` when None)."""
     prop_budgets(lens, buf, budget, tile, seed, b, hq, t, rounding=rounding, pdl=pdl)
     _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
-                 r_max=r_max)
+                 r_max=r_max, stream=stream)
 
 
 def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
