@@ -228,12 +228,15 @@ def markdown(report: dict) -> str:
 
 def check() -> None:
     """On the CPU (the interpreter): every candidate of both paths equals the current path on small inputs (the
-    bench's checks, no timing)."""
+    bench's checks, no timing), the stats kernels alone run, and the report renders."""
     import types
 
     from kvsieve.kernels.santa import decode
 
     g = torch.Generator().manual_seed(0)
+    fake = {"median_us": 1.0, "min_us": 1.0, "max_us": 1.0}
+    report = {"device": "cpu", "date": "", "command": "--check", "attention": "gaussian", "copy_rate": 1e12,
+              "cases": []}
     for path in ("split", "overlap"):
         b, hq, hkv, n, d, tile = 2, 8, 2, 96, 64, 32
         x = types.SimpleNamespace(q=(torch.randn(b, hq, d, generator=g) * 2).half(),
@@ -245,12 +248,18 @@ def check() -> None:
         try:
             base = snapshot(path, x, None, tile=tile, budget=24)
             repeat = compare(snapshot(path, x, None, tile=tile, budget=24), base)
+            rows = [{"variant": "current", "call": fake, "stats": fake}]
             for name, hints in variants(path).items():
                 res = compare(snapshot(path, x, hints, tile=tile, budget=24), base)
                 assert verdict(res, repeat), (path, name, res)
+                rows.append({"variant": name, "call": fake, "stats": fake, "check": res, "equal": True})
+            stats_call(path, x, variants(path)["k-evict-first"], tile=tile)()
+            report["cases"].append({"keys": n, "batch": b, "path": path, "k_mb": 0.0, "stash_mb": 0.0, "floor_us": 0.0,
+                                    "repeat": repeat, "rows": rows})
         finally:
             decode.PROP_WIDE_STATS.clear()
             decode.PROP_WIDE_STATS.update(old)
+    assert "| k-evict-first |" in markdown(report)
     print("check: ok")
 
 
