@@ -14,7 +14,10 @@ batch 8) runs with ``stream=None`` (the current path) and with each candidate:
   their waits), unless ``--no-kernels``;
 - checks against the current path's call with the same seed (``write_counts=True``): m, l and the score stash
   (bitwise), tile budgets and counts (exact), the output (max abs difference; the sampling adds float32 atomics
-  in any order, so the current path against itself, ``repeat``, gives the scale of that difference).
+  in any order, so the current path against itself, ``repeat``, gives the scale of that difference);
+- ``bernoulli: *`` (unless ``--no-bernoulli``): Bernoulli qKᵀ with santa-prop's values (mean-group, 8 draws, as
+  the end-to-end bench), whose values take v8's sampling with the folded merge, with the module default
+  ``common.STREAM`` and with its ``lazy_stash`` set: call timed, budgets and counts checked against the first.
 
 The byte floor: (K + the float32 stash) at the device's copy rate (``timing.copy_bandwidth``).
 
@@ -44,6 +47,7 @@ from kvsieve.kernels.santa.common import StreamHints  # noqa: E402
 
 TILE = 256
 BUDGET = 128
+BERNOULLI_DRAWS = 8  # the end-to-end bench's Bernoulli qKᵀ (draws=8, query=mean-group)
 SEED = 5
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -143,11 +147,72 @@ def compare(got: dict, base: dict) -> dict:
     return res
 
 
-def verdict(check: dict, repeat: dict) -> bool:
-    """Equal to the current path: stats, budgets and counts exact, output finite and no further from the current
-    path than twice the current path from itself, or two 16-bit rounding steps (2^-7 each) of the output's scale."""
-    exact = all(check[name] for name in ("m", "l", "stash", "budgets", "counts")) and check["finite"]
+def verdict(check: dict, repeat: dict, names=("m", "l", "stash", "budgets", "counts")) -> bool:
+    """Equal to the current path: stats, budgets and counts exact (``names``), output finite and no further from the
+    current path than twice the current path from itself, or two 16-bit rounding steps (2^-7 each) of the output's
+    scale."""
+    exact = all(check[name] for name in names) and check["finite"]
     return exact and check["out_max_abs_diff"] <= max(2 * repeat["out_max_abs_diff"], 2 ** -6 * repeat["out_abs_max"])
+
+
+def bernoulli_rows(x, timer, args, opts: dict | None = None) -> list[dict]:
+    """Bernoulli qKᵀ with santa-prop's values (``kernels/bernoulli/decode.py``: its own stats kernels, then v8's
+    budgets and sampling with the folded merge, which take ``common.STREAM``'s ``lazy_stash``), with the module
+    default as it is and with ``lazy_stash`` set: each row checked (budgets, counts exact; output) against the
+    first and, unless ``timer`` is None, timed as ``run_case`` times the santa-prop calls."""
+    from kvsieve.core.rng import RandomKey
+    from kvsieve.kernels.bernoulli.decode import bernoulli_prop_triton
+    from kvsieve.kernels.bernoulli.feature_major import FeatureMajorKeys
+    from kvsieve.kernels.santa import common
+
+    kt = FeatureMajorKeys().update(x.k, x.lens)
+
+    def call(write_counts=False):
+        return bernoulli_prop_triton(x.q, kt, x.v, x.lens, x.scale, BERNOULLI_DRAWS, args.budget, args.tile,
+                                     RandomKey(SEED), SEED, write_counts=write_counts, k=x.k, **(opts or {}))
+
+    def snap():
+        out, counts, budgets, _ = call(True)
+        return {"out": out.clone(), "counts": counts.clone(), "budgets": budgets.clone()}
+
+    rows, base, repeat, former = [], None, None, common.STREAM
+    for name, hints in (("bernoulli: current", common.STREAM), ("bernoulli: lazy-stash",
+                                                                common.STREAM._replace(lazy_stash=True))):
+        row = {"variant": name, "hints": hints._asdict()}
+        if timer is not None and time.time() > args.deadline:
+            rows.append({**row, "error": f"skipped: past this case's share of --time-limit {args.time_limit} s"})
+            continue
+        t0 = time.time()
+        common.STREAM = hints
+        try:
+            got = snap()
+            if base is None:
+                base = got
+                repeat = compare_some(snap(), base)
+            else:
+                row["check"] = compare_some(got, base)
+                row["equal"] = verdict(row["check"], repeat, names=("budgets", "counts"))
+            if timer is not None:
+                row["call"] = timer.time_graph_us(call, warmup=5, iters=args.iters)
+                if not args.no_kernels:
+                    row["kernels"] = timer.kernel_breakdown(call, iters=2)
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        finally:
+            common.STREAM = former
+        row["seconds"] = round(time.time() - t0, 1)
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("kernels", "hints")}), flush=True)
+    return rows
+
+
+def compare_some(got: dict, base: dict) -> dict:
+    """``compare`` over the entries both have."""
+    res = {name: bool(torch.equal(got[name], base[name])) for name in ("budgets", "counts")}
+    res["finite"] = bool(torch.isfinite(got["out"]).all())
+    res["out_max_abs_diff"] = float((got["out"].float() - base["out"].float()).abs().max())
+    res["out_abs_max"] = max(1.0, float(base["out"].float().abs().max()))
+    return res
 
 
 def run_case(n: int, batch: int, args, timer) -> dict:
@@ -164,8 +229,12 @@ def run_case(n: int, batch: int, args, timer) -> dict:
     base = snapshot(path, x, None)
     repeat = compare(snapshot(path, x, None), base)
     case["repeat"] = repeat
-    names = ["current", *variants(path), "current (again)"]
+    names = ["current", *variants(path), "bernoulli", "current (again)"]
     for name in names:
+        if name == "bernoulli":
+            if args.bernoulli:
+                case["rows"] += bernoulli_rows(x, timer, args)
+            continue
         hints = None if name.startswith("current") else variants(path)[name]
         row = {"variant": name, "hints": (hints or StreamHints())._asdict()}
         if time.time() > args.deadline:
@@ -180,7 +249,7 @@ def run_case(n: int, batch: int, args, timer) -> dict:
             row["call"] = timer.time_graph_us(lambda h=hints: call_once(path, x, h), warmup=5, iters=args.iters)
             row["stats"] = timer.time_graph_us(stats_call(path, x, hints), warmup=5, iters=args.iters)
             if not args.no_kernels and name != "current (again)":
-                row["kernels"] = timer.kernel_breakdown(lambda h=hints: call_once(path, x, h), iters=3)
+                row["kernels"] = timer.kernel_breakdown(lambda h=hints: call_once(path, x, h), iters=2)
         except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
             row["error"] = f"{type(exc).__name__}: {exc}"[:400]
         row["seconds"] = round(time.time() - t0, 1)
@@ -203,13 +272,16 @@ def markdown(report: dict) -> str:
                   f"current against itself: output max abs diff {case['repeat']['out_max_abs_diff']:.2e}", "",
                   "| variant | call µs | Δ call | stats µs | Δ stats | check | top kernels (µs) |",
                   "|---|---:|---:|---:|---:|---|---|"]
-        first = next((r for r in case["rows"] if r["variant"] == "current" and "call" in r), None)
+        firsts = {group: next((r for r in case["rows"] if r["variant"] == name and "call" in r), None)
+                  for group, name in (("", "current"), ("bernoulli", "bernoulli: current"))}
         for r in case["rows"]:
             if "error" in r:
                 lines.append(f"| {r['variant']} | error: {r['error'][:150]} | | | | | |")
                 continue
+            first = firsts["bernoulli" if r["variant"].startswith("bernoulli") else ""]
             dc = r["call"]["median_us"] - first["call"]["median_us"] if first else float("nan")
-            ds = r["stats"]["median_us"] - first["stats"]["median_us"] if first else float("nan")
+            s = r.get("stats")
+            ds = s["median_us"] - first["stats"]["median_us"] if s and first and "stats" in first else float("nan")
             check = "current" if "check" not in r else ("=" if r["equal"] else
                                                         "≠ " + ", ".join(k for k, v in r["check"].items()
                                                                          if v is False))
@@ -219,9 +291,10 @@ def markdown(report: dict) -> str:
             if r.get("kernels"):
                 top = sorted(r["kernels"].items(), key=lambda kv: -kv[1])[:3]
                 kern = ", ".join(f"{k.strip()[:28]} {v:.1f}" for k, v in top)
-            c, s = r["call"], r["stats"]
+            c = r["call"]
+            stats = f"{s['median_us']:.1f} | {ds:+.1f}" if s else "— | —"
             lines.append(f"| {r['variant']} | {c['median_us']:.1f} ({c['min_us']:.1f}–{c['max_us']:.1f}) | "
-                         f"{dc:+.1f} | {s['median_us']:.1f} | {ds:+.1f} | {check} | {kern} |")
+                         f"{dc:+.1f} | {stats} | {check} | {kern} |")
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -254,6 +327,10 @@ def check() -> None:
                 assert verdict(res, repeat), (path, name, res)
                 rows.append({"variant": name, "call": fake, "stats": fake, "check": res, "equal": True})
             stats_call(path, x, variants(path)["k-evict-first"], tile=tile)()
+            brows = bernoulli_rows(x, None, types.SimpleNamespace(budget=24, tile=tile),
+                                   opts={"block_n": 16, "stats_programs": 3})
+            assert all(r.get("equal", True) and "error" not in r for r in brows), brows
+            rows += [{**r, "call": fake} for r in brows]
             report["cases"].append({"keys": n, "batch": b, "path": path, "k_mb": 0.0, "stash_mb": 0.0, "floor_us": 0.0,
                                     "repeat": repeat, "rows": rows})
         finally:
@@ -280,7 +357,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="peaked", choices=("peaked", "uniform"))
     p.add_argument("--iters", type=int, default=30, help="timed graph replays per measurement")
     p.add_argument("--no-kernels", action="store_true", help="skip the per-kernel breakdown (torch profiler)")
-    p.add_argument("--time-limit", type=float, default=110.0,
+    p.add_argument("--no-bernoulli", dest="bernoulli", action="store_false",
+                   help="skip Bernoulli qKᵀ + santa-prop (current and lazy-stash) at each case")
+    p.add_argument("--time-limit", type=float, default=115.0,
                    help="seconds after which the variants left are recorded as skipped")
     p.add_argument("--check", action="store_true", help="the checks on the CPU (TRITON_INTERPRET=1), no timing")
     args = p.parse_args(argv)
@@ -293,6 +372,7 @@ def main(argv=None) -> int:
         print("santa_stream.py needs a CUDA GPU (use --check on a CPU)", file=sys.stderr)
         return 2
     cases = parse_cases(args.cases)
+    args.budget, args.tile = BUDGET, TILE
     from kvsieve.bench.timing import ColdL2Timer, copy_bandwidth
 
     t0 = time.time()
