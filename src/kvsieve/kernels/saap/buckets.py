@@ -179,7 +179,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .index import assign_ahead_program, assign_ahead_row_program
+    from .index import assign_ahead_program
 except ImportError:  # pragma: no cover - CPU installs without triton run the reference
     triton = None
 
@@ -266,22 +266,16 @@ if triton is not None:
     ):
         """Programs (KV head, row, split): the attention's splits, after ``AHEAD`` programs per (KV head, row) that
         come first in the grid (dispatched first): the index update one step ahead
-        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`, one a key; with ``AHEAD = 1`` one for all the
-        row's keys, :func:`kvsieve.kernels.saap.index.assign_ahead_row_program`, which at a span of 1 is the same
-        work), which writes ``assign`` at or past ``L − W``; the attention programs read it below."""
+        (:func:`kvsieve.kernels.saap.index.assign_ahead_program`, one a key), which writes ``assign`` at or past
+        ``L − W``; the attention programs read it below."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         split = tl.program_id(2)
         if AHEAD > 0:
             if split < AHEAD:
-                if AHEAD == 1:
-                    assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr,
-                                             a_scaling, n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h,
-                                             D, A_HALF, A_BLOCK_C, A_DEROPE)
-                else:
-                    assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr,
-                                         a_scaling, n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
-                                         D, A_HALF, A_BLOCK_C, A_DEROPE)
+                assign_ahead_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, tail_lo_ptr, hi_ptr, lo_ptr, a_scaling,
+                                     n_buckets, a_span, s_kb, s_kh, s_kn, s_asb, s_ash, b, h, split,
+                                     D, A_HALF, A_BLOCK_C, A_DEROPE)
         split -= AHEAD
         if split >= 0:  # an attention program
             row = b * kv_heads + h
@@ -400,14 +394,6 @@ if triton is not None:
                     tl.atomic_xchg(sem_ptr + row, 0)
 
 
-#: Keys a chunk of the bucket loop (``block_n``'s default). With the update ahead one program a key, 64 compiles to 224
-#: registers a thread for sm_90 and 32 to 168 unspecialised (as tests/test_saap.py compiles it), but to 109 and 80 as a
-#: launch at Llama-3.1-8B shapes specialises it (16-byte aligned pointers, strides, C and ℓ multiples of 16): four
-#: programs of 4 warps an SM against six.
-BUCKET_BLOCK_N = 64
-#: Attention programs a launch aims at (:func:`default_splits`): one wave of three an SM on an H100.
-BUCKET_PROGRAMS = 384
-
 #: The most programs per (row, KV head) for which the fused merge (a ticket counter per row, the last program
 #: merges) is the method's choice: every program's acq_rel increment of the row's one counter serialises (about
 #: 0.3 us each on the H200), so at batch 1 (48 programs a row) a separate merge launch is faster, and at batch 8
@@ -415,17 +401,17 @@ BUCKET_PROGRAMS = 384
 FUSED_MERGE_MAX_SPLITS = 8
 
 
-def fused_merge_default(rows: int, max_keys: int, block_n: int | None = None) -> bool:
+def fused_merge_default(rows: int, max_keys: int, block_n: int = 64) -> bool:
     """Whether SAAP's decode fuses the split merge into the bucket kernel: with :func:`default_splits` at most
     :data:`FUSED_MERGE_MAX_SPLITS` programs contend for each row's counter."""
     return default_splits(rows, max_keys, block_n) <= FUSED_MERGE_MAX_SPLITS
 
 
-def default_splits(rows: int, max_keys: int, block_n: int | None = None) -> int:
-    """Programs per (batch row, KV head): about :data:`BUCKET_PROGRAMS` (384) in all, one wave on an H100 (132
-    SMs, three programs each: the kernel compiles to 168 registers a thread at 4 warps for sm_90), no more than the
-    chunks of the longest possible list."""
-    return max(1, min(BUCKET_PROGRAMS // max(rows, 1), cdiv(max_keys, BUCKET_BLOCK_N if block_n is None else block_n)))
+def default_splits(rows: int, max_keys: int, block_n: int = 64) -> int:
+    """Programs per (batch row, KV head): about 384 in all, one wave on an H100 (132 SMs, three programs
+    each: the kernel compiles to 168 registers a thread at 4 warps for sm_90), no more than the chunks of
+    the longest possible list."""
+    return max(1, min(384 // max(rows, 1), cdiv(max_keys, block_n)))
 
 
 def bucket_sparse_decode_triton(
@@ -442,15 +428,14 @@ def bucket_sparse_decode_triton(
     scale: float | None = None,
     dense_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     sliding: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    block_n: int | None = None,
+    block_n: int = 64,
     splits: int | None = None,
     fused_merge: bool = True,
     ahead: tuple | None = None,
-    ahead_per: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`bucket_sparse_decode_reference` as one Triton launch plus the split-KV merge. Probing per
     KV head only (``buckets [B, Hkv, L]``). The keys of a (row, KV head) — dense list, dense range,
-    chosen buckets — form one virtual list cut into chunks of ``block_n`` (default :data:`BUCKET_BLOCK_N`) dealt
+    chosen buckets — form one virtual list cut into chunks of ``block_n`` (64: the measured chunk) dealt
     round-robin over ``splits`` programs (default :func:`default_splits` of the longest list the host can bound: the
     dense list's width, the range and ``width``, the most keys of any ``L`` buckets, or every key
     when ``width`` is 0); a program with no chunk writes an empty partial that the merge skips. The
@@ -471,8 +456,7 @@ def bucket_sparse_decode_triton(
     :func:`kvsieve.kernels.saap.index.assign_ahead_reference`'s update of ``assign`` (its ``span`` programs a
     (row, KV head) first in the grid), the keys that leave the window in the next ``span`` keys: off the step's
     critical path. Its writes are at or past ``L − W`` and the attention reads ``assign`` below: no race. Needs
-    every row's window to be at least ``span`` (the keys written must be in K). ``ahead_per``: which programs run it,
-    ``"key"`` or ``"row"`` (default :data:`kvsieve.kernels.saap.index.AHEAD_PER`; the same buckets bit for bit)."""
+    every row's window to be at least ``span`` (the keys written must be in K)."""
     from ..shared.triton_utils import (
         dot_precision,
         is_interpreted,
@@ -491,7 +475,6 @@ def bucket_sparse_decode_triton(
     if d % 16 or dv % 16 or d != next_pow2(d) or dv != next_pow2(dv):
         raise ValueError(f"q, v: head dims {d}, {dv} must be powers of two >= 16 for the kernel")
     n_probe = buckets.shape[-1]
-    block_n = BUCKET_BLOCK_N if block_n is None else block_n
     if isinstance(block_n, bool) or not isinstance(block_n, int) or block_n < 16 or block_n != next_pow2(block_n):
         raise ValueError(f"block_n: expected a power of two >= 16, got {block_n!r}")
     if splits is None:
@@ -537,7 +520,7 @@ def bucket_sparse_decode_triton(
                              f"assign contiguous in its last dimension and a span >= 1; got {tuple(cent.shape)}, "
                              f"{cent.dtype}, span {a_span}")
         freq = cent if inv_freq is None else inv_freq
-        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq, per=ahead_per)
+        a_meta = ahead_launch_meta(k, a_span, cent, inv_freq)
     block_g = max(16, next_pow2(group))
     out = torch.empty(b, hq, dv, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, hq, device=q.device, dtype=torch.float32)

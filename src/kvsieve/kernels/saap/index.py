@@ -29,8 +29,7 @@ step and finish in one short pass each. Which one runs is a rule on the batch, k
 captured (:func:`parallel_update`).
 
 The update can also run one step early (:func:`assign_ahead_reference`; :func:`assign_ahead_program`, one program
-per key, or :func:`assign_ahead_row_program`, one per row and KV head (:data:`AHEAD_PER`), as extra programs of the
-bucket attention's launch): the keys that will leave the window in the next
+per key, as extra programs of the bucket attention's launch): the keys that will leave the window in the next
 ``span`` keys are already in K, and are still in the window, where the attention does not read ``assign``. A step
 then finds the keys leaving it assigned, and no launch before its attention waits on the update.
 """
@@ -56,18 +55,6 @@ PARALLEL_BLOCK_R = 32
 #: bucket kernel's launch at its 4 warps) scores an iteration. One key a program: the span's keys as one padded dot
 #: tile a (row, KV head) were slower on the H200 (docs/methods/saap.md, forms measured and dropped).
 AHEAD_BLOCK_C = 64
-#: Which programs run the update one step ahead: ``"key"``, one a key (:func:`assign_ahead_program`, ``span`` a row
-#: and KV head, each streaming the C centroids from L2: at batch 8 and C = 1024, 256 programs and 128 MB of L2 reads a
-#: step beside the attention's), or ``"row"``, one a (row, KV head) (:func:`assign_ahead_row_program`: its four keys
-#: scored against each centroid tile read once, the loop pipelined; a quarter of the programs and of the L2 reads).
-#: Both give the same products bit for bit and the same buckets.
-AHEAD_PER = "key"
-#: Centroids a tile of the ``"row"`` form: [32, d] float32, two more in flight (the loop pipelined in three stages
-#: through shared memory). Inside the bucket kernel, as a launch specialises it (aligned pointers, strides and C
-#: multiples of 16), the row form compiles to 128 registers a thread for sm_90 against the key form's 109 (four
-#: programs of 4 warps an SM either way) and 32.9 KB of shared memory against 22.5; with [64, d] tiles, 168.
-AHEAD_ROW_BLOCK_C = 32
-AHEAD_FORMS = ("key", "row")
 
 
 def parallel_update(batch: int) -> bool:
@@ -293,80 +280,6 @@ if triton is not None:
                         pos, D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
-    def _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u):
-        """``(pos, ok)``: key ``u`` of row ``b``'s update one step ahead (:func:`assign_ahead_reference`) and whether it
-        is written (``u < span``, at or past ``t_lo`` and below the row's length)."""
-        t_lo = tl.load(t_lo_ptr + b).to(tl.int32)
-        length = tl.load(len_ptr + b).to(tl.int32)
-        pos = tl.maximum(length - tl.load(win_ptr + b).to(tl.int32) + span, t_lo) - span + u
-        ok = (u < span) & (pos >= t_lo) & (pos < length)
-        return tl.where(ok, pos, 0), ok
-
-    @triton.jit
-    def _ranked(cb, x, cc, c_ok, n_buckets):
-        """``[BLOCK_C]`` int64: each tile row's product with the key ``x`` (the sum :func:`_assign_key` takes, on a
-        tile of the same layout: the same float32 bits) and its bucket in one integer that orders as "larger product,
-        then lower index": the product's bits made monotone (−0 taken as +0, equal to it as a float) in the high word,
-        ``C − 1 − c`` in the low word. The largest of them is ``torch.argmax``'s choice."""
-        sc = tl.where(c_ok, tl.sum(cb * x[None, :], axis=1), float("-inf")) + 0.0
-        bits = sc.to(tl.int32, bitcast=True)
-        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        return (ordered.to(tl.int64) << 32) | tl.where(c_ok, n_buckets - 1 - cc, 0).to(tl.int64)
-
-    @triton.jit
-    def _store_ranked(a_row, pos, ok, best, n_buckets):
-        """The bucket of a :func:`_ranked` value to ``a_row[pos]`` (where ``ok``)."""
-        idx = n_buckets - 1 - (best & 0xFFFFFFFF)
-        tl.store(a_row + pos, idx.to(a_row.dtype.element_ty), mask=ok)
-
-    @triton.jit
-    def assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, b, h,
-                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
-        """Work item (row ``b``, KV head ``h``) of :func:`assign_ahead_reference`: the row's ``span`` keys, four a pass
-        over the centroids. Each ``[BLOCK_C, d]`` centroid tile is read once for the four keys, the loop pipelined
-        (three stages: two tiles in flight while one is scored). The four keys' products are :func:`_assign_key`'s
-        (same de-rope, same per-row sum), each packed with its bucket (:func:`_ranked`), and the four keys' tile maxima
-        taken in one reduction over the tile rows: the buckets are the one-program-a-key form's bit for bit. Extra
-        programs of the bucket attention's launch, as that form's."""
-        offs_d = tl.arange(0, D)
-        offs_c = tl.arange(0, BLOCK_C)
-        k_row = k_ptr + b.to(tl.int64) * s_kb + h * s_kh
-        a_row = assign_ptr + b.to(tl.int64) * s_ab + h * s_ah
-        cent_row = cent_ptr + h.to(tl.int64) * n_buckets * D
-        for u0 in range(0, span, 4):
-            p0, ok0 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0)
-            p1, ok1 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 1)
-            p2, ok2 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 2)
-            p3, ok3 = _ahead_pos(t_lo_ptr, len_ptr, win_ptr, b, span, u0 + 3)
-            if ok0 | ok1 | ok2 | ok3:
-                x0 = _load_key(k_row + p0.to(tl.int64) * s_kn + offs_d, offs_d, p0, freq_ptr, scaling,
-                               offs_d < tl.where(ok0, D, 0), HALF, DEROPE)
-                x1 = _load_key(k_row + p1.to(tl.int64) * s_kn + offs_d, offs_d, p1, freq_ptr, scaling,
-                               offs_d < tl.where(ok1, D, 0), HALF, DEROPE)
-                x2 = _load_key(k_row + p2.to(tl.int64) * s_kn + offs_d, offs_d, p2, freq_ptr, scaling,
-                               offs_d < tl.where(ok2, D, 0), HALF, DEROPE)
-                x3 = _load_key(k_row + p3.to(tl.int64) * s_kn + offs_d, offs_d, p3, freq_ptr, scaling,
-                               offs_d < tl.where(ok3, D, 0), HALF, DEROPE)
-                # below every _ranked value of a finite product or of -inf with its low word
-                best = tl.full([2, 2], -2139095041, dtype=tl.int64) << 32
-                for c0 in tl.range(0, n_buckets, BLOCK_C, num_stages=3):
-                    cc = c0 + offs_c
-                    c_ok = cc < n_buckets
-                    cb = tl.load(cent_row + cc[:, None] * D + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-                    # [BLOCK_C, 2, 2]: key 2·j + i at [:, i, j]; one reduction over the rows for the four keys
-                    four = tl.join(tl.join(_ranked(cb, x0, cc, c_ok, n_buckets), _ranked(cb, x1, cc, c_ok, n_buckets)),
-                                   tl.join(_ranked(cb, x2, cc, c_ok, n_buckets), _ranked(cb, x3, cc, c_ok, n_buckets)))
-                    best = tl.maximum(best, tl.max(four, axis=0))
-                first, second = tl.split(best)  # keys (0, 1) and (2, 3)
-                r0, r1 = tl.split(first)
-                r2, r3 = tl.split(second)
-                _store_ranked(a_row, p0, ok0, r0, n_buckets)
-                _store_ranked(a_row, p1, ok1, r1, n_buckets)
-                _store_ranked(a_row, p2, ok2, r2, n_buckets)
-                _store_ranked(a_row, p3, ok3, r3, n_buckets)
-
-    @triton.jit
     def assign_partial_program(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn, item,
                                D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -435,15 +348,6 @@ if triton is not None:
                              D, HALF, BLOCK_C, DEROPE)
 
     @triton.jit
-    def _assign_ahead_row_kernel(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah,
-                                 D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, DEROPE: tl.constexpr):
-        """Program (row, KV head): :func:`assign_ahead_row_program`."""
-        assign_ahead_row_program(k_ptr, cent_ptr, freq_ptr, assign_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
-                                 n_buckets, span, s_kb, s_kh, s_kn, s_ab, s_ah, tl.program_id(0), tl.program_id(1),
-                                 D, HALF, BLOCK_C, DEROPE)
-
-    @triton.jit
     def _assign_partial_kernel(k_ptr, cent_ptr, freq_ptr, ps_ptr, pi_ptr, t_lo_ptr, len_ptr, win_ptr, scaling,
                                n_buckets, span, rows, c_blocks, r_blocks, s_kb, s_kh, s_kn,
                                D: tl.constexpr, HALF: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -487,35 +391,26 @@ def tail_launch_args(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, 
 
 
 def ahead_launch_meta(k: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                      block_c: int | None = None, per: str | None = None) -> dict:
-    """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key; 1 with
-    ``per="row"``: one for all the row's keys, :func:`assign_ahead_row_program`), ``D``, ``HALF``, ``BLOCK_C``
-    (centroids an iteration, default :data:`AHEAD_BLOCK_C`, or :data:`AHEAD_ROW_BLOCK_C` for the row form; fewer when
-    C is smaller), ``DEROPE``. ``per``: ``"key"`` or ``"row"``, default :data:`AHEAD_PER`. A launch tells the forms
-    apart by ``PROGRAMS`` (at a span of 1 they do the same work)."""
-    per = AHEAD_PER if per is None else per
-    if per not in AHEAD_FORMS:
-        raise ValueError(f"per: expected one of {AHEAD_FORMS}, got {per!r}")
+                      block_c: int | None = None) -> dict:
+    """The constexprs of the update one step ahead: ``PROGRAMS`` per (row, KV head) (``span``, one a key), ``D``,
+    ``HALF``, ``BLOCK_C`` (centroids an iteration, default :data:`AHEAD_BLOCK_C`, fewer when C is smaller),
+    ``DEROPE``."""
     d = k.shape[-1]
-    row = per == "row"
-    block = block_c or (AHEAD_ROW_BLOCK_C if row else AHEAD_BLOCK_C)
-    return dict(PROGRAMS=1 if row else span, D=d, HALF=d // 2,
-                BLOCK_C=min(block, max(16, next_pow2(centroids.shape[1]))), DEROPE=inv_freq is not None)
+    return dict(PROGRAMS=span, D=d, HALF=d // 2,
+                BLOCK_C=min(block_c or AHEAD_BLOCK_C, max(16, next_pow2(centroids.shape[1]))),
+                DEROPE=inv_freq is not None)
 
 
 def assign_ahead_triton(assign: torch.Tensor, k: torch.Tensor, t_lo: torch.Tensor, lengths: torch.Tensor,
                         window: torch.Tensor, span: int, centroids: torch.Tensor, inv_freq: torch.Tensor | None,
-                        scaling: float, block_c: int | None = None, per: str | None = None) -> None:
-    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c`` and
-    ``per`` as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch
-    instead."""
+                        scaling: float, block_c: int | None = None) -> None:
+    """:func:`assign_ahead_reference` in a launch of its own (arguments as :func:`tail_launch_args`, ``block_c``
+    as :func:`ahead_launch_meta`). The method runs these programs inside the bucket attention's launch instead."""
     if triton is None:
         raise RuntimeError("assign_ahead_triton needs triton")
     k = _checked_keys(assign, k, span, centroids)
-    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c, per)
-    programs = meta.pop("PROGRAMS")
-    kernel = _assign_ahead_row_kernel if programs == 1 else _assign_ahead_kernel
-    kernel[(k.shape[0], k.shape[1], programs)](
+    meta = ahead_launch_meta(k, span, centroids, inv_freq, block_c)
+    _assign_ahead_kernel[(k.shape[0], k.shape[1], meta.pop("PROGRAMS"))](
         k, centroids, centroids if inv_freq is None else inv_freq, assign, t_lo, lengths, window, float(scaling),
         centroids.shape[1], span, k.stride(0), k.stride(1), k.stride(2), assign.stride(0), assign.stride(1),
         **meta, num_warps=4)

@@ -63,9 +63,6 @@ RANK_WARPS = 4
 # launch's reads and exponentials grow with B·C/RANK_CHUNK; a larger chunk at larger batches cuts them (the
 # probe bench's --sweep rank times it).
 RANK_SUB = 32
-# Whether a rank pass skips its [RANK_SUB, C] comparison tile when ℓ scores beat the best of its buckets (exact: none
-# of them can be in the top-ℓ). With ℓ = 32 of C = 1024 spread at random over 32 passes, about e^-1 of the passes skip.
-RANK_SKIP = False
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
 # about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
@@ -310,8 +307,7 @@ if triton is not None:
         ``scores[b, h, chunk] = Σ_g softmax(logits of query head h·G + g
         of row b)`` over the chunk's ``CHUNK`` buckets, the logits the sum of the logits kernel's ``PARTS``
         parts (``s_part`` elements apart); with ``TOP`` each of the chunk's buckets (``SUB`` a pass) whose rank is below
-        ``n_top`` written to ``top[b, h, rank]`` (``TOP = 2``: a pass skipped where ``n_top`` scores beat all of
-        its buckets, :data:`RANK_SKIP`). The rank of bucket ``i`` is ``#{j: s_j > s_i or (s_j = s_i
+        ``n_top`` written to ``top[b, h, rank]``. The rank of bucket ``i`` is ``#{j: s_j > s_i or (s_j = s_i
         and j < i)}`` (``torch.topk``'s set, ties to the lower index, best first), counted against all C
         scores: no threshold search, no sort, no step that waits on another program. Every program of a
         (row, KV head) computes all C scores with the same code, so all agree on them to the bit, and
@@ -362,42 +358,17 @@ if triton is not None:
                               PARTS)
         # Non-negative floats order as their int32 bit patterns; padding (-1) is below every score.
         bits = tl.where(ok, total.to(tl.int32, bitcast=True), -1)
-        if CHUNK == SUB:
-            _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, (pid % chunks) * CHUNK, SUB, TOP)
-        else:
-            # SUB buckets a pass ([SUB, BLOCK_C] comparison tiles) in a loop, not unrolled: unrolled, the four passes
-            # of a chunk of 128 took 255 registers a thread for sm_90 (Triton 3.6), one pass 79
-            for s0 in range(0, CHUNK, SUB):
-                _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, (pid % chunks) * CHUNK + s0, SUB,
-                           TOP)
-
-    @triton.jit
-    def _rank_pass(out_ptr, top_ptr, bk, buckets, n_top, total, bits, offs, i0, SUB: tl.constexpr,
-                   TOP: tl.constexpr):
-        """The ``SUB`` buckets from ``i0`` of (row, KV head) ``bk``: their scores (out of ``total``) written, and with
-        ``TOP`` their ranks among all C (``bits``) where below ``n_top``."""
-        offs_i = i0 + tl.arange(0, SUB)  # < BLOCK_C: CHUNK divides BLOCK_C
-        ok_i = offs_i < buckets
-        mine = tl.gather(total, offs_i, 0)
-        tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
-        if TOP == 2:
-            # A pass whose best bucket n_top others beat holds no bucket of rank below n_top (a bucket's rank is at
-            # least the count of scores above its own): it skips its comparison tile. The same writes.
-            best_bits = tl.max(tl.where(ok_i, mine.to(tl.int32, bitcast=True), -1), axis=0)
-            if tl.sum((bits > best_bits).to(tl.int32), axis=0) < n_top:
-                _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine)
-        elif TOP:
-            _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine)
-
-    @triton.jit
-    def _rank_store(top_ptr, bk, n_top, bits, offs, offs_i, ok_i, mine):
-        """Each bucket ``offs_i`` (score ``mine``) whose rank among ``bits`` (all C scores' bit patterns) is below
-        ``n_top`` written to ``top[bk, rank]``."""
-        # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
-        bits_i = mine.to(tl.int32, bitcast=True)
-        beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
-        rank = tl.sum(beats.to(tl.int32), axis=1)
-        tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
+        for s0 in tl.static_range(0, CHUNK, SUB):  # SUB buckets a pass: a [SUB, BLOCK_C] comparison tile
+            offs_i = (pid % chunks) * CHUNK + s0 + tl.arange(0, SUB)  # < BLOCK_C: CHUNK divides BLOCK_C
+            ok_i = offs_i < buckets
+            mine = tl.gather(total, offs_i, 0)
+            tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
+            if TOP:
+                # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
+                bits_i = mine.to(tl.int32, bitcast=True)
+                beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
+                rank = tl.sum(beats.to(tl.int32), axis=1)
+                tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
 
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
@@ -408,9 +379,7 @@ def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0, tail: tuple | None = None,
-                        parallel_tail: bool | None = None,
-                        rank_chunk: int | None = None,
-                        rank_skip: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        parallel_tail: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
@@ -420,11 +389,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     :func:`kvsieve.kernels.saap.index.assign_tail_triton` (``assign, k, t_lo, lengths, window, span, centroids,
     inv_freq, scaling``), whose update then runs inside the probe's launches: the parallel one where
     ``parallel_tail`` (default :func:`kvsieve.kernels.saap.index.parallel_update` of the keys' batch), else the
-    serial one. ``rank_chunk``: buckets a rank program ranks (a power of two; default :data:`RANK_CHUNK`, at most
-    C rounded up to a power of two): the launch is ``B·Hkv·C / rank_chunk`` programs, each rebuilding the group's C
-    scores with the same code, so the scores and the top-ℓ are the same bits whatever the chunk. ``rank_skip``
-    (default :data:`RANK_SKIP`): a program's pass of :data:`RANK_SUB` buckets skips its comparison tile when ℓ
-    scores exceed the pass's best (none of its buckets can rank below ℓ): the same top-ℓ, fewer comparisons."""
+    serial one."""
     from ..shared.triton_utils import kernels_interpreted, next_pow2
     from .index import parallel_tail_args, parallel_update, tail_launch_args
 
@@ -438,10 +403,6 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
                          "a classifier of one model per KV head or per query head")
     if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
         raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
-    rank_chunk = RANK_CHUNK if rank_chunk is None else rank_chunk
-    if isinstance(rank_chunk, bool) or not isinstance(rank_chunk, int) or rank_chunk < 1 \
-            or rank_chunk != next_pow2(rank_chunk):
-        raise ValueError(f"rank_chunk: expected a power of two >= 1, got {rank_chunk!r}")
     if q.stride(-1) != 1:
         q = q.contiguous()
     per = hq // models
@@ -491,13 +452,12 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     scores = torch.empty(b, kv_heads, buckets, device=dev, dtype=torch.float32)
     top = torch.empty(b, kv_heads, max(probes, 1), device=dev, dtype=torch.int64)
     block_c = max(16, next_pow2(buckets))
-    chunk = min(rank_chunk, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
+    chunk = min(RANK_CHUNK, block_c)  # both powers of two: the chunks tile [0, BLOCK_C)
     sub = min(RANK_SUB, chunk)
     chunks = triton.cdiv(buckets, chunk)
     rank_programs = b * kv_heads * chunks
     _group_rank_kernel[(rank_programs + reduce_items,)](
         logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
-        *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts,
-        TOP=(2 if (RANK_SKIP if rank_skip is None else rank_skip) else True) if probes > 0 else False,
+        *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts, TOP=probes > 0,
         TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores

@@ -47,18 +47,14 @@ if triton is not None:
 
     @triton.jit
     def score_block(q, k_base, u_base, offs_n, length, scale, s_k_n, g_ok, D: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, K_EVICT: tl.constexpr, STASH_CACHE: tl.constexpr,
-                     STASH_EVICT: tl.constexpr):
+                     DOT_PRECISION: tl.constexpr):
         """Scores of one sub-block of keys ``offs_n`` for the G heads, stashed (float32, -inf past the row's
-        length) and returned. ``K_EVICT``, ``STASH_CACHE``, ``STASH_EVICT``: the cache hints of the K load and
-        the stash store (``StreamHints``; they change no value)."""
+        length) and returned."""
         n_ok = offs_n < length
-        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0,
-                    eviction_policy=K_EVICT)
+        k = tl.load(k_base + offs_n[:, None] * s_k_n + tl.arange(0, D)[None, :], mask=n_ok[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None], cache_modifier=STASH_CACHE,
-                 eviction_policy=STASH_EVICT)
+        tl.store(u_base + offs_n[None, :], s, mask=g_ok[:, None])
         return s
 
     @triton.jit
@@ -244,8 +240,7 @@ if triton is not None:
                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                     R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                    LAZY_STASH: tl.constexpr):
+                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
         """Tile t of (row b, KV head kvh): sampling and the V gather, the tile's share added to the
         accumulators (relaxed atomics).
 
@@ -255,8 +250,7 @@ if triton is not None:
           ``e^{m_t - m*} l_t`` to ``oden``.
 
         ``LOAD_CACHE``: the cache modifier of the loads of what the stats pass wrote (".cg" when that pass
-        ran in the same launch). ``LAZY_STASH`` (prop): the tile's stash is read only once a head of the group has
-        a budget in it (``StreamHints.lazy_stash``), not with the budgets."""
+        ran in the same launch)."""
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
@@ -267,9 +261,8 @@ if triton is not None:
         l = tl.load(l_ptr + ml_row + t, mask=g_ok, other=0.0, cache_modifier=LOAD_CACHE)
         # issued with the loads above, before the budget math, so that the two round trips overlap;
         # the launch's stash holds n_tiles·TILE keys per head, so no row length is needed to bound it
-        stash_row = stash_ptr + b * s_u_b + heads[:, None] * s_u_h + t * TILE + tl.arange(0, TILE)[None, :]
-        if not LAZY_STASH:
-            s = tl.load(stash_row, mask=g_ok[:, None], other=float("-inf"), cache_modifier=LOAD_CACHE)
+        s = tl.load(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + t * TILE + tl.arange(0, TILE)[None, :],
+                    mask=g_ok[:, None], other=float("-inf"), cache_modifier=LOAD_CACHE)
         if not FLASH:
             tile_budget = tl.load(budgets_ptr + ml_row + t, mask=g_ok, other=0, cache_modifier=LOAD_CACHE)
         tiles_b = (length + TILE - 1) // TILE
@@ -289,8 +282,6 @@ if triton is not None:
                 m_star = tl.load(mstar_ptr + b * hq + heads_r, mask=r_ok, other=0.0, cache_modifier=".cg")
                 mass = tl.where(r_ok & (l_r > 0), tl.exp(m_r - tl.where(r_ok, m_star, 0.0)) * l_r, 0.0)
             if tl.max(tile_budget, axis=0) > 0:  # tiles without samples read nothing and add nothing
-                if LAZY_STASH:
-                    s = tl.load(stash_row, mask=g_ok[:, None], other=float("-inf"), cache_modifier=LOAD_CACHE)
                 a0 = row_uniform(seed_lo, seed_hi, length, tile_key, (b * hq + heads).to(tl.int64) * n_tiles + t)
                 scr = scr_ptr + ((b * hkv + kvh) * n_tiles + t).to(tl.int64) * (TILE * (1 + GP))
                 acc = compact_sample(v_ptr, s, counts_ptr, scr, b, kvh, t, length, m, l, tile_budget, a0,
@@ -309,8 +300,7 @@ if triton is not None:
                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
                     G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
                     R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr,
-                    LAZY_STASH: tl.constexpr):
+                    WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LOAD_CACHE: tl.constexpr):
         """``sample_tile`` with the merge folded in (v8): the last of the ``n_tiles`` programs of a (row, KV
         head) (an acq_rel counter) reads the accumulators through atomics (L2, no stale L1 line), writes
         ``out`` (prop ``oacc / S``, flash ``oacc / oden``) and leaves the accumulators, ``mstar`` and the
@@ -319,7 +309,7 @@ if triton is not None:
                     oacc_ptr, oden_ptr, t, kvh, b, budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h,
                     G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE,
-                    LOAD_CACHE, LAZY_STASH)
+                    LOAD_CACHE)
         offs_g = tl.arange(0, GP)
         offs_d = tl.arange(0, D)
         g_ok = offs_g < G
@@ -349,67 +339,6 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 # Bits of the largest-remainder threshold settled per histogram step (``histogram_threshold``): 4 steps per
 # 20-bit half of the fractions
 _DIGIT_BITS = 5
-
-
-class StreamHints(NamedTuple):
-    """How the stats passes stream K and write the score stash (cache hints; for v10 how often its stats threads
-    release their finished tiles and how many programs it runs), and when prop's sampling reads the stash back.
-    Pure performance switches: every value written is the same.
-
-    - ``k_eviction``: the K loads' eviction policy ("" or "evict_first": K is read once, so that the stash and
-      the V rows the sampling reads stay in L2; "evict_last" for completeness);
-    - ``stash_cache``: the stash stores' cache modifier ("", ".cs" streaming, ".cg", ".wt");
-    - ``stash_eviction``: the stash stores' eviction policy ("", "evict_last": kept in L2 for the sampling
-      pass, "evict_first");
-    - ``release_every``: v10 (``overlap.py``) only: each stats thread releases its tiles every this many rounds
-      (one fence, then relaxed adds on the counters of the tiles since the last release; the last round always
-      releases) instead of one release atomic per tile. 1 is the release per tile;
-    - ``balanced_rounds``: v10 only: its stats programs lowered to ``cdiv(tiles, rounds)`` for as many rounds,
-      so that the last round is short of fewer than ``rounds`` tiles (528 programs take the 8,256 tiles of 32k
-      batch 8 in 15 full rounds and one of 336 tiles; 516 programs in 16 full rounds);
-    - ``lazy_stash``: prop's sampling kernels (every form, Bernoulli's values included) read a tile's stash only
-      once some head of the group has a budget in the tile, after the budget load, instead of beside it: peaked
-      attention leaves most tiles without samples, whose stash (the group's scores, 4 KB a tile at G 4) is then
-      not read at all, for one more dependent round trip in the tiles sampled."""
-    k_eviction: str = ""
-    stash_cache: str = ""
-    stash_eviction: str = ""
-    release_every: int = 1
-    balanced_rounds: bool = False
-    lazy_stash: bool = False
-
-
-# the hints every stats pass takes unless a call passes its own (``stream=``); the default is the form measured
-STREAM = StreamHints()
-
-_EVICTIONS = ("", "evict_first", "evict_last")
-_STORE_CACHES = ("", ".wb", ".cs", ".cg", ".wt")
-
-
-def stream_hints(stream: StreamHints | None) -> StreamHints:
-    """``stream``, or the module default ``STREAM`` when None, checked."""
-    s = STREAM if stream is None else stream
-    if not isinstance(s, StreamHints):
-        raise ValueError(f"stream: expected a common.StreamHints or None, got {type(s).__name__}")
-    if s.k_eviction not in _EVICTIONS:
-        raise ValueError(f"stream.k_eviction: expected one of {_EVICTIONS}, got {s.k_eviction!r}")
-    if s.stash_eviction not in _EVICTIONS:
-        raise ValueError(f"stream.stash_eviction: expected one of {_EVICTIONS}, got {s.stash_eviction!r}")
-    if s.stash_cache not in _STORE_CACHES:
-        raise ValueError(f"stream.stash_cache: expected one of {_STORE_CACHES}, got {s.stash_cache!r}")
-    if not isinstance(s.release_every, int) or not 1 <= s.release_every <= 8:
-        raise ValueError(f"stream.release_every: expected an int in [1, 8], got {s.release_every!r}")
-    if not isinstance(s.balanced_rounds, bool):
-        raise ValueError(f"stream.balanced_rounds: expected a bool, got {s.balanced_rounds!r}")
-    if not isinstance(s.lazy_stash, bool):
-        raise ValueError(f"stream.lazy_stash: expected a bool, got {s.lazy_stash!r}")
-    return s
-
-
-def stream_meta(stream: StreamHints | None) -> dict:
-    """The cache-hint constexprs of ``score_block`` (and of v10's stats kernel) for ``stream``."""
-    s = stream_hints(stream)
-    return dict(K_EVICT=s.k_eviction, STASH_CACHE=s.stash_cache, STASH_EVICT=s.stash_eviction)
 
 
 def budget_meta(t: int, *, rounding: str) -> dict:
@@ -508,10 +437,9 @@ def sample_strides(v, buf: PassBuffers, hq: int, t: int, tile: int, write_counts
 
 
 def sample_constexprs(v, hq: int, budget: int, t: int, tile: int, *, flash: bool, write_counts: bool,
-                      r_max: int | None, stream: StreamHints | None = None) -> dict:
-    """The compile-time arguments ``sample_fold`` takes (``stream``: its ``lazy_stash``, ``STREAM``'s when None)."""
+                      r_max: int | None) -> dict:
+    """The compile-time arguments ``sample_fold`` takes."""
     g = hq // v.shape[1]
     return dict(G=g, GP=next_pow2(g), BLOCK_G=group_block(g), D=v.shape[3], TILE=tile,
                 R_MAX=min(r_max or default_r_max(g, budget, t), tile), FLASH=flash, SPLIT_AT=split_at(v.dtype),
-                DOT_PRECISION=dot_precision(v.dtype), WRITE_COUNTS=write_counts, **fixed_point(budget),
-                LAZY_STASH=stream_hints(stream).lazy_stash and not flash)
+                DOT_PRECISION=dot_precision(v.dtype), WRITE_COUNTS=write_counts, **fixed_point(budget))

@@ -35,7 +35,7 @@ if triton is not None:
         u_base = stash_ptr + b * s_u_b + heads[:, None] * s_u_h
         for j in range(0, TILE // BLOCK_N):
             s = score_block(q, k_base, u_base, t * TILE + j * BLOCK_N + tl.arange(0, BLOCK_N), length, scale, s_k_n,
-                            g_ok, D, DOT_PRECISION, "", "", "")
+                            g_ok, D, DOT_PRECISION)
             m, l = fold_scores(m, l, s)
         return m, l
 

@@ -46,18 +46,7 @@ from ..shared.triton_utils import (
     triton,
     workspace,
 )
-from .common import (
-    BUDGET_KEY,
-    TILE_KEY,
-    StreamHints,
-    begin_call,
-    budget_meta,
-    sample_constexprs,
-    sample_strides,
-    stream_hints,
-    stream_meta,
-    tile_count,
-)
+from .common import BUDGET_KEY, TILE_KEY, begin_call, budget_meta, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
@@ -75,36 +64,19 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _fence_if(flag, FENCE: tl.constexpr):
-        """``fence.acq_rel.gpu`` in the threads where ``flag`` (int32) is not 0; returns ``flag``, on which the
-        caller's releasing writes then depend. Without ``FENCE`` (the interpreter, which has no inline assembly
-        and runs programs one after the other) it only returns ``flag``."""
-        if FENCE:
-            flag = tl.inline_asm_elementwise(
-                "{ .reg .pred pf; setp.ne.s32 pf, $1, 0; @pf fence.acq_rel.gpu; mov.u32 $0, $1; }",
-                "=r,r,~{memory}", [flag], dtype=tl.int32, is_pure=False, pack=1)
-        return flag
-
-    @triton.jit
     def _ordered_stats_kernel(
         q_ptr, k_ptr, lens_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, sync_ptr,
         scale, n_tiles, hq, hkv, n_units, rounds,
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr, THREADS: tl.constexpr,
-        BLOCK_B: tl.constexpr, K_EVICT: tl.constexpr, STASH_CACHE: tl.constexpr, STASH_EVICT: tl.constexpr,
-        RELEASE_EVERY: tl.constexpr, FENCE: tl.constexpr,
+        BLOCK_B: tl.constexpr,
     ):
         """Per-tile max m, sum l and the score stash as the v8 stats pass (``two_pass.py``), tiles taken in
         unit order; each finished tile adds 1 to each of the unit's THREADS counters ``sync[u·THREADS +
         lane]``, every thread releasing its own stores, tiles past a row's length included. K rows are
         loaded up to the row's length, picked from the BLOCK_B lengths loaded before the loop (a mask from
-        a value loaded in the loop would keep Triton from pipelining the K loads).
-
-        ``RELEASE_EVERY`` > 1: each thread releases its finished tiles every RELEASE_EVERY rounds and at the last
-        round, with one fence (``_fence_if``) and then relaxed adds on the counters of the tiles since its last
-        release, instead of a release atomic (a fence each) per tile. ``K_EVICT``, ``STASH_CACHE``,
-        ``STASH_EVICT``: cache hints (``common.StreamHints``)."""
+        a value loaded in the loop would keep Triton from pipelining the K loads)."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         if PDL:  # the sampling kernel may start now: its programs wait per unit, not for this grid
             gdc_launch_dependents()
@@ -138,12 +110,11 @@ if triton is not None:
             length = tl.sum(tl.where(offs_b == b, row_lens, 0), axis=0)
             in_row = offs_n < tl.where(live, length, 0)
             k = tl.load(k_ptr + b * s_k_b + kvh * s_k_h + offs_n[:, None] * s_k_n + offs_d[None, :],
-                        mask=in_row[:, None], other=0.0, eviction_policy=K_EVICT)
+                        mask=in_row[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
             s = tl.where(in_row[None, :], s, float("-inf"))
             g_live = offs_g < tl.where(live, G, 0)
-            tl.store(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + offs_n[None, :], s, mask=g_live[:, None],
-                     cache_modifier=STASH_CACHE, eviction_policy=STASH_EVICT)
+            tl.store(stash_ptr + b * s_u_b + heads[:, None] * s_u_h + offs_n[None, :], s, mask=g_live[:, None])
             first = sub == 0
             m = tl.where(first, float("-inf"), m)
             l = tl.where(first, 0.0, l)
@@ -161,20 +132,8 @@ if triton is not None:
             # Every thread releases its own stores of the tile (a barrier in the loop would stop Triton from
             # pipelining it), each on its own counter of the unit (one address for all would serialise).
             lanes = tl.arange(0, THREADS)
-            if RELEASE_EVERY == 1:
-                tl.atomic_add(sync_ptr + u * THREADS + lanes, tl.full([THREADS], 1, tl.int32),
-                              mask=lanes < tl.where(done, THREADS, 0), sem="release")
-            else:
-                rnd = j // SUBS
-                slot = rnd % RELEASE_EVERY
-                flush = (sub == SUBS - 1) & ((slot == RELEASE_EVERY - 1) | (rnd == rounds - 1))
-                flush = _fence_if(flush.to(tl.int32), FENCE) != 0
-                for r in tl.static_range(RELEASE_EVERY):  # the tiles of rounds rnd - slot .. rnd
-                    tid_r = (rnd - r) * n_programs + p
-                    ok_r = flush & (r <= slot) & (tid_r < total)
-                    u_r = tl.where(ok_r, tid_r, 0) // n_tiles
-                    tl.atomic_add(sync_ptr + u_r * THREADS + lanes, tl.full([THREADS], 1, tl.int32),
-                                  mask=lanes < tl.where(ok_r, THREADS, 0), sem="relaxed")
+            tl.atomic_add(sync_ptr + u * THREADS + lanes, tl.full([THREADS], 1, tl.int32),
+                          mask=lanes < tl.where(done, THREADS, 0), sem="release")
 
     @triton.jit
     def _wait_scored(sync_ptr, u, n_tiles, SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr):
@@ -225,8 +184,7 @@ if triton is not None:
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
         R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LAZY_STASH: tl.constexpr,
-        SLEEP: tl.constexpr,
+        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, SLEEP: tl.constexpr,
         STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
     ):
         """One program per (tile, KV head, row): wait for the unit's stats (flash) or for the budget flags
@@ -253,7 +211,7 @@ if triton is not None:
                            budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
                            s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
                            G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS,
-                           WIDE, ".cg", LAZY_STASH)
+                           WIDE, ".cg")
         if last:  # every program of the unit has passed its waits: the unit's sync words back to zero
             tl.atomic_xchg(sync_ptr + u * STATS_THREADS + tl.arange(0, STATS_THREADS), 0, sem="relaxed")
             if not FLASH:
@@ -269,32 +227,26 @@ NAPS = 8
 
 
 def ordered_stats_pass(q, k, lens, buf, sync, scale: float, tile: int, *, flash: bool, pdl: bool, block_n: int,
-                       stats_programs: int, stats_warps: int, stats_stages: int,
-                       stream: StreamHints | None = None) -> None:
+                       stats_programs: int, stats_warps: int, stats_stages: int) -> None:
     """The ordered stats launch into ``buf`` (``common.PassBuffers``), raising the tile counters in ``sync``
-    (``B·Hkv·32·stats_warps`` int32, zero before; the sampling kernel clears them). ``stream``: cache hints,
-    release batching and the program count's balancing (``common.StreamHints``, ``common.STREAM`` when None)."""
-    hints = stream_hints(stream)
+    (``B·Hkv·32·stats_warps`` int32, zero before; the sampling kernel clears them)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     t = tile_count(k.shape[2], tile)
     units = b * hkv
     programs = max(1, min(stats_programs, units * t))
-    if hints.balanced_rounds:  # as many rounds, each full but (at most) the last program's
-        programs = cdiv(units * t, cdiv(units * t, programs))
     launch(_ordered_stats_kernel, (programs, 1, 1),
            q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
            DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, THREADS=32 * stats_warps,
-           BLOCK_B=max(2, next_pow2(b)), **stream_meta(hints), RELEASE_EVERY=hints.release_every,
-           FENCE=not is_interpreted(_ordered_stats_kernel), num_warps=stats_warps, num_stages=stats_stages)
+           BLOCK_B=max(2, next_pow2(b)), num_warps=stats_warps, num_stages=stats_stages)
 
 
 def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
              write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None,
-             stats_warps: int = STATS_WARPS, stats_stages: int = 2, stream: StreamHints | None = None):
+             stats_warps: int = STATS_WARPS, stats_stages: int = 2):
     b, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -305,8 +257,7 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
     # one tile counter per (unit, stats thread), then one budget flag per (row, head); zero between calls
     sync = workspace("overlap_sync", q, units * threads + b * hq, torch.int32, zeroed=True)
     ordered_stats_pass(q, k, lens, buf, sync, scale, tile, flash=flash, pdl=pdl, block_n=block_n,
-                       stats_programs=stats_programs, stats_warps=stats_warps, stats_stages=stats_stages,
-                       stream=stream)
+                       stats_programs=stats_programs, stats_warps=stats_warps, stats_stages=stats_stages)
     lo, hi = seed_words(seed)
     if not flash:
         # one program per (head, row): each raises its head's flag
@@ -318,8 +269,7 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, sync, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, units, *sample_strides(v, buf, hq, t, tile, write_counts),
-           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max,
-                               stream=stream),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
            SLEEP=sleep, STATS_THREADS=threads, NAPS=NAPS, num_warps=4, **pdl_launch(pdl))
     return buf
 
@@ -327,28 +277,25 @@ def _overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, 
 def santa_prop_overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                        rounding: str = "largest-remainder", write_counts: bool = False,
                        out: torch.Tensor | None = None, block_n: int = 128, stats_programs: int = STATS_PROGRAMS,
-                       r_max: int | None = None, stats_warps: int = STATS_WARPS, stats_stages: int = 2,
-                       stream: StreamHints | None = None):
+                       r_max: int | None = None, stats_warps: int = STATS_WARPS, stats_stages: int = 2):
     """S²ANTA-prop with the budgets and the sampling overlapping the K stream (3 launches). Returns ``(out
     [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T] int32)``: the
     counts and budgets of ``two_pass.santa_prop_two_pass`` for the same seed. ``block_n``,
-    ``stats_programs``, ``stats_warps``, ``stats_stages`` and ``r_max`` are launch parameters, ``stream`` the
-    stats kernel's ``common.StreamHints``; they change no count."""
+    ``stats_programs``, ``stats_warps``, ``stats_stages`` and ``r_max`` are launch parameters; they change
+    no count."""
     buf = _overlap(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
                    write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max,
-                   stats_warps=stats_warps, stats_stages=stats_stages, stream=stream)
+                   stats_warps=stats_warps, stats_stages=stats_stages)
     return buf.out, buf.counts, buf.budgets
 
 
 def santa_flash_overlap(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                         write_counts: bool = False, out: torch.Tensor | None = None, block_n: int = 128,
-                        stats_programs: int = STATS_PROGRAMS, r_max: int | None = None,
-                        stream: StreamHints | None = None):
+                        stats_programs: int = STATS_PROGRAMS, r_max: int | None = None):
     """S²ANTA-flash with the sampling overlapping the K stream (2 launches). Returns ``(out, counts or
     None)``, the counts of ``two_pass.santa_flash_two_pass`` for the same seed."""
     buf = _overlap(q, k, v, lens, scale, budget, tile, seed, flash=True, rounding="largest-remainder",
-                   write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max,
-                   stream=stream)
+                   write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max)
     return buf.out, buf.counts
 
 

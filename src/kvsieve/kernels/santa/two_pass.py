@@ -20,17 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.triton_utils import cdiv, dot_precision, group_block, launch, pdl_launch, seed_words, triton
-from .common import (
-    BUDGET_KEY,
-    TILE_KEY,
-    StreamHints,
-    begin_call,
-    budget_meta,
-    sample_constexprs,
-    sample_strides,
-    stream_meta,
-    tile_count,
-)
+from .common import BUDGET_KEY, TILE_KEY, begin_call, budget_meta, sample_constexprs, sample_strides, tile_count
 
 if triton is not None:
     import triton.language as tl
@@ -49,13 +39,11 @@ if triton is not None:
     def _stats_tiles(q_ptr, k_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, b, kvh, t0, t1, length, scale, hq,
                      s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
                      G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr,
-                     K_EVICT: tl.constexpr, STASH_CACHE: tl.constexpr, STASH_EVICT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr):
         """Tiles t0..t1-1 of (row b, KV head kvh): per-tile max m and sum l of e^{s-m}, and the float32
         score stash, streamed in one pipelined loop over sub-blocks (long streams keep K loads in flight),
         resetting (m, l) at each tile start. ``TRACK_MAX``: also folds the max of these scores into
-        ``mstar [B·Hq]`` (float32 atomic max). ``K_EVICT``, ``STASH_CACHE``, ``STASH_EVICT``: cache hints
-        (``common.StreamHints``)."""
+        ``mstar [B·Hq]`` (float32 atomic max)."""
         SUBS: tl.constexpr = TILE // BLOCK_N
         q, heads, g_ok = load_group_q(q_ptr, b, kvh, s_q_b, s_q_h, G, BLOCK_G, D)
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -66,7 +54,7 @@ if triton is not None:
         m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
         for j in range(t0 * SUBS, t1 * SUBS):
             s = score_block(q, k_base, u_base, j * BLOCK_N + tl.arange(0, BLOCK_N), length, scale, s_k_n, g_ok, D,
-                             DOT_PRECISION, K_EVICT, STASH_CACHE, STASH_EVICT)
+                             DOT_PRECISION)
             first = (j % SUBS) == 0
             m, l = fold_scores(tl.where(first, float("-inf"), m), tl.where(first, 0.0, l), s)
             if TRACK_MAX:
@@ -84,7 +72,6 @@ if triton is not None:
         s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr, BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr, TRACK_MAX: tl.constexpr, PDL: tl.constexpr,
-        K_EVICT: tl.constexpr, STASH_CACHE: tl.constexpr, STASH_EVICT: tl.constexpr,
     ):
         """Pass 1: ``_stats_tiles`` over ``tiles_per_program`` consecutive tiles per program; with
         ``TRACK_MAX`` each head's global max is left in ``mstar``, so that the sampling pass knows it
@@ -101,7 +88,7 @@ if triton is not None:
         if t0 < t1:
             _stats_tiles(q_ptr, k_ptr, m_ptr, l_ptr, stash_ptr, mstar_ptr, b, kvh, t0, t1, length, scale, hq,
                          s_q_b, s_q_h, s_k_b, s_k_h, s_k_n, s_ml_b, s_ml_h, s_u_b, s_u_h,
-                         G, BLOCK_G, D, TILE, BLOCK_N, DOT_PRECISION, TRACK_MAX, K_EVICT, STASH_CACHE, STASH_EVICT)
+                         G, BLOCK_G, D, TILE, BLOCK_N, DOT_PRECISION, TRACK_MAX)
 
     @budget_jit
     def _prop_budget_kernel(
@@ -129,8 +116,7 @@ if triton is not None:
         s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
         G: tl.constexpr, GP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr,
         R_MAX: tl.constexpr, FLASH: tl.constexpr, SPLIT_AT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, LAZY_STASH: tl.constexpr,
-        PDL: tl.constexpr,
+        WRITE_COUNTS: tl.constexpr, FIX_BITS: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr,
     ):
         """Sampling pass with the merge folded in (v8), one program per (tile, KV head, row):
         ``sample_fold``."""
@@ -140,14 +126,11 @@ if triton is not None:
                     oacc_ptr, oden_ptr, done_ptr, out_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2),
                     budget, seed_lo, seed_hi, tile_key, n_tiles, hq, hkv,
                     s_v_b, s_v_h, s_v_n, s_ml_b, s_ml_h, s_u_b, s_u_h, s_c_b, s_c_h, s_o_b, s_o_h,
-                    G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "",
-                    LAZY_STASH)
+                    G, GP, BLOCK_G, D, TILE, R_MAX, FLASH, SPLIT_AT, DOT_PRECISION, WRITE_COUNTS, FIX_BITS, WIDE, "")
 
 
-def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3,
-               stream: StreamHints | None = None):
-    """The stats pass into ``buf.m``, ``buf.l``, ``buf.stash`` (and, for flash, ``buf.mstar``); ``stream``: its
-    cache hints (``common.StreamHints``, ``common.STREAM`` when None; ``release_every`` does not apply)."""
+def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_programs, num_warps=4, num_stages=3):
+    """The stats pass into ``buf.m``, ``buf.l``, ``buf.stash`` (and, for flash, ``buf.mstar``)."""
     b, hq, d = q.shape
     hkv, t = k.shape[1], tile_count(k.shape[2], tile)
     g = hq // hkv
@@ -156,11 +139,10 @@ def stats_pass(q, k, lens, buf, scale, tile, *, flash, pdl, block_n, stats_progr
            q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, scale, per_program, hq,
            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), hq * t, t, hq * t * tile, t * tile,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block_n, tile),
-           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, **stream_meta(stream), num_warps=num_warps,
-           num_stages=num_stages)
+           DOT_PRECISION=dot_precision(q.dtype), TRACK_MAX=flash, PDL=pdl, num_warps=num_warps, num_stages=num_stages)
 
 
-def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max, stream=None):
+def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_counts, pdl, r_max):
     """The compacted sampling pass with the merge folded in: writes ``buf.out`` (and ``buf.counts``)."""
     hkv = v.shape[1]
     lo, hi = seed_words(seed)
@@ -168,24 +150,23 @@ def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_cou
            v, lens, buf.m, buf.l, buf.stash, buf.budgets if buf.budgets is not None else buf.m,
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, *sample_strides(v, buf, hq, t, tile, write_counts),
-           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max,
-                               stream=stream),
+           **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
 
 
 def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,
               write_counts: bool, out, block_n: int, stats_programs: int, r_max: int | None, stats_warps: int = 4,
-              stats_stages: int = 3, stream: StreamHints | None = None):
+              stats_stages: int = 3):
     b, hq, _ = q.shape
     t, pdl, buf = begin_call(q, k, v, tile, flash=flash, rounding=rounding, write_counts=write_counts, out=out)
     stats_pass(q, k, lens, buf, scale, tile, flash=flash, pdl=pdl, block_n=block_n, stats_programs=stats_programs,
-                num_warps=stats_warps, num_stages=stats_stages, stream=stream)
+                num_warps=stats_warps, num_stages=stats_stages)
     if flash:
         _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=True, write_counts=write_counts, pdl=pdl,
                      r_max=r_max)
     else:
         prop_sampling_passes(v, lens, buf, budget, tile, seed, b, hq, t, rounding=rounding,
-                             write_counts=write_counts, pdl=pdl, r_max=r_max, stream=stream)
+                             write_counts=write_counts, pdl=pdl, r_max=r_max)
     return buf
 
 
@@ -200,30 +181,27 @@ def prop_budgets(lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, 
 
 
 def prop_sampling_passes(v, lens, buf, budget: int, tile: int, seed: int, b: int, hq: int, t: int, *,
-                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None,
-                         stream: StreamHints | None = None) -> None:
+                         rounding: str, write_counts: bool, pdl: bool, r_max: int | None = None) -> None:
     """S²ANTA-prop after its stats pass: the tile budgets, then the compacted sampling pass with the merge
     folded in, from whatever wrote ``buf.m``, ``buf.l`` and the score stash (the stats pass above, or
-    ``kernels/bernoulli/decode.py``'s feature-major one). ``stream``: the sampling's ``lazy_stash``
-    (``common.StreamHints``, ``common.STREAM`` when None)."""
+    ``kernels/bernoulli/decode.py``'s feature-major one)."""
     prop_budgets(lens, buf, budget, tile, seed, b, hq, t, rounding=rounding, pdl=pdl)
     _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, flash=False, write_counts=write_counts, pdl=pdl,
-                 r_max=r_max, stream=stream)
+                 r_max=r_max)
 
 
 def santa_prop_two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *,
                         rounding: str = "largest-remainder", write_counts: bool = False,
                         out: torch.Tensor | None = None, block_n: int = 64, stats_programs: int = 264,
-                        r_max: int | None = None, stats_warps: int = 4, stats_stages: int = 3,
-                        stream: StreamHints | None = None):
+                        r_max: int | None = None, stats_warps: int = 4, stats_stages: int = 3):
     """S²ANTA-prop in 3 launches: stats, tile budgets, sampling with the merge folded in. Returns
     ``(out [B, Hq, d] in q's dtype, counts [B, Hq, N] int32 or None, tile budgets [B, Hq, T] int32)``.
     ``block_n`` (keys per sub-block of the stats loop), ``stats_programs``, ``stats_warps``, ``stats_stages``
     (the stats kernel's warps and pipeline depth) and ``r_max`` (rows per V gather step) are launch
-    parameters, and ``stream`` the stats pass's cache hints (``common.StreamHints``); they change no count."""
+    parameters; they change no count."""
     buf = _two_pass(q, k, v, lens, scale, budget, tile, seed, flash=False, rounding=rounding,
                     write_counts=write_counts, out=out, block_n=block_n, stats_programs=stats_programs, r_max=r_max,
-                    stats_warps=stats_warps, stats_stages=stats_stages, stream=stream)
+                    stats_warps=stats_warps, stats_stages=stats_stages)
     return buf.out, buf.counts, buf.budgets
 
 
