@@ -36,11 +36,15 @@ def test_budget_benchmark_check_runs():
     assert "check: ok" in out
 
 
-def test_budget_benchmark_parses_its_shapes_and_keys_on_the_host():
-    """The shapes list; the whole calls' key has host counters only (a device counter would be read back by
-    ``RandomKey.host_seed`` during graph capture)."""
+def test_budget_benchmark_parses_its_shapes_and_keys_on_the_host(monkeypatch):
+    """The shapes list; the whole calls (``stages.make_call``'s) pass a key with host counters only (a device
+    counter would be read back by ``RandomKey.host_seed`` during graph capture)."""
     import importlib.util
     from pathlib import Path
+
+    import torch
+
+    import kvsieve
 
     spec = importlib.util.spec_from_file_location(
         "santa_budget", Path(__file__).resolve().parents[1] / "benchmarks" / "breakdown" / "santa_budget.py")
@@ -52,16 +56,20 @@ def test_budget_benchmark_parses_its_shapes_and_keys_on_the_host():
 
     keys = []
 
-    class Stages:
-        @staticmethod
-        def make_call(spec, q, k, v, lens, step, backend=None):
-            from kvsieve.core.rng import RandomKey
+    class Recording:
+        def new_state(self):
+            return None
 
-            keys.append(RandomKey(7, (0, step)))
-            return (lambda: None), (lambda: {})
+        def decode(self, q, k, v, *, lengths, seed, state, check_finite):
+            keys.append(seed)
+            return q, {}
 
-    assert set(mod.whole_calls(Stages, None, None, None, None)) == set(mod.CALLS)
-    assert keys and all(key.host() for key in keys)
+    monkeypatch.setattr(kvsieve, "method", lambda spec: Recording())
+    calls = mod.whole_calls(mod.load_stages(), torch.zeros(1), None, None, None)
+    assert set(calls) == set(mod.CALLS)
+    for call in calls.values():
+        call()
+    assert len(keys) == len(calls) and all(key.host() for key in keys)
 
 
 BUDGET_COMPILES = """

@@ -130,9 +130,9 @@ def load_stages():
 
 
 def whole_calls(stages, q, k, v, lens, backend: str | None = None) -> dict:
-    """``label -> call`` of each ``CALLS`` spec on tensors made before any capture; the key's counters are host
-    ints (request 0, step 0), which the seed-by-value kernels take without a device read."""
-    return {label: stages.make_call(spec, q, k, v, lens, 0, backend=backend)[0] for label, spec in CALLS.items()}
+    """``label -> call`` of each ``CALLS`` spec on tensors made before any capture; ``stages.make_call`` keys them
+    on host counters, which the seed-by-value kernels take without a device read."""
+    return {label: stages.make_call(spec, q, k, v, lens, backend=backend)[0] for label, spec in CALLS.items()}
 
 
 def run(args) -> dict:
