@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="folder of the SAAP fits the bench makes for its random-weight shapes when a method that "
                         "needs a fit (saap:probes=32) names no artifacts (default ~/.cache/kvsieve/saap-bench-fits)")
     e.add_argument("--name", default=None, help="file stem (default: <date>-<device>-e2e, or -ttft with --ttft)")
+    e.add_argument("--resume", default=None, metavar="EARLIER.json",
+                   help="continue an earlier run of the same variants on the same device: its cases are skipped and "
+                        "the results file (--out/--name) holds both processes' rows, dates and commands")
     e.add_argument("--record-command", default=None, help=argparse.SUPPRESS)
     e.set_defaults(handler=run_e2e)
     add_real_parser(bench_sub)
@@ -138,10 +141,12 @@ def parse_cases(text: str) -> tuple[tuple[int, int], ...]:
 def run_e2e(args: argparse.Namespace) -> int:
     import torch
 
-    from ..bench import e2e
+    from ..bench import e2e, resume
     from ..bench.e2e import BASELINES, MODEL_SHAPES, markdown, write_results
 
     if args.tp != 1:
+        if args.resume:
+            raise ValueError("--resume: not with --tp (the tensor-parallel bench writes one table per call)")
         return run_e2e_tp(args)
     shapes = tuple(s.strip() for s in args.shapes.split(",") if s.strip())
     for s in shapes:
@@ -168,6 +173,11 @@ def run_e2e(args: argparse.Namespace) -> int:
             if value < low:
                 raise ValueError(f"{name}: expected an integer >= {low}, got {value}")
     cases = parse_cases(args.cases) if args.cases else None
+    previous = None
+    if args.resume:
+        previous = resume.load_previous(args.resume)
+        grid = cases or tuple((b, n) for b in parse_sizes(args.batches) for n in parse_sizes(args.contexts))
+        cases = tuple(resume.remaining_cases(previous, shapes, grid, list(methods) + list(baselines)))
     if not torch.cuda.is_available():
         print("kvsieve bench e2e needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
@@ -175,8 +185,17 @@ def run_e2e(args: argparse.Namespace) -> int:
     tag = "h100" if "h100" in device else "h200" if "h200" in device else device.split()[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-{'ttft' if args.ttft else 'e2e'}"
     command = args.record_command or "kvsieve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    def whole(partial):
+        """The results file's content and header command: this process's, or joined to the earlier run's."""
+        if previous is None:
+            return partial, command
+        joined = resume.join(previous, partial, previous.get("command", ""), command)
+        return joined, resume.joined_command(joined)
+
     def save(partial):
-        return write_results(partial, Path(args.out), stem, command)
+        joined, header = whole(partial)
+        return write_results(joined, Path(args.out), stem, header)
 
     sizes = dict(contexts=parse_sizes(args.contexts), batches=parse_sizes(args.batches), cases=cases)
     if args.ttft:
@@ -186,8 +205,9 @@ def run_e2e(args: argparse.Namespace) -> int:
         results = e2e.run_e2e_bench(shapes=shapes, methods=methods, baselines=baselines, steps=args.steps,
                                     method_steps=args.method_steps, hf_steps=args.hf_steps, warmup=args.warmup,
                                     checkpoint=save, saap_fits=args.saap_fits, attention=args.attention, **sizes)
-    paths = write_results(results, Path(args.out), stem, command)
-    print(markdown(results, command))
+    results, header = whole(results)
+    paths = write_results(results, Path(args.out), stem, header)
+    print(markdown(results, header))
     for path in paths:
         print(f"wrote {path}")
     return 0
