@@ -236,8 +236,8 @@ def ordered_stats_pass(q, k, lens, buf, sync, scale: float, tile: int, *, flash:
     t = tile_count(k.shape[2], tile)
     units = b * hkv
     programs = max(1, min(stats_programs, units * t))
-    # as many rounds with fewer programs, every round full but the last program's: 516 instead of 528 programs
-    # at 32k batch 8, whose 16th round was 336 tiles (2.3 µs less a call on the H200, the same statistics)
+    # as many rounds with fewer programs, every round full but the last program's (at 32k batch 8: 516 instead
+    # of 528, whose 16th round held 336 tiles), so no round runs a third full; the statistics do not change
     programs = cdiv(units * t, cdiv(units * t, programs))
     launch(_ordered_stats_kernel, (programs, 1, 1),
            q, k, lens, buf.m, buf.l, buf.stash, buf.mstar, sync, scale, t, hq, hkv, units, cdiv(units * t, programs),
