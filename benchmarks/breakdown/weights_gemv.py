@@ -74,6 +74,9 @@ def make_way(way: str):
                "inductor-decompose": {"decompose_mem_bound_mm": True}}
     if way not in options:
         raise ValueError(f"--ways: expected names from {', '.join(WAYS)}, got {way!r}")
+    # a fresh compile per product: Dynamo keys its cache on the code compiled, and past its recompile limit (8
+    # shapes) it would run the product eagerly, which would time cuBLAS under an inductor way's name
+    torch._dynamo.reset()
     return torch.compile(F.linear, dynamic=False, options=options[way] or None), None
 
 

@@ -70,8 +70,5 @@ def join(previous: dict, new: dict, previous_command: str, command: str) -> dict
 
 
 def joined_command(results: dict) -> str:
-    """The header's command line of a joined run: each process's command, in order."""
-    commands = results.get("commands")
-    if not commands or len(commands) == 1:
-        return results.get("command", commands[0] if commands else "")
-    return "  ;  ".join(f"({i + 1}) {c}" for i, c in enumerate(commands))
+    """The header's command line of a run :func:`join` made: each process's command, in order."""
+    return "  ;  ".join(f"({i + 1}) {c}" for i, c in enumerate(results["commands"]))
