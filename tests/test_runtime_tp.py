@@ -79,7 +79,8 @@ def _compiled_checks(model, ids, res):
         res["compiled"] = {}
         for spec in COMPILED_SPECS:
             r = generate(model, ids, spec, max_new_tokens=NEW, seed=3, compile_ops=True)
-            res["compiled"][spec] = (r.tokens, r.stats.compiled_ops, r.stats.tp["fallbacks"], r.stats.fallbacks)
+            res["compiled"][spec] = (r.tokens, r.stats.compiled_ops, r.stats.tp["fallbacks"], r.stats.fallbacks,
+                                     r.stats.fused_projections)
         res["graphs"] = graphs
         res["ops"] = {co: step_ops(model, ids, co) for co in (False, True)}
     finally:
@@ -142,8 +143,10 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
     for spec in COMPILED_SPECS:  # the compiled pieces on local tensors: the same tokens as one process
         ref = generate(model, ids, spec, max_new_tokens=NEW, seed=3).tokens
         for r, res in enumerate(ranks):
-            tokens, compiled, tp_notes, fallbacks = res["compiled"][spec]
+            tokens, compiled, tp_notes, fallbacks, fused_projections = res["compiled"][spec]
             assert tokens.tolist() == ref.tolist() and compiled and not fallbacks, (spec, r)
+            # each layer's q/k/v and gate/up as one product over the rank's column shards
+            assert fused_projections == {"groups": 2 * 2, "refused": {}}, fused_projections
             assert any("sharded modules mlp.down_proj left out" in n and "Linears mlp.gate_proj, mlp.up_proj traced"
                        in n for n in tp_notes), tp_notes
     for res in ranks:
@@ -160,7 +163,8 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         assert fused["aten::rsqrt"] == 1 and plain["aten::rsqrt"] == 5  # only the final norm left uncompiled
         # per layer 5 kernels, as in one process: norm; RoPE; add and norm; SiLU·mul; add
         assert fused["inductor kernel"] == 2 * 5 and fused["aten::silu"] == plain["aten::mm"] == 0
-        assert fused["aten::mm"] == 2 * 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2
+        # a layer's gate/up: one product, traced (mm); its q/k/v: one product (linear), eager inside attention
+        assert fused["aten::mm"] == 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2 - 2 * 2
         assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)
     sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()

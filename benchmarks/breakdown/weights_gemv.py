@@ -4,8 +4,10 @@ In the end-to-end bench the runtime's dense decode spends 4.47 ms a step (Llama-
 the weights' matrix products: 15.0 GB read at 79 % of the device's copy rate, 0.94 ms above their floor at every
 context (``docs/results/gpu-bench/2026-11-29-h200-seed-methods-midday-summary.md``). That time is common to
 dense and every method, so a faster product raises every row's tokens/s and every sparse method's ratio to
-dense. This bench times each projection of one Llama-3.1-8B layer and the LM head at batch 1 and 8 in the ways
-torch's own libraries offer, none of them code of ours:
+dense; under tensor parallelism a rank's narrower shards read slower still (2.6 TB/s at TP 2,
+``2026-11-28-tp-compiled-summary.md``). This bench times each projection of one Llama-3.1-8B layer (or the
+70B shape's: ``--shape``; or one rank's shard of each under transformers' tensor-parallel plan: ``--shards 2,4``)
+and the LM head at batch 1 and 8 in the ways torch's own libraries offer, none of them code of ours:
 
 - ``cublaslt``: ``F.linear`` with torch's default BLAS (cuBLASLt on Hopper: the split-K GEMVs the runtime gets);
 - ``cublas``: the same with ``torch.backends.cuda.preferred_blas_library("cublas")``;
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import sys
 import time
@@ -36,15 +39,29 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, VOCAB, LAYERS = 4096, 14336, 32, 8, 128, 128256, 32
+#: (hidden, intermediate, heads, KV heads, head dim, vocabulary, layers) of the model shapes the benches build
+SHAPES = {"llama-3.1-8b": (4096, 14336, 32, 8, 128, 128256, 32),
+          "llama-3.1-70b": (8192, 28672, 64, 8, 128, 128256, 80)}
+#: the products transformers' tensor-parallel plan shards by output columns (the rest, o and down, by input rows)
+COLUMN_PARALLEL = ("q", "k", "v", "gate", "up", "lm_head", "qkv", "gate_up")
 
-#: (name, in features, out features) of one Llama-3.1-8B layer's products and the LM head
-PRODUCTS = (
-    ("q", HIDDEN, HEADS * HEAD_DIM), ("k", HIDDEN, KV_HEADS * HEAD_DIM), ("v", HIDDEN, KV_HEADS * HEAD_DIM),
-    ("o", HEADS * HEAD_DIM, HIDDEN), ("gate", HIDDEN, INTERMEDIATE), ("up", HIDDEN, INTERMEDIATE),
-    ("down", INTERMEDIATE, HIDDEN), ("lm_head", HIDDEN, VOCAB),
-    ("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), ("gate_up", HIDDEN, 2 * INTERMEDIATE),
-)
+
+def products(shape: str, shard: int = 1) -> tuple[tuple[str, int, int], ...]:
+    """(name, in features, out features) of one layer's products and the LM head, as one of ``shard`` ranks
+    of a tensor-parallel model holds them (``shard`` 1: the whole model)."""
+    if shape not in SHAPES:
+        raise ValueError(f"--shape: expected one of {', '.join(SHAPES)}, got {shape!r}")
+    hidden, inter, heads, kv_heads, head_dim, vocab, _ = SHAPES[shape]
+    if shard < 1 or kv_heads % shard:
+        raise ValueError(f"--shards: expected divisors of the {kv_heads} KV heads of {shape}, got {shard}")
+    whole = (("q", hidden, heads * head_dim), ("k", hidden, kv_heads * head_dim),
+             ("v", hidden, kv_heads * head_dim), ("o", heads * head_dim, hidden), ("gate", hidden, inter),
+             ("up", hidden, inter), ("down", inter, hidden), ("lm_head", hidden, vocab),
+             ("qkv", hidden, (heads + 2 * kv_heads) * head_dim), ("gate_up", hidden, 2 * inter))
+    return tuple((name, k, n // shard) if name in COLUMN_PARALLEL else (name, k // shard, n)
+                 for name, k, n in whole)
+
+
 SEPARATE = ("q", "k", "v", "o", "gate", "up", "down")
 FUSED = ("qkv", "o", "gate_up", "down")
 WAYS = ("cublaslt", "cublas", "inductor", "inductor-autotune", "inductor-decompose")
@@ -100,13 +117,14 @@ def run(args) -> dict:
     timer = ColdL2Timer(dev)
     rows = []
     ways = [w.strip() for w in args.ways.split(",") if w.strip()]
-    for batch in args.batches:
-        for name, k, n in PRODUCTS:
+    for shard, batch in itertools.product(args.shards, args.batches):
+        for name, k, n in products(args.shape, shard):
             x, w = operands(batch, k, n, dev, torch.bfloat16)
             floor_us = (w.numel() + x.numel() + batch * n) * 2 / rate * 1e6
             for way in ways:
                 t0 = time.time()
-                row = {"batch": batch, "product": name, "in": k, "out": n, "way": way, "floor_us": floor_us}
+                row = {"shard": shard, "batch": batch, "product": name, "in": k, "out": n, "way": way,
+                       "floor_us": floor_us}
                 try:
                     fn, library = make_way(way)
                     with blas(library):
@@ -118,68 +136,127 @@ def run(args) -> dict:
                 row["wall_s"] = time.time() - t0
                 rows.append(row)
                 print(_line(row), flush=True)
+    steps = time_step(args, timer, rate) if args.step else []
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_rate_bytes_per_s": rate,
+            "shape": args.shape, "steps": steps, "layers": SHAPES[args.shape][6],
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "rows": rows}
+
+
+def time_step(args, timer, rate: float) -> list[dict]:
+    """Every layer's products and the LM head back to back in one captured graph, each layer with weights of
+    its own (the step reads them all from HBM, as a decode step does): separate against fused q/k/v and
+    gate/up, eager BLAS. Timing one product alone adds the graph launch and the first wave's ramp to every
+    product; this is the figure a decode step sees."""
+    dev = torch.device("cuda")
+    rows = []
+    layers = SHAPES[args.shape][6]
+    for shard, batch in itertools.product(args.shards, args.batches):
+        dims = {name: (k, n) for name, k, n in products(args.shape, shard)}
+        for layout, names in (("separate", SEPARATE), ("fused", FUSED)):
+            t0 = time.time()
+            weights = [{p: operands(1, *dims[p], dev, torch.bfloat16, seed=i)[1] for p in names}
+                       for i in range(layers)]
+            head = operands(1, *dims["lm_head"], dev, torch.bfloat16)[1]
+            inputs = {p: torch.randn(batch, dims[p][0], device=dev, dtype=torch.bfloat16) for p in names}
+            x_head = torch.randn(batch, dims["lm_head"][0], device=dev, dtype=torch.bfloat16)
+
+            def step(weights=weights, head=head, inputs=inputs, x_head=x_head):
+                for layer in weights:
+                    for p, w in layer.items():
+                        F.linear(inputs[p], w)
+                F.linear(x_head, head)
+
+            nbytes = 2 * (sum(w.numel() for layer in weights for w in layer.values()) + head.numel())
+            row = {"shard": shard, "batch": batch, "layout": layout, "layers": layers, "weight_bytes": nbytes,
+                   "floor_us": nbytes / rate * 1e6}
+            row.update(timer.time_graph_us(step, warmup=3, iters=args.iters))
+            row["of_copy_rate"] = row["floor_us"] / row["median_us"]
+            row["wall_s"] = time.time() - t0
+            rows.append(row)
+            print(f"step tp{shard} b{batch} {layout:8s} {row['median_us'] / 1e3:7.3f} ms  "
+                  f"{row['of_copy_rate']:.0%} of copy ({nbytes / 1e9:.2f} GB)", flush=True)
+            del weights, head, inputs, step
+            torch.cuda.empty_cache()
+    return rows
 
 
 def _line(r: dict) -> str:
     if "error" in r:
-        return f"b{r['batch']} {r['product']:8s} {r['way']:18s} ERROR {r['error']}"
-    return (f"b{r['batch']} {r['product']:8s} {r['way']:18s} {r['median_us']:8.1f} µs  "
+        return f"tp{r['shard']} b{r['batch']} {r['product']:8s} {r['way']:18s} ERROR {r['error']}"
+    return (f"tp{r['shard']} b{r['batch']} {r['product']:8s} {r['way']:18s} {r['median_us']:8.1f} µs  "
             f"{r['of_copy_rate']:.0%} of copy  err {r['rel_err']:.1e}")
 
 
-def step_ms(rows: list[dict], batch: int, way: str, products) -> float | None:
-    """32 layers of ``products`` + the LM head, ms, where every product ran."""
-    us = {r["product"]: r["median_us"] for r in rows if r["batch"] == batch and r["way"] == way and "median_us" in r}
-    if any(p not in us for p in (*products, "lm_head")):
+def step_ms(rows: list[dict], layers: int, shard: int, batch: int, way: str, names) -> float | None:
+    """``layers`` layers of the products ``names`` + the LM head, ms, where every product ran."""
+    us = {r["product"]: r["median_us"] for r in rows
+          if (r["shard"], r["batch"], r["way"]) == (shard, batch, way) and "median_us" in r}
+    if any(p not in us for p in (*names, "lm_head")):
         return None
-    return (LAYERS * sum(us[p] for p in products) + us["lm_head"]) / 1e3
+    return (layers * sum(us[p] for p in names) + us["lm_head"]) / 1e3
 
 
 def markdown(res: dict, command: str) -> str:
-    rows = res["rows"]
+    rows, layers = res["rows"], res["layers"]
     lines = [f"# The decode step's weight products ({res['device']})", "",
-             f"- date: {res['date']}; torch {res['torch']}; bf16; Llama-3.1-8B products; copy rate "
-             f"{res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s", f"- command: `{command}`",
+             f"- date: {res['date']}; torch {res['torch']}; bf16; {res['shape']} products (tp N: one rank's shard "
+             f"of transformers' tensor-parallel plan); copy rate {res['copy_rate_bytes_per_s'] / 1e12:.2f} TB/s",
+             f"- command: `{command}`",
              "- µs: captured, cold L2, median; of copy = the bytes (weights + input + output) at the copy rate / µs; "
              "err: relative to a float32 product", "",
-             "| batch | product | in → out | way | µs | of copy | rel err |", "|---:|---|---|---|---:|---:|---:|"]
+             "| tp | batch | product | in → out | way | µs | of copy | rel err |",
+             "|---:|---:|---|---|---|---:|---:|---:|"]
     for r in rows:
         cells = (f"{r['median_us']:.1f} | {r['of_copy_rate']:.0%} | {r['rel_err']:.1e}" if "median_us" in r
                  else f"error: {r.get('error', '')[:80]} | | ")
-        lines.append(f"| {r['batch']} | {r['product']} | {r['in']} → {r['out']} | {r['way']} | {cells} |")
-    lines += ["", "A step's products (32 layers + the LM head), ms:", "",
-              "| batch | way | separate q, k, v, gate, up | fused qkv, gate_up |", "|---:|---|---:|---:|"]
-    for batch in sorted({r["batch"] for r in rows}):
+        lines.append(f"| {r['shard']} | {r['batch']} | {r['product']} | {r['in']} → {r['out']} | {r['way']} | "
+                     f"{cells} |")
+    if res.get("steps"):
+        lines += ["", f"A whole step's products in one graph ({layers} layers, each with weights of its own, + the "
+                  "LM head; eager BLAS), ms:", "", "| tp | batch | layout | GB | ms | of copy |",
+                  "|---:|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['shard']} | {r['batch']} | {r['layout']} | {r['weight_bytes'] / 1e9:.2f} | "
+                  f"{r['median_us'] / 1e3:.3f} | {r['of_copy_rate']:.0%} |" for r in res["steps"]]
+    lines += ["", f"The products timed one by one, summed to a step ({layers} layers + the LM head) on one rank, "
+              "ms (each includes a graph launch and its first wave's ramp):", "",
+              "| tp | batch | way | separate q, k, v, gate, up | fused qkv, gate_up |", "|---:|---:|---|---:|---:|"]
+    for shard, batch in sorted({(r["shard"], r["batch"]) for r in rows}):
         for way in dict.fromkeys(r["way"] for r in rows):
-            sep, fused = step_ms(rows, batch, way, SEPARATE), step_ms(rows, batch, way, FUSED)
-            lines.append(f"| {batch} | {way} | {'' if sep is None else f'{sep:.2f}'} | "
+            sep = step_ms(rows, layers, shard, batch, way, SEPARATE)
+            fused = step_ms(rows, layers, shard, batch, way, FUSED)
+            lines.append(f"| {shard} | {batch} | {way} | {'' if sep is None else f'{sep:.2f}'} | "
                          f"{'' if fused is None else f'{fused:.2f}'} |")
     return "\n".join(lines) + "\n"
 
 
 def check() -> None:
-    """On the CPU: every product's shapes, the eager way against the float32 product, the step sums."""
-    rows = []
-    for name, k, n in PRODUCTS:
-        x, w = operands(2, k // 64, n // 64, "cpu", torch.float32)
-        fn, library = make_way("cublaslt")
-        assert library is None
-        err = rel_err(fn(x, w), x, w)
-        assert err < 1e-5, (name, err)
-        rows.append({"batch": 2, "product": name, "way": "cublaslt", "median_us": 1.0})
-    assert step_ms(rows, 2, "cublaslt", SEPARATE) == (LAYERS * 7 + 1) / 1e3
-    assert step_ms(rows, 2, "cublaslt", FUSED) == (LAYERS * 4 + 1) / 1e3
-    qkv = dict((p[0], p[1:]) for p in PRODUCTS)
-    assert qkv["qkv"][1] == qkv["q"][1] + qkv["k"][1] + qkv["v"][1]
-    assert qkv["gate_up"][1] == qkv["gate"][1] + qkv["up"][1]
-    try:
-        make_way("triton-by-hand")
-    except ValueError as exc:
-        assert "--ways" in str(exc)
-    else:
-        raise AssertionError("an unknown way was accepted")
+    """On the CPU: every product's shapes (whole and sharded), the eager way against float32, the step sums."""
+    for shape, shard in itertools.product(SHAPES, (1, 2, 4)):
+        rows = []
+        for name, k, n in products(shape, shard):
+            x, w = operands(2, k // 64, n // 64, "cpu", torch.float32)
+            fn, library = make_way("cublaslt")
+            assert library is None
+            err = rel_err(fn(x, w), x, w)
+            assert err < 1e-5, (name, err)
+            rows.append({"shard": shard, "batch": 2, "product": name, "way": "cublaslt", "median_us": 1.0})
+        layers = SHAPES[shape][6]
+        assert step_ms(rows, layers, shard, 2, "cublaslt", SEPARATE) == (layers * 7 + 1) / 1e3
+        assert step_ms(rows, layers, shard, 2, "cublaslt", FUSED) == (layers * 4 + 1) / 1e3
+        dims = {p[0]: p[1:] for p in products(shape, shard)}
+        assert dims["qkv"][1] == dims["q"][1] + dims["k"][1] + dims["v"][1]
+        assert dims["gate_up"][1] == dims["gate"][1] + dims["up"][1]
+        whole = {p[0]: p[1:] for p in products(shape)}
+        # a rank's shards are 1/shard of the whole model's weights
+        assert sum(k * n for k, n in dims.values()) * shard == sum(k * n for k, n in whole.values())
+    for bad in (lambda: make_way("triton-by-hand"), lambda: products("llama-3.1-8b", 3),
+                lambda: products("llama-9", 1)):
+        try:
+            bad()
+        except ValueError as exc:
+            assert "--" in str(exc)
+        else:
+            raise AssertionError("bad input was accepted")
     print("check ok")
 
 
@@ -188,6 +265,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="folder for weights_gemv.json and .md")
     p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8])
     p.add_argument("--ways", default=",".join(WAYS), help=f"comma list of {', '.join(WAYS)}")
+    p.add_argument("--shape", default="llama-3.1-8b", help=f"one of {', '.join(SHAPES)}")
+    p.add_argument("--shards", type=lambda s: [int(n) for n in s.split(",")], default=[1],
+                   help="comma list of tensor-parallel sizes: time one rank's shard of each product (1: whole)")
+    p.add_argument("--step", action="store_true",
+                   help="also time a whole step's products in one graph, separate and fused (--ways '' for that only)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check", action="store_true", help="the shapes and checks on the CPU, no timing")
     args = p.parse_args(argv)

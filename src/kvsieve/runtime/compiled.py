@@ -22,6 +22,9 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   attached, prefill included, where it computes what transformers' wrapper would). The compiled graphs
   thus see local tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
 
+In the same steps each layer's q/k/v and gate/up products run as one product each over their weights
+concatenated once (``fused_projections.py``: the step's weight reads at 89 % of the copy rate against 76 %).
+
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
 CUDA steps: there the compiled kernels are recorded once in the graph, and dynamo's per-call guard
@@ -37,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .fused_projections import FusedProjections
 from .parallel import LayerSharding
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
@@ -72,6 +76,9 @@ class CompiledOps:
                 self.excluded += sharding.left_out[id(layer)]
                 self.local += sharding.local[id(layer)]
         self._saved: list[tuple[Any, str, Any, bool]] = []
+        # each layer's q/k/v and gate/up products as one product each (fused_projections.py); on a rank, over
+        # its column-parallel shards
+        self.projections = FusedProjections(self.layers, active, None if sharding is None else sharding.column)
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         had = name in vars(owner) if not isinstance(owner, type(sys)) else True
@@ -86,6 +93,8 @@ class CompiledOps:
             self._set(module, "forward", torch.compiler.disable(module.forward, recursive=True))
         for module, forward in self.local:
             self._set(module, "forward", forward)
+        # over the forwards set so far (a rank's local matmuls): those are what a group's other inputs run
+        self.projections.attach()
         compiled: dict[type, Callable] = {}
         for layer in self.layers:
             cls = type(layer)
@@ -111,6 +120,7 @@ class CompiledOps:
         return run
 
     def detach(self) -> None:
+        self.projections.detach()  # first: it restores forwards set after this class's own
         for owner, name, value, had in reversed(self._saved):
             if had:
                 setattr(owner, name, value)

@@ -395,6 +395,7 @@ class DecodeRuntime:
                                          sharding=None if self.tp is None else self.tp.sharding)
             self._compiled.attach()
             self.stats.compiled_ops = True
+            self.stats.fused_projections = self._compiled.projections.summary()
         self._attached = True
 
     def close(self) -> None:
@@ -414,6 +415,7 @@ class DecodeRuntime:
             self._compiled = None
         if reason is not None:
             self.stats.compiled_ops = False
+            self.stats.fused_projections = None
             self.stats.fallbacks.append(reason)
 
     # -- attention --------------------------------------------------------------------------

@@ -227,6 +227,9 @@ class LayerSharding:
     left_out_names: list[str]  # by name in the layer
     local_names: list[str]
     blocker: str | None  # why the layers cannot be compiled at all (None: they can)
+    # every column-parallel Linear with a local output, attention's included (by id): this rank's weight and
+    # bias shards, which fused_projections.py can concatenate into one product per group
+    column: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
 
 def layer_sharding(model: torch.nn.Module) -> LayerSharding:
@@ -252,6 +255,9 @@ def layer_sharding(model: torch.nn.Module) -> LayerSharding:
                 local.append((module, forward))
                 local_names.add(name)
     out.left_out_names, out.local_names = sorted(left_names), sorted(local_names)
+    for name, module in model.named_modules():
+        if local_column_forward(module, plan.get(generic_name(name))) is not None:
+            out.column[id(module)] = (module.weight.to_local(), None if module.bias is None else module.bias.to_local())
     return out
 
 

@@ -26,6 +26,8 @@ class RuntimeStats:
     cache_bytes: int
     fallbacks: list[str] = field(default_factory=list)
     compiled_ops: bool = False
+    # with compiled_ops: each layer's q/k/v and gate/up as one product ({"groups": n, "refused": {group: why}})
+    fused_projections: dict[str, Any] | None = None
     capture_s: float = 0.0  # warm-up steps, torch.compile and the CUDA-graph capture, once per request
     new_tokens: list[int] = field(default_factory=list)
     decode_steps: int = 0
