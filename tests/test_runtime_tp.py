@@ -83,8 +83,45 @@ def _compiled_checks(model, ids, res):
                                      r.stats.fused_projections)
         res["graphs"] = graphs
         res["ops"] = {co: step_ops(model, ids, co) for co in (False, True)}
+        res["row_reduced"] = _row_reduced(model, ids)
     finally:
         compiled.BACKEND = "inductor"
+
+
+class CountingAllReduce:
+    """A stand-in for the symmetric-memory reducer on gloo ranks: the same interface, a plain all-reduce."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def serves(self, x, weight):
+        return True
+
+    def linear(self, x, weight):
+        import torch.distributed as dist
+
+        self.calls += 1
+        out = x @ weight.t()
+        dist.all_reduce(out)
+        return out
+
+
+def _row_reduced(model, ids):
+    """compile_ops=True with the runtime's row-parallel forwards summing through a reducer of its choosing
+    (here one that counts): tokens per spec, the reducer's calls, and the note a CPU rank records by default."""
+    import kvsieve.runtime.engine as engine
+
+    out, chosen = {}, engine.step_all_reduce
+    try:
+        for spec in COMPILED_SPECS:
+            reducer = CountingAllReduce()
+            engine.step_all_reduce = lambda *a, reducer=reducer: (reducer, "row-parallel all-reduces: counting")
+            r = generate(model, ids, spec, max_new_tokens=NEW, seed=3, compile_ops=True)
+            out[spec] = (r.tokens, reducer.calls, r.stats.tp["fallbacks"])
+    finally:
+        engine.step_all_reduce = chosen
+    out["default"] = generate(model, ids, "dense", max_new_tokens=2, compile_ops=True).stats.tp["fallbacks"]
+    return out
 
 
 def _rank(rank, size, path, ids, out):
@@ -147,6 +184,11 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
             assert tokens.tolist() == ref.tolist() and compiled and not fallbacks, (spec, r)
             # each layer's q/k/v and gate/up as one product over the rank's column shards
             assert fused_projections == {"groups": 2 * 2, "refused": {}}, fused_projections
+            # the row-parallel products (o_proj, down_proj) summed by the runtime's reducer in decode steps
+            row_tokens, calls, notes = res["row_reduced"][spec]
+            assert row_tokens.tolist() == ref.tolist() and calls == (NEW - 1) * 2 * 2, (spec, calls)
+            assert "row-parallel all-reduces: counting" in notes
+            assert any("symmetric memory needs CUDA ranks" in n for n in res["row_reduced"]["default"])
             assert any("sharded modules mlp.down_proj left out" in n and "Linears mlp.gate_proj, mlp.up_proj traced"
                        in n for n in tp_notes), tp_notes
     for res in ranks:
@@ -358,6 +400,8 @@ def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_
             # the decoder layers compiled around transformers' sharded modules, captured with the collectives
             assert compiled and ref.stats.compiled_ops, (spec, r, tp["fallbacks"])
             assert any(n.startswith("compile_ops: each decoder layer compiled") for n in tp["fallbacks"])
+            # the row-parallel products summed through symmetric memory in the captured decode steps
+            assert any("symmetric memory's one-shot in decode steps" in n for n in tp["fallbacks"]), tp["fallbacks"]
             assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
     assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
     dense = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False).tokens

@@ -43,16 +43,7 @@ class ColdL2Timer:
     def time_graph_us(self, fn: Callable[[], object], *, warmup: int = 10, iters: int = 40) -> dict[str, float]:
         """As ``time_us`` for ``fn`` captured once in a CUDA graph and replayed: no host launch cost,
         kernels back to back (how a serving engine runs decode steps)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return self.time_us(graph.replay, warmup=warmup, iters=iters)
+        return self.time_us(capture_graph(fn).replay, warmup=warmup, iters=iters)
 
     def kernel_breakdown(self, fn: Callable[[], object], *, iters: int = 5) -> dict[str, float] | None:
         """Mean device µs per kernel name over ``iters`` cold-L2 calls (torch profiler), flush excluded."""
@@ -74,6 +65,20 @@ class ColdL2Timer:
             return {k: us / iters for k, (us, _) in kernel_totals(prof, width=60).items() if k not in flush_names}
         except Exception:  # noqa: BLE001 - the profiler is optional
             return None
+
+
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after three warm-up calls on a side stream (workspaces, handles)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
 
 
 def kernel_totals(prof, width: int | None = None) -> dict[str, tuple[float, int]]:

@@ -20,7 +20,9 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
   the very path transformers takes on a local input without autograd: this rank's matmul on the local
   shards (``runtime/parallel.py``: :func:`~.parallel.layer_sharding`; installed while the runtime is
   attached, prefill included, where it computes what transformers' wrapper would). The compiled graphs
-  thus see local tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU.
+  thus see local tensors only and trace no collective, and SiLU·mul stays one kernel as on one GPU. On CUDA
+  ranks the row-parallel products (``o_proj``, ``down_proj``) write their partial rows into torch's symmetric
+  memory and sum them with its one-shot all-reduce instead of NCCL (``parallel.OneShotAllReduce``).
 
 In the same steps each layer's q/k/v and gate/up products run as one product each over their weights
 concatenated once (``fused_projections.py``: the step's weight reads at 89 % of the copy rate against 76 %).
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 
 from .fused_projections import FusedProjections
-from .parallel import LayerSharding
+from .parallel import LayerSharding, row_parallel_forward
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 # torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
@@ -58,8 +60,10 @@ class CompiledOps:
     """Install (``attach``) and remove (``detach``) the compiled decode-step pieces of one model."""
 
     def __init__(self, model: torch.nn.Module, attention: list[torch.nn.Module], active: Callable[[], bool],
-                 sharding: LayerSharding | None = None):
+                 sharding: LayerSharding | None = None, row_reducer: Any = None):
         self.model, self.attention, self.active = model, attention, active
+        # on a sharded model: the row-parallel products' all-reduce in decode steps (parallel.step_all_reduce)
+        self.row_reducer, self.row = row_reducer, [] if sharding is None or row_reducer is None else sharding.row
         self.layers = decoder_layers(model, attention)
         if len(self.layers) != len(attention):
             raise ValueError(f"model: found {len(self.layers)} decoder layers with a self_attn for "
@@ -95,6 +99,9 @@ class CompiledOps:
             self._set(module, "forward", forward)
         # over the forwards set so far (a rank's local matmuls): those are what a group's other inputs run
         self.projections.attach()
+        for module, weight, bias in self.row:  # eager, outside the graphs, as transformers' forward was
+            forward = row_parallel_forward(module, weight, bias, self.row_reducer, self.active)
+            self._set(module, "forward", torch.compiler.disable(forward, recursive=True))
         compiled: dict[type, Callable] = {}
         for layer in self.layers:
             cls = type(layer)

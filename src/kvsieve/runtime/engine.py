@@ -41,7 +41,7 @@ from ..integrations.hf import attention_modules
 from ..integrations.models import cache_argument
 from .cache import RuntimeCache
 from .compiled import CompiledOps
-from .parallel import TensorParallel, spec_of, tensor_parallel
+from .parallel import TensorParallel, spec_of, step_all_reduce, tensor_parallel
 from .sampling import SamplingConfig, choose_tokens, mix32
 from .stats import GenerateResult, RuntimeStats
 from .support import ModelShape, check_model, text_config
@@ -389,10 +389,16 @@ class DecodeRuntime:
         for m in self.modules:
             _RUNTIMES[m] = self
         if self.compile_ops is True or (self.compile_ops == "auto" and self.use_graph):
+            reducer = None
+            if self.tp is not None and self.tp.sharding.row:  # a collective: every rank attaches alike
+                width = self.tp.sharding.row[0][0].out_features
+                reducer, note = step_all_reduce(self.tp, self.batch, width, self.dtype, self.device)
+                self.tp.notes.append(note)  # kept when set_method rebuilds stats.tp
+                self.stats.tp = self.tp.as_dict(*self._method_specs())
             self._compiled = CompiledOps(self.model, self.modules,
                                          lambda: self.cache.mode != "prefill" and (self.use_graph
                                                                                     or self.compile_ops is True),
-                                         sharding=None if self.tp is None else self.tp.sharding)
+                                         sharding=None if self.tp is None else self.tp.sharding, row_reducer=reducer)
             self._compiled.attach()
             self.stats.compiled_ops = True
             self.stats.fused_projections = self._compiled.projections.summary()
