@@ -92,7 +92,7 @@ def record(decode_with_layer, saap_folder: str | None) -> dict:
 
 
 if __name__ == "__main__":
-    from tests.test_saap import write_artifacts
+    from tests.saap_helpers import write_artifacts
 
     def decode_before(m, q, k, v, lengths, key):  # the API before the layer driver: the layer in the state dict
         return m.decode(q, k, v, lengths=lengths, seed=key, state={"layer": 1})

@@ -11,7 +11,7 @@ import torch
 import kvsieve
 from kvsieve import CallContext
 from tests import frozen_registry as frozen
-from tests.test_saap import write_artifacts
+from tests.saap_helpers import write_artifacts
 
 RECORDED = torch.load(Path(__file__).parent / "data" / "frozen_registry.pt", weights_only=False)
 

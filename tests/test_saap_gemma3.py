@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_saap import FIT, TEXTS, CharTokenizer
+from saap_helpers import FIT, TEXTS, CharTokenizer
 
 import kvsieve
 from kvsieve.fit.saap import FitConfig, fit_saap

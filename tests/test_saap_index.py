@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_saap import exact, qkv, tiny_llama, write_artifacts
+from saap_helpers import exact, qkv, tiny_llama, write_artifacts
 
 import kvsieve
 from kvsieve import CallContext
@@ -334,7 +334,7 @@ import torch
 import kvsieve
 from kvsieve import CallContext
 from kvsieve.core.sync import no_host_reads
-from tests.test_saap import write_artifacts
+from tests.saap_helpers import write_artifacts
 dev = "{device}"
 folder = Path(tempfile.mkdtemp())
 write_artifacts(folder, heads=8, kv_heads=2, head_dim=32, clusters=16)
