@@ -23,6 +23,12 @@ def run_script(script: str, device: str, interpret: bool, **fields) -> str:
     return res.stdout
 
 
+def printed_worst(out: str) -> float:
+    """The worst error a check script found: what it printed last, after ``WORST`` (``print("WORST", worst)``),
+    read from its stdout ``out``."""
+    return float(out.split("WORST")[-1])
+
+
 def case_groups(cases_file: str, *alone: str) -> list[tuple[str, ...]]:
     """The test functions of ``tests/<cases_file>`` in groups, each for one :func:`run_interpreter_cases`
     (one test of the suite): every name in ``alone`` by itself (the slow ones), the rest together. A name

@@ -14,7 +14,7 @@ from statistics import NormalDist
 
 import pytest
 import torch
-from interpreted import run_script
+from interpreted import printed_worst, run_script
 
 import kvsieve
 from kvsieve.kernels.bernoulli.reference import (
@@ -440,7 +440,7 @@ print("WORST", worst)
 
 
 def _run_kernel_cases(device: str, interpret: bool) -> float:
-    return float(run_script(KERNEL_CASES, device, interpret).split("WORST")[-1])
+    return printed_worst(run_script(KERNEL_CASES, device, interpret))
 
 
 @pytest.mark.triton
