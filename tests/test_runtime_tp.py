@@ -133,7 +133,7 @@ def _rank(rank, size, path, ids, out):
     model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=size),
                                                  dtype=torch.float32).eval()
     res = {"tokens": {}, "stats": {}, "density": {}}
-    for spec in SPECS:
+    for spec in SPECS + (saap_spec(path),):
         result = generate(model, ids, spec, max_new_tokens=NEW, seed=3)
         res["tokens"][spec] = result.tokens
         res["stats"][spec] = result.stats.tp
@@ -162,20 +162,33 @@ def _rank(rank, size, path, ids, out):
     torch.save(res, f"{out}/rank{rank}.pt")
 
 
+def saap_spec(path):
+    """SAAP on the artifacts beside the checkpoint at ``path`` (a short window, so buckets decide)."""
+    return f"saap:artifacts={path}-saap,probes=2,window=8,window_min=8,window_scale=0.0"
+
+
 def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
+    from saap_helpers import write_artifacts
+
     model = tiny_llama()
     model.save_pretrained(tmp_path / "model")
+    # artifacts of this model (random, well formed): each rank takes its KV head's slice of them
+    (tmp_path / "model-saap").mkdir()
+    write_artifacts(tmp_path / "model-saap", heads=4, kv_heads=2, head_dim=16, layers=2, clusters=8, per="q",
+                    model=model)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     launch(_rank, 2, str(tmp_path / "model"), ids, str(tmp_path))
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
 
-    for spec in SPECS:
+    for spec in SPECS + (saap_spec(tmp_path / "model"),):
         ref = generate(model, ids, spec, max_new_tokens=NEW, seed=3).tokens
         for r, res in enumerate(ranks):
             assert res["tokens"][spec].tolist() == ref.tolist(), (spec, r)
             tp = res["stats"][spec]
             assert (tp["ranks"], tp["rank"], tp["heads"], tp["kv_heads"], tp["kv_head_offset"]) == (2, r, 2, 1, r)
             assert spec == "dense" or res["density"][spec] < 0.9  # the method ran, and sparsely
+            if spec.startswith("saap"):  # its artifacts sliced to the rank's KV head
+                assert any(f"KV heads [{r}, {r + 1})" in n for n in tp["fallbacks"]), tp["fallbacks"]
             assert tp["backend"] == "gloo" and tp["plan"]["model.layers.*.self_attn.k_proj"] == "colwise"
     for spec in COMPILED_SPECS:  # the compiled pieces on local tensors: the same tokens as one process
         ref = generate(model, ids, spec, max_new_tokens=NEW, seed=3).tokens
@@ -304,7 +317,8 @@ def test_methods_that_cannot_run_on_local_heads_are_refused():
 
     tp = TensorParallel(rank=0, size=2, group=None, heads=2, kv_heads=1, plan={}, backend="gloo")
     fitted = type("Fitted", (), {"name": "saap", "needs_fit": True, "stochastic": False, "spec": "saap"})()
-    with pytest.raises(ValueError, match="method: saap runs on artifacts fitted per global head"):
+    with pytest.raises(ValueError, match="method: saap runs on artifacts fitted per global head of the whole model "
+                                         "and cannot slice them"):
         tp.check_method(fitted)
     assert tp.check_method(method("quest")) == []
     notes = tp.check_method(method("random"))

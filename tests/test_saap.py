@@ -245,6 +245,27 @@ def test_group_of_one_batched_equals_independent(tmp_path):
     assert torch.equal(a, b) and sa.kv_rows_read == sb.kv_rows_read
 
 
+@pytest.mark.parametrize("per", ["kv", "q"])
+def test_artifacts_sliced_to_a_ranks_heads_select_what_the_whole_does_for_them(tmp_path, per):
+    """A tensor-parallel rank holding KV head 1 of 2 (query heads 2, 3): the method on its slice of the
+    artifacts gives those heads' outputs and stats of the whole method, and refuses the whole's head count."""
+    folder = write_artifacts(tmp_path, heads=4, kv_heads=2, clusters=8, per=per, seed=3)
+    q, k, v = qkv(2, 4, 2, 500, seed=12)
+    spec = f"saap:artifacts={folder},probes=2"
+    whole, _ = run(spec, q, k, v)
+    rank = kvsieve.method(spec)
+    note = rank.use_local_heads(1, 1)
+    assert "KV heads [1, 2)" in note and rank.artifacts.shape["heads"] == 2
+    part, _ = run(rank, q[:, 2:], k[:, 1:], v[:, 1:])
+    torch.testing.assert_close(part, whole[:, 2:], rtol=0, atol=1e-12)
+    other = kvsieve.method(spec)
+    other.use_local_heads(0, 1)
+    first, _ = run(other, q[:, :2], k[:, :1], v[:, :1])
+    torch.testing.assert_close(first, whole[:, :2], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="4 query heads, 2 KV heads, head dim 16; the artifacts were fitted for 2, 1"):
+        run(rank, q, k, v)
+
+
 def test_batched_probing_ranks_the_summed_group_probabilities(arts):
     q, k, v = qkv(1, 4, 2, 600, seed=9)
     m = kvsieve.method(f"saap:artifacts={arts},probes=3")

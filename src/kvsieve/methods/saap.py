@@ -162,6 +162,8 @@ def weights_fingerprint(model: torch.nn.Module, *, rounded: bool = True) -> str:
     fingerprint; ``rounded=False`` hashes the float32 values as loaded (what older artifacts recorded)."""
     for name, p in model.named_parameters():
         if name.endswith("k_proj.weight"):
+            if hasattr(p, "full_tensor"):  # a tensor-parallel shard: the whole weight (every rank calls this)
+                p = p.full_tensor()
             w = p.detach().to(torch.bfloat16) if rounded else p.detach()
             data = w.float().cpu().contiguous().numpy().tobytes()
             return hashlib.sha256(data).hexdigest()[:16]
@@ -228,6 +230,32 @@ class SaapArtifacts:
     @property
     def shape(self) -> dict[str, int]:
         return self.manifest["model"]["shape"]
+
+    def for_heads(self, kv_offset: int, kv_heads: int) -> SaapArtifacts:
+        """These artifacts for the KV heads ``[kv_offset, kv_offset + kv_heads)`` and their query heads (a
+        tensor-parallel rank's): the centroids of those KV heads and the classifiers of those KV heads (or of
+        their query heads, for classifiers per query head), with the shape the rank sees."""
+        shape = self.shape
+        group = shape["heads"] // shape["kv_heads"]
+        layers = {}
+        for layer, tensors in self.layers.items():
+            models = tensors["classifier.w1"].shape[0]
+            per = group if models == shape["heads"] else 1  # models per KV head
+            lo, n = kv_offset * per, kv_heads * per
+            hidden = tensors["classifier.w1"].shape[-1]
+            out = {}
+            for name, t in tensors.items():
+                if name.startswith("centroids"):
+                    out[name] = t[kv_offset:kv_offset + kv_heads].contiguous()
+                elif name.startswith("classifier.norm.") and t.dim() == 1:  # BatchNorm over (model, unit)
+                    out[name] = t[lo * hidden:(lo + n) * hidden].contiguous()
+                elif name.startswith("classifier.") and t.dim() >= 1 and t.shape[0] == models:
+                    out[name] = t[lo:lo + n].contiguous()
+                else:  # BatchNorm's batch count
+                    out[name] = t
+            layers[layer] = out
+        model = {**self.manifest["model"], "shape": {**shape, "heads": kv_heads * group, "kv_heads": kv_heads}}
+        return SaapArtifacts(self.path, {**self.manifest, "model": model}, layers, self.rope)
 
     def on_device(self, layer: int, name: str, device: torch.device) -> torch.Tensor:
         """A layer's tensor on ``device``, copied once (weights, not request state)."""
@@ -428,6 +456,15 @@ class Saap(Method):
         if self.probes > c:
             raise ValueError(f"probes: expected at most C = {c} (the buckets of {self.config.artifacts}), "
                              f"got {self.probes}")
+
+    def use_local_heads(self, kv_offset: int, kv_heads: int) -> str:
+        """Serve a tensor-parallel rank holding the KV heads ``[kv_offset, kv_offset + kv_heads)`` (and their
+        query heads): the artifacts sliced to them. The method is per KV head (the index, the probe's group
+        sum) and per query head (the classifier) already, so the rank selects what one process selects for
+        those heads."""
+        self.artifacts = self.artifacts.for_heads(kv_offset, kv_heads)
+        return (f"{self.name}: centroids and classifiers sliced to this rank's KV heads [{kv_offset}, "
+                f"{kv_offset + kv_heads}): the same buckets as one process for those heads")
 
     # -- model identity ------------------------------------------------------------------------
 

@@ -68,10 +68,13 @@ class TensorParallel:
     def check_method(self, method) -> list[str]:
         """A ValueError for a method that cannot run on local heads; notes on what sharding changes."""
         notes = []
-        if method.needs_fit:
-            raise ValueError(f"method: {method.name} runs on artifacts fitted per global head of the whole model; "
-                             f"slicing them per tensor-parallel rank is not implemented (tp size {self.size}); "
-                             "run it on one GPU")
+        if method.needs_fit:  # artifacts fitted per global head: the method takes this rank's slice, if it can
+            use_local_heads = getattr(method, "use_local_heads", None)
+            if use_local_heads is None:
+                raise ValueError(f"method: {method.name} runs on artifacts fitted per global head of the whole model "
+                                 f"and cannot slice them to a tensor-parallel rank's heads (tp size {self.size}); "
+                                 "run it on one GPU")
+            notes.append(use_local_heads(self.kv_head_offset, self.kv_heads))
         if method.stochastic:
             notes.append(f"{method.name}: random draws are keyed by the local head index, so rank r's head h draws "
                          "what rank 0's head h draws: each head's estimate keeps its distribution, but the draws "
