@@ -251,6 +251,7 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
     assert generate(whole, ids, "dense", max_new_tokens=NEW).tokens.tolist() == ranks[0]["built_tokens"].tolist()
     comm = ranks[0]["collectives"]
     assert comm["all_reduces"] == 5 and comm["collective_ms"] > 0 and len(comm["collective_ms_by_rank"]) == 2
+    assert comm["collective_path"] == "gloo"  # symmetric memory's one-shot is for CUDA ranks only
 
     for res in ranks:
         assert res["disagree"] is not None and "the tensor-parallel ranks disagree" in res["disagree"]

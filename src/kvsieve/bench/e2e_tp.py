@@ -117,12 +117,14 @@ def build_sharded_model(shape: str, size: int, *, device: str | torch.device, dt
 def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None) -> dict[str, Any]:
     """Time of one decode step's collectives on this rank, alone: ``2 L + 1`` all-reduces of
     ``[B, 1, hidden]`` and one all-gather of ``[B, 1, vocab / N]`` (the plan's row-parallel layers, the
-    vocabulary-parallel embedding, the gathered logits). On CUDA replayed from a CUDA graph by default
-    (as the captured step issues them), else issued eagerly; median over ``iters`` of each rank, max
-    over the ranks."""
+    vocabulary-parallel embedding, the gathered logits), each the way the runtime's decode step issues it:
+    on CUDA ranks the ``2 L`` row-parallel ones through symmetric memory's one-shot where the runtime can set
+    it up (``runtime.parallel.step_all_reduce``), the rest through the backend (``collective_path`` says
+    which). On CUDA replayed from a CUDA graph by default (as the captured step issues them), else issued
+    eagerly; median over ``iters`` of each rank, max over the ranks."""
     import torch.distributed as dist
 
-    from ..runtime.parallel import model_tp_size, tp_group
+    from ..runtime.parallel import OneShotAllReduce, model_tp_size, tp_group
 
     cfg = model.config
     size, group = model_tp_size(model), tp_group(model)
@@ -134,16 +136,33 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
     logits = torch.zeros(batch, 1, -(-cfg.vocab_size // size), dtype=dtype, device=device)
     gathered = torch.empty(size, *logits.shape, dtype=dtype, device=device)
     n_reduce = 2 * cfg.num_hidden_layers + 1
+    one_shot, path = None, dist.get_backend(group)
+    if cuda:
+        try:
+            one_shot = OneShotAllReduce(group, batch, cfg.hidden_size, dtype, device)
+            one_shot.buffer.zero_()
+            path = f"symmetric memory's one-shot ({n_reduce - 1}), {path} (1 and the gather)"
+        except Exception as exc:  # noqa: BLE001 - the runtime falls back the same way; recorded
+            path = f"{path} (symmetric memory unavailable: {type(exc).__name__})"
 
     def step():
-        for _ in range(n_reduce):
+        for _ in range(n_reduce if one_shot is None else 1):
             dist.all_reduce(hidden, group=group)
+        if one_shot is not None:  # the runtime's products write into the buffer: the sum is what is left
+            for _ in range(n_reduce - 1):
+                torch.ops.symm_mem.one_shot_all_reduce(one_shot.buffer, "sum", one_shot.group_name)
         if cuda:
             dist.all_gather_into_tensor(gathered, logits, group=group)
         else:  # gloo gathers into a list
             dist.all_gather(list(gathered.unbind(0)), logits, group=group)
 
-    step()
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - as the runtime would have: the backend's all-reduce, recorded
+        if one_shot is None:
+            raise
+        one_shot, path = None, f"{dist.get_backend(group)} (the one-shot failed: {type(exc).__name__})"
+        step()
     run = step
     if graph:
         torch.cuda.synchronize()
@@ -167,7 +186,8 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
     dist.all_gather(everyone, mine, group=group)
     per_rank = [float(t) for t in everyone]
     return {"collective_ms": max(per_rank), "collective_ms_by_rank": per_rank, "all_reduces": n_reduce,
-            "all_gathers": 1, "collective_graph": graph, "collective_bytes": n_reduce * hidden.nbytes + gathered.nbytes}
+            "all_gathers": 1, "collective_graph": graph, "collective_path": path,
+            "collective_bytes": n_reduce * hidden.nbytes + gathered.nbytes}
 
 
 def _rank_bench(rank: int, size: int, kw: dict, out: dict | None) -> None:
@@ -270,7 +290,8 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
                      f"({'NCCL' if device == 'cuda' else 'gloo'}); per case as kvsieve bench e2e on every rank "
                      f"(one prefill; {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} "
                      f"(eager), {hf_steps} for hf-eager); ms and host ms of rank 0, every rank's in *_by_rank; "
-                     "per-rank floor = (rank weights + rank K/V) / copy rate + the step's collectives timed alone"),
+                     "per-rank floor = (rank weights + rank K/V) / copy rate + the step's collectives timed alone, "
+                     "each the way the runtime issues it (collective_path)"),
         "copy_bandwidth_bytes_per_s": got.get("copy_bandwidth_bytes_per_s"),
         "rows": got.get("rows", []),
     }
