@@ -202,11 +202,8 @@ def local_column_forward(module: torch.nn.Module, style: str | None) -> Callable
     if (style != "colwise" or not isinstance(module, torch.nn.Linear) or type(module).forward is not
             torch.nn.Linear.forward or getattr(module, "_hf_quantized_needs_local_tp", False) or not shards):
         return None
-    for t in shards:
-        placements = getattr(t, "placements", None)
-        if (not hasattr(t, "to_local") or placements is None or len(placements) != 1
-                or type(placements[0]).__name__ != "Shard" or placements[0].dim not in (0, -t.ndim)):
-            return None
+    if any(_shard_dim(t) != 0 for t in shards):
+        return None
     from torch.distributed.tensor import DTensor
 
     weight = module.weight.to_local()
@@ -275,10 +272,19 @@ def _is_row_parallel(module: torch.nn.Module, style: str | None) -> bool:
     """A ``torch.nn.Linear`` the plan shards by input features (``"rowwise"``: weight ``Shard(1)``, the output
     all-reduced to every rank)."""
     weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
-    placements = getattr(weight, "placements", None)
-    return (style == "rowwise" and type(module).forward is torch.nn.Linear.forward and placements is not None
-            and len(placements) == 1 and type(placements[0]).__name__ == "Shard"
-            and placements[0].dim in (1, -1) and not getattr(module, "_hf_quantized_needs_local_tp", False))
+    return (style == "rowwise" and type(module).forward is torch.nn.Linear.forward and weight is not None
+            and _shard_dim(weight) == 1 and not getattr(module, "_hf_quantized_needs_local_tp", False))
+
+
+def _shard_dim(t: torch.Tensor) -> int | None:
+    """The dimension (counted from 0) a DTensor on a one-dimensional mesh is sharded along; None for anything
+    else (a plain tensor, a replicated or partial DTensor, a mesh of more dimensions)."""
+    placements = getattr(t, "placements", None)
+    if not hasattr(t, "to_local") or placements is None or len(placements) != 1:
+        return None
+    if type(placements[0]).__name__ != "Shard":
+        return None
+    return placements[0].dim % t.ndim
 
 
 class OneShotAllReduce:
