@@ -12,6 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def interpreter_and_gpu() -> list:
+    """The two places a kernel check script runs, as ``pytest.mark.parametrize("device", ...)`` values: the CPU
+    under Triton's interpreter (marked ``triton``) and a CUDA GPU (marked ``gpu``, skipped without one);
+    ``run_script(script, device, device == "cpu")`` runs it there."""
+    import pytest
+    import torch
+
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    return [pytest.param("cpu", marks=pytest.mark.triton, id="interpreter"),
+            pytest.param("cuda", marks=(pytest.mark.gpu, needs_cuda), id="gpu")]
+
+
 def run_script(script: str, device: str, interpret: bool, **fields) -> str:
     """Run ``script`` formatted with ``device`` and ``fields`` (``{{``/``}}`` for literal braces); returns its
     stdout and fails the test with its output when it fails."""

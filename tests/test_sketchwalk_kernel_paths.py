@@ -5,6 +5,10 @@ subprocess (``interpreted.run_script``)."""
 
 import pytest
 import torch
+from interpreted import interpreter_and_gpu, printed_worst, run_script
+
+# the worst relative error each place allows against the reference path (float32 under the interpreter)
+TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 
 # -- the decode kernel path -------------------------------------------------------------------------------
 
@@ -44,22 +48,12 @@ print("WORST", worst)
 """
 
 
-@pytest.mark.triton
-def test_decode_kernel_path_equals_the_reference_path_under_the_interpreter():
+@pytest.mark.parametrize("device", interpreter_and_gpu())
+def test_decode_kernel_path_equals_the_reference_path(device):
     """backend=triton (the weighted sparse kernel with the blocks as pages, lengths masking the partial
     block) selects the same blocks and gives the reference path's outputs, ragged rows included."""
     pytest.importorskip("triton")
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(KERNEL_DECODE, "cpu", True)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decode_kernel_path_equals_the_reference_path_on_the_gpu():
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(KERNEL_DECODE, "cuda", False)) < 1e-4
+    assert printed_worst(run_script(KERNEL_DECODE, device, device == "cpu")) < TOLERANCE[device]
 
 
 # A chunk of query rows on the kernel path: the torch selection of every row (the fused one serves one row
@@ -99,20 +93,10 @@ print("WORST", worst)
 """
 
 
-@pytest.mark.triton
-def test_chunk_on_the_kernel_path_equals_the_reference_path_under_the_interpreter():
+@pytest.mark.parametrize("device", interpreter_and_gpu())
+def test_chunk_on_the_kernel_path_equals_the_reference_path(device):
     pytest.importorskip("triton")
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(KERNEL_CHUNK, "cpu", True)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_chunk_on_the_kernel_path_equals_the_reference_path_on_the_gpu():
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(KERNEL_CHUNK, "cuda", False)) < 1e-4
+    assert printed_worst(run_script(KERNEL_CHUNK, device, device == "cpu")) < TOLERANCE[device]
 
 
 # The fused selection (kernels/sketchwalk/decode.py): the state update, the Ã rows, the walk and the chosen
@@ -247,20 +231,16 @@ def test_fused_selection_equals_the_reference_path_under_the_interpreter(cases):
     sketches, Ã rows of completed blocks), give its walk and choose its blocks, in every dtype, for ragged
     rows, several block and sketch sizes, the walk controls and a standalone decode."""
     pytest.importorskip("triton")
-    from interpreted import printed_worst, run_script
-
     assert sorted(sum(FUSED_GROUPS, ())) == list(range(FUSED_CASES))
     out = run_script(FUSED_DECODE, "cpu", True, cases=list(cases), n_cases=FUSED_CASES)
-    assert all(f"case {case} ok" in out for case in cases) and printed_worst(out) < 1e-5
+    assert all(f"case {case} ok" in out for case in cases) and printed_worst(out) < TOLERANCE["cpu"]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_selection_equals_the_reference_path_on_the_gpu():
-    from interpreted import printed_worst, run_script
-
     out = run_script(FUSED_DECODE, "cuda", False, cases=list(range(FUSED_CASES)), n_cases=FUSED_CASES)
-    assert out.count(" ok ") == FUSED_CASES and printed_worst(out) < 1e-4
+    assert out.count(" ok ") == FUSED_CASES and printed_worst(out) < TOLERANCE["cuda"]
 
 
 # The fused path inside a model: greedy generation through sparsify with a dense layer between the two sparse
@@ -296,20 +276,10 @@ print("WORST", float((scores - ref_scores).abs().max() / ref_scores.abs().max())
 """
 
 
-@pytest.mark.triton
-def test_fused_selection_in_a_model_generates_what_the_reference_path_does_under_the_interpreter():
+@pytest.mark.parametrize("device", interpreter_and_gpu())
+def test_fused_selection_in_a_model_generates_what_the_reference_path_does(device):
     pytest.importorskip("triton")
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(FUSED_GENERATE, "cpu", True)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_selection_in_a_model_generates_what_the_reference_path_does_on_the_gpu():
-    from interpreted import printed_worst, run_script
-
-    assert printed_worst(run_script(FUSED_GENERATE, "cuda", False)) < 1e-4
+    assert printed_worst(run_script(FUSED_GENERATE, device, device == "cpu")) < TOLERANCE[device]
 
 
 # The fused select on its own: the walk row kernel's top k − 2 (one-hop without the tie-break term, so the
@@ -368,20 +338,10 @@ print("DONE")
 """
 
 
-@pytest.mark.triton
-def test_fused_select_takes_the_top_blocks_with_ties_to_the_lower_block_under_the_interpreter():
+@pytest.mark.parametrize("device", interpreter_and_gpu())
+def test_fused_select_takes_the_top_blocks_with_ties_to_the_lower_block(device):
     pytest.importorskip("triton")
-    from interpreted import run_script
-
-    assert "DONE" in run_script(FUSED_SELECT, "cpu", True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fused_select_takes_the_top_blocks_with_ties_to_the_lower_block_on_the_gpu():
-    from interpreted import run_script
-
-    assert "DONE" in run_script(FUSED_SELECT, "cuda", False)
+    assert "DONE" in run_script(FUSED_SELECT, device, device == "cpu")
 
 
 # What the fused path launches per call: its two kernels before the attention's own launches,
@@ -419,8 +379,6 @@ def test_fused_path_launches_its_two_kernels_under_the_interpreter():
     with the walk row and the select, then only the attention kernel's launches; the stats are deferred
     (nothing built when unread)."""
     pytest.importorskip("triton")
-    from interpreted import run_script
-
     calls = [line.split()[1:] for line in run_script(FUSED_LAUNCHES, "cpu", True).splitlines()
              if line.startswith("CALL")]
     assert len(calls) == 4
