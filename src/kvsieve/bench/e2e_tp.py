@@ -136,7 +136,8 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
     logits = torch.zeros(batch, 1, -(-cfg.vocab_size // size), dtype=dtype, device=device)
     gathered = torch.empty(size, *logits.shape, dtype=dtype, device=device)
     n_reduce = 2 * cfg.num_hidden_layers + 1
-    one_shot, path = None, dist.get_backend(group)
+    backend = dist.get_backend(group)
+    one_shot, path = None, backend
     if cuda:
         try:
             one_shot = OneShotAllReduce(group, batch, cfg.hidden_size, dtype, device)
@@ -161,7 +162,7 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
     except Exception as exc:  # noqa: BLE001 - as the runtime would have: the backend's all-reduce, recorded
         if one_shot is None:
             raise
-        one_shot, path = None, f"{dist.get_backend(group)} (the one-shot failed: {type(exc).__name__})"
+        one_shot, path = None, f"{backend} (the one-shot failed: {type(exc).__name__})"
         step()
     run = step
     if graph:

@@ -391,8 +391,7 @@ class DecodeRuntime:
         if self.compile_ops is True or (self.compile_ops == "auto" and self.use_graph):
             reducer = None
             if self.tp is not None and self.tp.sharding.row:  # a collective: every rank attaches alike
-                width = self.tp.sharding.row[0][0].out_features
-                reducer, note = step_all_reduce(self.tp, self.batch, width, self.dtype, self.device)
+                reducer, note = step_all_reduce(self.tp, self.batch, self.dtype, self.device)
                 self.tp.notes.append(note)  # kept when set_method rebuilds stats.tp
                 self.stats.tp = self.tp.as_dict(*self._method_specs())
             self._compiled = CompiledOps(self.model, self.modules,

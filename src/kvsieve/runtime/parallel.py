@@ -319,14 +319,16 @@ class OneShotAllReduce:
         return torch.ops.symm_mem.one_shot_all_reduce(partial, "sum", self.group_name).view(*x.shape[:-1], self.width)
 
 
-def step_all_reduce(tp: TensorParallel, rows: int, width: int, dtype: torch.dtype,
+def step_all_reduce(tp: TensorParallel, rows: int, dtype: torch.dtype,
                     device: torch.device) -> tuple[OneShotAllReduce | None, str]:
-    """The decode step's all-reduce for the row-parallel products of ``tp``'s model, and what was chosen:
-    symmetric memory's one-shot on CUDA ranks that have it, else transformers' own (NCCL or gloo)."""
+    """The decode step's all-reduce for the row-parallel products of ``tp``'s model (``rows`` rows of their
+    output width), and what was chosen: symmetric memory's one-shot on CUDA ranks that have it, else
+    transformers' own (NCCL or gloo)."""
     if device.type != "cuda":
         return None, f"row-parallel all-reduces: transformers' ({tp.backend}); symmetric memory needs CUDA ranks"
     if not tp.sharding.row:
         return None, "row-parallel all-reduces: none found in the plan"
+    width = tp.sharding.row[0][0].out_features  # the hidden size: every row-parallel product's output
     try:
         reducer = OneShotAllReduce(tp.group, rows, width, dtype, device)
     except Exception as exc:  # noqa: BLE001 - recorded; transformers' NCCL all-reduce still serves
