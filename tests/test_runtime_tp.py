@@ -371,6 +371,26 @@ def test_bench_e2e_tp_bad_input(capsys):
         assert "--tp: 8 ranks need 8 GPUs (one each)" in capsys.readouterr().err
 
 
+def test_tp_tables_break_a_step_down_with_its_collectives():
+    from kvsieve.bench import e2e, e2e_tp
+
+    def row(variant, **kinds):
+        b = dict(attention_ms=2.0, gemm_ms=3.0, other_ms=0.5, kernels=600.0, **kinds)
+        return {"shape": "s", "tp": 2, "batch": 1, "n": 8, "variant": variant, "ms": 6.0, "tokens_per_s": 1.0,
+                "breakdown": b}
+
+    # a tensor-parallel run: a collectives column, its values in their rows
+    results = {"tp": 2, "device": "d", "date": "t", "protocol": "p",
+               "rows": [row("runtime", collective_ms=0.75), row("quest", collective_ms=0.5)]}
+    text = e2e_tp.markdown(results, "cmd")
+    assert "kernel kind on rank 0" in text and "| collectives ms |" in text
+    assert "| s | 1 | 8 | runtime | 2.00 | 3.00 | 0.75 | 0.50 | 600 |" in text
+    # one GPU: no collectives, no column (rows from before the kind existed have no key for it)
+    lines = e2e.breakdown_lines([row("runtime"), row("quest", collective_ms=0.0)])
+    assert "collectives" not in "\n".join(lines) and "| s | 1 | 8 | quest | 2.00 | 3.00 | 0.50 | 600 |" in lines
+    assert e2e.breakdown_lines([{"variant": "x"}]) == []
+
+
 # -- GPU: NCCL, the step captured in a CUDA graph per rank --------------------------------------------
 
 GPU_SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
@@ -386,7 +406,7 @@ def _rank_gpu(rank, size, path, rows, out):
                                                  dtype=torch.float32).eval()
     rows = [r.to(f"cuda:{rank}") for r in rows]
     res = {}
-    for spec in GPU_SPECS:
+    for spec in GPU_SPECS + (saap_spec(path),):
         r = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
         res[spec] = (r.tokens, r.stats.graph, r.stats.attention_backend, r.stats.tp, r.stats.compiled_ops)
     res["sampled"] = generate(model, rows, "dense", max_new_tokens=24, graph=True, do_sample=True, seed=3,
@@ -400,14 +420,19 @@ def _rank_gpu(rank, size, path, rows, out):
 def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    from saap_helpers import write_artifacts
+
     model = tiny_llama(**GPU_SHAPE)  # float32: no argmax tie between a sharded and a whole matmul
     model.save_pretrained(tmp_path / "model")
+    (tmp_path / "model-saap").mkdir()  # SAAP's artifacts of this model: each rank takes its KV head's slice
+    write_artifacts(tmp_path / "model-saap", heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, per="q",
+                    model=model)
     rows = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in (1500, 700)]
     launch(_rank_gpu, 2, str(tmp_path / "model"), rows, str(tmp_path), backend="nccl")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     model = model.to("cuda:0")
     rows = [r.to("cuda:0") for r in rows]
-    for spec in GPU_SPECS:
+    for spec in GPU_SPECS + (saap_spec(tmp_path / "model"),):
         ref = generate(model, rows, spec, max_new_tokens=24, graph=True, eos_token_id=None)
         for r, res in enumerate(ranks):
             tokens, graph, backend, tp, compiled = res[spec]

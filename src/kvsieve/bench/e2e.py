@@ -724,17 +724,7 @@ def markdown(results: dict, command: str) -> str:
                 f"| {_host_cell(r)} | {'yes' if r.get('graph') else 'no'} "
                 f"| {r.get('attention_backend')} | {fmt(r.get('density'), '.3f')} |")
         lines.append("")
-    broken = [r for r in rows if r.get("breakdown")]
-    if broken:
-        lines += ["Per-step device time by kernel kind (torch profiler, mean of "
-                  f"{BREAKDOWN_STEPS} steps; gemm = the weights' matrix products):", "",
-                  "| shape | batch | N | variant | attention ms | gemm ms | other ms | kernels/step |",
-                  "|---|---:|---:|---|---:|---:|---:|---:|"]
-        for r in sorted(broken, key=lambda r: (r["shape"], r["batch"], r["n"], r["variant"])):
-            b = r["breakdown"]
-            lines.append(f"| {r['shape']} | {r['batch']} | {r['n']:,} | {r['variant']} | {b['attention_ms']:.2f} "
-                         f"| {b['gemm_ms']:.2f} | {b['other_ms']:.2f} | {b['kernels']:.0f} |")
-        lines.append("")
+    lines += breakdown_lines(rows)
     if any(r.get("host_after_profiler") for r in rows):
         lines += ["† host time taken after the torch profiler ran in this process (an earlier case's kernel "
                   "breakdown): CUPTI stays attached once CUDA graphs were profiled, and its callbacks add to every "
@@ -743,6 +733,27 @@ def markdown(results: dict, command: str) -> str:
     if reasons:
         lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
     return "\n".join(lines + _calibration_lines(results))
+
+
+def breakdown_lines(rows: list[dict], who: str = "") -> list[str]:
+    """The markdown table of the rows' per-step device time by kernel kind (``kernel_breakdown``), a collectives
+    column where any row has collectives; [] where no row has a breakdown. ``who``: whose steps were profiled."""
+    broken = [r for r in rows if r.get("breakdown")]
+    if not broken:
+        return []
+    comm = any(r["breakdown"].get("collective_ms") for r in broken)
+    lines = [f"Per-step device time by kernel kind{who} (torch profiler, mean of {BREAKDOWN_STEPS} steps; gemm = "
+             "the weights' matrix products" + ("; collectives = NCCL's and symmetric memory's all-reduce kernels"
+                                              if comm else "") + "):", "",
+             "| shape | batch | N | variant | attention ms | gemm ms | " + ("collectives ms | " if comm else "")
+             + "other ms | kernels/step |",
+             "|---|---:|---:|---|---:|---:|" + ("---:|" if comm else "") + "---:|---:|"]
+    for r in sorted(broken, key=lambda r: (r["shape"], r["batch"], r["n"], r["variant"])):
+        b = r["breakdown"]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['n']:,} | {r['variant']} | {b['attention_ms']:.2f} "
+                     f"| {b['gemm_ms']:.2f} | " + (f"{b.get('collective_ms', 0.0):.2f} | " if comm else "")
+                     + f"{b['other_ms']:.2f} | {b['kernels']:.0f} |")
+    return lines + [""]
 
 
 def plot(results: dict, path) -> bool:

@@ -317,7 +317,7 @@ def markdown(results: dict, command: str) -> str:
                      f"{f(r.get('speedup_vs_hf_eager'), '.2f')} | {f(r.get('collective_ms'), '.3f')} | "
                      f"{f(r.get('tp_floor_ms'), '.2f')} | {f(r.get('fraction_of_tp_floor'), '.2f')} | {host} | "
                      f"{r.get('graph')} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + e2e.breakdown_lines(results["rows"], " on rank 0")) + "\n"
 
 
 def write_results(results: dict, out_dir, stem: str, command: str) -> list:

@@ -198,11 +198,14 @@ _ATTENTION_KERNELS = ("dense_split", "merge_partials", "merge_lse", "_tile_", "s
                       "ordered_stats", "page_", "scores_kernel", "sparse_split", "flash", "fmha", "attention",
                       "sdpa", "topk", "sort")
 _GEMM_KERNELS = ("gemm", "gemv", "nvjet", "cutlass", "xmma", "matmul", "cublas", "splitk")
+# a tensor-parallel step's collectives: NCCL's kernels and torch's symmetric-memory all-reduces
+_COLLECTIVE_KERNELS = ("nccl", "all_reduce", "allreduce", "one_shot", "two_shot", "multimem")
 TOP_KERNELS = 16
 
 
 def step_kernel_kinds(step: Callable[[], object], n: int) -> dict | None:
-    """Device ms per step by kernel kind (attention, gemm = weights, other: norms, RoPE, sampling, ...), kernels
+    """Device ms per step by kernel kind (attention, gemm = weights, collective: a tensor-parallel step's all-reduces,
+    other: norms, RoPE, sampling, ...), kernels
     per step, and the ``TOP_KERNELS`` costliest kernel names with their ms per step (``top``), from the torch
     profiler over ``n`` steps; None where the profiler sees no kernels. Kernels launched with programmatic
     dependent launch count the time their programs wait for the previous kernel."""
@@ -213,12 +216,13 @@ def step_kernel_kinds(step: Callable[[], object], n: int) -> dict | None:
             for _ in range(n):
                 step()
             torch.cuda.synchronize()
-        out: dict = {"attention_ms": 0.0, "gemm_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
+        out: dict = {"attention_ms": 0.0, "gemm_ms": 0.0, "collective_ms": 0.0, "other_ms": 0.0, "kernels": 0.0}
         by_name: dict[str, float] = {}
         for full_name, (us, count) in kernel_totals(prof).items():
             name = full_name.lower()
             ours = name.startswith("_") and name.endswith("_kernel")  # not inductor's triton_* nor at::native
-            kind = ("attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
+            kind = ("collective" if any(k in name for k in _COLLECTIVE_KERNELS)
+                    else "attention" if ours or any(k in name for k in _ATTENTION_KERNELS)
                     else "gemm" if any(k in name for k in _GEMM_KERNELS) else "other")
             ms = us / 1e3 / n
             out[f"{kind}_ms"] += ms
