@@ -15,7 +15,8 @@ folder holding
 
 Phases (``kvsieve eval --phase``): ``question`` = decode-only (setup B: context exact, question and answer
 sparse), ``prefill`` = prefill-only (the context through the sparse prefill, question and answer exact),
-``all`` = end to end. Dense layers 0, 1; 16 new tokens; 20 prompts per task; seed 0 (the old grid's settings).
+``all`` = end to end. Dense layers 0, 1 (SmolLM2; ``--model gemma3-270m``: none named, see ``MODELS``); 16 new
+tokens; 20 prompts per task; seed 0 (the old grid's settings).
 
 Per task the walk and one-hop run first, then the baselines at the matched density, so a run stopped
 early leaves whole comparisons. Each folder's ``matched.json`` records the measured densities and the
@@ -52,6 +53,11 @@ BLOCK = 64  # the oracle's block size (the reconstruction's default)
 QUEST_SINK = QUEST_WINDOW = 64
 ANSWER = 8  # answer tokens generated on average (16 at most, fewer when solved early)
 METRICS = ("score", "kl_mean", "kl_answer", "rel_error", "density")
+# model -> (the folders' name tag, the layers kept exact). SmolLM2: its first two layers, as the reconstruction's
+# grid. Gemma 3 270M: none named; its sliding-window layers stay exact by kvsieve's rule (a layer whose attention
+# carries a sliding window is never sparsified), so the method runs on the global layers 5, 11 and 17.
+MODELS = {"default": ("", "0,1"), "gemma3-270m": ("gemma3", "")}
+MODEL_LABELS = {"": "SmolLM2-135M", "gemma3": "Gemma 3 270M"}
 
 
 def parse() -> argparse.Namespace:
@@ -63,6 +69,9 @@ def parse() -> argparse.Namespace:
     run.add_argument("--tasks", default=",".join(TASKS))
     run.add_argument("--samples", type=int, default=20)
     run.add_argument("--device", default="cpu", help="cpu, cuda or cuda:<i> (part of each folder's name)")
+    run.add_argument("--model", default="default", choices=tuple(MODELS),
+                     help="default (SmolLM2-135M, layers 0 and 1 exact) or gemma3-270m (its 3 global layers sparse, "
+                          "its 15 sliding-window layers exact as kvsieve keeps them; part of the folder's name)")
     run.add_argument("--workers", type=int, default=1)
     run.add_argument("--threads", type=int, default=1)
     run.add_argument("--stop-after", type=float, default=None, help="start no new prompt after this many seconds")
@@ -122,15 +131,24 @@ def match_quest(target: float, n: int) -> float:
 # -- running -----------------------------------------------------------------------------------------
 
 
-def folder_name(phase: str, length: int, device: str) -> str:
+def folder_name(phase: str, length: int, device: str, model: str = "default") -> str:
     # rounded: SmolLM2's 8k cells are 8,176 tokens (its context is 8,192 including the 16 new tokens)
-    return f"eval-{phase}-{round(length / 1024)}k-{device.split(':')[0]}"
+    tag = MODELS[model][0]
+    return f"eval-{phase}-{round(length / 1024)}k-{tag + '-' if tag else ''}{device.split(':')[0]}"
+
+
+def model_tag(folder: Path) -> str:
+    """The folder's model tag ("" for SmolLM2): the part between the length and the device, if any."""
+    parts = folder.name.split("-")
+    return "-".join(parts[3:-1])
 
 
 def eval_args(args, phase: str, length: int, task: str, methods: list[str], folder: Path,
               stop_after: float | None) -> list[str]:
-    argv = ["eval", "--model", "default", "--tasks", task, "--lengths", str(length), "--samples", str(args.samples),
-            "--phase", phase, "--max-new-tokens", "16", "--dense-layers", "0,1", "--device", args.device,
+    dense_layers = MODELS[args.model][1]
+    argv = ["eval", "--model", args.model, "--tasks", task, "--lengths", str(length), "--samples", str(args.samples),
+            "--phase", phase, "--max-new-tokens", "16", *(["--dense-layers", dense_layers] if dense_layers else []),
+            "--device", args.device,
             "--workers", str(args.workers), "--threads", str(args.threads), "--quiet",
             "--methods", ";".join(["dense", *methods]), "--output", str(folder)]
     if stop_after is not None:
@@ -161,7 +179,7 @@ def run(args) -> None:
     deadline = None if args.stop_after is None else time.monotonic() + args.stop_after
     for length in (int(x) for x in args.lengths.split(",")):
         for phase in args.phases.split(","):
-            folder = args.out / folder_name(phase, length, args.device)
+            folder = args.out / folder_name(phase, length, args.device, args.model)
             folder.parent.mkdir(parents=True, exist_ok=True)
             unpack(folder)
             matched_path = folder / "matched.json"
@@ -280,13 +298,14 @@ def summary(args) -> None:
             by = {k: [r for r in rows if r["task"] == task and r["method"] == s] for k, s in specs.items()}
             dense = [r for r in rows if r["task"] == task and r["method"] == "dense"]
             entry = {"phase": phase, "length": length, "task": task, "folder": folder.name, "matched": e,
+                     "model": MODEL_LABELS[model_tag(folder)],
                      "dense_score": 100 * statistics.fmean(r["score"] for r in dense) if dense else None,
                      "n": {k: len(v) for k, v in by.items()},
                      "score": {k: 100 * statistics.fmean(r["score"] for r in v) for k, v in by.items() if v},
                      "density": {k: statistics.fmean(r["density"] for r in v) for k, v in by.items() if v},
                      "kl_mean": {k: statistics.fmean(r["kl_mean"] for r in v) for k, v in by.items() if v},
                      "walk_vs": {k: paired(rows, task, specs["walk"], s) for k, s in specs.items() if k != "walk"},
-                     "old": old_pairs(args.old, phase, length, task)}
+                     "old": old_pairs(args.old, phase, length, task) if not model_tag(folder) else {}}
             table.append(entry)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fidelity.json").write_text(json.dumps(table, indent=1) + "\n")
@@ -311,7 +330,9 @@ def markdown(table: list[dict]) -> str:
         old_kl = f"{old_hop['kl_mean']['a']:.3f} (ρ={old_hop['rho']})" if old_hop and old_hop.get("kl_mean") else "–"
         oo = f" (ρ={old_or['rho']}, n={old_or['n']})" if old_or else ""
         lines.append(
-            f"| {PHASES[e['phase']]} ({e['folder'].rsplit('-', 1)[-1]}) | {e['length']} | {e['task']} | "
+            f"| {PHASES[e['phase']]} ({e['folder'].rsplit('-', 1)[-1]}"
+            f"{', ' + e['model'] if e.get('model', MODEL_LABELS['']) != MODEL_LABELS[''] else ''}) | "
+            f"{e['length']} | {e['task']} | "
             f"{e['n']['walk']} | "
             f"{e['dense_score']:.1f} | {sc['walk']} | {sc['one_hop']} | {sc['oracle']} | {sc['quest']} | "
             f"{dens} | {kls} | "
