@@ -216,8 +216,9 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         assert plain["c10d::allreduce_"] == fused["c10d::allreduce_"] == 5
         assert fused["inductor kernel"] > 0 and plain["inductor kernel"] == 0
         assert fused["aten::rsqrt"] == 1 and plain["aten::rsqrt"] == 5  # only the final norm left uncompiled
-        # per layer 5 kernels, as in one process: norm; RoPE; add and norm; SiLU·mul; add
-        assert fused["inductor kernel"] == 2 * 5 and fused["aten::silu"] == plain["aten::mm"] == 0
+        # per layer 6 kernels, as in one process: norm; RoPE; the K/V cache write; add and norm; SiLU·mul; add
+        assert fused["inductor kernel"] == 2 * 6 and fused["aten::silu"] == plain["aten::mm"] == 0
+        assert fused["aten::scatter_"] == plain["aten::scatter_"] - 2 * 2  # the cache's two scatters per layer
         # a layer's gate/up: one product, traced (mm); its q/k/v: one product (linear), eager inside attention
         assert fused["aten::mm"] == 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2 - 2 * 2
         assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)

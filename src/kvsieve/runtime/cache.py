@@ -17,9 +17,24 @@ shared position for the whole batch (its ``cumulative_length``), which per-row l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
+
+
+def index_write(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, key_states: torch.Tensor,
+                value_states: torch.Tensor) -> None:
+    """One decode token per row into ``keys [B, H, capacity, dk]`` and ``values [B, H, capacity, dv]`` at
+    ``positions [B]``: what the two ``scatter_`` of :meth:`RuntimeLayer.update` write, as two ``index_put_``
+    on the same (row, head, position) indices. Compiled, inductor writes both in place in one kernel (a
+    functional ``scatter`` it would apply to a copy of each whole buffer); eager, it is two kernels again."""
+    rows = torch.arange(keys.shape[0], device=keys.device).view(-1, 1)
+    heads = torch.arange(keys.shape[1], device=keys.device).view(1, -1)
+    at = positions.view(-1, 1)
+    keys.index_put_((rows, heads, at), key_states[:, :, 0].to(keys.dtype))
+    values.index_put_((rows, heads, at), value_states[:, :, 0].to(values.dtype))
 
 
 class RuntimeLayer(StaticLayer):
@@ -42,6 +57,9 @@ class RuntimeLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         owner = self.owner
         if owner.mode == "decode":
+            if owner.compiled_write is not None:
+                owner.compiled_write(self.keys, self.values, owner.positions, key_states, value_states)
+                return self.keys, self.values
             self.keys.scatter_(2, owner.write_index(self.k_head_dim), key_states.to(self.dtype))
             self.values.scatter_(2, owner.write_index(self.v_head_dim), value_states.to(self.dtype))
             return self.keys, self.values
@@ -65,7 +83,8 @@ class RuntimeLayer(StaticLayer):
 
 class RuntimeCache(StaticCache):
     """``StaticCache`` whose layers are :class:`RuntimeLayer`; ``positions [B]`` (int64, device) is
-    where each row writes its next token in decode mode."""
+    where each row writes its next token in decode mode; ``compiled_write`` (None: the eager scatters)
+    writes a decode token's K and V where :class:`~.compiled.CompiledOps` installed it."""
 
     def __init__(self, config, *, batch: int, capacity: int, dtype: torch.dtype, device: torch.device,
                  kv_heads: int, k_dim: int, v_dim: int, n_layers: int):
@@ -76,6 +95,7 @@ class RuntimeCache(StaticCache):
         self.prefill_start = 0
         self.seen_tokens = 0
         self.positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.compiled_write: Callable[..., None] | None = None
         # views of `positions`, so in-place updates of it move every write (also inside a CUDA graph)
         self._write_index = {
             dim: self.positions.view(batch, 1, 1, 1).expand(batch, kv_heads, 1, dim) for dim in {k_dim, v_dim}

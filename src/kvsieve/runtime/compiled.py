@@ -26,6 +26,9 @@ Inductor fuses each run of them into one kernel. Nothing of the model is rewritt
 
 In the same steps each layer's q/k/v and gate/up products run as one product each over their weights
 concatenated once (``fused_projections.py``: the step's weight reads at 89 % of the copy rate against 76 %).
+And each layer's K/V cache write (``cache.py``), which the attention module makes outside the graphs, calls
+a function compiled on its own: the new key and value written in one kernel instead of two eager ``scatter_``
+(64 of a Llama-3.1-8B step's launches, 3.8 µs each on an H200). ``CACHE_WRITE = False`` keeps the scatters.
 
 Compiled code runs only in decode steps (``active()``), whose shapes never change, so nothing
 recompiles between steps; prefill runs the model as it is. The runtime compiles only for captured
@@ -42,12 +45,16 @@ from typing import Any
 
 import torch
 
+from .cache import RuntimeCache, index_write
 from .fused_projections import FusedProjections
 from .parallel import LayerSharding, row_parallel_forward
 
 ROPE_FUNCTION = "apply_rotary_pos_emb"
 # torch.compile's backend (a name or a callable): inductor wherever the runtime compiles; tests may set another
 BACKEND: str | Callable = "inductor"
+# the decode step's K/V write compiled (cache.index_write: one kernel per layer) where the ops are compiled;
+# False: the cache's eager scatters
+CACHE_WRITE = True
 
 
 def decoder_layers(model: torch.nn.Module, attention: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -60,8 +67,9 @@ class CompiledOps:
     """Install (``attach``) and remove (``detach``) the compiled decode-step pieces of one model."""
 
     def __init__(self, model: torch.nn.Module, attention: list[torch.nn.Module], active: Callable[[], bool],
-                 sharding: LayerSharding | None = None, row_reducer: Any = None):
+                 sharding: LayerSharding | None = None, row_reducer: Any = None, cache: RuntimeCache | None = None):
         self.model, self.attention, self.active = model, attention, active
+        self.cache = cache  # its decode writes compiled too (CACHE_WRITE)
         # on a sharded model: the row-parallel products' all-reduce in decode steps (parallel.step_all_reduce)
         self.row_reducer, self.row = row_reducer, [] if sharding is None or row_reducer is None else sharding.row
         self.layers = decoder_layers(model, attention)
@@ -114,6 +122,15 @@ class CompiledOps:
             if rope is not None:
                 fused = torch.compile(rope, fullgraph=True, dynamic=False, backend=BACKEND)
                 self._set(modeling, ROPE_FUNCTION, self._switch(fused, None, rope))
+        if self.cache is not None and CACHE_WRITE:
+            write = torch.compile(index_write, fullgraph=True, dynamic=False, backend=BACKEND)
+            self._set(self.cache, "compiled_write", self._switch(write, None, index_write))
+
+    @property
+    def cache_write(self) -> str:
+        """How decode steps write the K/V cache while attached: ``compiled`` (both in one compiled kernel per
+        layer) or ``scatter`` (the cache's eager scatters)."""
+        return "compiled" if self.cache is not None and self.cache.compiled_write is not None else "scatter"
 
     def _switch(self, compiled: Callable, owner: Any, eager: Callable) -> Callable:
         active = self.active

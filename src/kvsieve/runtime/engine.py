@@ -397,10 +397,12 @@ class DecodeRuntime:
             self._compiled = CompiledOps(self.model, self.modules,
                                          lambda: self.cache.mode != "prefill" and (self.use_graph
                                                                                     or self.compile_ops is True),
-                                         sharding=None if self.tp is None else self.tp.sharding, row_reducer=reducer)
+                                         sharding=None if self.tp is None else self.tp.sharding, row_reducer=reducer,
+                                         cache=self.cache)
             self._compiled.attach()
             self.stats.compiled_ops = True
             self.stats.fused_projections = self._compiled.projections.summary()
+            self.stats.cache_write = self._compiled.cache_write
         self._attached = True
 
     def close(self) -> None:
@@ -421,6 +423,7 @@ class DecodeRuntime:
         if reason is not None:
             self.stats.compiled_ops = False
             self.stats.fused_projections = None
+            self.stats.cache_write = "scatter"
             self.stats.fallbacks.append(reason)
 
     # -- attention --------------------------------------------------------------------------

@@ -28,6 +28,9 @@ class RuntimeStats:
     compiled_ops: bool = False
     # with compiled_ops: each layer's q/k/v and gate/up as one product ({"groups": n, "refused": {group: why}})
     fused_projections: dict[str, Any] | None = None
+    # the decode steps' K/V cache write: "scatter" (two eager scatter_ per layer) or, with compiled_ops,
+    # "compiled" (K and V in one compiled kernel per layer: runtime/compiled.py)
+    cache_write: str = "scatter"
     capture_s: float = 0.0  # warm-up steps, torch.compile and the CUDA-graph capture, once per request
     new_tokens: list[int] = field(default_factory=list)
     decode_steps: int = 0
