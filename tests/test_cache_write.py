@@ -120,6 +120,27 @@ def test_the_runtime_writes_the_same_cache_with_the_compiled_write(monkeypatch):
     assert torch.equal(eager_tokens, tokens)
 
 
+def test_the_bench_checks_every_way_on_the_cpu(tmp_path):
+    """``benchmarks/breakdown/cache_write.py --device cpu``: every way's cache equals the scatters', the table is
+    written; bad input is refused by name."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks/breakdown/cache_write.py"
+    spec = importlib.util.spec_from_file_location("cache_write_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--cases", "2x40,3x1k", "--layers", "2", "--kv-heads", "2",
+            "--head-dim", "8"]
+    assert bench.main(argv) == 0
+    table = (tmp_path / "cache_write.md").read_text()
+    assert table.count("| True |") == 2 * 3 and "| compiled | 3 × 1024 |" in table
+    with pytest.raises(ValueError, match="--cases"):
+        bench.main([*argv[:4], "--cases", "32k"])
+    with pytest.raises(ValueError, match="--ways"):
+        bench.main([*argv, "--ways", "scatter,atomic"])
+
+
 @pytest.mark.gpu
 def test_the_captured_step_writes_k_and_v_in_one_kernel_per_layer(monkeypatch):
     """On a GPU, captured: the same tokens and cache bit for bit with and without the compiled write, and the
