@@ -6,7 +6,7 @@ import collections
 
 import pytest
 import torch
-from test_runtime import random_ids, tiny_model
+from test_runtime import random_ids, run_under_interpreter, tiny_model
 
 from kvsieve.runtime import DecodeRuntime, compiled
 from kvsieve.runtime.cache import index_write
@@ -38,7 +38,7 @@ CASES = [  # batch, heads, capacity, k dim, v dim, cache dtype, new K/V dtype
 @pytest.mark.parametrize("compile_it", [False, True])
 def test_index_write_equals_the_scatters_bit_for_bit(case, compile_it):
     batch, heads, capacity, dk, dv, dtype, new_dtype = case
-    write = torch.compile(index_write, fullgraph=True, dynamic=False) if compile_it else index_write
+    write = compiled.compiled_cache_write() if compile_it else index_write
     for seed in range(3):  # ragged positions, the first and last slot included; random cache contents around them
         g = torch.Generator().manual_seed(100 + seed)
         positions = torch.randint(0, capacity, (batch,), generator=g)
@@ -62,14 +62,47 @@ def test_inductor_writes_k_and_v_in_place_in_one_kernel():
     torch._dynamo.reset()
     keys, values = buffers(2, 2, 8, 8, 8, torch.bfloat16, 0)
     k, v = (torch.randn(2, 2, 1, 8).to(torch.bfloat16) for _ in range(2))
-    write = torch.compile(index_write, fullgraph=True, dynamic=False)
-    _, (code,) = run_and_get_code(write, keys, values, torch.tensor([3, 5]), k, v)
+    _, (code,) = run_and_get_code(compiled.compiled_cache_write(), keys, values, torch.tensor([3, 5]), k, v)
     call = code[code.index("def call("):]
     kernels = [line.strip() for line in call.splitlines() if line.strip().startswith(("cpp_fused", "triton_"))]
     assert len(kernels) == 1, kernels
     assert "empty_strided" not in call and "copy_" not in call, call
     assert code.count("out_ptr0 + ") == 1 and code.count("out_ptr1 + ") == 1  # one store into each cache
 
+
+@pytest.mark.triton
+def test_inductors_triton_code_writes_k_and_v_in_one_kernel_at_every_batch():
+    """The Triton code inductor generates for a GPU, generated here for the CPU (``cpu_backend="triton"``; not
+    run): one kernel storing both K and V, at batch 1 too, where the two writes share 8 bytes of reads (the
+    positions), under inductor's default threshold for fusing kernels side by side (``WRITE_OPTIONS``)."""
+    run_under_interpreter("""
+        import torch
+        import torch._inductor.config as config
+        import torch.utils._triton as torch_triton
+        from torch._inductor.codegen import triton as codegen
+        from kvsieve.runtime.compiled import compiled_cache_write
+
+        torch_triton.triton_hash_with_backend = lambda: "0" * 64  # no GPU driver to hash here
+        config.cpu_backend, config.force_disable_caches = "triton", True
+        sources, generate = [], codegen.TritonKernel.codegen_kernel
+
+        def keep(self, *args, **kwargs):
+            sources.append(generate(self, *args, **kwargs))
+            return sources[-1]
+
+        codegen.TritonKernel.codegen_kernel = keep
+        for batch in (1, 3):
+            torch._dynamo.reset()
+            sources.clear()
+            keys, values = (torch.randn(batch, 2, 16, 8).to(torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(batch, 2, 1, 8).to(torch.bfloat16) for _ in range(2))
+            try:
+                compiled_cache_write()(keys, values, torch.arange(batch) + 4, k, v)
+            except Exception:  # generated for a CPU no Triton driver runs: only the code is checked
+                pass
+            assert len(sources) == 1 and sources[0].count("tl.store(") == 2, (batch, sources)
+        print("ok")
+    """)
 
 def step_ops(step):
     """The torch ops one decode step runs on the CPU, by profiler name (a compiled kernel runs none)."""

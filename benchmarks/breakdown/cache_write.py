@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from kvsieve.runtime.cache import RuntimeCache, index_write  # noqa: E402
+from kvsieve.runtime.compiled import compiled_cache_write  # noqa: E402
 
 WAYS = ("scatter", "index_put", "compiled")
 
@@ -66,7 +67,7 @@ def step_fn(cache: RuntimeCache, way: str, new_kv: list[tuple[torch.Tensor, torc
     if way not in WAYS:
         raise ValueError(f"--ways: expected names from {', '.join(WAYS)}, got {way!r}")
     cache.compiled_write = {"scatter": None, "index_put": index_write,
-                            "compiled": torch.compile(index_write, fullgraph=True, dynamic=False)}[way]
+                            "compiled": compiled_cache_write()}[way]
 
     def step():
         for layer, (k, v) in zip(cache.layers, new_kv, strict=True):

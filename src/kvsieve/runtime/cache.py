@@ -28,8 +28,9 @@ def index_write(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tenso
                 value_states: torch.Tensor) -> None:
     """One decode token per row into ``keys [B, H, capacity, dk]`` and ``values [B, H, capacity, dv]`` at
     ``positions [B]``: what the two ``scatter_`` of :meth:`RuntimeLayer.update` write, as two ``index_put_``
-    on the same (row, head, position) indices. Compiled, inductor writes both in place in one kernel (a
-    functional ``scatter`` it would apply to a copy of each whole buffer); eager, it is two kernels again."""
+    on the same (row, head, position) indices. Compiled (``compiled.compiled_cache_write``), inductor writes
+    both in place in one kernel (a functional ``scatter`` it would apply to a copy of each whole buffer);
+    eager, it is two kernels again."""
     rows = torch.arange(keys.shape[0], device=keys.device).view(-1, 1)
     heads = torch.arange(keys.shape[1], device=keys.device).view(1, -1)
     at = positions.view(-1, 1)

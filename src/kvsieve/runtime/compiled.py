@@ -55,6 +55,15 @@ BACKEND: str | Callable = "inductor"
 # the decode step's K/V write compiled (cache.index_write: one kernel per layer) where the ops are compiled;
 # False: the cache's eager scatters
 CACHE_WRITE = True
+# inductor fuses two kernels side by side only where they share this many bytes of reads (10 by default): the
+# two writes share the positions alone, 8 bytes at batch 1
+WRITE_OPTIONS = {"score_fusion_memory_threshold": 1}
+
+
+def compiled_cache_write() -> Callable:
+    """:func:`~.cache.index_write` compiled: the K and V writes of a layer's decode token in one kernel."""
+    options = WRITE_OPTIONS if BACKEND == "inductor" else None  # inductor's options; another backend takes none
+    return torch.compile(index_write, fullgraph=True, dynamic=False, backend=BACKEND, options=options)
 
 
 def decoder_layers(model: torch.nn.Module, attention: list[torch.nn.Module]) -> list[torch.nn.Module]:
@@ -123,8 +132,7 @@ class CompiledOps:
                 fused = torch.compile(rope, fullgraph=True, dynamic=False, backend=BACKEND)
                 self._set(modeling, ROPE_FUNCTION, self._switch(fused, None, rope))
         if self.cache is not None and CACHE_WRITE:
-            write = torch.compile(index_write, fullgraph=True, dynamic=False, backend=BACKEND)
-            self._set(self.cache, "compiled_write", self._switch(write, None, index_write))
+            self._set(self.cache, "compiled_write", self._switch(compiled_cache_write(), None, index_write))
 
     @property
     def cache_write(self) -> str:
