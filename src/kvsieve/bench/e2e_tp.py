@@ -6,7 +6,11 @@ random weights **directly sharded**: the model is made on the meta device, trans
 tensor-parallel plan is applied to it (``maybe_distribute_model``: DTensor parameters with this rank's
 shard shape, the sharded modules' forward hooks), and only then is each rank's shard allocated on its
 device and filled with random numbers. No full checkpoint exists anywhere (Llama-3.1-70B's would be
-141 GB).
+141 GB). With ``attention="peaked"`` (``bench/peaked.py``, as the single-GPU bench) every rank then computes
+the peaked construction's whole embedding, q_proj/k_proj and lm_head from the same seeds and keeps its
+shard of each (``peaked.set_param``), and scales its shards of o_proj/down_proj; the prompts are
+``peaked.bench_prompts``' on every rank, and the attention profile measured on the model gathers every
+rank's heads.
 
 Every rank then runs the single-GPU benchmark's case (``e2e._run_case``: one prefill, the runtime's
 dense decode and each method from the same cache, then transformers' own eager decode on the same
@@ -23,6 +27,7 @@ on CUDA (as the captured decode step runs them) or issued eagerly on the CPU (``
 
 from __future__ import annotations
 
+import functools
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from . import e2e
+from .peaked import ATTENTION_LABELS, calibration_markdown
 from .report import fmt
 
 TP_SHAPES: dict[str, dict] = {
@@ -191,9 +197,23 @@ def collectives(model, batch: int, *, iters: int = 20, graph: bool | None = None
             "collective_bytes": n_reduce * hidden.nbytes + gathered.nbytes}
 
 
+def gather_heads(profile: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``model_attention_profile``'s statistics [layers, this rank's heads] of every rank, joined along the
+    heads in rank order (the plan gives rank r the r-th block of heads): the whole model's [layers, heads]."""
+    import torch.distributed as dist
+
+    from .attention_shape import STATS
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {k: profile[k].cpu() for k in STATS})
+    return {**profile, **{k: torch.cat([r[k] for r in everyone], dim=1) for k in STATS}}
+
+
 def _rank_bench(rank: int, size: int, kw: dict, out: dict | None) -> None:
     """One rank of :func:`run_tp_bench`; rank 0 puts the results in ``out`` (a shared dict)."""
     import torch.distributed as dist
+
+    from .peaked import build_bench_model, calibration_record, run_profile
 
     device = f"cuda:{rank}" if kw["device"] == "cuda" else "cpu"
     cuda = kw["device"] == "cuda"
@@ -204,10 +224,14 @@ def _rank_bench(rank: int, size: int, kw: dict, out: dict | None) -> None:
 
         peak = copy_bandwidth(device)
     t0 = time.perf_counter()
-    model = build_sharded_model(kw["shape"], size, device=device, dtype=kw["dtype"])
+    model = build_bench_model(functools.partial(build_sharded_model, size=size), kw["shape"], kw["attention"],
+                              kw["peaked"], device=device, dtype=kw["dtype"])
     weights = e2e.weights_read_per_step(model)
-    log(f"{kw['shape']} tp={size}: shards built with random weights in {time.perf_counter() - t0:.1f} s; "
-        f"{weights / 1e9:.2f} GB of weights per rank read per step")
+    log(f"{kw['shape']} tp={size}: shards built with random weights ({kw['attention']} attention) in "
+        f"{time.perf_counter() - t0:.1f} s; {weights / 1e9:.2f} GB of weights per rank read per step")
+    measured = run_profile(model, [n for _, n in kw["cases"]], log=log, combine=gather_heads)
+    if cuda:
+        torch.cuda.empty_cache()  # the profile's prefill cache: the cases' memory checks read the free memory
     rows = []
     for batch, n in kw["cases"]:
         base = {"shape": kw["shape"], "tp": size, "batch": batch, "n": n}
@@ -232,6 +256,8 @@ def _rank_bench(rank: int, size: int, kw: dict, out: dict | None) -> None:
         out["rows"] = rows
         out["copy_bandwidth_bytes_per_s"] = peak
         out["device"] = torch.cuda.get_device_name(device) if cuda else "cpu"
+        out["calibration"] = {kw["shape"]: calibration_record(kw["shape"], getattr(model, "peaked_attention", None),
+                                                              measured)}
 
 
 def _derive_tp(rows: list[dict], peak: float) -> None:
@@ -247,13 +273,18 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
                  methods: Sequence[str] = ("quest:top_k=0.05",), baselines: Sequence[str] = e2e.BASELINES,
                  steps: int = 30, method_steps: int = 8, warmup: int = 3, hf_steps: int = 4,
                  dtype: torch.dtype = torch.bfloat16, device: str = "cuda", graph: bool | str = "auto",
-                 log: Callable[[str], None] = print) -> dict:
+                 attention: str = "uniform", peaked=None, log: Callable[[str], None] = print) -> dict:
     """Launch ``tp`` ranks (one GPU each, NCCL; ``device="cpu"``: gloo) and run every case on ``shape``
-    sharded across them; the results (rank 0's rows with every rank's times) as ``run_e2e_bench``'s."""
+    sharded across them; the results (rank 0's rows with every rank's times) as ``run_e2e_bench``'s.
+    ``attention``: ``uniform`` (random weights, flat attention) or ``peaked`` (``bench.peaked``: ``peaked``
+    or the shape's committed fit), as ``run_e2e_bench``'s; the results carry it, the parameters and the
+    attention profile measured on the sharded model."""
     import torch.multiprocessing as mp
 
     from ..runtime.parallel import launch
+    from .peaked import check_attention, fitted
 
+    check_attention(attention, peaked)
     if shape not in TP_SHAPES:
         raise ValueError(f"shapes: expected one of {', '.join(TP_SHAPES)}, got {shape!r}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
@@ -270,9 +301,11 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
     for b in baselines:
         if b not in e2e.BASELINES:
             raise ValueError(f"baselines: expected names from {', '.join(e2e.BASELINES)}, got {b!r}")
+    # the fit is read here, once: a shape without one fails before any rank starts
+    params = None if attention == "uniform" else peaked if peaked is not None else fitted(shape)[0]
     timing = dict(steps=steps, method_steps=method_steps, hf_steps=hf_steps, warmup=warmup)
     kw = dict(shape=shape, cases=list(cases), methods=list(methods), baselines=list(baselines), timing=timing,
-              dtype=dtype, device=device, graph=graph)
+              dtype=dtype, device=device, graph=graph, attention=attention, peaked=params)
     with mp.Manager() as manager:
         out = manager.dict()
         # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
@@ -288,19 +321,29 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
         "triton": e2e._version("triton"),
         "dtype": str(dtype).replace("torch.", ""),
         "protocol": (f"random weights built directly sharded by transformers' tensor-parallel plan over {tp} ranks "
-                     f"({'NCCL' if device == 'cuda' else 'gloo'}); per case as kvsieve bench e2e on every rank "
+                     f"({'NCCL' if device == 'cuda' else 'gloo'})"
+                     + ("" if params is None else ", rewritten on every rank for peaked attention (bench/peaked.py; "
+                        "each rank its shard of the same whole tensors)")
+                     + f"; per case as kvsieve bench e2e on every rank "
                      f"(one prefill; {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} "
                      f"(eager), {hf_steps} for hf-eager); ms and host ms of rank 0, every rank's in *_by_rank; "
                      "per-rank floor = (rank weights + rank K/V) / copy rate + the step's collectives timed alone, "
                      "each the way the runtime issues it (collective_path)"),
         "copy_bandwidth_bytes_per_s": got.get("copy_bandwidth_bytes_per_s"),
+        "attention": attention,
+        "peaked": None if params is None else params.to_dict(),
+        "calibration": got.get("calibration", {}),
         "rows": got.get("rows", []),
     }
 
 
 def markdown(results: dict, command: str) -> str:
+    # a results file without the key: its ranks built plain random weights, whatever its command line says
+    attention = results.get("attention", "uniform")
     lines = [f"# kvsieve bench e2e --tp {results['tp']}: {results['device']}, {results['date']}", "",
              f"`{command}`", "", results["protocol"], "",
+             f"Attention: {ATTENTION_LABELS.get(attention, attention)}"
+             + ("" if not results.get("peaked") else f"; parameters {results['peaked']}") + ".", "",
              "| shape | tp | batch | N | variant | ms/step | ms by rank | tok/s | vs dense | vs hf-eager "
              "| collectives ms | rank floor ms | of floor | host ms by rank | graph |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -317,7 +360,9 @@ def markdown(results: dict, command: str) -> str:
                      f"{f(r.get('speedup_vs_hf_eager'), '.2f')} | {f(r.get('collective_ms'), '.3f')} | "
                      f"{f(r.get('tp_floor_ms'), '.2f')} | {f(r.get('fraction_of_tp_floor'), '.2f')} | {host} | "
                      f"{r.get('graph')} |")
-    return "\n".join(lines + [""] + e2e.breakdown_lines(results["rows"], " on rank 0")) + "\n"
+    calibration = [line for shape, cal in results.get("calibration", {}).items()
+                   for line in calibration_markdown(cal, shape)]
+    return "\n".join(lines + [""] + e2e.breakdown_lines(results["rows"], " on rank 0") + calibration) + "\n"
 
 
 def write_results(results: dict, out_dir, stem: str, command: str) -> list:

@@ -57,7 +57,8 @@ ATTENTION_LABELS = {
 FIT_STATS = ("entropy", "top1", "top5", "sink", "window64", "window256")
 DEFAULT_TARGET = "smollm2-135m@8192"
 # RoPE bases of the real models the bench shapes stand for (the random-weight configs leave the default)
-ROPE_THETA = {"llama-3.1-8b": 500000.0, "qwen2.5-7b": 1000000.0, "smollm2-135m": 100000.0}
+ROPE_THETA = {"llama-3.1-8b": 500000.0, "llama-3.1-70b": 500000.0, "qwen2.5-7b": 1000000.0,
+              "smollm2-135m": 100000.0}
 RESIDUAL_SCALE = 1e-3
 SHARED = 0.5  # the shared part's share of a token's hidden-state norm
 SINK_KEY = 4.0  # the first token's key in the sink pair (queries scale to the logit)
@@ -244,11 +245,50 @@ def model_layout(config) -> Layout:
     return Layout(head_dim, float(theta))
 
 
+def _shard_of(param, full: torch.Tensor, name: str) -> torch.Tensor:
+    """What this process holds of ``full`` (a parameter's whole values) for ``param``: all of it for a plain
+    or replicated parameter, this rank's chunk along the sharded dimension for a DTensor sharded on a
+    one-dimensional mesh (DTensor's chunking: ``torch.chunk``, the last ranks' chunks possibly empty)."""
+    from ..runtime.parallel import _shard_dim
+
+    if not hasattr(param, "to_local"):
+        return full
+    dim = _shard_dim(param)
+    if dim is not None:
+        mesh = param.device_mesh
+        chunks, rank = full.chunk(mesh.size(), dim), mesh.get_local_rank()
+        part = chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+    elif all(type(pl).__name__ == "Replicate" for pl in param.placements):
+        part = full
+    else:
+        raise ValueError(f"model: {name} is a DTensor placed {tuple(param.placements)}; the peaked construction "
+                         "writes plain, replicated or one-dimensionally sharded parameters")
+    if part.shape != param.to_local().shape:
+        raise ValueError(f"model: {name}'s local shard has shape {tuple(param.to_local().shape)}, its placement "
+                         f"{tuple(param.placements)} gives {tuple(part.shape)}")
+    return part
+
+
+def _local(param) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def set_param(param, full: torch.Tensor, name: str = "parameter") -> None:
+    """Writes ``full`` (the parameter's whole values, any dtype) into ``param`` in place: all of it into a
+    plain parameter, this rank's part into a DTensor one (a tensor-parallel model: every rank computes the
+    same ``full``, so the shards together hold it)."""
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"model: {name} has shape {tuple(param.shape)}, the values written have {tuple(full.shape)}")
+    _local(param).copy_(_shard_of(param, full, name))
+
+
 @torch.no_grad()
 def peak_model(model, p: PeakedAttention, *, seed: int = 0):
     """Rewrites a random-weight Llama/Qwen2-style model's embedding, q_proj/k_proj (and their biases) and the
     residual branches' output projections in place so that its attention follows ``p`` (see the module
-    docstring); returns the model, with ``model.peaked_attention = p``."""
+    docstring); returns the model, with ``model.peaked_attention = p``. On a tensor-parallel model (DTensor
+    parameters, ``bench/e2e_tp.py``; call on every rank) each rank computes the whole tensors from the same
+    seed and keeps its shard of them."""
     cfg = model.config
     if cfg.model_type not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"model: the peaked construction covers llama/qwen2/mistral shapes, got {cfg.model_type!r}")
@@ -257,25 +297,30 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
                          f"less the first token), got {p.vocab}")
     lay = model_layout(cfg)
     hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
-    emb = model.get_input_embeddings().weight
-    device, dtype = emb.device, emb.dtype
+    emb_param = model.get_input_embeddings().weight
+    device, dtype = _local(emb_param).device, emb_param.dtype
     g = torch.Generator(device=device).manual_seed(seed)
     # every token: sqrt(D) * (SHARED on dim 0 + a random unit direction on dims 2.. of weight sqrt(1 - SHARED²))
-    rand = torch.randn(emb.shape[0], hidden - 2, device=device, generator=g)
+    rand = torch.randn(emb_param.shape[0], hidden - 2, device=device, generator=g)
     rand = rand / rand.norm(dim=1, keepdim=True)
     scale = hidden ** 0.5
+    emb = torch.empty(emb_param.shape, device=device, dtype=dtype)
     emb[:, 0] = scale * SHARED
     emb[:, 1] = 0
     emb[:, 2:] = (rand * scale * (1 - SHARED ** 2) ** 0.5).to(dtype)
     emb[BOS] = 0
     emb[BOS, 1] = scale
     del rand
-    out = model.get_output_embeddings().weight
-    if out.data_ptr() != emb.data_ptr():
+    set_param(emb_param, emb, "the input embedding")
+    out_param = model.get_output_embeddings().weight
+    if _local(out_param).data_ptr() != _local(emb_param).data_ptr():
         # greedy decoding moves to the next id of the prompt vocabulary, so decode queries have matches too
-        out.zero_()
+        out = torch.zeros(out_param.shape, device=device, dtype=out_param.dtype)
         ids = torch.arange(1, p.vocab + 1, device=device)
         out[ids % p.vocab + 1, 2:] = emb[ids, 2:]
+        set_param(out_param, out, "the output embedding")
+        del out
+    del emb
     ids = lay.id_dims().to(device)
     r_norm = scale * (1 - SHARED ** 2) ** 0.5
     for i, layer in enumerate(model.model.layers):
@@ -291,13 +336,14 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
         wq[:, :, 0] = q_shared / (scale * SHARED)
         wq[:, ids, 2:] = code[:, None, None] * quarter_turn(codes.transpose(1, 2)).transpose(1, 2).repeat_interleave(
             heads // kv_heads, 0)
-        att.k_proj.weight.copy_(wk.reshape(-1, hidden))
-        att.q_proj.weight.copy_(wq.reshape(-1, hidden))
+        set_param(att.k_proj.weight, wk.reshape(-1, hidden), f"layer {i}'s k_proj")
+        set_param(att.q_proj.weight, wq.reshape(-1, hidden), f"layer {i}'s q_proj")
         for proj in (att.q_proj, att.k_proj):
             if proj.bias is not None:
-                proj.bias.zero_()
-        att.o_proj.weight.mul_(RESIDUAL_SCALE)
-        layer.mlp.down_proj.weight.mul_(RESIDUAL_SCALE)
+                _local(proj.bias).zero_()
+        # elementwise: each rank scales its own shard
+        _local(att.o_proj.weight).mul_(RESIDUAL_SCALE)
+        _local(layer.mlp.down_proj.weight).mul_(RESIDUAL_SCALE)
         del wk, wq, codes
     model.peaked_attention = p
     return model
@@ -487,10 +533,11 @@ def decode_profile(q: torch.Tensor, k: torch.Tensor, scale: float) -> dict[str, 
 PROFILE_MAX_N = 32768
 
 
-def run_profile(model, contexts, *, seed: int = 0, log=print) -> dict | None:
+def run_profile(model, contexts, *, seed: int = 0, log=print, combine=None) -> dict | None:
     """The attention profile (``summarize`` of ``model_attention_profile``) of a bench model on one of its
     bench prompts, at the smallest of ``contexts`` capped at ``PROFILE_MAX_N`` tokens; None where that
-    exceeds the model's positions."""
+    exceeds the model's positions. ``combine`` maps the profile this process measured to the whole model's
+    (a tensor-parallel rank sees its own heads only: ``bench/e2e_tp.py`` gathers the ranks')."""
     import time
 
     from .attention_shape import model_attention_profile
@@ -501,6 +548,8 @@ def run_profile(model, contexts, *, seed: int = 0, log=print) -> dict | None:
     t0 = time.perf_counter()
     ids = bench_prompts(model, n, 1, torch.Generator().manual_seed(seed))[0][None]
     prof = model_attention_profile(model, ids, last=min(16, n))
+    if combine is not None:
+        prof = combine(prof)
     out = {"n": n, "summary": summarize(prof), "seconds": round(time.perf_counter() - t0, 2)}
     log(f"attention profile at {n} tokens ({out['seconds']} s): "
         + ", ".join(f"{s} {out['summary'][s]['mean']:.3f}" for s in STATS))
@@ -552,7 +601,8 @@ def calibration_markdown(cal: dict, shape: str = "") -> list[str]:
     return lines + [""]
 
 
-SHAPE_HEADS = {"llama-3.1-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "smollm2-135m": (9, 3, 64)}
+SHAPE_HEADS = {"llama-3.1-8b": (32, 8, 128), "llama-3.1-70b": (64, 8, 128), "qwen2.5-7b": (28, 4, 128),
+               "smollm2-135m": (9, 3, 64)}
 
 
 def main(argv=None) -> int:

@@ -214,7 +214,8 @@ def run_e2e(args: argparse.Namespace) -> int:
 
 
 def run_e2e_tp(args: argparse.Namespace) -> int:
-    """``kvsieve bench e2e --tp N``: one shape sharded over N GPUs (bench/e2e_tp.py)."""
+    """``kvsieve bench e2e --tp N``: one shape sharded over N GPUs (bench/e2e_tp.py), with ``--attention`` as
+    on one GPU (peaked by default: the shape needs a committed fit)."""
     import torch
 
     from ..bench import e2e_tp
@@ -241,7 +242,8 @@ def run_e2e_tp(args: argparse.Namespace) -> int:
         return 2
     results = e2e_tp.run_tp_bench(shape=shapes[0], tp=args.tp, cases=cases, methods=methods, baselines=baselines,
                                   steps=args.steps, method_steps=args.method_steps, hf_steps=args.hf_steps,
-                                  warmup=args.warmup, graph="auto" if args.graph == "auto" else False)
+                                  warmup=args.warmup, graph="auto" if args.graph == "auto" else False,
+                                  attention=args.attention)
     device = (results["device"] or "").lower()
     tag = "h100" if "h100" in device else "h200" if "h200" in device else (device.split() or ["gpu"])[-1]
     stem = args.name or f"{time.strftime('%Y-%m-%d', time.gmtime())}-{tag}-e2e-tp{args.tp}"
