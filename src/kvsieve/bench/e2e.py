@@ -313,6 +313,7 @@ def _run_case(model, base: dict, weights: int, methods, baselines, timing: dict,
                 row.update(graph=rt.use_graph, graph_reason=rt.stats.graph_reason,
                            attention_backend=rt.attention_backend, weights_bytes=weights,
                            compiled_ops=rt.stats.compiled_ops, fused_projections=rt.stats.fused_projections,
+                           cache_write=rt.stats.cache_write,
                            fallbacks=list(rt.stats.fallbacks), **({"tp_stats": rt.stats.tp} if rt.stats.tp else {}))
                 recs, stat_steps, source = rt.stats.records, n_steps, "method stats"
                 if not recs and variant != "runtime":
