@@ -90,7 +90,7 @@ def run_case(args, batch: int, context: int, device: torch.device) -> list[dict]
         if device.type == "cuda":
             graph = capture_graph(step)  # its warm-up calls write the same slots the check reads
             row["launches_per_step"] = count_launches(graph.replay)
-            row.update(ColdL2Timer(device).time_graph_us(graph.replay, warmup=args.warmup, iters=args.iters))
+            row.update(ColdL2Timer(device).time_us(graph.replay, warmup=args.warmup, iters=args.iters))
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
