@@ -15,10 +15,13 @@ the reference's index (``index_decode_reference``).
 ``--sweep parallel,rank,ahead,hidden`` (or ``all``) also times a variant over launch constants (:data:`SWEEPS`):
 ``step-parallel`` over the parallel update's blocks, ``probe`` over the rank launch's chunk (``probe.RANK_CHUNK``:
 fewer programs recomputing the group softmax at batch 8) and over the hidden layer's tile, ``layer-ahead`` over the
-ahead update's centroid block.
+ahead update's centroid block. ``--rank-forms chunks,scores`` times every variant that runs the probe under each
+form of the rank (``probe.RANK_FORM``: the group scores recomputed by every rank program, or computed once per (row,
+KV head) in a launch of their own), each checked against the references and equal (scores, buckets, a layer's
+output) to the default form's in the same run.
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
-        [--variants all|NAME,...] [--sweep all]
+        [--variants all|NAME,...] [--rank-forms chunks,scores] [--sweep all]
     TRITON_INTERPRET=1 python benchmarks/saap_probe/run.py --check   # tiny shapes on the CPU: the checks only
 
 Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a check fails.
@@ -27,6 +30,7 @@ Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import sys
@@ -173,27 +177,56 @@ def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False
     return got
 
 
+@contextlib.contextmanager
+def rank_form(form: str):
+    """``probe.RANK_FORM`` set to ``form`` inside (the variants' calls take the module's default)."""
+    before = probe.RANK_FORM
+    probe.RANK_FORM = form
+    try:
+        yield
+    finally:
+        probe.RANK_FORM = before
+
+
+def same_outputs(result, baseline) -> bool:
+    """Whether a probe's ``(scores, top)`` or a layer's ``(out, top)`` equal another form's to the bit."""
+    return all(torch.equal(a, b) for a, b in zip(result, baseline, strict=True))
+
+
 def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,
-             only: list[str] | None = None) -> list[dict]:
-    """The variants (those in ``only``, default all) timed and checked."""
+             only: list[str] | None = None, forms: list[str] | None = None) -> list[dict]:
+    """The variants (those in ``only``, default all) timed and checked; those that run the probe under each rank form
+    in ``forms`` (default: ``probe.RANK_FORM`` alone), each also against the default form's outputs."""
     from kvsieve.bench.timing import count_launches
 
     case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
+    default = probe.RANK_FORM
+    forms = forms or [default]
     rows = []
     with torch.inference_mode():
         for name, (call, assign, kind) in variants(case).items():
             if only is not None and name not in only:
                 continue
-            result = call()
-            row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name}
-            if timer is not None:
-                row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
-                row["kernels_us"] = timer.kernel_breakdown(call)
-                row["launches"] = count_launches(call)
-            row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            baseline = None
+            if kind != "update" and forms != [default]:
+                baseline = [t.clone() for t in call()]
+            for form in forms if kind != "update" else [None]:
+                with rank_form(form or default):
+                    result = call()
+                    row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name, "rank_form": form}
+                    if form == "auto":
+                        row["rank_form"] = f"auto: {probe.rank_form_for(batch * case['shape']['hkv'], form)}"
+                    if timer is not None:
+                        row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
+                        row["kernels_us"] = timer.kernel_breakdown(call)
+                        row["launches"] = count_launches(call)
+                row.update(check(result, assign, kind, ref, case, ahead="ahead" in name))
+                if baseline is not None:
+                    row["equal_to_default_form"] = same_outputs(result, baseline)
+                    row["ok"] = row["ok"] and row["equal_to_default_form"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -203,6 +236,7 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
 SWEEPS = {
     "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
     "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
+    "rank-scores": (probe, {"RANK_FORM": ("scores",), "RANK_CHUNK": (16, 32, 64, 128)}, "probe"),
     "ahead": (index, {"AHEAD_BLOCK_C": (32, 64, 128)}, "layer-ahead"),
     "hidden": (probe, {"HIDDEN_TILE_H": (16, 32, 64), "HIDDEN_TILE_R": (16, 32)}, "probe"),
 }
@@ -242,8 +276,8 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
              f"- command: `{meta['command']}`", f"- date: {meta['date']}; torch {meta['torch']}",
              f"- {meta['shape']}, bf16 queries and keys, bf16 serve weights; graph replay on a cold L2, median µs; "
              "kernels: profiler device µs per kernel name", "",
-             "| batch | keys | hidden | variant | graph µs | launches | kernels (µs) | check |",
-             "|---:|---:|---:|---|---:|---:|---|---|"]
+             "| batch | keys | hidden | variant | rank form | graph µs | launches | kernels (µs) | check |",
+             "|---:|---:|---:|---|---|---:|---:|---|---|"]
     for r in rows:
         ks = ", ".join(f"{k.split('(')[0][:28]} {v:.1f}" for k, v in sorted((r.get("kernels_us") or {}).items()))
         verdict = "ok" if r["ok"] else "FAIL"
@@ -255,8 +289,11 @@ def markdown(meta: dict, rows: list[dict], sweep_rows: list[dict]) -> str:
             details.append(f"top/ref {r['top_set_agreement']:.3f}")
         if "assign_equal" in r:
             details.append(f"assign {r['assign_equal']}")
+        if "equal_to_default_form" in r:
+            details.append(f"= default form {r['equal_to_default_form']}")
         graph = f"{r['graph_us']:.1f}" if "graph_us" in r else "–"
-        lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | {graph} | "
+        lines.append(f"| {r['batch']} | {r['n_keys']:,} | {r['hidden']} | {r['variant']} | "
+                     f"{r.get('rank_form') or '–'} | {graph} | "
                      f"{r.get('launches', '–')} | {ks} | {verdict} ({', '.join(details)}) |")
     if sweep_rows:
         lines += ["", "## Variants over launch constants (--sweep)", "",
@@ -278,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
                    "variant over those launch constants (all: every one)")
     p.add_argument("--variants", default="all", help="comma-separated default variants to time (all: every one)")
+    p.add_argument("--rank-forms", default="", help="comma-separated from " + ", ".join(probe.RANK_FORMS) + ": time "
+                   "the variants that run the probe under each (default: probe.RANK_FORM alone), each checked equal "
+                   "to the default form's outputs")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:
@@ -294,7 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
         hidden = args.hidden
     only = None if args.variants == "all" else [v for v in args.variants.split(",") if v]
-    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, only)]
+    forms = [f for f in args.rank_forms.split(",") if f]
+    if any(f not in probe.RANK_FORMS for f in forms):
+        p.error(f"--rank-forms: expected some of {list(probe.RANK_FORMS)}, got {forms}")
+    rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, only, forms)]
     which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
     unknown = [w for w in which if w not in SWEEPS]
     if unknown:

@@ -17,9 +17,11 @@ Contract
 Kernels. The hidden layer (one program per (model, hidden block, row block), the result through memory), the
 logits (one program per (model, bucket block, slice of the hidden units)), then the rank: the softmax needs a whole
 row of logits, so one program per (batch row, KV head, chunk of buckets) computes the softmaxes, their group sum and
-the ranks of the chunk's buckets (the top-ℓ). Dots run in IEEE float32: TF32 rounding moved near-tied buckets in and
-out of the top-ℓ. The hidden layer is tiled over rows as well as units (:data:`HIDDEN_TILE_H`,
-:data:`HIDDEN_TILE_R`), so a program's products stay the same size whatever the batch.
+the ranks of the chunk's buckets (the top-ℓ); or (:data:`RANK_FORM` ``"scores"``) one launch computes each (row, KV
+head)'s group scores once and the chunks' programs of a fourth rank them, reading them back. Dots run in IEEE
+float32: TF32 rounding moved near-tied buckets in and out of the top-ℓ. The hidden layer is tiled over rows as well
+as units (:data:`HIDDEN_TILE_H`, :data:`HIDDEN_TILE_R`), so a program's products stay the same size whatever the
+batch.
 
 SAAP's index update (``tail``) rides in these launches, work the probe does not depend on, so a decode step
 costs no launch of its own for it. Which update runs is a host rule on the batch
@@ -63,6 +65,14 @@ RANK_WARPS = 4
 # launch's reads and exponentials grow with B·C/RANK_CHUNK; a larger chunk at larger batches cuts them (the
 # probe bench's --sweep rank times it).
 RANK_SUB = 32
+# Where the group scores come from (probe_scores_triton's ``rank_form``, default this constant): "chunks", every rank
+# program recomputes its (row, KV head)'s C scores from the logits; "scores", one launch of its own computes them once
+# per (row, KV head) (B·Hkv programs) and the rank programs read those 4 KB instead of the G·parts logit rows (64 KB),
+# one launch more; "auto", "scores" from RANK_SCORES_FROM (row, KV head) pairs on (a host rule on the shapes:
+# capturable), "chunks" below. The two forms give the same scores to the bit and the same top-ℓ.
+RANK_FORM = "chunks"
+RANK_FORMS = ("chunks", "scores", "auto")
+RANK_SCORES_FROM = 32
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
 # about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
@@ -364,11 +374,64 @@ if triton is not None:
             mine = tl.gather(total, offs_i, 0)
             tl.store(out_ptr + bk * buckets + offs_i, mine, mask=ok_i)
             if TOP:
-                # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
-                bits_i = mine.to(tl.int32, bitcast=True)
-                beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
-                rank = tl.sum(beats.to(tl.int32), axis=1)
-                tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
+                _rank_sub(top_ptr, bk, n_top, bits, offs, mine, offs_i, ok_i)
+
+    @triton.jit
+    def _rank_sub(top_ptr, bk, n_top, bits, offs, mine, offs_i, ok_i):
+        """The ranks of the buckets ``offs_i`` (scores ``mine``) against all of the row's scores (``bits``: their
+        int32 patterns, -1 past C), each below ``n_top`` written to ``top[bk, rank]``."""
+        # Integers make "s_j > s_i, or s_j = s_i and j < i" one comparison: bits_j + [j < i] > bits_i.
+        bits_i = mine.to(tl.int32, bitcast=True)
+        beats = (bits[None, :] + (offs[None, :] < offs_i[:, None]).to(tl.int32)) > bits_i[:, None]
+        rank = tl.sum(beats.to(tl.int32), axis=1)
+        tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
+
+    @triton.jit
+    def _group_scores_kernel(logits_ptr, out_ptr, rows, per, kv_heads, buckets, s_part,
+                             GROUP: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr):
+        """``RANK_FORM = "scores"``'s first launch, one program per (batch row·Hkv + KV head): the group's C scores
+        (:func:`_group_scores`, the code every program of the chunks form runs, at the same warps: the same
+        reductions, the same bits) into ``scores[b, h]``."""
+        bk = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_C)
+        total = _group_scores(logits_ptr, rows, per, buckets, s_part, bk // kv_heads, bk % kv_heads, GROUP, BLOCK_C,
+                              PARTS)
+        tl.store(out_ptr + bk * buckets + offs, total, mask=offs < buckets)
+
+    @triton.jit
+    def _scores_rank_kernel(scores_ptr, top_ptr, buckets, n_top, chunks, rank_programs,
+                            rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets, r_span, r_rows,
+                            r_c_blocks, r_sab, r_sah,
+                            BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, TAIL: tl.constexpr,
+                            R_BLOCKS_P: tl.constexpr):
+        """``RANK_FORM = "scores"``'s rank launch: programs ``[0, rank_programs)``, (row·Hkv + KV head, chunk) =
+        ``divmod(pid, chunks)``, read the row's C scores (4 KB at C = 1024, from L2) that
+        :func:`_group_scores_kernel` wrote and rank their chunk's buckets as :func:`_rank_program` does
+        (:func:`_rank_sub`); with ``TAIL`` the programs after them are the parallel index update's second stage,
+        as in :func:`_group_rank_kernel`."""
+        pid = tl.program_id(0)
+        if TAIL:
+            if pid >= rank_programs:
+                assign_reduce_program(rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets, r_span,
+                                      r_rows, r_c_blocks, r_sab, r_sah, pid - rank_programs, R_BLOCKS_P)
+            else:
+                _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB)
+        else:
+            _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB)
+
+    @triton.jit
+    def _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid,
+                             BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+        """:func:`_scores_rank_kernel`'s program ``pid`` (a chunk of one row and KV head)."""
+        bk = pid // chunks
+        offs = tl.arange(0, BLOCK_C)
+        ok = offs < buckets
+        row = scores_ptr + bk * buckets
+        bits = tl.where(ok, tl.load(row + offs, mask=ok, other=0.0).to(tl.int32, bitcast=True), -1)
+        for s0 in tl.static_range(0, CHUNK, SUB):
+            offs_i = (pid % chunks) * CHUNK + s0 + tl.arange(0, SUB)
+            ok_i = offs_i < buckets
+            _rank_sub(top_ptr, bk, n_top, bits, offs, tl.load(row + offs_i, mask=ok_i, other=0.0), offs_i, ok_i)
 
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
@@ -379,7 +442,8 @@ def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
 
 def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, kv_heads: int,
                         probes: int = 0, position_offset: int = 0, tail: tuple | None = None,
-                        parallel_tail: bool | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                        parallel_tail: bool | None = None,
+                        rank_form: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
@@ -389,7 +453,8 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     :func:`kvsieve.kernels.saap.index.assign_tail_triton` (``assign, k, t_lo, lengths, window, span, centroids,
     inv_freq, scaling``), whose update then runs inside the probe's launches: the parallel one where
     ``parallel_tail`` (default :func:`kvsieve.kernels.saap.index.parallel_update` of the keys' batch), else the
-    serial one."""
+    serial one. ``rank_form``: where the rank launch takes the group scores from (:data:`RANK_FORM`, its default;
+    :func:`rank_form_for`)."""
     from ..shared.triton_utils import kernels_interpreted, next_pow2
     from .index import parallel_tail_args, parallel_update, tail_launch_args
 
@@ -403,6 +468,7 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
                          "a classifier of one model per KV head or per query head")
     if isinstance(probes, bool) or not isinstance(probes, int) or not 0 <= probes <= buckets:
         raise ValueError(f"probes: expected an integer in [0, {buckets}], got {probes!r}")
+    form = rank_form_for(b * kv_heads, RANK_FORM if rank_form is None else rank_form)
     if q.stride(-1) != 1:
         q = q.contiguous()
     per = hq // models
@@ -456,8 +522,30 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     sub = min(RANK_SUB, chunk)
     chunks = triton.cdiv(buckets, chunk)
     rank_programs = b * kv_heads * chunks
-    _group_rank_kernel[(rank_programs + reduce_items,)](
-        logits, scores, top, rows, per, kv_heads, buckets, probes, models * rows * buckets, chunks, rank_programs,
-        *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts, TOP=probes > 0,
-        TAIL=reduce_items > 0, **{f"R_{k}": v for k, v in reduce_meta.items()}, num_warps=RANK_WARPS)
+    s_part = models * rows * buckets
+    r_meta = {f"R_{k}": v for k, v in reduce_meta.items()}
+    if form == "chunks":
+        _group_rank_kernel[(rank_programs + reduce_items,)](
+            logits, scores, top, rows, per, kv_heads, buckets, probes, s_part, chunks, rank_programs,
+            *reduce_args, GROUP=hq // kv_heads, BLOCK_C=block_c, CHUNK=chunk, SUB=sub, PARTS=parts, TOP=probes > 0,
+            TAIL=reduce_items > 0, **r_meta, num_warps=RANK_WARPS)
+        return (scores, top) if probes else scores
+    # RANK_WARPS as the chunks form's programs: the same layout of the C scores, the same reduction order
+    _group_scores_kernel[(b * kv_heads,)](logits, scores, rows, per, kv_heads, buckets, s_part, GROUP=hq // kv_heads,
+                                          BLOCK_C=block_c, PARTS=parts, num_warps=RANK_WARPS)
+    rank_programs = rank_programs if probes else 0  # the scores are written: without a top-ℓ only the update's work
+    if rank_programs + reduce_items:
+        _scores_rank_kernel[(rank_programs + reduce_items,)](
+            scores, top, buckets, probes, chunks, rank_programs, *reduce_args, BLOCK_C=block_c, CHUNK=chunk, SUB=sub,
+            TAIL=reduce_items > 0, **r_meta, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
+
+
+def rank_form_for(pairs: int, rank_form: str) -> str:
+    """``"chunks"`` or ``"scores"``: the form ``rank_form`` (one of :data:`RANK_FORMS`) takes for a batch of
+    ``pairs`` (row, KV head) pairs; ``"auto"`` is ``"scores"`` from :data:`RANK_SCORES_FROM` pairs on."""
+    if rank_form not in RANK_FORMS:
+        raise ValueError(f"rank_form: expected one of {RANK_FORMS}, got {rank_form!r}")
+    if rank_form == "auto":
+        return "scores" if pairs >= RANK_SCORES_FROM else "chunks"
+    return rank_form
