@@ -21,6 +21,7 @@ CASES = [(0, 1, 8, 2, 2, 32, 48, 40, (5, 1, 40), 16), (1, 3, 8, 2, 8, 16, 32, 10
          (2, 8, 4, 2, 2, 16, 16, 64, (8, 64, 17), 16), (3, 3, 6, 3, 6, 32, 40, 70, (7, 2, 32), 64)]
 for seed, b, hq, hkv, models, d, hidden, c, ells, chunk in CASES[{part}:{part} + 1]:
     probe.RANK_CHUNK = chunk
+    probe.RANK_SPLIT = seed % 2 == 1  # the scores form's two comparisons, a case each in turn
     g = torch.Generator().manual_seed(seed)
     w = serve_weights(torch.randn(models, d, hidden, generator=g) * d ** -0.5, torch.randn(models, hidden, generator=g),
                       torch.randn(models, hidden, c, generator=g) * hidden ** -0.5, torch.randn(models, c, generator=g))
@@ -75,7 +76,7 @@ for seed, b, hq, hkv, models, d, hidden, c, ells, chunk in CASES[{part}:{part} +
         else:
             assert torch.equal(out["scores"], out["chunks"])
         checked += 1
-probe.RANK_CHUNK = 32
+probe.RANK_CHUNK, probe.RANK_SPLIT = 32, False
 assert ties_seen > 0 and zeros_seen > 0, "no tie, or no tie at 0 past the threshold"
 print("checked", checked, "worst", worst)
 """
@@ -93,6 +94,42 @@ def test_scores_form_equals_the_chunks_form_and_the_reference(part):
     out = run_script(FORMS, "cpu", interpret=True, part=part)
     assert int(out.split()[1]) > 0 and float(out.split("worst")[-1]) < 1e-6
 
+SPLIT = r"""
+import torch
+from kvsieve.kernels.saap import probe
+from kvsieve.kernels.saap.probe import top_buckets_reference, top_of_scores_triton
+g = torch.Generator().manual_seed({part})
+checked = ties = 0
+# (C, rank chunk, ℓ values): C a power of two and not, chunks of one pass (SUB 32) and of two, cut by C
+for c, chunk, ells in [(16, 16, (1, 16)), (40, 32, (3, 39)), (100, 64, (32, 100)), (257, 32, (5, 200))][{part}::2]:
+    probe.RANK_CHUNK = chunk
+    # continuous scores; scores drawn from 4 values, 0 among them (ties within a pass, across passes and chunks)
+    values = torch.tensor([0.0, 0.25, 1.5, 3.0])
+    for scores in (torch.rand(3, c, generator=g) * 4, values[torch.randint(0, 4, (3, c), generator=g)]):
+        ties += int((scores[:, :, None] == scores[:, None, :]).sum() > scores.numel())
+        for ell in ells:
+            want = top_buckets_reference(scores, ell)
+            for split in (False, True):
+                probe.RANK_SPLIT = split
+                assert torch.equal(top_of_scores_triton(scores, ell), want), (c, chunk, ell, split)
+                checked += 1
+probe.RANK_CHUNK, probe.RANK_SPLIT = 32, False
+assert ties > 0
+print("checked", checked)
+"""
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("part", [0, 1])
+def test_split_comparison_ranks_as_the_pairwise_one(part):
+    """``RANK_SPLIT`` (the tie rule's index test on the pass's own buckets only) and the pairwise comparison give the
+    stable sort's top-ℓ on scores with exact ties (0 among them) within a pass, across passes and across chunks."""
+    pytest.importorskip("triton")
+    from interpreted import run_script
+
+    out = run_script(SPLIT, "cpu", interpret=True, part=part)
+    assert int(out.split()[-1]) == 16
+
 
 def test_rank_form_rule_and_bad_values():
     """``"auto"`` takes the scores from :data:`RANK_SCORES_FROM` (row, KV head) pairs on; the default is the chunks;
@@ -109,8 +146,9 @@ def test_rank_form_rule_and_bad_values():
 
 @pytest.mark.triton
 def test_the_probe_benchmark_times_both_rank_forms(tmp_path):
-    """``benchmarks/saap_probe/run.py --check --rank-forms chunks,scores``: each probe-running variant under both
-    forms, the scores form checked equal (scores and buckets; the layer's output) to the default form's."""
+    """``benchmarks/saap_probe/run.py --check --rank-forms chunks,scores,scores+split``: each probe-running variant
+    under each form, checked against the references and equal (scores and buckets; the layer's output) to the
+    default form's."""
     import json
     import os
     import subprocess
@@ -121,13 +159,59 @@ def test_the_probe_benchmark_times_both_rank_forms(tmp_path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root / "src"))
     res = subprocess.run([sys.executable, str(root / "benchmarks" / "saap_probe" / "run.py"), "--check",
-                          "--variants", "probe,step-parallel,layer-ahead", "--rank-forms", "chunks,scores", "--out",
-                          str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
+                          "--variants", "probe,layer-ahead", "--rank-forms", "chunks,scores,scores+split",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, cwd=root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "saap_probe.json").read_text())["rows"]
     assert sorted((r["batch"], r["variant"], r["rank_form"]) for r in rows) == sorted(
-        (b, v, f) for b in (1, 3) for v in ("probe", "step-parallel", "layer-ahead") for f in ("chunks", "scores"))
-    assert all(r["ok"] for r in rows)
-    assert all(r["equal_to_default_form"] for r in rows if r["rank_form"] == "scores")
+        (b, v, f) for b in (1, 3) for v in ("probe", "layer-ahead")
+        for f in ("chunks", "scores", "scores+split"))
+    assert all(r["ok"] and r["equal_to_default_form"] for r in rows)
     table = (tmp_path / "saap_probe.md").read_text()
-    assert "FAIL" not in table and table.count("| scores |") == 6
+    assert "FAIL" not in table and table.count("| scores |") == table.count("| scores+split |") == 4
+
+
+COMPILE_FOR_H100 = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvsieve.kernels.saap import probe
+
+
+def compile_(kernel, meta):
+    pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "scores_ptr": "*fp32", "top_ptr": "*i64",
+                "rps_ptr": "*fp32", "rpi_ptr": "*i32", "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32",
+                "rwin_ptr": "*i64"}
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in meta:
+            signature[name], constexprs[(i,)] = "constexpr", meta[name]
+        else:
+            signature[name] = pointers.get(name, "i32")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
+    options = {"num_warps": probe.RANK_WARPS}
+    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
+
+
+# Llama-3.1-8B shapes: groups of 4, C = 1024 scores, the logits in four parts; the rank alone and with the parallel
+# update's second stage, each comparison
+compile_(probe._group_scores_kernel, {"GROUP": 4, "BLOCK_C": 1024, "PARTS": 4})
+for tail, split in ((False, False), (True, False), (False, True), (True, True)):
+    compile_(probe._scores_rank_kernel, {"BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "SPLIT": split, "TAIL": tail,
+                                         "R_BLOCKS_P": 16})
+"""
+
+
+@pytest.mark.triton
+def test_scores_form_kernels_compile_for_the_h100():
+    """The interpreter does not type-check; the scores form's two kernels compile for sm_90 (no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env)
+    if "ptxas" in res.stderr and "not found" in res.stderr:
+        pytest.skip("this triton install has no ptxas")
+    assert res.returncode == 0 and res.stdout.count("shared") == 5, res.stderr[-3000:]

@@ -18,7 +18,8 @@ fewer programs recomputing the group softmax at batch 8) and over the hidden lay
 ahead update's centroid block. ``--rank-forms chunks,scores`` times every variant that runs the probe under each
 form of the rank (``probe.RANK_FORM``: the group scores recomputed by every rank program, or computed once per (row,
 KV head) in a launch of their own), each checked against the references and equal (scores, buckets, a layer's
-output) to the default form's in the same run.
+output) to the default form's in the same run (``FORM+split``: with ``probe.RANK_SPLIT``, the scores form's
+comparison with the tie rule's index test on a pass's own buckets only).
 
     python benchmarks/saap_probe/run.py --out OUT [--cases 1x131072,8x32768] [--hidden 256] [--iters 40]
         [--variants all|NAME,...] [--rank-forms chunks,scores] [--sweep all]
@@ -178,14 +179,22 @@ def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False
 
 
 @contextlib.contextmanager
-def rank_form(form: str):
-    """``probe.RANK_FORM`` set to ``form`` inside (the variants' calls take the module's default)."""
-    before = probe.RANK_FORM
-    probe.RANK_FORM = form
+def rank_form(spec: str):
+    """``probe.RANK_FORM`` (and ``probe.RANK_SPLIT``) as ``spec`` says inside: ``FORM`` or ``FORM+split`` (the
+    variants' calls take the module's defaults)."""
+    before = probe.RANK_FORM, probe.RANK_SPLIT
+    form, _, split = spec.partition("+")
+    probe.RANK_FORM, probe.RANK_SPLIT = form, split == "split"
     try:
         yield
     finally:
-        probe.RANK_FORM = before
+        probe.RANK_FORM, probe.RANK_SPLIT = before
+
+
+def rank_form_spec(spec: str) -> bool:
+    """Whether ``spec`` is ``FORM`` or ``FORM+split`` with ``FORM`` in ``probe.RANK_FORMS``."""
+    form, plus, split = spec.partition("+")
+    return form in probe.RANK_FORMS and (not plus or split == "split")
 
 
 def same_outputs(result, baseline) -> bool:
@@ -201,7 +210,7 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
 
     case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
-    default = probe.RANK_FORM
+    default = probe.RANK_FORM + ("+split" if probe.RANK_SPLIT else "")
     forms = forms or [default]
     rows = []
     with torch.inference_mode():
@@ -215,8 +224,8 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
                 with rank_form(form or default):
                     result = call()
                     row = {"batch": batch, "n_keys": n_keys, "hidden": hidden, "variant": name, "rank_form": form}
-                    if form == "auto":
-                        row["rank_form"] = f"auto: {probe.rank_form_for(batch * case['shape']['hkv'], form)}"
+                    if form is not None and form.startswith("auto"):
+                        row["rank_form"] = f"{form}: {probe.rank_form_for(batch * case['shape']['hkv'], 'auto')}"
                     if timer is not None:
                         row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
                         row["kernels_us"] = timer.kernel_breakdown(call)
@@ -236,7 +245,8 @@ def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.devic
 SWEEPS = {
     "parallel": (index, {"PARALLEL_BLOCK_C": (32, 64, 128), "PARALLEL_BLOCK_R": (16, 32, 64)}, "step-parallel"),
     "rank": (probe, {"RANK_CHUNK": (32, 64, 128, 256)}, "probe"),
-    "rank-scores": (probe, {"RANK_FORM": ("scores",), "RANK_CHUNK": (16, 32, 64, 128)}, "probe"),
+    "rank-scores": (probe, {"RANK_FORM": ("scores",), "RANK_SPLIT": (False, True), "RANK_CHUNK": (16, 32, 64, 128)},
+                    "probe"),
     "ahead": (index, {"AHEAD_BLOCK_C": (32, 64, 128)}, "layer-ahead"),
     "hidden": (probe, {"HIDDEN_TILE_H": (16, 32, 64), "HIDDEN_TILE_R": (16, 32)}, "probe"),
 }
@@ -315,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="", help="comma-separated from " + ", ".join(SWEEPS) + ": also time a "
                    "variant over those launch constants (all: every one)")
     p.add_argument("--variants", default="all", help="comma-separated default variants to time (all: every one)")
-    p.add_argument("--rank-forms", default="", help="comma-separated from " + ", ".join(probe.RANK_FORMS) + ": time "
-                   "the variants that run the probe under each (default: probe.RANK_FORM alone), each checked equal "
-                   "to the default form's outputs")
+    p.add_argument("--rank-forms", default="", help="comma-separated from " + ", ".join(probe.RANK_FORMS) + " (each "
+                   "may end in +split: probe.RANK_SPLIT): time the variants that run the probe under each (default: "
+                   "probe.RANK_FORM alone), each checked equal to the default form's outputs")
     p.add_argument("--check", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks only")
     args = p.parse_args(argv)
     if args.check:
@@ -335,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden = args.hidden
     only = None if args.variants == "all" else [v for v in args.variants.split(",") if v]
     forms = [f for f in args.rank_forms.split(",") if f]
-    if any(f not in probe.RANK_FORMS for f in forms):
-        p.error(f"--rank-forms: expected some of {list(probe.RANK_FORMS)}, got {forms}")
+    if not all(rank_form_spec(f) for f in forms):
+        p.error(f"--rank-forms: expected some of {list(probe.RANK_FORMS)}, each maybe with +split, got {forms}")
     rows = [r for b, n in cases for r in run_case(b, n, hidden, shape, dev, timer, args.iters, only, forms)]
     which = list(SWEEPS) if args.sweep == "all" else [w for w in args.sweep.split(",") if w]
     unknown = [w for w in which if w not in SWEEPS]

@@ -73,6 +73,10 @@ RANK_SUB = 32
 RANK_FORM = "chunks"
 RANK_FORMS = ("chunks", "scores", "auto")
 RANK_SCORES_FROM = 32
+# The scores form's comparisons: each rank program compares its CHUNK buckets with all C, B·Hkv·C² pairs a launch
+# (67 M at batch 8, C = 1024), a few integer operations each. With RANK_SPLIT the index test of the tie rule leaves
+# the [SUB, C] tile (one comparison and one add a pair) for a [SUB, SUB] one: the same ranks.
+RANK_SPLIT = False
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
 # about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
@@ -402,26 +406,26 @@ if triton is not None:
     def _scores_rank_kernel(scores_ptr, top_ptr, buckets, n_top, chunks, rank_programs,
                             rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets, r_span, r_rows,
                             r_c_blocks, r_sab, r_sah,
-                            BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, TAIL: tl.constexpr,
-                            R_BLOCKS_P: tl.constexpr):
+                            BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, SPLIT: tl.constexpr,
+                            TAIL: tl.constexpr, R_BLOCKS_P: tl.constexpr):
         """``RANK_FORM = "scores"``'s rank launch: programs ``[0, rank_programs)``, (row·Hkv + KV head, chunk) =
         ``divmod(pid, chunks)``, read the row's C scores (4 KB at C = 1024, from L2) that
         :func:`_group_scores_kernel` wrote and rank their chunk's buckets as :func:`_rank_program` does
-        (:func:`_rank_sub`); with ``TAIL`` the programs after them are the parallel index update's second stage,
-        as in :func:`_group_rank_kernel`."""
+        (:func:`_rank_sub`; ``SPLIT``: :func:`_rank_split`, the same ranks); with ``TAIL`` the programs after them
+        are the parallel index update's second stage, as in :func:`_group_rank_kernel`."""
         pid = tl.program_id(0)
         if TAIL:
             if pid >= rank_programs:
                 assign_reduce_program(rps_ptr, rpi_ptr, rassign_ptr, rlo_ptr, rlen_ptr, rwin_ptr, r_buckets, r_span,
                                       r_rows, r_c_blocks, r_sab, r_sah, pid - rank_programs, R_BLOCKS_P)
             else:
-                _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB)
+                _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB, SPLIT)
         else:
-            _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB)
+            _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid, BLOCK_C, CHUNK, SUB, SPLIT)
 
     @triton.jit
     def _rank_scores_program(scores_ptr, top_ptr, buckets, n_top, chunks, pid,
-                             BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+                             BLOCK_C: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, SPLIT: tl.constexpr):
         """:func:`_scores_rank_kernel`'s program ``pid`` (a chunk of one row and KV head)."""
         bk = pid // chunks
         offs = tl.arange(0, BLOCK_C)
@@ -429,9 +433,28 @@ if triton is not None:
         row = scores_ptr + bk * buckets
         bits = tl.where(ok, tl.load(row + offs, mask=ok, other=0.0).to(tl.int32, bitcast=True), -1)
         for s0 in tl.static_range(0, CHUNK, SUB):
-            offs_i = (pid % chunks) * CHUNK + s0 + tl.arange(0, SUB)
+            p0 = (pid % chunks) * CHUNK + s0
+            offs_i = p0 + tl.arange(0, SUB)
             ok_i = offs_i < buckets
-            _rank_sub(top_ptr, bk, n_top, bits, offs, tl.load(row + offs_i, mask=ok_i, other=0.0), offs_i, ok_i)
+            mine = tl.load(row + offs_i, mask=ok_i, other=0.0)
+            if SPLIT:
+                _rank_split(top_ptr, bk, n_top, bits, offs, mine, offs_i, ok_i, p0)
+            else:
+                _rank_sub(top_ptr, bk, n_top, bits, offs, mine, offs_i, ok_i)
+
+    @triton.jit
+    def _rank_split(top_ptr, bk, n_top, bits, offs, mine, offs_i, ok_i, p0):
+        """:func:`_rank_sub`'s ranks of the pass's buckets ``offs_i = p0 + [0, SUB)`` at half its work a pair: every
+        ``j < p0`` sits below each ``i`` and every ``j`` past the pass above it, so ``bits_j + [j < i]`` there is
+        ``bits_j + [j < p0]``, one vector for the whole ``[SUB, C]`` tile (one comparison a pair, no index test); the
+        ties to the lower index inside the pass are counted apart on a ``[SUB, SUB]`` tile."""
+        bits_i = mine.to(tl.int32, bitcast=True)
+        lifted = bits + (offs < p0).to(tl.int32)
+        rank = tl.sum((lifted[None, :] > bits_i[:, None]).to(tl.int32), axis=1)
+        # masked buckets of the pass (past C, read as 0) lie above every valid i: never "j < i"
+        near = (bits_i[None, :] == bits_i[:, None]) & (offs_i[None, :] < offs_i[:, None])
+        rank += tl.sum(near.to(tl.int32), axis=1)
+        tl.store(top_ptr + bk * n_top + rank, offs_i.to(tl.int64), mask=ok_i & (rank < n_top))
 
 
 def top_buckets_reference(scores: torch.Tensor, probes: int) -> torch.Tensor:
@@ -537,8 +560,32 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
     if rank_programs + reduce_items:
         _scores_rank_kernel[(rank_programs + reduce_items,)](
             scores, top, buckets, probes, chunks, rank_programs, *reduce_args, BLOCK_C=block_c, CHUNK=chunk, SUB=sub,
-            TAIL=reduce_items > 0, **r_meta, num_warps=RANK_WARPS)
+            SPLIT=bool(RANK_SPLIT), TAIL=reduce_items > 0, **r_meta, num_warps=RANK_WARPS)
     return (scores, top) if probes else scores
+
+
+def top_of_scores_triton(scores: torch.Tensor, probes: int) -> torch.Tensor:
+    """``[..., probes]`` int64: the scores form's rank launch alone on float32 scores ``[..., C]`` (non-negative, as
+    the group sums are): :func:`top_buckets_reference` of them (with :data:`RANK_SPLIT` as set)."""
+    from ..shared.triton_utils import next_pow2
+
+    if triton is None:
+        raise RuntimeError("top_of_scores_triton needs triton")
+    if scores.dtype != torch.float32 or scores.dim() < 1:
+        raise ValueError(f"scores: expected float32 [..., C], got {scores.dtype} {tuple(scores.shape)}")
+    buckets = scores.shape[-1]
+    if isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= buckets:
+        raise ValueError(f"probes: expected an integer in [1, {buckets}], got {probes!r}")
+    flat = scores.reshape(-1, buckets).contiguous()
+    top = torch.empty(flat.shape[0], probes, device=scores.device, dtype=torch.int64)
+    block_c = max(16, next_pow2(buckets))
+    chunk = min(RANK_CHUNK, block_c)
+    chunks = triton.cdiv(buckets, chunk)
+    _scores_rank_kernel[(flat.shape[0] * chunks,)](
+        flat, top, buckets, probes, chunks, flat.shape[0] * chunks, *(flat,) * 6, *(1,) * 6, BLOCK_C=block_c,
+        CHUNK=chunk, SUB=min(RANK_SUB, chunk), SPLIT=bool(RANK_SPLIT), TAIL=False, R_BLOCKS_P=16,
+        num_warps=RANK_WARPS)
+    return top.view(*scores.shape[:-1], probes)
 
 
 def rank_form_for(pairs: int, rank_form: str) -> str:
