@@ -578,6 +578,8 @@ def top_of_scores_triton(scores: torch.Tensor, probes: int) -> torch.Tensor:
         raise ValueError(f"probes: expected an integer in [1, {buckets}], got {probes!r}")
     flat = scores.reshape(-1, buckets).contiguous()
     top = torch.empty(flat.shape[0], probes, device=scores.device, dtype=torch.int64)
+    if not flat.shape[0]:
+        return top.view(*scores.shape[:-1], probes)
     block_c = max(16, next_pow2(buckets))
     chunk = min(RANK_CHUNK, block_c)
     chunks = triton.cdiv(buckets, chunk)
