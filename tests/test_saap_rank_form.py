@@ -76,7 +76,7 @@ for seed, b, hq, hkv, models, d, hidden, c, ells, chunk in CASES[{part}:{part} +
         else:
             assert torch.equal(out["scores"], out["chunks"])
         checked += 1
-probe.RANK_CHUNK, probe.RANK_SPLIT = 32, False
+probe.RANK_CHUNK, probe.RANK_SPLIT = 32, True  # the defaults back
 assert ties_seen > 0 and zeros_seen > 0, "no tie, or no tie at 0 past the threshold"
 print("checked", checked, "worst", worst)
 """
@@ -113,7 +113,7 @@ for c, chunk, ells in [(16, 16, (1, 16)), (40, 32, (3, 39)), (100, 64, (32, 100)
                 probe.RANK_SPLIT = split
                 assert torch.equal(top_of_scores_triton(scores, ell), want), (c, chunk, ell, split)
                 checked += 1
-probe.RANK_CHUNK, probe.RANK_SPLIT = 32, False
+probe.RANK_CHUNK, probe.RANK_SPLIT = 32, True  # the defaults back
 assert ties > 0
 print("checked", checked)
 """
@@ -132,11 +132,11 @@ def test_split_comparison_ranks_as_the_pairwise_one(part):
 
 
 def test_rank_form_rule_and_bad_values():
-    """``"auto"`` takes the scores from :data:`RANK_SCORES_FROM` (row, KV head) pairs on; the default is the chunks;
+    """``"auto"`` takes the scores from :data:`RANK_SCORES_FROM` (row, KV head) pairs on, and is the default;
     an unknown form is refused, naming the argument."""
     from kvsieve.kernels.saap import probe
 
-    assert probe.RANK_FORM == "chunks"
+    assert probe.RANK_FORM == "auto"
     assert probe.rank_form_for(probe.RANK_SCORES_FROM - 1, "auto") == "chunks"
     assert probe.rank_form_for(probe.RANK_SCORES_FROM, "auto") == "scores"
     assert probe.rank_form_for(1, "scores") == "scores" and probe.rank_form_for(10**4, "chunks") == "chunks"

@@ -198,8 +198,11 @@ def rank_form_spec(spec: str) -> bool:
 
 
 def same_outputs(result, baseline) -> bool:
-    """Whether a probe's ``(scores, top)`` or a layer's ``(out, top)`` equal another form's to the bit."""
-    return all(torch.equal(a, b) for a, b in zip(result, baseline, strict=True))
+    """Whether a probe's ``(scores, top)`` or a layer's ``(out, top)`` equal another form's: the buckets to the bit,
+    the scores or output to float32 rounding (relative 1e-6): each form compiles its own sum of the group's
+    softmaxes, and on the GPU the two orders of the same operations differ in the last bits."""
+    (first, top), (first_b, top_b) = result, baseline
+    return torch.equal(top, top_b) and torch.allclose(first.float(), first_b.float(), rtol=1e-6, atol=1e-9)
 
 
 def run_case(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, timer, iters: int,

@@ -69,14 +69,19 @@ RANK_SUB = 32
 # program recomputes its (row, KV head)'s C scores from the logits; "scores", one launch of its own computes them once
 # per (row, KV head) (B·Hkv programs) and the rank programs read those 4 KB instead of the G·parts logit rows (64 KB),
 # one launch more; "auto", "scores" from RANK_SCORES_FROM (row, KV head) pairs on (a host rule on the shapes:
-# capturable), "chunks" below. The two forms give the same scores to the bit and the same top-ℓ.
-RANK_FORM = "chunks"
+# capturable), "chunks" below. The two forms give the same top-ℓ; their scores are equal to the bit under the
+# interpreter and to float32 rounding on the GPU (each launch compiles its own order of the same sum). H200,
+# Llama-3.1-8B heads, C = 1024, ℓ = 32 (docs/results/gpu-bench/2026-11-29-h200-saap-rank-forms.md): the probe at
+# 32k batch 8 50.2 µs with the chunks, 40.0 with the scores and RANK_SPLIT; at 128k batch 1 24.0 against 27.2 (the
+# extra launch costs more than the 8 programs' reads), hence "auto".
+RANK_FORM = "auto"
 RANK_FORMS = ("chunks", "scores", "auto")
 RANK_SCORES_FROM = 32
 # The scores form's comparisons: each rank program compares its CHUNK buckets with all C, B·Hkv·C² pairs a launch
 # (67 M at batch 8, C = 1024), a few integer operations each. With RANK_SPLIT the index test of the tie rule leaves
-# the [SUB, C] tile (one comparison and one add a pair) for a [SUB, SUB] one: the same ranks.
-RANK_SPLIT = False
+# the [SUB, C] tile (one comparison and one add a pair) for a [SUB, SUB] one: the same ranks (the rank launch 16.5
+# against 21.2 µs at 32k batch 8, H200).
+RANK_SPLIT = True
 # With the index update in the first launch, that launch lasts as long as its update items: each scans the C
 # centroids TAIL_BLOCK_C at a time, one serial L2-latency-bound iteration per block (16 at C = 1024 and 64 a block:
 # about 20 us a layer at 128k batch 1, where the hidden layer's own programs take a few). 128 a block halves the
