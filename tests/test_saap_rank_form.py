@@ -171,47 +171,25 @@ def test_the_probe_benchmark_times_both_rank_forms(tmp_path):
     assert "FAIL" not in table and table.count("| scores |") == table.count("| scores+split |") == 4
 
 
-COMPILE_FOR_H100 = r"""
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+SCORES_KERNELS_SM90 = r"""
 from kvsieve.kernels.saap import probe
 
-
-def compile_(kernel, meta):
-    pointers = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "scores_ptr": "*fp32", "top_ptr": "*i64",
-                "rps_ptr": "*fp32", "rpi_ptr": "*i32", "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32",
-                "rwin_ptr": "*i64"}
-    signature, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in meta:
-            signature[name], constexprs[(i,)] = "constexpr", meta[name]
-        else:
-            signature[name] = pointers.get(name, "i32")
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs={})
-    options = {"num_warps": probe.RANK_WARPS}
-    print("shared", triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).metadata.shared)
-
-
+POINTERS = {"logits_ptr": "*fp32", "out_ptr": "*fp32", "scores_ptr": "*fp32", "top_ptr": "*i64", "rps_ptr": "*fp32",
+            "rpi_ptr": "*i32", "rassign_ptr": "*i64", "rlo_ptr": "*i64", "rlen_ptr": "*i32", "rwin_ptr": "*i64"}
 # Llama-3.1-8B shapes: groups of 4, C = 1024 scores, the logits in four parts; the rank alone and with the parallel
 # update's second stage, each comparison
-compile_(probe._group_scores_kernel, {"GROUP": 4, "BLOCK_C": 1024, "PARTS": 4})
+compile_(probe._group_scores_kernel, POINTERS, {"GROUP": 4, "BLOCK_C": 1024, "PARTS": 4}, num_warps=probe.RANK_WARPS)
 for tail, split in ((False, False), (True, False), (False, True), (True, True)):
-    compile_(probe._scores_rank_kernel, {"BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "SPLIT": split, "TAIL": tail,
-                                         "R_BLOCKS_P": 16})
+    compile_(probe._scores_rank_kernel, POINTERS, {"BLOCK_C": 1024, "CHUNK": 32, "SUB": 32, "SPLIT": split,
+                                                   "TAIL": tail, "R_BLOCKS_P": 16}, num_warps=probe.RANK_WARPS)
+print("COMPILED")
 """
 
 
 @pytest.mark.triton
 def test_scores_form_kernels_compile_for_the_h100():
     """The interpreter does not type-check; the scores form's two kernels compile for sm_90 (no GPU needed)."""
-    import os
-    import subprocess
-    import sys
+    from interpreted import compile_for_sm90
 
     pytest.importorskip("triton")
-    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], capture_output=True, text=True, env=env)
-    if "ptxas" in res.stderr and "not found" in res.stderr:
-        pytest.skip("this triton install has no ptxas")
-    assert res.returncode == 0 and res.stdout.count("shared") == 5, res.stderr[-3000:]
+    compile_for_sm90(SCORES_KERNELS_SM90)
