@@ -249,11 +249,11 @@ def _shard_of(param, full: torch.Tensor, name: str) -> torch.Tensor:
     """What this process holds of ``full`` (a parameter's whole values) for ``param``: all of it for a plain
     or replicated parameter, this rank's chunk along the sharded dimension for a DTensor sharded on a
     one-dimensional mesh (DTensor's chunking: ``torch.chunk``, the last ranks' chunks possibly empty)."""
-    from ..runtime.parallel import _shard_dim
+    from ..runtime.parallel import shard_dim
 
     if not hasattr(param, "to_local"):
         return full
-    dim = _shard_dim(param)
+    dim = shard_dim(param)
     if dim is not None:
         mesh = param.device_mesh
         chunks, rank = full.chunk(mesh.size(), dim), mesh.get_local_rank()

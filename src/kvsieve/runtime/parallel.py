@@ -202,7 +202,7 @@ def local_column_forward(module: torch.nn.Module, style: str | None) -> Callable
     if (style != "colwise" or not isinstance(module, torch.nn.Linear) or type(module).forward is not
             torch.nn.Linear.forward or getattr(module, "_hf_quantized_needs_local_tp", False) or not shards):
         return None
-    if any(_shard_dim(t) != 0 for t in shards):
+    if any(shard_dim(t) != 0 for t in shards):
         return None
     from torch.distributed.tensor import DTensor
 
@@ -273,12 +273,13 @@ def _is_row_parallel(module: torch.nn.Module, style: str | None) -> bool:
     all-reduced to every rank)."""
     weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
     return (style == "rowwise" and type(module).forward is torch.nn.Linear.forward and weight is not None
-            and _shard_dim(weight) == 1 and not getattr(module, "_hf_quantized_needs_local_tp", False))
+            and shard_dim(weight) == 1 and not getattr(module, "_hf_quantized_needs_local_tp", False))
 
 
-def _shard_dim(t: torch.Tensor) -> int | None:
+def shard_dim(t: torch.Tensor) -> int | None:
     """The dimension (counted from 0) a DTensor on a one-dimensional mesh is sharded along; None for anything
-    else (a plain tensor, a replicated or partial DTensor, a mesh of more dimensions)."""
+    else (a plain tensor, a replicated or partial DTensor, a mesh of more dimensions). Read by the column- and
+    row-parallel checks here and by whatever writes a rank's shard of a whole tensor (the bench's peaked model)."""
     placements = getattr(t, "placements", None)
     if not hasattr(t, "to_local") or placements is None or len(placements) != 1:
         return None
