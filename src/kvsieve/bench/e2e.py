@@ -97,8 +97,7 @@ def _bench_model(shape, attention, peaked, device, dtype, results: dict, todo, l
 def weights_read_per_step(model) -> int:
     """Bytes of weights a decode step reads: every parameter once, except an untied input embedding
     (a step reads B of its rows)."""
-    def local(p):  # a tensor-parallel rank reads its own shard
-        return p.to_local() if hasattr(p, "to_local") else p
+    from ..runtime.parallel import local_tensor as local  # a tensor-parallel rank reads its own shard
 
     seen, total = set(), 0
     inp = model.get_input_embeddings().weight
@@ -611,7 +610,8 @@ def _header(title: str, results: dict, command: str) -> list[str]:
     ] + [f"- SAAP fit for {shape}: {fit_line(fit)}" for shape, fit in results.get("saap_fits", {}).items()]
 
 
-def _calibration_lines(results: dict) -> list[str]:
+def calibration_lines(results: dict) -> list[str]:
+    """The markdown of every shape's attention calibration in ``results`` (``peaked.calibration_markdown``)."""
     return [line for shape, cal in results.get("calibration", {}).items() for line in calibration_markdown(cal, shape)]
 
 
@@ -651,7 +651,7 @@ def ttft_markdown(results: dict, command: str) -> str:
                 f"| {r.get('attention')} | {'—' if same is None else 'yes' if same else 'no'} "
                 f"| {r['warmup_s']:.1f} |")
         lines.append("")
-    return "\n".join(lines + _calibration_lines(results))
+    return "\n".join(lines + calibration_lines(results))
 
 
 def _derive(rows: list[dict], peak: float) -> None:
@@ -733,7 +733,7 @@ def markdown(results: dict, command: str) -> str:
     reasons = sorted({r["graph_reason"] for r in rows if r.get("graph_reason") and not r.get("graph")})
     if reasons:
         lines += ["Decode steps that ran without a CUDA graph, and why:", ""] + [f"- {x}" for x in reasons] + [""]
-    return "\n".join(lines + _calibration_lines(results))
+    return "\n".join(lines + calibration_lines(results))
 
 
 def breakdown_lines(rows: list[dict], who: str = "") -> list[str]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from . import e2e
-from .peaked import ATTENTION_LABELS, calibration_markdown
+from .peaked import ATTENTION_LABELS
 from .report import fmt
 
 TP_SHAPES: dict[str, dict] = {
@@ -360,9 +360,8 @@ def markdown(results: dict, command: str) -> str:
                      f"{f(r.get('speedup_vs_hf_eager'), '.2f')} | {f(r.get('collective_ms'), '.3f')} | "
                      f"{f(r.get('tp_floor_ms'), '.2f')} | {f(r.get('fraction_of_tp_floor'), '.2f')} | {host} | "
                      f"{r.get('graph')} |")
-    calibration = [line for shape, cal in results.get("calibration", {}).items()
-                   for line in calibration_markdown(cal, shape)]
-    return "\n".join(lines + [""] + e2e.breakdown_lines(results["rows"], " on rank 0") + calibration) + "\n"
+    return "\n".join(lines + [""] + e2e.breakdown_lines(results["rows"], " on rank 0")
+                     + e2e.calibration_lines(results)) + "\n"
 
 
 def write_results(results: dict, out_dir, stem: str, command: str) -> list:

@@ -269,17 +269,15 @@ def _shard_of(param, full: torch.Tensor, name: str) -> torch.Tensor:
     return part
 
 
-def _local(param) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
-
-
 def set_param(param, full: torch.Tensor, name: str = "parameter") -> None:
     """Writes ``full`` (the parameter's whole values, any dtype) into ``param`` in place: all of it into a
     plain parameter, this rank's part into a DTensor one (a tensor-parallel model: every rank computes the
     same ``full``, so the shards together hold it)."""
+    from ..runtime.parallel import local_tensor
+
     if tuple(full.shape) != tuple(param.shape):
         raise ValueError(f"model: {name} has shape {tuple(param.shape)}, the values written have {tuple(full.shape)}")
-    _local(param).copy_(_shard_of(param, full, name))
+    local_tensor(param).copy_(_shard_of(param, full, name))
 
 
 @torch.no_grad()
@@ -289,6 +287,8 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
     docstring); returns the model, with ``model.peaked_attention = p``. On a tensor-parallel model (DTensor
     parameters, ``bench/e2e_tp.py``; call on every rank) each rank computes the whole tensors from the same
     seed and keeps its shard of them."""
+    from ..runtime.parallel import local_tensor
+
     cfg = model.config
     if cfg.model_type not in ("llama", "qwen2", "mistral"):
         raise ValueError(f"model: the peaked construction covers llama/qwen2/mistral shapes, got {cfg.model_type!r}")
@@ -298,7 +298,7 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
     lay = model_layout(cfg)
     hidden, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     emb_param = model.get_input_embeddings().weight
-    device, dtype = _local(emb_param).device, emb_param.dtype
+    device, dtype = local_tensor(emb_param).device, emb_param.dtype
     g = torch.Generator(device=device).manual_seed(seed)
     # every token: sqrt(D) * (SHARED on dim 0 + a random unit direction on dims 2.. of weight sqrt(1 - SHARED²))
     rand = torch.randn(emb_param.shape[0], hidden - 2, device=device, generator=g)
@@ -313,7 +313,7 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
     del rand
     set_param(emb_param, emb, "the input embedding")
     out_param = model.get_output_embeddings().weight
-    if _local(out_param).data_ptr() != _local(emb_param).data_ptr():
+    if local_tensor(out_param).data_ptr() != local_tensor(emb_param).data_ptr():
         # greedy decoding moves to the next id of the prompt vocabulary, so decode queries have matches too
         out = torch.zeros(out_param.shape, device=device, dtype=out_param.dtype)
         ids = torch.arange(1, p.vocab + 1, device=device)
@@ -340,10 +340,10 @@ def peak_model(model, p: PeakedAttention, *, seed: int = 0):
         set_param(att.q_proj.weight, wq.reshape(-1, hidden), f"layer {i}'s q_proj")
         for proj in (att.q_proj, att.k_proj):
             if proj.bias is not None:
-                _local(proj.bias).zero_()
+                local_tensor(proj.bias).zero_()
         # elementwise: each rank scales its own shard
-        _local(att.o_proj.weight).mul_(RESIDUAL_SCALE)
-        _local(layer.mlp.down_proj.weight).mul_(RESIDUAL_SCALE)
+        local_tensor(att.o_proj.weight).mul_(RESIDUAL_SCALE)
+        local_tensor(layer.mlp.down_proj.weight).mul_(RESIDUAL_SCALE)
         del wk, wq, codes
     model.peaked_attention = p
     return model

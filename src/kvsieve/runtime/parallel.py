@@ -264,7 +264,7 @@ def layer_sharding(model: torch.nn.Module) -> LayerSharding:
         elif _is_row_parallel(module, style):
             bias = module.bias
             out.row.append((module, module.weight.to_local(),
-                            None if bias is None else bias.to_local() if hasattr(bias, "to_local") else bias))
+                            None if bias is None else local_tensor(bias)))
     return out
 
 
@@ -274,6 +274,11 @@ def _is_row_parallel(module: torch.nn.Module, style: str | None) -> bool:
     weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
     return (style == "rowwise" and type(module).forward is torch.nn.Linear.forward and weight is not None
             and shard_dim(weight) == 1 and not getattr(module, "_hf_quantized_needs_local_tp", False))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's own shard of a DTensor (``to_local()``); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def shard_dim(t: torch.Tensor) -> int | None:
@@ -398,8 +403,7 @@ def tensor_parallel(model: torch.nn.Module, shape: ModelShape) -> TensorParallel
         proj = getattr(module, "k_proj", None)
         if proj is None or not hasattr(module, "q_proj"):
             continue
-        weight = proj.weight
-        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        local = local_tensor(proj.weight)
         if local.shape[0] != kv_heads * shape.head_dim:
             raise ValueError(f"model: k_proj holds {local.shape[0]} output features on rank {rank}; expected "
                              f"{kv_heads} KV heads × head_dim {shape.head_dim} = {kv_heads * shape.head_dim}")

@@ -472,7 +472,8 @@ def probe_scores_triton(q, positions, inv_freq, scaling: float, w1, b1, w2, b2, 
                         probes: int = 0, position_offset: int = 0, tail: tuple | None = None,
                         parallel_tail: bool | None = None,
                         rank_form: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`probe_scores_reference` in three Triton launches (see the module docstring). With
+    """:func:`probe_scores_reference` in three Triton launches, four where the rank form is ``"scores"`` (see the
+    module docstring). With
     ``probes > 0`` also the ``[B, Hkv, probes]`` int64 best buckets from the last launch:
     :func:`top_buckets_reference` of the scores (``torch.topk``'s set, ties to the lower index, best
     first; the bucket kernel takes them in any order). The queries sit at ``positions +
