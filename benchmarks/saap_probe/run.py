@@ -31,12 +31,12 @@ Writes ``saap_probe.json`` and ``saap_probe.md`` into OUT. Exit status 1 when a 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -178,17 +178,11 @@ def check(result, assign, kind: str, ref: tuple, case: dict, ahead: bool = False
     return got
 
 
-@contextlib.contextmanager
 def rank_form(spec: str):
     """``probe.RANK_FORM`` (and ``probe.RANK_SPLIT``) as ``spec`` says inside: ``FORM`` or ``FORM+split`` (the
     variants' calls take the module's defaults)."""
-    before = probe.RANK_FORM, probe.RANK_SPLIT
     form, _, split = spec.partition("+")
-    probe.RANK_FORM, probe.RANK_SPLIT = form, split == "split"
-    try:
-        yield
-    finally:
-        probe.RANK_FORM, probe.RANK_SPLIT = before
+    return mock.patch.multiple(probe, RANK_FORM=form, RANK_SPLIT=split == "split")
 
 
 def rank_form_spec(spec: str) -> bool:
@@ -262,13 +256,10 @@ def sweep(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, 
     module, grid, variant = SWEEPS[which]
     case = make_case(batch, n_keys, hidden, shape, dev)
     ref = references(case)
-    before = {name: getattr(module, name) for name in grid}
     rows = []
-    try:
-        for values in itertools.product(*grid.values()):
-            setting = dict(zip(grid, values, strict=True))
-            for name, value in setting.items():
-                setattr(module, name, value)
+    for values in itertools.product(*grid.values()):
+        setting = dict(zip(grid, values, strict=True))
+        with mock.patch.multiple(module, **setting):
             call, assign, kind = variants(case)[variant]
             with torch.inference_mode():
                 result = call()
@@ -276,11 +267,8 @@ def sweep(batch: int, n_keys: int, hidden: int, shape: dict, dev: torch.device, 
                 if timer is not None:
                     row["graph_us"] = timer.time_graph_us(call, iters=iters)["median_us"]
                 row.update(check(result, assign, kind, ref, case, ahead="ahead" in variant))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    finally:
-        for name, value in before.items():
-            setattr(module, name, value)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
