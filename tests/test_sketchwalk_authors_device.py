@@ -88,8 +88,8 @@ def assert_same_state(got, want, lengths, *, atol=1e-6, rtol=1e-5):
     for name in ("n_blocks", "n_queries", "last_pos", "order_error", "n_closed"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     c = (lengths.to(got.logits.device).long() - 1) // got.block_size
-    valid = torch.arange(got.logits.shape[-1], device=c.device)[None, :] <= c[:, None]
-    scaled = valid[:, None, None] * got.logit_scale  # the softmax's logits
+    valid = torch.arange(got.logits.shape[-2], device=c.device)[None, :] <= c[:, None]  # logits [B, Hkv, C, G·W]
+    scaled = valid[:, None, :, None] * got.logit_scale  # the softmax's logits
     torch.testing.assert_close(got.logits * scaled, want.logits * scaled, atol=atol, rtol=rtol)
 
 

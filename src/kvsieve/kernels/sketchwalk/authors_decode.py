@@ -124,15 +124,15 @@ if triton is not None:
         return big, se * tl.exp(mx - big) + tl.exp(x - big)
 
     @triton.jit
-    def _closed_sums(lg_ptr, at, rows_ok, c, cap, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        """``(max, Σ exp(· − max))`` of the cached scaled logits of the ring rows at ``at`` over the blocks j < c,
-        in one pass of BLOCK_N blocks at a time (the sum rescaled when the max grows)."""
+    def _closed_sums(lg_ptr, bg, rows, rows_ok, c, cap, n_rows, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """``(max, Σ exp(· − max))`` of the cached scaled logits of the ring rows ``rows`` of (row, KV head) ``bg``
+        over the blocks j < c, in one pass of BLOCK_N blocks at a time (the sum rescaled when the max grows)."""
         mx = tl.full([BLOCK_R], float("-inf"), tl.float32)
         se = tl.zeros([BLOCK_R], tl.float32)
         for x0 in range(0, c, BLOCK_N):
             j = x0 + tl.arange(0, BLOCK_N)
             ok = rows_ok[:, None] & (j < c)[None, :]
-            lg = tl.load(lg_ptr + at[:, None] * cap + j[None, :], mask=ok, other=0.0)
+            lg = tl.load(lg_ptr + (bg * cap + j[None, :]) * n_rows + rows[:, None], mask=ok, other=0.0)
             mx, se = _fold(mx, se, tl.where(ok, lg * scale, float("-inf")))
         return mx, se
 
@@ -179,9 +179,9 @@ if triton is not None:
                 for r0 in range(0, n_rows, BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)
                     ok = ((rows < n_rows) & (rows % w_len != slot))[:, None] & (cols < c)[None, :]
-                    at = (bg * n_rows + rows)[:, None]
-                    tl.store(lg_ptr + at * cap + cols[None, :],
-                             tl.load(plg_ptr + at * p_cap + cols[None, :], mask=ok, other=0.0), mask=ok)
+                    tl.store(lg_ptr + (bg * cap + cols[None, :]) * n_rows + rows[:, None],
+                             tl.load(plg_ptr + (bg * p_cap + cols[None, :]) * n_rows + rows[:, None], mask=ok,
+                                     other=0.0), mask=ok)
             gh = tl.arange(0, BLOCK_G)
             g_ok = gh < GROUP
             col_ok = cols <= c
@@ -194,8 +194,8 @@ if triton is not None:
                 kt = tl.load(ks_ptr + (bg * cap + cols)[:, None] * m + f[None, :], mask=col_ok[:, None] & f_ok[None, :],
                              other=0.0)
                 acc += tl.sum(qn[:, None, :] * kt[None, :, :], 2)
-            new_at = bg * n_rows + gh * w_len + slot
-            tl.store(lg_ptr + new_at[:, None] * cap + cols[None, :], acc, mask=g_ok[:, None] & col_ok[None, :])
+            tl.store(lg_ptr + (bg * cap + cols[None, :]) * n_rows + (gh * w_len + slot)[:, None], acc,
+                     mask=g_ok[:, None] & col_ok[None, :])
             closed = g_ok[:, None] & (cols < c)[None, :]
             tmx, tse = _fold(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
                              tl.where(closed, acc * scale, float("-inf")))
@@ -215,13 +215,13 @@ if triton is not None:
                 cm = tl.load(cmx_ptr + at, mask=old, other=0.0)
                 cs = tl.load(cse_ptr + at, mask=old, other=0.0)
             if back:
-                cm, cs = _closed_sums(lg_ptr, at, old, c, cap, scale, BLOCK_R, BLOCK_N)
+                cm, cs = _closed_sums(lg_ptr, bg, rows, old, c, cap, n_rows, scale, BLOCK_R, BLOCK_N)
             for j in range(tl.where(restart | back, c, n_prev), c):
                 col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
-                tl.store(lg_ptr + at * cap + j, col, mask=old)
+                tl.store(lg_ptr + (bg * cap + j) * n_rows + rows, col, mask=old)
                 cm, cs = _plus(cm, cs, col * scale)
             col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
-            tl.store(lg_ptr + at * cap + c, col, mask=old)
+            tl.store(lg_ptr + (bg * cap + c) * n_rows + rows, col, mask=old)
             tl.store(cmx_ptr + at, cm, mask=old)
             tl.store(cse_ptr + at, cs, mask=old)
             cm, cs = _plus(cm, cs, col * scale)
@@ -268,9 +268,10 @@ if triton is not None:
                 tl.store(cmx_ptr + new_at, cm, mask=g_ok)
                 tl.store(cse_ptr + new_at, cs, mask=g_ok)
                 tl.store(ncl_ptr + bg, c)
-            nm, ns = _plus(cm, cs, tl.load(lg_ptr + new_at * cap + c, mask=g_ok, other=0.0) * scale)
+            new_rows = gh * w_len + slot
+            nm, ns = _plus(cm, cs, tl.load(lg_ptr + (bg * cap + c) * n_rows + new_rows, mask=g_ok, other=0.0) * scale)
             new_ok = g_ok[:, None] & live[None, :]
-            lg_new = tl.load(lg_ptr + new_at[:, None] * cap + cols[None, :], mask=new_ok, other=0.0)
+            lg_new = tl.load(lg_ptr + (bg * cap + cols[None, :]) * n_rows + new_rows[:, None], mask=new_ok, other=0.0)
             acc += tl.sum(tl.where(new_ok, tl.exp(lg_new * scale - nm[:, None]) / ns[:, None], 0.0), 0)
             for r0 in range(0, n_rows, BLOCK_R):
                 rows = r0 + tl.arange(0, BLOCK_R)
@@ -279,7 +280,7 @@ if triton is not None:
                 mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
                 se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
                 both = ok[:, None] & live[None, :]
-                lg = tl.load(lg_ptr + (bg * n_rows + rows)[:, None] * cap + cols[None, :], mask=both, other=0.0)
+                lg = tl.load(lg_ptr + (bg * cap + cols[None, :]) * n_rows + rows[:, None], mask=both, other=0.0)
                 acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
         tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 
@@ -297,6 +298,9 @@ def feature_chunk(m: int) -> int:
 #: latency (16 and 16 were the fastest of the launch sizes measured, docs/methods/sketchwalk.md)
 ROW_TILE = 16
 LOGIT_TILE = 16
+#: ring rows per step of a probabilities program (of the G·W a KV head has): 32 took 15.2 µs against 22.6 at 64
+#: and 26.5 at 128 a layer at 128k batch 1 (21.4 / 29.9 / 43.3 at 32k batch 8; H200, launch alone, cold L2)
+PROB_ROWS = 32
 
 
 def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tensor, *, scale: float,
@@ -339,12 +343,12 @@ def row_update_triton(st, q: torch.Tensor, k: torch.Tensor, lengths: torch.Tenso
     logit_rows = min(32, max(16, next_pow2(n_rows)))  # (128 ring rows a program: 255 registers on sm_90)
     launch(_row_logits_kernel, (b, hkv, max(n_tiles, cdiv(n_rows, logit_rows))), lengths, st.prompt_len, st.qs,
            st.ks, st.logits, st.p_logits, st.closed_max, st.closed_sum, st.p_closed_max, st.p_closed_sum,
-           st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-1], w_len, m, n_rows, n_tiles, float(scale),
+           st.n_closed, mx, se, tmx, tse, cap, st.p_logits.shape[-2], w_len, m, n_rows, n_tiles, float(scale),
            GROUP=group, BS=st.block_size, BLOCK_G=block_g, BLOCK_N=block_l, BLOCK_R=logit_rows,
            BLOCK_M=min(32, max(16, next_pow2(m))), PDL=pdl, num_warps=4, **pdl_launch(pdl))
     launch(_row_probs_kernel, (b, hkv, cdiv(cap, block_n)), lengths, st.n_queries, st.p_nq, st.prompt_len, st.logits,
            mx, se, part, tmx, tse, st.closed_max, st.closed_sum, st.n_closed, cap, w_len, n_rows, n_tiles, float(scale),
-           GROUP=group, BS=st.block_size, BLOCK_R=min(64, max(16, next_pow2(n_rows))),
+           GROUP=group, BS=st.block_size, BLOCK_R=min(PROB_ROWS, max(16, next_pow2(n_rows))),
            BLOCK_N=block_n, BLOCK_G=block_g, BLOCK_T=min(partial_chunk, max(2, next_pow2(n_tiles))), TILE=block_l,
            PDL=pdl, num_warps=4, **pdl_launch(pdl))
     row_tail_triton(st, part, r, k, lengths, pdl=pdl)

@@ -151,7 +151,8 @@ def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slo
 # -- the block row's logit cache ----------------------------------------------------------------------------------
 #
 # The block row's kernels (``authors_decode.py``) keep, per (row, KV head, ring row), the logits against every
-# block up to the row's block c (``logits [B, Hkv, G·W, C]``, unscaled; valid for j ≤ c) and the max and Σ exp of
+# block up to the row's block c (``logits [B, Hkv, C, G·W]``, unscaled; valid for j ≤ c; a block's ring rows side by
+# side, so a tile of blocks is one contiguous run for the probabilities' launch) and the max and Σ exp of
 # the scaled logits over the closed blocks j < ``n_closed`` (``closed_max``, ``closed_sum [B, Hkv, G·W]``). A
 # closed block's sketch never changes, so a step computes only the new query's logits, block c's column and, at a
 # block's first key, folds block c − 1 into the closed sums; a restart takes the prompt's copies (``p_logits``,
@@ -160,9 +161,9 @@ def block_row_reference(qs: torch.Tensor, ks: torch.Tensor, n: torch.Tensor, slo
 
 def logit_cache_reference(qs: torch.Tensor, ks: torch.Tensor, n_closed: torch.Tensor, scale: float
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logits [B, Hkv, G·W, C], closed_max, closed_sum [B, Hkv, G·W])`` of ``qs [B, Hq, W, m]`` against
+    """``(logits [B, Hkv, C, G·W], closed_max, closed_sum [B, Hkv, G·W])`` of ``qs [B, Hq, W, m]`` against
     ``ks [B, Hkv, C, m]`` with the closed sums over the blocks ``j < n_closed [B]`` (max −inf and sum 0 where
-    there is none)."""
+    there is none); the logits contiguous in the cache's layout (above)."""
     b, hq, w_len, m = qs.shape
     hkv, cap = ks.shape[1], ks.shape[2]
     logits = torch.matmul(qs.reshape(b, hkv, hq // hkv * w_len, m), ks.transpose(-1, -2))
@@ -170,7 +171,7 @@ def logit_cache_reference(qs: torch.Tensor, ks: torch.Tensor, n_closed: torch.Te
     scaled = (logits * scale).masked_fill(~closed[:, None, None, :], float("-inf"))
     mx = scaled.max(-1).values
     safe = torch.where(torch.isfinite(mx), mx, 0.0)
-    return logits, mx, torch.exp(scaled - safe[..., None]).sum(-1)
+    return logits.transpose(-1, -2).contiguous(), mx, torch.exp(scaled - safe[..., None]).sum(-1)
 
 
 

@@ -67,11 +67,11 @@ class AuthorsDeviceState(MethodState):
     p_qs: torch.Tensor  # [B, Hq, W, m]
     p_nq: torch.Tensor  # [B] int64
     p_kpart: torch.Tensor  # [B, Hkv, d] key sum of the prompt's partial last block
-    logits: torch.Tensor  # [B, Hkv, G·W, C] ring rows' logits against the blocks (valid up to the last step's block)
+    logits: torch.Tensor  # [B, Hkv, C, G·W] ring rows' logits against the blocks (valid up to the last step's block)
     closed_max: torch.Tensor  # [B, Hkv, G·W] max of the scaled logits over the closed blocks j < n_closed
     closed_sum: torch.Tensor  # [B, Hkv, G·W] Σ exp(scaled logit − closed_max) over them
     n_closed: torch.Tensor  # [B, Hkv] int64
-    p_logits: torch.Tensor  # [B, Hkv, G·W, Cp] the prompt ring's logits against the prompt's blocks
+    p_logits: torch.Tensor  # [B, Hkv, Cp, G·W] the prompt ring's logits against the prompt's blocks
     p_closed_max: torch.Tensor  # [B, Hkv, G·W] over the prompt's closed blocks
     p_closed_sum: torch.Tensor  # [B, Hkv, G·W]
     logit_scale: float  # the factor of the logits in the closed sums
@@ -97,7 +97,7 @@ class AuthorsDeviceState(MethodState):
             setattr(self, name, pad(getattr(self, name), (0, extra)))
         self.ksum = pad(self.ksum, (0, 0, 0, extra))
         self.ks = pad(self.ks, (0, 0, 0, extra))
-        self.logits = pad(self.logits, (0, extra))
+        self.logits = pad(self.logits, (0, 0, 0, extra))
 
     @classmethod
     def from_layer_state(cls, st: AuthorsLayerState, k: torch.Tensor, lengths: torch.Tensor, *,

@@ -1,0 +1,147 @@
+"""Each Triton launch of variant=authors' decode step timed alone, and launch settings swept per launch (GPU).
+
+``decode.py`` times the whole step and reports per-kernel device µs of an eager step, where a kernel launched with
+programmatic dependent launch (PDL) counts its wait for the kernel before. Here one ``next`` step's launches are
+recorded (kernel, grid, arguments, constexprs), then each is captured alone in a CUDA graph without PDL and replayed
+with a cold L2; ``--sweep`` adds settings per kernel (warps, rows per program, tile width of the probabilities'
+launch). A launch replayed alone repeats its own work on the state the step left (the same shapes and branches).
+
+    python benchmarks/sketchwalk_authors/stage_sweep.py --out DIR [--n 131072] [--batch 1]
+"""
+
+# ruff: noqa: B023 - every closure below is captured and timed before its loop variables change
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kvsieve  # noqa: E402
+from kvsieve import CallContext  # noqa: E402
+from kvsieve.bench.timing import ColdL2Timer  # noqa: E402
+from kvsieve.kernels.shared import triton_utils  # noqa: E402
+from kvsieve.kernels.shared import weighted_triton as wt  # noqa: E402
+from kvsieve.kernels.shared.triton_utils import cdiv  # noqa: E402
+from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
+from kvsieve.kernels.sketchwalk import authors_walk as aw  # noqa: E402
+
+
+def record(fn) -> list[tuple]:
+    """``(kernel, grid, args, meta)`` of every ``launch`` ``fn`` makes through the step's modules."""
+    seen = []
+    real = triton_utils.launch
+
+    def spy(kernel, grid, *args, **meta):
+        seen.append((kernel, tuple(grid), args, dict(meta)))
+        real(kernel, grid, *args, **meta)
+
+    with mock.patch.multiple(kd, launch=spy), mock.patch.multiple(aw, launch=spy), \
+            mock.patch.multiple(wt, launch=spy):
+        fn()
+    torch.cuda.synchronize()
+    return seen
+
+
+def alone(kernel, grid, args, meta):
+    """The launch without PDL (its constexpr off, the launch option dropped)."""
+    meta = {k: v for k, v in meta.items() if k != "launch_pdl"}
+    if "PDL" in meta:
+        meta["PDL"] = False
+    return lambda: kernel[grid](*args, **meta)
+
+
+def variants(kernel, grid, args, meta, cap: int):
+    """Settings to sweep for ``kernel``: ``(label, grid, meta)``."""
+    name = kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__
+    out = [("default", grid, meta)]
+    warps = (1, 2, 4, 8, 16)
+    for w in warps:
+        if w != meta.get("num_warps"):
+            out.append((f"warps={w}", grid, {**meta, "num_warps": w}))
+    if name == "_row_probs_kernel":
+        for br in (16, 32, 64, 128):
+            for w in (1, 2, 4, 8):
+                if (br, w) != (meta["BLOCK_R"], meta["num_warps"]):
+                    out.append((f"BLOCK_R={br},warps={w}", grid, {**meta, "BLOCK_R": br, "num_warps": w}))
+        for bn in (8, 32, 64):
+            for w in (4, 8):
+                g = (grid[0], grid[1], cdiv(cap, bn))
+                out.append((f"BLOCK_N={bn},warps={w}", g, {**meta, "BLOCK_N": bn, "num_warps": w}))
+    if name == "_row_logits_kernel":
+        for br in (16, 64):
+            if br != meta["BLOCK_R"]:
+                out.append((f"BLOCK_R={br}", grid, {**meta, "BLOCK_R": br}))
+    if name == "_walk_hop_kernel":
+        for st in (1, 3, 4):
+            out.append((f"stages={st}", grid, {**meta, "num_stages": st}))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--n", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    from decode import prompt_state
+
+    n, b, hq, hkv, d = args.n, args.batch, 32, 8, 128
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(b, hq, n, d, device=dev, generator=g).bfloat16()
+    k = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
+    v = torch.randn(b, hkv, n, d, device=dev, generator=g).bfloat16()
+    m = kvsieve.method(args.spec)
+    prompt = prompt_state(m, q, k, v, n - 1)
+    del q
+    q_steps = torch.randn(2, b, hq, d, device=dev, generator=g).bfloat16()
+    ctx = CallContext(capacity=n, count_reads=False)
+    state = copy.deepcopy(prompt)
+    m.decode(q_steps[0], k, v, lengths=torch.full((b,), n - 1, device=dev, dtype=torch.int32), state=state,
+             context=ctx, check_finite=False)
+    nxt = torch.full((b,), n, device=dev, dtype=torch.int32)
+
+    def step():
+        return m.decode(q_steps[1], k, v, lengths=nxt, state=state, context=ctx, check_finite=False)[0]
+
+    timer = ColdL2Timer()
+    whole = timer.time_graph_us(step, iters=args.iters)
+    off = lambda: False  # noqa: E731
+    with mock.patch.object(kd, "pdl_available", off), mock.patch.object(aw, "pdl_available", off):
+        whole_no_pdl = timer.time_graph_us(step, iters=args.iters)
+    launches = record(step)
+    rows = []
+    print(json.dumps({"step_us": whole["median_us"], "step_no_pdl_us": whole_no_pdl["median_us"],
+                      "launches": len(launches)}), flush=True)
+    for i, (kernel, grid, a, meta) in enumerate(launches):
+        name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+        for label, gr, me in (variants(kernel, grid, a, meta, n) if args.sweep else [("default", grid, meta)]):
+            try:
+                t = timer.time_graph_us(alone(kernel, gr, a, me), iters=args.iters)
+                row = {"i": i, "kernel": name, "grid": list(gr), "setting": label, **t}
+            except Exception as e:  # noqa: BLE001 - a setting that fails to compile or launch is reported
+                row = {"i": i, "kernel": name, "grid": list(gr), "setting": label, "error": repr(e)[:200]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+            "n": n, "batch": b, "spec": args.spec, "command": " ".join(sys.argv), "step_us": whole,
+            "step_no_pdl_us": whole_no_pdl}
+    (out / f"stage_sweep_{n}_b{b}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
