@@ -24,65 +24,30 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "breakdown"))
+
+from launch_sweep import kernel_name, recording, spying, time_launches  # noqa: E402
 
 import kvsieve  # noqa: E402
 from kvsieve import CallContext  # noqa: E402
 from kvsieve.bench.timing import ColdL2Timer  # noqa: E402
-from kvsieve.kernels.shared import triton_utils  # noqa: E402
-from kvsieve.kernels.shared import weighted_triton as wt  # noqa: E402
-from kvsieve.kernels.shared.triton_utils import cdiv  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_walk as aw  # noqa: E402
 
 
-def record(fn) -> list[tuple]:
-    """``(kernel, grid, args, meta)`` of every ``launch`` ``fn`` makes through the step's modules."""
-    seen = []
-    real = triton_utils.launch
-
-    def spy(kernel, grid, *args, **meta):
-        seen.append((kernel, tuple(grid), args, dict(meta)))
-        real(kernel, grid, *args, **meta)
-
-    with mock.patch.multiple(kd, launch=spy), mock.patch.multiple(aw, launch=spy), \
-            mock.patch.multiple(wt, launch=spy):
-        fn()
-    torch.cuda.synchronize()
-    return seen
-
-
-def alone(kernel, grid, args, meta):
-    """The launch without PDL (its constexpr off, the launch option dropped)."""
-    meta = {k: v for k, v in meta.items() if k != "launch_pdl"}
-    if "PDL" in meta:
-        meta["PDL"] = False
-    return lambda: kernel[grid](*args, **meta)
-
-
-def variants(kernel, grid, args, meta, cap: int):
-    """Settings to sweep for ``kernel``: ``(label, grid, meta)``."""
-    name = kernel.__name__ if hasattr(kernel, "__name__") else kernel.fn.__name__
-    out = [("default", grid, meta)]
-    warps = (1, 2, 4, 8, 16)
-    for w in warps:
-        if w != meta.get("num_warps"):
-            out.append((f"warps={w}", grid, {**meta, "num_warps": w}))
+def extra_settings(kernel, grid, meta):
+    """The probabilities' and logits' launches: rows and blocks per program beside the swept warps and stages."""
+    name = kernel_name(kernel)
+    out = []
     if name == "_row_probs_kernel":
         for br in (16, 32, 64, 128):
             for w in (1, 2, 4, 8):
                 if (br, w) != (meta["BLOCK_R"], meta["num_warps"]):
                     out.append((f"BLOCK_R={br},warps={w}", grid, {**meta, "BLOCK_R": br, "num_warps": w}))
-        for bn in (8, 32, 64):
-            for w in (4, 8):
-                g = (grid[0], grid[1], cdiv(cap, bn))
-                out.append((f"BLOCK_N={bn},warps={w}", g, {**meta, "BLOCK_N": bn, "num_warps": w}))
     if name == "_row_logits_kernel":
         for br in (16, 64):
             if br != meta["BLOCK_R"]:
                 out.append((f"BLOCK_R={br}", grid, {**meta, "BLOCK_R": br}))
-    if name == "_walk_hop_kernel":
-        for st in (1, 3, 4):
-            out.append((f"stages={st}", grid, {**meta, "num_stages": st}))
     return out
 
 
@@ -121,20 +86,13 @@ def main() -> None:
     off = lambda: False  # noqa: E731
     with mock.patch.object(kd, "pdl_available", off), mock.patch.object(aw, "pdl_available", off):
         whole_no_pdl = timer.time_graph_us(step, iters=args.iters)
-    launches = record(step)
-    rows = []
+    launches: list = []
+    with spying(), recording(launches):
+        step()
+    torch.cuda.synchronize()
     print(json.dumps({"step_us": whole["median_us"], "step_no_pdl_us": whole_no_pdl["median_us"],
                       "launches": len(launches)}), flush=True)
-    for i, (kernel, grid, a, meta) in enumerate(launches):
-        name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
-        for label, gr, me in (variants(kernel, grid, a, meta, n) if args.sweep else [("default", grid, meta)]):
-            try:
-                t = timer.time_graph_us(alone(kernel, gr, a, me), iters=args.iters)
-                row = {"i": i, "kernel": name, "grid": list(gr), "setting": label, **t}
-            except Exception as e:  # noqa: BLE001 - a setting that fails to compile or launch is reported
-                row = {"i": i, "kernel": name, "grid": list(gr), "setting": label, "error": repr(e)[:200]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = time_launches(launches, timer, args.iters, args.sweep, extra_settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(),

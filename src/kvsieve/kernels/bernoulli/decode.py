@@ -290,6 +290,11 @@ ROW_LAYOUT_ABOVE = 0.8
 #: one more than a wave of resident programs would double the pass's time.
 STATS_LAUNCH = (396, 3, 256, 32)
 
+#: The row-layout stats launch: (keys per sub-block, programs, warps, stages). 2 warps: the whole call at 128k
+#: batch 1 160.1 → 153.1 µs, at 32k batch 8 341.1 → 328.4 against 4 (H200, cold L2, peaked operands;
+#: benchmarks/breakdown/launch_sweep.py --in-call); 8 warps and fewer stages were slower
+ROW_LAUNCH = (64, 264, 2, 3)
+
 
 def row_layout_features(d: int, row_above: float = ROW_LAYOUT_ABOVE) -> int:
     """Units whose draws kept more than this many of the ``d`` features read the cache layout."""
@@ -305,7 +310,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
                           feature_block: int | None = None, stats_warps: int = 4,
                           stats_stages: int | None = None, r_max: int | None = None, k: torch.Tensor | None = None,
                           row_above: float = ROW_LAYOUT_ABOVE, append: tuple | None = None,
-                          row_launch: tuple[int, int, int, int] = (64, 264, 4, 3)):
+                          row_launch: tuple[int, int, int, int] | None = None):
     """Mean-group Bernoulli scores over ``kt`` and S²ANTA-prop over them (module docstring).
 
     q ``[R, Hq, d]``; kt ``[B, Hkv, d, ≥N]`` (``feature_major.FeatureMajorKeys``) with query row r on batch
@@ -318,7 +323,8 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
     reserve`` made room; the separate ``update`` launch is then not needed).
     ``stats_programs``, ``stats_stages``, ``block_n``, ``feature_block`` (None: :data:`STATS_LAUNCH`'s),
     ``stats_warps`` (the feature-major stats launch: at most ``stats_programs`` programs, splitting each unit's
-    tiles evenly) and ``row_launch`` (the row launch's keys per sub-block, programs, warps, stages) are launch
+    tiles evenly) and ``row_launch`` (the row launch's keys per sub-block, programs, warps, stages; None:
+    :data:`ROW_LAUNCH`) are launch
     parameters; they change no count. Returns ``(out [R, Hq, d], counts [R, Hq, N] int32 or None, tile budgets
     [R, Hq, T] int32, features read [R, Hkv] int32)``."""
     if triton is None:
@@ -365,7 +371,7 @@ def bernoulli_prop_triton(q, kt, v, lens, scale: float, draws: int, budget: int,
            G=g, BLOCK_G=group_block(g), D=d, TILE=tile, BLOCK_N=min(block, tile), FB=feature_block, SPLIT=split,
            PDL=pdl, num_warps=stats_warps, num_stages=stages, **pdl_launch(pdl))
     if k is not None:
-        row_block, row_programs, row_warps, row_stages = row_launch
+        row_block, row_programs, row_warps, row_stages = row_launch or ROW_LAUNCH
         per_row_program = max(1, round(t * hkv * r / row_programs))
         launch(_row_stats_kernel, (cdiv(t, per_row_program), hkv, r),
                q_est, k, n_feat, lens, buf.m, buf.l, buf.stash, scale, per_row_program, hq, hkv, row_feats,

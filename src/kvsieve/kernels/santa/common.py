@@ -333,6 +333,11 @@ if triton is not None:
         return done == n_tiles - 1
 
 
+# Warps of the sampling programs (one per tile, KV head and row; most have no sample, the rest a short chain of
+# dependent loads): 2 warps fit twice the programs per SM beside the stats pass's. H200, the whole call, cold L2
+# (benchmarks/breakdown/launch_sweep.py --in-call): santa-prop 112.4 → 109.8 µs at 128k batch 1, Bernoulli's values
+# 341 → 331 µs at 32k batch 8 against 4 warps; 8 warps lost at both
+SAMPLE_WARPS = 2
 TILE_KEY = (STREAM_TILE * 0x9E3779B9) & 0xFFFFFFFF  # the hash streams of the tile offsets and budget offsets
 BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 

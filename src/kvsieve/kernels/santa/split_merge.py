@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..shared.triton_utils import launch, pdl_launch, seed_words, triton
-from .common import TILE_KEY, begin_call, sample_constexprs, sample_strides
+from .common import SAMPLE_WARPS, TILE_KEY, begin_call, sample_constexprs, sample_strides
 from .two_pass import prop_budgets, stats_pass
 
 if triton is not None:
@@ -76,7 +76,7 @@ def santa_prop_split(q, k, v, lens, scale: float, budget: int, tile: int, seed: 
            v, lens, buf.m, buf.l, buf.stash, buf.budgets, buf.counts if write_counts else buf.m, buf.scr, buf.oacc,
            budget, lo, hi, TILE_KEY, t, hq, v.shape[1], *sample_strides(v, buf, hq, t, tile, write_counts),
            **sample_constexprs(v, hq, budget, t, tile, flash=False, write_counts=write_counts, r_max=r_max),
-           PDL=pdl, num_warps=4, **pdl_launch(pdl))
+           PDL=pdl, num_warps=SAMPLE_WARPS, **pdl_launch(pdl))
     launch(_prop_merge_kernel, (hq, b, 1), buf.oacc, buf.out, budget, hq, buf.out.stride(0), buf.out.stride(1),
            D=d, PDL=pdl, num_warps=1, **pdl_launch(pdl))
     return buf.out, buf.counts, buf.budgets

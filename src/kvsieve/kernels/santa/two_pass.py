@@ -20,7 +20,16 @@ from __future__ import annotations
 import torch
 
 from ..shared.triton_utils import cdiv, dot_precision, group_block, launch, pdl_launch, seed_words, triton
-from .common import BUDGET_KEY, TILE_KEY, begin_call, budget_meta, sample_constexprs, sample_strides, tile_count
+from .common import (
+    BUDGET_KEY,
+    SAMPLE_WARPS,
+    TILE_KEY,
+    begin_call,
+    budget_meta,
+    sample_constexprs,
+    sample_strides,
+    tile_count,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -151,7 +160,7 @@ def _sample_pass(v, lens, buf, budget, tile, seed, b, hq, t, *, flash, write_cou
            buf.counts if write_counts else buf.m, buf.mstar, buf.scr, buf.oacc, buf.oden, buf.done, buf.out,
            budget, lo, hi, TILE_KEY, t, hq, hkv, *sample_strides(v, buf, hq, t, tile, write_counts),
            **sample_constexprs(v, hq, budget, t, tile, flash=flash, write_counts=write_counts, r_max=r_max),
-           PDL=pdl, num_warps=4, **pdl_launch(pdl))
+           PDL=pdl, num_warps=SAMPLE_WARPS, **pdl_launch(pdl))
 
 
 def _two_pass(q, k, v, lens, scale: float, budget: int, tile: int, seed: int, *, flash: bool, rounding: str,

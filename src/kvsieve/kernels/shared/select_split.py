@@ -37,6 +37,9 @@ SPLIT_CHUNK_MIN = 64  # units per program, at least
 SPLIT_CHUNK_MAX = 4096  # ... and at most (one register tile per program)
 SPLIT_SLAB = 2048  # candidates per tile when a program reads all slots of its row
 SPLIT_HIST_TILE = 8192  # counts per tile when a program sums its row's histograms (2 tiles at 64 programs)
+# warps of the histogram launch (the select launch keeps 4): Quest's call at 128k batch 1 64.5 → 63.2 µs on an H200
+# (benchmarks/breakdown/launch_sweep.py --in-call; 8 warps made the select launch slower)
+HIST_WARPS = 8
 
 
 if triton is not None:
@@ -200,9 +203,10 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
 
     Launch overrides (for tuning; None: the defaults): ``programs`` — about this many programs in all
     (default: the SM count), as chunks of a power of two of units (:func:`split_chunk`); ``num_warps``
-    (a power of two up to 32; default 4); ``digit_bits`` (4 to 10; default ``SPLIT_DIGIT_BITS``): the first
-    histogram's bins, ``2 ** digit_bits`` per program (fewer: less to sum in the second launch, more candidates
-    to refine). The selection does not depend on them."""
+    (a power of two up to 32, both launches; default :data:`HIST_WARPS` for the first, 4 for the second);
+    ``digit_bits`` (4 to 10; default ``SPLIT_DIGIT_BITS``): the first histogram's bins, ``2 ** digit_bits`` per
+    program (fewer: less to sum in the second launch, more candidates to refine).
+    The selection does not depend on them."""
     b, h, x = scores.shape
     check_score_rows(scores, 1)
     if k < 1:
@@ -228,8 +232,8 @@ def topk_rows_split(scores: torch.Tensor, counts: torch.Tensor, k: int, *, maxim
     launch(_split_hist_kernel, (n_p, h, b),
            scores, maxima, counts, hist, meta, cv, ci, nc, x, n_max,
            scores.stride(0), scores.stride(1), maxima.stride(0), maxima.stride(1),
-           CHUNK=chunk, BLOCK_M=min(4096, max(64, next_pow2(n_max))), DIGIT_BITS=bits, num_warps=warps,
-           num_stages=1)
+           CHUNK=chunk, BLOCK_M=min(4096, max(64, next_pow2(n_max))), DIGIT_BITS=bits,
+           num_warps=HIST_WARPS if num_warps is None else warps, num_stages=1)
     block_p = next_pow2(n_p)
     launch(_split_select_kernel, (n_p, h, b),
            counts, hist, meta, cv, ci, nc, out, k, out.stride(0), out.stride(1),

@@ -500,7 +500,7 @@ def topk_rows_registers(scores: torch.Tensor, counts: torch.Tensor, k: int, *, g
 
 def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.Tensor, torch.Tensor],
                           lengths: torch.Tensor, unit: int, sink: int, window: int, *, block_x: int | None = None,
-                          chunk: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                          chunk: int | None = None, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log Σ_g softmax_g(s) [B, Hq/group, X], its maxima [B, Hq/group, ceil(X / GROUP_MAX)])`` in one
     launch spread over the row (for rows too long for :func:`topk_rows_triton` to group-sum in its one
     program per row): each head's log-sum-exp from ``parts`` (as there), units off ``[sink_end,
@@ -509,7 +509,8 @@ def group_sum_rows_triton(scores: torch.Tensor, group: int, parts: tuple[torch.T
     Launch overrides (for tuning; None: the defaults): ``block_x`` units per program (default 1024, 4096
     for rows of 64k units or more), taken ``chunk`` at a time (default ``2048 / group`` rounded up to a
     power of two, at least ``GROUP_MAX``): both powers of two, ``GROUP_MAX ≤ chunk ≤ block_x`` (each
-    chunk's maxima cover whole groups; the chunks tile the block); ``num_warps`` a power of two up to 32."""
+    chunk's maxima cover whole groups; the chunks tile the block); ``num_warps`` a power of two up to 32 (8: Quest's
+    call at 128k batch 1 64.5 → 63.6 µs against 4 on an H200, ``benchmarks/breakdown/launch_sweep.py --in-call``)."""
     b, hq, x = scores.shape
     pm, pl = parts
     hs = hq // group
