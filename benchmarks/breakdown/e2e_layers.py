@@ -18,8 +18,14 @@ the decode bench's synthetic inputs. This script builds the end-to-end bench's m
 Then ``(step − dense step) / layers`` against ``layer − dense layer`` says how much of a method's end-to-end
 difference its attention calls account for.
 
+Launch settings on these operands (``launch_sweep.py``'s tools): ``--set 'KERNEL:num_warps=2;...'`` times every
+method's step and layer calls a second time, in the same process, with those kernels' launches at those settings
+(``step_ms_set``, ``method_us_set``): an A/B on the model a setting is for. ``--in-call`` times the first layer's
+call with each of its kernels at each other warp and stage count (``in_call``).
+
     python benchmarks/breakdown/e2e_layers.py --out $OUT/layers [--n 131072] [--batch 1]
         [--methods 'santa-prop:budget=128;quest:top_k=0.05,share_kv_group=true'] [--layers 0,15,31]
+        [--set '_prop_sample_kernel:num_warps=4'] [--in-call]
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch_sweep import overriding, parse_settings, recording, spying, time_in_call  # noqa: E402
 
 # Sketch&Walk is left out: its decode call copies a host-planned step to the device, which a capture of the call
 # alone refuses (the runtime makes that copy before its capture); benchmarks/sketchwalk_authors/decode.py times it.
@@ -62,6 +72,17 @@ def record_layers(rt, layers: set[int]) -> dict[int, tuple]:
     return kept
 
 
+def with_settings(settings: dict[str, dict]):
+    """A context in which the kernels of ``settings`` launch at them (:func:`launch_sweep.overriding`)."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(spying())
+    for kernel, change in settings.items():
+        stack.enter_context(overriding(kernel, change))
+    return stack
+
+
 def run(args) -> dict:
     from kvsieve.bench.e2e import build_model, time_steps
     from kvsieve.bench.peaked import bench_prompts, build_bench_model
@@ -75,7 +96,9 @@ def run(args) -> dict:
     prompts = bench_prompts(model, args.n, args.batch, torch.Generator().manual_seed(args.n + args.batch))
     new = 2 * args.steps + 16
     timer = ColdL2Timer()
+    settings = parse_settings(args.set)
     out = {"shape": args.shape, "n": args.n, "batch": args.batch, "attention": args.attention, "layers": layers,
+           "set": args.set,
            "device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "torch": torch.__version__, "rows": []}
     rt = DecodeRuntime(model, "dense", batch_size=args.batch, capacity=args.n + new, max_new_tokens=new,
@@ -99,6 +122,15 @@ def run(args) -> dict:
             except Exception as exc:  # noqa: BLE001 - one failing variant must not lose the others
                 rows[spec]["error"] = f"{type(exc).__name__}: {exc}"[:400]
             print(json.dumps(rows[spec]), flush=True)
+        if settings:
+            with with_settings(settings):
+                for spec in specs[1:]:
+                    if "error" in rows[spec]:
+                        continue
+                    start(spec, "auto")
+                    rt.step()  # the capture, with the settings
+                    rows[spec]["step_ms_set"] = time_steps(rt.step, args.steps, True)["ms"]
+                    print(json.dumps({"variant": spec, "step_ms_set": rows[spec]["step_ms_set"]}), flush=True)
         for spec in specs[1:]:
             row = rows[spec]
             if "error" in row:
@@ -120,7 +152,19 @@ def run(args) -> dict:
 
                     row["layers"][str(layer)] = {"method_us": timer.time_graph_us(method_call)["median_us"],
                                                  "dense_us": timer.time_graph_us(dense_call)["median_us"]}
+                    if settings:
+                        with with_settings(settings):
+                            row["layers"][str(layer)]["method_us_set"] = timer.time_graph_us(method_call)["median_us"]
                 q, k, v, lengths, scale = ops[mine[0]]
+                if args.in_call:
+                    def first_call(q=q, k=k, v=v, lengths=lengths, scale=scale, layer=mine[0]):
+                        return rt.driver.decode(layer, q, k, v, lengths=lengths, scale=scale, count_reads=False)
+
+                    with spying():
+                        launches: list = []
+                        with recording(launches):
+                            first_call()
+                        row["in_call"] = time_in_call(first_call, launches, timer, 20)
                 row["layers"][str(mine[0])]["kernels"] = timer.kernel_breakdown(
                     lambda q=q, k=k, v=v, lengths=lengths, scale=scale, layer=mine[0]: rt.driver.decode(
                         layer, q, k, v, lengths=lengths, scale=scale, count_reads=False))
@@ -148,10 +192,20 @@ def markdown(res: dict) -> str:
              "| variant | step ms | (step − dense) / layer µs | layer µs (method / dense, per layer) | "
              "layer − dense µs | top kernels of the first layer (µs) |",
              "|---|---:|---:|---|---:|---|"]
+    sets: list[str] = []
+    calls: list[str] = []
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['variant']} | error: {r['error'][:120]} | | | | |")
             continue
+        if "step_ms_set" in r:
+            per_set = "; ".join(f"L{k}: {v['method_us_set']:.1f}" for k, v in (r.get("layers") or {}).items()
+                                if "method_us_set" in v)
+            sets.append(f"| {r['variant']} | {r['step_ms']:.2f} | {r['step_ms_set']:.2f} | {per_set} |")
+        for c in r.get("in_call", []):
+            calls.append(f"| {r['variant']} | {c['kernel']} | {c['setting']} | "
+                         f"{c['median_us']:.1f} |" if "median_us" in c else
+                         f"| {r['variant']} | {c['kernel']} | {c['setting']} | {c.get('error', '')[:80]} |")
         per = "; ".join(f"L{k}: {v['method_us']:.1f} / {v['dense_us']:.1f}" for k, v in (r.get("layers") or {}).items())
         first = next(iter((r.get("layers") or {}).values()), None)
         kern = ""
@@ -162,6 +216,13 @@ def markdown(res: dict) -> str:
         lmd = r.get("layer_minus_dense_us")
         lines.append(f"| {r['variant']} | {r['step_ms']:.2f} | {'' if diff is None else f'{diff:+.1f}'} | {per} | "
                      f"{'' if lmd is None else f'{lmd:+.1f}'} | {kern} |")
+    if sets:
+        lines += ["", f"With `--set {res.get('set', '')}` (same process):", "",
+                  "| variant | step ms | step ms with the settings | layer µs with them |", "|---|---:|---:|---|",
+                  *sets]
+    if calls:
+        lines += ["", "The first layer's call with one kernel at another setting (`--in-call`):", "",
+                  "| variant | kernel | setting | call µs |", "|---|---|---|---:|", *calls]
     return "\n".join(lines) + "\n"
 
 
@@ -175,6 +236,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="';'-separated method specs")
     p.add_argument("--layers", default="1,16,31", help="comma list of layers to time per call")
     p.add_argument("--steps", type=int, default=10, help="timed captured steps per variant")
+    p.add_argument("--set", default="", help="KERNEL:key=value,...;... launch settings timed beside the defaults "
+                   "(module docstring)")
+    p.add_argument("--in-call", action="store_true", help="sweep the first layer's launches inside its call")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("e2e_layers.py needs a CUDA GPU", file=sys.stderr)
