@@ -23,6 +23,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kvsieve.kernels.santa.common import histogram_threshold, histogram_threshold_early  # noqa: E402
 from kvsieve.kernels.santa.systematic import largest_remainder  # noqa: E402
 from kvsieve.kernels.santa.two_pass import prop_budgets  # noqa: E402
 
@@ -32,6 +36,15 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
 TILE = 16
 
 
+@pytest.fixture(params=[False, True], ids=["all-steps", "early-exit"], autouse=True)
+def early_exit(request, monkeypatch):
+    """Every case with the threshold's every step and with its steps skipped once it is known: the same budgets."""
+    from kvsieve.kernels.santa import common
+
+    monkeypatch.setattr(common, "BUDGET_EARLY_EXIT", request.param)
+    return request.param
+
+
 def kernel_budgets(m, l, lens, budget):
     """The budget launch's tile budgets ``[B, Hq, T]`` of the stats ``m, l [B, Hq, T]``."""
     b, hq, t = m.shape
@@ -39,6 +52,41 @@ def kernel_budgets(m, l, lens, budget):
                                 budgets=torch.full((b, hq, t), -7, dtype=torch.int32))
     prop_budgets(lens, buf, budget, TILE, 3, b, hq, t, rounding="largest-remainder", pdl=False)
     return buf.budgets.long()
+
+
+@triton.jit
+def threshold_kernel(x_ptr, rem_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexpr, EARLY: tl.constexpr):
+    r = tl.program_id(0)
+    x = tl.load(x_ptr + r * N + tl.arange(0, N))
+    rem = tl.load(rem_ptr + r)
+    if EARLY:
+        v = histogram_threshold_early(x, rem, BITS, 5)
+    else:
+        v = histogram_threshold(x, rem, BITS, 5)
+    tl.store(out_ptr + r, v)
+
+
+def threshold_reference(x: torch.Tensor, rem: torch.Tensor, bits: int) -> torch.Tensor:
+    """By the definition: per row the largest v in [0, 2^bits) with #{x >= v} >= rem (entries below 0 never
+    count), 0 when none qualifies."""
+    v = torch.arange(1 << bits)
+    counts = ((x[:, None, :] >= v[None, :, None]) & (x[:, None, :] >= 0)).sum(-1)  # [R, 2^bits]
+    ok = counts >= rem[:, None]
+    return torch.where(ok.any(1), (ok * v[None, :]).amax(1), 0)
+
+
+def test_the_threshold_select_by_its_definition(early_exit):
+    """``histogram_threshold`` (and its early-exit form) on rows of few distinct values (many ties), entries of
+    2^bits and above and below 0, ``rem`` from below 0 to past the row's entries."""
+    g = torch.Generator().manual_seed(7)
+    bits, n, rows = 10, 64, 120
+    distinct = torch.randint(1, 40, (rows, 1), generator=g)  # values per row: few (ties) to many
+    pool = torch.randint(-1, (1 << bits) + 3, (rows, 64), generator=g)
+    x = torch.gather(pool, 1, torch.randint(0, 64, (rows, n), generator=g) % distinct).to(torch.int32)
+    rem = torch.randint(-2, n + 3, (rows,), generator=g).to(torch.int32)
+    out = torch.empty(rows, dtype=torch.int32)
+    threshold_kernel[(rows,)](x, rem, out, N=n, BITS=bits, EARLY=early_exit)
+    assert torch.equal(out.long(), threshold_reference(x.long(), rem.long(), bits))
 
 
 def fused_fraction(w, scale, base):

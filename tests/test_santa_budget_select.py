@@ -21,9 +21,11 @@ def test_budgets_under_the_triton_interpreter(group):
 def test_budget_meta():
     from kvsieve.kernels.santa import common
 
+    early = common.BUDGET_EARLY_EXIT
     assert common.budget_meta(513, rounding="largest-remainder") == dict(BLOCK_T=1024, SYSTEMATIC=False,
-                                                                         DIGIT_BITS=5)
-    assert common.budget_meta(5, rounding="systematic") == dict(BLOCK_T=16, SYSTEMATIC=True, DIGIT_BITS=5)
+                                                                         DIGIT_BITS=5, EARLY_EXIT=early)
+    assert common.budget_meta(5, rounding="systematic") == dict(BLOCK_T=16, SYSTEMATIC=True, DIGIT_BITS=5,
+                                                                EARLY_EXIT=early)
     assert 20 % common.budget_meta(1, rounding="largest-remainder")["DIGIT_BITS"] == 0  # two 20-bit halves
 
 
@@ -76,8 +78,10 @@ BUDGET_COMPILES = """
 from kvsieve.kernels.santa import common, overlap, two_pass
 
 pointers = dict(m_ptr="*fp32", l_ptr="*fp32", lens_ptr="*i32", budgets_ptr="*i32", sync_ptr="*i32")
-for rounding, t in (("largest-remainder", 513), ("largest-remainder", 129), ("systematic", 129)):
-    meta = common.budget_meta(t, rounding=rounding)
+for rounding, t, early in (("largest-remainder", 513, False), ("largest-remainder", 129, False),
+                          ("systematic", 129, False), ("largest-remainder", 513, True),
+                          ("largest-remainder", 129, True)):
+    meta = {**common.budget_meta(t, rounding=rounding), "EARLY_EXIT": early}
     compile_(two_pass._prop_budget_kernel, pointers, dict(TILE=256, **meta, PDL=True))
     compile_(overlap._unit_budget_kernel, pointers,
              dict(G=4, TILE=256, **meta, PDL=True, SLEEP=True, STATS_THREADS=128, NAPS=8))

@@ -21,10 +21,14 @@ The other ways of finding the +1s (a sort of the padded row, a radix select, ran
 and dropped: their numbers are in ``docs/methods/santa-kernels.md`` and
 ``docs/results/gpu-bench/2026-11-29-h200-santa-budget-selects.md``.
 
+``--early-exit``: every launch and call timed with the threshold's every step and with its steps skipped once it
+is known (``common.BUDGET_EARLY_EXIT``), their budgets compared (equal to the bit expected).
+
 Writes ``santa_budget.json`` and ``santa_budget.md`` to the folder given. ``--check`` runs the synthetic checks
 and the whole calls once on the CPU (under ``TRITON_INTERPRET=1``), without timing.
 
     python benchmarks/breakdown/santa_budget.py OUT [--shapes 1:512,1:513,1:1024,8:128,8:129] [--calls 512,513]
+        [--early-exit]
 """
 
 from __future__ import annotations
@@ -136,7 +140,10 @@ def whole_calls(stages, q, k, v, lens, backend: str | None = None) -> dict:
 
 
 def run(args) -> dict:
+    from unittest import mock
+
     from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.kernels.santa import common
     from kvsieve.kernels.santa.two_pass import prop_budgets
 
     timer = ColdL2Timer()
@@ -154,19 +161,27 @@ def run(args) -> dict:
                                     budgets=torch.empty(b, HEADS, t, device=DEVICE, dtype=torch.int32))
         one_launch = functools.partial(prop_budgets, x.lens, buf, BUDGET, TILE, SEED, b, HEADS, t,
                                        rounding="largest-remainder", pdl=False)
-        r = {"batch": b, "tiles": t, "programs": b * HEADS}
-        r.update(timer.time_graph_us(one_launch, warmup=5, iters=args.iters))
-        report["budget"].append(r)
-        print(f"budget b={b} t={t}: {r['median_us']:.1f}", flush=True)
-        if b == 1 and t in args.calls:
-            for label, call in whole_calls(stages, x.q, x.k, x.v, x.lens).items():
-                r = {"batch": b, "tiles": t, "call": label}
-                try:
-                    r.update(timer.time_graph_us(call, warmup=3, iters=args.iters))
-                except Exception as exc:  # noqa: BLE001 - one failing call must not lose the others
-                    r["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                report["calls"].append(r)
-                print(f"call {label} t={t}: {r.get('median_us', r.get('error'))}", flush=True)
+        ways = (False, True) if args.early_exit else (common.BUDGET_EARLY_EXIT,)
+        got = {}
+        for early in ways:
+            with mock.patch.object(common, "BUDGET_EARLY_EXIT", early):
+                r = {"batch": b, "tiles": t, "programs": b * HEADS, "early_exit": early}
+                r.update(timer.time_graph_us(one_launch, warmup=5, iters=args.iters))
+                one_launch()
+                got[early] = buf.budgets.clone()
+                report["budget"].append(r)
+                print(f"budget b={b} t={t} early_exit={early}: {r['median_us']:.1f}", flush=True)
+                if b == 1 and t in args.calls:
+                    for label, call in whole_calls(stages, x.q, x.k, x.v, x.lens).items():
+                        r = {"batch": b, "tiles": t, "call": label, "early_exit": early}
+                        try:
+                            r.update(timer.time_graph_us(call, warmup=3, iters=args.iters))
+                        except Exception as exc:  # noqa: BLE001 - one failing call must not lose the others
+                            r["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        report["calls"].append(r)
+                        print(f"call {label} t={t}: {r.get('median_us', r.get('error'))}", flush=True)
+        if len(got) == 2:
+            report["checks"][f"real b={b} t={t}"]["early_exit_equal"] = bool(torch.equal(got[False], got[True]))
         del x
         torch.cuda.empty_cache()
         print(f"shape b={b} t={t} ({time.time() - t1:.1f} s)", flush=True)
@@ -179,17 +194,20 @@ def markdown(report: dict, device: str, command: str) -> str:
              "Budget launch alone (two-pass launch, PDL off), graph-replayed, cold L2, median µs; (m, l) of a real "
              f"stats pass over peaked inputs; {HEADS} q heads, tile {TILE}, budget {BUDGET}. `=` the budgets equal "
              "`largest_remainder` on the same stats and sum to the budget.", "",
-             "| batch:tiles | programs | µs | check |", "|---|---:|---:|---|"]
+             "| batch:tiles | programs | early exit | µs | check |", "|---|---:|---|---:|---|"]
     for r in report["budget"]:
         c = report["checks"].get(f"real b={r['batch']} t={r['tiles']}", {})
         ok = "=" if c.get("sums_ok") and not c.get("rows_off_reference") else "≠"
-        lines.append(f"| {r['batch']}:{r['tiles']} | {r['programs']} | {r['median_us']:.1f} | {ok} |")
+        if "early_exit_equal" in c:
+            ok += ", both ways " + ("equal" if c["early_exit_equal"] else "DIFFER")
+        lines.append(f"| {r['batch']}:{r['tiles']} | {r['programs']} | {r.get('early_exit')} | {r['median_us']:.1f} | "
+                     f"{ok} |")
     if report["calls"]:
         lines += ["", "Whole call (`kvsieve.method(...).decode`, batch 1), graph-replayed, cold L2, median µs:", "",
-                  "| call | tiles | µs |", "|---|---:|---:|"]
+                  "| call | tiles | early exit | µs |", "|---|---:|---|---:|"]
         for r in report["calls"]:
             cell = f"{r['median_us']:.1f}" if "median_us" in r else r.get("error", "—")[:80]
-            lines.append(f"| {r['call']} | {r['tiles']} | {cell} |")
+            lines.append(f"| {r['call']} | {r['tiles']} | {r.get('early_exit')} | {cell} |")
     lines += ["", "Checks: cases whose budgets do not sum to the budget or differ from `largest_remainder` "
               "(float32 exp of torch, not the kernel's):", ""]
     bad = [f"- {case}: {'bad sums' if not r['sums_ok'] else ''} {r['rows_off_reference']} rows off the reference"
@@ -211,9 +229,15 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 def check() -> None:
     """On the CPU (the interpreter), no timing: the synthetic checks, then each whole call once on small
     inputs, built as the timed run builds them (the kernels' path: ``backend=triton``)."""
-    for name, m, l, lens in synthetic_cases("cpu", [(3, t) for t in (1, 2, 15, 16, 17, 129)], 4):
-        r = check_case(m, l, lens)
-        assert r["sums_ok"] and r["rows_off_reference"] == 0, (name, r)
+    from unittest import mock
+
+    from kvsieve.kernels.santa import common
+
+    for early in (False, True):
+        with mock.patch.object(common, "BUDGET_EARLY_EXIT", early):
+            for name, m, l, lens in synthetic_cases("cpu", [(3, t) for t in (1, 2, 15, 16, 17, 129)], 4):
+                r = check_case(m, l, lens)
+                assert r["sums_ok"] and r["rows_off_reference"] == 0, (name, early, r)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 64, generator=g)
     k, v = torch.randn(2, 2, 600, 64, generator=g), torch.randn(2, 2, 600, 64, generator=g)
@@ -233,6 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="peaked", choices=("peaked", "uniform"))
     p.add_argument("--iters", type=int, default=30, help="timed graph replays")
     p.add_argument("--check", action="store_true", help="the checks on the CPU (TRITON_INTERPRET=1), no timing")
+    p.add_argument("--early-exit", action="store_true", help="time both forms of the threshold select (docstring)")
     args = p.parse_args(argv)
     if args.check:
         check()

@@ -105,9 +105,36 @@ if triton is not None:
         return v
 
     @triton.jit
+    def histogram_threshold_early(x, rem, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+        """:func:`histogram_threshold`'s value, its steps skipped once the threshold is known: when every entry
+        of the digit's bin is needed (the entries above it plus the bin's make exactly ``rem``: a bin of one
+        entry, usually, after two or three steps), the threshold is the bin's least entry, which every later
+        step would spell out digit by digit."""
+        tl.static_assert(BITS % DIGIT_BITS == 0)
+        NB: tl.constexpr = 1 << DIGIT_BITS
+        bins = tl.arange(0, NB)
+        v = rem * 0
+        done = rem * 0
+        above = tl.sum((x >= (1 << BITS)).to(tl.int32), axis=0)
+        for p in tl.static_range(BITS // DIGIT_BITS):
+            if done == 0:
+                match = (x >= 0) & ((x >> (BITS - p * DIGIT_BITS)) == (v >> (BITS - p * DIGIT_BITS)))
+                digit = (x >> (BITS - (p + 1) * DIGIT_BITS)) & (NB - 1)
+                hist = tl.histogram(digit, NB, mask=match)
+                at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
+                pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
+                above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
+                v += pick << (BITS - (p + 1) * DIGIT_BITS)
+                in_pick = tl.sum(tl.where(bins == pick, hist, 0), axis=0)
+                if (in_pick > 0) & (above + in_pick == rem):
+                    v = tl.min(tl.where(match & (digit == pick), x, 1 << BITS), axis=0)
+                    done += 1
+        return v
+
+    @triton.jit
     def group_budgets(m_ptr, l_ptr, budgets_ptr, heads, h_ok, b, length, tiles_b, budget, seed_lo, seed_hi, budget_key,
                       n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
-                      DIGIT_BITS: tl.constexpr):
+                      DIGIT_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         """The tile budgets of one head ``heads [1]`` (``h_ok``: whether it is real) of batch row b, from the tile
         masses W_t = e^{m_t - m*} l_t (Alg. 4): largest remainder (the +1s go to the largest fractional
         parts, ties to the lower tile) or systematic rounding (fixed-point prefix sums with 2^-32
@@ -147,10 +174,16 @@ if triton is not None:
             ok1 = tl.reshape(ok, [BLOCK_T])
             r1 = tl.sum(rem, axis=0)
             q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
-            v_hi = histogram_threshold(q_hi, r1, 20, DIGIT_BITS)
+            if EARLY_EXIT:
+                v_hi = histogram_threshold_early(q_hi, r1, 20, DIGIT_BITS)
+            else:
+                v_hi = histogram_threshold(q_hi, r1, 20, DIGIT_BITS)
             # the low 20 bits of the fractions whose high bits equal v_hi; 2^20 (above any) for those above
             q_lo = tl.where(q_hi > v_hi, 1 << 20, tl.where(q_hi == v_hi, (q & 1048575).to(tl.int32), -1))
-            v_lo = histogram_threshold(q_lo, r1, 20, DIGIT_BITS)
+            if EARLY_EXIT:
+                v_lo = histogram_threshold_early(q_lo, r1, 20, DIGIT_BITS)
+            else:
+                v_lo = histogram_threshold(q_lo, r1, 20, DIGIT_BITS)
             tie = (q_lo == v_lo).to(tl.int32)
             need = r1 - tl.sum((q_lo > v_lo).to(tl.int32), axis=0)
             bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
@@ -344,11 +377,15 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 # Bits of the largest-remainder threshold settled per histogram step (``histogram_threshold``): 4 steps per
 # 20-bit half of the fractions
 _DIGIT_BITS = 5
+# The threshold's steps skipped once it is known (``histogram_threshold_early``; the same budgets to the bit). Off
+# until timed on the GPU (``benchmarks/breakdown/santa_budget.py --early-exit``)
+BUDGET_EARLY_EXIT = False
 
 
 def budget_meta(t: int, *, rounding: str) -> dict:
     """``group_budgets``' constexprs (from BLOCK_T on) for rows of ``t`` tiles."""
-    return dict(BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", DIGIT_BITS=_DIGIT_BITS)
+    return dict(BLOCK_T=max(16, next_pow2(t)), SYSTEMATIC=rounding == "systematic", DIGIT_BITS=_DIGIT_BITS,
+                EARLY_EXIT=BUDGET_EARLY_EXIT)
 
 
 def tile_count(n_keys: int, tile: int) -> int:

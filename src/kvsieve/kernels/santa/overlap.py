@@ -158,7 +158,7 @@ if triton is not None:
         m_ptr, l_ptr, lens_ptr, budgets_ptr, sync_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, hkv, n_units, s_ml_b, s_ml_h,
         G: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr,
-        DIGIT_BITS: tl.constexpr, PDL: tl.constexpr,
+        DIGIT_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr, PDL: tl.constexpr,
         SLEEP: tl.constexpr, STATS_THREADS: tl.constexpr, NAPS: tl.constexpr,
     ):
         """prop: one program per (head, row), launched early (PDL) like the sampling kernel after it: waits
@@ -172,7 +172,8 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
-                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS)
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS,
+                      EARLY_EXIT)
         tl.debug_barrier()  # every thread's stores of the budgets are issued before the release below
         tl.atomic_xchg(sync_ptr + n_units * STATS_THREADS + b * hq + h, 1, sem="release")
 

@@ -104,7 +104,7 @@ if triton is not None:
         m_ptr, l_ptr, lens_ptr, budgets_ptr,
         budget, seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h,
         TILE: tl.constexpr, BLOCK_T: tl.constexpr, SYSTEMATIC: tl.constexpr, DIGIT_BITS: tl.constexpr,
-        PDL: tl.constexpr,
+        EARLY_EXIT: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program per (head, batch row): ``group_budgets`` of one head."""
         if PDL:  # launched early (programmatic dependent launch): wait for the stats pass, let the next launch
@@ -115,7 +115,8 @@ if triton is not None:
         length = tl.load(lens_ptr + b)
         one = tl.arange(0, 1)
         group_budgets(m_ptr, l_ptr, budgets_ptr, h + one, one < 1, b, length, (length + TILE - 1) // TILE, budget,
-                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS)
+                      seed_lo, seed_hi, budget_key, n_tiles, hq, s_ml_b, s_ml_h, BLOCK_T, SYSTEMATIC, DIGIT_BITS,
+                      EARLY_EXIT)
 
     @budget_jit
     def _compact_sample_kernel(
