@@ -55,3 +55,22 @@ def test_table_names_the_best_other_setting():
     assert "| 1x8k | `m` | 20.0 | 0 | _k | 10.0 | warps=2 | 8.0 |" in text
     assert "| 1x8k | `m` | 20.0 | 1 | _w | waits | – | – |" in text
     assert "| 1x8k | `m` | 20.0 | _k | warps=2 | 19.0 |" in text
+
+
+def test_stage_sweep_adds_rows_and_tiles_to_the_probabilities_launch():
+    """``benchmarks/sketchwalk_authors/stage_sweep.py``: the settings it sweeps beyond warps and stages."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketchwalk_authors" / "stage_sweep.py"
+    spec = importlib.util.spec_from_file_location("stage_sweep", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def kernel(name):
+        return type("K", (), {"__name__": name})()
+
+    probs = mod.extra_settings(kernel("_row_probs_kernel"), (1, 8, 128), {"BLOCK_R": 32, "num_warps": 4})
+    labels = {label for label, _, _ in probs}
+    assert "BLOCK_R=32,warps=4" not in labels and {"BLOCK_R=16,warps=4", "BLOCK_R=128,warps=8"} <= labels
+    assert all(grid == (1, 8, 128) for _, grid, _ in probs)
+    logits = mod.extra_settings(kernel("_row_logits_kernel"), (1, 8, 128), {"BLOCK_R": 32, "num_warps": 4})
+    assert [label for label, _, _ in logits] == ["BLOCK_R=16", "BLOCK_R=64"]
+    assert mod.extra_settings(kernel("_walk_hop_kernel"), (1,), {"num_warps": 4}) == []
