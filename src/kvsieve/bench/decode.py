@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .report import library_version
 from .timing import ColdL2Timer, copy_bandwidth, count_launches, host_us
 
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
@@ -305,13 +306,6 @@ def run_decode_bench(*, shapes=("llama-3.1-8b", "smollm2-135m"), contexts=DEFAUL
         "copy_bandwidth_bytes_per_s": peak,
         "rows": rows,
     }
-
-
-def library_version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def geometric_mean(values) -> float:

@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .peaked import ATTENTION_LABELS, bench_prompts, calibration_markdown
-from .report import fmt
+from .report import environment, fmt
 from .saap_fit import fit_line, fitted_specs
 from .timing import step_kernel_kinds
 
@@ -206,13 +206,7 @@ def run_e2e_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Sequen
         log(f"device-to-device copy: {peak / 1e12:.2f} TB/s (bytes read + written)")
     rows: list[dict] = []
     results = {
-        "kind": "e2e",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "triton": _version("triton"),
-        "dtype": str(dtype).replace("torch.", ""),
+        **environment("e2e", device, dtype),
         "protocol": (f"random weights; N random prompt tokens per row prefilled once (SDPA, "
                      f"{'one forward per row' if prefill_chunk is None else f'chunks of {prefill_chunk}'});"
                      f" per variant {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} (eager"
@@ -454,13 +448,7 @@ def run_ttft_bench(*, shapes: Sequence[str] = ("llama-3.1-8b",), contexts: Seque
         torch.cuda.empty_cache()
     rows: list[dict] = []
     results = {
-        "kind": "e2e-ttft",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "triton": _version("triton"),
-        "dtype": str(dtype).replace("torch.", ""),
+        **environment("e2e-ttft", device, dtype),
         "protocol": (f"random weights; N random prompt tokens per row; time to first token = prefill (one forward "
                      f"per row; the last position's logits only) + the first token (greedy); {warmup} untimed "
                      f"call(s), then the median of {repeats} ({'CUDA-event' if cuda else 'wall-clock'} time "
@@ -685,13 +673,6 @@ def _host_cell(r: dict) -> str:
     cell = fmt(r.get("host_ms"), ".3f")
     cell = f"{cell} ({r['host_min_ms']:.3f})" if "host_min_ms" in r else cell
     return cell + "†" if r.get("host_after_profiler") else cell
-
-
-def _version(module: str) -> str | None:
-    try:
-        return __import__(module).__version__
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def markdown(results: dict, command: str) -> str:

@@ -37,7 +37,7 @@ import torch
 
 from . import e2e
 from .peaked import ATTENTION_LABELS
-from .report import fmt
+from .report import environment, fmt
 
 TP_SHAPES: dict[str, dict] = {
     "llama-3.1-8b": e2e.MODEL_SHAPES["llama-3.1-8b"],
@@ -312,14 +312,9 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
         launch(_rank_bench, tp, kw, out, backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
         got = dict(out)
     return {
-        "kind": "e2e-tp",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        **environment("e2e-tp", "cpu", dtype),
         "device": got.get("device"),
         "tp": tp,
-        "torch": torch.__version__,
-        "transformers": e2e._version("transformers"),
-        "triton": e2e._version("triton"),
-        "dtype": str(dtype).replace("torch.", ""),
         "protocol": (f"random weights built directly sharded by transformers' tensor-parallel plan over {tp} ranks "
                      f"({'NCCL' if device == 'cuda' else 'gloo'})"
                      + ("" if params is None else ", rewritten on every rank for peaked attention (bench/peaked.py; "

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .report import fmt
+from .report import environment, fmt
 
 REAL_MODELS = {"smollm2-135m": 8192, "gemma3-270m": 32768}  # name -> context (prompt + new tokens)
 DEFAULT_TASK = "niah_single_2"
@@ -77,10 +77,7 @@ def run_real_bench(*, models: Sequence[str] = tuple(REAL_MODELS), contexts: dict
         from ..integrations.models import load_model as load
     device = torch.device(device)
     deadline = None if budget_s is None else time.perf_counter() + budget_s
-    results = {"kind": "real", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "torch": torch.__version__, "transformers": _version("transformers"), "triton": _version("triton"),
-               "dtype": str(dtype).removeprefix("torch."), "task": task, "prompts": prompts, "new_tokens": new_tokens,
+    results = {**environment("real", device, dtype), "task": task, "prompts": prompts, "new_tokens": new_tokens,
                "seed": seed, "stats_steps": stats_steps, "budget_s": budget_s, "methods": list(methods), "models": [],
                "rows": []}
     for name in models:
@@ -180,15 +177,6 @@ def _restart(rt, prompt_rows) -> None:
 
 def _mean(values) -> float | None:
     return float(statistics.fmean(values)) if values else None
-
-
-def _version(module: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module)
-    except PackageNotFoundError:
-        return None
 
 
 def _line(r: dict) -> str:

@@ -8,6 +8,34 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def library_version(module: str) -> str | None:
+    """The version of the importable ``module`` (its ``__version__``, else its distribution's); None where it is
+    not installed or does not import."""
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - a library that fails to import has no version to report
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(module)
+        except PackageNotFoundError:
+            return None
+
+
+def environment(kind: str, device, dtype) -> dict:
+    """The fields every results file opens with: its kind, the UTC date, the device's name, the library versions
+    (torch, transformers, triton) and the dtype."""
+    import time
+
+    import torch
+
+    device = torch.device(device)
+    return {"kind": kind, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": library_version("transformers"),
+            "triton": library_version("triton"), "dtype": str(dtype).removeprefix("torch.")}
+
+
 def fmt(value, spec: str) -> str:
     """``value`` formatted by ``spec``, or a dash for a missing value."""
     return "—" if value is None else format(value, spec)
