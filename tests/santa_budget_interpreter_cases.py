@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from kvsieve.kernels.santa.common import histogram_threshold, histogram_threshold_early  # noqa: E402
+from kvsieve.kernels.santa.common import histogram_threshold  # noqa: E402
 from kvsieve.kernels.santa.systematic import largest_remainder  # noqa: E402
 from kvsieve.kernels.santa.two_pass import prop_budgets  # noqa: E402
 
@@ -59,11 +59,7 @@ def threshold_kernel(x_ptr, rem_ptr, out_ptr, N: tl.constexpr, BITS: tl.constexp
     r = tl.program_id(0)
     x = tl.load(x_ptr + r * N + tl.arange(0, N))
     rem = tl.load(rem_ptr + r)
-    if EARLY:
-        v = histogram_threshold_early(x, rem, BITS, 5)
-    else:
-        v = histogram_threshold(x, rem, BITS, 5)
-    tl.store(out_ptr + r, v)
+    tl.store(out_ptr + r, histogram_threshold(x, rem, BITS, 5, EARLY))
 
 
 def threshold_reference(x: torch.Tensor, rem: torch.Tensor, bits: int) -> torch.Tensor:
@@ -76,7 +72,7 @@ def threshold_reference(x: torch.Tensor, rem: torch.Tensor, bits: int) -> torch.
 
 
 def test_the_threshold_select_by_its_definition(early_exit):
-    """``histogram_threshold`` (and its early-exit form) on rows of few distinct values (many ties), entries of
+    """``histogram_threshold`` (with and without its early exit) on rows of few distinct values (many ties), entries of
     2^bits and above and below 0, ``rem`` from below 0 to past the row's entries."""
     g = torch.Generator().manual_seed(7)
     bits, n, rows = 10, 64, 120

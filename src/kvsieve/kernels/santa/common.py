@@ -85,50 +85,46 @@ if triton is not None:
         return base, (tl.fma(w, scale[:, None], -base) * 1099511627776.0).to(tl.int64)
 
     @triton.jit
-    def histogram_threshold(x, rem, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    def _threshold_step(x, rem, v, above, p: tl.constexpr, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr,
+                        EARLY_EXIT: tl.constexpr):
+        """Step ``p`` of :func:`histogram_threshold`: ``(v, above, known)`` with the threshold's next digit in
+        ``v`` and the entries above its digits so far in ``above``. With EARLY_EXIT, when every entry of the
+        digit's bin is needed (the entries above it and the bin's make exactly ``rem``), ``v`` is the bin's least
+        entry, which the later steps would spell out digit by digit, and ``known`` is 1."""
+        NB: tl.constexpr = 1 << DIGIT_BITS
+        bins = tl.arange(0, NB)
+        match = (x >= 0) & ((x >> (BITS - p * DIGIT_BITS)) == (v >> (BITS - p * DIGIT_BITS)))
+        digit = (x >> (BITS - (p + 1) * DIGIT_BITS)) & (NB - 1)
+        hist = tl.histogram(digit, NB, mask=match)
+        at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries >= each digit
+        pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
+        above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
+        v += pick << (BITS - (p + 1) * DIGIT_BITS)
+        known = rem * 0
+        if EARLY_EXIT:
+            in_pick = tl.sum(tl.where(bins == pick, hist, 0), axis=0)
+            if (in_pick > 0) & (above + in_pick == rem):
+                v = tl.min(tl.where(match & (digit == pick), x, 1 << BITS), axis=0)
+                known += 1
+        return v, above, known
+
+    @triton.jit
+    def histogram_threshold(x, rem, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr, EARLY_EXIT: tl.constexpr):
         """Per row ``x [C]`` (int32, entries below 0 never count; ``rem`` a scalar): the largest v in [0, 2^BITS)
         with ``#{x >= v} >= rem`` (0 when none qualifies), most significant digit first, DIGIT_BITS bits a step:
         a histogram of the digit (``tl.histogram``) over the entries that share the threshold's digits so far.
-        Entries of 2^BITS and above count as above every candidate."""
+        Entries of 2^BITS and above count as above every candidate. EARLY_EXIT: the steps after the one that
+        makes the threshold known are skipped (:func:`_threshold_step`; the same value)."""
         tl.static_assert(BITS % DIGIT_BITS == 0)
-        NB: tl.constexpr = 1 << DIGIT_BITS
-        bins = tl.arange(0, NB)
         v = rem * 0
         above = tl.sum((x >= (1 << BITS)).to(tl.int32), axis=0)  # entries above the threshold's digits so far
+        known = rem * 0
         for p in tl.static_range(BITS // DIGIT_BITS):
-            match = (x >= 0) & ((x >> (BITS - p * DIGIT_BITS)) == (v >> (BITS - p * DIGIT_BITS)))
-            hist = tl.histogram((x >> (BITS - (p + 1) * DIGIT_BITS)) & (NB - 1), NB, mask=match)
-            at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # entries >= each digit
-            pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
-            above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
-            v += pick << (BITS - (p + 1) * DIGIT_BITS)
-        return v
-
-    @triton.jit
-    def histogram_threshold_early(x, rem, BITS: tl.constexpr, DIGIT_BITS: tl.constexpr):
-        """:func:`histogram_threshold`'s value, its steps skipped once the threshold is known: when every entry
-        of the digit's bin is needed (the entries above it plus the bin's make exactly ``rem``: a bin of one
-        entry, usually, after two or three steps), the threshold is the bin's least entry, which every later
-        step would spell out digit by digit."""
-        tl.static_assert(BITS % DIGIT_BITS == 0)
-        NB: tl.constexpr = 1 << DIGIT_BITS
-        bins = tl.arange(0, NB)
-        v = rem * 0
-        done = rem * 0
-        above = tl.sum((x >= (1 << BITS)).to(tl.int32), axis=0)
-        for p in tl.static_range(BITS // DIGIT_BITS):
-            if done == 0:
-                match = (x >= 0) & ((x >> (BITS - p * DIGIT_BITS)) == (v >> (BITS - p * DIGIT_BITS)))
-                digit = (x >> (BITS - (p + 1) * DIGIT_BITS)) & (NB - 1)
-                hist = tl.histogram(digit, NB, mask=match)
-                at_or_above = above + tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist
-                pick = tl.maximum(tl.sum((at_or_above >= rem).to(tl.int32), axis=0) - 1, 0)
-                above += tl.sum(tl.where(bins > pick, hist, 0), axis=0)
-                v += pick << (BITS - (p + 1) * DIGIT_BITS)
-                in_pick = tl.sum(tl.where(bins == pick, hist, 0), axis=0)
-                if (in_pick > 0) & (above + in_pick == rem):
-                    v = tl.min(tl.where(match & (digit == pick), x, 1 << BITS), axis=0)
-                    done += 1
+            if EARLY_EXIT:
+                if known == 0:
+                    v, above, known = _threshold_step(x, rem, v, above, p, BITS, DIGIT_BITS, EARLY_EXIT)
+            else:
+                v, above, known = _threshold_step(x, rem, v, above, p, BITS, DIGIT_BITS, EARLY_EXIT)
         return v
 
     @triton.jit
@@ -174,16 +170,10 @@ if triton is not None:
             ok1 = tl.reshape(ok, [BLOCK_T])
             r1 = tl.sum(rem, axis=0)
             q_hi = tl.where(ok1, (q >> 20).to(tl.int32), -1)
-            if EARLY_EXIT:
-                v_hi = histogram_threshold_early(q_hi, r1, 20, DIGIT_BITS)
-            else:
-                v_hi = histogram_threshold(q_hi, r1, 20, DIGIT_BITS)
+            v_hi = histogram_threshold(q_hi, r1, 20, DIGIT_BITS, EARLY_EXIT)
             # the low 20 bits of the fractions whose high bits equal v_hi; 2^20 (above any) for those above
             q_lo = tl.where(q_hi > v_hi, 1 << 20, tl.where(q_hi == v_hi, (q & 1048575).to(tl.int32), -1))
-            if EARLY_EXIT:
-                v_lo = histogram_threshold_early(q_lo, r1, 20, DIGIT_BITS)
-            else:
-                v_lo = histogram_threshold(q_lo, r1, 20, DIGIT_BITS)
+            v_lo = histogram_threshold(q_lo, r1, 20, DIGIT_BITS, EARLY_EXIT)
             tie = (q_lo == v_lo).to(tl.int32)
             need = r1 - tl.sum((q_lo > v_lo).to(tl.int32), axis=0)
             bonus = tl.reshape((q_lo > v_lo) | ((tie > 0) & (tl.cumsum(tie, axis=0) <= need)), [1, BLOCK_T])
@@ -377,8 +367,8 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 # Bits of the largest-remainder threshold settled per histogram step (``histogram_threshold``): 4 steps per
 # 20-bit half of the fractions
 _DIGIT_BITS = 5
-# The threshold's steps skipped once it is known (``histogram_threshold_early``; the same budgets to the bit). Off
-# until timed on the GPU (``benchmarks/breakdown/santa_budget.py --early-exit``)
+# The threshold's steps skipped once it is known (``histogram_threshold``'s EARLY_EXIT; the same budgets to the
+# bit). Off until timed on the GPU (``benchmarks/breakdown/santa_budget.py --early-exit``)
 BUDGET_EARLY_EXIT = False
 
 
