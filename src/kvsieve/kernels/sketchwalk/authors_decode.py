@@ -124,6 +124,12 @@ if triton is not None:
         return big, se * tl.exp(mx - big) + tl.exp(x - big)
 
     @triton.jit
+    def _cache_at(bg, blocks, rows, cap, n_rows):
+        """Offsets in the logit cache ``[B·Hkv, C, G·W]`` (block-major: a block's ring rows side by side) of the ring
+        rows ``rows`` of (row, KV head) ``bg`` against the key blocks ``blocks`` (broadcast together)."""
+        return (bg * cap + blocks) * n_rows + rows
+
+    @triton.jit
     def _closed_sums(lg_ptr, bg, rows, rows_ok, c, cap, n_rows, scale, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         """``(max, Σ exp(· − max))`` of the cached scaled logits of the ring rows ``rows`` of (row, KV head) ``bg``
         over the blocks j < c, in one pass of BLOCK_N blocks at a time (the sum rescaled when the max grows)."""
@@ -132,7 +138,7 @@ if triton is not None:
         for x0 in range(0, c, BLOCK_N):
             j = x0 + tl.arange(0, BLOCK_N)
             ok = rows_ok[:, None] & (j < c)[None, :]
-            lg = tl.load(lg_ptr + (bg * cap + j[None, :]) * n_rows + rows[:, None], mask=ok, other=0.0)
+            lg = tl.load(lg_ptr + _cache_at(bg, j[None, :], rows[:, None], cap, n_rows), mask=ok, other=0.0)
             mx, se = _fold(mx, se, tl.where(ok, lg * scale, float("-inf")))
         return mx, se
 
@@ -179,8 +185,8 @@ if triton is not None:
                 for r0 in range(0, n_rows, BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)
                     ok = ((rows < n_rows) & (rows % w_len != slot))[:, None] & (cols < c)[None, :]
-                    tl.store(lg_ptr + (bg * cap + cols[None, :]) * n_rows + rows[:, None],
-                             tl.load(plg_ptr + (bg * p_cap + cols[None, :]) * n_rows + rows[:, None], mask=ok,
+                    tl.store(lg_ptr + _cache_at(bg, cols[None, :], rows[:, None], cap, n_rows),
+                             tl.load(plg_ptr + _cache_at(bg, cols[None, :], rows[:, None], p_cap, n_rows), mask=ok,
                                      other=0.0), mask=ok)
             gh = tl.arange(0, BLOCK_G)
             g_ok = gh < GROUP
@@ -194,7 +200,7 @@ if triton is not None:
                 kt = tl.load(ks_ptr + (bg * cap + cols)[:, None] * m + f[None, :], mask=col_ok[:, None] & f_ok[None, :],
                              other=0.0)
                 acc += tl.sum(qn[:, None, :] * kt[None, :, :], 2)
-            tl.store(lg_ptr + (bg * cap + cols[None, :]) * n_rows + (gh * w_len + slot)[:, None], acc,
+            tl.store(lg_ptr + _cache_at(bg, cols[None, :], (gh * w_len + slot)[:, None], cap, n_rows), acc,
                      mask=g_ok[:, None] & col_ok[None, :])
             closed = g_ok[:, None] & (cols < c)[None, :]
             tmx, tse = _fold(tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
@@ -218,10 +224,10 @@ if triton is not None:
                 cm, cs = _closed_sums(lg_ptr, bg, rows, old, c, cap, n_rows, scale, BLOCK_R, BLOCK_N)
             for j in range(tl.where(restart | back, c, n_prev), c):
                 col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + j) * m, rows, r_ok, m, BLOCK_M)
-                tl.store(lg_ptr + (bg * cap + j) * n_rows + rows, col, mask=old)
+                tl.store(lg_ptr + _cache_at(bg, j, rows, cap, n_rows), col, mask=old)
                 cm, cs = _plus(cm, cs, col * scale)
             col = _column(qs_ptr, ks_ptr, ring_base, (bg * cap + c) * m, rows, r_ok, m, BLOCK_M)
-            tl.store(lg_ptr + (bg * cap + c) * n_rows + rows, col, mask=old)
+            tl.store(lg_ptr + _cache_at(bg, c, rows, cap, n_rows), col, mask=old)
             tl.store(cmx_ptr + at, cm, mask=old)
             tl.store(cse_ptr + at, cs, mask=old)
             cm, cs = _plus(cm, cs, col * scale)
@@ -269,9 +275,11 @@ if triton is not None:
                 tl.store(cse_ptr + new_at, cs, mask=g_ok)
                 tl.store(ncl_ptr + bg, c)
             new_rows = gh * w_len + slot
-            nm, ns = _plus(cm, cs, tl.load(lg_ptr + (bg * cap + c) * n_rows + new_rows, mask=g_ok, other=0.0) * scale)
+            lg_c = tl.load(lg_ptr + _cache_at(bg, c, new_rows, cap, n_rows), mask=g_ok, other=0.0)
+            nm, ns = _plus(cm, cs, lg_c * scale)
             new_ok = g_ok[:, None] & live[None, :]
-            lg_new = tl.load(lg_ptr + (bg * cap + cols[None, :]) * n_rows + new_rows[:, None], mask=new_ok, other=0.0)
+            lg_new = tl.load(lg_ptr + _cache_at(bg, cols[None, :], new_rows[:, None], cap, n_rows), mask=new_ok,
+                             other=0.0)
             acc += tl.sum(tl.where(new_ok, tl.exp(lg_new * scale - nm[:, None]) / ns[:, None], 0.0), 0)
             for r0 in range(0, n_rows, BLOCK_R):
                 rows = r0 + tl.arange(0, BLOCK_R)
@@ -280,7 +288,7 @@ if triton is not None:
                 mx = tl.load(mx_ptr + bg * n_rows + rows, mask=ok, other=0.0)
                 se = tl.load(se_ptr + bg * n_rows + rows, mask=ok, other=1.0)
                 both = ok[:, None] & live[None, :]
-                lg = tl.load(lg_ptr + (bg * cap + cols[None, :]) * n_rows + rows[:, None], mask=both, other=0.0)
+                lg = tl.load(lg_ptr + _cache_at(bg, cols[None, :], rows[:, None], cap, n_rows), mask=both, other=0.0)
                 acc += tl.sum(tl.where(both, tl.exp(lg * scale - mx[:, None]) / se[:, None], 0.0), 0)
         tl.store(part_ptr + bg * cap + cols, acc, mask=cols < cap)
 

@@ -159,7 +159,7 @@ class AuthorsDeviceState(MethodState):
                    p_nblocks=p_nblocks, p_row=p_row, p_col=p_col, p_rsum=p_rsum, p_qs=p_qs,
                    p_nq=st.prompt_n_queries.clone(), p_kpart=p_kpart, logits=logits, closed_max=closed_max,
                    closed_sum=closed_sum, n_closed=n_closed[:, None].expand(b, hkv).contiguous(),
-                   p_logits=p_logits.contiguous(), p_closed_max=p_closed_max, p_closed_sum=p_closed_sum,
+                   p_logits=p_logits, p_closed_max=p_closed_max, p_closed_sum=p_closed_sum,
                    logit_scale=scale, fresh_rows=not st.has_history, block_size=bs)
 
 
