@@ -312,7 +312,7 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
         launch(_rank_bench, tp, kw, out, backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
         got = dict(out)
     return {
-        **environment("e2e-tp", "cpu", dtype),
+        **environment("e2e-tp", "cpu", dtype),  # (this launcher holds no GPU: the device is the ranks')
         "device": got.get("device"),
         "tp": tp,
         "protocol": (f"random weights built directly sharded by transformers' tensor-parallel plan over {tp} ranks "
