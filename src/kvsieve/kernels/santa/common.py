@@ -368,8 +368,10 @@ BUDGET_KEY = (STREAM_BUDGET * 0x9E3779B9) & 0xFFFFFFFF
 # 20-bit half of the fractions
 _DIGIT_BITS = 5
 # The threshold's steps skipped once it is known (``histogram_threshold``'s EARLY_EXIT; the same budgets to the
-# bit). Off until timed on the GPU (``benchmarks/breakdown/santa_budget.py --early-exit``)
-BUDGET_EARLY_EXIT = False
+# bit). H200, on the end-to-end model's operands (benchmarks/breakdown/e2e_layers.py --set): santa-prop's layer calls
+# 100.7–107.6 → 99.5–100.0 µs at 128k batch 1, Bernoulli's values 7.48 → 7.41 ms a step; the budget launch alone
+# 11.3 → 10.2 µs (santa_budget.py --early-exit). False times the select without it
+BUDGET_EARLY_EXIT = True
 
 
 def budget_meta(t: int, *, rounding: str) -> dict:
