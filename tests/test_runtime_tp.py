@@ -223,7 +223,7 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         assert fused["aten::mm"] == 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2 - 2 * 2
         assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)
     sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
-    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()
+    assert all(res["sampled"].tolist() == ranks[0]["sampled"].tolist() for res in ranks) == sampled.tolist()
 
     # each rank's cache: its own KV head (rank r holds global head r of 2), the prompt's keys as one process has them
     with DecodeRuntime(model, "dense", batch_size=2, capacity=42, max_new_tokens=2) as rt:
@@ -395,7 +395,7 @@ def test_tp_tables_break_a_step_down_with_its_collectives():
 # -- GPU: NCCL, the step captured in a CUDA graph per rank --------------------------------------------
 
 GPU_SHAPE = dict(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+                 num_attention_heads=8, max_position_embeddings=4096)
 GPU_SPECS = ("dense", "quest:top_k=0.05,sink=16,window=64", "streaming:sink=16,window=256")
 
 
@@ -418,19 +418,22 @@ def _rank_gpu(rank, size, path, rows, out):
 
 
 @pytest.mark.gpu
-def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp_on_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_path, size):
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
     from saap_helpers import write_artifacts
 
-    model = tiny_llama(**GPU_SHAPE)  # float32: no argmax tie between a sharded and a whole matmul
+    # one KV head a rank (the fewest a rank can hold); float32: no argmax tie
+    # between a sharded and a whole matmul
+    model = tiny_llama(**GPU_SHAPE, num_key_value_heads=size)
     model.save_pretrained(tmp_path / "model")
     (tmp_path / "model-saap").mkdir()  # SAAP's artifacts of this model: each rank takes its KV head's slice
-    write_artifacts(tmp_path / "model-saap", heads=8, kv_heads=2, head_dim=64, layers=4, clusters=16, per="q",
+    write_artifacts(tmp_path / "model-saap", heads=8, kv_heads=size, head_dim=64, layers=4, clusters=16, per="q",
                     model=model)
     rows = [torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n)) for n in (1500, 700)]
-    launch(_rank_gpu, 2, str(tmp_path / "model"), rows, str(tmp_path), backend="nccl")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    launch(_rank_gpu, size, str(tmp_path / "model"), rows, str(tmp_path), backend="nccl")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(size)]
     model = model.to("cuda:0")
     rows = [r.to("cuda:0") for r in rows]
     for spec in GPU_SPECS + (saap_spec(tmp_path / "model"),):
@@ -444,7 +447,7 @@ def test_tp2_on_two_gpus_gives_the_single_gpu_tokens_with_the_step_captured(tmp_
             # the row-parallel products summed through symmetric memory in the captured decode steps
             assert any("symmetric memory's one-shot in decode steps" in n for n in tp["fallbacks"]), tp["fallbacks"]
             assert tokens.tolist() == ref.tokens.tolist(), (spec, r)
-    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist()
+    assert all(res["sampled"].tolist() == ranks[0]["sampled"].tolist() for res in ranks)
     dense = generate(model, rows, "dense", max_new_tokens=24, graph=True, eos_token_id=None, compile_ops=False).tokens
     for res in ranks:  # the captured step without compile_ops, as before it served sharded models
         assert res["uncompiled"][0].tolist() == dense.tolist() and not res["uncompiled"][1]
