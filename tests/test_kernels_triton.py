@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from interpreted import case_groups, group_id, run_interpreter_cases
 
 pytest.importorskip("triton")
@@ -113,6 +114,54 @@ for counts in (False, True):
 compile_(sm._prop_merge_kernel, dict(oacc_ptr="*fp32", out_ptr="*bf16"), dict(D=128, PDL=True), num_warps=1)
 print("COMPILED")
 """
+
+
+DENSE_PDL_FOR_H100 = """
+from kvsieve.kernels.shared import dense, triton_utils as tu
+
+ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32",
+            l_ptr="*fp32")
+for block_n, warps, stages in ((64, 4, 3), (128, 8, 2)):
+    compile_(dense._dense_split_kernel, ptrs, dict(G=8, BLOCK_G=16, D=128, BLOCK_N=block_n, DOT_PRECISION="tf32",
+             PDL=True), floats=("scale_log2",), num_warps=warps, num_stages=stages)
+compile_(tu._merge_partials_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*i32",
+         "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=16, CHUNK_P=64, HAS_LENS=True, HAS_LSE=False,
+         PDL=True))
+print("COMPILED")
+"""
+
+
+def test_dense_kernels_with_programmatic_dependent_launch_compile_for_the_h100():
+    """``dense.MERGE_PDL``: the split launch lets the merge launch early and the merge waits for it; compiled for
+    sm_90 at both launch settings of ``dense.launch_config`` (the interpreter has no grid dependency control)."""
+    from interpreted import compile_for_sm90
+
+    compile_for_sm90(DENSE_PDL_FOR_H100)
+
+
+def test_dense_merge_pdl_wiring(monkeypatch):
+    """With ``MERGE_PDL`` on a GPU that has it, the split launch is told to let dependents launch and the merge is
+    launched with programmatic dependent launch and waits; off, neither (the launches recorded, not run)."""
+    from kvsieve.kernels.shared import dense, triton_utils
+
+    seen = []
+
+    def record(kernel, grid, *args, **meta):
+        seen.append((kernel, meta))
+
+    monkeypatch.setattr(dense, "pdl_available", lambda: True)
+    monkeypatch.setattr(dense, "launch", record)
+    monkeypatch.setattr(triton_utils, "launch", record)
+    for on in (False, True):
+        seen.clear()
+        monkeypatch.setattr(dense, "MERGE_PDL", on)
+        q = torch.randn(1, 8, 64)
+        k = torch.randn(1, 2, 300, 64)
+        dense.dense_decode_triton(q, k, k, torch.tensor([300], dtype=torch.int32), 0.125)
+        (split, split_meta), (merge, merge_meta) = seen
+        assert split is dense._dense_split_kernel and merge is triton_utils._merge_partials_kernel
+        assert split_meta["PDL"] is on and merge_meta["PDL"] is on
+        assert merge_meta.get("launch_pdl", False) is on and "launch_pdl" not in split_meta
 
 
 def test_split_merge_kernels_compile_for_the_h100():

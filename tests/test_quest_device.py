@@ -34,8 +34,8 @@ compile_(wt._sparse_split_kernel, ptr, dict(HEADS=4, G=4, BLOCK_G=16, D=128, BLO
          HAS_W=False, DOT_PRECISION="tf32", DOT_F32=False, FUSED_MERGE=False, HAS_SINK_LENS=False),
          floats=("scale_log2",), num_stages=2)
 compile_(tu._merge_partials_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*bf16",
-         "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=32, CHUNK_P=64, HAS_LENS=False, HAS_LSE=True),
-         num_warps=1, num_stages=2)
+         "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=32, CHUNK_P=64, HAS_LENS=False, HAS_LSE=True,
+         PDL=False), num_warps=1, num_stages=2)
 ptr = {"s_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "cnt_ptr": "*i64", "lens_ptr": "*i32",
        "gs_ptr": "*fp32", "tk_ptr": "*i32", "out_ptr": "*i64", "mx_ptr": "*fp32", "cv_ptr": "*fp32", "ci_ptr": "*i32",
        "sn_ptr": "*i32", "sh_ptr": "*i32", "sl_ptr": "*i32", "cv2_ptr": "*fp32", "ci2_ptr": "*i32"}

@@ -5,7 +5,8 @@ them with the launch settings of an H100 sweep at Llama-3.1-8B's 8 KV heads. A t
 fewer KV heads (the 70B shape at TP 4: 2 a rank; the 8B shape at TP 2: 4), so the same 264 programs read
 shorter chunks and the merge has more partials to combine. This times the kernel (split launch + merge,
 captured, cold L2) at each (programs, block_n, num_warps, num_stages) for each layout, with FlashInfer's
-decode on the same K/V beside it, and the split and merge launches' share by the profiler at the default.
+decode on the same K/V beside it, the split and merge launches' share by the profiler at the default, and the
+default with its merge launched with programmatic dependent launch (``dense.MERGE_PDL``) beside it.
 
     python benchmarks/breakdown/dense_splits.py --out DIR [--layouts 16/2/128,16/4/128,32/8/128]
         [--cases 1x128k,8x32k]
@@ -74,12 +75,23 @@ def main() -> None:
                 parts = None
                 if programs == default_programs and launch == default:
                     parts = timer.kernel_breakdown(call)
+            pdl_row = None
+            if programs == default_programs and launch == default:
+                with mock.patch.object(dense, "MERGE_PDL", True):
+                    def call_pdl(x=x):
+                        return dense.dense_decode_triton(x.q, x.k, x.v, x.lens, x.scale)
+                    pdl_err = (call_pdl().float() - ref).abs().max().item()
+                    pdl_row = {**timer.time_graph_us(call_pdl, iters=args.iters), "max_abs_err": pdl_err}
             splits = split_plan(batch, hkv, n, launch[0])[1]
             rows.append({**base, "variant": "dense", "programs": programs, "splits": splits,
                          "block_n": launch[0], "num_warps": launch[1], "num_stages": launch[2],
                          "default": programs == default_programs and launch == default, "max_abs_err": err,
                          "copy_fraction": kv_bytes / peak / (t["median_us"] * 1e-6), "kernels_us": parts, **t})
             print({k: v for k, v in rows[-1].items() if k != "kernels_us"}, flush=True)
+            if pdl_row is not None:
+                rows.append({**rows[-1], "kernels_us": None, "merge_pdl": True, **pdl_row,
+                             "copy_fraction": kv_bytes / peak / (pdl_row["median_us"] * 1e-6)})
+                print({k: v for k, v in rows[-1].items() if k != "kernels_us"}, flush=True)
     result = {**environment("dense-splits", "cuda", torch.bfloat16), "copy_bandwidth_bytes_per_s": peak, "rows": rows,
               "command": "python benchmarks/breakdown/dense_splits.py " + " ".join(sys.argv[1:])}
     (out / "dense_splits.json").write_text(json.dumps(result, indent=1))
@@ -92,13 +104,15 @@ def main() -> None:
     for key, group in itertools.groupby(rows, lambda r: (r["layout"], r["batch"], r["n"])):
         group = list(group)
         fi = next((r["median_us"] for r in group if r["variant"] == "flashinfer"), None)
-        dense_rows = sorted((r for r in group if r["variant"] == "dense"), key=lambda r: r["median_us"])
-        shown = [r for r in dense_rows[:5]] + [r for r in dense_rows[5:] if r["default"]]
+        dense_rows = sorted((r for r in group if r["variant"] == "dense" and not r.get("merge_pdl")),
+                            key=lambda r: r["median_us"])
+        shown = ([r for r in dense_rows[:5]] + [r for r in dense_rows[5:] if r["default"]]
+                 + [r for r in group if r.get("merge_pdl")])
         if fi is not None:
             lines.append(f"| {key[0]} | {key[1]} | {key[2]:,} | FlashInfer | | | {fi:.1f} | "
                          f"{group[0]['kv_bytes'] / peak / (fi * 1e-6):.0%} | 1.00 |")
         for r in shown:
-            star = " ★" if r["default"] else ""
+            star = (" ★" if r["default"] else "") + (", merge PDL" if r.get("merge_pdl") else "")
             ratio = f"{fi / r['median_us']:.2f}" if fi else "—"
             lines.append(f"| {key[0]} | {key[1]} | {key[2]:,} | {r['programs']}{star} | {r['splits']} | "
                          f"{r['block_n']}/{r['num_warps']}/{r['num_stages']} | {r['median_us']:.1f} | "

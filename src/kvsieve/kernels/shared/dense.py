@@ -5,7 +5,8 @@ valid prefix, or over its last ``window`` keys (a sliding-window layer: keys ``[
 
 One program per (split, KV head, batch row) scores its chunk of keys for the G query heads of the
 group at once (one K load shared by G heads), keeps an online softmax, and writes partials that
-``triton_utils.merge_partials`` combines: 2 launches per call.
+``triton_utils.merge_partials`` combines: 2 launches per call. With :data:`MERGE_PDL` (Hopper) the merge is
+launched with programmatic dependent launch: its programs start while the split launch runs and wait for it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import math
 
 import torch
 
-from .triton_utils import cdiv, dot_precision, group_block, launch, merge_partials, triton, workspace
+from .triton_utils import cdiv, dot_precision, group_block, launch, merge_partials, pdl_available, triton, workspace
 
 if triton is not None:
     import triton.language as tl
 
-    from .triton_utils import attend_tile
+    from .triton_utils import attend_tile, gdc_launch_dependents
 
     @triton.jit
     def _dense_split_kernel(
@@ -32,8 +33,10 @@ if triton is not None:
         s_ml_b, s_ml_h,
         chunk, window,
         G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # the merge may launch now: its programs wait (gdc_wait) until this launch is done
+            gdc_launch_dependents()
         split = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -109,6 +112,11 @@ def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, targe
 # Head dims the dense kernel serves (Gemma 3 has 256; the sparse kernels state their own).
 DENSE_HEAD_DIMS = (64, 128, 256)
 
+# The merge launched with programmatic dependent launch, hiding the gap between the two launches of a layer (80
+# layers of the 70B shape at TP 4 read 2 KV heads a rank each, about 40 µs a layer). Off until timed on the GPU
+# (benchmarks/breakdown/dense_splits.py times the default launch both ways)
+MERGE_PDL = False
+
 
 def launch_config(n_keys: int, head_dim: int = 128) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages): the fastest of a sweep on an H100 (bf16, 32/8/128, batch 1;
@@ -134,6 +142,7 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
     default_block, num_warps, num_stages = launch_config(span, d)
     block_n = block_n or default_block
     g = hq // hkv
+    pdl = MERGE_PDL and pdl_available()
     chunk, splits = dense_split_plan(b, hkv, span, block_n)
     acc = workspace("acc", q, b * hq * splits * d, torch.float32)
     m = workspace("pm", q, b * hq * splits, torch.float32)
@@ -147,14 +156,14 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
            hq * splits * d, splits * d, d,
            hq * splits, splits,
            chunk, n if window is None else window,
-           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+           G=g, BLOCK_G=group_block(g), D=d, BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype), PDL=pdl,
            num_warps=num_warps, num_stages=num_stages)
     if out is None:
         out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     if window is not None and window < n:
         lens = lens.clamp_max(window)  # the merge reads a row's first ceil(keys read / chunk) splits
     return merge_partials(acc, m, l, lens, out, b, hq, splits, d, chunk, (hq * splits * d, splits * d, d),
-                          (hq * splits, splits))
+                          (hq * splits, splits), pdl=pdl)
 
 
 _LOG2E = math.log2(math.e)

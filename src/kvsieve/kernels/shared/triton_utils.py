@@ -266,9 +266,12 @@ if triton is not None:
         s_ml_b, s_ml_h,
         s_out_b, s_out_h,
         D_CHUNK: tl.constexpr, CHUNK_P: tl.constexpr, HAS_LENS: tl.constexpr, HAS_LSE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # One program per (head, batch row, slice of D_CHUNK features): many small programs, so
         # that reading the partials is not bound by the latency of a few SMs. Slice 0 writes the LSE.
+        if PDL:  # launched while the partials' launch runs: nothing is read or written before it is done
+            gdc_wait()
         h = tl.program_id(0)
         b = tl.program_id(1)
         d0 = tl.program_id(2) * D_CHUNK
@@ -313,17 +316,18 @@ if triton is not None:
 
 def merge_partials(acc, m, l, lens, out, b: int, hq: int, p: int, d: int, part_keys: int,
                    s_acc: tuple[int, int, int], s_ml: tuple[int, int], *, lse: torch.Tensor | None = None,
-                   d_chunk: int = 16, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                   d_chunk: int = 16, num_warps: int = 4, num_stages: int = 3, pdl: bool = False) -> torch.Tensor:
     """``out [B, Hq, d]`` from partials ``acc [B, Hq, P, d]``, ``m, l [B, Hq, P]`` in flat buffers with explicit
     strides (see the module doc; no tensor views on the host path). ``lens [B]`` (None: every row has
     all ``P`` parts) limits row b to its first ``ceil(lens[b] / part_keys)`` parts; with ``lse [B, Hq]``
-    (float32, contiguous) the row's log-sum-exp is written too."""
+    (float32, contiguous) the row's log-sum-exp is written too. ``pdl``: launched with programmatic dependent
+    launch (see :func:`pdl_available`; the partials' kernel should call ``gdc_launch_dependents``)."""
     launch(_merge_partials_kernel, (hq, b, d // d_chunk),
            acc, m, l, out if lens is None else lens, out, out if lse is None else lse, p, part_keys,
            s_acc[0], s_acc[1], s_acc[2], s_ml[0], s_ml[1],
            out.stride(0), out.stride(1),
            D_CHUNK=d_chunk, CHUNK_P=min(64, max(16, next_pow2(p))), HAS_LENS=lens is not None,
-           HAS_LSE=lse is not None, num_warps=num_warps, num_stages=num_stages)
+           HAS_LSE=lse is not None, PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_launch(pdl))
     return out
 
 
