@@ -223,7 +223,7 @@ def test_tp2_gives_the_single_process_tokens_and_shards_the_cache(tmp_path):
         assert fused["aten::mm"] == 2 and fused["aten::linear"] == plain["aten::linear"] - 2 * 2 - 2 * 2
         assert sum(fused.values()) < 0.7 * sum(plain.values()), (plain, fused)
     sampled = generate(model, ids, "dense", max_new_tokens=NEW, do_sample=True, temperature=2.0, seed=11).tokens
-    assert all(res["sampled"].tolist() == ranks[0]["sampled"].tolist() for res in ranks) == sampled.tolist()
+    assert ranks[0]["sampled"].tolist() == ranks[1]["sampled"].tolist() == sampled.tolist()
 
     # each rank's cache: its own KV head (rank r holds global head r of 2), the prompt's keys as one process has them
     with DecodeRuntime(model, "dense", batch_size=2, capacity=42, max_new_tokens=2) as rt:
