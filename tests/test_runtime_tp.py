@@ -340,9 +340,11 @@ def test_methods_that_cannot_run_on_local_heads_are_refused():
 def test_bench_e2e_tp_runs_every_variant_on_two_cpu_ranks():
     from kvsieve.bench.e2e_tp import markdown, run_tp_bench
 
-    results = run_tp_bench(shape="tiny-llama", tp=2, cases=[(1, 48)], methods=("streaming:sink=4,window=8",),
+    results = run_tp_bench(shape="tiny-llama", tp=2, cases=[(1, 48), (2, 32)], methods=("streaming:sink=4,window=8",),
                            device="cpu", steps=2, method_steps=2, warmup=1, hf_steps=2, dtype=torch.float32)
-    rows = {r["variant"]: r for r in results["rows"]}
+    # each case from ranks of its own, in the order asked
+    assert [(r["batch"], r["n"]) for r in results["rows"]] == [(1, 48)] * 3 + [(2, 32)] * 3
+    rows = {r["variant"]: r for r in results["rows"] if r["n"] == 48}
     assert set(rows) == {"runtime", "streaming:sink=4,window=8", "hf-eager"}
     for r in rows.values():
         assert r["ms"] > 0 and len(r["ms_by_rank"]) == 2 and r["collective_ms"] > 0 and r["tp"] == 2

@@ -14,9 +14,11 @@ rank's heads.
 
 Every rank then runs the single-GPU benchmark's case (``e2e._run_case``: one prefill, the runtime's
 dense decode and each method from the same cache, then transformers' own eager decode on the same
-shards) with its own heads' cache. Rank 0 reports; each row also carries every rank's ms per step and
-host ms (``ms_by_rank``, ``host_ms_by_rank``: the ranks wait on each other in every collective, so their
-step times agree; host times need not).
+shards) with its own heads' cache. Each case gets ranks of its own (the model is built again for it): the
+kernel breakdown that follows a case's timings runs the torch profiler, which stays attached to its process and
+slows every later launch, so a later case in the same process would report inflated host times. Rank 0
+reports; each row also carries every rank's ms per step and host ms (``ms_by_rank``, ``host_ms_by_rank``: the
+ranks wait on each other in every collective, so their step times agree; host times need not).
 
 The per-rank floor is ``(this rank's weights + this rank's K/V bytes) / copy rate`` (the single-GPU
 floor of the shard) **plus the measured collective time per step**: the step's collectives (one
@@ -306,11 +308,18 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
     timing = dict(steps=steps, method_steps=method_steps, hf_steps=hf_steps, warmup=warmup)
     kw = dict(shape=shape, cases=list(cases), methods=list(methods), baselines=list(baselines), timing=timing,
               dtype=dtype, device=device, graph=graph, attention=attention, peaked=params)
+    got: dict[str, Any] = {"rows": []}
     with mp.Manager() as manager:
-        out = manager.dict()
-        # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
-        launch(_rank_bench, tp, kw, out, backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
-        got = dict(out)
+        for case in cases:  # ranks of its own per case: see the module doc
+            out = manager.dict()
+            # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
+            launch(_rank_bench, tp, {**kw, "cases": [case]}, out, backend="nccl" if device == "cuda" else "gloo",
+                   timeout_s=300)
+            part = dict(out)
+            got["rows"] += part.get("rows", [])
+            for key in ("device", "copy_bandwidth_bytes_per_s", "calibration"):
+                if got.get(key) is None:
+                    got[key] = part.get(key)
     return {
         **environment("e2e-tp", "cpu", dtype),  # (this launcher holds no GPU: the device is the ranks')
         "device": got.get("device"),
@@ -319,7 +328,7 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
                      f"({'NCCL' if device == 'cuda' else 'gloo'})"
                      + ("" if params is None else ", rewritten on every rank for peaked attention (bench/peaked.py; "
                         "each rank its shard of the same whole tensors)")
-                     + f"; per case as kvsieve bench e2e on every rank "
+                     + f"; each case in ranks of its own, as kvsieve bench e2e on every rank "
                      f"(one prefill; {warmup} warm-up steps then {steps} timed steps (graph) or {method_steps} "
                      f"(eager), {hf_steps} for hf-eager); ms and host ms of rank 0, every rank's in *_by_rank; "
                      "per-rank floor = (rank weights + rank K/V) / copy rate + the step's collectives timed alone, "
