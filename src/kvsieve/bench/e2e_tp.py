@@ -309,17 +309,26 @@ def run_tp_bench(*, shape: str = "llama-3.1-8b", tp: int = 2, cases: Sequence[tu
     kw = dict(shape=shape, cases=list(cases), methods=list(methods), baselines=list(baselines), timing=timing,
               dtype=dtype, device=device, graph=graph, attention=attention, peaked=params)
     got: dict[str, Any] = {"rows": []}
+    failed = []
     with mp.Manager() as manager:
         for case in cases:  # ranks of its own per case: see the module doc
             out = manager.dict()
-            # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
-            launch(_rank_bench, tp, {**kw, "cases": [case]}, out, backend="nccl" if device == "cuda" else "gloo",
-                   timeout_s=300)
+            try:
+                # a rank stuck in a collective (another rank failed) gives up after timeout_s instead of hanging
+                launch(_rank_bench, tp, {**kw, "cases": [case]}, out,
+                       backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
+            except Exception as exc:  # a case whose ranks failed keeps the cases run before it, and says why
+                failed.append(exc)
+                got["rows"].append({"shape": shape, "tp": tp, "batch": case[0], "n": case[1], "variant": "*",
+                                    "error": f"{type(exc).__name__}: {exc}"[:300]})
+                continue
             part = dict(out)
             got["rows"] += part.get("rows", [])
             for key in ("device", "copy_bandwidth_bytes_per_s", "calibration"):
                 if got.get(key) is None:
                     got[key] = part.get(key)
+    if failed and len(failed) == len(cases):
+        raise failed[-1]  # nothing ran: the error, not an empty table
     return {
         **environment("e2e-tp", "cpu", dtype),  # (this launcher holds no GPU: the device is the ranks')
         "device": got.get("device"),
