@@ -116,52 +116,67 @@ print("COMPILED")
 """
 
 
-DENSE_PDL_FOR_H100 = """
-from kvsieve.kernels.shared import dense, triton_utils as tu
+MERGE_PDL_FOR_H100 = """
+from kvsieve.kernels.shared import dense, triton_utils as tu, weighted_triton as wt
 
 ptrs = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", lens_ptr="*i32", acc_ptr="*fp32", m_ptr="*fp32",
             l_ptr="*fp32")
 for block_n, warps, stages in ((64, 4, 3), (128, 8, 2)):
     compile_(dense._dense_split_kernel, ptrs, dict(G=8, BLOCK_G=16, D=128, BLOCK_N=block_n, DOT_PRECISION="tf32",
              PDL=True), floats=("scale_log2",), num_warps=warps, num_stages=stages)
+ptrs.update({"idx_ptr": "*i64", "cnt_ptr": "*i64", "w_ptr": "*i64", "sink_lens_ptr": "*fp32", "sem_ptr": "*fp32",
+             "out_ptr": "*bf16", "lse_ptr": "*fp32"})
+compile_(wt._sparse_split_kernel, ptrs, dict(HEADS=4, G=4, BLOCK_G=16, D=128, BLOCK_N=64, PAGE=16, HAS_LENS=True,
+         HAS_W=False, DOT_PRECISION="tf32", DOT_F32=False, FUSED_MERGE=False, HAS_SINK_LENS=False, PDL=True),
+         floats=("scale_log2",), num_stages=2)
 compile_(tu._merge_partials_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*i32",
-         "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=16, CHUNK_P=64, HAS_LENS=True, HAS_LSE=False,
+         "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=16, CHUNK_P=64, HAS_LENS=True, HAS_LSE=True,
          PDL=True))
 print("COMPILED")
 """
 
 
-def test_dense_kernels_with_programmatic_dependent_launch_compile_for_the_h100():
-    """``dense.MERGE_PDL``: the split launch lets the merge launch early and the merge waits for it; compiled for
-    sm_90 at both launch settings of ``dense.launch_config`` (the interpreter has no grid dependency control)."""
+def test_merges_with_programmatic_dependent_launch_compile_for_the_h100():
+    """``triton_utils.MERGE_PDL``: the dense and sparse split launches let the merge launch early and the merge
+    waits for them; compiled for sm_90 (the interpreter has no grid dependency control)."""
     from interpreted import compile_for_sm90
 
-    compile_for_sm90(DENSE_PDL_FOR_H100)
+    compile_for_sm90(MERGE_PDL_FOR_H100)
 
 
-def test_dense_merge_pdl_wiring(monkeypatch):
-    """With ``MERGE_PDL`` on a GPU that has it, the split launch is told to let dependents launch and the merge is
-    launched with programmatic dependent launch and waits; off, neither (the launches recorded, not run)."""
-    from kvsieve.kernels.shared import dense, triton_utils
+def test_merge_pdl_wiring(monkeypatch):
+    """With ``MERGE_PDL`` on a GPU that has it, the dense and sparse split launches are told to let dependents
+    launch and their merge is launched with programmatic dependent launch and waits; off, neither (the launches
+    recorded, not run)."""
+    from kvsieve.kernels.shared import dense, triton_utils, weighted_triton
 
     seen = []
 
     def record(kernel, grid, *args, **meta):
         seen.append((kernel, meta))
 
-    monkeypatch.setattr(dense, "pdl_available", lambda: True)
-    monkeypatch.setattr(dense, "launch", record)
-    monkeypatch.setattr(triton_utils, "launch", record)
+    monkeypatch.setattr(triton_utils, "pdl_available", lambda: True)
+    monkeypatch.setattr(weighted_triton, "unsupported_reason", lambda *a: None)  # CPU tensors: nothing runs
+    for module in (dense, triton_utils, weighted_triton):
+        monkeypatch.setattr(module, "launch", record)
+    q = torch.randn(1, 8, 64)
+    k = torch.randn(1, 2, 300, 64)
+    lens = torch.tensor([300], dtype=torch.int32)
     for on in (False, True):
-        seen.clear()
-        monkeypatch.setattr(dense, "MERGE_PDL", on)
-        q = torch.randn(1, 8, 64)
-        k = torch.randn(1, 2, 300, 64)
-        dense.dense_decode_triton(q, k, k, torch.tensor([300], dtype=torch.int32), 0.125)
-        (split, split_meta), (merge, merge_meta) = seen
-        assert split is dense._dense_split_kernel and merge is triton_utils._merge_partials_kernel
-        assert split_meta["PDL"] is on and merge_meta["PDL"] is on
-        assert merge_meta.get("launch_pdl", False) is on and "launch_pdl" not in split_meta
+        monkeypatch.setattr(triton_utils, "MERGE_PDL", on)
+        for split_kernel, call in (
+                (dense._dense_split_kernel, lambda: dense.dense_decode_triton(q, k, k, lens, 0.125)),
+                (weighted_triton._sparse_split_kernel,
+                 lambda: weighted_triton.sparse_decode_triton(q, k, k, lengths=lens, sink=4, window=16))):
+            seen.clear()
+            call()
+            (split, split_meta), (merge, merge_meta) = seen
+            assert split is split_kernel and merge is triton_utils._merge_partials_kernel
+            assert split_meta["PDL"] is on and merge_meta["PDL"] is on
+            assert merge_meta.get("launch_pdl", False) is on and "launch_pdl" not in split_meta
+    seen.clear()  # the sparse kernel's own merge (fused_merge) takes no second launch
+    weighted_triton.sparse_decode_triton(q, k, k, lengths=lens, sink=4, window=16, fused_merge=True)
+    assert len(seen) == 1 and seen[0][1]["PDL"] is False
 
 
 def test_split_merge_kernels_compile_for_the_h100():

@@ -31,7 +31,7 @@ ptr = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
 ptr.update({"idx_ptr": "*i64", "cnt_ptr": "*i64", "w_ptr": "*i64", "lens_ptr": "*i32", "sink_lens_ptr": "*fp32",
             "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sem_ptr": "*fp32", "lse_ptr": "*fp32"})
 compile_(wt._sparse_split_kernel, ptr, dict(HEADS=4, G=4, BLOCK_G=16, D=128, BLOCK_N=64, PAGE=16, HAS_LENS=True,
-         HAS_W=False, DOT_PRECISION="tf32", DOT_F32=False, FUSED_MERGE=False, HAS_SINK_LENS=False),
+         HAS_W=False, DOT_PRECISION="tf32", DOT_F32=False, FUSED_MERGE=False, HAS_SINK_LENS=False, PDL=False),
          floats=("scale_log2",), num_stages=2)
 compile_(tu._merge_partials_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "lens_ptr": "*bf16",
          "out_ptr": "*bf16", "lse_ptr": "*fp32"}, dict(D_CHUNK=32, CHUNK_P=64, HAS_LENS=False, HAS_LSE=True,

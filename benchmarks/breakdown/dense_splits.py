@@ -6,7 +6,7 @@ fewer KV heads (the 70B shape at TP 4: 2 a rank; the 8B shape at TP 2: 4), so th
 shorter chunks and the merge has more partials to combine. This times the kernel (split launch + merge,
 captured, cold L2) at each (programs, block_n, num_warps, num_stages) for each layout, with FlashInfer's
 decode on the same K/V beside it, the split and merge launches' share by the profiler at the default, and the
-default with its merge launched with programmatic dependent launch (``dense.MERGE_PDL``) beside it.
+default with its merge launched with programmatic dependent launch (``triton_utils.MERGE_PDL``) beside it.
 
     python benchmarks/breakdown/dense_splits.py --out DIR [--layouts 16/2/128,16/4/128,32/8/128]
         [--cases 1x128k,8x32k]
@@ -42,7 +42,7 @@ def main() -> None:
     from kvsieve.bench.decode import VARIANTS, Case, Inputs, timing_setup
     from kvsieve.bench.report import environment
     from kvsieve.cli.bench import parse_cases
-    from kvsieve.kernels.shared import dense
+    from kvsieve.kernels.shared import dense, triton_utils
 
     flashinfer, peak, timer = timing_setup()
     out = Path(args.out)
@@ -85,7 +85,7 @@ def main() -> None:
                 off, on = [], []
                 for _ in range(AB_ROUNDS):
                     off.append(timer.time_graph_us(plain, iters=args.iters)["median_us"])
-                    with mock.patch.object(dense, "MERGE_PDL", True):  # read when the graph is captured
+                    with mock.patch.object(triton_utils, "MERGE_PDL", True):  # read when the graph is captured
                         on.append(timer.time_graph_us(plain, iters=args.iters)["median_us"])
                         pdl_err = (plain().float() - ref).abs().max().item()
                 pdl_row = {"median_us": statistics.median(on), "ab_on_us": on, "ab_off_us": off,

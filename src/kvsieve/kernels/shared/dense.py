@@ -5,8 +5,8 @@ valid prefix, or over its last ``window`` keys (a sliding-window layer: keys ``[
 
 One program per (split, KV head, batch row) scores its chunk of keys for the G query heads of the
 group at once (one K load shared by G heads), keeps an online softmax, and writes partials that
-``triton_utils.merge_partials`` combines: 2 launches per call. With :data:`MERGE_PDL` (Hopper) the merge is
-launched with programmatic dependent launch: its programs start while the split launch runs and wait for it.
+``triton_utils.merge_partials`` combines: 2 launches per call (the merge with programmatic dependent launch
+under ``triton_utils.MERGE_PDL``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .triton_utils import cdiv, dot_precision, group_block, launch, merge_partials, pdl_available, triton, workspace
+from .triton_utils import cdiv, dot_precision, group_block, launch, merge_partials, merge_pdl, triton, workspace
 
 if triton is not None:
     import triton.language as tl
@@ -112,11 +112,6 @@ def dense_split_plan(batch: int, kv_heads: int, n_keys: int, block_n: int, targe
 # Head dims the dense kernel serves (Gemma 3 has 256; the sparse kernels state their own).
 DENSE_HEAD_DIMS = (64, 128, 256)
 
-# The merge launched with programmatic dependent launch, hiding the gap between the two launches of a layer (80
-# layers of the 70B shape at TP 4 read 2 KV heads a rank each, about 40 µs a layer). Off until timed on the GPU
-# (benchmarks/breakdown/dense_splits.py times the default launch both ways)
-MERGE_PDL = False
-
 
 def launch_config(n_keys: int, head_dim: int = 128) -> tuple[int, int, int]:
     """(block_n, num_warps, num_stages): the fastest of a sweep on an H100 (bf16, 32/8/128, batch 1;
@@ -142,7 +137,7 @@ def dense_decode_triton(q, k, v, lens, scale: float, *, out: torch.Tensor | None
     default_block, num_warps, num_stages = launch_config(span, d)
     block_n = block_n or default_block
     g = hq // hkv
-    pdl = MERGE_PDL and pdl_available()
+    pdl = merge_pdl()
     chunk, splits = dense_split_plan(b, hkv, span, block_n)
     acc = workspace("acc", q, b * hq * splits * d, torch.float32)
     m = workspace("pm", q, b * hq * splits, torch.float32)

@@ -123,6 +123,18 @@ def pdl_launch(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+# The split-K merge (:func:`merge_partials`) of the dense and sparse decode kernels launched with programmatic
+# dependent launch: its programs start while the partials' launch runs and wait for it, hiding the launch gap
+# between the two (a tensor-parallel rank of the 70B shape runs 80 dense layers of about 40 µs a step). Off until
+# timed on the GPU (benchmarks/breakdown/dense_splits.py times the dense kernel both ways)
+MERGE_PDL = False
+
+
+def merge_pdl() -> bool:
+    """Whether the dense and sparse decode kernels launch their merge with programmatic dependent launch now."""
+    return MERGE_PDL and pdl_available()
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for integers (``b > 0``): how many blocks of ``b`` cover ``a``."""
     return -(-a // b)

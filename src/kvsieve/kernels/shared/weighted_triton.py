@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from .triton_utils import cdiv, is_interpreted, launch, merge_partials, next_pow2, triton, workspace
+from .triton_utils import cdiv, is_interpreted, launch, merge_partials, merge_pdl, next_pow2, triton, workspace
 from .triton_utils import unsupported_reason as _triton_unsupported_reason
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -53,7 +53,7 @@ _LOG2E = math.log2(math.e)
 if triton is not None:
     import triton.language as tl
 
-    from .triton_utils import attend_dense_split, attend_tile, dense_range, store_partials
+    from .triton_utils import attend_dense_split, attend_tile, dense_range, gdc_launch_dependents, store_partials
 
     # Sizes that may equal 1 stay runtime values (Triton would make a 1 a constexpr and recompile).
     @triton.jit(do_not_specialize=["n_keys", "sink", "window", "n_sel_parts", "sel_chunk", "range_chunk", "n_parts",
@@ -73,8 +73,10 @@ if triton is not None:
         HEADS: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         HAS_LENS: tl.constexpr, HAS_W: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-        FUSED_MERGE: tl.constexpr, HAS_SINK_LENS: tl.constexpr = False,
+        FUSED_MERGE: tl.constexpr, HAS_SINK_LENS: tl.constexpr = False, PDL: tl.constexpr = False,
     ):
+        if PDL:  # the merge may launch now: its programs wait (gdc_wait) until this launch is done
+            gdc_launch_dependents()
         part = tl.program_id(0)
         hs = tl.program_id(1)
         b = tl.program_id(2)
@@ -412,6 +414,7 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
     scale = d ** -0.5 if scale is None else scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     dot_f32 = q.dtype == torch.bfloat16 and is_interpreted(_sparse_split_kernel)
+    pdl = not fused_merge and merge_pdl()
     launch(_sparse_split_kernel, (parts, hs, b),
            q, k, v, indices, counts, wt, lengths if lengths is not None else pl,
            sink_lengths if sink_lengths is not None else pl, acc, pm, pl, sem, out, lse,
@@ -426,12 +429,12 @@ def sparse_decode_triton(q, k, v, indices=None, counts=None, weights=None, *, pa
            out.stride(0), out.stride(1),
            HEADS=heads_per_list, G=g, BLOCK_G=max(16, next_pow2(heads_per_list)), D=d, BLOCK_N=block_n,
            PAGE=page_size, HAS_LENS=lengths is not None, HAS_W=weights is not None, DOT_PRECISION=precision,
-           DOT_F32=dot_f32, FUSED_MERGE=fused_merge, HAS_SINK_LENS=sink_lengths is not None,
+           DOT_F32=dot_f32, FUSED_MERGE=fused_merge, HAS_SINK_LENS=sink_lengths is not None, PDL=pdl,
            num_warps=num_warps, num_stages=num_stages)
     if fused_merge:
         return out, lse
     merge_partials(acc, pm, pl, None, out, b, hq, parts, d, 1, (hq * parts * d, parts * d, d), (hq * parts, parts),
-                   lse=lse, d_chunk=32, num_warps=1, num_stages=2)
+                   lse=lse, d_chunk=32, num_warps=1, num_stages=2, pdl=pdl)
     return out, lse
 
 
