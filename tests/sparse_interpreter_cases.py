@@ -306,14 +306,11 @@ def test_methods_auto_backend_keeps_the_reference_on_cpu_and_says_why_triton_can
 
 def test_benchmark_variants_run_and_match_their_references():
     """Every call the GPU benchmark times, on tiny CPU inputs: right output, selection and attention parts."""
-    import importlib.util
-    from pathlib import Path
     from types import SimpleNamespace
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sparse_decode" / "run.py"
-    spec = importlib.util.spec_from_file_location("sparse_decode_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench_scripts import load_bench
+
+    bench = load_bench("sparse_decode/run.py")
     g = torch.Generator().manual_seed(14)
     case = bench.Case("tiny", 4, 2, 64, 640, 1)
     x = SimpleNamespace(q=torch.randn(1, 4, 64, generator=g), k=torch.randn(1, 2, 640, 64, generator=g),

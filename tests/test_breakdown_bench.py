@@ -1,16 +1,12 @@
 """``benchmarks/breakdown/stages.py``: its variants run on tiny CPU inputs and its kernels land in their stages."""
 
-import importlib.util
-from pathlib import Path
+from bench_scripts import BENCHMARKS, load_bench
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "breakdown" / "stages.py"
+SCRIPT = BENCHMARKS / "breakdown" / "stages.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("breakdown_stages", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("breakdown/stages.py")
 
 
 def test_check_runs_every_variant():

@@ -156,13 +156,9 @@ def test_the_runtime_writes_the_same_cache_with_the_compiled_write(monkeypatch):
 def test_the_bench_checks_every_way_on_the_cpu(tmp_path):
     """``benchmarks/breakdown/cache_write.py --device cpu``: every way's cache equals the scatters', the table is
     written; bad input is refused by name."""
-    import importlib.util
-    from pathlib import Path
+    from bench_scripts import load_bench
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks/breakdown/cache_write.py"
-    spec = importlib.util.spec_from_file_location("cache_write_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("breakdown/cache_write.py")
     argv = ["--out", str(tmp_path), "--device", "cpu", "--cases", "2x40,3x1k", "--layers", "2", "--kv-heads", "2",
             "--head-dim", "8"]
     assert bench.main(argv) == 0

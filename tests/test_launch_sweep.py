@@ -1,18 +1,11 @@
 """``benchmarks/breakdown/launch_sweep.py``'s host side: the ``--set`` syntax, the settings swept, the table."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "breakdown" / "launch_sweep.py"
+from bench_scripts import load_bench
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("launch_sweep", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("breakdown/launch_sweep.py")
 
 
 def test_set_parses_kernels_and_integer_settings():
@@ -41,6 +34,9 @@ def test_overrides_nest_and_restore():
             assert mod._OVERRIDES["_k"] == {"num_warps": 2, "num_stages": 1}
         assert mod._OVERRIDES["_k"] == {"num_warps": 2}
     assert "_k" not in mod._OVERRIDES
+    with mod.applying(mod.parse_settings("_k:num_warps=2;_j:num_stages=1")):  # --set's settings, spied
+        assert mod._OVERRIDES == {"_k": {"num_warps": 2}, "_j": {"num_stages": 1}}
+    assert mod._OVERRIDES == {}
 
 
 def test_table_names_the_best_other_setting():
@@ -59,10 +55,7 @@ def test_table_names_the_best_other_setting():
 
 def test_stage_sweep_adds_rows_and_tiles_to_the_probabilities_launch():
     """``benchmarks/sketchwalk_authors/stage_sweep.py``: the settings it sweeps beyond warps and stages."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketchwalk_authors" / "stage_sweep.py"
-    spec = importlib.util.spec_from_file_location("stage_sweep", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("sketchwalk_authors/stage_sweep.py")
 
     def kernel(name):
         return type("K", (), {"__name__": name})()

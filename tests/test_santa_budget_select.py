@@ -41,17 +41,12 @@ def test_budget_benchmark_check_runs():
 def test_budget_benchmark_parses_its_shapes_and_keys_on_the_host(monkeypatch):
     """The shapes list; the whole calls (``stages.make_call``'s) pass a key with host counters only (a device
     counter would be read back by ``RandomKey.host_seed`` during graph capture)."""
-    import importlib.util
-    from pathlib import Path
-
     import torch
+    from bench_scripts import load_bench
 
     import kvsieve
 
-    spec = importlib.util.spec_from_file_location(
-        "santa_budget", Path(__file__).resolve().parents[1] / "benchmarks" / "breakdown" / "santa_budget.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("breakdown/santa_budget.py")
     assert mod.parse_shapes("1:513,8:129") == [(1, 513), (8, 129)]
     with pytest.raises(ValueError, match="--shapes"):
         mod.parse_shapes("1x513")

@@ -16,14 +16,11 @@ def test_weights_gemv_bench_check_runs():
 
 def test_tp_allreduce_bench_names_bad_ways_and_renders_its_table():
     """``benchmarks/breakdown/tp_allreduce.py`` needs GPUs to time; on the CPU: its table and its refusal."""
-    import importlib.util
-
     import pytest
     import torch
+    from bench_scripts import load_bench
 
-    spec = importlib.util.spec_from_file_location("tp_allreduce", ROOT / "benchmarks/breakdown/tp_allreduce.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("breakdown/tp_allreduce.py")
     with pytest.raises(ValueError, match="--ways: expected names from nccl, one-shot, two-shot"):
         bench.make_way("ring", torch.zeros(1, 4), "g")
     res = {"ranks": 2, "device": "GPU", "date": "d", "torch": "t", "multicast_disabled": "1",
