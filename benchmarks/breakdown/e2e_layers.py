@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch_sweep import overriding, parse_settings, recording, spying, time_in_call  # noqa: E402
+from launch_sweep import applying, parse_settings, recording, spying, time_in_call  # noqa: E402
 
 # Sketch&Walk is left out: its decode call copies a host-planned step to the device, which a capture of the call
 # alone refuses (the runtime makes that copy before its capture); benchmarks/sketchwalk_authors/decode.py times it.
@@ -70,17 +70,6 @@ def record_layers(rt, layers: set[int]) -> dict[int, tuple]:
     finally:
         driver.decode = real
     return kept
-
-
-def with_settings(settings: dict[str, dict]):
-    """A context in which the kernels of ``settings`` launch at them (:func:`launch_sweep.overriding`)."""
-    import contextlib
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(spying())
-    for kernel, change in settings.items():
-        stack.enter_context(overriding(kernel, change))
-    return stack
 
 
 def run(args) -> dict:
@@ -123,7 +112,7 @@ def run(args) -> dict:
                 rows[spec]["error"] = f"{type(exc).__name__}: {exc}"[:400]
             print(json.dumps(rows[spec]), flush=True)
         if settings:
-            with with_settings(settings):
+            with applying(settings):
                 for spec in specs[1:]:
                     if "error" in rows[spec]:
                         continue
@@ -153,7 +142,7 @@ def run(args) -> dict:
                     row["layers"][str(layer)] = {"method_us": timer.time_graph_us(method_call)["median_us"],
                                                  "dense_us": timer.time_graph_us(dense_call)["median_us"]}
                     if settings:
-                        with with_settings(settings):
+                        with applying(settings):
                             row["layers"][str(layer)]["method_us_set"] = timer.time_graph_us(method_call)["median_us"]
                 q, k, v, lengths, scale = ops[mine[0]]
                 if args.in_call:

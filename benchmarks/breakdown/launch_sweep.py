@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -87,6 +86,17 @@ def overriding(kernel: str, meta: dict):
             del _OVERRIDES[kernel]
         else:
             _OVERRIDES[kernel] = before
+
+
+@contextlib.contextmanager
+def applying(settings: dict[str, dict]):
+    """Within it every launch goes through :func:`spying`, the kernels of ``settings`` (``parse_settings``' form)
+    at those settings."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(spying())
+        for kernel, change in settings.items():
+            stack.enter_context(overriding(kernel, change))
+        yield
 
 
 def alone(kernel, grid, args, meta):
@@ -180,7 +190,9 @@ def main(argv=None) -> int:
                     "'_prop_sample_kernel:num_warps=2')")
     args = ap.parse_args(argv)
     import kvsieve
+    from kvsieve.bench.report import environment
     from kvsieve.bench.timing import ColdL2Timer
+    from kvsieve.cli.bench import parse_cases
     from kvsieve.core.context import CallContext
 
     fixed = parse_settings(args.set)
@@ -188,9 +200,7 @@ def main(argv=None) -> int:
     timer = ColdL2Timer(dev)
     g = torch.Generator(dev).manual_seed(0)
     results = []
-    for case in args.cases.split(","):
-        batch, n = case.lower().split("x")
-        batch, n = int(batch), int(n[:-1]) * 1024 if n.endswith("k") else int(n)
+    for case, (batch, n) in zip(args.cases.split(","), parse_cases(args.cases), strict=True):
         q, k, v, lengths = peaked_operands(batch, n, g, dev)
         for spec in args.methods.split(";"):
             m = kvsieve.method(spec)
@@ -202,10 +212,7 @@ def main(argv=None) -> int:
 
             call()  # (imports the kernel modules, which spying() patches)
             torch.cuda.synchronize()
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(spying())
-                for kernel, change in fixed.items():
-                    stack.enter_context(overriding(kernel, change))
+            with applying(fixed):
                 whole = timer.time_graph_us(call, iters=args.iters)
                 seen: list = []
                 with recording(seen):
@@ -219,8 +226,7 @@ def main(argv=None) -> int:
                             "in_call": in_call, "set": args.set})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "command": " ".join(sys.argv)}
+    meta = {**environment("launch-sweep", dev, torch.bfloat16), "command": " ".join(sys.argv)}
     (out / "launch_sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "launch_sweep.md").write_text(markdown(meta, results))
     return 0

@@ -112,12 +112,18 @@ def prompt_state(m, q, k, v, n: int) -> SketchWalkState:
     return SketchWalkState(authors=rows[0] if len(rows) == 1 else type(rows[0]).stack_rows(rows))
 
 
-def main() -> None:
+def case_arguments() -> argparse.ArgumentParser:
+    """The options this bench and ``stage_sweep.py`` share: where to write, the case, the method."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--n", type=int, default=131072)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
+    return ap
+
+
+def main() -> None:
+    ap = case_arguments()
     ap.add_argument("--check-steps", type=int, default=8, help="steps of the step-by-step check against the torch step")
     ap.add_argument("--check", action="store_true", help="CPU under TRITON_INTERPRET=1: tiny shapes, no timing")
     args = ap.parse_args()

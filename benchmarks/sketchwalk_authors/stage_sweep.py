@@ -13,11 +13,9 @@ launch). A launch replayed alone repeats its own work on the state the step left
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -30,6 +28,7 @@ from launch_sweep import kernel_name, recording, spying, time_launches  # noqa: 
 
 import kvsieve  # noqa: E402
 from kvsieve import CallContext  # noqa: E402
+from kvsieve.bench.report import environment  # noqa: E402
 from kvsieve.bench.timing import ColdL2Timer  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_decode as kd  # noqa: E402
 from kvsieve.kernels.sketchwalk import authors_walk as aw  # noqa: E402
@@ -52,15 +51,12 @@ def extra_settings(kernel, grid, meta):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--n", type=int, default=131072)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--spec", default="sketchwalk:sink=0.01,window=0.02,kblocks_frac=0.0625")
+    from decode import case_arguments, prompt_state
+
+    ap = case_arguments()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
-    from decode import prompt_state
 
     n, b, hq, hkv, d = args.n, args.batch, 32, 8, 128
     dev = "cuda"
@@ -95,9 +91,8 @@ def main() -> None:
     rows = time_launches(launches, timer, args.iters, args.sweep, extra_settings)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
-            "n": n, "batch": b, "spec": args.spec, "command": " ".join(sys.argv), "step_us": whole,
-            "step_no_pdl_us": whole_no_pdl}
+    meta = {**environment("sketchwalk-stage-sweep", dev, torch.bfloat16), "n": n, "batch": b, "spec": args.spec,
+            "command": " ".join(sys.argv), "step_us": whole, "step_no_pdl_us": whole_no_pdl}
     (out / f"stage_sweep_{n}_b{b}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
